@@ -1,0 +1,21 @@
+"""tidal's core: requests, the paged KV cache and the scheduler. Pure Python: no torch,
+no asyncio, no sockets, no environment variables; deterministic for the same inputs."""
+
+from tidal.core.block_pool import Block, BlockPool
+from tidal.core.budget import Admission, StepBudget
+from tidal.core.config import CacheConfig, SchedulerConfig
+from tidal.core.invariants import InvariantError, SchedulerStats
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.outputs import ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from tidal.core.ratio import NewTokenRatio
+from tidal.core.request import Request, RequestStatus, SamplingParams
+from tidal.core.scheduler import Scheduler
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+__all__ = [
+    "Admission", "Block", "BlockPool", "CacheConfig", "FINISH_REASONS", "InvariantError",
+    "KVCacheManager", "ModelOutput", "NewTokenRatio", "Request", "RequestOutput",
+    "RequestStatus", "SamplingParams", "ScheduledRequest", "Scheduler", "SchedulerConfig",
+    "SchedulerOutput", "SchedulerStats", "StepBudget",
+]

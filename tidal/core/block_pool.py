@@ -1,0 +1,127 @@
+"""The pool of KV blocks: ref counts, an LRU free queue, and the prefix-cache hash map."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Iterable
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key: Hashable) -> int:
+    """Chain hash of a full block: equal only if the whole prefix before it is equal too."""
+    return hash((parent_hash, token_ids, extra_key))
+
+
+class Block:
+    """One KV block. `block_hash` and `token_ids` are set once it is full and cached."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    """Fixed set of blocks. Free blocks wait in least-recently-used order; a free block that
+    still holds a cached prefix keeps its hash until a fresh block is needed."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Oldest first: the front is evicted first. An OrderedDict gives O(1) removal on a hit.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, Block] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a new allocation can take, cached-but-unreferenced ones included."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in eviction order (next evicted first)."""
+        return list(self._free)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take `n` fresh blocks (ref 1), evicting the least recently used cached ones."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block = self.blocks[self._free.popitem(last=False)[0]]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on blocks found in the cache (or shared by a fork)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        """Drop a reference; a block nobody holds joins the back of the free queue.
+
+        Callers pass a request's blocks tail first, so the tail of a prefix is evicted before
+        its head (a head block serves every request that shares the prefix)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+        """The cached block for this hash, if its tokens really match (no trust in hashes)."""
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Publish a full block for prefix reuse. A block already cached, or a prefix
+        another block already serves, is left as it is."""
+        if not self.enable_prefix_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self._cached[block_hash] = block
+
+    def evictable(self, n: int) -> int:
+        """How many of the next `n` blocks taken would evict a cached prefix."""
+        count = 0
+        for i, block_id in enumerate(self._free):
+            if i >= n:
+                break
+            count += self.blocks[block_id].block_hash is not None
+        return count
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every unreferenced cached block's hash; returns how many were dropped."""
+        dropped = [self.blocks[i] for i in self._free if self.blocks[i].block_hash is not None]
+        for block in dropped:
+            self._evict(block)
+        return len(dropped)
+
+    def _evict(self, block: Block) -> None:
+        del self._cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        self.num_evictions += 1

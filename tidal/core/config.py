@@ -1,0 +1,106 @@
+"""Configuration of the KV cache and the scheduler: every knob, its default and why.
+
+Each field carries its help text in `metadata["help"]`, so the CLI and the README table are
+built from the same words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def knob(default: Any, help: str) -> Any:
+    """A config field with a default and its help text."""
+    return field(default=default, metadata={"help": help})
+
+
+BATCH_MODES = ("separate", "mixed")
+POLICIES = ("fcfs", "prefill_first", "priority", "longest_prefix_match")
+ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass
+class CacheConfig:
+    """Shape of the paged KV cache."""
+
+    num_blocks: int = knob(1024, "KV blocks in the pool (the runner derives it from memory).")
+    block_size: int = knob(16, "Tokens per KV block.")
+    enable_prefix_caching: bool = knob(True, "Reuse full blocks of identical prefixes.")
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+
+
+@dataclass
+class SchedulerConfig:
+    """What the scheduler admits, chunks, reserves and preempts; defaults are the seeds'."""
+
+    chunked_prefill_size: int = knob(
+        8192, "Largest prefill chunk of the one chunked request in a step (rem_chunk_tokens).")
+    max_input_tokens_per_step: int = knob(
+        16384, "Tokens one step may compute; running decodes are subtracted (rem_input_tokens).")
+    max_num_seqs: int = knob(256, "Most requests holding KV blocks at once.")
+    max_model_len: int = knob(32768, "Longest sequence, prompt plus output.")
+    batch_mode: str = knob(
+        "mixed", "'separate': decode only in steps without prefill; 'mixed': decodes and "
+        "prefill chunks share a step.")
+    policy: str = knob(
+        "fcfs", "Waiting order: 'fcfs', 'prefill_first' (no decode while a prefill is "
+        "chunking), 'priority' (lowest value first), 'longest_prefix_match' (with aging).")
+    role: str = knob(
+        "mixed", "'mixed' serves whole requests; 'prefill' and 'decode' are the two halves of "
+        "P/D disaggregation.")
+    init_new_token_ratio: float = knob(
+        0.7, "Share of each running request's remaining output that admission reserves.")
+    min_new_token_ratio_factor: float = knob(
+        0.30, "The ratio's floor, as a fraction of init_new_token_ratio.")
+    new_token_ratio_decay_steps: int = knob(
+        600, "Decode-only steps the ratio takes to decay linearly from init to its floor.")
+    retract_decode_steps: int = knob(
+        20, "Decode steps assumed ahead of each request when the ratio is recomputed after a "
+        "retraction.")
+    clip_max_new_tokens: int = knob(
+        4096, "Cap on one request's remaining output when reserving (estimation only).")
+    safety_margin: float = knob(
+        0.0, "Stop admitting new prefills while free blocks are under this share of the pool.")
+    async_scheduling: bool = knob(
+        False, "The executor runs one step ahead: preempted requests wait for its "
+        "preempted_ack before they rejoin the waiting queue.")
+    lpm_aging_steps: int = knob(
+        64, "longest_prefix_match: a request waiting this many steps goes first regardless "
+        "of its cache hit, so cold requests cannot starve.")
+    lpm_max_queue: int = knob(
+        128, "longest_prefix_match: with more waiting requests than this, fall back to fcfs "
+        "(matching every prefix each step would cost more than it saves).")
+
+    def __post_init__(self) -> None:
+        _choice("batch_mode", self.batch_mode, BATCH_MODES)
+        _choice("policy", self.policy, POLICIES)
+        _choice("role", self.role, ROLES)
+        for name in ("chunked_prefill_size", "max_input_tokens_per_step", "max_num_seqs",
+                     "max_model_len", "new_token_ratio_decay_steps", "clip_max_new_tokens",
+                     "lpm_aging_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.init_new_token_ratio <= 1:
+            raise ValueError("init_new_token_ratio must be in (0, 1]")
+        if not 0 <= self.min_new_token_ratio_factor <= 1:
+            raise ValueError("min_new_token_ratio_factor must be in [0, 1]")
+        if not 0 <= self.safety_margin < 1:
+            raise ValueError("safety_margin must be in [0, 1)")
+        if self.retract_decode_steps < 0:
+            raise ValueError("retract_decode_steps must be >= 0")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def help_table(cls: type) -> list[tuple[str, Any, str]]:
+    """(name, default, help) for each field of a config dataclass."""
+    return [(f.name, f.default, f.metadata.get("help", "")) for f in fields(cls)]

@@ -1,0 +1,138 @@
+"""What the scheduler reports about itself, and the invariants it must never break."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from tidal.core.request import RequestStatus
+
+if TYPE_CHECKING:
+    from tidal.core.scheduler import Scheduler
+
+
+class InvariantError(AssertionError):
+    """The scheduler or KV cache reached a state that must be impossible."""
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for logs and metrics."""
+
+    running_decode: int
+    running_prefill: int
+    waiting: int
+    preempted: int  # retracted, awaiting the executor's ack
+    transferring: int
+    free_blocks: int  # cached-but-unreferenced blocks included
+    used_blocks: int
+    cached_blocks: int  # blocks holding a reusable prefix
+    num_blocks: int
+    kv_usage: float  # used / num_blocks
+    new_token_ratio: float
+    num_preemptions: int  # retractions since start
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    prefix_hit_rate: float
+    num_steps: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def collect_stats(s: "Scheduler") -> SchedulerStats:
+    pool = s.kv.pool
+    prefill = sum(1 for r in s.running if r.is_prefilling)
+    return SchedulerStats(
+        running_decode=len(s.running) - prefill,
+        running_prefill=prefill,
+        waiting=len(s.waiting),
+        preempted=len(s.preempted),
+        transferring=len(s.transferring),
+        free_blocks=pool.num_free,
+        used_blocks=pool.num_used,
+        cached_blocks=pool.num_cached,
+        num_blocks=pool.num_blocks,
+        kv_usage=pool.num_used / pool.num_blocks,
+        new_token_ratio=s.ratio.value,
+        num_preemptions=s.num_preemptions,
+        prefix_hit_tokens=s.prefix_hit_tokens,
+        prefix_query_tokens=s.prefix_query_tokens,
+        prefix_hit_rate=s.prefix_hit_tokens / max(1, s.prefix_query_tokens),
+        num_steps=s.step,
+    )
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvariantError(message)
+
+
+def check_invariants(s: "Scheduler") -> None:
+    """Blocks: free + used == total, ref counts equal table membership, nothing both free and
+    owned, only block-holding requests own blocks. Requests: each in exactly the container
+    its status names. Step: the last plan kept its budgets."""
+    kv, pool = s.kv, s.kv.pool
+    free = set(pool.free_block_ids())
+    _require(len(free) == pool.num_free, "a block is twice in the free queue")
+    _require(pool.num_free + pool.num_used == pool.num_blocks, "free + used != num_blocks")
+    owners = Counter(b for table in kv.tables.values() for b in table)
+    for block in pool.blocks:
+        _require(block.ref_cnt == owners.get(block.block_id, 0),
+                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
+                 f"{owners.get(block.block_id, 0)} tables hold it")
+        _require((block.ref_cnt == 0) == (block.block_id in free),
+                 f"block {block.block_id} is both free and owned, or neither")
+        if block.block_hash is not None:
+            _require(pool._cached.get(block.block_hash) is block,
+                     f"block {block.block_id} has a hash the cache map does not point back to")
+    _require(len(pool._cached) == sum(b.block_hash is not None for b in pool.blocks),
+             "the cache map names blocks that lost their hash")
+
+    holders = {r.request_id for r in s.running} | set(s.transferring)
+    _require(set(kv.tables) == holders,
+             f"block tables {sorted(set(kv.tables) ^ holders)} belong to requests that "
+             "should (or should not) hold blocks")
+    expected = (
+        [(r, RequestStatus.WAITING) for r in s.waiting]
+        + [(r, RequestStatus.RUNNING) for r in s.running]
+        + [(r, RequestStatus.PREEMPTED) for r in s.preempted.values()]
+        + [(r, RequestStatus.TRANSFERRING) for r in s.transferring.values()]
+    )
+    _require(len(expected) == len(s.requests), "a request is in no queue or in two")
+    for r, status in expected:
+        _require(r.status is status, f"{r} sits where {status.name} requests sit")
+        _require(s.requests.get(r.request_id) is r, f"{r} is queued but not registered")
+        _require(r.num_in_flight >= 0, f"{r} has a negative in-flight count")
+    for r in s.running:
+        table = kv.tables[r.request_id]
+        _require(len(table) * kv.block_size >= r.num_computed_tokens,
+                 f"{r}: its blocks do not cover its computed tokens")
+        _require(r.num_computed_tokens <= r.num_tokens + r.num_in_flight,
+                 f"{r}: computed tokens run ahead of known ones")
+    for r in s.waiting:
+        _require(r.num_computed_tokens == 0 and r.request_id not in kv.tables,
+                 f"{r}: waiting with computed tokens or blocks")
+    prefilling = [r for r in s.running if r.is_prefilling]
+    if s.config.role != "prefill":
+        _require(len(prefilling) <= 1, f"{len(prefilling)} chunked prefills at once")
+        _require(s.active_prefill is (prefilling[0] if prefilling else None),
+                 "active_prefill is not the one partially prefilled request")
+
+    out = s.last_output
+    if out is not None and s.config.role != "prefill":
+        decodes = sum(1 for x in out.scheduled if x.num_new_tokens == 1 and x.samples)
+        prefill_tokens = out.num_tokens - decodes
+        cap = max(0, s.config.max_input_tokens_per_step - decodes)
+        _require(prefill_tokens <= cap,
+                 f"step {out.step} computed {prefill_tokens} prefill tokens over its budget")
+        chunked = [x for x in out.scheduled if not x.samples]
+        _require(len(chunked) <= 1, f"step {out.step} cut {len(chunked)} chunked prefills")
+        for x in chunked:
+            _require(x.num_new_tokens <= s.config.chunked_prefill_size,
+                     f"step {out.step}: a chunk of {x.num_new_tokens} tokens")
+            _require((x.num_computed_tokens + x.num_new_tokens) % kv.block_size == 0,
+                     f"step {out.step}: a chunk ending off a block boundary")
+        _require(len(set(x.request_id for x in out.scheduled)) == len(out.scheduled),
+                 f"step {out.step} scheduled a request twice")

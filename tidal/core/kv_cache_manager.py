@@ -1,0 +1,146 @@
+"""Block tables per request on top of the block pool: allocate, free, fork, prefix match."""
+
+from __future__ import annotations
+
+from tidal.core.block_pool import Block, BlockPool, hash_block
+from tidal.core.config import CacheConfig
+from tidal.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns every request's block table (a list of block ids). All changes to block
+    ownership go through here."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.tables: dict[str, list[int]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of each table already hashed
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table. Tables only grow at the tail until freed, so an
+        executor may keep the list it was handed for the step it was handed for."""
+        return self.tables.get(request_id, [])
+
+    def _blocks(self, ids: list[int]) -> list[Block]:
+        return [self.pool.blocks[i] for i in ids]
+
+    # ------------------------------------------------------------------ prefix matching
+    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The request's chain hashes for its first `num_blocks` full blocks (memoised)."""
+        hashes = request.block_hashes
+        if len(hashes) < num_blocks:
+            tokens = request.all_token_ids
+            bs = self.block_size
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_blocks):
+                parent = hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), request.extra_key)
+                hashes.append(parent)
+        return hashes
+
+    def match_prefix(self, request: Request) -> list[Block]:
+        """Cached blocks holding a prefix of the request's tokens, capped so at least one
+        token is left to compute. Takes no reference."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks == 0:
+            return []
+        tokens = request.all_token_ids
+        bs = self.block_size
+        hit: list[Block] = []
+        for i, h in enumerate(self._hashes(request, max_blocks)):
+            block = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    # ------------------------------------------------------------------ allocation
+    def blocks_needed(self, request: Request, num_tokens: int, hit: list[Block] = ()) -> int:
+        """Free blocks that allocate() would take: new blocks plus cached hits now free."""
+        if hit:
+            new = cdiv(len(hit) * self.block_size + num_tokens, self.block_size) - len(hit)
+            return new + sum(1 for b in hit if b.ref_cnt == 0)
+        held = len(self.tables.get(request.request_id, ()))
+        return max(0, cdiv(request.num_computed_tokens + num_tokens, self.block_size) - held)
+
+    def allocate(self, request: Request, num_tokens: int, hit: list[Block] = ()) -> bool:
+        """Grow the request's table to cover `num_tokens` more tokens after those computed
+        (or after `hit`, the prefix blocks from match_prefix, for a request holding none).
+        Returns False and changes nothing when blocks are short."""
+        need = self.blocks_needed(request, num_tokens, hit)
+        if need > self.pool.num_free:
+            return False
+        table = self.tables.setdefault(request.request_id, [])
+        start = request.num_computed_tokens
+        if hit:
+            assert not table, "a prefix hit is only taken by a request holding no blocks"
+            self.pool.touch(hit)
+            table.extend(b.block_id for b in hit)
+            self._num_cached[request.request_id] = len(hit)
+            start = len(hit) * self.block_size
+        missing = cdiv(start + num_tokens, self.block_size) - len(table)
+        if missing > 0:
+            table.extend(b.block_id for b in self.pool.allocate(missing))
+        return True
+
+    def free(self, request: Request) -> None:
+        """Give back every block of the request, tail first (heads stay cached longest)."""
+        table = self.tables.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
+        if table:
+            self.pool.release(self._blocks(table[::-1]))
+
+    def cache_computed(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks whose KV covers its first `num_tokens` tokens."""
+        if not self.pool.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self.tables.get(rid)
+        if not table:
+            return
+        done = self._num_cached.get(rid, 0)
+        full = min(num_tokens, request.num_tokens, len(table) * self.block_size) // self.block_size
+        if full <= done:
+            return
+        hashes = self._hashes(request, full)
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(done, full):
+            self.pool.cache(self.pool.blocks[table[i]], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
+        self._num_cached[rid] = full
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `child` the parent's KV for its first `num_tokens` tokens: full blocks are
+        shared, a partial last block is copied into a fresh one.
+
+        Returns the (src, dst) block copies the executor must do before the child's next
+        step, or None (nothing changed) when no fresh block is free."""
+        table = self.tables[parent.request_id]
+        full, partial = divmod(num_tokens, self.block_size)
+        if partial and self.pool.num_free < 1:
+            return None
+        shared = table[:full]
+        self.pool.touch(self._blocks(shared))
+        child_table = list(shared)
+        self.tables[child.request_id] = child_table
+        self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0), full)
+        if not partial:
+            return []
+        fresh = self.pool.allocate(1)[0]
+        child_table.append(fresh.block_id)
+        return [(table[full], fresh.block_id)]

@@ -1,0 +1,59 @@
+"""Plain data passed between the scheduler and whatever executes its plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step."""
+
+    request_id: str
+    num_new_tokens: int
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    block_ids: list[int]  # the whole block table after this step's allocation
+    samples: bool  # the step ends at the request's last known token, so it samples one
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step."""
+
+    step: int
+    kind: str  # "prefill", "decode", "mixed" or "idle"
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # finished since the last plan
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before it
+    transfer_ids: list[str] = field(default_factory=list)  # prefill role: KV leaves after it
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class ModelOutput:
+    """What the executor returns for one step.
+
+    `sampled` maps a request id to its sampled token (n tokens on the step where a request
+    with n>1 finishes its prompt). `preempted_ack` names preempted requests whose slot the
+    executor has drained: a typed acknowledgement, never a magic token id.
+    """
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    preempted_ack: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request after a step, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    finish_message: str | None = None
+    parent_id: str | None = None  # set on the siblings an n>1 request forks into
+    kv_transfer: bool = False  # prefill role: the request left for its decode instance

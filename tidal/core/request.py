@@ -1,0 +1,177 @@
+"""A request's state as the scheduler sees it: tokens, progress, status and limits."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Hashable
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its lifecycle."""
+
+    WAITING = "waiting"  # queued for (re-)admission
+    RUNNING = "running"  # holds blocks; prefilling or decoding
+    PREEMPTED = "preempted"  # retracted; waits for the executor's ack before WAITING
+    TRANSFERRING = "transferring"  # holds blocks while its KV moves between instances
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+    FINISHED_TRANSFERRED = "finished_transferred"  # prefill role: handed to a decode instance
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class SamplingParams:
+    """How to sample and when to stop; validated on construction."""
+
+    max_tokens: int = 16
+    """Most output tokens to generate (finish reason `length`)."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top one."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens in any batch."""
+    n: int = 1
+    """Number of sequences; the request forks after its prompt is prefilled."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end the request (finish reason `stop`), even with ignore_eos."""
+    ignore_eos: bool = False
+    """Keep generating past the EOS token."""
+    priority: int = 0
+    """Lower runs first under the `priority` policy."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    """Return this many top alternatives' log-probabilities per token."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        self.stop_token_ids = list(self.stop_token_ids)
+
+
+class Request:
+    """One sequence: its prompt, generated tokens, KV progress and status.
+
+    `num_computed_tokens` counts positions whose KV is written or scheduled to be written
+    (it advances at schedule time, so an executor can run one step ahead). `num_in_flight`
+    counts tokens scheduled to be sampled whose values have not arrived yet.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "eos_token_id",
+        "extra_key", "status", "output_token_ids", "num_computed_tokens", "prefill_target",
+        "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "parent_id",
+        "enqueue_step", "remote_prefill", "forked",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float = 0.0,
+        eos_token_id: int | None = None,
+        extra_key: Hashable = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt must hold at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.arrival_time = arrival_time
+        self.eos_token_id = eos_token_id
+        self.extra_key = extra_key  # salts prefix-cache hashes (tenant, adapter, images)
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.prefill_target = 0  # tokens to prefill before decoding; set at each admission
+        self.num_in_flight = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at the last admission
+        self.finish_message: str | None = None
+        self.block_hashes: list[int] = []  # chain hashes of full blocks, grown lazily
+        self.parent_id: str | None = None
+        self.enqueue_step = 0
+        self.remote_prefill = False  # decode role: KV comes from a prefill instance
+        self.forked = False
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def remaining_output(self) -> int:
+        """Output tokens still allowed, counting those in flight."""
+        return self.max_tokens - len(self.output_token_ids) - self.num_in_flight
+
+    def fork(self, index: int, first_token: int) -> "Request":
+        """A sibling for n>1 sampling: same prompt, its own first token, n=1."""
+        seed = self.sampling_params.seed
+        params = replace(self.sampling_params, n=1, seed=None if seed is None else seed + index)
+        child = Request(f"{self.request_id}-{index}", self.prompt_token_ids, params,
+                        self.arrival_time, self.eos_token_id, self.extra_key)
+        child.parent_id = self.request_id
+        child.output_token_ids = [first_token]
+        child.forked = True
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")

@@ -1,0 +1,427 @@
+"""The scheduler: who runs in the next step, with how many tokens, and whose KV is kept.
+
+`schedule()` plans a step and `update()` applies what the executor returned; nothing else
+changes request state (except `add_request`, `abort` and the KV-transfer hand-offs).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tidal.core.budget import Admission, StepBudget
+from tidal.core.config import SchedulerConfig
+from tidal.core.invariants import SchedulerStats, check_invariants, collect_stats
+from tidal.core.kv_cache_manager import KVCacheManager, cdiv
+from tidal.core.outputs import ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from tidal.core.policy import make_policy
+from tidal.core.ratio import NewTokenRatio
+from tidal.core.request import Request, RequestStatus
+
+
+class _Step:
+    """Scratch state of one schedule() call."""
+
+    __slots__ = ("out", "budget", "reserved_tokens", "preempted", "num_decodes", "num_prefills")
+
+    def __init__(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        self.out = out
+        self.budget = budget
+        self.reserved_tokens = 0.0  # decode reservation of running + admitted this step
+        self.preempted = False
+        self.num_decodes = 0
+        self.num_prefills = 0
+
+    def kind(self) -> str:
+        if self.num_prefills:
+            return "mixed" if self.num_decodes else "prefill"
+        return "decode" if self.num_decodes else "idle"
+
+
+class Scheduler:
+    """Continuous batching over a paged KV cache: chunked prefill under two budgets, decode
+    memory reserved by a decaying ratio, retract preemption and prefix caching. The role
+    (mixed, prefill, decode) is configuration of this one class."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.policy = make_policy(config)
+        self.ratio = NewTokenRatio(config)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # hold blocks and compute here, admission order
+        self.active_prefill: Request | None = None  # the one partially prefilled request
+        self.preempted: dict[str, Request] = {}  # retracted, awaiting the executor's ack
+        self.transferring: dict[str, Request] = {}  # hold blocks while their KV moves
+        self.step = 0
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+        self.last_output: SchedulerOutput | None = None
+        self._finished_ids: list[str] = []
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError for one that can never run."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {request.num_tokens} tokens leaves no "
+                             f"room to generate within max_model_len={self.config.max_model_len}")
+        need = cdiv(request.num_tokens + 1, self.block_size)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"request {rid!r}: prompt needs {need} KV blocks but the pool "
+                             f"holds {self.kv.num_blocks}")
+        request.status = RequestStatus.WAITING
+        request.enqueue_step = self.step
+        request.remote_prefill = self.config.role == "decode" and not request.output_token_ids
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request (and its n>1 siblings) from any state; frees its blocks now."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED, "aborted")
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       message: str | None = None) -> bool:
+        """End a request from outside (abort, a stop string found by the detokenizer)."""
+        request = self.requests.get(request_id)
+        siblings = [r for r in self.requests.values() if r.parent_id == request_id]
+        for r in siblings + ([request] if request else []):
+            self._finish(r, status, message)
+        return bool(siblings) or request is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def kv_sent(self, request_id: str) -> None:
+        """Prefill role: the request's KV reached its decode instance; free its blocks."""
+        request = self.transferring[request_id]
+        self._finish(request, RequestStatus.FINISHED_TRANSFERRED, "KV sent to decode")
+
+    def kv_received(self, request_id: str, first_token: int) -> None:
+        """Decode role: the prompt's KV and first token arrived; start decoding."""
+        request = self.transferring.pop(request_id)
+        request.output_token_ids.append(first_token)
+        request.remote_prefill = False
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    # ------------------------------------------------------------------ planning a step
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step."""
+        self.step += 1
+        if not (self.running or self.waiting or self.preempted or self.transferring):
+            self.ratio.reset()
+        out = SchedulerOutput(step=self.step, kind="idle")
+        out.finished_ids, self._finished_ids = self._finished_ids, []
+        out.block_copies, self._pending_copies = self._pending_copies, []
+        decoding = [r for r in self.running if not r.is_prefilling]
+        if self.config.role == "prefill":
+            budget_tokens = self.config.max_input_tokens_per_step
+            step = _Step(out, StepBudget(budget_tokens, budget_tokens, self.block_size))
+        else:
+            step = _Step(out, StepBudget(self.config.chunked_prefill_size,
+                                         self.config.max_input_tokens_per_step - len(decoding),
+                                         self.block_size))
+        may_decode = self.policy.decode_while_prefilling or self.active_prefill is None
+        if self.config.batch_mode == "mixed":
+            if may_decode:
+                self._schedule_decodes(step, decoding)
+            if not step.preempted:
+                self._schedule_prefills(step)
+        else:
+            self._schedule_prefills(step)
+            if not out.scheduled and may_decode:
+                self._schedule_decodes(step, decoding)
+        out.kind = step.kind()
+        if (out.kind == "decode" and not step.preempted and not self.waiting
+                and self.active_prefill is None):
+            self.ratio.decay()
+        self.last_output = out
+        return out
+
+    def _decode_reservation(self, request: Request) -> float:
+        """Tokens kept aside for a request's future output: clipped remainder x ratio."""
+        remaining = request.max_tokens - len(request.output_token_ids)
+        return min(remaining, self.config.clip_max_new_tokens) * self.ratio.value
+
+    # ------------------------------------------------------------------ decode
+    def _schedule_decodes(self, step: _Step, decoding: list[Request]) -> None:
+        """One token for every decoding request; retract some when blocks run short."""
+        ready = [r for r in decoding if self._can_decode(r)]
+        need = sum(self.kv.blocks_needed(r, 1) for r in ready)
+        if need > self.kv.num_free:
+            ready = self._retract(step, decoding, ready, need)
+        for r in ready:
+            if not self.kv.allocate(r, 1):
+                continue  # blocks held by a KV transfer: wait for it to land
+            step.out.scheduled.append(ScheduledRequest(
+                r.request_id, 1, r.num_computed_tokens, self.kv.block_ids(r.request_id), True))
+            r.num_computed_tokens += 1
+            r.num_in_flight += 1
+            step.num_decodes += 1
+
+    def _can_decode(self, r: Request) -> bool:
+        # The next position's token must be known or in flight, and the request may still
+        # grow: an executor one step ahead may already hold its last allowed token.
+        return (r.remaining_output() > 0
+                and r.num_tokens + r.num_in_flight < self.config.max_model_len
+                and r.num_computed_tokens < r.num_tokens + r.num_in_flight)
+
+    def _retract(self, step: _Step, decoding: list[Request], ready: list[Request],
+                 need: int) -> list[Request]:
+        """Free blocks until every remaining decode can take its block.
+
+        Unreferenced cached blocks are already counted as free (a fresh allocation evicts
+        them), so eviction comes first by construction and again after each retraction.
+        Victims: shortest output first, then longest prompt. The last request is never
+        retracted to make room for itself: the partially prefilled request goes instead,
+        and if that is not enough the last one finishes with `length`."""
+        victims = sorted(decoding, key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens),
+                         reverse=True)  # pop() takes the shortest output, longest prompt
+        ready_ids = set(map(id, ready))
+        while need > self.kv.num_free and len(victims) > 1:
+            victim = victims.pop()
+            if id(victim) in ready_ids:
+                need -= self.kv.blocks_needed(victim, 1)
+                ready_ids.discard(id(victim))
+            self._preempt(step, victim)
+        if need > self.kv.num_free and self.active_prefill is not None:
+            self._preempt(step, self.active_prefill)
+        remaining = [r for r in ready if id(r) in ready_ids]
+        if need > self.kv.num_free and not self.transferring:
+            for r in remaining:
+                self._finish(r, RequestStatus.FINISHED_LENGTH,
+                             f"KV cache exhausted: this request alone needs more than the "
+                             f"{self.kv.num_blocks} blocks of the pool")
+            remaining = []
+        if step.preempted:
+            self.ratio.after_retract(r for r in self.running if not r.is_prefilling)
+        return remaining
+
+    def _preempt(self, step: _Step, r: Request) -> None:
+        self.kv.free(r)
+        self.running.remove(r)
+        if self.active_prefill is r:
+            self.active_prefill = None
+        r.num_computed_tokens = 0
+        r.prefill_target = 0
+        r.status = RequestStatus.PREEMPTED
+        self.preempted[r.request_id] = r
+        step.out.preempted_ids.append(r.request_id)
+        step.preempted = True
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ prefill
+    def _schedule_prefills(self, step: _Step) -> None:
+        """Continue the running prefill(s), then admit waiting requests in policy order."""
+        prefilling = [r for r in self.running if r.is_prefilling]
+        if not (prefilling or self.waiting):
+            return
+        if self.config.role != "prefill":
+            step.reserved_tokens = sum(
+                self._decode_reservation(r) for r in self.running if not r.is_prefilling
+            ) + sum(self._decode_reservation(r) for r in self.transferring.values())
+        for r in prefilling:
+            if self._admit(step, r) is not Admission.ADMITTED:
+                return
+        if not self.waiting:
+            return
+        admitted = []
+        for r in self.policy.order(self.waiting, self.step, self._prefix_tokens):
+            if self._admit(step, r) is not Admission.ADMITTED:
+                break  # FIFO fairness: nobody overtakes the first one that does not fit
+            admitted.append(r)
+        if admitted:
+            taken = set(map(id, admitted))
+            self.waiting = [r for r in self.waiting if id(r) not in taken]
+
+    def _prefix_tokens(self, r: Request) -> int:
+        return len(self.kv.match_prefix(r)) * self.block_size
+
+    def _admit(self, step: _Step, r: Request) -> Admission:
+        """The one admission path for fresh, retracted and partially prefilled requests:
+        size the chunk under the budgets, check memory with reservations, allocate."""
+        cfg = self.config
+        fresh = r.status is RequestStatus.WAITING
+        hit = []
+        if fresh:
+            if len(self.running) + len(self.transferring) >= cfg.max_num_seqs:
+                return Admission.BUDGET_EXHAUSTED
+            hit = self.kv.match_prefix(r)
+        computed = len(hit) * self.block_size if fresh else r.num_computed_tokens
+        target = r.num_tokens if fresh else r.prefill_target
+        remaining = target - computed
+        if r.remote_prefill:
+            num_new = remaining  # computed elsewhere: takes blocks, not tokens
+        else:
+            num_new = step.budget.chunk_size(computed, remaining)
+            if num_new <= 0:
+                return Admission.BUDGET_EXHAUSTED
+        chunked = num_new < remaining
+        if chunked and cfg.role != "prefill" and self.active_prefill not in (None, r):
+            return Admission.BUDGET_EXHAUSTED  # one chunked prefill at a time
+        # The prefill role takes the whole prompt's blocks up front: it never retracts.
+        alloc = remaining if cfg.role == "prefill" else num_new
+        own = 0.0
+        if not chunked and cfg.role != "prefill" and self._others_hold_blocks(r):
+            own = self._decode_reservation(r)  # alone, it may use the whole pool
+        need = self.kv.blocks_needed(r, alloc, hit) if fresh else self.kv.blocks_needed(r, alloc)
+        need += cdiv(math.ceil(step.reserved_tokens + own), self.block_size)
+        if fresh:
+            need += int(cfg.safety_margin * self.kv.num_blocks)
+        if need > self.kv.num_free:
+            return Admission.NO_MEMORY
+        if not self.kv.allocate(r, alloc, hit):
+            return Admission.NO_MEMORY
+        step.reserved_tokens += own
+        if fresh:
+            self._start(r, computed)
+        if r.remote_prefill:
+            self.running.remove(r)
+            r.num_computed_tokens = target
+            r.status = RequestStatus.TRANSFERRING
+            self.transferring[r.request_id] = r
+            step.out.transfer_ids.append(r.request_id)
+            return Admission.ADMITTED
+        step.budget.spend(num_new, chunked)
+        step.num_prefills += 1
+        if cfg.role != "prefill":
+            self.active_prefill = r if chunked else None
+        samples = computed + num_new == r.num_tokens
+        step.out.scheduled.append(ScheduledRequest(
+            r.request_id, num_new, computed, self.kv.block_ids(r.request_id), samples))
+        r.num_computed_tokens = computed + num_new
+        r.num_in_flight += samples
+        return Admission.ADMITTED
+
+    def _others_hold_blocks(self, r: Request) -> bool:
+        return bool(self.transferring) or any(x is not r for x in self.running)
+
+    def _start(self, r: Request, num_cached: int) -> None:
+        r.status = RequestStatus.RUNNING
+        r.num_computed_tokens = num_cached
+        r.num_cached_tokens = num_cached
+        r.prefill_target = r.num_tokens
+        self.prefix_hit_tokens += num_cached
+        self.prefix_query_tokens += r.num_tokens
+        self.running.append(r)
+
+    # ------------------------------------------------------------------ applying results
+    def update(self, out: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
+        """Apply one step's results: acknowledge preemptions, append sampled tokens, check
+        stop conditions, fork n>1 requests, cache computed blocks. Returns what changed."""
+        acks = result.preempted_ack if self.config.async_scheduling else out.preempted_ids
+        for rid in acks:
+            self._on_preempt_ack(rid)
+        outputs: list[RequestOutput] = []
+        for s in out.scheduled:
+            r = self.requests.get(s.request_id)
+            if r is None:
+                continue  # finished or aborted meanwhile: its token is dropped
+            if s.samples:
+                r.num_in_flight -= 1
+            if r.status is not RequestStatus.RUNNING:
+                continue  # preempted while in flight: dropped, recomputed on re-admission
+            self.kv.cache_computed(r, s.num_computed_tokens + s.num_new_tokens)
+            if not s.samples:
+                continue
+            tokens = result.sampled.get(r.request_id)
+            if not tokens:
+                self._finish(r, RequestStatus.FINISHED_ERROR, "the executor returned no token")
+                outputs.append(self._output(r, []))
+                continue
+            if r.sampling_params.n > 1 and not r.forked:
+                outputs.extend(self._fork(r, tokens[1:]))
+            outputs.append(self._append(r, tokens[0]))
+        return outputs
+
+    def _on_preempt_ack(self, rid: str) -> None:
+        r = self.preempted.pop(rid, None)
+        if r is None:
+            return  # aborted meanwhile
+        r.status = RequestStatus.WAITING
+        r.enqueue_step = self.step
+        self.waiting.append(r)  # the tail: FIFO, keeping its generated tokens
+
+    def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
+        sp = r.sampling_params
+        if (token == r.eos_token_id and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _append(self, r: Request, token: int) -> RequestOutput:
+        r.output_token_ids.append(token)
+        status = self._stop_status(r, token)
+        if status is not None:
+            self._finish(r, status)
+        elif self.config.role == "prefill":
+            self._leave_for_transfer(r)
+            return RequestOutput(r.request_id, [token], parent_id=r.parent_id, kv_transfer=True)
+        return self._output(r, [token])
+
+    def _output(self, r: Request, tokens: list[int]) -> RequestOutput:
+        return RequestOutput(r.request_id, tokens, r.is_finished, r.finish_reason,
+                             r.finish_message, r.parent_id)
+
+    def _leave_for_transfer(self, r: Request) -> None:
+        self.running.remove(r)
+        r.status = RequestStatus.TRANSFERRING
+        self.transferring[r.request_id] = r
+
+    def _fork(self, parent: Request, tokens: list[int]) -> list[RequestOutput]:
+        """n>1: siblings share the prompt's full blocks and copy its partial last block.
+        A sibling that finds no free block recomputes its prompt from the waiting queue."""
+        parent.forked = True
+        outputs = []
+        for index, token in enumerate(tokens, start=1):
+            child = parent.fork(index, token)
+            self.requests[child.request_id] = child
+            copies = self.kv.fork(parent, child, parent.prefill_target)
+            if copies is None:
+                child.enqueue_step = self.step
+                self.waiting.append(child)
+                status = self._stop_status(child, token)
+                if status is not None:
+                    self._finish(child, status)
+                outputs.append(self._output(child, [token]))
+                continue
+            self._pending_copies.extend(copies)
+            child.num_computed_tokens = child.prefill_target = parent.prefill_target
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            child.output_token_ids.pop()  # _append puts it back and checks stop conditions
+            outputs.append(self._append(child, token))
+        return outputs
+
+    def _finish(self, r: Request, status: RequestStatus, message: str | None = None) -> None:
+        prior = r.status
+        r.status = status
+        r.finish_message = message
+        if prior is RequestStatus.WAITING:
+            self.waiting.remove(r)
+        elif prior is RequestStatus.RUNNING:
+            self.running.remove(r)
+        elif prior is RequestStatus.PREEMPTED:
+            del self.preempted[r.request_id]
+        elif prior is RequestStatus.TRANSFERRING:
+            del self.transferring[r.request_id]
+        if self.active_prefill is r:
+            self.active_prefill = None
+        self.kv.free(r)
+        del self.requests[r.request_id]
+        self._finished_ids.append(r.request_id)
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> SchedulerStats:
+        return collect_stats(self)
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError if blocks leak or double-own, or a step broke its budgets."""
+        check_invariants(self)
