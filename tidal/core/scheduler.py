@@ -61,6 +61,7 @@ class Scheduler:
         self.last_output: SchedulerOutput | None = None
         self._finished_ids: list[str] = []
         self._pending_copies: list[tuple[int, int]] = []
+        self._pending_outputs: list[RequestOutput] = []  # finished inside schedule()
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -198,6 +199,7 @@ class Scheduler:
                 self._finish(r, RequestStatus.FINISHED_LENGTH,
                              f"KV cache exhausted: this request alone needs more than the "
                              f"{self.kv.num_blocks} blocks of the pool")
+                self._pending_outputs.append(self._output(r, []))
             remaining = []
         if step.preempted:
             self.ratio.after_retract(r for r in self.running if not r.is_prefilling)
@@ -288,10 +290,14 @@ class Scheduler:
             self.transferring[r.request_id] = r
             step.out.transfer_ids.append(r.request_id)
             return Admission.ADMITTED
-        step.budget.spend(num_new, chunked)
+        # Only a newly chunked request spends the chunk allowance: the continuing chunk must
+        # not starve short requests that fit whole (it still spends rem_input_tokens).
+        step.budget.spend(num_new, chunked and fresh)
         step.num_prefills += 1
-        if cfg.role != "prefill":
-            self.active_prefill = r if chunked else None
+        if chunked and cfg.role != "prefill":
+            self.active_prefill = r
+        elif self.active_prefill is r:
+            self.active_prefill = None
         samples = computed + num_new == r.num_tokens
         step.out.scheduled.append(ScheduledRequest(
             r.request_id, num_new, computed, self.kv.block_ids(r.request_id), samples))
@@ -318,7 +324,7 @@ class Scheduler:
         acks = result.preempted_ack if self.config.async_scheduling else out.preempted_ids
         for rid in acks:
             self._on_preempt_ack(rid)
-        outputs: list[RequestOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         for s in out.scheduled:
             r = self.requests.get(s.request_id)
             if r is None:
