@@ -128,15 +128,15 @@ class Scheduler:
             step = _Step(out, StepBudget(self.config.chunked_prefill_size,
                                          self.config.max_input_tokens_per_step - len(decoding),
                                          self.block_size))
-        may_decode = self.policy.decode_while_prefilling or self.active_prefill is None
-        if self.config.batch_mode == "mixed":
-            if may_decode:
-                self._schedule_decodes(step, decoding)
+        if self.config.batch_mode == "mixed" and self.policy.decode_while_prefilling:
+            # Decodes take their blocks first; a step that had to retract admits no one.
+            self._schedule_decodes(step, decoding)
             if not step.preempted:
                 self._schedule_prefills(step)
         else:
             self._schedule_prefills(step)
-            if not out.scheduled and may_decode:
+            separate = self.config.batch_mode == "separate"
+            if not out.scheduled if separate else self.active_prefill is None:
                 self._schedule_decodes(step, decoding)
         out.kind = step.kind()
         if (out.kind == "decode" and not step.preempted and not self.waiting

@@ -1,0 +1,73 @@
+"""Waiting-queue policies: fcfs, priority, longest_prefix_match with aging, prefill_first."""
+
+from tidal.core import Request, SamplingParams
+
+from conftest import add, make_scheduler, scheduled, step
+
+
+def test_fcfs_stops_at_the_first_request_that_does_not_fit():
+    """b does not fit (memory); c would, but does not overtake b."""
+    s = make_scheduler(num_blocks=6, block_size=4, clip_max_new_tokens=1)
+    add(s, "a", 12, max_tokens=4)
+    add(s, "b", 12, max_tokens=4)
+    add(s, "c", 2, max_tokens=4)
+    out, _ = step(s)
+    assert set(scheduled(out)) == {"a"} and [r.request_id for r in s.waiting] == ["b", "c"]
+
+
+def test_priority_admits_the_lowest_value_first():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, policy="priority")
+    add(s, "low", 3, max_tokens=1, priority=5)
+    add(s, "high", 3, max_tokens=1, priority=-1)
+    out, _ = step(s)
+    assert set(scheduled(out)) == {"high"}
+
+
+def _shared(s, rid, prefix_len, tail, max_tokens=1):
+    r = Request(rid, [1] * prefix_len + tail, SamplingParams(max_tokens=max_tokens),
+                arrival_time=len(s.requests))
+    s.add_request(r)
+    return r
+
+
+def test_longest_prefix_match_prefers_cached_requests():
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1,
+                       policy="longest_prefix_match")
+    _shared(s, "warmup", 8, [9])
+    step(s)
+    add(s, "cold", 9, max_tokens=1)
+    _shared(s, "warm", 8, [5])
+    out, _ = step(s)
+    assert set(scheduled(out)) == {"warm"} and scheduled(out)["warm"] == (1, 8)
+
+
+def test_longest_prefix_match_ages_cold_requests_so_they_cannot_starve():
+    """A stream of warm requests keeps arriving; the cold one still runs once it has waited
+    lpm_aging_steps steps."""
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1,
+                       policy="longest_prefix_match", lpm_aging_steps=5)
+    _shared(s, "warmup", 8, [9])
+    step(s)
+    cold = add(s, "cold", 9, max_tokens=1)
+    for i in range(20):
+        _shared(s, f"warm{i}", 8, [i + 10])
+        out, _ = step(s)
+        if "cold" in scheduled(out):
+            break
+    assert "cold" in scheduled(out) and 5 <= s.step - cold.enqueue_step <= 7
+
+
+def test_prefill_first_holds_decodes_while_a_prefill_is_chunking():
+    s = make_scheduler(num_blocks=64, block_size=4, chunked_prefill_size=4,
+                       policy="prefill_first", clip_max_new_tokens=1)
+    add(s, "a", 3, max_tokens=10)
+    step(s)
+    add(s, "long", 12, max_tokens=2)
+    kinds = [step(s)[0].kind for _ in range(4)]
+    assert kinds == ["prefill", "prefill", "mixed", "decode"]  # decodes resume with the last chunk
+    s2 = make_scheduler(num_blocks=64, block_size=4, chunked_prefill_size=4,
+                        clip_max_new_tokens=1)
+    add(s2, "a", 3, max_tokens=10)
+    step(s2)
+    add(s2, "long", 12, max_tokens=2)
+    assert step(s2)[0].kind == "mixed"  # fcfs decodes alongside the chunk
