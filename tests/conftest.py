@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, SamplingParams,
                         Scheduler, SchedulerConfig)
 
-settings.register_profile("default", max_examples=40, stateful_step_count=40, deadline=None,
+settings.register_profile("default", max_examples=250, stateful_step_count=50, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("long", max_examples=2000, stateful_step_count=120, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -43,6 +43,10 @@ class Scheduler:
     (mixed, prefill, decode) is configuration of this one class."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        for name in ("chunked_prefill_size", "max_input_tokens_per_step"):
+            if getattr(config, name) < kv.block_size:
+                raise ValueError(f"{name}={getattr(config, name)} is under block_size="
+                                 f"{kv.block_size}: no block-aligned chunk would ever fit")
         self.config = config
         self.kv = kv
         self.block_size = kv.block_size
@@ -103,13 +107,14 @@ class Scheduler:
         request = self.transferring[request_id]
         self._finish(request, RequestStatus.FINISHED_TRANSFERRED, "KV sent to decode")
 
-    def kv_received(self, request_id: str, first_token: int) -> None:
-        """Decode role: the prompt's KV and first token arrived; start decoding."""
+    def kv_received(self, request_id: str, first_token: int) -> RequestOutput:
+        """Decode role: the prompt's KV and first token arrived; start decoding (or finish,
+        if that token already ends the request)."""
         request = self.transferring.pop(request_id)
-        request.output_token_ids.append(first_token)
         request.remote_prefill = False
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        return self._append(request, first_token)
 
     # ------------------------------------------------------------------ planning a step
     def schedule(self) -> SchedulerOutput:
@@ -135,8 +140,13 @@ class Scheduler:
                 self._schedule_prefills(step)
         else:
             self._schedule_prefills(step)
-            separate = self.config.batch_mode == "separate"
-            if not out.scheduled if separate else self.active_prefill is None:
+            # prefill_first holds decodes only while its chunked prefill is moving; a stalled
+            # one (no memory) must not stall the decodes that would free memory for it.
+            if self.config.batch_mode == "separate":
+                held = bool(out.scheduled)
+            else:
+                held = self.active_prefill is not None and step.num_prefills > 0
+            if not held:
                 self._schedule_decodes(step, decoding)
         out.kind = step.kind()
         if (out.kind == "decode" and not step.preempted and not self.waiting
@@ -269,12 +279,15 @@ class Scheduler:
             return Admission.BUDGET_EXHAUSTED  # one chunked prefill at a time
         # The prefill role takes the whole prompt's blocks up front: it never retracts.
         alloc = remaining if cfg.role == "prefill" else num_new
+        # Reservations and the margin protect others; a request alone may use the whole pool
+        # (otherwise one whose output estimate exceeds the pool would wait forever).
+        others = self._others_hold_blocks(r)
         own = 0.0
-        if not chunked and cfg.role != "prefill" and self._others_hold_blocks(r):
-            own = self._decode_reservation(r)  # alone, it may use the whole pool
-        need = self.kv.blocks_needed(r, alloc, hit) if fresh else self.kv.blocks_needed(r, alloc)
+        if not chunked and cfg.role != "prefill" and others:
+            own = self._decode_reservation(r)
+        need = self.kv.blocks_needed(r, alloc, hit)
         need += cdiv(math.ceil(step.reserved_tokens + own), self.block_size)
-        if fresh:
+        if fresh and others:
             need += int(cfg.safety_margin * self.kv.num_blocks)
         if need > self.kv.num_free:
             return Admission.NO_MEMORY
