@@ -98,6 +98,20 @@ class KVCacheManager:
             table.extend(b.block_id for b in self.pool.allocate(missing))
         return True
 
+    def capacity(self, request_id: str) -> int:
+        """Tokens the request's blocks can hold."""
+        return len(self.tables[request_id]) * self.block_size
+
+    def append_slot(self, request: Request) -> list[int] | None:
+        """Make room for one more token (a decode): a new block only when the last is full.
+        Returns the table, or None (nothing changed) when no block is free."""
+        table = self.tables[request.request_id]
+        if request.num_computed_tokens >= len(table) * self.block_size:
+            if not self.pool.num_free:
+                return None
+            table.append(self.pool.allocate(1)[0].block_id)
+        return table
+
     def free(self, request: Request) -> None:
         """Give back every block of the request, tail first (heads stay cached longest)."""
         table = self.tables.pop(request.request_id, None)

@@ -46,7 +46,7 @@ class ModelOutput:
     preempted_ack: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """New tokens of one request after a step, and whether it finished."""
 

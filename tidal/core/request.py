@@ -22,13 +22,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value.startswith("finished")
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
 
+_FINISHED = frozenset(s for s in RequestStatus if s.value.startswith("finished"))
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -96,7 +97,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "eos_token_id",
         "extra_key", "status", "output_token_ids", "num_computed_tokens", "prefill_target",
         "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "parent_id",
-        "enqueue_step", "remote_prefill", "forked",
+        "enqueue_step", "remote_prefill", "forked", "stop_ids", "out_limit",
     )
 
     def __init__(
@@ -128,6 +129,18 @@ class Request:
         self.enqueue_step = 0
         self.remote_prefill = False  # decode role: KV comes from a prefill instance
         self.forked = False
+        self.stop_ids: frozenset[int] = frozenset()  # set by prepare_limits()
+        self.out_limit = self.sampling_params.max_tokens
+
+    def prepare_limits(self, max_model_len: int) -> None:
+        """Precompute the stop checks the per-step hot path runs: the token ids that stop
+        this request, and how many output tokens it may have."""
+        sp = self.sampling_params
+        stops = set(sp.stop_token_ids)
+        if self.eos_token_id is not None and not sp.ignore_eos:
+            stops.add(self.eos_token_id)
+        self.stop_ids = frozenset(stops)
+        self.out_limit = min(sp.max_tokens, max_model_len - len(self.prompt_token_ids))
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -170,6 +183,7 @@ class Request:
         child.parent_id = self.request_id
         child.output_token_ids = [first_token]
         child.forked = True
+        child.stop_ids, child.out_limit = self.stop_ids, self.out_limit
         return child
 
     def __repr__(self) -> str:

@@ -18,6 +18,9 @@ from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus
 
 
+_new_tuple = tuple.__new__  # builds a NamedTuple without its Python-level __new__
+
+
 class _Step:
     """Scratch state of one schedule() call."""
 
@@ -80,6 +83,7 @@ class Scheduler:
         if need > self.kv.num_blocks:
             raise ValueError(f"request {rid!r}: prompt needs {need} KV blocks but the pool "
                              f"holds {self.kv.num_blocks}")
+        request.prepare_limits(self.config.max_model_len)
         request.status = RequestStatus.WAITING
         request.enqueue_step = self.step
         request.remote_prefill = self.config.role == "decode" and not request.output_token_ids
@@ -125,7 +129,7 @@ class Scheduler:
         out = SchedulerOutput(step=self.step, kind="idle")
         out.finished_ids, self._finished_ids = self._finished_ids, []
         out.block_copies, self._pending_copies = self._pending_copies, []
-        decoding = [r for r in self.running if not r.is_prefilling]
+        decoding = [r for r in self.running if r.num_computed_tokens >= r.prefill_target]
         if self.config.role == "prefill":
             budget_tokens = self.config.max_input_tokens_per_step
             step = _Step(out, StepBudget(budget_tokens, budget_tokens, self.block_size))
@@ -163,25 +167,32 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
     def _schedule_decodes(self, step: _Step, decoding: list[Request]) -> None:
         """One token for every decoding request; retract some when blocks run short."""
-        ready = [r for r in decoding if self._can_decode(r)]
-        need = sum(self.kv.blocks_needed(r, 1) for r in ready)
+        # The hot path at large batch sizes: plain attribute reads, one pass.
+        ready = []
+        need = 0
+        tables, bs = self.kv.tables, self.block_size
+        for r in decoding:
+            # The next position's token must be known or in flight, and the request may
+            # still grow: an executor one step ahead may already hold its last token.
+            generated = len(r.output_token_ids) + r.num_in_flight
+            computed = r.num_computed_tokens
+            if generated < r.out_limit and computed < len(r.prompt_token_ids) + generated:
+                ready.append(r)
+                if computed >= len(tables[r.request_id]) * bs:
+                    need += 1  # its last block is full
         if need > self.kv.num_free:
             ready = self._retract(step, decoding, ready, need)
+        scheduled = step.out.scheduled
+        append_slot = self.kv.append_slot
         for r in ready:
-            if not self.kv.allocate(r, 1):
+            table = append_slot(r)
+            if table is None:
                 continue  # blocks held by a KV transfer: wait for it to land
-            step.out.scheduled.append(ScheduledRequest(
-                r.request_id, 1, r.num_computed_tokens, self.kv.block_ids(r.request_id), True))
+            scheduled.append(_new_tuple(ScheduledRequest, (
+                r.request_id, 1, r.num_computed_tokens, table, True)))
             r.num_computed_tokens += 1
             r.num_in_flight += 1
-            step.num_decodes += 1
-
-    def _can_decode(self, r: Request) -> bool:
-        # The next position's token must be known or in flight, and the request may still
-        # grow: an executor one step ahead may already hold its last allowed token.
-        return (r.remaining_output() > 0
-                and r.num_tokens + r.num_in_flight < self.config.max_model_len
-                and r.num_computed_tokens < r.num_tokens + r.num_in_flight)
+        step.num_decodes += len(scheduled)
 
     def _retract(self, step: _Step, decoding: list[Request], ready: list[Request],
                  need: int) -> list[Request]:
@@ -231,7 +242,10 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill
     def _schedule_prefills(self, step: _Step) -> None:
         """Continue the running prefill(s), then admit waiting requests in policy order."""
-        prefilling = [r for r in self.running if r.is_prefilling]
+        if self.config.role == "prefill":
+            prefilling = [r for r in self.running if r.is_prefilling]
+        else:  # at most one request is partially prefilled here
+            prefilling = [self.active_prefill] if self.active_prefill else []
         if not (prefilling or self.waiting):
             return
         if self.config.role != "prefill":
@@ -338,18 +352,21 @@ class Scheduler:
         for rid in acks:
             self._on_preempt_ack(rid)
         outputs, self._pending_outputs = self._pending_outputs, []
-        for s in out.scheduled:
-            r = self.requests.get(s.request_id)
+        requests, sampled, bs = self.requests, result.sampled, self.block_size
+        running = RequestStatus.RUNNING
+        for rid, num_new, computed, _, samples in out.scheduled:
+            r = requests.get(rid)
             if r is None:
                 continue  # finished or aborted meanwhile: its token is dropped
-            if s.samples:
+            if samples:
                 r.num_in_flight -= 1
-            if r.status is not RequestStatus.RUNNING:
+            if r.status is not running:
                 continue  # preempted while in flight: dropped, recomputed on re-admission
-            self.kv.cache_computed(r, s.num_computed_tokens + s.num_new_tokens)
-            if not s.samples:
+            if num_new > 1 or (computed + 1) % bs == 0:  # a block may have filled up
+                self.kv.cache_computed(r, computed + num_new)
+            if not samples:
                 continue
-            tokens = result.sampled.get(r.request_id)
+            tokens = sampled.get(rid)
             if not tokens:
                 self._finish(r, RequestStatus.FINISHED_ERROR, "the executor returned no token")
                 outputs.append(self._output(r, []))
@@ -367,17 +384,19 @@ class Scheduler:
         r.enqueue_step = self.step
         self.waiting.append(r)  # the tail: FIFO, keeping its generated tokens
 
-    def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
-        sp = r.sampling_params
-        if (token == r.eos_token_id and not sp.ignore_eos) or token in sp.stop_token_ids:
+    @staticmethod
+    def _stop_status(r: Request, token: int) -> RequestStatus | None:
+        if token in r.stop_ids:  # EOS (unless ignore_eos) and stop_token_ids
             return RequestStatus.FINISHED_STOPPED
-        if len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.config.max_model_len:
+        if len(r.output_token_ids) >= r.out_limit:  # max_tokens or max_model_len
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def _append(self, r: Request, token: int) -> RequestOutput:
         r.output_token_ids.append(token)
         status = self._stop_status(r, token)
+        if status is None and self.config.role != "prefill":  # the common case, kept cheap
+            return RequestOutput(r.request_id, [token], parent_id=r.parent_id)
         if status is not None:
             self._finish(r, status)
         elif self.config.role == "prefill":
