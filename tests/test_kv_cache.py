@@ -160,8 +160,6 @@ def test_extra_key_separates_caches():
     assert [b.block_id for b in kv.match_prefix(req("d", range(1, 10), extra_key="t1"))] == [0, 1]
 
 
-@pytest.mark.xfail(strict=True, reason="lookup verifies block tokens but not extra_key; "
-                   "hash(-1) == hash(-2) so these keys give identical chain hashes")
 def test_extra_key_with_colliding_hash_does_not_share_cache():
     """extra_key is verified, not trusted by hash: keys -1 and -2 must not share blocks."""
     kv = mgr(8, 4)

@@ -12,15 +12,17 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key: H
 
 
 class Block:
-    """One KV block. `block_hash` and `token_ids` are set once it is full and cached."""
+    """One KV block. `block_hash`, `token_ids` and `context` (parent hash, extra key) are set
+    once it is full and cached: a hit must match all of them, not the hash alone."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "context")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
+        self.context: Hashable = None
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -86,14 +88,17 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
-        """The cached block for this hash, if its tokens really match (no trust in hashes)."""
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...],
+               context: Hashable = None) -> Block | None:
+        """The cached block for this hash, if its tokens and context (parent hash, extra key)
+        really match: a hash collision is never a hit."""
         block = self._cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
+        if block is None or block.token_ids != token_ids or block.context != context:
             return None
         return block
 
-    def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...],
+              context: Hashable = None) -> None:
         """Publish a full block for prefix reuse. A block already cached, or a prefix
         another block already serves, is left as it is."""
         if not self.enable_prefix_caching or block.block_hash is not None:
@@ -102,16 +107,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.context = context
         self._cached[block_hash] = block
-
-    def evictable(self, n: int) -> int:
-        """How many of the next `n` blocks taken would evict a cached prefix."""
-        count = 0
-        for i, block_id in enumerate(self._free):
-            if i >= n:
-                break
-            count += self.blocks[block_id].block_hash is not None
-        return count
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block's hash; returns how many were dropped."""
@@ -124,4 +121,5 @@ class BlockPool:
         del self._cached[block.block_hash]
         block.block_hash = None
         block.token_ids = None
+        block.context = None
         self.num_evictions += 1

@@ -62,11 +62,14 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         hit: list[Block] = []
+        parent = None
         for i, h in enumerate(self._hashes(request, max_blocks)):
-            block = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]))
+            block = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]),
+                                     (parent, request.extra_key))
             if block is None:
                 break
             hit.append(block)
+            parent = h
         return hit
 
     # ------------------------------------------------------------------ allocation
@@ -135,7 +138,9 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(done, full):
-            self.pool.cache(self.pool.blocks[table[i]], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
+            context = (hashes[i - 1] if i else None, request.extra_key)
+            self.pool.cache(self.pool.blocks[table[i]], hashes[i],
+                            tuple(tokens[i * bs:(i + 1) * bs]), context)
         self._num_cached[rid] = full
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
