@@ -32,3 +32,12 @@ def test_core_reads_no_environment_variables():
     pattern = re.compile(r"os\.environ|getenv\(|^\s*import os\b|^\s*from os\b", re.M)
     offenders = [p.name for p in root.glob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_readme_documents_every_config_field():
+    from tidal.core.config import CacheConfig, SchedulerConfig, help_table
+
+    readme = (pathlib.Path(tidal.core.__file__).parents[2] / "README.md").read_text()
+    missing = [name for cls in (SchedulerConfig, CacheConfig)
+               for name, _, _ in help_table(cls) if f"| `{name}` |" not in readme]
+    assert missing == []

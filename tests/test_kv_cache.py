@@ -282,6 +282,20 @@ def test_fork_without_free_block_returns_none_and_changes_nothing():
     assert kv.fork(p, req("d", range(1, 9)), 8) == [] and refs(kv) == [2, 2, 1]
 
 
+def test_fork_child_publishes_its_own_blocks():
+    """A child counts only the shared full blocks as cached, so it publishes its own later."""
+    kv = mgr(8, 4)
+    p = req("p", range(1, 14))
+    prefill(kv, p)  # blocks [0, 1, 2, 3]; 0..2 cached
+    c = req("c", [1, 2, 3, 4, 5, 6, 99, 99, 7])
+    assert kv.fork(p, c, 6) == [(1, 4)] and kv.block_ids("c") == [0, 4]
+    c.num_computed_tokens = 8
+    kv.cache_computed(c, 8)
+    assert kv.pool.blocks[4].token_ids == (5, 6, 99, 99)
+    d = req("d", [1, 2, 3, 4, 5, 6, 99, 99, 0])
+    assert [b.block_id for b in kv.match_prefix(d)] == [0, 4]
+
+
 # ------------------------------------------------------------------ property test
 class KVMachine(RuleBasedStateMachine):
     """Random arrivals/admissions (with or without a prefix hit), growth, caching, free or
