@@ -40,7 +40,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix matching
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """The request's chain hashes for its first `num_blocks` full blocks (memoised)."""
+        """Chain hashes covering at least the first `num_blocks` full blocks (memoised, so
+        the list may hold more: callers slice)."""
         hashes = request.block_hashes
         if len(hashes) < num_blocks:
             tokens = request.all_token_ids
@@ -63,7 +64,7 @@ class KVCacheManager:
         bs = self.block_size
         hit: list[Block] = []
         parent = None
-        for i, h in enumerate(self._hashes(request, max_blocks)):
+        for i, h in enumerate(self._hashes(request, max_blocks)[:max_blocks]):
             block = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]),
                                      (parent, request.extra_key))
             if block is None:

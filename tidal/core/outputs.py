@@ -46,8 +46,7 @@ class ModelOutput:
     preempted_ack: list[str] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
     """New tokens of one request after a step, and whether it finished."""
 
     request_id: str

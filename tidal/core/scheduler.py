@@ -396,7 +396,8 @@ class Scheduler:
         r.output_token_ids.append(token)
         status = self._stop_status(r, token)
         if status is None and self.config.role != "prefill":  # the common case, kept cheap
-            return RequestOutput(r.request_id, [token], parent_id=r.parent_id)
+            return _new_tuple(RequestOutput, (r.request_id, [token], False, None, None,
+                                              r.parent_id, False))
         if status is not None:
             self._finish(r, status)
         elif self.config.role == "prefill":
