@@ -6,6 +6,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+import tidal.core.kv_cache_manager as kvm
 from tidal.core.block_pool import BlockPool, hash_block
 from tidal.core.config import CacheConfig
 from tidal.core.kv_cache_manager import KVCacheManager, cdiv
@@ -107,7 +108,7 @@ def test_chain_hash_same_block_after_different_prefix_misses():
     assert kv.pool.blocks[0].block_hash == h1
     assert kv.pool.blocks[1].block_hash == hash_block(h1, (5, 6, 7, 8), None)
     other = hash_block(hash_block(None, (9, 9, 9, 9), None), (5, 6, 7, 8), None)
-    assert kv.pool.lookup(other, (5, 6, 7, 8)) is None
+    assert other != kv.pool.blocks[1].block_hash and other not in kv.pool._cached
     assert kv.match_prefix(req("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])) == []
     assert [b.block_id for b in kv.match_prefix(req("c", [1, 2, 3, 4, 5, 6, 7, 8, 0]))] == [0, 1]
 
@@ -119,11 +120,35 @@ def test_lookup_checks_tokens_not_just_hash():
     pool.cache(blk, 12345, (1, 2))
     assert pool.lookup(12345, (1, 2)) is blk
     assert pool.lookup(12345, (1, 3)) is None
+
+
+def collide(monkeypatch, victim: tuple, parent, tokens: tuple) -> None:
+    """Make the manager hash block `tokens` after `parent` exactly like block `victim`."""
+    real = kvm.hash_block
+    monkeypatch.setattr(kvm, "hash_block", lambda p, t, k: real(*victim) if (p, t) ==
+                        (parent, tokens) else real(p, t, k))
+
+
+def test_match_prefix_rejects_hash_collision_with_other_tokens(monkeypatch):
+    """Two first blocks with equal hashes but other tokens: the second request misses."""
+    collide(monkeypatch, (None, (5, 5), None), None, (7, 8))
     kv = mgr(4, 2)
+    prefill(kv, req("a", [5, 5, 0]))
     r = req("r", [7, 8, 9])
-    (fake,) = kv.pool.allocate(1)
-    kv.pool.cache(fake, hash_block(None, (7, 8), None), (5, 5))  # r's hash, other tokens
+    assert kv._hashes(r, 1)[0] == kv.pool.blocks[0].block_hash  # a real collision
     assert kv.match_prefix(r) == []
+
+
+def test_match_prefix_rejects_block_written_after_colliding_parent(monkeypatch):
+    """A block is hit only if written after the very prefix looked up, not an equal hash."""
+    collide(monkeypatch, (None, (1, 2), None), None, (5, 6))
+    kv = mgr(8, 2)
+    prefill(kv, req("r", [1, 2, 3, 4, 0]))  # blocks 0, 1 cached
+    prefill(kv, req("w", [5, 6, 7, 8, 0]))  # block 3 (5, 6) collides: stays uncached
+    # ... and so does block 4 after it: publishing it would chain it on block 0's hash.
+    assert kv.pool.blocks[3].block_hash is None and kv.pool.blocks[4].block_hash is None
+    # [1, 2, 7, 8]: block 0 is right; block 4 (KV of (7, 8) after (5, 6)) must not hit.
+    assert [b.block_id for b in kv.match_prefix(req("x", [1, 2, 7, 8, 0]))] == [0]
 
 
 def test_cached_free_blocks_keep_hash_and_lru_cached_block_is_evicted_first():
@@ -229,6 +254,16 @@ def test_match_prefix_leaves_at_least_one_token():
     assert kv.match_prefix(req("d", range(1, 5))) == []
 
 
+def test_match_prefix_cap_ignores_memoised_hashes():
+    """The len - 1 cap also holds for a re-admitted request whose full blocks were hashed."""
+    kv = mgr(8, 4)
+    r = req("r", range(1, 9))
+    prefill(kv, r)  # cache_computed hashed (memoised) both full blocks
+    kv.free(r)
+    r.num_computed_tokens = 0
+    assert [b.block_id for b in kv.match_prefix(r)] == [0]
+
+
 # ------------------------------------------------------------------ cache_computed
 def test_cache_computed_publishes_only_full_computed_blocks_idempotently():
     """cache_computed(r, n) hashes the full blocks inside the first n tokens, once."""
@@ -328,6 +363,7 @@ class KVMachine(RuleBasedStateMachine):
 
     def _admit(self, r: Request, use_hit: bool, frac: float) -> None:
         hit = self.kv.match_prefix(r) if use_hit else []
+        assert len(hit) <= (r.num_tokens - 1) // self.bs  # at least one token to compute
         for j, b in enumerate(hit):  # a hit holds exactly this prefix, written by its owner
             o, oi = self.owner[b.block_id]
             assert oi == j and o.extra_key == r.extra_key

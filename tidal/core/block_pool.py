@@ -98,17 +98,21 @@ class BlockPool:
         return block
 
     def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...],
-              context: Hashable = None) -> None:
+              context: Hashable = None) -> bool:
         """Publish a full block for prefix reuse. A block already cached, or a prefix
-        another block already serves, is left as it is."""
+        another block already serves, is left as it is. Returns False on a hash collision
+        (another block holds this hash for other content): blocks chained after this one
+        must not be published under it."""
         if not self.enable_prefix_caching or block.block_hash is not None:
-            return
-        if block_hash in self._cached:
-            return
+            return True
+        other = self._cached.get(block_hash)
+        if other is not None:
+            return other.token_ids == token_ids and other.context == context
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.context = context
         self._cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block's hash; returns how many were dropped."""

@@ -7,6 +7,9 @@ from tidal.core.config import CacheConfig
 from tidal.core.request import Request
 
 
+_CHAIN_BROKEN = 1 << 62  # a table whose chain hit a hash collision publishes no more
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -140,8 +143,10 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(done, full):
             context = (hashes[i - 1] if i else None, request.extra_key)
-            self.pool.cache(self.pool.blocks[table[i]], hashes[i],
-                            tuple(tokens[i * bs:(i + 1) * bs]), context)
+            if not self.pool.cache(self.pool.blocks[table[i]], hashes[i],
+                                   tuple(tokens[i * bs:(i + 1) * bs]), context):
+                full = _CHAIN_BROKEN  # a collision: nothing after it may be published
+                break
         self._num_cached[rid] = full
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
