@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from hypothesis import assume, strategies as st
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, SamplingParams,

@@ -114,13 +114,6 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every unreferenced cached block's hash; returns how many were dropped."""
-        dropped = [self.blocks[i] for i in self._free if self.blocks[i].block_hash is not None]
-        for block in dropped:
-            self._evict(block)
-        return len(dropped)
-
     def _evict(self, block: Block) -> None:
         del self._cached[block.block_hash]
         block.block_hash = None

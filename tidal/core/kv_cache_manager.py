@@ -105,10 +105,6 @@ class KVCacheManager:
             table.extend(b.block_id for b in self.pool.allocate(missing))
         return True
 
-    def capacity(self, request_id: str) -> int:
-        """Tokens the request's blocks can hold."""
-        return len(self.tables[request_id]) * self.block_size
-
     def append_slot(self, request: Request) -> list[int] | None:
         """Make room for one more token (a decode): a new block only when the last is full.
         Returns the table, or None (nothing changed) when no block is free."""

@@ -170,10 +170,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
-    def remaining_output(self) -> int:
-        """Output tokens still allowed, counting those in flight."""
-        return self.max_tokens - len(self.output_token_ids) - self.num_in_flight
-
     def fork(self, index: int, first_token: int) -> "Request":
         """A sibling for n>1 sampling: same prompt, its own first token, n=1."""
         seed = self.sampling_params.seed
