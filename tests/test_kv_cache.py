@@ -151,6 +151,23 @@ def test_match_prefix_rejects_block_written_after_colliding_parent(monkeypatch):
     assert [b.block_id for b in kv.match_prefix(req("x", [1, 2, 7, 8, 0]))] == [0]
 
 
+def test_fork_child_of_a_broken_chain_publishes_nothing_after_it(monkeypatch):
+    """A fork inherits a collision in its shared prefix: its own later blocks stay unpublished."""
+    collide(monkeypatch, (None, (1, 2), None), None, (5, 6))
+    kv = mgr(8, 2)
+    prefill(kv, req("r", [1, 2, 3, 4, 0]))  # blocks 0, 1 cached
+    w = req("w", [5, 6, 7, 8, 0])
+    prefill(kv, w)  # blocks [3, 4, 5]; block 3 collides, so nothing of w is published
+    c = req("c", [5, 6, 7, 8, 0])
+    assert kv.fork(w, c, 2) == [] and kv.block_ids("c") == [3]
+    c.num_computed_tokens = 2
+    assert kv.allocate(c, 2) and kv.block_ids("c") == [3, 6]
+    c.num_computed_tokens = 4
+    kv.cache_computed(c, 4)  # block 6: KV of (7, 8) after (5, 6)
+    assert kv.pool.blocks[6].block_hash is None
+    assert [b.block_id for b in kv.match_prefix(req("x", [1, 2, 7, 8, 0]))] == [0]
+
+
 def test_cached_free_blocks_keep_hash_and_lru_cached_block_is_evicted_first():
     """Freed cached blocks stay hittable; a fresh allocation evicts the LRU one first."""
     kv = mgr(4, 2)
@@ -254,7 +271,7 @@ def test_match_prefix_leaves_at_least_one_token():
     assert kv.match_prefix(req("d", range(1, 5))) == []
 
 
-def test_match_prefix_cap_ignores_memoised_hashes():
+def test_match_prefix_cap_holds_with_memoised_hashes():
     """The len - 1 cap also holds for a re-admitted request whose full blocks were hashed."""
     kv = mgr(8, 4)
     r = req("r", range(1, 9))

@@ -159,7 +159,9 @@ class KVCacheManager:
         self.pool.touch(self._blocks(shared))
         child_table = list(shared)
         self.tables[child.request_id] = child_table
-        self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0), full)
+        done = self._num_cached.get(parent.request_id, 0)
+        # A broken chain stays broken: the child's later blocks would chain on the collision.
+        self._num_cached[child.request_id] = done if done == _CHAIN_BROKEN else min(done, full)
         if not partial:
             return []
         fresh = self.pool.allocate(1)[0]
