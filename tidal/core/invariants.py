@@ -136,3 +136,8 @@ def check_invariants(s: "Scheduler") -> None:
                      f"step {out.step}: a chunk ending off a block boundary")
         _require(len(set(x.request_id for x in out.scheduled)) == len(out.scheduled),
                  f"step {out.step} scheduled a request twice")
+    if out is not None:
+        for x in out.scheduled:  # its blocks must not have been given away in the same plan
+            r = s.requests.get(x.request_id)
+            _require(r is None or r.status in (RequestStatus.RUNNING, RequestStatus.TRANSFERRING),
+                     f"step {out.step} scheduled {r}, which no longer holds its blocks")
