@@ -71,3 +71,13 @@ def test_prefill_first_holds_decodes_while_a_prefill_is_chunking():
     step(s2)
     add(s2, "long", 12, max_tokens=2)
     assert step(s2)[0].kind == "mixed"  # fcfs decodes alongside the chunk
+
+
+def test_prefill_first_step_without_decodes_is_a_prefill_step():
+    """Whole prefills planned before the (empty) decode pass do not count as decodes."""
+    s = make_scheduler(num_blocks=64, block_size=4, policy="prefill_first")
+    add(s, "a", 3, max_tokens=10)
+    out, _ = step(s)
+    assert scheduled(out) == {"a": (3, 0)} and out.kind == "prefill"
+    out, _ = step(s)
+    assert out.kind == "decode"

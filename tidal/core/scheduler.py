@@ -183,6 +183,7 @@ class Scheduler:
         if need > self.kv.num_free:
             ready = self._retract(step, decoding, ready, need)
         scheduled = step.out.scheduled
+        before = len(scheduled)  # prefill entries may precede the decodes
         append_slot = self.kv.append_slot
         for r in ready:
             table = append_slot(r)
@@ -192,7 +193,7 @@ class Scheduler:
                 r.request_id, 1, r.num_computed_tokens, table, True)))
             r.num_computed_tokens += 1
             r.num_in_flight += 1
-        step.num_decodes += len(scheduled)
+        step.num_decodes += len(scheduled) - before
 
     def _retract(self, step: _Step, decoding: list[Request], ready: list[Request],
                  need: int) -> list[Request]:
