@@ -141,9 +141,9 @@ class Scheduler:
             # Decodes take their blocks first; a step that had to retract admits no one.
             self._schedule_decodes(step, decoding)
             if not step.preempted:
-                self._schedule_prefills(step)
+                self._schedule_prefills(step, decoding)
         else:
-            self._schedule_prefills(step)
+            self._schedule_prefills(step, decoding)
             # prefill_first holds decodes only while its chunked prefill is moving; a stalled
             # one (no memory) must not stall the decodes that would free memory for it.
             if self.config.batch_mode == "separate":
@@ -241,7 +241,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ prefill
-    def _schedule_prefills(self, step: _Step) -> None:
+    def _schedule_prefills(self, step: _Step, decoding: list[Request]) -> None:
         """Continue the running prefill(s), then admit waiting requests in policy order."""
         if self.config.role == "prefill":
             prefilling = [r for r in self.running if r.is_prefilling]
@@ -250,8 +250,9 @@ class Scheduler:
         if not (prefilling or self.waiting):
             return
         if self.config.role != "prefill":
+            running = RequestStatus.RUNNING  # one may have finished in the decode pass
             step.reserved_tokens = sum(
-                self._decode_reservation(r) for r in self.running if not r.is_prefilling
+                self._decode_reservation(r) for r in decoding if r.status is running
             ) + sum(self._decode_reservation(r) for r in self.transferring.values())
         for r in prefilling:
             if self._admit(step, r) is not Admission.ADMITTED:
@@ -312,10 +313,7 @@ class Scheduler:
         if fresh:
             self._start(r, computed)
         if r.remote_prefill:
-            self.running.remove(r)
-            r.num_computed_tokens = target
-            r.status = RequestStatus.TRANSFERRING
-            self.transferring[r.request_id] = r
+            r.num_computed_tokens = target  # the KV is being written by the prefill side
             step.out.transfer_ids.append(r.request_id)
             return Admission.ADMITTED
         # Only a newly chunked request spends the chunk allowance: the continuing chunk must
@@ -337,13 +335,17 @@ class Scheduler:
         return bool(self.transferring) or any(x is not r for x in self.running)
 
     def _start(self, r: Request, num_cached: int) -> None:
-        r.status = RequestStatus.RUNNING
         r.num_computed_tokens = num_cached
         r.num_cached_tokens = num_cached
         r.prefill_target = r.num_tokens
         self.prefix_hit_tokens += num_cached
         self.prefix_query_tokens += r.num_tokens
-        self.running.append(r)
+        if r.remote_prefill:  # decode role: holds blocks while its KV arrives
+            r.status = RequestStatus.TRANSFERRING
+            self.transferring[r.request_id] = r
+        else:
+            r.status = RequestStatus.RUNNING
+            self.running.append(r)
 
     # ------------------------------------------------------------------ applying results
     def update(self, out: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
