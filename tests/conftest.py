@@ -42,7 +42,7 @@ def sampled_for(sched: Scheduler, out, token: int = 7) -> dict[str, list[int]]:
         if not s.samples or s.request_id not in sched.requests:
             continue
         r = sched.requests[s.request_id]
-        n = r.sampling_params.n if not r.forked else 1
+        n = r.sampling_params.n if r.fork_pending else 1
         sampled[s.request_id] = [token] * n
     return sampled
 

@@ -88,7 +88,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for x in out.scheduled:
             r = s.requests.get(x.request_id)
             if x.samples and r is not None:
-                n = r.sampling_params.n if not r.forked else 1
+                n = r.sampling_params.n if r.fork_pending else 1
                 sampled[x.request_id] = [self._token(emit_eos) for _ in range(n)]
         s.update(out, ModelOutput(sampled=sampled, preempted_ack=list(out.preempted_ids)))
         s.check_invariants()

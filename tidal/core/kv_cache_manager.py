@@ -47,11 +47,11 @@ class KVCacheManager:
         the list may hold more: callers slice)."""
         hashes = request.block_hashes
         if len(hashes) < num_blocks:
-            tokens = request.all_token_ids
             bs = self.block_size
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), num_blocks):
-                parent = hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), request.extra_key)
+                parent = hash_block(parent, tuple(request.token_slice(i * bs, (i + 1) * bs)),
+                                    request.extra_key)
                 hashes.append(parent)
         return hashes
 
@@ -135,12 +135,11 @@ class KVCacheManager:
         if full <= done:
             return
         hashes = self._hashes(request, full)
-        tokens = request.all_token_ids
         bs = self.block_size
         for i in range(done, full):
             context = (hashes[i - 1] if i else None, request.extra_key)
             if not self.pool.cache(self.pool.blocks[table[i]], hashes[i],
-                                   tuple(tokens[i * bs:(i + 1) * bs]), context):
+                                   tuple(request.token_slice(i * bs, (i + 1) * bs)), context):
                 full = _CHAIN_BROKEN  # a collision: nothing after it may be published
                 break
         self._num_cached[rid] = full

@@ -97,7 +97,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "eos_token_id",
         "extra_key", "status", "output_token_ids", "num_computed_tokens", "prefill_target",
         "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "parent_id",
-        "enqueue_step", "remote_prefill", "forked", "stop_ids", "out_limit",
+        "enqueue_step", "remote_prefill", "fork_pending", "stop_ids", "out_limit", "max_tokens",
     )
 
     def __init__(
@@ -128,9 +128,10 @@ class Request:
         self.parent_id: str | None = None
         self.enqueue_step = 0
         self.remote_prefill = False  # decode role: KV comes from a prefill instance
-        self.forked = False
+        self.fork_pending = self.sampling_params.n > 1  # forks once its prompt is done
         self.stop_ids: frozenset[int] = frozenset()  # set by prepare_limits()
-        self.out_limit = self.sampling_params.max_tokens
+        self.max_tokens = self.sampling_params.max_tokens
+        self.out_limit = self.max_tokens
 
     def prepare_limits(self, max_model_len: int) -> None:
         """Precompute the stop checks the per-step hot path runs: the token ids that stop
@@ -146,6 +147,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole sequence."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return prompt[start:] + self.output_token_ids[:end - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -153,10 +163,6 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def max_tokens(self) -> int:
-        return self.sampling_params.max_tokens
 
     @property
     def is_prefilling(self) -> bool:
@@ -178,7 +184,6 @@ class Request:
                         self.arrival_time, self.eos_token_id, self.extra_key)
         child.parent_id = self.request_id
         child.output_token_ids = [first_token]
-        child.forked = True
         child.stop_ids, child.out_limit = self.stop_ids, self.out_limit
         return child
 

@@ -18,9 +18,6 @@ from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus
 
 
-_new_tuple = tuple.__new__  # builds a NamedTuple without its Python-level __new__
-
-
 class _Step:
     """Scratch state of one schedule() call."""
 
@@ -164,16 +161,49 @@ class Scheduler:
         remaining = request.max_tokens - len(request.output_token_ids)
         return min(remaining, self.config.clip_max_new_tokens) * self.ratio.value
 
+    def _reservation_of_holders(self, decoding: list[Request]) -> float:
+        """_decode_reservation summed over the decodes still running and the requests whose
+        KV is arriving; a plain loop with the ratio factored out, as it runs every step."""
+        running, clip = RequestStatus.RUNNING, self.config.clip_max_new_tokens
+        total = 0
+        for r in decoding:
+            if r.status is running:  # one may have finished in the decode pass
+                left = r.max_tokens - len(r.output_token_ids)
+                total += left if left < clip else clip
+        for r in self.transferring.values():
+            total += min(r.max_tokens - len(r.output_token_ids), clip)
+        return total * self.ratio.value
+
     # ------------------------------------------------------------------ decode
     def _schedule_decodes(self, step: _Step, decoding: list[Request]) -> None:
         """One token for every decoding request; retract some when blocks run short."""
-        # The hot path at large batch sizes: plain attribute reads, one pass.
+        if len(decoding) > self.kv.num_free:  # someone may find no block: plan with care
+            decoding = self._fit_decodes(step, decoding)
+        # The hot path at large batch sizes: one pass of plain attribute reads.
+        scheduled = step.out.scheduled
+        before = len(scheduled)  # prefill entries may precede the decodes
+        tables, bs, append_slot = self.kv.tables, self.block_size, self.kv.append_slot
+        for r in decoding:
+            # The next position's token must be known or in flight, and the request may
+            # still grow: an executor one step ahead may already hold its last token.
+            generated = len(r.output_token_ids) + r.num_in_flight
+            computed = r.num_computed_tokens
+            if generated >= r.out_limit or computed >= len(r.prompt_token_ids) + generated:
+                continue
+            table = tables[r.request_id]
+            if computed >= len(table) * bs and append_slot(r) is None:
+                continue  # blocks held by a KV transfer: wait for it to land
+            scheduled.append(ScheduledRequest(r.request_id, 1, computed, table, True))
+            r.num_computed_tokens = computed + 1
+            r.num_in_flight += 1
+        step.num_decodes += len(scheduled) - before
+
+    def _fit_decodes(self, step: _Step, decoding: list[Request]) -> list[Request]:
+        """The decodes that can run this step, retracting others when blocks run short."""
         ready = []
         need = 0
         tables, bs = self.kv.tables, self.block_size
         for r in decoding:
-            # The next position's token must be known or in flight, and the request may
-            # still grow: an executor one step ahead may already hold its last token.
             generated = len(r.output_token_ids) + r.num_in_flight
             computed = r.num_computed_tokens
             if generated < r.out_limit and computed < len(r.prompt_token_ids) + generated:
@@ -182,18 +212,7 @@ class Scheduler:
                     need += 1  # its last block is full
         if need > self.kv.num_free:
             ready = self._retract(step, decoding, ready, need)
-        scheduled = step.out.scheduled
-        before = len(scheduled)  # prefill entries may precede the decodes
-        append_slot = self.kv.append_slot
-        for r in ready:
-            table = append_slot(r)
-            if table is None:
-                continue  # blocks held by a KV transfer: wait for it to land
-            scheduled.append(_new_tuple(ScheduledRequest, (
-                r.request_id, 1, r.num_computed_tokens, table, True)))
-            r.num_computed_tokens += 1
-            r.num_in_flight += 1
-        step.num_decodes += len(scheduled) - before
+        return ready
 
     def _retract(self, step: _Step, decoding: list[Request], ready: list[Request],
                  need: int) -> list[Request]:
@@ -250,10 +269,7 @@ class Scheduler:
         if not (prefilling or self.waiting):
             return
         if self.config.role != "prefill":
-            running = RequestStatus.RUNNING  # one may have finished in the decode pass
-            step.reserved_tokens = sum(
-                self._decode_reservation(r) for r in decoding if r.status is running
-            ) + sum(self._decode_reservation(r) for r in self.transferring.values())
+            step.reserved_tokens = self._reservation_of_holders(decoding)
         for r in prefilling:
             if self._admit(step, r) is not Admission.ADMITTED:
                 return
@@ -357,14 +373,18 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         requests, sampled, bs = self.requests, result.sampled, self.block_size
         running = RequestStatus.RUNNING
-        for rid, num_new, computed, _, samples in out.scheduled:
+        plain = self.config.role != "prefill"  # the prefill role hands off every first token
+        for x in out.scheduled:
+            rid = x.request_id
             r = requests.get(rid)
             if r is None:
                 continue  # finished or aborted meanwhile: its token is dropped
+            samples = x.samples
             if samples:
                 r.num_in_flight -= 1
             if r.status is not running:
                 continue  # preempted while in flight: dropped, recomputed on re-admission
+            num_new, computed = x.num_new_tokens, x.num_computed_tokens
             if num_new > 1 or (computed + 1) % bs == 0:  # a block may have filled up
                 self.kv.cache_computed(r, computed + num_new)
             if not samples:
@@ -374,9 +394,15 @@ class Scheduler:
                 self._finish(r, RequestStatus.FINISHED_ERROR, "the executor returned no token")
                 outputs.append(self._output(r, []))
                 continue
-            if r.sampling_params.n > 1 and not r.forked:
+            if r.fork_pending:
                 outputs.extend(self._fork(r, tokens[1:]))
-            outputs.append(self._append(r, tokens[0]))
+            token = tokens[0]
+            generated = r.output_token_ids
+            if plain and token not in r.stop_ids and len(generated) + 1 < r.out_limit:
+                generated.append(token)  # _append's common case, inlined for the hot path
+                outputs.append(RequestOutput(rid, [token], parent_id=r.parent_id))
+            else:
+                outputs.append(self._append(r, token))
         return outputs
 
     def _on_preempt_ack(self, rid: str) -> None:
@@ -399,8 +425,7 @@ class Scheduler:
         r.output_token_ids.append(token)
         status = self._stop_status(r, token)
         if status is None and self.config.role != "prefill":  # the common case, kept cheap
-            return _new_tuple(RequestOutput, (r.request_id, [token], False, None, None,
-                                              r.parent_id, False))
+            return RequestOutput(r.request_id, [token], parent_id=r.parent_id)
         if status is not None:
             self._finish(r, status)
         elif self.config.role == "prefill":
@@ -420,7 +445,7 @@ class Scheduler:
     def _fork(self, parent: Request, tokens: list[int]) -> list[RequestOutput]:
         """n>1: siblings share the prompt's full blocks and copy its partial last block.
         A sibling that finds no free block recomputes its prompt from the waiting queue."""
-        parent.forked = True
+        parent.fork_pending = False
         outputs = []
         for index, token in enumerate(tokens, start=1):
             child = parent.fork(index, token)
