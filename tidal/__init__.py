@@ -2,5 +2,13 @@
 
 from tidal.core import SamplingParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The offline API pulls in torch: import it only when asked for.
+    if name == "LLM":
+        from tidal.engine.llm import LLM
+        return LLM
+    raise AttributeError(name)

@@ -45,6 +45,10 @@ class ModelOutput(msgspec.Struct):
 
     sampled: dict[str, list[int]] = msgspec.field(default_factory=dict)
     preempted_ack: list[str] = msgspec.field(default_factory=list)
+    # For requests that asked for logprobs: per sampled token, (its logprob, [(token,
+    # logprob) of the top alternatives]). The scheduler ignores it; the engine passes it on.
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = msgspec.field(
+        default_factory=dict)
 
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False):

@@ -60,6 +60,9 @@ class SamplingParams:
     """Token ids that end the request (finish reason `stop`), even with ignore_eos."""
     ignore_eos: bool = False
     """Keep generating past the EOS token."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end the output (finish reason `stop`); the detokenizer finds them and
+    they are not included in the text."""
     priority: int = 0
     """Lower runs first under the `priority` policy."""
     presence_penalty: float = 0.0
@@ -83,6 +86,9 @@ class SamplingParams:
             if not ok:
                 raise ValueError(message)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
 
 
 class Request:

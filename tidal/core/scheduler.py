@@ -89,16 +89,18 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request (and its n>1 siblings) from any state; frees its blocks now."""
-        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED, "aborted")
+        siblings = [r.request_id for r in self.requests.values() if r.parent_id == request_id]
+        found = [self.finish_request(rid, RequestStatus.FINISHED_ABORTED, "aborted")
+                 for rid in siblings + [request_id]]
+        return any(found)
 
     def finish_request(self, request_id: str, status: RequestStatus,
                        message: str | None = None) -> bool:
-        """End a request from outside (abort, a stop string found by the detokenizer)."""
+        """End one request from outside (abort, a stop string found by the detokenizer)."""
         request = self.requests.get(request_id)
-        siblings = [r for r in self.requests.values() if r.parent_id == request_id]
-        for r in siblings + ([request] if request else []):
-            self._finish(r, status, message)
-        return bool(siblings) or request is not None
+        if request is not None:
+            self._finish(request, status, message)
+        return request is not None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

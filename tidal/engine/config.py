@@ -1,0 +1,89 @@
+"""The engine's config tree: what model runs where, its KV memory, and the core's configs.
+
+Every field is a documented dataclass field; `LLM(model, **kwargs)` and the CLI set any of
+them by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from tidal.core.config import CacheConfig, SchedulerConfig, knob
+
+
+@dataclass
+class ModelConfig:
+    """Which model runs, in what precision, where, and how much memory its KV cache gets."""
+
+    model: str = knob("smollm2-135m", "An embedded model name, a Hugging Face folder "
+                      "(config.json + safetensors) or a GGUF file.")
+    dtype: str = knob("auto", "'auto' (bfloat16 on GPU or on a CPU with avx512_bf16, else "
+                      "float32), 'bfloat16', 'float16' or 'float32'.")
+    device: str = knob("auto", "'auto' (cuda when available), 'cpu' or 'cuda'.")
+    seed: int = knob(0, "Seed of the shared generator for requests without their own seed.")
+    num_kv_blocks: int | None = knob(None, "KV blocks in the pool; derived from memory when "
+                                     "unset.")
+    kv_cache_memory: int | None = knob(None, "Bytes for the KV cache (overrides the fraction).")
+    kv_cache_fraction: float = knob(0.10, "Share of free memory (RAM on CPU, GPU memory on "
+                                    "GPU) the KV cache takes when no size is given.")
+    num_threads: int | None = knob(None, "Torch threads on CPU; defaults to the cores "
+                                   "available to this process.")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if not 0 < self.kv_cache_fraction < 1:
+            raise ValueError("kv_cache_fraction must be in (0, 1)")
+
+
+@dataclass
+class ParallelConfig:
+    """How many engine cores serve the model (filled in by the cluster layer)."""
+
+    data_parallel_size: int = knob(1, "Engine cores behind one data-parallel dispatcher.")
+
+
+@dataclass
+class EngineConfig:
+    """The whole tree, one dataclass per layer."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Route flat keyword arguments to the dataclass that owns each field."""
+        parts: dict[str, dict[str, Any]] = {f.name: {} for f in fields(cls)}
+        owners = {}
+        for part in fields(cls):
+            for f in fields(part.default_factory()):  # type: ignore[misc]
+                owners.setdefault(f.name, part.name)
+        for key, value in kwargs.items():
+            if key == "num_blocks":
+                key = "num_kv_blocks"
+            if key not in owners:
+                raise TypeError(f"unknown engine option {key!r}")
+            parts[owners[key]][key] = value
+        model = ModelConfig(**parts["model"])
+        cache_kwargs = dict(parts["cache"])
+        if model.num_kv_blocks is not None:
+            cache_kwargs["num_blocks"] = model.num_kv_blocks
+        return cls(model=model, cache=CacheConfig(**cache_kwargs),
+                   scheduler=SchedulerConfig(**parts["scheduler"]),
+                   parallel=ParallelConfig(**parts["parallel"]))
+
+
+def all_fields() -> list[tuple[str, Any, str]]:
+    """(name, default, help) of every flat option, for the CLI and the README."""
+    out = []
+    for part in fields(EngineConfig):
+        for f in fields(part.default_factory()):  # type: ignore[misc]
+            if part.name == "cache" and f.name == "num_blocks":
+                continue  # set as num_kv_blocks
+            out.append((f.name, f.default, f.metadata.get("help", "")))
+    return out

@@ -1,0 +1,87 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(conversations)`."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from tidal.core import SamplingParams
+from tidal.engine.config import EngineConfig
+from tidal.engine.engine import Engine
+from tidal.engine.outputs import CompletionOutput, GenerationOutput
+
+Prompt = str | dict  # a string, or {"prompt_token_ids": [...]}
+
+
+class LLM:
+    """Generate for a batch of prompts with continuous batching, in this process. Any engine
+    option is a keyword: `LLM("smollm2-135m", dtype="float32", num_kv_blocks=64, ...)`."""
+
+    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[GenerationOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = []
+        for p in prompts:
+            if isinstance(p, str):
+                encoded.append((p, self.engine.tokenize(p)))
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                encoded.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            else:
+                raise TypeError("a prompt is a string or {'prompt_token_ids': [...]}")
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(self, conversations: list[dict] | Sequence[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[GenerationOutput]:
+        """One or more message lists, each rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        encoded = [(None, self.engine.apply_chat_template(list(c))) for c in conversations]
+        return self._run(encoded, params, use_tqdm)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]],
+             params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[GenerationOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(encoded)
+        if len(params) != len(encoded):
+            raise ValueError(f"{len(params)} SamplingParams for {len(encoded)} prompts")
+        results: dict[str, GenerationOutput] = {}
+        order = []
+        try:
+            for (text, ids), p in zip(encoded, params):
+                rid = self.engine.add_request(ids, p)
+                order.append(rid)
+                results[rid] = GenerationOutput(rid, text, ids,
+                                                [CompletionOutput(i) for i in range(p.n)])
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        bar = tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for u in self.engine.step():
+                    seq = results[u.root_id].outputs[u.index]
+                    seq.token_ids.extend(u.new_token_ids)
+                    seq.text += u.new_text
+                    if u.logprobs is not None:
+                        seq.logprobs = (seq.logprobs or []) + u.logprobs
+                    if u.finished:
+                        seq.finish_reason = u.finish_reason
+                        if results[u.root_id].finished:
+                            bar.update(1)
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in order]

@@ -1,0 +1,168 @@
+"""Executes a SchedulerOutput on the model: builds the flattened batch, runs the forward
+pass over the paged KV cache, samples, and returns a ModelOutput."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from tidal.core import ModelOutput, Request, SchedulerOutput
+from tidal.engine.config import ModelConfig
+from tidal.model.attention import AttentionMetadata
+from tidal.model.config import ModelArch
+from tidal.model.loader import load_model
+from tidal.model.sampler import SampleRow, sample
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text() or "amx_bf16" in Path(
+            "/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def pick_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" or cpu_has_bf16() else torch.float32
+    return _DTYPES[name]
+
+
+def free_memory(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the per-request samplers' generators."""
+
+    def __init__(self, folder: str | Path, config: ModelConfig, block_size: int) -> None:
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        if self.device == "cpu":
+            torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        self.arch = ModelArch.from_folder(folder)
+        self.model = load_model(folder, self.dtype, self.device)
+        self.block_size = block_size
+        self.num_blocks = self._size_kv(config)
+        shape = (self.num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.arch.num_layers)]
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _size_kv(self, config: ModelConfig) -> int:
+        per_block = self.arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        budget = config.kv_cache_memory or int(free_memory(self.device) * config.kv_cache_fraction)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block}")
+        return blocks
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> ModelOutput:
+        for rid in out.finished_ids:  # a preempted request keeps its generator's state
+            self.generators.pop(rid, None)
+        if out.block_copies:
+            src = torch.tensor([s for s, _ in out.block_copies], device=self.device)
+            dst = torch.tensor([d for _, d in out.block_copies], device=self.device)
+            for k, v in self.kv_caches:
+                k[dst] = k[src]
+                v[dst] = v[src]
+        if not out.scheduled:
+            return ModelOutput(preempted_ack=list(out.preempted_ids))
+        batch = self._prepare(out, requests)
+        logits = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
+                            batch.logits_indices)
+        rows = [self._row(requests[rid]) for rid in batch.sample_ids]
+        tokens, logprobs = sample(logits, rows, self.generator)
+        result = ModelOutput(sampled=dict(zip(batch.sample_ids, tokens)),
+                             preempted_ack=list(out.preempted_ids))
+        for rid, lp in zip(batch.sample_ids, logprobs):
+            if lp is not None:
+                result.logprobs[rid] = lp
+        return result
+
+    def _row(self, r: Request) -> SampleRow:
+        p = r.sampling_params
+        gen = None
+        if p.seed is not None:
+            gen = self.generators.get(r.request_id)
+            if gen is None:
+                gen = self.generators[r.request_id] = torch.Generator().manual_seed(p.seed)
+        n = p.n if r.fork_pending else 1
+        return SampleRow(p, n, r.prompt_token_ids, r.output_token_ids, gen)
+
+    def _prepare(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> "_Batch":
+        """Prefill entries first (one contiguous run each), then the one-token decodes."""
+        bs, dev = self.block_size, self.device
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefill_meta = []
+        logits_rows, sample_ids = [], []
+        for s in prefills:
+            r, c, n = requests[s.request_id], s.num_computed_tokens, s.num_new_tokens
+            start = len(ids)
+            ids.extend(r.token_slice(c, c + n))
+            pos = range(c, c + n)
+            positions.extend(pos)
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            prefill_meta.append((start, n, c, torch.tensor(table, device=dev)))
+            if s.samples:
+                logits_rows.append(start + n - 1)
+                sample_ids.append(s.request_id)
+        num_prefill = len(ids)
+        meta = AttentionMetadata(slot_mapping=None, prefills=prefill_meta,  # type: ignore
+                                 num_prefill_tokens=num_prefill)
+        if decodes:
+            width = max(len(s.block_ids) for s in decodes)
+            tables, lens = [], []
+            for s in decodes:
+                r, c = requests[s.request_id], s.num_computed_tokens
+                ids.append(r.token_slice(c, c + 1)[0])
+                positions.append(c)
+                slots.append(s.block_ids[c // bs] * bs + c % bs)
+                tables.append(s.block_ids + [0] * (width - len(s.block_ids)))
+                lens.append(c + 1)
+                if s.samples:
+                    logits_rows.append(len(ids) - 1)
+                    sample_ids.append(s.request_id)
+            meta.decode_block_tables = torch.tensor(tables, device=dev)
+            meta.decode_context_lens = torch.tensor(lens, device=dev)
+            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :]
+                                < meta.decode_context_lens[:, None])[:, None, None, :]
+        meta.slot_mapping = torch.tensor(slots, device=dev)
+        return _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
+                      torch.tensor(logits_rows, device=dev, dtype=torch.long), sample_ids)
+
+
+class _Batch:
+    __slots__ = ("input_ids", "positions", "meta", "logits_indices", "sample_ids")
+
+    def __init__(self, input_ids, positions, meta, logits_indices, sample_ids) -> None:
+        self.input_ids, self.positions, self.meta = input_ids, positions, meta
+        self.logits_indices, self.sample_ids = logits_indices, sample_ids

@@ -1,0 +1,45 @@
+"""What the engine and the offline API return: text and tokens per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepUpdate:
+    """What one engine step produced for one sequence."""
+
+    request_id: str  # the sequence's id (an n>1 sibling has its own, `id-k`)
+    root_id: str  # the id the caller submitted
+    index: int  # which of the n sequences
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    finish_message: str | None = None
+    logprobs: list | None = None  # per new token: (logprob, [(token, logprob), ...])
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list | None = None
+
+
+@dataclass
+class GenerationOutput:
+    """A prompt and its n completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)

