@@ -15,6 +15,7 @@ from tidal.engine.detokenizer import IncrementalDetokenizer
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.outputs import StepUpdate
 from tidal.model.registry import resolve_model
+from tidal.model.tokenizer import Tokenizer
 
 log = logging.getLogger("tidal.engine")
 
@@ -23,12 +24,10 @@ class Engine:
     """Runs requests to completion, one `step()` at a time, in this process."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
         t0 = time.perf_counter()
         self.config = config
         folder, self.model_name = resolve_model(config.model.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.tokenizer = Tokenizer(folder)
         self.runner = ModelRunner(folder, config.model, config.cache.block_size)
         arch = self.runner.arch
         sched_cfg = config.scheduler
@@ -52,12 +51,11 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt).input_ids
+        return self.tokenizer.encode(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:

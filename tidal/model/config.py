@@ -42,10 +42,14 @@ class ModelArch:
         if model_type not in FAMILIES:
             raise ValueError(f"model_type {model_type!r} is not supported; tidal runs "
                              f"{', '.join(FAMILIES)}")
-        scaling = cfg.get("rope_scaling") or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        # transformers 5 writes RoPE settings under rope_parameters; older configs use
+        # rope_theta and rope_scaling.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in ("default", None):
-            raise ValueError(f"rope_scaling type {kind!r} is not supported yet")
+            raise ValueError(f"RoPE type {kind!r} is not supported yet")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported yet")
         qkv_bias, qk_norm = FAMILIES[model_type]
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
@@ -60,7 +64,7 @@ class ModelArch:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("attention_bias", qkv_bias),

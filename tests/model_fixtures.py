@@ -1,0 +1,63 @@
+"""Models for the engine tests: the embedded default, and tiny random Llama / Qwen3 folders
+built in the test (HF classes, random weights, the embedded tokenizer)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from tidal.model.registry import resolve_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who "
+    "every morning walked down to the harbour before sunrise. One day he found",
+    "1, 2, 3, 4,",
+    "Translate to French: I like apples and",
+    "The three primary colours are",
+    "A long list of fruits: apple, banana, cherry, date, elderberry, fig, grape, honeydew, "
+    "kiwi, lemon, mango, nectarine, orange, papaya, quince, raspberry, strawberry,",
+    "Q: What is 12 times 12?\nA:",
+]
+
+
+def embedded_folder() -> Path:
+    return resolve_model("smollm2-135m")[0]
+
+
+def tiny_folder(tmp: Path, family: str) -> Path:
+    """A randomly initialised 2-layer model of `family` ('llama' or 'qwen3')."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=family == "llama")
+    torch.manual_seed(0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(rope_theta=1000000.0, **common))
+    folder = tmp / family
+    model.save_pretrained(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(embedded_folder() / name, folder / name)
+    return folder
+
+
+def hf_greedy(model, prompt_ids: list[int], max_tokens: int, eos: int | None) -> list[int]:
+    """Greedy tokens from an HF model, recomputing the whole sequence each step."""
+    ids = list(prompt_ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+            if token == eos:
+                break
+    return out

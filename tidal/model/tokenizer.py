@@ -1,0 +1,64 @@
+"""The tokenizer of a model folder: `tokenizers` for text <-> ids (loads in ~0.1 s where
+transformers' AutoTokenizer takes over a second) and jinja2 for the chat template."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+class Tokenizer:
+    """encode / decode / apply_chat_template over `tokenizer.json`, `tokenizer_config.json`
+    and the chat template (`chat_template.jinja` or the config's `chat_template`)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json")
+        self._tk = HFTokenizer.from_file(str(path))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.eos_token_id = self._tk.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tk.get_vocab_size()
+        template = cfg.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        self.chat_template = template
+        if template is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template: send a plain prompt instead")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError("each message needs a 'role' (and 'content')")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     **kwargs)
