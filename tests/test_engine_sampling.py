@@ -1,0 +1,119 @@
+"""Sampling on a tiny random model: seeds reproduce across batch compositions, filters and
+penalties do what they say, logprobs match the distribution, stop strings cut the text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_fixtures import PROMPTS, tiny_folder
+from tidal import LLM, SamplingParams
+from tidal.engine.detokenizer import IncrementalDetokenizer
+from tidal.model.sampler import SampleRow, sample
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    folder = tiny_folder(tmp_path_factory.mktemp("tiny"), "llama")
+    return LLM(str(folder), dtype="float32", num_kv_blocks=128, block_size=4)
+
+
+def ids(llm, prompts):
+    return [{"prompt_token_ids": llm.engine.tokenize(p)} for p in prompts]
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate(ids(llm, PROMPTS[:1]), seeded, use_tqdm=False)[0].outputs[0].token_ids
+    other = SamplingParams(max_tokens=7, temperature=0.8, ignore_eos=True)
+    mixed = llm.generate(ids(llm, PROMPTS[1:4] + PROMPTS[:1] + PROMPTS[4:]),
+                         [other] * 3 + [seeded] + [other] * 4, use_tqdm=False)
+    assert mixed[3].outputs[0].token_ids == alone
+    different = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    assert llm.generate(ids(llm, PROMPTS[:1]), different,
+                        use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n_sequences_fork_and_share_the_prompt(llm):
+    out = llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(max_tokens=6, n=3, temperature=1.0,
+                                                             seed=7, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [len(o.token_ids) for o in out.outputs] == [6, 6, 6]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert not llm.engine.scheduler.requests and llm.engine.scheduler.kv.pool.num_used == 0
+
+
+def row(**kw):
+    return SampleRow(SamplingParams(**kw), 1, [], [], None)
+
+
+def test_top_k_and_min_p_and_top_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
+    gen = torch.Generator().manual_seed(0)
+    seen = [set(), set(), set()]
+    for _ in range(300):
+        toks, _ = sample(logits, [row(temperature=1, top_k=2), row(temperature=1, min_p=0.5),
+                                  row(temperature=1, top_p=0.7)], gen)
+        for s, t in zip(seen, toks):
+            s.add(t[0])
+    assert seen == [{0, 1}, {0, 1}, {0, 1}]
+
+
+def test_penalties_and_logprobs():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    plain, lp = sample(logits, [row(temperature=0, logprobs=2)], gen)
+    assert plain == [[0]]
+    probs = logits.log_softmax(-1)[0]
+    assert lp[0][0][0] == pytest.approx(probs[0].item())
+    assert [t for t, _ in lp[0][0][1]] == [0, 1]
+    penalised = SampleRow(SamplingParams(temperature=0, presence_penalty=0.5), 1, [], [0], None)
+    assert sample(logits, [penalised], gen)[0] == [[1]]
+    repeated = SampleRow(SamplingParams(temperature=0, repetition_penalty=1.2), 1, [0], [], None)
+    assert sample(logits, [repeated], gen)[0] == [[1]]
+
+
+class _CharTokenizer:
+    """One character per token id (ord), multi-byte-free: enough to test stop handling."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_stop_string_cuts_text_and_holds_back_a_possible_start():
+    d = IncrementalDetokenizer(_CharTokenizer(), ["END"])
+    assert d.add([ord(c) for c in "abcE"]) == "ab"  # the last len("END") - 1 chars are held
+    assert d.add([ord("N")]) == "c"
+    assert d.add([ord("D"), ord("x")]) == "" and d.stopped
+    assert d.text == "abc"
+    e = IncrementalDetokenizer(_CharTokenizer(), ["END"])
+    assert e.add([ord(c) for c in "xyzEN"]) == "xyz"
+    assert e.flush() == "EN" and not e.stopped
+
+
+def test_stop_string_finishes_the_request(llm):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    full = llm.generate(ids(llm, PROMPTS[:1]), params, use_tqdm=False)[0].outputs[0]
+    stop = full.text[3:6]
+    assert stop
+    cut = llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+    assert not llm.engine.scheduler.requests
+
+
+def test_bad_input_is_refused_and_nothing_leaks(llm):
+    with pytest.raises(ValueError):
+        llm.generate([{"prompt_token_ids": [10 ** 7]}], use_tqdm=False)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(TypeError):
+        llm.generate([3.5], use_tqdm=False)
+    assert not llm.engine.scheduler.requests and llm.engine.scheduler.kv.pool.num_used == 0
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}],
+                   SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    text = llm.tokenizer.decode(out[0].prompt_token_ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
