@@ -36,8 +36,9 @@ def test_core_reads_no_environment_variables():
 
 def test_readme_documents_every_config_field():
     from tidal.core.config import CacheConfig, SchedulerConfig, help_table
+    from tidal.engine.config import ModelConfig, ParallelConfig
 
     readme = (pathlib.Path(tidal.core.__file__).parents[2] / "README.md").read_text()
-    missing = [name for cls in (SchedulerConfig, CacheConfig)
+    missing = [name for cls in (SchedulerConfig, CacheConfig, ModelConfig, ParallelConfig)
                for name, _, _ in help_table(cls) if f"| `{name}` |" not in readme]
     assert missing == []

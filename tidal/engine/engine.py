@@ -27,6 +27,7 @@ class Engine:
         t0 = time.perf_counter()
         self.config = config
         folder, self.model_name = resolve_model(config.model.model)
+        self.runner_folder = folder
         self.tokenizer = Tokenizer(folder)
         self.runner = ModelRunner(folder, config.model, config.cache.block_size)
         arch = self.runner.arch

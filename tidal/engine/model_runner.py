@@ -14,6 +14,7 @@ from tidal.engine.config import ModelConfig
 from tidal.model.attention import AttentionMetadata
 from tidal.model.config import ModelArch
 from tidal.model.loader import load_model
+from tidal.model.quant import quantize_int8
 from tidal.model.sampler import SampleRow, sample
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -55,6 +56,10 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.arch = ModelArch.from_folder(folder)
         self.model = load_model(folder, self.dtype, self.device)
+        if config.quantization == "int8":
+            if self.device != "cpu" or self.dtype != torch.bfloat16:
+                raise ValueError("quantization='int8' runs on CPU in bfloat16")
+            quantize_int8(self.model)
         self.block_size = block_size
         self.num_blocks = self._size_kv(config)
         shape = (self.num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)

@@ -120,5 +120,7 @@ class LlamaModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = layer(h, positions, self.rotary, k_cache, v_cache, meta)
         h = self.norm(h[logits_indices])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(h).float()
+        head = getattr(self, "lm_head_int8", None)  # a quantized copy of the tied embedding
+        return (head(h) if head is not None else F.linear(h, self.embed_tokens.weight)).float()
