@@ -141,8 +141,7 @@ class ModelRunner:
                 logits_rows.append(start + n - 1)
                 sample_ids.append(s.request_id)
         num_prefill = len(ids)
-        meta = AttentionMetadata(slot_mapping=None, prefills=prefill_meta,  # type: ignore
-                                 num_prefill_tokens=num_prefill)
+        decode_tables = decode_lens = decode_mask = None
         if decodes:
             width = max(len(s.block_ids) for s in decodes)
             tables, lens = [], []
@@ -156,11 +155,12 @@ class ModelRunner:
                 if s.samples:
                     logits_rows.append(len(ids) - 1)
                     sample_ids.append(s.request_id)
-            meta.decode_block_tables = torch.tensor(tables, device=dev)
-            meta.decode_context_lens = torch.tensor(lens, device=dev)
-            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :]
-                                < meta.decode_context_lens[:, None])[:, None, None, :]
-        meta.slot_mapping = torch.tensor(slots, device=dev)
+            decode_tables = torch.tensor(tables, device=dev)
+            decode_lens = torch.tensor(lens, device=dev)
+            decode_mask = (torch.arange(width * bs, device=dev)[None, :]
+                           < decode_lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(torch.tensor(slots, device=dev), prefill_meta, num_prefill,
+                                 decode_tables, decode_lens, decode_mask)
         return _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                       torch.tensor(logits_rows, device=dev, dtype=torch.long), sample_ids)
 

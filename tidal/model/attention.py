@@ -24,7 +24,7 @@ class AttentionMetadata:
     # already cached before this step, block table as a tensor).
     prefills: list[tuple[int, int, int, torch.Tensor]]
     num_prefill_tokens: int
-    # Decode sequences follow: one query token each.
+    # Decode sequences follow: one query token each (None when the step has none).
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None = None  # [B] tokens to attend, this one included
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] True = keep
