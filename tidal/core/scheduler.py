@@ -172,9 +172,8 @@ class Scheduler:
             if r.status is running:  # one may have finished in the decode pass
                 left = r.max_tokens - len(r.output_token_ids)
                 total += left if left < clip else clip
-        for r in self.transferring.values():
-            total += min(r.max_tokens - len(r.output_token_ids), clip)
-        return total * self.ratio.value
+        return total * self.ratio.value + sum(
+            self._decode_reservation(r) for r in self.transferring.values())
 
     # ------------------------------------------------------------------ decode
     def _schedule_decodes(self, step: _Step, decoding: list[Request]) -> None:

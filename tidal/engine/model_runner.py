@@ -28,10 +28,10 @@ def pick_device(name: str) -> str:
 
 def cpu_has_bf16() -> bool:
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text() or "amx_bf16" in Path(
-            "/proc/cpuinfo").read_text()
+        flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def pick_dtype(name: str, device: str) -> torch.dtype:

@@ -88,16 +88,16 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     config = hf_config(reader)
     tensors = {}
     for t in reader.tensors:
-        name = t.name
-        if name.startswith("blk."):
-            _, layer, rest = name.split(".", 2)
+        rest = None
+        if t.name.startswith("blk."):
+            _, layer, rest = t.name.split(".", 2)
             hf_name = f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
         else:
-            hf_name = _GLOBAL_NAMES[name]
+            hf_name = _GLOBAL_NAMES[t.name]
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if rest_is(name, "attn_q.weight"):
+        if rest == "attn_q.weight":
             w = _unpermute(w, config["num_attention_heads"])
-        elif rest_is(name, "attn_k.weight"):
+        elif rest == "attn_k.weight":
             w = _unpermute(w, config["num_key_value_heads"])
         tensors[hf_name] = np.ascontiguousarray(w)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -115,6 +115,3 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         raise
     return out_dir
 
-
-def rest_is(name: str, suffix: str) -> bool:
-    return name.startswith("blk.") and name.endswith("." + suffix)
