@@ -11,10 +11,10 @@ import torch
 
 from tidal.core import ModelOutput, Request, SchedulerOutput
 from tidal.engine.config import ModelConfig
-from tidal.model.attention import AttentionMetadata
+from tidal.model.attention import AttentionMetadata, PrefillSeq, kv_cache_shape
 from tidal.model.config import ModelArch
+from tidal.model.linear import Int8Linear, PackedLinear, can_pack, replace_linears
 from tidal.model.loader import load_model
-from tidal.model.quant import quantize_int8
 from tidal.model.sampler import SampleRow, sample
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -59,10 +59,13 @@ class ModelRunner:
         if config.quantization == "int8":
             if self.device != "cpu" or self.dtype != torch.bfloat16:
                 raise ValueError("quantization='int8' runs on CPU in bfloat16")
-            quantize_int8(self.model)
+            replace_linears(self.model, Int8Linear)
+        elif can_pack(self.dtype, self.device):
+            replace_linears(self.model, PackedLinear)
         self.block_size = block_size
         self.num_blocks = self._size_kv(config)
-        shape = (self.num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = kv_cache_shape(self.num_blocks, block_size, self.arch.num_kv_heads,
+                               self.arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.arch.num_layers)]
@@ -91,9 +94,9 @@ class ModelRunner:
         if out.block_copies:
             src = torch.tensor([s for s, _ in out.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in out.block_copies], device=self.device)
-            for k, v in self.kv_caches:
-                k[dst] = k[src]
-                v[dst] = v[src]
+            for k, v in self.kv_caches:  # block is dim 1 of the head-major layout
+                k[:, dst] = k[:, src]
+                v[:, dst] = v[:, src]
         if not out.scheduled:
             return ModelOutput(preempted_ack=list(out.preempted_ids))
         batch = self._prepare(out, requests)
@@ -136,12 +139,19 @@ class ModelRunner:
             positions.extend(pos)
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            prefill_meta.append((start, n, c, torch.tensor(table, device=dev)))
+            if c == 0:
+                prefill_meta.append(PrefillSeq(start, n, 0))
+            else:  # attends to its cached prefix too: causal from position c on
+                mask = (torch.arange(c + n, device=dev)[None, :]
+                        <= torch.arange(c, c + n, device=dev)[:, None])
+                prefill_meta.append(PrefillSeq(start, n, c, torch.tensor(table, device=dev),
+                                               mask))
             if s.samples:
                 logits_rows.append(start + n - 1)
                 sample_ids.append(s.request_id)
         num_prefill = len(ids)
-        decode_tables = decode_lens = decode_mask = None
+        tables_t = bias = None
+        max_len = 0
         if decodes:
             width = max(len(s.block_ids) for s in decodes)
             tables, lens = [], []
@@ -155,12 +165,14 @@ class ModelRunner:
                 if s.samples:
                     logits_rows.append(len(ids) - 1)
                     sample_ids.append(s.request_id)
-            decode_tables = torch.tensor(tables, device=dev)
-            decode_lens = torch.tensor(lens, device=dev)
-            decode_mask = (torch.arange(width * bs, device=dev)[None, :]
-                           < decode_lens[:, None])[:, None, None, :]
+            tables_t, max_len = torch.tensor(tables, device=dev), max(lens)
+            if len(decodes) > 1:  # padding past each context gets -inf before the softmax
+                pad = (torch.arange(width * bs, device=dev)[None, :]
+                       >= torch.tensor(lens, device=dev)[:, None])
+                bias = torch.zeros(pad.shape, device=dev).masked_fill_(
+                    pad, float("-inf"))[None, :, None, :]
         meta = AttentionMetadata(torch.tensor(slots, device=dev), prefill_meta, num_prefill,
-                                 decode_tables, decode_lens, decode_mask)
+                                 tables_t, bias, max_len)
         return _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                       torch.tensor(logits_rows, device=dev, dtype=torch.long), sample_ids)
 

@@ -22,32 +22,31 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the reference, then scale in the model's dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # One fused op (float32 inside); equals HF's float32 formula in float32.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
-    """RoPE with the half-split pairing of HF checkpoints; cos/sin cached per position."""
+    """RoPE with the half-split pairing of HF checkpoints: x*cos + rotate_half(x)*sin, where
+    rotate_half(x) = roll(x, D/2) with the first half's sine negated (one table lookup a step)."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
         inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs.cos()] * 2, dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1),
+                             persistent=False)
 
-    def forward(self, positions, q, k):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and signed sin of each token, [T, 1, D], shared by every layer of a step."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = rope
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -63,16 +62,15 @@ class Attention(nn.Module):
         self.qk_norm = arch.qk_norm
         self.backend = backend
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d,
-                                          self.hkv * self.d], dim=-1)
-        q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata):
+        t, h = x.shape[0], self.h
+        qkv = self.qkv_proj(x).view(t, h + 2 * self.hkv, self.d)
+        qk, v = qkv[:, :h + self.hkv], qkv[:, h + self.hkv:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        o = self.backend.forward(q, k, v, k_cache, v_cache, meta)
-        return self.o_proj(o.reshape(t, self.h * self.d))
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+        qk = apply_rope(qk, rope)  # q and k heads in one go
+        o = self.backend.forward(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta)
+        return self.o_proj(o.view(t, h * self.d))
 
 
 class MLP(nn.Module):
@@ -94,8 +92,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, h, positions, rotary, k_cache, v_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, k_cache, v_cache, meta)
+    def forward(self, h, rope, k_cache, v_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), rope, k_cache, v_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -117,10 +115,9 @@ class LlamaModel(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits (float32) of the rows in `logits_indices`."""
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, h.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = layer(h, positions, self.rotary, k_cache, v_cache, meta)
+            h = layer(h, rope, k_cache, v_cache, meta)
         h = self.norm(h[logits_indices])
-        if self.lm_head is not None:
-            return self.lm_head(h).float()
-        head = getattr(self, "lm_head_int8", None)  # a quantized copy of the tied embedding
+        head = self.lm_head  # a module of its own once the runner converts a tied embedding
         return (head(h) if head is not None else F.linear(h, self.embed_tokens.weight)).float()
