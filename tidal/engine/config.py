@@ -21,8 +21,10 @@ class ModelConfig:
     dtype: str = knob("auto", "'auto' (bfloat16 on GPU or on a CPU with avx512_bf16, else "
                       "float32), 'bfloat16', 'float16' or 'float32'.")
     device: str = knob("auto", "'auto' (cuda when available), 'cpu' or 'cuda'.")
-    quantization: str = knob("none", "'none', or 'int8': weight-only int8 projections "
-                             "(per-channel absmax; halves the bytes a CPU decode step reads).")
+    quantization: str = knob("none", "'none'; 'int8': weight-only int8 projections "
+                             "(per-channel absmax); 'int4': weight-only int4 in groups of 32 "
+                             "(the embedded GGUF's own Q4_1 format) for steps of at most 4 "
+                             "tokens, bf16 for larger ones. CPU, bf16 only.")
     seed: int = knob(0, "Seed of the shared generator for requests without their own seed.")
     num_kv_blocks: int | None = knob(None, "KV blocks in the pool; derived from memory when "
                                      "unset.")
@@ -37,8 +39,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8; got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4; got {self.quantization!r}")
         if not 0 < self.kv_cache_fraction < 1:
             raise ValueError("kv_cache_fraction must be in (0, 1)")
 

@@ -13,7 +13,7 @@ from tidal.core import ModelOutput, Request, SchedulerOutput
 from tidal.engine.config import ModelConfig
 from tidal.model.attention import AttentionMetadata, PrefillSeq, kv_cache_shape
 from tidal.model.config import ModelArch
-from tidal.model.linear import Int8Linear, PackedLinear, can_pack, replace_linears
+from tidal.model.linear import Int4Linear, Int8Linear, PackedLinear, can_pack, replace_linears
 from tidal.model.loader import load_model
 from tidal.model.sampler import SampleRow, sample
 
@@ -56,10 +56,10 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.arch = ModelArch.from_folder(folder)
         self.model = load_model(folder, self.dtype, self.device)
-        if config.quantization == "int8":
-            if self.device != "cpu" or self.dtype != torch.bfloat16:
-                raise ValueError("quantization='int8' runs on CPU in bfloat16")
-            replace_linears(self.model, Int8Linear)
+        if config.quantization != "none":
+            if not can_pack(self.dtype, self.device):
+                raise ValueError(f"quantization={config.quantization!r} runs on CPU in bfloat16")
+            replace_linears(self.model, Int8Linear if config.quantization == "int8" else Int4Linear)
         elif can_pack(self.dtype, self.device):
             replace_linears(self.model, PackedLinear)
         self.block_size = block_size

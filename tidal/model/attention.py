@@ -73,6 +73,8 @@ class TorchAttention(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         k_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(hkv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        if not meta.prefills:  # a decode-only step: no runs to stitch together
+            return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         for seq in meta.prefills:
             end = seq.start + seq.length

@@ -1,0 +1,92 @@
+"""The CPU linear layers: packed bf16 equals F.linear, weight-only int8/int4 stay close, and
+int4 re-creates weights that already lie on a Q4_1 grid."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidal.model.linear import Int4Linear, Int8Linear, PackedLinear, can_pack, replace_linears
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"),
+                                reason="needs oneDNN on CPU")
+
+
+def _linear(n_out: int = 48, n_in: int = 64, bias: bool = True) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_packed_linear_gives_the_same_numbers_as_f_linear(rows):
+    lin = _linear()
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    assert torch.equal(PackedLinear(lin.weight, lin.bias)(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_int8_linear_is_close_to_the_bf16_one():
+    lin = _linear()
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    ref = lin(x).float()
+    got = Int8Linear(lin.weight, lin.bias)(x).float()
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_int4_recreates_q4_1_weights_and_switches_to_bf16_for_many_rows():
+    torch.manual_seed(0)
+    n, k, g = 48, 96, Int4Linear.GROUP
+    # Weights on a Q4_1 grid: per group of 32, scale * q + min with q in 0..15 (both ends used).
+    q = torch.randint(0, 16, (n, k // g, g))
+    q[..., 0], q[..., 1] = 0, 15
+    scale = torch.rand(n, k // g, 1) * 0.01 + 0.001
+    low = torch.randn(n, k // g, 1) * 0.05
+    weight = (q * scale + low).view(n, k).to(torch.bfloat16)
+    layer = Int4Linear(weight)
+    few = torch.randn(Int4Linear.MAX_ROWS, k, dtype=torch.bfloat16)
+    ref = few.float() @ weight.float().t()
+    err = (layer(few).float() - ref).abs().max()
+    assert err < 0.02 * ref.abs().max()  # bf16 scales/zeros and accumulation only
+    many = torch.randn(Int4Linear.MAX_ROWS + 1, k, dtype=torch.bfloat16)
+    assert torch.equal(layer(many), F.linear(many, weight))  # the dense path, exactly
+
+
+def test_int4_refuses_widths_that_are_not_whole_groups():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Linear(torch.zeros(16, 40, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="by 16"):
+        Int4Linear(torch.zeros(8, 64, dtype=torch.bfloat16))
+
+
+def test_replace_linears_gives_a_tied_model_its_own_head():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(50, 64).to(torch.bfloat16)
+            self.proj = _linear(64, 64)
+            self.lm_head = None
+
+    model = replace_linears(Tiny(), PackedLinear)
+    assert isinstance(model.proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(model.lm_head(x), F.linear(x, model.embed_tokens.weight))
+
+
+def test_int4_engine_runs_small_steps_in_int4_and_batches_in_bf16(tmp_path):
+    from model_fixtures import tiny_folder
+    from tidal import LLM, SamplingParams
+
+    folder = tiny_folder(tmp_path, "llama")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 2 * i))} for i in range(8)]
+    bf16 = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64, block_size=4)
+    int4 = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64, block_size=4,
+               quantization="int4")
+
+    def tokens(llm, batch):
+        return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+
+    # All eight together: every step has more than MAX_ROWS tokens, so bf16 weights throughout.
+    assert tokens(int4, prompts) == tokens(bf16, prompts)
+    # One at a time: decode steps of one row take the int4 weights, which round differently.
+    alone = [tokens(int4, [p])[0] for p in prompts]
+    assert alone != tokens(bf16, prompts)
