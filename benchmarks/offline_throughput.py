@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="none", help="none, int8 or int4 (CPU bf16)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     args = ap.parse_args()
@@ -94,7 +95,7 @@ def main() -> None:
     from tidal import LLM
 
     llm = LLM("smollm2-135m", dtype=args.dtype, num_kv_blocks=2048,
-              quantization=args.quantization)
+              quantization=args.quantization, num_threads=args.threads)
     dtype = llm.engine.runner.dtype
     prompts = chat_prompts(llm.tokenizer, args.requests)
     print(f"device {llm.engine.runner.device}, dtype {str(dtype).split('.')[-1]}, "

