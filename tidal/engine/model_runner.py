@@ -94,9 +94,9 @@ class ModelRunner:
         if out.block_copies:
             src = torch.tensor([s for s, _ in out.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in out.block_copies], device=self.device)
-            for k, v in self.kv_caches:  # block is dim 1 of the head-major layout
-                k[:, dst] = k[:, src]
-                v[:, dst] = v[:, src]
+            for k, v in self.kv_caches:
+                k[dst] = k[src]
+                v[dst] = v[src]
         if not out.scheduled:
             return ModelOutput(preempted_ack=list(out.preempted_ids))
         batch = self._prepare(out, requests)
@@ -166,11 +166,7 @@ class ModelRunner:
                     logits_rows.append(len(ids) - 1)
                     sample_ids.append(s.request_id)
             tables_t, max_len = torch.tensor(tables, device=dev), max(lens)
-            if len(decodes) > 1:  # padding past each context gets -inf before the softmax
-                pad = (torch.arange(width * bs, device=dev)[None, :]
-                       >= torch.tensor(lens, device=dev)[:, None])
-                bias = torch.zeros(pad.shape, device=dev).masked_fill_(
-                    pad, float("-inf"))[None, :, None, :]
+            bias = self.model.backend.decode_bias(lens, width * bs, dev)
         meta = AttentionMetadata(torch.tensor(slots, device=dev), prefill_meta, num_prefill,
                                  tables_t, bias, max_len)
         return _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,

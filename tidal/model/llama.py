@@ -106,6 +106,7 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
         super().__init__()
         self.arch = arch
+        self.backend = backend
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
