@@ -57,7 +57,7 @@ def bench_hf(folder, prompts, max_tokens: int, dtype: torch.dtype) -> float:
     return sum(len(o.generated_tokens) for o in outs.values()) / elapsed
 
 
-def decode_step_ms(llm, batch: int, steps: int = 20, repeat: int = 3) -> float:
+def decode_step_ms(llm, batch: int, steps: int = 30, repeat: int = 5) -> float:
     """Wall time of a decode-only engine step with `batch` running requests: the median of
     `steps` steps, best of `repeat` runs (this VM's clock wanders by tens of percent)."""
     from tidal import SamplingParams
