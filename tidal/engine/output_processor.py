@@ -1,0 +1,56 @@
+"""Token outputs -> text: per-sequence incremental detokenization, stop strings, and the
+mapping of n>1 siblings back to the request the caller submitted. Used by the in-process
+`Engine` and by the server's frontend alike."""
+
+from __future__ import annotations
+
+from tidal.core import RequestOutput, SamplingParams
+from tidal.engine.detokenizer import IncrementalDetokenizer
+from tidal.engine.outputs import StepUpdate
+
+
+class OutputProcessor:
+    """Tracks live sequences; `process()` turns a step's outputs into `StepUpdate`s and says
+    which sequences met a stop string (the caller ends them in the core)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._seqs: dict[str, tuple[str, int, SamplingParams, IncrementalDetokenizer]] = {}
+
+    def track(self, request_id: str, params: SamplingParams) -> None:
+        self._add(request_id, request_id, 0, params)
+
+    def _add(self, seq_id: str, root: str, index: int, params: SamplingParams) -> None:
+        self._seqs[seq_id] = (root, index, params, IncrementalDetokenizer(self.tokenizer,
+                                                                           params.stop))
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request and its siblings (aborted); later outputs for them are ignored."""
+        for seq in [s for s, v in self._seqs.items() if v[0] == request_id]:
+            del self._seqs[seq]
+
+    def __contains__(self, request_id: str) -> bool:
+        return any(v[0] == request_id for v in self._seqs.values())
+
+    def process(self, outputs: list[RequestOutput], logprobs: dict[str, list],
+                ) -> tuple[list[StepUpdate], list[str]]:
+        updates, stopped = [], []
+        for o in outputs:
+            if o.request_id not in self._seqs:
+                parent = self._seqs.get(o.parent_id) if o.parent_id is not None else None
+                if parent is None:
+                    continue  # a late token of a forgotten request
+                self._add(o.request_id, parent[0], int(o.request_id.rsplit("-", 1)[1]),
+                          parent[2])
+            root, index, _, detok = self._seqs[o.request_id]
+            text = detok.add(o.new_token_ids)
+            finished, reason, message = o.finished, o.finish_reason, o.finish_message
+            if detok.stopped and not finished:
+                stopped.append(o.request_id)
+                finished, reason = True, "stop"
+            if finished:
+                text += detok.flush()
+                del self._seqs[o.request_id]
+            updates.append(StepUpdate(o.request_id, root, index, o.new_token_ids, text,
+                                      finished, reason, message, logprobs.get(o.request_id)))
+        return updates, stopped
