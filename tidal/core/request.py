@@ -70,6 +70,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     """Return this many top alternatives' log-probabilities per token."""
+    min_tokens: int = 0
+    """Stop tokens (EOS, stop_token_ids) cannot be sampled before this many output tokens."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -81,6 +83,7 @@ class SamplingParams:
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
         ]
         for ok, message in checks:
             if not ok:

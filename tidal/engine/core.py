@@ -40,6 +40,8 @@ class EngineCore:
                              else (arch.eos_token_ids or (None,))[0])
         self.vocab_size = arch.vocab_size
         self.max_model_len = sched_cfg.max_model_len
+        self.prompt_tokens = 0  # prompt (and recompute) tokens run since start
+        self.generation_tokens = 0  # tokens sampled since start
         log.info("model loaded in %.2fs (%s, %s); KV cache: %d blocks x %d tokens = %.1f MiB",
                  time.perf_counter() - t0, self.runner.device,
                  str(self.runner.dtype).split(".")[-1], self.runner.num_blocks,
@@ -74,6 +76,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not (out.scheduled or out.block_copies):
             return self.scheduler.update(out, ModelOutput(preempted_ack=list(out.preempted_ids))), {}
+        # One-token entries are decodes (a one-token prefill chunk, rare, counts as one too).
+        self.prompt_tokens += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
         try:
             result = self.runner.execute(out, self.scheduler.requests)
         except Exception as exc:  # fail this step's requests, keep serving the rest
@@ -85,4 +89,5 @@ class EngineCore:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR, message)
             self.scheduler.update(out, ModelOutput(preempted_ack=list(out.preempted_ids)))
             return [RequestOutput(rid, [], True, "error", message) for rid in failed], {}
+        self.generation_tokens += sum(len(t) for t in result.sampled.values())
         return self.scheduler.update(out, result), result.logprobs

@@ -119,7 +119,8 @@ class ModelRunner:
             if gen is None:
                 gen = self.generators[r.request_id] = torch.Generator().manual_seed(p.seed)
         n = p.n if r.fork_pending else 1
-        return SampleRow(p, n, r.prompt_token_ids, r.output_token_ids, gen)
+        banned = list(r.stop_ids) if len(r.output_token_ids) < p.min_tokens else None
+        return SampleRow(p, n, r.prompt_token_ids, r.output_token_ids, gen, banned)
 
     def _prepare(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> "_Batch":
         """Prefill entries first (one contiguous run each), then the one-token decodes."""

@@ -19,6 +19,7 @@ class SampleRow:
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None  # per-request seed; None uses the shared one
+    banned: list[int] | None = None  # stop tokens masked out before min_tokens is reached
 
 
 def _needs_penalty(p: SamplingParams) -> bool:
@@ -75,9 +76,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     """Tokens per row (num_samples each) and, for rows asking for logprobs, one entry per
     token: (its logprob, the top alternatives as (token, logprob))."""
     logits = logits.float()
-    if any(_needs_penalty(r.params) for r in rows):
+    if any(_needs_penalty(r.params) or r.banned for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
+        for i, row in enumerate(rows):
+            if row.banned:
+                logits[i, row.banned] = float("-inf")
     greedy = [r.params.temperature == 0 for r in rows]
     argmax = logits.argmax(-1).tolist()
     tokens: list[list[int]] = [[t] * r.num_samples if g else [] for t, r, g in

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: an HTTP frontend process and an engine-core process."""

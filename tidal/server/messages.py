@@ -1,0 +1,77 @@
+"""What the frontend and the engine-core process say to each other over ZMQ (msgspec)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tidal.core import RequestOutput, SamplingParams
+from tidal.core.invariants import SchedulerStats
+
+# frontend -> core
+
+
+class Add(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class Abort(msgspec.Struct, tag=True):
+    """End a request and its n>1 siblings (client gone, or shutting down)."""
+
+    request_id: str
+
+
+class Finish(msgspec.Struct, tag=True):
+    """End one sequence whose text met a stop string."""
+
+    seq_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Finish running requests for up to `drain_timeout` seconds, then exit."""
+
+    drain_timeout: float = 0.0
+
+
+# core -> frontend
+
+
+class Ready(msgspec.Struct, tag=True):
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+
+
+class Outputs(msgspec.Struct, tag=True, gc=False):
+    outputs: list[RequestOutput]
+    logprobs: dict[str, list]
+
+
+class Rejected(msgspec.Struct, tag=True):
+    """An Add the core refused (the frontend validates first; this is the backstop)."""
+
+    request_id: str
+    message: str
+
+
+class Stats(msgspec.Struct, tag=True):
+    scheduler: SchedulerStats
+    prompt_tokens: int  # prompt tokens computed since start (prefix-cache hits excluded)
+    generation_tokens: int  # tokens sampled since start
+
+
+class Failed(msgspec.Struct, tag=True):
+    """The core could not start (or crashed): why."""
+
+    message: str
+
+
+ToCore = Add | Abort | Finish | Shutdown
+FromCore = Ready | Outputs | Rejected | Stats | Failed
+
+encoder = msgspec.msgpack.Encoder()
+to_core = msgspec.msgpack.Decoder(ToCore)
+from_core = msgspec.msgpack.Decoder(FromCore)

@@ -1,0 +1,61 @@
+"""Prometheus metrics at /metrics, named like vLLM's with a `tidal:` prefix. Engine-side
+figures come from the core's latest Stats message; latencies are observed per request here."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class _CoreCollector:
+    """Reads the engine core's latest stats at scrape time."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def collect(self):
+        stats = self.client.stats
+        if stats is None:
+            return
+        s = stats.scheduler
+        gauges = [
+            ("tidal:num_requests_running", "Requests prefilling or decoding.",
+             s.running_decode + s.running_prefill),
+            ("tidal:num_requests_waiting", "Requests queued for admission.", s.waiting),
+            ("tidal:num_requests_preempted", "Retracted requests awaiting re-admission.",
+             s.preempted),
+            ("tidal:kv_cache_usage_perc", "Share of KV blocks in use (0-1).", s.kv_usage),
+            ("tidal:kv_cache_used_blocks", "KV blocks in use.", s.used_blocks),
+            ("tidal:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache (0-1).",
+             s.prefix_hit_rate),
+            ("tidal:new_token_ratio", "Decode reservation ratio of the scheduler.",
+             s.new_token_ratio),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            ("tidal:num_preemptions", "Retractions since start.", s.num_preemptions),
+            ("tidal:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
+             stats.prompt_tokens),
+            ("tidal:generation_tokens", "Tokens generated.", stats.generation_tokens),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    """One registry per server (tests run several in one process)."""
+
+    def __init__(self, client) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_CoreCollector(client))
+        self.ttft = Histogram("tidal:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY, registry=self.registry)
+        self.itl = Histogram("tidal:inter_token_latency_seconds", "Time between tokens.",
+                             buckets=_LATENCY, registry=self.registry)
+        self.e2e = Histogram("tidal:e2e_request_latency_seconds", "Request latency.",
+                             buckets=_LATENCY, registry=self.registry)
+        self.finished = Counter("tidal:request_success", "Finished requests by reason.",
+                                ["finished_reason"], registry=self.registry)
