@@ -87,7 +87,7 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
         if not client.alive:
             return JSONResponse(APIError(client.dead or "engine core not running", 503,
                                          "service_unavailable").body(), status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", "engine_core_pid": client.pid}
 
     @app.get("/version")
     async def version():

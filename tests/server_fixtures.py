@@ -1,0 +1,72 @@
+"""Start a real `tidal serve` on a free loopback port, wait until it is healthy, stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tidal.cli", "serve", "--port", str(self.port),
+             "--num-kv-blocks", "256", "--num-threads", "1", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        deadline = time.monotonic() + 180
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError("server did not become healthy")
+            time.sleep(0.3)
+
+    def core_pid(self) -> int:
+        return httpx.get(self.url + "/health").json()["engine_core_pid"]
+
+    def stop(self, timeout: float = 30) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.stdout.read()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    return True
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)

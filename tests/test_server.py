@@ -1,0 +1,247 @@
+"""End to end: a real `tidal serve` process (frontend + engine core) driven by the official
+`openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_fixtures import Server, metric, pid_alive
+
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--api-key", KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def post(server, path, body, key=KEY, **kw):
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, headers=headers, timeout=60, **kw,
+                      **({"json": body} if body is not None else {}))
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_matches_the_offline_engine(client):
+    from tidal import LLM, SamplingParams
+
+    got = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,
+                                         max_tokens=24, temperature=0)
+    llm = LLM("smollm2-135m", num_kv_blocks=64, num_threads=1)
+    want = llm.chat(QUESTION, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def test_chat_stream_equals_non_stream(client):
+    full = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,
+                                          max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model="smollm2-135m", messages=QUESTION, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_stream_and_not(client):
+    full = client.completions.create(model="smollm2-135m", prompt="The capital of France is",
+                                     max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 8
+    parts = list(client.completions.create(model="smollm2-135m",
+                                           prompt="The capital of France is", max_tokens=8,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}))
+    assert "".join(p.choices[0].text for p in parts) == full.choices[0].text
+
+
+def test_n_and_seed(client):
+    out = client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2,
+                                    max_tokens=12, temperature=1.0, seed=7,
+                                    extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    again = client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2,
+                                      max_tokens=12, temperature=1.0, seed=7,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    assert out.usage.completion_tokens == 24
+
+
+def test_logprobs(client):
+    chat = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,
+                                          max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:  # greedy: the chosen token is the most likely alternative
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.token == entry.top_logprobs[0].token
+    comp = client.completions.create(model="smollm2-135m", prompt="Paris is", max_tokens=3,
+                                     temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert all(v <= 0 for v in lp.token_logprobs)
+
+
+def test_stop_string_and_min_tokens(client):
+    out = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=20,
+                                    temperature=0, stop=[" 7"])
+    assert out.choices[0].finish_reason == "stop" and " 7" not in out.choices[0].text
+    out = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,
+                                         max_tokens=30, temperature=0,
+                                         extra_body={"min_tokens": 30})
+    assert out.usage.completion_tokens == 30  # EOS may not come before min_tokens
+
+
+def test_models_version_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    assert httpx.get(server.url + "/version").json()["version"]
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("tidal:num_requests_running", "tidal:kv_cache_usage_perc",
+                 "tidal:prefix_cache_hit_rate", "tidal:num_preemptions_total",
+                 "tidal:prompt_tokens_total", "tidal:generation_tokens_total",
+                 "tidal:time_to_first_token_seconds_bucket",
+                 "tidal:inter_token_latency_seconds_bucket",
+                 "tidal:e2e_request_latency_seconds_bucket", "tidal:new_token_ratio"):
+        assert name in text, name
+
+
+def test_auth(server):
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert post(server, "/v1/completions", body, key=None).status_code == 401
+    wrong = post(server, "/v1/completions", body, key="nope")
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+
+
+BAD = [
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}),
+    ("/v1/completions", {"prompt": [], "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi " * 9000}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}),
+    ("/v1/completions", {"prompt": "hi", "top_p": 7}),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1e9}),
+    ("/v1/completions", {"prompt": "hi", "n": 10000}),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1000}),
+    ("/v1/completions", {"prompt": [10 ** 9], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}),
+    ("/v1/completions", {"max_tokens": 2}),
+]
+
+
+@pytest.mark.parametrize("path,body", BAD)
+def test_bad_input_is_a_400_with_an_openai_error(server, path, body):
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_malformed_bodies_and_unknown_model(server):
+    headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    for raw in (b"{not json", b'{"prompt": "\xff\xfe"}', b"[1, 2]"):
+        r = httpx.post(server.url + "/v1/completions", content=raw, headers=headers)
+        assert r.status_code == 400 and "error" in r.json()
+    r = post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_disconnect_mid_stream_frees_the_blocks(server):
+    body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        deadline = time.monotonic() + 10  # the core reports stats twice a second
+        while metric(server.url, "tidal:kv_cache_used_blocks") == 0:
+            assert time.monotonic() < deadline, "the running request holds no blocks"
+            time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while metric(server.url, "tidal:kv_cache_used_blocks") > 0:
+        assert time.monotonic() < deadline, "blocks not freed after the disconnect"
+        time.sleep(0.1)
+    assert metric(server.url, "tidal:num_requests_running") == 0
+
+
+def test_32_concurrent_streams(server):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+        async def one(i):
+            stream = await aclient.completions.create(
+                model="smollm2-135m", prompt=f"Count to ten, take {i}:", max_tokens=8,
+                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            parts = [c async for c in stream]
+            return "".join(p.choices[0].text for p in parts), parts[-1].choices[0].finish_reason
+
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert len(results) == 32 and all(reason == "length" and text for text, reason in results)
+
+
+def test_engine_core_death_fails_fast_and_health_says_so():
+    s = Server()
+    try:
+        body = {"prompt": "A long story:", "max_tokens": 4000, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(s.core_pid(), signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]"
+        deadline = time.monotonic() + 10
+        while httpx.get(s.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 503 and time.monotonic() - t0 < 2
+    finally:
+        s.stop()
+
+
+def test_sigterm_drains_running_requests_then_exits():
+    s = Server("--drain-timeout", "60")
+    core = s.core_pid()
+    body = {"prompt": "Count:", "max_tokens": 40, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        s.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: {")]
+    finish = json.loads(rest[-1][6:])["choices"][0]["finish_reason"]
+    assert finish == "length"
+    s.proc.wait(60)
+    assert s.proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it drained
+    deadline = time.monotonic() + 10
+    while pid_alive(core):
+        assert time.monotonic() < deadline, "engine core outlived the server"
+        time.sleep(0.1)
