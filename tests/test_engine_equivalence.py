@@ -62,6 +62,18 @@ def test_retraction(embedded):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_async_scheduling_under_retraction(embedded):
+    """Step N+1 planned while step N runs: same tokens, and the preemption handshake (the
+    typed ack, the dropped in-flight token) exercised on the real model."""
+    _, prompts, ref = embedded
+    llm = LLM(str(embedded_folder()), dtype="float32", num_kv_blocks=16, block_size=8,
+              init_new_token_ratio=0.01, async_scheduling=True)
+    assert run(llm, prompts) == ref
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert run(llm, prompts[:1]) == ref[:1]  # and it goes on after draining
+    assert not llm.engine.core.has_work() and llm.engine.scheduler.kv.pool.num_used == 0
+
+
 def test_prefix_cache_hits(embedded):
     _, prompts, ref = embedded
     llm = LLM(str(embedded_folder()), dtype="float32", num_kv_blocks=256, block_size=4)

@@ -117,3 +117,22 @@ def test_chat_uses_the_template(llm):
                    SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     text = llm.tokenizer.decode(out[0].prompt_token_ids, skip_special_tokens=False)
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_runner_error_fails_its_step_and_the_engine_goes_on(llm, monkeypatch):
+    real, calls = llm.engine.runner.execute, []
+
+    def flaky(out, requests):
+        calls.append(len(out.scheduled))
+        if len(calls) == 2:
+            raise RuntimeError("injected fault")
+        return real(out, requests)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", flaky)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outs = llm.generate(ids(llm, PROMPTS[:3]), params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["error"] * 3
+    assert all(len(o.outputs[0].token_ids) == 1 for o in outs)  # the first step's token only
+    assert not llm.engine.scheduler.requests and llm.engine.scheduler.kv.pool.num_used == 0
+    again = llm.generate(ids(llm, PROMPTS[:3]), params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in again] == ["length"] * 3

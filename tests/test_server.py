@@ -206,6 +206,33 @@ def test_32_concurrent_streams(server):
     assert len(results) == 32 and all(reason == "length" and text for text, reason in results)
 
 
+def test_async_scheduling_server_gives_the_same_greedy_tokens():
+    """Concurrent requests through an overlapped engine core equal the offline engine's
+    (float32 on both sides: batch compositions differ between the runs)."""
+    from tidal import LLM, SamplingParams
+
+    prompts = [f"Write a list of {k} fruits:" for k in range(2, 8)]
+
+    async def run(url):
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+        async def one(p):
+            out = await aclient.completions.create(model="smollm2-135m", prompt=p, max_tokens=24,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+            return out.choices[0].text
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    overlapped = Server("--async-scheduling", "true", "--dtype", "float32")
+    try:
+        got = asyncio.run(run(overlapped.url))
+    finally:
+        overlapped.stop()
+    llm = LLM("smollm2-135m", dtype="float32", num_kv_blocks=64, num_threads=1)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert got == [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 def test_engine_core_death_fails_fast_and_health_says_so():
     s = Server()
     try:

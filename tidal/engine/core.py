@@ -9,10 +9,11 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from tidal.core import (KVCacheManager, ModelOutput, Request, RequestOutput, RequestStatus,
-                        SamplingParams, Scheduler)
+                        SamplingParams, Scheduler, SchedulerOutput)
 from tidal.core.config import CacheConfig
 from tidal.engine.config import EngineConfig
 from tidal.engine.model_runner import ModelRunner
@@ -42,6 +43,9 @@ class EngineCore:
         self.max_model_len = sched_cfg.max_model_len
         self.prompt_tokens = 0  # prompt (and recompute) tokens run since start
         self.generation_tokens = 0  # tokens sampled since start
+        # Async scheduling: one worker thread runs the forward pass (torch releases the GIL).
+        self._pool = ThreadPoolExecutor(1, "tidal-step") if sched_cfg.async_scheduling else None
+        self._pending: tuple[SchedulerOutput, Future] | None = None
         log.info("model loaded in %.2fs (%s, %s); KV cache: %d blocks x %d tokens = %.1f MiB",
                  time.perf_counter() - t0, self.runner.device,
                  str(self.runner.dtype).split(".")[-1], self.runner.num_blocks,
@@ -69,25 +73,62 @@ class EngineCore:
         self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_STOPPED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
 
     def step(self) -> tuple[list[RequestOutput], dict[str, list]]:
-        """One step: the requests' new tokens (and finishes), and logprobs by request id."""
+        """One step: the requests' new tokens (and finishes), and logprobs by request id.
+        With async scheduling these are the previous step's, and the next one is running."""
+        if self._pool is not None:
+            return self._step_overlapped()
         out = self.scheduler.schedule()
+        return self._complete(out, self._execute(out, self.scheduler.requests))
+
+    def _step_overlapped(self) -> tuple[list[RequestOutput], dict[str, list]]:
+        """Plan step N+1 while step N runs on the worker thread, then wait for N, update,
+        and start N+1. update() never overlaps a forward pass, so the runner reads requests
+        that nobody mutates; the plan's block tables are snapshotted for the same reason."""
+        out = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        done: tuple[list[RequestOutput], dict[str, list]] = ([], {})
+        if self._pending is not None:
+            prev, future = self._pending
+            self._pending = None
+            done = self._complete(prev, future.result())
+        if out is not None:
+            live = self.scheduler.requests
+            # A request that finished in the update above was planned before it: skip it,
+            # its blocks are already free (update() drops whatever it would have produced).
+            out.scheduled = [s for s in out.scheduled if s.request_id in live]
+            requests = {}
+            for s in out.scheduled:
+                s.block_ids = list(s.block_ids)
+                requests[s.request_id] = live[s.request_id]
+            self._pending = (out, self._pool.submit(self._execute, out, requests))
+        return done
+
+    def _execute(self, out: SchedulerOutput, requests) -> ModelOutput | Exception:
         if not (out.scheduled or out.block_copies):
-            return self.scheduler.update(out, ModelOutput(preempted_ack=list(out.preempted_ids))), {}
+            return ModelOutput(preempted_ack=list(out.preempted_ids))
         # One-token entries are decodes (a one-token prefill chunk, rare, counts as one too).
         self.prompt_tokens += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
         try:
-            result = self.runner.execute(out, self.scheduler.requests)
-        except Exception as exc:  # fail this step's requests, keep serving the rest
+            return self.runner.execute(out, requests)
+        except Exception as exc:  # the step's requests fail; the engine serves the rest
             log.exception("model runner failed; ending the step's %d requests",
                           len(out.scheduled))
-            message = f"model runner error: {type(exc).__name__}: {exc}"
-            failed = [s.request_id for s in out.scheduled]
-            for rid in failed:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR, message)
+            return exc
+
+    def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception,
+                  ) -> tuple[list[RequestOutput], dict[str, list]]:
+        if isinstance(result, Exception):
+            message = f"model runner error: {type(result).__name__}: {result}"
+            failed = [s.request_id for s in out.scheduled
+                      if self.scheduler.finish_request(s.request_id,
+                                                       RequestStatus.FINISHED_ERROR, message)]
             self.scheduler.update(out, ModelOutput(preempted_ack=list(out.preempted_ids)))
             return [RequestOutput(rid, [], True, "error", message) for rid in failed], {}
         self.generation_tokens += sum(len(t) for t in result.sampled.values())
         return self.scheduler.update(out, result), result.logprobs
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

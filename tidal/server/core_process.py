@@ -63,6 +63,7 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     try:
         _serve(core, inbox, outbox, parent)
     finally:
+        core.close()
         inbox.close(linger=0)
         outbox.close()
         ctx.term()
