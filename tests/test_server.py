@@ -20,7 +20,7 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--api-key", KEY)
+    s = Server("--api-key", KEY, "--max-pending", "40")
     yield s
     s.stop()
 
@@ -167,7 +167,7 @@ def test_malformed_bodies_and_unknown_model(server):
         r = httpx.post(server.url + "/v1/completions", content=raw, headers=headers)
         assert r.status_code == 400 and "error" in r.json()
     r = post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
-    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
 def test_disconnect_mid_stream_frees_the_blocks(server):
@@ -204,6 +204,28 @@ def test_32_concurrent_streams(server):
 
     results = asyncio.run(main())
     assert len(results) == 32 and all(reason == "length" and text for text, reason in results)
+
+
+def test_a_full_queue_answers_429_and_loses_nothing(server):
+    async def main():
+        async with httpx.AsyncClient(timeout=120,
+                                     headers={"authorization": f"Bearer {KEY}"}) as http:
+            body = {"prompt": "Count:", "max_tokens": 32, "ignore_eos": True}
+            return await asyncio.gather(*(http.post(server.url + "/v1/completions", json=body)
+                                          for _ in range(48)))
+
+    responses = asyncio.run(main())
+    codes = [r.status_code for r in responses]
+    assert set(codes) == {200, 429} and codes.count(200) >= 40  # at most 40 in flight
+    for r in responses:  # the accepted ones ran in full; the refused ones say why
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == 32
+        else:
+            assert r.json()["error"]["type"] == "rate_limit_error"
+    deadline = time.monotonic() + 10
+    while metric(server.url, "tidal:kv_cache_used_blocks") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
 
 
 def test_async_scheduling_server_gives_the_same_greedy_tokens():

@@ -107,7 +107,7 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     def check_model(name: str | None) -> None:
         if name is not None and name != config.model_name:
             raise APIError(f"the model {name!r} does not exist; this server serves "
-                           f"{config.model_name!r}", 404, "not_found_error", "model")
+                           f"{config.model_name!r}", param="model")
 
     async def submit(prompts: list[list[int]], body, max_tokens, logprobs,
                      default_max) -> tuple[list[str], asyncio.Queue, int]:
