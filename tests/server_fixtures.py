@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -23,15 +24,15 @@ class Server:
     def __init__(self, *flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")  # a pipe could fill up and stall the server
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tidal.cli", "serve", "--port", str(self.port),
              "--num-kv-blocks", "256", "--num-threads", "1", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
+            stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         deadline = time.monotonic() + 180
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited: {self.output()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
@@ -51,7 +52,11 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        return self.proc.stdout.read()
+        return self.output()
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
 
 def pid_alive(pid: int) -> bool:

@@ -290,6 +290,9 @@ def test_sigterm_drains_running_requests_then_exits():
     assert finish == "length"
     s.proc.wait(60)
     assert s.proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it drained
+    log = s.output()
+    assert "running-decode 1" in log and "decode " in log  # the status line while busy
+    assert "engine core stopped" in log
     deadline = time.monotonic() + 10
     while pid_alive(core):
         assert time.monotonic() < deadline, "engine core outlived the server"

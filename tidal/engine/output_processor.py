@@ -29,9 +29,6 @@ class OutputProcessor:
         for seq in [s for s, v in self._seqs.items() if v[0] == request_id]:
             del self._seqs[seq]
 
-    def __contains__(self, request_id: str) -> bool:
-        return any(v[0] == request_id for v in self._seqs.values())
-
     def process(self, outputs: list[RequestOutput], logprobs: dict[str, list],
                 ) -> tuple[list[StepUpdate], list[str]]:
         updates, stopped = [], []

@@ -124,8 +124,7 @@ class CoreClient:
     async def abort(self, request_id: str) -> None:
         """The client is gone: forget the request here and free its blocks in the core."""
         self.queues.pop(request_id, None)
-        if request_id in self.outputs:
-            self.outputs.forget(request_id)
+        self.outputs.forget(request_id)
         if self.alive:
             await self._send(m.Abort(request_id))
 

@@ -61,7 +61,7 @@ class _Sampling(BaseModel):
         room = max_model_len - prompt_len
         if room < 1:
             raise APIError(f"the prompt has {prompt_len} tokens; this model's context is "
-                           f"{max_model_len} tokens", param="messages")
+                           f"{max_model_len} tokens")
         if max_tokens is None:
             max_tokens = room if default_max is None else min(default_max, room)
         if max_tokens < 1:
