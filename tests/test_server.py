@@ -229,8 +229,8 @@ def test_a_full_queue_answers_429_and_loses_nothing(server):
 
 
 def test_async_scheduling_server_gives_the_same_greedy_tokens():
-    """Concurrent requests through an overlapped engine core equal the offline engine's
-    (float32 on both sides: batch compositions differ between the runs)."""
+    """Concurrent requests through an overlapped engine core, retracting, equal the offline
+    engine's (float32 on both sides: batch compositions differ between the runs)."""
     from tidal import LLM, SamplingParams
 
     prompts = [f"Write a list of {k} fruits:" for k in range(2, 8)]
@@ -245,9 +245,14 @@ def test_async_scheduling_server_gives_the_same_greedy_tokens():
 
         return await asyncio.gather(*(one(p) for p in prompts))
 
-    overlapped = Server("--async-scheduling", "true", "--dtype", "float32")
+    # A pool too small for all six at once, and almost no decode reservation: retractions.
+    overlapped = Server("--async-scheduling", "true", "--dtype", "float32",
+                        "--num-kv-blocks", "12", "--block-size", "8",
+                        "--init-new-token-ratio", "0.01")
     try:
         got = asyncio.run(run(overlapped.url))
+        time.sleep(1)  # the core reports stats twice a second
+        assert metric(overlapped.url, "tidal:num_preemptions_total") > 0
     finally:
         overlapped.stop()
     llm = LLM("smollm2-135m", dtype="float32", num_kv_blocks=64, num_threads=1)
