@@ -56,12 +56,11 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.arch = ModelArch.from_folder(folder)
         self.model = load_model(folder, self.dtype, self.device)
-        if config.quantization != "none":
-            if not can_pack(self.dtype, self.device):
-                raise ValueError(f"quantization={config.quantization!r} runs on CPU in bfloat16")
-            replace_linears(self.model, Int8Linear if config.quantization == "int8" else Int4Linear)
-        elif can_pack(self.dtype, self.device):
-            replace_linears(self.model, PackedLinear)
+        kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[config.quantization]
+        if can_pack(self.dtype, self.device):  # CPU bf16: every projection gets its CPU layer
+            replace_linears(self.model, kind)
+        elif config.quantization != "none":
+            raise ValueError(f"quantization={config.quantization!r} runs on CPU in bfloat16")
         self.block_size = block_size
         self.num_blocks = self._size_kv(config)
         shape = kv_cache_shape(self.num_blocks, block_size, self.arch.num_kv_heads,

@@ -18,7 +18,6 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.out_features = weight.shape[0]
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(
             weight.detach().contiguous(), 1))
         self.bias = None if bias is None else bias.detach()

@@ -31,11 +31,12 @@ class StatusLine:
             return
         c, s = self.core, self.core.scheduler.stats()
         dt = now - self.last
+        prefill_rate = (c.prompt_tokens - self.last_prompt) / dt
+        decode_rate = (c.generation_tokens - self.last_gen) / dt
         log.info("running-decode %d, running-prefill %d, waiting %d, preempted %d, KV %.1f%%, "
                  "prefix hit %.1f%%, new_token_ratio %.3f, prefill %.1f tok/s, decode %.1f tok/s",
                  s.running_decode, s.running_prefill, s.waiting, s.preempted, 100 * s.kv_usage,
-                 100 * s.prefix_hit_rate, s.new_token_ratio,
-                 (c.prompt_tokens - self.last_prompt) / dt, (c.generation_tokens - self.last_gen) / dt)
+                 100 * s.prefix_hit_rate, s.new_token_ratio, prefill_rate, decode_rate)
         self.last, self.last_prompt, self.last_gen = now, c.prompt_tokens, c.generation_tokens
 
 

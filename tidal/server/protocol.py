@@ -71,11 +71,9 @@ class _Sampling(BaseModel):
             raise APIError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) "
                            f"exceeds this model's context of {max_model_len} tokens",
                            param="max_tokens")
-        if self.min_tokens > max_tokens:
-            raise APIError("min_tokens must not exceed max_tokens", param="min_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stop) or len(stop) > 16:
-            raise APIError("stop takes up to 16 non-empty strings", param="stop")
+        if len(stop) > 16:  # SamplingParams checks the strings themselves
+            raise APIError("stop takes at most 16 strings", param="stop")
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
