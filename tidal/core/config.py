@@ -18,6 +18,7 @@ def knob(default: Any, help: str) -> Any:
 BATCH_MODES = ("separate", "mixed")
 POLICIES = ("fcfs", "prefill_first", "priority", "longest_prefix_match")
 ROLES = ("mixed", "prefill", "decode")
+PREEMPTION_ORDERS = ("shortest_output", "newest")
 
 
 @dataclass
@@ -55,7 +56,8 @@ class SchedulerConfig:
         "mixed", "'mixed' serves whole requests; 'prefill' and 'decode' are the two halves of "
         "P/D disaggregation.")
     init_new_token_ratio: float = knob(
-        0.7, "Share of each running request's remaining output that admission reserves.")
+        0.7, "Share of each running request's remaining output that admission reserves "
+        "(0: no reservation, as vLLM v1).")
     min_new_token_ratio_factor: float = knob(
         0.30, "The ratio's floor, as a fraction of init_new_token_ratio.")
     new_token_ratio_decay_steps: int = knob(
@@ -65,6 +67,9 @@ class SchedulerConfig:
         "retraction.")
     clip_max_new_tokens: int = knob(
         4096, "Cap on one request's remaining output when reserving (estimation only).")
+    preemption_order: str = knob(
+        "shortest_output", "Retraction victims: 'shortest_output' (fewest generated tokens, "
+        "then longest prompt: the seeds') or 'newest' (last admitted first, as vLLM v1).")
     safety_margin: float = knob(
         0.0, "Stop admitting new prefills while free blocks are under this share of the pool.")
     async_scheduling: bool = knob(
@@ -86,8 +91,9 @@ class SchedulerConfig:
                      "lpm_aging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not 0 < self.init_new_token_ratio <= 1:
-            raise ValueError("init_new_token_ratio must be in (0, 1]")
+        _choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
+        if not 0 <= self.init_new_token_ratio <= 1:
+            raise ValueError("init_new_token_ratio must be in [0, 1]")
         if not 0 <= self.min_new_token_ratio_factor <= 1:
             raise ValueError("min_new_token_ratio_factor must be in [0, 1]")
         if not 0 <= self.safety_margin < 1:

@@ -28,6 +28,8 @@ class NewTokenRatio:
     def after_retract(self, running: Iterable[Request]) -> None:
         """Recompute from the requests still decoding: how far they are towards max_tokens,
         with `retract_decode_steps` more tokens assumed for each."""
+        if self.init == 0:
+            return  # reservation is off (the vLLM-style baseline) and stays off
         running = list(running)
         generated = sum(len(r.output_token_ids) for r in running)
         budget = sum(r.max_tokens for r in running)

@@ -221,11 +221,15 @@ class Scheduler:
 
         Unreferenced cached blocks are already counted as free (a fresh allocation evicts
         them), so eviction comes first by construction and again after each retraction.
-        Victims: shortest output first, then longest prompt. The last request is never
-        retracted to make room for itself: the partially prefilled request goes instead,
-        and if that is not enough the last one finishes with `length`."""
-        victims = sorted(decoding, key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens),
-                         reverse=True)  # pop() takes the shortest output, longest prompt
+        Victims: shortest output first, then longest prompt (or, with preemption_order
+        'newest', the last admitted first). The last request is never retracted to make
+        room for itself: the partially prefilled request goes instead, and if that is not
+        enough the last one finishes with `length`."""
+        if self.config.preemption_order == "newest":
+            victims = list(decoding)  # admission order: pop() takes the newest
+        else:  # pop() takes the shortest output, longest prompt
+            victims = sorted(decoding, reverse=True,
+                             key=lambda r: (len(r.output_token_ids), -r.num_prompt_tokens))
         ready_ids = set(map(id, ready))
         while need > self.kv.num_free and len(victims) > 1:
             victim = victims.pop()

@@ -25,6 +25,9 @@ class ModelConfig:
                              "(per-channel absmax); 'int4': weight-only int4 in groups of 32 "
                              "(the embedded GGUF's own Q4_1 format) for steps of at most 4 "
                              "tokens, bf16 for larger ones. CPU, bf16 only.")
+    load_format: str = knob("auto", "'auto' reads the weights; 'dummy' makes small random "
+                            "ones (only config.json is needed): for timing, as `tidal "
+                            "calibrate` does for models whose weights are not here.")
     seed: int = knob(0, "Seed of the shared generator for requests without their own seed.")
     num_kv_blocks: int | None = knob(None, "KV blocks in the pool; derived from memory when "
                                      "unset.")
@@ -41,6 +44,8 @@ class ModelConfig:
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"quantization must be none, int8 or int4; got {self.quantization!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy; got {self.load_format!r}")
         if not 0 < self.kv_cache_fraction < 1:
             raise ValueError("kv_cache_fraction must be in (0, 1)")
 

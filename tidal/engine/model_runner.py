@@ -55,7 +55,8 @@ class ModelRunner:
         if self.device == "cpu":
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.arch = ModelArch.from_folder(folder)
-        self.model = load_model(folder, self.dtype, self.device)
+        self.model = load_model(folder, self.dtype, self.device,
+                                dummy=config.load_format == "dummy")
         kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[config.quantization]
         if can_pack(self.dtype, self.device):  # CPU bf16: every projection gets its CPU layer
             replace_linears(self.model, kind)

@@ -43,15 +43,39 @@ def _shard_sizes(arch: ModelArch, fused: str) -> list[int]:
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
-               backend: AttentionBackend | None = None) -> LlamaModel:
-    """A model with the weights of `folder` (config.json + *.safetensors), in `dtype`."""
-    from safetensors import safe_open
-
+               backend: AttentionBackend | None = None, dummy: bool = False) -> LlamaModel:
+    """A model with the weights of `folder` (config.json + *.safetensors), in `dtype`.
+    `dummy`: small random weights instead (needs only config.json), for timing models whose
+    weights are not here, as vLLM's `--load-format dummy`."""
     folder = Path(folder)
     arch = ModelArch.from_folder(folder)
     backend = backend or TorchAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    if dummy:
+        with torch.device(device):
+            model = LlamaModel(arch, backend).to(dtype)
+        for p in model.parameters():
+            p.data.uniform_(-0.02, 0.02)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.data.fill_(1.0)
+        # The RoPE tables stay float32, as loaded models keep them.
+        model.rotary = type(model.rotary)(arch.head_dim, arch.rope_theta,
+                                          arch.max_position_embeddings).to(device)
+        return model.eval().requires_grad_(False)
     with torch.device("meta"):
         model = LlamaModel(arch, backend)
+    params = _read_safetensors(folder, arch, model, dtype)
+    model.load_state_dict(params, assign=True, strict=False)
+    # Buffers (RoPE tables) were built on the meta device: build them for real.
+    rotary = type(model.rotary)(arch.head_dim, arch.rope_theta, arch.max_position_embeddings)
+    model.rotary = rotary
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _read_safetensors(folder: Path, arch: ModelArch, model: LlamaModel,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     files = sorted(folder.glob("*.safetensors"))
@@ -79,8 +103,4 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
     missing = sorted(set(params) - set(loaded))
     if missing:
         raise KeyError(f"{folder}: missing weights {missing[:5]}")
-    model.load_state_dict(loaded, assign=True, strict=False)
-    # Buffers (RoPE tables) were built on the meta device: build them for real.
-    rotary = type(model.rotary)(arch.head_dim, arch.rope_theta, arch.max_position_embeddings)
-    model.rotary = rotary
-    return model.to(device).eval().requires_grad_(False)
+    return loaded

@@ -1,0 +1,1 @@
+"""Past one engine core: routing policies (shared by the simulator and the dispatcher)."""

@@ -1,0 +1,48 @@
+"""Which engine core gets a request: the data-parallel routing policies. Pure Python, so the
+real dispatcher and the simulator pick cores with the same code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROUTING_POLICIES = ("round_robin", "least_tokens", "prefix_aware")
+
+
+@dataclass
+class CoreLoad:
+    """What a core reports (or the simulator reads) when a request is routed."""
+
+    outstanding_tokens: int = 0  # prompt tokens still to compute + output tokens still to make
+    free_blocks: int = 0
+    prefix_hit_tokens: int = 0  # tokens of this request's prompt already cached there
+
+
+class Router:
+    """`round_robin` cycles; `least_tokens` picks the core with the fewest outstanding
+    tokens; `prefix_aware` picks the core caching the longest prefix of the prompt, and the
+    least loaded one when no core caches any of it."""
+
+    def __init__(self, policy: str, num_cores: int) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}; "
+                             f"got {policy!r}")
+        if num_cores < 1:
+            raise ValueError("a router needs at least one core")
+        self.policy, self.num_cores = policy, num_cores
+        self._next = 0
+
+    @property
+    def needs_prefix(self) -> bool:
+        """Whether `choose` reads prefix_hit_tokens (worth computing only then)."""
+        return self.policy == "prefix_aware"
+
+    def choose(self, loads: list[CoreLoad]) -> int:
+        if self.policy == "round_robin":
+            core, self._next = self._next, (self._next + 1) % self.num_cores
+            return core
+        least = min(range(len(loads)), key=lambda i: (loads[i].outstanding_tokens, i))
+        if self.policy == "least_tokens":
+            return least
+        best = max(range(len(loads)), key=lambda i: (loads[i].prefix_hit_tokens,
+                                                     -loads[i].outstanding_tokens))
+        return best if loads[best].prefix_hit_tokens > 0 else least

@@ -1,0 +1,89 @@
+"""The simulator's executor: how long one scheduled step takes, by a roofline.
+
+For a step's scheduled requests (each `n` new tokens after `c` cached ones):
+  linear    = max(2 * P * tokens + 2 * V * H * sampled rows   over  peak * compute_eff,
+                  weight bytes                                 over  bandwidth * bw_eff)
+  attention = max(4 * L * Hq * D * sum(n*c + n(n+1)/2)         over  peak * attention_eff,
+                  KV bytes read and written                    over  bandwidth * bw_eff)
+  step      = linear + attention + step_overhead + seq_overhead * seqs + token_overhead * tokens
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from tidal.core import SchedulerOutput
+from tidal.model.config import ModelArch
+from tidal.sim.profiles import Hardware, linear_params
+
+
+class StepShape:
+    """The totals of one step that the roofline needs."""
+
+    __slots__ = ("tokens", "seqs", "sampled", "pairs", "kv_tokens")
+
+    def __init__(self, entries: Iterable[tuple[int, int, bool]]) -> None:
+        """entries: (new tokens, cached tokens before them, samples a token)."""
+        self.tokens = self.seqs = self.sampled = self.pairs = self.kv_tokens = 0
+        for n, c, samples in entries:
+            self.tokens += n
+            self.seqs += 1
+            self.sampled += samples
+            self.pairs += n * c + n * (n + 1) // 2  # (query, key) pairs under the causal mask
+            self.kv_tokens += c + 2 * n  # context read, new tokens written and read
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> "StepShape":
+        # The simulator's hot path: one loop of attribute reads over the step.
+        shape = cls(())
+        tokens = seqs = sampled = pairs = kv = 0
+        for s in out.scheduled:
+            n, c = s.num_new_tokens, s.num_computed_tokens
+            tokens += n
+            seqs += 1
+            sampled += s.samples
+            pairs += n * c + n * (n + 1) // 2
+            kv += c + 2 * n
+        shape.tokens, shape.seqs, shape.sampled, shape.pairs, shape.kv_tokens = \
+            tokens, seqs, sampled, pairs, kv
+        return shape
+
+
+class CostModel:
+    """Step times of a model on a piece of hardware."""
+
+    def __init__(self, arch: ModelArch, hw: Hardware, dtype_bytes: int = 2) -> None:
+        self.arch, self.hw = arch, hw
+        self.linear_flops_per_token = 2 * linear_params(arch)
+        self.head_flops_per_row = 2 * arch.vocab_size * arch.hidden_size
+        embed = arch.vocab_size * arch.hidden_size
+        self.weight_bytes = (linear_params(arch) + embed) * dtype_bytes  # the head is read
+        self.attn_flops_per_pair = 4 * arch.num_layers * arch.num_heads * arch.head_dim
+        self.kv_bytes_per_token = arch.kv_bytes_per_token(dtype_bytes)
+
+    def roofline(self, shape: StepShape) -> float:
+        hw = self.hw
+        flops = self.linear_flops_per_token * shape.tokens + self.head_flops_per_row * shape.sampled
+        bandwidth = hw.mem_bandwidth * hw.bandwidth_efficiency
+        linear = max(flops / (hw.peak_flops * hw.compute_efficiency),
+                     self.weight_bytes / bandwidth)
+        attention = max(self.attn_flops_per_pair * shape.pairs
+                        / (hw.peak_flops * hw.attention_efficiency),
+                        self.kv_bytes_per_token * shape.kv_tokens / bandwidth)
+        return linear + attention
+
+    def shape_time(self, shape: StepShape) -> float:
+        hw = self.hw
+        if shape.seqs == 0:
+            return 0.0
+        return (self.roofline(shape) + hw.step_overhead + hw.seq_overhead * shape.seqs
+                + hw.token_overhead * shape.tokens)
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        """Seconds the step `out` takes; 0 for a step that computes nothing."""
+        return self.shape_time(StepShape.of(out))
+
+    def transfer_time(self, num_tokens: int, link_bandwidth: float,
+                      latency: float = 0.0) -> float:
+        """Seconds to move `num_tokens` tokens of KV over a link of `link_bandwidth` B/s."""
+        return latency + num_tokens * self.kv_bytes_per_token / link_bandwidth

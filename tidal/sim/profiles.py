@@ -1,0 +1,121 @@
+"""What the simulator simulates: a model (its shapes, from a config.json or a built-in name)
+on a piece of hardware (peak compute and bandwidth, with efficiency factors and CPU
+overheads that `tidal calibrate` fits from the real model runner)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from tidal.model.config import ModelArch
+
+# config.json fields of the built-in model profiles (the models' published configs).
+MODEL_CONFIGS: dict[str, dict] = {
+    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       max_position_embeddings=8192, tie_word_embeddings=False,
+                       bos_token_id=128000, eos_token_id=128009),
+    "llama-3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        max_position_embeddings=8192, tie_word_embeddings=False,
+                        bos_token_id=128000, eos_token_id=128009),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2),
+}
+
+
+def model_config(name: str) -> dict:
+    """config.json of a built-in profile, a config.json path, or a model folder."""
+    if name in MODEL_CONFIGS:
+        return dict(MODEL_CONFIGS[name])
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--model-config {name!r} is neither a built-in profile "
+                                f"({', '.join(MODEL_CONFIGS)}) nor a config.json")
+    return json.loads(path.read_text())
+
+
+def model_arch(name: str) -> ModelArch:
+    return ModelArch.from_dict(model_config(name))
+
+
+@dataclass
+class Hardware:
+    """One accelerator (or CPU) and the factors that turn its datasheet into step times."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    mem_bandwidth: float  # bytes/s
+    memory_bytes: float  # for the weights and the KV cache
+    compute_efficiency: float = 0.6  # share of peak the linear layers reach
+    attention_efficiency: float = 0.4  # share of peak attention reaches
+    bandwidth_efficiency: float = 0.8  # share of peak bandwidth weight/KV reads reach
+    step_overhead: float = 0.0  # seconds per step (scheduling, launches, sampling)
+    seq_overhead: float = 0.0  # seconds per scheduled sequence (input building, sampling)
+    token_overhead: float = 0.0  # seconds per scheduled token
+    memory_utilization: float = 0.9  # share of memory the engine may use
+    calibrated_on: str = ""  # what `tidal calibrate` measured, if it made this profile
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+
+HARDWARE: dict[str, Hardware] = {
+    # H100 SXM datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 80 GB. The factors are
+    # typical of a CUDA-graph engine (vLLM reaches ~80% of HBM bandwidth in decode).
+    "h100": Hardware("h100", 989e12, 3.35e12, 80e9, step_overhead=1.5e-3,
+                     seq_overhead=5e-6),
+    # H200: the same compute with 4.8 TB/s and 141 GB.
+    "h200": Hardware("h200", 989e12, 4.8e12, 141e9, step_overhead=1.5e-3, seq_overhead=5e-6),
+}
+
+CALIBRATED_DIR = Path(__file__).resolve().parent / "calibrated"
+
+
+def hardware(name: str) -> Hardware:
+    """A built-in profile, a calibrated one shipped in tidal/sim/calibrated, or a JSON file
+    written by `tidal calibrate`."""
+    if name in HARDWARE:
+        return Hardware(**asdict(HARDWARE[name]))
+    path = Path(name)
+    if not path.is_file():
+        path = CALIBRATED_DIR / f"{name}.json"
+    if not path.is_file():
+        known = list(HARDWARE) + sorted(p.stem for p in CALIBRATED_DIR.glob("*.json"))
+        raise FileNotFoundError(f"--hardware {name!r}: not a profile ({', '.join(known)}) "
+                                f"nor a JSON file from `tidal calibrate`")
+    data = json.loads(path.read_text())
+    names = {f.name for f in fields(Hardware)}
+    return Hardware(**{k: v for k, v in data.items() if k in names})
+
+
+def kv_blocks_for(arch: ModelArch, hw: Hardware, block_size: int, dtype_bytes: int = 2) -> int:
+    """KV blocks that fit beside the weights in the usable memory, as the runner sizes it."""
+    weights = weight_params(arch) * dtype_bytes
+    free = hw.memory_bytes * hw.memory_utilization - weights
+    blocks = int(free // (arch.kv_bytes_per_token(dtype_bytes) * block_size))
+    if blocks < 1:
+        raise ValueError(f"{hw.name}: the model's {weights / 1e9:.1f} GB of weights leave no "
+                         f"room for a KV cache")
+    return blocks
+
+
+def linear_params(arch: ModelArch) -> int:
+    """Parameters of the per-token projections of every layer (q, k, v, o, gate, up, down)."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    per_layer = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size \
+        + 3 * arch.hidden_size * arch.intermediate_size
+    return arch.num_layers * per_layer
+
+
+def weight_params(arch: ModelArch) -> int:
+    embed = arch.vocab_size * arch.hidden_size
+    return linear_params(arch) + embed * (1 if arch.tie_word_embeddings else 2)

@@ -1,0 +1,90 @@
+"""One simulated engine core: the real `tidal.core.Scheduler` whose executor is the cost
+model, on a virtual clock. It also keeps each request's token times for the report."""
+
+from __future__ import annotations
+
+import copy
+
+from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, RequestOutput,
+                        Scheduler, SchedulerConfig, SchedulerOutput)
+from tidal.sim.cost_model import CostModel, StepShape
+
+SIM_TOKEN = 7  # the token every simulated step "samples" (requests ignore EOS)
+
+
+class TokenClock:
+    """Per request: first token, last token and the gaps between tokens (virtual seconds)."""
+
+    __slots__ = ("first", "last", "itl", "count")
+
+    def __init__(self) -> None:
+        self.first = self.last = -1.0
+        self.itl: list[float] = []
+        self.count = 0
+
+    def tick(self, now: float, tokens: int = 1) -> None:
+        if tokens <= 0:
+            return
+        if self.count == 0:
+            self.first = now
+        else:
+            self.itl.append(now - self.last)
+        self.last = now
+        self.count += tokens
+
+
+class SimReplica:
+    """An engine core whose forward pass is `cost.step_time`. `start(now)` plans a step and
+    returns when it ends; `finish()` applies it, as the real core's update does."""
+
+    def __init__(self, index: int, sched: SchedulerConfig, cache: CacheConfig,
+                 cost: CostModel, role: str = "mixed") -> None:
+        config = copy.copy(sched)
+        config.role = role
+        self.index, self.role, self.cost = index, role, cost
+        self.scheduler = Scheduler(config, KVCacheManager(cache))
+        self.plan: SchedulerOutput | None = None
+        self.busy_time = 0.0  # virtual seconds spent computing
+        self.steps = 0
+        self.outstanding = 0  # prompt + output tokens of the requests it holds (routing)
+        self.planned_tokens = 0
+        self.pending_transfers: list[str] = []  # decode role: admitted, prefill not yet sent
+
+    @property
+    def busy(self) -> bool:
+        return self.plan is not None
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self.outstanding += request.num_tokens + request.max_tokens
+
+    def start(self, now: float) -> float | None:
+        """Plan the next step; its end time, or None when there is nothing to compute now
+        (a later arrival or KV transfer wakes the replica)."""
+        sched = self.scheduler
+        for _ in range(3):  # a step that only retracts or admits KV transfers computes nothing
+            if not sched.has_unfinished_requests():
+                return None
+            out = sched.schedule()
+            self.pending_transfers += out.transfer_ids
+            if out.scheduled:
+                self.plan = out
+                shape = StepShape.of(out)
+                self.planned_tokens = shape.tokens
+                dt = self.cost.shape_time(shape)
+                self.busy_time += dt
+                self.steps += 1
+                return now + dt
+            sched.update(out, ModelOutput())
+            if not (out.preempted_ids or out.transfer_ids):
+                return None
+        return None
+
+    def finish(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """Apply the planned step: every sampling request gets SIM_TOKEN."""
+        out, self.plan = self.plan, None
+        # approximate: recomputed tokens count twice
+        self.outstanding = max(0, self.outstanding - self.planned_tokens)
+        sampled = {s.request_id: [SIM_TOKEN] for s in out.scheduled if s.samples}
+        outputs = self.scheduler.update(out, ModelOutput(sampled=sampled))
+        return out, outputs

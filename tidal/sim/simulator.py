@@ -1,0 +1,204 @@
+"""The discrete-event simulator: a workload replayed through real schedulers on a virtual
+clock, for one replica, N data-parallel replicas behind a router, or xPyD disaggregation
+(prefill replicas hand each prompt's KV to decode replicas over a link of given bandwidth).
+
+Events are arrivals, step ends and KV transfer ends; a replica that is free and has work
+starts its next step at once, so virtual time jumps from event to event."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from tidal.bench.dataset import BenchRequest
+from tidal.bench.metrics import RequestResult
+from tidal.cluster.routing import CoreLoad, Router
+from tidal.core import CacheConfig, Request, SamplingParams, SchedulerConfig
+from tidal.sim.cost_model import CostModel
+from tidal.sim.replica import SimReplica, TokenClock
+
+_ARRIVAL, _STEP_END, _TRANSFER_END = 0, 1, 2
+
+
+@dataclass
+class ClusterSpec:
+    """The simulated topology."""
+
+    data_parallel_size: int = 1  # mixed replicas behind the router (when not xPyD)
+    num_prefill: int = 0  # xPyD: prefill replicas (both counts > 0 selects disaggregation)
+    num_decode: int = 0  # xPyD: decode replicas
+    routing: str = "round_robin"  # how the router picks a replica (tidal.cluster.routing)
+    link_bandwidth: float = 50e9  # bytes/s of one KV transfer (400 Gb/s RDMA)
+    link_latency: float = 20e-6  # seconds added to every transfer
+    sample_interval: float = 1.0  # virtual seconds between timeline samples
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.num_prefill > 0 or self.num_decode > 0
+
+
+@dataclass
+class SimRun:
+    """What a simulation produced: per-request results and the timeline."""
+
+    results: list[RequestResult]
+    duration: float
+    timeline: dict[str, list[float]] = field(default_factory=dict)
+    steps: int = 0
+    preemptions: int = 0
+
+
+class Simulator:
+    """Replays requests through SimReplicas; `run()` returns a SimRun."""
+
+    def __init__(self, spec: ClusterSpec, sched: SchedulerConfig, cache: CacheConfig,
+                 cost: CostModel) -> None:
+        self.spec, self.cost = spec, cost
+        if spec.disaggregated:
+            if spec.num_prefill < 1 or spec.num_decode < 1:
+                raise ValueError("xPyD needs at least one prefill and one decode replica")
+            self.prefill = [SimReplica(i, sched, cache, cost, "prefill")
+                            for i in range(spec.num_prefill)]
+            self.decode = [SimReplica(spec.num_prefill + i, sched, cache, cost, "decode")
+                           for i in range(spec.num_decode)]
+            self.replicas = self.prefill + self.decode
+        else:
+            if spec.data_parallel_size < 1:
+                raise ValueError("data_parallel_size must be at least 1")
+            self.replicas = [SimReplica(i, sched, cache, cost)
+                             for i in range(spec.data_parallel_size)]
+            self.prefill, self.decode = [], self.replicas
+        self.prefill_router = Router(spec.routing, max(1, len(self.prefill)))
+        self.router = Router(spec.routing, len(self.decode))
+        self._events: list[tuple] = []
+        self._seq = 0
+        self._home: dict[str, tuple[SimReplica, SimReplica | None]] = {}
+
+    def _push(self, time: float, kind: int, payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (time, kind, self._seq, payload))
+
+    def _route(self, router: Router, replicas: list[SimReplica], request: Request) -> SimReplica:
+        if len(replicas) == 1:
+            return replicas[0]
+        loads = [CoreLoad(r.outstanding, r.scheduler.kv.num_free,
+                          len(r.scheduler.kv.match_prefix(request)) * r.scheduler.block_size
+                          if router.needs_prefix else 0) for r in replicas]
+        return replicas[router.choose(loads)]
+
+    def run(self, requests: list[BenchRequest], send_times: list[float]) -> SimRun:
+        clocks = [TokenClock() for _ in requests]
+        done = [False] * len(requests)
+        timeline: dict[str, list[float]] = {"time": [], "kv_usage": [], "running": [],
+                                           "waiting": [], "preemptions": []}
+        for i, t in enumerate(send_times):
+            self._push(t, _ARRIVAL, i)
+        next_sample, now = 0.0, 0.0
+        dirty: set[SimReplica] = set()
+        while self._events:
+            now, kind, _, payload = heapq.heappop(self._events)
+            if kind == _ARRIVAL:
+                dirty.add(self._arrive(payload, requests[payload], now))
+            elif kind == _STEP_END:
+                replica = payload
+                dirty.add(replica)
+                self._step_end(replica, now, clocks, done, dirty)
+                if now >= next_sample:
+                    self._sample(timeline, now)
+                    next_sample = now + self.spec.sample_interval
+            else:
+                self._transfer_end(payload, now, clocks, done, dirty)
+            while dirty:
+                replica = dirty.pop()
+                if not replica.busy:
+                    end = replica.start(now)
+                    if end is not None:
+                        self._push(end, _STEP_END, replica)
+                    self._start_transfers(replica, dirty)
+        results = [self._result(req, t, clock, ok) for req, t, clock, ok
+                   in zip(requests, send_times, clocks, done)]
+        return SimRun(results, now, timeline, sum(r.steps for r in self.replicas),
+                      sum(r.scheduler.num_preemptions for r in self.replicas))
+
+    # ------------------------------------------------------------------ events
+    def _arrive(self, index: int, req: BenchRequest, now: float) -> SimReplica:
+        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        request = Request(str(index), req.prompt_ids, params, arrival_time=now)
+        target = self._route(self.router, self.decode, request)
+        target.add(request)
+        self._home[request.request_id] = (target, None)
+        return target
+
+    def _start_transfers(self, replica: SimReplica, dirty: set[SimReplica]) -> None:
+        """Decode role: requests that got their blocks go to a prefill replica now."""
+        while replica.pending_transfers:
+            rid = replica.pending_transfers.pop()
+            decode_req = replica.scheduler.requests[rid]
+            request = Request(rid, decode_req.prompt_token_ids, decode_req.sampling_params,
+                              arrival_time=decode_req.arrival_time)
+            target = self._route(self.prefill_router, self.prefill, request)
+            target.add(request)
+            self._home[rid] = (replica, target)
+            dirty.add(target)
+
+    def _step_end(self, replica: SimReplica, now: float, clocks: list[TokenClock],
+                  done: list[bool], dirty: set[SimReplica]) -> None:
+        _, outputs = replica.finish()
+        for o in outputs:
+            index = int(o.request_id)
+            if o.kv_transfer:  # prefill role: the prompt's KV now travels to its decoder
+                prompt = len(replica.scheduler.requests[o.request_id].prompt_token_ids)
+                self._push(now + self.cost.transfer_time(prompt, self.spec.link_bandwidth,
+                                                         self.spec.link_latency),
+                           _TRANSFER_END, (o.request_id, o.new_token_ids[0]))
+                continue
+            if o.new_token_ids:
+                clock = clocks[index]  # TokenClock.tick, inlined: once per simulated token
+                if clock.count:
+                    clock.itl.append(now - clock.last)
+                else:
+                    clock.first = now
+                clock.last = now
+                clock.count += 1
+            if o.finished:
+                done[index] = o.finish_reason in ("stop", "length")
+                decoder, prefiller = self._home.pop(o.request_id)
+                if prefiller is replica:  # ended at its prefill: free the decode side too
+                    decoder.scheduler.abort(o.request_id)
+                    dirty.add(decoder)
+
+    def _transfer_end(self, payload: tuple[str, int], now: float, clocks: list[TokenClock],
+                      done: list[bool], dirty: set[SimReplica]) -> None:
+        rid, token = payload
+        decoder, prefiller = self._home[rid]
+        prefiller.scheduler.kv_sent(rid)
+        out = decoder.scheduler.kv_received(rid, token)
+        index = int(rid)
+        clocks[index].tick(now)
+        if out.finished:
+            done[index] = True
+            del self._home[rid]
+        dirty.update((decoder, prefiller))
+
+    def _sample(self, timeline: dict[str, list[float]], now: float) -> None:
+        used = total = running = waiting = preemptions = 0
+        for r in self.replicas:
+            s = r.scheduler
+            total += s.kv.num_blocks
+            used += s.kv.num_blocks - s.kv.num_free
+            running += len(s.running)
+            waiting += len(s.waiting)
+            preemptions += s.num_preemptions
+        for key, value in (("time", now), ("kv_usage", used / total), ("running", running),
+                           ("waiting", waiting), ("preemptions", preemptions)):
+            timeline[key].append(value)
+
+    @staticmethod
+    def _result(req: BenchRequest, sent: float, clock: TokenClock, ok: bool) -> RequestResult:
+        r = RequestResult(prompt_len=req.prompt_len, output_len=clock.count, start=sent,
+                          success=ok and clock.count > 0)
+        if clock.count:
+            r.ttft, r.itl, r.latency = clock.first - sent, clock.itl, clock.last - sent
+        if not r.success:
+            r.error = "did not finish"
+        return r
