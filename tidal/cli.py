@@ -20,10 +20,12 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per engine config field, typed from its default."""
+def add_engine_flags(parser: argparse.ArgumentParser,
+                     only: tuple[str, ...] | None = None) -> None:
+    """One flag per engine config field, typed from its default (`only`: these parts of the
+    config tree, e.g. ("cache", "scheduler"))."""
     group = parser.add_argument_group("engine options")
-    for name, default, help_text in all_fields():
+    for name, default, help_text in all_fields(only):
         flag = "--" + name.replace("_", "-")
         if isinstance(default, bool):
             kind = _parse_bool
@@ -114,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                       required=True)
     add_bench_serve_parser(bench)
+    from tidal.sim.cli import add_calibrate_parser, add_simulate_parser
+
+    add_simulate_parser(sub)
+    add_calibrate_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args.func(args)

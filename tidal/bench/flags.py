@@ -30,8 +30,9 @@ def add_workload_flags(p: argparse.ArgumentParser, max_model_len: int | None = 2
     g.add_argument("--shared-prefix-groups", type=int, default=8)
     g.add_argument("--sharegpt-output-len", type=int, default=0,
                    help="sharegpt: fixed output length (0: the recorded reply's length)")
-    g.add_argument("--max-model-len", type=int, default=max_model_len,
-                   help="prompt + output are clipped to this (the model's context)")
+    if max_model_len is not None:  # else the engine flag of the same name serves
+        g.add_argument("--max-model-len", type=int, default=max_model_len,
+                       help="prompt + output are clipped to this (the model's context)")
     g.add_argument("--length-scale", type=float, default=None,
                    help="traces: multiply token counts (default: 1/8 when the trace's p99 "
                         "prompt exceeds --max-model-len, else 1)")

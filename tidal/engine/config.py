@@ -89,10 +89,13 @@ class EngineConfig:
                    parallel=ParallelConfig(**parts["parallel"]))
 
 
-def all_fields() -> list[tuple[str, Any, str]]:
-    """(name, default, help) of every flat option, for the CLI and the README."""
+def all_fields(only: tuple[str, ...] | None = None) -> list[tuple[str, Any, str]]:
+    """(name, default, help) of every flat option (of the parts named in `only`), for the
+    CLI and the README."""
     out = []
     for part in fields(EngineConfig):
+        if only is not None and part.name not in only:
+            continue
         for f in fields(part.default_factory()):  # type: ignore[misc]
             if part.name == "cache" and f.name == "num_blocks":
                 continue  # set as num_kv_blocks

@@ -1,0 +1,155 @@
+"""`tidal calibrate`: time the real model runner over a grid of step shapes and fit the
+cost model's efficiency factors and overheads to it, writing a hardware profile (JSON) that
+`tidal simulate --hardware FILE` reads."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from tidal.sim.cost_model import CostModel, StepShape
+from tidal.sim.profiles import Hardware
+
+# (new tokens, cached tokens) per sequence of a step: decodes at several batch sizes and
+# contexts, prefills of several lengths (fresh and after a cached prefix), and mixes.
+DECODE_CONTEXTS = (64, 512)
+
+
+def default_grid(max_batch: int = 64, max_prefill: int = 1024) -> list[list[tuple[int, int]]]:
+    """Decodes at batch sizes 1, 2, 4 .. max_batch and two contexts; single prefills of 16 ..
+    max_prefill tokens, one after a cached prefix; prefills mixed with decodes."""
+    batches = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
+    grid = [[(1, c)] * b for b, c in itertools.product(batches, DECODE_CONTEXTS)]
+    prefills = [n for n in (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if n <= max_prefill]
+    grid += [[(n, 0)] for n in prefills] + [[(256, 512)]]
+    grid += [[(256, 0)] + [(1, 256)] * b for b in (4, 16, 32)]
+    return grid
+
+
+def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5,
+            vocab: int = 1000) -> list[tuple[StepShape, float]]:
+    """Median seconds of `runner.execute` for each step shape of `grid`."""
+    from tidal.core import Request, SamplingParams, ScheduledRequest, SchedulerOutput
+
+    rng = np.random.default_rng(0)
+    bs = runner.block_size
+    timings = []
+    for entries in grid:
+        requests, scheduled, next_block = {}, [], 0
+        for i, (n, c) in enumerate(entries):
+            rid = f"cal{i}"
+            blocks = -(-(n + c) // bs)
+            if next_block + blocks > runner.num_blocks:
+                raise ValueError(f"the KV cache ({runner.num_blocks} blocks) is too small for "
+                                 f"the shape {entries[:1]} x {len(entries)}: raise "
+                                 f"--num-kv-blocks")
+            table = list(range(next_block, next_block + blocks))
+            next_block += blocks
+            requests[rid] = Request(rid, rng.integers(10, vocab, n + c).tolist(),
+                                    SamplingParams(temperature=0.0))
+            requests[rid].prepare_limits(1 << 30)
+            scheduled.append(ScheduledRequest(rid, n, c, table, True))
+        out = SchedulerOutput(step=0, kind="mixed", scheduled=scheduled)
+        samples = []
+        for k in range(repeats + 2):  # two warm-ups
+            t0 = time.perf_counter()
+            runner.execute(out, requests)  # returns Python token ids: the device has synced
+            if k >= 2:
+                samples.append(time.perf_counter() - t0)
+        timings.append((StepShape((n, c, True) for n, c in entries), statistics.median(samples)))
+    return timings
+
+
+def _fit_overheads(rows: np.ndarray, residual: np.ndarray, weight: np.ndarray):
+    """Non-negative least squares for (step, seq, token) overheads over 3 unknowns: every
+    subset of active terms, keeping the best fit whose coefficients are all >= 0."""
+    best = (np.inf, np.zeros(3))
+    for mask in itertools.product((0, 1), repeat=3):
+        cols = [i for i in range(3) if mask[i]]
+        coef = np.zeros(3)
+        if cols:
+            sol, *_ = np.linalg.lstsq(rows[:, cols] * weight[:, None], residual * weight,
+                                      rcond=None)
+            if (sol < 0).any():
+                continue
+            coef[cols] = sol
+        err = float((((rows @ coef) - residual) * weight) ** 2 @ np.ones(len(residual)))
+        if err < best[0]:
+            best = (err, coef)
+    return best
+
+
+def fit(cost: CostModel, timings: list[tuple[StepShape, float]]) -> tuple[Hardware, float]:
+    """The efficiencies (grid search) and overheads (least squares) that minimise the
+    squared relative error of predicted step times; returns the profile and its mean
+    absolute relative error."""
+    hw = cost.hw
+    shapes = [s for s, _ in timings]
+    measured = np.array([t for _, t in timings])
+    weight = 1 / measured
+    rows = np.array([[1.0, s.seqs, s.tokens] for s in shapes])
+    grid = np.geomspace(0.02, 1.0, 18)
+    best = (np.inf, None)
+    for c_eff, a_eff, bw_eff in itertools.product(grid, grid, grid):
+        hw.compute_efficiency, hw.attention_efficiency, hw.bandwidth_efficiency = \
+            c_eff, a_eff, bw_eff
+        roof = np.array([cost.roofline(s) for s in shapes])
+        err, coef = _fit_overheads(rows, measured - roof, weight)
+        if err < best[0]:
+            best = (err, (c_eff, a_eff, bw_eff, coef))
+    c_eff, a_eff, bw_eff, coef = best[1]
+    hw.compute_efficiency, hw.attention_efficiency, hw.bandwidth_efficiency = \
+        float(c_eff), float(a_eff), float(bw_eff)
+    hw.step_overhead, hw.seq_overhead, hw.token_overhead = (float(x) for x in coef)
+    predicted = np.array([cost.shape_time(s) for s in shapes])
+    return hw, float(np.mean(np.abs(predicted - measured) / measured))
+
+
+def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int = 5,
+              grid: list[list[tuple[int, int]]] | None = None):
+    """Build the real runner for `model`, time it, fit `hardware`'s factors. Returns
+    (profile, mean error, [(shape, measured, predicted)])."""
+    from tidal.engine.config import ModelConfig
+    from tidal.engine.model_runner import ModelRunner
+    from tidal.model.config import ModelArch
+    from tidal.model.registry import resolve_model
+    from tidal.sim.profiles import MODEL_CONFIGS
+
+    from dataclasses import fields
+
+    block_size = engine_kwargs.get("block_size", 16)
+    names = {f.name for f in fields(ModelConfig)} - {"model"}
+    kwargs = {k: v for k, v in engine_kwargs.items() if k in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        if model in MODEL_CONFIGS and kwargs.get("load_format") == "dummy":
+            folder = Path(tmp)
+            (folder / "config.json").write_text(json.dumps(MODEL_CONFIGS[model]))
+        else:
+            folder = resolve_model(model)[0]
+        runner = ModelRunner(folder, ModelConfig(model=model, **kwargs), block_size)
+        arch = ModelArch.from_folder(folder)
+    timings = measure(runner, grid or default_grid(), repeats, arch.vocab_size)
+    cost = CostModel(arch, hardware, runner.dtype.itemsize)
+    profile, error = fit(cost, timings)
+    profile.calibrated_on = (f"{model} on {runner.device} ({str(runner.dtype).split('.')[-1]}"
+                             f"), {len(timings)} step shapes, mean error {error:.1%}")
+    rows = [(s, t, cost.shape_time(s)) for s, t in timings]
+    return profile, error, rows
+
+
+def format_rows(rows) -> str:
+    lines = [f"{'seqs':>5} {'tokens':>7} {'ctx pairs':>10} {'measured ms':>12} {'model ms':>9}"]
+    for s, t, p in rows:
+        lines.append(f"{s.seqs:>5} {s.tokens:>7} {s.pairs:>10} {t * 1e3:>12.2f} {p * 1e3:>9.2f}")
+    return "\n".join(lines)
+
+
+def profile_json(profile: Hardware) -> str:
+    return json.dumps(asdict(profile), indent=1)

@@ -1,0 +1,154 @@
+"""`tidal simulate` (a workload through the real scheduler on a virtual clock) and `tidal
+calibrate` (fit a hardware profile to the real model runner)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from dataclasses import asdict, fields
+
+from tidal.bench.flags import add_workload_flags, load_workload, result_header, save_result
+from tidal.bench.metrics import format_report, parse_goodput, summarize
+
+# Scheduler presets: tidal's defaults, and two baselines run by the same Scheduler class.
+BASELINES = {
+    "tidal": {},
+    # vLLM v1's scheduler as far as these knobs express it: FCFS, decodes and prefill chunks
+    # in one batch under one token budget, no decode reservation, newest-first recompute
+    # preemption. (vLLM may chunk several prompts in a step; tidal chunks one at a time.)
+    "vllm": dict(policy="fcfs", batch_mode="mixed", init_new_token_ratio=0.0,
+                 preemption_order="newest", chunked_prefill_size=8192,
+                 max_input_tokens_per_step=8192),
+    # No chunking: whole prompts in prefill-only steps (vLLM v0's default); the step budget
+    # is set to max_model_len so any prompt fits.
+    "nochunk": dict(batch_mode="separate", chunked_prefill_size=None,
+                    max_input_tokens_per_step=None),
+}
+
+
+def add_simulate_parser(sub) -> None:
+    from tidal.cli import add_engine_flags
+
+    p = sub.add_parser("simulate", help="replay a workload through the real scheduler "
+                                        "against a cost model")
+    p.add_argument("--model-config", default="llama-3-8b",
+                   help="built-in profile (llama-3-8b, llama-3-70b, smollm2-135m) or a "
+                        "config.json / model folder")
+    p.add_argument("--hardware", default="h100",
+                   help="h100, h200, cpu, a calibrated profile name or a `tidal calibrate` "
+                        "JSON file")
+    p.add_argument("--baseline", default="tidal", choices=sorted(BASELINES),
+                   help="scheduler preset applied before the engine flags below")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="mixed replicas")
+    p.add_argument("--pd", default=None, metavar="xPyD",
+                   help="prefill/decode disaggregation, e.g. 1P3D")
+    p.add_argument("--routing", default="round_robin",
+                   help="round_robin, least_tokens or prefix_aware")
+    p.add_argument("--link-bandwidth", type=float, default=50.0,
+                   help="GB/s of a prefill-to-decode KV transfer")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks per replica (default: what fits beside the weights)")
+    add_workload_flags(p, max_model_len=None)
+    add_engine_flags(p, only=("cache", "scheduler"))
+    p.set_defaults(func=cmd_simulate)
+
+
+def _only(cls: type, knobs: dict) -> dict:
+    names = {f.name for f in fields(cls)} - {"num_blocks"}
+    return {k: v for k, v in knobs.items() if k in names}
+
+
+def build_simulator(args: argparse.Namespace):
+    from tidal.cli import engine_kwargs
+    from tidal.core import CacheConfig, SchedulerConfig
+    from tidal.sim.cost_model import CostModel
+    from tidal.sim.profiles import hardware, kv_blocks_for, model_arch
+    from tidal.sim.simulator import ClusterSpec, Simulator
+
+    arch, hw = model_arch(args.model_config), hardware(args.hardware)
+    # The context: --max-model-len if given, else the model's; the workload is clipped to it.
+    args.max_model_len = min(getattr(args, "max_model_len", arch.max_position_embeddings),
+                             arch.max_position_embeddings)
+    knobs = {k: v for k, v in BASELINES[args.baseline].items()}
+    for k, v in knobs.items():
+        if v is None:  # "as long as the context"
+            knobs[k] = args.max_model_len
+    knobs.update(engine_kwargs(args))
+    knobs["max_model_len"] = args.max_model_len
+    cache = CacheConfig(**_only(CacheConfig, knobs))
+    cache.num_blocks = args.num_kv_blocks or kv_blocks_for(arch, hw, cache.block_size)
+    sched = SchedulerConfig(**_only(SchedulerConfig, knobs))
+    spec = ClusterSpec(data_parallel_size=args.data_parallel_size, routing=args.routing,
+                       link_bandwidth=args.link_bandwidth * 1e9)
+    if args.pd:
+        m = re.fullmatch(r"(\d+)P(\d+)D", args.pd.upper())
+        if not m:
+            raise SystemExit(f"--pd takes xPyD, e.g. 1P3D; got {args.pd!r}")
+        spec.num_prefill, spec.num_decode = int(m.group(1)), int(m.group(2))
+    return Simulator(spec, sched, cache, CostModel(arch, hw)), arch, hw, sched, cache
+
+
+def cmd_simulate(args: argparse.Namespace) -> dict:
+    slos = parse_goodput(args.goodput)
+    sim, arch, hw, sched, cache = build_simulator(args)
+    requests, times, spec = load_workload(args, arch.vocab_size)
+    t0 = time.perf_counter()
+    run = sim.run(requests, times)
+    wall = time.perf_counter() - t0
+    result = result_header(args, f"tidal-sim ({args.baseline})", args.model_config)
+    result.update(summarize(run.results, run.duration, slos))
+    result["simulation"] = {
+        "hardware": asdict(hw), "pd": args.pd, "data_parallel_size": args.data_parallel_size,
+        "routing": args.routing, "num_kv_blocks": cache.num_blocks,
+        "scheduler": asdict(sched), "length_scale": spec.length_scale, "steps": run.steps,
+        "preemptions": run.preemptions, "wall_seconds": wall,
+        "simulated_requests_per_second": len(requests) / wall, "timeline": run.timeline}
+    print(format_report(result, "Simulated Serving Result"))
+    print(f"{'Preemptions:':<42}{run.preemptions:>18}")
+    print(f"{'Steps:':<42}{run.steps:>18}")
+    print(f"simulated {len(requests)} requests in {wall:.2f}s of wall time "
+          f"({len(requests) / wall:.0f} requests/s)")
+    path = save_result(args, result, "sim")
+    if path:
+        print(f"result: {path}")
+    if args.plot:
+        from tidal.bench.plot import plot_results
+
+        series = {k: (run.timeline["time"], v) for k, v in run.timeline.items() if k != "time"}
+        for f in plot_results(run.results, args.plot, "sim", series):
+            print(f"plot: {f}")
+    return result
+
+
+def add_calibrate_parser(sub) -> None:
+    from tidal.cli import add_engine_flags
+
+    p = sub.add_parser("calibrate", help="fit a hardware profile to the real model runner")
+    p.add_argument("--hardware", default="cpu", help="the profile whose factors are fitted")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per step shape")
+    p.add_argument("--output", default=None, help="JSON file to write (default: print)")
+    p.add_argument("--max-batch", type=int, default=64, help="largest decode batch timed")
+    p.add_argument("--max-prefill", type=int, default=1024, help="longest prefill timed")
+    add_engine_flags(p)
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from tidal.cli import engine_kwargs
+    from tidal.sim.calibrate import calibrate, default_grid, format_rows, profile_json
+    from tidal.sim.profiles import hardware
+
+    kwargs = engine_kwargs(args)
+    model = kwargs.pop("model", "smollm2-135m")
+    profile, error, rows = calibrate(model, hardware(args.hardware), kwargs, args.repeats,
+                                     default_grid(args.max_batch, args.max_prefill))
+    print(format_rows(rows))
+    print(f"mean absolute error {error:.1%}")
+    text = profile_json(profile)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+        print(f"profile: {args.output}")
+    else:
+        print(text)
