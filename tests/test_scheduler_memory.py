@@ -170,3 +170,37 @@ def test_a_request_alone_is_admitted_without_reserving_its_own_output():
     add(s, "a", 12, max_tokens=1000)
     out, _ = step(s)
     assert scheduled(out) == {"a": (12, 0)}
+
+
+def test_newest_first_preemption_takes_the_last_admitted():
+    """The vLLM-style order: with a, b, c admitted in that order and one block short, c goes
+    (the seeds' order would take b, the longest prompt among equal outputs)."""
+    s = make_scheduler(num_blocks=8, block_size=2, clip_max_new_tokens=1,
+                       preemption_order="newest")
+    a, b, c = (add(s, "a", 4, max_tokens=50), add(s, "b", 6, max_tokens=50),
+               add(s, "c", 4, max_tokens=50))
+    step(s)
+    out, _ = step(s)
+    assert out.preempted_ids[0] == "c"
+    assert c.status is RequestStatus.WAITING and b.status is RequestStatus.RUNNING
+
+
+def test_ratio_zero_reserves_nothing_even_after_a_retraction():
+    """init_new_token_ratio=0 turns reservation off: a request is admitted on its prompt's
+    blocks alone, and a retraction does not turn reservation back on."""
+    s = make_scheduler(num_blocks=8, block_size=2, init_new_token_ratio=0.0)
+    add(s, "a", 4, max_tokens=50)
+    add(s, "b", 6, max_tokens=50)
+    add(s, "c", 4, max_tokens=50)
+    out, _ = step(s)
+    assert set(scheduled(out)) == {"a", "b", "c"}  # 7 of 8 blocks, no room kept for outputs
+    preempted = []
+    while not preempted:
+        out, _ = step(s)
+        preempted = out.preempted_ids
+    assert s.ratio.value == 0.0
+
+
+def test_preemption_order_is_validated():
+    with pytest.raises(ValueError, match="preemption_order"):
+        SchedulerConfig(preemption_order="oldest")

