@@ -132,7 +132,7 @@ def test_goodput_rejects_malformed_slos(bad):
 def test_bench_serve_against_a_real_server(tmp_path):
     from server_fixtures import Server
 
-    from tidal.cli import main
+    from tidal.cli import run as main
 
     server = Server("--max-num-seqs", "8")
     try:

@@ -185,7 +185,7 @@ def test_calibration_recovers_known_factors():
 
 
 def test_simulate_command_writes_the_bench_report(tmp_path, capsys):
-    from tidal.cli import main
+    from tidal.cli import run as main
 
     out = tmp_path / "sim.json"
     main(["simulate", "--dataset", "azure-conv", "--num-prompts", "200", "--hardware", "h100",

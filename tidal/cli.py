@@ -85,6 +85,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The console script: runs a command (its result is for `run` callers, not the exit
+    status)."""
+    run(argv)
+
+
+def run(argv: list[str] | None = None):
+    """Parse `argv` and run the command; returns what the command returns (a benchmark's or
+    a simulation's result dict)."""
     parser = argparse.ArgumentParser(prog="tidal", description="tidal: an LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for prompts offline, batched")
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     add_calibrate_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    args.func(args)
+    return args.func(args)
 
 
 if __name__ == "__main__":
