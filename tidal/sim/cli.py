@@ -70,7 +70,7 @@ def build_simulator(args: argparse.Namespace):
     # The context: --max-model-len if given, else the model's; the workload is clipped to it.
     args.max_model_len = min(getattr(args, "max_model_len", arch.max_position_embeddings),
                              arch.max_position_embeddings)
-    knobs = {k: v for k, v in BASELINES[args.baseline].items()}
+    knobs = dict(BASELINES[args.baseline])
     for k, v in knobs.items():
         if v is None:  # "as long as the context"
             knobs[k] = args.max_model_len
