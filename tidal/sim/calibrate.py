@@ -9,22 +9,21 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from tidal.core.kv_cache_manager import cdiv
 from tidal.sim.cost_model import CostModel, StepShape
 from tidal.sim.profiles import Hardware
 
-# (new tokens, cached tokens) per sequence of a step: decodes at several batch sizes and
-# contexts, prefills of several lengths (fresh and after a cached prefix), and mixes.
-DECODE_CONTEXTS = (64, 512)
+DECODE_CONTEXTS = (64, 512)  # cached tokens behind each timed decode
 
 
 def default_grid(max_batch: int = 64, max_prefill: int = 1024) -> list[list[tuple[int, int]]]:
-    """Decodes at batch sizes 1, 2, 4 .. max_batch and two contexts; single prefills of 16 ..
-    max_prefill tokens, one after a cached prefix; prefills mixed with decodes."""
+    """Step shapes as (new tokens, cached tokens) per sequence: decodes at batch sizes 1, 2,
+    4 .. max_batch and two contexts; single prefills of 16 .. max_prefill tokens, one after
+    a cached prefix; prefills mixed with decodes."""
     batches = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
     grid = [[(1, c)] * b for b, c in itertools.product(batches, DECODE_CONTEXTS)]
     prefills = [n for n in (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if n <= max_prefill]
@@ -45,7 +44,7 @@ def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5,
         requests, scheduled, next_block = {}, [], 0
         for i, (n, c) in enumerate(entries):
             rid = f"cal{i}"
-            blocks = -(-(n + c) // bs)
+            blocks = cdiv(n + c, bs)
             if next_block + blocks > runner.num_blocks:
                 raise ValueError(f"the KV cache ({runner.num_blocks} blocks) is too small for "
                                  f"the shape {entries[:1]} x {len(entries)}: raise "
@@ -116,24 +115,20 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
               grid: list[list[tuple[int, int]]] | None = None):
     """Build the real runner for `model`, time it, fit `hardware`'s factors. Returns
     (profile, mean error, [(shape, measured, predicted)])."""
-    from tidal.engine.config import ModelConfig
+    from tidal.engine.config import EngineConfig
     from tidal.engine.model_runner import ModelRunner
     from tidal.model.config import ModelArch
     from tidal.model.registry import resolve_model
     from tidal.sim.profiles import MODEL_CONFIGS
 
-    from dataclasses import fields
-
-    block_size = engine_kwargs.get("block_size", 16)
-    names = {f.name for f in fields(ModelConfig)} - {"model"}
-    kwargs = {k: v for k, v in engine_kwargs.items() if k in names}
+    config = EngineConfig.from_kwargs(**engine_kwargs, model=model)
     with tempfile.TemporaryDirectory() as tmp:
-        if model in MODEL_CONFIGS and kwargs.get("load_format") == "dummy":
+        if model in MODEL_CONFIGS and config.model.load_format == "dummy":
             folder = Path(tmp)
             (folder / "config.json").write_text(json.dumps(MODEL_CONFIGS[model]))
         else:
             folder = resolve_model(model)[0]
-        runner = ModelRunner(folder, ModelConfig(model=model, **kwargs), block_size)
+        runner = ModelRunner(folder, config.model, config.cache.block_size)
         arch = ModelArch.from_folder(folder)
     timings = measure(runner, grid or default_grid(), repeats, arch.vocab_size)
     cost = CostModel(arch, hardware, runner.dtype.itemsize)
@@ -150,6 +145,3 @@ def format_rows(rows) -> str:
         lines.append(f"{s.seqs:>5} {s.tokens:>7} {s.pairs:>10} {t * 1e3:>12.2f} {p * 1e3:>9.2f}")
     return "\n".join(lines)
 
-
-def profile_json(profile: Hardware) -> str:
-    return json.dumps(asdict(profile), indent=1)

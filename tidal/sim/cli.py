@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 from tidal.bench.flags import add_workload_flags, load_workload, result_header, save_result
 from tidal.bench.metrics import format_report, parse_goodput, summarize
@@ -54,14 +54,9 @@ def add_simulate_parser(sub) -> None:
     p.set_defaults(func=cmd_simulate)
 
 
-def _only(cls: type, knobs: dict) -> dict:
-    names = {f.name for f in fields(cls)} - {"num_blocks"}
-    return {k: v for k, v in knobs.items() if k in names}
-
-
 def build_simulator(args: argparse.Namespace):
     from tidal.cli import engine_kwargs
-    from tidal.core import CacheConfig, SchedulerConfig
+    from tidal.engine.config import EngineConfig
     from tidal.sim.cost_model import CostModel
     from tidal.sim.profiles import hardware, kv_blocks_for, model_arch
     from tidal.sim.simulator import ClusterSpec, Simulator
@@ -76,9 +71,10 @@ def build_simulator(args: argparse.Namespace):
             knobs[k] = args.max_model_len
     knobs.update(engine_kwargs(args))
     knobs["max_model_len"] = args.max_model_len
-    cache = CacheConfig(**_only(CacheConfig, knobs))
-    cache.num_blocks = args.num_kv_blocks or kv_blocks_for(arch, hw, cache.block_size)
-    sched = SchedulerConfig(**_only(SchedulerConfig, knobs))
+    config = EngineConfig.from_kwargs(**knobs)  # routes each knob to the config owning it
+    cache, sched = config.cache, config.scheduler
+    if args.num_kv_blocks is None:
+        cache.num_blocks = kv_blocks_for(arch, hw, cache.block_size)
     spec = ClusterSpec(data_parallel_size=args.data_parallel_size, routing=args.routing,
                        link_bandwidth=args.link_bandwidth * 1e9)
     if args.pd:
@@ -136,7 +132,7 @@ def add_calibrate_parser(sub) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from tidal.cli import engine_kwargs
-    from tidal.sim.calibrate import calibrate, default_grid, format_rows, profile_json
+    from tidal.sim.calibrate import calibrate, default_grid, format_rows
     from tidal.sim.profiles import hardware
 
     kwargs = engine_kwargs(args)
@@ -145,7 +141,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                                      default_grid(args.max_batch, args.max_prefill))
     print(format_rows(rows))
     print(f"mean absolute error {error:.1%}")
-    text = profile_json(profile)
+    text = profile.to_json()
     if args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")

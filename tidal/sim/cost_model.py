@@ -79,10 +79,6 @@ class CostModel:
         return (self.roofline(shape) + hw.step_overhead + hw.seq_overhead * shape.seqs
                 + hw.token_overhead * shape.tokens)
 
-    def step_time(self, out: SchedulerOutput) -> float:
-        """Seconds the step `out` takes; 0 for a step that computes nothing."""
-        return self.shape_time(StepShape.of(out))
-
     def transfer_time(self, num_tokens: int, link_bandwidth: float,
                       latency: float = 0.0) -> float:
         """Seconds to move `num_tokens` tokens of KV over a link of `link_bandwidth` B/s."""

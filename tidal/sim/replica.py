@@ -34,17 +34,16 @@ class TokenClock:
 
 
 class SimReplica:
-    """An engine core whose forward pass is `cost.step_time`. `start(now)` plans a step and
+    """An engine core whose forward pass is `cost.shape_time`. `start(now)` plans a step and
     returns when it ends; `finish()` applies it, as the real core's update does."""
 
-    def __init__(self, index: int, sched: SchedulerConfig, cache: CacheConfig,
-                 cost: CostModel, role: str = "mixed") -> None:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, cost: CostModel,
+                 role: str = "mixed") -> None:
         config = copy.copy(sched)
         config.role = role
-        self.index, self.role, self.cost = index, role, cost
+        self.cost = cost
         self.scheduler = Scheduler(config, KVCacheManager(cache))
         self.plan: SchedulerOutput | None = None
-        self.busy_time = 0.0  # virtual seconds spent computing
         self.steps = 0
         self.outstanding = 0  # prompt + output tokens of the requests it holds (routing)
         self.planned_tokens = 0
@@ -71,20 +70,17 @@ class SimReplica:
                 self.plan = out
                 shape = StepShape.of(out)
                 self.planned_tokens = shape.tokens
-                dt = self.cost.shape_time(shape)
-                self.busy_time += dt
                 self.steps += 1
-                return now + dt
+                return now + self.cost.shape_time(shape)
             sched.update(out, ModelOutput())
             if not (out.preempted_ids or out.transfer_ids):
                 return None
         return None
 
-    def finish(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
+    def finish(self) -> list[RequestOutput]:
         """Apply the planned step: every sampling request gets SIM_TOKEN."""
         out, self.plan = self.plan, None
         # approximate: recomputed tokens count twice
         self.outstanding = max(0, self.outstanding - self.planned_tokens)
         sampled = {s.request_id: [SIM_TOKEN] for s in out.scheduled if s.samples}
-        outputs = self.scheduler.update(out, ModelOutput(sampled=sampled))
-        return out, outputs
+        return self.scheduler.update(out, ModelOutput(sampled=sampled))

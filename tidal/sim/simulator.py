@@ -57,16 +57,16 @@ class Simulator:
         if spec.disaggregated:
             if spec.num_prefill < 1 or spec.num_decode < 1:
                 raise ValueError("xPyD needs at least one prefill and one decode replica")
-            self.prefill = [SimReplica(i, sched, cache, cost, "prefill")
-                            for i in range(spec.num_prefill)]
-            self.decode = [SimReplica(spec.num_prefill + i, sched, cache, cost, "decode")
-                           for i in range(spec.num_decode)]
+            self.prefill = [SimReplica(sched, cache, cost, "prefill")
+                            for _ in range(spec.num_prefill)]
+            self.decode = [SimReplica(sched, cache, cost, "decode")
+                           for _ in range(spec.num_decode)]
             self.replicas = self.prefill + self.decode
         else:
             if spec.data_parallel_size < 1:
                 raise ValueError("data_parallel_size must be at least 1")
-            self.replicas = [SimReplica(i, sched, cache, cost)
-                             for i in range(spec.data_parallel_size)]
+            self.replicas = [SimReplica(sched, cache, cost)
+                             for _ in range(spec.data_parallel_size)]
             self.prefill, self.decode = [], self.replicas
         self.prefill_router = Router(spec.routing, max(1, len(self.prefill)))
         self.router = Router(spec.routing, len(self.decode))
@@ -143,8 +143,7 @@ class Simulator:
 
     def _step_end(self, replica: SimReplica, now: float, clocks: list[TokenClock],
                   done: list[bool], dirty: set[SimReplica]) -> None:
-        _, outputs = replica.finish()
-        for o in outputs:
+        for o in replica.finish():
             index = int(o.request_id)
             if o.kv_transfer:  # prefill role: the prompt's KV now travels to its decoder
                 prompt = len(replica.scheduler.requests[o.request_id].prompt_token_ids)
