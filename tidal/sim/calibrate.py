@@ -17,18 +17,18 @@ from tidal.core.kv_cache_manager import cdiv
 from tidal.sim.cost_model import CostModel, StepShape
 from tidal.sim.profiles import Hardware
 
-DECODE_CONTEXTS = (64, 512)  # cached tokens behind each timed decode
+DECODE_CONTEXTS = (64, 256, 512)  # cached tokens behind each timed decode
 
 
 def default_grid(max_batch: int = 64, max_prefill: int = 1024) -> list[list[tuple[int, int]]]:
     """Step shapes as (new tokens, cached tokens) per sequence: decodes at batch sizes 1, 2,
-    4 .. max_batch and two contexts; single prefills of 16 .. max_prefill tokens, one after
-    a cached prefix; prefills mixed with decodes."""
+    4 .. max_batch and three contexts; single prefills of 16 .. max_prefill tokens, one after
+    a cached prefix; prefills mixed with up to max_batch decodes."""
     batches = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
     grid = [[(1, c)] * b for b, c in itertools.product(batches, DECODE_CONTEXTS)]
     prefills = [n for n in (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if n <= max_prefill]
     grid += [[(n, 0)] for n in prefills] + [[(256, 512)]]
-    grid += [[(256, 0)] + [(1, 256)] * b for b in (4, 16, 32)]
+    grid += [[(256, 0)] + [(1, 256)] * b for b in (4, 16, 32) if b <= max_batch]
     return grid
 
 
@@ -67,12 +67,13 @@ def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5,
 
 
 def _fit_overheads(rows: np.ndarray, residual: np.ndarray, weight: np.ndarray):
-    """Non-negative least squares for (step, seq, token) overheads over 3 unknowns: every
-    subset of active terms, keeping the best fit whose coefficients are all >= 0."""
-    best = (np.inf, np.zeros(3))
-    for mask in itertools.product((0, 1), repeat=3):
-        cols = [i for i in range(3) if mask[i]]
-        coef = np.zeros(3)
+    """Non-negative least squares for the overheads (one per column of `rows`): every subset
+    of active terms, keeping the best fit whose coefficients are all >= 0."""
+    k = rows.shape[1]
+    best = (np.inf, np.zeros(k))
+    for mask in itertools.product((0, 1), repeat=k):
+        cols = [i for i in range(k) if mask[i]]
+        coef = np.zeros(k)
         if cols:
             sol, *_ = np.linalg.lstsq(rows[:, cols] * weight[:, None], residual * weight,
                                       rcond=None)
@@ -93,7 +94,7 @@ def fit(cost: CostModel, timings: list[tuple[StepShape, float]]) -> tuple[Hardwa
     shapes = [s for s, _ in timings]
     measured = np.array([t for _, t in timings])
     weight = 1 / measured
-    rows = np.array([[1.0, s.seqs, s.tokens] for s in shapes])
+    rows = np.array([[1.0, s.seqs, s.tokens, s.gathered] for s in shapes])
     grid = np.geomspace(0.02, 1.0, 18)
     best = (np.inf, None)
     for c_eff, a_eff, bw_eff in itertools.product(grid, grid, grid):
@@ -106,7 +107,8 @@ def fit(cost: CostModel, timings: list[tuple[StepShape, float]]) -> tuple[Hardwa
     c_eff, a_eff, bw_eff, coef = best[1]
     hw.compute_efficiency, hw.attention_efficiency, hw.bandwidth_efficiency = \
         float(c_eff), float(a_eff), float(bw_eff)
-    hw.step_overhead, hw.seq_overhead, hw.token_overhead = (float(x) for x in coef)
+    (hw.step_overhead, hw.seq_overhead, hw.token_overhead,
+     hw.context_overhead) = (float(x) for x in coef)
     predicted = np.array([cost.shape_time(s) for s in shapes])
     return hw, float(np.mean(np.abs(predicted - measured) / measured))
 
@@ -115,6 +117,8 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
               grid: list[list[tuple[int, int]]] | None = None):
     """Build the real runner for `model`, time it, fit `hardware`'s factors. Returns
     (profile, mean error, [(shape, measured, predicted)])."""
+    import torch
+
     from tidal.engine.config import EngineConfig
     from tidal.engine.model_runner import ModelRunner
     from tidal.model.config import ModelArch
@@ -133,8 +137,9 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
     timings = measure(runner, grid or default_grid(), repeats, arch.vocab_size)
     cost = CostModel(arch, hardware, runner.dtype.itemsize)
     profile, error = fit(cost, timings)
+    threads = f", {torch.get_num_threads()} threads" if runner.device == "cpu" else ""
     profile.calibrated_on = (f"{model} on {runner.device} ({str(runner.dtype).split('.')[-1]}"
-                             f"), {len(timings)} step shapes, mean error {error:.1%}")
+                             f"{threads}), {len(timings)} step shapes, mean error {error:.1%}")
     rows = [(s, t, cost.shape_time(s)) for s, t in timings]
     return profile, error, rows
 

@@ -4,6 +4,7 @@ calibrate` (fit a hardware profile to the real model runner)."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import time
 from dataclasses import asdict
@@ -43,15 +44,33 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--data-parallel-size", type=int, default=1, help="mixed replicas")
     p.add_argument("--pd", default=None, metavar="xPyD",
                    help="prefill/decode disaggregation, e.g. 1P3D")
+    p.add_argument("--prefill-path", default="prefill-only", choices=["prefill-only", "shared"],
+                   help="xPyD prefill replicas: the prefill role's path, or the mixed "
+                        "scheduler with max_tokens=1")
     p.add_argument("--routing", default="round_robin",
                    help="round_robin, least_tokens or prefix_aware")
     p.add_argument("--link-bandwidth", type=float, default=50.0,
                    help="GB/s of a prefill-to-decode KV transfer")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per replica (default: what fits beside the weights)")
+    p.add_argument("--compare", default=None, metavar="RESULT_JSON",
+                   help="a `tidal bench serve --save-result` file of the same workload: "
+                        "print each headline metric's relative error against it")
     add_workload_flags(p, max_model_len=None)
     add_engine_flags(p, only=("cache", "scheduler"))
     p.set_defaults(func=cmd_simulate)
+
+
+# What `--compare` checks: the issue's accuracy target is on TTFT, TPOT and throughput.
+COMPARED = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+            "output_throughput", "request_throughput")
+
+
+def compare(real: dict, simulated: dict) -> dict[str, dict[str, float]]:
+    """Per metric: the real value, the simulated one and (sim - real) / real."""
+    return {k: {"real": real[k], "sim": simulated[k],
+                "error": (simulated[k] - real[k]) / real[k] if real[k] else float("inf")}
+            for k in COMPARED}
 
 
 def build_simulator(args: argparse.Namespace):
@@ -76,7 +95,8 @@ def build_simulator(args: argparse.Namespace):
     if args.num_kv_blocks is None:
         cache.num_blocks = kv_blocks_for(arch, hw, cache.block_size)
     spec = ClusterSpec(data_parallel_size=args.data_parallel_size, routing=args.routing,
-                       link_bandwidth=args.link_bandwidth * 1e9)
+                       link_bandwidth=args.link_bandwidth * 1e9,
+                       prefill_path=args.prefill_path)
     if args.pd:
         m = re.fullmatch(r"(\d+)P(\d+)D", args.pd.upper())
         if not m:
@@ -95,7 +115,7 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     result = result_header(args, f"tidal-sim ({args.baseline})", args.model_config)
     result.update(summarize(run.results, run.duration, slos))
     result["simulation"] = {
-        "hardware": asdict(hw), "pd": args.pd, "data_parallel_size": args.data_parallel_size,
+        "hardware": asdict(hw), "pd": args.pd, "prefill_path": args.prefill_path, "data_parallel_size": args.data_parallel_size,
         "routing": args.routing, "num_kv_blocks": cache.num_blocks,
         "scheduler": asdict(sched), "length_scale": spec.length_scale, "steps": run.steps,
         "preemptions": run.preemptions, "wall_seconds": wall,
@@ -103,6 +123,12 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     print(format_report(result, "Simulated Serving Result"))
     print(f"{'Preemptions:':<42}{run.preemptions:>18}")
     print(f"{'Steps:':<42}{run.steps:>18}")
+    if args.compare:
+        with open(args.compare) as f:
+            result["comparison"] = compare(json.load(f), result)
+        print(f"{'metric':<22}{'real':>12}{'simulated':>12}{'error':>10}")
+        for k, c in result["comparison"].items():
+            print(f"{k:<22}{c['real']:>12.2f}{c['sim']:>12.2f}{c['error']:>+10.1%}")
     print(f"simulated {len(requests)} requests in {wall:.2f}s of wall time "
           f"({len(requests) / wall:.0f} requests/s)")
     path = save_result(args, result, "sim")

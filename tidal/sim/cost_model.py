@@ -6,6 +6,7 @@ For a step's scheduled requests (each `n` new tokens after `c` cached ones):
   attention = max(4 * L * Hq * D * sum(n*c + n(n+1)/2)         over  peak * attention_eff,
                   KV bytes read and written                    over  bandwidth * bw_eff)
   step      = linear + attention + step_overhead + seq_overhead * seqs + token_overhead * tokens
+              + context_overhead * cached tokens gathered (sequences with c > 0 read c + n)
 """
 
 from __future__ import annotations
@@ -20,23 +21,26 @@ from tidal.sim.profiles import Hardware, linear_params
 class StepShape:
     """The totals of one step that the roofline needs."""
 
-    __slots__ = ("tokens", "seqs", "sampled", "pairs", "kv_tokens")
+    __slots__ = ("tokens", "seqs", "sampled", "pairs", "kv_tokens", "gathered")
 
     def __init__(self, entries: Iterable[tuple[int, int, bool]]) -> None:
         """entries: (new tokens, cached tokens before them, samples a token)."""
         self.tokens = self.seqs = self.sampled = self.pairs = self.kv_tokens = 0
+        self.gathered = 0
         for n, c, samples in entries:
             self.tokens += n
             self.seqs += 1
             self.sampled += samples
             self.pairs += n * c + n * (n + 1) // 2  # (query, key) pairs under the causal mask
             self.kv_tokens += c + 2 * n  # context read, new tokens written and read
+            if c:  # attends through the block table: the context is read back from the cache
+                self.gathered += c + n
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> "StepShape":
         # The simulator's hot path: one loop of attribute reads over the step.
         shape = cls(())
-        tokens = seqs = sampled = pairs = kv = 0
+        tokens = seqs = sampled = pairs = kv = gathered = 0
         for s in out.scheduled:
             n, c = s.num_new_tokens, s.num_computed_tokens
             tokens += n
@@ -44,8 +48,11 @@ class StepShape:
             sampled += s.samples
             pairs += n * c + n * (n + 1) // 2
             kv += c + 2 * n
+            if c:
+                gathered += c + n
         shape.tokens, shape.seqs, shape.sampled, shape.pairs, shape.kv_tokens = \
             tokens, seqs, sampled, pairs, kv
+        shape.gathered = gathered
         return shape
 
 
@@ -77,7 +84,7 @@ class CostModel:
         if shape.seqs == 0:
             return 0.0
         return (self.roofline(shape) + hw.step_overhead + hw.seq_overhead * shape.seqs
-                + hw.token_overhead * shape.tokens)
+                + hw.token_overhead * shape.tokens + hw.context_overhead * shape.gathered)
 
     def transfer_time(self, num_tokens: int, link_bandwidth: float,
                       latency: float = 0.0) -> float:

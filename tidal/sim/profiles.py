@@ -61,6 +61,7 @@ class Hardware:
     step_overhead: float = 0.0  # seconds per step (scheduling, launches, sampling)
     seq_overhead: float = 0.0  # seconds per scheduled sequence (input building, sampling)
     token_overhead: float = 0.0  # seconds per scheduled token
+    context_overhead: float = 0.0  # seconds per cached token a step gathers to attend
     memory_utilization: float = 0.9  # share of memory the engine may use
     calibrated_on: str = ""  # what `tidal calibrate` measured, if it made this profile
 

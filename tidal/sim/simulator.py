@@ -7,6 +7,7 @@ starts its next step at once, so virtual time jumps from event to event."""
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 
@@ -30,6 +31,11 @@ class ClusterSpec:
     routing: str = "round_robin"  # how the router picks a replica (tidal.cluster.routing)
     link_bandwidth: float = 50e9  # bytes/s of one KV transfer (400 Gb/s RDMA)
     link_latency: float = 20e-6  # seconds added to every transfer
+    # xPyD: "prefill-only" runs the prefill role's path (no admission queue, every running
+    # prompt chunked under the full budget, blocks held until the KV is sent); "shared" runs
+    # the mixed scheduler with max_tokens=1 (its admission, reservation and one chunked
+    # prompt a step), freeing blocks when the token is out: optimistic for "shared".
+    prefill_path: str = "prefill-only"
     sample_interval: float = 1.0  # virtual seconds between timeline samples
 
     @property
@@ -57,7 +63,11 @@ class Simulator:
         if spec.disaggregated:
             if spec.num_prefill < 1 or spec.num_decode < 1:
                 raise ValueError("xPyD needs at least one prefill and one decode replica")
-            self.prefill = [SimReplica(sched, cache, cost, "prefill")
+            if spec.prefill_path not in ("prefill-only", "shared"):
+                raise ValueError(f"prefill_path must be 'prefill-only' or 'shared'; got "
+                                 f"{spec.prefill_path!r}")
+            role = "prefill" if spec.prefill_path == "prefill-only" else "mixed"
+            self.prefill = [SimReplica(sched, cache, cost, role)
                             for _ in range(spec.num_prefill)]
             self.decode = [SimReplica(sched, cache, cost, "decode")
                            for _ in range(spec.num_decode)]
@@ -70,6 +80,7 @@ class Simulator:
             self.prefill, self.decode = [], self.replicas
         self.prefill_router = Router(spec.routing, max(1, len(self.prefill)))
         self.router = Router(spec.routing, len(self.decode))
+        self._shared_prefill = spec.disaggregated and spec.prefill_path == "shared"
         self._events: list[tuple] = []
         self._seq = 0
         self._home: dict[str, tuple[SimReplica, SimReplica | None]] = {}
@@ -134,7 +145,10 @@ class Simulator:
         while replica.pending_transfers:
             rid = replica.pending_transfers.pop()
             decode_req = replica.scheduler.requests[rid]
-            request = Request(rid, decode_req.prompt_token_ids, decode_req.sampling_params,
+            params = decode_req.sampling_params
+            if self._shared_prefill:  # the mixed scheduler prefills by generating one token
+                params = dataclasses.replace(params, max_tokens=1)
+            request = Request(rid, decode_req.prompt_token_ids, params,
                               arrival_time=decode_req.arrival_time)
             target = self._route(self.prefill_router, self.prefill, request)
             target.add(request)
@@ -145,8 +159,11 @@ class Simulator:
                   done: list[bool], dirty: set[SimReplica]) -> None:
         for o in replica.finish():
             index = int(o.request_id)
-            if o.kv_transfer:  # prefill role: the prompt's KV now travels to its decoder
-                prompt = len(replica.scheduler.requests[o.request_id].prompt_token_ids)
+            if o.kv_transfer or (self._shared_prefill and o.finish_reason == "length"
+                                 and self._home[o.request_id][1] is replica):
+                # the prompt's KV (and first token) now travels to its decoder
+                decoder = self._home[o.request_id][0]
+                prompt = len(decoder.scheduler.requests[o.request_id].prompt_token_ids)
                 self._push(now + self.cost.transfer_time(prompt, self.spec.link_bandwidth,
                                                          self.spec.link_latency),
                            _TRANSFER_END, (o.request_id, o.new_token_ids[0]))
@@ -170,7 +187,8 @@ class Simulator:
                       done: list[bool], dirty: set[SimReplica]) -> None:
         rid, token = payload
         decoder, prefiller = self._home[rid]
-        prefiller.scheduler.kv_sent(rid)
+        if not self._shared_prefill:  # the shared path freed the blocks at its finish
+            prefiller.scheduler.kv_sent(rid)
         out = decoder.scheduler.kv_received(rid, token)
         index = int(rid)
         clocks[index].tick(now)
