@@ -137,7 +137,7 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
     timings = measure(runner, grid or default_grid(), repeats, arch.vocab_size)
     cost = CostModel(arch, hardware, runner.dtype.itemsize)
     profile, error = fit(cost, timings)
-    threads = f", {torch.get_num_threads()} threads" if runner.device == "cpu" else ""
+    threads = f", threads={torch.get_num_threads()}" if runner.device == "cpu" else ""
     profile.calibrated_on = (f"{model} on {runner.device} ({str(runner.dtype).split('.')[-1]}"
                              f"{threads}), {len(timings)} step shapes, mean error {error:.1%}")
     rows = [(s, t, cost.shape_time(s)) for s, t in timings]
