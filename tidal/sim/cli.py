@@ -117,7 +117,8 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     result["simulation"] = {
         "hardware": asdict(hw), "pd": args.pd, "prefill_path": args.prefill_path,
         "data_parallel_size": args.data_parallel_size, "routing": args.routing,
-        "num_kv_blocks": cache.num_blocks, "scheduler": asdict(sched), "length_scale": spec.length_scale, "steps": run.steps,
+        "num_kv_blocks": cache.num_blocks, "scheduler": asdict(sched),
+        "length_scale": spec.length_scale, "steps": run.steps,
         "preemptions": run.preemptions, "wall_seconds": wall,
         "simulated_requests_per_second": len(requests) / wall, "timeline": run.timeline}
     print(format_report(result, "Simulated Serving Result"))
