@@ -20,10 +20,15 @@ workload=(--dataset random --random-input-len "${INPUT_LEN:-256}" --random-range
           --random-output-len "${OUTPUT_LEN:-64}" --num-prompts "${NUM_PROMPTS:-100}"
           --request-rate "${RATE:-0.5}" --seed 0)
 port=8110
-setsid .venv/bin/tidal serve --port $port --num-kv-blocks 4096 --num-threads 1 >"$OUTDIR/server.log" 2>&1 &
+setsid .venv/bin/tidal serve --port $port --num-kv-blocks 4096 --num-threads 1 \
+  >"$OUTDIR/server.log" 2>&1 &
 pid=$!
 trap 'kill -- -$pid 2>/dev/null || true' EXIT
-for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+for _ in $(seq 300); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  kill -0 $pid 2>/dev/null || { echo "server exited; see $OUTDIR/server.log"; exit 1; }
+  sleep 1
+done
 .venv/bin/tidal bench serve --base-url "http://127.0.0.1:$port" "${workload[@]}" --ignore-eos \
   --disable-tqdm --save-result --result-file "$OUTDIR/real.json" >/dev/null
 kill -- -$pid; wait $pid 2>/dev/null || true; trap - EXIT
