@@ -15,6 +15,7 @@ class CoreLoad:
     outstanding_tokens: int = 0  # prompt tokens still to compute + output tokens still to make
     free_blocks: int = 0
     prefix_hit_tokens: int = 0  # tokens of this request's prompt already cached there
+    available: bool = True  # False: the core is gone; never chosen
 
 
 class Router:
@@ -37,12 +38,16 @@ class Router:
         return self.policy == "prefix_aware"
 
     def choose(self, loads: list[CoreLoad]) -> int:
+        """The chosen core's index; at least one load must be available."""
+        live = [i for i, load in enumerate(loads) if load.available]
         if self.policy == "round_robin":
+            while not loads[self._next].available:
+                self._next = (self._next + 1) % self.num_cores
             core, self._next = self._next, (self._next + 1) % self.num_cores
             return core
-        least = min(range(len(loads)), key=lambda i: (loads[i].outstanding_tokens, i))
+        least = min(live, key=lambda i: (loads[i].outstanding_tokens, i))
         if self.policy == "least_tokens":
             return least
-        best = max(range(len(loads)), key=lambda i: (loads[i].prefix_hit_tokens,
-                                                     -loads[i].outstanding_tokens))
+        best = max(live, key=lambda i: (loads[i].prefix_hit_tokens,
+                                        -loads[i].outstanding_tokens))
         return best if loads[best].prefix_hit_tokens > 0 else least

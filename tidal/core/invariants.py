@@ -36,6 +36,8 @@ class SchedulerStats:
     prefix_query_tokens: int
     prefix_hit_rate: float
     num_steps: int
+    outstanding_tokens: int  # prompt tokens still to compute + output tokens still allowed
+    unclaimed_blocks: int  # free blocks less what the waiting prompts will take
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -44,6 +46,9 @@ class SchedulerStats:
 def collect_stats(s: "Scheduler") -> SchedulerStats:
     pool = s.kv.pool
     prefill = sum(1 for r in s.running if r.is_prefilling)
+    outstanding = sum(r.num_tokens - r.num_computed_tokens + r.out_limit - len(r.output_token_ids)
+                      for r in s.requests.values())
+    claimed = sum(-(-r.num_tokens // s.block_size) for r in s.waiting)
     return SchedulerStats(
         running_decode=len(s.running) - prefill,
         running_prefill=prefill,
@@ -61,6 +66,8 @@ def collect_stats(s: "Scheduler") -> SchedulerStats:
         prefix_query_tokens=s.prefix_query_tokens,
         prefix_hit_rate=s.prefix_hit_tokens / max(1, s.prefix_query_tokens),
         num_steps=s.step,
+        outstanding_tokens=outstanding,
+        unclaimed_blocks=pool.num_free - claimed,
     )
 
 

@@ -55,6 +55,26 @@ class ParallelConfig:
     """How many engine cores serve the model (filled in by the cluster layer)."""
 
     data_parallel_size: int = knob(1, "Engine cores behind one data-parallel dispatcher.")
+    dp_batch_timeout: float = knob(0.1, "Seconds the dispatcher gathers requests into a "
+                                   "batch before routing them (data parallel only).")
+    dp_routing: str = knob("least_tokens", "How the dispatcher picks a core: 'round_robin', "
+                           "'least_tokens' (fewest outstanding tokens) or 'prefix_aware' "
+                           "(longest prompt prefix sent there before, else least tokens).")
+    dp_backend: str = knob("local", "Where the engine cores run: 'local' processes, or 'ray' "
+                           "actors (joins RAY_ADDRESS's cluster, or starts a local one).")
+
+    def __post_init__(self) -> None:
+        from tidal.cluster.routing import ROUTING_POLICIES
+
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be at least 1")
+        if self.dp_batch_timeout < 0:
+            raise ValueError("dp_batch_timeout must be >= 0")
+        if self.dp_routing not in ROUTING_POLICIES:
+            raise ValueError(f"dp_routing must be one of {', '.join(ROUTING_POLICIES)}; "
+                             f"got {self.dp_routing!r}")
+        if self.dp_backend not in ("local", "ray"):
+            raise ValueError(f"dp_backend must be local or ray; got {self.dp_backend!r}")
 
 
 @dataclass

@@ -87,7 +87,11 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
         if not client.alive:
             return JSONResponse(APIError(client.dead or "engine core not running", 503,
                                          "service_unavailable").body(), status_code=503)
-        return {"status": "ok", "engine_core_pid": client.pid}
+        body = {"status": "ok", "engine_core_pid": client.pid}
+        if client.num_cores > 1:  # data parallel: serving on while any core lives
+            body.update(engine_core_pids=client.pids,
+                        dead_cores={str(i): why for i, why in client.dead_cores.items()})
+        return body
 
     @app.get("/version")
     async def version():

@@ -41,9 +41,9 @@ class StatusLine:
 
 
 def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_addr: str,
-             out_addr: str) -> None:
+             out_addr: str, index: int = 0) -> None:
     """The process's main: build the core, say Ready, then serve until Shutdown or until the
-    frontend process is gone."""
+    frontend process is gone. `index` names this core among data-parallel ones."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()
@@ -59,10 +59,10 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
         outbox.close()
         ctx.term()
         return
-    outbox.send(m.encoder.encode(m.Ready(core.max_model_len, core.vocab_size,
+    outbox.send(m.encoder.encode(m.Ready(index, core.max_model_len, core.vocab_size,
                                          core.runner.num_blocks, config.cache.block_size)))
     try:
-        _serve(core, inbox, outbox, parent)
+        _serve(core, inbox, outbox, parent, index)
     finally:
         core.close()
         inbox.close(linger=0)
@@ -70,10 +70,12 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
         ctx.term()
 
 
-def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None:
+def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int,
+           index: int) -> None:
     status = StatusLine(core)
     deadline: float | None = None  # set by Shutdown: drain until then
     last_stats = 0.0
+    adds_seen = 0
     while True:
         if inbox.poll(0 if core.has_work() else 200):
             while True:
@@ -82,6 +84,8 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int)
                 except zmq.Again:
                     break
                 if isinstance(msg, m.Add):
+                    adds_seen += 1
+                    last_stats = 0.0  # report the new load after this step
                     try:
                         core.add(msg.request_id, msg.prompt_token_ids, msg.params,
                                  msg.arrival_time)
@@ -101,13 +105,13 @@ def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int)
         if core.has_work():
             outputs, logprobs = core.step()
             if outputs:
-                outbox.send(m.encoder.encode(m.Outputs(outputs, logprobs)))
+                outbox.send(m.encoder.encode(m.Outputs(index, outputs, logprobs)))
             status.maybe_log()
         now = time.monotonic()
         if now - last_stats >= 0.5:
             last_stats = now
-            outbox.send(m.encoder.encode(m.Stats(core.scheduler.stats(), core.prompt_tokens,
-                                                 core.generation_tokens)))
+            outbox.send(m.encoder.encode(m.Stats(index, adds_seen, core.scheduler.stats(),
+                                                 core.prompt_tokens, core.generation_tokens)))
             if os.getppid() != parent:  # the frontend died: do not linger as an orphan
                 log.warning("frontend process gone; engine core exiting")
                 return

@@ -39,6 +39,7 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class Ready(msgspec.Struct, tag=True):
+    core: int  # which engine core (data parallel: 0..N-1)
     max_model_len: int
     vocab_size: int
     num_blocks: int
@@ -46,6 +47,7 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):
+    core: int
     outputs: list[RequestOutput]
     logprobs: dict[str, list]
 
@@ -58,6 +60,8 @@ class Rejected(msgspec.Struct, tag=True):
 
 
 class Stats(msgspec.Struct, tag=True):
+    core: int
+    adds_seen: int  # Add messages the core has taken, so the dispatcher knows what stats cover
     scheduler: SchedulerStats
     prompt_tokens: int  # prompt tokens computed since start (prefix-cache hits excluded)
     generation_tokens: int  # tokens sampled since start

@@ -43,6 +43,14 @@ class _CoreCollector:
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        dispatcher = getattr(self.client, "dispatcher", None)
+        if dispatcher is not None:
+            routed = CounterMetricFamily("tidal:dp_requests_routed",
+                                         "Requests the dispatcher sent to each core.",
+                                         labels=["core"])
+            for i, view in enumerate(dispatcher.views):
+                routed.add_metric([str(i)], view.adds_sent)
+            yield routed
 
 
 class ServerMetrics:

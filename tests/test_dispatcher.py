@@ -1,0 +1,198 @@
+"""The data-parallel dispatcher: batches, the token budget, the free-blocks check, aborts,
+dead cores and shutdown, driven without processes (its `send` records what went where)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidal.cluster.dispatcher import Dispatcher
+from tidal.cluster.prefix_index import PrefixIndex, block_hashes
+from tidal.cluster.routing import Router
+
+
+def item(rid: str, n: int, max_tokens: int = 16, first: int = 0):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(first, first + n)),
+                           params=SimpleNamespace(max_tokens=max_tokens))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, object]] = []
+        self.event = threading.Event()
+
+    def __call__(self, core: int, msg) -> None:
+        self.sent.append((core, msg))
+        self.event.set()
+
+    def ids(self, core: int | None = None) -> list[str]:
+        return [getattr(x, "request_id", x) for c, x in self.sent if core in (None, c)]
+
+
+def make(policy="least_tokens", cores=2, blocks=64, budget=1000, timeout=0.05):
+    rec = Recorder()
+    return Dispatcher(Router(policy, cores), rec, blocks, 16, budget, timeout), rec
+
+
+def wait_for(cond, timeout=5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_requests_that_arrive_within_the_timeout_go_in_one_batch_spread_over_cores():
+    d, rec = make(timeout=0.3)
+    d.start()
+    for i in range(4):
+        d.submit(item(f"r{i}", 40))
+    wait_for(lambda: len(rec.sent) == 4)
+    d.close()
+    assert d.batches == 1
+    # least outstanding tokens alternates between the two idle cores
+    assert rec.ids(0) == ["r0", "r2"] and rec.ids(1) == ["r1", "r3"]
+
+
+def test_the_token_budget_closes_a_batch_without_waiting_for_the_timeout():
+    d, rec = make(budget=100, timeout=2.0)
+    d.start()
+    t0 = time.monotonic()
+    d.submit(item("a", 60))
+    d.submit(item("b", 60))  # 120 queued tokens >= 100: route now, a alone (a + b > budget)
+    wait_for(lambda: len(rec.sent) == 1)
+    assert time.monotonic() - t0 < 1.5
+    wait_for(lambda: len(rec.sent) == 2)  # b, under budget alone, waits out its timeout
+    assert time.monotonic() - t0 >= 2.0
+    d.close()
+    assert d.batches == 2 and rec.ids() == ["a", "b"]
+
+
+def test_a_request_the_target_core_has_no_room_for_stays_queued_until_a_report():
+    d, rec = make(cores=1, blocks=64)
+    d.report(0, free_blocks=4, outstanding_tokens=0, new_token_ratio=1.0, adds_seen=0)
+    for rid, n in (("small", 30), ("big", 100), ("after", 10)):  # 3, 8, 2 blocks with output
+        d.submit(item(rid, n))
+    with d._cond:
+        assert d._route_batch() == 1
+    assert rec.ids() == ["small"] and d.num_queued == 2  # FIFO: "after" waits behind "big"
+    assert d.views[0].free() == 4 - 3 and d.views[0].load() == 46
+    # the core took "small" and reports room: the rest go
+    d.report(0, free_blocks=20, outstanding_tokens=46, new_token_ratio=1.0, adds_seen=1)
+    assert d.views[0].free() == 20
+    with d._cond:
+        assert d._route_batch() == 2
+    assert rec.ids() == ["small", "big", "after"] and d.num_queued == 0
+
+
+def test_a_request_larger_than_a_whole_core_is_sent_for_the_core_to_refuse():
+    d, rec = make(cores=1, blocks=8)
+    d.submit(item("huge", 500))
+    with d._cond:
+        assert d._route_batch() == 1
+    assert rec.ids() == ["huge"]
+
+
+def test_abort_drops_a_queued_request_and_forwards_one_already_routed():
+    d, rec = make(cores=2)
+    d.submit(item("a", 10))
+    d.submit(item("b", 10))
+    d.abort("a", "abort-a")  # still queued: dropped, never sent
+    with d._cond:
+        d._route_batch()
+    assert rec.ids() == ["b"]
+    core = d.core_of["b"]
+    d.abort("b", "abort-b")
+    assert rec.sent[-1] == (core, "abort-b") and "b" not in d.core_of
+
+
+def test_a_dead_core_gets_nothing_more_and_hands_back_its_requests():
+    d, rec = make(policy="round_robin", cores=2)
+    for i in range(2):
+        d.submit(item(f"r{i}", 10))
+    with d._cond:
+        d._route_batch()
+    assert d.core_died(0) == ["r0"]
+    for i in range(2, 5):
+        d.submit(item(f"r{i}", 10))
+    with d._cond:
+        d._route_batch()
+    assert rec.ids(0) == ["r0"] and rec.ids(1) == ["r1", "r2", "r3", "r4"]
+    d.core_died(1)
+    d.submit(item("late", 10))
+    with d._cond:
+        assert d._route_batch() == 0  # nowhere to go: stays queued for the frontend to fail
+    assert [x.request_id for x in d.close()] == ["late"]
+
+
+def test_close_ends_the_gathering_thread_and_returns_what_was_never_sent():
+    d, rec = make(timeout=60.0)
+    d.start()
+    d.submit(item("waiting", 10))
+    d.close()
+    assert not d._thread.is_alive() and rec.sent == []
+
+
+def test_prefix_aware_routing_sends_a_shared_prefix_where_it_went_before():
+    d, rec = make(policy="prefix_aware", cores=3)
+    system = list(range(1000, 1064))  # four full blocks shared by both prompts
+    first = SimpleNamespace(request_id="x", prompt_token_ids=system + [1, 2],
+                            params=SimpleNamespace(max_tokens=4))
+    d.submit(item("other", 10, first=5000))
+    d.submit(first)
+    with d._cond:
+        d._route_batch()
+    again = SimpleNamespace(request_id="y", prompt_token_ids=system + [7, 8, 9],
+                            params=SimpleNamespace(max_tokens=4))
+    d.submit(again)
+    with d._cond:
+        d._route_batch()
+    assert d.core_of["y"] == d.core_of["x"] != d.core_of["other"]
+
+
+def test_prefix_index_matches_whole_leading_blocks_and_forgets_least_recent():
+    idx = PrefixIndex(block_size=4, capacity=3)
+    idx.insert(block_hashes(list(range(12)), 4))
+    assert idx.match(block_hashes(list(range(12)) + [99], 4)) == 12
+    assert idx.match(block_hashes([0, 1, 2, 3, 9, 9, 9, 9], 4)) == 4
+    idx.insert(block_hashes([50, 51, 52, 53], 4))  # over capacity: the oldest block goes
+    assert idx.match(block_hashes(list(range(12)), 4)) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.integers(1, 300), st.integers(1, 64)),
+    st.tuples(st.just("report"), st.integers(0, 1), st.integers(0, 64)),
+    st.tuples(st.just("abort"), st.integers(0, 40), st.just(0)),
+    st.tuples(st.just("route"), st.just(0), st.just(0))), max_size=60),
+    st.sampled_from(["round_robin", "least_tokens", "prefix_aware"]))
+def test_every_request_is_sent_once_dropped_by_its_abort_or_still_queued(ops, policy):
+    d, rec = make(policy=policy, cores=2, blocks=32, budget=400)
+    submitted, aborted = [], set()
+    for op, a, b in ops:
+        if op == "submit":
+            submitted.append(f"r{len(submitted)}")
+            d.submit(item(submitted[-1], a, b))
+        elif op == "report":
+            d.report(a, b, 0, 1.0, d.views[a].adds_sent)
+        elif op == "abort" and a < len(submitted):
+            aborted.add(submitted[a])
+            d.abort(submitted[a], ("abort", submitted[a]))
+        else:
+            with d._cond:
+                sent = d._route_batch()
+            assert sent > 0 or not d.num_queued or d._queue[0][1].request_id in submitted
+    adds = [x.request_id for _, x in rec.sent if not isinstance(x, tuple)]
+    queued = [x.request_id for x in d.close()]
+    assert len(adds) == len(set(adds))  # nobody sent twice
+    assert not set(adds) & set(queued)
+    for rid in submitted:
+        assert rid in adds or rid in queued or rid in aborted
+    for core, x in rec.sent:  # an abort goes where its request went, after it
+        if isinstance(x, tuple):
+            before = [c for c, y in rec.sent[:rec.sent.index((core, x))]
+                      if getattr(y, "request_id", None) == x[1]]
+            assert before == [core]

@@ -1,0 +1,187 @@
+"""The data-parallel dispatcher: one thread gathers incoming requests into batches and routes
+each to an engine core (DESIGN.md, "Data-parallel dispatch").
+
+A batch closes when `batch_timeout` has passed since its first request, or its prompt tokens
+reach the token budget, or the chosen core's free blocks (prompt plus reserved output) would
+not cover the next request; that request and those behind it stay queued, uncounted, until a
+core reports room. Cores report free blocks and load; the dispatcher subtracts what it sent
+since a core's last report, so a burst between reports does not overfill one core.
+Transport-free: `send(core, item)` delivers (ZMQ to a process or a Ray actor alike).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tidal.cluster.prefix_index import PrefixIndex, block_hashes
+from tidal.cluster.routing import CoreLoad, Router
+
+
+@dataclass
+class CoreView:
+    """The dispatcher's picture of one core: its last report, less what was sent since."""
+
+    num_blocks: int
+    free_blocks: int = 0  # free for new requests at the last report (its waiting queue's needs out)
+    outstanding_tokens: int = 0
+    new_token_ratio: float = 1.0  # share of max_tokens the core reserves for a new request
+    alive: bool = True
+    adds_sent: int = 0
+    unseen: deque = field(default_factory=deque)  # (add number, blocks, tokens) not yet reported
+
+    def free(self) -> int:
+        return self.free_blocks - sum(b for _, b, _ in self.unseen)
+
+    def load(self) -> int:
+        return self.outstanding_tokens + sum(t for _, _, t in self.unseen)
+
+
+class Dispatcher:
+    """Queue, batch and route requests to `num_cores` cores. Items are any objects with
+    `request_id`, `prompt_token_ids` and `params.max_tokens` (the server sends its Add
+    messages). Thread-safe; `close()` ends the gathering thread."""
+
+    def __init__(self, router: Router, send: Callable[[int, Any], None], num_blocks: int,
+                 block_size: int, max_batch_tokens: int, batch_timeout: float = 0.1) -> None:
+        self.router, self.send = router, send
+        self.block_size, self.max_batch_tokens = block_size, max_batch_tokens
+        self.batch_timeout = batch_timeout
+        self.views = [CoreView(num_blocks, free_blocks=num_blocks)
+                      for _ in range(router.num_cores)]
+        self.prefixes = [PrefixIndex(block_size, num_blocks) for _ in range(router.num_cores)]
+        self.core_of: dict[str, int] = {}
+        self.batches = 0  # batches sent, for tests and logs
+        self._queue: deque[tuple[float, Any]] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tidal-dp-dispatcher",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> list[Any]:
+        """Stop the gathering thread; returns the requests still queued (never sent)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with self._cond:
+            left = [item for _, item in self._queue]
+            self._queue.clear()
+        return left
+
+    # ------------------------------------------------------------------ from the frontend
+    def submit(self, item: Any) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the dispatcher is shut down")
+            self._queue.append((time.monotonic(), item))
+            self._cond.notify_all()
+
+    def abort(self, request_id: str, message: Any) -> None:
+        """Drop a queued request, or send `message` (its abort) to the core it went to; under
+        the lock, so an abort never overtakes the request it cancels."""
+        with self._cond:
+            for entry in self._queue:
+                if entry[1].request_id == request_id:
+                    self._queue.remove(entry)
+                    return
+            core = self.core_of.pop(request_id, None)
+            if core is not None and self.views[core].alive:
+                self.send(core, message)
+
+    def done(self, request_id: str) -> None:
+        """The request finished: forget where it went."""
+        with self._cond:
+            self.core_of.pop(request_id, None)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    # ------------------------------------------------------------------ from the cores
+    def report(self, core: int, free_blocks: int, outstanding_tokens: int,
+               new_token_ratio: float, adds_seen: int) -> None:
+        """A core's stats: its free blocks and load after its first `adds_seen` requests."""
+        with self._cond:
+            v = self.views[core]
+            while v.unseen and v.unseen[0][0] < adds_seen:
+                v.unseen.popleft()
+            v.free_blocks, v.outstanding_tokens = free_blocks, outstanding_tokens
+            v.new_token_ratio = new_token_ratio
+            self._cond.notify_all()
+
+    def core_died(self, core: int) -> list[str]:
+        """Route nothing more to `core`; returns the requests it held (to be failed)."""
+        with self._cond:
+            self.views[core].alive = False
+            lost = [rid for rid, c in self.core_of.items() if c == core]
+            for rid in lost:
+                del self.core_of[rid]
+            self._cond.notify_all()
+            return lost
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                deadline = self._queue[0][0] + self.batch_timeout
+                while (not self._closed and time.monotonic() < deadline
+                       and self._queued_tokens() < self.max_batch_tokens):
+                    self._cond.wait(deadline - time.monotonic())
+                if self._closed:
+                    return
+                if not self._route_batch():  # nothing fits: wait for a core to report room
+                    self._cond.wait(self.batch_timeout)
+
+    def _queued_tokens(self) -> int:
+        return sum(len(item.prompt_token_ids) for _, item in self._queue)
+
+    def _route_batch(self) -> int:
+        """Route requests from the head of the queue until the budget or a full core stops
+        the batch; sends them (holding the lock). Returns how many went."""
+        tokens = sent = 0
+        while self._queue:
+            item = self._queue[0][1]
+            n = len(item.prompt_token_ids)
+            if sent and tokens + n > self.max_batch_tokens:
+                break
+            hashes = block_hashes(item.prompt_token_ids, self.block_size)
+            core = self._choose(hashes)
+            if core is None:  # every core is dead: the frontend fails what is queued
+                break
+            v = self.views[core]
+            reserve = math.ceil(item.params.max_tokens * v.new_token_ratio)
+            blocks = -(-(n + reserve) // self.block_size)
+            # A request larger than a whole core goes anyway: the core refuses it, clearly.
+            if blocks > v.free() and blocks <= v.num_blocks:
+                break
+            self._queue.popleft()
+            self.core_of[item.request_id] = core
+            v.unseen.append((v.adds_sent, blocks, n + item.params.max_tokens))
+            v.adds_sent += 1
+            self.prefixes[core].insert(hashes)
+            self.send(core, item)
+            tokens += n
+            sent += 1
+        self.batches += sent > 0
+        return sent
+
+    def _choose(self, hashes: list[int]) -> int | None:
+        loads = [CoreLoad(v.load(), v.free(),
+                          self.prefixes[i].match(hashes) if self.router.needs_prefix else 0,
+                          v.alive) for i, v in enumerate(self.views)]
+        if not any(v.alive for v in self.views):
+            return None
+        return self.router.choose(loads)
