@@ -1,0 +1,104 @@
+"""End to end: `tidal serve --data-parallel-size 2` (two engine cores, one thread each, behind
+the dispatcher) driven by the official `openai` client, including a core's death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_fixtures import Server, metric, pid_alive
+
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,",
+           "The best way to learn", "Water boils at", "My favourite colour is"]
+
+
+def routed(url: str, core: int) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f'tidal:dp_requests_routed_total{{core="{core}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(core)
+
+
+@pytest.fixture(scope="module")
+def dp():
+    s = Server("--data-parallel-size", "2", "--dtype", "float32", "--dp-batch-timeout", "0.05")
+    yield s
+    s.stop()
+
+
+def test_two_cores_share_the_requests_and_answer_as_one_engine_does(dp):
+    client = openai.OpenAI(base_url=dp.url + "/v1", api_key="x", max_retries=0)
+    outs = [client.completions.create(model="smollm2-135m", prompt=p, max_tokens=12,
+                                      temperature=0) for p in PROMPTS]
+    one_by_one = [o.choices[0].text for o in outs]
+    generated = 2 * sum(o.usage.completion_tokens for o in outs)
+    together: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        together[i] = client.completions.create(model="smollm2-135m", prompt=PROMPTS[i],
+                                                max_tokens=12, temperature=0).choices[0].text
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [together[i] for i in range(len(PROMPTS))] == one_by_one
+    assert routed(dp.url, 0) >= 3 and routed(dp.url, 1) >= 3
+    assert routed(dp.url, 0) + routed(dp.url, 1) == 2 * len(PROMPTS)
+    deadline = time.monotonic() + 5  # the cores report stats every 0.5 s
+    while metric(dp.url, "tidal:generation_tokens_total") < generated:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert metric(dp.url, "tidal:generation_tokens_total") == generated
+    health = httpx.get(dp.url + "/health").json()
+    assert len(health["engine_core_pids"]) == 2 and health["dead_cores"] == {}
+
+
+def test_a_dead_core_fails_only_its_requests_and_the_other_serves_on():
+    s = Server("--data-parallel-size", "2", "--dp-routing", "round_robin",
+               "--dp-batch-timeout", "0.01")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        pids = httpx.get(s.url + "/health").json()["engine_core_pids"]
+        results: dict[int, object] = {}
+        started = threading.Barrier(5)
+
+        def stream(i: int) -> None:
+            try:
+                chunks = client.completions.create(
+                    model="smollm2-135m", prompt=PROMPTS[i], max_tokens=300, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True})
+                text, first = "", True
+                for c in chunks:
+                    if first:
+                        first = False
+                        started.wait(60)
+                    text += c.choices[0].text if c.choices else ""
+                results[i] = text
+            except openai.APIError as exc:
+                results[i] = exc
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        started.wait(60)  # every stream has its first token: both cores are decoding
+        os.kill(pids[0], signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        failed = [i for i, r in results.items() if isinstance(r, Exception)]
+        assert len(failed) == 2, results  # round robin put two on each core
+        assert all("engine core 0" in str(results[i]) for i in failed)
+        assert all(isinstance(results[i], str) for i in set(range(4)) - set(failed))
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 200 and list(health.json()["dead_cores"]) == ["0"]
+        again = client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=4)
+        assert again.choices[0].finish_reason == "length"
+        assert pid_alive(pids[1])
+    finally:
+        s.stop()
+    assert not pid_alive(pids[1])
