@@ -102,3 +102,31 @@ def test_a_dead_core_fails_only_its_requests_and_the_other_serves_on():
     finally:
         s.stop()
     assert not pid_alive(pids[1])
+
+
+def test_ray_backend_places_the_cores_as_actors_behind_the_same_dispatcher():
+    pytest.importorskip("ray")
+    s = Server("--data-parallel-size", "2", "--dp-backend", "ray", "--dtype", "float32",
+               "--dp-routing", "round_robin")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        texts = [client.completions.create(model="smollm2-135m", prompt=p, max_tokens=8,
+                                           temperature=0).choices[0].text for p in PROMPTS[:2]]
+        pids = httpx.get(s.url + "/health").json()["engine_core_pids"]
+        assert routed(s.url, 0) == routed(s.url, 1) == 1
+        assert all(pid_alive(p) for p in pids)
+    finally:
+        log = s.stop()
+    assert "_CoreActor" in log  # Ray's log prefix: the cores ran as actors
+    local = Server("--dtype", "float32")
+    try:
+        client = openai.OpenAI(base_url=local.url + "/v1", api_key="x", max_retries=0)
+        assert texts == [client.completions.create(model="smollm2-135m", prompt=p, max_tokens=8,
+                                                   temperature=0).choices[0].text
+                         for p in PROMPTS[:2]]
+    finally:
+        local.stop()
+    deadline = time.monotonic() + 20  # Ray tears its workers down after the driver exits
+    while any(pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, "Ray actors outlived the server"
+        time.sleep(0.2)
