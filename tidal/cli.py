@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from typing import Any
 
@@ -68,6 +69,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    if args.pd:
+        return _serve_pd(args)
     from tidal.engine.config import EngineConfig
     from tidal.model.registry import resolve_model
     from tidal.model.tokenizer import Tokenizer
@@ -75,6 +78,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tidal.server.client import CoreClient
 
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    if config.scheduler.role != "mixed" and config.parallel.data_parallel_size > 1:
+        raise SystemExit("a prefill or decode instance runs one engine core; run several "
+                         "instances behind `tidal router` instead of --data-parallel-size")
     folder, name = resolve_model(config.model.model)  # converts once, before the core starts
     client = CoreClient(config, str(folder), Tokenizer(folder))
     server = ServerConfig(model_name=args.served_model_name or name, api_key=args.api_key,
@@ -82,6 +88,76 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           drain_timeout=args.drain_timeout)
     uvicorn.run(build_app(client, server), host=args.host, port=args.port,
                 log_level="info", timeout_graceful_shutdown=int(args.drain_timeout))
+
+
+def _serve_pd(args: argparse.Namespace) -> None:
+    """`--pd xPyD`: x prefill and y decode instances as child processes on free loopback
+    ports, and the router on --port in this one."""
+    import re
+    import subprocess
+
+    import uvicorn
+
+    from tidal.cluster.pd_router import PDRouter, build_router_app
+    from tidal.model.registry import resolve_model
+
+    match = re.fullmatch(r"(\d+)P(\d+)D", args.pd)
+    if not match or min(int(match[1]), int(match[2])) < 1:
+        raise SystemExit(f"--pd expects xPyD with x, y >= 1 (e.g. 1P1D); got {args.pd!r}")
+    resolve_model(engine_kwargs(args).get("model", "smollm2-135m"))  # convert once, up front
+    passed = _strip_flags(args.argv, ("--pd", "--port", "--host", "--role"))
+    children, urls = [], {"prefill": [], "decode": []}
+    for role, count in (("prefill", int(match[1])), ("decode", int(match[2]))):
+        for _ in range(count):
+            port = _free_port()
+            children.append(subprocess.Popen([sys.executable, "-m", "tidal.cli", *passed,
+                                              "--role", role, "--port", str(port)]))
+            urls[role].append(f"http://127.0.0.1:{port}")
+
+    def stop_children() -> None:
+        for child in children:
+            child.terminate()
+        for child in children:
+            try:
+                child.wait(timeout=args.drain_timeout + 15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    router = PDRouter(urls["prefill"], urls["decode"])
+    try:
+        uvicorn.run(build_router_app(router, stop_children), host=args.host, port=args.port,
+                    log_level="info")
+    finally:
+        stop_children()
+
+
+def _strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv without these flags and their values (both --flag value and --flag=value)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in flags)):
+            out.append(arg)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cmd_router(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from tidal.cluster.pd_router import PDRouter, build_router_app
+
+    router = PDRouter(args.prefill, args.decode)
+    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="info")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,8 +193,20 @@ def run(argv: list[str] | None = None):
     srv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds SIGTERM lets running requests finish")
+    srv.add_argument("--pd", default=None, metavar="xPyD",
+                     help="prefill/decode disaggregation on this machine: start x prefill and "
+                          "y decode instances (e.g. 1P1D) and serve the router on --port")
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
+    rtr = sub.add_parser("router", help="route requests over running prefill and decode "
+                                        "instances (P/D disaggregation)")
+    rtr.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                     help="`tidal serve --role prefill` instances")
+    rtr.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                     help="`tidal serve --role decode` instances")
+    rtr.add_argument("--host", default="127.0.0.1")
+    rtr.add_argument("--port", type=int, default=8000)
+    rtr.set_defaults(func=cmd_router)
     from tidal.bench.serve import add_bench_serve_parser
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
@@ -129,6 +217,7 @@ def run(argv: list[str] | None = None):
     add_simulate_parser(sub)
     add_calibrate_parser(sub)
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     return args.func(args)
 

@@ -62,6 +62,10 @@ class ParallelConfig:
                            "(longest prompt prefix sent there before, else least tokens).")
     dp_backend: str = knob("local", "Where the engine cores run: 'local' processes, or 'ray' "
                            "actors (joins RAY_ADDRESS's cluster, or starts a local one).")
+    kv_host: str = knob("127.0.0.1", "Address a prefill or decode core's KV transfer "
+                        "socket binds (P/D disaggregation; a port is picked).")
+    kv_transfer_timeout: float = knob(300.0, "Seconds a decode core waits for a request's KV "
+                                      "from its prefill instance before failing it.")
 
     def __post_init__(self) -> None:
         from tidal.cluster.routing import ROUTING_POLICIES

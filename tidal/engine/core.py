@@ -41,6 +41,7 @@ class EngineCore:
                              else (arch.eos_token_ids or (None,))[0])
         self.vocab_size = arch.vocab_size
         self.max_model_len = sched_cfg.max_model_len
+        self.new_transfers: list[str] = []  # decode role: got blocks; their KV is to fetch
         self.prompt_tokens = 0  # prompt (and recompute) tokens run since start
         self.generation_tokens = 0  # tokens sampled since start
         # Async scheduling: one worker thread runs the forward pass (torch releases the GIL).
@@ -75,19 +76,25 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._pending is not None
 
+    def can_step(self) -> bool:
+        """Whether a step would do anything: requests that only await their KV from a
+        prefill instance (decode role) need none."""
+        s = self.scheduler
+        return bool(s.running or s.waiting or s.preempted) or self._pending is not None
+
     def step(self) -> tuple[list[RequestOutput], dict[str, list]]:
         """One step: the requests' new tokens (and finishes), and logprobs by request id.
         With async scheduling these are the previous step's, and the next one is running."""
         if self._pool is not None:
             return self._step_overlapped()
-        out = self.scheduler.schedule()
+        out = self._schedule()
         return self._complete(out, self._execute(out, self.scheduler.requests))
 
     def _step_overlapped(self) -> tuple[list[RequestOutput], dict[str, list]]:
         """Plan step N+1 while step N runs on the worker thread, then wait for N, update,
         and start N+1. update() never overlaps a forward pass, so the runner reads requests
         that nobody mutates; the plan's block tables are snapshotted for the same reason."""
-        out = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        out = self._schedule() if self.scheduler.has_unfinished_requests() else None
         done: tuple[list[RequestOutput], dict[str, list]] = ([], {})
         if self._pending is not None:
             prev, future = self._pending
@@ -104,6 +111,11 @@ class EngineCore:
                 requests[s.request_id] = live[s.request_id]
             self._pending = (out, self._pool.submit(self._execute, out, requests))
         return done
+
+    def _schedule(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        self.new_transfers.extend(out.transfer_ids)
+        return out
 
     def _execute(self, out: SchedulerOutput, requests) -> ModelOutput | Exception:
         if not (out.scheduled or out.block_copies):

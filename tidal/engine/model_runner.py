@@ -86,6 +86,31 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
 
+    # ------------------------------------------------------------------ KV transfer
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]:
+        """These blocks' KV (every layer's K then V) as bytes, with its shape and dtype:
+        what a prefill instance sends its decode instance."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        kv = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+                          for k, v in self.kv_caches]).cpu()
+        return kv.view(torch.uint8).numpy().tobytes(), list(kv.shape), str(self.dtype)
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
+                     dtype: str) -> None:
+        """Write KV read by another instance's `read_blocks` into these blocks."""
+        mine = [len(self.kv_caches), 2, len(block_ids), *self.kv_caches[0][0].shape[1:]]
+        if shape != mine or dtype != str(self.dtype):
+            raise ValueError(f"KV of shape {shape} ({dtype}) does not fit this instance's "
+                             f"{mine} ({self.dtype}): prefill and decode must run the same "
+                             f"model, dtype and block size")
+        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(shape)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for (k, v), layer in zip(self.kv_caches, kv.to(self.device)):
+            k.index_copy_(0, idx, layer[0])
+            v.index_copy_(0, idx, layer[1])
+
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> ModelOutput:

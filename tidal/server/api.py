@@ -87,7 +87,10 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
         if not client.alive:
             return JSONResponse(APIError(client.dead or "engine core not running", 503,
                                          "service_unavailable").body(), status_code=503)
-        body = {"status": "ok", "engine_core_pid": client.pid}
+        body = {"status": "ok", "engine_core_pid": client.pid,
+                "role": client.config.scheduler.role}
+        if client.ready.kv_address:  # P/D: where the router points the other side
+            body["kv_address"] = client.ready.kv_address
         if client.num_cores > 1:  # data parallel: serving on while any core lives
             body.update(engine_core_pids=client.pids,
                         dead_cores={str(i): why for i, why in client.dead_cores.items()})
@@ -127,12 +130,16 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
                 raise APIError("prompt token ids out of the vocabulary", param="prompt")
             params.append(body.sampling_params(max_tokens, logprobs, config.max_n, len(ids),
                                                client.ready.max_model_len, default_max))
+        prefill = (body.kv_transfer_params or {}).get("prefill_address")
+        if prefill is not None and params[0].n > 1:
+            raise APIError("n > 1 is not supported with prefill/decode disaggregation",
+                           param="n")
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex[:16]
         rids = [f"{base}-{i}" for i in range(len(prompts))]
         try:
             for rid, ids, p in zip(rids, prompts, params):
-                await client.add(rid, ids, p, queue)
+                await client.add(rid, ids, p, queue, prefill)
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, "service_unavailable") from exc
         return rids, queue, params[0].n

@@ -164,15 +164,17 @@ class CoreClient:
 
     # ------------------------------------------------------------------ requests
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  queue: asyncio.Queue | None = None) -> asyncio.Queue:
+                  queue: asyncio.Queue | None = None,
+                  prefill_address: str | None = None) -> asyncio.Queue:
         """Send a request to a core; its updates (or a Failure) arrive on `queue`, which
-        several requests may share (updates carry their root id)."""
+        several requests may share (updates carry their root id). A decode instance gets
+        the prefill core that computes the prompt (`prefill_address`, from the router)."""
         if not self.alive:
             raise EngineDeadError(self.dead or "the engine core is not running")
         queue = queue if queue is not None else asyncio.Queue()
         self.queues[request_id] = queue
         self.outputs.track(request_id, params)
-        msg = m.Add(request_id, prompt_token_ids, params, time.time())
+        msg = m.Add(request_id, prompt_token_ids, params, time.time(), prefill_address)
         if self.dispatcher is not None:
             self.dispatcher.submit(msg)
         else:

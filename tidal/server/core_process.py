@@ -10,6 +10,7 @@ import time
 import zmq
 
 from tidal.engine.config import EngineConfig
+from tidal.cluster.kv_transfer import KVLink
 from tidal.engine.core import EngineCore
 from tidal.server import messages as m
 
@@ -51,8 +52,11 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     inbox.connect(in_addr)
     outbox.connect(out_addr)
     outbox.setsockopt(zmq.LINGER, 2000)
+    link = None
     try:
         core = EngineCore(config, folder, eos_token_id)
+        if config.scheduler.role != "mixed":  # P/D: this core's end of the KV transfer
+            link = KVLink(core, ctx, config.parallel.kv_host, config.parallel.kv_transfer_timeout)
     except Exception as exc:  # tell the frontend why instead of dying silently
         log.exception("engine core failed to start")
         outbox.send(m.encoder.encode(m.Failed(f"{type(exc).__name__}: {exc}")))
@@ -60,58 +64,101 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
         ctx.term()
         return
     outbox.send(m.encoder.encode(m.Ready(index, core.max_model_len, core.vocab_size,
-                                         core.runner.num_blocks, config.cache.block_size)))
+                                         core.runner.num_blocks, config.cache.block_size,
+                                         link.address if link else "")))
     try:
-        _serve(core, inbox, outbox, parent, index)
+        _CoreLoop(core, inbox, outbox, link, index).run(parent)
     finally:
         core.close()
+        if link is not None:
+            link.close()
         inbox.close(linger=0)
         outbox.close()
         ctx.term()
 
 
-def _serve(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int,
-           index: int) -> None:
-    status = StatusLine(core)
-    deadline: float | None = None  # set by Shutdown: drain until then
-    last_stats = 0.0
-    adds_seen = 0
-    while True:
-        if inbox.poll(0 if core.has_work() else 200):
-            while True:
-                try:
-                    msg = m.to_core.decode(inbox.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if isinstance(msg, m.Add):
-                    adds_seen += 1
-                    last_stats = 0.0  # report the new load after this step
-                    try:
-                        core.add(msg.request_id, msg.prompt_token_ids, msg.params,
-                                 msg.arrival_time)
-                    except ValueError as exc:
-                        outbox.send(m.encoder.encode(m.Rejected(msg.request_id, str(exc))))
-                elif isinstance(msg, m.Abort):
-                    core.abort(msg.request_id)
-                elif isinstance(msg, m.Finish):
-                    core.finish(msg.seq_id)
-                elif isinstance(msg, m.Shutdown):
-                    deadline = time.monotonic() + msg.drain_timeout
-        if deadline is not None and (not core.has_work() or time.monotonic() > deadline):
-            for rid in list(core.scheduler.requests):  # drain timed out: end the rest
-                core.abort(rid)
-            log.info("engine core stopped")
-            return
-        if core.has_work():
-            outputs, logprobs = core.step()
-            if outputs:
-                outbox.send(m.encoder.encode(m.Outputs(index, outputs, logprobs)))
-            status.maybe_log()
-        now = time.monotonic()
-        if now - last_stats >= 0.5:
-            last_stats = now
-            outbox.send(m.encoder.encode(m.Stats(index, adds_seen, core.scheduler.stats(),
-                                                 core.prompt_tokens, core.generation_tokens)))
-            if os.getppid() != parent:  # the frontend died: do not linger as an orphan
-                log.warning("frontend process gone; engine core exiting")
+class _CoreLoop:
+    """Take the frontend's messages (and KV transfers), step, send outputs and stats."""
+
+    def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket,
+                 link: KVLink | None, index: int) -> None:
+        self.core, self.inbox, self.outbox, self.link, self.index = core, inbox, outbox, link, index
+        self.deadline: float | None = None  # set by Shutdown: drain until then
+        self.last_stats = 0.0
+        self.adds_seen = 0
+        self.poller = zmq.Poller()
+        self.polled: set[zmq.Socket] = set()
+
+    def send(self, msg) -> None:
+        self.outbox.send(m.encoder.encode(msg))
+
+    def run(self, parent: int) -> None:
+        core, link, status = self.core, self.link, StatusLine(self.core)
+        while True:
+            outputs, logprobs = [], {}
+            for sock in [self.inbox, *(link.sockets if link else ())]:
+                if sock not in self.polled:  # a link's peer monitors come and go
+                    self.poller.register(sock, zmq.POLLIN)
+                    self.polled.add(sock)
+            for sock, _ in self.poller.poll(0 if core.can_step() else 200):
+                if sock is self.inbox:
+                    self._take_messages()
+                else:
+                    outputs += link.handle(sock)
+            if self.deadline is not None and (not core.has_work()
+                                              or time.monotonic() > self.deadline):
+                for rid in list(core.scheduler.requests):  # drain timed out: end the rest
+                    core.abort(rid)
+                log.info("engine core stopped")
                 return
+            if core.can_step():
+                stepped, logprobs = core.step()
+                outputs += stepped
+                status.maybe_log()
+            if link is not None:
+                outputs = link.after_step(outputs)
+            if outputs:
+                self.send(m.Outputs(self.index, outputs, logprobs))
+            now = time.monotonic()
+            if now - self.last_stats >= 0.5:
+                self.last_stats = now
+                self.send(m.Stats(self.index, self.adds_seen, core.scheduler.stats(),
+                                  core.prompt_tokens, core.generation_tokens))
+                if os.getppid() != parent:  # the frontend died: do not linger as an orphan
+                    log.warning("frontend process gone; engine core exiting")
+                    return
+
+    def _take_messages(self) -> None:
+        core, link = self.core, self.link
+        while True:
+            try:
+                msg = m.to_core.decode(self.inbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if isinstance(msg, m.Add):
+                self.adds_seen += 1
+                self.last_stats = 0.0  # report the new load after this step
+                self._add(msg)
+            elif isinstance(msg, m.Abort):
+                if link is not None:
+                    link.on_abort(msg.request_id)
+                core.abort(msg.request_id)
+            elif isinstance(msg, m.Finish):
+                core.finish(msg.seq_id)
+            elif isinstance(msg, m.Shutdown):
+                self.deadline = time.monotonic() + msg.drain_timeout
+
+    def _add(self, msg: m.Add) -> None:
+        role = self.core.config.scheduler.role
+        try:
+            if role == "prefill":
+                raise ValueError("this is a prefill instance: requests come through "
+                                 "`tidal router`, which sends them to a decode instance")
+            if role == "decode" and not msg.prefill_address:
+                raise ValueError("this is a decode instance: requests come through `tidal "
+                                 "router` (kv_transfer_params.prefill_address)")
+            self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time)
+            if self.link is not None:
+                self.link.on_add(msg.request_id, msg.prefill_address)
+        except ValueError as exc:
+            self.send(m.Rejected(msg.request_id, str(exc)))

@@ -15,6 +15,7 @@ class Add(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    prefill_address: str | None = None  # decode role: the prefill core computing its prompt
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -44,6 +45,7 @@ class Ready(msgspec.Struct, tag=True):
     vocab_size: int
     num_blocks: int
     block_size: int
+    kv_address: str = ""  # P/D roles: where this core's KV transfer socket listens
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):

@@ -52,6 +52,7 @@ class _Sampling(BaseModel):
     priority: int = 0
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    kv_transfer_params: dict | None = None  # P/D: {"prefill_address": ...}, set by the router
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, max_n: int,
                         prompt_len: int, max_model_len: int, default_max: int | None

@@ -1,0 +1,228 @@
+"""Prefill/decode disaggregation between engine-core processes: KV blocks over ZMQ.
+
+A decode core admits a request (blocks allocated, no compute: `remote_prefill`), then sends
+a `PrefillTask` with its block ids to the prefill core the router named. The prefill core runs
+the prompt on its prefill-only path, reads the request's blocks and sends them, with the first
+token and both sides' block ids, in one `KVBlocks` message per request; it frees its blocks
+once the bytes are out of its cache. The decode core writes them into its own blocks and
+decodes on. Each side watches its connections: when the peer's process dies, the requests
+that peer held end with an error here and their blocks are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from tidal.core import RequestOutput, RequestStatus, SamplingParams
+from tidal.engine.core import EngineCore
+
+log = logging.getLogger("tidal.kv")
+
+
+class PrefillTask(msgspec.Struct, tag=True):
+    """decode -> prefill: compute this prompt and send its KV into my blocks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    reply_to: str  # the decode core's KV address
+    dst_block_ids: list[int]  # the decode side's blocks for the prompt, after its own cache hit
+    skip_blocks: int  # leading prompt blocks the decode side already caches
+
+
+class KVBlocks(msgspec.Struct, tag=True):
+    """prefill -> decode: the prompt's KV and its first token."""
+
+    request_id: str
+    first_token: int
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    shape: list[int]  # [layers, 2 (K, V), blocks, block_size, kv heads, head dim]
+    dtype: str
+    data: bytes
+
+
+class PrefillFailed(msgspec.Struct, tag=True):
+    request_id: str
+    message: str
+
+
+class AbortPrefill(msgspec.Struct, tag=True):
+    request_id: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(PrefillTask | KVBlocks | PrefillFailed | AbortPrefill)
+
+
+class KVLink:
+    """One engine core's end of P/D transfer (prefill or decode role). The core's loop polls
+    `sockets`, calls `handle(sock)` when one is readable, and `after_step(outputs)` after each
+    step; both return the outputs for this core's own frontend."""
+
+    def __init__(self, core: EngineCore, ctx: zmq.Context, host: str,
+                 timeout: float = 300.0) -> None:
+        self.core, self.ctx, self.timeout = core, ctx, timeout
+        self.role = core.config.scheduler.role
+        self.inbox = ctx.socket(zmq.PULL)
+        self.address = f"tcp://{host}:{self.inbox.bind_to_random_port(f'tcp://{host}')}"
+        self._peers: dict[str, zmq.Socket] = {}
+        self._monitors: dict[zmq.Socket, str] = {}
+        # decode role: request -> (its prefill core, when the task went; None: not sent yet)
+        self.prefill_of: dict[str, tuple[str, float | None]] = {}
+        # prefill role: request -> (its decode core, its blocks there, blocks it skips)
+        self.tasks: dict[str, tuple[str, list[int], int]] = {}
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.inbox, *self._monitors]
+
+    def close(self) -> None:
+        for sock in [self.inbox, *self._peers.values(), *self._monitors]:
+            sock.close(linger=0)
+
+    # ------------------------------------------------------------------ connections
+    def _send(self, address: str, msg) -> None:
+        sock = self._peers.get(address)
+        if sock is None:
+            sock = self._peers[address] = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitors[monitor] = address
+            sock.connect(address)
+        sock.send(_encoder.encode(msg), copy=False)
+
+    def _peer_lost(self, address: str) -> list[RequestOutput]:
+        """The process at `address` is gone: end every request it was serving for us."""
+        outputs = []
+        if self.role == "decode":
+            lost = [rid for rid, (a, _) in self.prefill_of.items() if a == address]
+            for rid in lost:
+                outputs += self._fail(rid, f"the prefill instance at {address} died")
+        else:
+            for rid in [rid for rid, t in self.tasks.items() if t[0] == address]:
+                del self.tasks[rid]
+                self.core.abort(rid)  # frees its blocks; nobody is left to send them to
+        if outputs or self.role == "prefill":
+            log.warning("KV peer %s disconnected", address)
+        return outputs
+
+    # ------------------------------------------------------------------ the core's loop
+    def on_add(self, request_id: str, prefill_address: str | None) -> None:
+        """decode role: remember which prefill core computes this request's prompt."""
+        self.prefill_of[request_id] = (prefill_address or "", None)
+
+    def on_abort(self, request_id: str) -> None:
+        entry = self.prefill_of.pop(request_id, None)
+        if entry is not None and entry[1] is not None:  # its prompt is being computed
+            self._send(entry[0], AbortPrefill(request_id))
+
+    def handle(self, sock: zmq.Socket) -> list[RequestOutput]:
+        if sock is not self.inbox:
+            event = recv_monitor_message(sock)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                return self._peer_lost(self._monitors[sock])
+            return []
+        outputs: list[RequestOutput] = []
+        while True:
+            try:
+                msg = _decoder.decode(self.inbox.recv(zmq.NOBLOCK, copy=False).buffer)
+            except zmq.Again:
+                return outputs
+            if isinstance(msg, PrefillTask):
+                self._take_task(msg)
+            elif isinstance(msg, KVBlocks):
+                outputs += self._land(msg)
+            elif isinstance(msg, PrefillFailed):
+                if msg.request_id in self.prefill_of:
+                    outputs += self._fail(msg.request_id, msg.message)
+            elif isinstance(msg, AbortPrefill):
+                if self.tasks.pop(msg.request_id, None) is not None:
+                    self.core.abort(msg.request_id)
+
+    def after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self.role == "decode":
+            return self._send_tasks() + outputs + self._expire()
+        for o in outputs:  # prefill role: every output belongs to a decode core's request
+            task = self.tasks.pop(o.request_id, None)
+            if task is not None:
+                self._hand_over(o, *task)
+        return []
+
+    # ------------------------------------------------------------------ decode side
+    def _send_tasks(self) -> list[RequestOutput]:
+        outputs = []
+        sched, bs = self.core.scheduler, self.core.scheduler.block_size
+        for rid in self.core.new_transfers:
+            r = sched.requests.get(rid)
+            if r is None or rid not in self.prefill_of:
+                continue
+            address = self.prefill_of[rid][0]
+            if not address:
+                outputs += self._fail(rid, "a decode instance serves requests sent by "
+                                      "`tidal router` (kv_transfer_params.prefill_address)")
+                continue
+            skip = r.num_cached_tokens // bs
+            blocks = sched.kv.block_ids(rid)[skip:]
+            self._send(address, PrefillTask(rid, r.prompt_token_ids, r.sampling_params,
+                                            r.arrival_time, self.address, list(blocks), skip))
+            self.prefill_of[rid] = (address, time.monotonic())
+        self.core.new_transfers.clear()
+        return outputs
+
+    def _land(self, msg: KVBlocks) -> list[RequestOutput]:
+        rid = msg.request_id
+        if rid not in self.prefill_of or rid not in self.core.scheduler.transferring:
+            return []  # aborted meanwhile: its blocks are already free
+        del self.prefill_of[rid]
+        try:
+            if msg.src_block_ids:
+                self.core.runner.write_blocks(msg.dst_block_ids, msg.data, msg.shape, msg.dtype)
+        except ValueError as exc:
+            self.prefill_of[rid] = ("", None)
+            return self._fail(rid, str(exc))
+        return [self.core.scheduler.kv_received(rid, msg.first_token)]
+
+    def _expire(self) -> list[RequestOutput]:
+        now, outputs = time.monotonic(), []
+        for rid, (address, sent) in list(self.prefill_of.items()):
+            if sent is not None and now - sent > self.timeout:
+                outputs += self._fail(rid, f"no KV from the prefill instance at {address} in "
+                                      f"{self.timeout:g} s")
+        return outputs
+
+    def _fail(self, rid: str, message: str) -> list[RequestOutput]:
+        self.prefill_of.pop(rid, None)
+        if not self.core.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR, message):
+            return []
+        return [RequestOutput(rid, [], True, "error", message)]
+
+    # ------------------------------------------------------------------ prefill side
+    def _take_task(self, task: PrefillTask) -> None:
+        try:
+            self.core.add(task.request_id, task.prompt_token_ids, task.params,
+                          task.arrival_time)
+        except ValueError as exc:
+            self._send(task.reply_to, PrefillFailed(task.request_id, str(exc)))
+            return
+        self.tasks[task.request_id] = (task.reply_to, task.dst_block_ids, task.skip_blocks)
+
+    def _hand_over(self, o: RequestOutput, reply_to: str, dst: list[int], skip: int) -> None:
+        if not o.new_token_ids:  # ended without a token: an error or an abort here
+            self._send(reply_to, PrefillFailed(o.request_id, o.finish_message or
+                                               f"prefill ended: {o.finish_reason}"))
+            return
+        src: list[int] = []
+        data, shape, dtype = b"", [], ""
+        if o.kv_transfer:  # otherwise its first token already ended it: no KV needed
+            src = list(self.core.scheduler.kv.block_ids(o.request_id))[skip:][:len(dst)]
+            data, shape, dtype = self.core.runner.read_blocks(src)
+            self.core.scheduler.kv_sent(o.request_id)  # the bytes are out of our cache
+        self._send(reply_to, KVBlocks(o.request_id, o.new_token_ids[0], src, dst[:len(src)],
+                                      shape, dtype, data))
