@@ -88,7 +88,8 @@ class KVLink:
             sock.close(linger=0)
 
     # ------------------------------------------------------------------ connections
-    def _send(self, address: str, msg) -> None:
+    def _peer(self, address: str) -> zmq.Socket:
+        """The connection to another core, watched for its loss from the moment it opens."""
         sock = self._peers.get(address)
         if sock is None:
             sock = self._peers[address] = self.ctx.socket(zmq.PUSH)
@@ -96,7 +97,10 @@ class KVLink:
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._monitors[monitor] = address
             sock.connect(address)
-        sock.send(_encoder.encode(msg), copy=False)
+        return sock
+
+    def _send(self, address: str, msg) -> None:
+        self._peer(address).send(_encoder.encode(msg), copy=False)
 
     def _peer_lost(self, address: str) -> list[RequestOutput]:
         """The process at `address` is gone: end every request it was serving for us."""
@@ -212,6 +216,7 @@ class KVLink:
             self._send(task.reply_to, PrefillFailed(task.request_id, str(exc)))
             return
         self.tasks[task.request_id] = (task.reply_to, task.dst_block_ids, task.skip_blocks)
+        self._peer(task.reply_to)  # connect now, so the decode side's death is noticed
 
     def _hand_over(self, o: RequestOutput, reply_to: str, dst: list[int], skip: int) -> None:
         if not o.new_token_ids:  # ended without a token: an error or an abort here
