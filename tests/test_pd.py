@@ -1,0 +1,125 @@
+"""End to end: `tidal serve --pd 1P1D` (a prefill instance, a decode instance and the router,
+one engine thread each) driven by the official `openai` client, and the failure cases."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_fixtures import Server, metric
+
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = "Tell me everything about the history of the sea. " * 150  # ~1500 tokens
+
+
+def instances(router_url: str) -> tuple[str, str]:
+    health = httpx.get(router_url + "/health").json()
+    return health["prefill"][0], health["decode"][0]
+
+
+def core_pid(url: str) -> int:
+    return httpx.get(url + "/health").json()["engine_core_pid"]
+
+
+def used_blocks(url: str) -> float:
+    return metric(url, "tidal:kv_cache_used_blocks")
+
+
+def wait_until(cond, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def answers(url: str) -> list[str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    out = [client.completions.create(model="smollm2-135m", prompt=p, max_tokens=16,
+                                     temperature=0).choices[0].text for p in PROMPTS]
+    out.append(client.chat.completions.create(model="smollm2-135m", messages=CHAT,
+                                              max_tokens=16, temperature=0)
+               .choices[0].message.content)
+    stream = client.completions.create(model="smollm2-135m", prompt=PROMPTS[1], max_tokens=16,
+                                       temperature=0, stream=True)
+    out.append("".join(c.choices[0].text for c in stream if c.choices))
+    return out
+
+
+def test_greedy_through_1p1d_equals_a_mixed_engine():
+    pd = Server("--pd", "1P1D", "--dtype", "float32")
+    try:
+        got = answers(pd.url)
+        prefill, decode = instances(pd.url)
+        assert httpx.get(prefill + "/health").json()["role"] == "prefill"
+        wait_until(lambda: metric(prefill, "tidal:prompt_tokens_total") > 0)
+        assert metric(decode, "tidal:prompt_tokens_total") == 0  # decode never prefilled
+        # a prefill or decode instance refuses requests that skip the router
+        direct = httpx.post(decode + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert direct.status_code == 400 and "tidal router" in direct.json()["error"]["message"]
+        n2 = httpx.post(pd.url + "/v1/completions", json={"prompt": "Hi", "n": 2})
+        assert n2.status_code == 400 and n2.json()["error"]["param"] == "n"
+    finally:
+        pd.stop()
+    mixed = Server("--dtype", "float32")
+    try:
+        assert answers(mixed.url) == got
+    finally:
+        mixed.stop()
+
+
+def test_a_dead_prefill_core_fails_its_request_and_the_decode_side_frees_the_blocks():
+    pd = Server("--pd", "1P1D")
+    try:
+        prefill, decode = instances(pd.url)
+        client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", max_retries=0)
+        result: dict[str, object] = {}
+
+        def ask() -> None:
+            try:
+                result["out"] = client.completions.create(model="smollm2-135m", prompt=LONG,
+                                                          max_tokens=8)
+            except openai.APIError as exc:
+                result["out"] = exc
+        t = threading.Thread(target=ask)
+        t.start()
+        wait_until(lambda: used_blocks(decode) > 0)  # blocks allocated, prefill under way
+        os.kill(core_pid(prefill), signal.SIGKILL)
+        t.join(60)
+        assert isinstance(result["out"], openai.APIError)
+        assert "prefill instance" in str(result["out"])
+        wait_until(lambda: used_blocks(decode) == 0)
+    finally:
+        pd.stop()
+
+
+def test_a_dead_decode_core_fails_its_request_and_the_prefill_side_frees_the_blocks():
+    pd = Server("--pd", "1P1D", "--max-input-tokens-per-step", "256")
+    try:
+        prefill, decode = instances(pd.url)
+        client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", max_retries=0)
+        result: dict[str, object] = {}
+
+        def ask() -> None:
+            try:
+                result["out"] = client.completions.create(model="smollm2-135m", prompt=LONG,
+                                                          max_tokens=8)
+            except openai.APIError as exc:
+                result["out"] = exc
+        t = threading.Thread(target=ask)
+        t.start()
+        wait_until(lambda: used_blocks(prefill) > 0)  # prefilling in chunks of 256
+        os.kill(core_pid(decode), signal.SIGKILL)
+        t.join(60)
+        assert isinstance(result["out"], openai.APIStatusError)
+        assert result["out"].status_code == 503
+        wait_until(lambda: used_blocks(prefill) == 0)
+        assert httpx.get(pd.url + "/health").status_code == 503  # the router says who is down
+    finally:
+        pd.stop()
