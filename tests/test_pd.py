@@ -52,6 +52,21 @@ def answers(url: str) -> list[str]:
     return out
 
 
+def ask_long_in_background(url: str, result: dict) -> threading.Thread:
+    """One long-prompt request on a thread; its response or APIError lands in result."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+    def ask() -> None:
+        try:
+            result["out"] = client.completions.create(model="smollm2-135m", prompt=LONG,
+                                                      max_tokens=8)
+        except openai.APIError as exc:
+            result["out"] = exc
+    t = threading.Thread(target=ask)
+    t.start()
+    return t
+
+
 def test_greedy_through_1p1d_equals_a_mixed_engine():
     pd = Server("--pd", "1P1D", "--dtype", "float32")
     try:
@@ -78,17 +93,8 @@ def test_a_dead_prefill_core_fails_its_request_and_the_decode_side_frees_the_blo
     pd = Server("--pd", "1P1D")
     try:
         prefill, decode = instances(pd.url)
-        client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", max_retries=0)
         result: dict[str, object] = {}
-
-        def ask() -> None:
-            try:
-                result["out"] = client.completions.create(model="smollm2-135m", prompt=LONG,
-                                                          max_tokens=8)
-            except openai.APIError as exc:
-                result["out"] = exc
-        t = threading.Thread(target=ask)
-        t.start()
+        t = ask_long_in_background(pd.url, result)
         wait_until(lambda: used_blocks(decode) > 0)  # blocks allocated, prefill under way
         os.kill(core_pid(prefill), signal.SIGKILL)
         t.join(60)
@@ -103,17 +109,8 @@ def test_a_dead_decode_core_fails_its_request_and_the_prefill_side_frees_the_blo
     pd = Server("--pd", "1P1D", "--max-input-tokens-per-step", "256")
     try:
         prefill, decode = instances(pd.url)
-        client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", max_retries=0)
         result: dict[str, object] = {}
-
-        def ask() -> None:
-            try:
-                result["out"] = client.completions.create(model="smollm2-135m", prompt=LONG,
-                                                          max_tokens=8)
-            except openai.APIError as exc:
-                result["out"] = exc
-        t = threading.Thread(target=ask)
-        t.start()
+        t = ask_long_in_background(pd.url, result)
         wait_until(lambda: used_blocks(prefill) > 0)  # prefilling in chunks of 256
         os.kill(core_pid(decode), signal.SIGKILL)
         t.join(60)

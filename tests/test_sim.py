@@ -117,6 +117,9 @@ def test_routing_policies():
     assert Router("least_tokens", 3).choose(loads) == 1
     assert Router("prefix_aware", 3).choose(loads) == 2
     assert Router("prefix_aware", 3).choose(loads[:2]) == 1  # no hit anywhere: least loaded
+    loads[1].available = loads[2].available = False  # gone cores are never chosen
+    assert Router("least_tokens", 3).choose(loads) == Router("prefix_aware", 3).choose(loads) == 0
+    assert [rr.choose(loads) for _ in range(3)] == [0, 0, 0]
     with pytest.raises(ValueError):
         Router("random", 2)
 

@@ -38,10 +38,11 @@ class Router:
         return self.policy == "prefix_aware"
 
     def choose(self, loads: list[CoreLoad]) -> int:
-        """The chosen core's index; at least one load must be available."""
+        """The chosen core's index; at least one load must be available (round robin may
+        get no loads at all: every core is then available)."""
         live = [i for i, load in enumerate(loads) if load.available]
         if self.policy == "round_robin":
-            while not loads[self._next].available:
+            while loads and not loads[self._next].available:
                 self._next = (self._next + 1) % self.num_cores
             core, self._next = self._next, (self._next + 1) % self.num_cores
             return core
