@@ -10,7 +10,6 @@ import time
 
 import httpx
 import openai
-import pytest
 
 from server_fixtures import Server, metric
 

@@ -10,9 +10,6 @@ from typing import Any
 
 from tidal.server.core_process import run_core
 
-BACKENDS = ("local", "ray")
-
-
 class LocalCore:
     """An engine core in a child process (spawned: no forked torch or asyncio state)."""
 
@@ -102,9 +99,8 @@ class _CoreActor:
 
 
 def core_handle(backend: str, index: int, gpu: bool) -> LocalCore | RayCore:
-    """A handle for core `index` (starts a local Ray cluster on the first Ray core)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"dp_backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    """A handle for core `index` (starts a local Ray cluster on the first Ray core); the
+    backend name was checked by ParallelConfig."""
     return (RayCore if backend == "ray" else LocalCore)(index, gpu)
 
 
