@@ -18,7 +18,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tidal.core import RequestOutput, RequestStatus, SamplingParams
+from tidal.core import RequestOutput, SamplingParams
 from tidal.engine.core import EngineCore
 
 log = logging.getLogger("tidal.kv")
@@ -113,8 +113,7 @@ class KVLink:
             for rid in [rid for rid, t in self.tasks.items() if t[0] == address]:
                 del self.tasks[rid]
                 self.core.abort(rid)  # frees its blocks; nobody is left to send them to
-        if outputs or self.role == "prefill":
-            log.warning("KV peer %s disconnected", address)
+        log.warning("KV peer %s disconnected", address)
         return outputs
 
     # ------------------------------------------------------------------ the core's loop
@@ -189,7 +188,6 @@ class KVLink:
             if msg.src_block_ids:
                 self.core.runner.write_blocks(msg.dst_block_ids, msg.data, msg.shape, msg.dtype)
         except ValueError as exc:
-            self.prefill_of[rid] = ("", None)
             return self._fail(rid, str(exc))
         return [self.core.scheduler.kv_received(rid, msg.first_token)]
 
@@ -203,9 +201,7 @@ class KVLink:
 
     def _fail(self, rid: str, message: str) -> list[RequestOutput]:
         self.prefill_of.pop(rid, None)
-        if not self.core.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR, message):
-            return []
-        return [RequestOutput(rid, [], True, "error", message)]
+        return self.core.fail(rid, message)
 
     # ------------------------------------------------------------------ prefill side
     def _take_task(self, task: PrefillTask) -> None:

@@ -73,6 +73,13 @@ class EngineCore:
         """End one sequence that met a stop string (found by the detokenizer)."""
         self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_STOPPED)
 
+    def fail(self, request_id: str, message: str) -> list[RequestOutput]:
+        """End a request with `error`, freeing its blocks; its final output (none if it
+        had already ended)."""
+        if not self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, message):
+            return []
+        return [RequestOutput(request_id, [], True, "error", message)]
+
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._pending is not None
 
@@ -133,11 +140,9 @@ class EngineCore:
                   ) -> tuple[list[RequestOutput], dict[str, list]]:
         if isinstance(result, Exception):
             message = f"model runner error: {type(result).__name__}: {result}"
-            failed = [s.request_id for s in out.scheduled
-                      if self.scheduler.finish_request(s.request_id,
-                                                       RequestStatus.FINISHED_ERROR, message)]
+            failed = [o for s in out.scheduled for o in self.fail(s.request_id, message)]
             self.scheduler.update(out, ModelOutput(preempted_ack=list(out.preempted_ids)))
-            return [RequestOutput(rid, [], True, "error", message) for rid in failed], {}
+            return failed, {}
         self.generation_tokens += sum(len(t) for t in result.sampled.values())
         return self.scheduler.update(out, result), result.logprobs
 
