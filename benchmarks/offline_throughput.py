@@ -89,17 +89,21 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", help="none, int8 or int4 (CPU bf16)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--no-cpu-decoder", action="store_true",
+                    help="decode with PyTorch ops instead of tidal's C++ CPU decoder")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     args = ap.parse_args()
 
     from tidal import LLM
 
     llm = LLM("smollm2-135m", dtype=args.dtype, num_kv_blocks=2048,
-              quantization=args.quantization, num_threads=args.threads)
+              quantization=args.quantization, num_threads=args.threads,
+              cpu_decoder=not args.no_cpu_decoder)
     dtype = llm.engine.runner.dtype
     prompts = chat_prompts(llm.tokenizer, args.requests)
     print(f"device {llm.engine.runner.device}, dtype {str(dtype).split('.')[-1]}, "
-          f"quantization {args.quantization}, torch threads "
+          f"quantization {args.quantization}, C++ decoder "
+          f"{llm.engine.runner.decoder is not None}, torch threads "
           f"{torch.get_num_threads()}, {args.requests} requests x {args.max_tokens} tokens, "
           f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
     for b in args.batches:

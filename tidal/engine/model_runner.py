@@ -11,7 +11,8 @@ import torch
 
 from tidal.core import ModelOutput, Request, SchedulerOutput
 from tidal.engine.config import ModelConfig
-from tidal.model.attention import AttentionMetadata, PrefillSeq, kv_cache_shape
+from tidal.model import cpu_decode
+from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
 from tidal.model.config import ModelArch
 from tidal.model.linear import Int4Linear, Int8Linear, PackedLinear, can_pack, replace_linears
 from tidal.model.loader import load_model
@@ -55,13 +56,18 @@ class ModelRunner:
         if self.device == "cpu":
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.arch = ModelArch.from_folder(folder)
-        self.model = load_model(folder, self.dtype, self.device,
+        ext = cpu_decode.extension() if config.cpu_decoder and self.device == "cpu" else None
+        backend = TorchAttention(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim,
+                                 paged_kernel=ext and ext.paged_decode_attention)
+        self.model = load_model(folder, self.dtype, self.device, backend,
                                 dummy=config.load_format == "dummy")
         kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[config.quantization]
         if can_pack(self.dtype, self.device):  # CPU bf16: every projection gets its CPU layer
             replace_linears(self.model, kind)
         elif config.quantization != "none":
             raise ValueError(f"quantization={config.quantization!r} runs on CPU in bfloat16")
+        # Decode-only steps run as one C++ call where the model allows (bf16 CPU).
+        self.decoder = cpu_decode.build_decoder(self.model) if ext else None
         self.block_size = block_size
         self.num_blocks = self._size_kv(config)
         shape = kv_cache_shape(self.num_blocks, block_size, self.arch.num_kv_heads,
@@ -69,6 +75,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.arch.num_layers)]
+        self._k_caches = [k for k, _ in self.kv_caches]
+        self._v_caches = [v for _, v in self.kv_caches]
         self.generator = torch.Generator().manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
 
@@ -125,8 +133,15 @@ class ModelRunner:
         if not out.scheduled:
             return ModelOutput(preempted_ack=list(out.preempted_ids))
         batch = self._prepare(out, requests)
-        logits = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
-                            batch.logits_indices)
+        meta = batch.meta
+        if self.decoder is not None and not meta.prefills:
+            logits = self.decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
+                                          meta.decode_block_tables, meta.decode_lens,
+                                          self._k_caches, self._v_caches, batch.logits_indices,
+                                          self.model.backend.scale, self.block_size)
+        else:
+            logits = self.model(batch.input_ids, batch.positions, self.kv_caches, meta,
+                                batch.logits_indices)
         rows = [self._row(requests[rid]) for rid in batch.sample_ids]
         tokens, logprobs = sample(logits, rows, self.generator)
         result = ModelOutput(sampled=dict(zip(batch.sample_ids, tokens)),
@@ -176,7 +191,7 @@ class ModelRunner:
                 logits_rows.append(start + n - 1)
                 sample_ids.append(s.request_id)
         num_prefill = len(ids)
-        tables_t = bias = None
+        tables_t = bias = lens_t = None
         max_len = 0
         if decodes:
             width = max(len(s.block_ids) for s in decodes)
@@ -192,9 +207,10 @@ class ModelRunner:
                     logits_rows.append(len(ids) - 1)
                     sample_ids.append(s.request_id)
             tables_t, max_len = torch.tensor(tables, device=dev), max(lens)
+            lens_t = torch.tensor(lens, device=dev)
             bias = self.model.backend.decode_bias(lens, width * bs, dev)
         meta = AttentionMetadata(torch.tensor(slots, device=dev), prefill_meta, num_prefill,
-                                 tables_t, bias, max_len)
+                                 tables_t, bias, max_len, lens_t)
         return _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
                       torch.tensor(logits_rows, device=dev, dtype=torch.long), sample_ids)
 

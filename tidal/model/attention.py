@@ -42,6 +42,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with 0
     decode_bias: torch.Tensor | None = None  # from the backend's decode_bias(); None at B=1
     decode_max_len: int = 0  # the longest decode context, this step's token included
+    decode_lens: torch.Tensor | None = None  # [B] each decode's context, its token included
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -65,19 +66,24 @@ class AttentionBackend:
 
 class TorchAttention(AttentionBackend):
     """Prefill: one causal SDPA per sequence (over cache + new tokens when a prefix is
-    cached). Decode: a single sequence takes SDPA over its exact context; a batch takes one
+    cached). Decode on CPU with tidal's C++ kernel: it reads each sequence's blocks in place.
+    Otherwise a single sequence takes SDPA over its exact context; a batch takes one
     bmm of each sequence's query heads against all its gathered K rows (every KV head), with
     a bias that masks the padding and the KV heads a query head does not use. That computes
     Hkv times the scores it keeps, but as B matrices instead of B * Hkv tiny ones, whose
     per-matrix overhead dominates on CPU (5-10x faster at Hkv = 3 and contexts up to ~200)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 paged_kernel=None) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.groups = num_heads // num_kv_heads
+        # C++ `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)` for CPU
+        # decodes (tidal.model.cpu_decode); None: SDPA or gather + bmm.
+        self.paged_kernel = paged_kernel
 
     def decode_bias(self, context_lens, width, device):
-        if len(context_lens) == 1:
+        if len(context_lens) == 1 or (self.paged_kernel is not None and device == "cpu"):
             return None
         pad = (torch.arange(width, device=device)[None, :]
                >= torch.tensor(context_lens, device=device)[:, None])  # [B, L]
@@ -120,6 +126,8 @@ class TorchAttention(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
         tables = meta.decode_block_tables
+        if self.paged_kernel is not None and q.device.type == "cpu":
+            return self.paged_kernel(q, k_cache, v_cache, tables, meta.decode_lens, self.scale)
         if tables.shape[0] == 1:  # no padding to mask: SDPA over the exact context
             n = meta.decode_max_len
             ks = self._gather(k_cache, tables[0])[:n].transpose(0, 1).unsqueeze(0)

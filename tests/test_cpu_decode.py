@@ -1,0 +1,125 @@
+"""tidal's C++ CPU decode path: paged attention equals attention over the gathered context,
+and a decode step through `Decoder` equals the PyTorch path's step (logits and KV written)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidal.model import cpu_decode
+
+ext = cpu_decode.extension()
+# Where a compiler exists the build must work: a broken build would only show as slowness.
+pytestmark = pytest.mark.skipif(ext is None and shutil.which("c++") is None,
+                                reason="no C++ compiler here")
+
+
+def gathered_attention(q, k_cache, v_cache, tables, lens, scale):
+    """Each sequence's context copied out of its blocks, then plain float32 attention."""
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        k = k_cache[tables[b]].flatten(0, 1)[:n].float().transpose(0, 1)  # [Hkv, n, D]
+        v = v_cache[tables[b]].flatten(0, 1)[:n].float().transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, scale=scale,
+                                           enable_gqa=True)
+        out.append(o.squeeze(1))
+    return torch.stack(out)
+
+
+@settings(max_examples=60)
+@given(data=st.data(), batch=st.integers(1, 5), heads=st.sampled_from([(1, 1), (4, 2), (9, 3),
+                                                                       (8, 1)]),
+       head_dim=st.sampled_from([8, 16, 24, 64]), block_size=st.sampled_from([1, 4, 16]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_paged_attention_equals_attention_over_the_gathered_context(data, batch, heads,
+                                                                    head_dim, block_size,
+                                                                    dtype):
+    h, hkv = heads
+    num_blocks = 24
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
+    lens = [data.draw(st.integers(1, 40)) for _ in range(batch)]
+    width = max(-(-n // block_size) for n in lens)
+    # Tables in any order, sharing blocks across sequences (prefix caching), padded with 0.
+    tables = torch.tensor([data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=width,
+                                              max_size=width)) for _ in range(batch)])
+    q = torch.randn(batch, h, head_dim, generator=gen).to(dtype)
+    lens_t = torch.tensor(lens)
+    scale = head_dim ** -0.5
+    got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, scale)
+    want = gathered_attention(q, k_cache, v_cache, tables, lens_t, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_paged_attention_refuses_a_cache_of_another_dtype():
+    cache = torch.zeros(4, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="KV cache"):
+        ext.paged_decode_attention(torch.zeros(1, 1, 8, dtype=torch.bfloat16), cache, cache,
+                                   torch.zeros(1, 1, dtype=torch.long), torch.ones(1), 1.0)
+
+
+class _Checked:
+    """Stands in for the runner's decoder: runs the PyTorch path on the same step first,
+    keeps what it wrote to the KV cache and wipes it, then runs the decoder; records both."""
+
+    def __init__(self, runner):
+        self.runner, self.decoder, self.steps = runner, runner.decoder, []
+        prepare = runner._prepare
+
+        def keep_meta(out, requests):
+            batch = prepare(out, requests)
+            self.meta = batch.meta
+            return batch
+        runner._prepare = keep_meta
+
+    def forward(self, ids, positions, slots, tables, lens, ks, vs, rows, scale, block_size):
+        ref = self.runner.model(ids, positions, self.runner.kv_caches, self.meta, rows)
+        caches = [c.view(-1, *c.shape[2:]) for kv in self.runner.kv_caches for c in kv]
+        written = [c[slots].clone() for c in caches]
+        for c in caches:
+            c[slots] = 0
+        got = self.decoder.forward(ids, positions, slots, tables, lens, ks, vs, rows, scale,
+                                   block_size)
+        self.steps.append((ref, got, written, [c[slots] for c in caches], len(ids)))
+        return got
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, quantization):
+    from model_fixtures import tiny_folder
+    from tidal import LLM, SamplingParams
+
+    folder = tiny_folder(tmp_path, "llama")
+    llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64, block_size=4,
+              quantization=quantization)
+    runner = llm.engine.runner
+    assert runner.decoder is not None
+    checked = runner.decoder = _Checked(runner)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 12 + 3 * i))} for i in range(6)]
+    llm.generate(prompts, params, use_tqdm=False)  # batched decodes (bf16 weights)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # one row (int4 weights when asked)
+    assert {n for *_, n in checked.steps} >= {1, 6}
+    for ref, got, written, again, _ in checked.steps:
+        # The same ops, roundings and attention kernel: bit for bit the PyTorch path's step.
+        assert got.dtype == torch.float32 and torch.equal(got, ref)
+        assert all(torch.equal(a, w) and w.any() for a, w in zip(again, written))
+
+
+def test_models_the_decoder_does_not_run_keep_the_pytorch_path(tmp_path):
+    from model_fixtures import tiny_folder
+    from tidal import LLM
+
+    qwen3 = LLM(str(tiny_folder(tmp_path, "qwen3")), dtype="bfloat16", num_kv_blocks=16)
+    assert qwen3.engine.runner.decoder is None  # q/k norms
+    fp32 = LLM(str(tiny_folder(tmp_path, "llama")), dtype="float32", num_kv_blocks=16)
+    assert fp32.engine.runner.decoder is None
+    off = LLM(str(tmp_path / "llama"), dtype="bfloat16", num_kv_blocks=16, cpu_decoder=False)
+    assert off.engine.runner.decoder is None and off.engine.runner.model.backend.paged_kernel is None

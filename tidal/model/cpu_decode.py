@@ -1,0 +1,86 @@
+"""tidal's C++ CPU decode path (`csrc/cpu_decode.cpp`), built once on first use.
+
+A decode step of a small model on CPU is bound by per-op dispatch (~60 eager ops a layer),
+so `Decoder` runs a whole decode-only step in one call: the projections stay ATen kernels,
+everything between them is fused loops, and attention reads the paged cache in place.
+`paged_decode_attention` is that attention on its own, for the PyTorch path's batched
+decode. Both are optional: without a C++ compiler tidal runs the PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from tidal.model.linear import Int4Linear, PackedLinear
+
+log = logging.getLogger("tidal.model")
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.cpp"
+_built: list[ModuleType | None] = []  # [] until the first build attempt
+
+
+def extension() -> ModuleType | None:
+    """The compiled module, or None when it cannot be built here (said once in the log)."""
+    if not _built:
+        try:
+            from torch.utils.cpp_extension import load
+
+            log.info("loading tidal's C++ CPU decoder (the first build takes about a minute)")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _built.append(load(name="tidal_cpu_decode", sources=[str(_SOURCE)],
+                                   extra_cflags=["-O3", "-march=native"], verbose=False))
+        except Exception as exc:  # no compiler, headers or ninja: the PyTorch ops still work
+            log.warning("tidal's C++ CPU decoder could not be built (%s); decoding with "
+                        "PyTorch ops", str(exc).splitlines()[0] if str(exc) else type(exc))
+            _built.append(None)
+    return _built[0]
+
+
+def _linear(ext: ModuleType, module: nn.Module):
+    """The C++ view of one projection, or None for a kind it does not run."""
+    if isinstance(module, Int4Linear):
+        return ext.Linear(2, module.dense.weight, module.bias, module.packed,
+                          module.scales_zeros, module.MAX_ROWS)
+    if isinstance(module, PackedLinear):
+        return ext.Linear(1, module.weight, module.bias)
+    if type(module) is nn.Linear:
+        return ext.Linear(0, module.weight, module.bias)
+    return None
+
+
+def build_decoder(model: nn.Module):
+    """A C++ `Decoder` sharing `model`'s weights, or None when this model or build cannot
+    use one (not bf16, q/k norms, int8 projections, or no compiler)."""
+    arch = model.arch
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or arch.qk_norm:
+        return None
+    if model.embed_tokens.weight.device.type != "cpu":
+        return None
+    ext = extension()
+    if ext is None:
+        return None
+    head = (model.lm_head if model.lm_head is not None
+            else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+    if model.lm_head is None:
+        head.weight = model.embed_tokens.weight
+    projections = [_linear(ext, head)]
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        projections += [_linear(ext, p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj,
+                                                   m.down_proj)]
+    if any(p is None for p in projections):
+        return None
+    decoder = ext.Decoder(model.embed_tokens.weight, model.norm.weight, projections[0],
+                          model.rotary.cos, model.rotary.sin, arch.num_heads,
+                          arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
+                          arch.rms_norm_eps)
+    for i, layer in enumerate(model.layers):
+        decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                          *projections[1 + 4 * i:5 + 4 * i])
+    return decoder

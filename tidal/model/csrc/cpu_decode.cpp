@@ -1,0 +1,357 @@
+// tidal's CPU decode path: a whole decode-only step of a Llama-family model in one call.
+//
+// Why: on CPU a small model's decode step is bound by per-op dispatch, not by arithmetic
+// (SmolLM2-135M runs ~60 eager PyTorch ops a layer at 3-5 us each). Here the projections
+// stay ATen calls (int4 / oneDNN kernels, multi-threaded) and everything between them --
+// RMSNorm + residual, RoPE, the KV write, paged attention, SiLU * up -- is plain loops.
+// Rounding follows the PyTorch path op for op (bf16 after every op it rounds at), so the
+// two differ only in summation order. Attention reads the paged cache in place: no gather.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+using at::Tensor;
+using c10::BFloat16;
+
+namespace {
+
+// Conversions written on the bits so loops over them vectorise; bf16 rounds to nearest even
+// as c10::BFloat16 does (NaN stays NaN).
+template <typename T>
+inline float f32(T x) { return static_cast<float>(x); }
+inline float f32(BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+template <>
+inline BFloat16 round_to<BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  uint16_t bits = (u & 0x7fffffffu) > 0x7f800000u
+                      ? uint16_t(0x7fc0)
+                      : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return BFloat16(bits, BFloat16::from_bits());
+}
+
+// Dot product over d with 16 independent partial sums (vectorises without -ffast-math).
+template <typename A, typename B>
+inline float dot(const A* q, const B* k, int64_t d) {
+  float acc[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += f32(q[i + j]) * f32(k[i + j]);
+  float s = 0.f;
+  for (; i < d; ++i) s += f32(q[i]) * f32(k[i]);
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return s;
+}
+
+// e^x for softmax, in plain arithmetic so loops over it vectorise (std::exp does not):
+// Cephes' polynomial on x - n ln2, scaled by 2^n; within 2 ulp of expf over its range.
+inline float exp_approx(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// ---------------------------------------------------------------- projections
+
+// One projection in whichever CPU form the Python side packed it: kind 0 = at::linear,
+// 1 = oneDNN-packed bf16 weight, 2 = int4 (groups of 32) for <= max_rows rows, else `w`
+// packed as in kind 1.
+struct Linear {
+  int64_t kind = 0;
+  Tensor w, bias, packed, scales_zeros;
+  int64_t max_rows = 0;
+
+  Tensor operator()(const Tensor& x) const {
+    if (kind == 2 && x.size(0) <= max_rows) {
+      Tensor y = at::_weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros);
+      return bias.defined() ? y.add_(bias) : y;
+    }
+    if (kind == 0) return at::linear(x, w, bias.defined() ? c10::optional<Tensor>(bias)
+                                                          : c10::nullopt);
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+        "mkldnn::_linear_pointwise", "");
+    std::vector<c10::IValue> stack{x, w, bias.defined() ? c10::IValue(bias) : c10::IValue(),
+                                   std::string("none"),
+                                   c10::List<c10::optional<c10::Scalar>>(), c10::IValue()};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+};
+
+// ---------------------------------------------------------------- elementwise
+
+// h += y (rounded like a bf16 add) when y is given; x = weight * bf16(h * rsqrt(mean h^2 + eps)).
+template <typename T>
+void add_rms_norm(T* h, const T* y, const T* weight, T* x, int64_t rows, int64_t dim,
+                  float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* hr = h + r * dim;
+      if (y != nullptr) {
+        const T* yr = y + r * dim;
+        for (int64_t i = 0; i < dim; ++i) hr[i] = round_to<T>(f32(hr[i]) + f32(yr[i]));
+      }
+      const float ss = dot(hr, hr, dim);
+      const float inv = 1.f / std::sqrt(ss / dim + eps);
+      T* xr = x + r * dim;
+      for (int64_t i = 0; i < dim; ++i)
+        xr[i] = round_to<T>(f32(weight[i]) * f32(round_to<T>(f32(hr[i]) * inv)));
+    }
+  });
+}
+
+// In place on the first `heads` heads of each row: x*cos + rotate_half(x)*sin, the half-split
+// pairing of HF checkpoints; the tables hold the signed sine already.
+template <typename T>
+void rope(T* qkv, int64_t row_stride, const float* cos, const float* sin, int64_t rows,
+          int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> c(d), s(d), x0(d);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < d; ++i) {  // the tables are cast to the model's dtype first
+        c[i] = f32(round_to<T>(cos[r * d + i]));
+        s[i] = f32(round_to<T>(sin[r * d + i]));
+      }
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        T* x = qkv + r * row_stride + hh * d;
+        for (int64_t i = 0; i < d; ++i) x0[i] = f32(x[i]);
+        auto rot = [&](int64_t i, float rolled) {
+          x[i] = round_to<T>(f32(round_to<T>(x0[i] * c[i])) + f32(round_to<T>(rolled * s[i])));
+        };
+        for (int64_t i = 0; i < half; ++i) rot(i, x0[i + half]);
+        for (int64_t i = half; i < d; ++i) rot(i, x0[i - half]);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- paged attention
+
+// q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, d];
+// tables [B, W] int64; lens [B]. One task per (sequence, KV head) reads that head's context
+// straight from its blocks and serves every query head of its group.
+template <typename T>
+void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                     const int64_t* tables, int64_t table_width, const int64_t* lens,
+                     int64_t batch, int64_t heads, int64_t hkv, int64_t d, int64_t block_size,
+                     float scale, T* out) {
+  const int64_t groups = heads / hkv;
+  const int64_t token_stride = hkv * d;
+  at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf, scores, acc;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / hkv, g = task % hkv, n = lens[b];
+      const int64_t* table = tables + b * table_width;
+      qf.assign(groups * d, 0.f);
+      scores.resize(groups * n);
+      acc.assign(groups * d, 0.f);
+      for (int64_t j = 0; j < groups; ++j)
+        for (int64_t i = 0; i < d; ++i)
+          qf[j * d + i] = f32(q[b * q_stride + (g * groups + j) * d + i]) * scale;
+      for (int64_t t = 0; t < n; ++t) {
+        const T* k = k_cache + (table[t / block_size] * block_size + t % block_size) *
+                                   token_stride + g * d;
+        for (int64_t j = 0; j < groups; ++j) scores[j * n + t] = dot(&qf[j * d], k, d);
+      }
+      for (int64_t j = 0; j < groups; ++j) {
+        float* s = &scores[j * n];
+        const float mx = *std::max_element(s, s + n);
+        for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - mx);
+        const float inv = 1.f / std::accumulate(s, s + n, 0.f);
+        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const T* v = v_cache + (table[t / block_size] * block_size + t % block_size) *
+                                   token_stride + g * d;
+        for (int64_t j = 0; j < groups; ++j) {
+          const float p = scores[j * n + t];
+          float* a = &acc[j * d];
+          for (int64_t i = 0; i < d; ++i) a[i] += p * f32(v[i]);
+        }
+      }
+      for (int64_t j = 0; j < groups; ++j)
+        for (int64_t i = 0; i < d; ++i)
+          out[(b * heads + g * groups + j) * d + i] = round_to<T>(acc[j * d + i]);
+    }
+  });
+}
+
+template <typename T>
+void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* slots,
+              int64_t rows, int64_t width, T* cache) {
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(qkv + r * row_stride + offset, width, cache + slots[r] * width);
+}
+
+void check_cache(const Tensor& t, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype && t.dim() == 4,
+              "KV cache must be a contiguous [blocks, block_size, kv_heads, head_dim] tensor "
+              "of the model's dtype");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- the decoder
+
+struct Layer {
+  Tensor norm1, norm2;
+  Linear qkv, o, gate_up, down;
+};
+
+class Decoder {
+ public:
+  Decoder(Tensor embed, Tensor final_norm, Linear lm_head, Tensor cos, Tensor sin,
+          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
+      : embed_(embed), final_norm_(final_norm), lm_head_(lm_head), cos_(cos.contiguous()),
+        sin_(sin.contiguous()), heads_(heads), hkv_(kv_heads), d_(head_dim),
+        inter_(intermediate), eps_(static_cast<float>(eps)) {
+    TORCH_CHECK(embed.scalar_type() == at::kBFloat16, "the CPU decoder runs bfloat16 models");
+    TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv heads");
+  }
+
+  void add_layer(Tensor norm1, Tensor norm2, Linear qkv, Linear o, Linear gate_up, Linear down) {
+    layers_.push_back({norm1, norm2, qkv, o, gate_up, down});
+  }
+
+  // One decode-only step: logits (float32) of `logits_rows` among the B one-token rows.
+  Tensor forward(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
+                 const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
+                 Tensor logits_rows, double scale, int64_t block_size) {
+    using T = BFloat16;
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "one K and one V cache per layer");
+    ids = ids.to(at::kLong).contiguous();
+    positions = positions.to(at::kLong).contiguous();
+    slots = slots.to(at::kLong).contiguous();
+    tables = tables.to(at::kLong).contiguous();
+    lens = lens.to(at::kLong).contiguous();
+    const int64_t rows = ids.size(0), hid = embed_.size(1);
+    const int64_t qkv_width = (heads_ + 2 * hkv_) * d_, kv_width = hkv_ * d_;
+    Tensor h = embed_.index_select(0, ids).contiguous();
+    Tensor x = at::empty_like(h);
+    Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
+    Tensor attn = at::empty({rows, heads_ * d_}, h.options());
+    Tensor act = at::empty({rows, inter_}, h.options());
+    Tensor y;  // the last projection's output, added to h by the next norm
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
+      check_cache(k_caches[l], h.scalar_type());
+      check_cache(v_caches[l], h.scalar_type());
+      add_rms_norm<T>(h.data_ptr<T>(), y.defined() ? y.data_ptr<T>() : nullptr,
+                      L.norm1.data_ptr<T>(), x.data_ptr<T>(), rows, hid, eps_);
+      Tensor qkv = L.qkv(x).contiguous();
+      T* qp = qkv.data_ptr<T>();
+      rope<T>(qp, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, heads_ + hkv_,
+              d_);
+      write_kv<T>(qp, qkv_width, heads_ * d_, slots.data_ptr<int64_t>(), rows, kv_width,
+                  k_caches[l].data_ptr<T>());
+      write_kv<T>(qp, qkv_width, (heads_ + hkv_) * d_, slots.data_ptr<int64_t>(), rows,
+                  kv_width, v_caches[l].data_ptr<T>());
+      paged_attention<T>(qp, qkv_width, k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(),
+                         tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
+                         rows, heads_, hkv_, d_, block_size, static_cast<float>(scale),
+                         attn.data_ptr<T>());
+      y = L.o(attn).contiguous();
+      add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), L.norm2.data_ptr<T>(), x.data_ptr<T>(),
+                      rows, hid, eps_);
+      Tensor gate_up = L.gate_up(x).contiguous();
+      // ATen's vectorised SiLU: its exp rounds as the PyTorch path's does.
+      at::mul_out(act, at::silu(gate_up.narrow(1, 0, inter_)),
+                  gate_up.narrow(1, inter_, inter_));
+      y = L.down(act).contiguous();
+    }
+    // The final norm sees h + the last MLP output, only for the rows that sample.
+    T* hp = h.data_ptr<T>();
+    const T* yp = y.data_ptr<T>();
+    for (int64_t i = 0; i < rows * hid; ++i) hp[i] = round_to<T>(f32(hp[i]) + f32(yp[i]));
+    if (logits_rows.size(0) != rows) h = h.index_select(0, logits_rows.to(at::kLong));
+    Tensor normed = at::empty_like(h);
+    add_rms_norm<T>(h.data_ptr<T>(), nullptr, final_norm_.data_ptr<T>(), normed.data_ptr<T>(),
+                    h.size(0), hid, eps_);
+    return lm_head_(normed).to(at::kFloat);
+  }
+
+ private:
+  Tensor embed_, final_norm_;
+  Linear lm_head_;
+  Tensor cos_, sin_;
+  int64_t heads_, hkv_, d_, inter_;
+  float eps_;
+  std::vector<Layer> layers_;
+};
+
+// Paged decode attention on its own (the batched decode of the PyTorch path uses it too).
+Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
+                              Tensor lens, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim]");
+  check_cache(k_cache, q.scalar_type());
+  check_cache(v_cache, q.scalar_type());
+  q = q.contiguous();
+  tables = tables.to(at::kLong).contiguous();
+  lens = lens.to(at::kLong).contiguous();
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  Tensor out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
+    paged_attention<scalar_t>(q.data_ptr<scalar_t>(), heads * d, k_cache.data_ptr<scalar_t>(),
+                              v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+                              tables.size(1), lens.data_ptr<int64_t>(), batch, heads,
+                              k_cache.size(2), d, k_cache.size(1), static_cast<float>(scale),
+                              out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Linear>(m, "Linear")
+      .def(py::init([](int64_t kind, Tensor w, c10::optional<Tensor> bias,
+                       c10::optional<Tensor> packed, c10::optional<Tensor> scales_zeros,
+                       int64_t max_rows) {
+             Linear l;
+             l.kind = kind;
+             l.w = w;
+             l.bias = bias.value_or(Tensor());
+             l.packed = packed.value_or(Tensor());
+             l.scales_zeros = scales_zeros.value_or(Tensor());
+             l.max_rows = max_rows;
+             return l;
+           }),
+           py::arg("kind"), py::arg("weight"), py::arg("bias"), py::arg("packed") = py::none(),
+           py::arg("scales_zeros") = py::none(), py::arg("max_rows") = 0)
+      .def("__call__", &Linear::operator());
+  py::class_<Decoder>(m, "Decoder")
+      .def(py::init<Tensor, Tensor, Linear, Tensor, Tensor, int64_t, int64_t, int64_t, int64_t,
+                    double>())
+      .def("add_layer", &Decoder::add_layer)
+      .def("forward", &Decoder::forward, py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention,
+        py::call_guard<py::gil_scoped_release>());
+}
