@@ -91,6 +91,7 @@ def fit(cost: CostModel, timings: list[tuple[StepShape, float]]) -> tuple[Hardwa
     squared relative error of predicted step times; returns the profile and its mean
     absolute relative error."""
     hw = cost.hw
+    hw.request_latency = hw.output_overhead = 0.0  # the runner alone; calibrate_serving adds them
     shapes = [s for s, _ in timings]
     measured = np.array([t for _, t in timings])
     weight = 1 / measured
@@ -142,6 +143,33 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
                              f"{threads}), {len(timings)} step shapes, mean error {error:.1%}")
     rows = [(s, t, cost.shape_time(s)) for s, t in timings]
     return profile, error, rows
+
+
+# One request at a time, so the difference is serving's own cost, not queueing.
+SERVING_WORKLOAD = ["--dataset", "random", "--random-input-len", "128", "--random-output-len",
+                    "32", "--num-prompts", "8", "--max-concurrency", "1", "--seed", "11"]
+
+
+def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:
+    """What serving adds to the runner: a tidal server of the same model and engine flags
+    at `base_url` serves SERVING_WORKLOAD, the simulator replays it on `profile`; the mean
+    TTFT they differ by becomes `request_latency`, the mean TPOT `output_overhead`."""
+    from tidal.cli import run
+
+    profile.request_latency = profile.output_overhead = 0.0
+    real = run(["bench", "serve", "--base-url", base_url, "--ignore-eos", "--disable-tqdm",
+                *SERVING_WORKLOAD])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "runner.json"
+        path.write_text(profile.to_json())
+        sim = run(["simulate", "--model-config", model, "--hardware", str(path),
+                   *SERVING_WORKLOAD])
+    profile.request_latency = max(0.0, (real["mean_ttft_ms"] - sim["mean_ttft_ms"]) / 1e3)
+    profile.output_overhead = max(0.0, (real["mean_tpot_ms"] - sim["mean_tpot_ms"]) / 1e3)
+    profile.calibrated_on += (f"; serving at {base_url}: request latency "
+                              f"{profile.request_latency * 1e3:.1f} ms, output overhead "
+                              f"{profile.output_overhead * 1e3:.2f} ms/token")
+    return profile
 
 
 def format_rows(rows) -> str:

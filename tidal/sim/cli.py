@@ -110,7 +110,7 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     sim, arch, hw, sched, cache = build_simulator(args)
     requests, times, spec = load_workload(args, arch.vocab_size)
     t0 = time.perf_counter()
-    run = sim.run(requests, times)
+    run = sim.run(requests, times, args.max_concurrency)
     wall = time.perf_counter() - t0
     result = result_header(args, f"tidal-sim ({args.baseline})", args.model_config)
     result.update(summarize(run.results, run.duration, slos))
@@ -153,13 +153,16 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--output", default=None, help="JSON file to write (default: print)")
     p.add_argument("--max-batch", type=int, default=64, help="largest decode batch timed")
     p.add_argument("--max-prefill", type=int, default=1024, help="longest prefill timed")
+    p.add_argument("--serving-url", default=None, metavar="URL",
+                   help="a tidal server of the same model and flags: also measure what "
+                        "serving adds (request latency, per-token frontend CPU)")
     add_engine_flags(p)
     p.set_defaults(func=cmd_calibrate)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from tidal.cli import engine_kwargs
-    from tidal.sim.calibrate import calibrate, default_grid, format_rows
+    from tidal.sim.calibrate import calibrate, calibrate_serving, default_grid, format_rows
     from tidal.sim.profiles import hardware
 
     kwargs = engine_kwargs(args)
@@ -168,6 +171,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                                      default_grid(args.max_batch, args.max_prefill))
     print(format_rows(rows))
     print(f"mean absolute error {error:.1%}")
+    if args.serving_url:
+        calibrate_serving(profile, model, args.serving_url)
+        print(f"serving: request latency {profile.request_latency * 1e3:.1f} ms, output "
+              f"overhead {profile.output_overhead * 1e3:.2f} ms per token")
     text = profile.to_json()
     if args.output:
         with open(args.output, "w") as f:

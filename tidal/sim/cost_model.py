@@ -7,6 +7,7 @@ For a step's scheduled requests (each `n` new tokens after `c` cached ones):
                   KV bytes read and written                    over  bandwidth * bw_eff)
   step      = linear + attention + step_overhead + seq_overhead * seqs + token_overhead * tokens
               + context_overhead * cached tokens gathered (sequences with c > 0 read c + n)
+              + output_overhead * sampled rows (a serving frontend's per-token CPU)
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class CostModel:
         if shape.seqs == 0:
             return 0.0
         return (self.roofline(shape) + hw.step_overhead + hw.seq_overhead * shape.seqs
-                + hw.token_overhead * shape.tokens + hw.context_overhead * shape.gathered)
+                + hw.token_overhead * shape.tokens + hw.context_overhead * shape.gathered
+                + hw.output_overhead * shape.sampled)
 
     def transfer_time(self, num_tokens: int, link_bandwidth: float,
                       latency: float = 0.0) -> float:

@@ -62,6 +62,11 @@ class Hardware:
     seq_overhead: float = 0.0  # seconds per scheduled sequence (input building, sampling)
     token_overhead: float = 0.0  # seconds per scheduled token
     context_overhead: float = 0.0  # seconds per cached token a step gathers to attend
+    # What serving adds to the runner (`tidal calibrate --serving-url`): HTTP, tokenization
+    # and IPC before a request reaches the scheduler, and the frontend's per-token work
+    # (detokenize, SSE) that shares the engine's CPU and stretches its steps.
+    request_latency: float = 0.0  # seconds from a request's send to its scheduler
+    output_overhead: float = 0.0  # seconds a step takes longer per token it samples
     memory_utilization: float = 0.9  # share of memory the engine may use
     calibrated_on: str = ""  # what `tidal calibrate` measured, if it made this profile
 

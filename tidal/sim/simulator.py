@@ -2,13 +2,16 @@
 clock, for one replica, N data-parallel replicas behind a router, or xPyD disaggregation
 (prefill replicas hand each prompt's KV to decode replicas over a link of given bandwidth).
 
-Events are arrivals, step ends and KV transfer ends; a replica that is free and has work
-starts its next step at once, so virtual time jumps from event to event."""
+Events are sends, arrivals, step ends and KV transfer ends; a replica that is free and has
+work starts its next step at once, so virtual time jumps from event to event. A request
+arrives at its scheduler `request_latency` after it is sent (the serving frontend's share);
+with a concurrency cap, a send waits for a request to finish, as the bench client's does."""
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections import deque
 from dataclasses import dataclass, field
 
 from tidal.bench.dataset import BenchRequest
@@ -18,7 +21,7 @@ from tidal.core import CacheConfig, Request, SamplingParams, SchedulerConfig
 from tidal.sim.cost_model import CostModel
 from tidal.sim.replica import SimReplica, TokenClock
 
-_ARRIVAL, _STEP_END, _TRANSFER_END = 0, 1, 2
+_SEND, _ARRIVAL, _STEP_END, _TRANSFER_END = 0, 1, 2, 3
 
 
 @dataclass
@@ -84,6 +87,9 @@ class Simulator:
         self._events: list[tuple] = []
         self._seq = 0
         self._home: dict[str, tuple[SimReplica, SimReplica | None]] = {}
+        # The concurrency gate of run(): requests sent and not finished, sends waiting, and
+        # finishes not yet counted out of the gate.
+        self._in_flight, self._held, self._released = 0, deque(), 0
 
     def _push(self, time: float, kind: int, payload) -> None:
         self._seq += 1
@@ -97,18 +103,27 @@ class Simulator:
                           if router.needs_prefix else 0) for r in replicas]
         return replicas[router.choose(loads)]
 
-    def run(self, requests: list[BenchRequest], send_times: list[float]) -> SimRun:
+    def run(self, requests: list[BenchRequest], send_times: list[float],
+            max_concurrency: int | None = None) -> SimRun:
         clocks = [TokenClock() for _ in requests]
         done = [False] * len(requests)
+        sent = list(send_times)  # when each request really went out (later when gated)
         timeline: dict[str, list[float]] = {"time": [], "kv_usage": [], "running": [],
                                            "waiting": [], "preemptions": []}
+        latency = self.cost.hw.request_latency
         for i, t in enumerate(send_times):
-            self._push(t, _ARRIVAL, i)
+            self._push(t, _SEND, i)
         next_sample, now = 0.0, 0.0
         dirty: set[SimReplica] = set()
         while self._events:
             now, kind, _, payload = heapq.heappop(self._events)
-            if kind == _ARRIVAL:
+            if kind == _SEND:
+                if max_concurrency and self._in_flight >= max_concurrency:
+                    self._held.append(payload)
+                else:
+                    self._in_flight += 1
+                    self._push(now + latency, _ARRIVAL, payload)
+            elif kind == _ARRIVAL:
                 dirty.add(self._arrive(payload, requests[payload], now))
             elif kind == _STEP_END:
                 replica = payload
@@ -126,8 +141,16 @@ class Simulator:
                     if end is not None:
                         self._push(end, _STEP_END, replica)
                     self._start_transfers(replica, dirty)
+            while self._released:  # finished requests let held sends go
+                self._released -= 1
+                self._in_flight -= 1
+                if self._held:
+                    index = self._held.popleft()
+                    sent[index] = now
+                    self._in_flight += 1
+                    self._push(now + latency, _ARRIVAL, index)
         results = [self._result(req, t, clock, ok) for req, t, clock, ok
-                   in zip(requests, send_times, clocks, done)]
+                   in zip(requests, sent, clocks, done)]
         return SimRun(results, now, timeline, sum(r.steps for r in self.replicas),
                       sum(r.scheduler.num_preemptions for r in self.replicas))
 
@@ -177,6 +200,7 @@ class Simulator:
                 clock.last = now
                 clock.count += 1
             if o.finished:
+                self._released += 1
                 done[index] = o.finish_reason in ("stop", "length")
                 decoder, prefiller = self._home.pop(o.request_id)
                 if prefiller is replica:  # ended at its prefill: free the decode side too
@@ -193,6 +217,7 @@ class Simulator:
         index = int(rid)
         clocks[index].tick(now)
         if out.finished:
+            self._released += 1
             done[index] = True
             del self._home[rid]
         dirty.update((decoder, prefiller))
