@@ -3,19 +3,16 @@
 # and `tidal bench serve`, replay the same workload with `tidal simulate` on the calibrated
 # CPU profile, and print each headline metric's relative error (target: within 15%).
 # The engine core runs one torch thread, as it was calibrated: the frontend and this client
-# get the other core. (With both cores to torch, their ~2 ms of CPU per token preempts the
-# model's threads and stretches every step by ~15%, which a runner calibration cannot see.)
-# usage: benchmarks/sim_accuracy.sh [--calibrate]   (refit the profile first, ~1 min)
+# get the other core. `--calibrate` refits the profile first (~1 min): the runner over a grid
+# of step shapes, then what serving adds (`--serving-url`: request latency and per-token
+# frontend CPU, measured one request at a time against the server started here).
+# usage: benchmarks/sim_accuracy.sh [--calibrate]
 # Workload knobs: NUM_PROMPTS (100), RATE (0.5 req/s), INPUT_LEN (256), OUTPUT_LEN (64).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${OUTDIR:-benchmarks/results/sim_accuracy}
 PROFILE=${PROFILE:-tidal/sim/calibrated/cpu-smollm2-135m.json}
 mkdir -p "$OUTDIR"
-if [ "${1:-}" = "--calibrate" ]; then
-  .venv/bin/tidal calibrate --hardware cpu --num-threads 1 --max-batch 32 --num-kv-blocks 4096 \
-    --output "$PROFILE" | tail -2
-fi
 workload=(--dataset random --random-input-len "${INPUT_LEN:-256}" --random-range-ratio 0.5
           --random-output-len "${OUTPUT_LEN:-64}" --num-prompts "${NUM_PROMPTS:-100}"
           --request-rate "${RATE:-0.5}" --seed 0)
@@ -29,6 +26,10 @@ for _ in $(seq 300); do
   kill -0 $pid 2>/dev/null || { echo "server exited; see $OUTDIR/server.log"; exit 1; }
   sleep 1
 done
+if [ "${1:-}" = "--calibrate" ]; then
+  .venv/bin/tidal calibrate --hardware cpu --num-threads 1 --max-batch 32 --num-kv-blocks 4096 \
+    --serving-url "http://127.0.0.1:$port" --output "$PROFILE" | grep -E "^(mean|serving)"
+fi
 .venv/bin/tidal bench serve --base-url "http://127.0.0.1:$port" "${workload[@]}" --ignore-eos \
   --disable-tqdm --save-result --result-file "$OUTDIR/real.json" >/dev/null
 kill -- -$pid; wait $pid 2>/dev/null || true; trap - EXIT

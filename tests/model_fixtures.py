@@ -29,8 +29,9 @@ def embedded_folder() -> Path:
 
 
 def tiny_folder(tmp: Path, family: str) -> Path:
-    """A randomly initialised 2-layer model of `family` ('llama' or 'qwen3')."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """A randomly initialised 2-layer model of `family` ('llama', 'qwen2' or 'qwen3')."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -39,6 +40,8 @@ def tiny_folder(tmp: Path, family: str) -> Path:
     torch.manual_seed(0)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
+    elif family == "qwen2":  # q/k/v carry a bias
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1000000.0, **common))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(rope_theta=1000000.0, **common))
     folder = tmp / family

@@ -58,11 +58,17 @@ def test_paged_attention_equals_attention_over_the_gathered_context(data, batch,
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
-def test_paged_attention_refuses_a_cache_of_another_dtype():
+def test_paged_attention_refuses_what_would_read_outside_the_cache():
     cache = torch.zeros(4, 4, 1, 8)
+    q, table, one = torch.zeros(1, 2, 8), torch.zeros(1, 1, dtype=torch.long), torch.ones(1)
     with pytest.raises(RuntimeError, match="KV cache"):
-        ext.paged_decode_attention(torch.zeros(1, 1, 8, dtype=torch.bfloat16), cache, cache,
-                                   torch.zeros(1, 1, dtype=torch.long), torch.ones(1), 1.0)
+        ext.paged_decode_attention(q.bfloat16(), cache, cache, table, one, 1.0)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        ext.paged_decode_attention(q, cache, cache, table, torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="block id 4 is not in the cache"):
+        ext.paged_decode_attention(q, cache, cache, table + 4, one, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of the cache's KV heads"):
+        ext.paged_decode_attention(torch.zeros(1, 2, 4), cache, cache, table, one, 1.0)
 
 
 class _Checked:
@@ -91,12 +97,14 @@ class _Checked:
         return got
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, quantization):
+@pytest.mark.parametrize("family,quantization", [("llama", "none"), ("llama", "int4"),
+                                                 ("qwen2", "none"), ("qwen2", "int4")])
+def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, family,
+                                                                   quantization):
     from model_fixtures import tiny_folder
     from tidal import LLM, SamplingParams
 
-    folder = tiny_folder(tmp_path, "llama")
+    folder = tiny_folder(tmp_path, family)
     llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64, block_size=4,
               quantization=quantization)
     runner = llm.engine.runner

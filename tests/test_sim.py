@@ -262,7 +262,7 @@ def test_simulation_of_a_calibrated_cpu_matches_a_real_server(tmp_path):
     server = Server()
     try:
         profile, fit_error, _ = calibrate("smollm2-135m", hardware("cpu"),
-                                          {"num_threads": 1, "num_kv_blocks": 512}, repeats=3,
+                                          {"num_threads": 1, "num_kv_blocks": 512}, repeats=5,
                                           grid=default_grid(max_batch=8, max_prefill=256))
         assert fit_error < 0.15
         calibrate_serving(profile, "smollm2-135m", server.url)

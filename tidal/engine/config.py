@@ -37,7 +37,7 @@ class ModelConfig:
     num_threads: int | None = knob(None, "Torch threads on CPU; defaults to the cores "
                                    "available to this process.")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 Llama/Qwen2 models "
-                             "as one call into tidal's C++ decoder, and batched decode "
+                             "as one call into tidal's C++ decoder, and every decode "
                              "attention over the paged cache in place (built once on first "
                              "use, ~1 min; PyTorch ops when no compiler is found).")
 

@@ -218,6 +218,21 @@ void check_cache(const Tensor& t, at::ScalarType dtype) {
               "of the model's dtype");
 }
 
+// The kernel reads blocks by raw offset: a context longer than its table or a block id out
+// of the cache would read foreign memory, so both are refused up front.
+void check_tables(const Tensor& tables, const Tensor& lens, int64_t batch, int64_t num_blocks,
+                  int64_t block_size) {
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.numel() == batch,
+              "one block table and one context length per sequence");
+  const int64_t* t = tables.data_ptr<int64_t>();
+  const int64_t* n = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(n[b] >= 1 && n[b] <= tables.size(1) * block_size,
+                "context length ", n[b], " does not fit its block table");
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(t[i] >= 0 && t[i] < num_blocks, "block id ", t[i], " is not in the cache");
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- the decoder
@@ -255,6 +270,7 @@ class Decoder {
     tables = tables.to(at::kLong).contiguous();
     lens = lens.to(at::kLong).contiguous();
     const int64_t rows = ids.size(0), hid = embed_.size(1);
+    check_tables(tables, lens, rows, k_caches[0].size(0), block_size);
     const int64_t qkv_width = (heads_ + 2 * hkv_) * d_, kv_width = hkv_ * d_;
     Tensor h = embed_.index_select(0, ids).contiguous();
     Tensor x = at::empty_like(h);
@@ -319,6 +335,9 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor t
   tables = tables.to(at::kLong).contiguous();
   lens = lens.to(at::kLong).contiguous();
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(heads % k_cache.size(2) == 0 && d == k_cache.size(3),
+              "q's heads must be a multiple of the cache's KV heads, with the same head_dim");
+  check_tables(tables, lens, batch, k_cache.size(0), k_cache.size(1));
   Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
     paged_attention<scalar_t>(q.data_ptr<scalar_t>(), heads * d, k_cache.data_ptr<scalar_t>(),
