@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -156,6 +157,100 @@ void rope(T* qkv, int64_t row_stride, const float* cos, const float* sin, int64_
 
 // ---------------------------------------------------------------- paged attention
 
+// Vectors of 16 floats in GCC's vector extension: the compiler picks the widest ISA
+// -march=native offers (AVX-512, or two AVX2 halves), with no intrinsics to port.
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v16f load16(const BFloat16* p) {  // bf16 is the top half of a float's bits
+  v16u16 h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<v16f>(__builtin_convertvector(h, v16u32) << 16);
+}
+inline float hsum(v16f v) {
+  v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[1]) + (b[2] + b[3]);
+}
+
+// Where token t of a sequence lies in a [blocks, block_size, hkv, d] cache, for KV head g.
+struct Paged {
+  const int64_t* table;
+  int64_t block_size, token_stride, head_offset;
+  int64_t at(int64_t t) const {
+    return (table[t / block_size] * block_size + t % block_size) * token_stride + head_offset;
+  }
+};
+
+// softmax in place over each of `groups` rows of n scores.
+inline void softmax_rows(float* scores, int64_t groups, int64_t n) {
+  for (int64_t j = 0; j < groups; ++j) {
+    float* s = scores + j * n;
+    const float mx = *std::max_element(s, s + n);
+    for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - mx);
+    const float inv = 1.f / std::accumulate(s, s + n, 0.f);
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  }
+}
+
+// One (sequence, KV head) task for head_dim a multiple of 16 (up to 256): each K and V row
+// is loaded once as d/16 vectors and serves every query head of the group.
+template <typename T>
+void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged& at_, int64_t n,
+                int64_t groups, int64_t d, float* scores, float* acc) {
+  const int64_t nv = d / 16;
+  v16f row[16];
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = k_cache + at_.at(t);
+    for (int64_t c = 0; c < nv; ++c) row[c] = load16(k + 16 * c);
+    for (int64_t j = 0; j < groups; ++j) {
+      const float* qj = qf + j * d;
+      v16f sum = load16(qj) * row[0];
+      for (int64_t c = 1; c < nv; ++c) sum += load16(qj + 16 * c) * row[c];
+      scores[j * n + t] = hsum(sum);
+    }
+  }
+  softmax_rows(scores, groups, n);
+  std::vector<v16f> out(groups * nv, v16f{});
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = v_cache + at_.at(t);
+    for (int64_t c = 0; c < nv; ++c) row[c] = load16(v + 16 * c);
+    for (int64_t j = 0; j < groups; ++j) {
+      const float p = scores[j * n + t];
+      for (int64_t c = 0; c < nv; ++c) out[j * nv + c] += p * row[c];
+    }
+  }
+  std::memcpy(acc, out.data(), sizeof(float) * groups * d);
+}
+
+// Any head_dim, one element at a time.
+template <typename T>
+void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Paged& at_,
+                   int64_t n, int64_t groups, int64_t d, float* scores, float* acc) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = k_cache + at_.at(t);
+    for (int64_t j = 0; j < groups; ++j) scores[j * n + t] = dot(qf + j * d, k, d);
+  }
+  softmax_rows(scores, groups, n);
+  std::fill(acc, acc + groups * d, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = v_cache + at_.at(t);
+    for (int64_t j = 0; j < groups; ++j) {
+      const float p = scores[j * n + t];
+      for (int64_t i = 0; i < d; ++i) acc[j * d + i] += p * f32(v[i]);
+    }
+  }
+}
+
 // q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, d];
 // tables [B, W] int64; lens [B]. One task per (sequence, KV head) reads that head's context
 // straight from its blocks and serves every query head of its group.
@@ -165,38 +260,30 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
                      int64_t batch, int64_t heads, int64_t hkv, int64_t d, int64_t block_size,
                      float scale, T* out) {
   const int64_t groups = heads / hkv;
-  const int64_t token_stride = hkv * d;
+  constexpr bool vectorisable = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
+  const bool vec = vectorisable && d % 16 == 0 && d <= 256;
   at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf, scores, acc;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / hkv, g = task % hkv, n = lens[b];
-      const int64_t* table = tables + b * table_width;
-      qf.assign(groups * d, 0.f);
+      const Paged at_{tables + b * table_width, block_size, hkv * d, g * d};
+      qf.resize(groups * d);
       scores.resize(groups * n);
-      acc.assign(groups * d, 0.f);
+      acc.resize(groups * d);
       for (int64_t j = 0; j < groups; ++j)
         for (int64_t i = 0; i < d; ++i)
           qf[j * d + i] = f32(q[b * q_stride + (g * groups + j) * d + i]) * scale;
-      for (int64_t t = 0; t < n; ++t) {
-        const T* k = k_cache + (table[t / block_size] * block_size + t % block_size) *
-                                   token_stride + g * d;
-        for (int64_t j = 0; j < groups; ++j) scores[j * n + t] = dot(&qf[j * d], k, d);
-      }
-      for (int64_t j = 0; j < groups; ++j) {
-        float* s = &scores[j * n];
-        const float mx = *std::max_element(s, s + n);
-        for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - mx);
-        const float inv = 1.f / std::accumulate(s, s + n, 0.f);
-        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const T* v = v_cache + (table[t / block_size] * block_size + t % block_size) *
-                                   token_stride + g * d;
-        for (int64_t j = 0; j < groups; ++j) {
-          const float p = scores[j * n + t];
-          float* a = &acc[j * d];
-          for (int64_t i = 0; i < d; ++i) a[i] += p * f32(v[i]);
+      if constexpr (vectorisable) {
+        if (vec) {
+          attend_vec<T>(qf.data(), k_cache, v_cache, at_, n, groups, d, scores.data(),
+                        acc.data());
+        } else {
+          attend_scalar<T>(qf.data(), k_cache, v_cache, at_, n, groups, d, scores.data(),
+                           acc.data());
         }
+      } else {
+        attend_scalar<T>(qf.data(), k_cache, v_cache, at_, n, groups, d, scores.data(),
+                         acc.data());
       }
       for (int64_t j = 0; j < groups; ++j)
         for (int64_t i = 0; i < d; ++i)
