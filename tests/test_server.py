@@ -127,6 +127,13 @@ def test_models_version_metrics(server, client):
         assert name in text, name
 
 
+def test_the_engine_core_gets_a_short_openmp_spin(server):
+    """omp_spin_count reaches the core process's environment, where libgomp reads it when
+    the core loads torch."""
+    with open(f"/proc/{server.core_pid()}/environ", "rb") as f:
+        assert b"GOMP_SPINCOUNT=10000" in f.read().split(b"\0")
+
+
 def test_auth(server):
     body = {"prompt": "hi", "max_tokens": 2}
     assert post(server, "/v1/completions", body, key=None).status_code == 401

@@ -18,6 +18,9 @@ class LocalCore:
         self._proc: multiprocessing.process.BaseProcess | None = None
 
     def start(self, args: tuple) -> None:
+        spin = args[0].model.omp_spin_count
+        if spin is not None:  # read by libgomp when the child loads torch: before run_core
+            os.environ.setdefault("GOMP_SPINCOUNT", str(spin))
         spawn = multiprocessing.get_context("spawn")
         self._proc = spawn.Process(target=run_core, args=args, daemon=True,
                                    name=f"tidal-engine-core-{self.index}")

@@ -36,6 +36,11 @@ class ModelConfig:
                                     "GPU) the KV cache takes when no size is given.")
     num_threads: int | None = knob(None, "Torch threads on CPU; defaults to the cores "
                                    "available to this process.")
+    omp_spin_count: int | None = knob(10000, "GOMP_SPINCOUNT of a server's local engine-core "
+                                      "processes (unless set in the environment): how long an "
+                                      "idle OpenMP thread spins before it sleeps. A short spin "
+                                      "leaves the CPU to the frontend where they share cores; "
+                                      "None keeps libgomp's default (300000).")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 Llama/Qwen2 models "
                              "as one call into tidal's C++ decoder, and every decode "
                              "attention over the paged cache in place (built once on first "
@@ -50,6 +55,8 @@ class ModelConfig:
             raise ValueError(f"quantization must be none, int8 or int4; got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy; got {self.load_format!r}")
+        if self.omp_spin_count is not None and self.omp_spin_count < 0:
+            raise ValueError("omp_spin_count must be >= 0")
         if not 0 < self.kv_cache_fraction < 1:
             raise ValueError("kv_cache_fraction must be in (0, 1)")
 
