@@ -98,15 +98,20 @@ class _Checked:
 
 
 @pytest.mark.parametrize("family,quantization", [("llama", "none"), ("llama", "int4"),
-                                                 ("qwen2", "none"), ("qwen2", "int4")])
-def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, family,
-                                                                   quantization):
+                                                 ("qwen2", "none"), ("qwen2", "int4"),
+                                                 ("llama", "unpacked")])
+def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, monkeypatch,
+                                                                   family, quantization):
+    """Packed bf16, int4 and (where oneDNN is missing) plain nn.Linear projections with the
+    tied embedding as head; q/k/v with a bias and an untied head (qwen2)."""
     from model_fixtures import tiny_folder
     from tidal import LLM, SamplingParams
 
+    if quantization == "unpacked":
+        monkeypatch.setattr("tidal.engine.model_runner.can_pack", lambda *args: False)
     folder = tiny_folder(tmp_path, family)
     llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64, block_size=4,
-              quantization=quantization)
+              quantization="none" if quantization == "unpacked" else quantization)
     runner = llm.engine.runner
     assert runner.decoder is not None
     checked = runner.decoder = _Checked(runner)

@@ -20,7 +20,7 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--api-key", KEY, "--max-pending", "40")
+    s = Server("--api-key", KEY, "--max-pending", "40", "--omp-spin-count", "10000")
     yield s
     s.stop()
 
@@ -128,7 +128,7 @@ def test_models_version_metrics(server, client):
 
 
 def test_the_engine_core_gets_a_short_openmp_spin(server):
-    """omp_spin_count reaches the core process's environment, where libgomp reads it when
+    """--omp-spin-count reaches the core process's environment, where libgomp reads it when
     the core loads torch."""
     with open(f"/proc/{server.core_pid()}/environ", "rb") as f:
         assert b"GOMP_SPINCOUNT=10000" in f.read().split(b"\0")

@@ -32,7 +32,7 @@ def add_engine_flags(parser: argparse.ArgumentParser,
             kind = _parse_bool
         elif isinstance(default, (int, float)):
             kind = type(default)
-        elif name in ("num_kv_blocks", "kv_cache_memory", "num_threads"):
+        elif name in ("num_kv_blocks", "kv_cache_memory", "num_threads", "omp_spin_count"):
             kind = int
         else:
             kind = str

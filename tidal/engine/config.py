@@ -36,11 +36,13 @@ class ModelConfig:
                                     "GPU) the KV cache takes when no size is given.")
     num_threads: int | None = knob(None, "Torch threads on CPU; defaults to the cores "
                                    "available to this process.")
-    omp_spin_count: int | None = knob(10000, "GOMP_SPINCOUNT of a server's local engine-core "
+    omp_spin_count: int | None = knob(None, "GOMP_SPINCOUNT of a server's local engine-core "
                                       "processes (unless set in the environment): how long an "
                                       "idle OpenMP thread spins before it sleeps. A short spin "
-                                      "leaves the CPU to the frontend where they share cores; "
-                                      "None keeps libgomp's default (300000).")
+                                      "(e.g. 10000) leaves the CPU to other processes sharing "
+                                      "the cores (a batch-64 step beside a busy core: 314 -> "
+                                      "100 ms) but slows batch 1 (-14%); None keeps libgomp's "
+                                      "default (300000).")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 Llama/Qwen2 models "
                              "as one call into tidal's C++ decoder, and every decode "
                              "attention over the paged cache in place (built once on first "

@@ -3,8 +3,8 @@
 A decode step of a small model on CPU is bound by per-op dispatch (~60 eager ops a layer),
 so `Decoder` runs a whole decode-only step in one call: the projections stay ATen kernels,
 everything between them is fused loops, and attention reads the paged cache in place.
-`paged_decode_attention` is that attention on its own, for the PyTorch path's batched
-decode. Both are optional: without a C++ compiler tidal runs the PyTorch ops.
+`paged_decode_attention` is that attention on its own, for the PyTorch path's decodes
+on CPU. Both are optional: without a C++ compiler tidal runs the PyTorch ops.
 """
 
 from __future__ import annotations
@@ -65,11 +65,9 @@ def build_decoder(model: nn.Module):
     ext = extension()
     if ext is None:
         return None
-    head = (model.lm_head if model.lm_head is not None
-            else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
-    if model.lm_head is None:
-        head.weight = model.embed_tokens.weight
-    projections = [_linear(ext, head)]
+    # A tied head the runner did not convert is the embedding, as a plain linear.
+    projections = [_linear(ext, model.lm_head) if model.lm_head is not None
+                   else ext.Linear(0, model.embed_tokens.weight, None)]
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
         projections += [_linear(ext, p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj,
