@@ -121,8 +121,7 @@ class Simulator:
                 if max_concurrency and self._in_flight >= max_concurrency:
                     self._held.append(payload)
                 else:
-                    self._in_flight += 1
-                    self._push(now + latency, _ARRIVAL, payload)
+                    self._send(payload, now + latency)
             elif kind == _ARRIVAL:
                 dirty.add(self._arrive(payload, requests[payload], now))
             elif kind == _STEP_END:
@@ -147,12 +146,17 @@ class Simulator:
                 if self._held:
                     index = self._held.popleft()
                     sent[index] = now
-                    self._in_flight += 1
-                    self._push(now + latency, _ARRIVAL, index)
+                    self._send(index, now + latency)
         results = [self._result(req, t, clock, ok) for req, t, clock, ok
                    in zip(requests, sent, clocks, done)]
         return SimRun(results, now, timeline, sum(r.steps for r in self.replicas),
                       sum(r.scheduler.num_preemptions for r in self.replicas))
+
+    def _send(self, index: int, arrival: float) -> None:
+        """A request goes out through the concurrency gate; it reaches its scheduler at
+        `arrival`."""
+        self._in_flight += 1
+        self._push(arrival, _ARRIVAL, index)
 
     # ------------------------------------------------------------------ events
     def _arrive(self, index: int, req: BenchRequest, now: float) -> SimReplica:
