@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--no-cpu-decoder", action="store_true",
                     help="decode with PyTorch ops instead of tidal's C++ CPU decoder")
+    ap.add_argument("--fp32-gemm-rows", type=int, default=None,
+                    help="engine knob fp32_gemm_rows (default: auto; 0: bf16 GEMMs only)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     args = ap.parse_args()
 
@@ -98,7 +100,7 @@ def main() -> None:
 
     llm = LLM("smollm2-135m", dtype=args.dtype, num_kv_blocks=2048,
               quantization=args.quantization, num_threads=args.threads,
-              cpu_decoder=not args.no_cpu_decoder)
+              cpu_decoder=not args.no_cpu_decoder, fp32_gemm_rows=args.fp32_gemm_rows)
     dtype = llm.engine.runner.dtype
     prompts = chat_prompts(llm.tokenizer, args.requests)
     print(f"device {llm.engine.runner.device}, dtype {str(dtype).split('.')[-1]}, "

@@ -97,13 +97,15 @@ class _Checked:
         return got
 
 
-@pytest.mark.parametrize("family,quantization", [("llama", "none"), ("llama", "int4"),
-                                                 ("qwen2", "none"), ("qwen2", "int4"),
-                                                 ("llama", "unpacked")])
+@pytest.mark.parametrize("family,quantization,fp32_rows", [
+    ("llama", "none", 0), ("llama", "int4", 0), ("qwen2", "none", 0), ("qwen2", "int4", 0),
+    ("llama", "unpacked", 0), ("llama", "none", 2), ("qwen2", "int4", 2)])
 def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, monkeypatch,
-                                                                   family, quantization):
+                                                                   family, quantization,
+                                                                   fp32_rows):
     """Packed bf16, int4 and (where oneDNN is missing) plain nn.Linear projections with the
-    tied embedding as head; q/k/v with a bias and an untied head (qwen2)."""
+    tied embedding as head; q/k/v with a bias and an untied head (qwen2); batches multiplied
+    in float32 (fp32_gemm_rows)."""
     from model_fixtures import tiny_folder
     from tidal import LLM, SamplingParams
 
@@ -111,9 +113,13 @@ def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, mon
         monkeypatch.setattr("tidal.engine.model_runner.can_pack", lambda *args: False)
     folder = tiny_folder(tmp_path, family)
     llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64, block_size=4,
-              quantization="none" if quantization == "unpacked" else quantization)
+              quantization="none" if quantization == "unpacked" else quantization,
+              fp32_gemm_rows=fp32_rows)
     runner = llm.engine.runner
     assert runner.decoder is not None
+    head = runner.model.lm_head
+    if fp32_rows and quantization != "unpacked":
+        assert getattr(head, "dense", head).weight32 is not None
     checked = runner.decoder = _Checked(runner)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(5 + i, 12 + 3 * i))} for i in range(6)]

@@ -23,6 +23,29 @@ def test_packed_linear_gives_the_same_numbers_as_f_linear(rows):
     assert torch.equal(PackedLinear(lin.weight, lin.bias)(x), F.linear(x, lin.weight, lin.bias))
 
 
+def test_packed_linear_multiplies_in_float32_from_fp32_rows(monkeypatch):
+    import tidal.model.linear as linear
+
+    lin = _linear()
+    layer = PackedLinear(lin.weight, lin.bias, fp32_rows=4)
+    used = []
+    real = linear._pointwise
+    monkeypatch.setattr(linear, "_pointwise",
+                        lambda x, w, b: used.append((x.dtype, w.dtype)) or real(x, w, b))
+    few = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(few), F.linear(few, lin.weight, lin.bias))  # the bf16 kernel
+    assert used.pop() == (torch.bfloat16, torch.bfloat16)
+    for rows in (4, 17):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        got = layer(x)
+        assert used.pop() == (torch.float32, torch.float32) and got.dtype == torch.bfloat16
+        # The bf16 values multiplied in float32, rounded once: within one bf16 rounding of
+        # the exact product.
+        exact = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)
+    assert PackedLinear(lin.weight, lin.bias).weight32 is None  # no copy unless asked
+
+
 def test_int8_linear_is_close_to_the_bf16_one():
     lin = _linear()
     x = torch.randn(5, 64, dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from tidal.engine.config import all_fields
+from tidal.engine.config import all_fields, option_type
 
 
 def _parse_bool(text: str) -> bool:
@@ -32,10 +32,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
             kind = _parse_bool
         elif isinstance(default, (int, float)):
             kind = type(default)
-        elif name in ("num_kv_blocks", "kv_cache_memory", "num_threads", "omp_spin_count"):
-            kind = int
-        else:
-            kind = str
+        else:  # None: the annotation says (int for `int | None`)
+            kind = option_type(name)
         group.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
                            help=f"{help_text} (default: {default})")
 

@@ -6,6 +6,7 @@ them by name.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -43,6 +44,13 @@ class ModelConfig:
                                       "the cores (a batch-64 step beside a busy core: 314 -> "
                                       "100 ms) but slows batch 1 (-14%); None keeps libgomp's "
                                       "default (300000).")
+    fp32_gemm_rows: int | None = knob(None, "On CPU in bf16: steps of at least this many "
+                                      "tokens multiply float32 copies of the projection "
+                                      "weights (the same bf16 values). Without AMX, oneDNN's "
+                                      "bf16 GEMM runs at about half its float32 rate, so from "
+                                      "~16 rows float32 wins although it reads twice the "
+                                      "bytes; the copies double the weights' memory. None: 16 "
+                                      "on CPUs without AMX, off on those with it; 0: off.")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 Llama/Qwen2 models "
                              "as one call into tidal's C++ decoder, and every decode "
                              "attention over the paged cache in place (built once on first "
@@ -57,6 +65,8 @@ class ModelConfig:
             raise ValueError(f"quantization must be none, int8 or int4; got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy; got {self.load_format!r}")
+        if self.fp32_gemm_rows is not None and self.fp32_gemm_rows < 0:
+            raise ValueError("fp32_gemm_rows must be >= 0")
         if self.omp_spin_count is not None and self.omp_spin_count < 0:
             raise ValueError("omp_spin_count must be >= 0")
         if not 0 < self.kv_cache_fraction < 1:
@@ -138,3 +148,14 @@ def all_fields(only: tuple[str, ...] | None = None) -> list[tuple[str, Any, str]
                 continue  # set as num_kv_blocks
             out.append((f.name, f.default, f.metadata.get("help", "")))
     return out
+
+
+def option_type(name: str) -> type:
+    """The type an option's value takes: its annotation, without `| None` (int for an
+    `int | None` field), so the CLI can parse flags whose default is None."""
+    for part in fields(EngineConfig):
+        hints = typing.get_type_hints(part.default_factory)  # type: ignore[arg-type]
+        if name in hints:
+            kinds = [t for t in typing.get_args(hints[name]) if t is not type(None)]
+            return kinds[0] if kinds else hints[name]
+    raise KeyError(name)

@@ -14,7 +14,8 @@ from tidal.engine.config import ModelConfig
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
 from tidal.model.config import ModelArch
-from tidal.model.linear import Int4Linear, Int8Linear, PackedLinear, can_pack, replace_linears
+from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack, cpu_flags,
+                                default_fp32_rows, replace_linears)
 from tidal.model.loader import load_model
 from tidal.model.sampler import SampleRow, sample
 
@@ -28,11 +29,7 @@ def pick_device(name: str) -> str:
 
 
 def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def pick_dtype(name: str, device: str) -> torch.dtype:
@@ -63,7 +60,9 @@ class ModelRunner:
                                 dummy=config.load_format == "dummy")
         kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[config.quantization]
         if can_pack(self.dtype, self.device):  # CPU bf16: every projection gets its CPU layer
-            replace_linears(self.model, kind)
+            rows = default_fp32_rows() if config.fp32_gemm_rows is None else config.fp32_gemm_rows
+            replace_linears(self.model, kind, **({} if kind is Int8Linear else
+                                                  {"fp32_rows": rows}))
         elif config.quantization != "none":
             raise ValueError(f"quantization={config.quantization!r} runs on CPU in bfloat16")
         # Decode-only steps run as one C++ call where the model allows (bf16 CPU).

@@ -34,7 +34,8 @@ def extension() -> ModuleType | None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 _built.append(load(name="tidal_cpu_decode", sources=[str(_SOURCE)],
-                                   extra_cflags=["-O3", "-march=native"], verbose=False))
+                                   extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                   extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as exc:  # no compiler, headers or ninja: the PyTorch ops still work
             log.warning("tidal's C++ CPU decoder could not be built (%s); decoding with "
                         "PyTorch ops", str(exc).splitlines()[0] if str(exc) else type(exc))
@@ -45,10 +46,12 @@ def extension() -> ModuleType | None:
 def _linear(ext: ModuleType, module: nn.Module):
     """The C++ view of one projection, or None for a kind it does not run."""
     if isinstance(module, Int4Linear):
-        return ext.Linear(2, module.dense.weight, module.bias, module.packed,
-                          module.scales_zeros, module.MAX_ROWS)
+        d = module.dense
+        return ext.Linear(2, d.weight, module.bias, module.packed, module.scales_zeros,
+                          module.MAX_ROWS, d.weight32, d.bias32, d.fp32_rows)
     if isinstance(module, PackedLinear):
-        return ext.Linear(1, module.weight, module.bias)
+        return ext.Linear(1, module.weight, module.bias, w32=module.weight32,
+                          bias32=module.bias32, fp32_rows=module.fp32_rows)
     if type(module) is nn.Linear:
         return ext.Linear(0, module.weight, module.bias)
     return None

@@ -83,13 +83,25 @@ inline float exp_approx(float x) {
 
 // ---------------------------------------------------------------- projections
 
+// oneDNN's linear over a weight the Python side packed (mkldnn._reorder_linear_weight).
+Tensor linear_pointwise(const Tensor& x, const Tensor& w, const Tensor& bias) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+      "mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, w, bias.defined() ? c10::IValue(bias) : c10::IValue(),
+                                 std::string("none"),
+                                 c10::List<c10::optional<c10::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // One projection in whichever CPU form the Python side packed it: kind 0 = at::linear,
 // 1 = oneDNN-packed bf16 weight, 2 = int4 (groups of 32) for <= max_rows rows, else `w`
-// packed as in kind 1.
+// packed as in kind 1. Kinds 1 and 2 with `w32` (a packed float32 copy) multiply inputs of
+// >= fp32_rows rows in float32, as PackedLinear does.
 struct Linear {
   int64_t kind = 0;
-  Tensor w, bias, packed, scales_zeros;
-  int64_t max_rows = 0;
+  Tensor w, bias, packed, scales_zeros, w32, bias32;
+  int64_t max_rows = 0, fp32_rows = 0;
 
   Tensor operator()(const Tensor& x) const {
     if (kind == 2 && x.size(0) <= max_rows) {
@@ -98,13 +110,9 @@ struct Linear {
     }
     if (kind == 0) return at::linear(x, w, bias.defined() ? c10::optional<Tensor>(bias)
                                                           : c10::nullopt);
-    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
-        "mkldnn::_linear_pointwise", "");
-    std::vector<c10::IValue> stack{x, w, bias.defined() ? c10::IValue(bias) : c10::IValue(),
-                                   std::string("none"),
-                                   c10::List<c10::optional<c10::Scalar>>(), c10::IValue()};
-    op.callBoxed(&stack);
-    return stack[0].toTensor();
+    if (w32.defined() && x.size(0) >= fp32_rows)
+      return linear_pointwise(x.to(at::kFloat), w32, bias32).to(x.scalar_type());
+    return linear_pointwise(x, w, bias);
   }
 };
 
@@ -183,12 +191,18 @@ inline float hsum(v16f v) {
   return (b[0] + b[1]) + (b[2] + b[3]);
 }
 
-// Where token t of a sequence lies in a [blocks, block_size, hkv, d] cache, for KV head g.
+// A sequence's context in a [blocks, block_size, hkv, d] cache, for one KV head: `each`
+// walks its tokens block by block (no division per token).
 struct Paged {
   const int64_t* table;
   int64_t block_size, token_stride, head_offset;
-  int64_t at(int64_t t) const {
-    return (table[t / block_size] * block_size + t % block_size) * token_stride + head_offset;
+  template <typename F>
+  void each(int64_t n, F&& f) const {
+    for (int64_t t = 0, blk = 0; t < n; ++blk) {
+      const int64_t base = table[blk] * block_size * token_stride + head_offset;
+      const int64_t m = std::min(block_size, n - t);
+      for (int64_t i = 0; i < m; ++i, ++t) f(t, base + i * token_stride);
+    }
   }
 };
 
@@ -204,14 +218,15 @@ inline void softmax_rows(float* scores, int64_t groups, int64_t n) {
 }
 
 // One (sequence, KV head) task for head_dim a multiple of 16 (up to 256): each K and V row
-// is loaded once as d/16 vectors and serves every query head of the group.
-template <typename T>
-void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged& at_, int64_t n,
+// is loaded once as d/16 vectors and serves every query head of the group. NV = d / 16 when
+// known at compile time (the loops over a row then unroll), 0 to read it from d.
+template <typename T, int NV>
+void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
                 int64_t groups, int64_t d, float* scores, float* acc) {
-  const int64_t nv = d / 16;
-  v16f row[16];
-  for (int64_t t = 0; t < n; ++t) {
-    const T* k = k_cache + at_.at(t);
+  const int64_t nv = NV > 0 ? NV : d / 16;
+  v16f row[NV > 0 ? NV : 16];
+  ctx.each(n, [&](int64_t t, int64_t off) {
+    const T* k = k_cache + off;
     for (int64_t c = 0; c < nv; ++c) row[c] = load16(k + 16 * c);
     for (int64_t j = 0; j < groups; ++j) {
       const float* qj = qf + j * d;
@@ -219,37 +234,37 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
       for (int64_t c = 1; c < nv; ++c) sum += load16(qj + 16 * c) * row[c];
       scores[j * n + t] = hsum(sum);
     }
-  }
+  });
   softmax_rows(scores, groups, n);
-  std::vector<v16f> out(groups * nv, v16f{});
-  for (int64_t t = 0; t < n; ++t) {
-    const T* v = v_cache + at_.at(t);
+  v16f out[16 * 16];  // groups * nv <= 16 * 16: checked by the caller
+  std::fill(out, out + groups * nv, v16f{});
+  ctx.each(n, [&](int64_t t, int64_t off) {
+    const T* v = v_cache + off;
     for (int64_t c = 0; c < nv; ++c) row[c] = load16(v + 16 * c);
     for (int64_t j = 0; j < groups; ++j) {
       const float p = scores[j * n + t];
       for (int64_t c = 0; c < nv; ++c) out[j * nv + c] += p * row[c];
     }
-  }
-  std::memcpy(acc, out.data(), sizeof(float) * groups * d);
+  });
+  std::memcpy(acc, out, sizeof(float) * groups * d);
 }
 
 // Any head_dim, one element at a time.
 template <typename T>
-void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Paged& at_,
+void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx,
                    int64_t n, int64_t groups, int64_t d, float* scores, float* acc) {
-  for (int64_t t = 0; t < n; ++t) {
-    const T* k = k_cache + at_.at(t);
-    for (int64_t j = 0; j < groups; ++j) scores[j * n + t] = dot(qf + j * d, k, d);
-  }
+  ctx.each(n, [&](int64_t t, int64_t off) {
+    for (int64_t j = 0; j < groups; ++j) scores[j * n + t] = dot(qf + j * d, k_cache + off, d);
+  });
   softmax_rows(scores, groups, n);
   std::fill(acc, acc + groups * d, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    const T* v = v_cache + at_.at(t);
+  ctx.each(n, [&](int64_t t, int64_t off) {
+    const T* v = v_cache + off;
     for (int64_t j = 0; j < groups; ++j) {
       const float p = scores[j * n + t];
       for (int64_t i = 0; i < d; ++i) acc[j * d + i] += p * f32(v[i]);
     }
-  }
+  });
 }
 
 // q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, d];
@@ -262,29 +277,31 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
                      float scale, T* out) {
   const int64_t groups = heads / hkv;
   constexpr bool vectorisable = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
-  const bool vec = vectorisable && d % 16 == 0 && d <= 256;
+  const bool vec = vectorisable && d % 16 == 0 && d <= 256 && groups * (d / 16) <= 256;
   at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf, scores, acc;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / hkv, g = task % hkv, n = lens[b];
-      const Paged at_{tables + b * table_width, block_size, hkv * d, g * d};
+      const Paged ctx{tables + b * table_width, block_size, hkv * d, g * d};
       qf.resize(groups * d);
       scores.resize(groups * n);
       acc.resize(groups * d);
       for (int64_t j = 0; j < groups; ++j)
         for (int64_t i = 0; i < d; ++i)
           qf[j * d + i] = f32(q[b * q_stride + (g * groups + j) * d + i]) * scale;
+      float *qp = qf.data(), *sp = scores.data(), *ap = acc.data();
       if constexpr (vectorisable) {
-        if (vec) {
-          attend_vec<T>(qf.data(), k_cache, v_cache, at_, n, groups, d, scores.data(),
-                        acc.data());
+        if (vec && d == 64) {
+          attend_vec<T, 4>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+        } else if (vec && d == 128) {
+          attend_vec<T, 8>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+        } else if (vec) {
+          attend_vec<T, 0>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
         } else {
-          attend_scalar<T>(qf.data(), k_cache, v_cache, at_, n, groups, d, scores.data(),
-                           acc.data());
+          attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
         }
       } else {
-        attend_scalar<T>(qf.data(), k_cache, v_cache, at_, n, groups, d, scores.data(),
-                         acc.data());
+        attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
       }
       for (int64_t j = 0; j < groups; ++j)
         for (int64_t i = 0; i < d; ++i)
@@ -441,7 +458,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear")
       .def(py::init([](int64_t kind, Tensor w, c10::optional<Tensor> bias,
                        c10::optional<Tensor> packed, c10::optional<Tensor> scales_zeros,
-                       int64_t max_rows) {
+                       int64_t max_rows, c10::optional<Tensor> w32,
+                       c10::optional<Tensor> bias32, int64_t fp32_rows) {
              Linear l;
              l.kind = kind;
              l.w = w;
@@ -449,10 +467,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              l.packed = packed.value_or(Tensor());
              l.scales_zeros = scales_zeros.value_or(Tensor());
              l.max_rows = max_rows;
+             l.w32 = w32.value_or(Tensor());
+             l.bias32 = bias32.value_or(Tensor());
+             l.fp32_rows = fp32_rows;
              return l;
            }),
            py::arg("kind"), py::arg("weight"), py::arg("bias"), py::arg("packed") = py::none(),
-           py::arg("scales_zeros") = py::none(), py::arg("max_rows") = 0)
+           py::arg("scales_zeros") = py::none(), py::arg("max_rows") = 0,
+           py::arg("w32") = py::none(), py::arg("bias32") = py::none(),
+           py::arg("fp32_rows") = 0)
       .def("__call__", &Linear::operator());
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<Tensor, Tensor, Linear, Tensor, Tensor, int64_t, int64_t, int64_t, int64_t,
