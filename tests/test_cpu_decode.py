@@ -79,8 +79,8 @@ class _Checked:
         self.runner, self.decoder, self.steps = runner, runner.decoder, []
         prepare = runner._prepare
 
-        def keep_meta(out, requests):
-            batch = prepare(out, requests)
+        def keep_meta(entries, requests):
+            batch = prepare(entries, requests)
             self.meta = batch.meta
             return batch
         runner._prepare = keep_meta

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from model_fixtures import PROMPTS, embedded_folder, hf_greedy, tiny_folder
 from tidal import LLM, SamplingParams
@@ -80,6 +82,44 @@ def test_prefix_cache_hits(embedded):
     assert run(llm, prompts) == ref
     assert run(llm, prompts[::-1]) == ref[::-1]  # the same prompts again: served from cache
     assert llm.engine.scheduler.prefix_hit_tokens > sum(len(p) for p in prompts) // 2
+
+
+def test_steps_split_into_forward_passes(embedded):
+    """max_forward_tokens: a step over the limit runs as several passes; same tokens."""
+    _, prompts, ref = embedded
+    llm = LLM(str(embedded_folder()), dtype="float32", num_kv_blocks=256, max_forward_tokens=24)
+    runner = llm.engine.runner
+    steps, passes = [], []
+    execute, forward = runner.execute, runner._forward
+    runner.execute = lambda out, reqs: steps.append(out) or execute(out, reqs)
+    runner._forward = lambda batch: passes.append(len(batch.input_ids)) or forward(batch)
+    assert run(llm, prompts) == ref
+    assert len(passes) > len(steps) and max(passes) <= max(24, *map(len, prompts))
+
+
+@settings(max_examples=200)
+@given(sizes=st.lists(st.one_of(st.just(1), st.integers(2, 50)), max_size=30),
+       limit=st.integers(0, 60))
+def test_forward_passes_keep_every_entry_under_the_limit(sizes, limit):
+    from types import SimpleNamespace
+
+    from tidal.core import ScheduledRequest
+    from tidal.engine.model_runner import ModelRunner
+
+    entries = [ScheduledRequest(str(i), n, 0, [], True) for i, n in enumerate(sizes)]
+    passes = ModelRunner._passes(SimpleNamespace(max_forward_tokens=limit), entries)
+    flat = [s for p in passes for s in p]
+    prefills = [s for s in entries if s.num_new_tokens > 1]
+    assert sorted(map(id, flat)) == sorted(map(id, entries))  # each entry exactly once
+    assert [s for s in flat if s.num_new_tokens > 1] == prefills  # in order
+    decode = [s.num_new_tokens == 1 for s in flat]
+    assert decode == sorted(decode)  # the decodes after every prefill
+    assert all(p for p in passes) or passes == [[]]
+    for p in passes:
+        tokens = sum(s.num_new_tokens for s in p)
+        assert limit == 0 or tokens <= limit or len(p) == 1
+    if limit == 0 or sum(sizes) <= limit:
+        assert passes == [entries]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

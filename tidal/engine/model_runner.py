@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.core import ModelOutput, Request, SchedulerOutput
+from tidal.core import ModelOutput, Request, ScheduledRequest, SchedulerOutput
 from tidal.engine.config import ModelConfig
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
@@ -68,6 +68,8 @@ class ModelRunner:
         # Decode-only steps run as one C++ call where the model allows (bf16 CPU).
         self.decoder = cpu_decode.build_decoder(self.model) if ext else None
         self.block_size = block_size
+        self.max_forward_tokens = (config.max_forward_tokens if config.max_forward_tokens
+                                   is not None else 1024 if self.device == "cpu" else 0)
         self.num_blocks = self._size_kv(config)
         shape = kv_cache_shape(self.num_blocks, block_size, self.arch.num_kv_heads,
                                self.arch.head_dim)
@@ -131,24 +133,48 @@ class ModelRunner:
                 v[dst] = v[src]
         if not out.scheduled:
             return ModelOutput(preempted_ack=list(out.preempted_ids))
-        batch = self._prepare(out, requests)
-        meta = batch.meta
-        if self.decoder is not None and not meta.prefills:
-            logits = self.decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
-                                          meta.decode_block_tables, meta.decode_lens,
-                                          self._k_caches, self._v_caches, batch.logits_indices,
-                                          self.model.backend.scale, self.block_size)
-        else:
-            logits = self.model(batch.input_ids, batch.positions, self.kv_caches, meta,
-                                batch.logits_indices)
-        rows = [self._row(requests[rid]) for rid in batch.sample_ids]
+        parts, sample_ids = [], []
+        for entries in self._passes(out.scheduled):
+            batch = self._prepare(entries, requests)
+            parts.append(self._forward(batch))
+            sample_ids += batch.sample_ids
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        rows = [self._row(requests[rid]) for rid in sample_ids]
         tokens, logprobs = sample(logits, rows, self.generator)
-        result = ModelOutput(sampled=dict(zip(batch.sample_ids, tokens)),
+        result = ModelOutput(sampled=dict(zip(sample_ids, tokens)),
                              preempted_ack=list(out.preempted_ids))
-        for rid, lp in zip(batch.sample_ids, logprobs):
+        for rid, lp in zip(sample_ids, logprobs):
             if lp is not None:
                 result.logprobs[rid] = lp
         return result
+
+    def _passes(self, scheduled: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
+        """The step's entries, prefills first, in forward passes of at most
+        max_forward_tokens tokens (an entry over the limit runs alone). Each sequence attends
+        only to itself, so the passes compute what one pass would."""
+        limit = self.max_forward_tokens
+        if not limit or sum(s.num_new_tokens for s in scheduled) <= limit:
+            return [scheduled]
+        passes: list[list[ScheduledRequest]] = [[]]
+        size = 0
+        for s in sorted(scheduled, key=lambda s: s.num_new_tokens == 1):
+            if passes[-1] and size + s.num_new_tokens > limit:
+                passes.append([])
+                size = 0
+            passes[-1].append(s)
+            size += s.num_new_tokens
+        return passes
+
+    def _forward(self, batch: "_Batch") -> torch.Tensor:
+        """Logits (float32) of the batch's sampling rows."""
+        meta = batch.meta
+        if self.decoder is not None and not meta.prefills:
+            return self.decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
+                                        meta.decode_block_tables, meta.decode_lens,
+                                        self._k_caches, self._v_caches, batch.logits_indices,
+                                        self.model.backend.scale, self.block_size)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, meta,
+                          batch.logits_indices)
 
     def _row(self, r: Request) -> SampleRow:
         p = r.sampling_params
@@ -161,11 +187,12 @@ class ModelRunner:
         banned = list(r.stop_ids) if len(r.output_token_ids) < p.min_tokens else None
         return SampleRow(p, n, r.prompt_token_ids, r.output_token_ids, gen, banned)
 
-    def _prepare(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> "_Batch":
+    def _prepare(self, entries: list[ScheduledRequest],
+                 requests: Mapping[str, Request]) -> "_Batch":
         """Prefill entries first (one contiguous run each), then the one-token decodes."""
         bs, dev = self.block_size, self.device
-        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in entries if s.num_new_tokens > 1]
+        decodes = [s for s in entries if s.num_new_tokens == 1]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
