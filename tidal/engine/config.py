@@ -49,15 +49,16 @@ class ModelConfig:
                                       "weights (the same bf16 values). Without AMX, oneDNN's "
                                       "bf16 GEMM runs at about half its float32 rate, so from "
                                       "~16 rows float32 wins although it reads twice the "
-                                      "bytes; the copies double the weights' memory. None: 16 "
-                                      "on CPUs without AMX, off on those with it; 0: off.")
+                                      "bytes; the copies take twice the bf16 weights' memory. "
+                                      "None: 16 on CPUs without AMX, off on those with it; "
+                                      "0: off.")
     max_forward_tokens: int | None = knob(None, "Most tokens one forward pass computes: a "
-                                          "step with more runs its prefills in several passes "
-                                          "(whole sequences; the decodes in the last). On CPU "
-                                          "the activations of thousands of rows leave the "
-                                          "caches (64 prompts x 96 tokens prefill at 850 tok/s "
-                                          "in one pass, 1050 in passes of 1024). None: 1024 on "
-                                          "CPU, no limit on GPU; 0: no limit.")
+                                          "step with more runs in several passes (whole "
+                                          "sequences, prefills first). On CPU the activations "
+                                          "of thousands of rows leave the caches (64 prompts "
+                                          "x 96 tokens prefill at 850 tok/s in one pass, 1050 "
+                                          "in passes of 1024). None: 1024 on CPU, no limit on "
+                                          "GPU; 0: no limit.")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 Llama/Qwen2 models "
                              "as one call into tidal's C++ decoder, and every decode "
                              "attention over the paged cache in place (built once on first "
