@@ -4,8 +4,9 @@
 does), which reads memory about twice as fast as `F.linear` at small batch and gives the same
 numbers. On CPUs without AMX it can also keep a float32 copy for steps of many rows: there
 oneDNN's bf16 GEMM computes at about half its float32 rate, so from ~16 rows multiplying the
-bf16 values in float32 is faster although it reads twice the bytes (see `fp32_rows`). `Int8Linear` is weight-only int8, per-channel absmax. `Int4Linear` is weight-only
-int4 in groups of 32 with a scale and a zero each: the Q4_1 format of the embedded GGUF, so
+bf16 values in float32 is faster although it reads twice the bytes (see `fp32_rows`).
+`Int8Linear` is weight-only int8, per-channel absmax. `Int4Linear` is weight-only int4 in
+groups of 32 with a scale and a zero each: the Q4_1 format of the embedded GGUF, so
 for that model it re-creates the shipped weights rather than losing more precision.
 """
 
