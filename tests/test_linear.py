@@ -1,28 +1,71 @@
-"""The CPU linear layers: packed bf16 equals F.linear, weight-only int8/int4 stay close, and
-int4 re-creates weights that already lie on a Q4_1 grid."""
+"""The CPU linear layers: packed bf16 and float32 equal F.linear, weight-only int8/int4 stay
+close, and int4 re-creates weights that already lie on a Q4_1 grid. bf16 cases run where
+oneDNN has bf16 kernels (not on plain AVX2); float32 ones everywhere."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.model.linear import Int4Linear, Int8Linear, PackedLinear, can_pack, replace_linears
+from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, bf16_kernels, can_pack,
+                                replace_linears)
 
-pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"),
+pytestmark = pytest.mark.skipif(not can_pack(torch.float32, "cpu"),
                                 reason="needs oneDNN on CPU")
+needs_bf16 = pytest.mark.skipif(not bf16_kernels(), reason="oneDNN has no bf16 kernels here")
+DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _linear(n_out: int = 48, n_in: int = 64, bias: bool = True) -> torch.nn.Linear:
+def _linear(n_out: int = 48, n_in: int = 64, bias: bool = True,
+            dtype: torch.dtype = torch.bfloat16) -> torch.nn.Linear:
     torch.manual_seed(0)
-    return torch.nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16)
+    return torch.nn.Linear(n_in, n_out, bias=bias).to(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_packed_linear_gives_the_same_numbers_as_f_linear(rows):
+def test_packed_linear_gives_the_same_numbers_as_f_linear(rows, dtype):
+    lin = _linear(dtype=dtype)
+    x = torch.randn(rows, 64, dtype=dtype)
+    got = PackedLinear(lin.weight, lin.bias)(x)
+    if dtype == torch.bfloat16 and bf16_kernels():
+        assert torch.equal(got, F.linear(x, lin.weight, lin.bias))
+    elif dtype == torch.bfloat16:  # multiplied in float32 and rounded once
+        _within_one_rounding(got, x, lin)
+    else:  # float32 GEMMs may block the sum differently from F.linear's
+        torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+
+
+def _within_one_rounding(got, x, lin):
+    """bf16 values multiplied in float32, rounded once: within one bf16 rounding of the exact
+    product."""
+    exact = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)
+
+
+def test_without_bf16_kernels_a_bf16_layer_multiplies_every_row_in_float32(monkeypatch):
+    import tidal.model.linear as linear
+
+    monkeypatch.setattr(linear, "bf16_kernels", lambda: False)
     lin = _linear()
-    x = torch.randn(rows, 64, dtype=torch.bfloat16)
-    assert torch.equal(PackedLinear(lin.weight, lin.bias)(x), F.linear(x, lin.weight, lin.bias))
+    layer = PackedLinear(lin.weight, lin.bias)
+    used = []
+    real = linear._pointwise
+    monkeypatch.setattr(linear, "_pointwise",
+                        lambda x, w, b: used.append((x.dtype, w.dtype)) or real(x, w, b))
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        got = layer(x)
+        assert used.pop() == (torch.float32, torch.float32) and got.dtype == torch.bfloat16
+        _within_one_rounding(got, x, lin)
 
 
+def test_a_float32_packed_linear_keeps_no_copy():
+    lin = _linear(dtype=torch.float32)
+    assert PackedLinear(lin.weight, lin.bias, fp32_rows=4).weight32 is None
+
+
+@needs_bf16
 def test_packed_linear_multiplies_in_float32_from_fp32_rows(monkeypatch):
     import tidal.model.linear as linear
 
@@ -39,23 +82,22 @@ def test_packed_linear_multiplies_in_float32_from_fp32_rows(monkeypatch):
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         got = layer(x)
         assert used.pop() == (torch.float32, torch.float32) and got.dtype == torch.bfloat16
-        # The bf16 values multiplied in float32, rounded once: within one bf16 rounding of
-        # the exact product.
-        exact = F.linear(x.double(), lin.weight.double(), lin.bias.double())
-        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)
+        _within_one_rounding(got, x, lin)
     assert PackedLinear(lin.weight, lin.bias).weight32 is None  # no copy unless asked
 
 
-def test_int8_linear_is_close_to_the_bf16_one():
-    lin = _linear()
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_linear_is_close_to_the_dense_one(dtype):
+    lin = _linear(dtype=dtype)
+    x = torch.randn(5, 64, dtype=dtype)
     ref = lin(x).float()
     got = Int8Linear(lin.weight, lin.bias)(x).float()
     assert got.shape == ref.shape
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def test_int4_recreates_q4_1_weights_and_switches_to_bf16_for_many_rows():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_recreates_q4_1_weights_and_switches_to_dense_for_many_rows(dtype):
     torch.manual_seed(0)
     n, k, g = 48, 96, Int4Linear.GROUP
     # Weights on a Q4_1 grid: per group of 32, scale * q + min with q in 0..15 (both ends used).
@@ -63,14 +105,16 @@ def test_int4_recreates_q4_1_weights_and_switches_to_bf16_for_many_rows():
     q[..., 0], q[..., 1] = 0, 15
     scale = torch.rand(n, k // g, 1) * 0.01 + 0.001
     low = torch.randn(n, k // g, 1) * 0.05
-    weight = (q * scale + low).view(n, k).to(torch.bfloat16)
+    weight = (q * scale + low).view(n, k).to(dtype)
     layer = Int4Linear(weight)
-    few = torch.randn(Int4Linear.MAX_ROWS, k, dtype=torch.bfloat16)
+    few = torch.randn(Int4Linear.MAX_ROWS, k, dtype=dtype)
     ref = few.float() @ weight.float().t()
     err = (layer(few).float() - ref).abs().max()
     assert err < 0.02 * ref.abs().max()  # bf16 scales/zeros and accumulation only
-    many = torch.randn(Int4Linear.MAX_ROWS + 1, k, dtype=torch.bfloat16)
-    assert torch.equal(layer(many), F.linear(many, weight))  # the dense path, exactly
+    many = torch.randn(Int4Linear.MAX_ROWS + 1, k, dtype=dtype)
+    assert torch.equal(layer(many), layer.dense(many))  # the dense path
+    tol = 1e-5 if dtype == torch.float32 else 2**-7  # bf16: F.linear may round differently
+    torch.testing.assert_close(layer(many), F.linear(many, weight), rtol=tol, atol=tol)
 
 
 def test_int4_refuses_widths_that_are_not_whole_groups():
@@ -80,36 +124,39 @@ def test_int4_refuses_widths_that_are_not_whole_groups():
         Int4Linear(torch.zeros(8, 64, dtype=torch.bfloat16))
 
 
-def test_replace_linears_gives_a_tied_model_its_own_head():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_replace_linears_gives_a_tied_model_its_own_head(dtype):
     class Tiny(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed_tokens = torch.nn.Embedding(50, 64).to(torch.bfloat16)
-            self.proj = _linear(64, 64)
+            self.embed_tokens = torch.nn.Embedding(50, 64).to(dtype)
+            self.proj = _linear(64, 64, dtype=dtype)
             self.lm_head = None
 
     model = replace_linears(Tiny(), PackedLinear)
     assert isinstance(model.proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
-    x = torch.randn(2, 64, dtype=torch.bfloat16)
-    assert torch.equal(model.lm_head(x), F.linear(x, model.embed_tokens.weight))
+    x = torch.randn(2, 64, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 0 if bf16_kernels() else 2**-7
+    torch.testing.assert_close(model.lm_head(x), F.linear(x, model.embed_tokens.weight),
+                               rtol=tol, atol=tol)
 
 
-def test_int4_engine_runs_small_steps_in_int4_and_batches_in_bf16(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int4_engine_runs_small_steps_in_int4_and_batches_dense(tmp_path, dtype):
     from model_fixtures import tiny_folder
     from tidal import LLM, SamplingParams
 
     folder = tiny_folder(tmp_path, "llama")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 2 * i))} for i in range(8)]
-    bf16 = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64, block_size=4)
-    int4 = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64, block_size=4,
-               quantization="int4")
+    dense = LLM(str(folder), dtype=dtype, num_kv_blocks=64, block_size=4)
+    int4 = LLM(str(folder), dtype=dtype, num_kv_blocks=64, block_size=4, quantization="int4")
 
     def tokens(llm, batch):
         return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
 
-    # All eight together: every step has more than MAX_ROWS tokens, so bf16 weights throughout.
-    assert tokens(int4, prompts) == tokens(bf16, prompts)
+    # All eight together: every step has more than MAX_ROWS tokens, so dense weights throughout.
+    assert tokens(int4, prompts) == tokens(dense, prompts)
     # One at a time: decode steps of one row take the int4 weights, which round differently.
     alone = [tokens(int4, [p])[0] for p in prompts]
-    assert alone != tokens(bf16, prompts)
+    assert alone != tokens(dense, prompts)

@@ -19,13 +19,14 @@ class ModelConfig:
 
     model: str = knob("smollm2-135m", "An embedded model name, a Hugging Face folder "
                       "(config.json + safetensors) or a GGUF file.")
-    dtype: str = knob("auto", "'auto' (bfloat16 on GPU or on a CPU with avx512_bf16, else "
-                      "float32), 'bfloat16', 'float16' or 'float32'.")
+    dtype: str = knob("auto", "'auto' (bfloat16 on GPU, on a CPU with avx512_bf16 or amx, "
+                      "or with quantization; else float32), 'bfloat16', 'float16' or "
+                      "'float32'.")
     device: str = knob("auto", "'auto' (cuda when available), 'cpu' or 'cuda'.")
     quantization: str = knob("none", "'none'; 'int8': weight-only int8 projections "
                              "(per-channel absmax); 'int4': weight-only int4 in groups of 32 "
                              "(the embedded GGUF's own Q4_1 format) for steps of at most 4 "
-                             "tokens, bf16 for larger ones. CPU, bf16 only.")
+                             "tokens, dense for larger ones. CPU only.")
     load_format: str = knob("auto", "'auto' reads the weights; 'dummy' makes small random "
                             "ones (only config.json is needed): for timing, as `tidal "
                             "calibrate` does for models whose weights are not here.")

@@ -59,9 +59,9 @@ def _linear(ext: ModuleType, module: nn.Module):
 
 def build_decoder(model: nn.Module):
     """A C++ `Decoder` sharing `model`'s weights, or None when this model or build cannot
-    use one (not bf16, q/k norms, int8 projections, or no compiler)."""
+    use one (not bf16 or float32, q/k norms, int8 projections, or no compiler)."""
     arch = model.arch
-    if model.embed_tokens.weight.dtype != torch.bfloat16 or arch.qk_norm:
+    if model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32) or arch.qk_norm:
         return None
     if model.embed_tokens.weight.device.type != "cpu":
         return None

@@ -1,10 +1,11 @@
 """Faster linear layers for CPU decoding, where reading the weights bounds a step.
 
-`PackedLinear` keeps a bf16 weight in oneDNN's blocked layout (what torch.compile's freezing
-does), which reads memory about twice as fast as `F.linear` at small batch and gives the same
-numbers. On CPUs without AMX it can also keep a float32 copy for steps of many rows: there
-oneDNN's bf16 GEMM computes at about half its float32 rate, so from ~16 rows multiplying the
-bf16 values in float32 is faster although it reads twice the bytes (see `fp32_rows`).
+`PackedLinear` keeps a bf16 or float32 weight in oneDNN's blocked layout (what torch.compile's
+freezing does), which reads memory about twice as fast as `F.linear` at small batch and gives
+the same numbers. On CPUs without AMX a bf16 layer can also keep a float32 copy for steps of
+many rows: there oneDNN's bf16 GEMM computes at about half its float32 rate, so from ~16 rows
+multiplying the bf16 values in float32 is faster although it reads twice the bytes (see
+`fp32_rows`). Where oneDNN has no bf16 kernels at all (plain AVX2) the copy serves every step.
 `Int8Linear` is weight-only int8, per-channel absmax. `Int4Linear` is weight-only int4 in
 groups of 32 with a scale and a zero each: the Q4_1 format of the embedded GGUF, so
 for that model it re-creates the shipped weights rather than losing more precision.
@@ -24,20 +25,24 @@ def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W pre-packed for oneDNN; bf16 on CPU. With `fp32_rows` > 0,
-    inputs of at least that many rows multiply a packed float32 copy of W (the bf16 values,
-    exactly) and round the float32 result to bf16 once."""
+    """y = x @ W^T (+ bias) with W pre-packed for oneDNN on CPU, in W's dtype. For a bf16 W
+    with `fp32_rows` > 0, inputs of at least that many rows multiply a packed float32 copy of
+    W (the bf16 values, exactly) and round the float32 result to bf16 once; where oneDNN has
+    no bf16 kernels (plain AVX2) every input does."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  fp32_rows: int = 0) -> None:
         super().__init__()
         w = weight.detach().contiguous()
-        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(w, 1))
+        bf16 = w.dtype == torch.bfloat16
+        emulated = bf16 and not bf16_kernels()  # oneDNN refuses bf16 here: always the copy
+        self.fp32_rows = 1 if emulated else fp32_rows if bf16 else 0
         self.bias = None if bias is None else bias.detach()
-        self.fp32_rows = fp32_rows
         self.register_buffer("weight32", torch.ops.mkldnn._reorder_linear_weight(
-            w.float(), 64) if fp32_rows > 0 else None)
-        self.bias32 = None if bias is None or fp32_rows <= 0 else self.bias.float()
+            w.float(), 64) if self.fp32_rows > 0 else None)
+        self.bias32 = None if bias is None or self.fp32_rows <= 0 else self.bias.float()
+        self.register_buffer("weight", self.weight32 if emulated else
+                             torch.ops.mkldnn._reorder_linear_weight(w, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight32 is not None and x.shape[0] >= self.fp32_rows:
@@ -66,7 +71,7 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Weight-only int4 for steps of few rows, the bf16 PackedLinear for the rest: torch's
+    """Weight-only int4 for steps of few rows, a PackedLinear for the rest: torch's
     int4 kernel reads a third of the bytes and wins 3x at one row, but computes slowly, so
     it loses from about 8 rows on (measured on a 2-core Zen 4)."""
 
@@ -88,7 +93,7 @@ class Int4Linear(nn.Module):
             q.to(torch.int32).view(n, k), 1))
         # The kernel computes (q - 8) * scale + zero with [k / GROUP, n, 2] scales and zeros.
         self.register_buffer("scales_zeros", torch.stack([scale, lo + 8 * scale], -1)
-                             .transpose(0, 1).contiguous().to(torch.bfloat16))
+                             .transpose(0, 1).contiguous().to(weight.dtype))
         self.bias = None if bias is None else bias.detach()
         self.dense = PackedLinear(weight, bias, fp32_rows)
 
@@ -116,9 +121,15 @@ def default_fp32_rows() -> int:
 
 
 def can_pack(dtype: torch.dtype, device: str) -> bool:
-    """oneDNN packing pays (and keeps results bit-identical) for bf16 on CPU."""
-    return (device == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN packing pays (and keeps results bit-identical) for bf16 and float32 on CPU."""
+    return (device == "cpu" and dtype in (torch.bfloat16, torch.float32)
+            and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def bf16_kernels() -> bool:
+    """Whether this CPU's oneDNN runs bf16 matmuls (it refuses them on plain AVX2)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def replace_linears(model: nn.Module, kind: type[nn.Module], **options: Any) -> nn.Module:

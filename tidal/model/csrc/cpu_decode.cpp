@@ -354,7 +354,8 @@ class Decoder {
       : embed_(embed), final_norm_(final_norm), lm_head_(lm_head), cos_(cos.contiguous()),
         sin_(sin.contiguous()), heads_(heads), hkv_(kv_heads), d_(head_dim),
         inter_(intermediate), eps_(static_cast<float>(eps)) {
-    TORCH_CHECK(embed.scalar_type() == at::kBFloat16, "the CPU decoder runs bfloat16 models");
+    TORCH_CHECK(embed.scalar_type() == at::kBFloat16 || embed.scalar_type() == at::kFloat,
+                "the CPU decoder runs bfloat16 and float32 models");
     TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv heads");
   }
 
@@ -366,7 +367,18 @@ class Decoder {
   Tensor forward(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
                  const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
                  Tensor logits_rows, double scale, int64_t block_size) {
-    using T = BFloat16;
+    if (embed_.scalar_type() == at::kFloat)
+      return step<float>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
+                         scale, block_size);
+    return step<BFloat16>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
+                          scale, block_size);
+  }
+
+ private:
+  template <typename T>
+  Tensor step(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
+              const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
+              Tensor logits_rows, double scale, int64_t block_size) {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
     ids = ids.to(at::kLong).contiguous();
@@ -421,7 +433,6 @@ class Decoder {
     return lm_head_(x).to(at::kFloat);
   }
 
- private:
   Tensor embed_, final_norm_;
   Linear lm_head_;
   Tensor cos_, sin_;
