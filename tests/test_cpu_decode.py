@@ -102,7 +102,7 @@ class _Checked:
     ("qwen2", "none", 0, "bfloat16"), ("qwen2", "int4", 0, "bfloat16"),
     ("llama", "unpacked", 0, "bfloat16"), ("llama", "none", 2, "bfloat16"),
     ("qwen2", "int4", 2, "bfloat16"), ("llama", "none", 0, "float32"),
-    ("qwen2", "int4", 0, "float32")])
+    ("qwen2", "none", 0, "float32")])
 def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, monkeypatch,
                                                                    family, quantization,
                                                                    fp32_rows, dtype):
@@ -130,7 +130,8 @@ def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, mon
     llm.generate(prompts[:1], params, use_tqdm=False)  # one row (int4 weights when asked)
     assert {n for *_, n in checked.steps} >= {1, 6}
     # The same ops, roundings and attention kernel: in bf16 bit for bit the PyTorch path's
-    # step; in float32 the RMSNorm sums' order shows in the last bits.
+    # step; in float32 the RMSNorm sums' order shows in the last bits (which is also why no
+    # float32 case runs int4: its int8 rounding of activations would magnify them).
     tol = dict(rtol=0, atol=0) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-4)
     for ref, got, written, again, _ in checked.steps:
         assert got.dtype == torch.float32

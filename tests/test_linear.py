@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tidal.model import cpu_decode
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, bf16_kernels, can_pack,
                                 replace_linears)
 
@@ -96,8 +97,13 @@ def test_int8_linear_is_close_to_the_dense_one(dtype):
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@pytest.mark.parametrize("kernel", ["torch", "tidal"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int4_recreates_q4_1_weights_and_switches_to_dense_for_many_rows(dtype):
+def test_int4_recreates_q4_1_weights_and_switches_to_dense_for_many_rows(dtype, kernel):
+    """torch's int4 kernel, or tidal's (activations rounded to int8 per group, as llama.cpp)."""
+    ext = cpu_decode.extension() if kernel == "tidal" else None
+    if kernel == "tidal" and ext is None:
+        pytest.skip("no C++ compiler here")
     torch.manual_seed(0)
     n, k, g = 48, 96, Int4Linear.GROUP
     # Weights on a Q4_1 grid: per group of 32, scale * q + min with q in 0..15 (both ends used).
@@ -106,15 +112,17 @@ def test_int4_recreates_q4_1_weights_and_switches_to_dense_for_many_rows(dtype):
     scale = torch.rand(n, k // g, 1) * 0.01 + 0.001
     low = torch.randn(n, k // g, 1) * 0.05
     weight = (q * scale + low).view(n, k).to(dtype)
-    layer = Int4Linear(weight)
-    few = torch.randn(Int4Linear.MAX_ROWS, k, dtype=dtype)
-    ref = few.float() @ weight.float().t()
-    err = (layer(few).float() - ref).abs().max()
-    assert err < 0.02 * ref.abs().max()  # bf16 scales/zeros and accumulation only
-    many = torch.randn(Int4Linear.MAX_ROWS + 1, k, dtype=dtype)
+    bias = torch.randn(n, dtype=dtype)
+    layer = Int4Linear(weight, bias, ext=ext)
+    for rows in range(1, layer.max_rows + 1):
+        few = torch.randn(rows, k, dtype=dtype)
+        ref = few.float() @ weight.float().t() + bias.float()
+        err = (layer(few).float() - ref).abs().max()
+        assert err < 0.02 * ref.abs().max()  # bf16 scales/zeros, int8 x, accumulation only
+    many = torch.randn(layer.max_rows + 1, k, dtype=dtype)
     assert torch.equal(layer(many), layer.dense(many))  # the dense path
     tol = 1e-5 if dtype == torch.float32 else 2**-7  # bf16: F.linear may round differently
-    torch.testing.assert_close(layer(many), F.linear(many, weight), rtol=tol, atol=tol)
+    torch.testing.assert_close(layer(many), F.linear(many, weight, bias), rtol=tol, atol=tol)
 
 
 def test_int4_refuses_widths_that_are_not_whole_groups():
@@ -148,14 +156,14 @@ def test_int4_engine_runs_small_steps_in_int4_and_batches_dense(tmp_path, dtype)
 
     folder = tiny_folder(tmp_path, "llama")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 2 * i))} for i in range(8)]
-    dense = LLM(str(folder), dtype=dtype, num_kv_blocks=64, block_size=4)
-    int4 = LLM(str(folder), dtype=dtype, num_kv_blocks=64, block_size=4, quantization="int4")
+    prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 2 * i))} for i in range(12)]
+    dense = LLM(str(folder), dtype=dtype, num_kv_blocks=128, block_size=4)
+    int4 = LLM(str(folder), dtype=dtype, num_kv_blocks=128, block_size=4, quantization="int4")
 
     def tokens(llm, batch):
         return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
 
-    # All eight together: every step has more than MAX_ROWS tokens, so dense weights throughout.
+    # All twelve together: every step has more rows than int4 takes, so dense weights only.
     assert tokens(int4, prompts) == tokens(dense, prompts)
     # One at a time: decode steps of one row take the int4 weights, which round differently.
     alone = [tokens(int4, [p])[0] for p in prompts]

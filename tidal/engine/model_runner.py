@@ -65,8 +65,9 @@ class ModelRunner:
         kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[config.quantization]
         if can_pack(self.dtype, self.device):  # CPU: every projection gets its CPU layer
             rows = default_fp32_rows() if config.fp32_gemm_rows is None else config.fp32_gemm_rows
-            replace_linears(self.model, kind, **({} if kind is Int8Linear else
-                                                  {"fp32_rows": rows}))
+            options = {PackedLinear: {"fp32_rows": rows}, Int8Linear: {},
+                       Int4Linear: {"fp32_rows": rows, "ext": ext}}[kind]
+            replace_linears(self.model, kind, **options)
         elif config.quantization != "none":
             raise ValueError(f"quantization={config.quantization!r} runs on CPU in bfloat16 "
                              "or float32")

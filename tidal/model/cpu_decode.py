@@ -48,7 +48,8 @@ def _linear(ext: ModuleType, module: nn.Module):
     if isinstance(module, Int4Linear):
         d = module.dense
         return ext.Linear(2, d.weight, module.bias, module.packed, module.scales_zeros,
-                          module.MAX_ROWS, d.weight32, d.bias32, d.fp32_rows)
+                          module.max_rows, d.weight32, d.bias32, d.fp32_rows,
+                          q4=module.ext is not None)
     if isinstance(module, PackedLinear):
         return ext.Linear(1, module.weight, module.bias, w32=module.weight32,
                           bias32=module.bias32, fp32_rows=module.fp32_rows)

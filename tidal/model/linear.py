@@ -71,15 +71,17 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Weight-only int4 for steps of few rows, a PackedLinear for the rest: torch's
-    int4 kernel reads a third of the bytes and wins 3x at one row, but computes slowly, so
-    it loses from about 8 rows on (measured on a 2-core Zen 4)."""
+    """Weight-only int4 for steps of few rows, a PackedLinear for the rest. With `ext` (tidal's
+    C++ extension) the few rows run its `int4_linear`: activations rounded to int8 per group
+    and integer products, as llama.cpp does (2-3x torch's kernel on AVX2); without, torch's
+    int4 kernel, which vectorises bf16 activations only. Either reads a third of the bytes
+    and wins at one row but computes slowly: `max_rows` is where the dense layer takes over
+    (measured: torch's kernel loses from about 8 rows on, tidal's from about 16)."""
 
     GROUP = 32
-    MAX_ROWS = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 fp32_rows: int = 0) -> None:
+                 fp32_rows: int = 0, ext: Any = None) -> None:
         super().__init__()
         n, k = weight.shape
         if k % self.GROUP or n % 16:  # the kernel's packing needs both
@@ -88,18 +90,26 @@ class Int4Linear(nn.Module):
         groups = weight.detach().float().view(n, k // self.GROUP, self.GROUP)
         lo, hi = groups.amin(-1), groups.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=1e-8)
-        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32).view(n, k), 1))
-        # The kernel computes (q - 8) * scale + zero with [k / GROUP, n, 2] scales and zeros.
-        self.register_buffer("scales_zeros", torch.stack([scale, lo + 8 * scale], -1)
-                             .transpose(0, 1).contiguous().to(weight.dtype))
+        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        self.ext = ext
+        self.max_rows = 8 if ext is not None else 4
+        if ext is not None:  # element i of a group in byte i's low nibble, i + 16 in its high
+            self.register_buffer("packed", (q[..., :16] | (q[..., 16:] << 4)).view(n, k // 2))
+            self.register_buffer("scales_zeros", torch.stack([scale, lo], -1).half())
+        else:
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(
+                q.to(torch.int32).view(n, k), 1))
+            # That kernel computes (q - 8) * scale + zero with [k / GROUP, n, 2] scales, zeros.
+            self.register_buffer("scales_zeros", torch.stack([scale, lo + 8 * scale], -1)
+                                 .transpose(0, 1).contiguous().to(weight.dtype))
         self.bias = None if bias is None else bias.detach()
         self.dense = PackedLinear(weight, bias, fp32_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.MAX_ROWS:
+        if x.shape[0] > self.max_rows:
             return self.dense(x)
+        if self.ext is not None:
+            return self.ext.int4_linear(x, self.packed, self.scales_zeros, self.bias)
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP, self.scales_zeros)
         return y if self.bias is None else y + self.bias
 

@@ -13,6 +13,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -94,17 +98,157 @@ Tensor linear_pointwise(const Tensor& x, const Tensor& w, const Tensor& bias) {
   return stack[0].toTensor();
 }
 
+// ---------------------------------------------------------------- int4 weights
+
+// Weights of 4 bits in groups of 32 (Q4_1: w = q * scale + min), times activations rounded to
+// int8 per group of 32, as llama.cpp multiplies Q4_1 by Q8_1: integer products, one float
+// multiply-add per group. q4: [n, k/2] bytes, element i of a group in the low nibble of its
+// byte i, element i + 16 in the high one; scale_min: [n, k/32, 2] float16, as GGUF keeps them
+// (a step at one row reads all the weights: these bytes count).
+constexpr int64_t kGroup = 32;
+
+// x rows -> int8 per group (q8), the group's scale (d8) and the exact sum of its x (xs).
+template <typename T>
+void quantize_groups(const T* x, int64_t rows, int64_t k, int8_t* q8, float* d8, float* xs) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < k / kGroup; ++g) {
+      const T* v = x + r * k + g * kGroup;
+      float amax = 0.f, sum = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        amax = std::max(amax, std::abs(f32(v[i])));
+        sum += f32(v[i]);
+      }
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = q8 + (r * k + g * kGroup);
+      for (int64_t i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(std::nearbyint(f32(v[i]) * inv));
+      d8[r * (k / kGroup) + g] = d;
+      xs[r * (k / kGroup) + g] = sum;
+    }
+}
+
+inline float half_to_float(at::Half h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+// sum over one group of q4 * q8, as an integer.
+#ifdef __AVX2__
+inline __m256i group_dot(const uint8_t* w, const int8_t* a) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
+                                       _mm256_set1_epi8(0x0f));
+  const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  // u8 x s8 pairs to i16 (|15 * 127 * 2| fits), then pairs of those to i32
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(nib, av), _mm256_set1_epi16(1));
+}
+#endif
+
+// Outputs [o0, o1) of NR rows starting at row r0; NR is a compile-time constant so the
+// accumulators stay in registers.
+template <typename T, int NR>
+void int4_block(const int8_t* q8, const float* d8, const float* xs, int64_t r0, int64_t k,
+                const uint8_t* q4, const at::Half* scale_min, const T* bias, int64_t o0,
+                int64_t o1, T* y, int64_t n) {
+  const int64_t groups = k / kGroup;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* w = q4 + o * (k / 2);
+    const at::Half* sm = scale_min + o * groups * 2;
+    // Even and odd groups sum apart: two dependency chains instead of one.
+    float out[NR][2] = {};  // the min terms, min * sum(x), per group
+#ifdef __AVX2__
+    __m256 acc[NR][2];
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#endif
+    auto step = [&](int64_t g, int c) __attribute__((always_inline)) {
+      const float scale = half_to_float(sm[2 * g]), min = half_to_float(sm[2 * g + 1]);
+      for (int r = 0; r < NR; ++r) {
+        const int64_t rg = (r0 + r) * groups + g;
+        out[r][c] += min * xs[rg];
+#ifdef __AVX2__
+        const __m256 p = _mm256_cvtepi32_ps(group_dot(w + g * 16, q8 + rg * kGroup));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(scale * d8[rg]), p, acc[r][c]);
+#else
+        const int8_t* a = q8 + rg * kGroup;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < 16; ++i)
+          dot += (w[g * 16 + i] & 15) * a[i] + (w[g * 16 + i] >> 4) * a[i + 16];
+        out[r][c] += scale * d8[rg] * static_cast<float>(dot);
+#endif
+      }
+    };
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      step(g, 0);
+      step(g + 1, 1);
+    }
+    if (g < groups) step(g, 0);
+    for (int r = 0; r < NR; ++r) {
+      float total = out[r][0] + out[r][1];
+#ifdef __AVX2__
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, _mm256_add_ps(acc[r][0], acc[r][1]));
+      total += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+               ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+#endif
+      const float b = bias != nullptr ? f32(bias[o]) : 0.f;
+      y[(r0 + r) * n + o] = round_to<T>(total + b);
+    }
+  }
+}
+
+template <typename T>
+void int4_rows(const int8_t* q8, const float* d8, const float* xs, int64_t rows, int64_t k,
+               const uint8_t* q4, const at::Half* scale_min, const T* bias, int64_t o0,
+               int64_t o1, T* y, int64_t n) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // up to 4 rows share each weight load
+    const int64_t nr = std::min<int64_t>(4, rows - r0);
+    auto block = nr == 1 ? int4_block<T, 1> : nr == 2 ? int4_block<T, 2>
+               : nr == 3 ? int4_block<T, 3> : int4_block<T, 4>;
+    block(q8, d8, xs, r0, k, q4, scale_min, bias, o0, o1, y, n);
+  }
+}
+
+// y = x @ W^T (+ bias) for int4 W: [rows, k] -> [rows, n] in x's dtype.
+Tensor int4_linear(const Tensor& x_in, const Tensor& q4, const Tensor& scale_min,
+                   const Tensor& bias) {
+  const Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = q4.size(0);
+  TORCH_CHECK(k % kGroup == 0 && q4.size(1) * 2 == k && q4.scalar_type() == at::kByte &&
+                  scale_min.scalar_type() == at::kHalf && scale_min.numel() == n * k / kGroup * 2,
+              "int4 weights must be [n, k/2] bytes with [n, k/32, 2] float16 scales and mins");
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.numel() == n),
+              "bias must be [n] in x's dtype");
+  std::vector<int8_t> q8(rows * k);
+  std::vector<float> d8(rows * k / kGroup), xs(rows * k / kGroup);
+  Tensor y = at::empty({rows, n}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_linear", [&] {
+    quantize_groups<scalar_t>(x.data_ptr<scalar_t>(), rows, k, q8.data(), d8.data(), xs.data());
+    const scalar_t* b = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, n, 64, [&](int64_t o0, int64_t o1) {
+      int4_rows<scalar_t>(q8.data(), d8.data(), xs.data(), rows, k, q4.data_ptr<uint8_t>(),
+                          scale_min.data_ptr<at::Half>(), b, o0, o1, y.data_ptr<scalar_t>(), n);
+    });
+  });
+  return y;
+}
+
 // One projection in whichever CPU form the Python side packed it: kind 0 = at::linear,
 // 1 = oneDNN-packed bf16 weight, 2 = int4 (groups of 32) for <= max_rows rows, else `w`
-// packed as in kind 1. Kinds 1 and 2 with `w32` (a packed float32 copy) multiply inputs of
-// >= fp32_rows rows in float32, as PackedLinear does.
+// packed as in kind 1; `packed` and `scales_zeros` are torch's int4 layout or, with `q4`,
+// this file's (int4_linear). Kinds 1 and 2 with `w32` (a packed float32 copy) multiply inputs
+// of >= fp32_rows rows in float32, as PackedLinear does.
 struct Linear {
   int64_t kind = 0;
   Tensor w, bias, packed, scales_zeros, w32, bias32;
   int64_t max_rows = 0, fp32_rows = 0;
+  bool q4 = false;
 
   Tensor operator()(const Tensor& x) const {
     if (kind == 2 && x.size(0) <= max_rows) {
+      if (q4) return int4_linear(x, packed, scales_zeros, bias);
       Tensor y = at::_weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros);
       return bias.defined() ? y.add_(bias) : y;
     }
@@ -470,8 +614,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](int64_t kind, Tensor w, c10::optional<Tensor> bias,
                        c10::optional<Tensor> packed, c10::optional<Tensor> scales_zeros,
                        int64_t max_rows, c10::optional<Tensor> w32,
-                       c10::optional<Tensor> bias32, int64_t fp32_rows) {
+                       c10::optional<Tensor> bias32, int64_t fp32_rows, bool q4) {
              Linear l;
+             l.q4 = q4;
              l.kind = kind;
              l.w = w;
              l.bias = bias.value_or(Tensor());
@@ -486,7 +631,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("weight"), py::arg("bias"), py::arg("packed") = py::none(),
            py::arg("scales_zeros") = py::none(), py::arg("max_rows") = 0,
            py::arg("w32") = py::none(), py::arg("bias32") = py::none(),
-           py::arg("fp32_rows") = 0)
+           py::arg("fp32_rows") = 0, py::arg("q4") = false)
       .def("__call__", &Linear::operator());
   py::class_<Decoder>(m, "Decoder")
       .def(py::init<Tensor, Tensor, Linear, Tensor, Tensor, int64_t, int64_t, int64_t, int64_t,
@@ -494,5 +639,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward, py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int4_linear", [](Tensor x, Tensor q4, Tensor scale_min, c10::optional<Tensor> bias) {
+    return int4_linear(x, q4, scale_min, bias.value_or(Tensor()));
+  }, py::arg("x"), py::arg("q4"), py::arg("scale_min"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
 }
