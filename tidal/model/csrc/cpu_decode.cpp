@@ -214,6 +214,7 @@ void int4_rows(const int8_t* q8, const float* d8, const float* xs, int64_t rows,
 // y = x @ W^T (+ bias) for int4 W: [rows, k] -> [rows, n] in x's dtype.
 Tensor int4_linear(const Tensor& x_in, const Tensor& q4, const Tensor& scale_min,
                    const Tensor& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && q4.dim() == 2, "int4_linear takes [rows, k] inputs");
   const Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = q4.size(0);
   TORCH_CHECK(k % kGroup == 0 && q4.size(1) * 2 == k && q4.scalar_type() == at::kByte &&
