@@ -146,28 +146,38 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
     return profile, error, rows
 
 
-# One request at a time, so the difference is serving's own cost, not queueing.
+# Few requests at a time, so the difference is serving's own cost, not queueing.
 SERVING_WORKLOAD = ["--dataset", "random", "--random-input-len", "128", "--random-output-len",
-                    "24", "--num-prompts", "12", "--max-concurrency", "1", "--seed", "11"]
+                    "24", "--num-prompts", "12", "--seed", "11"]
 
 
 def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:
     """What serving adds to the runner: a tidal server of the same model and engine flags
-    at `base_url` serves SERVING_WORKLOAD, the simulator replays it on `profile`; the median
-    TTFT they differ by becomes `request_latency`, the median TPOT `output_overhead`
-    (medians: one slow request on a noisy machine should not set the profile)."""
+    at `base_url` serves SERVING_WORKLOAD one request at a time and four at a time, the
+    simulator replays both on `profile`. The median TTFT gap at one becomes
+    `request_latency`; the median TPOT gaps split into a cost per step (added to
+    `step_overhead`: the core slowed by the frontend beside it) and one per sampled token
+    (`output_overhead`: detokenizing, SSE), as gap(c) = step + c * token (medians: one slow
+    request on a noisy machine should not set the profile)."""
     from tidal.cli import run
 
     profile.request_latency = profile.output_overhead = 0.0
-    real = run(["bench", "serve", "--base-url", base_url, "--ignore-eos", "--disable-tqdm",
-                *SERVING_WORKLOAD])
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "runner.json"
-        path.write_text(profile.to_json())
-        sim = run(["simulate", "--model-config", model, "--hardware", str(path),
-                   *SERVING_WORKLOAD])
-    profile.request_latency = max(0.0, (real["median_ttft_ms"] - sim["median_ttft_ms"]) / 1e3)
-    profile.output_overhead = max(0.0, (real["median_tpot_ms"] - sim["median_tpot_ms"]) / 1e3)
+    gaps = {}
+    for c in (1, 4):
+        workload = [*SERVING_WORKLOAD, "--max-concurrency", str(c)]
+        real = run(["bench", "serve", "--base-url", base_url, "--ignore-eos", "--disable-tqdm",
+                    *workload])
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "runner.json"
+            path.write_text(profile.to_json())
+            sim = run(["simulate", "--model-config", model, "--hardware", str(path), *workload])
+        gaps[c] = (real["median_tpot_ms"] - sim["median_tpot_ms"]) / 1e3
+        if c == 1:
+            profile.request_latency = max(0.0, (real["median_ttft_ms"] -
+                                                sim["median_ttft_ms"]) / 1e3)
+    per_token = max(0.0, (gaps[4] - gaps[1]) / 3)
+    profile.output_overhead = per_token
+    profile.step_overhead += max(0.0, gaps[1] - per_token)
     profile.calibrated_on += (f"; serving at {base_url}: request latency "
                               f"{profile.request_latency * 1e3:.1f} ms, output overhead "
                               f"{profile.output_overhead * 1e3:.2f} ms/token")
