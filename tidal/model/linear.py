@@ -73,7 +73,7 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Weight-only int4 for steps of few rows, a PackedLinear for the rest. With `ext` (tidal's
     C++ extension) the few rows run its `int4_linear`: activations rounded to int8 per group
-    and integer products, as llama.cpp does (2-3x torch's kernel on AVX2); without, torch's
+    and integer products, as llama.cpp does (2x torch's kernel on AVX2); without, torch's
     int4 kernel, which vectorises bf16 activations only. Either reads a third of the bytes
     and wins at one row but computes slowly: `max_rows` is where the dense layer takes over
     (measured: torch's kernel loses from about 8 rows on, tidal's from about 16)."""
