@@ -120,7 +120,8 @@ void quantize_groups(const T* x, int64_t rows, int64_t k, int8_t* q8, float* d8,
       }
       const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
       int8_t* q = q8 + (r * k + g * kGroup);
-      for (int64_t i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(std::nearbyint(f32(v[i]) * inv));
+      for (int64_t i = 0; i < kGroup; ++i)
+        q[i] = static_cast<int8_t>(std::nearbyint(f32(v[i]) * inv));
       d8[r * (k / kGroup) + g] = d;
       xs[r * (k / kGroup) + g] = sum;
     }
@@ -156,40 +157,33 @@ void int4_block(const int8_t* q8, const float* d8, const float* xs, int64_t r0, 
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* w = q4 + o * (k / 2);
     const at::Half* sm = scale_min + o * groups * 2;
-    // Even and odd groups sum apart: two dependency chains instead of one.
-    float out[NR][2] = {};  // the min terms, min * sum(x), per group
+    float out[NR] = {};  // the min terms, min * sum(x), per group
 #ifdef __AVX2__
-    __m256 acc[NR][2];
-    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
 #endif
-    auto step = [&](int64_t g, int c) __attribute__((always_inline)) {
+    for (int64_t g = 0; g < groups; ++g) {
       const float scale = half_to_float(sm[2 * g]), min = half_to_float(sm[2 * g + 1]);
       for (int r = 0; r < NR; ++r) {
         const int64_t rg = (r0 + r) * groups + g;
-        out[r][c] += min * xs[rg];
+        out[r] += min * xs[rg];
 #ifdef __AVX2__
         const __m256 p = _mm256_cvtepi32_ps(group_dot(w + g * 16, q8 + rg * kGroup));
-        acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(scale * d8[rg]), p, acc[r][c]);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale * d8[rg]), p, acc[r]);
 #else
         const int8_t* a = q8 + rg * kGroup;
         int32_t dot = 0;
         for (int64_t i = 0; i < 16; ++i)
           dot += (w[g * 16 + i] & 15) * a[i] + (w[g * 16 + i] >> 4) * a[i + 16];
-        out[r][c] += scale * d8[rg] * static_cast<float>(dot);
+        out[r] += scale * d8[rg] * static_cast<float>(dot);
 #endif
       }
-    };
-    int64_t g = 0;
-    for (; g + 2 <= groups; g += 2) {
-      step(g, 0);
-      step(g + 1, 1);
     }
-    if (g < groups) step(g, 0);
     for (int r = 0; r < NR; ++r) {
-      float total = out[r][0] + out[r][1];
+      float total = out[r];
 #ifdef __AVX2__
       alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, _mm256_add_ps(acc[r][0], acc[r][1]));
+      _mm256_store_ps(lanes, acc[r]);
       total += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
                ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 #endif
