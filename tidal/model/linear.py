@@ -41,8 +41,11 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight32", torch.ops.mkldnn._reorder_linear_weight(
             w.float(), 64) if self.fp32_rows > 0 else None)
         self.bias32 = None if bias is None or self.fp32_rows <= 0 else self.bias.float()
+        # The batch-size hint picks oneDNN's layout: a float32 weight packed for one row runs
+        # 2-5 rows at half speed (measured on AVX2), one packed for 64 loses nothing at one.
+        hint = 1 if bf16 else 64
         self.register_buffer("weight", self.weight32 if emulated else
-                             torch.ops.mkldnn._reorder_linear_weight(w, 1))
+                             torch.ops.mkldnn._reorder_linear_weight(w, hint))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight32 is not None and x.shape[0] >= self.fp32_rows:
