@@ -87,6 +87,26 @@ def test_sharegpt_prompts_are_real_text_within_the_context():
         assert r.prompt_len >= 4 and r.output_len >= 4 and r.prompt_len + r.output_len <= 2048
 
 
+def test_synthetic_prompts_reach_the_server_as_as_many_tokens():
+    """Random ids decode to text that re-encodes longer; the text sent is cut back so the
+    server counts the tokens the simulator replays."""
+    from model_fixtures import embedded_folder
+
+    from tidal.bench.serve import prompt_text
+    from tidal.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(embedded_folder())
+    reqs = load_dataset(DatasetSpec(name="random", vocab_size=tok.vocab_size, input_len=96,
+                                    range_ratio=0.5, num_prompts=50, seed=4))
+    naive = [len(tok.encode(tok.decode(r.prompt_ids), add_special_tokens=False)) for r in reqs]
+    sent = [len(tok.encode(prompt_text(tok, r.prompt_ids), add_special_tokens=False))
+            for r in reqs]
+    asked = [r.prompt_len for r in reqs]
+    assert sum(naive) > sum(asked)  # what the fix is for
+    assert sum(a == b for a, b in zip(sent, asked)) >= 48 and max(
+        abs(a - b) for a, b in zip(sent, asked)) <= 2
+
+
 def test_poisson_arrivals_have_the_asked_rate_and_burstiness_spreads_them():
     reqs = [BenchRequest([1], 1)] * 4000
     poisson = np.diff(arrival_times(reqs, 10.0, 1.0, seed=1))

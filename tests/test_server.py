@@ -127,6 +127,26 @@ def test_models_version_metrics(server, client):
         assert name in text, name
 
 
+def test_metrics_count_steps_and_runner_time(server, client):
+    """One request of 8 tokens alone: 8 steps (its prefill samples the first), runner time
+    within the request's wall time and within the steps' (what `tidal calibrate` reads)."""
+    names = ("tidal:num_steps_total", "tidal:model_execute_seconds_total",
+             "tidal:engine_step_seconds_total")
+
+    def read() -> list[float]:
+        time.sleep(0.7)  # the core reports every 0.5 s
+        return [metric(server.url, n) for n in names]
+
+    before = read()
+    t0 = time.monotonic()
+    client.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=8,
+                              temperature=0, extra_body={"ignore_eos": True})
+    wall = time.monotonic() - t0
+    steps, execute, step = (b - a for a, b in zip(before, read()))
+    assert steps == 8
+    assert 0 < execute <= step < wall
+
+
 def test_the_engine_core_gets_a_short_openmp_spin(server):
     """--omp-spin-count reaches the core process's environment, where libgomp reads it when
     the core loads torch."""

@@ -44,6 +44,7 @@ class EngineCore:
         self.new_transfers: list[str] = []  # decode role: got blocks; their KV is to fetch
         self.prompt_tokens = 0  # prompt (and recompute) tokens run since start
         self.generation_tokens = 0  # tokens sampled since start
+        self.execute_seconds = 0.0  # wall time in the model runner since start
         # Async scheduling: one worker thread runs the forward pass (torch releases the GIL).
         self._pool = ThreadPoolExecutor(1, "tidal-step") if sched_cfg.async_scheduling else None
         self._pending: tuple[SchedulerOutput, Future] | None = None
@@ -129,12 +130,15 @@ class EngineCore:
             return ModelOutput(preempted_ack=list(out.preempted_ids))
         # One-token entries are decodes (a one-token prefill chunk, rare, counts as one too).
         self.prompt_tokens += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        t0 = time.perf_counter()
         try:
             return self.runner.execute(out, requests)
         except Exception as exc:  # the step's requests fail; the engine serves the rest
             log.exception("model runner failed; ending the step's %d requests",
                           len(out.scheduled))
             return exc
+        finally:
+            self.execute_seconds += time.perf_counter() - t0
 
     def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception,
                   ) -> tuple[list[RequestOutput], dict[str, list]]:

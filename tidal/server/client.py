@@ -282,4 +282,5 @@ def _merge(stats: list[m.Stats]) -> m.Stats:
     total["new_token_ratio"] /= len(stats)
     total["num_steps"] = max(s.scheduler.num_steps for s in stats)
     return m.Stats(-1, sum(s.adds_seen for s in stats), SchedulerStats(**total),
-                   sum(s.prompt_tokens for s in stats), sum(s.generation_tokens for s in stats))
+                   sum(s.prompt_tokens for s in stats), sum(s.generation_tokens for s in stats),
+                   sum(s.execute_seconds for s in stats), sum(s.step_seconds for s in stats))

@@ -86,6 +86,7 @@ class _CoreLoop:
         self.deadline: float | None = None  # set by Shutdown: drain until then
         self.last_stats = 0.0
         self.adds_seen = 0
+        self.step_seconds = 0.0  # wall time of steps, their outputs sent, since start
         self.poller = zmq.Poller()
         self.polled: set[zmq.Socket] = set()
 
@@ -111,7 +112,8 @@ class _CoreLoop:
                     core.abort(rid)
                 log.info("engine core stopped")
                 return
-            if core.can_step():
+            started = time.perf_counter() if core.can_step() else None
+            if started is not None:
                 stepped, logprobs = core.step()
                 outputs += stepped
                 status.maybe_log()
@@ -119,11 +121,14 @@ class _CoreLoop:
                 outputs = link.after_step(outputs)
             if outputs:
                 self.send(m.Outputs(self.index, outputs, logprobs))
+            if started is not None:
+                self.step_seconds += time.perf_counter() - started
             now = time.monotonic()
             if now - self.last_stats >= 0.5:
                 self.last_stats = now
                 self.send(m.Stats(self.index, self.adds_seen, core.scheduler.stats(),
-                                  core.prompt_tokens, core.generation_tokens))
+                                  core.prompt_tokens, core.generation_tokens,
+                                  core.execute_seconds, self.step_seconds))
                 if os.getppid() != parent:  # the frontend died: do not linger as an orphan
                     log.warning("frontend process gone; engine core exiting")
                     return

@@ -67,6 +67,8 @@ class Stats(msgspec.Struct, tag=True):
     scheduler: SchedulerStats
     prompt_tokens: int  # prompt tokens computed since start (prefix-cache hits excluded)
     generation_tokens: int  # tokens sampled since start
+    execute_seconds: float = 0.0  # wall time in the model runner since start
+    step_seconds: float = 0.0  # wall time of steps (schedule, execute, update, send) since start
 
 
 class Failed(msgspec.Struct, tag=True):

@@ -40,6 +40,11 @@ class _CoreCollector:
             ("tidal:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
              stats.prompt_tokens),
             ("tidal:generation_tokens", "Tokens generated.", stats.generation_tokens),
+            ("tidal:num_steps", "Engine steps since start.", s.num_steps),
+            ("tidal:model_execute_seconds", "Wall time in the model runner.",
+             stats.execute_seconds),
+            ("tidal:engine_step_seconds", "Wall time of engine steps (schedule, execute, "
+             "update, send outputs).", stats.step_seconds),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -91,7 +91,7 @@ def fit(cost: CostModel, timings: list[tuple[StepShape, float]]) -> tuple[Hardwa
     squared relative error of predicted step times; returns the profile and its mean
     absolute relative error."""
     hw = cost.hw
-    hw.request_latency = hw.output_overhead = 0.0  # the runner alone; calibrate_serving adds them
+    hw.request_latency = 0.0  # the runner alone; calibrate_serving adds serving's costs
     shapes = [s for s, _ in timings]
     measured = np.array([t for _, t in timings])
     weight = 1 / measured
@@ -137,7 +137,8 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
         runner = ModelRunner(folder, config.model, config.cache.block_size)
         arch = ModelArch.from_folder(folder)
     timings = measure(runner, grid or default_grid(), repeats, arch.vocab_size)
-    cost = CostModel(arch, hardware, runner.dtype.itemsize)
+    hardware.dtype_bytes = runner.dtype.itemsize
+    cost = CostModel(arch, hardware)
     profile, error = fit(cost, timings)
     threads = f", threads={torch.get_num_threads()}" if runner.device == "cpu" else ""
     profile.calibrated_on = (f"{model} on {runner.device} ({str(runner.dtype).split('.')[-1]}"
@@ -148,40 +149,67 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
 
 # Few requests at a time, so the difference is serving's own cost, not queueing.
 SERVING_WORKLOAD = ["--dataset", "random", "--random-input-len", "128", "--random-output-len",
-                    "24", "--num-prompts", "12", "--seed", "11"]
+                    "24", "--num-prompts", "12"]
+
+
+def served_counters(base_url: str) -> np.ndarray:
+    """The server's runner seconds, step seconds and steps so far, once its cores' stats
+    are fresh (`tidal:model_execute_seconds`, `engine_step_seconds`, `num_steps`)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    time.sleep(0.7)  # cores report every 0.5 s
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    values = {f.name: sum(s.value for s in f.samples)
+              for f in text_string_to_metric_families(text)}
+    names = ("tidal:model_execute_seconds", "tidal:engine_step_seconds", "tidal:num_steps")
+    if not all(n in values for n in names):
+        raise RuntimeError(f"{base_url} does not report {', '.join(names)}: not a tidal server?")
+    return np.array([values[n] for n in names])
 
 
 def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:
-    """What serving adds to the runner: a tidal server of the same model and engine flags
-    at `base_url` serves SERVING_WORKLOAD one request at a time and four at a time, the
-    simulator replays both on `profile`. The median TTFT gap at one becomes
-    `request_latency`; the median TPOT gaps split into a cost per step (added to
-    `step_overhead`: the core slowed by the frontend beside it) and one per sampled token
-    (`output_overhead`: detokenizing, SSE), as gap(c) = step + c * token (medians: one slow
-    request on a noisy machine should not set the profile)."""
+    """What serving adds to the runner, from a tidal server of the same model and engine
+    flags at `base_url`: it serves SERVING_WORKLOAD one request at a time and four at a
+    time while its own counters time the steps. The runner's seconds there over the
+    simulator's for the same workloads scale every runner term of `profile` (a server's
+    runner may run slower beside its frontend than alone); the rest of each step (update,
+    sending outputs) adds to `step_overhead`; then the median TTFT gap one at a time
+    (HTTP, tokenization, IPC) becomes `request_latency`."""
     from tidal.cli import run
 
-    profile.request_latency = profile.output_overhead = 0.0
-    gaps = {}
+    profile.request_latency = 0.0
+    served, simulated, workloads, reals = np.zeros(3), 0.0, [], []
     for c in (1, 4):
-        workload = [*SERVING_WORKLOAD, "--max-concurrency", str(c)]
-        real = run(["bench", "serve", "--base-url", base_url, "--ignore-eos", "--disable-tqdm",
-                    *workload])
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "runner.json"
-            path.write_text(profile.to_json())
-            sim = run(["simulate", "--model-config", model, "--hardware", str(path), *workload])
-        gaps[c] = (real["median_tpot_ms"] - sim["median_tpot_ms"]) / 1e3
-        if c == 1:
-            profile.request_latency = max(0.0, (real["median_ttft_ms"] -
-                                                sim["median_ttft_ms"]) / 1e3)
-    per_token = max(0.0, (gaps[4] - gaps[1]) / 3)
-    profile.output_overhead = per_token
-    profile.step_overhead += max(0.0, gaps[1] - per_token)
-    profile.calibrated_on += (f"; serving at {base_url}: request latency "
-                              f"{profile.request_latency * 1e3:.1f} ms, output overhead "
-                              f"{profile.output_overhead * 1e3:.2f} ms/token")
+        # Other prompts each run: the server's prefix cache would serve repeated ones.
+        workloads.append([*SERVING_WORKLOAD, "--seed", str(10 + c), "--max-concurrency", str(c)])
+        before = served_counters(base_url)
+        reals.append(run(["bench", "serve", "--base-url", base_url, "--ignore-eos",
+                          "--disable-tqdm", *workloads[-1]]))
+        served += served_counters(base_url) - before
+        simulated += _simulate(profile, model, workloads[-1])["simulation"]["busy_seconds"]
+    execute, step, steps = served
+    ratio = execute / simulated
+    for f in ("compute_efficiency", "attention_efficiency", "bandwidth_efficiency"):
+        setattr(profile, f, getattr(profile, f) / ratio)
+    for f in ("step_overhead", "seq_overhead", "token_overhead", "context_overhead"):
+        setattr(profile, f, getattr(profile, f) * ratio)
+    profile.step_overhead += max(0.0, step - execute) / steps
+    gap = reals[0]["median_ttft_ms"] - _simulate(profile, model, workloads[0])["median_ttft_ms"]
+    profile.request_latency = max(0.0, gap / 1e3)
+    profile.calibrated_on += (f"; serving at {base_url}: runner {ratio:.2f}x the fit's, "
+                              f"{(step - execute) / steps * 1e3:.2f} ms a step besides, "
+                              f"request latency {profile.request_latency * 1e3:.1f} ms")
     return profile
+
+
+def _simulate(profile: Hardware, model: str, workload: list[str]) -> dict:
+    from tidal.cli import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.json"
+        path.write_text(profile.to_json())
+        return run(["simulate", "--model-config", model, "--hardware", str(path), *workload])
 
 
 def format_rows(rows) -> str:

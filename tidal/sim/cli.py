@@ -119,6 +119,7 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
         "data_parallel_size": args.data_parallel_size, "routing": args.routing,
         "num_kv_blocks": cache.num_blocks, "scheduler": asdict(sched),
         "length_scale": spec.length_scale, "steps": run.steps,
+        "busy_seconds": run.busy_seconds,
         "preemptions": run.preemptions, "wall_seconds": wall,
         "simulated_requests_per_second": len(requests) / wall, "timeline": run.timeline}
     print(format_report(result, "Simulated Serving Result"))
@@ -155,7 +156,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--max-prefill", type=int, default=1024, help="longest prefill timed")
     p.add_argument("--serving-url", default=None, metavar="URL",
                    help="a tidal server of the same model and flags: also measure what "
-                        "serving adds (request latency, per-token frontend CPU)")
+                        "serving adds (its steps' times by its own counters, request latency)")
     add_engine_flags(p)
     p.set_defaults(func=cmd_calibrate)
 
@@ -173,8 +174,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     print(f"mean absolute error {error:.1%}")
     if args.serving_url:
         calibrate_serving(profile, model, args.serving_url)
-        print(f"serving: request latency {profile.request_latency * 1e3:.1f} ms, output "
-              f"overhead {profile.output_overhead * 1e3:.2f} ms per token")
+        print("serving:", profile.calibrated_on.rpartition("serving at ")[2])
     text = profile.to_json()
     if args.output:
         with open(args.output, "w") as f:

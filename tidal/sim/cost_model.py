@@ -7,7 +7,6 @@ For a step's scheduled requests (each `n` new tokens after `c` cached ones):
                   KV bytes read and written                    over  bandwidth * bw_eff)
   step      = linear + attention + step_overhead + seq_overhead * seqs + token_overhead * tokens
               + context_overhead * cached tokens gathered (sequences with c > 0 read c + n)
-              + output_overhead * sampled rows (a serving frontend's per-token CPU)
 """
 
 from __future__ import annotations
@@ -60,8 +59,9 @@ class StepShape:
 class CostModel:
     """Step times of a model on a piece of hardware."""
 
-    def __init__(self, arch: ModelArch, hw: Hardware, dtype_bytes: int = 2) -> None:
+    def __init__(self, arch: ModelArch, hw: Hardware) -> None:
         self.arch, self.hw = arch, hw
+        dtype_bytes = hw.dtype_bytes
         self.linear_flops_per_token = 2 * linear_params(arch)
         self.head_flops_per_row = 2 * arch.vocab_size * arch.hidden_size
         embed = arch.vocab_size * arch.hidden_size
@@ -85,8 +85,7 @@ class CostModel:
         if shape.seqs == 0:
             return 0.0
         return (self.roofline(shape) + hw.step_overhead + hw.seq_overhead * shape.seqs
-                + hw.token_overhead * shape.tokens + hw.context_overhead * shape.gathered
-                + hw.output_overhead * shape.sampled)
+                + hw.token_overhead * shape.tokens + hw.context_overhead * shape.gathered)
 
     def transfer_time(self, num_tokens: int, link_bandwidth: float,
                       latency: float = 0.0) -> float:

@@ -62,12 +62,11 @@ class Hardware:
     seq_overhead: float = 0.0  # seconds per scheduled sequence (input building, sampling)
     token_overhead: float = 0.0  # seconds per scheduled token
     context_overhead: float = 0.0  # seconds per cached token a step gathers to attend
-    # What serving adds to the runner (`tidal calibrate --serving-url`): HTTP, tokenization
-    # and IPC before a request reaches the scheduler, and the frontend's per-token work
-    # (detokenize, SSE) that shares the engine's CPU and stretches its steps.
+    # What serving adds before the runner (`tidal calibrate --serving-url`; that calibration
+    # also folds the server's measured step times into the factors and step_overhead).
     request_latency: float = 0.0  # seconds from a request's send to its scheduler
-    output_overhead: float = 0.0  # seconds a step takes longer per token it samples
     memory_utilization: float = 0.9  # share of memory the engine may use
+    dtype_bytes: int = 2  # bytes per weight and KV element (calibrate: the runner's dtype)
     calibrated_on: str = ""  # what `tidal calibrate` measured, if it made this profile
 
     def to_json(self) -> str:
@@ -106,11 +105,11 @@ def hardware(name: str) -> Hardware:
     return Hardware(**{k: v for k, v in data.items() if k in names})
 
 
-def kv_blocks_for(arch: ModelArch, hw: Hardware, block_size: int, dtype_bytes: int = 2) -> int:
+def kv_blocks_for(arch: ModelArch, hw: Hardware, block_size: int) -> int:
     """KV blocks that fit beside the weights in the usable memory, as the runner sizes it."""
-    weights = weight_params(arch) * dtype_bytes
+    weights = weight_params(arch) * hw.dtype_bytes
     free = hw.memory_bytes * hw.memory_utilization - weights
-    blocks = int(free // (arch.kv_bytes_per_token(dtype_bytes) * block_size))
+    blocks = int(free // (arch.kv_bytes_per_token(hw.dtype_bytes) * block_size))
     if blocks < 1:
         raise ValueError(f"{hw.name}: the model's {weights / 1e9:.1f} GB of weights leave no "
                          f"room for a KV cache")

@@ -45,6 +45,7 @@ class SimReplica:
         self.scheduler = Scheduler(config, KVCacheManager(cache))
         self.plan: SchedulerOutput | None = None
         self.steps = 0
+        self.busy_seconds = 0.0  # summed step times
         self.outstanding = 0  # prompt + output tokens of the requests it holds (routing)
         self.planned_tokens = 0
         self.pending_transfers: list[str] = []  # decode role: admitted, prefill not yet sent
@@ -71,7 +72,9 @@ class SimReplica:
                 shape = StepShape.of(out)
                 self.planned_tokens = shape.tokens
                 self.steps += 1
-                return now + self.cost.shape_time(shape)
+                took = self.cost.shape_time(shape)
+                self.busy_seconds += took
+                return now + took
             sched.update(out, ModelOutput())
             if not (out.preempted_ids or out.transfer_ids):
                 return None

@@ -55,6 +55,7 @@ class SimRun:
     timeline: dict[str, list[float]] = field(default_factory=dict)
     steps: int = 0
     preemptions: int = 0
+    busy_seconds: float = 0.0  # summed step times of every replica (an engine's busy time)
 
 
 class Simulator:
@@ -150,7 +151,8 @@ class Simulator:
         results = [self._result(req, t, clock, ok) for req, t, clock, ok
                    in zip(requests, sent, clocks, done)]
         return SimRun(results, now, timeline, sum(r.steps for r in self.replicas),
-                      sum(r.scheduler.num_preemptions for r in self.replicas))
+                      sum(r.scheduler.num_preemptions for r in self.replicas),
+                      sum(r.busy_seconds for r in self.replicas))
 
     def _send(self, index: int, arrival: float) -> None:
         """A request goes out through the concurrency gate; it reaches its scheduler at
