@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import statistics
 import tempfile
 import time
@@ -178,6 +179,7 @@ def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:
     (HTTP, tokenization, IPC) becomes `request_latency`."""
     from tidal.cli import run
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scrape
     profile.request_latency = 0.0
     served, simulated, workloads, reals = np.zeros(3), 0.0, [], []
     for c in (1, 4):
