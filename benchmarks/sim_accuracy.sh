@@ -4,8 +4,8 @@
 # CPU profile, and print each headline metric's relative error (target: within 15%).
 # The engine core runs one torch thread, as it was calibrated: the frontend and this client
 # get the other core. `--calibrate` refits the profile first (~1 min): the runner over a grid
-# of step shapes, then what serving adds (`--serving-url`: request latency and per-token
-# frontend CPU, measured one request at a time against the server started here).
+# of step shapes, then what serving adds (`--serving-url`: the server started here times its
+# own steps for 12 requests one at a time and 12 four at a time; and the request latency).
 # usage: benchmarks/sim_accuracy.sh [--calibrate]
 # Workload knobs: NUM_PROMPTS (100), RATE (0.5 req/s), INPUT_LEN (256), OUTPUT_LEN (64).
 set -euo pipefail
