@@ -43,16 +43,18 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix matching
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """Chain hashes covering at least the first `num_blocks` full blocks (memoised, so
-        the list may hold more: callers slice)."""
-        hashes = request.block_hashes
+        """Chain hashes covering at least the first `num_blocks` full blocks (memoised with
+        the blocks' token tuples in `request.block_tokens`, so the list may hold more:
+        callers slice)."""
+        hashes, tokens = request.block_hashes, request.block_tokens
         if len(hashes) < num_blocks:
             bs = self.block_size
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), num_blocks):
-                parent = hash_block(parent, tuple(request.token_slice(i * bs, (i + 1) * bs)),
-                                    request.extra_key)
+                block = tuple(request.token_slice(i * bs, (i + 1) * bs))
+                parent = hash_block(parent, block, request.extra_key)
                 hashes.append(parent)
+                tokens.append(block)
         return hashes
 
     def match_prefix(self, request: Request) -> list[Block]:
@@ -63,13 +65,12 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks == 0:
             return []
-        tokens = request.all_token_ids
-        bs = self.block_size
         hit: list[Block] = []
         parent = None
-        for i, h in enumerate(self._hashes(request, max_blocks)[:max_blocks]):
-            block = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]),
-                                     (parent, request.extra_key))
+        hashes, tokens = self._hashes(request, max_blocks), request.block_tokens
+        for i in range(max_blocks):
+            h = hashes[i]
+            block = self.pool.lookup(h, tokens[i], (parent, request.extra_key))
             if block is None:
                 break
             hit.append(block)
@@ -134,12 +135,10 @@ class KVCacheManager:
         full = min(num_tokens, request.num_tokens, len(table) * self.block_size) // self.block_size
         if full <= done:
             return
-        hashes = self._hashes(request, full)
-        bs = self.block_size
+        hashes, tokens = self._hashes(request, full), request.block_tokens
         for i in range(done, full):
             context = (hashes[i - 1] if i else None, request.extra_key)
-            if not self.pool.cache(self.pool.blocks[table[i]], hashes[i],
-                                   tuple(request.token_slice(i * bs, (i + 1) * bs)), context):
+            if not self.pool.cache(self.pool.blocks[table[i]], hashes[i], tokens[i], context):
                 full = _CHAIN_BROKEN  # a collision: nothing after it may be published
                 break
         self._num_cached[rid] = full

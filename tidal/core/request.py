@@ -105,7 +105,8 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "eos_token_id",
         "extra_key", "status", "output_token_ids", "num_computed_tokens", "prefill_target",
-        "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "parent_id",
+        "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "block_tokens",
+        "parent_id",
         "enqueue_step", "remote_prefill", "fork_pending", "stop_ids", "out_limit", "max_tokens",
     )
 
@@ -134,6 +135,7 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit at the last admission
         self.finish_message: str | None = None
         self.block_hashes: list[int] = []  # chain hashes of full blocks, grown lazily
+        self.block_tokens: list[tuple[int, ...]] = []  # those blocks' token ids, hashed once
         self.parent_id: str | None = None
         self.enqueue_step = 0
         self.remote_prefill = False  # decode role: KV comes from a prefill instance

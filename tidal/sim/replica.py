@@ -85,5 +85,6 @@ class SimReplica:
         out, self.plan = self.plan, None
         # approximate: recomputed tokens count twice
         self.outstanding = max(0, self.outstanding - self.planned_tokens)
-        sampled = {s.request_id: [SIM_TOKEN] for s in out.scheduled if s.samples}
+        token = [SIM_TOKEN]  # one list for all: update() only reads it
+        sampled = {s.request_id: token for s in out.scheduled if s.samples}
         return self.scheduler.update(out, ModelOutput(sampled=sampled))

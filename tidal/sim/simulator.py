@@ -186,9 +186,10 @@ class Simulator:
 
     def _step_end(self, replica: SimReplica, now: float, clocks: list[TokenClock],
                   done: list[bool], dirty: set[SimReplica]) -> None:
+        shared = self._shared_prefill
         for o in replica.finish():
             index = int(o.request_id)
-            if o.kv_transfer or (self._shared_prefill and o.finish_reason == "length"
+            if o.kv_transfer or (shared and o.finish_reason == "length"
                                  and self._home[o.request_id][1] is replica):
                 # the prompt's KV (and first token) now travels to its decoder
                 decoder = self._home[o.request_id][0]
