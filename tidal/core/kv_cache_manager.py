@@ -69,12 +69,11 @@ class KVCacheManager:
         parent = None
         hashes, tokens = self._hashes(request, max_blocks), request.block_tokens
         for i in range(max_blocks):
-            h = hashes[i]
-            block = self.pool.lookup(h, tokens[i], (parent, request.extra_key))
+            block = self.pool.lookup(hashes[i], tokens[i], (parent, request.extra_key))
             if block is None:
                 break
             hit.append(block)
-            parent = h
+            parent = hashes[i]
         return hit
 
     # ------------------------------------------------------------------ allocation

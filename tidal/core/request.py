@@ -106,8 +106,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "eos_token_id",
         "extra_key", "status", "output_token_ids", "num_computed_tokens", "prefill_target",
         "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "block_tokens",
-        "parent_id",
-        "enqueue_step", "remote_prefill", "fork_pending", "stop_ids", "out_limit", "max_tokens",
+        "parent_id", "enqueue_step", "remote_prefill", "fork_pending", "stop_ids", "out_limit",
+        "max_tokens",
     )
 
     def __init__(
