@@ -51,6 +51,30 @@ def test_decode_is_bandwidth_bound_and_long_prefill_compute_bound():
     assert cost.roofline(StepShape([(1, 100, True)] * 32)) < 1.2 * cost.roofline(one)
 
 
+def test_a_step_shape_sums_what_the_scheduler_planned():
+    """StepShape.of (with its shortcut for decode-only steps) gives the totals of the entry
+    form for every step of a run that mixes prefills, chunks and decodes."""
+    from tidal.core import KVCacheManager, Request, SamplingParams, Scheduler
+    from tidal.core.outputs import ModelOutput
+
+    sched = Scheduler(SchedulerConfig(max_model_len=512, chunked_prefill_size=48),
+                      KVCacheManager(CacheConfig(num_blocks=64, block_size=16)))
+    for i, n in enumerate((5, 100, 17, 33)):
+        sched.add_request(Request(str(i), list(range(1, n + 1)), SamplingParams(max_tokens=6)))
+    kinds = set()
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        kinds.add(out.kind)
+        entries = [(s.num_new_tokens, s.num_computed_tokens, s.samples) for s in out.scheduled]
+        fast, plain = StepShape.of(out), StepShape(entries)
+        assert {k: getattr(fast, k) for k in StepShape.__slots__} == \
+            {k: getattr(plain, k) for k in StepShape.__slots__}
+        assert plain.pairs == sum(n * c + n * (n + 1) // 2 for n, c, _ in entries)
+        sched.update(out, ModelOutput(sampled={s.request_id: [7] for s in out.scheduled
+                                               if s.samples}))
+    assert {"prefill", "mixed", "decode"} <= kinds
+
+
 def test_kv_blocks_fill_what_the_weights_leave():
     hw = hardware("h100")
     blocks = kv_blocks_for(ARCH, hw, 16)

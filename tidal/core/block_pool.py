@@ -62,13 +62,14 @@ class BlockPool:
         """Take `n` fresh blocks (ref 1), evicting the least recently used cached ones."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            block = self.blocks[self._free.popitem(last=False)[0]]
-            if block.block_hash is not None:
-                self._evict(block)
+        blocks, pop = self.blocks, self._free.popitem
+        out = [blocks[pop(False)[0]] for _ in range(n)]
+        for block in out:
+            if block.block_hash is not None:  # the least recently used cached prefix goes
+                del self._cached[block.block_hash]
+                block.block_hash = block.token_ids = block.context = None
+                self.num_evictions += 1
             block.ref_cnt = 1
-            out.append(block)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -113,10 +114,3 @@ class BlockPool:
         block.context = context
         self._cached[block_hash] = block
         return True
-
-    def _evict(self, block: Block) -> None:
-        del self._cached[block.block_hash]
-        block.block_hash = None
-        block.token_ids = None
-        block.context = None
-        self.num_evictions += 1

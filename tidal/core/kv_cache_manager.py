@@ -46,15 +46,16 @@ class KVCacheManager:
         """Chain hashes covering at least the first `num_blocks` full blocks (memoised with
         the blocks' token tuples in `request.block_tokens`, so the list may hold more:
         callers slice)."""
-        hashes, tokens = request.block_hashes, request.block_tokens
-        if len(hashes) < num_blocks:
-            bs = self.block_size
+        hashes, done = request.block_hashes, len(request.block_hashes)
+        if done < num_blocks:
+            bs, extra = self.block_size, request.extra_key
+            # Cut the new blocks into tuples in one C-level pass (zip over one iterator).
+            blocks = list(zip(*[iter(request.token_slice(done * bs, num_blocks * bs))] * bs))
             parent = hashes[-1] if hashes else None
-            for i in range(len(hashes), num_blocks):
-                block = tuple(request.token_slice(i * bs, (i + 1) * bs))
-                parent = hash_block(parent, block, request.extra_key)
+            for block in blocks:
+                parent = hash_block(parent, block, extra)
                 hashes.append(parent)
-                tokens.append(block)
+            request.block_tokens += blocks
         return hashes
 
     def match_prefix(self, request: Request) -> list[Block]:
@@ -102,7 +103,7 @@ class KVCacheManager:
             start = len(hit) * self.block_size
         missing = cdiv(start + num_tokens, self.block_size) - len(table)
         if missing > 0:
-            table.extend(b.block_id for b in self.pool.allocate(missing))
+            table += [b.block_id for b in self.pool.allocate(missing)]
         return True
 
     def append_slot(self, request: Request) -> list[int] | None:

@@ -405,7 +405,7 @@ class Scheduler:
             generated = r.output_token_ids
             if plain and token not in r.stop_ids and len(generated) + 1 < r.out_limit:
                 generated.append(token)  # _append's common case, inlined for the hot path
-                outputs.append(RequestOutput(rid, [token], parent_id=r.parent_id))
+                outputs.append(RequestOutput(rid, [token], False, None, None, r.parent_id))
             else:
                 outputs.append(self._append(r, token))
         return outputs

@@ -11,6 +11,7 @@ For a step's scheduled requests (each `n` new tokens after `c` cached ones):
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Iterable
 
 from tidal.core import SchedulerOutput
@@ -38,8 +39,14 @@ class StepShape:
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> "StepShape":
-        # The simulator's hot path: one loop of attribute reads over the step.
         shape = cls(())
+        if out.kind == "decode":  # the common step: one new, sampled token after c >= 1
+            seqs, context = len(out.scheduled), sum(map(_CACHED, out.scheduled))
+            shape.tokens = shape.seqs = shape.sampled = seqs
+            shape.pairs = shape.gathered = context + seqs
+            shape.kv_tokens = context + 2 * seqs
+            return shape
+        # The simulator's hot path: one loop of attribute reads over the step.
         tokens = seqs = sampled = pairs = kv = gathered = 0
         for s in out.scheduled:
             n, c = s.num_new_tokens, s.num_computed_tokens
@@ -54,6 +61,9 @@ class StepShape:
             tokens, seqs, sampled, pairs, kv
         shape.gathered = gathered
         return shape
+
+
+_CACHED = attrgetter("num_computed_tokens")
 
 
 class CostModel:

@@ -4,12 +4,15 @@ model, on a virtual clock. It also keeps each request's token times for the repo
 from __future__ import annotations
 
 import copy
+from itertools import compress
+from operator import attrgetter
 
 from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, RequestOutput,
                         Scheduler, SchedulerConfig, SchedulerOutput)
 from tidal.sim.cost_model import CostModel, StepShape
 
 SIM_TOKEN = 7  # the token every simulated step "samples" (requests ignore EOS)
+_ID, _SAMPLES = attrgetter("request_id"), attrgetter("samples")
 
 
 class TokenClock:
@@ -86,5 +89,9 @@ class SimReplica:
         # approximate: recomputed tokens count twice
         self.outstanding = max(0, self.outstanding - self.planned_tokens)
         token = [SIM_TOKEN]  # one list for all: update() only reads it
-        sampled = {s.request_id: token for s in out.scheduled if s.samples}
+        steps = out.scheduled
+        if out.kind == "decode":  # every decode samples
+            sampled = dict.fromkeys(map(_ID, steps), token)
+        else:
+            sampled = dict.fromkeys(compress(map(_ID, steps), map(_SAMPLES, steps)), token)
         return self.scheduler.update(out, ModelOutput(sampled=sampled))

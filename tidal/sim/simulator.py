@@ -106,19 +106,26 @@ class Simulator:
 
     def run(self, requests: list[BenchRequest], send_times: list[float],
             max_concurrency: int | None = None) -> SimRun:
-        clocks = [TokenClock() for _ in requests]
+        clocks = {str(i): TokenClock() for i in range(len(requests))}  # by request id
         done = [False] * len(requests)
         sent = list(send_times)  # when each request really went out (later when gated)
         timeline: dict[str, list[float]] = {"time": [], "kv_usage": [], "running": [],
                                            "waiting": [], "preemptions": []}
         latency = self.cost.hw.request_latency
-        for i, t in enumerate(send_times):
-            self._push(t, _SEND, i)
+        # Sends enter the heap one at a time in time order (ties in index order), so the heap
+        # holds a few events per replica rather than the whole workload.
+        sends = iter(sorted(range(len(send_times)), key=send_times.__getitem__))
+        first = next(sends, None)
+        if first is not None:
+            self._push(send_times[first], _SEND, first)
         next_sample, now = 0.0, 0.0
         dirty: set[SimReplica] = set()
         while self._events:
             now, kind, _, payload = heapq.heappop(self._events)
             if kind == _SEND:
+                following = next(sends, None)
+                if following is not None:
+                    self._push(send_times[following], _SEND, following)
                 if max_concurrency and self._in_flight >= max_concurrency:
                     self._held.append(payload)
                 else:
@@ -149,7 +156,7 @@ class Simulator:
                     sent[index] = now
                     self._send(index, now + latency)
         results = [self._result(req, t, clock, ok) for req, t, clock, ok
-                   in zip(requests, sent, clocks, done)]
+                   in zip(requests, sent, clocks.values(), done)]
         return SimRun(results, now, timeline, sum(r.steps for r in self.replicas),
                       sum(r.scheduler.num_preemptions for r in self.replicas),
                       sum(r.busy_seconds for r in self.replicas))
@@ -184,11 +191,10 @@ class Simulator:
             self._home[rid] = (replica, target)
             dirty.add(target)
 
-    def _step_end(self, replica: SimReplica, now: float, clocks: list[TokenClock],
+    def _step_end(self, replica: SimReplica, now: float, clocks: dict[str, TokenClock],
                   done: list[bool], dirty: set[SimReplica]) -> None:
         shared = self._shared_prefill
         for o in replica.finish():
-            index = int(o.request_id)
             if o.kv_transfer or (shared and o.finish_reason == "length"
                                  and self._home[o.request_id][1] is replica):
                 # the prompt's KV (and first token) now travels to its decoder
@@ -199,7 +205,7 @@ class Simulator:
                            _TRANSFER_END, (o.request_id, o.new_token_ids[0]))
                 continue
             if o.new_token_ids:
-                clock = clocks[index]  # TokenClock.tick, inlined: once per simulated token
+                clock = clocks[o.request_id]  # TokenClock.tick, inlined: once per token
                 if clock.count:
                     clock.itl.append(now - clock.last)
                 else:
@@ -208,24 +214,23 @@ class Simulator:
                 clock.count += 1
             if o.finished:
                 self._released += 1
-                done[index] = o.finish_reason in ("stop", "length")
+                done[int(o.request_id)] = o.finish_reason in ("stop", "length")
                 decoder, prefiller = self._home.pop(o.request_id)
                 if prefiller is replica:  # ended at its prefill: free the decode side too
                     decoder.scheduler.abort(o.request_id)
                     dirty.add(decoder)
 
-    def _transfer_end(self, payload: tuple[str, int], now: float, clocks: list[TokenClock],
+    def _transfer_end(self, payload: tuple[str, int], now: float, clocks: dict[str, TokenClock],
                       done: list[bool], dirty: set[SimReplica]) -> None:
         rid, token = payload
         decoder, prefiller = self._home[rid]
         if not self._shared_prefill:  # the shared path freed the blocks at its finish
             prefiller.scheduler.kv_sent(rid)
         out = decoder.scheduler.kv_received(rid, token)
-        index = int(rid)
-        clocks[index].tick(now)
+        clocks[rid].tick(now)
         if out.finished:
             self._released += 1
-            done[index] = True
+            done[int(rid)] = True
             del self._home[rid]
         dirty.update((decoder, prefiller))
 
