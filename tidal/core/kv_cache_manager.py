@@ -49,8 +49,10 @@ class KVCacheManager:
         hashes, done = request.block_hashes, len(request.block_hashes)
         if done < num_blocks:
             bs, extra = self.block_size, request.extra_key
-            # Cut the new blocks into tuples in one C-level pass (zip over one iterator).
-            blocks = list(zip(*[iter(request.token_slice(done * bs, num_blocks * bs))] * bs))
+            flat = request.token_slice(done * bs, num_blocks * bs)
+            # Many blocks (a prompt) are cut in one C-level pass (zip over one iterator); the
+            # one block a decode fills is cheaper as a plain tuple.
+            blocks = list(zip(*[iter(flat)] * bs)) if num_blocks - done > 1 else [tuple(flat)]
             parent = hashes[-1] if hashes else None
             for block in blocks:
                 parent = hash_block(parent, block, extra)
@@ -121,7 +123,7 @@ class KVCacheManager:
         table = self.tables.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         if table:
-            self.pool.release(self._blocks(table[::-1]))
+            self.pool.release(map(self.pool.blocks.__getitem__, reversed(table)))
 
     def cache_computed(self, request: Request, num_tokens: int) -> None:
         """Publish the request's full blocks whose KV covers its first `num_tokens` tokens."""

@@ -125,9 +125,9 @@ class Scheduler:
         self.step += 1
         if not (self.running or self.waiting or self.preempted or self.transferring):
             self.ratio.reset()
-        out = SchedulerOutput(step=self.step, kind="idle")
-        out.finished_ids, self._finished_ids = self._finished_ids, []
-        out.block_copies, self._pending_copies = self._pending_copies, []
+        out = SchedulerOutput(step=self.step, kind="idle", finished_ids=self._finished_ids,
+                              block_copies=self._pending_copies)
+        self._finished_ids, self._pending_copies = [], []
         decoding = [r for r in self.running if r.num_computed_tokens >= r.prefill_target]
         if self.config.role == "prefill":
             budget_tokens = self.config.max_input_tokens_per_step

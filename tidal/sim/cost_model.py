@@ -39,7 +39,7 @@ class StepShape:
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> "StepShape":
-        shape = cls(())
+        shape = cls.__new__(cls)
         if out.kind == "decode":  # the common step: one new, sampled token after c >= 1
             seqs, context = len(out.scheduled), sum(map(_CACHED, out.scheduled))
             shape.tokens = shape.seqs = shape.sampled = seqs
@@ -83,12 +83,12 @@ class CostModel:
         hw = self.hw
         flops = self.linear_flops_per_token * shape.tokens + self.head_flops_per_row * shape.sampled
         bandwidth = hw.mem_bandwidth * hw.bandwidth_efficiency
-        linear = max(flops / (hw.peak_flops * hw.compute_efficiency),
-                     self.weight_bytes / bandwidth)
-        attention = max(self.attn_flops_per_pair * shape.pairs
-                        / (hw.peak_flops * hw.attention_efficiency),
-                        self.kv_bytes_per_token * shape.kv_tokens / bandwidth)
-        return linear + attention
+        compute = flops / (hw.peak_flops * hw.compute_efficiency)
+        memory = self.weight_bytes / bandwidth
+        linear = compute if compute > memory else memory  # max(), without a call: every step
+        compute = self.attn_flops_per_pair * shape.pairs / (hw.peak_flops * hw.attention_efficiency)
+        memory = self.kv_bytes_per_token * shape.kv_tokens / bandwidth
+        return linear + (compute if compute > memory else memory)
 
     def shape_time(self, shape: StepShape) -> float:
         hw = self.hw

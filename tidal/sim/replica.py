@@ -66,10 +66,11 @@ class SimReplica:
         (a later arrival or KV transfer wakes the replica)."""
         sched = self.scheduler
         for _ in range(3):  # a step that only retracts or admits KV transfers computes nothing
-            if not sched.has_unfinished_requests():
+            if not sched.requests:  # has_unfinished_requests(), read directly: once a step
                 return None
             out = sched.schedule()
-            self.pending_transfers += out.transfer_ids
+            if out.transfer_ids:
+                self.pending_transfers += out.transfer_ids
             if out.scheduled:
                 self.plan = out
                 shape = StepShape.of(out)
@@ -78,7 +79,7 @@ class SimReplica:
                 took = self.cost.shape_time(shape)
                 self.busy_seconds += took
                 return now + took
-            sched.update(out, ModelOutput())
+            sched.update(out, ModelOutput(preempted_ack=out.preempted_ids))
             if not (out.preempted_ids or out.transfer_ids):
                 return None
         return None
@@ -94,4 +95,5 @@ class SimReplica:
             sampled = dict.fromkeys(map(_ID, steps), token)
         else:
             sampled = dict.fromkeys(compress(map(_ID, steps), map(_SAMPLES, steps)), token)
-        return self.scheduler.update(out, ModelOutput(sampled=sampled))
+        # The simulated executor has drained a preempted request's slot when its step ends.
+        return self.scheduler.update(out, ModelOutput(sampled, out.preempted_ids))

@@ -143,11 +143,12 @@ class Simulator:
                 self._transfer_end(payload, now, clocks, done, dirty)
             while dirty:
                 replica = dirty.pop()
-                if not replica.busy:
+                if replica.plan is None:  # not busy
                     end = replica.start(now)
                     if end is not None:
                         self._push(end, _STEP_END, replica)
-                    self._start_transfers(replica, dirty)
+                    if replica.pending_transfers:
+                        self._start_transfers(replica, dirty)
             while self._released:  # finished requests let held sends go
                 self._released -= 1
                 self._in_flight -= 1
