@@ -285,6 +285,22 @@ def test_simulate_command_writes_the_bench_report(tmp_path, capsys):
     assert "Simulated Serving Result" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--routing", "least_loaded"], "routing policy must be one of"),
+    (["--block-size", "0"], "block_size must be at least 1"),
+    (["--pd", "0P2D"], "xPyD needs at least one prefill"),
+    (["--dataset-path", "/no/such/trace.csv"], "no trace at /no/such/trace.csv"),
+    (["--goodput", "ttft:soon"], "'soon' is not a number"),
+])
+def test_simulate_refuses_bad_flags_with_a_message(flags, message):
+    from tidal.cli import run as main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--dataset", "azure-conv", "--num-prompts", "5", *flags])
+    assert str(exit_.value).startswith("tidal simulate: error: ")
+    assert message in str(exit_.value)
+
+
 def test_simulation_of_a_calibrated_cpu_matches_a_real_server(tmp_path):
     """The issue's accuracy bar on this machine: calibrate the real runner (as the server
     runs it: one thread) and what serving adds (the server's own step times and latency,

@@ -8,7 +8,8 @@ import argparse
 import logging
 import sys
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from tidal.engine.config import all_fields, option_type
 
@@ -38,6 +39,16 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                            help=f"{help_text} (default: {default})")
 
 
+@contextmanager
+def flag_errors(command: str) -> Iterator[None]:
+    """Around what turns flags into configs and workloads: a value that fails validation or
+    a file that is not there ends the command with its message, not a traceback."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"tidal {command}: error: {e}") from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = {name for name, _, _ in all_fields()}
     return {k: v for k, v in vars(args).items() if k in names}
@@ -46,9 +57,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_generate(args: argparse.Namespace) -> None:
     from tidal import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed_per_request)
+    with flag_errors("generate"):
+        llm = LLM(**engine_kwargs(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed_per_request)
     t0 = time.perf_counter()
     if args.raw:
         outs = llm.generate(args.prompts, params)
@@ -75,11 +87,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tidal.server.api import ServerConfig, build_app
     from tidal.server.client import CoreClient
 
-    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    with flag_errors("serve"):
+        config = EngineConfig.from_kwargs(**engine_kwargs(args))
     if config.scheduler.role != "mixed" and config.parallel.data_parallel_size > 1:
         raise SystemExit("a prefill or decode instance runs one engine core; run several "
                          "instances behind `tidal router` instead of --data-parallel-size")
-    folder, name = resolve_model(config.model.model)  # converts once, before the core starts
+    with flag_errors("serve"):
+        folder, name = resolve_model(config.model.model)  # converts once, before the core starts
     client = CoreClient(config, str(folder), Tokenizer(folder))
     server = ServerConfig(model_name=args.served_model_name or name, api_key=args.api_key,
                           max_pending=args.max_pending, max_n=args.max_n,

@@ -43,13 +43,15 @@ def prompt_text(tokenizer, ids: list[int]) -> str:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> dict:
+    from tidal.cli import flag_errors
     from tidal.model.registry import resolve_model
     from tidal.model.tokenizer import Tokenizer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    slos = parse_goodput(args.goodput)
-    tokenizer = Tokenizer(resolve_model(args.tokenizer)[0])
-    requests, times, _ = load_workload(args, tokenizer.vocab_size, tokenizer)
+    with flag_errors("bench serve"):
+        slos = parse_goodput(args.goodput)
+        tokenizer = Tokenizer(resolve_model(args.tokenizer)[0])
+        requests, times, _ = load_workload(args, tokenizer.vocab_size, tokenizer)
     prompts = [r.text if r.text is not None else prompt_text(tokenizer, r.prompt_ids)
                for r in requests]
     target = Target(base_url=args.base_url or f"http://{args.host}:{args.port}",

@@ -106,9 +106,12 @@ def build_simulator(args: argparse.Namespace):
 
 
 def cmd_simulate(args: argparse.Namespace) -> dict:
-    slos = parse_goodput(args.goodput)
-    sim, arch, hw, sched, cache = build_simulator(args)
-    requests, times, spec = load_workload(args, arch.vocab_size)
+    from tidal.cli import flag_errors
+
+    with flag_errors("simulate"):
+        slos = parse_goodput(args.goodput)
+        sim, arch, hw, sched, cache = build_simulator(args)
+        requests, times, spec = load_workload(args, arch.vocab_size)
     t0 = time.perf_counter()
     run = sim.run(requests, times, args.max_concurrency)
     wall = time.perf_counter() - t0
