@@ -138,11 +138,13 @@ class KVCacheManager:
         if full <= done:
             return
         hashes, tokens = self._hashes(request, full), request.block_tokens
+        blocks, cache, extra = self.pool.blocks, self.pool.cache, request.extra_key
+        parent = hashes[done - 1] if done else None
         for i in range(done, full):
-            context = (hashes[i - 1] if i else None, request.extra_key)
-            if not self.pool.cache(self.pool.blocks[table[i]], hashes[i], tokens[i], context):
+            if not cache(blocks[table[i]], hashes[i], tokens[i], (parent, extra)):
                 full = _CHAIN_BROKEN  # a collision: nothing after it may be published
                 break
+            parent = hashes[i]
         self._num_cached[rid] = full
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
