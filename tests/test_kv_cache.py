@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import tidal.core.kv_cache_manager as kvm
@@ -83,6 +85,56 @@ def test_pool_allocate_more_than_free_raises_and_takes_nothing():
     with pytest.raises(RuntimeError):
         pool.allocate(2)
     assert pool.free_block_ids() == [2] and pool.blocks[2].ref_cnt == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(num_blocks=st.integers(1, 8), ops=st.lists(st.tuples(
+    st.sampled_from(["allocate", "touch", "release"]), st.integers(0, 63), st.integers(1, 3)),
+    max_size=120))
+def test_pool_free_queue_is_an_exact_lru(num_blocks, ops):
+    """Against an OrderedDict model: allocate takes the least recently freed blocks, touch
+    revives a free block wherever it waits, release queues at the back. The pool's lazy
+    queue (stale entries skipped, compacted when they pile up) must match it exactly."""
+    pool = BlockPool(num_blocks)
+    model: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # free ids
+    held = [0] * num_blocks
+    for op, i, n in ops:
+        if op == "allocate":
+            want = [model.popitem(last=False)[0] for _ in range(min(n, len(model)))]
+            assert [b.block_id for b in pool.allocate(len(want))] == want
+            for bid in want:
+                held[bid] = 1
+        elif op == "touch":  # a prefix hit or a fork: free or held alike
+            bid = i % num_blocks
+            pool.touch([pool.blocks[bid]])
+            model.pop(bid, None)
+            held[bid] += 1
+        elif any(held):
+            bid = [b for b in range(num_blocks) if held[b]][i % sum(map(bool, held))]
+            pool.release([pool.blocks[bid]])
+            held[bid] -= 1
+            if not held[bid]:
+                model[bid] = None
+        assert pool.free_block_ids() == list(model)
+        assert pool.num_free == len(model) and [b.ref_cnt for b in pool.blocks] == held
+        assert len(pool._queue) <= 2 * num_blocks  # stale entries stay bounded
+    assert [b.block_id for b in pool.allocate(len(model))] == list(model)  # drain it all
+
+
+def test_pool_compaction_forgets_the_stale_entries_of_blocks_in_use():
+    """Block 0 is revived (its entry goes stale) while block 1 is revived and freed until
+    the stale entries trigger a compaction; once freed again, block 0 must still be
+    allocatable."""
+    pool = BlockPool(2)
+    a, b = pool.blocks
+    pool.touch([a])
+    for _ in range(3):
+        pool.touch([b])
+        pool.release([b])
+    assert len(pool._queue) <= 2 and pool.free_block_ids() == [1]
+    pool.release([a])
+    assert pool.free_block_ids() == [1, 0]
+    assert [x.block_id for x in pool.allocate(2)] == [1, 0]
 
 
 def test_manager_free_releases_tail_first():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from typing import Hashable, Iterable
 
 
@@ -15,7 +15,7 @@ class Block:
     """One KV block. `block_hash`, `token_ids` and `context` (parent hash, extra key) are set
     once it is full and cached: a hit must match all of them, not the hash alone."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "context")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "context", "queued")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -23,6 +23,7 @@ class Block:
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
         self.context: Hashable = None
+        self.queued = 0  # its entries in the pool's free queue; only the newest one counts
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -36,19 +37,24 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Oldest first: the front is evicted first. An OrderedDict gives O(1) removal on a hit.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Oldest first: the front is evicted first. A free block taken back by a prefix hit
+        # keeps its entry (no removal from the middle): an entry counts only while its block
+        # is free and no newer entry of it follows (`Block.queued`); allocate skips the rest.
+        self._queue: deque[Block] = deque(self.blocks)
+        for block in self.blocks:
+            block.queued = 1
+        self._num_free = num_blocks
         self._cached: dict[int, Block] = {}
         self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
         """Blocks a new allocation can take, cached-but-unreferenced ones included."""
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._num_free
 
     @property
     def num_cached(self) -> int:
@@ -56,27 +62,37 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in eviction order (next evicted first)."""
-        return list(self._free)
+        newest: dict[int, None] = {}  # each free block at its newest entry, back to front
+        for block in reversed(self._queue):
+            if block.ref_cnt == 0 and block.block_id not in newest:
+                newest[block.block_id] = None
+        return list(newest)[::-1]
 
     def allocate(self, n: int) -> list[Block]:
         """Take `n` fresh blocks (ref 1), evicting the least recently used cached ones."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
-        blocks, pop = self.blocks, self._free.popitem
-        out = [blocks[pop(False)[0]] for _ in range(n)]
-        for block in out:
+        if n > self._num_free:
+            raise RuntimeError(f"asked for {n} blocks with {self._num_free} free")
+        out: list[Block] = []
+        pop = self._queue.popleft
+        while len(out) < n:
+            block = pop()
+            block.queued -= 1
+            if block.ref_cnt or block.queued:
+                continue  # a stale entry: taken by a prefix hit, or queued again later
             if block.block_hash is not None:  # the least recently used cached prefix goes
                 del self._cached[block.block_hash]
                 block.block_hash = block.token_ids = block.context = None
                 self.num_evictions += 1
             block.ref_cnt = 1
+            out.append(block)
+        self._num_free -= n
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on blocks found in the cache (or shared by a fork)."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                self._num_free -= 1  # its queue entry is now stale
             block.ref_cnt += 1
 
     def release(self, blocks: Iterable[Block]) -> None:
@@ -84,10 +100,24 @@ class BlockPool:
 
         Callers pass a request's blocks tail first, so the tail of a prefix is evicted before
         its head (a head block serves every request that shares the prefix)."""
+        queue = self._queue
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = None
+                block.queued += 1
+                queue.append(block)
+                self._num_free += 1
+        if len(queue) > 2 * self.num_blocks:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries (prefix hits on free blocks leave them behind)."""
+        live = [self.blocks[i] for i in self.free_block_ids()]
+        for block in self._queue:
+            block.queued = 0
+        for block in live:
+            block.queued = 1
+        self._queue = deque(live)
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...],
                context: Hashable = None) -> Block | None:
