@@ -108,6 +108,7 @@ def test_a_dead_decode_core_fails_its_request_and_the_prefill_side_frees_the_blo
     pd = Server("--pd", "1P1D", "--max-input-tokens-per-step", "256")
     try:
         prefill, decode = instances(pd.url)
+        assert used_blocks(prefill) == 0  # the gauges are there from the first scrape on
         result: dict[str, object] = {}
         t = ask_long_in_background(pd.url, result)
         wait_until(lambda: used_blocks(prefill) > 0)  # prefilling in chunks of 256

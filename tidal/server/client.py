@@ -95,6 +95,8 @@ class CoreClient:
                     msg = m.from_core.decode(await self._from_core.recv())
                     if isinstance(msg, m.Failed):
                         raise EngineDeadError(f"the engine core failed to start: {msg.message}")
+                    if isinstance(msg, m.Stats):
+                        self.core_stats[msg.core] = msg
                     if isinstance(msg, m.Ready):
                         ready.add(msg.core)
                         self.ready = msg

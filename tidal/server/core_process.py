@@ -63,6 +63,8 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
         outbox.close()
         ctx.term()
         return
+    # Stats before Ready: the frontend's gauges exist from its first scrape on.
+    outbox.send(m.encoder.encode(m.Stats(index, 0, core.scheduler.stats(), 0, 0)))
     outbox.send(m.encoder.encode(m.Ready(index, core.max_model_len, core.vocab_size,
                                          core.runner.num_blocks, config.cache.block_size,
                                          link.address if link else "")))

@@ -46,16 +46,12 @@ class SimReplica:
         config.role = role
         self.cost = cost
         self.scheduler = Scheduler(config, KVCacheManager(cache))
-        self.plan: SchedulerOutput | None = None
+        self.plan: SchedulerOutput | None = None  # the step in flight (None: not busy)
         self.steps = 0
         self.busy_seconds = 0.0  # summed step times
         self.outstanding = 0  # prompt + output tokens of the requests it holds (routing)
         self.planned_tokens = 0
         self.pending_transfers: list[str] = []  # decode role: admitted, prefill not yet sent
-
-    @property
-    def busy(self) -> bool:
-        return self.plan is not None
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
