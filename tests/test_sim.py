@@ -4,6 +4,7 @@ cases, data-parallel routing, xPyD with KV transfers, calibration, and `tidal si
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -268,6 +269,19 @@ def test_calibration_recovers_known_factors():
     for shape in (StepShape([(1, 512, True)] * 32), StepShape([(2048, 0, True)]),
                   StepShape([(256, 0, True)] + [(1, 256, True)] * 16)):
         assert fitted.shape_time(shape) == pytest.approx(cost.shape_time(shape), rel=0.05)
+
+
+def test_the_issues_simulate_command_runs_as_written(tmp_path, monkeypatch):
+    """`--save-result out.json`: the path may follow the flag (or come from --result-file)."""
+    from tidal.cli import run as main
+
+    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
+    monkeypatch.chdir(tmp_path)
+    main(["simulate", "--dataset", "azure-conv", "--dataset-path", str(trace), "--num-prompts",
+          "5000", "--hardware", "h100", "--model-config", "llama-3-8b", "--save-result",
+          "out.json"])
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["completed"] == 5000 and result["backend"].startswith("tidal-sim")
 
 
 def test_simulate_command_writes_the_bench_report(tmp_path, capsys):

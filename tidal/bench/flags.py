@@ -49,9 +49,10 @@ def add_workload_flags(p: argparse.ArgumentParser, max_model_len: int | None = 2
     a.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs a request must meet to count as good: ttft:MS tpot:MS e2el:MS")
     o = p.add_argument_group("results")
-    o.add_argument("--save-result", action="store_true", help="write the JSON result")
-    o.add_argument("--result-file", default=None,
-                   help="its path (default: a name from the dataset, rate and date)")
+    o.add_argument("--save-result", nargs="?", const=True, default=False, metavar="PATH",
+                   help="write the JSON result (to PATH, or --result-file, or a name from the "
+                        "dataset, rate and date)")
+    o.add_argument("--result-file", default=None, help="where --save-result writes")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
 
 
@@ -92,8 +93,8 @@ def result_header(args: argparse.Namespace, backend: str, model_id: str) -> dict
 def save_result(args: argparse.Namespace, result: dict, kind: str) -> Path | None:
     if not args.save_result:
         return None
-    path = Path(args.result_file or
-                f"{kind}-{args.dataset}-{result['request_rate']}qps-{result['date']}.json")
+    named = args.save_result if isinstance(args.save_result, str) else args.result_file
+    path = Path(named or f"{kind}-{args.dataset}-{result['request_rate']}qps-{result['date']}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return path
