@@ -39,27 +39,16 @@ class StepShape:
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> "StepShape":
+        if out.kind != "decode":
+            return cls((s.num_new_tokens, s.num_computed_tokens, s.samples)
+                       for s in out.scheduled)
+        # The simulator's hot path, the common step: every entry one new, sampled token
+        # after c >= 1 cached ones, so the totals need only the sum of c (in one C pass).
         shape = cls.__new__(cls)
-        if out.kind == "decode":  # the common step: one new, sampled token after c >= 1
-            seqs, context = len(out.scheduled), sum(map(_CACHED, out.scheduled))
-            shape.tokens = shape.seqs = shape.sampled = seqs
-            shape.pairs = shape.gathered = context + seqs
-            shape.kv_tokens = context + 2 * seqs
-            return shape
-        # The simulator's hot path: one loop of attribute reads over the step.
-        tokens = seqs = sampled = pairs = kv = gathered = 0
-        for s in out.scheduled:
-            n, c = s.num_new_tokens, s.num_computed_tokens
-            tokens += n
-            seqs += 1
-            sampled += s.samples
-            pairs += n * c + n * (n + 1) // 2
-            kv += c + 2 * n
-            if c:
-                gathered += c + n
-        shape.tokens, shape.seqs, shape.sampled, shape.pairs, shape.kv_tokens = \
-            tokens, seqs, sampled, pairs, kv
-        shape.gathered = gathered
+        seqs, context = len(out.scheduled), sum(map(_CACHED, out.scheduled))
+        shape.tokens = shape.seqs = shape.sampled = seqs
+        shape.pairs = shape.gathered = context + seqs
+        shape.kv_tokens = context + 2 * seqs
         return shape
 
 
