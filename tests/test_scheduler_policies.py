@@ -81,3 +81,36 @@ def test_prefill_first_step_without_decodes_is_a_prefill_step():
     assert scheduled(out) == {"a": (3, 0)} and out.kind == "prefill"
     out, _ = step(s)
     assert out.kind == "decode"
+
+
+def test_a_new_policy_decides_what_a_step_holds(monkeypatch):
+    """A policy is one class: this one admits the shortest prompt first and runs no decode
+    while a request waits or a prompt is chunking. The scheduler follows both decisions."""
+    from tidal.core import policies
+    from tidal.core.policies import Policy
+
+    class ShortestFirstPrefillsFirst(Policy):
+        name = "test_prefills_first"
+
+        def order(self, waiting, step, prefix_tokens):
+            return sorted(waiting, key=lambda r: r.num_prompt_tokens)
+
+        def compose(self, sched, plan, decoding):
+            sched.schedule_prefills(plan, decoding)
+            if not sched.waiting and sched.active_prefill is None:
+                sched.schedule_decodes(plan, decoding)
+
+    monkeypatch.setitem(policies.POLICIES, "test_prefills_first", ShortestFirstPrefillsFirst)
+    s = make_scheduler(num_blocks=64, block_size=4, max_input_tokens_per_step=8,
+                       chunked_prefill_size=8, policy="test_prefills_first")
+    add(s, "a", 4, max_tokens=8)
+    step(s)
+    add(s, "long", 12, max_tokens=2)
+    add(s, "short", 3, max_tokens=2)
+    out, _ = step(s)  # fcfs would decode "a" first and offer "long" the budget first
+    assert scheduled(out) == {"short": (3, 0), "long": (4, 0)} and out.kind == "prefill"
+    out, _ = step(s)
+    assert scheduled(out) == {"long": (4, 4)}
+    out, _ = step(s)  # the prompt is done: decodes join
+    assert scheduled(out) == {"long": (4, 8), "a": (1, 4), "short": (1, 3)}
+    assert out.kind == "mixed"

@@ -1,6 +1,8 @@
 """Hypothesis state machine: random arrivals, steps, aborts, forks and KV hand-offs on tiny
 pools, in every role, batch mode, policy and executor mode. After every rule the invariants
-hold; at the end every request finishes within a bounded number of steps."""
+hold; at the end every request finishes within a bounded number of steps. The executor sees
+only the plans' plain data, as the model runner does: it must always know the tokens a step
+computes."""
 
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             lpm_aging_steps=8, max_model_len=256)
         self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)))
         self.inflight: deque = deque()
+        self.known: dict[str, list[int]] = {}  # the executor's tokens, from plain data only
+        self.num_samples: dict[str, int] = {}
         self.next_token = 10
         self.added = 0
         self.work = 0  # prompt + output tokens asked for: bounds the steps to drain
@@ -82,16 +86,33 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _finish_oldest(self, emit_eos: bool) -> None:
         out = self.inflight.popleft()
         s = self.s
-        for x in out.scheduled:
-            assert len(x.block_ids) * s.kv.block_size >= x.num_computed_tokens + x.num_new_tokens
-        sampled = {}
-        for x in out.scheduled:
-            r = s.requests.get(x.request_id)
-            if x.samples and r is not None:
-                n = r.sampling_params.n if r.fork_pending else 1
-                sampled[x.request_id] = [self._token(emit_eos) for _ in range(n)]
+        sampled = self._execute(out, emit_eos)
         s.update(out, ModelOutput(sampled=sampled, preempted_ack=list(out.preempted_ids)))
         s.check_invariants()
+
+    def _execute(self, out, emit_eos: bool) -> dict[str, list[int]]:
+        """What a model runner does with a plan: forget finished requests, learn new ones,
+        read each entry's tokens, sample, keep its own samples."""
+        s = self.s
+        for rid in out.finished_ids:
+            self.known.pop(rid, None)
+        for new in out.new_requests:
+            self.known[new.request_id] = new.prompt_token_ids + new.output_token_ids
+            self.num_samples[new.request_id] = new.num_samples
+        sampled = {}
+        for x in out.scheduled:
+            rid, c, n = x.request_id, x.num_computed_tokens, x.num_new_tokens
+            assert len(x.block_ids) * s.kv.block_size >= c + n
+            assert rid in self.known, f"{rid} scheduled before the executor was told of it"
+            assert x.is_prefill or n == 1
+            r = s.requests.get(rid)
+            if r is not None and r.status.name == "RUNNING" and r.num_tokens >= c + n:
+                assert self.known[rid][c:c + n] == r.token_slice(c, c + n)
+            if x.samples:
+                sampled[rid] = [self._token(emit_eos) for _ in range(self.num_samples[rid])]
+                self.known[rid].append(sampled[rid][0])
+                self.num_samples[rid] = 1
+        return sampled
 
     def _token(self, emit_eos: bool) -> int:
         if emit_eos:
@@ -129,6 +150,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._finish_oldest(False)
         s.check_invariants()
         assert s.kv.num_free == s.kv.num_blocks  # nothing leaked
+        self._execute(s.schedule(), False)  # the last finished ids reach the executor
+        assert self.known == {}, "the executor was never told these requests finished"
 
 
 TestScheduler = SchedulerMachine.TestCase

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import Server, metric, pid_alive
+from server_fixtures import BAD, Server, metric, pid_alive
 
 KEY = "test-key"
 
@@ -159,25 +159,6 @@ def test_auth(server):
     assert post(server, "/v1/completions", body, key=None).status_code == 401
     wrong = post(server, "/v1/completions", body, key="nope")
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
-
-
-BAD = [
-    ("/v1/completions", {"prompt": "", "max_tokens": 4}),
-    ("/v1/completions", {"prompt": [], "max_tokens": 4}),
-    ("/v1/chat/completions", {"messages": []}),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}),
-    ("/v1/completions", {"prompt": "hi " * 9000}),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}),
-    ("/v1/completions", {"prompt": "hi", "temperature": -1}),
-    ("/v1/completions", {"prompt": "hi", "top_p": 7}),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1e9}),
-    ("/v1/completions", {"prompt": "hi", "n": 10000}),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 1000}),
-    ("/v1/completions", {"prompt": [10 ** 9], "max_tokens": 2}),
-    ("/v1/completions", {"prompt": "hi", "stop": [""]}),
-    ("/v1/completions", {"max_tokens": 2}),
-]
 
 
 @pytest.mark.parametrize("path,body", BAD)

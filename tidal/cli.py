@@ -1,6 +1,6 @@
 """The `tidal` command. `tidal generate PROMPT...` runs the offline engine, `tidal serve` the
-OpenAI-compatible server; every engine option (see the README's knobs tables) is a flag:
---dtype, --num-kv-blocks, --policy, ..."""
+OpenAI-compatible server; every engine option (docs/configuration.md) is a flag: --dtype,
+--num-kv-blocks, --policy, ... (made by tidal/engine/flags.py)."""
 
 from __future__ import annotations
 
@@ -8,50 +8,8 @@ import argparse
 import logging
 import sys
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator
 
-from tidal.engine.config import all_fields, option_type
-
-
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def add_engine_flags(parser: argparse.ArgumentParser,
-                     only: tuple[str, ...] | None = None) -> None:
-    """One flag per engine config field, typed from its default (`only`: these parts of the
-    config tree, e.g. ("cache", "scheduler"))."""
-    group = parser.add_argument_group("engine options")
-    for name, default, help_text in all_fields(only):
-        flag = "--" + name.replace("_", "-")
-        if isinstance(default, bool):
-            kind = _parse_bool
-        elif isinstance(default, (int, float)):
-            kind = type(default)
-        else:  # None: the annotation says (int for `int | None`)
-            kind = option_type(name)
-        group.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
-                           help=f"{help_text} (default: {default})")
-
-
-@contextmanager
-def flag_errors(command: str) -> Iterator[None]:
-    """Around what turns flags into configs and workloads: a value that fails validation or
-    a file that is not there ends the command with its message, not a traceback."""
-    try:
-        yield
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"tidal {command}: error: {e}") from None
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {name for name, _, _ in all_fields()}
-    return {k: v for k, v in vars(args).items() if k in names}
+from tidal.engine.flags import add_engine_flags, engine_kwargs, flag_errors
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -81,6 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if args.pd:
         return _serve_pd(args)
+    from tidal.core.roles import ROLES
     from tidal.engine.config import EngineConfig
     from tidal.model.registry import resolve_model
     from tidal.model.tokenizer import Tokenizer
@@ -89,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     with flag_errors("serve"):
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
-    if config.scheduler.role != "mixed" and config.parallel.data_parallel_size > 1:
+    if ROLES[config.scheduler.role].transfers_kv and config.parallel.data_parallel_size > 1:
         raise SystemExit("a prefill or decode instance runs one engine core; run several "
                          "instances behind `tidal router` instead of --data-parallel-size")
     with flag_errors("serve"):
@@ -110,7 +69,7 @@ def _serve_pd(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from tidal.cluster.pd_router import PDRouter, build_router_app
+    from tidal.server.pd_router import PDRouter, build_router_app
     from tidal.model.registry import resolve_model
 
     match = re.fullmatch(r"(\d+)P(\d+)D", args.pd)
@@ -136,8 +95,8 @@ def _serve_pd(args: argparse.Namespace) -> None:
                 child.kill()
     router = PDRouter(urls["prefill"], urls["decode"])
     try:
-        uvicorn.run(build_router_app(router, stop_children), host=args.host, port=args.port,
-                    log_level="info")
+        uvicorn.run(build_router_app(router, stop_children, api_key=args.api_key),
+                    host=args.host, port=args.port, log_level="info")
     finally:
         stop_children()
 
@@ -166,7 +125,7 @@ def _free_port() -> int:
 def cmd_router(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from tidal.cluster.pd_router import PDRouter, build_router_app
+    from tidal.server.pd_router import PDRouter, build_router_app
 
     router = PDRouter(args.prefill, args.decode)
     uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="info")

@@ -13,7 +13,11 @@ from tidal.bench.arrivals import arrival_times
 from tidal.bench.dataset import DATASETS, BenchRequest, DatasetSpec, load_dataset
 
 
-def add_workload_flags(p: argparse.ArgumentParser, max_model_len: int | None = 2048) -> None:
+DEFAULT_MAX_MODEL_LEN = 2048  # `tidal bench serve --max-model-len`: the workload's clip
+
+
+def add_workload_flags(p: argparse.ArgumentParser,
+                       max_model_len: int | None = DEFAULT_MAX_MODEL_LEN) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", "--dataset-name", dest="dataset", default="random",
                    choices=DATASETS)
@@ -56,10 +60,14 @@ def add_workload_flags(p: argparse.ArgumentParser, max_model_len: int | None = 2
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
 
 
-def dataset_spec(args: argparse.Namespace, vocab_size: int) -> DatasetSpec:
+def dataset_spec(args: argparse.Namespace, vocab_size: int,
+                 max_model_len: int | None = None) -> DatasetSpec:
+    """The workload the flags describe; `max_model_len` (default: --max-model-len) is the
+    context that prompt + output are clipped to."""
     return DatasetSpec(
         name=args.dataset, path=args.dataset_path, num_prompts=args.num_prompts,
-        seed=args.seed, vocab_size=vocab_size, max_model_len=args.max_model_len,
+        seed=args.seed, vocab_size=vocab_size,
+        max_model_len=args.max_model_len if max_model_len is None else max_model_len,
         input_len=args.random_input_len,
         output_len=(args.sharegpt_output_len if args.dataset == "sharegpt"
                     else args.random_output_len),
@@ -69,9 +77,10 @@ def dataset_spec(args: argparse.Namespace, vocab_size: int) -> DatasetSpec:
 
 
 def load_workload(args: argparse.Namespace, vocab_size: int, tokenizer=None,
+                  max_model_len: int | None = None,
                   ) -> tuple[list[BenchRequest], list[float], DatasetSpec]:
     """The requests, their send times, and the spec (with the length scale it used)."""
-    spec = dataset_spec(args, vocab_size)
+    spec = dataset_spec(args, vocab_size, max_model_len)
     requests = load_dataset(spec, tokenizer)
     times = arrival_times(requests, args.request_rate, args.burstiness, args.seed)
     if spec.name in ("azure-conv", "mooncake") and spec.length_scale != 1.0:

@@ -8,8 +8,12 @@ import asyncio
 import logging
 
 from tidal.bench.client import Target, run_workload
+from tidal.bench.dataset import BenchRequest
 from tidal.bench.flags import add_workload_flags, load_workload, result_header, save_result
-from tidal.bench.metrics import format_report, parse_goodput, summarize
+from tidal.bench.metrics import RequestResult, format_report, parse_goodput, summarize
+from tidal.engine.flags import flag_errors
+
+DEFAULT_TOKENIZER = "smollm2-135m"  # whose tokenizer makes the prompts, unless told
 
 
 def add_bench_serve_parser(sub) -> None:
@@ -21,7 +25,7 @@ def add_bench_serve_parser(sub) -> None:
                    help="/v1/completions or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the server's "
                                                  "first in /v1/models)")
-    p.add_argument("--tokenizer", default="smollm2-135m",
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
                    help="model (embedded name or folder) whose tokenizer makes the prompts")
     p.add_argument("--api-key", default=None)
     p.add_argument("--backend", default="openai", help="label stored in the result")
@@ -42,8 +46,21 @@ def prompt_text(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:len(ids)])
 
 
+def bench_serve(target: Target, tokenizer, requests: list[BenchRequest], times: list[float],
+                max_concurrency: int | None = None, slos: dict[str, float] | None = None,
+                progress: bool = False) -> tuple[dict, list[RequestResult]]:
+    """Send `requests` to `target` at `times` (seconds from the start), at most
+    `max_concurrency` at once, with prompts made by `tokenizer`; returns the summary (the
+    vLLM keys, goodput under `slos`) and each request's result. `target.model` is filled in
+    from the server when unset."""
+    prompts = [r.text if r.text is not None else prompt_text(tokenizer, r.prompt_ids)
+               for r in requests]
+    results, duration = asyncio.run(run_workload(
+        target, requests, prompts, times, max_concurrency, progress))
+    return summarize(results, duration, slos), results
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> dict:
-    from tidal.cli import flag_errors
     from tidal.model.registry import resolve_model
     from tidal.model.tokenizer import Tokenizer
 
@@ -52,16 +69,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> dict:
         slos = parse_goodput(args.goodput)
         tokenizer = Tokenizer(resolve_model(args.tokenizer)[0])
         requests, times, _ = load_workload(args, tokenizer.vocab_size, tokenizer)
-    prompts = [r.text if r.text is not None else prompt_text(tokenizer, r.prompt_ids)
-               for r in requests]
     target = Target(base_url=args.base_url or f"http://{args.host}:{args.port}",
                     endpoint=args.endpoint, model=args.model, api_key=args.api_key,
                     ignore_eos=args.ignore_eos, temperature=args.temperature)
-    results, duration = asyncio.run(run_workload(
-        target, requests, prompts, times, args.max_concurrency, not args.disable_tqdm))
+    summary, results = bench_serve(target, tokenizer, requests, times, args.max_concurrency,
+                                   slos, not args.disable_tqdm)
     result = result_header(args, args.backend, target.model)
     result["tokenizer_id"] = args.tokenizer
-    result.update(summarize(results, duration, slos))
+    result.update(summary)
     result["generated_texts"] = [r.text for r in results]
     print(format_report(result))
     errors = [r.error for r in results if r.error]

@@ -49,11 +49,15 @@ class KVBlocks(msgspec.Struct, tag=True):
 
 
 class PrefillFailed(msgspec.Struct, tag=True):
+    """prefill -> decode: the prompt could not be computed; why."""
+
     request_id: str
     message: str
 
 
 class AbortPrefill(msgspec.Struct, tag=True):
+    """decode -> prefill: the request is gone; drop its prefill and its blocks."""
+
     request_id: str
 
 
@@ -69,7 +73,7 @@ class KVLink:
     def __init__(self, core: EngineCore, ctx: zmq.Context, host: str,
                  timeout: float = 300.0) -> None:
         self.core, self.ctx, self.timeout = core, ctx, timeout
-        self.role = core.config.scheduler.role
+        self.receives = core.scheduler.role.receives_kv  # else it hands KV off
         self.inbox = ctx.socket(zmq.PULL)
         self.address = f"tcp://{host}:{self.inbox.bind_to_random_port(f'tcp://{host}')}"
         self._peers: dict[str, zmq.Socket] = {}
@@ -105,7 +109,7 @@ class KVLink:
     def _peer_lost(self, address: str) -> list[RequestOutput]:
         """The process at `address` is gone: end every request it was serving for us."""
         outputs = []
-        if self.role == "decode":
+        if self.receives:
             lost = [rid for rid, (a, _) in self.prefill_of.items() if a == address]
             for rid in lost:
                 outputs += self._fail(rid, f"the prefill instance at {address} died")
@@ -150,7 +154,7 @@ class KVLink:
                     self.core.abort(msg.request_id)
 
     def after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        if self.role == "decode":
+        if self.receives:
             return self._send_tasks() + outputs + self._expire()
         for o in outputs:  # prefill role: every output belongs to a decode core's request
             task = self.tasks.pop(o.request_id, None)

@@ -1,14 +1,18 @@
 """Where engine cores run: a spawned local process, or a Ray actor (`--dp-backend ray`). Both
-run the same `run_core` main and talk ZMQ to the frontend, so the dispatcher and the client
-are one code for either backend; a handle only starts, watches and stops its core."""
+run the main the caller hands to `start` (the server's `run_core`) and talk ZMQ to the
+frontend, so the dispatcher and the client are one code for either backend; a handle only
+starts, watches and stops its core."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-from typing import Any
+from typing import Any, Callable
 
-from tidal.server.core_process import run_core
+# The core's main, e.g. tidal.server.core_process.run_core: passed in, so that this layer
+# imports nothing from the server above it. Module-level, so spawn and Ray can pickle it.
+CoreMain = Callable[..., None]
+
 
 class LocalCore:
     """An engine core in a child process (spawned: no forked torch or asyncio state)."""
@@ -17,12 +21,13 @@ class LocalCore:
         self.index = index
         self._proc: multiprocessing.process.BaseProcess | None = None
 
-    def start(self, args: tuple) -> None:
+    def start(self, main: CoreMain, args: tuple) -> None:
+        """Run `main(*args)` in a spawned child; args[0] is the core's EngineConfig."""
         spin = args[0].model.omp_spin_count
-        if spin is not None:  # read by libgomp when the child loads torch: before run_core
+        if spin is not None:  # read by libgomp when the child loads torch: before main
             os.environ.setdefault("GOMP_SPINCOUNT", str(spin))
         spawn = multiprocessing.get_context("spawn")
-        self._proc = spawn.Process(target=run_core, args=args, daemon=True,
+        self._proc = spawn.Process(target=main, args=args, daemon=True,
                                    name=f"tidal-engine-core-{self.index}")
         self._proc.start()
 
@@ -62,9 +67,10 @@ class RayCore:
         self._run = None
         self._pid: int | None = None
 
-    def start(self, args: tuple) -> None:
+    def start(self, main: CoreMain, args: tuple) -> None:
+        """Run `main(*args)` in the actor."""
         self._pid = self._ray.get(self._actor.pid.remote())
-        self._run = self._actor.run.remote(*args)
+        self._run = self._actor.run.remote(main, *args)
 
     def alive(self) -> bool:
         if self._run is None:
@@ -97,8 +103,8 @@ class _CoreActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, *args: Any) -> None:
-        run_core(*args)
+    def run(self, main: CoreMain, *args: Any) -> None:
+        main(*args)
 
 
 def core_handle(backend: str, index: int, gpu: bool) -> LocalCore | RayCore:

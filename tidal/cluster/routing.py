@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROUTING_POLICIES = ("round_robin", "least_tokens", "prefix_aware")
+from tidal.engine.config import ROUTING_POLICIES  # the names are configuration (dp_routing)
 
 
 @dataclass

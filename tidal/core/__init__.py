@@ -6,16 +6,20 @@ from tidal.core.budget import Admission, StepBudget
 from tidal.core.config import CacheConfig, SchedulerConfig
 from tidal.core.invariants import InvariantError, SchedulerStats
 from tidal.core.kv_cache_manager import KVCacheManager
-from tidal.core.outputs import ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput
+from tidal.core.outputs import (ModelOutput, NewRequest, RequestOutput, ScheduledRequest,
+                                SchedulerOutput)
+from tidal.core.policies import POLICIES, Policy
 from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, SamplingParams
-from tidal.core.scheduler import Scheduler
+from tidal.core.roles import ROLES, Role
+from tidal.core.scheduler import Scheduler, StepPlan
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 __all__ = [
     "Admission", "Block", "BlockPool", "CacheConfig", "FINISH_REASONS", "InvariantError",
-    "KVCacheManager", "ModelOutput", "NewTokenRatio", "Request", "RequestOutput",
-    "RequestStatus", "SamplingParams", "ScheduledRequest", "Scheduler", "SchedulerConfig",
-    "SchedulerOutput", "SchedulerStats", "StepBudget",
+    "KVCacheManager", "ModelOutput", "NewRequest", "NewTokenRatio", "POLICIES", "Policy",
+    "ROLES", "Request", "RequestOutput", "RequestStatus", "Role", "SamplingParams",
+    "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
+    "StepBudget", "StepPlan",
 ]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tidal.core import policies, roles
+
 
 def knob(default: Any, help: str) -> Any:
     """A config field with a default and its help text."""
@@ -16,16 +18,15 @@ def knob(default: Any, help: str) -> Any:
 
 
 BATCH_MODES = ("separate", "mixed")
-POLICIES = ("fcfs", "prefill_first", "priority", "longest_prefix_match")
-ROLES = ("mixed", "prefill", "decode")
 PREEMPTION_ORDERS = ("shortest_output", "newest")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     """Shape of the paged KV cache."""
 
-    num_blocks: int = knob(1024, "KV blocks in the pool (the runner derives it from memory).")
+    num_blocks: int = knob(1024, "KV blocks in the pool. The engine sets it to its resolved "
+                           "num_kv_blocks (given, or derived from memory).")
     block_size: int = knob(16, "Tokens per KV block.")
     enable_prefix_caching: bool = knob(True, "Reuse full blocks of identical prefixes.")
 
@@ -36,7 +37,7 @@ class CacheConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler admits, chunks, reserves and preempts; defaults are the seeds'."""
 
@@ -50,8 +51,10 @@ class SchedulerConfig:
         "mixed", "'separate': decode only in steps without prefill; 'mixed': decodes and "
         "prefill chunks share a step.")
     policy: str = knob(
-        "fcfs", "Waiting order: 'fcfs', 'prefill_first' (no decode while a prefill is "
-        "chunking), 'priority' (lowest value first), 'longest_prefix_match' (with aging).")
+        "fcfs", "What a step holds and in which order waiting requests are admitted: 'fcfs', "
+        "'prefill_first' (no decode while a prefill is chunking), 'priority' (lowest value "
+        "first), 'longest_prefix_match' (with aging); one module each in "
+        "tidal/core/policies.")
     role: str = knob(
         "mixed", "'mixed' serves whole requests; 'prefill' and 'decode' are the two halves of "
         "P/D disaggregation.")
@@ -84,8 +87,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _choice("batch_mode", self.batch_mode, BATCH_MODES)
-        _choice("policy", self.policy, POLICIES)
-        _choice("role", self.role, ROLES)
+        _choice("policy", self.policy, tuple(policies.POLICIES))  # tidal/core/policies
+        _choice("role", self.role, tuple(roles.ROLES))
         for name in ("chunked_prefill_size", "max_input_tokens_per_step", "max_num_seqs",
                      "max_model_len", "new_token_ratio_decay_steps", "clip_max_new_tokens",
                      "lpm_aging_steps"):

@@ -122,14 +122,14 @@ def check_invariants(s: "Scheduler") -> None:
         _require(r.num_computed_tokens == 0 and r.request_id not in kv.tables,
                  f"{r}: waiting with computed tokens or blocks")
     prefilling = [r for r in s.running if r.is_prefilling]
-    if s.config.role != "prefill":
+    if not s.role.concurrent_prefills:
         _require(len(prefilling) <= 1, f"{len(prefilling)} chunked prefills at once")
         _require(s.active_prefill is (prefilling[0] if prefilling else None),
                  "active_prefill is not the one partially prefilled request")
 
     out = s.last_output
-    if out is not None and s.config.role != "prefill":
-        decodes = sum(1 for x in out.scheduled if x.num_new_tokens == 1 and x.samples)
+    if out is not None and not s.role.concurrent_prefills:
+        decodes = sum(1 for x in out.scheduled if not x.is_prefill)
         prefill_tokens = out.num_tokens - decodes
         cap = max(0, s.config.max_input_tokens_per_step - decodes)
         _require(prefill_tokens <= cap,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tidal.core.request import SamplingParams
+
 
 class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
     """One request's share of a step."""
@@ -17,6 +19,20 @@ class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
     num_computed_tokens: int  # tokens already in the KV cache before this step
     block_ids: list[int]  # the whole block table after this step's allocation
     samples: bool  # the step ends at the request's last known token, so it samples one
+    is_prefill: bool  # prompt tokens (a chunk, or a recompute); else one decode token
+
+
+class NewRequest(msgspec.Struct, gc=False):
+    """What an executor needs to know of a request, sent with the first step that schedules
+    it (again, after a retraction); later steps send only its ScheduledRequest. The executor
+    appends the tokens it samples itself."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # shared with the scheduler: read, never modified
+    output_token_ids: list[int]  # known so far: before a retraction, a fork's first token
+    sampling_params: SamplingParams
+    stop_token_ids: list[int]  # EOS (unless ignore_eos) and stop_token_ids
+    num_samples: int  # tokens its next sample draws: n where an n>1 request has yet to fork
 
 
 class SchedulerOutput(msgspec.Struct):
@@ -25,8 +41,9 @@ class SchedulerOutput(msgspec.Struct):
     step: int
     kind: str  # "prefill", "decode", "mixed" or "idle"
     scheduled: list[ScheduledRequest] = msgspec.field(default_factory=list)
+    new_requests: list[NewRequest] = msgspec.field(default_factory=list)  # before `scheduled`
     preempted_ids: list[str] = msgspec.field(default_factory=list)
-    finished_ids: list[str] = msgspec.field(default_factory=list)  # finished since last plan
+    finished_ids: list[str] = msgspec.field(default_factory=list)  # since the last plan; first
     block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (src, dst)
     transfer_ids: list[str] = msgspec.field(default_factory=list)  # KV moves after this step
 

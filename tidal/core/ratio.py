@@ -17,6 +17,7 @@ class NewTokenRatio:
         self.min = config.init_new_token_ratio * config.min_new_token_ratio_factor
         self.step = (self.init - self.min) / config.new_token_ratio_decay_steps
         self.retract_decode_steps = config.retract_decode_steps
+        self.clip = config.clip_max_new_tokens
         self.value = self.init
 
     def decay(self) -> None:
@@ -24,6 +25,15 @@ class NewTokenRatio:
 
     def reset(self) -> None:
         self.value = self.init
+
+    def reserved_tokens(self, requests: Iterable[Request]) -> float:
+        """Tokens admission keeps aside for these requests' future output: each one's
+        remaining max_tokens, clipped to clip_max_new_tokens, times the ratio."""
+        clip, total = self.clip, 0
+        for r in requests:
+            left = r.max_tokens - len(r.output_token_ids)
+            total += left if left < clip else clip
+        return total * self.value
 
     def after_retract(self, running: Iterable[Request]) -> None:
         """Recompute from the requests still decoding: how far they are towards max_tokens,

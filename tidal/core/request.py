@@ -94,6 +94,16 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
 
 
+def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """(prompt + output)[start:end] without concatenating the whole sequence."""
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return output[start - n:end - n]
+    return prompt[start:] + output[:end - n]
+
+
 class Request:
     """One sequence: its prompt, generated tokens, KV progress and status.
 
@@ -160,12 +170,7 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without concatenating the whole sequence."""
-        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
-        if end <= n:
-            return prompt[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return prompt[start:] + self.output_token_ids[:end - n]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def num_tokens(self) -> int:
@@ -187,14 +192,13 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
-    def fork(self, index: int, first_token: int) -> "Request":
-        """A sibling for n>1 sampling: same prompt, its own first token, n=1."""
+    def fork(self, index: int) -> "Request":
+        """A sibling for n>1 sampling: same prompt and limits, n=1, no output yet."""
         seed = self.sampling_params.seed
         params = replace(self.sampling_params, n=1, seed=None if seed is None else seed + index)
         child = Request(f"{self.request_id}-{index}", self.prompt_token_ids, params,
                         self.arrival_time, self.eos_token_id, self.extra_key)
         child.parent_id = self.request_id
-        child.output_token_ids = [first_token]
         child.stop_ids, child.out_limit = self.stop_ids, self.out_limit
         return child
 

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import math
 
+from itertools import chain
+
 from tidal.core.budget import Admission, StepBudget
 from tidal.core.config import SchedulerConfig
 from tidal.core.invariants import SchedulerStats, check_invariants, collect_stats
 from tidal.core.kv_cache_manager import KVCacheManager, cdiv
-from tidal.core.outputs import ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput
-from tidal.core.policy import make_policy
+from tidal.core.outputs import (ModelOutput, NewRequest, RequestOutput, ScheduledRequest,
+                                SchedulerOutput)
+from tidal.core.policies import make_policy
 from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus
+from tidal.core.roles import ROLES
 
 
-class _Step:
-    """Scratch state of one schedule() call."""
+class StepPlan:
+    """The step being planned: its output, its budgets, and what it holds so far."""
 
     __slots__ = ("out", "budget", "reserved_tokens", "preempted", "num_decodes", "num_prefills")
 
@@ -50,6 +54,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.block_size = kv.block_size
+        self.role = ROLES[config.role]
         self.policy = make_policy(config)
         self.ratio = NewTokenRatio(config)
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -66,6 +71,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._pending_copies: list[tuple[int, int]] = []
         self._pending_outputs: list[RequestOutput] = []  # finished inside schedule()
+        self._pending_new: list[Request] = []  # running without a prefill step: announce
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -83,7 +89,7 @@ class Scheduler:
         request.prepare_limits(self.config.max_model_len)
         request.status = RequestStatus.WAITING
         request.enqueue_step = self.step
-        request.remote_prefill = self.config.role == "decode" and not request.output_token_ids
+        request.remote_prefill = self.role.kv_arrives(request)
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -117,105 +123,71 @@ class Scheduler:
         request.remote_prefill = False
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self._pending_new.append(request)  # its first step here is a decode
         return self._append(request, first_token)
 
     # ------------------------------------------------------------------ planning a step
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step."""
+        """Plan the next step: the policy decides what it holds."""
         self.step += 1
         if not (self.running or self.waiting or self.preempted or self.transferring):
             self.ratio.reset()
         out = SchedulerOutput(step=self.step, kind="idle", finished_ids=self._finished_ids,
                               block_copies=self._pending_copies)
         self._finished_ids, self._pending_copies = [], []
+        if self._pending_new:
+            out.new_requests = [self._new_request(r) for r in self._pending_new
+                                if self.requests.get(r.request_id) is r]
+            self._pending_new = []
         decoding = [r for r in self.running if r.num_computed_tokens >= r.prefill_target]
-        if self.config.role == "prefill":
-            budget_tokens = self.config.max_input_tokens_per_step
-            step = _Step(out, StepBudget(budget_tokens, budget_tokens, self.block_size))
-        else:
-            step = _Step(out, StepBudget(self.config.chunked_prefill_size,
-                                         self.config.max_input_tokens_per_step - len(decoding),
-                                         self.block_size))
-        if self.config.batch_mode == "mixed" and self.policy.decode_while_prefilling:
-            # Decodes take their blocks first; a step that had to retract admits no one.
-            self._schedule_decodes(step, decoding)
-            if not step.preempted:
-                self._schedule_prefills(step, decoding)
-        else:
-            self._schedule_prefills(step, decoding)
-            # prefill_first holds decodes only while its chunked prefill is moving; a stalled
-            # one (no memory) must not stall the decodes that would free memory for it.
-            if self.config.batch_mode == "separate":
-                held = bool(out.scheduled)
-            else:
-                held = self.active_prefill is not None and step.num_prefills > 0
-            if not held:
-                self._schedule_decodes(step, decoding)
-        out.kind = step.kind()
-        if (out.kind == "decode" and not step.preempted and not self.waiting
+        plan = StepPlan(out, self.role.step_budget(self.config, len(decoding), self.block_size))
+        self.policy.compose(self, plan, decoding)
+        out.kind = plan.kind()
+        if (out.kind == "decode" and not plan.preempted and not self.waiting
                 and self.active_prefill is None):
             self.ratio.decay()
         self.last_output = out
         return out
 
-    def _decode_reservation(self, request: Request) -> float:
-        """Tokens kept aside for a request's future output: clipped remainder x ratio."""
-        remaining = request.max_tokens - len(request.output_token_ids)
-        return min(remaining, self.config.clip_max_new_tokens) * self.ratio.value
-
-    def _reservation_of_holders(self, decoding: list[Request]) -> float:
-        """_decode_reservation summed over the decodes still running and the requests whose
-        KV is arriving; a plain loop with the ratio factored out, as it runs every step."""
-        running, clip = RequestStatus.RUNNING, self.config.clip_max_new_tokens
-        total = 0
-        for r in decoding:
-            if r.status is running:  # one may have finished in the decode pass
-                left = r.max_tokens - len(r.output_token_ids)
-                total += left if left < clip else clip
-        return total * self.ratio.value + sum(
-            self._decode_reservation(r) for r in self.transferring.values())
-
     # ------------------------------------------------------------------ decode
-    def _schedule_decodes(self, step: _Step, decoding: list[Request]) -> None:
-        """One token for every decoding request; retract some when blocks run short."""
-        if len(decoding) > self.kv.num_free:  # someone may find no block: plan with care
-            decoding = self._fit_decodes(step, decoding)
+    def schedule_decodes(self, plan: StepPlan, decoding: list[Request]) -> None:
+        """One token for every decoding request that can take one; retract some when
+        blocks run short."""
+        ready = self._ready_to_decode(decoding)
+        if len(ready) > self.kv.num_free:  # someone may find no block: count with care
+            ready = self._fit_decodes(plan, decoding, ready)
         # The hot path at large batch sizes: one pass of plain attribute reads.
-        scheduled = step.out.scheduled
+        scheduled = plan.out.scheduled
         before = len(scheduled)  # prefill entries may precede the decodes
         tables, bs, append_slot = self.kv.tables, self.block_size, self.kv.append_slot
-        for r in decoding:
-            # The next position's token must be known or in flight, and the request may
-            # still grow: an executor one step ahead may already hold its last token.
-            generated = len(r.output_token_ids) + r.num_in_flight
+        for r in ready:
             computed = r.num_computed_tokens
-            if generated >= r.out_limit or computed >= len(r.prompt_token_ids) + generated:
-                continue
             table = tables[r.request_id]
             if computed >= len(table) * bs and append_slot(r) is None:
                 continue  # blocks held by a KV transfer: wait for it to land
-            scheduled.append(ScheduledRequest(r.request_id, 1, computed, table, True))
+            scheduled.append(ScheduledRequest(r.request_id, 1, computed, table, True, False))
             r.num_computed_tokens = computed + 1
             r.num_in_flight += 1
-        step.num_decodes += len(scheduled) - before
+        plan.num_decodes += len(scheduled) - before
 
-    def _fit_decodes(self, step: _Step, decoding: list[Request]) -> list[Request]:
-        """The decodes that can run this step, retracting others when blocks run short."""
-        ready = []
-        need = 0
-        tables, bs = self.kv.tables, self.block_size
-        for r in decoding:
-            generated = len(r.output_token_ids) + r.num_in_flight
-            computed = r.num_computed_tokens
-            if generated < r.out_limit and computed < len(r.prompt_token_ids) + generated:
-                ready.append(r)
-                if computed >= len(tables[r.request_id]) * bs:
-                    need += 1  # its last block is full
+    @staticmethod
+    def _ready_to_decode(decoding: list[Request]) -> list[Request]:
+        """Those whose next position's token is known or in flight and that may still grow
+        (an executor one step ahead may already hold a request's last token)."""
+        return [r for r in decoding
+                if (g := len(r.output_token_ids) + r.num_in_flight) < r.out_limit
+                and r.num_computed_tokens < len(r.prompt_token_ids) + g]
+
+    def _fit_decodes(self, plan: StepPlan, decoding: list[Request],
+                     ready: list[Request]) -> list[Request]:
+        """The ready decodes that can run this step, retracting others when blocks are
+        short (a decode needs a block only when its last one is full)."""
+        need = sum(self.kv.blocks_needed(r, 1) for r in ready)
         if need > self.kv.num_free:
-            ready = self._retract(step, decoding, ready, need)
+            ready = self._retract(plan, decoding, ready, need)
         return ready
 
-    def _retract(self, step: _Step, decoding: list[Request], ready: list[Request],
+    def _retract(self, plan: StepPlan, decoding: list[Request], ready: list[Request],
                  need: int) -> list[Request]:
         """Free blocks until every remaining decode can take its block.
 
@@ -236,9 +208,9 @@ class Scheduler:
             if id(victim) in ready_ids:
                 need -= self.kv.blocks_needed(victim, 1)
                 ready_ids.discard(id(victim))
-            self._preempt(step, victim)
+            self._preempt(plan, victim)
         if need > self.kv.num_free and self.active_prefill is not None:
-            self._preempt(step, self.active_prefill)
+            self._preempt(plan, self.active_prefill)
         remaining = [r for r in ready if id(r) in ready_ids]
         if need > self.kv.num_free and not self.transferring:
             for r in remaining:
@@ -247,11 +219,11 @@ class Scheduler:
                              f"{self.kv.num_blocks} blocks of the pool")
                 self._pending_outputs.append(self._output(r, []))
             remaining = []
-        if step.preempted:
+        if plan.preempted:
             self.ratio.after_retract(r for r in self.running if not r.is_prefilling)
         return remaining
 
-    def _preempt(self, step: _Step, r: Request) -> None:
+    def _preempt(self, plan: StepPlan, r: Request) -> None:
         self.kv.free(r)
         self.running.remove(r)
         if self.active_prefill is r:
@@ -260,29 +232,31 @@ class Scheduler:
         r.prefill_target = 0
         r.status = RequestStatus.PREEMPTED
         self.preempted[r.request_id] = r
-        step.out.preempted_ids.append(r.request_id)
-        step.preempted = True
+        plan.out.preempted_ids.append(r.request_id)
+        plan.preempted = True
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ prefill
-    def _schedule_prefills(self, step: _Step, decoding: list[Request]) -> None:
+    def schedule_prefills(self, plan: StepPlan, decoding: list[Request]) -> None:
         """Continue the running prefill(s), then admit waiting requests in policy order."""
-        if self.config.role == "prefill":
+        if self.role.concurrent_prefills:
             prefilling = [r for r in self.running if r.is_prefilling]
         else:  # at most one request is partially prefilled here
             prefilling = [self.active_prefill] if self.active_prefill else []
         if not (prefilling or self.waiting):
             return
-        if self.config.role != "prefill":
-            step.reserved_tokens = self._reservation_of_holders(decoding)
+        if self.role.reserves_output:  # decodes still running and KV on its way
+            running = RequestStatus.RUNNING  # one may have finished in the decode pass
+            plan.reserved_tokens = self.ratio.reserved_tokens(chain(
+                [r for r in decoding if r.status is running], self.transferring.values()))
         for r in prefilling:
-            if self._admit(step, r) is not Admission.ADMITTED:
+            if self._admit(plan, r) is not Admission.ADMITTED:
                 return
         if not self.waiting:
             return
         admitted = []
         for r in self.policy.order(self.waiting, self.step, self._prefix_tokens):
-            if self._admit(step, r) is not Admission.ADMITTED:
+            if self._admit(plan, r) is not Admission.ADMITTED:
                 break  # FIFO fairness: nobody overtakes the first one that does not fit
             admitted.append(r)
         if admitted:
@@ -292,68 +266,85 @@ class Scheduler:
     def _prefix_tokens(self, r: Request) -> int:
         return len(self.kv.match_prefix(r)) * self.block_size
 
-    def _admit(self, step: _Step, r: Request) -> Admission:
+    def _admit(self, plan: StepPlan, r: Request) -> Admission:
         """The one admission path for fresh, retracted and partially prefilled requests:
-        size the chunk under the budgets, check memory with reservations, allocate."""
-        cfg = self.config
+        size the chunk under the budgets, reserve its blocks, commit it to the plan."""
         fresh = r.status is RequestStatus.WAITING
-        hit = []
-        if fresh:
-            if len(self.running) + len(self.transferring) >= cfg.max_num_seqs:
-                return Admission.BUDGET_EXHAUSTED
-            hit = self.kv.match_prefix(r)
+        if fresh and len(self.running) + len(self.transferring) >= self.config.max_num_seqs:
+            return Admission.BUDGET_EXHAUSTED
+        hit = self.kv.match_prefix(r) if fresh else []
         computed = len(hit) * self.block_size if fresh else r.num_computed_tokens
-        target = r.num_tokens if fresh else r.prefill_target
-        remaining = target - computed
-        if r.remote_prefill:
-            num_new = remaining  # computed elsewhere: takes blocks, not tokens
-        else:
-            num_new = step.budget.chunk_size(computed, remaining)
-            if num_new <= 0:
-                return Admission.BUDGET_EXHAUSTED
+        remaining = (r.num_tokens if fresh else r.prefill_target) - computed
+        num_new = self._chunk_size(plan, r, computed, remaining)
+        if num_new == 0:
+            return Admission.BUDGET_EXHAUSTED
         chunked = num_new < remaining
-        if chunked and cfg.role != "prefill" and self.active_prefill not in (None, r):
-            return Admission.BUDGET_EXHAUSTED  # one chunked prefill at a time
-        # The prefill role takes the whole prompt's blocks up front: it never retracts.
-        alloc = remaining if cfg.role == "prefill" else num_new
         # Reservations and the margin protect others; a request alone may use the whole pool
         # (otherwise one whose output estimate exceeds the pool would wait forever).
-        others = self._others_hold_blocks(r)
+        others = bool(self.transferring) or any(x is not r for x in self.running)
         own = 0.0
-        if not chunked and cfg.role != "prefill" and others:
-            own = self._decode_reservation(r)
-        need = self.kv.blocks_needed(r, alloc, hit)
-        need += cdiv(math.ceil(step.reserved_tokens + own), self.block_size)
-        if fresh and others:
-            need += int(cfg.safety_margin * self.kv.num_blocks)
-        if need > self.kv.num_free:
+        if others and not chunked and self.role.reserves_output:
+            own = self.ratio.reserved_tokens((r,))
+        reserved = plan.reserved_tokens + own
+        margin = int(self.config.safety_margin * self.kv.num_blocks) if fresh and others else 0
+        if not self._allocate(r, self.role.blocks_for(num_new, remaining), hit, reserved,
+                              margin):
             return Admission.NO_MEMORY
-        if not self.kv.allocate(r, alloc, hit):
-            return Admission.NO_MEMORY
-        step.reserved_tokens += own
+        plan.reserved_tokens = reserved
         if fresh:
             self._start(r, computed)
-        if r.remote_prefill:
-            r.num_computed_tokens = target  # the KV is being written by the prefill side
-            step.out.transfer_ids.append(r.request_id)
-            return Admission.ADMITTED
-        # Only a newly chunked request spends the chunk allowance: the continuing chunk must
-        # not starve short requests that fit whole (it still spends rem_input_tokens).
-        step.budget.spend(num_new, chunked and fresh)
-        step.num_prefills += 1
-        if chunked and cfg.role != "prefill":
-            self.active_prefill = r
-        elif self.active_prefill is r:
-            self.active_prefill = None
-        samples = computed + num_new == r.num_tokens
-        step.out.scheduled.append(ScheduledRequest(
-            r.request_id, num_new, computed, self.kv.block_ids(r.request_id), samples))
-        r.num_computed_tokens = computed + num_new
-        r.num_in_flight += samples
+        self._commit(plan, r, computed, num_new, chunked, fresh)
         return Admission.ADMITTED
 
-    def _others_hold_blocks(self, r: Request) -> bool:
-        return bool(self.transferring) or any(x is not r for x in self.running)
+    def _chunk_size(self, plan: StepPlan, r: Request, computed: int, remaining: int) -> int:
+        """Prompt tokens the request gets now: all that remain, or a block-aligned chunk
+        that fits the step's budgets; 0 when nothing fits or another request holds the one
+        chunked-prefill slot."""
+        if r.remote_prefill:
+            return remaining  # computed elsewhere: takes blocks, not tokens
+        num_new = plan.budget.chunk_size(computed, remaining)
+        if (num_new < remaining and not self.role.concurrent_prefills
+                and self.active_prefill not in (None, r)):
+            return 0
+        return num_new
+
+    def _allocate(self, r: Request, num_tokens: int, hit: list, reserved: float,
+                  margin: int) -> bool:
+        """Blocks for `num_tokens` more tokens, if the pool also covers the `reserved`
+        decode tokens and `margin` spare blocks; False (nothing changed) otherwise."""
+        need = self.kv.blocks_needed(r, num_tokens, hit)
+        need += cdiv(math.ceil(reserved), self.block_size) + margin
+        return need <= self.kv.num_free and self.kv.allocate(r, num_tokens, hit)
+
+    def _commit(self, plan: StepPlan, r: Request, computed: int, num_new: int,
+                chunked: bool, fresh: bool) -> None:
+        """Put an admitted request's chunk in the plan and advance its progress."""
+        if r.remote_prefill:
+            r.num_computed_tokens = r.prefill_target  # the prefill side writes this KV
+            plan.out.transfer_ids.append(r.request_id)
+            return
+        # Only a newly chunked request spends the chunk allowance: the continuing chunk must
+        # not starve short requests that fit whole (it still spends rem_input_tokens).
+        plan.budget.spend(num_new, chunked and fresh)
+        plan.num_prefills += 1
+        if not self.role.concurrent_prefills:
+            if chunked:
+                self.active_prefill = r
+            elif self.active_prefill is r:
+                self.active_prefill = None
+        if fresh:
+            plan.out.new_requests.append(self._new_request(r))
+        samples = computed + num_new == r.num_tokens
+        plan.out.scheduled.append(ScheduledRequest(
+            r.request_id, num_new, computed, self.kv.block_ids(r.request_id), samples, True))
+        r.num_computed_tokens = computed + num_new
+        r.num_in_flight += samples
+
+    @staticmethod
+    def _new_request(r: Request) -> NewRequest:
+        p = r.sampling_params
+        return NewRequest(r.request_id, r.prompt_token_ids, list(r.output_token_ids), p,
+                          sorted(r.stop_ids), p.n if r.fork_pending else 1)
 
     def _start(self, r: Request, num_cached: int) -> None:
         r.num_computed_tokens = num_cached
@@ -378,7 +369,6 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         requests, sampled, bs = self.requests, result.sampled, self.block_size
         running = RequestStatus.RUNNING
-        plain = self.config.role != "prefill"  # the prefill role hands off every first token
         for x in out.scheduled:
             rid = x.request_id
             r = requests.get(rid)
@@ -401,13 +391,7 @@ class Scheduler:
                 continue
             if r.fork_pending:
                 outputs.extend(self._fork(r, tokens[1:]))
-            token = tokens[0]
-            generated = r.output_token_ids
-            if plain and token not in r.stop_ids and len(generated) + 1 < r.out_limit:
-                generated.append(token)  # _append's common case, inlined for the hot path
-                outputs.append(RequestOutput(rid, [token], False, None, None, r.parent_id))
-            else:
-                outputs.append(self._append(r, token))
+            outputs.append(self._append(r, tokens[0]))
         return outputs
 
     def _on_preempt_ack(self, rid: str) -> None:
@@ -418,24 +402,20 @@ class Scheduler:
         r.enqueue_step = self.step
         self.waiting.append(r)  # the tail: FIFO, keeping its generated tokens
 
-    @staticmethod
-    def _stop_status(r: Request, token: int) -> RequestStatus | None:
-        if token in r.stop_ids:  # EOS (unless ignore_eos) and stop_token_ids
-            return RequestStatus.FINISHED_STOPPED
-        if len(r.output_token_ids) >= r.out_limit:  # max_tokens or max_model_len
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     def _append(self, r: Request, token: int) -> RequestOutput:
-        r.output_token_ids.append(token)
-        status = self._stop_status(r, token)
-        if status is None and self.config.role != "prefill":  # the common case, kept cheap
-            return RequestOutput(r.request_id, [token], parent_id=r.parent_id)
-        if status is not None:
-            self._finish(r, status)
-        elif self.config.role == "prefill":
+        """The one place a token joins a request: then it finishes (a stop token, or at its
+        length limit), leaves for its decode instance (a role that hands off), or goes on."""
+        generated = r.output_token_ids
+        generated.append(token)
+        if token in r.stop_ids:  # EOS (unless ignore_eos) and stop_token_ids
+            self._finish(r, RequestStatus.FINISHED_STOPPED)
+        elif len(generated) >= r.out_limit:  # max_tokens or max_model_len
+            self._finish(r, RequestStatus.FINISHED_LENGTH)
+        elif self.role.hands_off and r.status is RequestStatus.RUNNING:
             self._leave_for_transfer(r)
             return RequestOutput(r.request_id, [token], parent_id=r.parent_id, kv_transfer=True)
+        else:
+            return RequestOutput(r.request_id, [token], False, None, None, r.parent_id)
         return self._output(r, [token])
 
     def _output(self, r: Request, tokens: list[int]) -> RequestOutput:
@@ -453,22 +433,18 @@ class Scheduler:
         parent.fork_pending = False
         outputs = []
         for index, token in enumerate(tokens, start=1):
-            child = parent.fork(index, token)
+            child = parent.fork(index)
             self.requests[child.request_id] = child
             copies = self.kv.fork(parent, child, parent.prefill_target)
             if copies is None:
                 child.enqueue_step = self.step
                 self.waiting.append(child)
-                status = self._stop_status(child, token)
-                if status is not None:
-                    self._finish(child, status)
-                outputs.append(self._output(child, [token]))
-                continue
-            self._pending_copies.extend(copies)
-            child.num_computed_tokens = child.prefill_target = parent.prefill_target
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
-            child.output_token_ids.pop()  # _append puts it back and checks stop conditions
+            else:
+                self._pending_copies.extend(copies)
+                child.num_computed_tokens = child.prefill_target = parent.prefill_target
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+                self._pending_new.append(child)  # its first step is a decode
             outputs.append(self._append(child, token))
         return outputs
 

@@ -1,7 +1,8 @@
 """The engine's config tree: what model runs where, its KV memory, and the core's configs.
 
 Every field is a documented dataclass field; `LLM(model, **kwargs)` and the CLI set any of
-them by name.
+them by name. The configs are frozen: code that needs another value derives a new config
+with `dataclasses.replace`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from typing import Any
 
 from tidal.core.config import CacheConfig, SchedulerConfig, knob
 
+# How the data-parallel dispatcher (and the simulator's router) picks an engine core; the
+# policies themselves are in tidal/cluster/routing.py.
+ROUTING_POLICIES = ("round_robin", "least_tokens", "prefix_aware")
 
-@dataclass
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Which model runs, in what precision, where, and how much memory its KV cache gets."""
 
@@ -31,8 +36,11 @@ class ModelConfig:
                             "ones (only config.json is needed): for timing, as `tidal "
                             "calibrate` does for models whose weights are not here.")
     seed: int = knob(0, "Seed of the shared generator for requests without their own seed.")
-    num_kv_blocks: int | None = knob(None, "KV blocks in the pool; derived from memory when "
-                                     "unset.")
+    num_kv_blocks: int | None = knob(None, "KV blocks in each engine core's pool. Unset: as "
+                                     "many as fit in the memory the KV cache gets "
+                                     "(kv_cache_memory or kv_cache_fraction; in `tidal "
+                                     "simulate`, what the weights leave of the hardware's "
+                                     "memory). Set it for a fixed, reproducible pool.")
     kv_cache_memory: int | None = knob(None, "Bytes for the KV cache (overrides the fraction).")
     kv_cache_fraction: float = knob(0.10, "Share of free memory (RAM on CPU, GPU memory on "
                                     "GPU) the KV cache takes when no size is given.")
@@ -41,29 +49,28 @@ class ModelConfig:
     omp_spin_count: int | None = knob(None, "GOMP_SPINCOUNT of a server's local engine-core "
                                       "processes (unless set in the environment): how long an "
                                       "idle OpenMP thread spins before it sleeps. A short spin "
-                                      "(e.g. 10000) leaves the CPU to other processes sharing "
-                                      "the cores (a batch-64 step beside a busy core: 314 -> "
-                                      "100 ms) but slows batch 1 (-14%); None keeps libgomp's "
-                                      "default (300000).")
+                                      "(e.g. 10000) gives the CPU back to other processes "
+                                      "sharing its cores, which helps when several engine "
+                                      "cores or other busy processes share one CPU, and costs "
+                                      "some speed on small batches. Unset: libgomp's default.")
     fp32_gemm_rows: int | None = knob(None, "On CPU in bf16: steps of at least this many "
                                       "tokens multiply float32 copies of the projection "
-                                      "weights (the same bf16 values). Without AMX, oneDNN's "
-                                      "bf16 GEMM runs at about half its float32 rate, so from "
-                                      "~16 rows float32 wins although it reads twice the "
-                                      "bytes; the copies take twice the bf16 weights' memory. "
-                                      "None: 16 on CPUs without AMX, off on those with it; "
-                                      "0: off.")
+                                      "weights (the same bf16 values). For CPUs without AMX, "
+                                      "whose bf16 matrix multiply is slower than their "
+                                      "float32 one once a step has more than a few rows; the "
+                                      "copies take twice the bf16 weights' memory. Unset: 16 "
+                                      "on CPUs without AMX, off on those with it; 0: off.")
     max_forward_tokens: int | None = knob(None, "Most tokens one forward pass computes: a "
                                           "step with more runs in several passes (whole "
-                                          "sequences, prefills first). On CPU the activations "
-                                          "of thousands of rows leave the caches (64 prompts "
-                                          "x 96 tokens prefill at 850 tok/s in one pass, 1050 "
-                                          "in passes of 1024). None: 1024 on CPU, no limit on "
-                                          "GPU; 0: no limit.")
+                                          "sequences, prefills first). On CPU, passes of "
+                                          "bounded size keep the activations in the CPU's "
+                                          "caches, which speeds up large prefill steps. Unset: "
+                                          "1024 on CPU, no limit on GPU; 0: no limit.")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 Llama/Qwen2 models "
                              "as one call into tidal's C++ decoder, and every decode "
-                             "attention over the paged cache in place (built once on first "
-                             "use, ~1 min; PyTorch ops when no compiler is found).")
+                             "attention over the paged cache in place. The extension is "
+                             "compiled once, on first use (that start takes longer); without "
+                             "a compiler, PyTorch ops run instead. false: always PyTorch ops.")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -84,9 +91,9 @@ class ModelConfig:
             raise ValueError("kv_cache_fraction must be in (0, 1)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
-    """How many engine cores serve the model (filled in by the cluster layer)."""
+    """How many engine cores serve the model, where they run, how requests reach them."""
 
     data_parallel_size: int = knob(1, "Engine cores behind one data-parallel dispatcher.")
     dp_batch_timeout: float = knob(0.1, "Seconds the dispatcher gathers requests into a "
@@ -102,8 +109,6 @@ class ParallelConfig:
                                       "from its prefill instance before failing it.")
 
     def __post_init__(self) -> None:
-        from tidal.cluster.routing import ROUTING_POLICIES
-
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be at least 1")
         if self.dp_batch_timeout < 0:
@@ -115,7 +120,7 @@ class ParallelConfig:
             raise ValueError(f"dp_backend must be local or ray; got {self.dp_backend!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """The whole tree, one dataclass per layer."""
 
@@ -126,7 +131,9 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        """Route flat keyword arguments to the dataclass that owns each field."""
+        """Route flat keyword arguments to the dataclass that owns each field. The KV pool's
+        size is `num_kv_blocks` (it becomes the cache's `num_blocks`); `num_blocks` is not
+        an engine option."""
         parts: dict[str, dict[str, Any]] = {f.name: {} for f in fields(cls)}
         owners = {}
         for part in fields(cls):
@@ -134,7 +141,8 @@ class EngineConfig:
                 owners.setdefault(f.name, part.name)
         for key, value in kwargs.items():
             if key == "num_blocks":
-                key = "num_kv_blocks"
+                raise TypeError("num_blocks is not an engine option: the KV pool's size is "
+                                "num_kv_blocks (--num-kv-blocks)")
             if key not in owners:
                 raise TypeError(f"unknown engine option {key!r}")
             parts[owners[key]][key] = value
@@ -149,14 +157,15 @@ class EngineConfig:
 
 def all_fields(only: tuple[str, ...] | None = None) -> list[tuple[str, Any, str]]:
     """(name, default, help) of every flat option (of the parts named in `only`), for the
-    CLI and the README."""
+    CLI (tidal/engine/flags.py) and docs/configuration.md. The cache's num_blocks is not
+    one: the engine sets it from num_kv_blocks."""
     out = []
     for part in fields(EngineConfig):
         if only is not None and part.name not in only:
             continue
         for f in fields(part.default_factory()):  # type: ignore[misc]
             if part.name == "cache" and f.name == "num_blocks":
-                continue  # set as num_kv_blocks
+                continue  # the engine's option is num_kv_blocks
             out.append((f.name, f.default, f.metadata.get("help", "")))
     return out
 

@@ -10,11 +10,11 @@ import gc
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from tidal.core import (KVCacheManager, ModelOutput, Request, RequestOutput, RequestStatus,
                         SamplingParams, Scheduler, SchedulerOutput)
-from tidal.core.config import CacheConfig
 from tidal.engine.config import EngineConfig
 from tidal.engine.model_runner import ModelRunner
 
@@ -27,15 +27,14 @@ class EngineCore:
     def __init__(self, config: EngineConfig, folder: str | Path,
                  eos_token_id: int | None = None) -> None:
         t0 = time.perf_counter()
-        self.config = config
         self.runner = ModelRunner(folder, config.model, config.cache.block_size)
         arch = self.runner.arch
-        sched_cfg = config.scheduler
-        if sched_cfg.max_model_len > arch.max_position_embeddings:
-            sched_cfg.max_model_len = arch.max_position_embeddings
-        cache_cfg = CacheConfig(num_blocks=self.runner.num_blocks,
-                                block_size=config.cache.block_size,
-                                enable_prefix_caching=config.cache.enable_prefix_caching)
+        # What the model and the memory allow: the context is at most the model's, and the
+        # pool is what the runner allocated.
+        sched_cfg = replace(config.scheduler, max_model_len=min(
+            config.scheduler.max_model_len, arch.max_position_embeddings))
+        cache_cfg = replace(config.cache, num_blocks=self.runner.num_blocks)
+        self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
         self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg))
         self.eos_token_id = (eos_token_id if eos_token_id is not None
                              else (arch.eos_token_ids or (None,))[0])
@@ -96,12 +95,12 @@ class EngineCore:
         if self._pool is not None:
             return self._step_overlapped()
         out = self._schedule()
-        return self._complete(out, self._execute(out, self.scheduler.requests))
+        return self._complete(out, self._execute(out))
 
     def _step_overlapped(self) -> tuple[list[RequestOutput], dict[str, list]]:
         """Plan step N+1 while step N runs on the worker thread, then wait for N, update,
-        and start N+1. update() never overlaps a forward pass, so the runner reads requests
-        that nobody mutates; the plan's block tables are snapshotted for the same reason."""
+        and start N+1. The runner reads only the plan's plain data; its block tables are
+        snapshotted, as tables grow in place."""
         out = self._schedule() if self.scheduler.has_unfinished_requests() else None
         done: tuple[list[RequestOutput], dict[str, list]] = ([], {})
         if self._pending is not None:
@@ -113,11 +112,9 @@ class EngineCore:
             # A request that finished in the update above was planned before it: skip it,
             # its blocks are already free (update() drops whatever it would have produced).
             out.scheduled = [s for s in out.scheduled if s.request_id in live]
-            requests = {}
             for s in out.scheduled:
                 s.block_ids = list(s.block_ids)
-                requests[s.request_id] = live[s.request_id]
-            self._pending = (out, self._pool.submit(self._execute, out, requests))
+            self._pending = (out, self._pool.submit(self._execute, out))
         return done
 
     def _schedule(self) -> SchedulerOutput:
@@ -125,14 +122,13 @@ class EngineCore:
         self.new_transfers.extend(out.transfer_ids)
         return out
 
-    def _execute(self, out: SchedulerOutput, requests) -> ModelOutput | Exception:
-        if not (out.scheduled or out.block_copies):
+    def _execute(self, out: SchedulerOutput) -> ModelOutput | Exception:
+        if not (out.scheduled or out.block_copies or out.new_requests or out.finished_ids):
             return ModelOutput(preempted_ack=list(out.preempted_ids))
-        # One-token entries are decodes (a one-token prefill chunk, rare, counts as one too).
-        self.prompt_tokens += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        self.prompt_tokens += sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
         t0 = time.perf_counter()
         try:
-            return self.runner.execute(out, requests)
+            return self.runner.execute(out)
         except Exception as exc:  # the step's requests fail; the engine serves the rest
             log.exception("model runner failed; ending the step's %d requests",
                           len(out.scheduled))

@@ -16,7 +16,8 @@ Prompt = str | dict  # a string, or {"prompt_token_ids": [...]}
 
 class LLM:
     """Generate for a batch of prompts with continuous batching, in this process. Any engine
-    option is a keyword: `LLM("smollm2-135m", dtype="float32", num_kv_blocks=64, ...)`."""
+    option (docs/configuration.md) is a keyword: `LLM("smollm2-135m", dtype="float32",
+    num_kv_blocks=64, ...)`; an unknown one raises TypeError."""
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
         self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tidal.core import ModelOutput, Request, ScheduledRequest, SchedulerOutput
+from tidal.core import ModelOutput, NewRequest, ScheduledRequest, SchedulerOutput
+from tidal.core.request import token_slice
 from tidal.engine.config import ModelConfig
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
@@ -48,8 +49,27 @@ def free_memory(device: str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+class _Seq:
+    """The runner's copy of a request: what sampling needs, and the tokens it sampled."""
+
+    __slots__ = ("prompt", "output", "params", "stop_ids", "num_samples")
+
+    def __init__(self, new: NewRequest) -> None:
+        self.prompt = new.prompt_token_ids
+        self.output = list(new.output_token_ids)  # grows by what this runner samples
+        self.params = new.sampling_params
+        self.stop_ids = new.stop_token_ids
+        self.num_samples = new.num_samples
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return token_slice(self.prompt, self.output, start, end)
+
+
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the per-request samplers' generators."""
+    """Owns the model, the KV cache tensors, the requests' sampling state and their
+    generators. It reads only the plain data of each SchedulerOutput: a request's prompt
+    and parameters come with its first scheduled step, and the runner keeps the tokens it
+    samples."""
 
     def __init__(self, folder: str | Path, config: ModelConfig, block_size: int) -> None:
         self.device = pick_device(config.device)
@@ -86,6 +106,7 @@ class ModelRunner:
         self._v_caches = [v for _, v in self.kv_caches]
         self.generator = torch.Generator().manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.seqs: dict[str, _Seq] = {}
 
     def _size_kv(self, config: ModelConfig) -> int:
         per_block = self.arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
@@ -128,9 +149,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> ModelOutput:
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
         for rid in out.finished_ids:  # a preempted request keeps its generator's state
             self.generators.pop(rid, None)
+            self.seqs.pop(rid, None)
+        for new in out.new_requests:  # a retracted request comes back with its tokens
+            self.seqs[new.request_id] = _Seq(new)
         if out.block_copies:
             src = torch.tensor([s for s, _ in out.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in out.block_copies], device=self.device)
@@ -141,12 +165,16 @@ class ModelRunner:
             return ModelOutput(preempted_ack=list(out.preempted_ids))
         parts, sample_ids = [], []
         for entries in self._passes(out.scheduled):
-            batch = self._prepare(entries, requests)
+            batch = self._prepare(entries)
             parts.append(self._forward(batch))
             sample_ids += batch.sample_ids
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        rows = [self._row(requests[rid]) for rid in sample_ids]
-        tokens, logprobs = sample(logits, rows, self.generator)
+        seqs = [self.seqs[rid] for rid in sample_ids]
+        tokens, logprobs = sample(logits, [self._row(rid, q) for rid, q in zip(sample_ids, seqs)],
+                                  self.generator)
+        for q, toks in zip(seqs, tokens):
+            q.output.append(toks[0])  # an n>1 request's other tokens start its siblings
+            q.num_samples = 1
         result = ModelOutput(sampled=dict(zip(sample_ids, tokens)),
                              preempted_ack=list(out.preempted_ids))
         for rid, lp in zip(sample_ids, logprobs):
@@ -163,7 +191,7 @@ class ModelRunner:
             return [scheduled]
         passes: list[list[ScheduledRequest]] = [[]]
         size = 0
-        for s in sorted(scheduled, key=lambda s: s.num_new_tokens == 1):
+        for s in sorted(scheduled, key=lambda s: not s.is_prefill):
             if passes[-1] and size + s.num_new_tokens > limit:
                 passes.append([])
                 size = 0
@@ -182,74 +210,87 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, meta,
                           batch.logits_indices)
 
-    def _row(self, r: Request) -> SampleRow:
-        p = r.sampling_params
+    def _row(self, rid: str, q: _Seq) -> SampleRow:
+        p = q.params
         gen = None
         if p.seed is not None:
-            gen = self.generators.get(r.request_id)
+            gen = self.generators.get(rid)
             if gen is None:
-                gen = self.generators[r.request_id] = torch.Generator().manual_seed(p.seed)
-        n = p.n if r.fork_pending else 1
-        banned = list(r.stop_ids) if len(r.output_token_ids) < p.min_tokens else None
-        return SampleRow(p, n, r.prompt_token_ids, r.output_token_ids, gen, banned)
+                gen = self.generators[rid] = torch.Generator().manual_seed(p.seed)
+        banned = q.stop_ids if len(q.output) < p.min_tokens else None
+        return SampleRow(p, q.num_samples, q.prompt, q.output, gen, banned)
 
-    def _prepare(self, entries: list[ScheduledRequest],
-                 requests: Mapping[str, Request]) -> "_Batch":
-        """Prefill entries first (one contiguous run each), then the one-token decodes."""
+    def _prepare(self, entries: list[ScheduledRequest]) -> "_Batch":
+        """The flattened batch: prefill entries first (one contiguous run each), then the
+        one-token decodes."""
+        batch = _Batch()
+        self._prepare_prefills(batch, [s for s in entries if s.is_prefill])
+        self._prepare_decodes(batch, [s for s in entries if not s.is_prefill])
+        dev = self.device
+        batch.meta = AttentionMetadata(
+            torch.tensor(batch.slots, device=dev), batch.prefills, batch.num_prefill_tokens,
+            batch.tables, batch.bias, batch.max_len, batch.lens)
+        batch.input_ids = torch.tensor(batch.ids, device=dev)
+        batch.positions = torch.tensor(batch.pos, device=dev)
+        batch.logits_indices = torch.tensor(batch.logits_rows, device=dev, dtype=torch.long)
+        return batch
+
+    def _prepare_prefills(self, batch: "_Batch", entries: list[ScheduledRequest]) -> None:
+        """Each chunk's tokens and slots; a chunk after cached tokens (an earlier chunk, a
+        prefix-cache hit) attends to them through its block table."""
         bs, dev = self.block_size, self.device
-        prefills = [s for s in entries if s.num_new_tokens > 1]
-        decodes = [s for s in entries if s.num_new_tokens == 1]
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefill_meta = []
-        logits_rows, sample_ids = [], []
-        for s in prefills:
-            r, c, n = requests[s.request_id], s.num_computed_tokens, s.num_new_tokens
+        ids, slots = batch.ids, batch.slots
+        for s in entries:
+            c, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_ids
             start = len(ids)
-            ids.extend(r.token_slice(c, c + n))
+            ids.extend(self.seqs[s.request_id].tokens(c, c + n))
             pos = range(c, c + n)
-            positions.extend(pos)
-            table = s.block_ids
+            batch.pos.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             if c == 0:
-                prefill_meta.append(PrefillSeq(start, n, 0))
+                batch.prefills.append(PrefillSeq(start, n, 0))
             else:  # attends to its cached prefix too: causal from position c on
                 mask = (torch.arange(c + n, device=dev)[None, :]
                         <= torch.arange(c, c + n, device=dev)[:, None])
-                prefill_meta.append(PrefillSeq(start, n, c, torch.tensor(table, device=dev),
-                                               mask))
+                batch.prefills.append(PrefillSeq(start, n, c, torch.tensor(table, device=dev),
+                                                 mask))
             if s.samples:
-                logits_rows.append(start + n - 1)
-                sample_ids.append(s.request_id)
-        num_prefill = len(ids)
-        tables_t = bias = lens_t = None
-        max_len = 0
-        if decodes:
-            width = max(len(s.block_ids) for s in decodes)
-            tables, lens = [], []
-            for s in decodes:
-                r, c = requests[s.request_id], s.num_computed_tokens
-                ids.append(r.token_slice(c, c + 1)[0])
-                positions.append(c)
-                slots.append(s.block_ids[c // bs] * bs + c % bs)
-                tables.append(s.block_ids + [0] * (width - len(s.block_ids)))
-                lens.append(c + 1)
-                if s.samples:
-                    logits_rows.append(len(ids) - 1)
-                    sample_ids.append(s.request_id)
-            tables_t, max_len = torch.tensor(tables, device=dev), max(lens)
-            lens_t = torch.tensor(lens, device=dev)
-            bias = self.model.backend.decode_bias(lens, width * bs, dev)
-        meta = AttentionMetadata(torch.tensor(slots, device=dev), prefill_meta, num_prefill,
-                                 tables_t, bias, max_len, lens_t)
-        return _Batch(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
-                      torch.tensor(logits_rows, device=dev, dtype=torch.long), sample_ids)
+                batch.logits_rows.append(start + n - 1)
+                batch.sample_ids.append(s.request_id)
+        batch.num_prefill_tokens = len(ids)
+
+    def _prepare_decodes(self, batch: "_Batch", entries: list[ScheduledRequest]) -> None:
+        """One token each, with block tables padded to a common width for paged attention."""
+        if not entries:
+            return
+        bs, dev = self.block_size, self.device
+        width = max(len(s.block_ids) for s in entries)
+        tables, lens = [], []
+        for s in entries:
+            c, table = s.num_computed_tokens, s.block_ids
+            batch.ids.append(self.seqs[s.request_id].tokens(c, c + 1)[0])
+            batch.pos.append(c)
+            batch.slots.append(table[c // bs] * bs + c % bs)
+            tables.append(table + [0] * (width - len(table)))
+            lens.append(c + 1)
+            batch.logits_rows.append(len(batch.ids) - 1)  # every decode samples
+            batch.sample_ids.append(s.request_id)
+        batch.tables, batch.max_len = torch.tensor(tables, device=dev), max(lens)
+        batch.lens = torch.tensor(lens, device=dev)
+        batch.bias = self.model.backend.decode_bias(lens, width * bs, dev)
 
 
 class _Batch:
-    __slots__ = ("input_ids", "positions", "meta", "logits_indices", "sample_ids")
+    """One forward pass's inputs, filled by the prefill then the decode preparation."""
 
-    def __init__(self, input_ids, positions, meta, logits_indices, sample_ids) -> None:
-        self.input_ids, self.positions, self.meta = input_ids, positions, meta
-        self.logits_indices, self.sample_ids = logits_indices, sample_ids
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.pos: list[int] = []
+        self.slots: list[int] = []
+        self.prefills: list[PrefillSeq] = []
+        self.num_prefill_tokens = 0
+        self.logits_rows: list[int] = []
+        self.sample_ids: list[str] = []
+        self.tables = self.bias = self.lens = None  # decode-only fields
+        self.max_len = 0
+        self.input_ids = self.positions = self.meta = self.logits_indices = None

@@ -5,14 +5,13 @@ turns the cores' token outputs into per-request streams of text updates."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import zmq
 import zmq.asyncio
@@ -27,6 +26,7 @@ from tidal.engine.output_processor import OutputProcessor
 from tidal.engine.outputs import StepUpdate
 from tidal.model.tokenizer import Tokenizer
 from tidal.server import messages as m
+from tidal.server.core_process import run_core
 
 log = logging.getLogger("tidal.server")
 
@@ -81,8 +81,8 @@ class CoreClient:
     async def start(self, timeout: float = 600.0) -> None:
         eos = self.tokenizer.eos_token_id
         for i, handle in enumerate(self._handles):
-            handle.start((self._core_config(), str(self.folder), eos, self._in_addrs[i],
-                          self._out_addr, i))
+            handle.start(run_core, (self._core_config(), str(self.folder), eos,
+                                    self._in_addrs[i], self._out_addr, i))
         t0, ready = time.monotonic(), set()
         try:
             while len(ready) < self.num_cores:
@@ -116,10 +116,11 @@ class CoreClient:
 
     def _core_config(self) -> EngineConfig:
         """Data-parallel cores on one CPU share its cores unless told otherwise."""
-        config = copy.deepcopy(self.config)
+        config = self.config  # frozen: a core that needs other values gets a new one
         if (self.num_cores > 1 and config.model.num_threads is None
                 and config.model.device != "cuda"):
-            config.model.num_threads = max(1, len(os.sched_getaffinity(0)) // self.num_cores)
+            threads = max(1, len(os.sched_getaffinity(0)) // self.num_cores)
+            config = replace(config, model=replace(config.model, num_threads=threads))
         return config
 
     async def shutdown(self, drain_timeout: float = 0.0) -> None:

@@ -55,7 +55,7 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     link = None
     try:
         core = EngineCore(config, folder, eos_token_id)
-        if config.scheduler.role != "mixed":  # P/D: this core's end of the KV transfer
+        if core.scheduler.role.transfers_kv:  # P/D: this core's end of the KV transfer
             link = KVLink(core, ctx, config.parallel.kv_host, config.parallel.kv_transfer_timeout)
     except Exception as exc:  # tell the frontend why instead of dying silently
         log.exception("engine core failed to start")
@@ -156,14 +156,10 @@ class _CoreLoop:
                 self.deadline = time.monotonic() + msg.drain_timeout
 
     def _add(self, msg: m.Add) -> None:
-        role = self.core.config.scheduler.role
+        refusal = self.core.scheduler.role.refusal(msg.prefill_address)
         try:
-            if role == "prefill":
-                raise ValueError("this is a prefill instance: requests come through "
-                                 "`tidal router`, which sends them to a decode instance")
-            if role == "decode" and not msg.prefill_address:
-                raise ValueError("this is a decode instance: requests come through `tidal "
-                                 "router` (kv_transfer_params.prefill_address)")
+            if refusal is not None:
+                raise ValueError(refusal)
             self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time)
             if self.link is not None:
                 self.link.on_add(msg.request_id, msg.prefill_address)

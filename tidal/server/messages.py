@@ -11,6 +11,8 @@ from tidal.core.invariants import SchedulerStats
 
 
 class Add(msgspec.Struct, tag=True):
+    """A new request for the core (the frontend checked it already)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -40,6 +42,8 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class Ready(msgspec.Struct, tag=True):
+    """The core is built and serving: what the frontend validates requests against."""
+
     core: int  # which engine core (data parallel: 0..N-1)
     max_model_len: int
     vocab_size: int
@@ -49,6 +53,8 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):
+    """One step's token outputs, and their logprobs by request id where asked for."""
+
     core: int
     outputs: list[RequestOutput]
     logprobs: dict[str, list]
@@ -62,6 +68,8 @@ class Rejected(msgspec.Struct, tag=True):
 
 
 class Stats(msgspec.Struct, tag=True):
+    """The core's load and counters, twice a second (and right after a new request)."""
+
     core: int
     adds_seen: int  # Add messages the core has taken, so the dispatcher knows what stats cover
     scheduler: SchedulerStats

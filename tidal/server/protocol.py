@@ -24,10 +24,12 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    """stream_options: a last chunk with the usage when include_usage."""
+
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class GenerationRequest(BaseModel):
     """Fields both endpoints share; vLLM's extensions (ignore_eos, priority, min_tokens,
     top_k, min_p, repetition_penalty, stop_token_ids) included."""
 
@@ -87,14 +89,40 @@ class _Sampling(BaseModel):
         except ValueError as exc:
             raise APIError(str(exc)) from exc
 
+    def check_disaggregated(self) -> None:
+        """Refuse what prefill/decode disaggregation cannot serve (the server and the P/D
+        router say it in the same words)."""
+        if self.n > 1:
+            raise APIError("n > 1 is not supported with prefill/decode disaggregation",
+                           param="n")
 
-class CompletionRequest(_Sampling):
+
+class CompletionRequest(GenerationRequest):
+    """A /v1/completions body."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
+    def prompt_ids(self, tokenizer) -> list[list[int]]:
+        """One token-id list per prompt: strings are tokenized, ids pass as they are."""
+        if self.echo:
+            raise APIError("echo is not supported", param="echo")
+        p = self.prompt
+        if isinstance(p, str):
+            return [tokenizer.encode(p)] if p else [[]]  # the empty one is refused on submit
+        if p and all(isinstance(x, str) for x in p):
+            return [tokenizer.encode(x) for x in p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        if p and all(isinstance(x, list) for x in p):
+            return [list(x) for x in p]
+        raise APIError("the prompt is empty", param="prompt")
+
 
 class ChatMessage(BaseModel):
+    """One message of a conversation; content is text or a list of text parts."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
@@ -111,8 +139,32 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(GenerationRequest):
+    """A /v1/chat/completions body."""
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def prompt_ids(self, tokenizer) -> list[list[int]]:
+        """The conversation through the chat template, as the one prompt's token ids."""
+        if not self.messages:
+            raise APIError("messages must not be empty", param="messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in self.messages]
+        if all(not m["content"] for m in messages):
+            raise APIError("the messages hold no text", param="messages")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return [tokenizer.encode(text, add_special_tokens=False)]
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to report (0: the chosen token's only), None for none."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def output_limit(self) -> int | None:
+        """max_completion_tokens, or the older max_tokens."""
+        return (self.max_completion_tokens if self.max_completion_tokens is not None
+                else self.max_tokens)

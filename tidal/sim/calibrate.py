@@ -10,13 +10,19 @@ import logging
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from tidal.bench.arrivals import arrival_times
+from tidal.bench.dataset import BenchRequest, DatasetSpec, load_dataset
+from tidal.bench.metrics import summarize
 from tidal.core.kv_cache_manager import cdiv
 from tidal.sim.cost_model import CostModel, StepShape
 from tidal.sim.profiles import Hardware
+
+log = logging.getLogger("tidal.calibrate")
 
 DECODE_CONTEXTS = (64, 256, 512)  # cached tokens behind each timed decode
 
@@ -36,13 +42,13 @@ def default_grid(max_batch: int = 64, max_prefill: int = 1024) -> list[list[tupl
 def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5,
             vocab: int = 1000) -> list[tuple[StepShape, float]]:
     """Median seconds of `runner.execute` for each step shape of `grid`."""
-    from tidal.core import Request, SamplingParams, ScheduledRequest, SchedulerOutput
+    from tidal.core import NewRequest, SamplingParams, ScheduledRequest, SchedulerOutput
 
     rng = np.random.default_rng(0)
     bs = runner.block_size
     timings = []
     for entries in grid:
-        requests, scheduled, next_block = {}, [], 0
+        new, scheduled, next_block = [], [], 0
         for i, (n, c) in enumerate(entries):
             rid = f"cal{i}"
             blocks = cdiv(n + c, bs)
@@ -52,15 +58,15 @@ def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5,
                                  f"--num-kv-blocks")
             table = list(range(next_block, next_block + blocks))
             next_block += blocks
-            requests[rid] = Request(rid, rng.integers(10, vocab, n + c).tolist(),
-                                    SamplingParams(temperature=0.0))
-            requests[rid].prepare_limits(1 << 30)
-            scheduled.append(ScheduledRequest(rid, n, c, table, True))
-        out = SchedulerOutput(step=0, kind="mixed", scheduled=scheduled)
+            new.append(NewRequest(rid, rng.integers(10, vocab, n + c).tolist(), [],
+                                  SamplingParams(temperature=0.0), [], 1))
+            # The grid's one-token entries are decodes after c cached tokens.
+            scheduled.append(ScheduledRequest(rid, n, c, table, True, n > 1))
+        out = SchedulerOutput(step=0, kind="mixed", scheduled=scheduled, new_requests=new)
         samples = []
         for k in range(repeats + 2):  # two warm-ups
             t0 = time.perf_counter()
-            runner.execute(out, requests)  # returns Python token ids: the device has synced
+            runner.execute(out)  # returns Python token ids: the device has synced
             if k >= 2:
                 samples.append(time.perf_counter() - t0)
         timings.append((StepShape((n, c, True) for n, c in entries), statistics.median(samples)))
@@ -149,8 +155,16 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
 
 
 # Few requests at a time, so the difference is serving's own cost, not queueing.
-SERVING_WORKLOAD = ["--dataset", "random", "--random-input-len", "128", "--random-output-len",
-                    "24", "--num-prompts", "12"]
+SERVING_WORKLOAD = dict(name="random", input_len=128, output_len=24, num_prompts=12)
+
+
+def serving_workload(seed: int, vocab_size: int, max_model_len: int,
+                     ) -> tuple[list[BenchRequest], list[float]]:
+    """SERVING_WORKLOAD's requests (other prompts for each seed) and their send times: all
+    at once, as `--request-rate` unset sends a dataset without timestamps."""
+    requests = load_dataset(DatasetSpec(**SERVING_WORKLOAD, seed=seed, vocab_size=vocab_size,
+                                        max_model_len=max_model_len))
+    return requests, arrival_times(requests, None, seed=seed)
 
 
 def served_counters(base_url: str) -> np.ndarray:
@@ -177,19 +191,31 @@ def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:
     runner may run slower beside its frontend than alone); the rest of each step (update,
     sending outputs) adds to `step_overhead`; then the median TTFT gap one at a time
     (HTTP, tokenization, IPC) becomes `request_latency`."""
-    from tidal.cli import run
+    from tidal.bench.client import Target
+    from tidal.bench.flags import DEFAULT_MAX_MODEL_LEN
+    from tidal.bench.serve import DEFAULT_TOKENIZER, bench_serve
+    from tidal.model.registry import resolve_model
+    from tidal.model.tokenizer import Tokenizer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scrape
+    tokenizer = Tokenizer(resolve_model(DEFAULT_TOKENIZER)[0])  # as `tidal bench serve`
     profile.request_latency = 0.0
-    served, simulated, workloads, reals = np.zeros(3), 0.0, [], []
-    for c in (1, 4):
-        # Other prompts each run: the server's prefix cache would serve repeated ones.
-        workloads.append([*SERVING_WORKLOAD, "--seed", str(10 + c), "--max-concurrency", str(c)])
+    served, simulated, reals = np.zeros(3), 0.0, []
+    # (seed, concurrency): other prompts each run, as the server's prefix cache would serve
+    # repeated ones.
+    runs = [(10 + c, c) for c in (1, 4)]
+    for seed, c in runs:
+        requests, times = serving_workload(seed, tokenizer.vocab_size, DEFAULT_MAX_MODEL_LEN)
         before = served_counters(base_url)
-        reals.append(run(["bench", "serve", "--base-url", base_url, "--ignore-eos",
-                          "--disable-tqdm", *workloads[-1]]))
+        summary, results = bench_serve(Target(base_url=base_url, ignore_eos=True), tokenizer,
+                                       requests, times, max_concurrency=c)
+        failed = [r.error for r in results if r.error]
+        if failed:
+            log.warning("%d of %d requests to %s failed; the first: %s", len(failed),
+                        len(results), base_url, failed[0])
+        reals.append(summary)
         served += served_counters(base_url) - before
-        simulated += _simulate(profile, model, workloads[-1])["simulation"]["busy_seconds"]
+        simulated += _simulate(profile, model, seed, c)[0]
     execute, step, steps = served
     ratio = execute / simulated
     for f in ("compute_efficiency", "attention_efficiency", "bandwidth_efficiency"):
@@ -197,7 +223,7 @@ def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:
     for f in ("step_overhead", "seq_overhead", "token_overhead", "context_overhead"):
         setattr(profile, f, getattr(profile, f) * ratio)
     profile.step_overhead += max(0.0, step - execute) / steps
-    gap = reals[0]["median_ttft_ms"] - _simulate(profile, model, workloads[0])["median_ttft_ms"]
+    gap = reals[0]["median_ttft_ms"] - _simulate(profile, model, *runs[0])[1]
     profile.request_latency = max(0.0, gap / 1e3)
     profile.calibrated_on += (f"; serving at {base_url}: runner {ratio:.2f}x the fit's, "
                               f"{(step - execute) / steps * 1e3:.2f} ms a step besides, "
@@ -205,13 +231,17 @@ def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:
     return profile
 
 
-def _simulate(profile: Hardware, model: str, workload: list[str]) -> dict:
-    from tidal.cli import run
+def _simulate(profile: Hardware, model: str, seed: int, concurrency: int,
+              ) -> tuple[float, float]:
+    """Simulate SERVING_WORKLOAD (`seed`, `concurrency` at a time) on `model` with
+    `profile`, as `tidal simulate` would: the replica's busy seconds and the median TTFT
+    in ms."""
+    from tidal.sim.cli import build_simulator
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "profile.json"
-        path.write_text(profile.to_json())
-        return run(["simulate", "--model-config", model, "--hardware", str(path), *workload])
+    sim, arch, _, config = build_simulator(model, replace(profile))
+    requests, times = serving_workload(seed, arch.vocab_size, config.scheduler.max_model_len)
+    run = sim.run(requests, times, concurrency)
+    return run.busy_seconds, summarize(run.results, run.duration)["median_ttft_ms"]
 
 
 def format_rows(rows) -> str:

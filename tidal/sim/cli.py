@@ -7,10 +7,18 @@ import argparse
 import json
 import re
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING, Any
 
 from tidal.bench.flags import add_workload_flags, load_workload, result_header, save_result
 from tidal.bench.metrics import format_report, parse_goodput, summarize
+from tidal.engine.flags import add_engine_flags, engine_kwargs, flag_errors
+
+if TYPE_CHECKING:
+    from tidal.engine.config import EngineConfig
+    from tidal.model.config import ModelArch
+    from tidal.sim.profiles import Hardware
+    from tidal.sim.simulator import Simulator
 
 # Scheduler presets: tidal's defaults, and two baselines run by the same Scheduler class.
 BASELINES = {
@@ -29,8 +37,6 @@ BASELINES = {
 
 
 def add_simulate_parser(sub) -> None:
-    from tidal.cli import add_engine_flags
-
     p = sub.add_parser("simulate", help="replay a workload through the real scheduler "
                                         "against a cost model")
     p.add_argument("--model-config", default="llama-3-8b",
@@ -41,23 +47,24 @@ def add_simulate_parser(sub) -> None:
                         "JSON file")
     p.add_argument("--baseline", default="tidal", choices=sorted(BASELINES),
                    help="scheduler preset applied before the engine flags below")
-    p.add_argument("--data-parallel-size", type=int, default=1, help="mixed replicas")
     p.add_argument("--pd", default=None, metavar="xPyD",
                    help="prefill/decode disaggregation, e.g. 1P3D")
     p.add_argument("--prefill-path", default="prefill-only", choices=["prefill-only", "shared"],
                    help="xPyD prefill replicas: the prefill role's path, or the mixed "
                         "scheduler with max_tokens=1")
     p.add_argument("--routing", default="round_robin",
-                   help="round_robin, least_tokens or prefix_aware")
+                   help="how a request's replica is picked, among the data-parallel replicas "
+                        "or the xPyD instances: round_robin, least_tokens or prefix_aware")
     p.add_argument("--link-bandwidth", type=float, default=50.0,
                    help="GB/s of a prefill-to-decode KV transfer")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks per replica (default: what fits beside the weights)")
     p.add_argument("--compare", default=None, metavar="RESULT_JSON",
                    help="a `tidal bench serve --save-result` file of the same workload: "
                         "print each headline metric's relative error against it")
     add_workload_flags(p, max_model_len=None)
-    add_engine_flags(p, only=("cache", "scheduler"))
+    # The cache and scheduler options, each replica's KV pool and the data-parallel replicas
+    # (the hardware's memory sizes the pool when --num-kv-blocks is not given).
+    add_engine_flags(p, only=("cache", "scheduler"),
+                     extra=("num_kv_blocks", "data_parallel_size"))
     p.set_defaults(func=cmd_simulate)
 
 
@@ -73,45 +80,60 @@ def compare(real: dict, simulated: dict) -> dict[str, dict[str, float]]:
             for k in COMPARED}
 
 
-def build_simulator(args: argparse.Namespace):
-    from tidal.cli import engine_kwargs
+def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100",
+                    options: dict[str, Any] | None = None, *, baseline: str = "tidal",
+                    pd: str | None = None, routing: str = "round_robin",
+                    link_bandwidth: float = 50.0, prefill_path: str = "prefill-only",
+                    ) -> tuple[Simulator, ModelArch, Hardware, EngineConfig]:
+    """The simulator of `tidal simulate`: `model_config` (a built-in profile, a config.json
+    or a model folder) on `hw` (a profile name, a calibrated JSON file, or a Hardware),
+    with the engine `options` (any `EngineConfig.from_kwargs` keyword; the scheduler
+    `baseline`'s presets under them), `pd` ("xPyD") or data-parallel replicas, `routing`
+    and a KV link of `link_bandwidth` GB/s. Returns the simulator, the model, the hardware
+    and the engine config it runs (whose max_model_len is the context workloads are
+    clipped to; its cache's num_blocks is each replica's pool)."""
     from tidal.engine.config import EngineConfig
     from tidal.sim.cost_model import CostModel
     from tidal.sim.profiles import hardware, kv_blocks_for, model_arch
     from tidal.sim.simulator import ClusterSpec, Simulator
 
-    arch, hw = model_arch(args.model_config), hardware(args.hardware)
-    # The context: --max-model-len if given, else the model's; the workload is clipped to it.
-    args.max_model_len = min(getattr(args, "max_model_len", arch.max_position_embeddings),
-                             arch.max_position_embeddings)
-    knobs = dict(BASELINES[args.baseline])
-    for k, v in knobs.items():
-        if v is None:  # "as long as the context"
-            knobs[k] = args.max_model_len
-    knobs.update(engine_kwargs(args))
-    knobs["max_model_len"] = args.max_model_len
+    arch = model_arch(model_config)
+    hw = hardware(hw) if isinstance(hw, str) else hw
+    options = dict(options or {})
+    # The context: max_model_len if given, else the model's.
+    context = min(options.get("max_model_len", arch.max_position_embeddings),
+                  arch.max_position_embeddings)
+    knobs = {k: context if v is None else v  # None: "as long as the context"
+             for k, v in BASELINES[baseline].items()}
+    knobs.update(options)
+    knobs["max_model_len"] = context
     config = EngineConfig.from_kwargs(**knobs)  # routes each knob to the config owning it
-    cache, sched = config.cache, config.scheduler
-    if args.num_kv_blocks is None:
-        cache.num_blocks = kv_blocks_for(arch, hw, cache.block_size)
-    spec = ClusterSpec(data_parallel_size=args.data_parallel_size, routing=args.routing,
-                       link_bandwidth=args.link_bandwidth * 1e9,
-                       prefill_path=args.prefill_path)
-    if args.pd:
-        m = re.fullmatch(r"(\d+)P(\d+)D", args.pd.upper())
+    if config.model.num_kv_blocks is None:  # what fits beside the weights
+        blocks = kv_blocks_for(arch, hw, config.cache.block_size)
+        config = replace(config, model=replace(config.model, num_kv_blocks=blocks),
+                         cache=replace(config.cache, num_blocks=blocks))
+    num_prefill = num_decode = 0
+    if pd:
+        m = re.fullmatch(r"(\d+)P(\d+)D", pd.upper())
         if not m:
-            raise SystemExit(f"--pd takes xPyD, e.g. 1P3D; got {args.pd!r}")
-        spec.num_prefill, spec.num_decode = int(m.group(1)), int(m.group(2))
-    return Simulator(spec, sched, cache, CostModel(arch, hw)), arch, hw, sched, cache
+            raise ValueError(f"--pd takes xPyD, e.g. 1P3D; got {pd!r}")
+        num_prefill, num_decode = int(m.group(1)), int(m.group(2))
+    spec = ClusterSpec(data_parallel_size=config.parallel.data_parallel_size,
+                       num_prefill=num_prefill, num_decode=num_decode, routing=routing,
+                       link_bandwidth=link_bandwidth * 1e9, prefill_path=prefill_path)
+    sim = Simulator(spec, config.scheduler, config.cache, CostModel(arch, hw))
+    return sim, arch, hw, config
 
 
 def cmd_simulate(args: argparse.Namespace) -> dict:
-    from tidal.cli import flag_errors
-
     with flag_errors("simulate"):
         slos = parse_goodput(args.goodput)
-        sim, arch, hw, sched, cache = build_simulator(args)
-        requests, times, spec = load_workload(args, arch.vocab_size)
+        sim, arch, hw, config = build_simulator(
+            args.model_config, args.hardware, engine_kwargs(args), baseline=args.baseline,
+            pd=args.pd, routing=args.routing, link_bandwidth=args.link_bandwidth,
+            prefill_path=args.prefill_path)
+        requests, times, spec = load_workload(args, arch.vocab_size,
+                                              max_model_len=config.scheduler.max_model_len)
     t0 = time.perf_counter()
     run = sim.run(requests, times, args.max_concurrency)
     wall = time.perf_counter() - t0
@@ -119,8 +141,8 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     result.update(summarize(run.results, run.duration, slos))
     result["simulation"] = {
         "hardware": asdict(hw), "pd": args.pd, "prefill_path": args.prefill_path,
-        "data_parallel_size": args.data_parallel_size, "routing": args.routing,
-        "num_kv_blocks": cache.num_blocks, "scheduler": asdict(sched),
+        "data_parallel_size": config.parallel.data_parallel_size, "routing": args.routing,
+        "num_kv_blocks": config.cache.num_blocks, "scheduler": asdict(config.scheduler),
         "length_scale": spec.length_scale, "steps": run.steps,
         "busy_seconds": run.busy_seconds,
         "preemptions": run.preemptions, "wall_seconds": wall,
@@ -149,8 +171,6 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
 
 
 def add_calibrate_parser(sub) -> None:
-    from tidal.cli import add_engine_flags
-
     p = sub.add_parser("calibrate", help="fit a hardware profile to the real model runner")
     p.add_argument("--hardware", default="cpu", help="the profile whose factors are fitted")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per step shape")
@@ -165,7 +185,6 @@ def add_calibrate_parser(sub) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from tidal.cli import engine_kwargs
     from tidal.sim.calibrate import calibrate, calibrate_serving, default_grid, format_rows
     from tidal.sim.profiles import hardware
 

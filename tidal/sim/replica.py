@@ -3,7 +3,7 @@ model, on a virtual clock. It also keeps each request's token times for the repo
 
 from __future__ import annotations
 
-import copy
+from dataclasses import replace
 from itertools import compress
 from operator import attrgetter
 
@@ -42,10 +42,8 @@ class SimReplica:
 
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, cost: CostModel,
                  role: str = "mixed") -> None:
-        config = copy.copy(sched)
-        config.role = role
         self.cost = cost
-        self.scheduler = Scheduler(config, KVCacheManager(cache))
+        self.scheduler = Scheduler(replace(sched, role=role), KVCacheManager(cache))
         self.plan: SchedulerOutput | None = None  # the step in flight (None: not busy)
         self.steps = 0
         self.busy_seconds = 0.0  # summed step times

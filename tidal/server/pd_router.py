@@ -15,13 +15,15 @@ import contextlib
 import json
 import logging
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
 
 from tidal.cluster.routing import CoreLoad, Router
-from tidal.server.protocol import APIError
+from tidal.server.errors import install_error_handlers
+from tidal.server.protocol import APIError, ChatRequest, CompletionRequest, GenerationRequest
 
 log = logging.getLogger("tidal.router")
 
@@ -36,6 +38,8 @@ class Instance:
 
 
 class PDRouter:
+    """The prefill and decode instances, how to pick a pair, and the forwarding itself."""
+
     def __init__(self, prefill: list[str], decode: list[str]) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode instance")
@@ -72,35 +76,30 @@ class PDRouter:
         p = self.prefill[self._prefill_router.choose([CoreLoad() for _ in self.prefill])]
         return p, d
 
-    async def forward(self, path: str, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error("the body is not valid JSON", 400)
-        if not isinstance(body, dict):
-            return _error("the body must be a JSON object", 400)
-        if body.get("n", 1) != 1:
-            return _error("n > 1 is not supported with prefill/decode disaggregation", 400,
-                          param="n")
+    async def forward(self, path: str, body: GenerationRequest, request: Request) -> Response:
+        """Send a request the server's own models accepted to a decode instance, naming the
+        prefill core; relay its answer (streamed or not) as it comes."""
+        body.check_disaggregated()
+        raw = await request.json()  # as the client sent it (FastAPI parsed and kept it)
         p, d = self.pick()
-        body["kv_transfer_params"] = {"prefill_address": p.kv_address}
+        raw["kv_transfer_params"] = {"prefill_address": p.kv_address}
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type")}
         d.in_flight += 1
         try:
             upstream = await self.http.send(
-                self.http.build_request("POST", d.url + path, json=body, headers=headers),
+                self.http.build_request("POST", d.url + path, json=raw, headers=headers),
                 stream=True)
         except httpx.HTTPError as exc:
             d.in_flight -= 1
-            return _error(f"decode instance {d.url} unreachable: {exc}", 503,
-                          "service_unavailable")
-        if not body.get("stream") or upstream.status_code != 200:
+            raise APIError(f"decode instance {d.url} unreachable: {exc}", 503,
+                           "service_unavailable") from exc
+        if not body.stream or upstream.status_code != 200:
             try:
                 content = await upstream.aread()
             except httpx.HTTPError as exc:
-                return _error(f"decode instance {d.url} failed mid-request: {exc}", 503,
-                              "service_unavailable")
+                raise APIError(f"decode instance {d.url} failed mid-request: {exc}", 503,
+                               "service_unavailable") from exc
             finally:
                 d.in_flight -= 1
                 await upstream.aclose()
@@ -121,13 +120,68 @@ class PDRouter:
 
         return StreamingResponse(relay(), media_type="text/event-stream")
 
+    async def models(self, request: Request) -> Response:
+        """The first decode instance's /v1/models."""
+        try:
+            r = await self.http.get(self.decode[0].url + "/v1/models",
+                                    headers={k: v for k, v in request.headers.items()
+                                             if k.lower() == "authorization"})
+        except httpx.HTTPError as exc:
+            raise APIError(f"decode instance unreachable: {exc}", 503,
+                           "service_unavailable") from exc
+        return Response(r.content, r.status_code, media_type="application/json")
 
-def _error(message: str, status: int, kind: str = "invalid_request_error",
-           param: str | None = None) -> JSONResponse:
-    return JSONResponse(APIError(message, status, kind, param).body(), status_code=status)
+    async def health(self) -> dict:
+        """ok when every instance answers its /health with 200."""
+        down = []
+        for inst in self.prefill + self.decode:
+            try:
+                ok = (await self.http.get(inst.url + "/health")).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if not ok:
+                down.append(inst.url)
+        if down:
+            raise APIError(f"instances down: {', '.join(down)}", 503, "service_unavailable")
+        return {"status": "ok", "prefill": [i.url for i in self.prefill],
+                "decode": [i.url for i in self.decode]}
 
 
-def build_router_app(router: PDRouter, on_shutdown=None) -> FastAPI:
+def get_router(request: Request) -> PDRouter:
+    return request.app.state.router
+
+
+RouterDep = Annotated[PDRouter, Depends(get_router)]
+routes = APIRouter()
+
+
+# The bodies are parsed with the server's own models: a request the server refuses is
+# refused here with the same 400, before it costs a prefill.
+@routes.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, router: RouterDep):
+    return await router.forward("/v1/completions", body, request)
+
+
+@routes.post("/v1/chat/completions")
+async def chat(body: ChatRequest, request: Request, router: RouterDep):
+    return await router.forward("/v1/chat/completions", body, request)
+
+
+@routes.get("/v1/models")
+async def models(request: Request, router: RouterDep):
+    return await router.models(request)
+
+
+@routes.get("/health")
+async def health(router: RouterDep):
+    return await router.health()
+
+
+def build_router_app(router: PDRouter, on_shutdown=None, api_key: str | None = None
+                     ) -> FastAPI:
+    """The router's app; `on_shutdown` runs after it stops (`--pd` stops its instances).
+    With `api_key` it checks keys itself, so a refusal comes in the server's order."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.wait_ready()
@@ -139,38 +193,7 @@ def build_router_app(router: PDRouter, on_shutdown=None) -> FastAPI:
             on_shutdown()
 
     app = FastAPI(title="tidal router", lifespan=lifespan)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.forward("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await router.forward("/v1/chat/completions", request)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        try:
-            r = await router.http.get(router.decode[0].url + "/v1/models",
-                                      headers={k: v for k, v in request.headers.items()
-                                               if k.lower() == "authorization"})
-        except httpx.HTTPError as exc:
-            return _error(f"decode instance unreachable: {exc}", 503, "service_unavailable")
-        return Response(r.content, r.status_code, media_type="application/json")
-
-    @app.get("/health")
-    async def health():
-        down = []
-        for inst in router.prefill + router.decode:
-            try:
-                ok = (await router.http.get(inst.url + "/health")).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if not ok:
-                down.append(inst.url)
-        if down:
-            return _error(f"instances down: {', '.join(down)}", 503, "service_unavailable")
-        return {"status": "ok", "prefill": [i.url for i in router.prefill],
-                "decode": [i.url for i in router.decode]}
-
+    app.state.router = router
+    install_error_handlers(app, api_key)
+    app.include_router(routes)
     return app

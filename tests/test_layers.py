@@ -1,0 +1,165 @@
+"""tidal's structure: imports go down the layers, configs are frozen, and every engine
+option has one name.
+
+Layers, lowest first: core < model < engine < cluster < server < cli (tidal/cli.py, and any
+other top-level module such as `python -m tidal.config_docs`). A module imports its own
+layer and the ones below it; core imports only core. bench/ and sim/ stand beside the stack:
+they may import core, model, engine (the flag helpers are tidal/engine/flags.py), cluster
+and each other, never server or cli; of the stack, only cli imports them. Every import
+counts, at module level or inside a function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import tidal
+
+ROOT = Path(tidal.__file__).resolve().parent
+RANKS = {"core": 0, "model": 1, "engine": 2, "cluster": 3, "server": 4, "cli": 5}
+BESIDE = "beside"
+BESIDE_MAY_IMPORT = {"core", "model", "engine", "cluster", BESIDE}
+PACKAGES = {"core": "core", "model": "model", "engine": "engine", "cluster": "cluster",
+            "server": "server", "bench": BESIDE, "sim": BESIDE}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(module: str) -> str:
+    """The layer of a module of tidal, by its dotted name."""
+    parts = module.split(".")
+    if parts == ["tidal"]:
+        return "engine"  # tidal/__init__.py: the offline API's facade (LLM, SamplingParams)
+    if parts[1] in PACKAGES:
+        return PACKAGES[parts[1]]
+    if (ROOT / f"{parts[1]}.py").is_file():
+        return "cli"  # a top-level module: the command line and other entry points
+    raise AssertionError(f"{module}: which layer? add its package to PACKAGES in {__file__}")
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or path.is_dir()
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of a tidal module in the file, nested ones too."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1 packages
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:  # `from tidal import cli` imports the module tidal.cli
+                sub = f"{base}.{alias.name}"
+                found.append((node.lineno, sub if is_module(sub) else base))
+    return [(line, m) for line, m in found if m == "tidal" or m.startswith("tidal.")]
+
+
+def allowed(src: str, dst: str) -> bool:
+    if src == dst:
+        return True
+    if src == BESIDE:
+        return dst in BESIDE_MAY_IMPORT
+    if dst == BESIDE:
+        return src == "cli"  # the command line builds `tidal bench` and `tidal simulate`
+    return RANKS[dst] <= RANKS[src]
+
+
+SOURCES = sorted(ROOT.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    assert SOURCES and all(layer(module_name(p)) for p in SOURCES)
+
+
+def test_no_import_goes_up_a_layer():
+    wrong = []
+    for path in SOURCES:
+        src = layer(module_name(path))
+        for line, target in imports(path):
+            dst = layer(target)
+            if not allowed(src, dst):
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{line} ({src}) imports "
+                             f"{target} ({dst})")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_rules_catch_what_they_should():
+    """The checker itself: relative imports resolve, and each kind of wrong import fails."""
+    assert not allowed("core", "model") and not allowed("engine", "cluster")
+    assert not allowed(BESIDE, "server") and not allowed(BESIDE, "cli")
+    assert not allowed("server", BESIDE) and allowed("cli", BESIDE)
+    assert allowed(BESIDE, "engine") and allowed("server", "cluster")
+    assert layer("tidal.engine.flags") == "engine" and layer("tidal.cli") == "cli"
+    tree = ROOT / "sim" / "cli.py"
+    assert any(m == "tidal.engine.flags" for _, m in imports(tree))
+
+
+def test_bench_and_sim_do_not_import_the_command_line():
+    offenders = [f"{p.relative_to(ROOT.parent)}:{line}" for p in SOURCES
+                 if layer(module_name(p)) == BESIDE
+                 for line, m in imports(p) if m == "tidal.cli"]
+    assert offenders == []
+
+
+# Configs: frozen, with one name per engine option.
+
+def config_classes():
+    from tidal.core.config import CacheConfig, SchedulerConfig
+    from tidal.engine.config import EngineConfig, ModelConfig, ParallelConfig
+    from tidal.model.config import ModelArch
+
+    return [CacheConfig, SchedulerConfig, ModelConfig, ParallelConfig, EngineConfig, ModelArch]
+
+
+@pytest.mark.parametrize("cls", config_classes(), ids=lambda c: c.__name__)
+def test_configs_are_frozen(cls):
+    assert cls.__dataclass_params__.frozen
+    if cls.__name__ != "ModelArch":  # every other config has a default for each field
+        config = cls()
+        name = dataclasses.fields(cls)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(config, name, getattr(config, name))
+
+
+def test_the_kv_pool_is_set_by_num_kv_blocks_only():
+    from tidal.engine.config import EngineConfig, all_fields
+
+    config = EngineConfig.from_kwargs(num_kv_blocks=48, block_size=8)
+    assert config.cache.num_blocks == config.model.num_kv_blocks == 48
+    with pytest.raises(TypeError, match="num_kv_blocks"):
+        EngineConfig.from_kwargs(num_blocks=48)
+    names = [name for name, _, _ in all_fields()]
+    assert "num_blocks" not in names and len(names) == len(set(names))
+
+
+def test_engine_flags_are_the_parsers_own():
+    """engine_kwargs returns the engine flags given, and not a command's own flag that
+    shares a name with an engine option (`tidal simulate --seed` seeds the workload)."""
+    from tidal.engine.flags import add_engine_flags, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    add_engine_flags(parser, only=("cache",), extra=("num_kv_blocks",))
+    args = parser.parse_args(["--seed", "3", "--num-kv-blocks", "12",
+                              "--enable-prefix-caching", "false"])
+    assert engine_kwargs(args) == {"num_kv_blocks": 12, "enable_prefix_caching": False}
+    assert engine_kwargs(parser.parse_args([])) == {}
+    with pytest.raises(KeyError):
+        add_engine_flags(argparse.ArgumentParser(), extra=("num_blocks",))

@@ -1,0 +1,48 @@
+"""The error bodies and the API-key check every tidal HTTP app answers with: the server and
+the P/D router install the same handlers, so a request one refuses the other refuses alike."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tidal.server.protocol import APIError
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """An OpenAI-style error body with the error's status."""
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None  # drop the "body" root
+    return error_response(APIError(f"{where or 'body'}: {first.get('msg', 'invalid')}",
+                                   param=where))
+
+
+async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(APIError(str(exc.detail), exc.status_code))
+
+
+def install_error_handlers(app: FastAPI, api_key: str | None) -> None:
+    """Answer APIError, invalid bodies (400, not FastAPI's 422) and HTTP errors with OpenAI
+    error bodies; with `api_key`, refuse /v1 requests that do not carry it (401)."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return error_response(APIError("invalid or missing API key", 401,
+                                               "authentication_error"))
+        return await call_next(request)
