@@ -368,7 +368,7 @@ class Scheduler:
             self._on_preempt_ack(rid)
         outputs, self._pending_outputs = self._pending_outputs, []
         requests, sampled, bs = self.requests, result.sampled, self.block_size
-        running = RequestStatus.RUNNING
+        running, append = RequestStatus.RUNNING, self._append
         for x in out.scheduled:
             rid = x.request_id
             r = requests.get(rid)
@@ -391,7 +391,7 @@ class Scheduler:
                 continue
             if r.fork_pending:
                 outputs.extend(self._fork(r, tokens[1:]))
-            outputs.append(self._append(r, tokens[0]))
+            outputs.append(append(r, tokens[0]))
         return outputs
 
     def _on_preempt_ack(self, rid: str) -> None:
