@@ -128,7 +128,8 @@ def cmd_router(args: argparse.Namespace) -> None:
     from tidal.server.pd_router import PDRouter, build_router_app
 
     router = PDRouter(args.prefill, args.decode)
-    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(build_router_app(router, api_key=args.api_key), host=args.host, port=args.port,
+                log_level="info")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -177,6 +178,8 @@ def run(argv: list[str] | None = None):
                      help="`tidal serve --role decode` instances")
     rtr.add_argument("--host", default="127.0.0.1")
     rtr.add_argument("--port", type=int, default=8000)
+    rtr.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (forwarded to the instances)")
     rtr.set_defaults(func=cmd_router)
     from tidal.bench.serve import add_bench_serve_parser
 
