@@ -1,5 +1,6 @@
-"""Models for the engine tests: the embedded default, and tiny random Llama / Qwen3 folders
-built in the test (HF classes, random weights, the embedded tokenizer)."""
+"""Models for the engine tests: the embedded default, tiny random Llama-family folders built
+in the test (HF classes, random weights, the embedded tokenizer), and `small_folder`: the
+same with a 256-token vocabulary and a word-level tokenizer, for per-architecture tests."""
 
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ def embedded_folder() -> Path:
 
 
 def tiny_folder(tmp: Path, family: str) -> Path:
-    """A randomly initialised 2-layer model of `family` ('llama', 'qwen2' or 'qwen3')."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+    """A randomly initialised 2-layer model of `family` ('llama', 'qwen2', 'qwen3', or
+    'mistral' and 'phi3' with a 6-token sliding window, phi3 rotating half of each head)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -42,12 +45,43 @@ def tiny_folder(tmp: Path, family: str) -> Path:
         model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
     elif family == "qwen2":  # q/k/v carry a bias
         model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1000000.0, **common))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(rope_theta=10000.0, sliding_window=6, **common))
+    elif family == "phi3":
+        rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+        model = Phi3ForCausalLM(Phi3Config(rope_parameters=rope, sliding_window=6,
+                                           pad_token_id=0, **common))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(rope_theta=1000000.0, **common))
     folder = tmp / family
     model.save_pretrained(str(folder))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(embedded_folder() / name, folder / name)
+    return folder
+
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def small_folder(tmp: Path, name: str, family: str, seed: int = 0, **config) -> Path:
+    """A randomly initialised float32 model of `family` (a transformers model_type) with
+    SMALL's shapes updated by `config`, saved with save_pretrained, and a word-level
+    tokenizer over its 256 ids (tidal's engine needs one; the tests send token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, **{**SMALL, **config})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    folder = tmp / name
+    model.save_pretrained(str(folder))
+    vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
     return folder
 
 

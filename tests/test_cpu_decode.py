@@ -1,5 +1,6 @@
-"""tidal's C++ CPU decode path: paged attention equals attention over the gathered context,
-and a decode step through `Decoder` equals the PyTorch path's step (logits and KV written)."""
+"""tidal's C++ CPU decode path: paged attention equals attention over the gathered context
+(or its sliding window), and a decode step through `Decoder` equals the PyTorch path's step
+(logits and KV written), sliding windows and partial rotary included."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ pytestmark = pytest.mark.skipif(ext is None and shutil.which("c++") is None,
                                 reason="no C++ compiler here")
 
 
-def gathered_attention(q, k_cache, v_cache, tables, lens, scale):
-    """Each sequence's context copied out of its blocks, then plain float32 attention."""
+def gathered_attention(q, k_cache, v_cache, tables, lens, scale, window=0):
+    """Each sequence's context (its last `window` tokens when window > 0) copied out of its
+    blocks, then plain float32 attention."""
     out = []
     for b, n in enumerate(lens.tolist()):
-        k = k_cache[tables[b]].flatten(0, 1)[:n].float().transpose(0, 1)  # [Hkv, n, D]
-        v = v_cache[tables[b]].flatten(0, 1)[:n].float().transpose(0, 1)
+        first = max(0, n - window) if window else 0
+        k = k_cache[tables[b]].flatten(0, 1)[first:n].float().transpose(0, 1)  # [Hkv, n, D]
+        v = v_cache[tables[b]].flatten(0, 1)[first:n].float().transpose(0, 1)
         o = F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, scale=scale,
                                            enable_gqa=True)
         out.append(o.squeeze(1))
@@ -35,10 +38,11 @@ def gathered_attention(q, k_cache, v_cache, tables, lens, scale):
 @given(data=st.data(), batch=st.integers(1, 5), heads=st.sampled_from([(1, 1), (4, 2), (9, 3),
                                                                        (8, 1)]),
        head_dim=st.sampled_from([8, 16, 24, 64]), block_size=st.sampled_from([1, 4, 16]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       window=st.sampled_from([0, 0, 1, 3, 8, 17]))
 def test_paged_attention_equals_attention_over_the_gathered_context(data, batch, heads,
                                                                     head_dim, block_size,
-                                                                    dtype):
+                                                                    dtype, window):
     h, hkv = heads
     num_blocks = 24
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
@@ -52,8 +56,8 @@ def test_paged_attention_equals_attention_over_the_gathered_context(data, batch,
     q = torch.randn(batch, h, head_dim, generator=gen).to(dtype)
     lens_t = torch.tensor(lens)
     scale = head_dim ** -0.5
-    got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, scale)
-    want = gathered_attention(q, k_cache, v_cache, tables, lens_t, scale)
+    got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, scale, window)
+    want = gathered_attention(q, k_cache, v_cache, tables, lens_t, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
@@ -102,13 +106,15 @@ class _Checked:
     ("qwen2", "none", 0, "bfloat16"), ("qwen2", "int4", 0, "bfloat16"),
     ("llama", "unpacked", 0, "bfloat16"), ("llama", "none", 2, "bfloat16"),
     ("qwen2", "int4", 2, "bfloat16"), ("llama", "none", 0, "float32"),
-    ("qwen2", "none", 0, "float32")])
+    ("qwen2", "none", 0, "float32"), ("mistral", "none", 0, "bfloat16"),
+    ("phi3", "none", 0, "bfloat16"), ("phi3", "none", 0, "float32")])
 def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, monkeypatch,
                                                                    family, quantization,
                                                                    fp32_rows, dtype):
     """Packed bf16 or float32, int4 and (where oneDNN is missing) plain nn.Linear projections
     with the tied embedding as head; q/k/v with a bias and an untied head (qwen2); batches
-    multiplied in float32 (fp32_gemm_rows)."""
+    multiplied in float32 (fp32_gemm_rows); 6-token sliding windows shorter than the contexts
+    (mistral, phi3) and half-head rotary (phi3)."""
     from model_fixtures import tiny_folder
     from tidal import LLM, SamplingParams
 

@@ -67,7 +67,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> dict:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     with flag_errors("bench serve"):
         slos = parse_goodput(args.goodput)
-        tokenizer = Tokenizer(resolve_model(args.tokenizer)[0])
+        tokenizer = Tokenizer(resolve_model(args.tokenizer, check=False)[0])
         requests, times, _ = load_workload(args, tokenizer.vocab_size, tokenizer)
     target = Target(base_url=args.base_url or f"http://{args.host}:{args.port}",
                     endpoint=args.endpoint, model=args.model, api_key=args.api_key,

@@ -66,8 +66,9 @@ class ModelConfig:
                                           "bounded size keep the activations in the CPU's "
                                           "caches, which speeds up large prefill steps. Unset: "
                                           "1024 on CPU, no limit on GPU; 0: no limit.")
-    cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 Llama/Qwen2 models "
-                             "as one call into tidal's C++ decoder, and every decode "
+    cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 or float32 models "
+                             "without q/k norms (Llama, Mistral, Qwen2, Phi-3) as one call "
+                             "into tidal's C++ decoder, and every decode "
                              "attention over the paged cache in place. The extension is "
                              "compiled once, on first use (that start takes longer); without "
                              "a compiler, PyTorch ops run instead. false: always PyTorch ops.")

@@ -13,7 +13,7 @@ gathering a batch's blocks yields [B, L * Hkv, D] rows that one batched matmul r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -43,6 +43,8 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None  # from the backend's decode_bias(); None at B=1
     decode_max_len: int = 0  # the longest decode context, this step's token included
     decode_lens: torch.Tensor | None = None  # [B] each decode's context, its token included
+    # Sliding-window masks built by the backend, shared by the step's layers of one window.
+    window_masks: dict = field(default_factory=dict)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -60,7 +62,9 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+        """`window` > 0: a token attends only to the last `window` positions, itself
+        included (HF's sliding window: kv > q - window)."""
         raise NotImplementedError
 
 
@@ -71,7 +75,8 @@ class TorchAttention(AttentionBackend):
     bmm of each sequence's query heads against all its gathered K rows (every KV head), with
     a bias that masks the padding and the KV heads a query head does not use. That computes
     Hkv times the scores it keeps, but as B matrices instead of B * Hkv tiny ones, whose
-    per-matrix overhead dominates on CPU (5-10x faster at Hkv = 3 and contexts up to ~200)."""
+    per-matrix overhead dominates on CPU (5-10x faster at Hkv = 3 and contexts up to ~200).
+    A sliding window masks what lies before it on every path (the C++ kernel starts there)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  paged_kernel=None) -> None:
@@ -94,13 +99,13 @@ class TorchAttention(AttentionBackend):
         bias = torch.zeros(keep.shape, device=device).masked_fill_(~keep, float("-inf"))
         return bias.view(len(context_lens), self.num_heads, -1)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
+    def forward(self, q, k, v, k_cache, v_cache, meta, window=0):
         # q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
         hkv, d = self.num_kv_heads, self.head_dim
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         if not meta.prefills:  # a decode-only step: no runs to stitch together
-            return self._decode(q, k_cache, v_cache, meta)
+            return self._decode(q, k_cache, v_cache, meta, window)
         out = torch.empty_like(q)
         for seq in meta.prefills:
             end = seq.start + seq.length
@@ -109,34 +114,64 @@ class TorchAttention(AttentionBackend):
             else:
                 ks = self._gather(k_cache, seq.table)[:seq.cached + seq.length]
                 vs = self._gather(v_cache, seq.table)[:seq.cached + seq.length]
+            mask, causal = seq.mask, seq.cached == 0
+            if window and seq.cached + seq.length > window:  # some keys fall out of the window
+                mask, causal = self._window_mask(seq, window, meta), False
             o = F.scaled_dot_product_attention(
                 q[seq.start:end].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
-                vs.transpose(0, 1).unsqueeze(0), attn_mask=seq.mask,
-                is_causal=seq.cached == 0, scale=self.scale, enable_gqa=True)
+                vs.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                is_causal=causal, scale=self.scale, enable_gqa=True)
             out[seq.start:end] = o.squeeze(0).transpose(0, 1)
         if meta.decode_block_tables is not None:
             out[meta.num_prefill_tokens:] = self._decode(q[meta.num_prefill_tokens:],
-                                                         k_cache, v_cache, meta)
+                                                         k_cache, v_cache, meta, window)
         return out
+
+    @staticmethod
+    def _window_mask(seq: PrefillSeq, window: int, meta: AttentionMetadata) -> torch.Tensor:
+        """[len, cached + len]: query at position p reads keys p - window < j <= p."""
+        key = ("prefill", seq.start, window)
+        if key not in meta.window_masks:
+            dev = meta.slot_mapping.device
+            rows = torch.arange(seq.cached, seq.cached + seq.length, device=dev)[:, None]
+            cols = torch.arange(seq.cached + seq.length, device=dev)[None, :]
+            meta.window_masks[key] = (cols <= rows) & (cols > rows - window)
+        return meta.window_masks[key]
+
+    def _decode_window_bias(self, meta: AttentionMetadata, window: int) -> torch.Tensor:
+        """decode_bias with the positions before each sequence's window masked too."""
+        key = ("decode", window)
+        if key not in meta.window_masks:
+            b, cache_len = len(meta.decode_lens), meta.decode_bias.shape[-1] // self.num_kv_heads
+            dev = meta.decode_bias.device
+            old = (torch.arange(cache_len, device=dev)[None, :]
+                   < (meta.decode_lens - window)[:, None])  # [B, L]
+            old = old[:, None, :, None].expand(b, 1, cache_len, self.num_kv_heads)
+            meta.window_masks[key] = meta.decode_bias.masked_fill(
+                old.reshape(b, 1, -1), float("-inf"))
+        return meta.window_masks[key]
 
     @staticmethod
     def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """[len(table) * block_size, Hkv, D]: one sequence's context in order."""
         return cache.index_select(0, table).flatten(0, 1)
 
-    def _decode(self, q, k_cache, v_cache, meta) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta, window=0) -> torch.Tensor:
         tables = meta.decode_block_tables
         if self.paged_kernel is not None and q.device.type == "cpu":
-            return self.paged_kernel(q, k_cache, v_cache, tables, meta.decode_lens, self.scale)
+            return self.paged_kernel(q, k_cache, v_cache, tables, meta.decode_lens, self.scale,
+                                     window)
         if tables.shape[0] == 1:  # no padding to mask: SDPA over the exact context
             n = meta.decode_max_len
-            ks = self._gather(k_cache, tables[0])[:n].transpose(0, 1).unsqueeze(0)
-            vs = self._gather(v_cache, tables[0])[:n].transpose(0, 1).unsqueeze(0)
+            first = max(0, n - window) if window else 0
+            ks = self._gather(k_cache, tables[0])[first:n].transpose(0, 1).unsqueeze(0)
+            vs = self._gather(v_cache, tables[0])[first:n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, scale=self.scale,
                                                enable_gqa=True)
             return o.squeeze(2)
         b, flat = tables.shape[0], tables.view(-1)
         ks = k_cache.index_select(0, flat).view(b, -1, self.head_dim)  # [B, L * Hkv, D]
         vs = v_cache.index_select(0, flat).view(b, -1, self.head_dim)
-        scores = torch.bmm(q, ks.transpose(1, 2)).float() * self.scale + meta.decode_bias
+        bias = self._decode_window_bias(meta, window) if window else meta.decode_bias
+        scores = torch.bmm(q, ks.transpose(1, 2)).float() * self.scale + bias
         return torch.bmm(torch.softmax(scores, dim=-1).to(q.dtype), vs)  # [B, H, D]

@@ -84,5 +84,5 @@ def build_decoder(model: nn.Module):
                           arch.rms_norm_eps)
     for i, layer in enumerate(model.layers):
         decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                          *projections[1 + 4 * i:5 + 4 * i])
+                          *projections[1 + 4 * i:5 + 4 * i], layer.self_attn.window)
     return decoder

@@ -1,4 +1,6 @@
-"""A Llama-family decoder (Llama, Qwen2, Qwen3) over flattened variable-length batches.
+"""A Llama-family decoder over flattened variable-length batches: Llama (2, 3.x), Mistral,
+Qwen2/2.5, Qwen3 and Phi-3 differ only in shapes and flags of `ModelArch` (biases, q/k
+norms, sliding windows, RoPE schedule, partial rotary), so they share these layers.
 
 No padding: a step's tokens from every sequence are one [T] row of ids with their positions.
 Q/K/V and gate/up are fused into one matmul each; K/V go to the paged cache through the
@@ -13,6 +15,7 @@ from torch import nn
 
 from tidal.model.attention import AttentionBackend, AttentionMetadata
 from tidal.model.config import ModelArch
+from tidal.model.rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -30,35 +33,40 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """RoPE with the half-split pairing of HF checkpoints: x*cos + rotate_half(x)*sin, where
-    rotate_half(x) = roll(x, D/2) with the first half's sine negated (one table lookup a step)."""
+    """RoPE tables (tidal.model.rope) with the half-split pairing of HF checkpoints:
+    x*cos + rotate_half(x)*sin, where rotate_half(x) = roll(x, R/2) with the first half's
+    sine negated (one table lookup a step), on the first R = rotary_dim dims of a head."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch) -> None:
         super().__init__()
-        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-        self.register_buffer("cos", torch.cat([freqs.cos()] * 2, dim=-1), persistent=False)
-        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1),
-                             persistent=False)
+        cos, sin = rope_tables(arch.rope, arch.context_length)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and signed sin of each token, [T, 1, D], shared by every layer of a step."""
+        """cos and signed sin of each token, [T, 1, R], shared by every layer of a step."""
         return (self.cos[positions].unsqueeze(1).to(dtype),
                 self.sin[positions].unsqueeze(1).to(dtype))
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     cos, sin = rope
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + x.roll(r // 2, dims=-1) * sin
+    # Partial rotary: the first r dims rotate among themselves, the rest pass unchanged.
+    rot = x[..., :r]
+    return torch.cat([rot * cos + rot.roll(r // 2, dims=-1) * sin, x[..., r:]], dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, window: int = 0) -> None:
         super().__init__()
         self.h, self.hkv, self.d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, (self.h + 2 * self.hkv) * self.d,
                                   bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, arch.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, arch.hidden_size, bias=arch.o_bias)
+        self.window = window  # sliding window: attend to the last `window` positions
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, arch.rms_norm_eps)
@@ -72,15 +80,16 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
         qk = apply_rope(qk, rope)  # q and k heads in one go
-        o = self.backend.forward(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta)
+        o = self.backend.forward(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta, self.window)
         return self.o_proj(o.view(t, h * self.d))
 
 
 class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        bias = arch.mlp_bias
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -88,10 +97,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, window: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend)
+        self.self_attn = Attention(arch, backend, window)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
@@ -108,11 +117,11 @@ class LlamaModel(nn.Module):
         self.arch = arch
         self.backend = backend
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend, w) for w in arch.windows)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
-        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position_embeddings)
+        self.rotary = Rotary(arch)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,

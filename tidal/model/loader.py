@@ -1,4 +1,5 @@
-"""Build a model and load Hugging Face safetensors into it, fusing q/k/v and gate/up."""
+"""Build a model and load Hugging Face safetensors into it, fusing q/k/v and gate/up (Phi-3
+checkpoints store them fused already, under the names tidal uses)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from tidal.model.attention import AttentionBackend, TorchAttention
 from tidal.model.config import ModelArch
-from tidal.model.llama import LlamaModel
+from tidal.model.llama import LlamaModel, Rotary
 
 # HF parameter -> (our parameter, which shard of a fused one: index into its parts)
 _FUSED = {
@@ -59,16 +60,14 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
             if "norm" in name:
                 p.data.fill_(1.0)
         # The RoPE tables stay float32, as loaded models keep them.
-        model.rotary = type(model.rotary)(arch.head_dim, arch.rope_theta,
-                                          arch.max_position_embeddings).to(device)
+        model.rotary = Rotary(arch).to(device)
         return model.eval().requires_grad_(False)
     with torch.device("meta"):
         model = LlamaModel(arch, backend)
     params = _read_safetensors(folder, arch, model, dtype)
     model.load_state_dict(params, assign=True, strict=False)
     # Buffers (RoPE tables) were built on the meta device: build them for real.
-    rotary = type(model.rotary)(arch.head_dim, arch.rope_theta, arch.max_position_embeddings)
-    model.rotary = rotary
+    model.rotary = Rotary(arch)
     return model.to(device).eval().requires_grad_(False)
 
 

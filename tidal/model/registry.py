@@ -33,9 +33,11 @@ def embedded_gguf(name: str) -> Path:
     return path
 
 
-def resolve_model(model: str) -> tuple[Path, str]:
+def resolve_model(model: str, check: bool = True) -> tuple[Path, str]:
     """(folder with config.json + safetensors + tokenizer, served model name). A GGUF (an
-    embedded name or a path) is converted once into the cache; later calls reuse it."""
+    embedded name or a path) is converted once into the cache; later calls reuse it.
+    `check`: raise UnsupportedModelError now for a model tidal cannot run, before any
+    engine, tokenizer or memory (False: the folder serves only its tokenizer)."""
     if model in EMBEDDED:
         gguf, served = embedded_gguf(model), model
     elif model.endswith(".gguf") and Path(model).is_file():
@@ -46,10 +48,18 @@ def resolve_model(model: str) -> tuple[Path, str]:
             raise FileNotFoundError(
                 f"--model {model!r} is neither an embedded model ({', '.join(EMBEDDED)}), a "
                 f"GGUF file, nor a folder with config.json and safetensors")
-        return folder, folder.name
+        return _checked(folder, check), folder.name
     stat = gguf.stat()
     folder = cache_root() / f"{served}-{stat.st_size:x}"
     if not (folder / "model.safetensors").is_file():
         from tidal.model.gguf_convert import convert_gguf
         convert_gguf(gguf, folder)
-    return folder, served
+    return _checked(folder, check), served
+
+
+def _checked(folder: Path, check: bool) -> Path:
+    if check:  # config.json only: no torch tensor is made before this passes
+        from tidal.model.config import ModelArch
+
+        ModelArch.from_folder(folder)
+    return folder

@@ -101,8 +101,7 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
     hw = hardware(hw) if isinstance(hw, str) else hw
     options = dict(options or {})
     # The context: max_model_len if given, else the model's.
-    context = min(options.get("max_model_len", arch.max_position_embeddings),
-                  arch.max_position_embeddings)
+    context = min(options.get("max_model_len", arch.context_length), arch.context_length)
     knobs = {k: context if v is None else v  # None: "as long as the context"
              for k, v in BASELINES[baseline].items()}
     knobs.update(options)

@@ -278,26 +278,27 @@ void add_rms_norm(T* h, const T* y, const T* weight, T* x, int64_t rows, int64_t
 }
 
 // In place on the first `heads` heads of each row: x*cos + rotate_half(x)*sin, the half-split
-// pairing of HF checkpoints; the tables hold the signed sine already.
+// pairing of HF checkpoints; the tables hold the signed sine already. Only the first `rd`
+// dims of a head rotate (partial rotary); the others pass unchanged.
 template <typename T>
 void rope(T* qkv, int64_t row_stride, const float* cos, const float* sin, int64_t rows,
-          int64_t heads, int64_t d) {
-  const int64_t half = d / 2;
+          int64_t heads, int64_t d, int64_t rd) {
+  const int64_t half = rd / 2;
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> c(d), s(d), x0(d);
+    std::vector<float> c(rd), s(rd), x0(rd);
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t i = 0; i < d; ++i) {  // the tables are cast to the model's dtype first
-        c[i] = f32(round_to<T>(cos[r * d + i]));
-        s[i] = f32(round_to<T>(sin[r * d + i]));
+      for (int64_t i = 0; i < rd; ++i) {  // the tables are cast to the model's dtype first
+        c[i] = f32(round_to<T>(cos[r * rd + i]));
+        s[i] = f32(round_to<T>(sin[r * rd + i]));
       }
       for (int64_t hh = 0; hh < heads; ++hh) {
         T* x = qkv + r * row_stride + hh * d;
-        for (int64_t i = 0; i < d; ++i) x0[i] = f32(x[i]);
+        for (int64_t i = 0; i < rd; ++i) x0[i] = f32(x[i]);
         auto rot = [&](int64_t i, float rolled) {
           x[i] = round_to<T>(f32(round_to<T>(x0[i] * c[i])) + f32(round_to<T>(rolled * s[i])));
         };
         for (int64_t i = 0; i < half; ++i) rot(i, x0[i + half]);
-        for (int64_t i = half; i < d; ++i) rot(i, x0[i - half]);
+        for (int64_t i = half; i < rd; ++i) rot(i, x0[i - half]);
       }
     }
   });
@@ -331,16 +332,17 @@ inline float hsum(v16f v) {
 }
 
 // A sequence's context in a [blocks, block_size, hkv, d] cache, for one KV head: `each`
-// walks its tokens block by block (no division per token).
+// walks its n tokens from position `first` on (a sliding window's start; 0 otherwise) block
+// by block (no division per token), calling f(index from 0, offset in the cache).
 struct Paged {
   const int64_t* table;
-  int64_t block_size, token_stride, head_offset;
+  int64_t block_size, token_stride, head_offset, first;
   template <typename F>
   void each(int64_t n, F&& f) const {
-    for (int64_t t = 0, blk = 0; t < n; ++blk) {
+    for (int64_t t = 0, blk = first / block_size, i0 = first % block_size; t < n; ++blk, i0 = 0) {
       const int64_t base = table[blk] * block_size * token_stride + head_offset;
-      const int64_t m = std::min(block_size, n - t);
-      for (int64_t i = 0; i < m; ++i, ++t) f(t, base + i * token_stride);
+      const int64_t m = std::min(block_size - i0, n - t);
+      for (int64_t i = i0; i < i0 + m; ++i, ++t) f(t, base + i * token_stride);
     }
   }
 };
@@ -408,20 +410,23 @@ void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Pa
 
 // q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, d];
 // tables [B, W] int64; lens [B]. One task per (sequence, KV head) reads that head's context
-// straight from its blocks and serves every query head of its group.
+// straight from its blocks and serves every query head of its group. window > 0: only the
+// last `window` positions of each context (a sliding-window layer).
 template <typename T>
 void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                      const int64_t* tables, int64_t table_width, const int64_t* lens,
                      int64_t batch, int64_t heads, int64_t hkv, int64_t d, int64_t block_size,
-                     float scale, T* out) {
+                     float scale, int64_t window, T* out) {
   const int64_t groups = heads / hkv;
   constexpr bool vectorisable = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
   const bool vec = vectorisable && d % 16 == 0 && d <= 256 && groups * (d / 16) <= 256;
   at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf, scores, acc;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t b = task / hkv, g = task % hkv, n = lens[b];
-      const Paged ctx{tables + b * table_width, block_size, hkv * d, g * d};
+      const int64_t b = task / hkv, g = task % hkv;
+      const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
+      const int64_t n = lens[b] - first;
+      const Paged ctx{tables + b * table_width, block_size, hkv * d, g * d, first};
       qf.resize(groups * d);
       scores.resize(groups * n);
       acc.resize(groups * d);
@@ -484,6 +489,7 @@ void check_tables(const Tensor& tables, const Tensor& lens, int64_t batch, int64
 struct Layer {
   Tensor norm1, norm2;
   Linear qkv, o, gate_up, down;
+  int64_t window;  // sliding window (0: full attention)
 };
 
 class Decoder {
@@ -496,10 +502,14 @@ class Decoder {
     TORCH_CHECK(embed.scalar_type() == at::kBFloat16 || embed.scalar_type() == at::kFloat,
                 "the CPU decoder runs bfloat16 and float32 models");
     TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv heads");
+    TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) % 2 == 0 &&
+                    cos.size(1) <= head_dim && cos.scalar_type() == at::kFloat,
+                "RoPE tables must be float32 [positions, rotary_dim <= head_dim], rotary_dim even");
   }
 
-  void add_layer(Tensor norm1, Tensor norm2, Linear qkv, Linear o, Linear gate_up, Linear down) {
-    layers_.push_back({norm1, norm2, qkv, o, gate_up, down});
+  void add_layer(Tensor norm1, Tensor norm2, Linear qkv, Linear o, Linear gate_up, Linear down,
+                 int64_t window) {
+    layers_.push_back({norm1, norm2, qkv, o, gate_up, down, window});
   }
 
   // One decode-only step: logits (float32) of `logits_rows` among the B one-token rows.
@@ -547,7 +557,7 @@ class Decoder {
       Tensor qkv = L.qkv(x).contiguous();
       T* qp = qkv.data_ptr<T>();
       rope<T>(qp, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, heads_ + hkv_,
-              d_);
+              d_, cos_.size(1));
       write_kv<T>(qp, qkv_width, heads_ * d_, slots.data_ptr<int64_t>(), rows, kv_width,
                   k_caches[l].data_ptr<T>());
       write_kv<T>(qp, qkv_width, (heads_ + hkv_) * d_, slots.data_ptr<int64_t>(), rows,
@@ -555,7 +565,7 @@ class Decoder {
       paged_attention<T>(qp, qkv_width, k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(),
                          tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
                          rows, heads_, hkv_, d_, block_size, static_cast<float>(scale),
-                         attn.data_ptr<T>());
+                         L.window, attn.data_ptr<T>());
       y = L.o(attn).contiguous();
       add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), L.norm2.data_ptr<T>(), x.data_ptr<T>(),
                       rows, hid, eps_);
@@ -582,7 +592,7 @@ class Decoder {
 
 // Paged decode attention on its own: the PyTorch path's decode attention on CPU.
 Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
-                              Tensor lens, double scale) {
+                              Tensor lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim]");
   check_cache(k_cache, q.scalar_type());
   check_cache(v_cache, q.scalar_type());
@@ -599,7 +609,7 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor t
                               v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
                               tables.size(1), lens.data_ptr<int64_t>(), batch, heads,
                               k_cache.size(2), d, k_cache.size(1), static_cast<float>(scale),
-                              out.data_ptr<scalar_t>());
+                              window, out.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -633,8 +643,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     double>())
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward, py::call_guard<py::gil_scoped_release>());
-  m.def("paged_decode_attention", &paged_decode_attention,
-        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
+        py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear", [](Tensor x, Tensor q4, Tensor scale_min, c10::optional<Tensor> bias) {
     return int4_linear(x, q4, scale_min, bias.value_or(Tensor()));
   }, py::arg("x"), py::arg("q4"), py::arg("scale_min"), py::arg("bias") = py::none(),
