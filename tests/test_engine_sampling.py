@@ -136,3 +136,50 @@ def test_a_runner_error_fails_its_step_and_the_engine_goes_on(llm, monkeypatch):
     assert not llm.engine.scheduler.requests and llm.engine.scheduler.kv.pool.num_used == 0
     again = llm.generate(ids(llm, PROMPTS[:3]), params, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in again] == ["length"] * 3
+
+
+def test_logit_bias_shifts_the_logits_before_sampling():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    assert sample(logits, [row(temperature=0, logit_bias={2: 2.5})], gen)[0] == [[2]]
+    assert sample(logits, [row(temperature=0, logit_bias={0: -100})], gen)[0] == [[1]]
+    _, lp = sample(logits, [row(temperature=0, logit_bias={1: 1.0}, logprobs=1)], gen)
+    biased = torch.tensor([[2.0, 2.9, 0.0]]).log_softmax(-1)[0]
+    assert lp[0][0][0] == pytest.approx(biased[1].item())  # logprobs see the bias
+    assert torch.equal(logits, torch.tensor([[2.0, 1.9, 0.0]]))  # the caller's are untouched
+    seen = set()
+    for _ in range(300):  # -100 all but bans a token at any temperature
+        toks, _ = sample(logits, [row(temperature=2.0, logit_bias={0: -100, 1: -100})], gen)
+        seen.add(toks[0][0])
+    assert seen == {2}
+
+
+def test_logit_bias_through_the_engine(llm):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = llm.generate(ids(llm, PROMPTS[:2]), params, use_tqdm=False)
+    first = plain[0].outputs[0].token_ids[0]
+    banned = llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, logit_bias={first: -100}),
+        use_tqdm=False)[0].outputs[0].token_ids
+    assert first not in banned
+    forced = SamplingParams(max_tokens=5, temperature=1.0, n=2, seed=3, ignore_eos=True,
+                            logit_bias={1234: 100})
+    out = llm.generate(ids(llm, PROMPTS[:1]), forced, use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == [[1234] * 5] * 2  # forked siblings too
+    # A biased request leaves its batch neighbours as they were.
+    mixed = llm.generate(ids(llm, PROMPTS[:2]), [SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, logit_bias={first: -100}), params],
+        use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == banned
+    assert mixed[1].outputs[0].token_ids == plain[1].outputs[0].token_ids
+
+
+def test_logit_bias_is_validated(llm):
+    for bad in ({5: 101}, {5: -100.5}, {-1: 1.0}, {"5": 1.0}, {5: "x"}, {True: 1.0}):
+        with pytest.raises(ValueError):
+            SamplingParams(logit_bias=bad)
+    assert SamplingParams(logit_bias={5: 100, 6: -100}).logit_bias == {5: 100.0, 6: -100.0}
+    with pytest.raises(ValueError, match="logit_bias"):  # the vocabulary has 49152 ids
+        llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(logit_bias={49152: 1.0}),
+                     use_tqdm=False)
+    assert not llm.engine.scheduler.requests and llm.engine.scheduler.kv.pool.num_used == 0

@@ -230,6 +230,7 @@ def test_a_full_queue_answers_429_and_loses_nothing(server):
             assert r.json()["usage"]["completion_tokens"] == 32
         else:
             assert r.json()["error"]["type"] == "rate_limit_error"
+            assert int(r.headers["retry-after"]) >= 1
     deadline = time.monotonic() + 10
     while metric(server.url, "tidal:kv_cache_used_blocks") > 0:
         assert time.monotonic() < deadline

@@ -72,6 +72,10 @@ class SamplingParams:
     """Return this many top alternatives' log-probabilities per token."""
     min_tokens: int = 0
     """Stop tokens (EOS, stop_token_ids) cannot be sampled before this many output tokens."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> a bias in [-100, 100] added to its logit before sampling (OpenAI's
+    logit_bias): -100 all but bans the token, 100 all but forces it. The ids must be in the
+    model's vocabulary, which the engine checks when the request is added."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -92,6 +96,16 @@ class SamplingParams:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        bias = {}
+        for token, value in dict(self.logit_bias).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} "
+                                 f"for token {token}")
+            bias[token] = float(value)
+        self.logit_bias = bias
 
 
 def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

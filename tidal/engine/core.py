@@ -32,7 +32,7 @@ class EngineCore:
         # What the model and the memory allow: the context is at most the model's, and the
         # pool is what the runner allocated.
         sched_cfg = replace(config.scheduler, max_model_len=min(
-            config.scheduler.max_model_len, arch.max_position_embeddings))
+            config.scheduler.max_model_len, arch.context_length))
         cache_cfg = replace(config.cache, num_blocks=self.runner.num_blocks)
         self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
         self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg))
@@ -59,6 +59,9 @@ class EngineCore:
         """Queue a request; raises ValueError for one that can never run."""
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"request {request_id!r}: token ids must be in "
+                             f"[0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"request {request_id!r}: logit_bias token ids must be in "
                              f"[0, {self.vocab_size})")
         self.scheduler.add_request(Request(
             request_id, prompt_token_ids, params,

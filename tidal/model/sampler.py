@@ -1,5 +1,5 @@
-"""Turn a step's logits into tokens: penalties, temperature, top-k/top-p/min-p, per-request
-seeds, and log-probabilities with top alternatives."""
+"""Turn a step's logits into tokens: penalties, logit bias, temperature, top-k/top-p/min-p,
+per-request seeds, and log-probabilities with top alternatives."""
 
 from __future__ import annotations
 
@@ -45,6 +45,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place: each row's logit_bias added to its tokens' logits (before temperature, so
+    greedy rows see it too)."""
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype,
+                                           device=logits.device)
+
+
 def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (to -inf), row by row settings."""
     temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], dtype=logits.dtype)
@@ -74,11 +85,13 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator,
            ) -> tuple[list[list[int]], list[list[tuple[float, list[tuple[int, float]]]] | None]]:
     """Tokens per row (num_samples each) and, for rows asking for logprobs, one entry per
-    token: (its logprob, the top alternatives as (token, logprob))."""
+    token: (its logprob, the top alternatives as (token, logprob)). Logprobs are those of
+    the distribution after penalties, logit bias and min_tokens bans, before temperature."""
     logits = logits.float()
-    if any(_needs_penalty(r.params) or r.banned for r in rows):
+    if any(_needs_penalty(r.params) or r.banned or r.params.logit_bias for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
+        apply_logit_bias(logits, rows)
         for i, row in enumerate(rows):
             if row.banned:
                 logits[i, row.banned] = float("-inf")

@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions (streamed over SSE or
-not), models, health, version and metrics, in front of the engine-core process.
+not), vLLM's tokenize and detokenize, models, health, version and metrics, in front of the
+engine-core process.
 
 The routes are module-level functions over one `Frontend` (at `app.state.frontend`), which
 holds the engine client, the tokenizer, the metrics and the server's settings and drives a
@@ -25,7 +26,7 @@ from tidal.server.client import CoreClient, EngineDeadError, Failure
 from tidal.server.errors import error_response, install_error_handlers
 from tidal.server.metrics import ServerMetrics
 from tidal.server.protocol import (APIError, ChatRequest, CompletionRequest,
-                                   GenerationRequest)
+                                   DetokenizeRequest, GenerationRequest, TokenizeRequest)
 from tidal.server.responses import (ChatResponse, CompletionResponse, GenerationResponse,
                                     Updates)
 
@@ -86,7 +87,8 @@ class Frontend:
             if any(not 0 <= t < client.ready.vocab_size for t in ids):
                 raise APIError("prompt token ids out of the vocabulary", param="prompt")
             params.append(body.sampling_params(max_tokens, logprobs, config.max_n, len(ids),
-                                               client.ready.max_model_len, default_max))
+                                               client.ready.max_model_len, default_max,
+                                               client.ready.vocab_size))
         prefill = (body.kv_transfer_params or {}).get("prefill_address")
         if prefill is not None:
             body.check_disaggregated()
@@ -189,6 +191,24 @@ async def chat(body: ChatRequest, f: FrontendDep):
     prompts = body.prompt_ids(f.tokenizer)
     return await f.generate(ChatResponse, body, prompts, body.output_limit(),
                             body.num_logprobs(), default_max=None)
+
+
+@routes.post("/tokenize")
+async def tokenize(body: TokenizeRequest, f: FrontendDep):
+    """vLLM's: a prompt, or messages through the chat template, as token ids."""
+    f.check_model(body.model)
+    ids = body.token_ids(f.tokenizer)
+    return {"tokens": ids, "count": len(ids), "max_model_len": f.client.ready.max_model_len}
+
+
+@routes.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, f: FrontendDep):
+    """vLLM's: token ids back to text, special tokens included."""
+    f.check_model(body.model)
+    vocab = f.client.ready.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": f.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
 @asynccontextmanager

@@ -103,8 +103,10 @@ class PDRouter:
             finally:
                 d.in_flight -= 1
                 await upstream.aclose()
+            retry = upstream.headers.get("retry-after")  # a decode instance's 429
             return Response(content, upstream.status_code,
-                            media_type=upstream.headers.get("content-type"))
+                            media_type=upstream.headers.get("content-type"),
+                            headers={"Retry-After": retry} if retry else None)
 
         async def relay():
             try:

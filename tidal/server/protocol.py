@@ -1,39 +1,236 @@
 """OpenAI request bodies (pydantic) and their translation into SamplingParams, with the
-checks that turn bad input into HTTP 400 before anything reaches the engine core."""
+checks that turn bad input into HTTP 400 before anything reaches the engine core.
+
+Nothing is silently ignored. Every field a body may hold is one of:
+- honoured: a declared field that changes what tidal does;
+- harmless: a declared field tidal accepts and does not use, because it cannot change the
+  output (`user`, `metadata`, `store`, the prompt-cache hints, ...; docs/serving.md says why
+  for each);
+- refused: listed in a model's `_refused` table (OpenAI fields and vLLM extensions tidal does
+  not implement yet); a value that asks for nothing (null, or what tidal does anyway, such as
+  `response_format: {"type": "text"}`) passes, any other is a 400 naming the field;
+- anything else is a 400 "Unrecognized request argument supplied", as OpenAI answers.
+A null value means the field is absent, as in OpenAI's API."""
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from tidal.core import SamplingParams
 
 
 class APIError(Exception):
-    """Becomes an OpenAI-style error body with this HTTP status."""
+    """Becomes an OpenAI-style error body with this HTTP status (a 429 also says when to
+    retry, in seconds, as a Retry-After header)."""
 
     def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
-                 param: str | None = None) -> None:
+                 param: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.kind, self.param = message, status, kind, param
+        self.retry_after = retry_after if retry_after is not None else (
+            1 if status == 429 else None)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.status}}
 
 
-class StreamOptions(BaseModel):
+def refuse(param: str, message: str) -> PydanticCustomError:
+    """A validation error the error handler turns into a 400 naming `param` (appended to
+    where the failing model sits in the body, e.g. messages.2)."""
+    return PydanticCustomError("refused", message, {"param": param})
+
+
+# Why a field is refused, by topic; a table entry is (values that pass, why).
+_TOOLS = "tidal does not implement tool calling yet"
+_STRUCTURED = "tidal does not implement structured outputs yet"
+_NOT_YET = "tidal does not implement it yet"
+
+# vLLM's request extensions tidal does not implement (both endpoints).
+_VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": ((False,), "tidal does not implement beam search"),
+    "length_penalty": ((1, 1.0), "tidal does not implement beam search"),
+    "include_stop_str_in_output": ((False,), "tidal never includes stop strings in the text"),
+    "skip_special_tokens": ((True,), "tidal always skips special tokens in the text"),
+    "spaces_between_special_tokens": ((True,), _NOT_YET),
+    "truncate_prompt_tokens": ((), "tidal does not truncate prompts"),
+    "prompt_logprobs": ((), _NOT_YET),
+    "allowed_token_ids": ((), _NOT_YET),
+    "bad_words": (([],), _NOT_YET),
+    "logits_processors": (([],), "tidal takes no per-request logits processors"),
+    "guided_json": ((), _STRUCTURED),
+    "guided_regex": ((), _STRUCTURED),
+    "guided_choice": ((), _STRUCTURED),
+    "guided_grammar": ((), _STRUCTURED),
+    "guided_decoding_backend": ((), _STRUCTURED),
+    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "structural_tag": ((), _STRUCTURED),
+    "structured_outputs": ((), _STRUCTURED),
+    "return_tokens_as_token_ids": ((False,), _NOT_YET),
+    "return_token_ids": ((False,), _NOT_YET),
+    "cache_salt": ((), "tidal does not salt the prefix cache per request"),
+    "request_id": ((), "tidal names requests itself"),
+    "prompt_embeds": ((), "tidal takes text and token ids only"),
+    "mm_processor_kwargs": ((), "tidal serves text-only models"),
+    "media_io_kwargs": ((), "tidal serves text-only models"),
+    "vllm_xargs": ((), _NOT_YET),
+}
+
+# OpenAI chat fields tidal does not implement, and vLLM's chat-only extensions.
+_CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
+    "tools": (([],), _TOOLS),
+    "tool_choice": (("none",), _TOOLS),
+    "parallel_tool_calls": ((), _TOOLS),
+    "functions": (([],), _TOOLS),
+    "function_call": (("none",), _TOOLS),
+    "response_format": (({"type": "text"},), _STRUCTURED),
+    "audio": ((), "tidal serves text-only models"),
+    "modalities": ((["text"],), "tidal serves text-only models"),
+    "prediction": ((), "tidal does not implement predicted outputs"),
+    "web_search_options": ((), "tidal has no web search"),
+    "moderation": ((), "tidal runs no moderation"),
+    "reasoning_effort": (("none",), "this server has no reasoning controls"),
+    "verbosity": ((), "this server has no verbosity control"),
+    "service_tier": (("auto", "default"), "this server has one service tier, 'default'"),
+    "echo": ((False,), _NOT_YET),
+    "best_of": ((1,), "tidal does not rank candidates"),
+    "continue_final_message": ((False,), _NOT_YET),
+    "chat_template": ((), "the model's own chat template is always used"),
+    "chat_template_kwargs": (({},), "tidal takes no chat template arguments"),
+    "documents": (([],), _NOT_YET),
+    "include_reasoning": ((), "this server has no reasoning parser"),
+}
+
+# OpenAI completion fields tidal does not implement (best_of is checked against n).
+_COMPLETION_REFUSED: dict[str, tuple[tuple, str]] = {
+    "echo": ((False,), _NOT_YET),
+    "suffix": (("",), "tidal does not implement insertion"),
+    "response_format": ((), _STRUCTURED),
+}
+
+
+def _passes(value: Any, allowed: tuple) -> bool:
+    """Whether `value` is one of `allowed`, types included (False is not 0)."""
+    return any(type(value) is type(a) and value == a for a in allowed)
+
+
+class StrictModel(BaseModel):
+    """Refuses unknown fields, and the `_refused` table's fields unless their value passes;
+    null counts as absent. Refused fields that pass are dropped: they ask for nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+    _refused: ClassVar[dict[str, tuple[tuple, str]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # pydantic says what is wrong with it
+        out = {}  # a copy: the P/D router forwards the body as the client sent it
+        for key, value in data.items():
+            if value is None:
+                continue
+            if key in cls._refused:
+                allowed, why = cls._refused[key]
+                if not _passes(value, allowed):
+                    accepted = "null" + "".join(f", {json.dumps(a)}" for a in allowed)
+                    raise refuse(key, f"{key} is not supported: {why} (accepted: {accepted})")
+            elif key not in cls.model_fields:
+                raise refuse(key, f"Unrecognized request argument supplied: {key}")
+            else:
+                out[key] = value
+        return out
+
+
+class StreamOptions(StrictModel):
     """stream_options: a last chunk with the usage when include_usage."""
 
     include_usage: bool = False
+    include_obfuscation: bool = True  # harmless: tidal adds no obfuscation padding to chunks
 
 
-class GenerationRequest(BaseModel):
+def _part_text(i: int, part: Any) -> str:
+    """A content part's text; any other kind of part is refused."""
+    where = f"content.{i}"
+    if not isinstance(part, dict):
+        raise refuse(where, "a content part must be an object with a 'type'")
+    kind = part.get("type")
+    if kind != "text":
+        raise refuse(f"{where}.type", f"content parts of type {kind!r} are not supported: "
+                                      "this server takes text parts only")
+    for key in part:
+        if key not in ("type", "text", "prompt_cache_breakpoint"):  # the last is a cache hint
+            raise refuse(f"{where}.{key}", f"Unrecognized request argument supplied: {key}")
+    if not isinstance(part.get("text"), str):
+        raise refuse(f"{where}.text", "a text part needs a string 'text'")
+    return part["text"]
+
+
+class ChatMessage(StrictModel):
+    """One message of a conversation; content is text or a list of text parts, joined with
+    newlines (as vLLM does). `name` goes to the chat template."""
+
+    _refused: ClassVar = {
+        "tool_calls": (([],), _TOOLS),
+        "function_call": ((), _TOOLS),
+        "tool_call_id": ((), _TOOLS),
+        "audio": ((), "tidal serves text-only models"),
+        "refusal": ((), _NOT_YET),
+    }
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        role = data.get("role")
+        if role in ("tool", "function"):
+            raise refuse("role", f"{role!r} messages are not supported: {_TOOLS}")
+        content = data.get("content")
+        if isinstance(content, list):
+            data = {**data, "content": "\n".join(_part_text(i, p) for i, p in enumerate(content))}
+        return data
+
+    def template_dict(self) -> dict:
+        """The message as the chat template sees it (developer messages as system ones)."""
+        out = {"role": "system" if self.role == "developer" else self.role,
+               "content": self.content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def chat_prompt_ids(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool,
+                    add_special_tokens: bool) -> list[int]:
+    """A conversation through the model's chat template, as token ids."""
+    if not messages:
+        raise APIError("messages must not be empty", param="messages")
+    dicts = [m.template_dict() for m in messages]
+    if all(not m["content"] for m in dicts):
+        raise APIError("the messages hold no text", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+    except (ValueError, TemplateError) as exc:  # the template refused the conversation
+        raise APIError(f"the chat template refused the messages: {exc}",
+                       param="messages") from exc
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+class GenerationRequest(StrictModel):
     """Fields both endpoints share; vLLM's extensions (ignore_eos, priority, min_tokens,
-    top_k, min_p, repetition_penalty, stop_token_ids) included."""
+    top_k, min_p, repetition_penalty, stop_token_ids, add_special_tokens,
+    kv_transfer_params) included."""
 
-    model_config = ConfigDict(extra="ignore")
+    _refused: ClassVar = _VLLM_REFUSED
 
     model: str | None = None
     max_tokens: int | None = None
@@ -47,18 +244,25 @@ class GenerationRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     priority: int = 0
     min_tokens: int = Field(0, ge=0)
-    user: str | None = None
+    user: str | None = None  # harmless: an end-user id for abuse monitoring
     kv_transfer_params: dict | None = None  # P/D: {"prefill_address": ...}, set by the router
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "GenerationRequest":
+        if self.stream_options is not None and not self.stream:
+            raise refuse("stream_options", "stream_options is only allowed with stream=true")
+        return self
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, max_n: int,
-                        prompt_len: int, max_model_len: int, default_max: int | None
-                        ) -> SamplingParams:
+                        prompt_len: int, max_model_len: int, default_max: int | None,
+                        vocab_size: int) -> SamplingParams:
         if self.n > max_n:
             raise APIError(f"n must be at most {max_n}, got {self.n}", param="n")
         room = max_model_len - prompt_len
@@ -85,9 +289,26 @@ class GenerationRequest(BaseModel):
                 stop=stop, priority=self.priority, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-                min_tokens=self.min_tokens)
+                min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size))
         except ValueError as exc:
             raise APIError(str(exc)) from exc
+
+    def token_bias(self, vocab_size: int) -> dict[int, float]:
+        """logit_bias with int keys, each a token of the vocabulary and in [-100, 100]."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.removeprefix("-").isdecimal():
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}",
+                               param="logit_bias")
+            token = int(key)
+            if not 0 <= token < vocab_size:
+                raise APIError(f"logit_bias token id {token} is not in the vocabulary "
+                               f"[0, {vocab_size})", param="logit_bias")
+            if not -100 <= value <= 100:
+                raise APIError(f"logit_bias values must be in [-100, 100], got {value} for "
+                               f"token {token}", param="logit_bias")
+            bias[token] = value
+        return bias
 
     def check_disaggregated(self) -> None:
         """Refuse what prefill/decode disaggregation cannot serve (the server and the P/D
@@ -100,19 +321,29 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     """A /v1/completions body."""
 
+    _refused: ClassVar = {**_VLLM_REFUSED, **_COMPLETION_REFUSED}
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    best_of: int | None = Field(None, ge=1)  # only equal to n: the best n of n are all n
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS and the like for strings
+
+    @model_validator(mode="after")
+    def _best_of(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of < self.n:
+            raise refuse("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n:
+            raise refuse("best_of", f"best_of > n is not supported: tidal does not rank "
+                                    f"candidates (accepted: null or n, {self.n})")
+        return self
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
         """One token-id list per prompt: strings are tokenized, ids pass as they are."""
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
-        p = self.prompt
-        if isinstance(p, str):
-            return [tokenizer.encode(p)] if p else [[]]  # the empty one is refused on submit
+        p, special = self.prompt, self.add_special_tokens
+        if isinstance(p, str):  # the empty one is refused on submit
+            return [tokenizer.encode(p, add_special_tokens=special)] if p else [[]]
         if p and all(isinstance(x, str) for x in p):
-            return [tokenizer.encode(x) for x in p]
+            return [tokenizer.encode(x, add_special_tokens=special) for x in p]
         if p and all(isinstance(x, int) for x in p):
             return [list(p)]
         if p and all(isinstance(x, list) for x in p):
@@ -120,43 +351,29 @@ class CompletionRequest(GenerationRequest):
         raise APIError("the prompt is empty", param="prompt")
 
 
-class ChatMessage(BaseModel):
-    """One message of a conversation; content is text or a list of text parts."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict] | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:  # only text parts: this server has no vision models
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError("only text content parts are supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-
-
 class ChatRequest(GenerationRequest):
     """A /v1/chat/completions body."""
+
+    _refused: ClassVar = {**_VLLM_REFUSED, **_CHAT_REFUSED}
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True  # vLLM: end the prompt where the assistant answers
+    add_special_tokens: bool = False  # vLLM: the chat template writes them already
+    # Harmless (docs/serving.md): they concern OpenAI's storage and caching, not the output.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    safety_identifier: str | None = None
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
         """The conversation through the chat template, as the one prompt's token ids."""
-        if not self.messages:
-            raise APIError("messages must not be empty", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in self.messages]
-        if all(not m["content"] for m in messages):
-            raise APIError("the messages hold no text", param="messages")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return [tokenizer.encode(text, add_special_tokens=False)]
+        return [chat_prompt_ids(self.messages, tokenizer, self.add_generation_prompt,
+                                self.add_special_tokens)]
 
     def num_logprobs(self) -> int | None:
         """Alternatives per token to report (0: the chosen token's only), None for none."""
@@ -168,3 +385,33 @@ class ChatRequest(GenerationRequest):
         """max_completion_tokens, or the older max_tokens."""
         return (self.max_completion_tokens if self.max_completion_tokens is not None
                 else self.max_tokens)
+
+
+class TokenizeRequest(StrictModel):
+    """POST /tokenize, either of vLLM's shapes: {prompt} or {messages}."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # messages only
+    add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise refuse("prompt", "send either prompt or messages")
+        return self
+
+    def token_ids(self, tokenizer) -> list[int]:
+        special = self.add_special_tokens
+        if self.prompt is not None:
+            return tokenizer.encode(self.prompt, add_special_tokens=special is not False)
+        return chat_prompt_ids(self.messages, tokenizer, self.add_generation_prompt,
+                               bool(special))
+
+
+class DetokenizeRequest(StrictModel):
+    """POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
