@@ -183,3 +183,30 @@ def test_logit_bias_is_validated(llm):
         llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(logit_bias={49152: 1.0}),
                      use_tqdm=False)
     assert not llm.engine.scheduler.requests and llm.engine.scheduler.kv.pool.num_used == 0
+
+
+def test_every_tensor_the_sampler_makes_lands_on_the_logits_device():
+    """With the default device set to `meta`, a tensor made without the logits' device would
+    land there and break the first operation mixing it with the (CPU) logits: what a CPU
+    tensor does beside CUDA logits. Every option that builds tensors runs at once; the
+    tokens equal a run without the trap (same seeds)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+
+    def rows():
+        seeded = torch.Generator().manual_seed(7)
+        return [
+            SampleRow(SamplingParams(temperature=0.8, top_k=5, seed=7), 2, [1, 2], [3], seeded),
+            SampleRow(SamplingParams(temperature=1.0, top_p=0.7), 1, [], [], None),
+            SampleRow(SamplingParams(temperature=1.0, min_p=0.2, logprobs=3), 1, [], [], None),
+            SampleRow(SamplingParams(temperature=0.5, presence_penalty=0.5, frequency_penalty=0.3,
+                                     repetition_penalty=1.3), 1, [4, 5], [4, 6, 6], None),
+            SampleRow(SamplingParams(temperature=1.0, logit_bias={9: 5.0}), 1, [], [], None, [2]),
+            SampleRow(SamplingParams(temperature=0, logprobs=2), 1, [], [], None),
+        ]
+
+    expected = sample(logits, rows(), torch.Generator().manual_seed(1))
+    with torch.device("meta"):
+        got = sample(logits, rows(), torch.Generator().manual_seed(1))
+    assert got == expected
+    assert all(0 <= t < 50 for toks in got[0] for t in toks)

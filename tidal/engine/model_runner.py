@@ -104,7 +104,8 @@ class ModelRunner:
                           for _ in range(self.arch.num_layers)]
         self._k_caches = [k for k, _ in self.kv_caches]
         self._v_caches = [v for _, v in self.kv_caches]
-        self.generator = torch.Generator().manual_seed(config.seed)
+        # Sampling draws its noise on the logits' device, so the generators live there.
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
         self.seqs: dict[str, _Seq] = {}
 
@@ -216,7 +217,8 @@ class ModelRunner:
         if p.seed is not None:
             gen = self.generators.get(rid)
             if gen is None:
-                gen = self.generators[rid] = torch.Generator().manual_seed(p.seed)
+                gen = torch.Generator(device=self.device).manual_seed(p.seed)
+                self.generators[rid] = gen
         banned = q.stop_ids if len(q.output) < p.min_tokens else None
         return SampleRow(p, q.num_samples, q.prompt, q.output, gen, banned)
 

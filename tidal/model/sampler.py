@@ -35,12 +35,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             continue
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)),
-                                dtype=torch.long)
+                                dtype=torch.long, device=logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                           vals * p.repetition_penalty)
         if row.output_ids and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long),
+            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long,
+                                                 device=logits.device),
                                     minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
@@ -58,7 +59,9 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 
 def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (to -inf), row by row settings."""
-    temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], dtype=logits.dtype)
+    dev = logits.device  # every tensor made here lives beside the logits (CPU or GPU)
+    temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], dtype=logits.dtype,
+                         device=dev)
     logits = logits / temps[:, None]
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -66,18 +69,19 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab = logits.shape[1]
     if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
-        ranks = torch.arange(vocab)[None, :]
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+        ranks = torch.arange(vocab, device=dev)[None, :]
         drop = ranks >= ks[:, None]
         probs = sorted_logits.softmax(-1)
         # Keep the smallest set whose mass reaches top_p (the first token always stays).
         before = probs.cumsum(-1) - probs
-        drop |= before >= torch.tensor(top_p, dtype=probs.dtype)[:, None]
+        drop |= before >= torch.tensor(top_p, dtype=probs.dtype, device=dev)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if any(p > 0 for p in min_p):
         probs = logits.softmax(-1)
-        floor = torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(-1, keepdim=True).values
+        floor = (torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
+                 * probs.max(-1, keepdim=True).values)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
@@ -85,7 +89,8 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator,
            ) -> tuple[list[list[int]], list[list[tuple[float, list[tuple[int, float]]]] | None]]:
     """Tokens per row (num_samples each) and, for rows asking for logprobs, one entry per
-    token: (its logprob, the top alternatives as (token, logprob)). Logprobs are those of
+    token: (its logprob, the top alternatives as (token, logprob)). Every tensor it makes is
+    on the logits' device; the generators must be too. Logprobs are those of
     the distribution after penalties, logit bias and min_tokens bans, before temperature."""
     logits = logits.float()
     if any(_needs_penalty(r.params) or r.banned or r.params.logit_bias for r in rows):
@@ -108,7 +113,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and a request's
             # own generator makes its draws independent of the rest of the batch.
             g = row.generator or generator
-            noise = torch.empty((row.num_samples, probs.shape[1])).exponential_(generator=g)
+            noise = torch.empty((row.num_samples, probs.shape[1]), device=probs.device)
+            noise.exponential_(generator=g)
             tokens[i] = (probs[j][None, :] / noise).argmax(-1).tolist()
     logprobs: list = [None] * len(rows)
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
