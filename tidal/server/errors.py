@@ -3,6 +3,8 @@ the P/D router install the same handlers, so a request one refuses the other ref
 
 from __future__ import annotations
 
+import hmac
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -46,11 +48,14 @@ def install_error_handlers(app: FastAPI, api_key: str | None) -> None:
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
 
+    expected = f"Bearer {api_key}".encode()
+
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         path = request.url.path
         if api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
+            sent = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(sent, expected):  # constant time: no timing oracle
                 return error_response(APIError("invalid or missing API key", 401,
                                                "authentication_error"))
         return await call_next(request)
