@@ -280,6 +280,25 @@ def test_bad_logit_bias_is_a_400(server, bias, words):
     assert words in refused(r, "logit_bias")
 
 
+@pytest.mark.parametrize("field,value", [
+    ("stop_token_ids", [49152]), ("stop_token_ids", [-1]), ("seed", 2**64),
+    ("seed", -2**63 - 1), ("priority", 2**63), ("top_k", 2**63)])
+def test_integers_outside_the_vocabulary_or_int64_are_400s_and_leave_nothing(server, field,
+                                                                             value):
+    """An out-of-vocabulary stop token would index past the logits; an integer beyond int64
+    cannot travel to the engine core. Both are refused up front, and the server serves the
+    next request."""
+    r = post(server, "/v1/completions", {**COMPLETION, field: value})
+    assert refused(r, field)
+    assert post(server, "/v1/completions", COMPLETION).status_code == 200
+
+
+def test_a_seed_whose_siblings_overflow_is_refused_offline():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64 - 1, n=2)
+    assert SamplingParams(seed=2**64 - 2, n=2).seed == 2**64 - 2
+
+
 # ---------------------------------------------------------------------- tokenize
 
 def test_tokenize_detokenize_round_trip(server):

@@ -85,6 +85,8 @@ class SamplingParams:
             (self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.seed is None or -2**63 <= self.seed and self.seed + self.n <= 2**64,
+             "seed must be in [-2**63, 2**64 - n]: each of n sequences seeds seed + i"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),

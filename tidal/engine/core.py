@@ -60,6 +60,9 @@ class EngineCore:
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"request {request_id!r}: token ids must be in "
                              f"[0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"request {request_id!r}: stop_token_ids must be in "
+                             f"[0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in params.logit_bias):
             raise ValueError(f"request {request_id!r}: logit_bias token ids must be in "
                              f"[0, {self.vocab_size})")

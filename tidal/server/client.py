@@ -178,10 +178,15 @@ class CoreClient:
         self.queues[request_id] = queue
         self.outputs.track(request_id, params)
         msg = m.Add(request_id, prompt_token_ids, params, time.time(), prefill_address)
-        if self.dispatcher is not None:
-            self.dispatcher.submit(msg)
-        else:
-            self._send_now(0, msg)
+        try:
+            if self.dispatcher is not None:
+                self.dispatcher.submit(msg)
+            else:
+                self._send_now(0, msg)
+        except Exception:  # nothing was sent: forget the request, or it counts forever
+            self.queues.pop(request_id, None)
+            self.outputs.forget(request_id)
+            raise
         return queue
 
     async def abort(self, request_id: str) -> None:

@@ -225,6 +225,9 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer, add_generation_promp
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+_INT64_MAX = 2**63 - 1  # integers travel to the engine core as msgpack int64
+
+
 class GenerationRequest(StrictModel):
     """Fields both endpoints share; vLLM's extensions (ignore_eos, priority, min_tokens,
     top_k, min_p, repetition_penalty, stop_token_ids, add_special_tokens,
@@ -236,11 +239,11 @@ class GenerationRequest(StrictModel):
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=_INT64_MAX)
     min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-_INT64_MAX - 1, le=_INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = None  # each checked against the vocabulary
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
@@ -249,7 +252,7 @@ class GenerationRequest(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    priority: int = 0
+    priority: int = Field(0, ge=-_INT64_MAX - 1, le=_INT64_MAX)
     min_tokens: int = Field(0, ge=0)
     user: str | None = None  # harmless: an end-user id for abuse monitoring
     kv_transfer_params: dict | None = None  # P/D: {"prefill_address": ...}, set by the router
@@ -278,6 +281,9 @@ class GenerationRequest(StrictModel):
             raise APIError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) "
                            f"exceeds this model's context of {max_model_len} tokens",
                            param="max_tokens")
+        if any(not 0 <= t < vocab_size for t in self.stop_token_ids or []):
+            raise APIError(f"stop_token_ids must be token ids in [0, {vocab_size})",
+                           param="stop_token_ids")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 16:  # SamplingParams checks the strings themselves
             raise APIError("stop takes at most 16 strings", param="stop")
