@@ -36,14 +36,15 @@ class NewRequest(msgspec.Struct, gc=False):
 
 
 class SchedulerOutput(msgspec.Struct):
-    """The plan of one step."""
+    """The plan of one step. An executor forgets `finished_ids`, then learns
+    `new_requests`, then runs `scheduled` (an id may end and be reused in one plan)."""
 
     step: int
     kind: str  # "prefill", "decode", "mixed" or "idle"
     scheduled: list[ScheduledRequest] = msgspec.field(default_factory=list)
-    new_requests: list[NewRequest] = msgspec.field(default_factory=list)  # before `scheduled`
+    new_requests: list[NewRequest] = msgspec.field(default_factory=list)
     preempted_ids: list[str] = msgspec.field(default_factory=list)
-    finished_ids: list[str] = msgspec.field(default_factory=list)  # since the last plan; first
+    finished_ids: list[str] = msgspec.field(default_factory=list)  # since the last plan
     block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (src, dst)
     transfer_ids: list[str] = msgspec.field(default_factory=list)  # KV moves after this step
 

@@ -57,15 +57,12 @@ class EngineCore:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
         """Queue a request; raises ValueError for one that can never run."""
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"request {request_id!r}: token ids must be in "
-                             f"[0, {self.vocab_size})")
-        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"request {request_id!r}: stop_token_ids must be in "
-                             f"[0, {self.vocab_size})")
-        if any(t >= self.vocab_size for t in params.logit_bias):
-            raise ValueError(f"request {request_id!r}: logit_bias token ids must be in "
-                             f"[0, {self.vocab_size})")
+        for what, ids in (("token ids", prompt_token_ids),
+                          ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias token ids", params.logit_bias)):
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"request {request_id!r}: {what} must be in "
+                                 f"[0, {self.vocab_size})")
         self.scheduler.add_request(Request(
             request_id, prompt_token_ids, params,
             arrival_time=time.time() if arrival_time is None else arrival_time,

@@ -4,7 +4,6 @@ pass over the paged KV cache, samples, and returns a ModelOutput."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch

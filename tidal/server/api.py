@@ -26,7 +26,8 @@ from tidal.server.client import CoreClient, EngineDeadError, Failure
 from tidal.server.errors import error_response, install_error_handlers
 from tidal.server.metrics import ServerMetrics
 from tidal.server.protocol import (APIError, ChatRequest, CompletionRequest,
-                                   DetokenizeRequest, GenerationRequest, TokenizeRequest)
+                                   DetokenizeRequest, GenerationRequest, TokenizeRequest,
+                                   check_token_ids)
 from tidal.server.responses import (ChatResponse, CompletionResponse, GenerationResponse,
                                     Updates)
 
@@ -84,8 +85,7 @@ class Frontend:
         for ids in prompts:
             if not ids:
                 raise APIError("the prompt is empty", param="prompt")
-            if any(not 0 <= t < client.ready.vocab_size for t in ids):
-                raise APIError("prompt token ids out of the vocabulary", param="prompt")
+            check_token_ids(ids, client.ready.vocab_size, "prompt")
             params.append(body.sampling_params(max_tokens, logprobs, config.max_n, len(ids),
                                                client.ready.max_model_len, default_max,
                                                client.ready.vocab_size))
@@ -205,9 +205,7 @@ async def tokenize(body: TokenizeRequest, f: FrontendDep):
 async def detokenize(body: DetokenizeRequest, f: FrontendDep):
     """vLLM's: token ids back to text, special tokens included."""
     f.check_model(body.model)
-    vocab = f.client.ready.vocab_size
-    if any(not 0 <= t < vocab for t in body.tokens):
-        raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
+    check_token_ids(body.tokens, f.client.ready.vocab_size, "tokens")
     return {"prompt": f.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 

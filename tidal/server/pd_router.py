@@ -83,8 +83,7 @@ class PDRouter:
         raw = await request.json()  # as the client sent it (FastAPI parsed and kept it)
         p, d = self.pick()
         raw["kv_transfer_params"] = {"prefill_address": p.kv_address}
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("authorization", "content-type")}
+        headers = _auth_header(request)  # httpx writes the JSON content type
         d.in_flight += 1
         try:
             upstream = await self.http.send(
@@ -126,8 +125,7 @@ class PDRouter:
         """The first decode instance's /v1/models."""
         try:
             r = await self.http.get(self.decode[0].url + "/v1/models",
-                                    headers={k: v for k, v in request.headers.items()
-                                             if k.lower() == "authorization"})
+                                    headers=_auth_header(request))
         except httpx.HTTPError as exc:
             raise APIError(f"decode instance unreachable: {exc}", 503,
                            "service_unavailable") from exc
@@ -147,6 +145,12 @@ class PDRouter:
             raise APIError(f"instances down: {', '.join(down)}", 503, "service_unavailable")
         return {"status": "ok", "prefill": [i.url for i in self.prefill],
                 "decode": [i.url for i in self.decode]}
+
+
+def _auth_header(request: Request) -> dict[str, str]:
+    """The client's Authorization header, for the instance a request is passed to."""
+    key = request.headers.get("authorization")
+    return {"authorization": key} if key is not None else {}
 
 
 def get_router(request: Request) -> PDRouter:

@@ -40,6 +40,12 @@ class APIError(Exception):
                           "code": self.status}}
 
 
+def check_token_ids(ids, vocab_size: int, param: str) -> None:
+    """A 400 naming `param` unless every id is a token of the vocabulary."""
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise APIError(f"{param}: token ids must be in [0, {vocab_size})", param=param)
+
+
 def refuse(param: str, message: str) -> PydanticCustomError:
     """A validation error the error handler turns into a 400 naming `param` (appended to
     where the failing model sits in the body, e.g. messages.2)."""
@@ -281,9 +287,7 @@ class GenerationRequest(StrictModel):
             raise APIError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) "
                            f"exceeds this model's context of {max_model_len} tokens",
                            param="max_tokens")
-        if any(not 0 <= t < vocab_size for t in self.stop_token_ids or []):
-            raise APIError(f"stop_token_ids must be token ids in [0, {vocab_size})",
-                           param="stop_token_ids")
+        check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 16:  # SamplingParams checks the strings themselves
             raise APIError("stop takes at most 16 strings", param="stop")
