@@ -128,6 +128,26 @@ def test_a_dead_core_gets_nothing_more_and_hands_back_its_requests():
     assert [x.request_id for x in d.close()] == ["late"]
 
 
+def test_a_restarted_core_rejoins_empty_and_takes_requests_again():
+    d, rec = make(policy="round_robin", cores=2)
+    for i in range(2):
+        d.submit(item(f"r{i}", 10))
+    with d._cond:
+        d._route_batch()
+    d.report(1, 10, 500, 0.7, 0)  # its load before it died
+    assert d.core_died(1) == ["r1"]
+    d.core_rejoined(1)
+    view = d.views[1]
+    assert view.alive and view.free() == 64 and view.load() == 0 and view.adds_sent == 0
+    d.report(1, 64, 0, 0.7, 0)  # the new incarnation counts its adds from zero
+    for i in range(2, 4):
+        d.submit(item(f"r{i}", 10))
+    with d._cond:
+        d._route_batch()
+    assert rec.ids(1) == ["r1", "r2"] or rec.ids(1) == ["r1", "r3"]
+    assert len(d.views[1].unseen) == 1
+
+
 def test_close_ends_the_gathering_thread_and_returns_what_was_never_sent():
     d, rec = make(timeout=60.0)
     d.start()

@@ -155,6 +155,10 @@ def test_a_dead_prefill_side_fails_the_request_and_frees_the_decode_blocks(folde
         assert pair.finished["a"].finish_reason == "error"
         assert "prefill instance" in pair.finished["a"].finish_message
         assert pair.d.scheduler.kv.pool.num_used == 0 and not pair.d.has_work()
+        pair.add("b", PROMPTS[1])  # sent to the lost address: fails at once, no timeout
+        pair.pump(3)
+        assert "is gone" in pair.finished["b"].finish_message
+        assert pair.d.scheduler.kv.pool.num_used == 0 and not pair.d.has_work()
     finally:
         pair.close()
 

@@ -142,7 +142,7 @@ def test_a_dead_prefill_core_fails_its_request_and_the_decode_side_frees_the_blo
 
 
 def test_a_dead_decode_core_fails_its_request_and_the_prefill_side_frees_the_blocks():
-    pd = Server("--pd", "1P1D", "--max-input-tokens-per-step", "256")
+    pd = Server("--pd", "1P1D", "--max-input-tokens-per-step", "256", "--restart-core", "0")
     try:
         prefill, decode = instances(pd.url)
         assert used_blocks(prefill) == 0  # the gauges are there from the first scrape on

@@ -197,6 +197,27 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
     assert metric(server.url, "tidal:num_requests_running") == 0
 
 
+def test_a_non_streaming_client_that_leaves_frees_the_blocks(server):
+    """2000 tokens take far longer than the wait below: only an abort frees the blocks."""
+    body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}
+    def finished():  # requests that ran to their length (none yet: no sample)
+        try:
+            return metric(server.url, 'tidal:request_success_total{finished_reason="length"}')
+        except KeyError:
+            return 0
+
+    before = finished()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=2,
+                   headers={"authorization": f"Bearer {KEY}"})
+    deadline = time.monotonic() + 10
+    while (metric(server.url, "tidal:kv_cache_used_blocks") > 0
+           or metric(server.url, "tidal:num_requests_running") > 0):
+        assert time.monotonic() < deadline, "blocks not freed after the client left"
+        time.sleep(0.1)
+    assert finished() == before
+
+
 def test_32_concurrent_streams(server):
     async def main():
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
@@ -270,7 +291,7 @@ def test_async_scheduling_server_gives_the_same_greedy_tokens():
 
 
 def test_engine_core_death_fails_fast_and_health_says_so():
-    s = Server()
+    s = Server("--restart-core", "0")  # restarts: test_restart.py
     try:
         body = {"prompt": "A long story:", "max_tokens": 4000, "stream": True,
                 "ignore_eos": True}

@@ -45,6 +45,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tidal.model.tokenizer import Tokenizer
     from tidal.server.api import ServerConfig, build_app
     from tidal.server.client import CoreClient
+    from tidal.server.limits import uvicorn_limits
+    from tidal.server.core_watch import RestartPolicy
 
     with flag_errors("serve"):
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
@@ -53,12 +55,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          "instances behind `tidal router` instead of --data-parallel-size")
     with flag_errors("serve"):
         folder, name = resolve_model(config.model.model)  # converts once, before the core starts
-    client = CoreClient(config, str(folder), Tokenizer(folder))
+    with flag_errors("serve"):
+        restart = RestartPolicy(args.restart_core, args.restart_backoff)
+    client = CoreClient(config, str(folder), Tokenizer(folder), restart)
     server = ServerConfig(model_name=args.served_model_name or name, api_key=args.api_key,
                           max_pending=args.max_pending, max_n=args.max_n,
-                          drain_timeout=args.drain_timeout)
+                          drain_timeout=args.drain_timeout, max_body_bytes=args.max_body_bytes,
+                          max_total_tokens=args.max_total_tokens,
+                          max_stop_strings=args.max_stop_strings,
+                          max_stop_length=args.max_stop_length,
+                          max_header_bytes=args.max_header_bytes, idle_timeout=args.idle_timeout)
     uvicorn.run(build_app(client, server), host=args.host, port=args.port,
-                log_level="info", timeout_graceful_shutdown=int(args.drain_timeout))
+                log_level="info", timeout_graceful_shutdown=int(args.drain_timeout),
+                **uvicorn_limits(server.max_header_bytes, server.idle_timeout))
 
 
 def _serve_pd(args: argparse.Namespace) -> None:
@@ -69,6 +78,7 @@ def _serve_pd(args: argparse.Namespace) -> None:
 
     import uvicorn
 
+    from tidal.server.limits import DEFAULT_MAX_HEADER_BYTES, uvicorn_limits
     from tidal.server.pd_router import PDRouter, build_router_app
     from tidal.model.registry import resolve_model
 
@@ -96,7 +106,8 @@ def _serve_pd(args: argparse.Namespace) -> None:
     router = PDRouter(urls["prefill"], urls["decode"])
     try:
         uvicorn.run(build_router_app(router, stop_children, api_key=args.api_key),
-                    host=args.host, port=args.port, log_level="info")
+                    host=args.host, port=args.port, log_level="info",
+                    **uvicorn_limits(DEFAULT_MAX_HEADER_BYTES, args.idle_timeout))
     finally:
         stop_children()
 
@@ -125,11 +136,18 @@ def _free_port() -> int:
 def cmd_router(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from tidal.server.limits import DEFAULT_MAX_HEADER_BYTES, uvicorn_limits
     from tidal.server.pd_router import PDRouter, build_router_app
 
     router = PDRouter(args.prefill, args.decode)
     uvicorn.run(build_router_app(router, api_key=args.api_key), host=args.host, port=args.port,
-                log_level="info")
+                log_level="info", **uvicorn_limits(DEFAULT_MAX_HEADER_BYTES, args.idle_timeout))
+
+
+def _add_idle_timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--idle-timeout", type=float, default=5.0,
+                        help="seconds a connection may sit idle, before its first request or "
+                             "between requests, before the server closes it")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,6 +183,23 @@ def run(argv: list[str] | None = None):
     srv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds SIGTERM lets running requests finish")
+    srv.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                     help="largest request body; larger ones get HTTP 413")
+    srv.add_argument("--max-total-tokens", type=int, default=None,
+                     help="most output tokens one prompt may ask for, n x max_tokens "
+                          "(default: no cap beyond --max-n and the context)")
+    srv.add_argument("--max-stop-strings", type=int, default=16,
+                     help="most stop strings a request may send")
+    srv.add_argument("--max-stop-length", type=int, default=256,
+                     help="most characters of one stop string")
+    srv.add_argument("--max-header-bytes", type=int, default=16 * 1024,
+                     help="largest request line plus headers; larger ones get HTTP 431")
+    _add_idle_timeout(srv)
+    srv.add_argument("--restart-core", type=int, default=3, metavar="N",
+                     help="restart a dead engine core up to N times in a row (0: never); its "
+                          "in-flight requests fail, new ones get 503 until it is back")
+    srv.add_argument("--restart-backoff", type=float, default=1.0, metavar="SECONDS",
+                     help="wait before the first restart, doubled for each next one")
     srv.add_argument("--pd", default=None, metavar="xPyD",
                      help="prefill/decode disaggregation on this machine: start x prefill and "
                           "y decode instances (e.g. 1P1D) and serve the router on --port")
@@ -180,6 +215,7 @@ def run(argv: list[str] | None = None):
     rtr.add_argument("--port", type=int, default=8000)
     rtr.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (forwarded to the instances)")
+    _add_idle_timeout(rtr)  # its body and header limits are the defaults (errors.py)
     rtr.set_defaults(func=cmd_router)
     from tidal.bench.serve import add_bench_serve_parser
 

@@ -56,6 +56,7 @@ class Dispatcher:
         self.prefixes = [PrefixIndex(block_size, num_blocks) for _ in range(router.num_cores)]
         self.core_of: dict[str, int] = {}
         self.batches = 0  # batches sent, for tests and logs
+        self.routed = [0] * router.num_cores  # requests sent to each core, restarts included
         self._queue: deque[tuple[float, Any]] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -128,6 +129,14 @@ class Dispatcher:
             self._cond.notify_all()
             return lost
 
+    def core_rejoined(self, core: int) -> None:
+        """`core` was started again: route to it, as empty (no load, no cached prefixes)."""
+        with self._cond:
+            num_blocks = self.views[core].num_blocks
+            self.views[core] = CoreView(num_blocks, free_blocks=num_blocks)
+            self.prefixes[core] = PrefixIndex(self.block_size, num_blocks)
+            self._cond.notify_all()
+
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         while True:
@@ -171,6 +180,7 @@ class Dispatcher:
             self.core_of[item.request_id] = core
             v.unseen.append((v.adds_sent, blocks, n + item.params.max_tokens))
             v.adds_sent += 1
+            self.routed[core] += 1
             self.prefixes[core].insert(hashes)
             self.send(core, item)
             tokens += n

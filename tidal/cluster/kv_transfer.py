@@ -78,6 +78,7 @@ class KVLink:
         self.address = f"tcp://{host}:{self.inbox.bind_to_random_port(f'tcp://{host}')}"
         self._peers: dict[str, zmq.Socket] = {}
         self._monitors: dict[zmq.Socket, str] = {}
+        self._lost: set[str] = set()  # peers disconnected and not back: send them nothing
         # decode role: request -> (its prefill core, when the task went; None: not sent yet)
         self.prefill_of: dict[str, tuple[str, float | None]] = {}
         # prefill role: request -> (its decode core, its blocks there, blocks it skips)
@@ -98,7 +99,7 @@ class KVLink:
         if sock is None:
             sock = self._peers[address] = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 0)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
             self._monitors[monitor] = address
             sock.connect(address)
         return sock
@@ -109,6 +110,7 @@ class KVLink:
     def _peer_lost(self, address: str) -> list[RequestOutput]:
         """The process at `address` is gone: end every request it was serving for us."""
         outputs = []
+        self._lost.add(address)
         if self.receives:
             lost = [rid for rid, (a, _) in self.prefill_of.items() if a == address]
             for rid in lost:
@@ -135,6 +137,7 @@ class KVLink:
             event = recv_monitor_message(sock)
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 return self._peer_lost(self._monitors[sock])
+            self._lost.discard(self._monitors[sock])  # (re)connected
             return []
         outputs: list[RequestOutput] = []
         while True:
@@ -174,6 +177,9 @@ class KVLink:
             if not address:
                 outputs += self._fail(rid, "a decode instance serves requests sent by "
                                       "`tidal router` (kv_transfer_params.prefill_address)")
+                continue
+            if address in self._lost:  # e.g. its core restarted elsewhere: do not wait for it
+                outputs += self._fail(rid, f"the prefill instance at {address} is gone")
                 continue
             skip = r.num_cached_tokens // bs
             blocks = sched.kv.block_ids(rid)[skip:]

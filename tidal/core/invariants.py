@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from tidal.core.request import RequestStatus
 
@@ -71,9 +71,10 @@ def collect_stats(s: "Scheduler") -> SchedulerStats:
     )
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: str | Callable[[], str]) -> None:
+    """Raise with `message` unless ok; a callable message is formatted only on failure."""
     if not ok:
-        raise InvariantError(message)
+        raise InvariantError(message() if callable(message) else message)
 
 
 def check_invariants(s: "Scheduler") -> None:
@@ -87,19 +88,20 @@ def check_invariants(s: "Scheduler") -> None:
     owners = Counter(b for table in kv.tables.values() for b in table)
     for block in pool.blocks:
         _require(block.ref_cnt == owners.get(block.block_id, 0),
-                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
+                 lambda: f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
                  f"{owners.get(block.block_id, 0)} tables hold it")
         _require((block.ref_cnt == 0) == (block.block_id in free),
-                 f"block {block.block_id} is both free and owned, or neither")
+                 lambda: f"block {block.block_id} is both free and owned, or neither")
         if block.block_hash is not None:
             _require(pool._cached.get(block.block_hash) is block,
-                     f"block {block.block_id} has a hash the cache map does not point back to")
+                     lambda: f"block {block.block_id} has a hash the cache map does not "
+                     "point back to")
     _require(len(pool._cached) == sum(b.block_hash is not None for b in pool.blocks),
              "the cache map names blocks that lost their hash")
 
     holders = {r.request_id for r in s.running} | set(s.transferring)
     _require(set(kv.tables) == holders,
-             f"block tables {sorted(set(kv.tables) ^ holders)} belong to requests that "
+             lambda: f"block tables {sorted(set(kv.tables) ^ holders)} belong to requests that "
              "should (or should not) hold blocks")
     expected = (
         [(r, RequestStatus.WAITING) for r in s.waiting]
@@ -109,21 +111,21 @@ def check_invariants(s: "Scheduler") -> None:
     )
     _require(len(expected) == len(s.requests), "a request is in no queue or in two")
     for r, status in expected:
-        _require(r.status is status, f"{r} sits where {status.name} requests sit")
-        _require(s.requests.get(r.request_id) is r, f"{r} is queued but not registered")
-        _require(r.num_in_flight >= 0, f"{r} has a negative in-flight count")
+        _require(r.status is status, lambda: f"{r} sits where {status.name} requests sit")
+        _require(s.requests.get(r.request_id) is r, lambda: f"{r} is queued but not registered")
+        _require(r.num_in_flight >= 0, lambda: f"{r} has a negative in-flight count")
     for r in s.running:
         table = kv.tables[r.request_id]
         _require(len(table) * kv.block_size >= r.num_computed_tokens,
-                 f"{r}: its blocks do not cover its computed tokens")
+                 lambda: f"{r}: its blocks do not cover its computed tokens")
         _require(r.num_computed_tokens <= r.num_tokens + r.num_in_flight,
-                 f"{r}: computed tokens run ahead of known ones")
+                 lambda: f"{r}: computed tokens run ahead of known ones")
     for r in s.waiting:
         _require(r.num_computed_tokens == 0 and r.request_id not in kv.tables,
-                 f"{r}: waiting with computed tokens or blocks")
+                 lambda: f"{r}: waiting with computed tokens or blocks")
     prefilling = [r for r in s.running if r.is_prefilling]
     if not s.role.concurrent_prefills:
-        _require(len(prefilling) <= 1, f"{len(prefilling)} chunked prefills at once")
+        _require(len(prefilling) <= 1, lambda: f"{len(prefilling)} chunked prefills at once")
         _require(s.active_prefill is (prefilling[0] if prefilling else None),
                  "active_prefill is not the one partially prefilled request")
 
@@ -133,18 +135,19 @@ def check_invariants(s: "Scheduler") -> None:
         prefill_tokens = out.num_tokens - decodes
         cap = max(0, s.config.max_input_tokens_per_step - decodes)
         _require(prefill_tokens <= cap,
-                 f"step {out.step} computed {prefill_tokens} prefill tokens over its budget")
+                 lambda: f"step {out.step} computed {prefill_tokens} prefill tokens over its "
+                 "budget")
         chunked = [x for x in out.scheduled if not x.samples]
-        _require(len(chunked) <= 1, f"step {out.step} cut {len(chunked)} chunked prefills")
+        _require(len(chunked) <= 1, lambda: f"step {out.step} cut {len(chunked)} chunked prefills")
         for x in chunked:
             _require(x.num_new_tokens <= s.config.chunked_prefill_size,
-                     f"step {out.step}: a chunk of {x.num_new_tokens} tokens")
+                     lambda: f"step {out.step}: a chunk of {x.num_new_tokens} tokens")
             _require((x.num_computed_tokens + x.num_new_tokens) % kv.block_size == 0,
-                     f"step {out.step}: a chunk ending off a block boundary")
+                     lambda: f"step {out.step}: a chunk ending off a block boundary")
         _require(len(set(x.request_id for x in out.scheduled)) == len(out.scheduled),
                  f"step {out.step} scheduled a request twice")
     if out is not None:
         for x in out.scheduled:  # its blocks must not have been given away in the same plan
             r = s.requests.get(x.request_id)
             _require(r is None or r.status in (RequestStatus.RUNNING, RequestStatus.TRANSFERRING),
-                     f"step {out.step} scheduled {r}, which no longer holds its blocks")
+                     lambda: f"step {out.step} scheduled {r}, which no longer holds its blocks")

@@ -37,8 +37,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)),
                                 dtype=torch.long, device=logits.device)
             vals = logits[i, seen]
+            big = torch.finfo(logits.dtype).max  # a tiny penalty must not make a logit inf
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                          vals * p.repetition_penalty)
+                                          vals * p.repetition_penalty).clamp(-big, big)
         if row.output_ids and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long,
                                                  device=logits.device),

@@ -14,16 +14,18 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Awaitable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tidal import __version__
 from tidal.engine.outputs import StepUpdate
 from tidal.server.client import CoreClient, EngineDeadError, Failure
-from tidal.server.errors import error_response, install_error_handlers
+from tidal.server.errors import install_error_handlers
+from tidal.server.limits import (DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
+                                 DEFAULT_MAX_HEADER_BYTES)
 from tidal.server.metrics import ServerMetrics
 from tidal.server.protocol import (APIError, ChatRequest, CompletionRequest,
                                    DetokenizeRequest, GenerationRequest, TokenizeRequest,
@@ -41,6 +43,14 @@ class ServerConfig:
     max_pending: int = 512  # outstanding requests before new ones get 429
     max_n: int = 16
     drain_timeout: float = 30.0
+    # Limits of one request (docs/serving.md, "Limits"); each refusal is an OpenAI error body.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get 413
+    max_total_tokens: int | None = None  # n x max_tokens per prompt; None: --max-n x context
+    max_stop_strings: int = 16  # the stop list's length (400 naming stop)
+    max_stop_length: int = 256  # characters of one stop string: a stream holds that much back
+    # Connection limits (tidal/server/limits.py), uvicorn's settings and a middleware.
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # request line plus headers: 431 or 400
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # seconds before an idle connection is closed
 
 
 class Frontend:
@@ -59,14 +69,14 @@ class Frontend:
 
     async def generate(self, response_cls: type[GenerationResponse],
                        body: GenerationRequest, prompts: list[list[int]], max_tokens: int | None,
-                       logprobs: int | None, default_max: int | None):
+                       logprobs: int | None, default_max: int | None, request: Request):
         """Submit the prompts, then answer with the whole body or an SSE stream."""
         rids, queue, n = await self._submit(prompts, body, max_tokens, logprobs, default_max)
         response = response_cls(self.tokenizer, self.config.model_name, rids[0], prompts,
                                 len(prompts) * n, logprobs is not None)
         updates = self._updates(rids, queue, n)
         if not body.stream:
-            return await response.body(updates)
+            return await _unless_client_leaves(request, response.body(updates))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(response.events(updates, include_usage),
                                  media_type="text/event-stream")
@@ -78,7 +88,10 @@ class Frontend:
         on one queue; returns their request ids, the queue and n."""
         client, config = self.client, self.config
         if not client.alive:
-            raise APIError(client.dead or "engine core not running", 503, "service_unavailable")
+            raise _unavailable(client.unavailable())
+        if len(prompts) > config.max_pending:  # a 429 would say retry, which cannot help
+            raise APIError(f"the request holds {len(prompts)} prompts; this server takes at "
+                           f"most {config.max_pending} at once", param="prompt")
         if client.num_outstanding + len(prompts) > config.max_pending:
             raise APIError("too many requests in flight; retry later", 429, "rate_limit_error")
         params = []
@@ -86,7 +99,7 @@ class Frontend:
             if not ids:
                 raise APIError("the prompt is empty", param="prompt")
             check_token_ids(ids, client.ready.vocab_size, "prompt")
-            params.append(body.sampling_params(max_tokens, logprobs, config.max_n, len(ids),
+            params.append(body.sampling_params(max_tokens, logprobs, config, len(ids),
                                                client.ready.max_model_len, default_max,
                                                client.ready.vocab_size))
         prefill = (body.kv_transfer_params or {}).get("prefill_address")
@@ -99,7 +112,7 @@ class Frontend:
             for rid, ids, p in zip(rids, prompts, params):
                 await client.add(rid, ids, p, queue, prefill)
         except EngineDeadError as exc:
-            raise APIError(str(exc), 503, "service_unavailable") from exc
+            raise _unavailable(exc) from exc
         return rids, queue, params[0].n
 
     async def _updates(self, rids: list[str], queue: asyncio.Queue, n: int) -> Updates:
@@ -138,6 +151,36 @@ class Frontend:
                     self.client.release(rid)
 
 
+async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
+    """A whole-body answer stops when its client disconnects first, as a stream does: the
+    cancelled update stream aborts the requests and their blocks return at once."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not gone.done() or gone.cancelled():
+            raise  # the server itself is cancelling this request
+        return Response(status_code=499)  # nobody is left to read it
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body was read: receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _unavailable(exc: EngineDeadError) -> APIError:
+    """A 503 for a dead or restarting engine (with Retry-After while restarting)."""
+    return APIError(str(exc), 503, "service_unavailable", retry_after=exc.retry_after)
+
+
 def get_frontend(request: Request) -> Frontend:
     return request.app.state.frontend
 
@@ -149,10 +192,16 @@ routes = APIRouter()
 @routes.get("/health")
 async def health(f: FrontendDep):
     client = f.client
-    if not client.alive:
-        return error_response(APIError(client.dead or "engine core not running", 503,
-                                       "service_unavailable"))
-    body = {"status": "ok", "engine_core_pid": client.pid, "role": client.config.scheduler.role}
+    restarts = {"core_restarts": sum(s.restarts for s in client.watch.cores),
+                "restarting": client.watch.restarting}
+    if client.num_cores > 1:
+        restarts["cores"] = [s.status() for s in client.watch.cores]
+    if not client.alive:  # the error body, and how the cores fare
+        exc = _unavailable(client.unavailable())
+        retry = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        return JSONResponse({**exc.body(), **restarts}, exc.status, headers=retry)
+    body = {"status": "ok", "engine_core_pid": client.pid, "role": client.config.scheduler.role,
+            **restarts}
     if client.ready.kv_address:  # P/D: where the router points the other side
         body["kv_address"] = client.ready.kv_address
     if client.num_cores > 1:  # data parallel: serving on while any core lives
@@ -179,25 +228,28 @@ async def models(f: FrontendDep):
 
 
 @routes.post("/v1/completions")
-async def completions(body: CompletionRequest, f: FrontendDep):
+async def completions(body: CompletionRequest, f: FrontendDep, request: Request):
     f.check_model(body.model)
-    return await f.generate(CompletionResponse, body, body.prompt_ids(f.tokenizer),
-                            body.max_tokens, body.logprobs, default_max=16)
+    # a body of --max-body-bytes takes seconds to tokenize; in a thread (the Rust tokenizer
+    # lets go of the GIL) other requests keep streaming meanwhile
+    prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)
+    return await f.generate(CompletionResponse, body, prompts, body.max_tokens,
+                            body.logprobs, default_max=16, request=request)
 
 
 @routes.post("/v1/chat/completions")
-async def chat(body: ChatRequest, f: FrontendDep):
+async def chat(body: ChatRequest, f: FrontendDep, request: Request):
     f.check_model(body.model)
-    prompts = body.prompt_ids(f.tokenizer)
+    prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)  # as in completions
     return await f.generate(ChatResponse, body, prompts, body.output_limit(),
-                            body.num_logprobs(), default_max=None)
+                            body.num_logprobs(), default_max=None, request=request)
 
 
 @routes.post("/tokenize")
 async def tokenize(body: TokenizeRequest, f: FrontendDep):
     """vLLM's: a prompt, or messages through the chat template, as token ids."""
     f.check_model(body.model)
-    ids = body.token_ids(f.tokenizer)
+    ids = await asyncio.to_thread(body.token_ids, f.tokenizer)  # as in completions
     return {"tokens": ids, "count": len(ids), "max_model_len": f.client.ready.max_model_len}
 
 
@@ -206,7 +258,9 @@ async def detokenize(body: DetokenizeRequest, f: FrontendDep):
     """vLLM's: token ids back to text, special tokens included."""
     f.check_model(body.model)
     check_token_ids(body.tokens, f.client.ready.vocab_size, "tokens")
-    return {"prompt": f.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    text = await asyncio.to_thread(f.tokenizer.decode, body.tokens,  # as in completions
+                                   skip_special_tokens=False)
+    return {"prompt": text}
 
 
 @asynccontextmanager
@@ -221,6 +275,6 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     """The server's app over `client`'s engine cores (started and stopped with the app)."""
     app = FastAPI(title="tidal", version=__version__, lifespan=_lifespan)
     app.state.frontend = Frontend(client, config)
-    install_error_handlers(app, config.api_key)
+    install_error_handlers(app, config.api_key, config.max_body_bytes, config.max_header_bytes)
     app.include_router(routes)
     return app

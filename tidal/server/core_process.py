@@ -42,9 +42,10 @@ class StatusLine:
 
 
 def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_addr: str,
-             out_addr: str, index: int = 0) -> None:
+             out_addr: str, index: int = 0, incarnation: int = 0) -> None:
     """The process's main: build the core, say Ready, then serve until Shutdown or until the
-    frontend process is gone. `index` names this core among data-parallel ones."""
+    frontend process is gone. `index` names this core among data-parallel ones;
+    `incarnation` which start of it this is (every message says so)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()
@@ -59,17 +60,19 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
             link = KVLink(core, ctx, config.parallel.kv_host, config.parallel.kv_transfer_timeout)
     except Exception as exc:  # tell the frontend why instead of dying silently
         log.exception("engine core failed to start")
-        outbox.send(m.encoder.encode(m.Failed(f"{type(exc).__name__}: {exc}")))
+        outbox.send(m.encoder.encode(m.Failed(f"{type(exc).__name__}: {exc}", index,
+                                              incarnation)))
         outbox.close()
         ctx.term()
         return
     # Stats before Ready: the frontend's gauges exist from its first scrape on.
-    outbox.send(m.encoder.encode(m.Stats(index, 0, core.scheduler.stats(), 0, 0)))
+    outbox.send(m.encoder.encode(m.Stats(index, 0, core.scheduler.stats(), 0, 0,
+                                         incarnation=incarnation)))
     outbox.send(m.encoder.encode(m.Ready(index, core.max_model_len, core.vocab_size,
                                          core.runner.num_blocks, config.cache.block_size,
-                                         link.address if link else "")))
+                                         link.address if link else "", incarnation)))
     try:
-        _CoreLoop(core, inbox, outbox, link, index).run(parent)
+        _CoreLoop(core, inbox, outbox, link, index, incarnation).run(parent)
     finally:
         core.close()
         if link is not None:
@@ -83,8 +86,9 @@ class _CoreLoop:
     """Take the frontend's messages (and KV transfers), step, send outputs and stats."""
 
     def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket,
-                 link: KVLink | None, index: int) -> None:
+                 link: KVLink | None, index: int, incarnation: int = 0) -> None:
         self.core, self.inbox, self.outbox, self.link, self.index = core, inbox, outbox, link, index
+        self.incarnation = incarnation
         self.deadline: float | None = None  # set by Shutdown: drain until then
         self.last_stats = 0.0
         self.adds_seen = 0
@@ -122,7 +126,7 @@ class _CoreLoop:
             if link is not None:
                 outputs = link.after_step(outputs)
             if outputs:
-                self.send(m.Outputs(self.index, outputs, logprobs))
+                self.send(m.Outputs(self.index, outputs, logprobs, self.incarnation))
             if started is not None:
                 self.step_seconds += time.perf_counter() - started
             now = time.monotonic()
@@ -130,7 +134,7 @@ class _CoreLoop:
                 self.last_stats = now
                 self.send(m.Stats(self.index, self.adds_seen, core.scheduler.stats(),
                                   core.prompt_tokens, core.generation_tokens,
-                                  core.execute_seconds, self.step_seconds))
+                                  core.execute_seconds, self.step_seconds, self.incarnation))
                 if os.getppid() != parent:  # the frontend died: do not linger as an orphan
                     log.warning("frontend process gone; engine core exiting")
                     return

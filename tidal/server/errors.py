@@ -1,5 +1,6 @@
-"""The error bodies and the API-key check every tidal HTTP app answers with: the server and
-the P/D router install the same handlers, so a request one refuses the other refuses alike."""
+"""The error bodies, the API-key check and the size limits every tidal HTTP app answers with:
+the server and the P/D router install the same handlers, so a request one refuses the other
+refuses alike."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tidal.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
 from tidal.server.protocol import APIError
 
 
@@ -23,10 +25,22 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc)
 
 
+def _is_union_member(part) -> bool:
+    """Whether a part of an error's loc names a union's member (str, list[int]), not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
+                                      or part.startswith(("list[", "dict[")))
+
+
 async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ())[1:]]  # drop the "body" root
+    if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+        why = (first.get("ctx") or {}).get("error", "invalid")
+        return error_response(APIError(f"the body is not valid JSON: {why}"))
+    # a union field fails once per member: the member that got furthest says most
+    same = [e for e in errors if e["loc"][:2] == first.get("loc", ())[:2]]
+    first = max(same, key=lambda e: len(e["loc"]), default=first)
+    loc = [str(p) for p in first.get("loc", ())[1:] if not _is_union_member(p)]  # drop "body"
     ctx = first.get("ctx") or {}
     if first.get("type") == "refused":  # protocol.refuse: its own words, naming the field
         where = ".".join([*loc, ctx["param"]])
@@ -40,10 +54,15 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(APIError(str(exc.detail), exc.status_code))
 
 
-def install_error_handlers(app: FastAPI, api_key: str | None) -> None:
+def install_error_handlers(app: FastAPI, api_key: str | None,
+                           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                           max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
     """Answer APIError, invalid bodies (400, not FastAPI's 422) and HTTP errors with OpenAI
     error bodies; with `api_key`, refuse /v1, /tokenize and /detokenize requests that do not
-    carry it (401)."""
+    carry it (401); refuse headers over `max_header_bytes` (431) and bodies over
+    `max_body_bytes` (413)."""
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes,
+                       max_header_bytes=max_header_bytes)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)

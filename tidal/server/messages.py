@@ -50,6 +50,7 @@ class Ready(msgspec.Struct, tag=True):
     num_blocks: int
     block_size: int
     kv_address: str = ""  # P/D roles: where this core's KV transfer socket listens
+    incarnation: int = 0  # which start of this core (a restart is a new one)
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):
@@ -58,6 +59,7 @@ class Outputs(msgspec.Struct, tag=True, gc=False):
     core: int
     outputs: list[RequestOutput]
     logprobs: dict[str, list]
+    incarnation: int = 0  # late outputs of a dead incarnation are dropped
 
 
 class Rejected(msgspec.Struct, tag=True):
@@ -77,12 +79,15 @@ class Stats(msgspec.Struct, tag=True):
     generation_tokens: int  # tokens sampled since start
     execute_seconds: float = 0.0  # wall time in the model runner since start
     step_seconds: float = 0.0  # wall time of steps (schedule, execute, update, send) since start
+    incarnation: int = 0  # late stats of a dead incarnation are dropped
 
 
 class Failed(msgspec.Struct, tag=True):
     """The core could not start (or crashed): why."""
 
     message: str
+    core: int = -1
+    incarnation: int = 0
 
 
 ToCore = Add | Abort | Finish | Shutdown

@@ -16,6 +16,7 @@ class _CoreCollector:
         self.client = client
 
     def collect(self):
+        yield from self._liveness()
         stats = self.client.stats
         if stats is None:
             return
@@ -53,9 +54,26 @@ class _CoreCollector:
             routed = CounterMetricFamily("tidal:dp_requests_routed",
                                          "Requests the dispatcher sent to each core.",
                                          labels=["core"])
-            for i, view in enumerate(dispatcher.views):
-                routed.add_metric([str(i)], view.adds_sent)
+            for i, count in enumerate(dispatcher.routed):
+                routed.add_metric([str(i)], count)
             yield routed
+
+    def _liveness(self):
+        """Whether each core serves, and how many times it was restarted."""
+        watch = getattr(self.client, "watch", None)
+        if watch is None:
+            return
+        up = GaugeMetricFamily("tidal:engine_core_up",
+                               "1 while the engine core serves, 0 while down or restarting.",
+                               labels=["core"])
+        restarts = CounterMetricFamily("tidal:engine_core_restarts",
+                                       "Engine-core processes started after one died.",
+                                       labels=["core"])
+        for state in watch.cores:
+            up.add_metric([str(state.index)], 1.0 if state.up else 0.0)
+            restarts.add_metric([str(state.index)], state.restarts)
+        yield up
+        yield restarts
 
 
 class ServerMetrics:

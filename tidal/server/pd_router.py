@@ -6,6 +6,10 @@ instance (round robin), and forwards the request to the decode instance with
 allocates the blocks, asks that prefill core for the prompt's KV, decodes, and streams back
 through here. Backpressure lives in the decode instance's admission queue: a request with no
 room waits there, and its prompt is not computed until it has blocks.
+
+The router re-reads every instance's /health each `health_interval` seconds, and at once
+after a failed forward: an instance that fails it leaves the rotation until it passes again,
+and a prefill instance whose core was restarted is sent to at its new KV address.
 """
 
 from __future__ import annotations
@@ -31,20 +35,24 @@ log = logging.getLogger("tidal.router")
 class Instance:
     """One `tidal serve --role ...` the router forwards to."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url.rstrip("/")
+    def __init__(self, url: str, role: str) -> None:
+        self.url, self.role = url.rstrip("/"), role
         self.kv_address = ""
         self.in_flight = 0
+        self.healthy = True
 
 
 class PDRouter:
     """The prefill and decode instances, how to pick a pair, and the forwarding itself."""
 
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    def __init__(self, prefill: list[str], decode: list[str],
+                 health_interval: float = 1.0) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode instance")
-        self.prefill = [Instance(u) for u in prefill]
-        self.decode = [Instance(u) for u in decode]
+        self.prefill = [Instance(u, "prefill") for u in prefill]
+        self.decode = [Instance(u, "decode") for u in decode]
+        self.health_interval = health_interval
+        self._recheck = asyncio.Event()
         self._prefill_router = Router("round_robin", len(self.prefill))
         self._decode_router = Router("least_tokens", len(self.decode))
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
@@ -70,10 +78,39 @@ class PDRouter:
                                        f"not {role!r}")
                 inst.kv_address = health.get("kv_address", "")
 
+    async def check(self, inst: Instance) -> None:
+        """Re-read `inst`'s /health: in rotation while it answers 200 in its role."""
+        try:
+            r = await self.http.get(inst.url + "/health", timeout=5.0)
+            health = r.json() if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            health = {}
+        healthy = health.get("role") == inst.role
+        if healthy:
+            inst.kv_address = health.get("kv_address", "")
+        if healthy != inst.healthy:
+            log.warning("%s instance %s is %s", inst.role, inst.url,
+                        "back in rotation" if healthy else "out of rotation")
+        inst.healthy = healthy
+
+    async def watch_health(self) -> None:
+        """Check every instance each `health_interval` s, or at once when asked to."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._recheck.wait(), self.health_interval)
+            self._recheck.clear()
+            await asyncio.gather(*(self.check(i) for i in self.prefill + self.decode))
+
     def pick(self) -> tuple[Instance, Instance]:
-        d = self.decode[self._decode_router.choose([CoreLoad(i.in_flight)
+        """A decode instance (fewest in flight) and a prefill one (round robin), both healthy."""
+        for role, group in (("prefill", self.prefill), ("decode", self.decode)):
+            if not any(i.healthy for i in group):
+                raise APIError(f"no {role} instance is healthy; retry later", 503,
+                               "service_unavailable", retry_after=1)
+        d = self.decode[self._decode_router.choose([CoreLoad(i.in_flight, available=i.healthy)
                                                     for i in self.decode])]
-        p = self.prefill[self._prefill_router.choose([CoreLoad() for _ in self.prefill])]
+        p = self.prefill[self._prefill_router.choose([CoreLoad(available=i.healthy)
+                                                      for i in self.prefill])]
         return p, d
 
     async def forward(self, path: str, body: GenerationRequest, request: Request) -> Response:
@@ -91,8 +128,12 @@ class PDRouter:
                 stream=True)
         except httpx.HTTPError as exc:
             d.in_flight -= 1
+            d.healthy = False  # until its /health says otherwise
+            self._recheck.set()
             raise APIError(f"decode instance {d.url} unreachable: {exc}", 503,
                            "service_unavailable") from exc
+        if upstream.status_code >= 500:  # an instance's core died or restarts: look again
+            self._recheck.set()
         if not body.stream or upstream.status_code != 200:
             try:
                 content = await upstream.aread()
@@ -112,6 +153,7 @@ class PDRouter:
                 async for chunk in upstream.aiter_raw():
                     yield chunk
             except httpx.HTTPError as exc:  # the decode instance died mid-stream
+                self._recheck.set()
                 err = APIError(f"decode instance {d.url} failed mid-stream: {exc}", 503,
                                "service_unavailable")
                 yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
@@ -132,15 +174,10 @@ class PDRouter:
         return Response(r.content, r.status_code, media_type="application/json")
 
     async def health(self) -> dict:
-        """ok when every instance answers its /health with 200."""
-        down = []
-        for inst in self.prefill + self.decode:
-            try:
-                ok = (await self.http.get(inst.url + "/health")).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if not ok:
-                down.append(inst.url)
+        """ok when every instance answers its /health with 200 (checked now, which also
+        updates the rotation)."""
+        await asyncio.gather(*(self.check(i) for i in self.prefill + self.decode))
+        down = [i.url for i in self.prefill + self.decode if not i.healthy]
         if down:
             raise APIError(f"instances down: {', '.join(down)}", 503, "service_unavailable")
         return {"status": "ok", "prefill": [i.url for i in self.prefill],
@@ -193,7 +230,9 @@ def build_router_app(router: PDRouter, on_shutdown=None, api_key: str | None = N
         await router.wait_ready()
         log.info("router ready: prefill %s, decode %s", [i.url for i in router.prefill],
                  [i.url for i in router.decode])
+        watch = asyncio.create_task(router.watch_health())
         yield
+        watch.cancel()
         await router.http.aclose()
         if on_shutdown is not None:
             on_shutdown()

@@ -6,9 +6,10 @@ Nothing is silently ignored. Every field a body may hold is one of:
 - harmless: a declared field tidal accepts and does not use, because it cannot change the
   output (`user`, `metadata`, `store`, the prompt-cache hints, ...; docs/serving.md says why
   for each);
-- refused: listed in a model's `_refused` table (OpenAI fields and vLLM extensions tidal does
-  not implement yet); a value that asks for nothing (null, or what tidal does anyway, such as
-  `response_format: {"type": "text"}`) passes, any other is a 400 naming the field;
+- refused: listed in a model's `_refused` table (refusals.py: OpenAI fields and vLLM
+  extensions tidal does not implement yet); a value that asks for nothing (null, or what
+  tidal does anyway, such as `response_format: {"type": "text"}`) passes, any other is a 400
+  naming the field;
 - anything else is a 400 "Unrecognized request argument supplied", as OpenAI answers.
 A null value means the field is absent, as in OpenAI's API."""
 
@@ -22,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from tidal.core import SamplingParams
+from tidal.server.refusals import (CHAT_REFUSED, COMPLETION_REFUSED, NOT_YET, TOOLS,
+                                     VLLM_REFUSED)
 
 
 class APIError(Exception):
@@ -50,74 +53,6 @@ def refuse(param: str, message: str) -> PydanticCustomError:
     """A validation error the error handler turns into a 400 naming `param` (appended to
     where the failing model sits in the body, e.g. messages.2)."""
     return PydanticCustomError("refused", message, {"param": param})
-
-
-# Why a field is refused, by topic; a table entry is (values that pass, why).
-_TOOLS = "tidal does not implement tool calling yet"
-_STRUCTURED = "tidal does not implement structured outputs yet"
-_NOT_YET = "tidal does not implement it yet"
-
-# vLLM's request extensions tidal does not implement (both endpoints).
-_VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
-    "use_beam_search": ((False,), "tidal does not implement beam search"),
-    "length_penalty": ((1, 1.0), "tidal does not implement beam search"),
-    "include_stop_str_in_output": ((False,), "tidal never includes stop strings in the text"),
-    "skip_special_tokens": ((True,), "tidal always skips special tokens in the text"),
-    "spaces_between_special_tokens": ((True,), _NOT_YET),
-    "truncate_prompt_tokens": ((), "tidal does not truncate prompts"),
-    "prompt_logprobs": ((), _NOT_YET),
-    "allowed_token_ids": ((), _NOT_YET),
-    "bad_words": (([],), _NOT_YET),
-    "logits_processors": (([],), "tidal takes no per-request logits processors"),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
-    "structural_tag": ((), _STRUCTURED),
-    "structured_outputs": ((), _STRUCTURED),
-    "return_tokens_as_token_ids": ((False,), _NOT_YET),
-    "return_token_ids": ((False,), _NOT_YET),
-    "cache_salt": ((), "tidal does not salt the prefix cache per request"),
-    "request_id": ((), "tidal names requests itself"),
-    "prompt_embeds": ((), "tidal takes text and token ids only"),
-    "mm_processor_kwargs": ((), "tidal serves text-only models"),
-    "media_io_kwargs": ((), "tidal serves text-only models"),
-    "vllm_xargs": ((), _NOT_YET),
-}
-
-# OpenAI chat fields tidal does not implement, and vLLM's chat-only extensions.
-_CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
-    "tools": (([],), _TOOLS),
-    "tool_choice": (("none",), _TOOLS),
-    "parallel_tool_calls": ((), _TOOLS),
-    "functions": (([],), _TOOLS),
-    "function_call": (("none",), _TOOLS),
-    "response_format": (({"type": "text"},), _STRUCTURED),
-    "audio": ((), "tidal serves text-only models"),
-    "modalities": ((["text"],), "tidal serves text-only models"),
-    "prediction": ((), "tidal does not implement predicted outputs"),
-    "web_search_options": ((), "tidal has no web search"),
-    "moderation": ((), "tidal runs no moderation"),
-    "reasoning_effort": (("none",), "this server has no reasoning controls"),
-    "verbosity": ((), "this server has no verbosity control"),
-    "service_tier": (("auto", "default"), "this server has one service tier, 'default'"),
-    "echo": ((False,), _NOT_YET),
-    "best_of": ((1,), "tidal does not rank candidates"),
-    "continue_final_message": ((False,), _NOT_YET),
-    "chat_template": ((), "the model's own chat template is always used"),
-    "chat_template_kwargs": (({},), "tidal takes no chat template arguments"),
-    "documents": (([],), _NOT_YET),
-    "include_reasoning": ((), "this server has no reasoning parser"),
-}
-
-# OpenAI completion fields tidal does not implement (best_of is checked against n).
-_COMPLETION_REFUSED: dict[str, tuple[tuple, str]] = {
-    "echo": ((False,), _NOT_YET),
-    "suffix": (("",), "tidal does not implement insertion"),
-    "response_format": ((), _STRUCTURED),
-}
 
 
 def _passes(value: Any, allowed: tuple) -> bool:
@@ -182,11 +117,11 @@ class ChatMessage(StrictModel):
     newlines (as vLLM does). `name` goes to the chat template."""
 
     _refused: ClassVar = {
-        "tool_calls": (([],), _TOOLS),
-        "function_call": ((), _TOOLS),
-        "tool_call_id": ((), _TOOLS),
+        "tool_calls": (([],), TOOLS),
+        "function_call": ((), TOOLS),
+        "tool_call_id": ((), TOOLS),
         "audio": ((), "tidal serves text-only models"),
-        "refusal": ((), _NOT_YET),
+        "refusal": ((), NOT_YET),
     }
 
     role: Literal["system", "developer", "user", "assistant"]
@@ -200,7 +135,7 @@ class ChatMessage(StrictModel):
             return data
         role = data.get("role")
         if role in ("tool", "function"):
-            raise refuse("role", f"{role!r} messages are not supported: {_TOOLS}")
+            raise refuse("role", f"{role!r} messages are not supported: {TOOLS}")
         content = data.get("content")
         if isinstance(content, list):
             data = {**data, "content": "\n".join(_part_text(i, p) for i, p in enumerate(content))}
@@ -228,6 +163,23 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer, add_generation_promp
     except (ValueError, TemplateError) as exc:  # the template refused the conversation
         raise APIError(f"the chat template refused the messages: {exc}",
                        param="messages") from exc
+    return encode(tokenizer, text, add_special_tokens, "messages")
+
+
+def is_unicode(text: str) -> bool:
+    """False for a lone surrogate ("\\ud800" in JSON), which the tokenizer and msgspec refuse."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """Token ids of `text`; a 400 naming `param` for text that is not valid Unicode."""
+    if not is_unicode(text):
+        raise APIError(f"{param}: the text is not valid Unicode (a lone surrogate)",
+                       param=param)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -239,7 +191,8 @@ class GenerationRequest(StrictModel):
     top_k, min_p, repetition_penalty, stop_token_ids, add_special_tokens,
     kv_transfer_params) included."""
 
-    _refused: ClassVar = _VLLM_REFUSED
+    _refused: ClassVar = VLLM_REFUSED
+    prompt_field: ClassVar[str] = "prompt"  # what a 400 for a prompt over the context names
 
     model: str | None = None
     max_tokens: int | None = None
@@ -269,28 +222,55 @@ class GenerationRequest(StrictModel):
             raise refuse("stream_options", "stream_options is only allowed with stream=true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, max_n: int,
+    @model_validator(mode="after")
+    def _prefill_address_is_text(self) -> "GenerationRequest":
+        address = (self.kv_transfer_params or {}).get("prefill_address")
+        if address is not None and not (isinstance(address, str) and is_unicode(address)):
+            raise refuse("kv_transfer_params.prefill_address",
+                         "kv_transfer_params.prefill_address must be a string of valid "
+                         "Unicode")
+        return self
+
+    def limit_field(self) -> str:
+        """The field that set the output limit, for the 400s about it."""
+        return "max_tokens"
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, limits,
                         prompt_len: int, max_model_len: int, default_max: int | None,
                         vocab_size: int) -> SamplingParams:
-        if self.n > max_n:
-            raise APIError(f"n must be at most {max_n}, got {self.n}", param="n")
+        """The engine's parameters for one prompt; `limits` is the server's ServerConfig
+        (max_n, max_total_tokens, max_stop_strings, max_stop_length)."""
+        if self.n > limits.max_n:
+            raise APIError(f"n must be at most {limits.max_n}, got {self.n}", param="n")
         room = max_model_len - prompt_len
         if room < 1:
             raise APIError(f"the prompt has {prompt_len} tokens; this model's context is "
-                           f"{max_model_len} tokens")
+                           f"{max_model_len} tokens", param=self.prompt_field)
+        field, cap = self.limit_field(), limits.max_total_tokens
         if max_tokens is None:
             max_tokens = room if default_max is None else min(default_max, room)
+            if cap is not None:  # a default fits the cap rather than being refused
+                max_tokens, field = max(1, min(max_tokens, cap // self.n)), "n"
         if max_tokens < 1:
-            raise APIError(f"max_tokens must be at least 1, got {max_tokens}",
-                           param="max_tokens")
+            raise APIError(f"{field} must be at least 1, got {max_tokens}", param=field)
         if max_tokens > room:
-            raise APIError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) "
+            raise APIError(f"{field} ({max_tokens}) plus the prompt ({prompt_len} tokens) "
                            f"exceeds this model's context of {max_model_len} tokens",
-                           param="max_tokens")
+                           param=field)
+        if cap is not None and self.n * max_tokens > cap:
+            raise APIError(f"n ({self.n}) x {self.limit_field()} ({max_tokens}) is over this "
+                           f"server's limit of {cap} output tokens per prompt", param=field)
         check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > 16:  # SamplingParams checks the strings themselves
-            raise APIError("stop takes at most 16 strings", param="stop")
+        if len(stop) > limits.max_stop_strings:
+            raise APIError(f"stop takes at most {limits.max_stop_strings} strings, got "
+                           f"{len(stop)}", param="stop")
+        if any(len(s) > limits.max_stop_length for s in stop):  # a stream holds that back
+            raise APIError(f"a stop string may be at most {limits.max_stop_length} "
+                           "characters long", param="stop")
+        if not all(map(is_unicode, stop)):  # it travels to the engine core as UTF-8
+            raise APIError("stop: the text is not valid Unicode (a lone surrogate)",
+                           param="stop")
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -300,8 +280,10 @@ class GenerationRequest(StrictModel):
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logprobs=logprobs,
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size))
-        except ValueError as exc:
-            raise APIError(str(exc)) from exc
+        except ValueError as exc:  # its messages start with the field's name
+            word = str(exc).split(" ", 1)[0]
+            param = word if word in type(self).model_fields else None
+            raise APIError(str(exc), param=param) from exc
 
     def token_bias(self, vocab_size: int) -> dict[int, float]:
         """logit_bias with int keys, each a token of the vocabulary and in [-100, 100]."""
@@ -331,7 +313,7 @@ class GenerationRequest(StrictModel):
 class CompletionRequest(GenerationRequest):
     """A /v1/completions body."""
 
-    _refused: ClassVar = {**_VLLM_REFUSED, **_COMPLETION_REFUSED}
+    _refused: ClassVar = {**VLLM_REFUSED, **COMPLETION_REFUSED}
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -351,9 +333,9 @@ class CompletionRequest(GenerationRequest):
         """One token-id list per prompt: strings are tokenized, ids pass as they are."""
         p, special = self.prompt, self.add_special_tokens
         if isinstance(p, str):  # the empty one is refused on submit
-            return [tokenizer.encode(p, add_special_tokens=special)] if p else [[]]
+            return [encode(tokenizer, p, special, "prompt")] if p else [[]]
         if p and all(isinstance(x, str) for x in p):
-            return [tokenizer.encode(x, add_special_tokens=special) for x in p]
+            return [encode(tokenizer, x, special, "prompt") for x in p]
         if p and all(isinstance(x, int) for x in p):
             return [list(p)]
         if p and all(isinstance(x, list) for x in p):
@@ -364,7 +346,8 @@ class CompletionRequest(GenerationRequest):
 class ChatRequest(GenerationRequest):
     """A /v1/chat/completions body."""
 
-    _refused: ClassVar = {**_VLLM_REFUSED, **_CHAT_REFUSED}
+    _refused: ClassVar = {**VLLM_REFUSED, **CHAT_REFUSED}
+    prompt_field: ClassVar[str] = "messages"
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -396,6 +379,9 @@ class ChatRequest(GenerationRequest):
         return (self.max_completion_tokens if self.max_completion_tokens is not None
                 else self.max_tokens)
 
+    def limit_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
 
 class TokenizeRequest(StrictModel):
     """POST /tokenize, either of vLLM's shapes: {prompt} or {messages}."""
@@ -415,7 +401,7 @@ class TokenizeRequest(StrictModel):
     def token_ids(self, tokenizer) -> list[int]:
         special = self.add_special_tokens
         if self.prompt is not None:
-            return tokenizer.encode(self.prompt, add_special_tokens=special is not False)
+            return encode(tokenizer, self.prompt, special is not False, "prompt")
         return chat_prompt_ids(self.messages, tokenizer, self.add_generation_prompt,
                                bool(special))
 

@@ -1,0 +1,133 @@
+"""A scheduler on a tiny pool with an executor that sees only the plans' plain data, driven
+by plain operations (add, step, abort, KV hand-off, drain). The Hypothesis state machine draws
+the operations; `benchmarks/scheduler_chaos.py` draws a million of them from a seeded RNG.
+Every operation checks the invariants, that no token is appended twice and that the executor
+knows every token a step computes."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, SamplingParams,
+                        Scheduler, SchedulerConfig)
+
+EOS = 2
+
+
+class SchedulerDriver:
+    """One scheduler and its fake executor; `steps_taken` counts plans, `tokens` the tokens
+    the executor computed."""
+
+    def __init__(self, num_blocks: int, block_size: int, role: str, batch_mode: str,
+                 policy: str, async_scheduling: bool, chunk: int, max_input: int,
+                 max_num_seqs: int, clip: int, margin: float) -> None:
+        cfg = SchedulerConfig(
+            chunked_prefill_size=max(chunk, block_size),
+            max_input_tokens_per_step=max(max_input, block_size),
+            batch_mode=batch_mode, policy=policy, role=role, async_scheduling=async_scheduling,
+            max_num_seqs=max_num_seqs, clip_max_new_tokens=clip, safety_margin=margin,
+            lpm_aging_steps=8, max_model_len=256)
+        self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)))
+        self.inflight: deque = deque()
+        self.known: dict[str, list[int]] = {}  # the executor's tokens, from plain data only
+        self.num_samples: dict[str, int] = {}
+        self.next_token = 10
+        self.added = 0
+        self.work = 0  # prompt + output tokens asked for: bounds the steps to drain
+        self.steps_taken = self.tokens = 0
+
+    @property
+    def max_prompt(self) -> int:
+        return min(40, self.s.kv.num_blocks * self.s.kv.block_size - 1)
+
+    # ------------------------------------------------------------------ operations
+    def add(self, prompt: list[int], n: int, max_tokens: int, ignore_eos: bool,
+            priority: int) -> None:
+        n = 1 if self.s.config.role == "decode" else n  # a decode instance forks nothing
+        params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=ignore_eos,
+                                priority=priority)
+        self.added += 1
+        self.s.add_request(Request(f"r{self.added}", prompt, params, arrival_time=self.added,
+                                   eos_token_id=EOS))
+        self.work += n * (len(prompt) + max_tokens)
+
+    def step(self, emit_eos: bool) -> None:
+        self.inflight.append(self.s.schedule())
+        self.s.check_invariants()
+        self.steps_taken += 1
+        if not self.s.config.async_scheduling or len(self.inflight) > 1:
+            self._finish_oldest(emit_eos)
+
+    def abort(self, rid: str) -> None:
+        assert self.s.abort(rid)
+        assert rid not in self.s.requests and rid not in self.s.kv.tables
+
+    def deliver(self, rid: str) -> None:
+        """The KV transfer of `rid` completed (sent on a prefill role, arrived on decode)."""
+        if self.s.config.role == "prefill":
+            self.s.kv_sent(rid)
+        else:
+            self.s.kv_received(rid, self._token(False))
+        self.s.check_invariants()
+
+    def check_outputs(self) -> None:
+        for r in self.s.requests.values():
+            body = [t for t in r.output_token_ids if t != EOS]
+            assert body == sorted(set(body)), f"{r}: a token was appended twice"
+
+    def drain(self) -> None:
+        """Step until every request finished (within a bound), then check nothing leaked."""
+        s = self.s
+        bound = 100 + 4 * self.work
+        steps = 0
+        while s.has_unfinished_requests():
+            for rid in sorted(s.transferring):
+                self.deliver(rid)
+            self.step(emit_eos=False)
+            steps += 1
+            assert steps <= bound, f"no progress after {steps} steps: {s.stats()}"
+        while self.inflight:
+            self._finish_oldest(False)
+        s.check_invariants()
+        assert s.kv.num_free == s.kv.num_blocks  # nothing leaked
+        self._execute(s.schedule(), False)  # the last finished ids reach the executor
+        assert self.known == {}, "the executor was never told these requests finished"
+        self.work = 0
+
+    # ------------------------------------------------------------------ executor
+    def _finish_oldest(self, emit_eos: bool) -> None:
+        out = self.inflight.popleft()
+        sampled = self._execute(out, emit_eos)
+        self.s.update(out, ModelOutput(sampled=sampled, preempted_ack=list(out.preempted_ids)))
+        self.s.check_invariants()
+
+    def _execute(self, out, emit_eos: bool) -> dict[str, list[int]]:
+        """What a model runner does with a plan: forget finished requests, learn new ones,
+        read each entry's tokens, sample, keep its own samples."""
+        s = self.s
+        for rid in out.finished_ids:
+            self.known.pop(rid, None)
+        for new in out.new_requests:
+            self.known[new.request_id] = new.prompt_token_ids + new.output_token_ids
+            self.num_samples[new.request_id] = new.num_samples
+        sampled = {}
+        for x in out.scheduled:
+            rid, c, n = x.request_id, x.num_computed_tokens, x.num_new_tokens
+            assert len(x.block_ids) * s.kv.block_size >= c + n
+            assert rid in self.known, f"{rid} scheduled before the executor was told of it"
+            assert x.is_prefill or n == 1
+            self.tokens += n
+            r = s.requests.get(rid)
+            if r is not None and r.status.name == "RUNNING" and r.num_tokens >= c + n:
+                assert self.known[rid][c:c + n] == r.token_slice(c, c + n)
+            if x.samples:
+                sampled[rid] = [self._token(emit_eos) for _ in range(self.num_samples[rid])]
+                self.known[rid].append(sampled[rid][0])
+                self.num_samples[rid] = 1
+        return sampled
+
+    def _token(self, emit_eos: bool) -> int:
+        if emit_eos:
+            return EOS
+        self.next_token += 1  # increasing, so a token appended twice would show
+        return self.next_token

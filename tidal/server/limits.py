@@ -1,0 +1,91 @@
+"""What a public endpoint refuses before a request reaches a route: headers and bodies over a
+size (431, 413: an ASGI middleware every tidal HTTP app installs, beside uvicorn's h11 limit
+on headers still arriving), and connections idle too long (`uvicorn_limits`)."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from tidal.server.protocol import APIError
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024  # h11's own default
+DEFAULT_IDLE_TIMEOUT = 5.0  # uvicorn's keep-alive default
+
+
+class _TooLarge(HTTPException):
+    """Raised from `receive` inside a route: FastAPI re-raises HTTPExceptions it meets while
+    reading the body, and the app's handler answers them with an OpenAI error body."""
+
+
+def _refusal(message: str, status: int) -> JSONResponse:
+    return JSONResponse(APIError(message, status).body(), status)
+
+
+class RequestLimits:
+    """ASGI middleware: 431 for a request line plus headers over `max_header_bytes` (h11
+    refuses them too, but only while they are still arriving); 413 for a body over
+    `max_body_bytes`, by its Content-Length before anything is read, or counted as a
+    chunked body arrives."""
+
+    def __init__(self, app, max_body_bytes: int, max_header_bytes: int) -> None:
+        self.app, self.max_body, self.max_header = app, max_body_bytes, max_header_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        query = scope.get("query_string") or b""
+        target = len(scope.get("raw_path") or b"") + (len(query) + 1 if query else 0)
+        head = len(scope["method"]) + target + 12  # "GET /path HTTP/1.1\r\n"
+        head += sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + 2  # "k: v\r\n", "\r\n"
+        if head > self.max_header:
+            await _refusal(f"the request line and headers are over this server's limit of "
+                           f"{self.max_header} bytes", 431)(scope, receive, send)
+            return
+        message = f"the request body is over this server's limit of {self.max_body} bytes"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body:
+            await _refusal(message, 413)(scope, receive, send)
+            return
+        seen, started = 0, False
+
+        async def counted():
+            nonlocal seen
+            event = await receive()
+            if event["type"] == "http.request":
+                seen += len(event.get("body", b""))
+                if seen > self.max_body:
+                    raise _TooLarge(413, message)
+            return event
+
+        async def watched(event) -> None:
+            nonlocal started
+            started = started or event["type"] == "http.response.start"
+            await send(event)
+
+        try:
+            await self.app(scope, counted, watched)
+        except _TooLarge:  # read outside a route (a middleware): answer here
+            if started:
+                raise
+            await _refusal(message, 413)(scope, receive, send)
+
+
+class IdleH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with its keep-alive timer also running from the moment a
+    connection opens: one that never sends a request is closed like an idle kept-alive one."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+
+def uvicorn_limits(max_header_bytes: int, idle_timeout: float) -> dict:
+    """uvicorn.run's arguments for the header size limit and the idle timeout (h11 is the
+    parser that enforces the header limit, whether or not httptools is installed)."""
+    return {"http": IdleH11Protocol, "h11_max_incomplete_event_size": max_header_bytes,
+            "timeout_keep_alive": idle_timeout}

@@ -1,0 +1,71 @@
+"""The fields tidal refuses unless their value asks for nothing, and why (the `_refused`
+tables of the request models in protocol.py; docs/serving.md lists them)."""
+
+from __future__ import annotations
+
+# Why a field is refused, by topic; a table entry is (values that pass, why).
+TOOLS = "tidal does not implement tool calling yet"
+STRUCTURED = "tidal does not implement structured outputs yet"
+NOT_YET = "tidal does not implement it yet"
+
+# vLLM's request extensions tidal does not implement (both endpoints).
+VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": ((False,), "tidal does not implement beam search"),
+    "length_penalty": ((1, 1.0), "tidal does not implement beam search"),
+    "include_stop_str_in_output": ((False,), "tidal never includes stop strings in the text"),
+    "skip_special_tokens": ((True,), "tidal always skips special tokens in the text"),
+    "spaces_between_special_tokens": ((True,), NOT_YET),
+    "truncate_prompt_tokens": ((), "tidal does not truncate prompts"),
+    "prompt_logprobs": ((), NOT_YET),
+    "allowed_token_ids": ((), NOT_YET),
+    "bad_words": (([],), NOT_YET),
+    "logits_processors": (([],), "tidal takes no per-request logits processors"),
+    "guided_json": ((), STRUCTURED),
+    "guided_regex": ((), STRUCTURED),
+    "guided_choice": ((), STRUCTURED),
+    "guided_grammar": ((), STRUCTURED),
+    "guided_decoding_backend": ((), STRUCTURED),
+    "guided_whitespace_pattern": ((), STRUCTURED),
+    "structural_tag": ((), STRUCTURED),
+    "structured_outputs": ((), STRUCTURED),
+    "return_tokens_as_token_ids": ((False,), NOT_YET),
+    "return_token_ids": ((False,), NOT_YET),
+    "cache_salt": ((), "tidal does not salt the prefix cache per request"),
+    "request_id": ((), "tidal names requests itself"),
+    "prompt_embeds": ((), "tidal takes text and token ids only"),
+    "mm_processor_kwargs": ((), "tidal serves text-only models"),
+    "media_io_kwargs": ((), "tidal serves text-only models"),
+    "vllm_xargs": ((), NOT_YET),
+}
+
+# OpenAI chat fields tidal does not implement, and vLLM's chat-only extensions.
+CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
+    "tools": (([],), TOOLS),
+    "tool_choice": (("none",), TOOLS),
+    "parallel_tool_calls": ((), TOOLS),
+    "functions": (([],), TOOLS),
+    "function_call": (("none",), TOOLS),
+    "response_format": (({"type": "text"},), STRUCTURED),
+    "audio": ((), "tidal serves text-only models"),
+    "modalities": ((["text"],), "tidal serves text-only models"),
+    "prediction": ((), "tidal does not implement predicted outputs"),
+    "web_search_options": ((), "tidal has no web search"),
+    "moderation": ((), "tidal runs no moderation"),
+    "reasoning_effort": (("none",), "this server has no reasoning controls"),
+    "verbosity": ((), "this server has no verbosity control"),
+    "service_tier": (("auto", "default"), "this server has one service tier, 'default'"),
+    "echo": ((False,), NOT_YET),
+    "best_of": ((1,), "tidal does not rank candidates"),
+    "continue_final_message": ((False,), NOT_YET),
+    "chat_template": ((), "the model's own chat template is always used"),
+    "chat_template_kwargs": (({},), "tidal takes no chat template arguments"),
+    "documents": (([],), NOT_YET),
+    "include_reasoning": ((), "this server has no reasoning parser"),
+}
+
+# OpenAI completion fields tidal does not implement (best_of is checked against n).
+COMPLETION_REFUSED: dict[str, tuple[tuple, str]] = {
+    "echo": ((False,), NOT_YET),
+    "suffix": (("",), "tidal does not implement insertion"),
+    "response_format": ((), STRUCTURED),
+}
