@@ -200,12 +200,13 @@ def rss_mb(pids: list[int]) -> list[float]:
 
 
 async def soak(url: str, pids: list[int], requests: int, concurrency: int, seed: int,
-               progress: bool = True) -> tuple[Report, list[float], float]:
-    """Run the mix; returns the report, the RSS after the warm-up and the seconds taken."""
+               progress: bool = True, warmup: float = 0.1) -> tuple[Report, list[float], float]:
+    """Run the mix; returns the report, the RSS after the warm-up (the first `warmup` share
+    of the requests) and the seconds taken."""
     rng = random.Random(seed)
     plans = [make_plan(rng) for _ in range(requests)]
     report, gate = Report(), asyncio.Semaphore(concurrency)
-    warm, warm_rss = max(1, requests // 10), []
+    warm, warm_rss = max(1, int(requests * warmup)), []
     finished = 0
     limits = httpx.Limits(max_connections=concurrency + 8)
     t0 = time.perf_counter()
@@ -262,13 +263,13 @@ class SoakResult:
 
 
 def run_soak(requests: int, concurrency: int, seed: int, serve_flags: list[str],
-             progress: bool = True) -> SoakResult:
+             progress: bool = True, warmup: float = 0.1) -> SoakResult:
     """Start a server, soak it, wait for it to drain, stop it."""
     server = Server(*serve_flags)
     try:
         pids = [server.proc.pid, server.core_pid()]
         report, warm_rss, seconds = asyncio.run(
-            soak(server.url, pids, requests, concurrency, seed, progress))
+            soak(server.url, pids, requests, concurrency, seed, progress, warmup))
         left = drained(server.url)
         end_rss = rss_mb(pids)
     finally:

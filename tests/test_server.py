@@ -159,6 +159,11 @@ def test_auth(server):
     assert post(server, "/v1/completions", body, key=None).status_code == 401
     wrong = post(server, "/v1/completions", body, key="nope")
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    assert "nope" not in wrong.text  # a wrong key is not echoed either
+    assert post(server, "/v1/completions", body).status_code == 200
+    log = server.output()
+    assert "uvicorn" in log.lower() or "tidal" in log  # the log is there, and the key is not
+    assert KEY not in log and "nope" not in log
 
 
 @pytest.mark.parametrize("path,body", BAD)

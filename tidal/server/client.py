@@ -232,6 +232,7 @@ class CoreClient:
     def release(self, request_id: str) -> None:
         """A finished request's queue is no longer read."""
         self.queues.pop(request_id, None)
+        self.outputs.forget(request_id)  # its siblings all ended; this drops what remains
         if self.dispatcher is not None:
             self.dispatcher.done(request_id)
 

@@ -1,0 +1,51 @@
+"""The frontend's OutputProcessor: n>1 siblings mapped back to their request, stop strings
+ending a sequence, and late tokens of an ended sequence dropped."""
+
+from __future__ import annotations
+
+from tidal.core import RequestOutput, SamplingParams
+from tidal.engine.output_processor import OutputProcessor
+
+
+class CharTokenizer:
+    """Token t is the character chr(t): decoding is exact and incremental."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(t) for t in ids)
+
+
+def out(rid, text, parent=None, finished=False, reason=None):
+    return RequestOutput(rid, [ord(c) for c in text], finished, reason, None, parent)
+
+
+def test_a_sibling_ended_by_a_stop_string_is_not_started_again_by_its_late_tokens():
+    p = OutputProcessor(CharTokenizer())
+    p.track("r", SamplingParams(n=2, max_tokens=8, stop=["!"]))
+    updates, stopped = p.process([out("r", "a"), out("r-1", "b!", parent="r")], {})
+    assert stopped == ["r-1"]
+    assert [(u.index, u.new_text, u.finished, u.finish_reason) for u in updates] == [
+        (0, "a", False, None), (1, "b", True, "stop")]
+    # the core ran one more step before it heard of the stop: that token is dropped
+    updates, stopped = p.process([out("r", "c"), out("r-1", "x", parent="r")], {})
+    assert [(u.index, u.finished) for u in updates] == [(0, False)] and stopped == []
+    updates, _ = p.process([out("r", "d", finished=True, reason="length")], {})
+    assert [(u.index, u.new_text, u.finish_reason) for u in updates] == [(0, "d", "length")]
+    assert p._roots == {} and p._seqs == {}  # every sibling ended: nothing kept
+
+
+def test_a_sibling_whose_first_token_comes_after_its_parent_finished_still_streams():
+    p = OutputProcessor(CharTokenizer())
+    p.track("r", SamplingParams(n=2, max_tokens=1))
+    updates, _ = p.process([out("r", "a", finished=True, reason="length"),
+                            out("r-1", "b", parent="r", finished=True, reason="length")], {})
+    assert [(u.index, u.new_text, u.finished) for u in updates] == [(0, "a", True), (1, "b", True)]
+    assert p._roots == {} and p._seqs == {}
+
+
+def test_forget_drops_the_request_and_its_siblings():
+    p = OutputProcessor(CharTokenizer())
+    p.track("r", SamplingParams(n=3, max_tokens=4))
+    p.process([out("r", "a"), out("r-1", "b", parent="r")], {})
+    p.forget("r")
+    updates, _ = p.process([out("r", "c"), out("r-2", "d", parent="r")], {})
+    assert updates == [] and p._roots == {} and p._seqs == {}

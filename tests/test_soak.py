@@ -1,0 +1,28 @@
+"""The CI version of `benchmarks/soak.py`: 300 requests of the soak's mix (chat and
+completions, n up to 4, logprobs, stop strings, penalties; 20% of clients leave mid-stream,
+10% give up on a non-streaming answer) against a real server. Every request that ran to its
+end is well formed, the server holds nothing afterwards, and neither process grows."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+from soak import run_soak  # noqa: E402
+
+
+def test_soak_300_requests():
+    # The warm-up covers a third: the core's oneDNN primitive cache (one entry per new
+    # matrix shape, bounded by --onednn-cache-capacity) fills while prompt lengths vary.
+    r = run_soak(300, concurrency=24, seed=1, serve_flags=["--onednn-cache-capacity", "64"],
+                 progress=False, warmup=0.33)
+    out = r.report.outcomes
+    assert out["malformed"] == 0, "\n".join(r.report.problems)
+    # the mix exercised each kind of client
+    assert out["complete"] >= 150 and out["disconnected"] >= 30
+    assert out["timed_out"] + out["complete_before_timeout"] >= 15
+    assert not any(r.left.values()), f"the server still holds {r.left}"
+    for name, growth in zip(("frontend", "engine core"), r.growth):
+        assert growth <= 0.10, f"{name} RSS grew {growth:.1%} after the warm-up"
