@@ -361,3 +361,32 @@ def test_the_router_relays_a_decode_instances_retry_after():
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 429 and r.headers["retry-after"] == "3"
     assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_the_router_refuses_bodies_and_headers_over_its_limits():
+    """`tidal router --max-body-bytes/--max-header-bytes`: the same 413 and 431 as a server,
+    before anything is forwarded (the instances are mocked)."""
+    from fastapi.testclient import TestClient
+
+    from tidal.server.pd_router import PDRouter, build_router_app
+
+    forwarded = []
+
+    def instance(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            role = "prefill" if request.url.port == 1 else "decode"
+            return httpx.Response(200, json={"status": "ok", "role": role,
+                                             "kv_address": "tcp://127.0.0.1:9"})
+        forwarded.append(request.url.path)
+        return httpx.Response(200, json={})
+
+    router = PDRouter(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+    router.http = httpx.AsyncClient(transport=httpx.MockTransport(instance))
+    app = build_router_app(router, max_body_bytes=200, max_header_bytes=1024)
+    with TestClient(app) as http:
+        big = http.post("/v1/completions", json={"prompt": "x" * 300, "max_tokens": 2})
+        headers = http.post("/v1/completions", json={"prompt": "hi"},
+                            headers={"x-pad": "y" * 2000})
+    assert big.status_code == 413 and big.json()["error"]["message"]
+    assert headers.status_code == 431 and headers.json()["error"]["message"]
+    assert forwarded == []

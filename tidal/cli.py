@@ -78,7 +78,7 @@ def _serve_pd(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from tidal.server.limits import DEFAULT_MAX_HEADER_BYTES, uvicorn_limits
+    from tidal.server.limits import uvicorn_limits
     from tidal.server.pd_router import PDRouter, build_router_app
     from tidal.model.registry import resolve_model
 
@@ -105,9 +105,10 @@ def _serve_pd(args: argparse.Namespace) -> None:
                 child.kill()
     router = PDRouter(urls["prefill"], urls["decode"])
     try:
-        uvicorn.run(build_router_app(router, stop_children, api_key=args.api_key),
+        uvicorn.run(build_router_app(router, stop_children, args.api_key, args.max_body_bytes,
+                                     args.max_header_bytes),
                     host=args.host, port=args.port, log_level="info",
-                    **uvicorn_limits(DEFAULT_MAX_HEADER_BYTES, args.idle_timeout))
+                    **uvicorn_limits(args.max_header_bytes, args.idle_timeout))
     finally:
         stop_children()
 
@@ -136,15 +137,22 @@ def _free_port() -> int:
 def cmd_router(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from tidal.server.limits import DEFAULT_MAX_HEADER_BYTES, uvicorn_limits
+    from tidal.server.limits import uvicorn_limits
     from tidal.server.pd_router import PDRouter, build_router_app
 
     router = PDRouter(args.prefill, args.decode)
-    uvicorn.run(build_router_app(router, api_key=args.api_key), host=args.host, port=args.port,
-                log_level="info", **uvicorn_limits(DEFAULT_MAX_HEADER_BYTES, args.idle_timeout))
+    app = build_router_app(router, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                           max_header_bytes=args.max_header_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                **uvicorn_limits(args.max_header_bytes, args.idle_timeout))
 
 
-def _add_idle_timeout(parser: argparse.ArgumentParser) -> None:
+def _add_connection_limits(parser: argparse.ArgumentParser) -> None:
+    """The limits every tidal HTTP front enforces (`tidal serve` and `tidal router`)."""
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                        help="largest request body; larger ones get HTTP 413")
+    parser.add_argument("--max-header-bytes", type=int, default=16 * 1024,
+                        help="largest request line plus headers; larger ones get HTTP 431")
     parser.add_argument("--idle-timeout", type=float, default=5.0,
                         help="seconds a connection may sit idle, before its first request or "
                              "between requests, before the server closes it")
@@ -183,8 +191,6 @@ def run(argv: list[str] | None = None):
     srv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds SIGTERM lets running requests finish")
-    srv.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
-                     help="largest request body; larger ones get HTTP 413")
     srv.add_argument("--max-total-tokens", type=int, default=None,
                      help="most output tokens one prompt may ask for, n x max_tokens "
                           "(default: no cap beyond --max-n and the context)")
@@ -192,9 +198,7 @@ def run(argv: list[str] | None = None):
                      help="most stop strings a request may send")
     srv.add_argument("--max-stop-length", type=int, default=256,
                      help="most characters of one stop string")
-    srv.add_argument("--max-header-bytes", type=int, default=16 * 1024,
-                     help="largest request line plus headers; larger ones get HTTP 431")
-    _add_idle_timeout(srv)
+    _add_connection_limits(srv)
     srv.add_argument("--restart-core", type=int, default=3, metavar="N",
                      help="restart a dead engine core up to N times in a row (0: never); its "
                           "in-flight requests fail, new ones get 503 until it is back")
@@ -215,7 +219,7 @@ def run(argv: list[str] | None = None):
     rtr.add_argument("--port", type=int, default=8000)
     rtr.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (forwarded to the instances)")
-    _add_idle_timeout(rtr)  # its body and header limits are the defaults (errors.py)
+    _add_connection_limits(rtr)
     rtr.set_defaults(func=cmd_router)
     from tidal.bench.serve import add_bench_serve_parser
 

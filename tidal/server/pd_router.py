@@ -27,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tidal.cluster.routing import CoreLoad, Router
 from tidal.server.errors import install_error_handlers
+from tidal.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
 from tidal.server.protocol import APIError, ChatRequest, CompletionRequest, GenerationRequest
 
 log = logging.getLogger("tidal.router")
@@ -220,10 +221,12 @@ async def health(router: RouterDep):
     return await router.health()
 
 
-def build_router_app(router: PDRouter, on_shutdown=None, api_key: str | None = None
-                     ) -> FastAPI:
+def build_router_app(router: PDRouter, on_shutdown=None, api_key: str | None = None,
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> FastAPI:
     """The router's app; `on_shutdown` runs after it stops (`--pd` stops its instances).
-    With `api_key` it checks keys itself, so a refusal comes in the server's order."""
+    With `api_key` it checks keys itself, so a refusal comes in the server's order; bodies
+    and headers over the limits are refused as the server refuses them."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -239,6 +242,6 @@ def build_router_app(router: PDRouter, on_shutdown=None, api_key: str | None = N
 
     app = FastAPI(title="tidal router", lifespan=lifespan)
     app.state.router = router
-    install_error_handlers(app, api_key)
+    install_error_handlers(app, api_key, max_body_bytes, max_header_bytes)
     app.include_router(routes)
     return app
