@@ -340,23 +340,32 @@ def test_tokenize_and_detokenize_refuse_bad_input_and_need_the_key(server):
 
 # ---------------------------------------------------------------------- Retry-After
 
-def test_the_router_relays_a_decode_instances_retry_after():
-    """A 429 from a decode instance reaches the client through the P/D router with its
-    Retry-After header (the instances are mocked: no engine needed)."""
-    from fastapi.testclient import TestClient
-
-    from tidal.server.pd_router import PDRouter, build_router_app
+def mocked_router(answer):
+    """A P/D router over one prefill (port 1) and one decode (port 2) instance, mocked: /health
+    answers in their roles, every other request gets `answer(request)`."""
+    from tidal.server.pd_router import PDRouter
 
     def instance(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
             role = "prefill" if request.url.port == 1 else "decode"
             return httpx.Response(200, json={"status": "ok", "role": role,
                                              "kv_address": "tcp://127.0.0.1:9"})
-        return httpx.Response(429, json=APIError("busy", 429, "rate_limit_error").body(),
-                              headers={"Retry-After": "3"})
+        return answer(request)
 
     router = PDRouter(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
     router.http = httpx.AsyncClient(transport=httpx.MockTransport(instance))
+    return router
+
+
+def test_the_router_relays_a_decode_instances_retry_after():
+    """A 429 from a decode instance reaches the client through the P/D router with its
+    Retry-After header (the instances are mocked: no engine needed)."""
+    from fastapi.testclient import TestClient
+
+    from tidal.server.pd_router import build_router_app
+
+    router = mocked_router(lambda _: httpx.Response(
+        429, json=APIError("busy", 429, "rate_limit_error").body(), headers={"Retry-After": "3"}))
     with TestClient(build_router_app(router)) as http:
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 429 and r.headers["retry-after"] == "3"
@@ -368,20 +377,10 @@ def test_the_router_refuses_bodies_and_headers_over_its_limits():
     before anything is forwarded (the instances are mocked)."""
     from fastapi.testclient import TestClient
 
-    from tidal.server.pd_router import PDRouter, build_router_app
+    from tidal.server.pd_router import build_router_app
 
     forwarded = []
-
-    def instance(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            role = "prefill" if request.url.port == 1 else "decode"
-            return httpx.Response(200, json={"status": "ok", "role": role,
-                                             "kv_address": "tcp://127.0.0.1:9"})
-        forwarded.append(request.url.path)
-        return httpx.Response(200, json={})
-
-    router = PDRouter(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
-    router.http = httpx.AsyncClient(transport=httpx.MockTransport(instance))
+    router = mocked_router(lambda r: forwarded.append(r.url.path) or httpx.Response(200, json={}))
     app = build_router_app(router, max_body_bytes=200, max_header_bytes=1024)
     with TestClient(app) as http:
         big = http.post("/v1/completions", json={"prompt": "x" * 300, "max_tokens": 2})
