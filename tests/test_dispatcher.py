@@ -38,6 +38,14 @@ def make(policy="least_tokens", cores=2, blocks=64, budget=1000, timeout=0.05):
     return Dispatcher(Router(policy, cores), rec, blocks, 16, budget, timeout), rec
 
 
+def route(d: Dispatcher, *items) -> int:
+    """Submit `items`, then route one batch as the dispatcher's thread does; how many went."""
+    for x in items:
+        d.submit(x)
+    with d._cond:
+        return d._route_batch()
+
+
 def wait_for(cond, timeout=5.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -111,39 +119,25 @@ def test_abort_drops_a_queued_request_and_forwards_one_already_routed():
 
 def test_a_dead_core_gets_nothing_more_and_hands_back_its_requests():
     d, rec = make(policy="round_robin", cores=2)
-    for i in range(2):
-        d.submit(item(f"r{i}", 10))
-    with d._cond:
-        d._route_batch()
+    route(d, item("r0", 10), item("r1", 10))
     assert d.core_died(0) == ["r0"]
-    for i in range(2, 5):
-        d.submit(item(f"r{i}", 10))
-    with d._cond:
-        d._route_batch()
+    route(d, *(item(f"r{i}", 10) for i in range(2, 5)))
     assert rec.ids(0) == ["r0"] and rec.ids(1) == ["r1", "r2", "r3", "r4"]
     d.core_died(1)
-    d.submit(item("late", 10))
-    with d._cond:
-        assert d._route_batch() == 0  # nowhere to go: stays queued for the frontend to fail
+    assert route(d, item("late", 10)) == 0  # nowhere to go: stays queued for the frontend to fail
     assert [x.request_id for x in d.close()] == ["late"]
 
 
 def test_a_restarted_core_rejoins_empty_and_takes_requests_again():
     d, rec = make(policy="round_robin", cores=2)
-    for i in range(2):
-        d.submit(item(f"r{i}", 10))
-    with d._cond:
-        d._route_batch()
+    route(d, item("r0", 10), item("r1", 10))
     d.report(1, 10, 500, 0.7, 0)  # its load before it died
     assert d.core_died(1) == ["r1"]
     d.core_rejoined(1)
     view = d.views[1]
     assert view.alive and view.free() == 64 and view.load() == 0 and view.adds_sent == 0
     d.report(1, 64, 0, 0.7, 0)  # the new incarnation counts its adds from zero
-    for i in range(2, 4):
-        d.submit(item(f"r{i}", 10))
-    with d._cond:
-        d._route_batch()
+    route(d, item("r2", 10), item("r3", 10))
     assert rec.ids(1) == ["r1", "r2"] or rec.ids(1) == ["r1", "r3"]
     assert len(d.views[1].unseen) == 1
 

@@ -4,9 +4,20 @@ mapping of n>1 siblings back to the request the caller submitted. Used by the in
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from tidal.core import RequestOutput, SamplingParams
 from tidal.engine.detokenizer import IncrementalDetokenizer
 from tidal.engine.outputs import StepUpdate
+
+
+@dataclass
+class _Request:
+    """A tracked request: its params, every sequence it started, how many have ended."""
+
+    params: SamplingParams
+    started: set[str] = field(default_factory=set)
+    ended: int = 0
 
 
 class OutputProcessor:
@@ -16,29 +27,30 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._seqs: dict[str, tuple[str, int, IncrementalDetokenizer]] = {}
-        # per request: its params and the sequences that ended, so that a token of a
-        # sibling ended here but still running in the core does not start it again
-        self._roots: dict[str, tuple[SamplingParams, set[str]]] = {}
+        # a late token of a sibling that ended here (still running in the core) starts nothing
+        self._roots: dict[str, _Request] = {}
 
     def track(self, request_id: str, params: SamplingParams) -> None:
-        self._roots[request_id] = (params, set())
+        self._roots[request_id] = _Request(params)
         self._add(request_id, request_id, 0)
 
     def _add(self, seq_id: str, root: str, index: int) -> None:
-        stop = self._roots[root][0].stop
-        self._seqs[seq_id] = (root, index, IncrementalDetokenizer(self.tokenizer, stop))
+        req = self._roots[root]
+        req.started.add(seq_id)
+        self._seqs[seq_id] = (root, index, IncrementalDetokenizer(self.tokenizer,
+                                                                  req.params.stop))
 
     def forget(self, request_id: str) -> None:
         """Drop a request and its siblings (aborted); later outputs for them are ignored."""
-        self._roots.pop(request_id, None)
-        for seq in [s for s, v in self._seqs.items() if v[0] == request_id]:
-            del self._seqs[seq]
+        req = self._roots.pop(request_id, None)
+        for seq in req.started if req is not None else ():
+            self._seqs.pop(seq, None)
 
     def _ended(self, seq_id: str, root: str) -> None:
         del self._seqs[seq_id]
-        params, ended = self._roots[root]
-        ended.add(seq_id)
-        if len(ended) >= params.n:  # every sibling ended: nothing more can come
+        req = self._roots[root]
+        req.ended += 1
+        if req.ended >= req.params.n:  # every sibling ended: nothing more can come
             del self._roots[root]
 
     def process(self, outputs: list[RequestOutput], logprobs: dict[str, list],
@@ -47,7 +59,7 @@ class OutputProcessor:
         for o in outputs:
             if o.request_id not in self._seqs:
                 root = self._roots.get(o.parent_id) if o.parent_id is not None else None
-                if root is None or o.request_id in root[1]:
+                if root is None or o.request_id in root.started:
                     continue  # a late token of a forgotten or already ended sequence
                 self._add(o.request_id, o.parent_id, int(o.request_id.rsplit("-", 1)[1]))
             root, index, detok = self._seqs[o.request_id]
