@@ -284,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rss-tolerance", type=float, default=0.10)
     p.add_argument("--warmup", type=float, default=0.3,
-                   help="share of the requests after which the RSS baseline is taken (the "
-                        "core's oneDNN cache fills while new prompt lengths arrive)")
+                   help="share of the requests after which the RSS baseline is taken")
     p.add_argument("serve_flags", nargs="*", help="extra `tidal serve` flags (after --)")
     args = p.parse_args(argv)
     r = run_soak(args.requests, args.concurrency, args.seed, args.serve_flags,

@@ -114,14 +114,14 @@ def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, mon
     """Packed bf16 or float32, int4 and (where oneDNN is missing) plain nn.Linear projections
     with the tied embedding as head; q/k/v with a bias and an untied head (qwen2); batches
     multiplied in float32 (fp32_gemm_rows); 6-token sliding windows shorter than the contexts
-    (mistral, phi3) and half-head rotary (phi3)."""
+    (mistral, phi3) and half-head rotary (phi3); 19 rows, which oneDNN sees padded to 20."""
     from model_fixtures import tiny_folder
     from tidal import LLM, SamplingParams
 
     if quantization == "unpacked":
         monkeypatch.setattr("tidal.engine.model_runner.can_pack", lambda *args: False)
     folder = tiny_folder(tmp_path, family)
-    llm = LLM(str(folder), dtype=dtype, num_kv_blocks=64, block_size=4,
+    llm = LLM(str(folder), dtype=dtype, num_kv_blocks=256, block_size=4,
               quantization="none" if quantization == "unpacked" else quantization,
               fp32_gemm_rows=fp32_rows)
     runner = llm.engine.runner
@@ -131,10 +131,10 @@ def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, mon
         assert getattr(head, "dense", head).weight32 is not None
     checked = runner.decoder = _Checked(runner)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(5 + i, 12 + 3 * i))} for i in range(6)]
+    prompts = [{"prompt_token_ids": list(range(5 + i, 12 + 3 * i))} for i in range(19)]
     llm.generate(prompts, params, use_tqdm=False)  # batched decodes (bf16 weights)
     llm.generate(prompts[:1], params, use_tqdm=False)  # one row (int4 weights when asked)
-    assert {n for *_, n in checked.steps} >= {1, 6}
+    assert {n for *_, n in checked.steps} >= {1, 19}
     # The same ops, roundings and attention kernel: in bf16 bit for bit the PyTorch path's
     # step; in float32 the RMSNorm sums' order shows in the last bits (which is also why no
     # float32 case runs int4: its int8 rounding of activations would magnify them).

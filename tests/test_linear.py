@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tidal.model import cpu_decode
-from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, bf16_kernels, can_pack,
-                                replace_linears)
+from tidal.model.linear import (ROW_CHUNK, Int4Linear, Int8Linear, PackedLinear, bf16_kernels,
+                                can_pack, replace_linears, row_bucket)
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32, "cpu"),
                                 reason="needs oneDNN on CPU")
@@ -35,6 +35,36 @@ def test_packed_linear_gives_the_same_numbers_as_f_linear(rows, dtype):
     else:  # float32 GEMMs may block the sum differently from F.linear's
         torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert got.dtype == dtype
+
+
+def test_row_buckets_are_few_and_pad_by_at_most_an_eighth():
+    buckets = [row_bucket(n) for n in range(1, ROW_CHUNK + 1)]
+    assert buckets[:16] == list(range(1, 17))  # few rows: exact, the weights bound the time
+    assert all(n <= b <= n * 1.125 for n, b in enumerate(buckets, 1))
+    assert buckets == sorted(buckets) and buckets[-1] == ROW_CHUNK
+    assert len(set(buckets)) == 48
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_onednn_sees_only_bucketed_row_counts_and_the_rows_asked_come_back(monkeypatch, dtype):
+    """Odd and chunked row counts: oneDNN multiplies padded bucket-sized blocks, the layer
+    returns exactly the input's rows, equal to F.linear's."""
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *rest: seen.append(x.shape[0]) or real(x, *rest))
+    lin = _linear(dtype=dtype)
+    layer = PackedLinear(lin.weight, lin.bias)
+    for rows in (17, 33, 255, 257, 700):
+        x = torch.randn(rows, 64, dtype=dtype)
+        got = layer(x)
+        assert got.shape == (rows, 48)
+        if dtype == torch.bfloat16 and not bf16_kernels():
+            _within_one_rounding(got, x, lin)
+        else:
+            torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias))
+    assert seen == [18, 36, 256, 256, 1, 256, 256, 192]
+    assert set(seen) <= {row_bucket(n) for n in range(1, ROW_CHUNK + 1)}
 
 
 def _within_one_rounding(got, x, lin):

@@ -24,11 +24,9 @@ class LocalCore:
     def start(self, main: CoreMain, args: tuple) -> None:
         """Run `main(*args)` in a spawned child; args[0] is the core's EngineConfig."""
         model = args[0].model
-        # read by libgomp and oneDNN when the child loads torch: set before main runs
-        for name, value in (("GOMP_SPINCOUNT", model.omp_spin_count),
-                            ("LRU_CACHE_CAPACITY", model.onednn_cache_capacity)):
-            if value is not None:
-                os.environ.setdefault(name, str(value))
+        # read by libgomp when the child loads torch: set before main runs
+        if model.omp_spin_count is not None:
+            os.environ.setdefault("GOMP_SPINCOUNT", str(model.omp_spin_count))
         spawn = multiprocessing.get_context("spawn")
         self._proc = spawn.Process(target=main, args=args, daemon=True,
                                    name=f"tidal-engine-core-{self.index}")

@@ -53,12 +53,6 @@ class ModelConfig:
                                       "sharing its cores, which helps when several engine "
                                       "cores or other busy processes share one CPU, and costs "
                                       "some speed on small batches. Unset: libgomp's default.")
-    onednn_cache_capacity: int | None = knob(
-        256, "LRU_CACHE_CAPACITY of a server's local engine-core processes (unless set in the "
-        "environment): how many oneDNN primitives PyTorch keeps, one per matrix shape, each "
-        "with its JIT code. Prompts of many lengths make many shapes; PyTorch's own 1024 lets "
-        "a core's RSS grow by hundreds of MiB before it levels off. A miss costs about 2 ms "
-        "per projection shape on the first step of a new size. Unset: PyTorch's default.")
     fp32_gemm_rows: int | None = knob(None, "On CPU in bf16: steps of at least this many "
                                       "tokens multiply float32 copies of the projection "
                                       "weights (the same bf16 values). For CPUs without AMX, "
@@ -94,8 +88,6 @@ class ModelConfig:
             raise ValueError("max_forward_tokens must be >= 0")
         if self.omp_spin_count is not None and self.omp_spin_count < 0:
             raise ValueError("omp_spin_count must be >= 0")
-        if self.onednn_cache_capacity is not None and self.onednn_cache_capacity < 0:
-            raise ValueError("onednn_cache_capacity must be >= 0")
         if not 0 < self.kv_cache_fraction < 1:
             raise ValueError("kv_cache_fraction must be in (0, 1)")
 

@@ -6,6 +6,9 @@ the same numbers. On CPUs without AMX a bf16 layer can also keep a float32 copy 
 many rows: there oneDNN's bf16 GEMM computes at about half its float32 rate, so from ~16 rows
 multiplying the bf16 values in float32 is faster although it reads twice the bytes (see
 `fp32_rows`). Where oneDNN has no bf16 kernels at all (plain AVX2) the copy serves every step.
+Every oneDNN call sees one of a few row counts (`row_bucket`, chunks of `ROW_CHUNK`): oneDNN
+and PyTorch cache a primitive per matrix shape, each holding buffers of about rows x outputs
+floats, so a server that met every step size from 1 to 16,384 would grow by gigabytes.
 `Int8Linear` is weight-only int8, per-channel absmax. `Int4Linear` is weight-only int4 in
 groups of 32 with a scale and a zero each: the Q4_1 format of the embedded GGUF, so
 for that model it re-creates the shipped weights rather than losing more precision.
@@ -20,8 +23,27 @@ import torch
 from torch import nn
 
 
+ROW_CHUNK = 256  # larger steps run in chunks of this many rows (measured: no slower)
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a oneDNN call pads `rows` (<= ROW_CHUNK) to: exact up to 16, where
+    reading the weights bounds the time, then 8 sizes an octave (<= 12.5% padding)."""
+    if rows <= 16:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
 def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    rows = x.shape[0]
+    if rows > ROW_CHUNK:
+        return torch.cat([_pointwise(part, weight, bias) for part in x.split(ROW_CHUNK)])
+    padded = row_bucket(rows)
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros((padded - rows, *x.shape[1:]))])
+    y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return y if padded == rows else y[:rows]
 
 
 class PackedLinear(nn.Module):
