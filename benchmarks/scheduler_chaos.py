@@ -21,10 +21,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from scheduler_driver import SchedulerDriver  # noqa: E402
+from scheduler_driver import POLICIES, SLO_TARGETS, SchedulerDriver  # noqa: E402
 
 ROLES = ["mixed", "mixed", "prefill", "decode"]
-POLICIES = ["fcfs", "prefill_first", "priority", "longest_prefix_match"]
 
 
 def random_driver(rng: random.Random) -> SchedulerDriver:
@@ -34,7 +33,9 @@ def random_driver(rng: random.Random) -> SchedulerDriver:
         role=rng.choice(ROLES), batch_mode=rng.choice(["separate", "mixed"]),
         policy=rng.choice(POLICIES), async_scheduling=rng.random() < 0.5,
         chunk=rng.randint(1, 64), max_input=rng.randint(1, 96), max_num_seqs=rng.randint(1, 8),
-        clip=rng.choice([1, 8, 4096]), margin=rng.choice([0.0, 0.0, 0.25]))
+        clip=rng.choice([1, 8, 4096]), margin=rng.choice([0.0, 0.0, 0.25]),
+        ttft=rng.choice(SLO_TARGETS), tpot=rng.choice(SLO_TARGETS),
+        overload=rng.choice(["defer", "reject"]))
 
 
 def one_op(d: SchedulerDriver, rng: random.Random) -> str:

@@ -20,9 +20,11 @@ EOS = 2
 _fresh = itertools.count(1)
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, **kwargs) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, step_time=None, clock=None,
+                   **kwargs) -> Scheduler:
     kv = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=block_size))
-    return Scheduler(SchedulerConfig(**kwargs), kv)
+    extra = {"clock": clock} if clock is not None else {}
+    return Scheduler(SchedulerConfig(**kwargs), kv, step_time=step_time, **extra)
 
 
 def add(sched: Scheduler, rid: str, prompt, max_tokens: int = 16, **params) -> Request:

@@ -9,9 +9,19 @@ from __future__ import annotations
 from collections import deque
 
 from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, SamplingParams,
-                        Scheduler, SchedulerConfig)
+                        Scheduler, SchedulerConfig, StepShape)
 
 EOS = 2
+POLICIES = ["fcfs", "prefill_first", "priority", "longest_prefix_match", "slo"]
+SLO_TARGETS = [None, 5.0, 50.0]  # ms, drawn for the slo policy's TTFT and TPOT defaults
+STEP_SECONDS = 0.01  # the driver's clock advances this much per planned step
+
+
+class LinearSteps:
+    """A step-time model for the slo policy: 1 ms a step plus 0.1 ms a token."""
+
+    def shape_time(self, shape: StepShape) -> float:
+        return 1e-3 + 1e-4 * shape.tokens if shape.seqs else 0.0
 
 
 class SchedulerDriver:
@@ -20,14 +30,18 @@ class SchedulerDriver:
 
     def __init__(self, num_blocks: int, block_size: int, role: str, batch_mode: str,
                  policy: str, async_scheduling: bool, chunk: int, max_input: int,
-                 max_num_seqs: int, clip: int, margin: float) -> None:
+                 max_num_seqs: int, clip: int, margin: float, ttft: float | None = None,
+                 tpot: float | None = None, overload: str = "defer") -> None:
         cfg = SchedulerConfig(
             chunked_prefill_size=max(chunk, block_size),
             max_input_tokens_per_step=max(max_input, block_size),
             batch_mode=batch_mode, policy=policy, role=role, async_scheduling=async_scheduling,
             max_num_seqs=max_num_seqs, clip_max_new_tokens=clip, safety_margin=margin,
-            lpm_aging_steps=8, max_model_len=256)
-        self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)))
+            lpm_aging_steps=8, max_model_len=256, ttft_slo_ms=ttft, tpot_slo_ms=tpot,
+            slo_overload=overload, slo_max_defer_ms=100 * STEP_SECONDS * 1000)
+        self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)),
+                           step_time=LinearSteps(), clock=self.now)
+        self.scheduled: set[str] = set()  # every request id a step ever computed for
         self.inflight: deque = deque()
         self.known: dict[str, list[int]] = {}  # the executor's tokens, from plain data only
         self.num_samples: dict[str, int] = {}
@@ -35,6 +49,9 @@ class SchedulerDriver:
         self.added = 0
         self.work = 0  # prompt + output tokens asked for: bounds the steps to drain
         self.steps_taken = self.tokens = 0
+
+    def now(self) -> float:
+        return self.steps_taken * STEP_SECONDS
 
     @property
     def max_prompt(self) -> int:
@@ -47,7 +64,7 @@ class SchedulerDriver:
         params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=ignore_eos,
                                 priority=priority)
         self.added += 1
-        self.s.add_request(Request(f"r{self.added}", prompt, params, arrival_time=self.added,
+        self.s.add_request(Request(f"r{self.added}", prompt, params, arrival_time=self.now(),
                                    eos_token_id=EOS))
         self.work += n * (len(prompt) + max_tokens)
 
@@ -98,7 +115,10 @@ class SchedulerDriver:
     def _finish_oldest(self, emit_eos: bool) -> None:
         out = self.inflight.popleft()
         sampled = self._execute(out, emit_eos)
-        self.s.update(out, ModelOutput(sampled=sampled, preempted_ack=list(out.preempted_ids)))
+        for o in self.s.update(out, ModelOutput(sampled=sampled,
+                                                preempted_ack=list(out.preempted_ids))):
+            if o.finish_reason == "rejected":  # only before any compute, with no token
+                assert o.request_id not in self.scheduled and not o.new_token_ids
         self.s.check_invariants()
 
     def _execute(self, out, emit_eos: bool) -> dict[str, list[int]]:
@@ -116,6 +136,7 @@ class SchedulerDriver:
             assert len(x.block_ids) * s.kv.block_size >= c + n
             assert rid in self.known, f"{rid} scheduled before the executor was told of it"
             assert x.is_prefill or n == 1
+            self.scheduled.add(rid)
             self.tokens += n
             r = s.requests.get(rid)
             if r is not None and r.status.name == "RUNNING" and r.num_tokens >= c + n:

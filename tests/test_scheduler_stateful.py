@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler_driver import SchedulerDriver
+from scheduler_driver import POLICIES, SLO_TARGETS, SchedulerDriver
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -18,13 +18,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([2, 3, 4, 8, 16]),
         role=st.sampled_from(["mixed", "mixed", "prefill", "decode"]),
         batch_mode=st.sampled_from(["separate", "mixed"]),
-        policy=st.sampled_from(["fcfs", "prefill_first", "priority", "longest_prefix_match"]),
+        policy=st.sampled_from(POLICIES),
         async_scheduling=st.booleans(),
         chunk=st.integers(1, 64),
         max_input=st.integers(1, 96),
         max_num_seqs=st.integers(1, 8),
         clip=st.sampled_from([1, 8, 4096]),
         margin=st.sampled_from([0.0, 0.0, 0.25]),
+        ttft=st.sampled_from(SLO_TARGETS),
+        tpot=st.sampled_from(SLO_TARGETS),
+        overload=st.sampled_from(["defer", "reject"]),
     )
     def setup(self, **config):
         self.d = SchedulerDriver(**config)

@@ -400,3 +400,39 @@ def test_simulation_of_a_calibrated_cpu_matches_a_real_server(tmp_path):
     errors = {k: c["error"] for k, c in simulated["comparison"].items()}
     assert all(abs(errors[k]) <= 0.15 for k in ("mean_ttft_ms", "mean_tpot_ms",
                                                  "output_throughput")), errors
+
+
+def _on_time(run, ttft: float = 1.0, tpot: float = 0.05) -> int:
+    return sum(1 for r in run.results if r.success and r.ttft <= ttft
+               and (r.output_len < 2 or (r.latency - r.ttft) / (r.output_len - 1) <= tpot))
+
+
+def test_the_slo_policy_keeps_more_requests_on_time_past_the_knee():
+    """The Azure conversation trace at 4x its rate on one H100: FCFS queues everyone past
+    the TTFT target; `slo` serves the requests that can still make it first (defer) or
+    refuses the rest at once (reject). Deferred requests all finish; rejected ones say so."""
+    reqs = load_dataset(DatasetSpec(name="azure-conv", num_prompts=600,
+                                    vocab_size=ARCH.vocab_size, max_model_len=8192))
+    times = [(r.arrival - reqs[0].arrival) / 4 for r in reqs]
+    slo = dict(policy="slo", ttft_slo_ms=1000, tpot_slo_ms=50)
+    fcfs = sim(hardware("h100"), num_blocks=4000).run(reqs, times)
+    defer = sim(hardware("h100"), num_blocks=4000, **slo).run(reqs, times)
+    reject = sim(hardware("h100"), num_blocks=4000, slo_overload="reject", **slo).run(reqs,
+                                                                                      times)
+    assert _on_time(defer) >= 1.5 * _on_time(fcfs)
+    assert _on_time(reject) >= 1.5 * _on_time(fcfs)
+    assert all(r.success for r in defer.results)
+    refused = [r for r in reject.results if not r.success]
+    assert refused and all(r.error == "rejected" and r.output_len == 0 for r in refused)
+    print(f"on time: fcfs {_on_time(fcfs)}, slo defer {_on_time(defer)}, "
+          f"slo reject {_on_time(reject)} of {len(reqs)}")
+
+
+def test_below_the_knee_the_slo_policy_loses_nothing():
+    reqs = load_dataset(DatasetSpec(name="azure-conv", num_prompts=600,
+                                    vocab_size=ARCH.vocab_size, max_model_len=8192))
+    times = [r.arrival - reqs[0].arrival for r in reqs]
+    fcfs = sim(hardware("h100"), num_blocks=4000).run(reqs, times)
+    slo = sim(hardware("h100"), num_blocks=4000, policy="slo", ttft_slo_ms=1000,
+              tpot_slo_ms=50).run(reqs, times)
+    assert _on_time(slo) >= _on_time(fcfs) * 0.98

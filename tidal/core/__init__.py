@@ -13,13 +13,14 @@ from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, SamplingParams
 from tidal.core.roles import ROLES, Role
 from tidal.core.scheduler import Scheduler, StepPlan
+from tidal.core.step_time import LearnedStepTime, StepShape, StepTimeModel
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 
 __all__ = [
     "Admission", "Block", "BlockPool", "CacheConfig", "FINISH_REASONS", "InvariantError",
     "KVCacheManager", "ModelOutput", "NewRequest", "NewTokenRatio", "POLICIES", "Policy",
     "ROLES", "Request", "RequestOutput", "RequestStatus", "Role", "SamplingParams",
     "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
-    "StepBudget", "StepPlan",
+    "StepBudget", "StepPlan", "LearnedStepTime", "StepShape", "StepTimeModel",
 ]

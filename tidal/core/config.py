@@ -19,6 +19,7 @@ def knob(default: Any, help: str) -> Any:
 
 BATCH_MODES = ("separate", "mixed")
 PREEMPTION_ORDERS = ("shortest_output", "newest")
+SLO_OVERLOAD = ("defer", "reject")
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,8 @@ class SchedulerConfig:
     policy: str = knob(
         "fcfs", "What a step holds and in which order waiting requests are admitted: 'fcfs', "
         "'prefill_first' (no decode while a prefill is chunking), 'priority' (lowest value "
-        "first), 'longest_prefix_match' (with aging); one module each in "
-        "tidal/core/policies.")
+        "first), 'longest_prefix_match' (with aging), 'slo' (latency targets: "
+        "docs/design/slo.md); one module each in tidal/core/policies.")
     role: str = knob(
         "mixed", "'mixed' serves whole requests; 'prefill' and 'decode' are the two halves of "
         "P/D disaggregation.")
@@ -81,6 +82,19 @@ class SchedulerConfig:
     lpm_aging_steps: int = knob(
         64, "longest_prefix_match: a request waiting this many steps goes first regardless "
         "of its cache hit, so cold requests cannot starve.")
+    ttft_slo_ms: float | None = knob(
+        None, "slo policy: the time-to-first-token target (ms, from arrival) of requests "
+        "that set none; None: no TTFT target.")
+    tpot_slo_ms: float | None = knob(
+        None, "slo policy: the time-per-output-token target (ms) of requests that set none; "
+        "None: no TPOT target.")
+    slo_overload: str = knob(
+        "defer", "slo policy, for a waiting request predicted to miss its TTFT target: "
+        "'defer' (behind every request that can still meet its own) or 'reject' (finish it "
+        "before any compute: the server answers 503).")
+    slo_max_defer_ms: float = knob(
+        30000.0, "slo policy: a request waiting this long (ms, from arrival) goes ahead of "
+        "every request that has not, so a deferred one is served within a bounded time.")
     lpm_max_queue: int = knob(
         128, "longest_prefix_match: with more waiting requests than this, fall back to fcfs "
         "(matching every prefix each step would cost more than it saves).")
@@ -95,6 +109,11 @@ class SchedulerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         _choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
+        _choice("slo_overload", self.slo_overload, SLO_OVERLOAD)
+        for name in ("ttft_slo_ms", "tpot_slo_ms", "slo_max_defer_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if not 0 <= self.init_new_token_ratio <= 1:
             raise ValueError("init_new_token_ratio must be in [0, 1]")
         if not 0 <= self.min_new_token_ratio_factor <= 1:

@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
     FINISHED_TRANSFERRED = "finished_transferred"  # prefill role: handed to a decode instance
+    FINISHED_REJECTED = "finished_rejected"  # slo policy: cannot meet its target; no compute
 
     @property
     def finished(self) -> bool:
@@ -35,6 +36,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_REJECTED: "rejected",
 }
 
 
@@ -77,6 +79,12 @@ class SamplingParams:
     logit_bias): -100 all but bans the token, 100 all but forces it. The ids must be in the
     model's vocabulary, which the engine checks when the request is added."""
 
+    ttft_slo_ms: float | None = None
+    """Time-to-first-token target in ms, from arrival (policy `slo`; None: the scheduler's
+    default, if any)."""
+    tpot_slo_ms: float | None = None
+    """Target time per output token in ms (policy `slo`; None: the scheduler's default)."""
+
     def __post_init__(self) -> None:
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
@@ -90,6 +98,8 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "ttft_slo_ms must be > 0"),
+            (self.tpot_slo_ms is None or self.tpot_slo_ms > 0, "tpot_slo_ms must be > 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -133,7 +143,7 @@ class Request:
         "extra_key", "status", "output_token_ids", "num_computed_tokens", "prefill_target",
         "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "block_tokens",
         "parent_id", "enqueue_step", "remote_prefill", "fork_pending", "stop_ids", "out_limit",
-        "max_tokens",
+        "max_tokens", "admitted",
     )
 
     def __init__(
@@ -164,6 +174,7 @@ class Request:
         self.block_tokens: list[tuple[int, ...]] = []  # those blocks' token ids, hashed once
         self.parent_id: str | None = None
         self.enqueue_step = 0
+        self.admitted = False  # ever given blocks here (a retracted one is waiting again)
         self.remote_prefill = False  # decode role: KV comes from a prefill instance
         self.fork_pending = self.sampling_params.n > 1  # forks once its prompt is done
         self.stop_ids: frozenset[int] = frozenset()  # set by prepare_limits()

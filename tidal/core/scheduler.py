@@ -7,8 +7,9 @@ changes request state (except `add_request`, `abort` and the KV-transfer hand-of
 from __future__ import annotations
 
 import math
-
+import time
 from itertools import chain
+from typing import Callable
 
 from tidal.core.budget import Admission, StepBudget
 from tidal.core.config import SchedulerConfig
@@ -20,16 +21,19 @@ from tidal.core.policies import make_policy
 from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus
 from tidal.core.roles import ROLES
+from tidal.core.step_time import StepTimeModel
 
 
 class StepPlan:
     """The step being planned: its output, its budgets, and what it holds so far."""
 
-    __slots__ = ("out", "budget", "reserved_tokens", "preempted", "num_decodes", "num_prefills")
+    __slots__ = ("out", "budget", "reserved_tokens", "preempted", "num_decodes", "num_prefills",
+                 "max_seqs")
 
-    def __init__(self, out: SchedulerOutput, budget: StepBudget) -> None:
+    def __init__(self, out: SchedulerOutput, budget: StepBudget, max_seqs: int) -> None:
         self.out = out
         self.budget = budget
+        self.max_seqs = max_seqs  # requests that may hold blocks once this step is admitted
         self.reserved_tokens = 0.0  # decode reservation of running + admitted this step
         self.preempted = False
         self.num_decodes = 0
@@ -44,9 +48,15 @@ class StepPlan:
 class Scheduler:
     """Continuous batching over a paged KV cache: chunked prefill under two budgets, decode
     memory reserved by a decaying ratio, retract preemption and prefix caching. The role
-    (mixed, prefill, decode) is configuration of this one class."""
+    (mixed, prefill, decode) is configuration of this one class.
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    `step_time` predicts a step's seconds from its shape and `clock` reads the time
+    requests' `arrival_time` is on (the simulator's virtual clock); the `slo` policy plans
+    with both, the others use neither."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 step_time: StepTimeModel | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         for name in ("chunked_prefill_size", "max_input_tokens_per_step"):
             if getattr(config, name) < kv.block_size:
                 raise ValueError(f"{name}={getattr(config, name)} is under block_size="
@@ -56,6 +66,9 @@ class Scheduler:
         self.block_size = kv.block_size
         self.role = ROLES[config.role]
         self.policy = make_policy(config)
+        if self.policy.needs_step_time and step_time is None:
+            raise ValueError(f"policy {config.policy!r} needs a step-time model")
+        self.step_time, self.clock = step_time, clock
         self.ratio = NewTokenRatio(config)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []
@@ -108,6 +121,11 @@ class Scheduler:
             self._finish(request, status, message)
         return request is not None
 
+    def reject(self, request: Request, message: str) -> None:
+        """End a waiting request before any compute (a policy's overload decision); its
+        output comes with the next update()."""
+        self._end_now(request, RequestStatus.FINISHED_REJECTED, message)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -140,7 +158,8 @@ class Scheduler:
                                 if self.requests.get(r.request_id) is r]
             self._pending_new = []
         decoding = [r for r in self.running if r.num_computed_tokens >= r.prefill_target]
-        plan = StepPlan(out, self.role.step_budget(self.config, len(decoding), self.block_size))
+        plan = StepPlan(out, self.role.step_budget(self.config, len(decoding), self.block_size),
+                        self.config.max_num_seqs)
         self.policy.compose(self, plan, decoding)
         out.kind = plan.kind()
         if (out.kind == "decode" and not plan.preempted and not self.waiting
@@ -214,10 +233,9 @@ class Scheduler:
         remaining = [r for r in ready if id(r) in ready_ids]
         if need > self.kv.num_free and not self.transferring:
             for r in remaining:
-                self._finish(r, RequestStatus.FINISHED_LENGTH,
-                             f"KV cache exhausted: this request alone needs more than the "
-                             f"{self.kv.num_blocks} blocks of the pool")
-                self._pending_outputs.append(self._output(r, []))
+                self._end_now(r, RequestStatus.FINISHED_LENGTH,
+                              f"KV cache exhausted: this request alone needs more than the "
+                              f"{self.kv.num_blocks} blocks of the pool")
             remaining = []
         if plan.preempted:
             self.ratio.after_retract(r for r in self.running if not r.is_prefilling)
@@ -270,7 +288,7 @@ class Scheduler:
         """The one admission path for fresh, retracted and partially prefilled requests:
         size the chunk under the budgets, reserve its blocks, commit it to the plan."""
         fresh = r.status is RequestStatus.WAITING
-        if fresh and len(self.running) + len(self.transferring) >= self.config.max_num_seqs:
+        if fresh and len(self.running) + len(self.transferring) >= plan.max_seqs:
             return Admission.BUDGET_EXHAUSTED
         hit = self.kv.match_prefix(r) if fresh else []
         computed = len(hit) * self.block_size if fresh else r.num_computed_tokens
@@ -349,6 +367,7 @@ class Scheduler:
     def _start(self, r: Request, num_cached: int) -> None:
         r.num_computed_tokens = num_cached
         r.num_cached_tokens = num_cached
+        r.admitted = True
         r.prefill_target = r.num_tokens
         self.prefix_hit_tokens += num_cached
         self.prefix_query_tokens += r.num_tokens
@@ -447,6 +466,11 @@ class Scheduler:
                 self._pending_new.append(child)  # its first step is a decode
             outputs.append(self._append(child, token))
         return outputs
+
+    def _end_now(self, r: Request, status: RequestStatus, message: str) -> None:
+        """Finish a request inside schedule(); the next update() reports it."""
+        self._finish(r, status, message)
+        self._pending_outputs.append(self._output(r, []))
 
     def _finish(self, r: Request, status: RequestStatus, message: str | None = None) -> None:
         prior = r.status

@@ -11,52 +11,16 @@ For a step's scheduled requests (each `n` new tokens after `c` cached ones):
 
 from __future__ import annotations
 
-from operator import attrgetter
-from typing import Iterable
-
-from tidal.core import SchedulerOutput
+from tidal.core.step_time import StepShape
 from tidal.model.config import ModelArch
 from tidal.sim.profiles import Hardware, linear_params
 
 
-class StepShape:
-    """The totals of one step that the roofline needs."""
-
-    __slots__ = ("tokens", "seqs", "sampled", "pairs", "kv_tokens", "gathered")
-
-    def __init__(self, entries: Iterable[tuple[int, int, bool]]) -> None:
-        """entries: (new tokens, cached tokens before them, samples a token)."""
-        self.tokens = self.seqs = self.sampled = self.pairs = self.kv_tokens = 0
-        self.gathered = 0
-        for n, c, samples in entries:
-            self.tokens += n
-            self.seqs += 1
-            self.sampled += samples
-            self.pairs += n * c + n * (n + 1) // 2  # (query, key) pairs under the causal mask
-            self.kv_tokens += c + 2 * n  # context read, new tokens written and read
-            if c:  # attends through the block table: the context is read back from the cache
-                self.gathered += c + n
-
-    @classmethod
-    def of(cls, out: SchedulerOutput) -> "StepShape":
-        if out.kind != "decode":
-            return cls((s.num_new_tokens, s.num_computed_tokens, s.samples)
-                       for s in out.scheduled)
-        # The simulator's hot path, the common step: every entry one new, sampled token
-        # after c >= 1 cached ones, so the totals need only the sum of c (in one C pass).
-        shape = cls.__new__(cls)
-        seqs, context = len(out.scheduled), sum(map(_CACHED, out.scheduled))
-        shape.tokens = shape.seqs = shape.sampled = seqs
-        shape.pairs = shape.gathered = context + seqs
-        shape.kv_tokens = context + 2 * seqs
-        return shape
-
-
-_CACHED = attrgetter("num_computed_tokens")
+__all__ = ["CostModel", "StepShape"]
 
 
 class CostModel:
-    """Step times of a model on a piece of hardware."""
+    """Step times of a model on a piece of hardware (a `tidal.core.StepTimeModel`)."""
 
     def __init__(self, arch: ModelArch, hw: Hardware) -> None:
         self.arch, self.hw = arch, hw

@@ -9,7 +9,8 @@ from operator import attrgetter
 
 from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, RequestOutput,
                         Scheduler, SchedulerConfig, SchedulerOutput)
-from tidal.sim.cost_model import CostModel, StepShape
+from tidal.core.step_time import StepShape
+from tidal.sim.cost_model import CostModel
 
 SIM_TOKEN = 7  # the token every simulated step "samples" (requests ignore EOS)
 _ID, _SAMPLES = attrgetter("request_id"), attrgetter("samples")
@@ -43,13 +44,17 @@ class SimReplica:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, cost: CostModel,
                  role: str = "mixed") -> None:
         self.cost = cost
-        self.scheduler = Scheduler(replace(sched, role=role), KVCacheManager(cache))
+        self.now = 0.0  # the virtual clock, as of the step being planned
+        # the roofline is the slo policy's step-time model: an oracle of this executor
+        self.scheduler = Scheduler(replace(sched, role=role), KVCacheManager(cache),
+                                   step_time=cost, clock=lambda: self.now)
         self.plan: SchedulerOutput | None = None  # the step in flight (None: not busy)
         self.steps = 0
         self.busy_seconds = 0.0  # summed step times
         self.outstanding = 0  # prompt + output tokens of the requests it holds (routing)
         self.planned_tokens = 0
         self.pending_transfers: list[str] = []  # decode role: admitted, prefill not yet sent
+        self.early: list[RequestOutput] = []  # finished by a step that computed nothing
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -59,6 +64,7 @@ class SimReplica:
         """Plan the next step; its end time, or None when there is nothing to compute now
         (a later arrival or KV transfer wakes the replica)."""
         sched = self.scheduler
+        self.now = now
         for _ in range(3):  # a step that only retracts or admits KV transfers computes nothing
             if not sched.requests:  # has_unfinished_requests(), read directly: once a step
                 return None
@@ -73,7 +79,7 @@ class SimReplica:
                 took = self.cost.shape_time(shape)
                 self.busy_seconds += took
                 return now + took
-            sched.update(out, ModelOutput(preempted_ack=out.preempted_ids))
+            self.early += sched.update(out, ModelOutput(preempted_ack=out.preempted_ids))
             if not (out.preempted_ids or out.transfer_ids):
                 return None
         return None

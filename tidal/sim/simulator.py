@@ -107,7 +107,7 @@ class Simulator:
     def run(self, requests: list[BenchRequest], send_times: list[float],
             max_concurrency: int | None = None) -> SimRun:
         clocks = {str(i): TokenClock() for i in range(len(requests))}  # by request id
-        done = [False] * len(requests)
+        done: list[str | None] = [None] * len(requests)  # each request's finish reason
         sent = list(send_times)  # when each request really went out (later when gated)
         timeline: dict[str, list[float]] = {"time": [], "kv_usage": [], "running": [],
                                            "waiting": [], "preemptions": []}
@@ -147,6 +147,9 @@ class Simulator:
                     end = replica.start(now)
                     if end is not None:
                         self._push(end, _STEP_END, replica)
+                    if replica.early:  # rejected before any compute: answered now
+                        early, replica.early = replica.early, []
+                        self._outputs(replica, early, now, clocks, done, dirty)
                     if replica.pending_transfers:
                         self._start_transfers(replica, dirty)
             while self._released:  # finished requests let held sends go
@@ -156,7 +159,7 @@ class Simulator:
                     index = self._held.popleft()
                     sent[index] = now
                     self._send(index, now + latency)
-        results = [self._result(req, t, clock, ok) for req, t, clock, ok
+        results = [self._result(req, t, clock, reason) for req, t, clock, reason
                    in zip(requests, sent, clocks.values(), done)]
         return SimRun(results, now, timeline, sum(r.steps for r in self.replicas),
                       sum(r.scheduler.num_preemptions for r in self.replicas),
@@ -193,9 +196,14 @@ class Simulator:
             dirty.add(target)
 
     def _step_end(self, replica: SimReplica, now: float, clocks: dict[str, TokenClock],
-                  done: list[bool], dirty: set[SimReplica]) -> None:
+                  done: list[str | None], dirty: set[SimReplica]) -> None:
+        self._outputs(replica, replica.finish(), now, clocks, done, dirty)
+
+    def _outputs(self, replica: SimReplica, outputs: list, now: float,
+                 clocks: dict[str, TokenClock], done: list[str | None],
+                 dirty: set[SimReplica]) -> None:
         shared = self._shared_prefill
-        for o in replica.finish():
+        for o in outputs:
             if o.kv_transfer or (shared and o.finish_reason == "length"
                                  and self._home[o.request_id][1] is replica):
                 # the prompt's KV (and first token) now travels to its decoder
@@ -215,14 +223,14 @@ class Simulator:
                 clock.count += 1
             if o.finished:
                 self._released += 1
-                done[int(o.request_id)] = o.finish_reason in ("stop", "length")
+                done[int(o.request_id)] = o.finish_reason
                 decoder, prefiller = self._home.pop(o.request_id)
                 if prefiller is replica:  # ended at its prefill: free the decode side too
                     decoder.scheduler.abort(o.request_id)
                     dirty.add(decoder)
 
     def _transfer_end(self, payload: tuple[str, int], now: float, clocks: dict[str, TokenClock],
-                      done: list[bool], dirty: set[SimReplica]) -> None:
+                      done: list[str | None], dirty: set[SimReplica]) -> None:
         rid, token = payload
         decoder, prefiller = self._home[rid]
         if not self._shared_prefill:  # the shared path freed the blocks at its finish
@@ -231,7 +239,7 @@ class Simulator:
         clocks[rid].tick(now)
         if out.finished:
             self._released += 1
-            done[int(rid)] = True
+            done[int(rid)] = out.finish_reason
             del self._home[rid]
         dirty.update((decoder, prefiller))
 
@@ -249,11 +257,12 @@ class Simulator:
             timeline[key].append(value)
 
     @staticmethod
-    def _result(req: BenchRequest, sent: float, clock: TokenClock, ok: bool) -> RequestResult:
+    def _result(req: BenchRequest, sent: float, clock: TokenClock,
+                reason: str | None) -> RequestResult:
         r = RequestResult(prompt_len=req.prompt_len, output_len=clock.count, start=sent,
-                          success=ok and clock.count > 0)
+                          success=reason in ("stop", "length") and clock.count > 0)
         if clock.count:
             r.ttft, r.itl, r.latency = clock.first - sent, clock.itl, clock.last - sent
         if not r.success:
-            r.error = "did not finish"
+            r.error = "rejected" if reason == "rejected" else "did not finish"
         return r

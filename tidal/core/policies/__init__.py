@@ -9,12 +9,14 @@ from tidal.core.policies.base import Policy
 from tidal.core.policies.longest_prefix_match import LongestPrefixMatch
 from tidal.core.policies.prefill_first import PrefillFirst
 from tidal.core.policies.priority import PriorityPolicy
+from tidal.core.policies.slo import SloPolicy
 
 if TYPE_CHECKING:
     from tidal.core.config import SchedulerConfig
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Policy, PrefillFirst, PriorityPolicy, LongestPrefixMatch)}
+    cls.name: cls for cls in (Policy, PrefillFirst, PriorityPolicy, LongestPrefixMatch,
+                              SloPolicy)}
 
 
 def make_policy(config: "SchedulerConfig") -> Policy:
@@ -22,4 +24,4 @@ def make_policy(config: "SchedulerConfig") -> Policy:
 
 
 __all__ = ["POLICIES", "LongestPrefixMatch", "Policy", "PrefillFirst", "PriorityPolicy",
-           "make_policy"]
+           "SloPolicy", "make_policy"]

@@ -20,6 +20,7 @@ class Policy:
     chooses)."""
 
     name = "fcfs"
+    needs_step_time = False  # whether the scheduler must be given a StepTimeModel
 
     def __init__(self, config: "SchedulerConfig") -> None:
         self.batch_mode = config.batch_mode

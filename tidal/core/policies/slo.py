@@ -1,0 +1,165 @@
+"""`slo`: as many requests within their latency targets as the hardware allows."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import TYPE_CHECKING
+
+from tidal.core.policies.base import Policy
+from tidal.core.request import Request
+from tidal.core.step_time import StepShape
+
+if TYPE_CHECKING:
+    from tidal.core.scheduler import Scheduler, StepPlan
+
+
+class SloPolicy(Policy):
+    """Each request has a TTFT deadline (arrival + `ttft_slo_ms`) and a TPOT target (its own,
+    else the scheduler's defaults; either may be absent). With the scheduler's step-time
+    model, every step runs three named pieces:
+
+    - `size_step`: the prefill tokens the step may add so that its predicted time stays
+      within the tightest TPOT target of the running decodes (at least one block, so prompts
+      always move), and the most requests that may run at once so that their decode step
+      still leaves room for that block;
+    - `triage`: the waiting queue's admission order. Retracted requests come first (one
+      admitted is never rejected), then those waiting past `slo_max_defer_ms` (the starvation bound),
+      then, by deadline, those predicted to make it (Moore-Hodgson over predicted prefill
+      times: whenever the next one would be late, the longest job so far gives way, which
+      keeps the most requests on time), then those without a TTFT target, then the ones
+      that would be late: deferred, or under `slo_overload='reject'` rejected at once;
+    - the step itself, composed as `fcfs` does (decodes first, then prefills in that order).
+    """
+
+    name = "slo"
+    needs_step_time = True
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.config = config
+        self._order: list[Request] = []
+
+    def order(self, waiting, step, prefix_tokens):
+        return self._order  # triage() ran on this very queue at the start of the step
+
+    def compose(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
+        rate = self.size_step(sched, plan, decoding)
+        self._order = self.triage(sched, rate) if sched.waiting else []
+        super().compose(sched, plan, decoding)
+
+    # ------------------------------------------------------------------ targets
+    def deadline(self, r: Request) -> float | None:
+        ms = r.sampling_params.ttft_slo_ms or self.config.ttft_slo_ms
+        return None if ms is None else r.arrival_time + ms / 1000
+
+    def tpot(self, r: Request) -> float | None:
+        ms = r.sampling_params.tpot_slo_ms or self.config.tpot_slo_ms
+        return None if ms is None else ms / 1000
+
+    # ------------------------------------------------------------------ step sizing
+    def size_step(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> float:
+        """Cap the step's prefill tokens and concurrent requests by the tightest TPOT target
+        of the running decodes; returns the prefill rate (tokens/s) such steps reach."""
+        model, bs, budget = sched.step_time, sched.block_size, plan.budget
+        decode, target = StepShape(), math.inf
+        for r in decoding:
+            decode.add(1, r.num_computed_tokens)
+            tpot = self.tpot(r)
+            if tpot is not None and tpot < target:
+                target = tpot
+        active = sched.active_prefill
+        context = active.num_computed_tokens if active is not None else 0
+        room = min(budget.rem_input_tokens, budget.rem_chunk_tokens)
+        tokens = room
+        if target < math.inf and room > bs:
+            fits = lambda t: model.shape_time(decode.copy().add(t, context)) <= target  # noqa: E731
+            tokens = bs * _largest(1, room // bs, lambda k: fits(k * bs))
+            budget.rem_input_tokens = min(budget.rem_input_tokens, tokens)
+            budget.rem_chunk_tokens = min(budget.rem_chunk_tokens, tokens)
+            plan.max_seqs = min(plan.max_seqs, self._max_seqs(sched, decode, target))
+        if tokens <= 0:
+            return math.inf
+        seconds = model.shape_time(decode.copy().add(tokens, context))
+        return tokens / seconds if seconds > 0 else math.inf
+
+    def _max_seqs(self, sched: "Scheduler", decode: StepShape, target: float) -> int:
+        """Requests that may hold blocks: the running and arriving ones, plus as many new
+        ones (at the running decodes' mean context) as keep a decode step with one block of
+        prefill beside it within `target`."""
+        held = len(sched.running) + len(sched.transferring)
+        mean = decode.kv_tokens // max(1, decode.seqs)  # about the mean context
+        base = decode.copy()
+        for r in sched.running:
+            if r.is_prefilling:  # decodes soon
+                base.add(1, r.prefill_target)
+        bs, model = sched.block_size, sched.step_time
+        spare = sched.config.max_num_seqs - held
+        if spare <= 0:
+            return held
+        fits = lambda k: model.shape_time(base.copy().add(1, mean, count=k).add(bs, 0)) <= target  # noqa: E731,E501
+        return held + (_largest(1, spare, fits) if fits(1) else 0)
+
+    # ------------------------------------------------------------------ admission order
+    def triage(self, sched: "Scheduler", rate: float) -> list[Request]:
+        """The waiting queue in admission order; rejects the late ones under 'reject'."""
+        now, max_defer = sched.clock(), self.config.slo_max_defer_ms / 1000
+        resumed, aged, untimed, timed = [], [], [], []
+        for r in sched.waiting:
+            if r.admitted or r.output_token_ids:  # retracted (or a forked sibling): resume
+                resumed.append(r)
+            elif now - r.arrival_time >= max_defer:
+                aged.append(r)
+            elif (deadline := self.deadline(r)) is None:
+                untimed.append(r)
+            else:
+                timed.append((deadline, r))
+        timed.sort(key=_first)  # stable: arrival order among equal deadlines
+        # Prefill work ahead of the timed requests: running prompts, resumed and aged ones.
+        ahead = sum(r.prefill_target - r.num_computed_tokens for r in sched.running
+                    if r.is_prefilling)
+        ahead += sum(r.num_tokens for r in resumed + aged if not r.remote_prefill)
+        late = _moore_hodgson(timed, now + ahead / rate, rate)
+        on_time = [r for i, (_, r) in enumerate(timed) if i not in late]
+        behind = [r for i, (_, r) in enumerate(timed) if i in late]
+        if behind and self.config.slo_overload == "reject":
+            for r in behind:
+                ms = r.sampling_params.ttft_slo_ms or self.config.ttft_slo_ms
+                sched.reject(r, f"the server is overloaded: this request would miss its "
+                                f"time-to-first-token target of {ms:g} ms; retry later")
+            behind = []
+        return resumed + aged + on_time + untimed + behind
+
+
+def _first(pair: tuple) -> float:
+    return pair[0]
+
+
+def _moore_hodgson(timed: list[tuple[float, Request]], start: float, rate: float) -> set[int]:
+    """Indices of the requests (sorted by deadline) that one prefill server starting at
+    `start` and computing `rate` tokens/s cannot finish in time, fewest possible: add each
+    in deadline order; when the newest would finish late, drop the longest so far."""
+    t, heap, late = start, [], set()
+    for i, (deadline, r) in enumerate(timed):
+        p = 0.0 if r.remote_prefill else r.num_tokens / rate  # remote: KV arrives, no compute
+        heapq.heappush(heap, (-p, i))
+        t += p
+        if t > deadline:
+            neg, j = heapq.heappop(heap)
+            t += neg
+            late.add(j)
+    return late
+
+
+def _largest(lo: int, hi: int, ok) -> int:
+    """The largest k in [lo, hi] with ok(k), for ok monotone (true up to some k); lo when
+    even lo fails."""
+    if ok(hi):
+        return hi
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,162 @@
+"""How long a step takes, as the scheduler can ask it: a step's shape, the `StepTimeModel`
+protocol (the simulator's roofline `CostModel` is one), and `LearnedStepTime`, which fits
+measured step times online.
+
+The SLO policy plans with these predictions; nothing here imports torch or reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from operator import attrgetter
+from typing import TYPE_CHECKING, Iterable, Protocol
+
+if TYPE_CHECKING:
+    from tidal.core.outputs import SchedulerOutput
+
+
+class StepShape:
+    """The totals of one step that a step-time model needs."""
+
+    __slots__ = ("tokens", "seqs", "sampled", "pairs", "kv_tokens", "gathered")
+
+    def __init__(self, entries: Iterable[tuple[int, int, bool]] = ()) -> None:
+        """entries: (new tokens, cached tokens before them, samples a token)."""
+        self.tokens = self.seqs = self.sampled = self.pairs = self.kv_tokens = 0
+        self.gathered = 0
+        for n, c, samples in entries:
+            self.add(n, c, samples)
+
+    def add(self, n: int, c: int, samples: bool = True, count: int = 1) -> "StepShape":
+        """Add `count` entries of n new tokens after c cached ones; returns self."""
+        self.tokens += n * count
+        self.seqs += count
+        self.sampled += samples * count
+        self.pairs += (n * c + n * (n + 1) // 2) * count  # (query, key) pairs, causal mask
+        self.kv_tokens += (c + 2 * n) * count  # context read, new tokens written and read
+        if c:  # attends through the block table: the context is read back from the cache
+            self.gathered += (c + n) * count
+        return self
+
+    def copy(self) -> "StepShape":
+        other = StepShape.__new__(StepShape)
+        for name in StepShape.__slots__:
+            setattr(other, name, getattr(self, name))
+        return other
+
+    @classmethod
+    def of(cls, out: "SchedulerOutput") -> "StepShape":
+        if out.kind != "decode":
+            return cls((s.num_new_tokens, s.num_computed_tokens, s.samples)
+                       for s in out.scheduled)
+        # The simulator's hot path, the common step: every entry one new, sampled token
+        # after c >= 1 cached ones, so the totals need only the sum of c (in one C pass).
+        shape = cls.__new__(cls)
+        seqs, context = len(out.scheduled), sum(map(_CACHED, out.scheduled))
+        shape.tokens = shape.seqs = shape.sampled = seqs
+        shape.pairs = shape.gathered = context + seqs
+        shape.kv_tokens = context + 2 * seqs
+        return shape
+
+
+_CACHED = attrgetter("num_computed_tokens")
+
+
+class StepTimeModel(Protocol):
+    """Predicts the seconds a step of a given shape takes on this engine."""
+
+    def shape_time(self, shape: StepShape) -> float: ...
+
+
+class LearnedStepTime:
+    """A step-time model learned from the engine's own steps: seconds = a + b * tokens +
+    c * seqs + d * attention pairs + e * KV tokens, fitted by least squares over the last
+    `window` steps with weights that halve every `half_life` steps (so it follows a machine
+    whose speed drifts), every coefficient >= 0. It predicts 0 until it has seen `min_steps`
+    steps of at least two sizes."""
+
+    # Feature scales keep the normal equations well conditioned (coefficients near 1e-3).
+    _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4)
+
+    def __init__(self, window: int = 512, half_life: float = 128.0, min_steps: int = 8,
+                 refit_every: int = 8) -> None:
+        self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.min_steps, self.refit_every = min_steps, refit_every
+        self.coef: list[float] = [0.0] * len(self._SCALES)
+        self._since_fit = 0
+
+    def _features(self, shape: StepShape) -> tuple[float, ...]:
+        raw = (1.0, shape.tokens, shape.seqs, shape.pairs, shape.kv_tokens)
+        return tuple(x * s for x, s in zip(raw, self._SCALES))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Record one measured step."""
+        if shape.seqs == 0 or seconds <= 0:
+            return
+        self.samples.append((self._features(shape), seconds))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every and len(self.samples) >= self.min_steps:
+            self._since_fit = 0
+            self.coef = self._fit()
+
+    def shape_time(self, shape: StepShape) -> float:
+        if shape.seqs == 0:
+            return 0.0
+        return sum(c * x for c, x in zip(self.coef, self._features(shape)))
+
+    def _fit(self) -> list[float]:
+        """Weighted non-negative least squares by active set: solve, drop the features whose
+        coefficients come out negative, solve again (at most five rounds)."""
+        n = len(self._SCALES)
+        active = list(range(n))
+        weights = [self.decay ** age for age in range(len(self.samples) - 1, -1, -1)]
+        while active:
+            coef = _solve_weighted(self.samples, weights, active)
+            if coef is None:
+                return self.coef  # degenerate (one step size so far): keep the old fit
+            negative = [i for i, c in zip(active, coef) if c < 0]
+            if not negative:
+                full = [0.0] * n
+                for i, c in zip(active, coef):
+                    full[i] = c
+                return full
+            active = [i for i in active if i not in negative]
+        return self.coef
+
+
+def _solve_weighted(samples, weights, active: list[int]) -> list[float] | None:
+    """argmin sum w (y - x[active] . b)^2 with a tiny ridge; None if singular."""
+    k = len(active)
+    a = [[0.0] * k for _ in range(k)]
+    rhs = [0.0] * k
+    for (x, y), w in zip(samples, weights):
+        xs = [x[i] for i in active]
+        for r in range(k):
+            wx = w * xs[r]
+            rhs[r] += wx * y
+            row = a[r]
+            for c in range(k):
+                row[c] += wx * xs[c]
+    for r in range(k):
+        a[r][r] += 1e-9
+    return _gauss(a, rhs)
+
+
+def _gauss(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve a x = b by Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
+    m = [row[:] + [v] for row, v in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
