@@ -13,8 +13,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from tidal.core import (KVCacheManager, ModelOutput, Request, RequestOutput, RequestStatus,
-                        SamplingParams, Scheduler, SchedulerOutput)
+from tidal.core import (POLICIES, KVCacheManager, LearnedStepTime, ModelOutput, Request,
+                        RequestOutput,
+                        RequestStatus, SamplingParams, Scheduler, SchedulerOutput, StepShape)
 from tidal.engine.config import EngineConfig
 from tidal.engine.model_runner import ModelRunner
 
@@ -35,7 +36,8 @@ class EngineCore:
             config.scheduler.max_model_len, arch.context_length))
         cache_cfg = replace(config.cache, num_blocks=self.runner.num_blocks)
         self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
-        self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg))
+        self.step_time = self._step_time_model(config)
+        self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg), self.step_time)
         self.eos_token_id = (eos_token_id if eos_token_id is not None
                              else (arch.eos_token_ids or (None,))[0])
         self.vocab_size = arch.vocab_size
@@ -53,6 +55,18 @@ class EngineCore:
                  cache_cfg.block_size, self.runner.kv_cache_bytes / 2**20)
         gc.collect()
         gc.freeze()  # the model and the block pool are long-lived: keep them out of GC passes
+
+    def _step_time_model(self, config: EngineConfig):
+        """The slo policy's step-time model: a profile's roofline for this model, or one
+        learned from this engine's steps; None for the other policies."""
+        if not POLICIES[config.scheduler.policy].needs_step_time:
+            return None
+        if config.model.step_time_profile is None:
+            return LearnedStepTime()
+        from tidal.sim.cost_model import CostModel
+        from tidal.sim.profiles import hardware
+
+        return CostModel(self.runner.arch, hardware(config.model.step_time_profile))
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
@@ -131,13 +145,17 @@ class EngineCore:
         self.prompt_tokens += sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
         t0 = time.perf_counter()
         try:
-            return self.runner.execute(out)
+            result = self.runner.execute(out)
         except Exception as exc:  # the step's requests fail; the engine serves the rest
             log.exception("model runner failed; ending the step's %d requests",
                           len(out.scheduled))
             return exc
         finally:
-            self.execute_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.execute_seconds += seconds
+        if isinstance(self.step_time, LearnedStepTime):
+            self.step_time.observe(StepShape.of(out), seconds)
+        return result
 
     def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception,
                   ) -> tuple[list[RequestOutput], dict[str, list]]:

@@ -14,7 +14,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Awaitable
+from typing import Annotated, Any, Awaitable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -78,6 +78,13 @@ class Frontend:
         if not body.stream:
             return await _unless_client_leaves(request, response.body(updates))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if self.client.config.scheduler.slo_overload == "reject" and \
+                self.client.config.scheduler.policy == "slo":
+            # A rejection comes before the first token: hold the headers until then, so that
+            # it is a plain 503 rather than an error event inside a 200 stream.
+            updates = await _unless_client_leaves(request, _after_first(updates))
+            if isinstance(updates, Response):
+                return updates  # the client left
         return StreamingResponse(response.events(updates, include_usage),
                                  media_type="text/event-stream")
 
@@ -102,6 +109,10 @@ class Frontend:
             params.append(body.sampling_params(max_tokens, logprobs, config, len(ids),
                                                client.ready.max_model_len, default_max,
                                                client.ready.vocab_size))
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            if getattr(body, name) is not None and client.config.scheduler.policy != "slo":
+                raise APIError(f"{name} needs a server started with --policy slo (this one "
+                               f"schedules by {client.config.scheduler.policy!r})", param=name)
         prefill = (body.kv_transfer_params or {}).get("prefill_address")
         if prefill is not None:
             body.check_disaggregated()
@@ -141,6 +152,9 @@ class Frontend:
                 if u.finished:
                     left -= 1
                     metrics.finished.labels(u.finish_reason or "unknown").inc()
+                    if u.finish_reason == "rejected":  # the slo policy's overload decision
+                        raise APIError(u.finish_message or "overloaded", 503,
+                                       "service_unavailable", retry_after=1)
                 yield index_of[u.root_id] * n + u.index, u
             metrics.e2e.observe(time.perf_counter() - t0)
         finally:
@@ -151,7 +165,22 @@ class Frontend:
                     self.client.release(rid)
 
 
-async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
+async def _after_first(updates: Updates) -> Updates:
+    """`updates` once its first item is here (an APIError before then propagates)."""
+    first = await anext(updates)
+
+    async def chained() -> Updates:
+        try:
+            yield first
+            async for item in updates:
+                yield item
+        finally:
+            await updates.aclose()
+
+    return chained()
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable) -> Any:
     """A whole-body answer stops when its client disconnects first, as a stream does: the
     cancelled update stream aborts the requests and their blocks return at once."""
     task = asyncio.ensure_future(work)

@@ -189,7 +189,8 @@ _INT64_MAX = 2**63 - 1  # integers travel to the engine core as msgpack int64
 class GenerationRequest(StrictModel):
     """Fields both endpoints share; vLLM's extensions (ignore_eos, priority, min_tokens,
     top_k, min_p, repetition_penalty, stop_token_ids, add_special_tokens,
-    kv_transfer_params) included."""
+    kv_transfer_params) included, and tidal's latency targets (ttft_slo_ms, tpot_slo_ms:
+    the `slo` policy's)."""
 
     _refused: ClassVar = VLLM_REFUSED
     prompt_field: ClassVar[str] = "prompt"  # what a 400 for a prompt over the context names
@@ -215,6 +216,8 @@ class GenerationRequest(StrictModel):
     min_tokens: int = Field(0, ge=0)
     user: str | None = None  # harmless: an end-user id for abuse monitoring
     kv_transfer_params: dict | None = None  # P/D: {"prefill_address": ...}, set by the router
+    ttft_slo_ms: float | None = Field(None, gt=0, le=1e9)  # only with --policy slo
+    tpot_slo_ms: float | None = Field(None, gt=0, le=1e9)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "GenerationRequest":
@@ -279,7 +282,8 @@ class GenerationRequest(StrictModel):
                 stop=stop, priority=self.priority, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-                min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size))
+                min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size),
+                ttft_slo_ms=self.ttft_slo_ms, tpot_slo_ms=self.tpot_slo_ms)
         except ValueError as exc:  # its messages start with the field's name
             word = str(exc).split(" ", 1)[0]
             param = word if word in type(self).model_fields else None
