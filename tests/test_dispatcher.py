@@ -167,6 +167,21 @@ def test_prefix_aware_routing_sends_a_shared_prefix_where_it_went_before():
     assert d.core_of["y"] == d.core_of["x"] != d.core_of["other"]
 
 
+def test_slack_routing_counts_queued_prompts_reported_and_sent_since():
+    """Core 0 reports 300 queued prompt tokens, core 1 none: a 200-token prompt goes to core 1,
+    which then counts it until a report; the next goes to core 1 again (200 < 300), the one
+    after to core 0 (350 > 300); once core 1 reports both prefilled, it is chosen again."""
+    d, rec = make(policy="slack")
+    d.report(0, 64, 300, 1.0, 0, prefill_tokens=300)
+    route(d, item("a", 200))
+    route(d, item("b", 150))
+    route(d, item("c", 100))
+    assert [d.core_of[r] for r in "abc"] == [1, 1, 0]
+    d.report(1, 64, 40, 1.0, 2, prefill_tokens=0)
+    route(d, item("d", 10))
+    assert d.core_of["d"] == 1
+
+
 def test_prefix_index_matches_whole_leading_blocks_and_forgets_least_recent():
     idx = PrefixIndex(block_size=4, capacity=3)
     idx.insert(block_hashes(list(range(12)), 4))

@@ -182,6 +182,10 @@ def test_routing_policies():
     loads[1].available = loads[2].available = False  # gone cores are never chosen
     assert Router("least_tokens", 3).choose(loads) == Router("prefix_aware", 3).choose(loads) == 0
     assert [rr.choose(loads) for _ in range(3)] == [0, 0, 0]
+    # slack: the fewest queued prompt tokens, then the least outstanding
+    loads = [CoreLoad(10, prefill_tokens=900), CoreLoad(80, prefill_tokens=100),
+             CoreLoad(50, prefill_tokens=100)]
+    assert Router("slack", 3).choose(loads) == 2
     with pytest.raises(ValueError):
         Router("random", 2)
 

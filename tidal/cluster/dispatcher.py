@@ -29,16 +29,21 @@ class CoreView:
     num_blocks: int
     free_blocks: int = 0  # free for new requests at the last report (its waiting queue's needs out)
     outstanding_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens queued at the last report
     new_token_ratio: float = 1.0  # share of max_tokens the core reserves for a new request
     alive: bool = True
     adds_sent: int = 0
-    unseen: deque = field(default_factory=deque)  # (add number, blocks, tokens) not yet reported
+    # (add number, blocks, tokens, prompt tokens) sent and not yet in a report
+    unseen: deque = field(default_factory=deque)
 
     def free(self) -> int:
-        return self.free_blocks - sum(b for _, b, _ in self.unseen)
+        return self.free_blocks - sum(u[1] for u in self.unseen)
 
     def load(self) -> int:
-        return self.outstanding_tokens + sum(t for _, _, t in self.unseen)
+        return self.outstanding_tokens + sum(u[2] for u in self.unseen)
+
+    def prefill_load(self) -> int:
+        return self.prefill_tokens + sum(u[3] for u in self.unseen)
 
 
 class Dispatcher:
@@ -109,13 +114,14 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ from the cores
     def report(self, core: int, free_blocks: int, outstanding_tokens: int,
-               new_token_ratio: float, adds_seen: int) -> None:
+               new_token_ratio: float, adds_seen: int, prefill_tokens: int = 0) -> None:
         """A core's stats: its free blocks and load after its first `adds_seen` requests."""
         with self._cond:
             v = self.views[core]
             while v.unseen and v.unseen[0][0] < adds_seen:
                 v.unseen.popleft()
             v.free_blocks, v.outstanding_tokens = free_blocks, outstanding_tokens
+            v.prefill_tokens = prefill_tokens
             v.new_token_ratio = new_token_ratio
             self._cond.notify_all()
 
@@ -178,7 +184,7 @@ class Dispatcher:
                 break
             self._queue.popleft()
             self.core_of[item.request_id] = core
-            v.unseen.append((v.adds_sent, blocks, n + item.params.max_tokens))
+            v.unseen.append((v.adds_sent, blocks, n + item.params.max_tokens, n))
             v.adds_sent += 1
             self.routed[core] += 1
             self.prefixes[core].insert(hashes)
@@ -191,7 +197,7 @@ class Dispatcher:
     def _choose(self, hashes: list[int]) -> int | None:
         loads = [CoreLoad(v.load(), v.free(),
                           self.prefixes[i].match(hashes) if self.router.needs_prefix else 0,
-                          v.alive) for i, v in enumerate(self.views)]
+                          v.prefill_load(), v.alive) for i, v in enumerate(self.views)]
         if not any(v.alive for v in self.views):
             return None
         return self.router.choose(loads)

@@ -15,13 +15,16 @@ class CoreLoad:
     outstanding_tokens: int = 0  # prompt tokens still to compute + output tokens still to make
     free_blocks: int = 0
     prefix_hit_tokens: int = 0  # tokens of this request's prompt already cached there
+    prefill_tokens: int = 0  # prompt tokens queued there: what a new request's TTFT waits on
     available: bool = True  # False: the core is gone; never chosen
 
 
 class Router:
     """`round_robin` cycles; `least_tokens` picks the core with the fewest outstanding
     tokens; `prefix_aware` picks the core caching the longest prefix of the prompt, and the
-    least loaded one when no core caches any of it."""
+    least loaded one when no core caches any of it; `slack` picks the core where the request
+    would have the most slack to its TTFT deadline: the fewest prompt tokens queued ahead of
+    it (cores alike), then the fewest outstanding tokens."""
 
     def __init__(self, policy: str, num_cores: int) -> None:
         if policy not in ROUTING_POLICIES:
@@ -37,6 +40,11 @@ class Router:
         """Whether `choose` reads prefix_hit_tokens (worth computing only then)."""
         return self.policy == "prefix_aware"
 
+    @property
+    def needs_backlog(self) -> bool:
+        """Whether `choose` reads prefill_tokens."""
+        return self.policy == "slack"
+
     def choose(self, loads: list[CoreLoad]) -> int:
         """The chosen core's index; at least one load must be available (round robin may
         get no loads at all: every core is then available)."""
@@ -46,6 +54,9 @@ class Router:
                 self._next = (self._next + 1) % self.num_cores
             core, self._next = self._next, (self._next + 1) % self.num_cores
             return core
+        if self.policy == "slack":
+            return min(live, key=lambda i: (loads[i].prefill_tokens,
+                                            loads[i].outstanding_tokens, i))
         least = min(live, key=lambda i: (loads[i].outstanding_tokens, i))
         if self.policy == "least_tokens":
             return least

@@ -38,6 +38,7 @@ class SchedulerStats:
     num_steps: int
     outstanding_tokens: int  # prompt tokens still to compute + output tokens still allowed
     unclaimed_blocks: int  # free blocks less what the waiting prompts will take
+    prefill_tokens: int  # prompt tokens still to compute: what a new request's TTFT waits on
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -68,6 +69,7 @@ def collect_stats(s: "Scheduler") -> SchedulerStats:
         num_steps=s.step,
         outstanding_tokens=outstanding,
         unclaimed_blocks=pool.num_free - claimed,
+        prefill_tokens=s.prefill_backlog(s.waiting),
     )
 
 

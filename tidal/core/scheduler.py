@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from itertools import chain
-from typing import Callable
+from typing import Callable, Iterable
 
 from tidal.core.budget import Admission, StepBudget
 from tidal.core.config import SchedulerConfig
@@ -128,6 +128,13 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def prefill_backlog(self, waiting: Iterable[Request]) -> int:
+        """Prompt tokens still to compute here before anyone behind them: the rest of the
+        running prefills and the whole prompts of `waiting` (whose KV is not sent here)."""
+        return (sum(r.prefill_target - r.num_computed_tokens for r in self.running
+                    if r.is_prefilling)
+                + sum(r.num_tokens for r in waiting if not r.remote_prefill))
 
     def kv_sent(self, request_id: str) -> None:
         """Prefill role: the request's KV reached its decode instance; free its blocks."""

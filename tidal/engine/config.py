@@ -15,7 +15,7 @@ from tidal.core.config import CacheConfig, SchedulerConfig, knob
 
 # How the data-parallel dispatcher (and the simulator's router) picks an engine core; the
 # policies themselves are in tidal/cluster/routing.py.
-ROUTING_POLICIES = ("round_robin", "least_tokens", "prefix_aware")
+ROUTING_POLICIES = ("round_robin", "least_tokens", "prefix_aware", "slack")
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,9 @@ class ParallelConfig:
                                    "batch before routing them (data parallel only).")
     dp_routing: str = knob("least_tokens", "How the dispatcher picks a core: 'round_robin', "
                            "'least_tokens' (fewest outstanding tokens) or 'prefix_aware' "
-                           "(longest prompt prefix sent there before, else least tokens).")
+                           "(longest prompt prefix sent there before, else least tokens) or "
+                           "'slack' (fewest prompt tokens queued: the most slack to a "
+                           "request's TTFT deadline; for the slo policy).")
     dp_backend: str = knob("local", "Where the engine cores run: 'local' processes, or 'ray' "
                            "actors (joins RAY_ADDRESS's cluster, or starts a local one).")
     kv_host: str = knob("127.0.0.1", "Address a prefill or decode core's KV transfer "

@@ -277,7 +277,7 @@ class CoreClient:
                 if self.dispatcher is not None:
                     s = msg.scheduler
                     self.dispatcher.report(msg.core, s.unclaimed_blocks, s.outstanding_tokens,
-                                           s.new_token_ratio, msg.adds_seen)
+                                           s.new_token_ratio, msg.adds_seen, s.prefill_tokens)
 
     def _deliver(self, updates: list[StepUpdate]) -> None:
         for u in updates:

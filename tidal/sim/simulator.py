@@ -101,7 +101,9 @@ class Simulator:
             return replicas[0]
         loads = [CoreLoad(r.outstanding, r.scheduler.kv.num_free,
                           len(r.scheduler.kv.match_prefix(request)) * r.scheduler.block_size
-                          if router.needs_prefix else 0) for r in replicas]
+                          if router.needs_prefix else 0,
+                          r.scheduler.prefill_backlog(r.scheduler.waiting)
+                          if router.needs_backlog else 0) for r in replicas]
         return replicas[router.choose(loads)]
 
     def run(self, requests: list[BenchRequest], send_times: list[float],

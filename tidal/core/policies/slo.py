@@ -116,10 +116,7 @@ class SloPolicy(Policy):
                 timed.append((deadline, r))
         timed.sort(key=_first)  # stable: arrival order among equal deadlines
         # Prefill work ahead of the timed requests: running prompts, resumed and aged ones.
-        ahead = sum(r.prefill_target - r.num_computed_tokens for r in sched.running
-                    if r.is_prefilling)
-        ahead += sum(r.num_tokens for r in resumed + aged if not r.remote_prefill)
-        late = _moore_hodgson(timed, now + ahead / rate, rate)
+        late = _moore_hodgson(timed, now + sched.prefill_backlog(resumed + aged) / rate, rate)
         on_time = [r for i, (_, r) in enumerate(timed) if i not in late]
         behind = [r for i, (_, r) in enumerate(timed) if i in late]
         if behind and self.config.slo_overload == "reject":
