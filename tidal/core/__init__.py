@@ -2,7 +2,7 @@
 no asyncio, no sockets, no environment variables; deterministic for the same inputs."""
 
 from tidal.core.block_pool import Block, BlockPool
-from tidal.core.budget import Admission, StepBudget
+from tidal.core.budget import Admission, StepBudget, StepPlan
 from tidal.core.config import CacheConfig, SchedulerConfig
 from tidal.core.invariants import InvariantError, SchedulerStats
 from tidal.core.kv_cache_manager import KVCacheManager
@@ -12,7 +12,7 @@ from tidal.core.policies import POLICIES, Policy
 from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, SamplingParams
 from tidal.core.roles import ROLES, Role
-from tidal.core.scheduler import Scheduler, StepPlan
+from tidal.core.scheduler import Scheduler
 from tidal.core.step_time import LearnedStepTime, StepShape, StepTimeModel
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")

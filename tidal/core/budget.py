@@ -1,8 +1,13 @@
-"""One step's token budgets and the outcome of trying to admit a request."""
+"""The step being planned: its token budgets, the outcome of trying to admit a request, and
+the plan that holds both."""
 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tidal.core.outputs import SchedulerOutput
 
 
 class Admission(enum.Enum):
@@ -45,3 +50,24 @@ class StepBudget:
         self.rem_input_tokens -= num_tokens
         if chunked:
             self.rem_chunk_tokens -= num_tokens
+
+
+class StepPlan:
+    """The step being planned: its output, its budgets, and what it holds so far."""
+
+    __slots__ = ("out", "budget", "reserved_tokens", "preempted", "num_decodes", "num_prefills",
+                 "max_seqs")
+
+    def __init__(self, out: SchedulerOutput, budget: StepBudget, max_seqs: int) -> None:
+        self.out = out
+        self.budget = budget
+        self.max_seqs = max_seqs  # requests that may hold blocks once this step is admitted
+        self.reserved_tokens = 0.0  # decode reservation of running + admitted this step
+        self.preempted = False
+        self.num_decodes = 0
+        self.num_prefills = 0
+
+    def kind(self) -> str:
+        if self.num_prefills:
+            return "mixed" if self.num_decodes else "prefill"
+        return "decode" if self.num_decodes else "idle"

@@ -11,7 +11,7 @@ import time
 from itertools import chain
 from typing import Callable, Iterable
 
-from tidal.core.budget import Admission, StepBudget
+from tidal.core.budget import Admission, StepPlan
 from tidal.core.config import SchedulerConfig
 from tidal.core.invariants import SchedulerStats, check_invariants, collect_stats
 from tidal.core.kv_cache_manager import KVCacheManager, cdiv
@@ -22,27 +22,6 @@ from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus
 from tidal.core.roles import ROLES
 from tidal.core.step_time import StepTimeModel
-
-
-class StepPlan:
-    """The step being planned: its output, its budgets, and what it holds so far."""
-
-    __slots__ = ("out", "budget", "reserved_tokens", "preempted", "num_decodes", "num_prefills",
-                 "max_seqs")
-
-    def __init__(self, out: SchedulerOutput, budget: StepBudget, max_seqs: int) -> None:
-        self.out = out
-        self.budget = budget
-        self.max_seqs = max_seqs  # requests that may hold blocks once this step is admitted
-        self.reserved_tokens = 0.0  # decode reservation of running + admitted this step
-        self.preempted = False
-        self.num_decodes = 0
-        self.num_prefills = 0
-
-    def kind(self) -> str:
-        if self.num_prefills:
-            return "mixed" if self.num_decodes else "prefill"
-        return "decode" if self.num_decodes else "idle"
 
 
 class Scheduler:

@@ -8,7 +8,8 @@ from tidal.core.request import Request
 
 if TYPE_CHECKING:
     from tidal.core.config import SchedulerConfig
-    from tidal.core.scheduler import Scheduler, StepPlan
+    from tidal.core.budget import StepPlan
+    from tidal.core.scheduler import Scheduler
 
 
 class Policy:

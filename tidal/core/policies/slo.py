@@ -11,7 +11,8 @@ from tidal.core.request import Request
 from tidal.core.step_time import StepShape
 
 if TYPE_CHECKING:
-    from tidal.core.scheduler import Scheduler, StepPlan
+    from tidal.core.budget import StepPlan
+    from tidal.core.scheduler import Scheduler
 
 
 class SloPolicy(Policy):
