@@ -138,11 +138,22 @@ def test_admission_stops_where_the_decode_batch_would_break_the_tpot_target():
 
 
 def test_decodes_already_at_the_target_admit_no_one_new():
+    """One decode beside a block takes 5 + 0.1 * 17 = 6.7 ms, within 7 ms; ten take 7.6."""
+    s = slo_scheduler(Linear(fixed=5e-3, per_token=1e-4))
+    _decoding(s, 10, tpot_ms=7)
+    add(s, "long", 2000)
+    out, _ = step(s)
+    assert "long" not in scheduled(out) and len(out.scheduled) == 10
+
+
+def test_a_target_no_batch_can_meet_caps_nothing():
+    """5 ms: even one decode beside a block takes 6.7 ms, so the target cannot be kept by
+    sizing steps; the step takes the whole budget rather than starving prompts."""
     s = slo_scheduler(Linear(fixed=5e-3, per_token=1e-4))
     _decoding(s, 10, tpot_ms=5)
     add(s, "long", 2000)
     out, _ = step(s)
-    assert "long" not in scheduled(out) and len(out.scheduled) == 10
+    assert scheduled(out)["long"] == (2000, 0)
 
 
 def test_the_slo_policy_needs_a_step_time_model_and_valid_settings():
@@ -176,6 +187,18 @@ def test_the_learned_step_time_recovers_a_linear_truth():
         shape = _shape(rng)
         assert model.shape_time(shape) == pytest.approx(truth.shape_time(shape), rel=0.01)
     assert all(c >= 0 for c in model.coef)
+
+
+def test_the_learned_step_time_does_not_extrapolate_from_decodes_alone():
+    """A first prompt step slowed by warm-up and a few decodes would give a per-token slope
+    of seconds; until enough prompt steps are seen the token terms stay out of the fit, so a
+    long prompt is predicted near a decode step rather than minutes."""
+    model = LearnedStepTime()
+    model.observe(StepShape([(2, 0, True)]), 0.070)
+    for c in range(2, 12):
+        model.observe(StepShape([(1, c, True)]), 0.045)
+    long_prompt = StepShape([(128, 0, True)] * 20)
+    assert 0.04 < model.shape_time(long_prompt) < 0.1
 
 
 def test_the_learned_step_time_follows_a_machine_that_slows_down():

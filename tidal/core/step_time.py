@@ -73,10 +73,15 @@ class LearnedStepTime:
     c * seqs + d * attention pairs + e * KV tokens, fitted by least squares over the last
     `window` steps with weights that halve every `half_life` steps (so it follows a machine
     whose speed drifts), every coefficient >= 0. It predicts 0 until it has seen `min_steps`
-    steps of at least two sizes."""
+    steps. Until `min_steps` of them computed prompts (more tokens than sequences), the
+    per-token and attention terms stay out of the fit: a slope from a few small steps would
+    extrapolate wildly to long prompts, and an overestimate makes the slo policy reject
+    requests it could serve (and then never see the steps that would correct it), whereas
+    an underestimate only admits a little too much until the fit learns."""
 
     # Feature scales keep the normal equations well conditioned (coefficients near 1e-3).
     _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4)
+    _DECODE_FEATURES = [0, 2, 4]  # constant, seqs, KV tokens: what decode steps pin down
 
     def __init__(self, window: int = 512, half_life: float = 128.0, min_steps: int = 8,
                  refit_every: int = 8) -> None:
@@ -89,6 +94,9 @@ class LearnedStepTime:
     def _features(self, shape: StepShape) -> tuple[float, ...]:
         raw = (1.0, shape.tokens, shape.seqs, shape.pairs, shape.kv_tokens)
         return tuple(x * s for x, s in zip(raw, self._SCALES))
+
+    def _computes_prompt(self, x: tuple[float, ...]) -> bool:
+        return x[1] / self._SCALES[1] > x[2] / self._SCALES[2] + 0.5  # tokens > seqs
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Record one measured step."""
@@ -109,10 +117,19 @@ class LearnedStepTime:
         """Weighted non-negative least squares by active set: solve, drop the features whose
         coefficients come out negative, solve again (at most five rounds)."""
         n = len(self._SCALES)
+        # Relative errors count (1/y^2): a long prompt's seconds would drown decode steps.
+        weights = [self.decay ** age / (y * y)
+                   for age, (_, y) in zip(range(len(self.samples) - 1, -1, -1), self.samples)]
+        samples = list(self.samples)
         active = list(range(n))
-        weights = [self.decay ** age for age in range(len(self.samples) - 1, -1, -1)]
+        if sum(map(self._computes_prompt, (x for x, _ in samples))) < self.min_steps:
+            active = list(self._DECODE_FEATURES)  # and only the decode steps to fit them
+            kept = [i for i, (x, _) in enumerate(samples) if not self._computes_prompt(x)]
+            samples, weights = [samples[i] for i in kept], [weights[i] for i in kept]
+            if not samples:
+                return self.coef
         while active:
-            coef = _solve_weighted(self.samples, weights, active)
+            coef = _solve_weighted(samples, weights, active)
             if coef is None:
                 return self.coef  # degenerate (one step size so far): keep the old fit
             negative = [i for i, c in zip(active, coef) if c < 0]
@@ -138,8 +155,9 @@ def _solve_weighted(samples, weights, active: list[int]) -> list[float] | None:
             row = a[r]
             for c in range(k):
                 row[c] += wx * xs[c]
+    ridge = 1e-9 * max(a[r][r] for r in range(k))  # steadies features that barely vary
     for r in range(k):
-        a[r][r] += 1e-9
+        a[r][r] += ridge
     return _gauss(a, rhs)
 
 

@@ -73,23 +73,26 @@ class SloPolicy(Policy):
         context = active.num_computed_tokens if active is not None else 0
         room = min(budget.rem_input_tokens, budget.rem_chunk_tokens)
         tokens = room
+        mean = decode.kv_tokens // max(1, decode.seqs)  # about the mean context
+        if model.shape_time(StepShape().add(1, mean).add(bs, 0)) > target:
+            target = math.inf  # not even one decode beside a block meets it: no use capping
         if target < math.inf and room > bs:
             fits = lambda t: model.shape_time(decode.copy().add(t, context)) <= target  # noqa: E731
             tokens = bs * _largest(1, room // bs, lambda k: fits(k * bs))
             budget.rem_input_tokens = min(budget.rem_input_tokens, tokens)
             budget.rem_chunk_tokens = min(budget.rem_chunk_tokens, tokens)
-            plan.max_seqs = min(plan.max_seqs, self._max_seqs(sched, decode, target))
+            plan.max_seqs = min(plan.max_seqs, self._max_seqs(sched, decode, mean, target))
         if tokens <= 0:
             return math.inf
         seconds = model.shape_time(decode.copy().add(tokens, context))
         return tokens / seconds if seconds > 0 else math.inf
 
-    def _max_seqs(self, sched: "Scheduler", decode: StepShape, target: float) -> int:
+    def _max_seqs(self, sched: "Scheduler", decode: StepShape, mean: int, target: float) -> int:
         """Requests that may hold blocks: the running and arriving ones, plus as many new
-        ones (at the running decodes' mean context) as keep a decode step with one block of
-        prefill beside it within `target`."""
+        ones (at the running decodes' `mean` context) as keep a decode step with one block
+        of prefill beside it within `target` (none while the running ones already take it;
+        they finish and make room)."""
         held = len(sched.running) + len(sched.transferring)
-        mean = decode.kv_tokens // max(1, decode.seqs)  # about the mean context
         base = decode.copy()
         for r in sched.running:
             if r.is_prefilling:  # decodes soon
