@@ -69,23 +69,31 @@ class SloPolicy(Policy):
             tpot = self.tpot(r)
             if tpot is not None and tpot < target:
                 target = tpot
-        active = sched.active_prefill
-        context = active.num_computed_tokens if active is not None else 0
         room = min(budget.rem_input_tokens, budget.rem_chunk_tokens)
         tokens = room
         mean = decode.kv_tokens // max(1, decode.seqs)  # about the mean context
         if model.shape_time(StepShape().add(1, mean).add(bs, 0)) > target:
             target = math.inf  # not even one decode beside a block meets it: no use capping
+        prompt = self._prompt_length(sched)
+        step = lambda t: model.shape_time(_with_prompts(decode, t, prompt))  # noqa: E731
         if target < math.inf and room > bs:
-            fits = lambda t: model.shape_time(decode.copy().add(t, context)) <= target  # noqa: E731
-            tokens = bs * _largest(1, room // bs, lambda k: fits(k * bs))
+            tokens = bs * _largest(1, room // bs, lambda k: step(k * bs) <= target)
             budget.rem_input_tokens = min(budget.rem_input_tokens, tokens)
             budget.rem_chunk_tokens = min(budget.rem_chunk_tokens, tokens)
             plan.max_seqs = min(plan.max_seqs, self._max_seqs(sched, decode, mean, target))
         if tokens <= 0:
             return math.inf
-        seconds = model.shape_time(decode.copy().add(tokens, context))
+        seconds = step(tokens)
         return tokens / seconds if seconds > 0 else math.inf
+
+    @staticmethod
+    def _prompt_length(sched: "Scheduler") -> int:
+        """The mean prompt still to compute of the running prefills and the waiting queue:
+        a step's prefill tokens come as pieces of about that length, which is what its
+        attention cost depends on (one 8k-token sequence costs far more than 64 of 128)."""
+        total = sched.prefill_backlog(sched.waiting)
+        count = sum(1 for r in sched.running if r.is_prefilling) + len(sched.waiting)
+        return max(1, total // max(1, count))
 
     def _max_seqs(self, sched: "Scheduler", decode: StepShape, mean: int, target: float) -> int:
         """Requests that may hold blocks: the running and arriving ones, plus as many new
@@ -130,6 +138,17 @@ class SloPolicy(Policy):
                                 f"time-to-first-token target of {ms:g} ms; retry later")
             behind = []
         return resumed + aged + on_time + untimed + behind
+
+
+def _with_prompts(decode: StepShape, tokens: int, length: int) -> StepShape:
+    """`decode` plus `tokens` prompt tokens in pieces of `length`."""
+    shape = decode.copy()
+    whole, rest = divmod(tokens, length)
+    if whole:
+        shape.add(length, 0, count=whole)
+    if rest:
+        shape.add(rest, 0)
+    return shape
 
 
 def _first(pair: tuple) -> float:
