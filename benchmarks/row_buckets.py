@@ -26,9 +26,13 @@ def child(mode: str, rows: int, threads: int) -> None:
 
     torch.set_num_threads(threads)
     layers = [PackedLinear(torch.randn(o, i).bfloat16(), None, 16) for o, i in SHAPES]
-    raw = lambda layer, x: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
-        x.float(), layer.weight32, None, "none", [], "") if x.shape[0] >= 16 else \
-        torch.ops.mkldnn._linear_pointwise(x, layer.weight, None, "none", [], "")
+    def raw(layer, x):  # PackedLinear.forward without the bounded row counts
+        if layer.weight32 is not None and x.shape[0] >= layer.fp32_rows:
+            x, w = x.float(), layer.weight32
+        else:
+            w = layer.weight
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
     run = (lambda layer, x: layer(x)) if mode == "bounded" else raw
     process = psutil.Process()
     base = process.memory_info().rss

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 
-ROW_CHUNK = 256  # larger steps run in chunks of this many rows (measured: no slower)
+ROW_CHUNK = 256  # larger steps run in chunks of this many rows (measured: 0-12% slower)
 
 
 def row_bucket(rows: int) -> int:

@@ -74,8 +74,10 @@ class SloPolicy(Policy):
         mean = decode.kv_tokens // max(1, decode.seqs)  # about the mean context
         if model.shape_time(StepShape().add(1, mean).add(bs, 0)) > target:
             target = math.inf  # not even one decode beside a block meets it: no use capping
-        prompt = self._prompt_length(sched)
-        step = lambda t: model.shape_time(_with_prompts(decode, t, prompt))  # noqa: E731
+        prompt, active = self._prompt_length(sched), sched.active_prefill
+        first = ((active.prefill_target - active.num_computed_tokens,
+                  active.num_computed_tokens) if active is not None else (0, 0))
+        step = lambda t: model.shape_time(_with_prompts(decode, t, first, prompt))  # noqa: E731
         if target < math.inf and room > bs:
             tokens = bs * _largest(1, room // bs, lambda k: step(k * bs) <= target)
             budget.rem_input_tokens = min(budget.rem_input_tokens, tokens)
@@ -140,9 +142,16 @@ class SloPolicy(Policy):
         return resumed + aged + on_time + untimed + behind
 
 
-def _with_prompts(decode: StepShape, tokens: int, length: int) -> StepShape:
-    """`decode` plus `tokens` prompt tokens in pieces of `length`."""
+def _with_prompts(decode: StepShape, tokens: int, first: tuple[int, int],
+                  length: int) -> StepShape:
+    """`decode` plus `tokens` prompt tokens: first up to `first` = (tokens left, tokens
+    computed) of the chunked prompt, which attends to what it computed, then pieces of
+    `length`."""
     shape = decode.copy()
+    left, computed = first
+    if left:
+        shape.add(min(left, tokens), computed)
+        tokens -= min(left, tokens)
     whole, rest = divmod(tokens, length)
     if whole:
         shape.add(length, 0, count=whole)
