@@ -66,11 +66,6 @@ class ModelConfig:
                                           "bounded size keep the activations in the CPU's "
                                           "caches, which speeds up large prefill steps. Unset: "
                                           "1024 on CPU, no limit on GPU; 0: no limit.")
-    step_time_profile: str | None = knob(None, "The slo policy's step-time model: a "
-                                         "hardware profile (a built-in name or a JSON file "
-                                         "from `tidal calibrate`) whose roofline, for this "
-                                         "model, predicts each step. Unset: a model learned "
-                                         "from this engine's own measured steps.")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 or float32 models "
                              "without q/k norms (Llama, Mistral, Qwen2, Phi-3) as one call "
                              "into tidal's C++ decoder, and every decode "

@@ -14,8 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from tidal.core import (POLICIES, KVCacheManager, LearnedStepTime, ModelOutput, Request,
-                        RequestOutput,
-                        RequestStatus, SamplingParams, Scheduler, SchedulerOutput, StepShape)
+                        RequestOutput, RequestStatus, SamplingParams, Scheduler,
+                        SchedulerOutput, StepShape)
 from tidal.engine.config import EngineConfig
 from tidal.engine.model_runner import ModelRunner
 
@@ -36,7 +36,9 @@ class EngineCore:
             config.scheduler.max_model_len, arch.context_length))
         cache_cfg = replace(config.cache, num_blocks=self.runner.num_blocks)
         self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
-        self.step_time = self._step_time_model(config)
+        # the slo policy's step-time model, learned from this engine's forward passes
+        self.step_time = (LearnedStepTime() if POLICIES[sched_cfg.policy].needs_step_time
+                          else None)
         self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg), self.step_time)
         self.eos_token_id = (eos_token_id if eos_token_id is not None
                              else (arch.eos_token_ids or (None,))[0])
@@ -55,18 +57,6 @@ class EngineCore:
                  cache_cfg.block_size, self.runner.kv_cache_bytes / 2**20)
         gc.collect()
         gc.freeze()  # the model and the block pool are long-lived: keep them out of GC passes
-
-    def _step_time_model(self, config: EngineConfig):
-        """The slo policy's step-time model: a profile's roofline for this model, or one
-        learned from this engine's steps; None for the other policies."""
-        if not POLICIES[config.scheduler.policy].needs_step_time:
-            return None
-        if config.model.step_time_profile is None:
-            return LearnedStepTime()
-        from tidal.sim.cost_model import CostModel
-        from tidal.sim.profiles import hardware
-
-        return CostModel(self.runner.arch, hardware(config.model.step_time_profile))
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:

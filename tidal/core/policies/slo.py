@@ -77,7 +77,10 @@ class SloPolicy(Policy):
         prompt, active = self._prompt_length(sched), sched.active_prefill
         first = ((active.prefill_target - active.num_computed_tokens,
                   active.num_computed_tokens) if active is not None else (0, 0))
-        step = lambda t: model.shape_time(_with_prompts(decode, t, first, prompt))  # noqa: E731
+
+        def step(tokens: int) -> float:
+            return model.shape_time(_with_prompts(decode, tokens, first, prompt))
+
         if target < math.inf and room > bs:
             tokens = bs * _largest(1, room // bs, lambda k: step(k * bs) <= target)
             budget.rem_input_tokens = min(budget.rem_input_tokens, tokens)
@@ -111,7 +114,10 @@ class SloPolicy(Policy):
         spare = sched.config.max_num_seqs - held
         if spare <= 0:
             return held
-        fits = lambda k: model.shape_time(base.copy().add(1, mean, count=k).add(bs, 0)) <= target  # noqa: E731,E501
+
+        def fits(k: int) -> bool:
+            return model.shape_time(base.copy().add(1, mean, count=k).add(bs, 0)) <= target
+
         return held + (_largest(1, spare, fits) if fits(1) else 0)
 
     # ------------------------------------------------------------------ admission order
