@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -41,7 +42,7 @@ def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         return torch.cat([_pointwise(part, weight, bias) for part in x.split(ROW_CHUNK)])
     padded = row_bucket(rows)
     if padded != rows:
-        x = torch.cat([x, x.new_zeros((padded - rows, *x.shape[1:]))])
+        x = F.pad(x, (0, 0, 0, padded - rows))  # zero rows
     y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return y if padded == rows else y[:rows]
 

@@ -45,13 +45,21 @@ class SloPolicy(Policy):
         return self._order  # triage() ran on this very queue at the start of the step
 
     def compose(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
-        rate = self.size_step(sched, plan, decoding)
-        self._order = self.triage(sched, rate) if sched.waiting else []
+        # Sizing matters only to prompts: a step of decodes alone (the common one under load)
+        # skips it. A role with concurrent prefills runs no decodes, so sizing costs nothing.
+        self._order = []
+        if sched.waiting or sched.active_prefill is not None or sched.role.concurrent_prefills:
+            rate = self.size_step(sched, plan, decoding)
+            if sched.waiting:
+                self._order = self.triage(sched, rate)
         super().compose(sched, plan, decoding)
 
     # ------------------------------------------------------------------ targets
+    def ttft_ms(self, r: Request) -> float | None:
+        return r.sampling_params.ttft_slo_ms or self.config.ttft_slo_ms
+
     def deadline(self, r: Request) -> float | None:
-        ms = r.sampling_params.ttft_slo_ms or self.config.ttft_slo_ms
+        ms = self.ttft_ms(r)
         return None if ms is None else r.arrival_time + ms / 1000
 
     def tpot(self, r: Request) -> float | None:
@@ -141,9 +149,9 @@ class SloPolicy(Policy):
         behind = [r for i, (_, r) in enumerate(timed) if i in late]
         if behind and self.config.slo_overload == "reject":
             for r in behind:
-                ms = r.sampling_params.ttft_slo_ms or self.config.ttft_slo_ms
                 sched.reject(r, f"the server is overloaded: this request would miss its "
-                                f"time-to-first-token target of {ms:g} ms; retry later")
+                                f"time-to-first-token target of {self.ttft_ms(r):g} ms; "
+                                "retry later")
             behind = []
         return resumed + aged + on_time + untimed + behind
 

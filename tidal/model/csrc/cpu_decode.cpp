@@ -108,7 +108,7 @@ Tensor linear_pointwise(const Tensor& x, const Tensor& w, const Tensor& bias) {
     return at::cat(parts);
   }
   const int64_t padded = row_bucket(rows);
-  Tensor in = padded == rows ? x : at::cat({x, x.new_zeros({padded - rows, x.size(1)})});
+  Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows});
   std::vector<c10::IValue> stack{in, w, bias.defined() ? c10::IValue(bias) : c10::IValue(),
                                  std::string("none"),
                                  c10::List<c10::optional<c10::Scalar>>(), c10::IValue()};
