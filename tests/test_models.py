@@ -15,6 +15,7 @@ import torch
 
 from model_fixtures import SMALL, small_folder
 from tidal import LLM, SamplingParams
+from tidal.model import cpu_decode
 from tidal.model.config import ModelArch, UnsupportedModelError
 from tidal.model.rope import rope_tables
 
@@ -25,6 +26,11 @@ LINEAR = dict(rope_type="linear", rope_theta=10000.0, factor=4.0)
 DYNAMIC = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)
 PARTIAL = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0,
+                short_factor=[1.0, 1.1, 1.2, 1.4, 1.8, 2.5, 3.0, 4.0],
+                long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0])
+GEMMA3_ROPE = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+               "full_attention": dict(rope_type="linear", rope_theta=1e6, factor=2.0)}
 # name -> (model_type, config fields over SMALL's). Windows of 8 and 12 are shorter than
 # most prompts; dynamic's 32 positions are fewer than most prompts plus their output.
 CASES = {
@@ -41,8 +47,27 @@ CASES = {
                                           max_window_layers=1)),
     "qwen3": ("qwen3", {}),
     "phi3-partial-window": ("phi3", dict(rope_parameters=PARTIAL, sliding_window=12)),
+    # Prompts of 41 tokens cross the 32-token original context: both factor sets are used.
+    "phi3-longrope": ("phi3", dict(max_position_embeddings=128,
+                                   original_max_position_embeddings=32,
+                                   rope_parameters=LONGROPE)),
+    # Gemma untied: its tied head over these random embeddings repeats one token.
+    "gemma2": ("gemma2", dict(sliding_window=8, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=4.0, final_logit_softcapping=3.0,
+                              tie_word_embeddings=False)),
+    "gemma3": ("gemma3_text", dict(sliding_window=8, rope_parameters=GEMMA3_ROPE,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   tie_word_embeddings=False)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # One MoE layer, one dense (mlp_only_layers); renormalised top-k.
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                    moe_intermediate_size=32, mlp_only_layers=[1])),
+    "qwen2-moe-shared": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=3,
+                                           moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48)),
 }
-WINDOWED = ["mistral-window", "qwen2-layer-windows", "phi3-partial-window"]
+WINDOWED = ["mistral-window", "qwen2-layer-windows", "phi3-partial-window", "gemma2", "gemma3"]
+INCREMENTAL = ("llama-dynamic", "phi3-longrope")  # schedules that depend on the length
 
 
 def make_prompts() -> list[list[int]]:
@@ -103,9 +128,10 @@ def case(request, tmp_path_factory):
     if name.endswith("legacy"):
         to_legacy(folder)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    # Dynamic NTK: tidal gives position p the frequencies HF computes for p + 1 tokens, what
-    # HF's own token-by-token decoding uses (a whole-prompt HF prefill uses one length).
-    refs = [hf_run(hf, p, incremental=name == "llama-dynamic") for p in PROMPTS]
+    # Dynamic NTK and LongRoPE: tidal gives position p the frequencies HF computes for p + 1
+    # tokens, what HF's own token-by-token decoding uses (a whole-prompt HF prefill uses one
+    # length).
+    refs = [hf_run(hf, p, incremental=name in INCREMENTAL) for p in PROMPTS]
     return SimpleNamespace(name=name, folder=folder, tokens=[t for t, _ in refs],
                            logits=[lg for _, lg in refs])
 
@@ -119,7 +145,7 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_one_at_a_time_with_first_step_logits(case):
     llm = LLM(str(case.folder), dtype="float32", num_kv_blocks=64, block_size=4)
     runner = llm.engine.runner
-    assert runner.decoder is not None or runner.arch.qk_norm  # decodes through C++ where it can
+    assert (runner.decoder is not None) == cpu_decode.supports(runner.arch)  # C++ where it can
     logits, forward = [], runner._forward
     runner._forward = lambda batch: logits.append(forward(batch)) or logits[-1]
     for prompt, want, want_logits in zip(PROMPTS, case.tokens, case.logits):
@@ -159,7 +185,7 @@ def test_sliding_windows_on_the_pytorch_decode_paths(tmp_path, name):
     assert generate(llm, PROMPTS) == want
     assert [generate(llm, [p])[0] for p in PROMPTS[-2:]] == want[-2:]
     config = AutoConfig.from_pretrained(str(folder))
-    config.sliding_window = None  # full attention everywhere
+    config.sliding_window = 1 << 20  # longer than any sequence: full attention everywhere
     if getattr(config, "layer_types", None):
         config.layer_types = ["full_attention"] * config.num_hidden_layers
     full = AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32)
@@ -218,6 +244,28 @@ def test_partial_rotary_tables_equal_phi3():
                                atol=1e-6, rtol=0)
 
 
+def test_longrope_tables_equal_phi3_short_then_long():
+    """Within the original context the short factors (HF on a short sequence), past it the
+    long ones (HF on a long sequence), both scaled by the attention factor."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    config = Phi3Config(**{**SMALL, "max_position_embeddings": 128},
+                        original_max_position_embeddings=32, rope_parameters=LONGROPE)
+    arch = ModelArch.from_dict(config.to_dict())
+    cos, sin = rope_tables(arch.rope, 128)
+    hf = Phi3RotaryEmbedding(config)
+    short = [t[0] for t in hf(torch.zeros(1), torch.arange(32)[None])]
+    long = [t[0] for t in hf(torch.zeros(1), torch.arange(128)[None])]
+    for rows, (want_cos, want_sin) in ((slice(0, 32), short), (slice(32, 128), long)):
+        torch.testing.assert_close(cos[rows], want_cos[rows], atol=1e-6, rtol=0)
+        torch.testing.assert_close(sin[rows], torch.cat([-want_sin[rows, :8],
+                                                          want_sin[rows, 8:]], -1),
+                                   atol=1e-6, rtol=0)
+    assert not torch.allclose(short[0][:32], long[0][:32])  # the two sets differ
+    assert arch.rope.factor == 4.0 and cos[0, 0] > 1.0  # attention factor sqrt(1 + ln4/ln32)
+
+
 # ---------------------------------------------------------------------- refused configs
 
 def llama_config(**fields) -> dict:
@@ -227,17 +275,20 @@ def llama_config(**fields) -> dict:
 
 
 @pytest.mark.parametrize("cfg,expected", [
-    ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]},
-     ["Gemma2ForCausalLM", "model_type 'gemma2' is not supported"]),
-    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 8},
-     ["MixtralForCausalLM", "model_type 'mixtral'",
-      "mixture-of-experts layers (num_local_experts)"]),
+    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+      "n_routed_experts": 8},
+     ["DeepseekV3ForCausalLM", "model_type 'deepseek_v3' is not supported",
+      "mixture-of-experts layers (n_routed_experts) are not supported for this family"]),
+    ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
+     ["Gemma3ForConditionalGeneration", "text-only Gemma3ForCausalLM"]),
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8},
+     ["num_experts_per_tok is missing"]),
     ({"architectures": ["LlamaForSequenceClassification"]},
      ["LlamaForSequenceClassification is not supported"]),
-    ({"num_experts": 8, "num_experts_per_tok": 2, "hidden_act": "gelu"},
-     ["mixture-of-experts layers (num_experts, num_experts_per_tok)", "hidden_act 'gelu'"]),
+    ({"num_experts": 8, "num_experts_per_tok": 2, "hidden_act": "relu"},
+     ["mixture-of-experts layers (num_experts, num_experts_per_tok)", "hidden_act 'relu'"]),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0]}},
-     ["RoPE type 'longrope' is not supported"]),
+     ["RoPE type 'longrope' needs short_factor and long_factor of 8 values each"]),
     ({"rope_scaling": {"type": "linear"}}, ["RoPE type 'linear' needs a 'factor'"]),
     ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor=0.5", "LlamaForCausalLM"]),
     ({"quantization_config": {"quant_method": "awq"}}, ["quantized checkpoints (awq)"]),
@@ -260,23 +311,13 @@ def test_a_config_missing_a_shape_is_refused():
         ModelArch.from_dict(cfg)
 
 
-def test_phi3_longrope_is_refused():
-    from transformers import Phi3Config
-
-    rope = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 8,
-                long_factor=[2.0] * 8, original_max_position_embeddings=64)
-    cfg = Phi3Config(**SMALL, rope_parameters=rope).to_dict()
-    with pytest.raises(UnsupportedModelError, match="Phi3ForCausalLM.*longrope"):
-        ModelArch.from_dict(cfg)
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2"])
+@pytest.mark.parametrize("family", ["phimoe", "olmo2"])
 def test_unsupported_models_fail_before_anything_loads(tmp_path, monkeypatch, family):
     """A saved transformers config (no weights needed): LLM refuses it by its
     architecture before a tokenizer, a model or a KV cache exists."""
     from transformers import AutoConfig
 
-    arch = {"qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM"}[family]
+    arch = {"phimoe": "PhimoeForCausalLM", "olmo2": "Olmo2ForCausalLM"}[family]
     AutoConfig.for_model(family, architectures=[arch], **SMALL).save_pretrained(str(tmp_path))
 
     def never(*args, **kwargs):
@@ -286,4 +327,4 @@ def test_unsupported_models_fail_before_anything_loads(tmp_path, monkeypatch, fa
     with pytest.raises(UnsupportedModelError) as err:
         LLM(str(tmp_path), dtype="float32")
     assert f"tidal cannot run {tmp_path} ({arch})" in str(err.value)
-    assert ("mixture-of-experts" in str(err.value)) == (family == "qwen3_moe")
+    assert ("mixture-of-experts" in str(err.value)) == (family == "phimoe")

@@ -77,8 +77,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.arch = ModelArch.from_folder(folder)
         ext = cpu_decode.extension() if config.cpu_decoder and self.device == "cpu" else None
-        backend = TorchAttention(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim,
-                                 paged_kernel=ext and ext.paged_decode_attention)
+        backend = TorchAttention.for_arch(self.arch, ext and ext.paged_decode_attention)
         self.model = load_model(folder, self.dtype, self.device, backend,
                                 dummy=config.load_format == "dummy")
         kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[config.quantization]

@@ -76,16 +76,45 @@ class TorchAttention(AttentionBackend):
     a bias that masks the padding and the KV heads a query head does not use. That computes
     Hkv times the scores it keeps, but as B matrices instead of B * Hkv tiny ones, whose
     per-matrix overhead dominates on CPU (5-10x faster at Hkv = 3 and contexts up to ~200).
-    A sliding window masks what lies before it on every path (the C++ kernel starts there)."""
+    A sliding window masks what lies before it on every path (the C++ kernel starts there).
+    Soft-capped scores (Gemma 2: cap * tanh(scores / cap)) take eager attention where SDPA
+    would run, the bmm for batched decodes, and never the C++ kernel."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 paged_kernel=None) -> None:
+                 paged_kernel=None, scale: float = 0.0, softcap: float = 0.0) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = scale or head_dim ** -0.5
+        self.softcap = softcap
         self.groups = num_heads // num_kv_heads
         # C++ `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)` for CPU
         # decodes (tidal.model.cpu_decode); None: SDPA or gather + bmm.
-        self.paged_kernel = paged_kernel
+        self.paged_kernel = None if softcap else paged_kernel
+
+    @classmethod
+    def for_arch(cls, arch, paged_kernel=None) -> "TorchAttention":
+        """The backend of a `ModelArch`: its heads, query scale and soft-cap."""
+        return cls(arch.num_heads, arch.num_kv_heads, arch.head_dim, paged_kernel,
+                   arch.attn_scale, arch.attn_softcap)
+
+    def _attend(self, q, ks, vs, mask=None, causal=False) -> torch.Tensor:
+        """[Lq, H, D] queries over [Lk, Hkv, D] keys/values: SDPA, or eager attention with
+        soft-capped scores. `mask`: bool [Lq, Lk], True where a query may look."""
+        q, ks, vs = (t.transpose(0, 1) for t in (q, ks, vs))  # heads first
+        if not self.softcap:
+            o = F.scaled_dot_product_attention(q.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
+                                               attn_mask=mask, is_causal=causal,
+                                               scale=self.scale, enable_gqa=True)
+            return o.squeeze(0).transpose(0, 1)
+        ks, vs = (t.repeat_interleave(self.groups, dim=0) for t in (ks, vs))
+        scores = torch.matmul(q, ks.transpose(1, 2)).float() * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            mask = torch.ones(q.shape[1], ks.shape[1], dtype=torch.bool,
+                              device=q.device).tril_(ks.shape[1] - q.shape[1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vs)
+        return o.transpose(0, 1)
 
     def decode_bias(self, context_lens, width, device):
         if len(context_lens) == 1 or (self.paged_kernel is not None and device == "cpu"):
@@ -117,11 +146,7 @@ class TorchAttention(AttentionBackend):
             mask, causal = seq.mask, seq.cached == 0
             if window and seq.cached + seq.length > window:  # some keys fall out of the window
                 mask, causal = self._window_mask(seq, window, meta), False
-            o = F.scaled_dot_product_attention(
-                q[seq.start:end].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
-                vs.transpose(0, 1).unsqueeze(0), attn_mask=mask,
-                is_causal=causal, scale=self.scale, enable_gqa=True)
-            out[seq.start:end] = o.squeeze(0).transpose(0, 1)
+            out[seq.start:end] = self._attend(q[seq.start:end], ks, vs, mask, causal)
         if meta.decode_block_tables is not None:
             out[meta.num_prefill_tokens:] = self._decode(q[meta.num_prefill_tokens:],
                                                          k_cache, v_cache, meta, window)
@@ -161,17 +186,18 @@ class TorchAttention(AttentionBackend):
         if self.paged_kernel is not None and q.device.type == "cpu":
             return self.paged_kernel(q, k_cache, v_cache, tables, meta.decode_lens, self.scale,
                                      window)
-        if tables.shape[0] == 1:  # no padding to mask: SDPA over the exact context
+        if tables.shape[0] == 1:  # no padding to mask: attend over the exact context
             n = meta.decode_max_len
             first = max(0, n - window) if window else 0
-            ks = self._gather(k_cache, tables[0])[first:n].transpose(0, 1).unsqueeze(0)
-            vs = self._gather(v_cache, tables[0])[first:n].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, scale=self.scale,
-                                               enable_gqa=True)
-            return o.squeeze(2)
+            ks = self._gather(k_cache, tables[0])[first:n]
+            vs = self._gather(v_cache, tables[0])[first:n]
+            return self._attend(q, ks, vs)  # q [1, H, D]: the one decode token
         b, flat = tables.shape[0], tables.view(-1)
         ks = k_cache.index_select(0, flat).view(b, -1, self.head_dim)  # [B, L * Hkv, D]
         vs = v_cache.index_select(0, flat).view(b, -1, self.head_dim)
         bias = self._decode_window_bias(meta, window) if window else meta.decode_bias
-        scores = torch.bmm(q, ks.transpose(1, 2)).float() * self.scale + bias
+        scores = torch.bmm(q, ks.transpose(1, 2)).float() * self.scale
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores + bias
         return torch.bmm(torch.softmax(scores, dim=-1).to(q.dtype), vs)  # [B, H, D]

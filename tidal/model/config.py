@@ -12,103 +12,28 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-# The schedules tidal computes; transformers also has longrope, proportional and mrope ones.
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-
-
-class RopeConfigError(ValueError):
-    """A RoPE setting tidal does not run; the message says which."""
-
-
-def _partial_rotary(cfg: dict) -> float:
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    return rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """One RoPE schedule: its kind, base, how many head dims it rotates, and the scaling
-    constants of that kind (unused ones keep their defaults)."""
-
-    kind: str = "default"
-    theta: float = 10000.0
-    rotary_dim: int = 0  # the first rotary_dim dims of each head rotate; 0: the whole head
-    max_position_embeddings: int = 2048
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0  # llama3 and yarn: the pre-training context
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    attention_factor: float | None = None  # yarn: scales cos and sin; None derives it
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    mscale: float = 0.0  # yarn (DeepSeek style attention factor when both are set)
-    mscale_all_dim: float = 0.0  # yarn
-    truncate: bool = True  # yarn: round the correction range outwards
-
-    @classmethod
-    def from_config(cls, cfg: dict, head_dim: int) -> "RopeSpec":
-        """The spec of a config.json, as transformers' `standardize_rope_params` reads it:
-        `rope_scaling` wins over `rope_parameters`, top-level `rope_theta` and
-        `partial_rotary_factor` fill what the dict lacks."""
-        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-        if any(isinstance(v, dict) for v in rope.values()):
-            raise RopeConfigError("per-layer RoPE parameters (one dict per layer type) are "
-                                  "not supported")
-        kind = rope.get("rope_type", rope.get("type")) or "default"
-        if kind not in ROPE_TYPES:
-            raise RopeConfigError(f"RoPE type {kind!r} is not supported (tidal runs "
-                                  f"{', '.join(ROPE_TYPES)})")
-        theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0
-        partial = _partial_rotary(cfg)
-        max_pos = cfg.get("max_position_embeddings") or 2048
-        # transformers gives a top-level original_max_position_embeddings priority (Phi-3).
-        original = (cfg.get("original_max_position_embeddings")
-                    or rope.get("original_max_position_embeddings") or max_pos)
-        factor = rope.get("factor")
-        if factor is None:  # yarn derives it (DeepSeek-V3); the others require it
-            if kind == "yarn":
-                factor = max_pos / original
-            elif kind != "default":
-                raise RopeConfigError(f"RoPE type {kind!r} needs a 'factor'")
-        if kind == "llama3" and not {"low_freq_factor", "high_freq_factor"} <= rope.keys():
-            raise RopeConfigError("RoPE type 'llama3' needs low_freq_factor and high_freq_factor")
-        return cls(
-            kind=kind, theta=float(theta), rotary_dim=int(head_dim * partial),
-            max_position_embeddings=max_pos, factor=float(factor or 1.0),
-            original_max_position_embeddings=int(original),
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            attention_factor=rope.get("attention_factor"),
-            beta_fast=float(rope.get("beta_fast") or 32),
-            beta_slow=float(rope.get("beta_slow") or 1),
-            mscale=float(rope.get("mscale") or 0),
-            mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
-            truncate=bool(rope.get("truncate", True)))
-
-    @property
-    def context_length(self) -> int:
-        """The longest sequence the schedule is meant for: linear and dynamic stretch
-        max_position_embeddings by `factor`, yarn the original context (as vLLM derives it);
-        llama3 configs state the stretched length already."""
-        if self.kind in ("linear", "dynamic"):
-            return int(self.max_position_embeddings * self.factor)
-        if self.kind == "yarn":
-            return max(self.max_position_embeddings,
-                       int(self.original_max_position_embeddings * self.factor))
-        return self.max_position_embeddings
-
+from tidal.model.rope_spec import RopeConfigError, RopeSpec, partial_rotary
 
 @dataclass(frozen=True)
 class Family:
     """How one transformers architecture differs from Llama, all of it shape-level."""
 
     architecture: str  # the *ForCausalLM class
-    qkv_bias: bool | None  # q/k/v carry a bias; None: the config's attention_bias (o too)
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
-    windows: str = "none"  # "all": sliding_window on every layer; "layer_types": per layer
+    # q/k/v carry a bias: True/False; None: the config's attention_bias (o too); a string:
+    # that config field (default true), q/k/v only (Qwen2-MoE's qkv_bias)
+    qkv_bias: bool | str | None
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    # "all": sliding_window on every layer; "flag": every layer when use_sliding_window;
+    # "layer_types": the layers typed sliding when use_sliding_window; "typed": always typed
+    windows: str = "none"
     partial_rotary: bool = False  # whether its HF model honours partial_rotary_factor
     mlp_bias: bool = False  # whether its HF model reads mlp_bias (others ignore it)
     rms_norm_eps: float = 1e-6  # the config class's default
+    # routed experts: "mixtral" (top-k weights renormalised), "qwen" (when norm_topk_prob)
+    experts: str = ""
+    shared_expert: bool = False  # a sigmoid-gated shared expert beside the routed ones
+    gemma: bool = False  # Gemma's (1 + w) norms, scaled embedding, norms around each block
+    window_pattern: int = 0  # Gemma: every Nth layer global when a config lacks layer_types
 
 
 FAMILIES = {
@@ -118,10 +43,36 @@ FAMILIES = {
     "qwen3": Family("Qwen3ForCausalLM", None, qk_norm=True, windows="layer_types"),
     "phi3": Family("Phi3ForCausalLM", False, windows="all", partial_rotary=True,
                    rms_norm_eps=1e-5),
+    "mixtral": Family("MixtralForCausalLM", False, windows="all", rms_norm_eps=1e-5,
+                      experts="mixtral"),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", "qkv_bias", windows="layer_types",
+                        experts="qwen", shared_expert=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", None, qk_norm=True, windows="flag",
+                        experts="qwen"),
+    "gemma2": Family("Gemma2ForCausalLM", None, windows="typed", gemma=True,
+                     window_pattern=2),
+    "gemma3_text": Family("Gemma3ForCausalLM", None, qk_norm=True, windows="typed",
+                          gemma=True, window_pattern=6),
 }
 # Config fields of mixture-of-experts models (Mixtral, Qwen2/3-MoE, DeepSeek, GLM-4.5).
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
                "n_shared_experts", "num_experts_per_tok")
+# Gated-MLP activations (transformers' ACT2FN names) the layers compute.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Routed experts of a mixture-of-experts model: each token's `top_k` experts by the
+    router's softmax, their outputs summed with those weights (renormalised to 1 when
+    `renormalize`); `shared_intermediate_size` > 0 adds a sigmoid-gated shared expert."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    renormalize: bool
+    layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP (False)
+    shared_intermediate_size: int = 0
 
 
 class UnsupportedModelError(ValueError):
@@ -131,12 +82,16 @@ class UnsupportedModelError(ValueError):
 
 def _problems(cfg: dict, model_type: str) -> list[str]:
     """Everything about `cfg` that tidal cannot run (empty when it can)."""
+    family = FAMILIES.get(model_type)
     moe = [k for k in _MOE_FIELDS if cfg.get(k)]
-    moe = [f"mixture-of-experts layers ({', '.join(moe)}) are not supported yet"] if moe else []
-    if model_type not in FAMILIES:
-        return [f"model_type {model_type!r} is not supported (tidal runs "
+    moe = ([f"mixture-of-experts layers ({', '.join(moe)}) are not supported for this family"]
+           if moe and not (family and family.experts) else [])
+    if family is None:
+        hint = (" (Gemma 3 runs as its text-only Gemma3ForCausalLM, model_type 'gemma3_text')"
+                if model_type == "gemma3" else "")
+        return [f"model_type {model_type!r} is not supported{hint} (tidal runs "
                 f"{', '.join(f.architecture for f in FAMILIES.values())})"] + moe
-    family, out = FAMILIES[model_type], moe
+    out = moe
     wrong = [a for a in cfg.get("architectures") or [] if a != family.architecture]
     if wrong:
         out.append(f"architecture {wrong[0]} is not supported for model_type {model_type!r} "
@@ -145,55 +100,104 @@ def _problems(cfg: dict, model_type: str) -> list[str]:
         method = cfg["quantization_config"].get("quant_method", "?")
         out.append(f"quantized checkpoints ({method}) are not supported: tidal loads dense "
                    "safetensors (its own --quantization works on those)")
-    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act != "silu":
-        out.append(f"hidden_act {act!r} is not supported (tidal's MLP is SiLU-gated)")
+    act = _activation(cfg, family)
+    if act not in ACTIVATIONS:
+        out.append(f"hidden_act {act!r} is not supported (tidal's gated MLP runs "
+                   f"{', '.join(ACTIVATIONS)})")
+    if family.experts and not cfg.get("num_experts_per_tok"):
+        out.append("num_experts_per_tok is missing")
     layer_types = cfg.get("layer_types") or []
     types = set(layer_types) - {"full_attention", "sliding_attention"}
     if types:
         out.append(f"layer types {sorted(types)} are not supported")
     if layer_types and len(layer_types) != cfg.get("num_hidden_layers"):
         out.append(f"{len(layer_types)} layer_types for {cfg.get('num_hidden_layers')} layers")
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    partial = _partial_rotary(cfg)
+    partial = partial_rotary(cfg)
     if partial != 1.0 and not family.partial_rotary:
         out.append(f"partial_rotary_factor={partial}: transformers' {family.architecture} "
                    "rotates whole heads and ignores it; tidal refuses rather than guess")
-    kind = rope.get("rope_type", rope.get("type"))
-    if model_type == "phi3" and kind in ("su", "yarn", "longrope"):
-        out.append(f"RoPE type {kind!r} is not supported yet (Phi-3 reads it as longrope)")
-    else:
-        try:
-            RopeSpec.from_config(cfg, _head_dim(cfg))
-        except RopeConfigError as exc:
-            out.append(str(exc))
+    try:
+        _ropes(cfg, model_type, _head_dim(cfg))
+    except RopeConfigError as exc:
+        out.append(str(exc))
     return out
+
+
+def _activation(cfg: dict, family: Family) -> str:
+    # Gemma's MLP reads hidden_activation; the others hidden_act.
+    if family.gemma:
+        return cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    return cfg.get("hidden_act", "silu")
 
 
 def _head_dim(cfg: dict) -> int:
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
+def _ropes(cfg: dict, model_type: str, head_dim: int) -> tuple[RopeSpec, RopeSpec | None]:
+    """(the global layers' RoPE, the sliding layers' when it differs). Gemma 3 keeps one
+    schedule per layer type: `rope_parameters` keyed by type, or (older configs) rope_theta
+    and rope_scaling for global layers and rope_local_base_freq for sliding ones."""
+    if model_type != "gemma3_text":
+        return RopeSpec.from_config(cfg, head_dim, model_type), None
+    params = cfg.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):
+        per_type = {t: {**cfg, "rope_scaling": None, "rope_parameters": params.get(t)}
+                    for t in ("full_attention", "sliding_attention")}
+    else:
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+        per_type = {"full_attention": cfg,
+                    "sliding_attention": {**cfg, "rope_scaling": None, "rope_parameters": local}}
+    return (RopeSpec.from_config(per_type["full_attention"], head_dim, model_type),
+            RopeSpec.from_config(per_type["sliding_attention"], head_dim, model_type))
+
+
+def _layer_types(cfg: dict, family: Family, num_layers: int) -> list[str]:
+    if cfg.get("layer_types"):
+        return cfg["layer_types"]
+    if family.window_pattern:
+        pattern = (cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+                   or family.window_pattern)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(num_layers)]
+    # Qwen2/3: by default the layers from max_window_layers on.
+    start = cfg.get("max_window_layers", 28)
+    return ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+
+
 def _windows(cfg: dict, family: Family, num_layers: int) -> tuple[int, ...]:
     """Each layer's sliding window (0: full attention), as transformers assigns them."""
-    if family.windows == "none":
-        return (0,) * num_layers
     window = cfg.get("sliding_window") or 0
-    if family.windows == "all":
-        return (window,) * num_layers
-    # Qwen2/3: a window only with use_sliding_window, on the layers typed sliding (by
-    # default those from max_window_layers on).
-    if not cfg.get("use_sliding_window"):
+    if family.windows in ("none", "all", "flag"):
+        on = family.windows == "all" or (family.windows == "flag"
+                                         and cfg.get("use_sliding_window"))
+        return (window if on else 0,) * num_layers
+    if family.windows == "layer_types" and not cfg.get("use_sliding_window"):
         return (0,) * num_layers
-    start = cfg.get("max_window_layers", 28)
-    types = cfg.get("layer_types") or ["sliding_attention" if i >= start else "full_attention"
-                                       for i in range(num_layers)]
+    types = _layer_types(cfg, family, num_layers)
     return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _moe(cfg: dict, family: Family, num_layers: int) -> MoESpec | None:
+    # Checkpoints say num_experts (Qwen) or num_local_experts (Mixtral, transformers 5).
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not family.experts or not experts:
+        return None
+    skip, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step") or 1
+    return MoESpec(
+        num_experts=experts, top_k=cfg["num_experts_per_tok"],
+        # Mixtral's experts are intermediate_size wide; Qwen's moe_intermediate_size.
+        intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        renormalize=family.experts == "mixtral" or bool(cfg.get("norm_topk_prob")),
+        layers=tuple(i not in skip and (i + 1) % step == 0 for i in range(num_layers)),
+        shared_intermediate_size=(cfg.get("shared_expert_intermediate_size") or 0)
+        if family.shared_expert else 0)
 
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Shapes and constants of a decoder-only Llama-family transformer."""
+    """Shapes and constants of a decoder-only transformer of the Llama family and its
+    relatives (Mistral, Qwen, Phi-3, Gemma 2/3, Mixtral and Qwen-MoE)."""
 
     model_type: str
     hidden_size: int
@@ -214,6 +218,13 @@ class ModelArch:
     o_bias: bool = False  # o_proj carries a bias (Llama / Qwen3 with attention_bias)
     mlp_bias: bool = False  # gate/up and down carry biases (Llama with mlp_bias)
     layer_windows: tuple[int, ...] = ()  # per layer: attend to the last N positions; 0: all
+    hidden_act: str = "silu"  # the gated MLP's activation (an ACTIVATIONS name)
+    moe: MoESpec | None = None  # routed experts in place of the MLP on some layers
+    local_rope: RopeSpec | None = None  # sliding layers' RoPE where it differs (Gemma 3)
+    gemma: bool = False  # (1 + w) norms in float32, embedding * sqrt(hidden), sandwich norms
+    attn_scale: float = 0.0  # query scale; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the mask; 0: none
+    final_softcap: float = 0.0  # the same on the logits
 
     def __post_init__(self) -> None:
         if not self.rope.rotary_dim:  # built without a config: plain RoPE over whole heads
@@ -243,7 +254,11 @@ class ModelArch:
         attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        rope = RopeSpec.from_config(cfg, head_dim)
+        rope, local_rope = _ropes(cfg, model_type, head_dim)
+        qkv_bias = (cfg.get(family.qkv_bias, True) if isinstance(family.qkv_bias, str)
+                    else attention_bias if family.qkv_bias is None else family.qkv_bias)
+        gemma2 = model_type == "gemma2"  # transformers' defaults where a config omits them
+        scalar = cfg.get("query_pre_attn_scalar", 256) if family.gemma else 0
         return cls(
             model_type=model_type,
             hidden_size=cfg["hidden_size"],
@@ -255,8 +270,8 @@ class ModelArch:
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", family.rms_norm_eps),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", family.gemma),
+            qkv_bias=bool(qkv_bias),
             qk_norm=family.qk_norm,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
@@ -264,6 +279,15 @@ class ModelArch:
             o_bias=attention_bias and family.qkv_bias is None,
             mlp_bias=bool(cfg.get("mlp_bias")) and family.mlp_bias,
             layer_windows=_windows(cfg, family, layers),
+            hidden_act=_activation(cfg, family),
+            moe=_moe(cfg, family, layers),
+            local_rope=local_rope,
+            gemma=family.gemma,
+            attn_scale=scalar ** -0.5 if scalar else 0.0,
+            attn_softcap=float(cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None)
+                               or 0.0),
+            final_softcap=float(cfg.get("final_logit_softcapping", 30.0 if gemma2 else None)
+                                or 0.0),
         )
 
     @classmethod
@@ -281,6 +305,10 @@ class ModelArch:
     def windows(self) -> tuple[int, ...]:
         """Each layer's sliding window, 0 for full attention."""
         return self.layer_windows or (0,) * self.num_layers
+
+    def layer_rope(self, layer: int) -> RopeSpec:
+        """The RoPE schedule of one layer (sliding layers may keep their own)."""
+        return self.local_rope if self.local_rope and self.windows[layer] else self.rope
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize

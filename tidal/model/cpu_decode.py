@@ -58,11 +58,20 @@ def _linear(ext: ModuleType, module: nn.Module):
     return None
 
 
+def supports(arch) -> bool:
+    """Whether the C++ decoder runs this architecture: Llama's layers (biases, windows and
+    partial rotary included), no q/k norms, experts or Gemma's norms and soft-caps."""
+    return not (arch.qk_norm or arch.moe or arch.gemma or arch.hidden_act != "silu")
+
+
 def build_decoder(model: nn.Module):
     """A C++ `Decoder` sharing `model`'s weights, or None when this model or build cannot
-    use one (not bf16 or float32, q/k norms, int8 projections, or no compiler)."""
+    use one (an architecture it does not run, not bf16 or float32, int8 projections, or no
+    compiler)."""
     arch = model.arch
-    if model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32) or arch.qk_norm:
+    if model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if not supports(arch):
         return None
     if model.embed_tokens.weight.device.type != "cpu":
         return None

@@ -1,13 +1,20 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face style folder, once.
+"""Convert a GGUF file into a Hugging Face style folder, once.
 
 The folder holds float32 `model.safetensors` (Q4_1/Q8_0 dequantize exactly to float32, not to
 bfloat16: a float32 run must match the HF reference token for token), `config.json`, and the
-tokenizer with its chat template, all built from the GGUF metadata.
+tokenizer with its chat template, all built from the GGUF file.
+
+Tensor names are llama.cpp's renaming read backwards: gguf's `TensorNameMap` gives the GGUF
+name of each Hugging Face checkpoint name for the file's architecture. Stacked expert tensors
+are split into the per-expert tensors HF checkpoints hold. config.json takes transformers'
+GGUF field mapping (plus the fields it lacks) over the defaults of the model_type's config
+class.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -15,23 +22,40 @@ from pathlib import Path
 
 import numpy as np
 
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+# GGUF architecture -> its key in transformers' GGUF config mapping (and model_type).
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                 "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
+                 "gemma3": "gemma3"}
+# A gemma3 GGUF holds the text model only (transformers' GGUF loader reads it the same way).
+_TEXT_ONLY = {"gemma3": "gemma3_text"}
+# Metadata llama.cpp writes for these architectures that transformers' mapping leaves out.
+_EXTRA_FIELDS = {
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base_swa": "rope_local_base_freq",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_weights_norm": "norm_topk_prob",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+# Layer count of the 27B Gemma 2 / 3, which llama.cpp scales queries by 1/sqrt(hidden/heads).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Hugging Face checkpoint names ({bid}: layer) that llama.cpp renames to GGUF names.
+_HF_NAMES = ["model.embed_tokens", "model.norm", "lm_head"] + [
+    f"model.layers.{{bid}}.{n}" for n in (
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+    "post_feedforward_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+    "self_attn.o_proj", "self_attn.qkv_proj", "self_attn.q_norm", "self_attn.k_norm",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.gate_up_proj", "mlp.gate",
+    "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
+    "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+    "mlp.shared_expert_gate")]
+# Llama 3.x's RoPE schedule as llama.cpp bakes it into rope_freqs; the GGUF keeps no
+# low/high frequency factors, and every Llama 3.x uses these.
+_LLAMA3_LOW, _LLAMA3_HIGH, _LLAMA3_ORIGINAL = 1.0, 4.0, 8192
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -42,64 +66,185 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _field(reader, key: str, default=None):
+    from gguf import GGUFValueType
+
     f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    if f is None:
+        return default
+    value = f.contents()
+    if f.types == [GGUFValueType.FLOAT32]:  # its shortest decimal: what config.json held
+        value = float(str(np.float32(value)))  # 1e-06, not 9.99999997e-07
+    return value
+
+
+def _llama3_factors(wavelen: np.ndarray, factor: float, original: float) -> np.ndarray:
+    """llama.cpp's rope_freqs for a llama3 schedule: per-pair divisors of the frequencies."""
+    smooth = (original / wavelen - _LLAMA3_LOW) / (_LLAMA3_HIGH - _LLAMA3_LOW)
+    return np.where(wavelen < original / _LLAMA3_HIGH, 1.0,
+                    np.where(wavelen > original / _LLAMA3_LOW, factor,
+                             1 / ((1 - smooth) / factor + smooth)))
+
+
+def _llama3_rope(arch: str, divisors: np.ndarray, theta: float, factor, original) -> dict:
+    """The llama3 rope_parameters whose divisors are `divisors` (metadata's factor and
+    original context where present, else read off the tensor); ValueError if none fits."""
+    dim = 2 * len(divisors)
+    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2) / dim)
+    factor = float(factor or divisors.max())
+    if factor == 1.0 and np.allclose(divisors, 1.0):
+        return {}
+    mid = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    if original is None and mid.any():  # a smoothed pair pins the original context length
+        i = int(np.argmax(mid))
+        smooth = (1 / divisors[i] - 1 / factor) / (1 - 1 / factor)
+        original = wavelen[i] * (_LLAMA3_LOW + smooth * (_LLAMA3_HIGH - _LLAMA3_LOW))
+    original = round(original or _LLAMA3_ORIGINAL)
+    if not np.allclose(_llama3_factors(wavelen, factor, original), divisors, rtol=1e-4):
+        raise ValueError(f"{arch} GGUF: its rope_freqs tensor matches no llama3 RoPE schedule "
+                         f"(low/high frequency factors {_LLAMA3_LOW}/{_LLAMA3_HIGH}); "
+                         "cannot derive rope_parameters")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": _LLAMA3_LOW,
+            "high_freq_factor": _LLAMA3_HIGH, "original_max_position_embeddings": original}
+
+
+def _rope_scaling(reader, arch: str, theta: float) -> dict:
+    """rope_parameters fields beyond theta, from rope.scaling.* and llama.cpp's rope tensors."""
+    g = lambda k: _field(reader, f"{arch}.rope.scaling.{k}")  # noqa: E731
+    kind, factor, original = g("type"), g("factor"), g("original_context_length")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        from gguf.quants import dequantize
+
+        t = tensors["rope_freqs.weight"]
+        divisors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
+        return _llama3_rope(arch, divisors, theta, factor, original)
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError(f"{arch} GGUF: LongRoPE (rope_factors_long/short tensors) does not "
+                         "convert")
+    if kind in (None, "none"):
+        return {}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        extra = {hf: float(v) for k, hf in (("yarn_beta_fast", "beta_fast"),
+                                            ("yarn_beta_slow", "beta_slow"))
+                 if (v := g(k)) is not None}
+        return {"rope_type": "yarn", "factor": float(factor),
+                "original_max_position_embeddings": int(original), **extra}
+    raise ValueError(f"{arch} GGUF: RoPE scaling type {kind!r} does not convert")
 
 
 def hf_config(reader) -> dict:
-    """config.json for LlamaForCausalLM from the GGUF metadata."""
+    """config.json for the GGUF's architecture: its metadata renamed as transformers' GGUF
+    loader renames it, over every default of that model_type's transformers config class.
+    ValueError for an architecture (or RoPE schedule) that does not convert."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import (GGUF_CONFIG_DEFAULTS_MAPPING,
+                                                GGUF_CONFIG_MAPPING)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"only llama-architecture GGUF files convert; this one is {arch!r}")
-    g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
-    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
-    names = {t.name for t in reader.tensors}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(g("feed_forward_length")),
-        "num_hidden_layers": int(g("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
-        "head_dim": int(g("rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(g("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(g("context_length", 2048)),
-        "vocab_size": int(g("vocab_size", len(_field(reader, "tokenizer.ggml.tokens", [])))),
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} does not convert (tidal converts "
+                         f"{', '.join(ARCHITECTURES)})")
+    key = ARCHITECTURES[arch]
+    model_type = _TEXT_ONLY.get(key, key)
+    if arch == "llama" and _field(reader, "llama.expert_count"):
+        raise ValueError("llama GGUF with experts (Mixtral) does not convert")
+    fields = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(key, {}))
+    for prefix, renames in ((arch, {**GGUF_CONFIG_MAPPING[key], **_EXTRA_FIELDS}),
+                            ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"])):
+        for gguf_key, hf_key in renames.items():
+            value = _field(reader, f"{prefix}.{gguf_key}")
+            if hf_key not in (None, -1) and value is not None:  # None: transformers drops it
+                fields[hf_key] = value
+    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
+    head_dim = fields.setdefault("head_dim", hidden // heads)
+    tensors = {t.name: t for t in reader.tensors}
+    fields["vocab_size"] = int(tensors["token_embd.weight"].shape[-1])  # rows actually stored
+    fields["tie_word_embeddings"] = "output.weight" not in tensors
+    if not fields.get("sliding_window"):  # llama.cpp writes 0 for "no window"
+        fields.pop("sliding_window", None)
+    if (pattern := _field(reader, f"{arch}.attention.sliding_window_pattern")) is not None:
+        fields["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+    if key in _GEMMA_27B_LAYERS:  # the query scaling llama.cpp applies
+        big = fields["num_hidden_layers"] == _GEMMA_27B_LAYERS[key]
+        fields["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+    rope = _rope_scaling(reader, arch, float(fields.get("rope_theta", 10000.0)))
+    rotary = _field(reader, f"{arch}.rope.dimension_count")
+    if rotary and rotary != head_dim:
+        rope = {"rope_type": "default", **rope, "partial_rotary_factor": rotary / head_dim}
+    if rope:  # Gemma 3's scaling is its full-attention layers' (sliding ones keep their own)
+        fields["rope_parameters"] = {"full_attention": rope} if key == "gemma3" else rope
+    config = AutoConfig.for_model(model_type, **fields).to_dict()
+    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    config["dtype"] = "float32"
+    return config
+
+
+def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name (without .weight/.bias) -> Hugging Face name, for `arch`."""
+    import gguf
+
+    arch_id = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    kinds = gguf.MODEL_TENSORS[arch_id]
+    # Phi-3 has no separate gate: its ffn_up is HF's fused gate_up_proj.
+    fused = gguf.MODEL_TENSOR.FFN_GATE not in kinds and gguf.MODEL_TENSOR.FFN_UP in kinds
+    tensor_map = gguf.get_tensor_name_map(arch_id, num_layers)
+    names = {}
+    for pattern in _HF_NAMES:
+        if pattern.endswith(".mlp.up_proj" if fused else ".mlp.gate_up_proj"):
+            continue
+        for bid in range(num_layers) if "{bid}" in pattern else (0,):
+            hf_name = pattern.format(bid=bid)
+            if (gguf_name := tensor_map.get_name(hf_name)) is not None:
+                names[gguf_name] = hf_name
+    return names
+
+
+def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
+    """The GGUF's tensors dequantized to float32 under Hugging Face checkpoint names, undoing
+    what llama.cpp's converter changed (q/k row order, Gemma's norm offset, stacked experts)."""
+    from gguf.quants import dequantize
+
+    arch = _field(reader, "general.architecture")
+    names = _hf_names(arch, config["num_hidden_layers"])
+    out = {}
+    for t in reader.tensors:
+        base, _, suffix = t.name.rpartition(".")
+        if base.startswith("rope_"):  # RoPE frequency tensors: read into rope_parameters
+            continue
+        if (hf_name := names.get(base)) is None:
+            raise ValueError(f"{arch} GGUF tensor {t.name!r} has no Hugging Face name")
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if arch == "llama" and base.endswith(".attn_q"):
+            w = _unpermute(w, config["num_attention_heads"])
+        elif arch == "llama" and base.endswith(".attn_k"):
+            w = _unpermute(w, config["num_key_value_heads"])
+        if arch.startswith("gemma") and base.endswith("norm"):
+            w = w - 1  # llama.cpp stores Gemma's w with the 1 that HF's x * (1 + w) adds
+        if hf_name.endswith("shared_expert_gate") and w.ndim == 1:
+            w = w[None]  # HF's Linear(hidden, 1); some converters store it flat
+        if ".experts." in hf_name:  # [experts, out, in] -> HF checkpoints' one per expert
+            for e in range(w.shape[0]):
+                out[f"{hf_name.replace('.experts.', f'.experts.{e}.')}.{suffix}"] = (
+                    np.ascontiguousarray(w[e]))
+        else:
+            out[f"{hf_name}.{suffix}"] = np.ascontiguousarray(w)
+    return out
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Dequantize `gguf_path` into `out_dir` (written atomically: a half-written cache is
-    never left behind). Returns `out_dir`."""
+    never left behind). Returns `out_dir`. ValueError for a GGUF that does not convert."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = GGUFReader(str(gguf_path))
     config = hf_config(reader)
-    tensors = {}
-    for t in reader.tensors:
-        rest = None
-        if t.name.startswith("blk."):
-            _, layer, rest = t.name.split(".", 2)
-            hf_name = f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
-        else:
-            hf_name = _GLOBAL_NAMES[t.name]
-        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if rest == "attn_q.weight":
-            w = _unpermute(w, config["num_attention_heads"])
-        elif rest == "attn_k.weight":
-            w = _unpermute(w, config["num_key_value_heads"])
-        tensors[hf_name] = np.ascontiguousarray(w)
+    tensors = hf_tensors(reader, config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
@@ -114,4 +259,3 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-

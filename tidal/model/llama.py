@@ -1,6 +1,7 @@
 """A Llama-family decoder over flattened variable-length batches: Llama (2, 3.x), Mistral,
-Qwen2/2.5, Qwen3 and Phi-3 differ only in shapes and flags of `ModelArch` (biases, q/k
-norms, sliding windows, RoPE schedule, partial rotary), so they share these layers.
+Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3, Mixtral and Qwen2/3-MoE differ only in shapes and flags
+of `ModelArch` (biases, q/k norms, sliding windows, RoPE schedules, partial rotary, Gemma's
+norms and soft-capping, routed experts), so they share these layers.
 
 No padding: a step's tokens from every sequence are one [T] row of ids with their positions.
 Q/K/V and gate/up are fused into one matmul each; K/V go to the paged cache through the
@@ -15,20 +16,25 @@ from torch import nn
 
 from tidal.model.attention import AttentionBackend, AttentionMetadata
 from tidal.model.config import ModelArch
+from tidal.model.mlp import MLP, SparseMoE
 from tidal.model.rope import rope_tables
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Llama's: normalise in float32, scale by w in the model's dtype. `offset` (Gemma):
+    scale by (1 + w) in float32, then cast."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's formula: normalise in float32, scale in the model's dtype. (F.rms_norm, one op
-        # on paper, measured 70 us slower a call in bf16 on CPU: it decomposes.)
+        # (F.rms_norm, one op on paper, measured 70 us slower a call in bf16 on CPU.)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -42,11 +48,19 @@ class Rotary(nn.Module):
         cos, sin = rope_tables(arch.rope, arch.context_length)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.local = arch.local_rope is not None  # sliding layers' own tables (Gemma 3)
+        if self.local:
+            cos, sin = rope_tables(arch.local_rope, arch.context_length)
+            self.register_buffer("local_cos", cos, persistent=False)
+            self.register_buffer("local_sin", sin, persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and signed sin of each token, [T, 1, R], shared by every layer of a step."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list:
+        """Each schedule's cos and signed sin of each token, [T, 1, R], shared by the
+        step's layers: [global] or [global, local]."""
+        pairs = [(self.cos, self.sin)] + ([(self.local_cos, self.local_sin)] if self.local
+                                          else [])
+        return [(cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype))
+                for cos, sin in pairs]
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -68,8 +82,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, arch.hidden_size, bias=arch.o_bias)
         self.window = window  # sliding window: attend to the last `window` positions
         if arch.qk_norm:
-            self.q_norm = RMSNorm(self.d, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(self.d, arch.rms_norm_eps)
+            self.q_norm = RMSNorm(self.d, arch.rms_norm_eps, arch.gemma)
+            self.k_norm = RMSNorm(self.d, arch.rms_norm_eps, arch.gemma)
         self.qk_norm = arch.qk_norm
         self.backend = backend
 
@@ -84,29 +98,34 @@ class Attention(nn.Module):
         return self.o_proj(o.view(t, h * self.d))
 
 
-class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        bias = arch.mlp_bias
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=bias)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, window: int = 0) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend, window)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+    """Pre-norm attention and feed-forward blocks with residuals; Gemma also normalises
+    each block's output (post_attention_layernorm, post_feedforward_layernorm)."""
 
-    def forward(self, h, rope, k_cache, v_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), rope, k_cache, v_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, index: int) -> None:
+        super().__init__()
+        window = arch.windows[index]
+        self.rope_index = int(arch.local_rope is not None and window > 0)
+        norm = lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = Attention(arch, backend, window)
+        self.post_attention_layernorm = norm()
+        self.sandwich = arch.gemma
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.mlp = (SparseMoE(arch) if arch.moe and arch.moe.layers[index]
+                    else MLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act,
+                             arch.mlp_bias))
+
+    def forward(self, h, ropes, k_cache, v_cache, meta):
+        a = self.self_attn(self.input_layernorm(h), ropes[self.rope_index], k_cache, v_cache,
+                           meta)
+        if not self.sandwich:
+            h = h + a
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(a)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class LlamaModel(nn.Module):
@@ -117,8 +136,9 @@ class LlamaModel(nn.Module):
         self.arch = arch
         self.backend = backend
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend, w) for w in arch.windows)
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend, i)
+                                    for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma)
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
         self.rotary = Rotary(arch)
@@ -128,9 +148,13 @@ class LlamaModel(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits (float32) of the rows in `logits_indices`."""
         h = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, h.dtype)
+        if self.arch.gemma:  # Gemma scales its embeddings by sqrt(hidden), in their dtype
+            h = h * torch.tensor(self.arch.hidden_size ** 0.5, dtype=h.dtype)
+        ropes = self.rotary.tables(positions, h.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = layer(h, rope, k_cache, v_cache, meta)
+            h = layer(h, ropes, k_cache, v_cache, meta)
         h = self.norm(h[logits_indices])
         head = self.lm_head  # a module of its own once the runner converts a tied embedding
-        return (head(h) if head is not None else F.linear(h, self.embed_tokens.weight)).float()
+        logits = (head(h) if head is not None else F.linear(h, self.embed_tokens.weight)).float()
+        cap = self.arch.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits

@@ -1,5 +1,5 @@
-"""Build a model and load Hugging Face safetensors into it, fusing q/k/v and gate/up (Phi-3
-checkpoints store them fused already, under the names tidal uses)."""
+"""Build a model and load Hugging Face safetensors into it, fusing q/k/v and gate/up, the
+experts' too (Phi-3 checkpoints store them fused already, under the names tidal uses)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from tidal.model.attention import AttentionBackend, TorchAttention
 from tidal.model.config import ModelArch
 from tidal.model.llama import LlamaModel, Rotary
 
-# HF parameter -> (our parameter, which shard of a fused one: index into its parts)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+# An HF projection's last name -> (our fused projection, which shard of it). w1/w3/w2 are
+# Mixtral's expert gate/up/down.
+_SHARDS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
 }
+_RENAMES = {"block_sparse_moe": "mlp", "w2": "down_proj"}  # Mixtral's module names
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -28,19 +28,20 @@ def _target(name: str) -> tuple[str, int | None]:
     m = _LAYER.match(name)
     if m:
         layer, module, kind = m.groups()
-        if module in _FUSED:
-            fused, shard = _FUSED[module]
-            return f"layers.{layer}.{fused}.{kind}", shard
-        return f"layers.{layer}.{module}.{kind}", None
+        parts = [_RENAMES.get(p, p) for p in module.split(".")]
+        shard = None
+        if parts[-1] in _SHARDS:
+            parts[-1], shard = _SHARDS[parts[-1]]
+        return f"layers.{layer}.{'.'.join(parts)}.{kind}", shard
     if name == "lm_head.weight":
         return name, None
     return name.removeprefix("model."), None
 
 
-def _shard_sizes(arch: ModelArch, fused: str) -> list[int]:
+def _shard_sizes(arch: ModelArch, fused: str, rows: int) -> list[int]:
     if fused.endswith("qkv_proj.weight") or fused.endswith("qkv_proj.bias"):
         return [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
-    return [arch.intermediate_size] * 2
+    return [rows // 2] * 2  # gate and up: the dense MLP's, an expert's or the shared one's
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
@@ -50,7 +51,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
     weights are not here, as vLLM's `--load-format dummy`."""
     folder = Path(folder)
     arch = ModelArch.from_folder(folder)
-    backend = backend or TorchAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    backend = backend or TorchAttention.for_arch(arch)
     if dummy:
         with torch.device(device):
             model = LlamaModel(arch, backend).to(dtype)
@@ -96,7 +97,7 @@ def _read_safetensors(folder: Path, arch: ModelArch, model: LlamaModel,
                 if shard is None:
                     loaded[target].copy_(tensor)
                 else:
-                    sizes = _shard_sizes(arch, target)
+                    sizes = _shard_sizes(arch, target, params[target].shape[0])
                     offset = sum(sizes[:shard])
                     loaded[target][offset:offset + sizes[shard]].copy_(tensor)
     missing = sorted(set(params) - set(loaded))

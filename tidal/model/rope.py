@@ -1,6 +1,6 @@
 """Rotary position embeddings: the frequency schedules of Hugging Face configs.
 
-`RopeSpec` (tidal.model.config, pure Python) says which schedule a config asks for;
+`RopeSpec` (tidal.model.rope_spec, pure Python) says which schedule a config asks for;
 `rope_tables` turns it into the float32 cos / signed-sin tables the model and the C++
 decoder index by position. Each schedule repeats transformers' float32 arithmetic step for
 step, so the tables equal HF's rotary modules' (tested).
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from tidal.model.config import RopeSpec
+from tidal.model.rope_spec import RopeSpec
 
 
 def _exponents(dim: int) -> torch.Tensor:
@@ -30,7 +30,23 @@ def inverse_frequencies(spec: RopeSpec) -> tuple[torch.Tensor, float]:
         return inv / spec.factor, 1.0
     if spec.kind == "llama3":
         return _llama3(spec, inv), 1.0
+    if spec.kind == "longrope":
+        return _longrope_inverse(spec, spec.short_factor), _longrope_attention(spec)
     return _yarn(spec)
+
+
+def _longrope_inverse(spec: RopeSpec, factors: tuple[float, ...]) -> torch.Tensor:
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32)
+                  * spec.theta ** _exponents(spec.rotary_dim))
+
+
+def _longrope_attention(spec: RopeSpec) -> float:
+    """LongRoPE's cos/sin scale: sqrt(1 + log(factor) / log(original context))."""
+    if spec.attention_factor is not None:
+        return float(spec.attention_factor)
+    if spec.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(spec.factor) / math.log(spec.original_max_position_embeddings))
 
 
 def _llama3(spec: RopeSpec, inv: torch.Tensor) -> torch.Tensor:
@@ -99,6 +115,15 @@ def rope_tables(spec: RopeSpec, num_positions: int) -> tuple[torch.Tensor, torch
     positions = torch.arange(num_positions, dtype=torch.float32)
     if spec.kind == "dynamic":
         freqs, attention = positions[:, None] * _dynamic_frequencies(spec, num_positions), 1.0
+    elif spec.kind == "longrope":
+        # Position p uses the factors transformers picks for a sequence of p + 1 tokens (as
+        # for dynamic): short within the original context, long past it.
+        inv, attention = inverse_frequencies(spec)
+        freqs = positions[:, None] * inv[None, :]
+        past = spec.original_max_position_embeddings
+        if num_positions > past:
+            long = _longrope_inverse(spec, spec.long_factor)
+            freqs[past:] = positions[past:, None] * long[None, :]
     else:
         inv, attention = inverse_frequencies(spec)
         freqs = positions[:, None] * inv[None, :]

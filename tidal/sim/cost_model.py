@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tidal.core.step_time import StepShape
 from tidal.model.config import ModelArch
-from tidal.sim.profiles import Hardware, linear_params
+from tidal.sim.profiles import Hardware, expert_params, linear_params
 
 
 __all__ = ["CostModel", "StepShape"]
@@ -28,7 +28,11 @@ class CostModel:
         self.linear_flops_per_token = 2 * linear_params(arch)
         self.head_flops_per_row = 2 * arch.vocab_size * arch.hidden_size
         embed = arch.vocab_size * arch.hidden_size
-        self.weight_bytes = (linear_params(arch) + embed) * dtype_bytes  # the head is read
+        # Routed experts are read only when some token of the step picks them.
+        self.expert_bytes = expert_params(arch) * dtype_bytes
+        active = arch.moe.top_k * self.expert_bytes // arch.moe.num_experts if arch.moe else 0
+        self.weight_bytes = (linear_params(arch) + embed) * dtype_bytes - active
+        self.idle_odds = 1 - arch.moe.top_k / arch.moe.num_experts if arch.moe else 0.0
         self.attn_flops_per_pair = 4 * arch.num_layers * arch.num_heads * arch.head_dim
         self.kv_bytes_per_token = arch.kv_bytes_per_token(dtype_bytes)
 
@@ -37,7 +41,10 @@ class CostModel:
         flops = self.linear_flops_per_token * shape.tokens + self.head_flops_per_row * shape.sampled
         bandwidth = hw.mem_bandwidth * hw.bandwidth_efficiency
         compute = flops / (hw.peak_flops * hw.compute_efficiency)
-        memory = self.weight_bytes / bandwidth
+        weight_bytes = self.weight_bytes
+        if self.expert_bytes:  # the expected share of experts that T tokens' picks touch
+            weight_bytes += self.expert_bytes * (1 - self.idle_odds ** shape.tokens)
+        memory = weight_bytes / bandwidth
         linear = compute if compute > memory else memory  # max(), without a call: every step
         compute = self.attn_flops_per_pair * shape.pairs / (hw.peak_flops * hw.attention_efficiency)
         memory = self.kv_bytes_per_token * shape.kv_tokens / bandwidth

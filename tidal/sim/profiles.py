@@ -117,13 +117,34 @@ def kv_blocks_for(arch: ModelArch, hw: Hardware, block_size: int) -> int:
 
 
 def linear_params(arch: ModelArch) -> int:
-    """Parameters of the per-token projections of every layer (q, k, v, o, gate, up, down)."""
+    """Parameters of the projections one token goes through in every layer (q, k, v, o and
+    gate, up, down: the dense MLP's, or its top-k experts', shared expert and router's)."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    per_layer = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size \
-        + 3 * arch.hidden_size * arch.intermediate_size
-    return arch.num_layers * per_layer
+    attention = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size
+    dense = 3 * arch.hidden_size * arch.intermediate_size
+    moe, total = arch.moe, 0
+    for layer in range(arch.num_layers):
+        if moe and moe.layers[layer]:
+            mlp = arch.hidden_size * (3 * moe.top_k * moe.intermediate_size + moe.num_experts
+                                      + 3 * moe.shared_intermediate_size)
+        else:
+            mlp = dense
+        total += attention + mlp
+    return total
+
+
+def expert_params(arch: ModelArch) -> int:
+    """Parameters of every routed expert of every layer (0 for a dense model)."""
+    moe = arch.moe
+    if moe is None:
+        return 0
+    return sum(moe.layers) * moe.num_experts * 3 * arch.hidden_size * moe.intermediate_size
 
 
 def weight_params(arch: ModelArch) -> int:
     embed = arch.vocab_size * arch.hidden_size
-    return linear_params(arch) + embed * (1 if arch.tie_word_embeddings else 2)
+    routed = expert_params(arch)
+    if routed:  # all experts are stored; linear_params counted the top k of them
+        routed -= sum(arch.moe.layers) * arch.moe.top_k * 3 * arch.hidden_size \
+            * arch.moe.intermediate_size
+    return linear_params(arch) + routed + embed * (1 if arch.tie_word_embeddings else 2)
