@@ -3,12 +3,16 @@ parameters, offline on CPU: a Mixtral-shaped model (8 experts of width I, top 2)
 Mistral-shaped one (one MLP of width 2 I), equal in everything else, with dummy weights
 (a near-uniform router: every expert busy, as in a served batch).
 
-Prints decode tokens/s of each at each batch size and the dense/MoE time ratio; both run
-the PyTorch layers (the C++ decoder runs no experts), and the dense model also through the
-C++ decoder for reference.
+Prints decode tokens/s of each at each batch size and the MoE/dense time ratio; all run
+the PyTorch layers with the C++ paged attention kernel (the C++ whole-step decoder runs no
+experts, so the dense models do without it too). A third, dense model as wide as all
+experts together (E I) reads what the MoE reads once every expert is busy: the MoE's
+distance from it is the cost of routing and grouping, its distance from the first is the
+cost of reading E / k times the feed-forward weights.
 
 usage: .venv/bin/python benchmarks/moe.py [--batch 1 32] [--hidden 512] [--layers 4]
                                           [--experts 8] [--top-k 2] [--expert-width 512]
+                                          [--dtype auto]
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ def save_model(folder: Path, family: str, vocab: int, **shape) -> Path:
     return folder
 
 
-def decode_rate(folder: Path, batch: int, tokens: int, cpu_decoder: bool, repeats: int) -> float:
+def decode_rate(folder: Path, batch: int, tokens: int, repeats: int, dtype: str) -> float:
     """Best of `repeats` output tokens/s of `batch` 8-token prompts generating `tokens`."""
-    llm = LLM(str(folder), dtype="bfloat16", load_format="dummy", cpu_decoder=cpu_decoder,
+    llm = LLM(str(folder), dtype=dtype, load_format="dummy",
               num_kv_blocks=batch * (tokens + 16) // 16 + 8, max_num_seqs=batch, seed=0)
+    llm.engine.runner.decoder = None  # the same PyTorch layers for every model
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 200 for j in range(8)]}
                for i in range(batch)]
@@ -46,7 +51,6 @@ def decode_rate(folder: Path, batch: int, tokens: int, cpu_decoder: bool, repeat
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-    llm.shutdown() if hasattr(llm, "shutdown") else None
     return best
 
 
@@ -60,6 +64,7 @@ def main() -> None:
     p.add_argument("--expert-width", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="auto", help="auto: the runner's choice for this CPU")
     args = p.parse_args()
     shape = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=8,
                  num_key_value_heads=4, head_dim=args.hidden // 8, max_position_embeddings=4096)
@@ -68,17 +73,20 @@ def main() -> None:
                      num_local_experts=args.experts, num_experts_per_tok=args.top_k, **shape)
     dense = save_model(root / "dense", "mistral", 256,
                        intermediate_size=args.expert_width * args.top_k, **shape)
+    wide = save_model(root / "wide", "mistral", 256,
+                      intermediate_size=args.expert_width * args.experts, **shape)
     print(f"MoE: {args.experts} experts x {args.expert_width} wide, top {args.top_k}; dense: "
           f"{args.expert_width * args.top_k} wide; hidden {args.hidden}, {args.layers} layers, "
-          "bf16, decode tokens/s (best of {})".format(args.repeats))
-    print("| batch | MoE | dense | MoE / dense time | dense, C++ decoder |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+          f"dtype {args.dtype}, decode tokens/s (best of {args.repeats})")
+    print("| batch | MoE | dense, active size | MoE / dense time | dense, all experts' size "
+          "| MoE / that time |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for batch in args.batch:
-        rates = [decode_rate(moe, batch, args.tokens, False, args.repeats),
-                 decode_rate(dense, batch, args.tokens, False, args.repeats),
-                 decode_rate(dense, batch, args.tokens, True, args.repeats)]
-        print(f"| {batch} | {rates[0]:.0f} | {rates[1]:.0f} | {rates[1] / rates[0]:.2f}x | "
-              f"{rates[2]:.0f} |", flush=True)
+        moe_rate, dense_rate, wide_rate = (decode_rate(m, batch, args.tokens, args.repeats,
+                                                       args.dtype)
+                                           for m in (moe, dense, wide))
+        print(f"| {batch} | {moe_rate:.0f} | {dense_rate:.0f} | {dense_rate / moe_rate:.2f}x | "
+              f"{wide_rate:.0f} | {wide_rate / moe_rate:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

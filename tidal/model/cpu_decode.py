@@ -1,4 +1,5 @@
-"""tidal's C++ CPU decode path (`csrc/cpu_decode.cpp`), built once on first use.
+"""tidal's C++ CPU decode path (`csrc/`: the decoder, paged attention, projections), built
+once on first use.
 
 A decode step of a small model on CPU is bound by per-op dispatch (~60 eager ops a layer),
 so `Decoder` runs a whole decode-only step in one call: the projections stay ATen kernels,
@@ -20,7 +21,8 @@ from torch import nn
 from tidal.model.linear import Int4Linear, PackedLinear
 
 log = logging.getLogger("tidal.model")
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.cpp"
+_SOURCES = [str(Path(__file__).parent / "csrc" / name)  # + tidal_cpu.h, which they include
+            for name in ("linear.cpp", "paged_attention.cpp", "decoder.cpp")]
 _built: list[ModuleType | None] = []  # [] until the first build attempt
 
 
@@ -33,7 +35,7 @@ def extension() -> ModuleType | None:
             log.info("loading tidal's C++ CPU decoder (the first build takes about a minute)")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                _built.append(load(name="tidal_cpu_decode", sources=[str(_SOURCE)],
+                _built.append(load(name="tidal_cpu_decode", sources=_SOURCES,
                                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
                                    extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as exc:  # no compiler, headers or ninja: the PyTorch ops still work

@@ -70,14 +70,15 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # the (token, expert) pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one sync
-        rows, pair_weights = order // self.top_k, weights.flatten()[order]
-        out = torch.zeros_like(x)
+        rows = order // self.top_k
+        xs, ys = x[rows], torch.empty_like(x[rows])  # inputs and outputs in expert order
         start = 0
         for expert, n in zip(self.experts, counts):
-            if n:
-                idx = rows[start:start + n]
-                out.index_add_(0, idx, expert(x[idx]) * pair_weights[start:start + n, None])
+            if n:  # views in, one copy out: the loop adds no gather or scatter of its own
+                ys[start:start + n] = expert(xs[start:start + n])
             start += n
+        ys *= weights.flatten()[order, None]
+        out = torch.zeros_like(x).index_add_(0, rows, ys)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -1,0 +1,216 @@
+// tidal's CPU decode path: a whole decode-only step of a Llama-family model in one call.
+//
+// Why: on CPU a small model's decode step is bound by per-op dispatch, not by arithmetic
+// (SmolLM2-135M runs ~60 eager PyTorch ops a layer at 3-5 us each). Here the projections
+// stay ATen calls (int4 / oneDNN kernels, multi-threaded) and everything between them --
+// RMSNorm + residual, RoPE, the KV write, paged attention, SiLU * up -- is plain loops.
+// Rounding follows the PyTorch path op for op (bf16 after every op it rounds at), and that
+// path calls the same attention kernel, so only the RMSNorm sum's order differs (the tests
+// find the two bit-identical). Attention reads the paged cache in place: no gather.
+//
+// This file holds the decoder (RMSNorm, RoPE, the layer loop) and the Python bindings.
+
+#include <torch/extension.h>
+
+#include "tidal_cpu.h"
+
+namespace tidal_cpu {
+namespace {
+
+// ---------------------------------------------------------------- elementwise
+
+// h += y (rounded like a bf16 add) when y is given; x = weight * bf16(h * rsqrt(mean h^2 + eps)).
+template <typename T>
+void add_rms_norm(T* h, const T* y, const T* weight, T* x, int64_t rows, int64_t dim,
+                  float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* hr = h + r * dim;
+      if (y != nullptr) {
+        const T* yr = y + r * dim;
+        for (int64_t i = 0; i < dim; ++i) hr[i] = round_to<T>(f32(hr[i]) + f32(yr[i]));
+      }
+      const float ss = dot(hr, hr, dim);
+      const float inv = 1.f / std::sqrt(ss / dim + eps);
+      T* xr = x + r * dim;
+      for (int64_t i = 0; i < dim; ++i)
+        xr[i] = round_to<T>(f32(weight[i]) * f32(round_to<T>(f32(hr[i]) * inv)));
+    }
+  });
+}
+
+// In place on the first `heads` heads of each row: x*cos + rotate_half(x)*sin, the half-split
+// pairing of HF checkpoints; the tables hold the signed sine already. Only the first `rd`
+// dims of a head rotate (partial rotary); the others pass unchanged.
+template <typename T>
+void rope(T* qkv, int64_t row_stride, const float* cos, const float* sin, int64_t rows,
+          int64_t heads, int64_t d, int64_t rd) {
+  const int64_t half = rd / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> c(rd), s(rd), x0(rd);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < rd; ++i) {  // the tables are cast to the model's dtype first
+        c[i] = f32(round_to<T>(cos[r * rd + i]));
+        s[i] = f32(round_to<T>(sin[r * rd + i]));
+      }
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        T* x = qkv + r * row_stride + hh * d;
+        for (int64_t i = 0; i < rd; ++i) x0[i] = f32(x[i]);
+        auto rot = [&](int64_t i, float rolled) {
+          x[i] = round_to<T>(f32(round_to<T>(x0[i] * c[i])) + f32(round_to<T>(rolled * s[i])));
+        };
+        for (int64_t i = 0; i < half; ++i) rot(i, x0[i + half]);
+        for (int64_t i = half; i < rd; ++i) rot(i, x0[i - half]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- the decoder
+
+struct Layer {
+  Tensor norm1, norm2;
+  Linear qkv, o, gate_up, down;
+  int64_t window;  // sliding window (0: full attention)
+};
+
+class Decoder {
+ public:
+  Decoder(Tensor embed, Tensor final_norm, Linear lm_head, Tensor cos, Tensor sin,
+          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
+      : embed_(embed), final_norm_(final_norm), lm_head_(lm_head), cos_(cos.contiguous()),
+        sin_(sin.contiguous()), heads_(heads), hkv_(kv_heads), d_(head_dim),
+        inter_(intermediate), eps_(static_cast<float>(eps)) {
+    TORCH_CHECK(embed.scalar_type() == at::kBFloat16 || embed.scalar_type() == at::kFloat,
+                "the CPU decoder runs bfloat16 and float32 models");
+    TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv heads");
+    TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) % 2 == 0 &&
+                    cos.size(1) <= head_dim && cos.scalar_type() == at::kFloat,
+                "RoPE tables must be float32 [positions, rotary_dim <= head_dim], rotary_dim even");
+  }
+
+  void add_layer(Tensor norm1, Tensor norm2, Linear qkv, Linear o, Linear gate_up, Linear down,
+                 int64_t window) {
+    layers_.push_back({norm1, norm2, qkv, o, gate_up, down, window});
+  }
+
+  // One decode-only step: logits (float32) of `logits_rows` among the B one-token rows.
+  Tensor forward(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
+                 const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
+                 Tensor logits_rows, double scale, int64_t block_size) {
+    if (embed_.scalar_type() == at::kFloat)
+      return step<float>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
+                         scale, block_size);
+    return step<BFloat16>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
+                          scale, block_size);
+  }
+
+ private:
+  template <typename T>
+  Tensor step(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
+              const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
+              Tensor logits_rows, double scale, int64_t block_size) {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "one K and one V cache per layer");
+    ids = ids.to(at::kLong).contiguous();
+    positions = positions.to(at::kLong).contiguous();
+    slots = slots.to(at::kLong).contiguous();
+    tables = tables.to(at::kLong).contiguous();
+    lens = lens.to(at::kLong).contiguous();
+    const int64_t rows = ids.size(0), hid = embed_.size(1);
+    check_tables(tables, lens, rows, k_caches[0].size(0), block_size);
+    const int64_t num_slots = k_caches[0].size(0) * block_size;
+    for (int64_t r = 0; r < rows; ++r)  // write_kv writes by raw offset too
+      TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < num_slots,
+                  "slot ", slots.data_ptr<int64_t>()[r], " is not in the cache");
+    const int64_t qkv_width = (heads_ + 2 * hkv_) * d_, kv_width = hkv_ * d_;
+    Tensor h = embed_.index_select(0, ids).contiguous();
+    Tensor x = at::empty_like(h);
+    Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
+    Tensor attn = at::empty({rows, heads_ * d_}, h.options());
+    Tensor act = at::empty({rows, inter_}, h.options());
+    Tensor y;  // the last projection's output, added to h by the next norm
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
+      check_cache(k_caches[l], h.scalar_type());
+      check_cache(v_caches[l], h.scalar_type());
+      add_rms_norm<T>(h.data_ptr<T>(), y.defined() ? y.data_ptr<T>() : nullptr,
+                      L.norm1.data_ptr<T>(), x.data_ptr<T>(), rows, hid, eps_);
+      Tensor qkv = L.qkv(x).contiguous();
+      T* qp = qkv.data_ptr<T>();
+      rope<T>(qp, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, heads_ + hkv_,
+              d_, cos_.size(1));
+      write_kv<T>(qp, qkv_width, heads_ * d_, slots.data_ptr<int64_t>(), rows, kv_width,
+                  k_caches[l].data_ptr<T>());
+      write_kv<T>(qp, qkv_width, (heads_ + hkv_) * d_, slots.data_ptr<int64_t>(), rows,
+                  kv_width, v_caches[l].data_ptr<T>());
+      paged_attention<T>(qp, qkv_width, k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(),
+                         tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
+                         rows, heads_, hkv_, d_, block_size, static_cast<float>(scale),
+                         L.window, attn.data_ptr<T>());
+      y = L.o(attn).contiguous();
+      add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), L.norm2.data_ptr<T>(), x.data_ptr<T>(),
+                      rows, hid, eps_);
+      Tensor gate_up = L.gate_up(x).contiguous();
+      // ATen's vectorised SiLU: its exp rounds as the PyTorch path's does.
+      at::mul_out(act, at::silu(gate_up.narrow(1, 0, inter_)),
+                  gate_up.narrow(1, inter_, inter_));
+      y = L.down(act).contiguous();
+    }
+    // The final norm of h + the last MLP output; the LM head only for the rows that sample.
+    add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), final_norm_.data_ptr<T>(), x.data_ptr<T>(),
+                    rows, hid, eps_);
+    if (logits_rows.size(0) != rows) x = x.index_select(0, logits_rows.to(at::kLong));
+    return lm_head_(x).to(at::kFloat);
+  }
+
+  Tensor embed_, final_norm_;
+  Linear lm_head_;
+  Tensor cos_, sin_;
+  int64_t heads_, hkv_, d_, inter_;
+  float eps_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace tidal_cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace tidal_cpu;
+  py::class_<Linear>(m, "Linear")
+      .def(py::init([](int64_t kind, Tensor w, c10::optional<Tensor> bias,
+                       c10::optional<Tensor> packed, c10::optional<Tensor> scales_zeros,
+                       int64_t max_rows, c10::optional<Tensor> w32,
+                       c10::optional<Tensor> bias32, int64_t fp32_rows, bool q4) {
+             Linear l;
+             l.q4 = q4;
+             l.kind = kind;
+             l.w = w;
+             l.bias = bias.value_or(Tensor());
+             l.packed = packed.value_or(Tensor());
+             l.scales_zeros = scales_zeros.value_or(Tensor());
+             l.max_rows = max_rows;
+             l.w32 = w32.value_or(Tensor());
+             l.bias32 = bias32.value_or(Tensor());
+             l.fp32_rows = fp32_rows;
+             return l;
+           }),
+           py::arg("kind"), py::arg("weight"), py::arg("bias"), py::arg("packed") = py::none(),
+           py::arg("scales_zeros") = py::none(), py::arg("max_rows") = 0,
+           py::arg("w32") = py::none(), py::arg("bias32") = py::none(),
+           py::arg("fp32_rows") = 0, py::arg("q4") = false)
+      .def("__call__", &Linear::operator());
+  py::class_<Decoder>(m, "Decoder")
+      .def(py::init<Tensor, Tensor, Linear, Tensor, Tensor, int64_t, int64_t, int64_t, int64_t,
+                    double>())
+      .def("add_layer", &Decoder::add_layer)
+      .def("forward", &Decoder::forward, py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
+        py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("int4_linear", [](Tensor x, Tensor q4, Tensor scale_min, c10::optional<Tensor> bias) {
+    return int4_linear(x, q4, scale_min, bias.value_or(Tensor()));
+  }, py::arg("x"), py::arg("q4"), py::arg("scale_min"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,245 @@
+// Paged decode attention: reads K and V from the paged cache in place (no gather); the KV write.
+
+#include "tidal_cpu.h"
+
+#include <numeric>
+#include <type_traits>
+
+namespace tidal_cpu {
+namespace {
+
+// e^x for softmax, in plain arithmetic so loops over it vectorise (std::exp does not):
+// Cephes' polynomial on x - n ln2, scaled by 2^n: a few ulp from expf over its range.
+inline float exp_approx(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Vectors of 16 floats in GCC's vector extension: the compiler picks the widest ISA
+// -march=native offers (AVX-512, or two AVX2 halves), with no intrinsics to port.
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v16f load16(const BFloat16* p) {  // bf16 is the top half of a float's bits
+  v16u16 h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<v16f>(__builtin_convertvector(h, v16u32) << 16);
+}
+inline float hsum(v16f v) {
+  v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[1]) + (b[2] + b[3]);
+}
+
+// A sequence's context in a [blocks, block_size, hkv, d] cache, for one KV head: `each`
+// walks its n tokens from position `first` on (a sliding window's start; 0 otherwise) block
+// by block (no division per token), calling f(index from 0, offset in the cache).
+struct Paged {
+  const int64_t* table;
+  int64_t block_size, token_stride, head_offset, first;
+  template <typename F>
+  void each(int64_t n, F&& f) const {
+    for (int64_t t = 0, blk = first / block_size, i0 = first % block_size; t < n; ++blk, i0 = 0) {
+      const int64_t base = table[blk] * block_size * token_stride + head_offset;
+      const int64_t m = std::min(block_size - i0, n - t);
+      for (int64_t i = i0; i < i0 + m; ++i, ++t) f(t, base + i * token_stride);
+    }
+  }
+};
+
+// softmax in place over each of `groups` rows of n scores.
+inline void softmax_rows(float* scores, int64_t groups, int64_t n) {
+  for (int64_t j = 0; j < groups; ++j) {
+    float* s = scores + j * n;
+    const float mx = *std::max_element(s, s + n);
+    for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - mx);
+    const float inv = 1.f / std::accumulate(s, s + n, 0.f);
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  }
+}
+
+// One (sequence, KV head) task for head_dim a multiple of 16 (up to 256): each K and V row
+// is loaded once as d/16 vectors and serves every query head of the group. NV = d / 16 when
+// known at compile time (the loops over a row then unroll), 0 to read it from d.
+template <typename T, int NV>
+void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
+                int64_t groups, int64_t d, float* scores, float* acc) {
+  const int64_t nv = NV > 0 ? NV : d / 16;
+  v16f row[NV > 0 ? NV : 16];
+  ctx.each(n, [&](int64_t t, int64_t off) {
+    const T* k = k_cache + off;
+    for (int64_t c = 0; c < nv; ++c) row[c] = load16(k + 16 * c);
+    for (int64_t j = 0; j < groups; ++j) {
+      const float* qj = qf + j * d;
+      v16f sum = load16(qj) * row[0];
+      for (int64_t c = 1; c < nv; ++c) sum += load16(qj + 16 * c) * row[c];
+      scores[j * n + t] = hsum(sum);
+    }
+  });
+  softmax_rows(scores, groups, n);
+  v16f out[16 * 16];  // groups * nv <= 16 * 16: checked by the caller
+  std::fill(out, out + groups * nv, v16f{});
+  ctx.each(n, [&](int64_t t, int64_t off) {
+    const T* v = v_cache + off;
+    for (int64_t c = 0; c < nv; ++c) row[c] = load16(v + 16 * c);
+    for (int64_t j = 0; j < groups; ++j) {
+      const float p = scores[j * n + t];
+      for (int64_t c = 0; c < nv; ++c) out[j * nv + c] += p * row[c];
+    }
+  });
+  std::memcpy(acc, out, sizeof(float) * groups * d);
+}
+
+// Any head_dim, one element at a time.
+template <typename T>
+void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx,
+                   int64_t n, int64_t groups, int64_t d, float* scores, float* acc) {
+  ctx.each(n, [&](int64_t t, int64_t off) {
+    for (int64_t j = 0; j < groups; ++j) scores[j * n + t] = dot(qf + j * d, k_cache + off, d);
+  });
+  softmax_rows(scores, groups, n);
+  std::fill(acc, acc + groups * d, 0.f);
+  ctx.each(n, [&](int64_t t, int64_t off) {
+    const T* v = v_cache + off;
+    for (int64_t j = 0; j < groups; ++j) {
+      const float p = scores[j * n + t];
+      for (int64_t i = 0; i < d; ++i) acc[j * d + i] += p * f32(v[i]);
+    }
+  });
+}
+
+}  // namespace
+
+// q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, d];
+// tables [B, W] int64; lens [B]. One task per (sequence, KV head) reads that head's context
+// straight from its blocks and serves every query head of its group. window > 0: only the
+// last `window` positions of each context (a sliding-window layer).
+template <typename T>
+void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                     const int64_t* tables, int64_t table_width, const int64_t* lens,
+                     int64_t batch, int64_t heads, int64_t hkv, int64_t d, int64_t block_size,
+                     float scale, int64_t window, T* out) {
+  const int64_t groups = heads / hkv;
+  constexpr bool vectorisable = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
+  const bool vec = vectorisable && d % 16 == 0 && d <= 256 && groups * (d / 16) <= 256;
+  at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf, scores, acc;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / hkv, g = task % hkv;
+      const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
+      const int64_t n = lens[b] - first;
+      const Paged ctx{tables + b * table_width, block_size, hkv * d, g * d, first};
+      qf.resize(groups * d);
+      scores.resize(groups * n);
+      acc.resize(groups * d);
+      for (int64_t j = 0; j < groups; ++j)
+        for (int64_t i = 0; i < d; ++i)
+          qf[j * d + i] = f32(q[b * q_stride + (g * groups + j) * d + i]) * scale;
+      float *qp = qf.data(), *sp = scores.data(), *ap = acc.data();
+      if constexpr (vectorisable) {
+        if (vec && d == 64) {
+          attend_vec<T, 4>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+        } else if (vec && d == 128) {
+          attend_vec<T, 8>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+        } else if (vec) {
+          attend_vec<T, 0>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+        } else {
+          attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+        }
+      } else {
+        attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+      }
+      for (int64_t j = 0; j < groups; ++j)
+        for (int64_t i = 0; i < d; ++i)
+          out[(b * heads + g * groups + j) * d + i] = round_to<T>(acc[j * d + i]);
+    }
+  });
+}
+
+template <typename T>
+void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* slots,
+              int64_t rows, int64_t width, T* cache) {
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(qkv + r * row_stride + offset, width, cache + slots[r] * width);
+}
+
+void check_cache(const Tensor& t, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype && t.dim() == 4,
+              "KV cache must be a contiguous [blocks, block_size, kv_heads, head_dim] tensor "
+              "of the model's dtype");
+}
+
+// The kernel reads blocks by raw offset: a context longer than its table or a block id out
+// of the cache would read foreign memory, so both are refused up front.
+void check_tables(const Tensor& tables, const Tensor& lens, int64_t batch, int64_t num_blocks,
+                  int64_t block_size) {
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.numel() == batch,
+              "one block table and one context length per sequence");
+  const int64_t* t = tables.data_ptr<int64_t>();
+  const int64_t* n = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(n[b] >= 1 && n[b] <= tables.size(1) * block_size,
+                "context length ", n[b], " does not fit its block table");
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(t[i] >= 0 && t[i] < num_blocks, "block id ", t[i], " is not in the cache");
+}
+
+// The dtypes of the decoder's models (decoder.cpp calls these two).
+template void paged_attention<float>(const float*, int64_t, const float*, const float*,
+                                     const int64_t*, int64_t, const int64_t*, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, float, int64_t, float*);
+template void paged_attention<BFloat16>(const BFloat16*, int64_t, const BFloat16*,
+                                        const BFloat16*, const int64_t*, int64_t,
+                                        const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                                        int64_t, float, int64_t, BFloat16*);
+template void write_kv<float>(const float*, int64_t, int64_t, const int64_t*, int64_t, int64_t,
+                              float*);
+template void write_kv<BFloat16>(const BFloat16*, int64_t, int64_t, const int64_t*, int64_t,
+                                 int64_t, BFloat16*);
+
+// Paged decode attention on its own: the PyTorch path's decode attention on CPU.
+Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
+                              Tensor lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim]");
+  check_cache(k_cache, q.scalar_type());
+  check_cache(v_cache, q.scalar_type());
+  q = q.contiguous();
+  tables = tables.to(at::kLong).contiguous();
+  lens = lens.to(at::kLong).contiguous();
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(heads % k_cache.size(2) == 0 && d == k_cache.size(3),
+              "q's heads must be a multiple of the cache's KV heads, with the same head_dim");
+  check_tables(tables, lens, batch, k_cache.size(0), k_cache.size(1));
+  Tensor out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
+    paged_attention<scalar_t>(q.data_ptr<scalar_t>(), heads * d, k_cache.data_ptr<scalar_t>(),
+                              v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+                              tables.size(1), lens.data_ptr<int64_t>(), batch, heads,
+                              k_cache.size(2), d, k_cache.size(1), static_cast<float>(scale),
+                              window, out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+}  // namespace tidal_cpu

@@ -1,0 +1,102 @@
+// What the CPU decode path's files share: bf16/f32 conversions, dot, the Linear projection
+// and the kernels that one file defines and another calls.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+using at::Tensor;
+using c10::BFloat16;
+
+namespace tidal_cpu {
+
+// Conversions written on the bits so loops over them vectorise; bf16 rounds to nearest even
+// as c10::BFloat16 does (NaN stays NaN).
+template <typename T>
+inline float f32(T x) { return static_cast<float>(x); }
+inline float f32(BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+template <>
+inline BFloat16 round_to<BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  uint16_t bits = (u & 0x7fffffffu) > 0x7f800000u
+                      ? uint16_t(0x7fc0)
+                      : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return BFloat16(bits, BFloat16::from_bits());
+}
+
+// Dot product over d with 16 independent partial sums (vectorises without -ffast-math).
+template <typename A, typename B>
+inline float dot(const A* q, const B* k, int64_t d) {
+  float acc[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += f32(q[i + j]) * f32(k[i + j]);
+  float s = 0.f;
+  for (; i < d; ++i) s += f32(q[i]) * f32(k[i]);
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return s;
+}
+
+// ---------------------------------------------------------------- projections (linear.cpp)
+
+// y = x @ W^T (+ bias) for int4 W: [rows, k] -> [rows, n] in x's dtype. q4: [n, k/2] bytes,
+// scale_min: [n, k/32, 2] float16 (groups of 32, Q4_1).
+Tensor int4_linear(const Tensor& x_in, const Tensor& q4, const Tensor& scale_min,
+                   const Tensor& bias);
+
+// One projection in whichever CPU form the Python side packed it: kind 0 = at::linear,
+// 1 = oneDNN-packed bf16 weight, 2 = int4 (groups of 32) for <= max_rows rows, else `w`
+// packed as in kind 1; `packed` and `scales_zeros` are torch's int4 layout or, with `q4`,
+// int4_linear's. Kinds 1 and 2 with `w32` (a packed float32 copy) multiply inputs
+// of >= fp32_rows rows in float32, as PackedLinear does.
+struct Linear {
+  int64_t kind = 0;
+  Tensor w, bias, packed, scales_zeros, w32, bias32;
+  int64_t max_rows = 0, fp32_rows = 0;
+  bool q4 = false;
+
+  Tensor operator()(const Tensor& x) const;
+};
+
+// ---------------------------------------------------------------- paged attention
+// (paged_attention.cpp; instantiated for float and BFloat16)
+
+// q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, d];
+// tables [B, W] int64; lens [B]. window > 0: only the last `window` positions of each
+// context (a sliding-window layer).
+template <typename T>
+void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                     const int64_t* tables, int64_t table_width, const int64_t* lens,
+                     int64_t batch, int64_t heads, int64_t hkv, int64_t d, int64_t block_size,
+                     float scale, int64_t window, T* out);
+
+// Copies `width` values at `offset` of each qkv row into the cache at that row's slot.
+template <typename T>
+void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* slots,
+              int64_t rows, int64_t width, T* cache);
+
+void check_cache(const Tensor& t, at::ScalarType dtype);
+void check_tables(const Tensor& tables, const Tensor& lens, int64_t batch, int64_t num_blocks,
+                  int64_t block_size);
+
+// Paged decode attention on its own: the PyTorch path's decode attention on CPU.
+Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
+                              Tensor lens, double scale, int64_t window);
+
+}  // namespace tidal_cpu
