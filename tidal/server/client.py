@@ -65,6 +65,8 @@ class CoreClient:
         self.ready: m.Ready | None = None
         self.dead: str | None = None  # why, once every core is gone for good
         self.on_update = None  # optional callback(StepUpdate) for metrics
+        self.on_stats = None  # optional callback(Stats) for the dashboard
+        self._watching = m.Watch(0)  # what the cores were last told of open dashboards
         self.dispatcher: Dispatcher | None = None
         backend, gpu = config.parallel.dp_backend, config.model.device == "cuda"
         self._new_handle = lambda i: core_handle(backend, i, gpu)
@@ -249,6 +251,12 @@ class CoreClient:
             except zmq.Again:
                 return False
 
+    def broadcast(self, msg: m.Watch) -> None:
+        """Tell every core (and cores started later) how many dashboards watch."""
+        self._watching = msg
+        for core in range(self.num_cores):
+            self._send_now(core, msg)
+
     def _send_routed(self, core: int, msg) -> None:
         """The dispatcher thread's send: a request that found its core just gone fails."""
         if not self._send_now(core, msg) and isinstance(msg, m.Add):
@@ -274,6 +282,8 @@ class CoreClient:
                 self._deliver(updates)
             elif isinstance(msg, m.Stats):
                 self.core_stats[msg.core] = msg
+                if self.on_stats is not None:
+                    self.on_stats(msg)
                 if self.dispatcher is not None:
                     s = msg.scheduler
                     self.dispatcher.report(msg.core, s.unclaimed_blocks, s.outstanding_tokens,
@@ -298,6 +308,8 @@ class CoreClient:
     def _core_up(self, core: int, ready: m.Ready) -> None:
         """Core `core` is back: its Ready (a P/D core's new KV address) and its routing."""
         self.ready = ready
+        if self._watching.viewers:
+            self._send_now(core, self._watching)
         if self.dispatcher is not None:
             self.dispatcher.core_rejoined(core)
 

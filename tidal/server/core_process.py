@@ -9,6 +9,7 @@ import time
 
 import zmq
 
+from tidal.core.snapshot import SchedulerView, scheduler_view
 from tidal.engine.config import EngineConfig
 from tidal.cluster.kv_transfer import KVLink
 from tidal.engine.core import EngineCore
@@ -91,6 +92,8 @@ class _CoreLoop:
         self.incarnation = incarnation
         self.deadline: float | None = None  # set by Shutdown: drain until then
         self.last_stats = 0.0
+        self.last_view = 0.0  # the scheduler clock of the last view sent
+        self.viewers = 0  # dashboards watching, as the frontend last said
         self.adds_seen = 0
         self.step_seconds = 0.0  # wall time of steps, their outputs sent, since start
         self.poller = zmq.Poller()
@@ -134,10 +137,19 @@ class _CoreLoop:
                 self.last_stats = now
                 self.send(m.Stats(self.index, self.adds_seen, core.scheduler.stats(),
                                   core.prompt_tokens, core.generation_tokens,
-                                  core.execute_seconds, self.step_seconds, self.incarnation))
+                                  core.execute_seconds, self.step_seconds, self.incarnation,
+                                  self._view()))
                 if os.getppid() != parent:  # the frontend died: do not linger as an orphan
                     log.warning("frontend process gone; engine core exiting")
                     return
+
+    def _view(self) -> SchedulerView | None:
+        """The scheduler's view with the steps since the last one, while dashboards watch."""
+        if not self.viewers:
+            return None
+        view = scheduler_view(self.core.scheduler, self.core.history, self.last_view)
+        self.last_view = view.steps[-1].time if view.steps else self.last_view
+        return view
 
     def _take_messages(self) -> None:
         core, link = self.core, self.link
@@ -158,6 +170,8 @@ class _CoreLoop:
                 core.finish(msg.seq_id)
             elif isinstance(msg, m.Shutdown):
                 self.deadline = time.monotonic() + msg.drain_timeout
+            elif isinstance(msg, m.Watch):
+                self.viewers = msg.viewers
 
     def _add(self, msg: m.Add) -> None:
         refusal = self.core.scheduler.role.refusal(msg.prefill_address)

@@ -58,8 +58,8 @@ def install_error_handlers(app: FastAPI, api_key: str | None,
                            max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                            max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
     """Answer APIError, invalid bodies (400, not FastAPI's 422) and HTTP errors with OpenAI
-    error bodies; with `api_key`, refuse /v1, /tokenize and /detokenize requests that do not
-    carry it (401); refuse headers over `max_header_bytes` (431) and bodies over
+    error bodies; with `api_key`, refuse /v1, /tokenize, /detokenize and /dashboard requests
+    that do not carry it (401; the dashboard may carry it as `?api_key=`); refuse headers over `max_header_bytes` (431) and bodies over
     `max_body_bytes` (413)."""
     app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes,
                        max_header_bytes=max_header_bytes)
@@ -72,8 +72,11 @@ def install_error_handlers(app: FastAPI, api_key: str | None,
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         path = request.url.path
-        if api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
+        page = path.startswith("/dashboard")
+        if api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize") or page):
             sent = request.headers.get("authorization", "").encode()
+            if page and not sent:  # a browser cannot add headers to a page or EventSource
+                sent = f"Bearer {request.query_params.get('api_key', '')}".encode()
             if not hmac.compare_digest(sent, expected):  # constant time: no timing oracle
                 return error_response(APIError("invalid or missing API key", 401,
                                                "authentication_error"))

@@ -6,6 +6,7 @@ import msgspec
 
 from tidal.core import RequestOutput, SamplingParams
 from tidal.core.invariants import SchedulerStats
+from tidal.core.snapshot import SchedulerView
 
 # frontend -> core
 
@@ -69,6 +70,12 @@ class Rejected(msgspec.Struct, tag=True):
     message: str
 
 
+class Watch(msgspec.Struct, tag=True):
+    """How many dashboards watch: while any does, Stats carry a SchedulerView."""
+
+    viewers: int
+
+
 class Stats(msgspec.Struct, tag=True):
     """The core's load and counters, twice a second (and right after a new request)."""
 
@@ -80,6 +87,7 @@ class Stats(msgspec.Struct, tag=True):
     execute_seconds: float = 0.0  # wall time in the model runner since start
     step_seconds: float = 0.0  # wall time of steps (schedule, execute, update, send) since start
     incarnation: int = 0  # late stats of a dead incarnation are dropped
+    view: SchedulerView | None = None  # queues, block map and steps, while dashboards watch
 
 
 class Failed(msgspec.Struct, tag=True):
@@ -90,7 +98,7 @@ class Failed(msgspec.Struct, tag=True):
     incarnation: int = 0
 
 
-ToCore = Add | Abort | Finish | Shutdown
+ToCore = Add | Abort | Finish | Shutdown | Watch
 FromCore = Ready | Outputs | Rejected | Stats | Failed
 
 encoder = msgspec.msgpack.Encoder()

@@ -3,6 +3,8 @@ figures come from the core's latest Stats message; latencies are observed per re
 
 from __future__ import annotations
 
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -90,3 +92,5 @@ class ServerMetrics:
                              buckets=_LATENCY, registry=self.registry)
         self.finished = Counter("tidal:request_success", "Finished requests by reason.",
                                 ["finished_reason"], registry=self.registry)
+        # (finish time, TTFT, mean time per output token or None) of recent requests
+        self.recent: deque[tuple[float, float, float | None]] = deque(maxlen=2048)

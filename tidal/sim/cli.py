@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from tidal.bench.flags import add_workload_flags, load_workload, result_header, save_result
 from tidal.bench.metrics import format_report, parse_goodput, summarize
 from tidal.engine.flags import add_engine_flags, engine_kwargs, flag_errors
+from tidal.sim.dashboard import DashboardRecorder
 
 if TYPE_CHECKING:
     from tidal.engine.config import EngineConfig
@@ -60,6 +61,11 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--compare", default=None, metavar="RESULT_JSON",
                    help="a `tidal bench serve --save-result` file of the same workload: "
                         "print each headline metric's relative error against it")
+    p.add_argument("--dashboard", default=None, metavar="HTML",
+                   help="write the live dashboard's page replaying this run (self-contained "
+                        "HTML); its frames also go into --save-result")
+    p.add_argument("--dashboard-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="simulated seconds between the dashboard's frames")
     add_workload_flags(p, max_model_len=None)
     # The cache and scheduler options, each replica's KV pool and the data-parallel replicas
     # (the hardware's memory sizes the pool when --num-kv-blocks is not given).
@@ -133,6 +139,12 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
             prefill_path=args.prefill_path)
         requests, times, spec = load_workload(args, arch.vocab_size,
                                               max_model_len=config.scheduler.max_model_len)
+    recorder = None
+    if args.dashboard:
+        sched = config.scheduler
+        recorder = DashboardRecorder(args.dashboard_interval, args.model_config,
+                                     {"ttft_ms": sched.ttft_slo_ms, "tpot_ms": sched.tpot_slo_ms})
+        sim.record_dashboard(recorder)
     t0 = time.perf_counter()
     run = sim.run(requests, times, args.max_concurrency)
     wall = time.perf_counter() - t0
@@ -146,6 +158,8 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
         "busy_seconds": run.busy_seconds,
         "preemptions": run.preemptions, "wall_seconds": wall,
         "simulated_requests_per_second": len(requests) / wall, "timeline": run.timeline}
+    if recorder is not None:
+        result["dashboard_frames"] = recorder.frames  # tidal/cli.py writes the page
     print(format_report(result, "Simulated Serving Result"))
     print(f"{'Preemptions:':<42}{run.preemptions:>18}")
     print(f"{'Steps:':<42}{run.steps:>18}")

@@ -9,6 +9,7 @@ from operator import attrgetter
 
 from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, RequestOutput,
                         Scheduler, SchedulerConfig, SchedulerOutput)
+from tidal.core.snapshot import StepHistory
 from tidal.core.step_time import StepShape
 from tidal.sim.cost_model import CostModel
 
@@ -55,6 +56,8 @@ class SimReplica:
         self.planned_tokens = 0
         self.pending_transfers: list[str] = []  # decode role: admitted, prefill not yet sent
         self.early: list[RequestOutput] = []  # finished by a step that computed nothing
+        self.history: StepHistory | None = None  # steps, kept while a dashboard records
+        self.generated = 0  # tokens sampled, counted while a dashboard records
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -78,6 +81,8 @@ class SimReplica:
                 self.steps += 1
                 took = self.cost.shape_time(shape)
                 self.busy_seconds += took
+                if self.history is not None:
+                    self.history.record(out, took, now + took)
                 return now + took
             self.early += sched.update(out, ModelOutput(preempted_ack=out.preempted_ids))
             if not (out.preempted_ids or out.transfer_ids):
@@ -95,5 +100,7 @@ class SimReplica:
             sampled = dict.fromkeys(map(_ID, steps), token)
         else:
             sampled = dict.fromkeys(compress(map(_ID, steps), map(_SAMPLES, steps)), token)
+        if self.history is not None:
+            self.generated += len(sampled)
         # The simulated executor has drained a preempted request's slot when its step ends.
         return self.scheduler.update(out, ModelOutput(sampled, out.preempted_ids))

@@ -19,6 +19,7 @@ from tidal.bench.metrics import RequestResult
 from tidal.cluster.routing import CoreLoad, Router
 from tidal.core import CacheConfig, Request, SamplingParams, SchedulerConfig
 from tidal.sim.cost_model import CostModel
+from tidal.sim.dashboard import DashboardRecorder
 from tidal.sim.replica import SimReplica, TokenClock
 
 _SEND, _ARRIVAL, _STEP_END, _TRANSFER_END = 0, 1, 2, 3
@@ -91,6 +92,13 @@ class Simulator:
         # The concurrency gate of run(): requests sent and not finished, sends waiting, and
         # finishes not yet counted out of the gate.
         self._in_flight, self._held, self._released = 0, deque(), 0
+        self.recorder: DashboardRecorder | None = None  # dashboard frames, when asked for
+        self._sent: list[float] = []
+
+    def record_dashboard(self, recorder: DashboardRecorder) -> None:
+        """Collect dashboard frames during `run()` (costs a view per replica a frame)."""
+        self.recorder = recorder
+        recorder.attach(self.replicas)
 
     def _push(self, time: float, kind: int, payload) -> None:
         self._seq += 1
@@ -111,6 +119,7 @@ class Simulator:
         clocks = {str(i): TokenClock() for i in range(len(requests))}  # by request id
         done: list[str | None] = [None] * len(requests)  # each request's finish reason
         sent = list(send_times)  # when each request really went out (later when gated)
+        self._sent = sent
         timeline: dict[str, list[float]] = {"time": [], "kv_usage": [], "running": [],
                                            "waiting": [], "preemptions": []}
         latency = self.cost.hw.request_latency
@@ -141,6 +150,8 @@ class Simulator:
                 if now >= next_sample:
                     self._sample(timeline, now)
                     next_sample = now + self.spec.sample_interval
+                if self.recorder is not None:
+                    self.recorder.maybe_record(now, self.replicas)
             else:
                 self._transfer_end(payload, now, clocks, done, dirty)
             while dirty:
@@ -226,6 +237,10 @@ class Simulator:
             if o.finished:
                 self._released += 1
                 done[int(o.request_id)] = o.finish_reason
+                if self.recorder is not None and clocks[o.request_id].count:
+                    clock = clocks[o.request_id]
+                    self.recorder.finished(now, clock.first - self._sent[int(o.request_id)],
+                                           sum(clock.itl) / len(clock.itl) if clock.itl else None)
                 decoder, prefiller = self._home.pop(o.request_id)
                 if prefiller is replica:  # ended at its prefill: free the decode side too
                     decoder.scheduler.abort(o.request_id)
