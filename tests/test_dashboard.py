@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import add, make_scheduler, step
-from server_fixtures import Server, metric
+from server_fixtures import Server
 from tidal.core.snapshot import CACHED, FREE, SHARED, USED, StepHistory, scheduler_view
 
 KEY = "dash-key"
@@ -270,3 +270,32 @@ def test_the_replay_plays_in_a_browser(replay):
         browser.close()
     last = {f["core"]: f for f in frames}
     assert decode == [last[c]["view"]["queues"]["decode"] for c in (0, 1)]
+
+
+# ---------------------------------------------------------------------- plots
+
+
+def test_benchmark_and_simulator_plots_are_labelled():
+    """Every plot of `tidal bench serve --plot` and `tidal simulate --plot` has a title
+    naming its source, axis labels with units, and a legend on every axes with data."""
+    import matplotlib.pyplot as plt
+
+    from tidal.bench.metrics import RequestResult
+    from tidal.bench.plot import figures
+
+    results = [RequestResult(100, 20, start=i * 0.5, ttft=0.1 + 0.01 * i, itl=[0.02] * 19,
+                             latency=0.5, success=True) for i in range(40)]
+    series = {"kv_usage": ([0, 1, 2], [0.1, 0.5, 0.2]), "running": ([0, 1, 2], [1, 4, 2])}
+    figs = figures(results, "tidal simulate", series)
+    assert set(figs) == {"ttft_cdf", "tpot_cdf", "throughput", "timeline"}
+    for name, fig in figs.items():
+        title = fig._suptitle.get_text() if fig._suptitle else fig.axes[0].get_title()
+        assert title.startswith("tidal simulate: "), name
+        for ax in fig.axes:
+            assert ax.get_ylabel(), name
+            assert ax.get_legend() is not None and ax.get_legend().get_texts(), name
+        xlabel = fig.axes[-1].get_xlabel()
+        assert "(" in xlabel and xlabel.endswith(")"), (name, xlabel)  # a unit
+        plt.close(fig)
+    p50 = [t.get_text() for t in figs["ttft_cdf"].axes[0].get_legend().get_texts()]
+    assert "p50 295.0 ms" in p50  # the median TTFT of 0.1 + 0.01 i, i < 40

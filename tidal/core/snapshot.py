@@ -5,7 +5,7 @@ on demand: a scheduler that nobody watches builds none of it.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 # evictable), used by one request, shared by several (prefix hits).
 FREE, CACHED, USED, SHARED = ".", "c", "u", "s"
 _RANK = {FREE: 0, CACHED: 1, USED: 2, SHARED: 3}
+_BY_RANK = FREE + CACHED + USED + SHARED
 
 
 @dataclass
@@ -96,9 +97,14 @@ def scheduler_view(scheduler: "Scheduler", history: StepHistory | None, since: f
                 for state, members in queues.items() for r in members[:limit]]
     states = block_states(scheduler)
     per_cell = -(-len(states) // max_cells) if states else 1
-    cells = "".join(max(states[i:i + per_cell], key=_RANK.__getitem__)
-                    for i in range(0, len(states), per_cell))
-    counts = {s: states.count(s) for s in (FREE, CACHED, USED, SHARED)}
+    if per_cell == 1:
+        cells = "".join(states)
+    else:  # the busiest state of each cell: a max over strided slices of the ranks
+        ranks = [_RANK[x] for x in states] + [0] * (-len(states) % per_cell)
+        cells = "".join(_BY_RANK[r] for r in map(max, *(ranks[k::per_cell]
+                                                         for k in range(per_cell))))
+    counts = Counter(states)
+    counts = {x: counts[x] for x in (FREE, CACHED, USED, SHARED)}
     return SchedulerView(now, {k: len(v) for k, v in queues.items()}, requests, cells,
                          per_cell, counts, history.since(since) if history else [])
 
