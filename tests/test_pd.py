@@ -3,6 +3,7 @@ one engine thread each) driven by the official `openai` client, and the failure 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -121,8 +122,33 @@ def test_the_router_refuses_a_bad_request_with_the_servers_own_error():
         missing = httpx.get(pd.url + "/v1/nowhere", headers=auth)
         assert missing.status_code == 404
         assert missing.json() == httpx.get(decode + "/v1/nowhere", headers=auth).json()
+        check_router_dashboard(pd.url, key)
     finally:
         pd.stop()
+
+
+def check_router_dashboard(url: str, key: str) -> None:
+    """The router's dashboard needs the key and merges both instances' streams: a panel
+    (core id, label) per instance core, prefill first."""
+    assert httpx.get(url + "/dashboard").status_code == 401
+    assert httpx.get(url + "/dashboard/stream").status_code == 401
+    assert "EventSource" in httpx.get(url + f"/dashboard?api_key={key}").text
+    sent = threading.Thread(target=lambda: httpx.post(
+        url + "/v1/completions", json={"prompt": "hi there", "max_tokens": 8},
+        headers={"authorization": f"Bearer {key}"}, timeout=60))
+    sent.start()
+    seen = {}
+    with httpx.stream("GET", url + f"/dashboard/stream?api_key={key}", timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[len("data: "):])
+                seen[event["core"]] = event["label"]
+                if len(seen) == 2:
+                    break
+    sent.join()
+    assert sorted(seen) == [0, 1000]
+    assert seen[0].startswith("prefill http://") and seen[1000].startswith("decode http://")
 
 
 def test_a_dead_prefill_core_fails_its_request_and_the_decode_side_frees_the_blocks():

@@ -10,6 +10,8 @@ room waits there, and its prompt is not computed until it has blocks.
 The router re-reads every instance's /health each `health_interval` seconds, and at once
 after a failed forward: an instance that fails it leaves the rotation until it passes again,
 and a prefill instance whose core was restarted is sent to at its new KV address.
+
+Its /dashboard shows every instance's cores: its stream merges the instances' streams.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import contextlib
 import json
 import logging
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, AsyncIterator
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from tidal.cluster.routing import CoreLoad, Router
+from tidal.server.dashboard import page_html
 from tidal.server.errors import install_error_handlers
 from tidal.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
 from tidal.server.protocol import APIError, ChatRequest, CompletionRequest, GenerationRequest
@@ -174,6 +177,37 @@ class PDRouter:
                            "service_unavailable") from exc
         return Response(r.content, r.status_code, media_type="application/json")
 
+    async def dashboard_events(self, auth: dict[str, str]) -> AsyncIterator[str]:
+        """The instances' dashboard streams as one: the i-th instance (prefill ones first)
+        has its core c shown as core 1000 i + c, labelled with its role and address."""
+        events: asyncio.Queue = asyncio.Queue(64)
+
+        async def follow(i: int, inst: Instance) -> None:
+            while True:  # an instance that restarts or drops the stream is followed again
+                with contextlib.suppress(httpx.HTTPError):
+                    async with self.http.stream("GET", inst.url + "/dashboard/stream",
+                                                headers=auth) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                event = json.loads(line[len("data: "):])
+                                core = event["core"]
+                                event.update(core=1000 * i + core,
+                                             label=f"{inst.role} {inst.url}, core {core}")
+                                if events.full():  # a slow page drops its oldest event
+                                    events.get_nowait()
+                                events.put_nowait(f"data: {json.dumps(event)}\n\n")
+                await asyncio.sleep(1.0)
+
+        tasks = [asyncio.create_task(follow(i, inst))
+                 for i, inst in enumerate(self.prefill + self.decode)]
+        try:
+            yield ": tidal router dashboard\n\n"
+            while True:
+                yield await events.get()
+        finally:
+            for t in tasks:
+                t.cancel()
+
     async def health(self) -> dict:
         """ok when every instance answers its /health with 200 (checked now, which also
         updates the rotation)."""
@@ -186,8 +220,11 @@ class PDRouter:
 
 
 def _auth_header(request: Request) -> dict[str, str]:
-    """The client's Authorization header, for the instance a request is passed to."""
+    """The client's Authorization header (or a dashboard's ?api_key=), for the instance a
+    request is passed to."""
     key = request.headers.get("authorization")
+    if key is None and "api_key" in request.query_params:
+        key = f"Bearer {request.query_params['api_key']}"
     return {"authorization": key} if key is not None else {}
 
 
@@ -219,6 +256,18 @@ async def models(request: Request, router: RouterDep):
 @routes.get("/health")
 async def health(router: RouterDep):
     return await router.health()
+
+
+@routes.get("/dashboard", response_class=HTMLResponse)
+async def dashboard():
+    return HTMLResponse(page_html(title="tidal router: prefill and decode instances"))
+
+
+@routes.get("/dashboard/stream")
+async def dashboard_stream(request: Request, router: RouterDep):
+    return StreamingResponse(router.dashboard_events(_auth_header(request)),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
 
 def build_router_app(router: PDRouter, on_shutdown=None, api_key: str | None = None,

@@ -30,9 +30,9 @@ function chart(parent, title, yLabel, series) {
   return new uPlot(opts, [[], ...series.map(() => [])], parent);
 }
 
-function corePanel(index) {
+function corePanel(index, label) {
   const panel = el("div", {class: "core", id: `core-${index}`});
-  panel.append(el("h2", {}, `engine core ${index}`));
+  panel.append(el("h2", {}, label ?? `engine core ${index}`));
   const counts = el("div", {class: "counts"});
   for (const q of QUEUES) {
     counts.append(el("span", {}, el("i", {class: `chip ${q}`}), `${q} `,
@@ -107,7 +107,7 @@ function render(frame) {
   const view = frame.view;
   if (!view) return;
   if (origin === null) origin = view.steps.length ? view.steps[0].time : view.time;
-  const c = cores[frame.core] ??= corePanel(frame.core);
+  const c = cores[frame.core] ??= corePanel(frame.core, frame.label);
   (window.tidalLast ??= {})[frame.core] = frame;  // what each panel shows, for tests
   const t = view.time - origin, s = frame.stats;
   for (const q of QUEUES) c.panel.querySelector(`.queue-${q}`).textContent = view.queues[q] ?? 0;
