@@ -130,10 +130,13 @@ def test_each_refused_field_is_a_400_naming_it(server, path, base, model):
 
 
 @pytest.mark.parametrize("path,body,param,words", [
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
-     "response_format", "structured outputs"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}},
+     "response_format.type", "not supported"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice", "tool calling"),
-    ("/v1/chat/completions", {**CHAT, "guided_regex": "[a-z]+"}, "guided_regex", "structured"),
+    ("/v1/chat/completions", {**CHAT, "guided_regex": "[a-z"}, "guided_regex",
+     "does not compile"),
+    ("/v1/chat/completions", {**CHAT, "guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern", "not supported"),
     ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
     ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "text"),
     ("/v1/chat/completions", {**CHAT, "service_tier": "flex"}, "service_tier", "tier"),
@@ -199,7 +202,7 @@ def test_the_openai_client_gets_400s_for_what_tidal_does_not_do(client):
         (lambda: client.chat.completions.create(
             model=MODEL, messages=QUESTION,
             response_format={"type": "json_schema",
-                             "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+                             "json_schema": {"name": "x", "schema": {"type": "wat"}}}),
          "response_format"),
         (lambda: client.chat.completions.create(model=MODEL, messages=QUESTION,
                                                 parallel_tool_calls=False),

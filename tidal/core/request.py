@@ -79,6 +79,10 @@ class SamplingParams:
     logit_bias): -100 all but bans the token, 100 all but forces it. The ids must be in the
     model's vocabulary, which the engine checks when the request is added."""
 
+    structured: tuple[str, str] | None = None
+    """Constrain the output: (kind, spec) with kind `json` (a JSON schema, as JSON text),
+    `regex`, `choice` (a JSON list of strings) or `grammar` (Lark / EBNF)."""
+
     ttft_slo_ms: float | None = None
     """Time-to-first-token target in ms, from arrival (policy `slo`; None: the scheduler's
     default, if any)."""
@@ -100,6 +104,9 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "ttft_slo_ms must be > 0"),
             (self.tpot_slo_ms is None or self.tpot_slo_ms > 0, "tpot_slo_ms must be > 0"),
+            (self.structured is None or (len(self.structured) == 2 and self.structured[0]
+                                         in ("json", "regex", "choice", "grammar")),
+             "structured must be (kind, spec) with kind json, regex, choice or grammar"),
         ]
         for ok, message in checks:
             if not ok:
@@ -118,6 +125,8 @@ class SamplingParams:
                                  f"for token {token}")
             bias[token] = float(value)
         self.logit_bias = bias
+        if self.structured is not None:
+            self.structured = (str(self.structured[0]), str(self.structured[1]))
 
 
 def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

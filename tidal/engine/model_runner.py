@@ -11,6 +11,7 @@ import torch
 from tidal.core import ModelOutput, NewRequest, ScheduledRequest, SchedulerOutput
 from tidal.core.request import token_slice
 from tidal.engine.config import ModelConfig
+from tidal.engine.structured import Grammars, Matchers
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
 from tidal.model.config import ModelArch
@@ -92,6 +93,8 @@ class ModelRunner:
         # Decode-only steps run as one C++ call where the model allows (CPU).
         self.decoder = cpu_decode.build_decoder(self.model) if ext else None
         self.block_size = block_size
+        self.folder = Path(folder)
+        self.matchers: Matchers | None = None  # structured outputs, made on first use
         self.max_forward_tokens = (config.max_forward_tokens if config.max_forward_tokens
                                    is not None else 1024 if self.device == "cpu" else 0)
         self.num_blocks = self._size_kv(config)
@@ -152,8 +155,13 @@ class ModelRunner:
         for rid in out.finished_ids:  # a preempted request keeps its generator's state
             self.generators.pop(rid, None)
             self.seqs.pop(rid, None)
+            if self.matchers is not None:
+                self.matchers.drop(rid)
         for new in out.new_requests:  # a retracted request comes back with its tokens
             self.seqs[new.request_id] = _Seq(new)
+            if new.sampling_params.structured is not None:  # at the state of its tokens
+                self._matchers().add(new.request_id, *new.sampling_params.structured,
+                                     list(new.output_token_ids))
         if out.block_copies:
             src = torch.tensor([s for s, _ in out.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in out.block_copies], device=self.device)
@@ -162,6 +170,9 @@ class ModelRunner:
                 v[dst] = v[src]
         if not out.scheduled:
             return ModelOutput(preempted_ack=list(out.preempted_ids))
+        # Grammar masks are computed on a worker thread while the forward pass runs.
+        masks = self.matchers.start([s.request_id for s in out.scheduled if s.samples]) \
+            if self.matchers is not None and self.matchers.by_id else None
         parts, sample_ids = [], []
         for entries in self._passes(out.scheduled):
             batch = self._prepare(entries)
@@ -169,17 +180,28 @@ class ModelRunner:
             sample_ids += batch.sample_ids
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         seqs = [self.seqs[rid] for rid in sample_ids]
+        if masks is not None:
+            self.matchers.apply(masks, logits, sample_ids, [q.stop_ids for q in seqs])
         tokens, logprobs = sample(logits, [self._row(rid, q) for rid, q in zip(sample_ids, seqs)],
                                   self.generator)
-        for q, toks in zip(seqs, tokens):
+        for rid, q, toks in zip(sample_ids, seqs, tokens):
             q.output.append(toks[0])  # an n>1 request's other tokens start its siblings
             q.num_samples = 1
+            if masks is not None:
+                self.matchers.advance(rid, toks[0])
         result = ModelOutput(sampled=dict(zip(sample_ids, tokens)),
                              preempted_ack=list(out.preempted_ids))
         for rid, lp in zip(sample_ids, logprobs):
             if lp is not None:
                 result.logprobs[rid] = lp
         return result
+
+    def _matchers(self) -> Matchers:
+        if self.matchers is None:
+            eos = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None
+            self.matchers = Matchers(Grammars((self.folder / "tokenizer.json").read_text(),
+                                              self.arch.vocab_size, eos))
+        return self.matchers
 
     def _passes(self, scheduled: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
         """The step's entries, prefills first, in forward passes of at most

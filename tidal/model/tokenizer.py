@@ -46,6 +46,10 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(template)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance reads)."""
+        return self._tk.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 

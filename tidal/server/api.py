@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tidal import __version__
 from tidal.engine.outputs import StepUpdate
+from tidal.engine.structured import Grammars
 from tidal.server.client import CoreClient, EngineDeadError, Failure
 from tidal.server.dashboard import DashboardHub
 from tidal.server.dashboard import routes as dashboard_routes
@@ -64,6 +65,7 @@ class Frontend:
         self.tokenizer = client.tokenizer
         self.metrics = ServerMetrics(client)
         self.dashboard = DashboardHub(client, self.metrics, config.model_name)
+        self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
@@ -116,6 +118,9 @@ class Frontend:
             if getattr(body, name) is not None and client.config.scheduler.policy != "slo":
                 raise APIError(f"{name} needs a server started with --policy slo (this one "
                                f"schedules by {client.config.scheduler.policy!r})", param=name)
+        constraint = body.output_constraint()
+        if constraint is not None:  # compiled against the tokenizer: a 400 if it cannot be
+            await self._check_constraint(*constraint)
         prefill = (body.kv_transfer_params or {}).get("prefill_address")
         if prefill is not None:
             body.check_disaggregated()
@@ -128,6 +133,17 @@ class Frontend:
         except EngineDeadError as exc:
             raise _unavailable(exc) from exc
         return rids, queue, params[0].n
+
+    async def _check_constraint(self, field: str, constraint: tuple[str, str]) -> None:
+        """Compile an output constraint (the tokenizer's grammar view is built once)."""
+        if self.grammars is None:
+            tok, vocab = self.tokenizer, self.client.ready.vocab_size
+            self.grammars = await asyncio.to_thread(Grammars, tok.to_json(), vocab,
+                                                    tok.eos_token_id)
+        try:
+            await asyncio.to_thread(self.grammars.grammar, *constraint)
+        except ValueError as exc:
+            raise APIError(str(exc), param=field) from exc
 
     async def _updates(self, rids: list[str], queue: asyncio.Queue, n: int) -> Updates:
         """(choice index, update) until every choice finished, observing the latency

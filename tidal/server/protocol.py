@@ -19,12 +19,13 @@ import json
 from typing import Any, ClassVar, Literal
 
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from tidal.core import SamplingParams
 from tidal.server.refusals import (CHAT_REFUSED, COMPLETION_REFUSED, NOT_YET, TOOLS,
                                      VLLM_REFUSED)
+from tidal.server.structured import ConstraintError, structured_spec
 
 
 class APIError(Exception):
@@ -218,6 +219,26 @@ class GenerationRequest(StrictModel):
     kv_transfer_params: dict | None = None  # P/D: {"prefill_address": ...}, set by the router
     ttft_slo_ms: float | None = Field(None, gt=0, le=1e9)  # only with --policy slo
     tpot_slo_ms: float | None = Field(None, gt=0, le=1e9)
+    # Output constraints (server/structured.py): OpenAI's, and vLLM's extensions.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _constraint: tuple[str, tuple[str, str]] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "GenerationRequest":
+        try:
+            self._constraint = structured_spec(self)
+        except ConstraintError as exc:
+            raise refuse(exc.param, str(exc)) from None
+        return self
+
+    def output_constraint(self) -> tuple[str, tuple[str, str]] | None:
+        """(the field that asked for it, (kind, spec)) of the output constraint, or None."""
+        return self._constraint
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "GenerationRequest":
@@ -283,7 +304,9 @@ class GenerationRequest(StrictModel):
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logprobs=logprobs,
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size),
-                ttft_slo_ms=self.ttft_slo_ms, tpot_slo_ms=self.tpot_slo_ms)
+                structured=self._constraint and self._constraint[1],
+                ttft_slo_ms=self.ttft_slo_ms,
+                tpot_slo_ms=self.tpot_slo_ms)
         except ValueError as exc:  # its messages start with the field's name
             word = str(exc).split(" ", 1)[0]
             param = word if word in type(self).model_fields else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # Why a field is refused, by topic; a table entry is (values that pass, why).
 TOOLS = "tidal does not implement tool calling yet"
-STRUCTURED = "tidal does not implement structured outputs yet"
+STRUCTURED = "tidal's structured outputs take response_format, structured_outputs or guided_*"
 NOT_YET = "tidal does not implement it yet"
 
 # vLLM's request extensions tidal does not implement (both endpoints).
@@ -20,14 +20,9 @@ VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
     "allowed_token_ids": ((), NOT_YET),
     "bad_words": (([],), NOT_YET),
     "logits_processors": (([],), "tidal takes no per-request logits processors"),
-    "guided_json": ((), STRUCTURED),
-    "guided_regex": ((), STRUCTURED),
-    "guided_choice": ((), STRUCTURED),
-    "guided_grammar": ((), STRUCTURED),
     "guided_decoding_backend": ((), STRUCTURED),
     "guided_whitespace_pattern": ((), STRUCTURED),
     "structural_tag": ((), STRUCTURED),
-    "structured_outputs": ((), STRUCTURED),
     "return_tokens_as_token_ids": ((False,), NOT_YET),
     "return_token_ids": ((False,), NOT_YET),
     "cache_salt": ((), "tidal does not salt the prefix cache per request"),
@@ -45,7 +40,6 @@ CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
     "parallel_tool_calls": ((), TOOLS),
     "functions": (([],), TOOLS),
     "function_call": (("none",), TOOLS),
-    "response_format": (({"type": "text"},), STRUCTURED),
     "audio": ((), "tidal serves text-only models"),
     "modalities": ((["text"],), "tidal serves text-only models"),
     "prediction": ((), "tidal does not implement predicted outputs"),
@@ -67,5 +61,4 @@ CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
 COMPLETION_REFUSED: dict[str, tuple[tuple, str]] = {
     "echo": ((False,), NOT_YET),
     "suffix": (("",), "tidal does not implement insertion"),
-    "response_format": ((), STRUCTURED),
 }

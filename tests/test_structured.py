@@ -1,0 +1,132 @@
+"""Structured outputs on the embedded model, through a real server and the official `openai`
+client: JSON schemas (OpenAI's response_format and vLLM's fields) hold at temperature 1.0
+for 20 samples, streamed or not and with n > 1; regexes, choices and Lark grammars hold;
+a constraint that does not compile, or two at once, is a 400 naming the field. Offline: a
+request retracted and recomputed mid-output keeps to its grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from server_fixtures import Server
+from tidal import LLM, SamplingParams
+
+MODEL = "smollm2-135m"
+ASK = [{"role": "user", "content": "Describe a city as JSON."}]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
+          "properties": {"city": {"type": "string", "maxLength": 24},
+                         "population": {"type": "integer", "minimum": 0},
+                         "coastal": {"type": "boolean"}}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_json_schema_holds_for_20_samples_at_temperature_1(client):
+    texts = []
+    for seed in range(4):
+        r = client.chat.completions.create(
+            model=MODEL, messages=ASK, n=5, temperature=1.0, seed=seed, max_tokens=150,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}})
+        for choice in r.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            texts.append(choice.message.content)
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > 5  # sampled, not one answer repeated
+
+
+def test_json_streamed_with_n_and_vllm_fields(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, n=2, temperature=1.0, seed=7, max_tokens=150, stream=True,
+        extra_body={"structured_outputs": {"json": SCHEMA}})
+    parts = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+    for text in parts.values():
+        jsonschema.validate(json.loads(text), SCHEMA)
+    r = client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=100,
+                                  temperature=1.0, extra_body={"guided_json": SCHEMA})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    # any object: asked for a short one (a free one runs past any max_tokens here)
+    short = [{"role": "user", "content": 'Return the JSON object {"ok": true} and nothing else.'}]
+    r = client.chat.completions.create(model=MODEL, messages=short, max_tokens=100,
+                                       temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_regex_choice_and_grammar_hold(client):
+    date = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
+    r = client.completions.create(model=MODEL, prompt="Today's date:", n=4, temperature=1.0,
+                                  max_tokens=20, extra_body={"guided_regex": date})
+    for c in r.choices:
+        assert re.fullmatch(date, c.text), c.text
+    choices = ["red", "green", "blue"]
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Pick a colour."}], n=6,
+        temperature=1.0, max_tokens=10, extra_body={"guided_choice": choices})
+    assert all(c.message.content in choices for c in r.choices)
+    grammar = 'start: "(" NUM (" + " NUM)* ")"\nNUM: /[1-9][0-9]?/'
+    r = client.completions.create(model=MODEL, prompt="A sum:", temperature=1.0, n=3,
+                                  max_tokens=30,
+                                  extra_body={"structured_outputs": {"grammar": grammar}})
+    for c in r.choices:
+        assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\)", c.text), c.text
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}},
+     "response_format", "does not compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "needs"),
+    ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs.grammar",
+     "does not compile"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml", "not supported"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+     "send one"),
+])
+def test_bad_constraints_are_400s_naming_the_field(server, body, param, words):
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": ASK, "max_tokens": 8, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_a_retracted_request_resumes_its_grammar():
+    """On a pool too small for all, requests are retracted mid-output and recomputed:
+    every output still matches, and each equals the same request run alone."""
+    pattern = r"[a-z]{3,8}( [a-z]{3,8}){5,7}\."
+    params = SamplingParams(max_tokens=64, temperature=1.0, seed=3,
+                            structured=("regex", pattern))
+    prompts = [f"Write words {i}:" for i in range(8)]
+    # almost no decode reservation: admits more than fits, then retracts
+    small = LLM(MODEL, num_kv_blocks=12, block_size=16, init_new_token_ratio=0.01)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0  # some were retracted
+    texts = [o.outputs[0].text for o in outs]
+    for text in texts:
+        assert re.fullmatch(pattern, text), text
+    alone = LLM(MODEL, num_kv_blocks=64, block_size=16)
+    assert [alone.generate([p], params, use_tqdm=False)[0].outputs[0].text
+            for p in prompts] == texts

@@ -1,0 +1,115 @@
+"""Structured outputs: constrain a request's tokens to a JSON schema, a regex, a choice of
+strings or a Lark grammar, with llguidance (Rust, no torch: it computes each step's token
+mask on the CPU and releases the GIL meanwhile).
+
+`Grammars` compiles and checks a `SamplingParams.structured` spec against the model's
+tokenizer; `Matchers` keeps one matcher per sequence in the model runner. Each step the
+masks of the sampling rows are computed on a worker thread while the forward pass runs,
+then applied to the logits as a bitmask; the sampled tokens advance the matchers. A
+sequence whose grammar is complete may only end (its stop tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+KINDS = ("json", "regex", "choice", "grammar")  # SamplingParams.structured[0]
+# tidal's kind -> llguidance's grammar_from format
+_FORMATS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "lark"}
+
+
+def _compact(schema_text: str) -> str:
+    """JSON without free whitespace between tokens (as OpenAI's outputs are): a small model
+    given the choice fills the output with newlines. A schema's own x-guidance wins."""
+    schema = json.loads(schema_text)
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return json.dumps(schema)
+
+
+class Grammars:
+    """The model's tokenizer as llguidance sees it (built once, ~0.3 s), and compilation."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None) -> None:
+        import llguidance
+
+        self._ll = llguidance
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                eos_token=eos_token_id)
+        self.vocab_size = vocab_size
+
+    def grammar(self, kind: str, spec: str) -> str:
+        """llguidance's grammar for a spec; ValueError naming what is wrong with it."""
+        try:
+            if kind == "choice" and not json.loads(spec):
+                raise ValueError("the choice list is empty")
+            if kind == "json":
+                spec = _compact(spec)
+            grammar = self._ll.grammar_from(_FORMATS[kind], spec)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"the {kind} constraint does not compile: {exc}") from exc
+        error = self._ll.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:  # its first line and the line saying what is wrong
+            lines = [ln.strip() for ln in error.strip().splitlines()]
+            why = [ln for ln in lines[1:] if ln.startswith("error")]
+            raise ValueError(f"the {kind} constraint does not compile: "
+                             + " ".join(lines[:1] + why[:1]))
+        return grammar
+
+    def matcher(self, kind: str, spec: str, consumed: list[int]):
+        """A matcher at the state after `consumed` (a resumed or forked sequence's tokens)."""
+        m = self._ll.LLMatcher(self.tokenizer, self.grammar(kind, spec))
+        if consumed and not m.consume_tokens(consumed):
+            raise ValueError(f"the tokens so far do not match the {kind} constraint")
+        return m
+
+
+class Matchers:
+    """The constrained sequences of a model runner, by request id."""
+
+    def __init__(self, grammars: Grammars) -> None:
+        import llguidance.torch as llt
+
+        self.grammars, self._llt = grammars, llt
+        self.by_id: dict[str, object] = {}
+        self._pool = ThreadPoolExecutor(1, "tidal-grammar")
+
+    def add(self, rid: str, kind: str, spec: str, consumed: list[int]) -> None:
+        self.by_id[rid] = self.grammars.matcher(kind, spec, consumed)
+
+    def drop(self, rid: str) -> None:
+        self.by_id.pop(rid, None)
+
+    def start(self, rids: list[str]) -> Future | None:
+        """Begin computing the masks of these sampling rows on the worker thread; None when
+        none of them is constrained."""
+        rows = [(r, self.by_id[r]) for r in rids if r in self.by_id]
+        return self._pool.submit(self._fill, rows) if rows else None
+
+    def _fill(self, rows: list) -> tuple[dict[str, int], torch.Tensor]:
+        bitmask = self._llt.allocate_token_bitmask(len(rows), self.grammars.vocab_size)
+        for i, (_, m) in enumerate(rows):
+            self._llt.fill_next_token_bitmask(m, bitmask, i)
+        return {r: i for i, (r, _) in enumerate(rows)}, bitmask
+
+    def apply(self, pending: Future, logits: torch.Tensor, rids: list[str],
+              stop_ids: list[list[int]]) -> None:
+        """In place: the constrained rows' disallowed tokens to -inf. A row whose grammar
+        accepts may also end with any of its stop tokens."""
+        index, bitmask = pending.result()
+        rows = [i for i, r in enumerate(rids) if r in index]
+        sub = logits[rows]
+        self._llt.apply_token_bitmask_inplace(
+            sub, bitmask[[index[rids[i]] for i in rows]].to(logits.device))
+        for j, i in enumerate(rows):
+            if stop_ids[i] and self.by_id[rids[i]].is_accepting():
+                sub[j, stop_ids[i]] = logits[i, stop_ids[i]]
+        logits[rows] = sub
+
+    def advance(self, rid: str, token: int) -> None:
+        m = self.by_id.get(rid)
+        if m is not None and not m.is_stopped():
+            m.consume_token(token)
