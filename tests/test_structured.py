@@ -130,3 +130,25 @@ def test_a_retracted_request_resumes_its_grammar():
     alone = LLM(MODEL, num_kv_blocks=64, block_size=16)
     assert [alone.generate([p], params, use_tqdm=False)[0].outputs[0].text
             for p in prompts] == texts
+
+
+def test_logprob_bytes_are_each_tokens_own_bytes(client):
+    """A character split over tokens: each token's `bytes` is its part of the UTF-8, and
+    together they spell the text (the token strings alone would say U+FFFD)."""
+    word = "日本語"
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say Japanese."}], max_tokens=16,
+        logprobs=True, top_logprobs=2, extra_body={"guided_choice": [word]})
+    entries = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == word
+    assert entries[-1].token == "<|im_end|>"  # the stop token: its text is its bytes
+    assert bytes(entries[-1].bytes) == b"<|im_end|>"
+    entries = entries[:-1]
+    assert b"".join(bytes(e.bytes) for e in entries) == word.encode()
+    partial = [e for e in entries if "\ufffd" in e.token]
+    assert partial  # this tokenizer splits one of these characters
+    for e in partial:
+        with pytest.raises(UnicodeDecodeError):
+            bytes(e.bytes).decode()
+    assert all(len(e.top_logprobs) == 2 and all(a.bytes is not None for a in e.top_logprobs)
+               for e in entries)

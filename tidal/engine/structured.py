@@ -31,7 +31,8 @@ def _compact(schema_text: str) -> str:
 
 
 class Grammars:
-    """The model's tokenizer as llguidance sees it (built once, ~0.3 s), and compilation."""
+    """The model's tokenizer as llguidance sees it (built once, ~0.3 s): compilation of
+    constraints, and each token's bytes (for logprobs)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None) -> None:
         import llguidance
@@ -58,6 +59,13 @@ class Grammars:
             raise ValueError(f"the {kind} constraint does not compile: "
                              + " ".join(lines[:1] + why[:1]))
         return grammar
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's own bytes (a partial UTF-8 character stays partial); a special token's
+        text."""
+        if self.tokenizer.is_special_token(token):
+            return self.tokenizer.decode_str([token]).encode()
+        return self.tokenizer.decode_bytes([token])
 
     def matcher(self, kind: str, spec: str, consumed: list[int]):
         """A matcher at the state after `consumed` (a resumed or forked sequence's tokens)."""

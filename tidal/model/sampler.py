@@ -120,7 +120,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     logprobs: list = [None] * len(rows)
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if wanted:
-        lp = logits[wanted].log_softmax(-1)
+        # A token a constraint or a ban rules out reports -9999 (vLLM's floor): JSON has
+        # no -inf.
+        lp = logits[wanted].log_softmax(-1).clamp(min=-9999.0)
         for j, i in enumerate(wanted):
             k = rows[i].params.logprobs
             top = lp[j].topk(k) if k else None

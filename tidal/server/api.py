@@ -78,7 +78,8 @@ class Frontend:
         """Submit the prompts, then answer with the whole body or an SSE stream."""
         rids, queue, n = await self._submit(prompts, body, max_tokens, logprobs, default_max)
         response = response_cls(self.tokenizer, self.config.model_name, rids[0], prompts,
-                                len(prompts) * n, logprobs is not None)
+                                len(prompts) * n, logprobs is not None,
+                                self.grammars.token_bytes if self.grammars else None)
         updates = self._updates(rids, queue, n)
         if not body.stream:
             return await _unless_client_leaves(request, response.body(updates))
@@ -121,6 +122,8 @@ class Frontend:
         constraint = body.output_constraint()
         if constraint is not None:  # compiled against the tokenizer: a 400 if it cannot be
             await self._check_constraint(*constraint)
+        if logprobs is not None:  # their `bytes` come from the grammar tokenizer's view
+            await self._load_grammars()
         prefill = (body.kv_transfer_params or {}).get("prefill_address")
         if prefill is not None:
             body.check_disaggregated()
@@ -134,12 +137,17 @@ class Frontend:
             raise _unavailable(exc) from exc
         return rids, queue, params[0].n
 
-    async def _check_constraint(self, field: str, constraint: tuple[str, str]) -> None:
-        """Compile an output constraint (the tokenizer's grammar view is built once)."""
+    async def _load_grammars(self) -> Grammars:
+        """The tokenizer as llguidance sees it, built once (in a thread: ~0.3 s)."""
         if self.grammars is None:
             tok, vocab = self.tokenizer, self.client.ready.vocab_size
             self.grammars = await asyncio.to_thread(Grammars, tok.to_json(), vocab,
                                                     tok.eos_token_id)
+        return self.grammars
+
+    async def _check_constraint(self, field: str, constraint: tuple[str, str]) -> None:
+        """Compile an output constraint: a 400 naming `field` if it does not."""
+        await self._load_grammars()
         try:
             await asyncio.to_thread(self.grammars.grammar, *constraint)
         except ValueError as exc:

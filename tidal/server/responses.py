@@ -43,11 +43,13 @@ class GenerationResponse:
     chunk_object = ""
 
     def __init__(self, tokenizer, model_name: str, request_id: str, prompts: list[list[int]],
-                 num_choices: int, logprobs: bool) -> None:
+                 num_choices: int, logprobs: bool, token_bytes=None) -> None:
         self.tokenizer, self.model_name, self.prompts = tokenizer, model_name, prompts
         self.id, self.created = f"{self.id_prefix}-{request_id}", int(time.time())
         self.choices = [_Choice() for _ in range(num_choices)]
         self.want_logprobs = logprobs
+        # a token's own bytes (a partial UTF-8 character stays partial); else its text's
+        self._token_bytes = token_bytes
 
     # ------------------------------------------------------------------ per endpoint
     def logprobs(self, entries: list, offset: int) -> dict:
@@ -68,6 +70,10 @@ class GenerationResponse:
     # ------------------------------------------------------------------ shared
     def token_text(self, t: int) -> str:
         return self.tokenizer.decode([t], skip_special_tokens=False)
+
+    def token_bytes(self, t: int) -> list[int]:
+        raw = self._token_bytes(t) if self._token_bytes else self.token_text(t).encode()
+        return list(raw)
 
     def usage(self) -> dict:
         p = sum(len(ids) for ids in self.prompts)  # once per prompt, whatever n is
@@ -138,8 +144,8 @@ class ChatResponse(GenerationResponse):
     def logprobs(self, entries: list, offset: int) -> dict:
         text = self.token_text
         return {"content": [{
-            "token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
-            "top_logprobs": [{"token": text(a), "logprob": alp, "bytes": list(text(a).encode())}
+            "token": text(t), "logprob": lp, "bytes": self.token_bytes(t),
+            "top_logprobs": [{"token": text(a), "logprob": alp, "bytes": self.token_bytes(a)}
                              for a, alp in alts]}
             for t, (lp, alts) in entries]}
 
