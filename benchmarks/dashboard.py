@@ -29,7 +29,7 @@ def scrape(url: str) -> dict[str, float]:
              "tidal:generation_tokens_total")
     text = httpx.get(url + "/metrics").text
     return {n: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() for n in names
-            if line.startswith(n + " ")}
+            if line.startswith(n + "{")}
 
 
 class Clients:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -71,10 +72,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _labels(text: str) -> dict[str, str]:
+    return dict(re.findall(r'(\w+)="([^"]*)"', text))
+
+
 def metric(url: str, name: str) -> float:
+    """A sample of /metrics: `name`, or `name{label="value",...}` matching those labels
+    (others, such as model_name, may be there too)."""
+    base, _, wanted = name.partition("{")
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
+        sample, _, value = line.rpartition(" ")
+        line_base, _, labels = sample.partition("{")
+        if line_base == base and _labels(wanted).items() <= _labels(labels).items():
+            return float(value)
     raise KeyError(name)
 
 

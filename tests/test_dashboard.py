@@ -134,7 +134,7 @@ METRICS = {  # /metrics name -> (stats field, how /metrics merges the cores)
 def scrape(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics").text
     return {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            for name in METRICS if line.startswith(name + " ")}
+            for name in METRICS if line.startswith(name + "{")}
 
 
 def test_stream_events_equal_metrics_within_one_update(server):

@@ -19,10 +19,7 @@ PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,",
 
 
 def routed(url: str, core: int) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(f'tidal:dp_requests_routed_total{{core="{core}"}}'):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(core)
+    return metric(url, f'tidal:dp_requests_routed_total{{core="{core}"}}')
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ class Frontend:
     def __init__(self, client: CoreClient, config: ServerConfig) -> None:
         self.client, self.config = client, config
         self.tokenizer = client.tokenizer
-        self.metrics = ServerMetrics(client)
+        self.metrics = ServerMetrics(client, config.model_name)
         self.dashboard = DashboardHub(client, self.metrics, config.model_name)
         self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
 
@@ -179,7 +179,7 @@ class Frontend:
                     last[u.request_id] = now
                 if u.finished:
                     left -= 1
-                    metrics.finished.labels(u.finish_reason or "unknown").inc()
+                    metrics.finished(u.finish_reason or "unknown").inc()
                     if u.finish_reason == "rejected":  # the slo policy's overload decision
                         raise APIError(u.finish_message or "overloaded", 503,
                                        "service_unavailable", retry_after=1)

@@ -1,5 +1,6 @@
-"""Prometheus metrics at /metrics, named like vLLM's with a `tidal:` prefix. Engine-side
-figures come from the core's latest Stats message; latencies are observed per request here."""
+"""Prometheus metrics at /metrics, named like vLLM's with a `tidal:` prefix and, as vLLM's,
+labelled with the served `model_name`. Engine-side figures come from the core's latest
+Stats message; latencies are observed per request here."""
 
 from __future__ import annotations
 
@@ -14,8 +15,15 @@ _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 6
 class _CoreCollector:
     """Reads the engine core's latest stats at scrape time."""
 
-    def __init__(self, client) -> None:
-        self.client = client
+    def __init__(self, client, model_name: str) -> None:
+        self.client, self.model = client, model_name
+
+    def _family(self, kind, name: str, doc: str, value: float | None = None, labels=()):
+        """A gauge or counter family labelled with the model (and `labels`)."""
+        family = kind(name, doc, labels=["model_name", *labels])
+        if value is not None:
+            family.add_metric([self.model], value)
+        return family
 
     def collect(self):
         yield from self._liveness()
@@ -37,7 +45,7 @@ class _CoreCollector:
              s.new_token_ratio),
         ]
         for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
+            yield self._family(GaugeMetricFamily, name, doc, value)
         counters = [
             ("tidal:num_preemptions", "Retractions since start.", s.num_preemptions),
             ("tidal:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
@@ -50,14 +58,13 @@ class _CoreCollector:
              "update, send outputs).", stats.step_seconds),
         ]
         for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
+            yield self._family(CounterMetricFamily, name, doc, value)
         dispatcher = getattr(self.client, "dispatcher", None)
         if dispatcher is not None:
-            routed = CounterMetricFamily("tidal:dp_requests_routed",
-                                         "Requests the dispatcher sent to each core.",
-                                         labels=["core"])
+            routed = self._family(CounterMetricFamily, "tidal:dp_requests_routed",
+                                  "Requests the dispatcher sent to each core.", labels=["core"])
             for i, count in enumerate(dispatcher.routed):
-                routed.add_metric([str(i)], count)
+                routed.add_metric([self.model, str(i)], count)
             yield routed
 
     def _liveness(self):
@@ -65,15 +72,15 @@ class _CoreCollector:
         watch = getattr(self.client, "watch", None)
         if watch is None:
             return
-        up = GaugeMetricFamily("tidal:engine_core_up",
-                               "1 while the engine core serves, 0 while down or restarting.",
-                               labels=["core"])
-        restarts = CounterMetricFamily("tidal:engine_core_restarts",
-                                       "Engine-core processes started after one died.",
-                                       labels=["core"])
+        up = self._family(GaugeMetricFamily, "tidal:engine_core_up",
+                          "1 while the engine core serves, 0 while down or restarting.",
+                          labels=["core"])
+        restarts = self._family(CounterMetricFamily, "tidal:engine_core_restarts",
+                                "Engine-core processes started after one died.",
+                                labels=["core"])
         for state in watch.cores:
-            up.add_metric([str(state.index)], 1.0 if state.up else 0.0)
-            restarts.add_metric([str(state.index)], state.restarts)
+            up.add_metric([self.model, str(state.index)], 1.0 if state.up else 0.0)
+            restarts.add_metric([self.model, str(state.index)], state.restarts)
         yield up
         yield restarts
 
@@ -81,16 +88,23 @@ class _CoreCollector:
 class ServerMetrics:
     """One registry per server (tests run several in one process)."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, client, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_CoreCollector(client))
-        self.ttft = Histogram("tidal:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY, registry=self.registry)
-        self.itl = Histogram("tidal:inter_token_latency_seconds", "Time between tokens.",
-                             buckets=_LATENCY, registry=self.registry)
-        self.e2e = Histogram("tidal:e2e_request_latency_seconds", "Request latency.",
-                             buckets=_LATENCY, registry=self.registry)
-        self.finished = Counter("tidal:request_success", "Finished requests by reason.",
-                                ["finished_reason"], registry=self.registry)
+        self.registry.register(_CoreCollector(client, model_name))
+        self.model = model_name
+
+        def histogram(name: str, doc: str):
+            return Histogram(name, doc, ["model_name"], buckets=_LATENCY,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("tidal:time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("tidal:inter_token_latency_seconds", "Time between tokens.")
+        self.e2e = histogram("tidal:e2e_request_latency_seconds", "Request latency.")
+        self._finished = Counter("tidal:request_success", "Finished requests by reason.",
+                                 ["model_name", "finished_reason"], registry=self.registry)
         # (finish time, TTFT, mean time per output token or None) of recent requests
         self.recent: deque[tuple[float, float, float | None]] = deque(maxlen=2048)
+
+    def finished(self, reason: str):
+        """The finished-requests counter of one reason."""
+        return self._finished.labels(self.model, reason)
