@@ -4,11 +4,10 @@ learned step-time model, and an overloaded server's rejection as a 503 with Retr
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
-from server_fixtures import Server
+from server_fixtures import Server, metric
 
 PROMPT = "The capital of France is"
 
@@ -24,13 +23,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-def _metric(server, name: str) -> float:
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 def test_requests_within_reach_of_their_targets_are_served(client):
@@ -54,6 +46,6 @@ def test_a_request_that_cannot_make_its_ttft_is_rejected_with_a_503(server, clie
     assert err.value.response.headers["retry-after"] == "1"
     body = err.value.body
     assert body["type"] == "service_unavailable" and "time-to-first-token" in body["message"]
-    assert _metric(server, "tidal:num_requests_running") == 0
-    assert _metric(server, "tidal:kv_cache_used_blocks") == 0
-    assert _metric(server, 'tidal:request_success_total{finished_reason="rejected"}') >= 1
+    assert metric(server.url, "tidal:num_requests_running") == 0
+    assert metric(server.url, "tidal:kv_cache_used_blocks") == 0
+    assert metric(server.url, 'tidal:request_success_total{finished_reason="rejected"}') >= 1
