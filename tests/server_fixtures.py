@@ -61,6 +61,13 @@ class Server:
         return self.log.read()
 
 
+def openai_client(server: "Server", key: str = "none"):
+    """The official client on a server's /v1, without retries (a test sees each answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

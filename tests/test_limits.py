@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import Server
+from server_fixtures import Server, openai_client
 
 MODEL_LEN, BODY, HEADER, IDLE = 256, 4096, 4096, 1.0
 TOTAL, MAX_N, STOPS, STOP_LEN, PENDING = 64, 4, 4, 8, 8
@@ -33,7 +33,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
 def complete(client, **kw):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from server_fixtures import Server, metric
+from server_fixtures import Server, metric, openai_client
 
 PROMPT = "The capital of France is"
 
@@ -22,7 +22,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
 def test_requests_within_reach_of_their_targets_are_served(client):

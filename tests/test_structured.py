@@ -11,10 +11,9 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from server_fixtures import Server
+from server_fixtures import Server, openai_client
 from tidal import LLM, SamplingParams
 
 MODEL = "smollm2-135m"
@@ -34,7 +33,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
 def test_json_schema_holds_for_20_samples_at_temperature_1(client):
