@@ -49,9 +49,12 @@ class StepHistory:
         self.steps: deque[StepRecord] = deque(maxlen=size)
         self.prefill_total = self.decode_total = 0  # tokens of every step recorded
 
-    def record(self, out: "SchedulerOutput", seconds: float, now: float) -> None:
-        prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
-        decode = sum(s.num_new_tokens for s in out.scheduled if not s.is_prefill)
+    def record(self, out: "SchedulerOutput", seconds: float, now: float,
+               prefill: int | None = None) -> None:
+        """Add a step; `prefill`: its prompt tokens, where the caller counted them already."""
+        if prefill is None:
+            prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
+        decode = out.num_tokens - prefill
         self.prefill_total += prefill
         self.decode_total += decode
         self.steps.append(StepRecord(now, prefill, decode, seconds))

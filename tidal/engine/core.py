@@ -134,7 +134,8 @@ class EngineCore:
     def _execute(self, out: SchedulerOutput) -> ModelOutput | Exception:
         if not (out.scheduled or out.block_copies or out.new_requests or out.finished_ids):
             return ModelOutput(preempted_ack=list(out.preempted_ids))
-        self.prompt_tokens += sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
+        prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
+        self.prompt_tokens += prefill
         t0 = time.perf_counter()
         try:
             result = self.runner.execute(out)
@@ -147,7 +148,7 @@ class EngineCore:
             self.execute_seconds += seconds
         if isinstance(self.step_time, LearnedStepTime):
             self.step_time.observe(StepShape.of(out), seconds)
-        self.history.record(out, seconds, time.time())
+        self.history.record(out, seconds, time.time(), prefill)
         return result
 
     def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception,
