@@ -20,8 +20,8 @@ from openai.types.chat import completion_create_params as chat_types
 from server_fixtures import Server
 from tidal.core import SamplingParams
 from tidal.server import messages as m
-from tidal.server.protocol import (APIError, ChatMessage, ChatRequest, CompletionRequest,
-                                   StreamOptions, chat_prompt_ids)
+from tidal.server.chat import ChatMessage, ChatRequest, chat_prompt_text
+from tidal.server.protocol import APIError, CompletionRequest, StreamOptions
 
 KEY = "fields-key"
 MODEL = "smollm2-135m"
@@ -68,7 +68,7 @@ class _RecordingTokenizer:
         self.calls.append((text, add_special_tokens))
         return [1, 2, 3]
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
         if messages[-1]["content"] == "x":
             raise ValueError("Conversation roles must alternate")
         return f"{messages}{add_generation_prompt}"
@@ -86,7 +86,7 @@ def test_add_special_tokens_reaches_the_tokenizer_and_template_errors_are_400s()
     assert [c[1] for c in tk.calls] == [False, True]
     assert tk.calls[0][0].endswith("True") and tk.calls[1][0].endswith("False")
     with pytest.raises(APIError) as err:
-        chat_prompt_ids([ChatMessage(role="user", content="x")], tk, True, False)
+        chat_prompt_text([ChatMessage(role="user", content="x")], tk, True)
     assert err.value.status == 400 and err.value.param == "messages"
     assert "must alternate" in err.value.message
 
@@ -132,7 +132,8 @@ def test_each_refused_field_is_a_400_naming_it(server, path, base, model):
 @pytest.mark.parametrize("path,body,param,words", [
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}},
      "response_format.type", "not supported"),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice", "tool calling"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", "use tools"),
     ("/v1/chat/completions", {**CHAT, "guided_regex": "[a-z"}, "guided_regex",
      "does not compile"),
     ("/v1/chat/completions", {**CHAT, "guided_whitespace_pattern": " "},
@@ -197,16 +198,18 @@ def test_include_obfuscation_is_accepted_and_streams_as_usual(server, client):
 def test_the_openai_client_gets_400s_for_what_tidal_does_not_do(client):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     cases = [
-        (lambda: client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[tool]),
-         "tools"),
+        (lambda: client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[tool],
+                                                tool_choice={"type": "function",
+                                                             "function": {"name": "g"}}),
+         "tool_choice.function.name"),
         (lambda: client.chat.completions.create(
             model=MODEL, messages=QUESTION,
             response_format={"type": "json_schema",
                              "json_schema": {"name": "x", "schema": {"type": "wat"}}}),
          "response_format"),
-        (lambda: client.chat.completions.create(model=MODEL, messages=QUESTION,
-                                                parallel_tool_calls=False),
-         "parallel_tool_calls"),
+        (lambda: client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=[tool], tool_choice="required",
+            response_format={"type": "json_object"}), "tool_choice"),
         (lambda: client.completions.create(model=MODEL, prompt="hi", echo=True), "echo"),
         (lambda: client.completions.create(model=MODEL, prompt="hi", best_of=2), "best_of"),
         (lambda: client.chat.completions.create(model=MODEL, messages=QUESTION,
@@ -243,10 +246,16 @@ def test_text_parts_equal_the_same_text_as_a_string(client):
                                    "input_audio": {"data": "", "format": "wav"}}]},
      "messages.1.content.0.type", "'input_audio' are not supported"),
     ({"role": "user", "content": [{"type": "text"}]}, "messages.1.content.0.text", "string 'text'"),
-    ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages.1.role", "tool calling"),
-    ({"role": "assistant", "content": None, "tool_calls": [
+    ({"role": "tool", "content": "42"}, "messages.1.tool_call_id", "needs the tool_call_id"),
+    ({"role": "user", "content": "a", "tool_call_id": "c1"}, "messages.1.tool_call_id",
+     "only a tool message"),
+    ({"role": "user", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-     "messages.1.tool_calls", "tool calling"),
+     "messages.1.tool_calls", "only assistant messages"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]},
+     "messages.1.tool_calls.0.function.arguments", "JSON object"),
+    ({"role": "function", "content": "1", "name": "f"}, "messages.1.role", "older form"),
     ({"role": "assistant", "content": "", "refusal": "no"}, "messages.1.refusal", "not supported"),
 ])
 def test_unsupported_message_contents_are_400s(server, message, param, words):

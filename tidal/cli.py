@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from tidal.engine.flags import add_engine_flags, engine_kwargs, flag_errors
+from tidal.server.reasoning import PARSERS as REASONING_PARSERS
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -65,7 +66,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           max_total_tokens=args.max_total_tokens,
                           max_stop_strings=args.max_stop_strings,
                           max_stop_length=args.max_stop_length,
-                          max_header_bytes=args.max_header_bytes, idle_timeout=args.idle_timeout)
+                          max_header_bytes=args.max_header_bytes, idle_timeout=args.idle_timeout,
+                          tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser)
     uvicorn.run(build_app(client, server), host=args.host, port=args.port,
                 log_level="info", timeout_graceful_shutdown=int(args.drain_timeout),
                 **uvicorn_limits(server.max_header_bytes, server.idle_timeout))
@@ -213,6 +216,14 @@ def run(argv: list[str] | None = None):
                      help="most stop strings a request may send")
     srv.add_argument("--max-stop-length", type=int, default=256,
                      help="most characters of one stop string")
+    srv.add_argument("--tool-call-parser", default="auto",
+                     choices=("auto", "hermes", "llama3_json"),
+                     help="how tool_choice 'auto' reads the model's calls: <tool_call> JSON "
+                          "(hermes: Qwen, Hermes, and models without a tool template), "
+                          "Llama 3 JSON, or auto (from the chat template)")
+    srv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                     help="split <think> blocks from replies into reasoning_content "
+                          "(qwen3 and deepseek_r1 name the same parser)")
     _add_connection_limits(srv)
     srv.add_argument("--restart-core", type=int, default=3, metavar="N",
                      help="restart a dead engine core up to N times in a row (0: never); its "

@@ -4,18 +4,13 @@ transformers' AutoTokenizer takes over a second) and jinja2 for the chat templat
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tidal.model.chat_template import ChatTemplate
 
 
 def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
-
-
-def _raise(message: str):
-    raise ValueError(message)
 
 
 class Tokenizer:
@@ -39,12 +34,9 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
-        self.chat_template = template
-        if template is not None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(template)
+        special = {name: _token_text(cfg[name]) or "" for name in
+                   ("bos_token", "eos_token", "unk_token", "pad_token") if cfg.get(name)}
+        self.chat_template = ChatTemplate(template, special) if template is not None else None
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what llguidance reads)."""
@@ -58,11 +50,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:
+        """The conversation as prompt text (ChatTemplate.render's arguments)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template: send a plain prompt instead")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise ValueError("each message needs a 'role' (and 'content')")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                     **kwargs)
+        return self.chat_template.render(messages, add_generation_prompt, **kwargs)

@@ -30,9 +30,13 @@ from tidal.server.errors import install_error_handlers
 from tidal.server.limits import (DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
                                  DEFAULT_MAX_HEADER_BYTES)
 from tidal.server.metrics import ServerMetrics
-from tidal.server.protocol import (APIError, ChatRequest, CompletionRequest,
-                                   DetokenizeRequest, GenerationRequest, TokenizeRequest,
-                                   check_token_ids)
+from tidal.server.chat import ChatRequest, TokenizeRequest
+from tidal.server.chat_output import ChatOutputOptions
+from tidal.server.protocol import (APIError, CompletionRequest, DetokenizeRequest,
+                                   GenerationRequest, check_token_ids)
+from tidal.server.reasoning import prompt_opens_thinking
+from tidal.server.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
+                                       parser_for_template)
 from tidal.server.responses import (ChatResponse, CompletionResponse, GenerationResponse,
                                     Updates)
 
@@ -54,6 +58,9 @@ class ServerConfig:
     # Connection limits (tidal/server/limits.py), uvicorn's settings and a middleware.
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # request line plus headers: 431 or 400
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # seconds before an idle connection is closed
+    # How replies are read (docs/serving.md, "Tool calling" and "Reasoning").
+    tool_call_parser: str = "auto"  # tool_choice auto's format: hermes, llama3_json, or auto
+    reasoning_parser: str | None = None  # "think": <think> blocks go to reasoning_content
 
 
 class Frontend:
@@ -66,20 +73,41 @@ class Frontend:
         self.metrics = ServerMetrics(client, config.model_name)
         self.dashboard = DashboardHub(client, self.metrics, config.model_name)
         self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
+        parser = config.tool_call_parser
+        if parser == "auto":  # the format the model's chat template speaks
+            template = getattr(self.tokenizer, "chat_template", None)
+            parser = parser_for_template(getattr(template, "source", None))
+        self.tool_parser = AUTO_PARSERS[parser]
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
             raise APIError(f"the model {name!r} does not exist; this server serves "
                            f"{self.config.model_name!r}", param="model")
 
+    def chat_options(self, body: ChatRequest) -> ChatOutputOptions:
+        """How a chat request's replies are read: its tool choice and the reasoning split."""
+        mode = body.tool_mode()
+        parser = {"none": None, "auto": self.tool_parser,
+                  "required": RequiredCallsParser}.get(mode)
+        if parser is None and mode != "none":
+            parser = lambda: NamedCallParser(mode)  # noqa: E731 (a forced function)
+        return ChatOutputOptions(
+            tool_parser=parser, named=mode not in ("none", "auto", "required"),
+            parallel=body.parallel_tool_calls, reasoning=self.config.reasoning_parser is not None,
+            prompt_opens_thinking=prompt_opens_thinking(body.prompt_text()),
+            include_reasoning=body.include_reasoning)
+
     async def generate(self, response_cls: type[GenerationResponse],
                        body: GenerationRequest, prompts: list[list[int]], max_tokens: int | None,
-                       logprobs: int | None, default_max: int | None, request: Request):
-        """Submit the prompts, then answer with the whole body or an SSE stream."""
+                       logprobs: int | None, default_max: int | None, request: Request,
+                       **options):
+        """Submit the prompts, then answer with the whole body or an SSE stream; `options`
+        go to the response (a chat's ChatOutputOptions)."""
         rids, queue, n = await self._submit(prompts, body, max_tokens, logprobs, default_max)
         response = response_cls(self.tokenizer, self.config.model_name, rids[0], prompts,
                                 len(prompts) * n, logprobs is not None,
-                                self.grammars.token_bytes if self.grammars else None)
+                                self.grammars.token_bytes if self.grammars else None,
+                                **options)
         updates = self._updates(rids, queue, n)
         if not body.stream:
             return await _unless_client_leaves(request, response.body(updates))
@@ -302,7 +330,8 @@ async def chat(body: ChatRequest, f: FrontendDep, request: Request):
     f.check_model(body.model)
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)  # as in completions
     return await f.generate(ChatResponse, body, prompts, body.output_limit(),
-                            body.num_logprobs(), default_max=None, request=request)
+                            body.num_logprobs(), default_max=None, request=request,
+                            options=f.chat_options(body))
 
 
 @routes.post("/tokenize")

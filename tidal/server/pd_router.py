@@ -28,10 +28,12 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from tidal.cluster.routing import CoreLoad, Router
+from tidal.server.chat import ChatRequest, TokenizeRequest
 from tidal.server.dashboard import page_html
 from tidal.server.errors import install_error_handlers
 from tidal.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
-from tidal.server.protocol import APIError, ChatRequest, CompletionRequest, GenerationRequest
+from tidal.server.protocol import (APIError, CompletionRequest, DetokenizeRequest,
+                                   GenerationRequest)
 
 log = logging.getLogger("tidal.router")
 
@@ -167,11 +169,14 @@ class PDRouter:
 
         return StreamingResponse(relay(), media_type="text/event-stream")
 
-    async def models(self, request: Request) -> Response:
-        """The first decode instance's /v1/models."""
+    async def relay(self, path: str, request: Request) -> Response:
+        """A decode instance's answer to a request that needs no prefill (/v1/models,
+        /tokenize, /detokenize: every instance serves the same model and tokenizer)."""
+        inst = next((d for d in self.decode if d.healthy), self.decode[0])
+        headers = {**_auth_header(request), "content-type": "application/json"}
         try:
-            r = await self.http.get(self.decode[0].url + "/v1/models",
-                                    headers=_auth_header(request))
+            r = await self.http.request(request.method, inst.url + path, headers=headers,
+                                        content=await request.body())
         except httpx.HTTPError as exc:
             raise APIError(f"decode instance unreachable: {exc}", 503,
                            "service_unavailable") from exc
@@ -250,7 +255,17 @@ async def chat(body: ChatRequest, request: Request, router: RouterDep):
 
 @routes.get("/v1/models")
 async def models(request: Request, router: RouterDep):
-    return await router.models(request)
+    return await router.relay("/v1/models", request)
+
+
+@routes.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request, router: RouterDep):
+    return await router.relay("/tokenize", request)
+
+
+@routes.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request, router: RouterDep):
+    return await router.relay("/detokenize", request)
 
 
 @routes.get("/health")

@@ -16,15 +16,13 @@ A null value means the field is absent, as in OpenAI's API."""
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from tidal.core import SamplingParams
-from tidal.server.refusals import (CHAT_REFUSED, COMPLETION_REFUSED, NOT_YET, TOOLS,
-                                     VLLM_REFUSED)
+from tidal.server.refusals import COMPLETION_REFUSED, VLLM_REFUSED
 from tidal.server.structured import ConstraintError, structured_spec
 
 
@@ -94,77 +92,6 @@ class StreamOptions(StrictModel):
 
     include_usage: bool = False
     include_obfuscation: bool = True  # harmless: tidal adds no obfuscation padding to chunks
-
-
-def _part_text(i: int, part: Any) -> str:
-    """A content part's text; any other kind of part is refused."""
-    where = f"content.{i}"
-    if not isinstance(part, dict):
-        raise refuse(where, "a content part must be an object with a 'type'")
-    kind = part.get("type")
-    if kind != "text":
-        raise refuse(f"{where}.type", f"content parts of type {kind!r} are not supported: "
-                                      "this server takes text parts only")
-    for key in part:
-        if key not in ("type", "text", "prompt_cache_breakpoint"):  # the last is a cache hint
-            raise refuse(f"{where}.{key}", f"Unrecognized request argument supplied: {key}")
-    if not isinstance(part.get("text"), str):
-        raise refuse(f"{where}.text", "a text part needs a string 'text'")
-    return part["text"]
-
-
-class ChatMessage(StrictModel):
-    """One message of a conversation; content is text or a list of text parts, joined with
-    newlines (as vLLM does). `name` goes to the chat template."""
-
-    _refused: ClassVar = {
-        "tool_calls": (([],), TOOLS),
-        "function_call": ((), TOOLS),
-        "tool_call_id": ((), TOOLS),
-        "audio": ((), "tidal serves text-only models"),
-        "refusal": ((), NOT_YET),
-    }
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | None = None
-    name: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _content(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        role = data.get("role")
-        if role in ("tool", "function"):
-            raise refuse("role", f"{role!r} messages are not supported: {TOOLS}")
-        content = data.get("content")
-        if isinstance(content, list):
-            data = {**data, "content": "\n".join(_part_text(i, p) for i, p in enumerate(content))}
-        return data
-
-    def template_dict(self) -> dict:
-        """The message as the chat template sees it (developer messages as system ones)."""
-        out = {"role": "system" if self.role == "developer" else self.role,
-               "content": self.content or ""}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
-
-
-def chat_prompt_ids(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool,
-                    add_special_tokens: bool) -> list[int]:
-    """A conversation through the model's chat template, as token ids."""
-    if not messages:
-        raise APIError("messages must not be empty", param="messages")
-    dicts = [m.template_dict() for m in messages]
-    if all(not m["content"] for m in dicts):
-        raise APIError("the messages hold no text", param="messages")
-    try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
-    except (ValueError, TemplateError) as exc:  # the template refused the conversation
-        raise APIError(f"the chat template refused the messages: {exc}",
-                       param="messages") from exc
-    return encode(tokenizer, text, add_special_tokens, "messages")
 
 
 def is_unicode(text: str) -> bool:
@@ -368,69 +295,6 @@ class CompletionRequest(GenerationRequest):
         if p and all(isinstance(x, list) for x in p):
             return [list(x) for x in p]
         raise APIError("the prompt is empty", param="prompt")
-
-
-class ChatRequest(GenerationRequest):
-    """A /v1/chat/completions body."""
-
-    _refused: ClassVar = {**VLLM_REFUSED, **CHAT_REFUSED}
-    prompt_field: ClassVar[str] = "messages"
-
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True  # vLLM: end the prompt where the assistant answers
-    add_special_tokens: bool = False  # vLLM: the chat template writes them already
-    # Harmless (docs/serving.md): they concern OpenAI's storage and caching, not the output.
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    prompt_cache_options: dict | None = None
-    safety_identifier: str | None = None
-
-    def prompt_ids(self, tokenizer) -> list[list[int]]:
-        """The conversation through the chat template, as the one prompt's token ids."""
-        return [chat_prompt_ids(self.messages, tokenizer, self.add_generation_prompt,
-                                self.add_special_tokens)]
-
-    def num_logprobs(self) -> int | None:
-        """Alternatives per token to report (0: the chosen token's only), None for none."""
-        if self.top_logprobs and not self.logprobs:
-            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def output_limit(self) -> int | None:
-        """max_completion_tokens, or the older max_tokens."""
-        return (self.max_completion_tokens if self.max_completion_tokens is not None
-                else self.max_tokens)
-
-    def limit_field(self) -> str:
-        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
-
-
-class TokenizeRequest(StrictModel):
-    """POST /tokenize, either of vLLM's shapes: {prompt} or {messages}."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True  # messages only
-    add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages
-
-    @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise refuse("prompt", "send either prompt or messages")
-        return self
-
-    def token_ids(self, tokenizer) -> list[int]:
-        special = self.add_special_tokens
-        if self.prompt is not None:
-            return encode(tokenizer, self.prompt, special is not False, "prompt")
-        return chat_prompt_ids(self.messages, tokenizer, self.add_generation_prompt,
-                               bool(special))
 
 
 class DetokenizeRequest(StrictModel):

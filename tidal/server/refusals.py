@@ -4,7 +4,7 @@ tables of the request models in protocol.py; docs/serving.md lists them)."""
 from __future__ import annotations
 
 # Why a field is refused, by topic; a table entry is (values that pass, why).
-TOOLS = "tidal does not implement tool calling yet"
+OLD_FUNCTIONS = "OpenAI's older form of tools: use tools and tool_choice"
 STRUCTURED = "tidal's structured outputs take response_format, structured_outputs or guided_*"
 NOT_YET = "tidal does not implement it yet"
 
@@ -35,11 +35,8 @@ VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
 
 # OpenAI chat fields tidal does not implement, and vLLM's chat-only extensions.
 CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
-    "tools": (([],), TOOLS),
-    "tool_choice": (("none",), TOOLS),
-    "parallel_tool_calls": ((), TOOLS),
-    "functions": (([],), TOOLS),
-    "function_call": (("none",), TOOLS),
+    "functions": (([],), OLD_FUNCTIONS),
+    "function_call": (("none",), OLD_FUNCTIONS),
     "audio": ((), "tidal serves text-only models"),
     "modalities": ((["text"],), "tidal serves text-only models"),
     "prediction": ((), "tidal does not implement predicted outputs"),
@@ -50,11 +47,7 @@ CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
     "service_tier": (("auto", "default"), "this server has one service tier, 'default'"),
     "echo": ((False,), NOT_YET),
     "best_of": ((1,), "tidal does not rank candidates"),
-    "continue_final_message": ((False,), NOT_YET),
     "chat_template": ((), "the model's own chat template is always used"),
-    "chat_template_kwargs": (({},), "tidal takes no chat template arguments"),
-    "documents": (([],), NOT_YET),
-    "include_reasoning": ((), "this server has no reasoning parser"),
 }
 
 # OpenAI completion fields tidal does not implement (best_of is checked against n).

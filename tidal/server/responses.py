@@ -1,23 +1,27 @@
 """OpenAI response bodies. One class per endpoint (ChatResponse, CompletionResponse) says how
 its choices, deltas and logprobs look; their base turns a request's token updates into the
-final JSON (stream=false) or the SSE chunks (stream=true)."""
+final body (stream=false) or the SSE chunks (stream=true), as the typed structs of
+`schemas.py`."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import AsyncGenerator, AsyncIterator
 
+from fastapi.responses import Response
+
 from tidal.engine.outputs import StepUpdate
+from tidal.server import schemas as s
+from tidal.server.chat_output import ChatOutputOptions, ChoiceOutput
 from tidal.server.protocol import APIError
 
 # (choice index, update) until every choice finished; raises APIError when the request fails
 Updates = AsyncGenerator[tuple[int, StepUpdate], None]
 
 
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+def json_response(obj) -> Response:
+    return Response(s.encode(obj), media_type="application/json")
 
 
 @dataclass
@@ -39,7 +43,6 @@ class GenerationResponse:
     the endpoint's own shapes."""
 
     id_prefix = ""
-    object = ""
     chunk_object = ""
 
     def __init__(self, tokenizer, model_name: str, request_id: str, prompts: list[list[int]],
@@ -52,18 +55,18 @@ class GenerationResponse:
         self._token_bytes = token_bytes
 
     # ------------------------------------------------------------------ per endpoint
-    def logprobs(self, entries: list, offset: int) -> dict:
+    def logprobs(self, entries: list, offset: int):
         raise NotImplementedError
 
-    def content(self, text: str) -> dict:
-        """A finished choice's text, in the final body."""
+    def final(self, choices: list[_Choice]):
+        """The whole body (stream=false)."""
         raise NotImplementedError
 
-    def delta(self, text: str) -> dict:
-        """New text, in a streamed chunk."""
+    def chunk_choice(self, i: int, new_text: str, lp, finish_reason: str | None):
+        """A streamed chunk's choice holding new text (None: nothing to send yet)."""
         raise NotImplementedError
 
-    def opening(self) -> list[dict]:
+    def opening(self) -> list:
         """Choices of a chunk sent before any token (none unless the endpoint wants one)."""
         return []
 
@@ -75,16 +78,16 @@ class GenerationResponse:
         raw = self._token_bytes(t) if self._token_bytes else self.token_text(t).encode()
         return list(raw)
 
-    def usage(self) -> dict:
+    def usage(self) -> s.Usage:
         p = sum(len(ids) for ids in self.prompts)  # once per prompt, whatever n is
         c = sum(len(ch.tokens) for ch in self.choices)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return s.Usage(p, c, p + c)
 
-    def chunk(self, choices: list[dict], **extra) -> str:
-        return sse({"id": self.id, "object": self.chunk_object, "created": self.created,
-                    "model": self.model_name, "choices": choices, **extra})
+    def chunk(self, choices: list, **extra) -> str:
+        return s.sse(s.Chunk(self.id, self.chunk_object, self.created, self.model_name,
+                             choices, **extra))
 
-    async def body(self, updates: Updates) -> dict:
+    async def body(self, updates: Updates) -> Response:
         """The whole response once every choice finished (stream=false)."""
         async for i, u in updates:
             ch = self.choices[i]
@@ -96,78 +99,98 @@ class GenerationResponse:
         for ch in self.choices:
             if ch.finish_reason == "error":
                 raise APIError(ch.message or "generation failed", 500, "internal_error")
-        out = []
-        for i, ch in enumerate(self.choices):
-            lp = self.logprobs(ch.logprobs, 0) if self.want_logprobs else None
-            out.append({"index": i, "logprobs": lp, "finish_reason": ch.finish_reason,
-                        **self.content(ch.text)})
-        return {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model_name, "choices": out, "usage": self.usage()}
+        return json_response(self.final(self.choices))
 
     async def events(self, updates: Updates, include_usage: bool) -> AsyncIterator[str]:
         """SSE chunks as tokens come, errors as error bodies, then [DONE] (stream=true)."""
+        extra = {"usage": None} if include_usage else {}
         try:
             opening = self.opening()
             if opening:
-                yield self.chunk(opening)
+                yield self.chunk(opening, **extra)
             async for i, u in updates:
                 ch = self.choices[i]
                 lp = self.logprobs(_entries(u), len(ch.text)) if self.want_logprobs else None
                 ch.text += u.new_text
                 ch.tokens.extend(u.new_token_ids)
                 if u.finish_reason == "error":
-                    yield sse(APIError(u.finish_message or "generation failed", 500,
-                                       "internal_error").body())
+                    yield s.sse(APIError(u.finish_message or "generation failed", 500,
+                                         "internal_error").body())
                     continue
-                if not (u.new_text or u.finished or lp):
-                    continue
-                part = {"index": i, "logprobs": lp,
-                        "finish_reason": u.finish_reason if u.finished else None,
-                        **self.delta(u.new_text)}
-                yield self.chunk([part], **({"usage": None} if include_usage else {}))
+                part = self.chunk_choice(i, u.new_text, lp,
+                                         u.finish_reason if u.finished else None)
+                if part is not None:
+                    yield self.chunk([part], **extra)
             if include_usage:
                 yield self.chunk([], usage=self.usage())
         except APIError as exc:
-            yield sse(exc.body())
+            yield s.sse(exc.body())
         finally:
             await updates.aclose()  # a closed connection lands here: abort at once
         yield "data: [DONE]\n\n"
 
 
 class ChatResponse(GenerationResponse):
-    """/v1/chat/completions: messages, role-then-content deltas, per-token logprob content."""
+    """/v1/chat/completions: messages (reasoning, content and tool calls read by
+    `chat_output.py`), role-then-content deltas, per-token logprob content."""
 
     id_prefix = "chatcmpl"
-    object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def logprobs(self, entries: list, offset: int) -> dict:
-        text = self.token_text
-        return {"content": [{
-            "token": text(t), "logprob": lp, "bytes": self.token_bytes(t),
-            "top_logprobs": [{"token": text(a), "logprob": alp, "bytes": self.token_bytes(a)}
-                             for a, alp in alts]}
-            for t, (lp, alts) in entries]}
+    def __init__(self, *args, options: ChatOutputOptions | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.options = options or ChatOutputOptions()
+        self.outputs = [ChoiceOutput(self.options) for _ in self.choices]
 
-    def content(self, text: str) -> dict:
-        return {"message": {"role": "assistant", "content": text}}
+    def logprobs(self, entries: list, offset: int) -> s.ChatLogprobs:
+        text, raw = self.token_text, self.token_bytes
+        return s.ChatLogprobs([
+            s.TokenLogprob(text(t), lp, raw(t), [s.TopLogprob(text(a), alp, raw(a))
+                                                 for a, alp in alts])
+            for t, (lp, alts) in entries])
 
-    def delta(self, text: str) -> dict:
-        return {"delta": {"content": text} if text else {}}
+    def final(self, choices: list[_Choice]) -> s.ChatCompletion:
+        out = []
+        for i, (ch, reader) in enumerate(zip(choices, self.outputs)):
+            reader.feed(ch.text)
+            reader.finish()
+            content: str | None = reader.content
+            if reader.calls or self.options.tool_parser is not None:
+                content = content.strip() or None  # the text around calls
+            reasoning = reader.reasoning if self.options.reasoning else None
+            message = s.AssistantMessage("assistant", content, reader.calls,
+                                         reasoning or None)
+            lp = self.logprobs(ch.logprobs, 0) if self.want_logprobs else None
+            out.append(s.ChatChoice(i, message, lp, reader.finish_reason(ch.finish_reason)))
+        return s.ChatCompletion(self.id, self.created, self.model_name, out, self.usage())
 
-    def opening(self) -> list[dict]:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for i in range(len(self.choices))]
+    def chunk_choice(self, i: int, new_text: str, lp, finish_reason: str | None):
+        reader = self.outputs[i]
+        piece = reader.feed(new_text)
+        if finish_reason is not None:
+            last = reader.finish()
+            piece.reasoning += last.reasoning
+            piece.content += last.content
+            piece.calls += last.calls
+            finish_reason = reader.finish_reason(finish_reason)
+        if not (piece.reasoning or piece.content or piece.calls or lp or finish_reason):
+            return None
+        delta = s.Delta(content=piece.content or None,
+                        reasoning_content=piece.reasoning or None, tool_calls=piece.calls)
+        return s.ChatChunkChoice(i, delta, lp, finish_reason)
+
+    def opening(self) -> list:
+        return [s.ChatChunkChoice(i, s.Delta(role="assistant", content=""), None, None)
+                for i in range(len(self.choices))]
 
 
 class CompletionResponse(GenerationResponse):
     """/v1/completions: text choices and the legacy logprobs shape with text offsets."""
 
     id_prefix = "cmpl"
-    object = "text_completion"
     chunk_object = "text_completion"
 
-    def logprobs(self, entries: list, offset: int) -> dict:
+    def logprobs(self, entries: list, offset: int) -> s.CompletionLogprobs:
         tokens, lps, tops, offsets = [], [], [], []
         for t, (lp, alts) in entries:
             text = self.token_text(t)
@@ -176,11 +199,15 @@ class CompletionResponse(GenerationResponse):
             tops.append({self.token_text(a): alp for a, alp in alts})
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
-                "text_offset": offsets}
+        return s.CompletionLogprobs(tokens, lps, tops, offsets)
 
-    def content(self, text: str) -> dict:
-        return {"text": text}
+    def final(self, choices: list[_Choice]) -> s.Completion:
+        out = [s.CompletionChoice(i, ch.text, self.logprobs(ch.logprobs, 0)
+                                  if self.want_logprobs else None, ch.finish_reason)
+               for i, ch in enumerate(choices)]
+        return s.Completion(self.id, self.created, self.model_name, out, self.usage())
 
-    def delta(self, text: str) -> dict:
-        return {"text": text}
+    def chunk_choice(self, i: int, new_text: str, lp, finish_reason: str | None):
+        if not (new_text or finish_reason or lp):
+            return None
+        return s.CompletionChoice(i, new_text, lp, finish_reason)

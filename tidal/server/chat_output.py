@@ -1,0 +1,95 @@
+"""A chat choice's text, as it streams, into what the response carries: reasoning
+(`reasoning.py`), content, and tool calls (`tool_parsers.py`), each piece once, the same
+pieces whether streamed or collected into one message."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tidal.server.reasoning import ThinkSplitter
+from tidal.server.schemas import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
+from tidal.server.tool_parsers import Event, ToolParser
+
+
+@dataclass(frozen=True)
+class ChatOutputOptions:
+    """How a request's choices are read: which tool parser (None: the text is content),
+    whether a named function was forced (its finish reason stays "stop", as OpenAI's),
+    one call at most unless `parallel`, and the reasoning split."""
+
+    tool_parser: Callable[[], ToolParser] | None = None
+    named: bool = False
+    parallel: bool = True
+    reasoning: bool = False  # split <think> blocks into reasoning_content
+    prompt_opens_thinking: bool = False
+    include_reasoning: bool = True
+
+
+@dataclass
+class Piece:
+    """What one step added to a choice."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+class ChoiceOutput:
+    """One choice's reasoning, content and calls so far; `feed` and `finish` return the
+    new piece for a streamed delta."""
+
+    def __init__(self, options: ChatOutputOptions) -> None:
+        self.options = options
+        self._think = (ThinkSplitter(options.prompt_opens_thinking)
+                       if options.reasoning else None)
+        self._tools = options.tool_parser() if options.tool_parser else None
+        self.reasoning = ""
+        self.content = ""
+        self.calls: list[ToolCall] = []
+        self._dropped = False  # the call in progress is past the one allowed
+
+    def feed(self, text: str) -> Piece:
+        return self._piece(*(self._think.feed(text) if self._think else ("", text)), False)
+
+    def finish(self) -> Piece:
+        return self._piece(*(self._think.finish() if self._think else ("", "")), True)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """Calls end a choice with "tool_calls" (a forced named function keeps "stop")."""
+        if self.calls and reason == "stop" and not self.options.named:
+            return "tool_calls"
+        return reason
+
+    def _piece(self, reasoning: str, content: str, last: bool) -> Piece:
+        piece = Piece()
+        if self.options.include_reasoning:
+            piece.reasoning = reasoning
+            self.reasoning += reasoning
+        events: list[Event] = [("content", content)] if content else []
+        if self._tools is not None:
+            events = (self._tools.feed(content) if content else []) + \
+                     (self._tools.finish() if last else [])
+        for event in events:
+            self._event(event, piece)
+        return piece
+
+    def _event(self, event: Event, piece: Piece) -> None:
+        kind = event[0]
+        if kind == "content":
+            piece.content += event[1]
+            self.content += event[1]
+        elif kind == "call":
+            self._dropped = bool(self.calls) and not self.options.parallel
+            if self._dropped:
+                return
+            _, name, arguments = event
+            call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", FunctionCall(name, arguments))
+            piece.calls.append(ToolCallDelta(len(self.calls), call.id, "function",
+                                             FunctionDelta(name, arguments)))
+            self.calls.append(call)
+        elif not self._dropped:  # more arguments of the last call
+            self.calls[-1].function.arguments += event[1]
+            piece.calls.append(ToolCallDelta(len(self.calls) - 1,
+                                             function=FunctionDelta(arguments=event[1])))

@@ -1,0 +1,153 @@
+"""OpenAI response bodies as typed msgspec structs, encoded straight to JSON: the final
+bodies of chat and completions, their streamed chunks, and the pieces they share.
+
+Fields that OpenAI leaves out when they are empty (a message's `tool_calls`, a delta's
+parts) default to a value `omit_defaults` drops; fields OpenAI always sends (`logprobs`,
+`finish_reason`, a message's `content`) have no default and are sent as null."""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(obj) -> bytes:
+    """JSON bytes of a response struct (or any msgspec-encodable value)."""
+    return _encoder.encode(obj)
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {_encoder.encode(obj).decode()}\n\n"
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+# ------------------------------------------------------------------ tool calls
+
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """A streamed piece of one call: its first piece has id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
+# ------------------------------------------------------------------ chat
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(Struct, omit_defaults=True):
+    role: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
+    reasoning_content: str | None = None  # with --reasoning-parser
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] = []
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+# ------------------------------------------------------------------ completions
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None for a prompt's first token (echo)
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct, omit_defaults=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    # vLLM's: per prompt token, {token id: logprob}, None for the first
+    prompt_logprobs: list[dict[str, float] | None] | UnsetType = UNSET
+
+
+# ------------------------------------------------------------------ envelopes
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    object: str = "text_completion"
+
+
+class Chunk(Struct, omit_defaults=True):
+    """A streamed chunk of either endpoint; `usage` is sent (null until the last chunk)
+    only when the client asked for it with stream_options.include_usage."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list  # ChatChunkChoice or CompletionChoice
+    usage: Usage | None | UnsetType = UNSET

@@ -1,0 +1,211 @@
+"""Tool calling, output side: a choice's text into content and calls, as it streams.
+
+Each parser takes the text piece by piece (`feed`) and once more at the end (`finish`),
+and answers with events: ("content", text), ("call", name, arguments) for a new call, and
+("args", text) for more of the last call's arguments. A whole response is the same events
+collected. Parsers for `tool_choice: auto` read what the model wrote (`hermes`:
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, as Qwen and Hermes models write;
+`llama3_json`: `{"name": ..., "parameters": ...}` objects separated by `;`); parsers for
+forced choices read the output that structured outputs constrained."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+Event = tuple  # ("content", text) | ("call", name, arguments) | ("args", text)
+
+
+def _call(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a decoded call object, or None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+class ToolParser:
+    """Base: content goes out as it comes, except whitespace, held until more text
+    follows (so the blank lines around calls do not become content)."""
+
+    def __init__(self) -> None:
+        self._blank = ""
+
+    def feed(self, text: str) -> list[Event]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Event]:
+        return []
+
+    def _content(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        if not text.strip():
+            self._blank += text
+            return []
+        text, self._blank = self._blank + text, ""
+        return [("content", text)]
+
+
+class HermesParser(ToolParser):
+    """`<tool_call>` JSON `</tool_call>` blocks anywhere in the text."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""
+        self._inside = False
+
+    def feed(self, text: str) -> list[Event]:
+        self._pending += text
+        events: list[Event] = []
+        while True:
+            if self._inside:
+                end = self._pending.find(self.CLOSE)
+                if end < 0:
+                    return events
+                body, self._pending = self._pending[:end], self._pending[end + len(self.CLOSE):]
+                self._inside = False
+                events += self._block(body, closed=True)
+            else:
+                start = self._pending.find(self.OPEN)
+                if start < 0:  # keep back what may be the start of a tag
+                    keep = partial_suffix(self._pending, self.OPEN)
+                    cut = len(self._pending) - keep
+                    events += self._content(self._pending[:cut])
+                    self._pending = self._pending[cut:]
+                    return events
+                events += self._content(self._pending[:start])
+                self._pending = self._pending[start + len(self.OPEN):]
+                self._inside = True
+
+    def finish(self) -> list[Event]:
+        rest, self._pending = self._pending, ""
+        if self._inside:  # an unclosed call (cut by max_tokens): a call if it parses
+            return self._block(rest, closed=False)
+        return self._content(rest)
+
+    def _block(self, body: str, closed: bool) -> list[Event]:
+        try:
+            call = _call(json.loads(body), ("arguments", "parameters"))
+        except ValueError:
+            call = None
+        if call is None:  # not a call after all: it stays text
+            tail = self.CLOSE if closed else ""
+            return self._content(f"{self.OPEN}{body}{tail}")
+        return [("call", *call)]
+
+
+class Llama3JsonParser(ToolParser):
+    """A reply that is JSON call objects (after an optional `<|python_tag|>`), separated by
+    `;`; any other reply is content."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text = ""
+        self._mode: str | None = None  # "calls" or "content" once the reply's start shows it
+
+    def feed(self, text: str) -> list[Event]:
+        if self._mode == "content":
+            return self._content(text)
+        self._text += text
+        if self._mode is None:
+            head = self._text.lstrip().removeprefix(self.TAG).lstrip()
+            if head and not self.TAG.startswith(head):  # the reply's start is here
+                self._mode = "calls" if head.startswith("{") else "content"
+                if self._mode == "content":
+                    text, self._text = self._text, ""
+                    return self._content(text)
+        return []
+
+    def finish(self) -> list[Event]:
+        text, self._text = self._text, ""
+        if self._mode != "calls":
+            return self._content(text)
+        body = text.strip().removeprefix(self.TAG)
+        decoder, calls, i = json.JSONDecoder(), [], 0
+        try:
+            while i < len(body):
+                while i < len(body) and body[i] in " \t\n;":
+                    i += 1
+                if i == len(body):
+                    break
+                obj, i = decoder.raw_decode(body, i)
+                call = _call(obj, ("parameters", "arguments"))
+                if call is None:
+                    raise ValueError("not a call")
+                calls.append(("call", *call))
+        except ValueError:
+            return self._content(text)
+        return calls
+
+
+class NamedCallParser(ToolParser):
+    """A forced function: the whole output is its arguments, streamed as they come."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self._name: str | None = name
+
+    def feed(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        if self._name is not None:
+            events.append(("call", self._name, ""))
+            self._name = None
+        return events + [("args", text)] if text else events
+
+    def finish(self) -> list[Event]:
+        return self.feed("")
+
+
+class RequiredCallsParser(ToolParser):
+    """`tool_choice: required`: the output is a JSON list of {name, arguments} calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text = ""
+
+    def feed(self, text: str) -> list[Event]:
+        self._text += text
+        return []
+
+    def finish(self) -> list[Event]:
+        try:
+            objs = json.loads(self._text)
+            calls = [_call(o, ("arguments",)) for o in objs]
+        except (ValueError, TypeError):  # cut short by max_tokens: it stays text
+            calls = [None]
+        if not calls or None in calls:
+            return self._content(self._text)
+        return [("call", *c) for c in calls]
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+AUTO_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def parser_for_template(template_source: str | None) -> str:
+    """The auto parser that matches a chat template: Llama 3's JSON calls where it speaks
+    of `<|python_tag|>` or ipython, else Hermes (also what tidal's own tool prompt asks
+    for, for templates without tools)."""
+    source = template_source or ""
+    if "<tool_call>" not in source and ("<|python_tag|>" in source or "ipython" in source):
+        return "llama3_json"
+    return "hermes"
