@@ -123,6 +123,15 @@ def test_the_router_refuses_a_bad_request_with_the_servers_own_error():
         assert missing.status_code == 404
         assert missing.json() == httpx.get(decode + "/v1/nowhere", headers=auth).json()
         check_router_dashboard(pd.url, key)
+        for path, body in (("/tokenize", {"prompt": "Hello there"}),
+                           ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}),
+                           ("/detokenize", {"tokens": [19556, 665]}),
+                           ("/detokenize", {"tokens": [-1]})):  # a 400 naming tokens
+            via_router = httpx.post(pd.url + path, json=body, headers=auth)
+            direct = httpx.post(decode + path, json=body, headers=auth)
+            assert via_router.status_code == direct.status_code, (path, body)
+            assert via_router.json() == direct.json(), (path, body)
+        assert httpx.post(pd.url + "/tokenize", json={"prompt": "x"}).status_code == 401
     finally:
         pd.stop()
 
