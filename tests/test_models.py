@@ -147,7 +147,7 @@ def test_one_at_a_time_with_first_step_logits(case):
     runner = llm.engine.runner
     assert (runner.decoder is not None) == cpu_decode.supports(runner.arch)  # C++ where it can
     logits, forward = [], runner._forward
-    runner._forward = lambda batch: logits.append(forward(batch)) or logits[-1]
+    runner._forward = lambda batch: logits.append(forward(batch)[0]) or (logits[-1], None)
     for prompt, want, want_logits in zip(PROMPTS, case.tokens, case.logits):
         start = len(logits)
         assert generate(llm, [prompt]) == [want]

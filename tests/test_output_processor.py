@@ -1,5 +1,5 @@
 """The frontend's OutputProcessor: n>1 siblings mapped back to their request, stop strings
-ending a sequence, and late tokens of an ended sequence dropped."""
+ending a sequence, late tokens of an ended sequence dropped, and logprobs split per token."""
 
 from __future__ import annotations
 
@@ -49,3 +49,16 @@ def test_forget_drops_the_request_and_its_siblings():
     p.forget("r")
     updates, _ = p.process([out("r", "c"), out("r-2", "d", parent="r")], {})
     assert updates == [] and p._roots == {} and p._seqs == {}
+
+
+def test_two_outputs_of_one_sequence_in_a_batch_split_its_logprobs_in_order():
+    """A P/D first token landed beside the sequence's next decode: one entry per token each,
+    and the prompt logprobs go with the first only."""
+    p = OutputProcessor(CharTokenizer())
+    p.track("r", SamplingParams(max_tokens=8, logprobs=0, prompt_logprobs=0))
+    first, second = (-0.5, []), (-1.5, [])
+    prompt = [None, (-2.0, [])]
+    updates, _ = p.process([out("r", "a"), out("r", "b")], {"r": [first, second]},
+                           {"r": prompt})
+    assert [(u.new_text, u.logprobs, u.prompt_logprobs) for u in updates] == [
+        ("a", [first], prompt), ("b", [second], None)]

@@ -1,4 +1,7 @@
-"""Waiting-queue policies: fcfs, priority, longest_prefix_match with aging, prefill_first."""
+"""Waiting-queue policies: fcfs, priority, longest_prefix_match with aging, prefill_first;
+and, under every policy, a request owing prompt logprobs never reads the prefix cache."""
+
+from hypothesis import given, strategies as st
 
 from tidal.core import Request, SamplingParams
 
@@ -114,3 +117,34 @@ def test_a_new_policy_decides_what_a_step_holds(monkeypatch):
     out, _ = step(s)  # the prompt is done: decodes join
     assert scheduled(out) == {"long": (4, 8), "a": (1, 4), "short": (1, 3)}
     assert out.kind == "mixed"
+
+
+@given(requests=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 10), st.booleans(),
+                                   st.integers(1, 6), st.integers(1, 2)),
+                         min_size=1, max_size=10),
+       policy=st.sampled_from(["fcfs", "priority", "longest_prefix_match", "prefill_first"]),
+       num_blocks=st.integers(8, 40), chunk=st.sampled_from([4, 8, 64]),
+       batch_mode=st.sampled_from(["separate", "mixed"]))
+def test_a_request_owing_prompt_logprobs_never_admits_with_cached_tokens(
+        requests, policy, num_blocks, chunk, batch_mode):
+    """Shared prefixes, arrivals between steps, chunking and retractions: whenever a request
+    whose prompt logprobs are still owed (no output yet) is admitted, it starts from token 0.
+    Once it has output (a retraction, a forked sibling) it may read the cache again."""
+    s = make_scheduler(num_blocks=num_blocks, block_size=4, policy=policy, batch_mode=batch_mode,
+                       chunked_prefill_size=chunk, max_input_tokens_per_step=max(chunk, 16))
+    pending = list(enumerate(requests))
+    for _ in range(400):
+        if pending:
+            i, (prefix, tail, owes, max_tokens, n) = pending.pop(0)
+            prompt = [10 + prefix] * 8 + [1000 * (i + 1) + t for t in range(tail)]
+            s.add_request(Request(f"r{i}", prompt, SamplingParams(
+                max_tokens=max_tokens, n=n, prompt_logprobs=1 if owes else None),
+                arrival_time=float(i)))
+        elif not s.has_unfinished_requests():
+            break
+        out, _ = step(s)
+        computed = {x.request_id: x.num_computed_tokens for x in out.scheduled}
+        for new in out.new_requests:
+            if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
+                assert computed.get(new.request_id, 0) == 0
+    assert not s.has_unfinished_requests()

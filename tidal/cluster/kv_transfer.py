@@ -3,10 +3,11 @@
 A decode core admits a request (blocks allocated, no compute: `remote_prefill`), then sends
 a `PrefillTask` with its block ids to the prefill core the router named. The prefill core runs
 the prompt on its prefill-only path, reads the request's blocks and sends them, with the first
-token and both sides' block ids, in one `KVBlocks` message per request; it frees its blocks
-once the bytes are out of its cache. The decode core writes them into its own blocks and
-decodes on. Each side watches its connections: when the peer's process dies, the requests
-that peer held end with an error here and their blocks are freed.
+token (and its logprobs and the prompt logprobs, where asked for) and both sides' block ids,
+in one `KVBlocks` message per request; it frees its blocks once the bytes are out of its
+cache. The decode core writes them into its own blocks and decodes on. Each side watches
+its connections: when the peer's process dies, the requests that peer held end with an
+error here and their blocks are freed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class PrefillTask(msgspec.Struct, tag=True):
 
 
 class KVBlocks(msgspec.Struct, tag=True):
-    """prefill -> decode: the prompt's KV and its first token."""
+    """prefill -> decode: the prompt's KV and its first token, with that token's logprobs
+    and the prompt logprobs where the request asked for them."""
 
     request_id: str
     first_token: int
@@ -46,6 +48,8 @@ class KVBlocks(msgspec.Struct, tag=True):
     shape: list[int]  # [layers, 2 (K, V), blocks, block_size, kv heads, head dim]
     dtype: str
     data: bytes
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class PrefillFailed(msgspec.Struct, tag=True):
@@ -67,8 +71,9 @@ _decoder = msgspec.msgpack.Decoder(PrefillTask | KVBlocks | PrefillFailed | Abor
 
 class KVLink:
     """One engine core's end of P/D transfer (prefill or decode role). The core's loop polls
-    `sockets`, calls `handle(sock)` when one is readable, and `after_step(outputs)` after each
-    step; both return the outputs for this core's own frontend."""
+    `sockets`, calls `handle(sock)` when one is readable, and `after_step(outputs, logprobs,
+    prompt_logprobs)` after each step; both return the outputs for this core's own frontend,
+    whose logprobs `with_landed` then completes with those that came with landed KV."""
 
     def __init__(self, core: EngineCore, ctx: zmq.Context, host: str,
                  timeout: float = 300.0) -> None:
@@ -83,6 +88,9 @@ class KVLink:
         self.prefill_of: dict[str, tuple[str, float | None]] = {}
         # prefill role: request -> (its decode core, its blocks there, blocks it skips)
         self.tasks: dict[str, tuple[str, list[int], int]] = {}
+        # decode role: the logprobs and prompt logprobs that came with first tokens landed
+        # since the last step, by request id
+        self._landed: tuple[dict[str, list], dict[str, list]] = ({}, {})
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -156,14 +164,34 @@ class KVLink:
                 if self.tasks.pop(msg.request_id, None) is not None:
                     self.core.abort(msg.request_id)
 
-    def after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def after_step(self, outputs: list[RequestOutput], logprobs: dict[str, list] | None = None,
+                   prompt_logprobs: dict[str, list] | None = None) -> list[RequestOutput]:
+        """`logprobs` and `prompt_logprobs` are the step's, by request id: a prefill core
+        sends a request's with its first token."""
         if self.receives:
             return self._send_tasks() + outputs + self._expire()
+        logprobs, prompt_logprobs = logprobs or {}, prompt_logprobs or {}
         for o in outputs:  # prefill role: every output belongs to a decode core's request
             task = self.tasks.pop(o.request_id, None)
             if task is not None:
-                self._hand_over(o, *task)
+                self._hand_over(o, *task, logprobs.get(o.request_id),
+                                prompt_logprobs.get(o.request_id))
         return []
+
+    def with_landed(self, logprobs: dict[str, list], prompt_logprobs: dict[str, list],
+                    ) -> tuple[dict[str, list], dict[str, list]]:
+        """The step's logprobs and prompt logprobs with those of the first tokens landed
+        since the last step (decode role) put first: those tokens go out before the step's."""
+        if not (self._landed[0] or self._landed[1]):
+            return logprobs, prompt_logprobs
+        merged = []
+        for landed, step in zip(self._landed, (logprobs, prompt_logprobs)):
+            both = dict(step)
+            for rid, entries in landed.items():
+                both[rid] = entries + step.get(rid, [])
+            merged.append(both)
+        self._landed = ({}, {})
+        return merged[0], merged[1]
 
     # ------------------------------------------------------------------ decode side
     def _send_tasks(self) -> list[RequestOutput]:
@@ -199,6 +227,10 @@ class KVLink:
                 self.core.runner.write_blocks(msg.dst_block_ids, msg.data, msg.shape, msg.dtype)
         except ValueError as exc:
             return self._fail(rid, str(exc))
+        if msg.logprobs is not None:
+            self._landed[0][rid] = msg.logprobs
+        if msg.prompt_logprobs is not None:
+            self._landed[1][rid] = msg.prompt_logprobs
         return [self.core.scheduler.kv_received(rid, msg.first_token)]
 
     def _expire(self) -> list[RequestOutput]:
@@ -224,7 +256,8 @@ class KVLink:
         self.tasks[task.request_id] = (task.reply_to, task.dst_block_ids, task.skip_blocks)
         self._peer(task.reply_to)  # connect now, so the decode side's death is noticed
 
-    def _hand_over(self, o: RequestOutput, reply_to: str, dst: list[int], skip: int) -> None:
+    def _hand_over(self, o: RequestOutput, reply_to: str, dst: list[int], skip: int,
+                   logprobs: list | None, prompt_logprobs: list | None) -> None:
         if not o.new_token_ids:  # ended without a token: an error or an abort here
             self._send(reply_to, PrefillFailed(o.request_id, o.finish_message or
                                                f"prefill ended: {o.finish_reason}"))
@@ -236,4 +269,4 @@ class KVLink:
             data, shape, dtype = self.core.runner.read_blocks(src)
             self.core.scheduler.kv_sent(o.request_id)  # the bytes are out of our cache
         self._send(reply_to, KVBlocks(o.request_id, o.new_token_ids[0], src, dst[:len(src)],
-                                      shape, dtype, data))
+                                      shape, dtype, data, logprobs, prompt_logprobs))

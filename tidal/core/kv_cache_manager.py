@@ -62,8 +62,9 @@ class KVCacheManager:
 
     def match_prefix(self, request: Request) -> list[Block]:
         """Cached blocks holding a prefix of the request's tokens, capped so at least one
-        token is left to compute. Takes no reference."""
-        if not self.pool.enable_prefix_caching:
+        token is left to compute, and empty for a request that may not read the cache (it
+        owes prompt logprobs). Takes no reference."""
+        if not (self.pool.enable_prefix_caching and request.reads_prefix_cache):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks == 0:

@@ -67,6 +67,10 @@ class ModelOutput(msgspec.Struct):
     # logprob) of the top alternatives]). The scheduler ignores it; the engine passes it on.
     logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = msgspec.field(
         default_factory=dict)
+    # For requests that asked for prompt logprobs, on the step that samples their first
+    # token: one entry per prompt position in the same shape, None for position 0.
+    prompt_logprobs: dict[str, list[tuple[float, list[tuple[int, float]]] | None]] = \
+        msgspec.field(default_factory=dict)
 
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False):

@@ -72,6 +72,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     """Return this many top alternatives' log-probabilities per token."""
+    prompt_logprobs: int | None = None
+    """Return, for every prompt token after the first, its log-probability given the tokens
+    before it and this many top alternatives: the raw model distribution (no temperature,
+    penalties or bias), as vLLM's `prompt_logprobs`. Such a request reads no cached prefix
+    blocks (tokens read from the cache have no logits); it still publishes its own."""
     min_tokens: int = 0
     """Stop tokens (EOS, stop_token_ids) cannot be sampled before this many output tokens."""
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -101,6 +106,8 @@ class SamplingParams:
              "seed must be in [-2**63, 2**64 - n]: each of n sequences seeds seed + i"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             "prompt_logprobs must be >= 0"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "ttft_slo_ms must be > 0"),
             (self.tpot_slo_ms is None or self.tpot_slo_ms > 0, "tpot_slo_ms must be > 0"),
@@ -215,6 +222,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether admission may take cached prefix blocks: not while prompt logprobs are
+        owed (they come with the first output token, so a request with output has them)."""
+        return self.sampling_params.prompt_logprobs is None or bool(self.output_token_ids)
 
     @property
     def is_prefilling(self) -> bool:

@@ -22,6 +22,9 @@ from tidal.engine.model_runner import ModelRunner
 
 log = logging.getLogger("tidal.engine")
 
+# A step's outputs, sampled-token logprobs and prompt logprobs (both by request id).
+StepResult = tuple[list[RequestOutput], dict[str, list], dict[str, list]]
+
 
 class EngineCore:
     """Owns the scheduler and the model runner; `step()` schedules, executes and updates."""
@@ -98,20 +101,22 @@ class EngineCore:
         s = self.scheduler
         return bool(s.running or s.waiting or s.preempted) or self._pending is not None
 
-    def step(self) -> tuple[list[RequestOutput], dict[str, list]]:
-        """One step: the requests' new tokens (and finishes), and logprobs by request id.
-        With async scheduling these are the previous step's, and the next one is running."""
+    def step(self) -> StepResult:
+        """One step: the requests' new tokens (and finishes), the sampled tokens' logprobs
+        by request id, and prompt logprobs by request id (whole, on the step that samples a
+        request's first token). With async scheduling these are the previous step's, and the
+        next one is running."""
         if self._pool is not None:
             return self._step_overlapped()
         out = self._schedule()
         return self._complete(out, self._execute(out))
 
-    def _step_overlapped(self) -> tuple[list[RequestOutput], dict[str, list]]:
+    def _step_overlapped(self) -> StepResult:
         """Plan step N+1 while step N runs on the worker thread, then wait for N, update,
         and start N+1. The runner reads only the plan's plain data; its block tables are
         snapshotted, as tables grow in place."""
         out = self._schedule() if self.scheduler.has_unfinished_requests() else None
-        done: tuple[list[RequestOutput], dict[str, list]] = ([], {})
+        done: StepResult = ([], {}, {})
         if self._pending is not None:
             prev, future = self._pending
             self._pending = None
@@ -151,15 +156,14 @@ class EngineCore:
         self.history.record(out, seconds, time.time(), prefill)
         return result
 
-    def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception,
-                  ) -> tuple[list[RequestOutput], dict[str, list]]:
+    def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception) -> StepResult:
         if isinstance(result, Exception):
             message = f"model runner error: {type(result).__name__}: {result}"
             failed = [o for s in out.scheduled for o in self.fail(s.request_id, message)]
             self.scheduler.update(out, ModelOutput(preempted_ack=list(out.preempted_ids)))
-            return failed, {}
+            return failed, {}, {}
         self.generation_tokens += sum(len(t) for t in result.sampled.values())
-        return self.scheduler.update(out, result), result.logprobs
+        return self.scheduler.update(out, result), result.logprobs, result.prompt_logprobs
 
     def close(self) -> None:
         if self._pool is not None:

@@ -70,14 +70,17 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for u in self.engine.step():
-                    seq = results[u.root_id].outputs[u.index]
+                    result = results[u.root_id]
+                    seq = result.outputs[u.index]
                     seq.token_ids.extend(u.new_token_ids)
                     seq.text += u.new_text
                     if u.logprobs is not None:
                         seq.logprobs = (seq.logprobs or []) + u.logprobs
+                    if u.prompt_logprobs is not None:
+                        result.prompt_logprobs = (result.prompt_logprobs or []) + u.prompt_logprobs
                     if u.finished:
                         seq.finish_reason = u.finish_reason
-                        if results[u.root_id].finished:
+                        if result.finished:
                             bar.update(1)
         except BaseException:
             for rid in order:

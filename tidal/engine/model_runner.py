@@ -18,7 +18,7 @@ from tidal.model.config import ModelArch
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, bf16_kernels, can_pack,
                                 cpu_flags, default_fp32_rows, replace_linears)
 from tidal.model.loader import load_model
-from tidal.model.sampler import SampleRow, sample
+from tidal.model.sampler import SampleRow, sample, target_logprobs
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -50,9 +50,11 @@ def free_memory(device: str) -> int:
 
 
 class _Seq:
-    """The runner's copy of a request: what sampling needs, and the tokens it sampled."""
+    """The runner's copy of a request: what sampling needs, the tokens it sampled, and the
+    prompt logprobs it has gathered so far while they are owed."""
 
-    __slots__ = ("prompt", "output", "params", "stop_ids", "num_samples")
+    __slots__ = ("prompt", "output", "params", "stop_ids", "num_samples", "prompt_k",
+                 "prompt_entries")
 
     def __init__(self, new: NewRequest) -> None:
         self.prompt = new.prompt_token_ids
@@ -60,6 +62,10 @@ class _Seq:
         self.params = new.sampling_params
         self.stop_ids = new.stop_token_ids
         self.num_samples = new.num_samples
+        # Owed until the first output token: a request back with output reported them already.
+        owed = new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
+        self.prompt_k = new.sampling_params.prompt_logprobs if owed else None
+        self.prompt_entries: list = []  # one per prompt position computed so far
 
     def tokens(self, start: int, end: int) -> list[int]:
         return token_slice(self.prompt, self.output, start, end)
@@ -176,8 +182,11 @@ class ModelRunner:
         parts, sample_ids = [], []
         for entries in self._passes(out.scheduled):
             batch = self._prepare(entries)
-            parts.append(self._forward(batch))
+            logits, hidden = self._forward(batch)
+            parts.append(logits)
             sample_ids += batch.sample_ids
+            if batch.prompt_spans:
+                self._gather_prompt_logprobs(batch, hidden)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         seqs = [self.seqs[rid] for rid in sample_ids]
         if masks is not None:
@@ -194,7 +203,25 @@ class ModelRunner:
         for rid, lp in zip(sample_ids, logprobs):
             if lp is not None:
                 result.logprobs[rid] = lp
+        for rid, q in zip(sample_ids, seqs):
+            if q.prompt_k is not None:  # the prompt is done: they go with its first token
+                result.prompt_logprobs[rid] = q.prompt_entries
+                q.prompt_k, q.prompt_entries = None, []
         return result
+
+    def _gather_prompt_logprobs(self, batch: "_Batch", hidden: torch.Tensor | None) -> None:
+        """Each chunk's prompt logprobs, appended to its request's: row p of a chunk gives
+        position p + 1's entry (the next chunk's first token is known: it is the prompt)."""
+        offset = 0
+        for rid, c, count in batch.prompt_spans:
+            q = self.seqs[rid]
+            if c == 0:
+                q.prompt_entries.append(None)  # position 0 has no context to predict it
+            if count:
+                q.prompt_entries += target_logprobs(
+                    self.model.logits, hidden[offset:offset + count],
+                    q.prompt[c + 1:c + 1 + count], q.prompt_k)
+                offset += count
 
     def _matchers(self) -> Matchers:
         if self.matchers is None:
@@ -220,16 +247,21 @@ class ModelRunner:
             size += s.num_new_tokens
         return passes
 
-    def _forward(self, batch: "_Batch") -> torch.Tensor:
-        """Logits (float32) of the batch's sampling rows."""
+    def _forward(self, batch: "_Batch") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (float32) of the batch's sampling rows, and the final hidden states of its
+        prompt-logprob rows (None when it has none). Those rows exist only in prefills, so
+        the decode-only C++ path, which computes last-token logits alone, never needs them."""
         meta = batch.meta
         if self.decoder is not None and not meta.prefills:
             return self.decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
                                         meta.decode_block_tables, meta.decode_lens,
                                         self._k_caches, self._v_caches, batch.logits_indices,
-                                        self.model.backend.scale, self.block_size)
+                                        self.model.backend.scale, self.block_size), None
+        if batch.hidden_indices is None:
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, meta,
+                              batch.logits_indices), None
         return self.model(batch.input_ids, batch.positions, self.kv_caches, meta,
-                          batch.logits_indices)
+                          batch.logits_indices, batch.hidden_indices)
 
     def _row(self, rid: str, q: _Seq) -> SampleRow:
         p = q.params
@@ -255,6 +287,8 @@ class ModelRunner:
         batch.input_ids = torch.tensor(batch.ids, device=dev)
         batch.positions = torch.tensor(batch.pos, device=dev)
         batch.logits_indices = torch.tensor(batch.logits_rows, device=dev, dtype=torch.long)
+        if batch.prompt_rows:
+            batch.hidden_indices = torch.tensor(batch.prompt_rows, device=dev, dtype=torch.long)
         return batch
 
     def _prepare_prefills(self, batch: "_Batch", entries: list[ScheduledRequest]) -> None:
@@ -265,7 +299,12 @@ class ModelRunner:
         for s in entries:
             c, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_ids
             start = len(ids)
-            ids.extend(self.seqs[s.request_id].tokens(c, c + n))
+            q = self.seqs[s.request_id]
+            ids.extend(q.tokens(c, c + n))
+            if q.prompt_k is not None:  # every row but the prompt's last predicts a prompt token
+                count = max(0, min(c + n, len(q.prompt) - 1) - c)
+                batch.prompt_rows.extend(range(start, start + count))
+                batch.prompt_spans.append((s.request_id, c, count))
             pos = range(c, c + n)
             batch.pos.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
@@ -313,6 +352,9 @@ class _Batch:
         self.num_prefill_tokens = 0
         self.logits_rows: list[int] = []
         self.sample_ids: list[str] = []
+        self.prompt_rows: list[int] = []  # rows whose next-token logprobs a prompt asked for
+        self.prompt_spans: list[tuple[str, int, int]] = []  # (request, first position, rows)
+        self.hidden_indices = None
         self.tables = self.bias = self.lens = None  # decode-only fields
         self.max_len = 0
         self.input_ids = self.positions = self.meta = self.logits_indices = None

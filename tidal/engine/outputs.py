@@ -18,6 +18,9 @@ class StepUpdate:
     finish_reason: str | None = None
     finish_message: str | None = None
     logprobs: list | None = None  # per new token: (logprob, [(token, logprob), ...])
+    # Index 0 only, with its first token: per prompt position, the same shape (None for
+    # position 0, which has no context).
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -39,6 +42,9 @@ class GenerationOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list | None = None
+    """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first,
+    else (its logprob, [(token, logprob) of the top alternatives])."""
 
     @property
     def finished(self) -> bool:

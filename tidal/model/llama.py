@@ -145,15 +145,24 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) of the rows in `logits_indices`."""
+                logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (float32) of the rows in `logits_indices`. With `hidden_indices`, also the
+        final (normed) hidden states of those rows, as (logits, hidden): the caller runs them
+        through `logits()` in slices, so a long prompt never holds all its logits at once."""
         h = self.embed_tokens(input_ids)
         if self.arch.gemma:  # Gemma scales its embeddings by sqrt(hidden), in their dtype
             h = h * torch.tensor(self.arch.hidden_size ** 0.5, dtype=h.dtype)
         ropes = self.rotary.tables(positions, h.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = layer(h, ropes, k_cache, v_cache, meta)
-        h = self.norm(h[logits_indices])
+        logits = self.logits(self.norm(h[logits_indices]))
+        if hidden_indices is None:
+            return logits
+        return logits, self.norm(h[hidden_indices])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head (and final soft cap) over normed hidden states, in float32."""
         head = self.lm_head  # a module of its own once the runner converts a tied embedding
         logits = (head(h) if head is not None else F.linear(h, self.embed_tokens.weight)).float()
         cap = self.arch.final_softcap

@@ -129,3 +129,23 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
             alts = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
             logprobs[i] = [(lp[j, t].item(), alts) for t in tokens[i]]
     return tokens, logprobs
+
+
+def target_logprobs(logits_of, hidden: torch.Tensor, targets: list[int], k: int,
+                    rows: int = 256) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of `hidden`: the raw logprob of its target token and the top `k` alternatives
+    under log_softmax(logits_of(row)), in float32. Runs `rows` rows at a time and turns each
+    slice into Python lists at once, so a long prompt's logits never exist all together."""
+    entries: list = []
+    for lo in range(0, len(targets), rows):
+        lp = logits_of(hidden[lo:lo + rows]).float().log_softmax(-1).clamp(min=-9999.0)
+        idx = torch.tensor(targets[lo:lo + rows], device=lp.device)
+        own = lp.gather(1, idx[:, None])[:, 0].tolist()
+        if k:
+            top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            alts = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        else:
+            alts = [[] for _ in own]
+        entries += zip(own, alts)
+        del lp
+    return entries

@@ -276,7 +276,8 @@ class CoreClient:
             elif not self.watch.current(msg.core, msg.incarnation):
                 continue  # late news from a dead incarnation: its requests were failed
             elif isinstance(msg, m.Outputs):
-                updates, stopped = self.outputs.process(msg.outputs, msg.logprobs)
+                updates, stopped = self.outputs.process(msg.outputs, msg.logprobs,
+                                                        msg.prompt_logprobs)
                 for seq_id in stopped:
                     self._send_now(msg.core, m.Finish(seq_id))
                 self._deliver(updates)

@@ -105,7 +105,7 @@ class _CoreLoop:
     def run(self, parent: int) -> None:
         core, link, status = self.core, self.link, StatusLine(self.core)
         while True:
-            outputs, logprobs = [], {}
+            outputs, logprobs, prompt_logprobs = [], {}, {}
             for sock in [self.inbox, *(link.sockets if link else ())]:
                 if sock not in self.polled:  # a link's peer monitors come and go
                     self.poller.register(sock, zmq.POLLIN)
@@ -123,13 +123,15 @@ class _CoreLoop:
                 return
             started = time.perf_counter() if core.can_step() else None
             if started is not None:
-                stepped, logprobs = core.step()
+                stepped, logprobs, prompt_logprobs = core.step()
                 outputs += stepped
                 status.maybe_log()
             if link is not None:
-                outputs = link.after_step(outputs)
+                outputs = link.after_step(outputs, logprobs, prompt_logprobs)
+                logprobs, prompt_logprobs = link.with_landed(logprobs, prompt_logprobs)
             if outputs:
-                self.send(m.Outputs(self.index, outputs, logprobs, self.incarnation))
+                self.send(m.Outputs(self.index, outputs, logprobs, self.incarnation,
+                                    prompt_logprobs))
             if started is not None:
                 self.step_seconds += time.perf_counter() - started
             now = time.monotonic()

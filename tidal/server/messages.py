@@ -55,12 +55,14 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):
-    """One step's token outputs, and their logprobs by request id where asked for."""
+    """One step's token outputs, and their logprobs by request id where asked for (prompt
+    logprobs whole, with a request's first token)."""
 
     core: int
     outputs: list[RequestOutput]
     logprobs: dict[str, list]
     incarnation: int = 0  # late outputs of a dead incarnation are dropped
+    prompt_logprobs: dict[str, list] = msgspec.field(default_factory=dict)
 
 
 class Rejected(msgspec.Struct, tag=True):
