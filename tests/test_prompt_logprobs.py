@@ -39,12 +39,14 @@ def reference(folder):
 
 def check(entries, prompt: list[int], ref: torch.Tensor, k: int) -> None:
     """One entry per prompt token, None first; each equals the reference, its alternatives
-    are the top k sorted by logprob, the first being the argmax."""
+    are the top k sorted by logprob, the first being the argmax, and its rank is the
+    token's place in the whole distribution."""
     assert entries is not None and len(entries) == len(prompt) and entries[0] is None
     for i in range(1, len(prompt)):
-        logprob, alts = entries[i]
+        logprob, alts, rank = entries[i]
         row = ref[i - 1]
         assert logprob == pytest.approx(row[prompt[i]].item(), abs=1e-4)
+        assert rank == int((row > row[prompt[i]]).sum()) + 1
         assert len(alts) == k
         if k:
             top = row.topk(k)

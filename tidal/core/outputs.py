@@ -68,8 +68,8 @@ class ModelOutput(msgspec.Struct):
     logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = msgspec.field(
         default_factory=dict)
     # For requests that asked for prompt logprobs, on the step that samples their first
-    # token: one entry per prompt position in the same shape, None for position 0.
-    prompt_logprobs: dict[str, list[tuple[float, list[tuple[int, float]]] | None]] = \
+    # token: per prompt position (its logprob, the alternatives, its rank), None for position 0.
+    prompt_logprobs: dict[str, list[tuple[float, list[tuple[int, float]], int] | None]] = \
         msgspec.field(default_factory=dict)
 
 

@@ -18,8 +18,8 @@ class StepUpdate:
     finish_reason: str | None = None
     finish_message: str | None = None
     logprobs: list | None = None  # per new token: (logprob, [(token, logprob), ...])
-    # Index 0 only, with its first token: per prompt position, the same shape (None for
-    # position 0, which has no context).
+    # Index 0 only, with its first token: per prompt position (logprob, alternatives, rank),
+    # None for position 0, which has no context.
     prompt_logprobs: list | None = None
 
 
@@ -44,7 +44,7 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     prompt_logprobs: list | None = None
     """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first,
-    else (its logprob, [(token, logprob) of the top alternatives])."""
+    else (its logprob, [(token, logprob) of the top alternatives], its rank)."""
 
     @property
     def finished(self) -> bool:

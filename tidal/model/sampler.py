@@ -132,20 +132,22 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
 
 
 def target_logprobs(logits_of, hidden: torch.Tensor, targets: list[int], k: int,
-                    rows: int = 256) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Per row of `hidden`: the raw logprob of its target token and the top `k` alternatives
-    under log_softmax(logits_of(row)), in float32. Runs `rows` rows at a time and turns each
+                    rows: int = 256) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """Per row of `hidden`: the raw logprob of its target token, the top `k` alternatives
+    and the target's rank (1: the likeliest) under log_softmax(logits_of(row)), in float32. Runs `rows` rows at a time and turns each
     slice into Python lists at once, so a long prompt's logits never exist all together."""
     entries: list = []
     for lo in range(0, len(targets), rows):
         lp = logits_of(hidden[lo:lo + rows]).float().log_softmax(-1).clamp(min=-9999.0)
         idx = torch.tensor(targets[lo:lo + rows], device=lp.device)
-        own = lp.gather(1, idx[:, None])[:, 0].tolist()
+        own_t = lp.gather(1, idx[:, None])
+        own = own_t[:, 0].tolist()
+        ranks = ((lp > own_t).sum(-1) + 1).tolist()  # vLLM reports it with the logprob
         if k:
             top = lp.topk(min(k, lp.shape[-1]), dim=-1)
             alts = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
         else:
             alts = [[] for _ in own]
-        entries += zip(own, alts)
+        entries += zip(own, alts, ranks)
         del lp
     return entries

@@ -107,7 +107,7 @@ class Frontend:
         response = response_cls(self.tokenizer, self.config.model_name, rids[0], prompts,
                                 len(prompts) * n, logprobs is not None,
                                 self.grammars.token_bytes if self.grammars else None,
-                                **options)
+                                prompt_logprobs=body.prompt_logprobs is not None, **options)
         updates = self._updates(rids, queue, n)
         if not body.stream:
             return await _unless_client_leaves(request, response.body(updates))
@@ -321,8 +321,10 @@ async def completions(body: CompletionRequest, f: FrontendDep, request: Request)
     # a body of --max-body-bytes takes seconds to tokenize; in a thread (the Rust tokenizer
     # lets go of the GIL) other requests keep streaming meanwhile
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)
-    return await f.generate(CompletionResponse, body, prompts, body.max_tokens,
-                            body.logprobs, default_max=16, request=request)
+    max_tokens, prompt_only = body.output_limit()
+    return await f.generate(CompletionResponse, body, prompts, max_tokens, body.logprobs,
+                            default_max=16, request=request,
+                            echo=body.echo_texts(f.tokenizer, prompts), prompt_only=prompt_only)
 
 
 @routes.post("/v1/chat/completions")

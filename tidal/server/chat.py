@@ -178,6 +178,9 @@ class ChatRequest(GenerationRequest):
                                             f"{self._constraint[0]} both constrain the "
                                             "output: send one")
             self._constraint = ("tool_choice", forced)
+        if self.prompt_logprobs is not None and self.stream:
+            raise refuse("prompt_logprobs", "prompt_logprobs with stream=true is only "
+                                            "supported on /v1/completions")
         if self.continue_final_message and self.add_generation_prompt:
             raise refuse("continue_final_message", "continue_final_message needs "
                                                    "add_generation_prompt=false")

@@ -136,6 +136,7 @@ class GenerationRequest(StrictModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top k
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -230,6 +231,7 @@ class GenerationRequest(StrictModel):
                 stop=stop, priority=self.priority, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprob_count(logprobs),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size),
                 structured=self._constraint and self._constraint[1],
                 ttft_slo_ms=self.ttft_slo_ms,
@@ -238,6 +240,10 @@ class GenerationRequest(StrictModel):
             word = str(exc).split(" ", 1)[0]
             param = word if word in type(self).model_fields else None
             raise APIError(str(exc), param=param) from exc
+
+    def prompt_logprob_count(self, logprobs: int | None) -> int | None:
+        """Alternatives per prompt token the engine computes, None for no prompt logprobs."""
+        return self.prompt_logprobs
 
     def token_bias(self, vocab_size: int) -> dict[int, float]:
         """logit_bias with int keys, each a token of the vocabulary and in [-100, 100]."""
@@ -272,6 +278,7 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1)  # only equal to n: the best n of n are all n
+    echo: bool = False  # the prompt before the output (and its logprobs with logprobs)
     add_special_tokens: bool = True  # vLLM: the tokenizer's BOS and the like for strings
 
     @model_validator(mode="after")
@@ -282,6 +289,31 @@ class CompletionRequest(GenerationRequest):
             raise refuse("best_of", f"best_of > n is not supported: tidal does not rank "
                                     f"candidates (accepted: null or n, {self.n})")
         return self
+
+    def prompt_logprob_count(self, logprobs: int | None) -> int | None:
+        """echo with logprobs needs the prompt's, with as many alternatives."""
+        if self.echo and logprobs is not None:
+            return max(logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    def output_limit(self) -> tuple[int | None, bool]:
+        """(max_tokens for the engine, whether only the prompt is answered): echo with
+        max_tokens 0 (what evaluation harnesses send to score a prompt) samples one token
+        and drops it."""
+        if self.echo and self.max_tokens == 0:
+            return 1, True
+        return self.max_tokens, False
+
+    def echo_texts(self, tokenizer, prompts: list[list[int]]) -> list[str] | None:
+        """With echo, each prompt as text: as sent, or its token ids decoded."""
+        if not self.echo:
+            return None
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
         """One token-id list per prompt: strings are tokenized, ids pass as they are."""

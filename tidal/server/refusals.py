@@ -16,7 +16,6 @@ VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
     "skip_special_tokens": ((True,), "tidal always skips special tokens in the text"),
     "spaces_between_special_tokens": ((True,), NOT_YET),
     "truncate_prompt_tokens": ((), "tidal does not truncate prompts"),
-    "prompt_logprobs": ((), NOT_YET),
     "allowed_token_ids": ((), NOT_YET),
     "bad_words": (([],), NOT_YET),
     "logits_processors": (([],), "tidal takes no per-request logits processors"),
@@ -52,6 +51,5 @@ CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
 
 # OpenAI completion fields tidal does not implement (best_of is checked against n).
 COMPLETION_REFUSED: dict[str, tuple[tuple, str]] = {
-    "echo": ((False,), NOT_YET),
     "suffix": (("",), "tidal does not implement insertion"),
 }

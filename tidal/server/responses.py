@@ -6,7 +6,7 @@ final body (stream=false) or the SSE chunks (stream=true), as the typed structs 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncGenerator, AsyncIterator
 
 from fastapi.responses import Response
@@ -46,13 +46,17 @@ class GenerationResponse:
     chunk_object = ""
 
     def __init__(self, tokenizer, model_name: str, request_id: str, prompts: list[list[int]],
-                 num_choices: int, logprobs: bool, token_bytes=None) -> None:
+                 num_choices: int, logprobs: bool, token_bytes=None,
+                 prompt_logprobs: bool = False) -> None:
         self.tokenizer, self.model_name, self.prompts = tokenizer, model_name, prompts
         self.id, self.created = f"{self.id_prefix}-{request_id}", int(time.time())
         self.choices = [_Choice() for _ in range(num_choices)]
+        self.n = num_choices // len(prompts)  # choice i answers prompt i // n
         self.want_logprobs = logprobs
         # a token's own bytes (a partial UTF-8 character stays partial); else its text's
         self._token_bytes = token_bytes
+        self.want_prompt_logprobs = prompt_logprobs  # vLLM's field, in the response
+        self.prompt_entries: list[list | None] = [None] * len(prompts)  # as the engine sent
 
     # ------------------------------------------------------------------ per endpoint
     def logprobs(self, entries: list, offset: int):
@@ -70,7 +74,49 @@ class GenerationResponse:
         """Choices of a chunk sent before any token (none unless the endpoint wants one)."""
         return []
 
+    def needs_prompt_entries(self) -> bool:
+        """Whether a choice's first chunk waits for its prompt's logprobs."""
+        return self.want_prompt_logprobs
+
+    def keep(self, u: StepUpdate) -> StepUpdate:
+        """An update as the response counts it (completions' echo of a prompt alone drops
+        the token sampled after it)."""
+        return u
+
     # ------------------------------------------------------------------ shared
+    def vllm_prompt_logprobs(self, p: int) -> s.PromptLogprobs:
+        """Prompt p's logprobs in vLLM's shape: per token, the token and its alternatives."""
+        text, out = self.token_text, []
+        for t, entry in zip(self.prompts[p], self.prompt_entries[p] or []):
+            if entry is None:
+                out.append(None)
+                continue
+            lp, alts, rank = entry
+            d = {str(t): s.PromptLogprob(lp, rank, text(t))}
+            for r, (a, alp) in enumerate(alts, 1):
+                d.setdefault(str(a), s.PromptLogprob(alp, r, text(a)))
+            out.append(d)
+        return out
+
+    async def _prompt_entries_first(self, updates: Updates) -> Updates:
+        """The updates, each prompt's logprobs noted; with needs_prompt_entries, a choice's
+        updates wait until its prompt's logprobs are here (they come with choice 0's first
+        token, which a sibling's may precede)."""
+        held: dict[int, list] = {}
+        async for i, u in updates:
+            p = i // self.n
+            if u.prompt_logprobs is not None:
+                self.prompt_entries[p] = u.prompt_logprobs
+            if self.needs_prompt_entries() and self.prompt_entries[p] is None:
+                held.setdefault(p, []).append((i, u))
+                continue
+            for hi, hu in held.pop(p, []):
+                yield hi, self.keep(hu)
+            yield i, self.keep(u)
+        for items in held.values():  # never came (the request failed): as they are
+            for i, u in items:
+                yield i, self.keep(u)
+
     def token_text(self, t: int) -> str:
         return self.tokenizer.decode([t], skip_special_tokens=False)
 
@@ -89,7 +135,7 @@ class GenerationResponse:
 
     async def body(self, updates: Updates) -> Response:
         """The whole response once every choice finished (stream=false)."""
-        async for i, u in updates:
+        async for i, u in self._prompt_entries_first(updates):
             ch = self.choices[i]
             ch.text += u.new_text
             ch.tokens.extend(u.new_token_ids)
@@ -108,7 +154,7 @@ class GenerationResponse:
             opening = self.opening()
             if opening:
                 yield self.chunk(opening, **extra)
-            async for i, u in updates:
+            async for i, u in self._prompt_entries_first(updates):
                 ch = self.choices[i]
                 lp = self.logprobs(_entries(u), len(ch.text)) if self.want_logprobs else None
                 ch.text += u.new_text
@@ -162,7 +208,10 @@ class ChatResponse(GenerationResponse):
                                          reasoning or None)
             lp = self.logprobs(ch.logprobs, 0) if self.want_logprobs else None
             out.append(s.ChatChoice(i, message, lp, reader.finish_reason(ch.finish_reason)))
-        return s.ChatCompletion(self.id, self.created, self.model_name, out, self.usage())
+        body = s.ChatCompletion(self.id, self.created, self.model_name, out, self.usage())
+        if self.want_prompt_logprobs:
+            body.prompt_logprobs = self.vllm_prompt_logprobs(0)
+        return body
 
     def chunk_choice(self, i: int, new_text: str, lp, finish_reason: str | None):
         reader = self.outputs[i]
@@ -185,29 +234,80 @@ class ChatResponse(GenerationResponse):
 
 
 class CompletionResponse(GenerationResponse):
-    """/v1/completions: text choices and the legacy logprobs shape with text offsets."""
+    """/v1/completions: text choices and the legacy logprobs shape with text offsets; with
+    `echo`, each choice starts with its prompt (and the prompt's logprobs, the first token's
+    null), and `max_tokens: 0` returns the prompt alone."""
 
     id_prefix = "cmpl"
     chunk_object = "text_completion"
 
+    def __init__(self, *args, echo: list[str] | None = None, prompt_only: bool = False,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo, self.prompt_only = echo, prompt_only
+        self._opened = [False] * len(self.choices)
+        if echo is not None:  # the text offsets of the output count from the prompt's start
+            for i, ch in enumerate(self.choices):
+                ch.text = echo[i // self.n]
+
+    def needs_prompt_entries(self) -> bool:
+        return self.want_prompt_logprobs or (self.echo is not None and self.want_logprobs)
+
+    def keep(self, u: StepUpdate) -> StepUpdate:
+        if not self.prompt_only:
+            return u
+        return replace(u, new_token_ids=[], new_text="", logprobs=None,
+                       finish_reason="length" if u.finished else None)
+
     def logprobs(self, entries: list, offset: int) -> s.CompletionLogprobs:
         tokens, lps, tops, offsets = [], [], [], []
-        for t, (lp, alts) in entries:
+        for t, entry in entries:
             text = self.token_text(t)
             tokens.append(text)
-            lps.append(lp)
-            tops.append({self.token_text(a): alp for a, alp in alts})
+            lps.append(entry[0] if entry else None)
+            tops.append({self.token_text(a): alp for a, alp in entry[1]} if entry else None)
             offsets.append(offset)
             offset += len(text)
         return s.CompletionLogprobs(tokens, lps, tops, offsets)
 
+    def _echoed(self, i: int) -> list:
+        """Choice i's prompt as logprob entries (token, entry or None)."""
+        p = i // self.n
+        entries = self.prompt_entries[p] or [None] * len(self.prompts[p])
+        return [(t, e and e[:2]) for t, e in zip(self.prompts[p], entries)]
+
     def final(self, choices: list[_Choice]) -> s.Completion:
-        out = [s.CompletionChoice(i, ch.text, self.logprobs(ch.logprobs, 0)
-                                  if self.want_logprobs else None, ch.finish_reason)
-               for i, ch in enumerate(choices)]
+        out = []
+        for i, ch in enumerate(choices):
+            lp = None
+            if self.want_logprobs:
+                echoed = self._echoed(i) if self.echo is not None else []
+                lp = self.logprobs(echoed + ch.logprobs, 0)
+            out.append(self._with_prompt(s.CompletionChoice(i, ch.text, lp, ch.finish_reason),
+                                         i))
         return s.Completion(self.id, self.created, self.model_name, out, self.usage())
 
     def chunk_choice(self, i: int, new_text: str, lp, finish_reason: str | None):
+        if not self._opened[i]:  # the first chunk of a choice carries its prompt
+            self._opened[i] = True
+            if self.echo is not None:
+                new_text = self.echo[i // self.n] + new_text
+                if self.want_logprobs:
+                    head = self.logprobs(self._echoed(i), 0)
+                    lp = _joined(head, lp)
+            return self._with_prompt(s.CompletionChoice(i, new_text, lp, finish_reason), i)
         if not (new_text or finish_reason or lp):
             return None
         return s.CompletionChoice(i, new_text, lp, finish_reason)
+
+    def _with_prompt(self, choice: s.CompletionChoice, i: int) -> s.CompletionChoice:
+        if self.want_prompt_logprobs:
+            choice.prompt_logprobs = self.vllm_prompt_logprobs(i // self.n)
+        return choice
+
+
+def _joined(a: s.CompletionLogprobs, b: s.CompletionLogprobs | None) -> s.CompletionLogprobs:
+    if b is None:
+        return a
+    return s.CompletionLogprobs(a.tokens + b.tokens, a.token_logprobs + b.token_logprobs,
+                                a.top_logprobs + b.top_logprobs, a.text_offset + b.text_offset)

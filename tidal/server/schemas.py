@@ -89,6 +89,20 @@ class ChatChoice(Struct):
     finish_reason: str | None
 
 
+class PromptLogprob(Struct):
+    """vLLM's entry of prompt_logprobs: a token's logprob, its rank (1: the likeliest) and
+    its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, {token id: entry} for the token itself and the
+# top alternatives; None for the first token, which has no context.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletion(Struct):
     id: str
     created: int
@@ -96,6 +110,7 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # sent only when asked for
 
 
 class Delta(Struct, omit_defaults=True):
@@ -121,13 +136,12 @@ class CompletionLogprobs(Struct):
     text_offset: list[int]
 
 
-class CompletionChoice(Struct, omit_defaults=True):
+class CompletionChoice(Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
-    # vLLM's: per prompt token, {token id: logprob}, None for the first
-    prompt_logprobs: list[dict[str, float] | None] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # sent only when asked for
 
 
 # ------------------------------------------------------------------ envelopes
