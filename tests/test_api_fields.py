@@ -14,7 +14,8 @@ from openai.types.chat import (ChatCompletionAssistantMessageParam,
                                ChatCompletionContentPartTextParam,
                                ChatCompletionDeveloperMessageParam,
                                ChatCompletionStreamOptionsParam,
-                               ChatCompletionSystemMessageParam, ChatCompletionUserMessageParam)
+                               ChatCompletionSystemMessageParam, ChatCompletionToolMessageParam,
+                               ChatCompletionUserMessageParam)
 from openai.types.chat import completion_create_params as chat_types
 
 from server_fixtures import Server
@@ -46,7 +47,8 @@ def test_every_openai_request_field_is_declared_or_refused():
         assert missing == set(), (model.__name__, missing)
     assert keys(ChatCompletionStreamOptionsParam) <= set(StreamOptions.model_fields)
     for message in (ChatCompletionSystemMessageParam, ChatCompletionDeveloperMessageParam,
-                    ChatCompletionUserMessageParam, ChatCompletionAssistantMessageParam):
+                    ChatCompletionUserMessageParam, ChatCompletionAssistantMessageParam,
+                    ChatCompletionToolMessageParam):
         missing = keys(message) - set(ChatMessage.model_fields) - set(ChatMessage._refused)
         assert missing == set(), (message.__name__, missing)
     assert keys(ChatCompletionContentPartTextParam) == {"type", "text", "prompt_cache_breakpoint"}
