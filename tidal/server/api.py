@@ -14,6 +14,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Annotated, Any, Awaitable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -23,6 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tidal import __version__
 from tidal.engine.outputs import StepUpdate
 from tidal.engine.structured import Grammars
+from tidal.server.chat import ChatRequest, TokenizeRequest
+from tidal.server.chat_output import ChatOutputOptions
 from tidal.server.client import CoreClient, EngineDeadError, Failure
 from tidal.server.dashboard import DashboardHub
 from tidal.server.dashboard import routes as dashboard_routes
@@ -30,15 +33,13 @@ from tidal.server.errors import install_error_handlers
 from tidal.server.limits import (DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
                                  DEFAULT_MAX_HEADER_BYTES)
 from tidal.server.metrics import ServerMetrics
-from tidal.server.chat import ChatRequest, TokenizeRequest
-from tidal.server.chat_output import ChatOutputOptions
 from tidal.server.protocol import (APIError, CompletionRequest, DetokenizeRequest,
                                    GenerationRequest, check_token_ids)
 from tidal.server.reasoning import prompt_opens_thinking
-from tidal.server.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
-                                       parser_for_template)
 from tidal.server.responses import (ChatResponse, CompletionResponse, GenerationResponse,
                                     Updates)
+from tidal.server.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
+                                       parser_for_template)
 
 
 @dataclass
@@ -89,8 +90,8 @@ class Frontend:
         mode = body.tool_mode()
         parser = {"none": None, "auto": self.tool_parser,
                   "required": RequiredCallsParser}.get(mode)
-        if parser is None and mode != "none":
-            parser = lambda: NamedCallParser(mode)  # noqa: E731 (a forced function)
+        if parser is None and mode != "none":  # a forced function
+            parser = partial(NamedCallParser, mode)
         return ChatOutputOptions(
             tool_parser=parser, named=mode not in ("none", "auto", "required"),
             parallel=body.parallel_tool_calls, reasoning=self.config.reasoning_parser is not None,
