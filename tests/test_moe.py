@@ -1,7 +1,9 @@
 """Routed experts (tidal.model.mlp.SparseMoE) against transformers' own MoE blocks, on tiny
 random float32 models: equal outputs for batches in which some experts receive no token,
-each busy expert run once a step over all its tokens (no per-token loop), and the packed
-bf16 layers the CPU runner swaps in computing the same block."""
+each busy expert run once a step over all its tokens (no per-token loop), the packed bf16
+layers the CPU runner swaps in computing the same block, and so the grouped experts (torch's
+grouped matmul, tidal's C++ kernel over panels at decode sizes, BLAS per expert past
+them)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 from model_fixtures import small_folder
 from tidal.model.linear import PackedLinear, can_pack, replace_linears
 from tidal.model.loader import load_model
-from tidal.model.mlp import SparseMoE
+from tidal.model import cpu_decode
+from tidal.model.mlp import SparseMoE, pack_panels
 
 CASES = {
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
@@ -75,6 +78,40 @@ def test_packed_bf16_experts_compute_the_same_block(pair):
     x = torch.randn(37, ours.gate.in_features).to(torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(packed(x).float(), plain(x).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "c++", "c++ bf16"])
+def test_grouped_experts_compute_the_same_block(pair, kernel):
+    """Grouped, the block equals its expert loop; with bf16 panels, the loop over the same
+    bf16-rounded weights (the kernel widens them exactly and computes in float32)."""
+    import copy
+
+    ours, _ = pair
+    ext = cpu_decode.extension() if kernel != "torch" else None
+    if kernel != "torch" and ext is None:
+        pytest.skip("tidal's C++ extension does not build here")
+    dtype = torch.bfloat16 if kernel.endswith("bf16") else torch.float32
+    ours = copy.deepcopy(ours)
+    for expert in ours.experts:
+        for p in expert.parameters():
+            p.data = p.data.to(dtype).float()
+    grouped = copy.deepcopy(ours)
+    grouped.group_experts(dtype, kernel=ext and ext.grouped_linear)
+    assert grouped.w_gate_up.dtype == dtype and len(grouped.experts) == 0
+    assert (grouped.kernel is not None) == (ext is not None)
+    for tokens in (1, 3, 40, 300):  # 300 x k rows is past the kernel's decode sizes
+        torch.manual_seed(tokens)
+        x = torch.randn(tokens, ours.gate.in_features)
+        with torch.no_grad():
+            torch.testing.assert_close(grouped(x), ours(x), atol=1e-5, rtol=1e-5)
+
+
+def test_panels_hold_each_experts_columns_in_blocks_of_16():
+    w = torch.arange(2 * 3 * 32, dtype=torch.float32).view(2, 3, 32)
+    p = pack_panels(w)
+    assert p.shape == (2, 2, 3, 16)
+    for e, panel, k, j in ((0, 0, 0, 0), (1, 1, 2, 15), (0, 1, 1, 3)):
+        assert p[e, panel, k, j] == w[e, k, panel * 16 + j]
 
 
 def test_the_cost_model_counts_active_experts_and_the_ones_a_step_reads():

@@ -18,6 +18,7 @@ from tidal.model.config import ModelArch
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, bf16_kernels, can_pack,
                                 cpu_flags, default_fp32_rows, replace_linears)
 from tidal.model.loader import load_model
+from tidal.model.mlp import group_experts
 from tidal.model.sampler import SampleRow, sample, target_logprobs
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -89,6 +90,9 @@ class ModelRunner:
                                 dummy=config.load_format == "dummy")
         kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[config.quantization]
         if can_pack(self.dtype, self.device):  # CPU: every projection gets its CPU layer
+            if kind is PackedLinear:  # experts: tidal's kernel reads bf16 itself; torch's float32
+                group_experts(self.model, self.dtype if ext else torch.float32,
+                              ext and ext.grouped_linear)
             rows = default_fp32_rows() if config.fp32_gemm_rows is None else config.fp32_gemm_rows
             options = {PackedLinear: {"fp32_rows": rows}, Int8Linear: {},
                        Int4Linear: {"fp32_rows": rows, "ext": ext}}[kind]

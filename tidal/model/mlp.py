@@ -2,11 +2,16 @@
 
 `SparseMoE` runs experts grouped, not token by token: each token's top-k (token, expert)
 pairs are sorted by expert, and every expert that received tokens runs its gated MLP once
-over all of them (two matmuls); the weighted outputs are added back into their rows. The
-Python loop is over experts (a layer's E iterations at most), never over tokens; the
-experts are ordinary linear layers, so the CPU runner's packed bf16 and int8/int4 layers
-apply to them as to a dense MLP. The block takes hidden rows and returns hidden rows, so
-an expert-parallel split would replace only its loop.
+over all of them (two matmuls); the weighted outputs are added back into their rows. As
+loaded, the experts are ordinary linear layers looped over in Python (a layer's E
+iterations at most, never one per token), so the CPU runner's int8/int4 layers apply to
+them as to a dense MLP. `group_experts()` stacks their weights instead (the CPU runner's
+choice for unquantized models): each projection of every expert is then one call, either
+`torch._grouped_mm` or, with tidal's C++ extension, its `grouped_linear` over weights kept
+as 16-column panels at decode sizes (a step of 32 tokens over 8 experts gives each ~8 rows,
+where a GEMM call per expert costs more in fixed overhead than in arithmetic) and BLAS per
+expert at prefill sizes. The block takes hidden rows and returns hidden rows, so an
+expert-parallel split would replace only its expert part.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             MLP(arch.hidden_size, spec.intermediate_size, arch.hidden_act)
             for _ in range(spec.num_experts))
+        self.num_experts = spec.num_experts
+        self.w_gate_up = self.w_down = None  # [E, hidden, 2 I] and [E, I, hidden], once grouped
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_intermediate_size:
             self.shared_expert = MLP(arch.hidden_size, spec.shared_intermediate_size,
@@ -65,20 +72,88 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    def group_experts(self, dtype: torch.dtype = torch.float32, kernel=None) -> None:
+        """Stack the experts' weights (in `dtype`) for grouped matmuls, dropping the
+        per-expert layers; the block computes the same function. `kernel(xs, ends, w)`, if
+        given (tidal's C++ `grouped_linear` on CPU), runs them instead of torch's grouped
+        matmul, over weights stored as 16-column panels (`pack_panels`; float32 or bf16,
+        which it widens as it reads), computing in float32."""
+        experts = list(self.experts)
+        gate_up = torch.stack([e.gate_up_proj.weight.detach().t() for e in experts]).to(dtype)
+        down = torch.stack([e.down_proj.weight.detach().t() for e in experts]).to(dtype)
+        if kernel is not None and gate_up.shape[2] % PANEL == 0 and down.shape[2] % PANEL == 0:
+            gate_up, down = pack_panels(gate_up), pack_panels(down)
+        else:
+            kernel = None
+        self.w_gate_up = nn.Parameter(gate_up.contiguous(), requires_grad=False)
+        self.w_down = nn.Parameter(down.contiguous(), requires_grad=False)
+        self.act, self.kernel = experts[0].act, kernel
+        self.experts = nn.ModuleList()  # the stacked copies replace them
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # the (token, expert) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one sync
+        sizes = torch.bincount(flat, minlength=self.num_experts)
         rows = order // self.top_k
-        xs, ys = x[rows], torch.empty_like(x[rows])  # inputs and outputs in expert order
-        start = 0
-        for expert, n in zip(self.experts, counts):
-            if n:  # views in, one copy out: the loop adds no gather or scatter of its own
-                ys[start:start + n] = expert(xs[start:start + n])
-            start += n
+        xs = x[rows]  # inputs in expert order
+        if self.w_gate_up is not None:  # in float32 (or the weights' dtype) until the sum
+            dtype = torch.float32 if self.kernel is not None else self.w_gate_up.dtype
+            ys = self._grouped(xs.to(dtype), sizes)
+        else:
+            ys = torch.empty_like(xs)
+            start = 0
+            for expert, n in zip(self.experts, sizes.tolist()):  # one host sync
+                if n:  # views in, one copy out: the loop adds no gather or scatter of its own
+                    ys[start:start + n] = expert(xs[start:start + n])
+                start += n
         ys *= weights.flatten()[order, None]
-        out = torch.zeros_like(x).index_add_(0, rows, ys)
+        out = torch.zeros_like(x, dtype=ys.dtype).index_add_(0, rows, ys)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out.to(x.dtype)
+
+    def _grouped(self, xs: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        """Every expert's gated MLP over its rows of `xs` (grouped by expert), two calls."""
+        ends = sizes.cumsum(0).to(torch.int32)
+        h = self._matmul(xs, ends, self.w_gate_up)
+        gate, up = h.chunk(2, dim=-1)
+        return self._matmul(self.act(gate) * up, ends, self.w_down)
+
+    def _matmul(self, xs: torch.Tensor, ends: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            return _grouped_mm(xs, ends, w)
+        if xs.shape[0] <= 16 * self.num_experts:  # decode sizes: the kernel's, one call
+            return self.kernel(xs, ends, w)
+        # prefill sizes: BLAS per expert over the panels (measured: within 1.4x of torch's
+        # grouped matmul on unpacked weights at 2,048 rows, where the kernel takes 2.2x)
+        starts = [0, *ends.tolist()]
+        return torch.cat([torch.matmul(xs[a:b], w[e].to(xs.dtype)).permute(1, 0, 2)
+                          .reshape(b - a, -1) for e, (a, b) in enumerate(zip(starts, starts[1:]))])
+
+
+PANEL = 16  # output columns of a panel in tidal's grouped kernel's weight layout
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """[E, k, n] -> [E, n/16, k, 16]: each 16-column panel of an expert's weight in one
+    contiguous block, what one task of the grouped kernel reads."""
+    e, k, n = w.shape
+    return w.view(e, k, n // PANEL, PANEL).permute(0, 2, 1, 3).contiguous()
+
+
+def _grouped_mm(xs: torch.Tensor, ends: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per expert e, its rows of xs @ w[e] (torch's grouped matmul, which needs 16-byte
+    strides; other widths loop over the experts)."""
+    if xs.shape[1] % 4 or w.shape[2] % 4:
+        starts = [0, *ends.tolist()]
+        return torch.cat([xs[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, starts[1:]))])
+    return torch._grouped_mm(xs, w, offs=ends)
+
+
+def group_experts(model: nn.Module, dtype: torch.dtype = torch.float32, kernel=None) -> None:
+    """Every SparseMoE block of `model` runs its experts as grouped matmuls in `dtype`
+    (SparseMoE.group_experts)."""
+    for module in model.modules():
+        if isinstance(module, SparseMoE) and module.w_gate_up is None:
+            module.group_experts(dtype, kernel)

@@ -209,6 +209,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
         py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("grouped_linear", &grouped_linear, py::arg("xs"), py::arg("ends"), py::arg("w"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear", [](Tensor x, Tensor q4, Tensor scale_min, c10::optional<Tensor> bias) {
     return int4_linear(x, q4, scale_min, bias.value_or(Tensor()));
   }, py::arg("x"), py::arg("q4"), py::arg("scale_min"), py::arg("bias") = py::none(),

@@ -53,6 +53,12 @@ inline float dot(const A* q, const B* k, int64_t d) {
   return s;
 }
 
+// ---------------------------------------------------------------- experts (experts.cpp)
+
+// Per expert e, xs[ends[e-1]:ends[e]] @ w[e]: float32 xs [rows, k] grouped by expert, ends
+// [E] cumulative row counts, w [E, k, n].
+Tensor grouped_linear(const Tensor& xs, const Tensor& ends, const Tensor& w);
+
 // ---------------------------------------------------------------- projections (linear.cpp)
 
 // y = x @ W^T (+ bias) for int4 W: [rows, k] -> [rows, n] in x's dtype. q4: [n, k/2] bytes,
