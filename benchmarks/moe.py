@@ -66,8 +66,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", help="auto: the runner's choice for this CPU")
     args = p.parse_args()
+    # no sliding window for any of them (Mistral's config has one by default, Mixtral's not)
     shape = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=args.hidden // 8, max_position_embeddings=4096)
+                 num_key_value_heads=4, head_dim=args.hidden // 8, max_position_embeddings=4096,
+                 sliding_window=None)
     root = Path(tempfile.mkdtemp())
     moe = save_model(root / "moe", "mixtral", 256, intermediate_size=args.expert_width,
                      num_local_experts=args.experts, num_experts_per_tok=args.top_k, **shape)

@@ -104,6 +104,13 @@ def test_grouped_experts_compute_the_same_block(pair, kernel):
         x = torch.randn(tokens, ours.gate.in_features)
         with torch.no_grad():
             torch.testing.assert_close(grouped(x), ours(x), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # an expert the router never picks, at both sizes
+        for block in (ours, grouped):
+            block.gate.weight[0] = -1e3  # with positive inputs: the lowest logit
+        for tokens in (3, 300):
+            x = torch.randn(tokens, ours.gate.in_features).abs()
+            assert 0 not in ours.route(x)[1]
+            torch.testing.assert_close(grouped(x), ours(x), atol=1e-5, rtol=1e-5)
 
 
 def test_panels_hold_each_experts_columns_in_blocks_of_16():

@@ -127,9 +127,9 @@ class SparseMoE(nn.Module):
             return self.kernel(xs, ends, w)
         # prefill sizes: BLAS per expert over the panels (measured: within 1.4x of torch's
         # grouped matmul on unpacked weights at 2,048 rows, where the kernel takes 2.2x)
-        starts = [0, *ends.tolist()]
+        starts, width = [0, *ends.tolist()], w.shape[1] * w.shape[3]
         return torch.cat([torch.matmul(xs[a:b], w[e].to(xs.dtype)).permute(1, 0, 2)
-                          .reshape(b - a, -1) for e, (a, b) in enumerate(zip(starts, starts[1:]))])
+                          .reshape(b - a, width) for e, (a, b) in enumerate(zip(starts, starts[1:]))])
 
 
 PANEL = 16  # output columns of a panel in tidal's grouped kernel's weight layout
