@@ -137,10 +137,11 @@ def scrape(url: str) -> dict[str, float]:
             for name in METRICS if line.startswith(name + "{")}
 
 
-def test_stream_events_equal_metrics_within_one_update(server):
+def test_stream_events_equal_metrics_within_two_reports(server):
     """Each core reports twice a second; /metrics merges the cores' latest reports. Scraped
     right after an event, every figure equals the one the events give, taking for each
-    core its latest event or (a report that came in meanwhile) its next one."""
+    core its latest event or (reports that came in meanwhile, as when this reader lags on a
+    loaded machine) one of its next two."""
     load = Load(server.url)
     try:
         by_core: dict[int, list[dict]] = {0: [], 1: []}
@@ -159,7 +160,7 @@ def test_stream_events_equal_metrics_within_one_update(server):
     assert len(scrapes) >= 10
     exact = 0
     for metrics, at in scrapes:
-        options = [(d0, d1) for d0 in (0, 1) for d1 in (0, 1)
+        options = [(d0, d1) for d0 in (0, 1, 2) for d1 in (0, 1, 2)
                    if at[0] + d0 < len(by_core[0]) and at[1] + d1 < len(by_core[1])]
         match = [o for o in options if all(
             metrics[name] == merge(by_core[c][at[c] + o[c]][field] for c in (0, 1))

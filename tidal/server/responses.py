@@ -256,8 +256,9 @@ class CompletionResponse(GenerationResponse):
     def keep(self, u: StepUpdate) -> StepUpdate:
         if not self.prompt_only:
             return u
+        reason = u.finish_reason  # a failure stays one; the sampled token's end does not count
         return replace(u, new_token_ids=[], new_text="", logprobs=None,
-                       finish_reason="length" if u.finished else None)
+                       finish_reason="length" if reason in ("stop", "length") else reason)
 
     def logprobs(self, entries: list, offset: int) -> s.CompletionLogprobs:
         tokens, lps, tops, offsets = [], [], [], []
