@@ -28,6 +28,7 @@ KEY = "fields-key"
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "temperature": 0}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 COMPLETION = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
               "temperature": 0, "ignore_eos": True}
 
@@ -136,6 +137,14 @@ def test_each_refused_field_is_a_400_naming_it(server, path, base, model):
      "response_format.type", "not supported"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", "use tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "sometimes"},
+     "tool_choice", "'none', 'auto' or 'required'"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{**TOOL, "function": {"name": "f g"}}]},
+     "tools.0.function.name", "pattern"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "chat_template_kwargs": {"tools": []}},
+     "chat_template_kwargs.tools", "its own field"),
+    ("/v1/chat/completions", {**CHAT, "continue_final_message": True},
+     "continue_final_message", "add_generation_prompt=false"),
     ("/v1/chat/completions", {**CHAT, "guided_regex": "[a-z"}, "guided_regex",
      "does not compile"),
     ("/v1/chat/completions", {**CHAT, "guided_whitespace_pattern": " "},

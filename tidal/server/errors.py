@@ -26,9 +26,11 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 
 
 def _is_union_member(part) -> bool:
-    """Whether a part of an error's loc names a union's member (str, list[int]), not a field."""
+    """Whether a part of an error's loc names a union's member (str, list[int], a literal, a
+    model class such as NamedToolChoice), not a field (fields are lower case)."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
-                                      or part.startswith(("list[", "dict[")))
+                                      or part.startswith(("list[", "dict[", "literal["))
+                                      or part[:1].isupper())
 
 
 async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
