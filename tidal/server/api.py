@@ -325,7 +325,8 @@ async def completions(body: CompletionRequest, f: FrontendDep, request: Request)
     max_tokens, prompt_only = body.output_limit()
     return await f.generate(CompletionResponse, body, prompts, max_tokens, body.logprobs,
                             default_max=16, request=request,
-                            echo=body.echo_texts(f.tokenizer, prompts), prompt_only=prompt_only)
+                            echo=body.echo, sent=body.prompt_strings(),
+                            prompt_only=prompt_only)
 
 
 @routes.post("/v1/chat/completions")

@@ -304,16 +304,12 @@ class CompletionRequest(GenerationRequest):
             return 1, True
         return self.max_tokens, False
 
-    def echo_texts(self, tokenizer, prompts: list[list[int]]) -> list[str] | None:
-        """With echo, each prompt as text: as sent, or its token ids decoded."""
-        if not self.echo:
-            return None
+    def prompt_strings(self) -> list[str] | None:
+        """The prompts as sent when they are text (what echo repeats), else None."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(x, str) for x in p):
-            return list(p)
-        return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+        return list(p) if p and all(isinstance(x, str) for x in p) else None
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
         """One token-id list per prompt: strings are tokenized, ids pass as they are."""

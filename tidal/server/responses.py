@@ -241,14 +241,18 @@ class CompletionResponse(GenerationResponse):
     id_prefix = "cmpl"
     chunk_object = "text_completion"
 
-    def __init__(self, *args, echo: list[str] | None = None, prompt_only: bool = False,
-                 **kwargs) -> None:
+    def __init__(self, *args, echo: bool = False, sent: list[str] | None = None,
+                 prompt_only: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.echo, self.prompt_only = echo, prompt_only
+        self.prompt_only = prompt_only
+        self.echo: list[str] | None = None  # each prompt's text: as sent, or its ids decoded
+        if echo:  # (the ids were checked against the vocabulary on submit)
+            self.echo = sent or [self.tokenizer.decode(ids, skip_special_tokens=False)
+                                 for ids in self.prompts]
         self._opened = [False] * len(self.choices)
-        if echo is not None:  # the text offsets of the output count from the prompt's start
+        if self.echo is not None:  # the text offsets of the output count from the prompt's start
             for i, ch in enumerate(self.choices):
-                ch.text = echo[i // self.n]
+                ch.text = self.echo[i // self.n]
 
     def needs_prompt_entries(self) -> bool:
         return self.want_prompt_logprobs or (self.echo is not None and self.want_logprobs)
