@@ -17,6 +17,7 @@ from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention,
 from tidal.model.config import ModelArch
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, bf16_kernels, can_pack,
                                 cpu_flags, default_fp32_rows, replace_linears)
+from tidal.model.kernels import paged_decode_kernel
 from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
 from tidal.model.sampler import SampleRow, sample, target_logprobs
@@ -85,7 +86,9 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.arch = ModelArch.from_folder(folder)
         ext = cpu_decode.extension() if config.cpu_decoder and self.device == "cpu" else None
-        backend = TorchAttention.for_arch(self.arch, ext and ext.paged_decode_attention)
+        paged = ext.paged_decode_attention if ext else (
+            paged_decode_kernel() if self.device == "cuda" else None)
+        backend = TorchAttention.for_arch(self.arch, paged)
         self.model = load_model(folder, self.dtype, self.device, backend,
                                 dummy=config.load_format == "dummy")
         kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[config.quantization]

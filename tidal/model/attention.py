@@ -4,7 +4,7 @@
 sequences, each a contiguous run of query tokens, followed by decode sequences of one token
 each. A backend writes the step's K/V into the cache through `slot_mapping` and reads a
 sequence's context through its block table. `TorchAttention` runs on CPU and GPU with plain
-PyTorch ops; faster GPU kernels can implement the same interface.
+PyTorch ops, decodes through a paged kernel where one is given (C++ on CPU, Triton on CUDA).
 
 Cache layout, per layer and for K and V alike: [num_blocks, block_size, num_kv_heads,
 head_dim]. Block-major: a block is one contiguous run of bytes (what a KV transfer sends), and
@@ -13,11 +13,14 @@ gathering a batch's blocks yields [B, L * Hkv, D] rows that one batched matmul r
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("tidal.model")
 
 
 class PrefillSeq(NamedTuple):
@@ -86,8 +89,9 @@ class TorchAttention(AttentionBackend):
         self.scale = scale or head_dim ** -0.5
         self.softcap = softcap
         self.groups = num_heads // num_kv_heads
-        # C++ `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)` for CPU
-        # decodes (tidal.model.cpu_decode); None: SDPA or gather + bmm.
+        # `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)` for
+        # decodes: the C++ kernel on CPU (tidal.model.cpu_decode), Triton's on CUDA
+        # (tidal.model.kernels); None: SDPA or gather + bmm.
         self.paged_kernel = None if softcap else paged_kernel
 
     @classmethod
@@ -183,9 +187,15 @@ class TorchAttention(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta, window=0) -> torch.Tensor:
         tables = meta.decode_block_tables
-        if self.paged_kernel is not None and q.device.type == "cpu":
-            return self.paged_kernel(q, k_cache, v_cache, tables, meta.decode_lens, self.scale,
-                                     window)
+        if self.paged_kernel is not None:
+            try:
+                return self.paged_kernel(q, k_cache, v_cache, tables, meta.decode_lens,
+                                         self.scale, window)
+            except Exception as exc:  # a GPU kernel that does not compile here: the torch path
+                if q.device.type == "cpu":
+                    raise
+                log.warning("paged decode kernel failed (%s); decoding with PyTorch ops", exc)
+                self.paged_kernel = None
         if tables.shape[0] == 1:  # no padding to mask: attend over the exact context
             n = meta.decode_max_len
             first = max(0, n - window) if window else 0

@@ -1,0 +1,96 @@
+"""tidal's Triton kernels (tidal/model/kernels) against PyTorch references. Without CUDA they
+run under Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, so CI checks the very
+kernel code a GPU compiles; skipped where triton is not installed (the `gpu` extra)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 8):
+    pytest.skip("Triton's interpreter runs with NumPy 2 from triton 3.8 on",
+                allow_module_level=True)
+
+from test_cpu_decode import gathered_attention  # noqa: E402
+from tidal.model.kernels.paged_attention import num_splits, paged_decode_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 4),
+       heads=st.sampled_from([(2, 2), (6, 2), (8, 2), (16, 2)]),  # GQA 1, 3, 4, 8
+       head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       long=st.booleans(), window=st.sampled_from([0, 0, 0, 7, 100]))
+def test_paged_decode_attention_equals_the_gathered_context(data, batch, heads, head_dim,
+                                                            block_size, dtype, long, window):
+    """Ragged lengths (1 to a few thousand: several splits), shuffled block tables sharing
+    blocks, GQA, windows."""
+    h, hkv = heads
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    top = 3000 if long else 80
+    lens = [data.draw(st.integers(1, top)) for _ in range(batch)]
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = width + 4
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width]
+                          for _ in range(batch)]).to(torch.int32)
+    q = torch.randn(batch, h, head_dim, generator=gen).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    want = gathered_attention(q, k_cache, v_cache, tables.long(), lens_t, scale, window)
+    got = paged_decode_attention(*(x.to(DEVICE) for x in (q, k_cache, v_cache, tables,
+                                                           lens_t)), scale, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 2e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+
+
+def test_splits_cover_the_context_in_whole_blocks():
+    for max_len, block in ((1, 16), (512, 16), (513, 16), (3000, 32), (100_000, 16)):
+        splits, per = num_splits(max_len, block)
+        assert per % block == 0 and splits * per >= max_len > (splits - 1) * per
+        assert 1 <= splits <= 16
+
+
+def test_refuses_heads_that_do_not_share_kv_heads():
+    cache = torch.zeros(2, 16, 3, 64)
+    with pytest.raises(ValueError, match="multiple of the cache's 3 KV heads"):
+        paged_decode_attention(torch.zeros(1, 4, 64), cache, cache,
+                               torch.zeros(1, 1, dtype=torch.int32),
+                               torch.ones(1, dtype=torch.int32), 1.0)
+
+
+def test_a_model_decodes_the_same_through_the_kernel(tmp_path):
+    """A tiny Llama's greedy tokens with the Triton kernel under its decodes equal the
+    PyTorch path's (the runner uses it on CUDA)."""
+    from model_fixtures import PROMPTS, tiny_folder
+    from tidal import LLM, SamplingParams
+
+    folder = tiny_folder(tmp_path, "llama")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def tokens(kernel) -> list[list[int]]:
+        llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=16)
+        llm.engine.runner.decoder = None  # every decode through the attention backend
+        llm.engine.runner.model.backend.paged_kernel = kernel
+        prompts = [{"prompt_token_ids": llm.engine.tokenize(p)} for p in PROMPTS[:3]]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return paged_decode_attention(*args)
+
+    assert tokens(counted) == tokens(None)
+    assert len(calls) >= 11 * 2 and max(calls) == 3  # every decode step, every layer
