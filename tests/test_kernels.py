@@ -24,7 +24,7 @@ from tidal.model.kernels.paged_attention import num_splits, paged_decode_attenti
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(data=st.data(), batch=st.integers(1, 4),
        heads=st.sampled_from([(2, 2), (6, 2), (8, 2), (16, 2)]),  # GQA 1, 3, 4, 8
        head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]),

@@ -79,6 +79,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Attention of each sequence's one query token over its paged context, [B, H, D] in
     q's dtype. `max_len` (the longest context) sizes the splits; by default the block
     table's width bounds it, which needs no device-to-host copy of `lens`."""
+    q, tables, lens = q.contiguous(), tables.contiguous(), lens.contiguous()  # unit strides
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if heads % kv_heads:
