@@ -29,9 +29,14 @@ $(VENV)/.browser: $(VENV)/.installed
 		chromium >/dev/null; } || echo "no chromium: the dashboard's browser test will skip"
 	touch $@
 
+# The GPU kernels' tests run them under Triton's interpreter on CPU.
+$(VENV)/.gpu-extra: $(VENV)/.installed
+	$(PIP) install -q -c $(VENV)/constraints.txt -e '.[gpu]'
+	touch $@
+
 install: $(VENV)/.installed
 
-test: $(VENV)/.installed $(VENV)/.browser
+test: $(VENV)/.installed $(VENV)/.browser $(VENV)/.gpu-extra
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve: $(VENV)/.installed

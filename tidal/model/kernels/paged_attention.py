@@ -57,7 +57,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
         s = s * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    lse = tl.where(s > 0, m + tl.log(s), float("-inf"))
+    lse = tl.where(s > 0, m + tl.log(tl.maximum(s, 1e-30)), float("-inf"))  # padded rows: 0
     out = acc / tl.where(s > 0, s, 1.0)[:, None]
     tl.store(out_ptr + b * so_b + heads[:, None] * so_h + split * so_s + d[None, :], out,
              mask=q_mask)
