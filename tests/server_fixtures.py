@@ -68,6 +68,24 @@ def openai_client(server: "Server", key: str = "none"):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
+def module_server(*flags: str):
+    """A test module's `server` (one `Server(*flags)` for the module) and `client` (the
+    official client on it) fixtures: `server, client = module_server(...)`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def server():
+        s = Server(*flags)
+        yield s
+        s.stop()
+
+    @pytest.fixture(scope="module")
+    def client(server):
+        return openai_client(server)
+
+    return server, client
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

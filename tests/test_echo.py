@@ -13,22 +13,13 @@ import pytest
 import torch
 
 from model_fixtures import embedded_folder
-from server_fixtures import Server, openai_client
+from server_fixtures import module_server
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = Server("--dtype", "float32")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
+server, client = module_server("--dtype", "float32")
 
 
 @pytest.fixture(scope="module")

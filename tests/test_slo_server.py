@@ -7,22 +7,13 @@ from __future__ import annotations
 import openai
 import pytest
 
-from server_fixtures import Server, metric, openai_client
+from server_fixtures import metric, module_server
 
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = Server("--policy", "slo", "--slo-overload", "reject", "--ttft-slo-ms", "60000",
-               "--tpot-slo-ms", "10000")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
+server, client = module_server("--policy", "slo", "--slo-overload", "reject",
+                               "--ttft-slo-ms", "60000", "--tpot-slo-ms", "10000")
 
 
 def test_requests_within_reach_of_their_targets_are_served(client):

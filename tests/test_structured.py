@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from server_fixtures import Server, openai_client
+from server_fixtures import module_server
 from tidal import LLM, SamplingParams
 
 MODEL = "smollm2-135m"
@@ -24,16 +24,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
                          "coastal": {"type": "boolean"}}}
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = Server()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
+server, client = module_server()
 
 
 def test_json_schema_holds_for_20_samples_at_temperature_1(client):

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from server_fixtures import Server, openai_client
+from server_fixtures import module_server
 from tidal.model.chat_template import ChatTemplate
 from tidal.server.chat_output import ChatOutputOptions, ChoiceOutput
 from tidal.server.reasoning import ThinkSplitter
@@ -219,16 +219,7 @@ SCRIPT = ('Let me check\\.\\n<tool_call>\\n\\{"name": "get_weather", "arguments"
           '\\{"city": "Paris"\\}\\}\\n</tool_call>')
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = Server("--reasoning-parser", "think")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
+server, client = module_server("--reasoning-parser", "think")
 
 
 def test_a_named_tool_choice_returns_valid_calls(client):

@@ -200,17 +200,15 @@ class ModelRunner:
             self.matchers.apply(masks, logits, sample_ids, [q.stop_ids for q in seqs])
         tokens, logprobs = sample(logits, [self._row(rid, q) for rid, q in zip(sample_ids, seqs)],
                                   self.generator)
-        for rid, q, toks in zip(sample_ids, seqs, tokens):
+        result = ModelOutput(sampled=dict(zip(sample_ids, tokens)),
+                             preempted_ack=list(out.preempted_ids))
+        for rid, q, toks, lp in zip(sample_ids, seqs, tokens, logprobs):
             q.output.append(toks[0])  # an n>1 request's other tokens start its siblings
             q.num_samples = 1
             if masks is not None:
                 self.matchers.advance(rid, toks[0])
-        result = ModelOutput(sampled=dict(zip(sample_ids, tokens)),
-                             preempted_ack=list(out.preempted_ids))
-        for rid, lp in zip(sample_ids, logprobs):
             if lp is not None:
                 result.logprobs[rid] = lp
-        for rid, q in zip(sample_ids, seqs):
             if q.prompt_k is not None:  # the prompt is done: they go with its first token
                 result.prompt_logprobs[rid] = q.prompt_entries
                 q.prompt_k, q.prompt_entries = None, []
@@ -264,11 +262,9 @@ class ModelRunner:
                                         meta.decode_block_tables, meta.decode_lens,
                                         self._k_caches, self._v_caches, batch.logits_indices,
                                         self.model.backend.scale, self.block_size), None
-        if batch.hidden_indices is None:
-            return self.model(batch.input_ids, batch.positions, self.kv_caches, meta,
-                              batch.logits_indices), None
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, meta,
-                          batch.logits_indices, batch.hidden_indices)
+        out = self.model(batch.input_ids, batch.positions, self.kv_caches, meta,
+                         batch.logits_indices, batch.hidden_indices)
+        return out if batch.hidden_indices is not None else (out, None)
 
     def _row(self, rid: str, q: _Seq) -> SampleRow:
         p = q.params

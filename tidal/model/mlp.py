@@ -88,34 +88,28 @@ class SparseMoE(nn.Module):
         self.w_gate_up = nn.Parameter(gate_up.contiguous(), requires_grad=False)
         self.w_down = nn.Parameter(down.contiguous(), requires_grad=False)
         self.act, self.kernel = experts[0].act, kernel
+        self.compute_dtype = torch.float32 if kernel is not None else dtype
         self.experts = nn.ModuleList()  # the stacked copies replace them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # the (token, expert) pairs grouped by expert
-        sizes = torch.bincount(flat, minlength=self.num_experts)
+        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
         rows = order // self.top_k
         xs = x[rows]  # inputs in expert order
-        if self.w_gate_up is not None:  # in float32 (or the weights' dtype) until the sum
-            dtype = torch.float32 if self.kernel is not None else self.w_gate_up.dtype
-            ys = self._grouped(xs.to(dtype), sizes)
+        if self.w_gate_up is not None:  # in the compute dtype until the sum
+            ys = self._grouped(xs.to(self.compute_dtype), ends)
         else:
-            ys = torch.empty_like(xs)
-            start = 0
-            for expert, n in zip(self.experts, sizes.tolist()):  # one host sync
-                if n:  # views in, one copy out: the loop adds no gather or scatter of its own
-                    ys[start:start + n] = expert(xs[start:start + n])
-                start += n
+            ys = _each_expert(xs, ends, lambda part, e: self.experts[e](part))
         ys *= weights.flatten()[order, None]
         out = torch.zeros_like(x, dtype=ys.dtype).index_add_(0, rows, ys)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.to(x.dtype)
 
-    def _grouped(self, xs: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Every expert's gated MLP over its rows of `xs` (grouped by expert), two calls."""
-        ends = sizes.cumsum(0).to(torch.int32)
         h = self._matmul(xs, ends, self.w_gate_up)
         gate, up = h.chunk(2, dim=-1)
         return self._matmul(self.act(gate) * up, ends, self.w_down)
@@ -127,9 +121,8 @@ class SparseMoE(nn.Module):
             return self.kernel(xs, ends, w)
         # prefill sizes: BLAS per expert over the panels (measured: within 1.4x of torch's
         # grouped matmul on unpacked weights at 2,048 rows, where the kernel takes 2.2x)
-        starts, width = [0, *ends.tolist()], w.shape[1] * w.shape[3]
-        return torch.cat([torch.matmul(xs[a:b], w[e].to(xs.dtype)).permute(1, 0, 2)
-                          .reshape(b - a, width) for e, (a, b) in enumerate(zip(starts, starts[1:]))])
+        return _each_expert(xs, ends, lambda part, e: torch.matmul(part, w[e].to(xs.dtype))
+                            .permute(1, 0, 2).reshape(len(part), -1))
 
 
 PANEL = 16  # output columns of a panel in tidal's grouped kernel's weight layout
@@ -146,9 +139,16 @@ def _grouped_mm(xs: torch.Tensor, ends: torch.Tensor, w: torch.Tensor) -> torch.
     """Per expert e, its rows of xs @ w[e] (torch's grouped matmul, which needs 16-byte
     strides; other widths loop over the experts)."""
     if xs.shape[1] % 4 or w.shape[2] % 4:
-        starts = [0, *ends.tolist()]
-        return torch.cat([xs[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, starts[1:]))])
+        return _each_expert(xs, ends, lambda part, e: part @ w[e])
     return torch._grouped_mm(xs, w, offs=ends)
+
+
+def _each_expert(xs: torch.Tensor, ends: torch.Tensor, run) -> torch.Tensor:
+    """run(rows, e) for each expert e that has rows of `xs` (grouped by expert, cumulative
+    `ends`), concatenated: a Python loop over busy experts, after one host sync."""
+    starts = [0, *ends.tolist()]
+    return torch.cat([run(xs[a:b], e) for e, (a, b) in enumerate(zip(starts, starts[1:]))
+                      if b > a])
 
 
 def group_experts(model: nn.Module, dtype: torch.dtype = torch.float32, kernel=None) -> None:

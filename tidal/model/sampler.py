@@ -134,11 +134,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
 def target_logprobs(logits_of, hidden: torch.Tensor, targets: list[int], k: int,
                     rows: int = 256) -> list[tuple[float, list[tuple[int, float]], int]]:
     """Per row of `hidden`: the raw logprob of its target token, the top `k` alternatives
-    and the target's rank (1: the likeliest) under log_softmax(logits_of(row)), in float32. Runs `rows` rows at a time and turns each
-    slice into Python lists at once, so a long prompt's logits never exist all together."""
+    and the target's rank (1: the likeliest) under log_softmax(logits_of(row)), float32
+    logits. Runs `rows` rows at a time and turns each slice into Python lists at once, so
+    a long prompt's logits never exist all together."""
     entries: list = []
     for lo in range(0, len(targets), rows):
-        lp = logits_of(hidden[lo:lo + rows]).float().log_softmax(-1).clamp(min=-9999.0)
+        lp = logits_of(hidden[lo:lo + rows]).log_softmax(-1).clamp(min=-9999.0)
         idx = torch.tensor(targets[lo:lo + rows], device=lp.device)
         own_t = lp.gather(1, idx[:, None])
         own = own_t[:, 0].tolist()

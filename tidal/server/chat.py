@@ -12,7 +12,8 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from tidal.server.protocol import (APIError, GenerationRequest, StrictModel, encode, refuse)
 from tidal.server.refusals import CHAT_REFUSED, VLLM_REFUSED
-from tidal.server.tools import Tool, ToolChoice, template_conversation, tool_constraint
+from tidal.server.tools import (Tool, ToolChoice, template_conversation, tool_constraint,
+                                tool_dicts)
 
 # Template variables a request's chat_template_kwargs may not set: the server sets them.
 RESERVED_TEMPLATE_ARGS = ("messages", "tools", "documents", "add_generation_prompt",
@@ -199,8 +200,7 @@ class ChatRequest(GenerationRequest):
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
         """The conversation through the chat template, as the one prompt's token ids."""
-        tools = None if self.tool_mode() == "none" else \
-            [t.model_dump(exclude_none=True) for t in self.tools or []]
+        tools = None if self.tool_mode() == "none" else tool_dicts(self.tools)
         self._prompt_text = chat_prompt_text(
             self.messages, tokenizer, self.add_generation_prompt, tools, self.documents,
             self.continue_final_message, self.chat_template_kwargs)
@@ -245,6 +245,6 @@ class TokenizeRequest(StrictModel):
         special = self.add_special_tokens
         if self.prompt is not None:
             return encode(tokenizer, self.prompt, special is not False, "prompt")
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-        text = chat_prompt_text(self.messages, tokenizer, self.add_generation_prompt, tools)
+        text = chat_prompt_text(self.messages, tokenizer, self.add_generation_prompt,
+                                tool_dicts(self.tools))
         return encode(tokenizer, text, bool(special), "messages")

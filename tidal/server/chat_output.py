@@ -37,8 +37,8 @@ class Piece:
 
 
 class ChoiceOutput:
-    """One choice's reasoning, content and calls so far; `feed` and `finish` return the
-    new piece for a streamed delta."""
+    """One choice's reasoning, content and calls so far; `feed` returns the new piece for a
+    streamed delta (`last=True` with a choice's final text, or `finish()` after it)."""
 
     def __init__(self, options: ChatOutputOptions) -> None:
         self.options = options
@@ -50,11 +50,16 @@ class ChoiceOutput:
         self.calls: list[ToolCall] = []
         self._dropped = False  # the call in progress is past the one allowed
 
-    def feed(self, text: str) -> Piece:
-        return self._piece(*(self._think.feed(text) if self._think else ("", text)), False)
+    def feed(self, text: str, last: bool = False) -> Piece:
+        """What `text` adds; with `last`, also what the parsers held back until the end."""
+        reasoning, content = self._think.feed(text) if self._think else ("", text)
+        if last and self._think:
+            more = self._think.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        return self._piece(reasoning, content, last)
 
     def finish(self) -> Piece:
-        return self._piece(*(self._think.finish() if self._think else ("", "")), True)
+        return self.feed("", last=True)
 
     def finish_reason(self, reason: str | None) -> str | None:
         """Calls end a choice with "tool_calls" (a forced named function keeps "stop")."""

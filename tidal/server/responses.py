@@ -198,14 +198,12 @@ class ChatResponse(GenerationResponse):
     def final(self, choices: list[_Choice]) -> s.ChatCompletion:
         out = []
         for i, (ch, reader) in enumerate(zip(choices, self.outputs)):
-            reader.feed(ch.text)
-            reader.finish()
+            reader.feed(ch.text, last=True)
             content: str | None = reader.content
-            if reader.calls or self.options.tool_parser is not None:
+            if self.options.tool_parser is not None:
                 content = content.strip() or None  # the text around calls
-            reasoning = reader.reasoning if self.options.reasoning else None
             message = s.AssistantMessage("assistant", content, reader.calls,
-                                         reasoning or None)
+                                         reader.reasoning or None)
             lp = self.logprobs(ch.logprobs, 0) if self.want_logprobs else None
             out.append(s.ChatChoice(i, message, lp, reader.finish_reason(ch.finish_reason)))
         body = s.ChatCompletion(self.id, self.created, self.model_name, out, self.usage())
@@ -215,12 +213,8 @@ class ChatResponse(GenerationResponse):
 
     def chunk_choice(self, i: int, new_text: str, lp, finish_reason: str | None):
         reader = self.outputs[i]
-        piece = reader.feed(new_text)
+        piece = reader.feed(new_text, last=finish_reason is not None)
         if finish_reason is not None:
-            last = reader.finish()
-            piece.reasoning += last.reasoning
-            piece.content += last.content
-            piece.calls += last.calls
             finish_reason = reader.finish_reason(finish_reason)
         if not (piece.reasoning or piece.content or piece.calls or lp or finish_reason):
             return None

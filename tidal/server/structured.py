@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 
-
 class ConstraintError(ValueError):
     """A constraint field of the wrong shape: the field (`param`) and what is wrong."""
 
@@ -17,9 +16,6 @@ class ConstraintError(ValueError):
         super().__init__(message)
         self.param = param
 
-
-def refuse(param: str, message: str) -> ConstraintError:
-    return ConstraintError(param, message)
 
 # vLLM's structured_outputs keys -> tidal's kinds
 _VLLM_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
@@ -36,16 +32,17 @@ def _spec(kind: str, value: Any, field: str) -> str:
             try:
                 value = json.loads(value)
             except ValueError:
-                raise refuse(field, f"{field} must be a JSON schema (an object)") from None
+                raise ConstraintError(field, f"{field} must be a JSON schema (an object)") \
+                    from None
         if not isinstance(value, dict):
-            raise refuse(field, f"{field} must be a JSON schema (an object)")
+            raise ConstraintError(field, f"{field} must be a JSON schema (an object)")
         return json.dumps(value)
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
-            raise refuse(field, f"{field} must be a non-empty list of strings")
+            raise ConstraintError(field, f"{field} must be a non-empty list of strings")
         return json.dumps(value)
     if not isinstance(value, str) or not value:
-        raise refuse(field, f"{field} must be a non-empty string")
+        raise ConstraintError(field, f"{field} must be a non-empty string")
     return value
 
 
@@ -58,11 +55,11 @@ def _response_format(value: dict) -> tuple[str, str] | None:
     if kind == "json_schema":
         schema = (value.get("json_schema") or {}).get("schema")
         if schema is None:
-            raise refuse("response_format.json_schema.schema",
-                         "response_format json_schema needs json_schema.schema")
+            raise ConstraintError("response_format.json_schema.schema",
+                                  "response_format json_schema needs json_schema.schema")
         return "json", _spec("json", schema, "response_format.json_schema.schema")
-    raise refuse("response_format.type", f"response_format type {kind!r} is not supported "
-                                         "(text, json_object, json_schema)")
+    raise ConstraintError("response_format.type", f"response_format type {kind!r} is not "
+                                                  "supported (text, json_object, json_schema)")
 
 
 def structured_spec(body) -> tuple[str, tuple[str, str]] | None:
@@ -74,9 +71,9 @@ def structured_spec(body) -> tuple[str, tuple[str, str]] | None:
         keys = [k for k, v in body.structured_outputs.items() if v not in (None, False)]
         unknown = [k for k in keys if k not in _VLLM_KEYS]
         if unknown:
-            raise refuse(f"structured_outputs.{unknown[0]}",
-                         f"structured_outputs.{unknown[0]} is not supported (json, regex, "
-                         "choice, grammar, json_object)")
+            raise ConstraintError(f"structured_outputs.{unknown[0]}",
+                                  f"structured_outputs.{unknown[0]} is not supported (json, "
+                                  "regex, choice, grammar, json_object)")
         for key in keys:
             field = f"structured_outputs.{key}"
             value = body.structured_outputs[key]
@@ -88,6 +85,6 @@ def structured_spec(body) -> tuple[str, tuple[str, str]] | None:
             found.append((name, (kind, _spec(kind, value, name))))
     asked = [(field, spec) for field, spec in found if spec is not None]
     if len(asked) > 1:
-        raise refuse(asked[1][0], f"{asked[1][0]} and {asked[0][0]} both constrain the "
-                                  "output: send one")
+        raise ConstraintError(asked[1][0], f"{asked[1][0]} and {asked[0][0]} both constrain "
+                                           "the output: send one")
     return asked[0] if asked else None

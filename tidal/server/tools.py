@@ -42,6 +42,11 @@ class NamedToolChoice(StrictModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as the chat template sees them (OpenAI's JSON, nulls left out)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 def arguments_schema(tool: Tool) -> dict:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
