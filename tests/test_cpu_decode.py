@@ -83,8 +83,8 @@ class _Checked:
         self.runner, self.decoder, self.steps = runner, runner.decoder, []
         prepare = runner._prepare
 
-        def keep_meta(entries):
-            batch = prepare(entries)
+        def keep_meta(entries, **kw):
+            batch = prepare(entries, **kw)
             self.meta = batch.meta
             return batch
         runner._prepare = keep_meta

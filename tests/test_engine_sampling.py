@@ -210,3 +210,34 @@ def test_every_tensor_the_sampler_makes_lands_on_the_logits_device():
         got = sample(logits, rows(), torch.Generator().manual_seed(1))
     assert got == expected
     assert all(0 <= t < 50 for toks in got[0] for t in toks)
+
+
+def test_a_step_comes_back_to_the_host_in_one_copy(monkeypatch):
+    """Every option at once (n > 1, seeds, filters, penalties, bans, bias, logprobs of
+    several widths, greedy rows): one device-to-host copy, the GPU step's one wait."""
+    copies = []
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _real=real, _name=name, **k:
+                            copies.append(_name) or _real(self, *a, **k))
+    torch.manual_seed(0)
+    logits = torch.randn(5, 40)
+    rows = [SampleRow(SamplingParams(temperature=0.8, top_k=5, seed=7, logprobs=2), 3, [1], [3],
+                      torch.Generator().manual_seed(7)),
+            SampleRow(SamplingParams(temperature=1.0, top_p=0.7, min_p=0.1), 1, [], [], None),
+            SampleRow(SamplingParams(temperature=0, logprobs=4, repetition_penalty=1.2,
+                                     presence_penalty=0.3), 2, [2, 3], [4], None, [5]),
+            SampleRow(SamplingParams(temperature=1.0, logit_bias={9: 5.0}, logprobs=0), 1, [],
+                      [], None),
+            SampleRow(SamplingParams(temperature=0), 1, [], [], None)]
+    tokens, logprobs = sample(logits, rows, torch.Generator().manual_seed(1))
+    assert copies == ["tolist"]
+    monkeypatch.undo()
+    assert [len(t) for t in tokens] == [3, 1, 2, 1, 1]
+    assert tokens[2] == [tokens[2][0]] * 2 and tokens[4] == [int(logits[4].argmax())]
+    assert [len(e) if e else e for e in logprobs] == [3, None, 2, 1, None]
+    assert [len(e[0][1]) for e in logprobs if e] == [2, 4, 0]
+    # Each entry's alternatives are the row's likeliest tokens, best first.
+    ids, vals = zip(*logprobs[2][0][1])
+    assert list(vals) == sorted(vals, reverse=True) and ids[0] == tokens[2][0]

@@ -70,11 +70,14 @@ def test_refuses_heads_that_do_not_share_kv_heads():
                                torch.ones(1, dtype=torch.int32), 1.0)
 
 
-def test_a_model_decodes_the_same_through_the_kernel(tmp_path):
-    """A tiny Llama's greedy tokens with the Triton kernel under its decodes equal the
-    PyTorch path's (the runner uses it on CUDA)."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_model_decodes_the_same_through_the_kernel(tmp_path, fused):
+    """A tiny Llama's greedy tokens with the Triton kernel under its decodes (and, with
+    `fused`, the fused norm and RoPE + cache-write kernels in every layer) equal the PyTorch
+    path's: the runner uses them on CUDA."""
     from model_fixtures import PROMPTS, tiny_folder
     from tidal import LLM, SamplingParams
+    from tidal.model.kernels import FusedKernels, fused_kernels
 
     folder = tiny_folder(tmp_path, "llama")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -83,6 +86,10 @@ def test_a_model_decodes_the_same_through_the_kernel(tmp_path):
         llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=16)
         llm.engine.runner.decoder = None  # every decode through the attention backend
         llm.engine.runner.model.backend.paged_kernel = kernel
+        if kernel is not None and fused:
+            k = fused_kernels()
+            llm.engine.runner.model.kernels = FusedKernels(
+                k.rms_norm, k.add_rms_norm, lambda *a: rope_calls.append(1) or k.rope_and_cache(*a))
         prompts = [{"prompt_token_ids": llm.engine.tokenize(p)} for p in PROMPTS[:3]]
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -92,5 +99,7 @@ def test_a_model_decodes_the_same_through_the_kernel(tmp_path):
         calls.append(args[0].shape[0])
         return paged_decode_attention(*args)
 
+    rope_calls: list = []
     assert tokens(counted) == tokens(None)
+    assert len(rope_calls) == (2 * 12 if fused else 0)  # every step (prefill too), every layer
     assert len(calls) >= 11 * 2 and max(calls) == 3  # every decode step, every layer

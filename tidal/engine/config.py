@@ -27,7 +27,9 @@ class ModelConfig:
     dtype: str = knob("auto", "'auto' (bfloat16 on GPU, on a CPU with avx512_bf16 or amx, "
                       "or with quantization; else float32), 'bfloat16', 'float16' or "
                       "'float32'.")
-    device: str = knob("auto", "'auto' (cuda when available), 'cpu' or 'cuda'.")
+    device: str = knob("auto", "'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'. "
+                       "Data-parallel cores on a machine with several GPUs run on GPU "
+                       "i modulo their number (auto or cuda).")
     quantization: str = knob("none", "'none'; 'int8': weight-only int8 projections "
                              "(per-channel absmax); 'int4': weight-only int4 in groups of 32 "
                              "(the embedded GGUF's own Q4_1 format) for steps of at most 4 "
@@ -42,8 +44,17 @@ class ModelConfig:
                                      "simulate`, what the weights leave of the hardware's "
                                      "memory). Set it for a fixed, reproducible pool.")
     kv_cache_memory: int | None = knob(None, "Bytes for the KV cache (overrides the fraction).")
-    kv_cache_fraction: float = knob(0.10, "Share of free memory (RAM on CPU, GPU memory on "
-                                    "GPU) the KV cache takes when no size is given.")
+    kv_cache_fraction: float = knob(0.10, "On CPU: the share of free RAM the KV cache "
+                                    "takes when no size is given.")
+    gpu_memory_utilization: float = knob(0.9, "On GPU: the share of the device's memory "
+                                         "tidal may use; the KV cache takes what the weights, "
+                                         "the largest step's activations (measured by a "
+                                         "forward pass at start-up) and other processes "
+                                         "leave of it, when no size is given.")
+    enforce_eager: bool = knob(False, "On GPU: run every step eagerly, without the CUDA "
+                               "graphs captured at start-up for decode-only steps of each "
+                               "batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, then "
+                               "every 32 up to max_num_seqs).")
     num_threads: int | None = knob(None, "Torch threads on CPU; defaults to the cores "
                                    "available to this process.")
     omp_spin_count: int | None = knob(None, "GOMP_SPINCOUNT of a server's local engine-core "
@@ -76,8 +87,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32; got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not (
+                self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"quantization must be none, int8 or int4; got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
@@ -90,6 +102,8 @@ class ModelConfig:
             raise ValueError("omp_spin_count must be >= 0")
         if not 0 < self.kv_cache_fraction < 1:
             raise ValueError("kv_cache_fraction must be in (0, 1)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, folder: str | Path,
                  eos_token_id: int | None = None) -> None:
         t0 = time.perf_counter()
-        self.runner = ModelRunner(folder, config.model, config.cache.block_size)
+        self.runner = ModelRunner(folder, config.model, config.cache.block_size,
+                                  config.scheduler)
         arch = self.runner.arch
         # What the model and the memory allow: the context is at most the model's, and the
         # pool is what the runner allocated.

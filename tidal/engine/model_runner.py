@@ -3,53 +3,30 @@ pass over the paged KV cache, samples, and returns a ModelOutput."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import torch
 
-from tidal.core import ModelOutput, NewRequest, ScheduledRequest, SchedulerOutput
+from tidal.core import ModelOutput, NewRequest, ScheduledRequest, SchedulerConfig, SchedulerOutput
 from tidal.core.request import token_slice
 from tidal.engine.config import ModelConfig
+from tidal.engine.decode_graphs import CaptureBackend, CudaGraphCapture, DecodeGraphs
+from tidal.engine.device import free_ram, gpu_kv_budget, pick_device, pick_dtype
+from tidal.engine.step_inputs import StepInputs
 from tidal.engine.structured import Grammars, Matchers
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
 from tidal.model.config import ModelArch
-from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, bf16_kernels, can_pack,
-                                cpu_flags, default_fp32_rows, replace_linears)
-from tidal.model.kernels import paged_decode_kernel
+from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
+                                default_fp32_rows, replace_linears)
+from tidal.model.kernels import fused_kernels, paged_decode_kernel
 from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
 from tidal.model.sampler import SampleRow, sample, target_logprobs
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def pick_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
-def cpu_has_bf16() -> bool:
-    """Native bf16 arithmetic (AVX512-BF16 or AMX): where bf16 is the faster CPU dtype."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and bf16_kernels()
-
-
-def pick_dtype(name: str, device: str, quantization: str = "none") -> torch.dtype:
-    """`auto`: bf16 on GPUs and on CPUs with native bf16; on other CPUs float32, except for
-    quantized weights, whose torch kernels vectorise bf16 activations only (8-13x faster)."""
-    if name == "auto":
-        bf16 = device == "cuda" or cpu_has_bf16() or quantization != "none"
-        return torch.bfloat16 if bf16 else torch.float32
-    return _DTYPES[name]
-
-
-def free_memory(device: str) -> int:
-    if device == "cuda":
-        return torch.cuda.mem_get_info()[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
+log = logging.getLogger("tidal.engine")
 
 class _Seq:
     """The runner's copy of a request: what sampling needs, the tokens it sampled, and the
@@ -79,15 +56,21 @@ class ModelRunner:
     and parameters come with its first scheduled step, and the runner keeps the tokens it
     samples."""
 
-    def __init__(self, folder: str | Path, config: ModelConfig, block_size: int) -> None:
+    def __init__(self, folder: str | Path, config: ModelConfig, block_size: int,
+                 scheduler: SchedulerConfig | None = None) -> None:
+        sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
         self.device = pick_device(config.device)
+        self.on_gpu = self.device.startswith("cuda")
         self.dtype = pick_dtype(config.dtype, self.device, config.quantization)
-        if self.device == "cpu":
+        if self.on_gpu:
+            torch.cuda.set_device(torch.device(self.device))
+        else:
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.arch = ModelArch.from_folder(folder)
+        max_model_len = min(sched.max_model_len, self.arch.context_length)
         ext = cpu_decode.extension() if config.cpu_decoder and self.device == "cpu" else None
         paged = ext.paged_decode_attention if ext else (
-            paged_decode_kernel() if self.device == "cuda" else None)
+            paged_decode_kernel() if self.on_gpu else None)
         backend = TorchAttention.for_arch(self.arch, paged)
         self.model = load_model(folder, self.dtype, self.device, backend,
                                 dummy=config.load_format == "dummy")
@@ -108,10 +91,15 @@ class ModelRunner:
         self.block_size = block_size
         self.folder = Path(folder)
         self.matchers: Matchers | None = None  # structured outputs, made on first use
+        if self.on_gpu and not self.arch.gemma:  # Gemma's offset norms keep the eager ops
+            self._use_fused_kernels()
         self.max_forward_tokens = (config.max_forward_tokens if config.max_forward_tokens
                                    is not None else 1024 if self.device == "cpu" else 0)
-        self.num_blocks = self._size_kv(config)
-        shape = kv_cache_shape(self.num_blocks, block_size, self.arch.num_kv_heads,
+        self.num_blocks = self._size_kv(config, min(sched.max_input_tokens_per_step,
+                                                    max_model_len), sched.max_num_seqs)
+        # One block more than the pool's: the null block, which padded rows read and write.
+        self.null_block = self.num_blocks
+        shape = kv_cache_shape(self.num_blocks + 1, block_size, self.arch.num_kv_heads,
                                self.arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -122,16 +110,67 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
         self.seqs: dict[str, _Seq] = {}
+        self.inputs = StepInputs(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.on_gpu and not config.enforce_eager and backend.paged_kernel is not None \
+                and self.arch.moe is None:  # MoE routing reads counts on the host
+            self.use_decode_graphs(CudaGraphCapture(), sched.max_num_seqs, max_model_len)
 
-    def _size_kv(self, config: ModelConfig) -> int:
+    def _size_kv(self, config: ModelConfig, step_tokens: int, max_seqs: int) -> int:
         per_block = self.arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        budget = config.kv_cache_memory or int(free_memory(self.device) * config.kv_cache_fraction)
-        blocks = budget // per_block
+        if config.kv_cache_memory:
+            budget = config.kv_cache_memory
+        elif self.on_gpu:
+            budget = gpu_kv_budget(self.device, config.gpu_memory_utilization,
+                                   lambda: self._profile(step_tokens, max_seqs))
+        else:
+            budget = int(free_ram() * config.kv_cache_fraction)
+        blocks = budget // per_block - 1  # the null block
         if blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block}")
         return blocks
+
+    @torch.inference_mode()
+    def _profile(self, tokens: int, rows: int) -> None:
+        """The largest step's forward pass (one prefill of `tokens`, `rows` logits rows) over
+        a one-block cache: its peak memory is what the KV cache must leave free."""
+        shape = kv_cache_shape(1, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
+                  for _ in range(self.arch.num_layers)]
+        zeros = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(zeros, [PrefillSeq(0, tokens, 0)], tokens)
+        rows_t = torch.arange(tokens - min(rows, tokens), tokens, device=self.device)
+        self.model(zeros, torch.arange(tokens, device=self.device), caches, meta, rows_t)
+
+    def _use_fused_kernels(self) -> None:
+        """Triton's norm and RoPE kernels, kept if a tiny forward pass runs with them (they
+        compile for this device)."""
+        self.model.kernels = fused_kernels()
+        if self.model.kernels is not None:
+            try:
+                self._profile(2, 1)
+            except Exception as exc:
+                log.warning("fused kernels failed (%s); running PyTorch ops", exc)
+                self.model.kernels = None
+
+    @torch.inference_mode()
+    def use_decode_graphs(self, backend: CaptureBackend, max_num_seqs: int,
+                          max_model_len: int) -> None:
+        """Capture decode steps of every batch-size bucket up to max_num_seqs; a capture
+        that fails (a kernel that does not compile here) leaves every step eager."""
+        graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
+                              -(-max_model_len // self.block_size), self.null_block,
+                              self.block_size, self.device)
+        try:
+            graphs.capture(backend)
+        except Exception as exc:
+            if not self.on_gpu:
+                raise
+            log.warning("decode graph capture failed (%s); decoding eagerly", exc)
+            return
+        self.graphs = graphs
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -187,8 +226,9 @@ class ModelRunner:
         masks = self.matchers.start([s.request_id for s in out.scheduled if s.samples]) \
             if self.matchers is not None and self.matchers.by_id else None
         parts, sample_ids = [], []
-        for entries in self._passes(out.scheduled):
-            batch = self._prepare(entries)
+        passes = self._passes(out.scheduled)
+        for entries in passes:  # a graph's logits live until its next replay: one pass only
+            batch = self._prepare(entries, graphs=len(passes) == 1)
             logits, hidden = self._forward(batch)
             parts.append(logits)
             sample_ids += batch.sample_ids
@@ -257,6 +297,10 @@ class ModelRunner:
         prompt-logprob rows (None when it has none). Those rows exist only in prefills, so
         the decode-only C++ path, which computes last-token logits alone, never needs them."""
         meta = batch.meta
+        if batch.graph:  # padded to a bucket: the real rows come first
+            return self.graphs.run(batch.input_ids, batch.positions, meta.slot_mapping,
+                                   meta.decode_block_tables,
+                                   meta.decode_lens)[:len(batch.logits_rows)], None
         if self.decoder is not None and not meta.prefills:
             return self.decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
                                         meta.decode_block_tables, meta.decode_lens,
@@ -277,21 +321,27 @@ class ModelRunner:
         banned = q.stop_ids if len(q.output) < p.min_tokens else None
         return SampleRow(p, q.num_samples, q.prompt, q.output, gen, banned)
 
-    def _prepare(self, entries: list[ScheduledRequest]) -> "_Batch":
+    def _prepare(self, entries: list[ScheduledRequest], graphs: bool = False) -> "_Batch":
         """The flattened batch: prefill entries first (one contiguous run each), then the
-        one-token decodes."""
+        one-token decodes; a decode-only batch that fits a graph is padded to its bucket."""
         batch = _Batch()
         self._prepare_prefills(batch, [s for s in entries if s.is_prefill])
-        self._prepare_decodes(batch, [s for s in entries if not s.is_prefill])
-        dev = self.device
-        batch.meta = AttentionMetadata(
-            torch.tensor(batch.slots, device=dev), batch.prefills, batch.num_prefill_tokens,
-            batch.tables, batch.bias, batch.max_len, batch.lens)
-        batch.input_ids = torch.tensor(batch.ids, device=dev)
-        batch.positions = torch.tensor(batch.pos, device=dev)
-        batch.logits_indices = torch.tensor(batch.logits_rows, device=dev, dtype=torch.long)
+        self._prepare_decodes(batch, [s for s in entries if not s.is_prefill],
+                              graphs and self.graphs is not None and not batch.prefills)
+        put = self.inputs.put
+        self.inputs.begin()
+        if batch.lens is not None:
+            batch.tables = put("tables", batch.tables, batch.width)
+            batch.lens = put("lens", batch.lens)
+        batch.meta = AttentionMetadata(put("slots", batch.slots), batch.prefills,
+                                       batch.num_prefill_tokens, batch.tables, batch.bias,
+                                       batch.max_len, batch.lens)
+        batch.input_ids = put("ids", batch.ids)
+        batch.positions = put("positions", batch.pos)
+        batch.logits_indices = put("rows", batch.logits_rows)
         if batch.prompt_rows:
-            batch.hidden_indices = torch.tensor(batch.prompt_rows, device=dev, dtype=torch.long)
+            batch.hidden_indices = put("hidden", batch.prompt_rows)
+        self.inputs.end()
         return batch
 
     def _prepare_prefills(self, batch: "_Batch", entries: list[ScheduledRequest]) -> None:
@@ -323,11 +373,14 @@ class ModelRunner:
                 batch.sample_ids.append(s.request_id)
         batch.num_prefill_tokens = len(ids)
 
-    def _prepare_decodes(self, batch: "_Batch", entries: list[ScheduledRequest]) -> None:
-        """One token each, with block tables padded to a common width for paged attention."""
+    def _prepare_decodes(self, batch: "_Batch", entries: list[ScheduledRequest],
+                         graphs: bool) -> None:
+        """One token each, with block tables padded (with the null block) to a common width
+        for paged attention. With `graphs`, padded to the bucket of a captured graph by rows
+        that read and write the null block alone."""
         if not entries:
             return
-        bs, dev = self.block_size, self.device
+        bs, null = self.block_size, self.null_block
         width = max(len(s.block_ids) for s in entries)
         tables, lens = [], []
         for s in entries:
@@ -335,13 +388,22 @@ class ModelRunner:
             batch.ids.append(self.seqs[s.request_id].tokens(c, c + 1)[0])
             batch.pos.append(c)
             batch.slots.append(table[c // bs] * bs + c % bs)
-            tables.append(table + [0] * (width - len(table)))
+            tables += table
+            tables += [null] * (width - len(table))
             lens.append(c + 1)
             batch.logits_rows.append(len(batch.ids) - 1)  # every decode samples
             batch.sample_ids.append(s.request_id)
-        batch.tables, batch.max_len = torch.tensor(tables, device=dev), max(lens)
-        batch.lens = torch.tensor(lens, device=dev)
-        batch.bias = self.model.backend.decode_bias(lens, width * bs, dev)
+        bucket = self.graphs.bucket(len(entries), width) if graphs else None
+        if bucket is not None:
+            pad = bucket - len(entries)
+            batch.ids += [0] * pad
+            batch.pos += [0] * pad
+            batch.slots += [null * bs] * pad
+            tables += [null] * (width * pad)
+            lens += [1] * pad
+            batch.graph = True
+        batch.tables, batch.width, batch.lens, batch.max_len = tables, width, lens, max(lens)
+        batch.bias = self.model.backend.decode_bias(lens, width * bs, self.device)
 
 
 class _Batch:
@@ -359,5 +421,6 @@ class _Batch:
         self.prompt_spans: list[tuple[str, int, int]] = []  # (request, first position, rows)
         self.hidden_indices = None
         self.tables = self.bias = self.lens = None  # decode-only fields
-        self.max_len = 0
+        self.max_len = self.width = 0
+        self.graph = False  # runs through a captured decode graph
         self.input_ids = self.positions = self.meta = self.logits_indices = None

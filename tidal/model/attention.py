@@ -65,9 +65,10 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+                meta: AttentionMetadata, window: int = 0, written: bool = False) -> torch.Tensor:
         """`window` > 0: a token attends only to the last `window` positions, itself
-        included (HF's sliding window: kv > q - window)."""
+        included (HF's sliding window: kv > q - window). `written`: k and v are in the
+        cache already (a fused RoPE + cache-write kernel put them there)."""
         raise NotImplementedError
 
 
@@ -121,7 +122,7 @@ class TorchAttention(AttentionBackend):
         return o.transpose(0, 1)
 
     def decode_bias(self, context_lens, width, device):
-        if len(context_lens) == 1 or (self.paged_kernel is not None and device == "cpu"):
+        if len(context_lens) == 1 or self.paged_kernel is not None:  # the kernel masks itself
             return None
         pad = (torch.arange(width, device=device)[None, :]
                >= torch.tensor(context_lens, device=device)[:, None])  # [B, L]
@@ -132,11 +133,12 @@ class TorchAttention(AttentionBackend):
         bias = torch.zeros(keep.shape, device=device).masked_fill_(~keep, float("-inf"))
         return bias.view(len(context_lens), self.num_heads, -1)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, window=0):
+    def forward(self, q, k, v, k_cache, v_cache, meta, window=0, written=False):
         # q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
         hkv, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        if not written:
+            k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         if not meta.prefills:  # a decode-only step: no runs to stitch together
             return self._decode(q, k_cache, v_cache, meta, window)
         out = torch.empty_like(q)
@@ -196,6 +198,10 @@ class TorchAttention(AttentionBackend):
                     raise
                 log.warning("paged decode kernel failed (%s); decoding with PyTorch ops", exc)
                 self.paged_kernel = None
+                if tables.shape[0] > 1:  # the step was prepared for the kernel: no bias yet
+                    meta.decode_bias = self.decode_bias(meta.decode_lens.tolist(),
+                                                        tables.shape[1] * k_cache.shape[1],
+                                                        q.device)
         if tables.shape[0] == 1:  # no padding to mask: attend over the exact context
             n = meta.decode_max_len
             first = max(0, n - window) if window else 0

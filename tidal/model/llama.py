@@ -87,14 +87,21 @@ class Attention(nn.Module):
         self.qk_norm = arch.qk_norm
         self.backend = backend
 
-    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, rope_and_cache=None):
+        """`rope_and_cache` (a fused kernel, tidal.model.kernels): rotates q and k and writes
+        k and v to the cache in one launch, so the backend only attends."""
         t, h = x.shape[0], self.h
         qkv = self.qkv_proj(x).view(t, h + 2 * self.hkv, self.d)
         qk, v = qkv[:, :h + self.hkv], qkv[:, h + self.hkv:]
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        qk = apply_rope(qk, rope)  # q and k heads in one go
-        o = self.backend.forward(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta, self.window)
+        if rope_and_cache is not None:
+            q, k = rope_and_cache(qk, v, *rope, k_cache, v_cache, meta.slot_mapping, h)
+            o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.window, written=True)
+        else:
+            qk = apply_rope(qk, rope)  # q and k heads in one go
+            o = self.backend.forward(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta,
+                                     self.window)
         return self.o_proj(o.view(t, h * self.d))
 
 
@@ -127,6 +134,19 @@ class DecoderLayer(nn.Module):
         h = h + self.post_attention_layernorm(a)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
+    def fused_forward(self, h, residual, ropes, k_cache, v_cache, meta, kernels):
+        """The same layer with fused kernels (not Gemma's): returns (MLP output, residual
+        stream) and leaves the add to the next layer's norm, which fuses it."""
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            x, residual = kernels.rms_norm(h, norm.weight, norm.eps), h
+        else:
+            x, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        a = self.self_attn(x, ropes[self.rope_index], k_cache, v_cache, meta,
+                           kernels.rope_and_cache)
+        x, residual = kernels.add_rms_norm(a, residual, post.weight, post.eps)
+        return self.mlp(x), residual
+
 
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers, final norm and the LM head (tied or not)."""
@@ -142,6 +162,7 @@ class LlamaModel(nn.Module):
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
         self.rotary = Rotary(arch)
+        self.kernels = None  # FusedKernels (GPU): norms, adds, RoPE and cache writes fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -154,8 +175,15 @@ class LlamaModel(nn.Module):
         if self.arch.gemma:  # Gemma scales its embeddings by sqrt(hidden), in their dtype
             h = h * torch.tensor(self.arch.hidden_size ** 0.5, dtype=h.dtype)
         ropes = self.rotary.tables(positions, h.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = layer(h, ropes, k_cache, v_cache, meta)
+        if self.kernels is None:
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                h = layer(h, ropes, k_cache, v_cache, meta)
+        else:
+            residual = None
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                h, residual = layer.fused_forward(h, residual, ropes, k_cache, v_cache, meta,
+                                                  self.kernels)
+            h = h + residual
         logits = self.logits(self.norm(h[logits_indices]))
         if hidden_indices is None:
             return logits

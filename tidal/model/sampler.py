@@ -1,11 +1,16 @@
 """Turn a step's logits into tokens: penalties, logit bias, temperature, top-k/top-p/min-p,
-per-request seeds, and log-probabilities with top alternatives."""
+per-request seeds, and log-probabilities with top alternatives.
+
+Everything runs on the logits' device; the step's results (tokens, their logprobs, the top
+alternatives) come back to the host in one copy, and host lists go to the device without a
+sync (pinned staging on CUDA), so a GPU step waits on the device once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tidal.core import SamplingParams
 
@@ -22,6 +27,28 @@ class SampleRow:
     banned: list[int] | None = None  # stop tokens masked out before min_tokens is reached
 
 
+def on_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`: staged in pinned memory and copied without a
+    sync on CUDA (a pageable copy waits for the stream)."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, device="cpu").pin_memory().to(device,
+                                                                          non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> list:
+    """The step's one device-to-host copy. On CUDA into pinned memory, then a wait on an
+    event after it: the host waits for the step's work, never for a stream sync."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
+
+
 def _needs_penalty(p: SamplingParams) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
@@ -34,15 +61,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         if not _needs_penalty(p):
             continue
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)),
-                                dtype=torch.long, device=logits.device)
+            seen = on_device(sorted(set(row.prompt_ids) | set(row.output_ids)), torch.long,
+                             logits.device)
             vals = logits[i, seen]
             big = torch.finfo(logits.dtype).max  # a tiny penalty must not make a logit inf
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                           vals * p.repetition_penalty).clamp(-big, big)
         if row.output_ids and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long,
-                                                 device=logits.device),
+            counts = torch.bincount(on_device(row.output_ids, torch.long, logits.device),
                                     minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
@@ -53,16 +79,14 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     for i, row in enumerate(rows):
         bias = row.params.logit_bias
         if bias:
-            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype,
-                                           device=logits.device)
+            ids = on_device(list(bias), torch.long, logits.device)
+            logits[i, ids] += on_device(list(bias.values()), logits.dtype, logits.device)
 
 
 def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (to -inf), row by row settings."""
     dev = logits.device  # every tensor made here lives beside the logits (CPU or GPU)
-    temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], dtype=logits.dtype,
-                         device=dev)
+    temps = on_device([max(r.params.temperature, 1e-5) for r in rows], logits.dtype, dev)
     logits = logits / temps[:, None]
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -70,18 +94,18 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab = logits.shape[1]
     if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+        ks = on_device([k if 0 < k < vocab else vocab for k in top_k], torch.long, dev)
         ranks = torch.arange(vocab, device=dev)[None, :]
         drop = ranks >= ks[:, None]
         probs = sorted_logits.softmax(-1)
         # Keep the smallest set whose mass reaches top_p (the first token always stays).
         before = probs.cumsum(-1) - probs
-        drop |= before >= torch.tensor(top_p, dtype=probs.dtype, device=dev)[:, None]
+        drop |= before >= on_device(top_p, probs.dtype, dev)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if any(p > 0 for p in min_p):
         probs = logits.softmax(-1)
-        floor = (torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None]
+        floor = (on_device(min_p, probs.dtype, dev)[:, None]
                  * probs.max(-1, keepdim=True).values)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
@@ -93,42 +117,61 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     token: (its logprob, the top alternatives as (token, logprob)). Every tensor it makes is
     on the logits' device; the generators must be too. Logprobs are those of
     the distribution after penalties, logit bias and min_tokens bans, before temperature."""
+    if not rows:  # a step of prefill chunks that sample nothing
+        return [], []
     logits = logits.float()
+    dev = logits.device
     if any(_needs_penalty(r.params) or r.banned or r.params.logit_bias for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
         apply_logit_bias(logits, rows)
         for i, row in enumerate(rows):
             if row.banned:
-                logits[i, row.banned] = float("-inf")
-    greedy = [r.params.temperature == 0 for r in rows]
+                logits[i, on_device(row.banned, torch.long, dev)] = float("-inf")
+    width = max(r.num_samples for r in rows)
     # max(-1).indices: the same first maximal index as argmax, 2-3x faster on CPU.
-    argmax = logits.max(-1).indices.tolist()
-    tokens: list[list[int]] = [[t] * r.num_samples if g else [] for t, r, g in
-                               zip(argmax, rows, greedy)]
-    random_rows = [i for i, g in enumerate(greedy) if not g]
+    tokens = logits.max(-1).indices[:, None].expand(-1, width)  # greedy rows: [R, width]
+    random_rows = [i for i, r in enumerate(rows) if r.params.temperature != 0]
     if random_rows:
         sub = [rows[i] for i in random_rows]
-        probs = _filter(logits[random_rows], sub).softmax(-1)
-        for j, (i, row) in enumerate(zip(random_rows, sub)):
+        idx = on_device(random_rows, torch.long, dev)
+        probs = _filter(logits[idx], sub).softmax(-1)
+        drawn = []
+        for j, row in enumerate(sub):
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and a request's
             # own generator makes its draws independent of the rest of the batch.
-            g = row.generator or generator
-            noise = torch.empty((row.num_samples, probs.shape[1]), device=probs.device)
-            noise.exponential_(generator=g)
-            tokens[i] = (probs[j][None, :] / noise).argmax(-1).tolist()
-    logprobs: list = [None] * len(rows)
+            noise = torch.empty((row.num_samples, probs.shape[1]), device=dev)
+            noise.exponential_(generator=row.generator or generator)
+            drawn.append(F.pad((probs[j][None, :] / noise).argmax(-1),
+                               (0, width - row.num_samples)))
+        tokens = tokens.clone().index_copy_(0, idx, torch.stack(drawn))
+    parts = [tokens.flatten().double()]
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    top_k = max((rows[i].params.logprobs for i in wanted), default=0)
     if wanted:
         # A token a constraint or a ban rules out reports -9999 (vLLM's floor): JSON has
         # no -inf.
-        lp = logits[wanted].log_softmax(-1).clamp(min=-9999.0)
-        for j, i in enumerate(wanted):
-            k = rows[i].params.logprobs
-            top = lp[j].topk(k) if k else None
-            alts = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
-            logprobs[i] = [(lp[j, t].item(), alts) for t in tokens[i]]
-    return tokens, logprobs
+        widx = on_device(wanted, torch.long, dev)
+        lp = logits[widx].log_softmax(-1).clamp(min=-9999.0)
+        parts.append(lp.gather(1, tokens[widx]).flatten().double())
+        if top_k:
+            top = lp.topk(min(top_k, lp.shape[1]), dim=-1)
+            parts += [top.indices.flatten().double(), top.values.flatten().double()]
+    host = to_host(torch.cat(parts))  # float64 holds every token id exactly
+    n_rows, n_wanted = len(rows), len(wanted)
+    out = [[int(t) for t in host[i * width:i * width + r.num_samples]]
+           for i, r in enumerate(rows)]
+    logprobs: list = [None] * n_rows
+    at = n_rows * width
+    chosen, at = host[at:at + n_wanted * width], at + n_wanted * width
+    k_eff = min(top_k, logits.shape[1])
+    top_ids, top_vals = host[at:at + n_wanted * k_eff], host[at + n_wanted * k_eff:]
+    for j, i in enumerate(wanted):
+        k = rows[i].params.logprobs
+        alts = [(int(t), v) for t, v in zip(top_ids[j * k_eff:j * k_eff + k],
+                                            top_vals[j * k_eff:j * k_eff + k])]
+        logprobs[i] = [(chosen[j * width + s], alts) for s in range(rows[i].num_samples)]
+    return out, logprobs
 
 
 def target_logprobs(logits_of, hidden: torch.Tensor, targets: list[int], k: int,

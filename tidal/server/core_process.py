@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 
 import zmq
 
@@ -13,6 +14,7 @@ from tidal.core.snapshot import SchedulerView, scheduler_view
 from tidal.engine.config import EngineConfig
 from tidal.cluster.kv_transfer import KVLink
 from tidal.engine.core import EngineCore
+from tidal.engine.device import core_device
 from tidal.server import messages as m
 
 log = logging.getLogger("tidal.core")
@@ -56,7 +58,9 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     outbox.setsockopt(zmq.LINGER, 2000)
     link = None
     try:
-        core = EngineCore(config, folder, eos_token_id)
+        device = core_device(config.model.device, index)  # several GPUs: one core each
+        core = EngineCore(replace(config, model=replace(config.model, device=device)), folder,
+                          eos_token_id)
         if core.scheduler.role.transfers_kv:  # P/D: this core's end of the KV transfer
             link = KVLink(core, ctx, config.parallel.kv_host, config.parallel.kv_transfer_timeout)
     except Exception as exc:  # tell the frontend why instead of dying silently
