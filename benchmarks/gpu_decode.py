@@ -120,7 +120,7 @@ def hf_rate(folder: Path, prompts: list[list[int]], concurrency: int, device: st
 
     config = AutoConfig.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                             attn_implementation="sdpa_paged").to(device)
+                                             attn_implementation="sdpa").to(device)
     gen = GenerationConfig(max_new_tokens=args_out, do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
     model.generate_batch(prompts[:concurrency], generation_config=gen, progress_bar=False)

@@ -73,20 +73,25 @@ def test_refuses_heads_that_do_not_share_kv_heads():
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_model_decodes_the_same_through_the_kernel(tmp_path, fused):
     """A tiny Llama's greedy tokens with the Triton kernel under its decodes (and, with
-    `fused`, the fused norm and RoPE + cache-write kernels in every layer) equal the PyTorch
-    path's: the runner uses them on CUDA."""
+    `fused`, the paged prefill kernel under prompts prefilled in chunks of 4 tokens, and the
+    fused norm and RoPE + cache-write kernels in every layer) equal the PyTorch path's: the
+    runner uses them all on CUDA."""
     from model_fixtures import PROMPTS, tiny_folder
     from tidal import LLM, SamplingParams
     from tidal.model.kernels import FusedKernels, fused_kernels
+    from tidal.model.kernels.prefill_attention import paged_prefill_attention
 
     folder = tiny_folder(tmp_path, "llama")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
     def tokens(kernel) -> list[list[int]]:
-        llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=16)
+        llm = LLM(str(folder), dtype="float32", num_kv_blocks=64,
+                  block_size=4 if fused else 16, chunked_prefill_size=4 if fused else 8192)
         llm.engine.runner.decoder = None  # every decode through the attention backend
         llm.engine.runner.model.backend.paged_kernel = kernel
         if kernel is not None and fused:
+            llm.engine.runner.model.backend.prefill_kernel = \
+                lambda *a: prefill_calls.append(a[4].numel() - 1) or paged_prefill_attention(*a)
             k = fused_kernels()
             llm.engine.runner.model.kernels = FusedKernels(
                 k.rms_norm, k.add_rms_norm, lambda *a: rope_calls.append(1) or k.rope_and_cache(*a))
@@ -99,7 +104,8 @@ def test_a_model_decodes_the_same_through_the_kernel(tmp_path, fused):
         calls.append(args[0].shape[0])
         return paged_decode_attention(*args)
 
-    rope_calls: list = []
+    rope_calls, prefill_calls = [], []  # sequences prefilled by each call
     assert tokens(counted) == tokens(None)
-    assert len(rope_calls) == (2 * 12 if fused else 0)  # every step (prefill too), every layer
+    assert len(rope_calls) >= (2 * 12 if fused else 0)  # every step (prefill too), every layer
+    assert len(rope_calls) == 0 or len(rope_calls) > len(prefill_calls) >= 2 * 3
     assert len(calls) >= 11 * 2 and max(calls) == 3  # every decode step, every layer

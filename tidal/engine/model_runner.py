@@ -21,7 +21,7 @@ from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention,
 from tidal.model.config import ModelArch
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
                                 default_fp32_rows, replace_linears)
-from tidal.model.kernels import fused_kernels, paged_decode_kernel
+from tidal.model.kernels import fused_kernels, paged_decode_kernel, paged_prefill_kernel
 from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
 from tidal.model.sampler import SampleRow, sample, target_logprobs
@@ -63,7 +63,8 @@ class ModelRunner:
         self.on_gpu = self.device.startswith("cuda")
         self.dtype = pick_dtype(config.dtype, self.device, config.quantization)
         if self.on_gpu:
-            torch.cuda.set_device(torch.device(self.device))
+            if ":" in self.device:  # cuda:N: this process's current device too
+                torch.cuda.set_device(torch.device(self.device))
         else:
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         self.arch = ModelArch.from_folder(folder)
@@ -71,7 +72,8 @@ class ModelRunner:
         ext = cpu_decode.extension() if config.cpu_decoder and self.device == "cpu" else None
         paged = ext.paged_decode_attention if ext else (
             paged_decode_kernel() if self.on_gpu else None)
-        backend = TorchAttention.for_arch(self.arch, paged)
+        backend = TorchAttention.for_arch(self.arch, paged,
+                                          paged_prefill_kernel() if self.on_gpu else None)
         self.model = load_model(folder, self.dtype, self.device, backend,
                                 dummy=config.load_format == "dummy")
         kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[config.quantization]
@@ -333,9 +335,11 @@ class ModelRunner:
         if batch.lens is not None:
             batch.tables = put("tables", batch.tables, batch.width)
             batch.lens = put("lens", batch.lens)
+        if batch.prefill_tables:
+            self._prefill_inputs(batch)
         batch.meta = AttentionMetadata(put("slots", batch.slots), batch.prefills,
                                        batch.num_prefill_tokens, batch.tables, batch.bias,
-                                       batch.max_len, batch.lens)
+                                       batch.max_len, batch.lens, **batch.prefill_meta)
         batch.input_ids = put("ids", batch.ids)
         batch.positions = put("positions", batch.pos)
         batch.logits_indices = put("rows", batch.logits_rows)
@@ -346,9 +350,11 @@ class ModelRunner:
 
     def _prepare_prefills(self, batch: "_Batch", entries: list[ScheduledRequest]) -> None:
         """Each chunk's tokens and slots; a chunk after cached tokens (an earlier chunk, a
-        prefix-cache hit) attends to them through its block table."""
+        prefix-cache hit) attends to them through its block table. With a paged prefill
+        kernel (CUDA), every chunk reads its context through the step's padded tables."""
         bs, dev = self.block_size, self.device
         ids, slots = batch.ids, batch.slots
+        kernel = self.model.backend.prefill_kernel is not None
         for s in entries:
             c, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_ids
             start = len(ids)
@@ -361,7 +367,10 @@ class ModelRunner:
             pos = range(c, c + n)
             batch.pos.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if c == 0:
+            if kernel:
+                batch.prefills.append(PrefillSeq(start, n, c))
+                batch.prefill_tables.append(table)
+            elif c == 0:
                 batch.prefills.append(PrefillSeq(start, n, 0))
             else:  # attends to its cached prefix too: causal from position c on
                 mask = (torch.arange(c + n, device=dev)[None, :]
@@ -372,6 +381,18 @@ class ModelRunner:
                 batch.logits_rows.append(start + n - 1)
                 batch.sample_ids.append(s.request_id)
         batch.num_prefill_tokens = len(ids)
+
+    def _prefill_inputs(self, batch: "_Batch") -> None:
+        """The paged prefill kernel's tables (padded with the null block), query starts and
+        context lengths, on the device."""
+        put, seqs = self.inputs.put, batch.prefills
+        width = max(len(t) for t in batch.prefill_tables)
+        flat = [b for t in batch.prefill_tables for b in t + [self.null_block] * (width - len(t))]
+        batch.prefill_meta = dict(
+            prefill_tables=put("prefill_tables", flat, width),
+            query_starts=put("query_starts", [s.start for s in seqs] + [batch.num_prefill_tokens]),
+            prefill_lens=put("prefill_lens", [s.cached + s.length for s in seqs]),
+            max_query_len=max(s.length for s in seqs))
 
     def _prepare_decodes(self, batch: "_Batch", entries: list[ScheduledRequest],
                          graphs: bool) -> None:
@@ -423,4 +444,6 @@ class _Batch:
         self.tables = self.bias = self.lens = None  # decode-only fields
         self.max_len = self.width = 0
         self.graph = False  # runs through a captured decode graph
+        self.prefill_tables: list[list[int]] = []  # for a paged prefill kernel
+        self.prefill_meta: dict = {}
         self.input_ids = self.positions = self.meta = self.logits_indices = None

@@ -48,6 +48,13 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [B] each decode's context, its token included
     # Sliding-window masks built by the backend, shared by the step's layers of one window.
     window_masks: dict = field(default_factory=dict)
+    # For a paged prefill kernel (else None): the prefills' block tables [S, max_blocks]
+    # padded with the null block, query starts [S + 1], context lengths with the new tokens
+    # [S], and the longest query run (host-side: it sizes the kernel's grid).
+    prefill_tables: torch.Tensor | None = None
+    query_starts: torch.Tensor | None = None
+    prefill_lens: torch.Tensor | None = None
+    max_query_len: int = 0
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -74,7 +81,8 @@ class AttentionBackend:
 
 class TorchAttention(AttentionBackend):
     """Prefill: one causal SDPA per sequence (over cache + new tokens when a prefix is
-    cached). Decode on CPU with tidal's C++ kernel: it reads each sequence's blocks in place.
+    cached), or on CUDA every prefill of the step in one Triton launch reading the cache
+    in place. Decode on CPU with tidal's C++ kernel: it reads each sequence's blocks in place.
     Otherwise a single sequence takes SDPA over its exact context; a batch takes one
     bmm of each sequence's query heads against all its gathered K rows (every KV head), with
     a bias that masks the padding and the KV heads a query head does not use. That computes
@@ -85,7 +93,8 @@ class TorchAttention(AttentionBackend):
     would run, the bmm for batched decodes, and never the C++ kernel."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 paged_kernel=None, scale: float = 0.0, softcap: float = 0.0) -> None:
+                 paged_kernel=None, scale: float = 0.0, softcap: float = 0.0,
+                 prefill_kernel=None) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale or head_dim ** -0.5
         self.softcap = softcap
@@ -94,12 +103,15 @@ class TorchAttention(AttentionBackend):
         # decodes: the C++ kernel on CPU (tidal.model.cpu_decode), Triton's on CUDA
         # (tidal.model.kernels); None: SDPA or gather + bmm.
         self.paged_kernel = None if softcap else paged_kernel
+        # `paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale,
+        # max_query_len, window)` (Triton, CUDA): every prefill of a step in one launch.
+        self.prefill_kernel = None if softcap else prefill_kernel
 
     @classmethod
-    def for_arch(cls, arch, paged_kernel=None) -> "TorchAttention":
+    def for_arch(cls, arch, paged_kernel=None, prefill_kernel=None) -> "TorchAttention":
         """The backend of a `ModelArch`: its heads, query scale and soft-cap."""
         return cls(arch.num_heads, arch.num_kv_heads, arch.head_dim, paged_kernel,
-                   arch.attn_scale, arch.attn_softcap)
+                   arch.attn_scale, arch.attn_softcap, prefill_kernel)
 
     def _attend(self, q, ks, vs, mask=None, causal=False) -> torch.Tensor:
         """[Lq, H, D] queries over [Lk, Hkv, D] keys/values: SDPA, or eager attention with
@@ -142,21 +154,49 @@ class TorchAttention(AttentionBackend):
         if not meta.prefills:  # a decode-only step: no runs to stitch together
             return self._decode(q, k_cache, v_cache, meta, window)
         out = torch.empty_like(q)
-        for seq in meta.prefills:
-            end = seq.start + seq.length
-            if seq.cached == 0:
-                ks, vs = k[seq.start:end], v[seq.start:end]
-            else:
-                ks = self._gather(k_cache, seq.table)[:seq.cached + seq.length]
-                vs = self._gather(v_cache, seq.table)[:seq.cached + seq.length]
-            mask, causal = seq.mask, seq.cached == 0
-            if window and seq.cached + seq.length > window:  # some keys fall out of the window
-                mask, causal = self._window_mask(seq, window, meta), False
-            out[seq.start:end] = self._attend(q[seq.start:end], ks, vs, mask, causal)
+        if meta.prefill_tables is None or self.prefill_kernel is None \
+                or not self._prefill_paged(q, k_cache, v_cache, meta, window, out):
+            self._prefill_each(q, k, v, k_cache, v_cache, meta, window, out)
         if meta.decode_block_tables is not None:
             out[meta.num_prefill_tokens:] = self._decode(q[meta.num_prefill_tokens:],
                                                          k_cache, v_cache, meta, window)
         return out
+
+    def _prefill_paged(self, q, k_cache, v_cache, meta, window, out) -> bool:
+        """Every prefill through the paged kernel; False if it fails on this device (it
+        does not compile there), and the eager path takes over from then on."""
+        p = meta.num_prefill_tokens
+        try:
+            out[:p] = self.prefill_kernel(q[:p], k_cache, v_cache, meta.prefill_tables,
+                                          meta.query_starts, meta.prefill_lens, self.scale,
+                                          meta.max_query_len, window)
+            return True
+        except Exception as exc:
+            if q.device.type == "cpu":
+                raise
+            log.warning("paged prefill kernel failed (%s); prefilling with PyTorch ops", exc)
+            self.prefill_kernel = None
+            return False
+
+    def _prefill_each(self, q, k, v, k_cache, v_cache, meta, window, out) -> None:
+        """One SDPA per prefill (over its cached prefix too, when it has one)."""
+        for i, seq in enumerate(meta.prefills):
+            end = seq.start + seq.length
+            mask, causal = seq.mask, seq.cached == 0
+            if seq.cached == 0:
+                ks, vs = k[seq.start:end], v[seq.start:end]
+            else:  # tables and masks are built here only when a kernel was to run
+                table = seq.table if seq.table is not None else meta.prefill_tables[i]
+                ks = self._gather(k_cache, table)[:seq.cached + seq.length]
+                vs = self._gather(v_cache, table)[:seq.cached + seq.length]
+                if mask is None:
+                    dev = q.device
+                    mask = (torch.arange(seq.cached + seq.length, device=dev)[None, :]
+                            <= torch.arange(seq.cached, seq.cached + seq.length,
+                                            device=dev)[:, None])
+            if window and seq.cached + seq.length > window:  # some keys fall out of the window
+                mask, causal = self._window_mask(seq, window, meta), False
+            out[seq.start:end] = self._attend(q[seq.start:end], ks, vs, mask, causal)
 
     @staticmethod
     def _window_mask(seq: PrefillSeq, window: int, meta: AttentionMetadata) -> torch.Tensor:

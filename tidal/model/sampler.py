@@ -68,8 +68,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                           vals * p.repetition_penalty).clamp(-big, big)
         if row.output_ids and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(on_device(row.output_ids, torch.long, logits.device),
-                                    minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+            ids = on_device(row.output_ids, torch.long, logits.device)
+            # scatter_add, not bincount: CUDA's bincount reads the largest id on the host
+            counts = torch.zeros_like(logits[i]).scatter_add_(
+                0, ids, torch.ones(len(row.output_ids), dtype=logits.dtype, device=ids.device))
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 

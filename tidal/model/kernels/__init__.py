@@ -28,6 +28,15 @@ def fused_kernels() -> FusedKernels | None:
     return FusedKernels(rms_norm, fused_add_rms_norm, rope_and_cache)
 
 
+def paged_prefill_kernel():
+    """Triton's paged prefill attention, or None where triton is not installed."""
+    try:
+        from tidal.model.kernels.prefill_attention import paged_prefill_attention
+    except ImportError:
+        return None
+    return paged_prefill_attention
+
+
 def paged_decode_kernel():
     """Triton's paged decode attention, or None where triton is not installed."""
     try:

@@ -1,0 +1,135 @@
+"""tidal's Triton paged prefill attention (tidal/model/kernels/prefill_attention.py) against a
+PyTorch reference over each sequence's gathered context. Without CUDA it runs under Triton's
+interpreter (TRITON_INTERPRET=1) on CPU tensors; skipped where triton is not installed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 8):
+    pytest.skip("Triton's interpreter runs with NumPy 2 from triton 3.8 on",
+                allow_module_level=True)
+
+from tidal.model.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gathered_prefill(q, k_cache, v_cache, tables, starts, lens, scale, window=0):
+    """Each sequence's context copied out of its blocks, then float32 attention of its new
+    rows (the last ones of the context) under a causal, optionally windowed, mask."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for s, ctx in enumerate(lens.tolist()):
+        a, b = starts[s].item(), starts[s + 1].item()
+        k = k_cache[tables[s].long()].flatten(0, 1)[:ctx].float().transpose(0, 1)  # [Hkv, ctx, D]
+        v = v_cache[tables[s].long()].flatten(0, 1)[:ctx].float().transpose(0, 1)
+        pos = torch.arange(ctx - (b - a), ctx)[:, None]
+        keys = torch.arange(ctx)[None, :]
+        mask = (keys <= pos) & ((keys > pos - window) if window else True)
+        o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), k, v,
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+def run_kernel(q, k_cache, v_cache, tables, new, lens, scale, window=0):
+    """The kernel on DEVICE, from per-sequence new-token counts; the result on the CPU."""
+    starts = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    got = paged_prefill_attention(*(x.to(DEVICE) for x in (q, k_cache, v_cache, tables,
+                                                           starts, lens_t)),
+                                  scale, max(new), window)
+    return got.cpu(), starts, lens_t
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 4),
+       heads=st.sampled_from([(2, 2), (6, 2), (8, 2), (16, 2)]),  # GQA 1, 3, 4, 8
+       head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       long=st.sampled_from([False, False, True]), window=st.sampled_from([0, 0, 7, 100]))
+def test_paged_prefill_attention_equals_the_gathered_context(data, batch, heads, head_dim,
+                                                             block_size, dtype, long, window):
+    """Ragged cached prefixes (sometimes long: many key tiles) and new-token runs (several
+    query tiles), shuffled block tables sharing blocks across sequences, GQA, windows; the
+    interpreter takes seconds for the longest, hence the rarer `long`."""
+    h, hkv = heads
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    top = 1500 if long else 300
+    prefix = [data.draw(st.integers(0, top)) for _ in range(batch)]
+    new = [data.draw(st.integers(1, 100)) for _ in range(batch)]
+    lens = [p + n for p, n in zip(prefix, new)]
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = width + 4
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width]
+                          for _ in range(batch)]).to(torch.int32)
+    q = torch.randn(sum(new), h, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    got, starts, lens_t = run_kernel(q, k_cache, v_cache, tables, new, lens, scale, window)
+    want = gathered_prefill(q, k_cache, v_cache, tables, starts, lens_t, scale, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 2e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_chunks_in_the_middle_equal_the_rows_of_a_whole_prefill(window):
+    """A sequence prefilled in chunks (each over the cached prefix before it) gives the rows
+    of one whole-sequence prefill, beside another sequence in the same batch."""
+    gen = torch.Generator().manual_seed(0)
+    block_size, hkv, h, dim, total = 16, 2, 8, 64, 90
+    k_cache = torch.randn(12, block_size, hkv, dim, generator=gen)
+    v_cache = torch.randn(12, block_size, hkv, dim, generator=gen)
+    tables = torch.stack([torch.randperm(12, generator=gen)[:6] for _ in range(2)])
+    tables = tables.to(torch.int32)
+    q = torch.randn(total, h, dim, generator=gen)
+    other = torch.randn(20, h, dim, generator=gen)  # the second sequence: 20 new of 50
+    whole, _, _ = run_kernel(torch.cat([q, other]), k_cache, v_cache, tables, [total, 20],
+                             [total, 50], dim ** -0.5, window)
+    done = 0
+    for chunk in (37, 40, 13):  # a prefix, a chunk in the middle, the tail
+        got, _, _ = run_kernel(torch.cat([q[done:done + chunk], other]), k_cache, v_cache,
+                               tables, [chunk, 20], [done + chunk, 50], dim ** -0.5, window)
+        torch.testing.assert_close(got[:chunk], whole[done:done + chunk], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got[chunk:], whole[total:], atol=2e-5, rtol=2e-5)
+        done += chunk
+
+
+def test_reads_nothing_past_the_context():
+    """NaN in the slots past each context and in the block the tables are padded with leave
+    the rows finite; a block size that is no power of two, a head dim neither, GQA 3."""
+    gen = torch.Generator().manual_seed(1)
+    block_size, hkv, h, dim = 12, 1, 3, 80
+    k_cache = torch.randn(7, block_size, hkv, dim, generator=gen)
+    v_cache = torch.randn(7, block_size, hkv, dim, generator=gen)
+    tables = torch.tensor([[3, 1, 0, 0], [4, 2, 5, 6]], dtype=torch.int32)
+    lens, new = [20, 40], [20, 9]
+    for cache in (k_cache, v_cache):
+        cache[0] = float("nan")  # the padding block
+        cache[1, 20 - 12:] = float("nan")  # sequence 0's last block past its 20 tokens
+        cache[6, 40 - 36:] = float("nan")
+    q = torch.randn(sum(new), h, dim, generator=gen)
+    got, starts, lens_t = run_kernel(q, k_cache, v_cache, tables, new, lens, 0.1)
+    assert got.isfinite().all()
+    want = gathered_prefill(q, k_cache, v_cache, tables, starts, lens_t, 0.1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_refuses_heads_that_do_not_share_kv_heads():
+    cache = torch.zeros(2, 16, 3, 64)
+    with pytest.raises(ValueError, match="multiple of the cache's 3 KV heads"):
+        paged_prefill_attention(torch.zeros(1, 4, 64), cache, cache,
+                                torch.zeros(1, 1, dtype=torch.int32),
+                                torch.tensor([0, 1], dtype=torch.int32),
+                                torch.ones(1, dtype=torch.int32), 1.0, 1)
