@@ -81,13 +81,13 @@ class _Checked:
 
     def __init__(self, runner):
         self.runner, self.decoder, self.steps = runner, runner.decoder, []
-        prepare = runner._prepare
+        build = runner.batches.build
 
-        def keep_meta(entries, **kw):
-            batch = prepare(entries, **kw)
+        def keep_meta(*args):
+            batch = build(*args)
             self.meta = batch.meta
             return batch
-        runner._prepare = keep_meta
+        runner.batches.build = keep_meta
 
     def forward(self, ids, positions, slots, tables, lens, ks, vs, rows, scale, block_size):
         ref = self.runner.model(ids, positions, self.runner.kv_caches, self.meta, rows)

@@ -104,10 +104,10 @@ def test_forward_passes_keep_every_entry_under_the_limit(sizes, limit):
     from types import SimpleNamespace
 
     from tidal.core import ScheduledRequest
-    from tidal.engine.model_runner import ModelRunner
+    from tidal.engine.batch import BatchBuilder
 
     entries = [ScheduledRequest(str(i), n, 0, [], True, n > 1) for i, n in enumerate(sizes)]
-    passes = ModelRunner._passes(SimpleNamespace(max_forward_tokens=limit), entries)
+    passes = BatchBuilder.passes(SimpleNamespace(max_forward_tokens=limit), entries)
     flat = [s for p in passes for s in p]
     prefills = [s for s in entries if s.is_prefill]
     assert sorted(map(id, flat)) == sorted(map(id, entries))  # each entry exactly once

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from tidal.core import ModelOutput, NewRequest, ScheduledRequest, SchedulerConfig, SchedulerOutput
+from tidal.core import ModelOutput, NewRequest, SchedulerConfig, SchedulerOutput
 from tidal.core.request import token_slice
+from tidal.engine.batch import BatchBuilder, StepBatch
 from tidal.engine.config import ModelConfig
 from tidal.engine.decode_graphs import CaptureBackend, CudaGraphCapture, DecodeGraphs
 from tidal.engine.device import free_ram, gpu_kv_budget, pick_device, pick_dtype
@@ -112,7 +113,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
         self.seqs: dict[str, _Seq] = {}
-        self.inputs = StepInputs(self.device)
+        self.batches = BatchBuilder(block_size, self.null_block, self.device, backend,
+                                    StepInputs(self.device), self.max_forward_tokens)
         self.graphs: DecodeGraphs | None = None
         if self.on_gpu and not config.enforce_eager and backend.paged_kernel is not None \
                 and self.arch.moe is None:  # MoE routing reads counts on the host
@@ -228,9 +230,10 @@ class ModelRunner:
         masks = self.matchers.start([s.request_id for s in out.scheduled if s.samples]) \
             if self.matchers is not None and self.matchers.by_id else None
         parts, sample_ids = [], []
-        passes = self._passes(out.scheduled)
+        passes = self.batches.passes(out.scheduled)
         for entries in passes:  # a graph's logits live until its next replay: one pass only
-            batch = self._prepare(entries, graphs=len(passes) == 1)
+            batch = self.batches.build(entries, self.seqs,
+                                       self.graphs if len(passes) == 1 else None)
             logits, hidden = self._forward(batch)
             parts.append(logits)
             sample_ids += batch.sample_ids
@@ -256,7 +259,7 @@ class ModelRunner:
                 q.prompt_k, q.prompt_entries = None, []
         return result
 
-    def _gather_prompt_logprobs(self, batch: "_Batch", hidden: torch.Tensor | None) -> None:
+    def _gather_prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor | None) -> None:
         """Each chunk's prompt logprobs, appended to its request's: row p of a chunk gives
         position p + 1's entry (the next chunk's first token is known: it is the prompt)."""
         offset = 0
@@ -277,24 +280,7 @@ class ModelRunner:
                                               self.arch.vocab_size, eos))
         return self.matchers
 
-    def _passes(self, scheduled: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
-        """The step's entries, prefills first, in forward passes of at most
-        max_forward_tokens tokens (an entry over the limit runs alone). Each sequence attends
-        only to itself, so the passes compute what one pass would."""
-        limit = self.max_forward_tokens
-        if not limit or sum(s.num_new_tokens for s in scheduled) <= limit:
-            return [scheduled]
-        passes: list[list[ScheduledRequest]] = [[]]
-        size = 0
-        for s in sorted(scheduled, key=lambda s: not s.is_prefill):
-            if passes[-1] and size + s.num_new_tokens > limit:
-                passes.append([])
-                size = 0
-            passes[-1].append(s)
-            size += s.num_new_tokens
-        return passes
-
-    def _forward(self, batch: "_Batch") -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (float32) of the batch's sampling rows, and the final hidden states of its
         prompt-logprob rows (None when it has none). Those rows exist only in prefills, so
         the decode-only C++ path, which computes last-token logits alone, never needs them."""
@@ -322,128 +308,3 @@ class ModelRunner:
                 self.generators[rid] = gen
         banned = q.stop_ids if len(q.output) < p.min_tokens else None
         return SampleRow(p, q.num_samples, q.prompt, q.output, gen, banned)
-
-    def _prepare(self, entries: list[ScheduledRequest], graphs: bool = False) -> "_Batch":
-        """The flattened batch: prefill entries first (one contiguous run each), then the
-        one-token decodes; a decode-only batch that fits a graph is padded to its bucket."""
-        batch = _Batch()
-        self._prepare_prefills(batch, [s for s in entries if s.is_prefill])
-        self._prepare_decodes(batch, [s for s in entries if not s.is_prefill],
-                              graphs and self.graphs is not None and not batch.prefills)
-        put = self.inputs.put
-        self.inputs.begin()
-        if batch.lens is not None:
-            batch.tables = put("tables", batch.tables, batch.width)
-            batch.lens = put("lens", batch.lens)
-        if batch.prefill_tables:
-            self._prefill_inputs(batch)
-        batch.meta = AttentionMetadata(put("slots", batch.slots), batch.prefills,
-                                       batch.num_prefill_tokens, batch.tables, batch.bias,
-                                       batch.max_len, batch.lens, **batch.prefill_meta)
-        batch.input_ids = put("ids", batch.ids)
-        batch.positions = put("positions", batch.pos)
-        batch.logits_indices = put("rows", batch.logits_rows)
-        if batch.prompt_rows:
-            batch.hidden_indices = put("hidden", batch.prompt_rows)
-        self.inputs.end()
-        return batch
-
-    def _prepare_prefills(self, batch: "_Batch", entries: list[ScheduledRequest]) -> None:
-        """Each chunk's tokens and slots; a chunk after cached tokens (an earlier chunk, a
-        prefix-cache hit) attends to them through its block table. With a paged prefill
-        kernel (CUDA), every chunk reads its context through the step's padded tables."""
-        bs, dev = self.block_size, self.device
-        ids, slots = batch.ids, batch.slots
-        kernel = self.model.backend.prefill_kernel is not None
-        for s in entries:
-            c, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_ids
-            start = len(ids)
-            q = self.seqs[s.request_id]
-            ids.extend(q.tokens(c, c + n))
-            if q.prompt_k is not None:  # every row but the prompt's last predicts a prompt token
-                count = max(0, min(c + n, len(q.prompt) - 1) - c)
-                batch.prompt_rows.extend(range(start, start + count))
-                batch.prompt_spans.append((s.request_id, c, count))
-            pos = range(c, c + n)
-            batch.pos.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if kernel:
-                batch.prefills.append(PrefillSeq(start, n, c))
-                batch.prefill_tables.append(table)
-            elif c == 0:
-                batch.prefills.append(PrefillSeq(start, n, 0))
-            else:  # attends to its cached prefix too: causal from position c on
-                mask = (torch.arange(c + n, device=dev)[None, :]
-                        <= torch.arange(c, c + n, device=dev)[:, None])
-                batch.prefills.append(PrefillSeq(start, n, c, torch.tensor(table, device=dev),
-                                                 mask))
-            if s.samples:
-                batch.logits_rows.append(start + n - 1)
-                batch.sample_ids.append(s.request_id)
-        batch.num_prefill_tokens = len(ids)
-
-    def _prefill_inputs(self, batch: "_Batch") -> None:
-        """The paged prefill kernel's tables (padded with the null block), query starts and
-        context lengths, on the device."""
-        put, seqs = self.inputs.put, batch.prefills
-        width = max(len(t) for t in batch.prefill_tables)
-        flat = [b for t in batch.prefill_tables for b in t + [self.null_block] * (width - len(t))]
-        batch.prefill_meta = dict(
-            prefill_tables=put("prefill_tables", flat, width),
-            query_starts=put("query_starts", [s.start for s in seqs] + [batch.num_prefill_tokens]),
-            prefill_lens=put("prefill_lens", [s.cached + s.length for s in seqs]),
-            max_query_len=max(s.length for s in seqs))
-
-    def _prepare_decodes(self, batch: "_Batch", entries: list[ScheduledRequest],
-                         graphs: bool) -> None:
-        """One token each, with block tables padded (with the null block) to a common width
-        for paged attention. With `graphs`, padded to the bucket of a captured graph by rows
-        that read and write the null block alone."""
-        if not entries:
-            return
-        bs, null = self.block_size, self.null_block
-        width = max(len(s.block_ids) for s in entries)
-        tables, lens = [], []
-        for s in entries:
-            c, table = s.num_computed_tokens, s.block_ids
-            batch.ids.append(self.seqs[s.request_id].tokens(c, c + 1)[0])
-            batch.pos.append(c)
-            batch.slots.append(table[c // bs] * bs + c % bs)
-            tables += table
-            tables += [null] * (width - len(table))
-            lens.append(c + 1)
-            batch.logits_rows.append(len(batch.ids) - 1)  # every decode samples
-            batch.sample_ids.append(s.request_id)
-        bucket = self.graphs.bucket(len(entries), width) if graphs else None
-        if bucket is not None:
-            pad = bucket - len(entries)
-            batch.ids += [0] * pad
-            batch.pos += [0] * pad
-            batch.slots += [null * bs] * pad
-            tables += [null] * (width * pad)
-            lens += [1] * pad
-            batch.graph = True
-        batch.tables, batch.width, batch.lens, batch.max_len = tables, width, lens, max(lens)
-        batch.bias = self.model.backend.decode_bias(lens, width * bs, self.device)
-
-
-class _Batch:
-    """One forward pass's inputs, filled by the prefill then the decode preparation."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.pos: list[int] = []
-        self.slots: list[int] = []
-        self.prefills: list[PrefillSeq] = []
-        self.num_prefill_tokens = 0
-        self.logits_rows: list[int] = []
-        self.sample_ids: list[str] = []
-        self.prompt_rows: list[int] = []  # rows whose next-token logprobs a prompt asked for
-        self.prompt_spans: list[tuple[str, int, int]] = []  # (request, first position, rows)
-        self.hidden_indices = None
-        self.tables = self.bias = self.lens = None  # decode-only fields
-        self.max_len = self.width = 0
-        self.graph = False  # runs through a captured decode graph
-        self.prefill_tables: list[list[int]] = []  # for a paged prefill kernel
-        self.prefill_meta: dict = {}
-        self.input_ids = self.positions = self.meta = self.logits_indices = None

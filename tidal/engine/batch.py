@@ -1,0 +1,167 @@
+"""A step's entries as forward passes: the flattened batch of token ids, positions, cache
+slots and attention metadata the model reads, in the runner's persistent step inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.core import ScheduledRequest
+from tidal.engine.decode_graphs import DecodeGraphs
+from tidal.engine.step_inputs import StepInputs
+from tidal.model.attention import AttentionBackend, AttentionMetadata, PrefillSeq
+
+
+class BatchBuilder:
+    """Splits a step into passes and builds each pass's `StepBatch`. `seqs` maps a request
+    to the runner's copy of it (its tokens, and `prompt_k` while prompt logprobs are owed)."""
+
+    def __init__(self, block_size: int, null_block: int, device: str,
+                 backend: AttentionBackend, inputs: StepInputs,
+                 max_forward_tokens: int) -> None:
+        self.block_size, self.null_block, self.device = block_size, null_block, device
+        self.backend, self.inputs = backend, inputs
+        self.max_forward_tokens = max_forward_tokens
+
+    def passes(self, scheduled: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
+        """The step's entries, prefills first, in forward passes of at most
+        max_forward_tokens tokens (an entry over the limit runs alone). Each sequence attends
+        only to itself, so the passes compute what one pass would."""
+        limit = self.max_forward_tokens
+        if not limit or sum(s.num_new_tokens for s in scheduled) <= limit:
+            return [scheduled]
+        passes: list[list[ScheduledRequest]] = [[]]
+        size = 0
+        for s in sorted(scheduled, key=lambda s: not s.is_prefill):
+            if passes[-1] and size + s.num_new_tokens > limit:
+                passes.append([])
+                size = 0
+            passes[-1].append(s)
+            size += s.num_new_tokens
+        return passes
+
+    def build(self, entries: list[ScheduledRequest], seqs: dict,
+              graphs: DecodeGraphs | None = None) -> StepBatch:
+        """The flattened batch: prefill entries first (one contiguous run each), then the
+        one-token decodes; a decode-only batch that fits a graph is padded to its bucket."""
+        batch = StepBatch()
+        self._prefills(batch, [s for s in entries if s.is_prefill], seqs)
+        self._decodes(batch, [s for s in entries if not s.is_prefill], seqs,
+                      None if batch.prefills else graphs)
+        put = self.inputs.put
+        self.inputs.begin()
+        if batch.lens is not None:
+            batch.tables = put("tables", batch.tables, batch.width)
+            batch.lens = put("lens", batch.lens)
+        if batch.prefill_tables:
+            self._prefill_inputs(batch)
+        batch.meta = AttentionMetadata(put("slots", batch.slots), batch.prefills,
+                                       batch.num_prefill_tokens, batch.tables, batch.bias,
+                                       batch.max_len, batch.lens, **batch.prefill_meta)
+        batch.input_ids = put("ids", batch.ids)
+        batch.positions = put("positions", batch.pos)
+        batch.logits_indices = put("rows", batch.logits_rows)
+        if batch.prompt_rows:
+            batch.hidden_indices = put("hidden", batch.prompt_rows)
+        self.inputs.end()
+        return batch
+
+    def _prefills(self, batch: StepBatch, entries: list[ScheduledRequest], seqs: dict) -> None:
+        """Each chunk's tokens and slots; a chunk after cached tokens (an earlier chunk, a
+        prefix-cache hit) attends to them through its block table. With a paged prefill
+        kernel (CUDA), every chunk reads its context through the step's padded tables."""
+        bs, dev = self.block_size, self.device
+        ids, slots = batch.ids, batch.slots
+        kernel = self.backend.prefill_kernel is not None
+        for s in entries:
+            c, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_ids
+            start = len(ids)
+            q = seqs[s.request_id]
+            ids.extend(q.tokens(c, c + n))
+            if q.prompt_k is not None:  # every row but the prompt's last predicts a prompt token
+                count = max(0, min(c + n, len(q.prompt) - 1) - c)
+                batch.prompt_rows.extend(range(start, start + count))
+                batch.prompt_spans.append((s.request_id, c, count))
+            pos = range(c, c + n)
+            batch.pos.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if kernel:
+                batch.prefills.append(PrefillSeq(start, n, c))
+                batch.prefill_tables.append(table)
+            elif c == 0:
+                batch.prefills.append(PrefillSeq(start, n, 0))
+            else:  # attends to its cached prefix too: causal from position c on
+                mask = (torch.arange(c + n, device=dev)[None, :]
+                        <= torch.arange(c, c + n, device=dev)[:, None])
+                batch.prefills.append(PrefillSeq(start, n, c, torch.tensor(table, device=dev),
+                                                 mask))
+            if s.samples:
+                batch.logits_rows.append(start + n - 1)
+                batch.sample_ids.append(s.request_id)
+        batch.num_prefill_tokens = len(ids)
+
+    def _prefill_inputs(self, batch: StepBatch) -> None:
+        """The paged prefill kernel's tables (padded with the null block), query starts and
+        context lengths, on the device."""
+        put, seqs = self.inputs.put, batch.prefills
+        width = max(len(t) for t in batch.prefill_tables)
+        flat = [b for t in batch.prefill_tables for b in t + [self.null_block] * (width - len(t))]
+        batch.prefill_meta = dict(
+            prefill_tables=put("prefill_tables", flat, width),
+            query_starts=put("query_starts", [s.start for s in seqs] + [batch.num_prefill_tokens]),
+            prefill_lens=put("prefill_lens", [s.cached + s.length for s in seqs]),
+            max_query_len=max(s.length for s in seqs))
+
+    def _decodes(self, batch: StepBatch, entries: list[ScheduledRequest], seqs: dict,
+                 graphs: DecodeGraphs | None) -> None:
+        """One token each, with block tables padded (with the null block) to a common width
+        for paged attention. With `graphs`, padded to the bucket of a captured graph by rows
+        that read and write the null block alone."""
+        if not entries:
+            return
+        bs, null = self.block_size, self.null_block
+        width = max(len(s.block_ids) for s in entries)
+        tables, lens = [], []
+        for s in entries:
+            c, table = s.num_computed_tokens, s.block_ids
+            batch.ids.append(seqs[s.request_id].tokens(c, c + 1)[0])
+            batch.pos.append(c)
+            batch.slots.append(table[c // bs] * bs + c % bs)
+            tables += table
+            tables += [null] * (width - len(table))
+            lens.append(c + 1)
+            batch.logits_rows.append(len(batch.ids) - 1)  # every decode samples
+            batch.sample_ids.append(s.request_id)
+        bucket = graphs.bucket(len(entries), width) if graphs else None
+        if bucket is not None:
+            pad = bucket - len(entries)
+            batch.ids += [0] * pad
+            batch.pos += [0] * pad
+            batch.slots += [null * bs] * pad
+            tables += [null] * (width * pad)
+            lens += [1] * pad
+            batch.graph = True
+        batch.tables, batch.width, batch.lens, batch.max_len = tables, width, lens, max(lens)
+        batch.bias = self.backend.decode_bias(lens, width * bs, self.device)
+
+
+
+class StepBatch:
+    """One forward pass's inputs, filled by the prefill then the decode preparation."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.pos: list[int] = []
+        self.slots: list[int] = []
+        self.prefills: list[PrefillSeq] = []
+        self.num_prefill_tokens = 0
+        self.logits_rows: list[int] = []
+        self.sample_ids: list[str] = []
+        self.prompt_rows: list[int] = []  # rows whose next-token logprobs a prompt asked for
+        self.prompt_spans: list[tuple[str, int, int]] = []  # (request, first position, rows)
+        self.hidden_indices = None
+        self.tables = self.bias = self.lens = None  # decode-only fields
+        self.max_len = self.width = 0
+        self.graph = False  # runs through a captured decode graph
+        self.prefill_tables: list[list[int]] = []  # for a paged prefill kernel
+        self.prefill_meta: dict = {}
+        self.input_ids = self.positions = self.meta = self.logits_indices = None
