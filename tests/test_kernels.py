@@ -109,3 +109,41 @@ def test_a_model_decodes_the_same_through_the_kernel(tmp_path, fused):
     assert len(rope_calls) >= (2 * 12 if fused else 0)  # every step (prefill too), every layer
     assert len(rope_calls) == 0 or len(rope_calls) > len(prefill_calls) >= 2 * 3
     assert len(calls) >= 11 * 2 and max(calls) == 3  # every decode step, every layer
+
+
+def test_the_whole_gpu_path_gives_the_pytorch_paths_tokens(tmp_path):
+    """What the runner runs on CUDA, on CPU: decode steps replayed through graph buckets
+    (EagerReplay: same static inputs, padding and null block), the paged decode and prefill
+    kernels, the fused norm and RoPE kernels, chunked prefill and a prefix-cache hit. The
+    tokens equal the PyTorch path's, call for call."""
+    from model_fixtures import PROMPTS, tiny_folder
+    from tidal import LLM, SamplingParams
+    from tidal.engine.decode_graphs import EagerReplay
+    from tidal.model.kernels import fused_kernels
+    from tidal.model.kernels.prefill_attention import paged_prefill_attention
+
+    folder = tiny_folder(tmp_path, "llama")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def runs(gpu_path: bool) -> list[list[list[int]]]:
+        llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4,
+                  chunked_prefill_size=8, max_num_seqs=4)
+        runner = llm.engine.runner
+        runner.decoder = None
+        if gpu_path:
+            runner.model.backend.paged_kernel = paged_decode_attention
+            runner.model.backend.prefill_kernel = paged_prefill_attention
+            runner.model.kernels = fused_kernels()
+            runner.use_decode_graphs(EagerReplay(), max_num_seqs=4, max_model_len=128)
+        shared = llm.engine.tokenize(PROMPTS[0] + PROMPTS[1])
+        calls = [[shared], [shared + llm.engine.tokenize(PROMPTS[2])] +
+                 [llm.engine.tokenize(p) for p in PROMPTS[3:5]]]
+        out = [[o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+            for prompts in calls]
+        assert llm.engine.scheduler.stats().prefix_hit_rate > 0  # the second call hit
+        if gpu_path:
+            assert runner.graphs.replays >= 2 * 9
+        return out
+
+    assert runs(True) == runs(False)
