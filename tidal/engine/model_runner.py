@@ -89,6 +89,8 @@ class ModelRunner:
         elif config.quantization != "none":
             raise ValueError(f"quantization={config.quantization!r} runs on CPU in bfloat16 "
                              "or float32")
+        elif self.on_gpu:  # experts as torch's grouped matmul: no per-expert host loop
+            group_experts(self.model, self.dtype)
         # Decode-only steps run as one C++ call where the model allows (CPU).
         self.decoder = cpu_decode.build_decoder(self.model) if ext else None
         self.block_size = block_size
@@ -116,8 +118,7 @@ class ModelRunner:
         self.batches = BatchBuilder(block_size, self.null_block, self.device, backend,
                                     StepInputs(self.device), self.max_forward_tokens)
         self.graphs: DecodeGraphs | None = None
-        if self.on_gpu and not config.enforce_eager and backend.paged_kernel is not None \
-                and self.arch.moe is None:  # MoE routing reads counts on the host
+        if self.on_gpu and not config.enforce_eager and backend.paged_kernel is not None:
             self.use_decode_graphs(CudaGraphCapture(), sched.max_num_seqs, max_model_len)
 
     def _size_kv(self, config: ModelConfig, step_tokens: int, max_seqs: int) -> int:

@@ -95,7 +95,9 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(x)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # the (token, expert) pairs grouped by expert
-        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        # scatter_add, not bincount: CUDA's bincount reads the largest id on the host
+        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+        ends = counts.cumsum(0).to(torch.int32)
         rows = order // self.top_k
         xs = x[rows]  # inputs in expert order
         if self.w_gate_up is not None:  # in the compute dtype until the sum
