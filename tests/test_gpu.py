@@ -109,13 +109,11 @@ def test_a_decode_step_does_not_sync_the_stream(tmp_path, enforce_eager):
 
 
 def test_gpu_memory_utilization_sizes_the_kv_cache(tmp_path):
+    """The process stays under its share of the device, and the KV cache takes most of what
+    the weights (~0.1 GB), activations, graphs and earlier tests' engines leave."""
     folder = folder_of(tmp_path, "llama")
-    torch.manual_seed(0)
-    small = LLM(str(folder), load_format="dummy", device="cuda", gpu_memory_utilization=0.3)
-    blocks_small = small.engine.runner.num_blocks
-    del small
-    torch.cuda.empty_cache()
-    large = LLM(str(folder), load_format="dummy", device="cuda", gpu_memory_utilization=0.6)
+    before = torch.cuda.memory_allocated()
+    engine = LLM(str(folder), load_format="dummy", device="cuda", gpu_memory_utilization=0.5)
     total = torch.cuda.mem_get_info()[1]
-    assert large.engine.runner.num_blocks > 1.8 * blocks_small
-    assert torch.cuda.memory_reserved() <= 0.62 * total
+    assert torch.cuda.memory_reserved() <= 0.52 * total
+    assert engine.engine.runner.kv_cache_bytes >= 0.5 * total - before - 4 * 2**30

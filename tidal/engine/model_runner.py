@@ -29,6 +29,7 @@ from tidal.model.sampler import SampleRow, sample, target_logprobs
 
 log = logging.getLogger("tidal.engine")
 
+
 class _Seq:
     """The runner's copy of a request: what sampling needs, the tokens it sampled, and the
     prompt logprobs it has gathered so far while they are owed."""
