@@ -6,25 +6,16 @@ extra)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 8):
-    pytest.skip("Triton's interpreter runs with NumPy 2 from triton 3.8 on",
-                allow_module_level=True)
+from triton_setup import DEVICE  # first: sets Triton's interpreter up without CUDA
 
-from tidal.model.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from tidal.model.kernels.rope_cache import rope_and_cache  # noqa: E402
-from tidal.model.llama import RMSNorm, apply_rope  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tidal.model.kernels.norm import fused_add_rms_norm, rms_norm
+from tidal.model.kernels.rope_cache import rope_and_cache
+from tidal.model.llama import RMSNorm, apply_rope
 
 
 def assert_close_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 1,

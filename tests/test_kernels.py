@@ -4,24 +4,15 @@ kernel code a GPU compiles; skipped where triton is not installed (the `gpu` ext
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 8):
-    pytest.skip("Triton's interpreter runs with NumPy 2 from triton 3.8 on",
-                allow_module_level=True)
+from triton_setup import DEVICE  # first: sets Triton's interpreter up without CUDA
 
-from test_cpu_decode import gathered_attention  # noqa: E402
-from tidal.model.kernels.paged_attention import num_splits, paged_decode_attention  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from test_cpu_decode import gathered_attention
+from tidal.model.kernels.paged_attention import num_splits, paged_decode_attention
 
 
 @settings(max_examples=25, deadline=None)

@@ -4,24 +4,15 @@ interpreter (TRITON_INTERPRET=1) on CPU tensors; skipped where triton is not ins
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
-triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 8):
-    pytest.skip("Triton's interpreter runs with NumPy 2 from triton 3.8 on",
-                allow_module_level=True)
+from triton_setup import DEVICE  # first: sets Triton's interpreter up without CUDA
 
-from tidal.model.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tidal.model.kernels.prefill_attention import paged_prefill_attention
 
 
 def gathered_prefill(q, k_cache, v_cache, tables, starts, lens, scale, window=0):
