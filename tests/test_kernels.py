@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triton_setup import DEVICE  # first: sets Triton's interpreter up without CUDA
+from triton_setup import DEVICE, random_cache  # first: sets Triton's interpreter up without CUDA
 
 from test_cpu_decode import gathered_attention
 from tidal.model.kernels.paged_attention import num_splits, paged_decode_attention
@@ -29,12 +29,7 @@ def test_paged_decode_attention_equals_the_gathered_context(data, batch, heads, 
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     top = 3000 if long else 80
     lens = [data.draw(st.integers(1, top)) for _ in range(batch)]
-    width = max(-(-n // block_size) for n in lens)
-    num_blocks = width + 4
-    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
-    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width]
-                          for _ in range(batch)]).to(torch.int32)
+    k_cache, v_cache, tables = random_cache(gen, lens, block_size, hkv, head_dim, dtype)
     q = torch.randn(batch, h, head_dim, generator=gen).to(dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim ** -0.5

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triton_setup import DEVICE  # first: sets Triton's interpreter up without CUDA
+from triton_setup import DEVICE, random_cache  # first: sets Triton's interpreter up without CUDA
 
 from tidal.model.kernels.prefill_attention import paged_prefill_attention
 
@@ -59,12 +59,7 @@ def test_paged_prefill_attention_equals_the_gathered_context(data, batch, heads,
     prefix = [data.draw(st.integers(0, top)) for _ in range(batch)]
     new = [data.draw(st.integers(1, 100)) for _ in range(batch)]
     lens = [p + n for p, n in zip(prefix, new)]
-    width = max(-(-n // block_size) for n in lens)
-    num_blocks = width + 4
-    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
-    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width]
-                          for _ in range(batch)]).to(torch.int32)
+    k_cache, v_cache, tables = random_cache(gen, lens, block_size, hkv, head_dim, dtype)
     q = torch.randn(sum(new), h, head_dim, generator=gen).to(dtype)
     scale = head_dim ** -0.5
     got, starts, lens_t = run_kernel(q, k_cache, v_cache, tables, new, lens, scale, window)

@@ -18,3 +18,16 @@ if not torch.cuda.is_available() and tuple(map(int, triton.__version__.split("."
                 allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_cache(gen: torch.Generator, lens: list[int], block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype):
+    """(k_cache, v_cache, tables): random caches with 4 blocks to spare and, per sequence, a
+    shuffled table as wide as the longest context (tables may share blocks)."""
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = width + 4
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width]
+                          for _ in lens]).to(torch.int32)
+    return k_cache, v_cache, tables
