@@ -80,14 +80,21 @@ def decode_table(folder: Path, args) -> None:
 
 
 def prefill_rate(folder: Path, args) -> None:
+    """One prefill's time and TFLOP/s, through the paged prefill kernel and through SDPA
+    (the backend without the kernel), to choose between them."""
     arch = ModelArch.from_folder(folder)
     r = runner(folder, args.device, True, 1)
-    (_, t), = measure(r, [[(args.prefill, 0)]], repeats=args.repeats)
-    release(r)
     n = args.prefill
     flops = 2 * linear_params(arch) * n + 2 * arch.num_layers * n * n * \
         arch.num_heads * arch.head_dim  # causal QK^T and PV: half of 4 n^2 H D each layer
-    print(f"prefill {n} tokens, {folder.name}: {t * 1e3:.1f} ms, {flops / t / 1e12:.0f} TFLOP/s")
+    cells = []
+    for name in ("kernel", "sdpa"):
+        if name == "sdpa" or r.model.backend.prefill_kernel is None:
+            r.model.backend.prefill_kernel, name = None, "sdpa"
+        (_, t), = measure(r, [[(n, 0)]], repeats=args.repeats)
+        cells.append(f"{name} {t * 1e3:.1f} ms = {flops / t / 1e12:.0f} TFLOP/s")
+    release(r)
+    print(f"prefill {n} tokens, {folder.name}: " + "; ".join(cells))
 
 
 def workload(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
