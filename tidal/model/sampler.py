@@ -159,7 +159,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         if top_k:
             top = lp.topk(min(top_k, lp.shape[1]), dim=-1)
             parts += [top.indices.flatten().double(), top.values.flatten().double()]
-    host = to_host(torch.cat(parts))  # float64 holds every token id exactly
+    # One copy: tokens [R, width], their logprobs [W, width], top ids and top logprobs
+    # [W, k] each, flattened in that order; float64 holds every token id exactly.
+    host = to_host(torch.cat(parts))
     n_rows, n_wanted = len(rows), len(wanted)
     out = [[int(t) for t in host[i * width:i * width + r.num_samples]]
            for i, r in enumerate(rows)]
