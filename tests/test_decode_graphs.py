@@ -93,3 +93,22 @@ def test_graph_steps_equal_eager_steps_and_padding_writes_only_the_null_block(fo
                if any(k[b].abs().sum() > 0 for k, _ in runner.kv_caches)}
     assert runner.null_block in written  # 3 and 5 decodes pad to buckets 4 and 8
     assert written - {runner.null_block} <= used
+
+
+def test_the_gpu_kv_budget_is_what_the_share_leaves(monkeypatch):
+    """utilization x total, less the profiled peak (weights + activations) and what other
+    processes hold: the device's numbers stubbed, the profile really run."""
+    from tidal.engine import device as dev
+
+    gib = 2**30
+    ran = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 20 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 22 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (50 * gib, 80 * gib))
+    budget = dev.gpu_kv_budget("cuda", 0.9, lambda: ran.append(1))
+    assert ran == [1]
+    # 72 GiB allowed - 20 peak - (80 - 50 - 22 = 8 held by other processes)
+    assert budget == int(0.9 * 80 * gib) - 20 * gib - 8 * gib
