@@ -241,3 +241,18 @@ def test_a_step_comes_back_to_the_host_in_one_copy(monkeypatch):
     # Each entry's alternatives are the row's likeliest tokens, best first.
     ids, vals = zip(*logprobs[2][0][1])
     assert list(vals) == sorted(vals, reverse=True) and ids[0] == tokens[2][0]
+
+
+def test_every_sibling_of_n_gets_its_first_tokens_logprobs(llm):
+    """The step that ends an n>1 prompt samples every sibling's first token in one row:
+    each sibling reports that token's logprob, and it is the logprob of its own token."""
+    params = SamplingParams(max_tokens=5, n=3, temperature=1.0, seed=5, logprobs=2,
+                            ignore_eos=True)
+    out = llm.generate(ids(llm, PROMPTS[:1]), params, use_tqdm=False)[0]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    for o in out.outputs:
+        assert len(o.logprobs) == len(o.token_ids) == 5
+        own, alts = o.logprobs[0]
+        assert own <= 0 and len(alts) == 2
+    firsts = {o.token_ids[0]: o.logprobs[0][0] for o in out.outputs}
+    assert len(set(firsts.values())) == len(firsts)  # different tokens, their own logprobs

@@ -164,7 +164,13 @@ class EngineCore:
             self.scheduler.update(out, ModelOutput(preempted_ack=list(out.preempted_ids)))
             return failed, {}, {}
         self.generation_tokens += sum(len(t) for t in result.sampled.values())
-        return self.scheduler.update(out, result), result.logprobs, result.prompt_logprobs
+        outputs = self.scheduler.update(out, result)
+        logprobs = result.logprobs
+        for o in outputs:  # n>1: a sibling's first token was sampled in its parent's row
+            if o.parent_id in logprobs and o.request_id not in logprobs:
+                index = int(o.request_id.rsplit("-", 1)[1])  # Request.fork's id
+                logprobs[o.request_id] = logprobs[o.parent_id][index:index + 1]
+        return outputs, logprobs, result.prompt_logprobs
 
     def close(self) -> None:
         if self._pool is not None:
