@@ -25,7 +25,7 @@ from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
 from tidal.model.kernels import fused_kernels, paged_decode_kernel, paged_prefill_kernel
 from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
-from tidal.model.sampler import SampleRow, sample, target_logprobs
+from tidal.model.sampler import SampleRow, on_device, sample, target_logprobs
 
 log = logging.getLogger("tidal.engine")
 
@@ -221,8 +221,9 @@ class ModelRunner:
                 self._matchers().add(new.request_id, *new.sampling_params.structured,
                                      list(new.output_token_ids))
         if out.block_copies:
-            src = torch.tensor([s for s, _ in out.block_copies], device=self.device)
-            dst = torch.tensor([d for _, d in out.block_copies], device=self.device)
+            dev = torch.device(self.device)  # staged without a sync, as the sampler's inputs
+            src = on_device([s for s, _ in out.block_copies], torch.long, dev)
+            dst = on_device([d for _, d in out.block_copies], torch.long, dev)
             for k, v in self.kv_caches:
                 k[dst] = k[src]
                 v[dst] = v[src]
