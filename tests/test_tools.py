@@ -274,6 +274,9 @@ def test_auto_parses_a_hermes_reply_streamed_or_not(client):
     plain = client.chat.completions.create(**{**common, "tool_choice": "none"})
     assert plain.choices[0].message.tool_calls is None
     assert "<tool_call>" in plain.choices[0].message.content
+    # the template still shows the tools (vLLM's default); only the parsing is off
+    bare = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
+    assert plain.usage.prompt_tokens == r.usage.prompt_tokens > bare.usage.prompt_tokens
 
 
 def test_a_tool_round_trip(server, client):

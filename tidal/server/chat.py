@@ -200,10 +200,10 @@ class ChatRequest(GenerationRequest):
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
         """The conversation through the chat template, as the one prompt's token ids."""
-        tools = None if self.tool_mode() == "none" else tool_dicts(self.tools)
+        # tool_choice none still shows the tools (vLLM's default); their calls go unparsed
         self._prompt_text = chat_prompt_text(
-            self.messages, tokenizer, self.add_generation_prompt, tools, self.documents,
-            self.continue_final_message, self.chat_template_kwargs)
+            self.messages, tokenizer, self.add_generation_prompt, tool_dicts(self.tools),
+            self.documents, self.continue_final_message, self.chat_template_kwargs)
         return [encode(tokenizer, self._prompt_text, self.add_special_tokens, "messages")]
 
     def prompt_text(self) -> str:
