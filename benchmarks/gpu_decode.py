@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tidal.bench.word_tokenizer import save_word_tokenizer
 from tidal.core import SchedulerConfig
 from tidal.engine.config import ModelConfig
 from tidal.engine.model_runner import ModelRunner
@@ -34,14 +35,11 @@ from tidal.sim.profiles import MODEL_CONFIGS, linear_params
 def dummy_folder(root: Path, name: str) -> Path:
     """config.json of a built-in profile and a word-level tokenizer: all `--load-format
     dummy` needs."""
-    from tokenizers import Tokenizer, models
-
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     config = MODEL_CONFIGS[name]
     (folder / "config.json").write_text(json.dumps(config))
-    vocab = {f"w{i}": i for i in range(config["vocab_size"])}
-    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(folder / "tokenizer.json"))
+    save_word_tokenizer(folder, config["vocab_size"])
     return folder
 
 
@@ -97,19 +95,17 @@ def prefill_rate(folder: Path, args) -> None:
     print(f"prefill {n} tokens, {folder.name}: " + "; ".join(cells))
 
 
-def workload(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+def workload(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return rng.integers(10, vocab - 10, (count, args_in)).tolist()
+    return rng.integers(10, vocab - 10, (count, length)).tolist()
 
 
-args_in, args_out = 1024, 256
-
-
-def tidal_rate(folder: Path, prompts: list[list[int]], concurrency: int, device: str) -> float:
+def tidal_rate(folder: Path, prompts: list[list[int]], concurrency: int, device: str,
+               out_len: int) -> float:
     from tidal import LLM, SamplingParams
 
     llm = LLM(str(folder), load_format="dummy", device=device, max_num_seqs=concurrency)
-    params = SamplingParams(max_tokens=args_out, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:concurrency]], params,
                  use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -120,7 +116,8 @@ def tidal_rate(folder: Path, prompts: list[list[int]], concurrency: int, device:
     return rate
 
 
-def hf_rate(folder: Path, prompts: list[list[int]], concurrency: int, device: str) -> float:
+def hf_rate(folder: Path, prompts: list[list[int]], concurrency: int, device: str,
+            out_len: int) -> float:
     """transformers' continuous batching over the same prompts, `concurrency` at a time
     (fixed output lengths: every wave ends together, as a continuous batch would run)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -128,7 +125,7 @@ def hf_rate(folder: Path, prompts: list[list[int]], concurrency: int, device: st
     config = AutoConfig.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                              attn_implementation="sdpa").to(device)
-    gen = GenerationConfig(max_new_tokens=args_out, do_sample=False, eos_token_id=-1,
+    gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
     model.generate_batch(prompts[:concurrency], generation_config=gen, progress_bar=False)
     t0 = time.perf_counter()
@@ -145,19 +142,19 @@ def hf_rate(folder: Path, prompts: list[list[int]], concurrency: int, device: st
 
 def throughput_table(folder: Path, args) -> None:
     vocab = MODEL_CONFIGS[folder.name]["vocab_size"]
-    print(f"output tokens/s, {folder.name}, {args_in} in / {args_out} out, "
+    print(f"output tokens/s, {folder.name}, {args.input_len} in / {args.output_len} out, "
           f"{args.waves} waves per concurrency: tidal / HF continuous batching / ratio")
     for c in args.concurrency:
-        prompts = workload(vocab, c * args.waves)
-        ours = tidal_rate(folder, prompts, c, args.device)
-        theirs = None if args.no_hf else hf_rate(folder, prompts, c, args.device)
+        prompts = workload(vocab, c * args.waves, args.input_len)
+        ours = tidal_rate(folder, prompts, c, args.device, args.output_len)
+        theirs = None if args.no_hf else hf_rate(folder, prompts, c, args.device,
+                                                 args.output_len)
         cells = f"{ours:,.0f}" + ("" if theirs is None else
                                   f" / {theirs:,.0f} / {ours / theirs:.2f}x")
         print(f"  concurrency {c:>4}  {cells}")
 
 
 def main() -> None:
-    global args_in, args_out
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-3-8b"],
                    choices=sorted(MODEL_CONFIGS))
@@ -172,7 +169,6 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
-    args_in, args_out = args.input_len, args.output_len
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device: {name}; torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,12 +26,12 @@ from pathlib import Path
 import httpx
 import torch
 
+from tidal.bench.word_tokenizer import save_word_tokenizer
 from tidal.sim.profiles import MODEL_CONFIGS
 
 
 def save_model(folder: Path, name: str, device: str) -> Path:
     """Random weights of the profile's shape and a tokenizer both servers load."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**MODEL_CONFIGS[name])
@@ -39,13 +39,7 @@ def save_model(folder: Path, name: str, device: str) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(str(folder))
     del model
-    vocab = {f"w{i}": i for i in range(config.vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    eos = f"w{config.eos_token_id}"
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": "w1"}))
+    save_word_tokenizer(folder, config.vocab_size, config.eos_token_id)
     return folder
 
 

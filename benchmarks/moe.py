@@ -23,16 +23,15 @@ import time
 from pathlib import Path
 
 from tidal import LLM, SamplingParams
+from tidal.bench.word_tokenizer import save_word_tokenizer
 
 
 def save_model(folder: Path, family: str, vocab: int, **shape) -> Path:
     """config.json and a word-level tokenizer: what `--load-format dummy` needs."""
-    from tokenizers import Tokenizer, models
     from transformers import AutoConfig
 
     AutoConfig.for_model(family, vocab_size=vocab, **shape).save_pretrained(str(folder))
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    tokenizer.save(str(folder / "tokenizer.json"))
+    save_word_tokenizer(folder, vocab)
     return folder
 
 

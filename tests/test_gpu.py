@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tidal import LLM, SamplingParams
+from tidal.bench.word_tokenizer import save_word_tokenizer
 from tidal.sim.profiles import MODEL_CONFIGS
 
 pytestmark = [pytest.mark.gpu,
@@ -31,14 +32,10 @@ SHAPES = {
 
 
 def folder_of(tmp_path, name: str):
-    from tokenizers import Tokenizer, models
-
     folder = tmp_path / name
     folder.mkdir()
-    config = SHAPES[name]
-    (folder / "config.json").write_text(json.dumps(config))
-    vocab = {f"w{i}": i for i in range(config["vocab_size"])}
-    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text(json.dumps(SHAPES[name]))
+    save_word_tokenizer(folder, SHAPES[name]["vocab_size"])
     return folder
 
 

@@ -146,6 +146,12 @@ def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> l
     return prompt[start:] + output[:end - n]
 
 
+def sibling_index(request_id: str) -> int:
+    """The index of an n>1 sibling among its request's outputs: `Request.fork` names it
+    `<parent id>-<index>`."""
+    return int(request_id.rsplit("-", 1)[1])
+
+
 class Request:
     """One sequence: its prompt, generated tokens, KV progress and status.
 

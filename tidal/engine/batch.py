@@ -8,7 +8,8 @@ import torch
 from tidal.core import ScheduledRequest
 from tidal.engine.decode_graphs import DecodeGraphs
 from tidal.engine.step_inputs import StepInputs
-from tidal.model.attention import AttentionBackend, AttentionMetadata, PrefillSeq
+from tidal.model.attention import (AttentionBackend, AttentionMetadata, PrefillSeq,
+                                   prefix_causal_mask)
 
 
 class BatchBuilder:
@@ -90,10 +91,8 @@ class BatchBuilder:
             elif c == 0:
                 batch.prefills.append(PrefillSeq(start, n, 0))
             else:  # attends to its cached prefix too: causal from position c on
-                mask = (torch.arange(c + n, device=dev)[None, :]
-                        <= torch.arange(c, c + n, device=dev)[:, None])
                 batch.prefills.append(PrefillSeq(start, n, c, torch.tensor(table, device=dev),
-                                                 mask))
+                                                 prefix_causal_mask(c, n, dev)))
             if s.samples:
                 batch.logits_rows.append(start + n - 1)
                 batch.sample_ids.append(s.request_id)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from tidal.core import ModelOutput, NewRequest, SchedulerConfig, SchedulerOutput
+from tidal.core.kv_cache_manager import cdiv
 from tidal.core.request import token_slice
 from tidal.engine.batch import BatchBuilder, StepBatch
 from tidal.engine.config import ModelConfig
@@ -167,7 +168,7 @@ class ModelRunner:
         """Capture decode steps of every batch-size bucket up to max_num_seqs; a capture
         that fails (a kernel that does not compile here) leaves every step eager."""
         graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
-                              -(-max_model_len // self.block_size), self.null_block,
+                              cdiv(max_model_len, self.block_size), self.null_block,
                               self.block_size, self.device)
         try:
             graphs.capture(backend)

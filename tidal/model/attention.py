@@ -57,6 +57,13 @@ class AttentionMetadata:
     max_query_len: int = 0
 
 
+def prefix_causal_mask(cached: int, length: int, device) -> torch.Tensor:
+    """[length, cached + length], True where a query may look: a chunk after `cached`
+    tokens sees them all, and its own tokens causally."""
+    return (torch.arange(cached + length, device=device)[None, :]
+            <= torch.arange(cached, cached + length, device=device)[:, None])
+
+
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                    head_dim: int) -> tuple[int, int, int, int]:
     return (num_blocks, block_size, num_kv_heads, head_dim)
@@ -153,30 +160,32 @@ class TorchAttention(AttentionBackend):
             v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         if not meta.prefills:  # a decode-only step: no runs to stitch together
             return self._decode(q, k_cache, v_cache, meta, window)
-        out = torch.empty_like(q)
-        if meta.prefill_tables is None or self.prefill_kernel is None \
-                or not self._prefill_paged(q, k_cache, v_cache, meta, window, out):
+        out, p = torch.empty_like(q), meta.num_prefill_tokens
+        paged = None
+        if meta.prefill_tables is not None and self.prefill_kernel is not None:
+            paged = self._kernel("prefill_kernel", q[:p], k_cache, v_cache, meta.prefill_tables,
+                                 meta.query_starts, meta.prefill_lens, self.scale,
+                                 meta.max_query_len, window)
+        if paged is None:
             self._prefill_each(q, k, v, k_cache, v_cache, meta, window, out)
+        else:
+            out[:p] = paged
         if meta.decode_block_tables is not None:
             out[meta.num_prefill_tokens:] = self._decode(q[meta.num_prefill_tokens:],
                                                          k_cache, v_cache, meta, window)
         return out
 
-    def _prefill_paged(self, q, k_cache, v_cache, meta, window, out) -> bool:
-        """Every prefill through the paged kernel; False if it fails on this device (it
-        does not compile there), and the eager path takes over from then on."""
-        p = meta.num_prefill_tokens
+    def _kernel(self, name: str, q: torch.Tensor, *args) -> torch.Tensor | None:
+        """self.<name>(q, *args); None once it fails on a GPU (a kernel that does not
+        compile there): it is dropped with a warning and PyTorch ops take over for good."""
         try:
-            out[:p] = self.prefill_kernel(q[:p], k_cache, v_cache, meta.prefill_tables,
-                                          meta.query_starts, meta.prefill_lens, self.scale,
-                                          meta.max_query_len, window)
-            return True
+            return getattr(self, name)(q, *args)
         except Exception as exc:
             if q.device.type == "cpu":
                 raise
-            log.warning("paged prefill kernel failed (%s); prefilling with PyTorch ops", exc)
-            self.prefill_kernel = None
-            return False
+            log.warning("%s failed (%s); running PyTorch ops instead", name, exc)
+            setattr(self, name, None)
+            return None
 
     def _prefill_each(self, q, k, v, k_cache, v_cache, meta, window, out) -> None:
         """One SDPA per prefill (over its cached prefix too, when it has one)."""
@@ -190,10 +199,7 @@ class TorchAttention(AttentionBackend):
                 ks = self._gather(k_cache, table)[:seq.cached + seq.length]
                 vs = self._gather(v_cache, table)[:seq.cached + seq.length]
                 if mask is None:
-                    dev = q.device
-                    mask = (torch.arange(seq.cached + seq.length, device=dev)[None, :]
-                            <= torch.arange(seq.cached, seq.cached + seq.length,
-                                            device=dev)[:, None])
+                    mask = prefix_causal_mask(seq.cached, seq.length, q.device)
             if window and seq.cached + seq.length > window:  # some keys fall out of the window
                 mask, causal = self._window_mask(seq, window, meta), False
             out[seq.start:end] = self._attend(q[seq.start:end], ks, vs, mask, causal)
@@ -230,18 +236,14 @@ class TorchAttention(AttentionBackend):
     def _decode(self, q, k_cache, v_cache, meta, window=0) -> torch.Tensor:
         tables = meta.decode_block_tables
         if self.paged_kernel is not None:
-            try:
-                return self.paged_kernel(q, k_cache, v_cache, tables, meta.decode_lens,
-                                         self.scale, window)
-            except Exception as exc:  # a GPU kernel that does not compile here: the torch path
-                if q.device.type == "cpu":
-                    raise
-                log.warning("paged decode kernel failed (%s); decoding with PyTorch ops", exc)
-                self.paged_kernel = None
-                if tables.shape[0] > 1:  # the step was prepared for the kernel: no bias yet
-                    meta.decode_bias = self.decode_bias(meta.decode_lens.tolist(),
-                                                        tables.shape[1] * k_cache.shape[1],
-                                                        q.device)
+            o = self._kernel("paged_kernel", q, k_cache, v_cache, tables, meta.decode_lens,
+                             self.scale, window)
+            if o is not None:
+                return o
+            if tables.shape[0] > 1:  # the step was prepared for the kernel: no bias yet
+                meta.decode_bias = self.decode_bias(meta.decode_lens.tolist(),
+                                                    tables.shape[1] * k_cache.shape[1],
+                                                    q.device)
         if tables.shape[0] == 1:  # no padding to mask: attend over the exact context
             n = meta.decode_max_len
             first = max(0, n - window) if window else 0

@@ -4,6 +4,7 @@ run the kernels under `TRITON_INTERPRET=1` on CPU tensors."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,29 +19,26 @@ class FusedKernels:
     rope_and_cache: Callable
 
 
+def _optional(module: str, name: str) -> Callable | None:
+    """tidal.model.kernels.<module>.<name>, or None where triton is not installed."""
+    try:
+        return getattr(importlib.import_module(f"tidal.model.kernels.{module}"), name)
+    except ImportError:
+        return None
+
+
 def fused_kernels() -> FusedKernels | None:
     """The fused kernels, or None where triton is not installed."""
-    try:
-        from tidal.model.kernels.norm import fused_add_rms_norm, rms_norm
-        from tidal.model.kernels.rope_cache import rope_and_cache
-    except ImportError:
-        return None
-    return FusedKernels(rms_norm, fused_add_rms_norm, rope_and_cache)
+    parts = (_optional("norm", "rms_norm"), _optional("norm", "fused_add_rms_norm"),
+             _optional("rope_cache", "rope_and_cache"))
+    return None if None in parts else FusedKernels(*parts)
 
 
-def paged_prefill_kernel():
+def paged_prefill_kernel() -> Callable | None:
     """Triton's paged prefill attention, or None where triton is not installed."""
-    try:
-        from tidal.model.kernels.prefill_attention import paged_prefill_attention
-    except ImportError:
-        return None
-    return paged_prefill_attention
+    return _optional("prefill_attention", "paged_prefill_attention")
 
 
-def paged_decode_kernel():
+def paged_decode_kernel() -> Callable | None:
     """Triton's paged decode attention, or None where triton is not installed."""
-    try:
-        from tidal.model.kernels.paged_attention import paged_decode_attention
-    except ImportError:
-        return None
-    return paged_decode_attention
+    return _optional("paged_attention", "paged_decode_attention")
