@@ -68,7 +68,7 @@ def view_cost(num_blocks: int = 16384, running: int = 256, waiting: int = 256) -
     from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request,
                             SamplingParams, Scheduler, SchedulerConfig)
     from tidal.core.snapshot import StepHistory, scheduler_view
-    from tidal.server import messages as m
+    from tidal.engine import messages as m
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=running, max_input_tokens_per_step=1 << 20,
                                       chunked_prefill_size=1 << 20),

@@ -20,9 +20,9 @@ from openai.types.chat import completion_create_params as chat_types
 
 from server_fixtures import Server
 from tidal.core import SamplingParams
-from tidal.server import messages as m
-from tidal.server.chat import ChatMessage, ChatRequest, chat_prompt_text
-from tidal.server.protocol import APIError, CompletionRequest, StreamOptions
+from tidal.engine import messages as m
+from tidal.server.openai.chat import ChatMessage, ChatRequest, chat_prompt_text
+from tidal.server.openai.protocol import APIError, CompletionRequest, StreamOptions
 
 KEY = "fields-key"
 MODEL = "smollm2-135m"

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.cluster.dispatcher import Dispatcher
 from tidal.cluster.prefix_index import PrefixIndex, block_hashes
 from tidal.cluster.routing import Router
+from tidal.core import SamplingParams
+from tidal.engine.messages import Abort, Add
 
 
-def item(rid: str, n: int, max_tokens: int = 16, first: int = 0):
-    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(first, first + n)),
-                           params=SimpleNamespace(max_tokens=max_tokens))
+def item(rid: str, n: int, max_tokens: int = 16, first: int = 0) -> Add:
+    return Add(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens), 0.0)
 
 
 class Recorder:
@@ -30,7 +29,7 @@ class Recorder:
         self.event.set()
 
     def ids(self, core: int | None = None) -> list[str]:
-        return [getattr(x, "request_id", x) for c, x in self.sent if core in (None, c)]
+        return [x.request_id for c, x in self.sent if core in (None, c) and isinstance(x, Add)]
 
 
 def make(policy="least_tokens", cores=2, blocks=64, budget=1000, timeout=0.05):
@@ -108,13 +107,13 @@ def test_abort_drops_a_queued_request_and_forwards_one_already_routed():
     d, rec = make(cores=2)
     d.submit(item("a", 10))
     d.submit(item("b", 10))
-    d.abort("a", "abort-a")  # still queued: dropped, never sent
+    d.abort("a")  # still queued: dropped, never sent
     with d._cond:
         d._route_batch()
     assert rec.ids() == ["b"]
     core = d.core_of["b"]
-    d.abort("b", "abort-b")
-    assert rec.sent[-1] == (core, "abort-b") and "b" not in d.core_of
+    d.abort("b")
+    assert rec.sent[-1] == (core, Abort("b")) and "b" not in d.core_of
 
 
 def test_a_dead_core_gets_nothing_more_and_hands_back_its_requests():
@@ -153,14 +152,12 @@ def test_close_ends_the_gathering_thread_and_returns_what_was_never_sent():
 def test_prefix_aware_routing_sends_a_shared_prefix_where_it_went_before():
     d, rec = make(policy="prefix_aware", cores=3)
     system = list(range(1000, 1064))  # four full blocks shared by both prompts
-    first = SimpleNamespace(request_id="x", prompt_token_ids=system + [1, 2],
-                            params=SimpleNamespace(max_tokens=4))
+    first = Add("x", system + [1, 2], SamplingParams(max_tokens=4), 0.0)
     d.submit(item("other", 10, first=5000))
     d.submit(first)
     with d._cond:
         d._route_batch()
-    again = SimpleNamespace(request_id="y", prompt_token_ids=system + [7, 8, 9],
-                            params=SimpleNamespace(max_tokens=4))
+    again = Add("y", system + [7, 8, 9], SamplingParams(max_tokens=4), 0.0)
     d.submit(again)
     with d._cond:
         d._route_batch()
@@ -209,19 +206,19 @@ def test_every_request_is_sent_once_dropped_by_its_abort_or_still_queued(ops, po
             d.report(a, b, 0, 1.0, d.views[a].adds_sent)
         elif op == "abort" and a < len(submitted):
             aborted.add(submitted[a])
-            d.abort(submitted[a], ("abort", submitted[a]))
+            d.abort(submitted[a])
         else:
             with d._cond:
                 sent = d._route_batch()
             assert sent > 0 or not d.num_queued or d._queue[0][1].request_id in submitted
-    adds = [x.request_id for _, x in rec.sent if not isinstance(x, tuple)]
+    adds = [x.request_id for _, x in rec.sent if isinstance(x, Add)]
     queued = [x.request_id for x in d.close()]
     assert len(adds) == len(set(adds))  # nobody sent twice
     assert not set(adds) & set(queued)
     for rid in submitted:
         assert rid in adds or rid in queued or rid in aborted
     for core, x in rec.sent:  # an abort goes where its request went, after it
-        if isinstance(x, tuple):
+        if isinstance(x, Abort):
             before = [c for c, y in rec.sent[:rec.sent.index((core, x))]
-                      if getattr(y, "request_id", None) == x[1]]
+                      if isinstance(y, Add) and y.request_id == x.request_id]
             assert before == [core]

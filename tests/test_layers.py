@@ -1,8 +1,8 @@
 """tidal's structure: imports go down the layers, configs are frozen, and every engine
 option has one name.
 
-Layers, lowest first: core < model < engine < cluster < server < cli (tidal/cli.py, and any
-other top-level module such as `python -m tidal.config_docs`). A module imports its own
+Layers, lowest first: core < model < engine < cluster < runtime < server < cli (tidal/cli.py,
+and any other top-level module such as `python -m tidal.config_docs`). A module imports its own
 layer and the ones below it; core imports only core. bench/ and sim/ stand beside the stack:
 they may import core, model, engine (the flag helpers are tidal/engine/flags.py), cluster
 and each other, never server or cli; of the stack, only cli imports them. Every import
@@ -21,11 +21,11 @@ import pytest
 import tidal
 
 ROOT = Path(tidal.__file__).resolve().parent
-RANKS = {"core": 0, "model": 1, "engine": 2, "cluster": 3, "server": 4, "cli": 5}
+RANKS = {"core": 0, "model": 1, "engine": 2, "cluster": 3, "runtime": 4, "server": 5, "cli": 6}
 BESIDE = "beside"
 BESIDE_MAY_IMPORT = {"core", "model", "engine", "cluster", BESIDE}
 PACKAGES = {"core": "core", "model": "model", "engine": "engine", "cluster": "cluster",
-            "server": "server", "bench": BESIDE, "sim": BESIDE}
+            "runtime": "runtime", "server": "server", "bench": BESIDE, "sim": BESIDE}
 
 
 def module_name(path: Path) -> str:
@@ -103,6 +103,7 @@ def test_no_import_goes_up_a_layer():
 def test_the_rules_catch_what_they_should():
     """The checker itself: relative imports resolve, and each kind of wrong import fails."""
     assert not allowed("core", "model") and not allowed("engine", "cluster")
+    assert not allowed("cluster", "runtime") and not allowed("runtime", "server")
     assert not allowed(BESIDE, "server") and not allowed(BESIDE, "cli")
     assert not allowed("server", BESIDE) and allowed("cli", BESIDE)
     assert allowed(BESIDE, "engine") and allowed("server", "cluster")

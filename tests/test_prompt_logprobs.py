@@ -213,7 +213,7 @@ def test_prefill_and_decode_instances_carry_them_across(folder, reference):
 def test_through_the_server_core_client(folder, reference):
     """A real engine-core process: its Outputs carry the prompt logprobs over ZMQ into the
     frontend's StepUpdates."""
-    from tidal.server.client import CoreClient
+    from tidal.runtime.client import CoreClient
 
     config = EngineConfig.from_kwargs(model=str(folder), dtype="float32", block_size=4,
                                       num_kv_blocks=64, chunked_prefill_size=8, num_threads=1)

@@ -21,10 +21,10 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from server_fixtures import module_server
 from tidal.model.chat_template import ChatTemplate
-from tidal.server.chat_output import ChatOutputOptions, ChoiceOutput
-from tidal.server.reasoning import ThinkSplitter
-from tidal.server.tool_parsers import HermesParser, Llama3JsonParser, RequiredCallsParser
-from tidal.server.tools import template_conversation
+from tidal.server.openai.chat_output import ChatOutputOptions, ChoiceOutput
+from tidal.server.openai.reasoning import ThinkSplitter
+from tidal.server.openai.tool_parsers import HermesParser, Llama3JsonParser, RequiredCallsParser
+from tidal.server.openai.tools import template_conversation
 
 # A template in the style of Qwen 2.5's: tools as JSON lines, calls and results as tags.
 TOOL_TEMPLATE = """\

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from tidal.engine.flags import add_engine_flags, engine_kwargs, flag_errors
-from tidal.server.reasoning import PARSERS as REASONING_PARSERS
+from tidal.server.openai.reasoning import PARSERS as REASONING_PARSERS
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -46,9 +46,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tidal.model.registry import resolve_model
     from tidal.model.tokenizer import Tokenizer
     from tidal.server.api import ServerConfig, build_app
-    from tidal.server.client import CoreClient
+    from tidal.runtime.client import CoreClient
     from tidal.server.limits import uvicorn_limits
-    from tidal.server.core_watch import RestartPolicy
+    from tidal.runtime.core_watch import RestartPolicy
 
     with flag_errors("serve"):
         config = EngineConfig.from_kwargs(**engine_kwargs(args))

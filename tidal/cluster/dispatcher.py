@@ -1,12 +1,12 @@
 """The data-parallel dispatcher: one thread gathers incoming requests into batches and routes
-each to an engine core (DESIGN.md, "Data-parallel dispatch").
+each to an engine core (docs/design/data-parallel.md).
 
 A batch closes when `batch_timeout` has passed since its first request, or its prompt tokens
 reach the token budget, or the chosen core's free blocks (prompt plus reserved output) would
 not cover the next request; that request and those behind it stay queued, uncounted, until a
 core reports room. Cores report free blocks and load; the dispatcher subtracts what it sent
 since a core's last report, so a burst between reports does not overfill one core.
-Transport-free: `send(core, item)` delivers (ZMQ to a process or a Ray actor alike).
+Transport-free: `send(core, message)` delivers (ZMQ to a process or a Ray actor alike).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from tidal.cluster.prefix_index import PrefixIndex, block_hashes
 from tidal.cluster.routing import CoreLoad, Router
+from tidal.engine.messages import Abort, Add
 
 
 @dataclass
@@ -47,11 +48,11 @@ class CoreView:
 
 
 class Dispatcher:
-    """Queue, batch and route requests to `num_cores` cores. Items are any objects with
-    `request_id`, `prompt_token_ids` and `params.max_tokens` (the server sends its Add
-    messages). Thread-safe; `close()` ends the gathering thread."""
+    """Queue, batch and route requests (the frontend's Add messages) to `num_cores` cores,
+    sending each with `send(core, message)`. Thread-safe; `close()` ends the gathering
+    thread."""
 
-    def __init__(self, router: Router, send: Callable[[int, Any], None], num_blocks: int,
+    def __init__(self, router: Router, send: Callable[[int, Add | Abort], None], num_blocks: int,
                  block_size: int, max_batch_tokens: int, batch_timeout: float = 0.1) -> None:
         self.router, self.send = router, send
         self.block_size, self.max_batch_tokens = block_size, max_batch_tokens
@@ -62,7 +63,7 @@ class Dispatcher:
         self.core_of: dict[str, int] = {}
         self.batches = 0  # batches sent, for tests and logs
         self.routed = [0] * router.num_cores  # requests sent to each core, restarts included
-        self._queue: deque[tuple[float, Any]] = deque()
+        self._queue: deque[tuple[float, Add]] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tidal-dp-dispatcher",
@@ -71,7 +72,7 @@ class Dispatcher:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> list[Any]:
+    def close(self) -> list[Add]:
         """Stop the gathering thread; returns the requests still queued (never sent)."""
         with self._cond:
             self._closed = True
@@ -84,16 +85,16 @@ class Dispatcher:
         return left
 
     # ------------------------------------------------------------------ from the frontend
-    def submit(self, item: Any) -> None:
+    def submit(self, item: Add) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the dispatcher is shut down")
             self._queue.append((time.monotonic(), item))
             self._cond.notify_all()
 
-    def abort(self, request_id: str, message: Any) -> None:
-        """Drop a queued request, or send `message` (its abort) to the core it went to; under
-        the lock, so an abort never overtakes the request it cancels."""
+    def abort(self, request_id: str) -> None:
+        """Drop a queued request, or send its Abort to the core it went to; under the lock,
+        so an abort never overtakes the request it cancels."""
         with self._cond:
             for entry in self._queue:
                 if entry[1].request_id == request_id:
@@ -101,7 +102,7 @@ class Dispatcher:
                     return
             core = self.core_of.pop(request_id, None)
             if core is not None and self.views[core].alive:
-                self.send(core, message)
+                self.send(core, Abort(request_id))
 
     def done(self, request_id: str) -> None:
         """The request finished: forget where it went."""

@@ -1,5 +1,5 @@
 """Where engine cores run: a spawned local process, or a Ray actor (`--dp-backend ray`). Both
-run the main the caller hands to `start` (the server's `run_core`) and talk ZMQ to the
+run the main the caller hands to `start` (the runtime's `run_core`) and talk ZMQ to the
 frontend, so the dispatcher and the client are one code for either backend; a handle only
 starts, watches and stops its core."""
 
@@ -9,8 +9,8 @@ import multiprocessing
 import os
 from typing import Any, Callable
 
-# The core's main, e.g. tidal.server.core_process.run_core: passed in, so that this layer
-# imports nothing from the server above it. Module-level, so spawn and Ray can pickle it.
+# The core's main, e.g. tidal.runtime.core_process.run_core: passed in, so that this layer
+# imports nothing from the runtime above it. Module-level, so spawn and Ray can pickle it.
 CoreMain = Callable[..., None]
 
 

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 
 from tidal.core.snapshot import dashboard_frame
-from tidal.server import messages as m
+from tidal.engine import messages as m
 
 _STATIC = Path(__file__).parent / "static"
 _QUEUE = 64  # events a slow page may fall behind before it misses some

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
-from tidal.server.protocol import APIError
+from tidal.server.openai.protocol import APIError
 
 
 def error_response(exc: APIError) -> JSONResponse:

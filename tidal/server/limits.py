@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tidal.server.protocol import APIError
+from tidal.server.openai.protocol import APIError
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024  # h11's own default

@@ -28,11 +28,11 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from tidal.cluster.routing import CoreLoad, Router
-from tidal.server.chat import ChatRequest, TokenizeRequest
+from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.dashboard import page_html
 from tidal.server.errors import install_error_handlers
 from tidal.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
-from tidal.server.protocol import (APIError, CompletionRequest, DetokenizeRequest,
+from tidal.server.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
                                    GenerationRequest)
 
 log = logging.getLogger("tidal.router")

@@ -12,9 +12,9 @@ from typing import AsyncGenerator, AsyncIterator
 from fastapi.responses import Response
 
 from tidal.engine.outputs import StepUpdate
-from tidal.server import schemas as s
-from tidal.server.chat_output import ChatOutputOptions, ChoiceOutput
-from tidal.server.protocol import APIError
+from tidal.server.openai import schemas as s
+from tidal.server.openai.chat_output import ChatOutputOptions, ChoiceOutput
+from tidal.server.openai.protocol import APIError
 
 # (choice index, update) until every choice finished; raises APIError when the request fails
 Updates = AsyncGenerator[tuple[int, StepUpdate], None]

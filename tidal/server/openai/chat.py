@@ -10,9 +10,9 @@ from typing import Any, ClassVar, Literal
 from jinja2 import TemplateError
 from pydantic import Field, PrivateAttr, model_validator
 
-from tidal.server.protocol import (APIError, GenerationRequest, StrictModel, encode, refuse)
-from tidal.server.refusals import CHAT_REFUSED, VLLM_REFUSED
-from tidal.server.tools import (Tool, ToolChoice, template_conversation, tool_constraint,
+from tidal.server.openai.protocol import (APIError, GenerationRequest, StrictModel, encode, refuse)
+from tidal.server.openai.refusals import CHAT_REFUSED, VLLM_REFUSED
+from tidal.server.openai.tools import (Tool, ToolChoice, template_conversation, tool_constraint,
                                 tool_dicts)
 
 # Template variables a request's chat_template_kwargs may not set: the server sets them.

@@ -8,7 +8,7 @@ reply that neither opens nor closes a block is all content."""
 
 from __future__ import annotations
 
-from tidal.server.tool_parsers import partial_suffix
+from tidal.server.openai.tool_parsers import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("think", "qwen3", "deepseek_r1")  # the names vLLM users know map to one parser

@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from tidal.core import SamplingParams
-from tidal.server.refusals import COMPLETION_REFUSED, VLLM_REFUSED
-from tidal.server.structured import ConstraintError, structured_spec
+from tidal.server.openai.refusals import COMPLETION_REFUSED, VLLM_REFUSED
+from tidal.server.openai.structured import ConstraintError, structured_spec
 
 
 class APIError(Exception):
@@ -147,7 +147,7 @@ class GenerationRequest(StrictModel):
     kv_transfer_params: dict | None = None  # P/D: {"prefill_address": ...}, set by the router
     ttft_slo_ms: float | None = Field(None, gt=0, le=1e9)  # only with --policy slo
     tpot_slo_ms: float | None = Field(None, gt=0, le=1e9)
-    # Output constraints (server/structured.py): OpenAI's, and vLLM's extensions.
+    # Output constraints (structured.py): OpenAI's, and vLLM's extensions.
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: dict | str | None = None

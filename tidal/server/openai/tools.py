@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tidal.server.protocol import StrictModel, refuse
+from tidal.server.openai.protocol import StrictModel, refuse
 
 
 class FunctionDefinition(StrictModel):

@@ -8,9 +8,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tidal.server.reasoning import ThinkSplitter
-from tidal.server.schemas import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
-from tidal.server.tool_parsers import Event, ToolParser
+from tidal.server.openai.reasoning import ThinkSplitter
+from tidal.server.openai.schemas import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
+from tidal.server.openai.tool_parsers import Event, ToolParser
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from tidal.engine.config import EngineConfig
 from tidal.cluster.kv_transfer import KVLink
 from tidal.engine.core import EngineCore
 from tidal.engine.device import core_device
-from tidal.server import messages as m
+from tidal.engine import messages as m
 
 log = logging.getLogger("tidal.core")
 

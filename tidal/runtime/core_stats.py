@@ -1,0 +1,41 @@
+"""The cores' latest Stats, one slot per core, and their sum as one engine's."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from tidal.core.invariants import SchedulerStats
+from tidal.engine import messages as m
+
+
+class CoreStatsBoard:
+    """Each core's latest report; a dead core's slot is emptied until it reports again."""
+
+    def __init__(self, num_cores: int) -> None:
+        self.latest: list[m.Stats | None] = [None] * num_cores
+
+    def record(self, stats: m.Stats) -> None:
+        self.latest[stats.core] = stats
+
+    def clear(self, core: int) -> None:
+        self.latest[core] = None
+
+    def merged(self, cores: list[int]) -> m.Stats | None:
+        """The stats of `cores` (the serving ones), summed; None until every one reported."""
+        got = [self.latest[i] for i in cores]
+        if not got or any(s is None for s in got):
+            return None
+        return got[0] if len(got) == 1 else merge_stats(got)  # type: ignore[arg-type]
+
+
+def merge_stats(stats: list[m.Stats]) -> m.Stats:
+    """Data-parallel cores' stats as one engine's: counts summed, shares recomputed."""
+    total = {f.name: sum(getattr(s.scheduler, f.name) for s in stats)
+             for f in fields(SchedulerStats)}
+    total["kv_usage"] = total["used_blocks"] / max(1, total["num_blocks"])
+    total["prefix_hit_rate"] = total["prefix_hit_tokens"] / max(1, total["prefix_query_tokens"])
+    total["new_token_ratio"] /= len(stats)
+    total["num_steps"] = max(s.scheduler.num_steps for s in stats)
+    return m.Stats(-1, sum(s.adds_seen for s in stats), SchedulerStats(**total),
+                   sum(s.prompt_tokens for s in stats), sum(s.generation_tokens for s in stats),
+                   sum(s.execute_seconds for s in stats), sum(s.step_seconds for s in stats))

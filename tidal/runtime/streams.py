@@ -1,0 +1,71 @@
+"""Per-request streams: the cores' token outputs, detokenized, onto one asyncio.Queue per
+request (several requests may share one: updates carry their root id), or a Failure."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable
+
+from tidal.core import SamplingParams
+from tidal.engine import messages as m
+from tidal.engine.output_processor import OutputProcessor
+from tidal.engine.outputs import StepUpdate
+from tidal.model.tokenizer import Tokenizer
+
+
+@dataclass
+class Failure:
+    """Put on a request's queue instead of an update when it cannot go on."""
+
+    message: str
+    dead: bool = False  # the engine core died (HTTP 503) rather than refused (400)
+
+
+class RequestStreams:
+    """The open requests' queues and their detokenizing state."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.outputs = OutputProcessor(tokenizer)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.on_update: Callable[[StepUpdate], None] | None = None  # e.g. metrics
+
+    def __len__(self) -> int:
+        return len(self.queues)
+
+    def open(self, request_id: str, params: SamplingParams,
+             queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        queue = queue if queue is not None else asyncio.Queue()
+        self.queues[request_id] = queue
+        self.outputs.track(request_id, params)
+        return queue
+
+    def close(self, request_id: str) -> None:
+        """Forget a request: finished, aborted, or never sent."""
+        self.queues.pop(request_id, None)
+        self.outputs.forget(request_id)
+
+    def ids(self) -> list[str]:
+        return list(self.queues)
+
+    def deliver(self, msg: m.Outputs) -> list[str]:
+        """One step's outputs onto their queues; returns the sequences whose text met a stop
+        string (the core must be told to finish them)."""
+        updates, stopped = self.outputs.process(msg.outputs, msg.logprobs, msg.prompt_logprobs)
+        for u in updates:
+            if self.on_update is not None:
+                self.on_update(u)
+            queue = self.queues.get(u.root_id)
+            if queue is not None:
+                queue.put_nowait(u)
+        return stopped
+
+    def fail(self, request_id: str, message: str, dead: bool) -> None:
+        self.outputs.forget(request_id)
+        queue = self.queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(Failure(message, dead=dead))
+
+    def fail_all(self, message: str, dead: bool) -> None:
+        for rid in list(self.queues):
+            self.fail(rid, message, dead)
