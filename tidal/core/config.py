@@ -6,16 +6,14 @@ built from the same words.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from tidal.core import policies, roles
+from tidal.core.knobs import check_at_least_one, check_choice, check_positive, knob
 
-
-def knob(default: Any, help: str) -> Any:
-    """A config field with a default and its help text."""
-    return field(default=default, metadata={"help": help})
-
+__all__ = ["BATCH_MODES", "PREEMPTION_ORDERS", "SLO_OVERLOAD", "CacheConfig", "SchedulerConfig",
+           "help_table", "knob"]
 
 BATCH_MODES = ("separate", "mixed")
 PREEMPTION_ORDERS = ("shortest_output", "newest")
@@ -100,20 +98,15 @@ class SchedulerConfig:
         "(matching every prefix each step would cost more than it saves).")
 
     def __post_init__(self) -> None:
-        _choice("batch_mode", self.batch_mode, BATCH_MODES)
-        _choice("policy", self.policy, tuple(policies.POLICIES))  # tidal/core/policies
-        _choice("role", self.role, tuple(roles.ROLES))
-        for name in ("chunked_prefill_size", "max_input_tokens_per_step", "max_num_seqs",
-                     "max_model_len", "new_token_ratio_decay_steps", "clip_max_new_tokens",
-                     "lpm_aging_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        _choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
-        _choice("slo_overload", self.slo_overload, SLO_OVERLOAD)
-        for name in ("ttft_slo_ms", "tpot_slo_ms", "slo_max_defer_ms"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        check_choice("batch_mode", self.batch_mode, BATCH_MODES)
+        check_choice("policy", self.policy, tuple(policies.POLICIES))  # tidal/core/policies
+        check_choice("role", self.role, tuple(roles.ROLES))
+        check_at_least_one(self, "chunked_prefill_size", "max_input_tokens_per_step",
+                           "max_num_seqs", "max_model_len", "new_token_ratio_decay_steps",
+                           "clip_max_new_tokens", "lpm_aging_steps")
+        check_choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
+        check_choice("slo_overload", self.slo_overload, SLO_OVERLOAD)
+        check_positive(self, "ttft_slo_ms", "tpot_slo_ms", "slo_max_defer_ms")
         if not 0 <= self.init_new_token_ratio <= 1:
             raise ValueError("init_new_token_ratio must be in [0, 1]")
         if not 0 <= self.min_new_token_ratio_factor <= 1:
@@ -122,11 +115,6 @@ class SchedulerConfig:
             raise ValueError("safety_margin must be in [0, 1)")
         if self.retract_decode_steps < 0:
             raise ValueError("retract_decode_steps must be >= 0")
-
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
 
 
 def help_table(cls: type) -> list[tuple[str, Any, str]]:
