@@ -37,8 +37,11 @@ def bench(url: str, args: argparse.Namespace, rate: float | None) -> dict:
 
 
 def serve(flags: list[str], args: argparse.Namespace) -> Server:
-    return Server("--num-threads", str(args.threads), "--ttft-slo-ms", f"{args.ttft_ms:g}",
-                  "--tpot-slo-ms", f"{args.tpot_ms:g}", *flags)
+    """A server with `flags`; the slo policy's get the targets as its defaults (they are that
+    policy's options: another policy refuses them)."""
+    targets = (["--ttft-slo-ms", f"{args.ttft_ms:g}", "--tpot-slo-ms", f"{args.tpot_ms:g}"]
+               if "slo" in flags else [])
+    return Server("--num-threads", str(args.threads), *targets, *flags)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, step_time=None, cl
                    **kwargs) -> Scheduler:
     kv = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=block_size))
     extra = {"clock": clock} if clock is not None else {}
-    return Scheduler(SchedulerConfig(**kwargs), kv, step_time=step_time, **extra)
+    return Scheduler(SchedulerConfig.from_kwargs(**kwargs), kv, step_time=step_time, **extra)
 
 
 def add(sched: Scheduler, rid: str, prompt, max_tokens: int = 16, **params) -> Request:

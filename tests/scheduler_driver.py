@@ -32,13 +32,16 @@ class SchedulerDriver:
                  policy: str, async_scheduling: bool, chunk: int, max_input: int,
                  max_num_seqs: int, clip: int, margin: float, ttft: float | None = None,
                  tpot: float | None = None, overload: str = "defer") -> None:
-        cfg = SchedulerConfig(
+        options = {  # each policy takes only its own options
+            "longest_prefix_match": dict(lpm_aging_steps=8),
+            "slo": dict(ttft_slo_ms=ttft, tpot_slo_ms=tpot, slo_overload=overload,
+                        slo_max_defer_ms=100 * STEP_SECONDS * 1000)}.get(policy, {})
+        cfg = SchedulerConfig.from_kwargs(
             chunked_prefill_size=max(chunk, block_size),
             max_input_tokens_per_step=max(max_input, block_size),
             batch_mode=batch_mode, policy=policy, role=role, async_scheduling=async_scheduling,
             max_num_seqs=max_num_seqs, clip_max_new_tokens=clip, safety_margin=margin,
-            lpm_aging_steps=8, max_model_len=256, ttft_slo_ms=ttft, tpot_slo_ms=tpot,
-            slo_overload=overload, slo_max_defer_ms=100 * STEP_SECONDS * 1000)
+            max_model_len=256, **options)
         self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)),
                            step_time=LinearSteps(), clock=self.now)
         self.scheduled: set[str] = set()  # every request id a step ever computed for

@@ -164,3 +164,48 @@ def test_engine_flags_are_the_parsers_own():
     assert engine_kwargs(parser.parse_args([])) == {}
     with pytest.raises(KeyError):
         add_engine_flags(argparse.ArgumentParser(), extra=("num_blocks",))
+
+
+def _other_value(name: str, default):
+    """A valid value of option `name` other than its default."""
+    from tidal.engine.config import option_type
+
+    if isinstance(default, str):
+        return {"slo_overload": "reject"}[name]  # a new str option: add a value here
+    return option_type(name)(7 if default is None else default * 2)
+
+
+def test_every_policy_option_is_a_flag_and_an_engine_keyword():
+    """Each field of each policy's Options is an engine option of the same name: a flag
+    carrying its help text (led by its policy's name), a keyword that `EngineConfig.
+    from_kwargs` (what `LLM(**kwargs)` calls) hands to that policy's options, and a row of
+    docs/configuration.md. With another policy, the value is refused naming its policy."""
+    from tidal.config_docs import render
+    from tidal.core.policies import POLICIES
+    from tidal.engine.config import EngineConfig, all_fields
+    from tidal.engine.flags import add_engine_flags, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    helps = {a.dest: a.help for a in parser._actions}
+    rows = {name: (default, text) for name, default, text in all_fields(only=("scheduler",))}
+    doc = render()
+    seen = 0
+    for policy, cls in POLICIES.items():
+        for f in dataclasses.fields(cls.Options):
+            seen += 1
+            flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"]
+            assert text and rows[f.name] == (f.default, f"({policy} policy) {text}")
+            assert helps[f.name] == f"({policy} policy) {text} (default: {f.default})"
+            assert f"| `{f.name}` | `{flag}` |" in doc
+            value = _other_value(f.name, f.default)
+            args = parser.parse_args(["--policy", policy, flag, str(value)])
+            config = EngineConfig.from_kwargs(**engine_kwargs(args))
+            assert type(config.scheduler.policy_options) is cls.Options
+            assert getattr(config.scheduler.policy_options, f.name) == value
+            keyword = EngineConfig.from_kwargs(policy=policy, **{f.name: value})
+            assert keyword == config
+            with pytest.raises(ValueError, match=f"{f.name} is an option of the {policy} "
+                                                 "policy; this scheduler runs 'fcfs'"):
+                EngineConfig.from_kwargs(**{f.name: value})
+    assert seen >= 6  # longest_prefix_match's two and slo's four at least

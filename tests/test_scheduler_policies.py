@@ -1,9 +1,14 @@
 """Waiting-queue policies: fcfs, priority, longest_prefix_match with aging, prefill_first;
-and, under every policy, a request owing prompt logprobs never reads the prefix cache."""
+each policy's own options and capabilities; and, under every policy, a request owing prompt
+logprobs never reads the prefix cache."""
 
+from dataclasses import fields
+
+import pytest
 from hypothesis import given, strategies as st
 
-from tidal.core import Request, SamplingParams
+from tidal.core import Request, SamplingParams, SchedulerConfig
+from tidal.core.policies import POLICIES, LongestPrefixMatch, Policy, SloPolicy
 
 from conftest import add, make_scheduler, scheduled, step
 
@@ -58,6 +63,89 @@ def test_longest_prefix_match_ages_cold_requests_so_they_cannot_starve():
         if "cold" in scheduled(out):
             break
     assert "cold" in scheduled(out) and 5 <= s.step - cold.enqueue_step <= 7
+
+
+def test_longest_prefix_match_keeps_arrival_order_past_lpm_max_queue():
+    """The cached case above, with two waiting requests and lpm_max_queue=1: no sorting."""
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1,
+                       policy="longest_prefix_match", lpm_max_queue=1)
+    _shared(s, "warmup", 8, [9])
+    step(s)
+    add(s, "cold", 9, max_tokens=1)
+    _shared(s, "warm", 8, [5])
+    out, _ = step(s)
+    assert set(scheduled(out)) == {"cold"}
+
+
+def _names(options_cls) -> set[str]:
+    return {f.name for f in fields(options_cls)}
+
+
+def test_policy_knobs_live_in_their_policys_options_only():
+    """SchedulerConfig has no field of any policy's; the chosen policy's options are built
+    into its Options (defaults when unset), from names or given whole."""
+    own = _names(SchedulerConfig)
+    assert _names(LongestPrefixMatch.Options) == {"lpm_aging_steps", "lpm_max_queue"}
+    assert _names(SloPolicy.Options) == {"ttft_slo_ms", "tpot_slo_ms", "slo_overload",
+                                         "slo_max_defer_ms"}
+    for cls in POLICIES.values():
+        assert not own & _names(cls.Options), cls.name
+    assert not [n for n in own if "lpm" in n or "slo" in n]
+    assert SchedulerConfig().policy_options == Policy.Options()
+    assert SchedulerConfig(policy="slo").policy_options == SloPolicy.Options()
+    config = SchedulerConfig.from_kwargs(policy="longest_prefix_match", lpm_max_queue=3,
+                                         max_num_seqs=4)
+    assert config.policy_options == LongestPrefixMatch.Options(lpm_max_queue=3)
+    assert config.max_num_seqs == 4 and config.as_kwargs()["lpm_max_queue"] == 3
+    assert SchedulerConfig.from_kwargs(**config.as_kwargs()) == config
+    given = SloPolicy.Options(ttft_slo_ms=500)
+    assert SchedulerConfig(policy="slo", policy_options=given).policy_options is given
+
+
+def test_a_policy_option_is_refused_with_another_policy_or_a_bad_value():
+    with pytest.raises(ValueError, match="lpm_max_queue is an option of the "
+                                         "longest_prefix_match policy; this scheduler runs "
+                                         "'fcfs'"):
+        SchedulerConfig.from_kwargs(lpm_max_queue=3)
+    with pytest.raises(ValueError, match="ttft_slo_ms is an option of the slo policy; this "
+                                         "scheduler runs 'priority'"):
+        SchedulerConfig(policy="priority", policy_options={"ttft_slo_ms": 100})
+    with pytest.raises(ValueError, match="the slo policy takes SloPolicy.Options"):
+        SchedulerConfig(policy="slo", policy_options=LongestPrefixMatch.Options())
+    with pytest.raises(TypeError, match="unknown scheduler option 'lpm_max'"):
+        SchedulerConfig.from_kwargs(policy="longest_prefix_match", lpm_max=3)
+    with pytest.raises(ValueError, match="lpm_aging_steps must be at least 1, got 0"):
+        SchedulerConfig.from_kwargs(policy="longest_prefix_match", lpm_aging_steps=0)
+    with pytest.raises(ValueError, match="tpot_slo_ms must be > 0, got -5"):
+        SloPolicy.Options(tpot_slo_ms=-5)
+
+
+# policy -> (takes latency targets, may reject with its default options)
+CAPABILITIES = {"fcfs": (False, False), "prefill_first": (False, False),
+                "priority": (False, False), "longest_prefix_match": (False, False),
+                "slo": (True, False)}
+
+
+def test_capabilities_are_declared_for_every_policy():
+    assert set(CAPABILITIES) == set(POLICIES)
+
+
+@pytest.mark.parametrize("policy", sorted(CAPABILITIES))
+def test_each_policy_answers_what_it_can_do(policy):
+    config = SchedulerConfig(policy=policy)
+    cls = config.policy_class
+    assert cls is POLICIES[policy]
+    assert (cls.takes_latency_targets, cls.may_reject(config.policy_options)) == \
+        CAPABILITIES[policy]
+    assert cls.latency_targets(config.policy_options) == (None, None)
+
+
+def test_the_slo_policy_may_reject_only_under_reject_and_reports_its_targets():
+    defer = SloPolicy.Options(ttft_slo_ms=800, tpot_slo_ms=40)
+    reject = SloPolicy.Options(ttft_slo_ms=800, slo_overload="reject")
+    assert not SloPolicy.may_reject(defer) and SloPolicy.may_reject(reject)
+    assert SloPolicy.latency_targets(defer) == (800, 40)
+    assert SloPolicy.latency_targets(reject) == (800, None)
 
 
 def test_prefill_first_holds_decodes_while_a_prefill_is_chunking():

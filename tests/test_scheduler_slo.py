@@ -159,10 +159,12 @@ def test_a_target_no_batch_can_meet_caps_nothing():
 def test_the_slo_policy_needs_a_step_time_model_and_valid_settings():
     with pytest.raises(ValueError, match="needs a step-time model"):
         make_scheduler(policy="slo")
-    with pytest.raises(ValueError, match="slo_overload"):
-        SchedulerConfig(policy="slo", slo_overload="drop")
+    with pytest.raises(ValueError, match="slo_overload must be one of defer, reject"):
+        SchedulerConfig.from_kwargs(policy="slo", slo_overload="drop")
     with pytest.raises(ValueError, match="ttft_slo_ms must be > 0"):
-        SchedulerConfig(ttft_slo_ms=0)
+        SchedulerConfig.from_kwargs(policy="slo", ttft_slo_ms=0)
+    with pytest.raises(ValueError, match="slo_max_defer_ms must be > 0"):
+        SchedulerConfig(policy="slo", policy_options={"slo_max_defer_ms": -1})
     with pytest.raises(ValueError, match="tpot_slo_ms must be > 0"):
         SamplingParams(tpot_slo_ms=-1)
 

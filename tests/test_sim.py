@@ -27,7 +27,8 @@ def overhead_only(step: float = 1e-3) -> Hardware:
 
 def sim(hw: Hardware, spec: ClusterSpec | None = None, num_blocks: int = 1000,
         **sched) -> Simulator:
-    return Simulator(spec or ClusterSpec(), SchedulerConfig(max_model_len=8192, **sched),
+    return Simulator(spec or ClusterSpec(),
+                     SchedulerConfig.from_kwargs(max_model_len=8192, **sched),
                      CacheConfig(num_blocks=num_blocks, block_size=16), CostModel(ARCH, hw))
 
 

@@ -1,5 +1,6 @@
 """docs/configuration.md, generated from the config dataclasses: one table per part of the
-engine's config tree, one row per option (its name, CLI flag, default and help text).
+engine's config tree, one row per option (its name, CLI flag, default and help text); the
+scheduling policies' options in a table per policy, under the scheduler's.
 
     python -m tidal.config_docs     # or `make docs`: rewrites docs/configuration.md
 
@@ -12,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from tidal.core.policies import POLICIES, option_fields
 from tidal.engine.config import EngineConfig, all_fields
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
@@ -57,11 +59,37 @@ def _summary(cls: type) -> str:
     return " ".join(doc.split("\n\n")[0].split())
 
 
+def _table(rows: list[tuple[str, Any, str]]) -> list[str]:
+    lines = ["| option | flag | default | meaning |", "| --- | --- | --- | --- |"]
+    for name, default, help_text in rows:
+        flag = "--" + name.replace("_", "-")
+        lines.append(f"| `{name}` | `{flag}` | {_default(default)} | {_cell(help_text)} |")
+    return lines
+
+
+def _policy_sections() -> list[str]:
+    """One table per policy with options: they are set like the scheduler's own, and only
+    with that policy (`--policy NAME`)."""
+    lines = []
+    for name, cls in POLICIES.items():
+        rows = [(f.name, f.default, f.metadata.get("help", ""))
+                for f in dataclasses.fields(cls.Options)]
+        if not rows:
+            continue
+        lines += ["", f"### Options of the `{name}` policy (`{cls.__name__}.Options`)", ""]
+        summary = _summary(cls.Options)
+        if summary:
+            lines += [summary + f" Only with `--policy {name}`.", ""]
+        lines += _table(rows)
+    return lines
+
+
 def render() -> str:
     """The whole of docs/configuration.md."""
     parts = [HEADER]
+    owned = option_fields()  # listed under their policies, not in the scheduler's table
     for part in dataclasses.fields(EngineConfig):
-        rows = all_fields(only=(part.name,))
+        rows = [row for row in all_fields(only=(part.name,)) if row[0] not in owned]
         if not rows:
             continue
         cls = part.default_factory  # type: ignore[misc]
@@ -69,10 +97,9 @@ def render() -> str:
         summary = _summary(cls)
         if summary:
             lines += [summary, ""]
-        lines += ["| option | flag | default | meaning |", "| --- | --- | --- | --- |"]
-        for name, default, help_text in rows:
-            flag = "--" + name.replace("_", "-")
-            lines.append(f"| `{name}` | `{flag}` | {_default(default)} | {_cell(help_text)} |")
+        lines += _table(rows)
+        if part.name == "scheduler":
+            lines += _policy_sections()
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
 

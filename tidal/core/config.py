@@ -1,25 +1,23 @@
 """Configuration of the KV cache and the scheduler: every knob, its default and why.
 
 Each field carries its help text in `metadata["help"]`, so the CLI and the README table are
-built from the same words.
+built from the same words. A policy's own options are declared by the policy
+(tidal/core/policies) and held in `SchedulerConfig.policy_options`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Mapping
 
 from tidal.core import policies, roles
+from tidal.core.knobs import check_at_least_one, check_choice, knob
 
-
-def knob(default: Any, help: str) -> Any:
-    """A config field with a default and its help text."""
-    return field(default=default, metadata={"help": help})
-
+__all__ = ["BATCH_MODES", "PREEMPTION_ORDERS", "CacheConfig", "SchedulerConfig", "help_table",
+           "knob"]
 
 BATCH_MODES = ("separate", "mixed")
 PREEMPTION_ORDERS = ("shortest_output", "newest")
-SLO_OVERLOAD = ("defer", "reject")
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """What the scheduler admits, chunks, reserves and preempts; defaults are the seeds'."""
+    """What the scheduler admits, chunks, reserves and preempts; defaults are the seeds'.
+
+    The chosen policy's own options are `policy_options`, that policy's `Options` dataclass;
+    `from_kwargs` takes them by name, as the engine's flags and `LLM` keywords give them."""
 
     chunked_prefill_size: int = knob(
         8192, "Largest prefill chunk of the one chunked request in a step (rem_chunk_tokens).")
@@ -79,41 +80,19 @@ class SchedulerConfig:
     async_scheduling: bool = knob(
         False, "The executor runs one step ahead: preempted requests wait for its "
         "preempted_ack before they rejoin the waiting queue.")
-    lpm_aging_steps: int = knob(
-        64, "longest_prefix_match: a request waiting this many steps goes first regardless "
-        "of its cache hit, so cold requests cannot starve.")
-    ttft_slo_ms: float | None = knob(
-        None, "slo policy: the time-to-first-token target (ms, from arrival) of requests "
-        "that set none; None: no TTFT target.")
-    tpot_slo_ms: float | None = knob(
-        None, "slo policy: the time-per-output-token target (ms) of requests that set none; "
-        "None: no TPOT target.")
-    slo_overload: str = knob(
-        "defer", "slo policy, for a waiting request predicted to miss its TTFT target: "
-        "'defer' (behind every request that can still meet its own) or 'reject' (finish it "
-        "before any compute: the server answers 503).")
-    slo_max_defer_ms: float = knob(
-        30000.0, "slo policy: a request waiting this long (ms, from arrival) goes ahead of "
-        "every request that has not, so a deferred one is served within a bounded time.")
-    lpm_max_queue: int = knob(
-        128, "longest_prefix_match: with more waiting requests than this, fall back to fcfs "
-        "(matching every prefix each step would cost more than it saves).")
+    policy_options: policies.Policy.Options | Mapping[str, Any] | None = field(
+        default=None, metadata={"help": "The chosen policy's options: its `Options` "
+                                "dataclass, or their values by name (unset: the defaults). "
+                                "Always the dataclass once built."})
 
     def __post_init__(self) -> None:
-        _choice("batch_mode", self.batch_mode, BATCH_MODES)
-        _choice("policy", self.policy, tuple(policies.POLICIES))  # tidal/core/policies
-        _choice("role", self.role, tuple(roles.ROLES))
-        for name in ("chunked_prefill_size", "max_input_tokens_per_step", "max_num_seqs",
-                     "max_model_len", "new_token_ratio_decay_steps", "clip_max_new_tokens",
-                     "lpm_aging_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        _choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
-        _choice("slo_overload", self.slo_overload, SLO_OVERLOAD)
-        for name in ("ttft_slo_ms", "tpot_slo_ms", "slo_max_defer_ms"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        check_choice("batch_mode", self.batch_mode, BATCH_MODES)
+        check_choice("policy", self.policy, tuple(policies.POLICIES))  # tidal/core/policies
+        check_choice("role", self.role, tuple(roles.ROLES))
+        check_at_least_one(self, "chunked_prefill_size", "max_input_tokens_per_step",
+                           "max_num_seqs", "max_model_len", "new_token_ratio_decay_steps",
+                           "clip_max_new_tokens")
+        check_choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
         if not 0 <= self.init_new_token_ratio <= 1:
             raise ValueError("init_new_token_ratio must be in [0, 1]")
         if not 0 <= self.min_new_token_ratio_factor <= 1:
@@ -122,11 +101,35 @@ class SchedulerConfig:
             raise ValueError("safety_margin must be in [0, 1)")
         if self.retract_decode_steps < 0:
             raise ValueError("retract_decode_steps must be >= 0")
+        options = self.policy_options
+        if options is None or isinstance(options, Mapping):
+            options = policies.make_options(self.policy, options or {})
+        elif type(options) is not self.policy_class.Options:
+            raise ValueError(f"policy_options is a {type(options).__qualname__}; the "
+                             f"{self.policy} policy takes {self.policy_class.Options.__qualname__}")
+        object.__setattr__(self, "policy_options", options)  # frozen: set once, built
 
+    @property
+    def policy_class(self) -> type[policies.Policy]:
+        """The chosen policy's class: what the layers above ask about its capabilities."""
+        return policies.POLICIES[self.policy]
 
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "SchedulerConfig":
+        """The config from flat options: its own fields and the chosen policy's options, all
+        by name (an option of another policy is a ValueError naming that policy)."""
+        own = {f.name for f in fields(cls)}
+        given = {k: v for k, v in kwargs.items() if k not in own}
+        if given and "policy_options" in kwargs:
+            raise TypeError("give the policy's options by name or as policy_options, not both")
+        mine = {k: v for k, v in kwargs.items() if k in own}
+        return cls(**mine, **({"policy_options": given} if given else {}))
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The config as flat options, what `from_kwargs` takes back."""
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "policy_options"}
+        opts = self.policy_options
+        return {**flat, **{f.name: getattr(opts, f.name) for f in fields(opts)}}
 
 
 def help_table(cls: type) -> list[tuple[str, Any, str]]:

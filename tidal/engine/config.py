@@ -1,7 +1,8 @@
 """The engine's config tree: what model runs where, its KV memory, and the core's configs.
 
 Every field is a documented dataclass field; `LLM(model, **kwargs)` and the CLI set any of
-them by name. The configs are frozen: code that needs another value derives a new config
+them by name, and every scheduling policy's options too (the scheduler's part holds the chosen
+policy's). The configs are frozen: code that needs another value derives a new config
 with `dataclasses.replace`.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tidal.core.config import CacheConfig, SchedulerConfig, knob
+from tidal.core.policies import POLICIES, option_fields
 
 # How the data-parallel dispatcher (and the simulator's router) picks an engine core; the
 # policies themselves are in tidal/cluster/routing.py.
@@ -150,12 +152,15 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Route flat keyword arguments to the dataclass that owns each field. The KV pool's
         size is `num_kv_blocks` (it becomes the cache's `num_blocks`); `num_blocks` is not
-        an engine option."""
+        an engine option. The policies' options go to the scheduler, which takes those of
+        its policy and refuses another's."""
         parts: dict[str, dict[str, Any]] = {f.name: {} for f in fields(cls)}
         owners = {}
         for part in fields(cls):
             for f in fields(part.default_factory()):  # type: ignore[misc]
                 owners.setdefault(f.name, part.name)
+        owners.pop("policy_options")  # set by the options' own names
+        owners.update(dict.fromkeys(option_fields(), "scheduler"))
         for key, value in kwargs.items():
             if key == "num_blocks":
                 raise TypeError("num_blocks is not an engine option: the KV pool's size is "
@@ -168,30 +173,35 @@ class EngineConfig:
         if model.num_kv_blocks is not None:
             cache_kwargs["num_blocks"] = model.num_kv_blocks
         return cls(model=model, cache=CacheConfig(**cache_kwargs),
-                   scheduler=SchedulerConfig(**parts["scheduler"]),
+                   scheduler=SchedulerConfig.from_kwargs(**parts["scheduler"]),
                    parallel=ParallelConfig(**parts["parallel"]))
 
 
 def all_fields(only: tuple[str, ...] | None = None) -> list[tuple[str, Any, str]]:
     """(name, default, help) of every flat option (of the parts named in `only`), for the
     CLI (tidal/engine/flags.py) and docs/configuration.md. The cache's num_blocks is not
-    one: the engine sets it from num_kv_blocks."""
+    one: the engine sets it from num_kv_blocks. The scheduler's are its own fields, then
+    every policy's options, their help led by the policy's name in parentheses."""
     out = []
     for part in fields(EngineConfig):
         if only is not None and part.name not in only:
             continue
         for f in fields(part.default_factory()):  # type: ignore[misc]
-            if part.name == "cache" and f.name == "num_blocks":
-                continue  # the engine's option is num_kv_blocks
+            if (part.name, f.name) in (("cache", "num_blocks"), ("scheduler", "policy_options")):
+                continue  # num_kv_blocks sets the one; the other is set option by option
             out.append((f.name, f.default, f.metadata.get("help", "")))
+        if part.name == "scheduler":
+            out += [(name, f.default, f"({policy} policy) {f.metadata.get('help', '')}")
+                    for name, (policy, f) in option_fields().items()]
     return out
 
 
 def option_type(name: str) -> type:
     """The type an option's value takes: its annotation, without `| None` (int for an
     `int | None` field), so the CLI can parse flags whose default is None."""
-    for part in fields(EngineConfig):
-        hints = typing.get_type_hints(part.default_factory)  # type: ignore[arg-type]
+    holders = [part.default_factory for part in fields(EngineConfig)]
+    for holder in holders + [cls.Options for cls in POLICIES.values()]:
+        hints = typing.get_type_hints(holder)  # type: ignore[arg-type]
         if name in hints:
             kinds = [t for t in typing.get_args(hints[name]) if t is not type(None)]
             return kinds[0] if kinds else hints[name]

@@ -113,8 +113,8 @@ class Frontend:
         if not body.stream:
             return await _unless_client_leaves(request, response.body(updates))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        if self.client.config.scheduler.slo_overload == "reject" and \
-                self.client.config.scheduler.policy == "slo":
+        sched = self.client.config.scheduler
+        if sched.policy_class.may_reject(sched.policy_options):
             # A rejection comes before the first token: hold the headers until then, so that
             # it is a plain 503 rather than an error event inside a 200 stream.
             updates = await _unless_client_leaves(request, _after_first(updates))
@@ -145,7 +145,8 @@ class Frontend:
                                                client.ready.max_model_len, default_max,
                                                client.ready.vocab_size))
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
-            if getattr(body, name) is not None and client.config.scheduler.policy != "slo":
+            if getattr(body, name) is not None and \
+                    not client.config.scheduler.policy_class.takes_latency_targets:
                 raise APIError(f"{name} needs a server started with --policy slo (this one "
                                f"schedules by {client.config.scheduler.policy!r})", param=name)
         constraint = body.output_constraint()

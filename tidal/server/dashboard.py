@@ -58,7 +58,8 @@ class DashboardHub:
         self.pages: set[asyncio.Queue] = set()
         self.latency_sent = 0.0  # finish time of the last latency sample sent
         sched = client.config.scheduler
-        self.slo = {"ttft_ms": sched.ttft_slo_ms, "tpot_ms": sched.tpot_slo_ms}
+        ttft, tpot = sched.policy_class.latency_targets(sched.policy_options)
+        self.slo = {"ttft_ms": ttft, "tpot_ms": tpot}
         client.on_stats = self.on_stats
 
     def _tell_cores(self) -> None:

@@ -142,8 +142,9 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     recorder = None
     if args.dashboard:
         sched = config.scheduler
+        ttft, tpot = sched.policy_class.latency_targets(sched.policy_options)
         recorder = DashboardRecorder(args.dashboard_interval, args.model_config,
-                                     {"ttft_ms": sched.ttft_slo_ms, "tpot_ms": sched.tpot_slo_ms})
+                                     {"ttft_ms": ttft, "tpot_ms": tpot})
         sim.record_dashboard(recorder)
     t0 = time.perf_counter()
     run = sim.run(requests, times, args.max_concurrency)
@@ -153,7 +154,7 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     result["simulation"] = {
         "hardware": asdict(hw), "pd": args.pd, "prefill_path": args.prefill_path,
         "data_parallel_size": config.parallel.data_parallel_size, "routing": args.routing,
-        "num_kv_blocks": config.cache.num_blocks, "scheduler": asdict(config.scheduler),
+        "num_kv_blocks": config.cache.num_blocks, "scheduler": config.scheduler.as_kwargs(),
         "length_scale": spec.length_scale, "steps": run.steps,
         "busy_seconds": run.busy_seconds,
         "preemptions": run.preemptions, "wall_seconds": wall,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 from tidal.core.request import Request
 
@@ -18,13 +19,37 @@ class Policy:
     A policy answers two questions per step: `order` (which waiting request is offered
     admission first) and `compose` (what the step holds, by calling the scheduler's
     `schedule_decodes` and `schedule_prefills` in the order and under the conditions it
-    chooses)."""
+    chooses).
 
-    name = "fcfs"
-    needs_step_time = False  # whether the scheduler must be given a StepTimeModel
+    A policy declares its own options (`Options`, a frozen dataclass of `knob` fields: each
+    one an engine option, flag and `LLM` keyword of the same name) and what it can do, for
+    the layers above the core to ask rather than compare policy names:
+    `takes_latency_targets`, `may_reject` and `latency_targets`."""
+
+    @dataclass(frozen=True)
+    class Options:
+        """A policy's options; the base policy has none."""
+
+    name: ClassVar[str] = "fcfs"
+    needs_step_time: ClassVar[bool] = False  # whether the scheduler must get a StepTimeModel
+    # Whether requests' own ttft_slo_ms / tpot_slo_ms mean anything to it (else a 400).
+    takes_latency_targets: ClassVar[bool] = False
 
     def __init__(self, config: "SchedulerConfig") -> None:
         self.batch_mode = config.batch_mode
+        self.options = config.policy_options
+
+    @classmethod
+    def may_reject(cls, options: "Policy.Options") -> bool:
+        """Whether, with these options, it may finish a waiting request before any compute
+        (finish_reason "rejected"): a server then holds a stream's headers until its first
+        token, so that a rejection is a plain 503."""
+        return False
+
+    @classmethod
+    def latency_targets(cls, options: "Policy.Options") -> tuple[float | None, float | None]:
+        """(TTFT ms, TPOT ms) that requests setting none are held to; None: no target."""
+        return None, None
 
     def order(self, waiting: Sequence[Request], step: int,
               prefix_tokens: Callable[[Request], int]) -> Sequence[Request]:

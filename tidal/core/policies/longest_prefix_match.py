@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from tidal.core.knobs import check_at_least_one, knob
 from tidal.core.policies.base import Policy
 from tidal.core.request import Request
 
@@ -12,12 +15,26 @@ class LongestPrefixMatch(Policy):
     `lpm_max_queue` waiting requests the queue keeps its own order (matching every prefix
     each step would cost more than it saves)."""
 
+    @dataclass(frozen=True)
+    class Options(Policy.Options):
+        """How long a cache-cold request may wait, and the queue length the policy sorts."""
+
+        lpm_aging_steps: int = knob(
+            64, "A request waiting this many steps goes first regardless of its cache hit, "
+            "so cold requests cannot starve.")
+        lpm_max_queue: int = knob(
+            128, "With more waiting requests than this, fall back to fcfs (matching every "
+            "prefix each step would cost more than it saves).")
+
+        def __post_init__(self) -> None:
+            check_at_least_one(self, "lpm_aging_steps")
+
     name = "longest_prefix_match"
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self.aging_steps = config.lpm_aging_steps
-        self.max_queue = config.lpm_max_queue
+        self.aging_steps = self.options.lpm_aging_steps
+        self.max_queue = self.options.lpm_max_queue
 
     def order(self, waiting, step, prefix_tokens):
         if len(waiting) > self.max_queue:

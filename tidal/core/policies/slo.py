@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tidal.core.knobs import check_choice, check_positive, knob
 from tidal.core.policies.base import Policy
 from tidal.core.request import Request
 from tidal.core.step_time import StepShape
@@ -13,6 +15,8 @@ from tidal.core.step_time import StepShape
 if TYPE_CHECKING:
     from tidal.core.budget import StepPlan
     from tidal.core.scheduler import Scheduler
+
+SLO_OVERLOAD = ("defer", "reject")
 
 
 class SloPolicy(Policy):
@@ -33,13 +37,44 @@ class SloPolicy(Policy):
     - the step itself, composed as `fcfs` does (decodes first, then prefills in that order).
     """
 
+    @dataclass(frozen=True)
+    class Options(Policy.Options):
+        """The latency targets of requests that set none, and what happens to a request
+        predicted to miss its TTFT target."""
+
+        ttft_slo_ms: float | None = knob(
+            None, "The time-to-first-token target (ms, from arrival) of requests that set "
+            "none; None: no TTFT target.")
+        tpot_slo_ms: float | None = knob(
+            None, "The time-per-output-token target (ms) of requests that set none; None: no "
+            "TPOT target.")
+        slo_overload: str = knob(
+            "defer", "For a waiting request predicted to miss its TTFT target: 'defer' "
+            "(behind every request that can still meet its own) or 'reject' (finish it "
+            "before any compute: the server answers 503).")
+        slo_max_defer_ms: float = knob(
+            30000.0, "A request waiting this long (ms, from arrival) goes ahead of every "
+            "request that has not, so a deferred one is served within a bounded time.")
+
+        def __post_init__(self) -> None:
+            check_choice("slo_overload", self.slo_overload, SLO_OVERLOAD)
+            check_positive(self, "ttft_slo_ms", "tpot_slo_ms", "slo_max_defer_ms")
+
     name = "slo"
     needs_step_time = True
+    takes_latency_targets = True
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self.config = config
         self._order: list[Request] = []
+
+    @classmethod
+    def may_reject(cls, options: "SloPolicy.Options") -> bool:
+        return options.slo_overload == "reject"
+
+    @classmethod
+    def latency_targets(cls, options: "SloPolicy.Options") -> tuple[float | None, float | None]:
+        return options.ttft_slo_ms, options.tpot_slo_ms
 
     def order(self, waiting, step, prefix_tokens):
         return self._order  # triage() ran on this very queue at the start of the step
@@ -56,14 +91,14 @@ class SloPolicy(Policy):
 
     # ------------------------------------------------------------------ targets
     def ttft_ms(self, r: Request) -> float | None:
-        return r.sampling_params.ttft_slo_ms or self.config.ttft_slo_ms
+        return r.sampling_params.ttft_slo_ms or self.options.ttft_slo_ms
 
     def deadline(self, r: Request) -> float | None:
         ms = self.ttft_ms(r)
         return None if ms is None else r.arrival_time + ms / 1000
 
     def tpot(self, r: Request) -> float | None:
-        ms = r.sampling_params.tpot_slo_ms or self.config.tpot_slo_ms
+        ms = r.sampling_params.tpot_slo_ms or self.options.tpot_slo_ms
         return None if ms is None else ms / 1000
 
     # ------------------------------------------------------------------ step sizing
@@ -131,7 +166,7 @@ class SloPolicy(Policy):
     # ------------------------------------------------------------------ admission order
     def triage(self, sched: "Scheduler", rate: float) -> list[Request]:
         """The waiting queue in admission order; rejects the late ones under 'reject'."""
-        now, max_defer = sched.clock(), self.config.slo_max_defer_ms / 1000
+        now, max_defer = sched.clock(), self.options.slo_max_defer_ms / 1000
         resumed, aged, untimed, timed = [], [], [], []
         for r in sched.waiting:
             if r.admitted or r.output_token_ids:  # retracted (or a forked sibling): resume
@@ -147,7 +182,7 @@ class SloPolicy(Policy):
         late = _moore_hodgson(timed, now + sched.prefill_backlog(resumed + aged) / rate, rate)
         on_time = [r for i, (_, r) in enumerate(timed) if i not in late]
         behind = [r for i, (_, r) in enumerate(timed) if i in late]
-        if behind and self.config.slo_overload == "reject":
+        if behind and self.may_reject(self.options):
             for r in behind:
                 sched.reject(r, f"the server is overloaded: this request would miss its "
                                 f"time-to-first-token target of {self.ttft_ms(r):g} ms; "
