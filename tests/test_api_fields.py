@@ -406,11 +406,12 @@ def test_the_router_refuses_bodies_and_headers_over_its_limits():
     before anything is forwarded (the instances are mocked)."""
     from fastapi.testclient import TestClient
 
+    from tidal.server.config import HttpConfig
     from tidal.server.pd_router import build_router_app
 
     forwarded = []
     router = mocked_router(lambda r: forwarded.append(r.url.path) or httpx.Response(200, json={}))
-    app = build_router_app(router, max_body_bytes=200, max_header_bytes=1024)
+    app = build_router_app(router, HttpConfig(max_body_bytes=200, max_header_bytes=1024))
     with TestClient(app) as http:
         big = http.post("/v1/completions", json={"prompt": "x" * 300, "max_tokens": 2})
         headers = http.post("/v1/completions", json={"prompt": "hi"},

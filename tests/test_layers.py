@@ -125,8 +125,10 @@ def config_classes():
     from tidal.core.config import CacheConfig, SchedulerConfig
     from tidal.engine.config import EngineConfig, ModelConfig, ParallelConfig
     from tidal.model.config import ModelArch
+    from tidal.server.config import HttpConfig, ServerConfig
 
-    return [CacheConfig, SchedulerConfig, ModelConfig, ParallelConfig, EngineConfig, ModelArch]
+    return [CacheConfig, SchedulerConfig, ModelConfig, ParallelConfig, EngineConfig, ModelArch,
+            HttpConfig, ServerConfig]
 
 
 @pytest.mark.parametrize("cls", config_classes(), ids=lambda c: c.__name__)
@@ -209,3 +211,40 @@ def test_every_policy_option_is_a_flag_and_an_engine_keyword():
                                                  "policy; this scheduler runs 'fcfs'"):
                 EngineConfig.from_kwargs(**{f.name: value})
     assert seen >= 6  # longest_prefix_match's two and slo's four at least
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    from tidal.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_server_options_are_one_mechanism_with_the_engines():
+    """Every ServerConfig field is a `tidal serve` flag carrying its help text and default,
+    read back by the same helper; no server option shares a name with an engine option; the
+    router takes exactly the HttpConfig part; a bad value is the config's own error."""
+    from tidal.engine.config import all_fields
+    from tidal.engine.flags import config_from_args
+    from tidal.server.config import HttpConfig, ServerConfig
+
+    serve, router = _subparser("serve"), _subparser("router")
+    helps = {a.dest: a.help for a in serve._actions}
+    server_fields = dataclasses.fields(ServerConfig)
+    for f in server_fields:
+        assert helps[f.name] == f"{f.metadata['help']} (default: {f.default})", f.name
+    assert not {f.name for f in server_fields} & {name for name, _, _ in all_fields()}
+    args = serve.parse_args(["--port", "9001", "--max-n", "4", "--max-total-tokens", "64",
+                             "--reasoning-parser", "think", "--dtype", "float32"])
+    config = config_from_args(ServerConfig, args)
+    assert config == ServerConfig(port=9001, max_n=4, max_total_tokens=64,
+                                  reasoning_parser="think")
+    assert config_from_args(HttpConfig, args) == HttpConfig(port=9001)
+    router_flags = {a.dest for a in router._actions} - {"help", "prefill", "decode", "func"}
+    assert router_flags == {f.name for f in dataclasses.fields(HttpConfig)}
+    for bad, match in ((["--tool-call-parser", "xml"], "tool_call_parser must be one of"),
+                       (["--pd", "2P0D"], "pd expects xPyD"),
+                       (["--restart-core", "-1"], "restart-core"),
+                       (["--max-n", "0"], "max_n must be at least 1")):
+        with pytest.raises(ValueError, match=match):
+            config_from_args(ServerConfig, serve.parse_args(bad))

@@ -8,10 +8,12 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from tidal.engine.flags import add_engine_flags, engine_kwargs, flag_errors
-from tidal.server.openai.reasoning import PARSERS as REASONING_PARSERS
+from tidal.engine.flags import (add_config_flags, add_engine_flags, config_from_args,
+                               engine_kwargs, flag_errors)
+from tidal.server.config import HttpConfig, ServerConfig
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -39,16 +41,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    if args.pd:
-        return _serve_pd(args)
+    from tidal.server.config import ServerConfig
+
+    with flag_errors("serve"):
+        server = config_from_args(ServerConfig, args)
+    if server.pd is not None:
+        return _serve_pd(args, server)
     from tidal.core.roles import ROLES
     from tidal.engine.config import EngineConfig
     from tidal.model.registry import resolve_model
     from tidal.model.tokenizer import Tokenizer
-    from tidal.server.api import ServerConfig, build_app
     from tidal.runtime.client import CoreClient
+    from tidal.server.api import build_app
     from tidal.server.limits import uvicorn_limits
-    from tidal.runtime.core_watch import RestartPolicy
 
     with flag_errors("serve"):
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
@@ -57,42 +62,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          "instances behind `tidal router` instead of --data-parallel-size")
     with flag_errors("serve"):
         folder, name = resolve_model(config.model.model)  # converts once, before the core starts
-    with flag_errors("serve"):
-        restart = RestartPolicy(args.restart_core, args.restart_backoff)
-    client = CoreClient(config, str(folder), Tokenizer(folder), restart)
-    server = ServerConfig(model_name=args.served_model_name or name, api_key=args.api_key,
-                          max_pending=args.max_pending, max_n=args.max_n,
-                          drain_timeout=args.drain_timeout, max_body_bytes=args.max_body_bytes,
-                          max_total_tokens=args.max_total_tokens,
-                          max_stop_strings=args.max_stop_strings,
-                          max_stop_length=args.max_stop_length,
-                          max_header_bytes=args.max_header_bytes, idle_timeout=args.idle_timeout,
-                          tool_call_parser=args.tool_call_parser,
-                          reasoning_parser=args.reasoning_parser)
-    uvicorn.run(build_app(client, server), host=args.host, port=args.port,
-                log_level="info", timeout_graceful_shutdown=int(args.drain_timeout),
-                **uvicorn_limits(server.max_header_bytes, server.idle_timeout))
+    if server.served_model_name is None:
+        server = replace(server, served_model_name=name)
+    client = CoreClient(config, str(folder), Tokenizer(folder), server.restart_policy())
+    uvicorn.run(build_app(client, server), host=server.host, port=server.port,
+                log_level="info", timeout_graceful_shutdown=int(server.drain_timeout),
+                **uvicorn_limits(server))
 
 
-def _serve_pd(args: argparse.Namespace) -> None:
+def _serve_pd(args: argparse.Namespace, server) -> None:
     """`--pd xPyD`: x prefill and y decode instances as child processes on free loopback
     ports, and the router on --port in this one."""
-    import re
     import subprocess
 
     import uvicorn
 
+    from tidal.model.registry import resolve_model
     from tidal.server.limits import uvicorn_limits
     from tidal.server.pd_router import PDRouter, build_router_app
-    from tidal.model.registry import resolve_model
 
-    match = re.fullmatch(r"(\d+)P(\d+)D", args.pd)
-    if not match or min(int(match[1]), int(match[2])) < 1:
-        raise SystemExit(f"--pd expects xPyD with x, y >= 1 (e.g. 1P1D); got {args.pd!r}")
     resolve_model(engine_kwargs(args).get("model", "smollm2-135m"))  # convert once, up front
     passed = _strip_flags(args.argv, ("--pd", "--port", "--host", "--role"))
     children, urls = [], {"prefill": [], "decode": []}
-    for role, count in (("prefill", int(match[1])), ("decode", int(match[2]))):
+    for role, count in zip(("prefill", "decode"), server.pd_counts):
         for _ in range(count):
             port = _free_port()
             children.append(subprocess.Popen([sys.executable, "-m", "tidal.cli", *passed,
@@ -104,15 +96,13 @@ def _serve_pd(args: argparse.Namespace) -> None:
             child.terminate()
         for child in children:
             try:
-                child.wait(timeout=args.drain_timeout + 15)
+                child.wait(timeout=server.drain_timeout + 15)
             except subprocess.TimeoutExpired:
                 child.kill()
     router = PDRouter(urls["prefill"], urls["decode"])
     try:
-        uvicorn.run(build_router_app(router, stop_children, args.api_key, args.max_body_bytes,
-                                     args.max_header_bytes),
-                    host=args.host, port=args.port, log_level="info",
-                    **uvicorn_limits(args.max_header_bytes, args.idle_timeout))
+        uvicorn.run(build_router_app(router, server, stop_children), host=server.host,
+                    port=server.port, log_level="info", **uvicorn_limits(server))
     finally:
         stop_children()
 
@@ -141,25 +131,14 @@ def _free_port() -> int:
 def cmd_router(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from tidal.server.config import HttpConfig
     from tidal.server.limits import uvicorn_limits
     from tidal.server.pd_router import PDRouter, build_router_app
 
-    router = PDRouter(args.prefill, args.decode)
-    app = build_router_app(router, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                           max_header_bytes=args.max_header_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                **uvicorn_limits(args.max_header_bytes, args.idle_timeout))
-
-
-def _add_connection_limits(parser: argparse.ArgumentParser) -> None:
-    """The limits every tidal HTTP front enforces (`tidal serve` and `tidal router`)."""
-    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
-                        help="largest request body; larger ones get HTTP 413")
-    parser.add_argument("--max-header-bytes", type=int, default=16 * 1024,
-                        help="largest request line plus headers; larger ones get HTTP 431")
-    parser.add_argument("--idle-timeout", type=float, default=5.0,
-                        help="seconds a connection may sit idle, before its first request or "
-                             "between requests, before the server closes it")
+    with flag_errors("router"):
+        http = config_from_args(HttpConfig, args)
+    app = build_router_app(PDRouter(args.prefill, args.decode), http)
+    uvicorn.run(app, host=http.host, port=http.port, log_level="info", **uvicorn_limits(http))
 
 
 def cmd_simulate(args: argparse.Namespace) -> dict:
@@ -185,6 +164,14 @@ def main(argv: list[str] | None = None) -> None:
 def run(argv: list[str] | None = None):
     """Parse `argv` and run the command; returns what the command returns (a benchmark's or
     a simulation's result dict)."""
+    args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `tidal` command's parser, every subcommand with its flags."""
     parser = argparse.ArgumentParser(prog="tidal", description="tidal: an LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for prompts offline, batched")
@@ -199,40 +186,7 @@ def run(argv: list[str] | None = None):
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients send (default: the model's own)")
-    srv.add_argument("--max-pending", type=int, default=512,
-                     help="requests in flight before new ones get HTTP 429")
-    srv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
-    srv.add_argument("--drain-timeout", type=float, default=30.0,
-                     help="seconds SIGTERM lets running requests finish")
-    srv.add_argument("--max-total-tokens", type=int, default=None,
-                     help="most output tokens one prompt may ask for, n x max_tokens "
-                          "(default: no cap beyond --max-n and the context)")
-    srv.add_argument("--max-stop-strings", type=int, default=16,
-                     help="most stop strings a request may send")
-    srv.add_argument("--max-stop-length", type=int, default=256,
-                     help="most characters of one stop string")
-    srv.add_argument("--tool-call-parser", default="auto",
-                     choices=("auto", "hermes", "llama3_json"),
-                     help="how tool_choice 'auto' reads the model's calls: <tool_call> JSON "
-                          "(hermes: Qwen, Hermes, and models without a tool template), "
-                          "Llama 3 JSON, or auto (from the chat template)")
-    srv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                     help="split <think> blocks from replies into reasoning_content "
-                          "(qwen3 and deepseek_r1 name the same parser)")
-    _add_connection_limits(srv)
-    srv.add_argument("--restart-core", type=int, default=3, metavar="N",
-                     help="restart a dead engine core up to N times in a row (0: never); its "
-                          "in-flight requests fail, new ones get 503 until it is back")
-    srv.add_argument("--restart-backoff", type=float, default=1.0, metavar="SECONDS",
-                     help="wait before the first restart, doubled for each next one")
-    srv.add_argument("--pd", default=None, metavar="xPyD",
-                     help="prefill/decode disaggregation on this machine: start x prefill and "
-                          "y decode instances (e.g. 1P1D) and serve the router on --port")
+    add_config_flags(srv, ServerConfig, "server options")
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
     rtr = sub.add_parser("router", help="route requests over running prefill and decode "
@@ -241,11 +195,7 @@ def run(argv: list[str] | None = None):
                      help="`tidal serve --role prefill` instances")
     rtr.add_argument("--decode", nargs="+", required=True, metavar="URL",
                      help="`tidal serve --role decode` instances")
-    rtr.add_argument("--host", default="127.0.0.1")
-    rtr.add_argument("--port", type=int, default=8000)
-    rtr.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' (forwarded to the instances)")
-    _add_connection_limits(rtr)
+    add_config_flags(rtr, HttpConfig, "HTTP options")
     rtr.set_defaults(func=cmd_router)
     from tidal.bench.serve import add_bench_serve_parser
 
@@ -257,10 +207,7 @@ def run(argv: list[str] | None = None):
     add_simulate_parser(sub)
     sub.choices["simulate"].set_defaults(func=cmd_simulate)
     add_calibrate_parser(sub)
-    args = parser.parse_args(argv)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    return args.func(args)
+    return parser
 
 
 if __name__ == "__main__":

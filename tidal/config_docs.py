@@ -1,6 +1,7 @@
 """docs/configuration.md, generated from the config dataclasses: one table per part of the
 engine's config tree, one row per option (its name, CLI flag, default and help text); the
-scheduling policies' options in a table per policy, under the scheduler's.
+scheduling policies' options in a table per policy, under the scheduler's; then the HTTP
+server's options (`tidal serve`, and the part `tidal router` shares).
 
     python -m tidal.config_docs     # or `make docs`: rewrites docs/configuration.md
 
@@ -13,8 +14,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from tidal.core.config import help_table
 from tidal.core.policies import POLICIES, option_fields
 from tidal.engine.config import EngineConfig, all_fields
+from tidal.server.config import HttpConfig, ServerConfig
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -34,7 +37,8 @@ Where the options below are set:
 Boolean flags take a value: `--async-scheduling true`, `--enable-prefix-caching false`.
 An option shown as *unset* is derived at start-up, as its text says.
 
-Server-only flags (`--host`, `--port`, `--api-key`, ...) are in [serving.md](serving.md).
+The HTTP server's own options (`--host`, `--port`, `--api-key`, ...) close the page; they
+are flags only, of `tidal serve` (all of them) and `tidal router` (the first table's).
 """
 
 
@@ -72,8 +76,7 @@ def _policy_sections() -> list[str]:
     with that policy (`--policy NAME`)."""
     lines = []
     for name, cls in POLICIES.items():
-        rows = [(f.name, f.default, f.metadata.get("help", ""))
-                for f in dataclasses.fields(cls.Options)]
+        rows = help_table(cls.Options)
         if not rows:
             continue
         lines += ["", f"### Options of the `{name}` policy (`{cls.__name__}.Options`)", ""]
@@ -101,7 +104,18 @@ def render() -> str:
         if part.name == "scheduler":
             lines += _policy_sections()
         parts.append("\n".join(lines) + "\n")
+    parts.append("\n".join(_server_section()) + "\n")
     return "\n".join(parts)
+
+
+def _server_section() -> list[str]:
+    """`HttpConfig` (both HTTP fronts), then what `ServerConfig` adds for `tidal serve`."""
+    own = {f.name for f in dataclasses.fields(HttpConfig)}
+    lines = ["## Server (`ServerConfig`, `HttpConfig`)", "", _summary(HttpConfig), ""]
+    lines += _table(help_table(HttpConfig))
+    lines += ["", _summary(ServerConfig), ""]
+    lines += _table([row for row in help_table(ServerConfig) if row[0] not in own])
+    return lines
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""Command-line flags for the engine's options: one flag per config field, typed from its
-default and documented by its help text (see tidal/engine/config.py).
+"""Command-line flags for config dataclasses: one flag per field, typed from its default and
+documented by its help text. The engine's options (tidal/engine/config.py) and any other config
+of `knob` fields (the server's, tidal/server/config.py) get theirs the same way.
 
 `tidal generate` and `tidal serve` (tidal/cli.py), `tidal simulate` and `tidal calibrate`
 (tidal/sim/cli.py) and `tidal bench serve` (tidal/bench/serve.py) share these helpers; they
@@ -9,9 +10,12 @@ live here, beside the configs, so that bench/ and sim/ never import the top-leve
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import typing
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from tidal.core.config import help_table
 from tidal.engine.config import all_fields, option_type
 
 # Where a parser records which engine options it has flags for (see engine_kwargs).
@@ -26,28 +30,50 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
-                     extra: tuple[str, ...] = ()) -> None:
-    """One flag per engine option, typed from its default. `only`: the options of these
-    parts of the config tree (e.g. ("cache", "scheduler")); `extra`: these options too,
-    from any part. A flag not given leaves its option unset (the config's default)."""
-    group = parser.add_argument_group("engine options")
-    wanted = {name for name, _, _ in all_fields(only)} | set(extra)
-    chosen = [opt for opt in all_fields() if opt[0] in wanted]
-    if len(chosen) != len(wanted):
-        raise KeyError(f"not engine options: {sorted(wanted - {o[0] for o in chosen})}")
-    for name, default, help_text in chosen:
+def _add_flags(group, rows: list[tuple[str, Any, str]], type_of) -> None:
+    """One flag per (name, default, help) row, typed from its default (`type_of(name)` when
+    the default is None). A flag not given leaves its option unset (the config's default)."""
+    for name, default, help_text in rows:
         flag = "--" + name.replace("_", "-")
         if isinstance(default, bool):
             kind = _parse_bool
         elif isinstance(default, (int, float)):
             kind = type(default)
         else:  # None: the annotation says (int for `int | None`)
-            kind = option_type(name)
+            kind = type_of(name)
         group.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
                            help=f"{help_text} (default: {default})")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
+                     extra: tuple[str, ...] = ()) -> None:
+    """One flag per engine option. `only`: the options of these parts of the config tree
+    (e.g. ("cache", "scheduler")); `extra`: these options too, from any part."""
+    wanted = {name for name, _, _ in all_fields(only)} | set(extra)
+    chosen = [opt for opt in all_fields() if opt[0] in wanted]
+    if len(chosen) != len(wanted):
+        raise KeyError(f"not engine options: {sorted(wanted - {o[0] for o in chosen})}")
+    _add_flags(parser.add_argument_group("engine options"), chosen, option_type)
     added = tuple(parser.get_default(_OPTIONS) or ()) + tuple(name for name, _, _ in chosen)
     parser.set_defaults(**{_OPTIONS: added})
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One flag per field of the config dataclass `cls`, as the engine's options get theirs;
+    `config_from_args(cls, args)` builds it back."""
+    hints = typing.get_type_hints(cls)
+
+    def type_of(name: str) -> type:
+        kinds = [t for t in typing.get_args(hints[name]) if t is not type(None)]
+        return kinds[0] if kinds else hints[name]
+    _add_flags(parser.add_argument_group(title), help_table(cls), type_of)
+
+
+def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """`cls` from the flags `add_config_flags` made (defaults for those not given), with
+    `overrides` on top."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{**{k: v for k, v in vars(args).items() if k in names}, **overrides})
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -13,7 +13,6 @@ import asyncio
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Annotated, Any, Awaitable
 
@@ -29,9 +28,8 @@ from tidal.server.openai.chat_output import ChatOutputOptions
 from tidal.runtime.client import CoreClient, EngineDeadError, Failure
 from tidal.server.dashboard import DashboardHub
 from tidal.server.dashboard import routes as dashboard_routes
+from tidal.server.config import ServerConfig
 from tidal.server.errors import install_error_handlers
-from tidal.server.limits import (DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
-                                 DEFAULT_MAX_HEADER_BYTES)
 from tidal.server.metrics import ServerMetrics
 from tidal.server.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
                                    GenerationRequest, check_token_ids)
@@ -42,28 +40,6 @@ from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, Req
                                        parser_for_template)
 
 
-@dataclass
-class ServerConfig:
-    """What the HTTP layer enforces in front of the engine."""
-
-    model_name: str = "smollm2-135m"
-    api_key: str | None = None
-    max_pending: int = 512  # outstanding requests before new ones get 429
-    max_n: int = 16
-    drain_timeout: float = 30.0
-    # Limits of one request (docs/serving.md, "Limits"); each refusal is an OpenAI error body.
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get 413
-    max_total_tokens: int | None = None  # n x max_tokens per prompt; None: --max-n x context
-    max_stop_strings: int = 16  # the stop list's length (400 naming stop)
-    max_stop_length: int = 256  # characters of one stop string: a stream holds that much back
-    # Connection limits (tidal/server/limits.py), uvicorn's settings and a middleware.
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # request line plus headers: 431 or 400
-    idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # seconds before an idle connection is closed
-    # How replies are read (docs/serving.md, "Tool calling" and "Reasoning").
-    tool_call_parser: str = "auto"  # tool_choice auto's format: hermes, llama3_json, or auto
-    reasoning_parser: str | None = None  # "think": <think> blocks go to reasoning_content
-
-
 class Frontend:
     """What the routes serve from: the engine cores' client, the tokenizer, the metrics and
     the server's settings. `generate` takes a checked, tokenized request to its response."""
@@ -71,8 +47,8 @@ class Frontend:
     def __init__(self, client: CoreClient, config: ServerConfig) -> None:
         self.client, self.config = client, config
         self.tokenizer = client.tokenizer
-        self.metrics = ServerMetrics(client, config.model_name)
-        self.dashboard = DashboardHub(client, self.metrics, config.model_name)
+        self.metrics = ServerMetrics(client, config.served_model_name)
+        self.dashboard = DashboardHub(client, self.metrics, config.served_model_name)
         self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
         parser = config.tool_call_parser
         if parser == "auto":  # the format the model's chat template speaks
@@ -81,9 +57,9 @@ class Frontend:
         self.tool_parser = AUTO_PARSERS[parser]
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.model_name:
+        if name is not None and name != self.config.served_model_name:
             raise APIError(f"the model {name!r} does not exist; this server serves "
-                           f"{self.config.model_name!r}", param="model")
+                           f"{self.config.served_model_name!r}", param="model")
 
     def chat_options(self, body: ChatRequest) -> ChatOutputOptions:
         """How a chat request's replies are read: its tool choice and the reasoning split."""
@@ -99,14 +75,13 @@ class Frontend:
             include_reasoning=body.include_reasoning)
 
     async def generate(self, response_cls: type[GenerationResponse],
-                       body: GenerationRequest, prompts: list[list[int]], max_tokens: int | None,
-                       logprobs: int | None, default_max: int | None, request: Request,
+                       body: GenerationRequest, prompts: list[list[int]], request: Request,
                        **options):
         """Submit the prompts, then answer with the whole body or an SSE stream; `options`
         go to the response (a chat's ChatOutputOptions)."""
-        rids, queue, n = await self._submit(prompts, body, max_tokens, logprobs, default_max)
-        response = response_cls(self.tokenizer, self.config.model_name, rids[0], prompts,
-                                len(prompts) * n, logprobs is not None,
+        rids, queue, n = await self._submit(prompts, body)
+        response = response_cls(self.tokenizer, self.config.served_model_name, rids[0], prompts,
+                                len(prompts) * n, body.num_logprobs() is not None,
                                 self.grammars.token_bytes if self.grammars else None,
                                 prompt_logprobs=body.prompt_logprobs is not None, **options)
         updates = self._updates(rids, queue, n)
@@ -123,8 +98,7 @@ class Frontend:
         return StreamingResponse(response.events(updates, include_usage),
                                  media_type="text/event-stream")
 
-    async def _submit(self, prompts: list[list[int]], body: GenerationRequest,
-                      max_tokens: int | None, logprobs: int | None, default_max: int | None
+    async def _submit(self, prompts: list[list[int]], body: GenerationRequest
                       ) -> tuple[list[str], asyncio.Queue, int]:
         """Check every prompt and its sampling parameters, then send them all to the cores
         on one queue; returns their request ids, the queue and n."""
@@ -141,9 +115,8 @@ class Frontend:
             if not ids:
                 raise APIError("the prompt is empty", param="prompt")
             check_token_ids(ids, client.ready.vocab_size, "prompt")
-            params.append(body.sampling_params(max_tokens, logprobs, config, len(ids),
-                                               client.ready.max_model_len, default_max,
-                                               client.ready.vocab_size))
+            params.append(body.to_sampling_params(config, len(ids), client.ready.max_model_len,
+                                                  client.ready.vocab_size))
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             if getattr(body, name) is not None and \
                     not client.config.scheduler.policy_class.takes_latency_targets:
@@ -152,7 +125,7 @@ class Frontend:
         constraint = body.output_constraint()
         if constraint is not None:  # compiled against the tokenizer: a 400 if it cannot be
             await self._check_constraint(*constraint)
-        if logprobs is not None:  # their `bytes` come from the grammar tokenizer's view
+        if body.num_logprobs() is not None:  # their `bytes` come from the grammar tokenizer
             await self._load_grammars()
         prefill = (body.kv_transfer_params or {}).get("prefill_address")
         if prefill is not None:
@@ -313,7 +286,7 @@ async def prometheus(f: FrontendDep):
 @routes.get("/v1/models")
 async def models(f: FrontendDep):
     return {"object": "list", "data": [{
-        "id": f.config.model_name, "object": "model", "created": int(time.time()),
+        "id": f.config.served_model_name, "object": "model", "created": int(time.time()),
         "owned_by": "tidal", "max_model_len": f.client.ready.max_model_len}]}
 
 
@@ -323,19 +296,15 @@ async def completions(body: CompletionRequest, f: FrontendDep, request: Request)
     # a body of --max-body-bytes takes seconds to tokenize; in a thread (the Rust tokenizer
     # lets go of the GIL) other requests keep streaming meanwhile
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)
-    max_tokens, prompt_only = body.output_limit()
-    return await f.generate(CompletionResponse, body, prompts, max_tokens, body.logprobs,
-                            default_max=16, request=request,
-                            echo=body.echo, sent=body.prompt_strings(),
-                            prompt_only=prompt_only)
+    return await f.generate(CompletionResponse, body, prompts, request, echo=body.echo,
+                            sent=body.prompt_strings(), prompt_only=body.prompt_only)
 
 
 @routes.post("/v1/chat/completions")
 async def chat(body: ChatRequest, f: FrontendDep, request: Request):
     f.check_model(body.model)
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)  # as in completions
-    return await f.generate(ChatResponse, body, prompts, body.output_limit(),
-                            body.num_logprobs(), default_max=None, request=request,
+    return await f.generate(ChatResponse, body, prompts, request,
                             options=f.chat_options(body))
 
 
@@ -369,7 +338,7 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     """The server's app over `client`'s engine cores (started and stopped with the app)."""
     app = FastAPI(title="tidal", version=__version__, lifespan=_lifespan)
     app.state.frontend = Frontend(client, config)
-    install_error_handlers(app, config.api_key, config.max_body_bytes, config.max_header_bytes)
+    install_error_handlers(app, config)
     app.include_router(routes)
     app.include_router(dashboard_routes)
     return app

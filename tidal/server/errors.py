@@ -11,7 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tidal.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, RequestLimits
+from tidal.server.config import HttpConfig
+from tidal.server.limits import RequestLimits
 from tidal.server.openai.protocol import APIError
 
 
@@ -56,19 +57,18 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(APIError(str(exc.detail), exc.status_code))
 
 
-def install_error_handlers(app: FastAPI, api_key: str | None,
-                           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                           max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
+def install_error_handlers(app: FastAPI, http: HttpConfig) -> None:
     """Answer APIError, invalid bodies (400, not FastAPI's 422) and HTTP errors with OpenAI
-    error bodies; with `api_key`, refuse /v1, /tokenize, /detokenize and /dashboard requests
-    that do not carry it (401; the dashboard may carry it as `?api_key=`); refuse headers over `max_header_bytes` (431) and bodies over
-    `max_body_bytes` (413)."""
-    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes,
-                       max_header_bytes=max_header_bytes)
+    error bodies; with `http.api_key`, refuse /v1, /tokenize, /detokenize and /dashboard
+    requests that do not carry it (401; the dashboard may carry it as `?api_key=`); refuse
+    headers over `max_header_bytes` (431) and bodies over `max_body_bytes` (413)."""
+    app.add_middleware(RequestLimits, max_body_bytes=http.max_body_bytes,
+                       max_header_bytes=http.max_header_bytes)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
 
+    api_key = http.api_key
     expected = f"Bearer {api_key}".encode()
 
     @app.middleware("http")

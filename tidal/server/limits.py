@@ -8,11 +8,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tidal.server.config import HttpConfig
 from tidal.server.openai.protocol import APIError
-
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-DEFAULT_MAX_HEADER_BYTES = 16 * 1024  # h11's own default
-DEFAULT_IDLE_TIMEOUT = 5.0  # uvicorn's keep-alive default
 
 
 class _TooLarge(HTTPException):
@@ -84,8 +81,8 @@ class IdleH11Protocol(H11Protocol):
             self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
 
-def uvicorn_limits(max_header_bytes: int, idle_timeout: float) -> dict:
+def uvicorn_limits(http: HttpConfig) -> dict:
     """uvicorn.run's arguments for the header size limit and the idle timeout (h11 is the
     parser that enforces the header limit, whether or not httptools is installed)."""
-    return {"http": IdleH11Protocol, "h11_max_incomplete_event_size": max_header_bytes,
-            "timeout_keep_alive": idle_timeout}
+    return {"http": IdleH11Protocol, "h11_max_incomplete_event_size": http.max_header_bytes,
+            "timeout_keep_alive": http.idle_timeout}

@@ -31,7 +31,7 @@ from tidal.cluster.routing import CoreLoad, Router
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.dashboard import page_html
 from tidal.server.errors import install_error_handlers
-from tidal.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
+from tidal.server.config import HttpConfig
 from tidal.server.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
                                    GenerationRequest)
 
@@ -285,11 +285,10 @@ async def dashboard_stream(request: Request, router: RouterDep):
                              headers={"Cache-Control": "no-cache"})
 
 
-def build_router_app(router: PDRouter, on_shutdown=None, api_key: str | None = None,
-                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> FastAPI:
+def build_router_app(router: PDRouter, http: HttpConfig | None = None,
+                     on_shutdown=None) -> FastAPI:
     """The router's app; `on_shutdown` runs after it stops (`--pd` stops its instances).
-    With `api_key` it checks keys itself, so a refusal comes in the server's order; bodies
+    With an API key it checks keys itself, so a refusal comes in the server's order; bodies
     and headers over the limits are refused as the server refuses them."""
 
     @asynccontextmanager
@@ -306,6 +305,6 @@ def build_router_app(router: PDRouter, on_shutdown=None, api_key: str | None = N
 
     app = FastAPI(title="tidal router", lifespan=lifespan)
     app.state.router = router
-    install_error_handlers(app, api_key, max_body_bytes, max_header_bytes)
+    install_error_handlers(app, http or HttpConfig())
     app.include_router(routes)
     return app

@@ -16,7 +16,7 @@ A null value means the field is absent, as in OpenAI's API."""
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
@@ -24,6 +24,9 @@ from pydantic_core import PydanticCustomError
 from tidal.core import SamplingParams
 from tidal.server.openai.refusals import COMPLETION_REFUSED, VLLM_REFUSED
 from tidal.server.openai.structured import ConstraintError, structured_spec
+
+if TYPE_CHECKING:
+    from tidal.server.config import ServerConfig
 
 
 class APIError(Exception):
@@ -122,6 +125,7 @@ class GenerationRequest(StrictModel):
 
     _refused: ClassVar = VLLM_REFUSED
     prompt_field: ClassVar[str] = "prompt"  # what a 400 for a prompt over the context names
+    default_max_tokens: ClassVar[int | None] = None  # None: what the context leaves
 
     model: str | None = None
     max_tokens: int | None = None
@@ -187,11 +191,21 @@ class GenerationRequest(StrictModel):
         """The field that set the output limit, for the 400s about it."""
         return "max_tokens"
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, limits,
-                        prompt_len: int, max_model_len: int, default_max: int | None,
-                        vocab_size: int) -> SamplingParams:
-        """The engine's parameters for one prompt; `limits` is the server's ServerConfig
-        (max_n, max_total_tokens, max_stop_strings, max_stop_length)."""
+    def output_limit(self) -> int | None:
+        """The output tokens asked for (None: the endpoint's default)."""
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per output token to report (0: the chosen token's only), None for
+        no logprobs."""
+        return None
+
+    def to_sampling_params(self, limits: ServerConfig, prompt_len: int, max_model_len: int,
+                           vocab_size: int) -> SamplingParams:
+        """The engine's parameters for one prompt of this request, checked against the
+        server's limits (max_n, max_total_tokens, max_stop_strings, max_stop_length) and the
+        model's context and vocabulary: an APIError (400) names the field at fault."""
+        max_tokens, logprobs = self.output_limit(), self.num_logprobs()
         if self.n > limits.max_n:
             raise APIError(f"n must be at most {limits.max_n}, got {self.n}", param="n")
         room = max_model_len - prompt_len
@@ -200,6 +214,7 @@ class GenerationRequest(StrictModel):
                            f"{max_model_len} tokens", param=self.prompt_field)
         field, cap = self.limit_field(), limits.max_total_tokens
         if max_tokens is None:
+            default_max = self.default_max_tokens
             max_tokens = room if default_max is None else min(default_max, room)
             if cap is not None:  # a default fits the cap rather than being refused
                 max_tokens, field = max(1, min(max_tokens, cap // self.n)), "n"
@@ -231,7 +246,7 @@ class GenerationRequest(StrictModel):
                 stop=stop, priority=self.priority, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-                prompt_logprobs=self.prompt_logprob_count(logprobs),
+                prompt_logprobs=self.prompt_logprob_count(),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size),
                 structured=self._constraint and self._constraint[1],
                 ttft_slo_ms=self.ttft_slo_ms,
@@ -241,7 +256,7 @@ class GenerationRequest(StrictModel):
             param = word if word in type(self).model_fields else None
             raise APIError(str(exc), param=param) from exc
 
-    def prompt_logprob_count(self, logprobs: int | None) -> int | None:
+    def prompt_logprob_count(self) -> int | None:
         """Alternatives per prompt token the engine computes, None for no prompt logprobs."""
         return self.prompt_logprobs
 
@@ -274,6 +289,7 @@ class CompletionRequest(GenerationRequest):
     """A /v1/completions body."""
 
     _refused: ClassVar = {**VLLM_REFUSED, **COMPLETION_REFUSED}
+    default_max_tokens: ClassVar[int | None] = 16  # OpenAI's legacy completions default
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -290,19 +306,23 @@ class CompletionRequest(GenerationRequest):
                                     f"candidates (accepted: null or n, {self.n})")
         return self
 
-    def prompt_logprob_count(self, logprobs: int | None) -> int | None:
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprob_count(self) -> int | None:
         """echo with logprobs needs the prompt's, with as many alternatives."""
-        if self.echo and logprobs is not None:
-            return max(logprobs, self.prompt_logprobs or 0)
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
 
-    def output_limit(self) -> tuple[int | None, bool]:
-        """(max_tokens for the engine, whether only the prompt is answered): echo with
-        max_tokens 0 (what evaluation harnesses send to score a prompt) samples one token
-        and drops it."""
-        if self.echo and self.max_tokens == 0:
-            return 1, True
-        return self.max_tokens, False
+    @property
+    def prompt_only(self) -> bool:
+        """Whether only the prompt is answered: echo with max_tokens 0 (what evaluation
+        harnesses send to score a prompt) samples one token and drops it."""
+        return self.echo and self.max_tokens == 0
+
+    def output_limit(self) -> int | None:
+        return 1 if self.prompt_only else self.max_tokens
 
     def prompt_strings(self) -> list[str] | None:
         """The prompts as sent when they are text (what echo repeats), else None."""

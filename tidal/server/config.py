@@ -1,0 +1,98 @@
+"""What the HTTP layer binds, enforces and reads: `HttpConfig` for every tidal HTTP front
+(`tidal serve` and `tidal router`), `ServerConfig` for the OpenAI server. Fields are `knob`s,
+as the engine's are, so their flags (tidal/engine/flags.py) and the tables of
+docs/configuration.md come from the same words."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tidal.core.knobs import check_at_least_one, check_choice, knob
+from tidal.runtime.core_watch import RestartPolicy
+from tidal.server.openai.reasoning import PARSERS as REASONING_PARSERS
+
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """Where a tidal HTTP front listens and what it refuses before a request reaches a route
+    (the server and the P/D router answer alike)."""
+
+    host: str = knob("127.0.0.1", "Address to bind (loopback unless told otherwise).")
+    port: int = knob(8000, "Port to listen on.")
+    api_key: str | None = knob(None, "Require `Authorization: Bearer KEY` on /v1/*, "
+                               "/tokenize, /detokenize and /dashboard (401 otherwise).")
+    max_body_bytes: int = knob(8 * 1024 * 1024, "Largest request body; larger ones get HTTP "
+                               "413.")
+    max_header_bytes: int = knob(16 * 1024, "Largest request line plus headers; larger ones "
+                                 "get HTTP 431 (h11's own default).")
+    idle_timeout: float = knob(5.0, "Seconds a connection may sit idle, before its first "
+                               "request or between requests, before it is closed (uvicorn's "
+                               "keep-alive default).")
+
+    def __post_init__(self) -> None:
+        check_at_least_one(self, "max_body_bytes", "max_header_bytes")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.idle_timeout <= 0:
+            raise ValueError(f"idle_timeout must be > 0, got {self.idle_timeout}")
+
+
+@dataclass(frozen=True)
+class ServerConfig(HttpConfig):
+    """What `tidal serve` enforces in front of its engine cores, how it reads replies, and
+    how it restarts a core that died."""
+
+    served_model_name: str | None = knob(None, "The model name clients send as `model` "
+                                         "(unset: the model's own).")
+    max_pending: int = knob(512, "Requests in flight before new ones get HTTP 429.")
+    max_n: int = knob(16, "Largest `n` a request may ask for.")
+    drain_timeout: float = knob(30.0, "Seconds SIGTERM lets running requests finish.")
+    max_total_tokens: int | None = knob(None, "Most output tokens one prompt may ask for, n x "
+                                        "max_tokens (unset: no cap beyond max_n and the "
+                                        "context).")
+    max_stop_strings: int = knob(16, "Most stop strings a request may send.")
+    max_stop_length: int = knob(256, "Most characters of one stop string (a stream holds "
+                                "that much text back).")
+    tool_call_parser: str = knob("auto", "How tool_choice 'auto' reads the model's calls: "
+                                 "'hermes' (<tool_call> JSON: Qwen, Hermes, and models "
+                                 "without a tool template), 'llama3_json', or 'auto' (from "
+                                 "the chat template).")
+    reasoning_parser: str | None = knob(None, "'think' (also 'qwen3', 'deepseek_r1'): <think> "
+                                        "blocks of replies go to reasoning_content.")
+    restart_core: int = knob(3, "Restart a dead engine core up to this many times in a row "
+                             "(0: never); its in-flight requests fail, new ones get 503 until "
+                             "it is back.")
+    restart_backoff: float = knob(1.0, "Seconds before the first restart of a dead core, "
+                                  "doubled for each next one.")
+    pd: str | None = knob(None, "Prefill/decode disaggregation on this machine, as xPyD (e.g. "
+                          "1P1D): start x prefill and y decode instances and serve the "
+                          "router on the port.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_at_least_one(self, "max_pending", "max_n", "max_stop_strings", "max_stop_length")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be at least 1, got {self.max_total_tokens}")
+        check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            check_choice("reasoning_parser", self.reasoning_parser, tuple(REASONING_PARSERS))
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        self.restart_policy()  # its own checks
+        if self.pd is not None and self.pd_counts is None:
+            raise ValueError(f"pd expects xPyD with x, y >= 1 (e.g. 1P1D); got {self.pd!r}")
+
+    def restart_policy(self) -> RestartPolicy:
+        """How the client restarts a dead engine core."""
+        return RestartPolicy(self.restart_core, self.restart_backoff)
+
+    @property
+    def pd_counts(self) -> tuple[int, int] | None:
+        """(prefill, decode) instances that `pd` asks for; None when it is not xPyD."""
+        match = re.fullmatch(r"(\d+)P(\d+)D", self.pd or "")
+        if not match or min(int(match[1]), int(match[2])) < 1:
+            return None
+        return int(match[1]), int(match[2])
