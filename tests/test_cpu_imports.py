@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-# tidal generate on the CPU, then the server's modules; prints what it imported of triton
-# and of torch._dynamo (which imports triton when it is installed).
+# tidal generate on the CPU and the server's modules; torch._dynamo would import triton.
 CODE = """
 import sys
 from tidal.cli import run

@@ -45,8 +45,7 @@ class Rotary(nn.Module):
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
-        # Real CPU tables even inside the loader's meta-device build, whose decomposed ops
-        # would import torch._dynamo (and with it triton) on CPU-only machines too.
+        # On the CPU even in a meta-device build: meta ops import torch._dynamo, hence triton.
         with torch.device("cpu"):
             cos, sin = rope_tables(arch.rope, arch.context_length)
             self.register_buffer("cos", cos, persistent=False)
@@ -158,8 +157,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.arch = arch
         self.backend = backend
-        # Left uninitialised (the loader fills every weight): normal_ on the meta device would
-        # import torch._dynamo, and with it triton, on CPU-only machines too.
+        # Uninitialised (the loader fills it): normal_ on meta would import torch._dynamo, triton.
         self.embed_tokens = nn.Embedding.from_pretrained(
             torch.empty(arch.vocab_size, arch.hidden_size), freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(arch, backend, i)

