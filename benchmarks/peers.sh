@@ -5,11 +5,11 @@
 # 64, driven by `tidal bench serve`; one table prints tidal's ratio to each peer.
 # usage: benchmarks/peers.sh [ENGINES...]   (default: tidal tidal-int4 vllm llama)
 # tidal-int4 serves with --quantization int4: the Q4_1 weights llama-server runs.
-# The peers install or build once into $PEERS_DIR (default /tmp/peers): see ../shared/peers.
+# The peers install or build once into $PEERS_DIR (default /tmp/peers): see benchmarks/peers/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-PEERS=${PEERS:-../shared/peers}
+PEERS=${PEERS:-benchmarks/peers}
 OUTDIR=${OUTDIR:-benchmarks/results/peers}
 CONCURRENCY=${CONCURRENCY:-"1 16 64"}
 NUM_PROMPTS=${NUM_PROMPTS:-64}

@@ -9,7 +9,6 @@ cd "$(dirname "$0")/.."
 rates=()
 for _ in $(seq "${RUNS:-3}"); do
   line=$(.venv/bin/tidal simulate --dataset azure-conv \
-           --dataset-path ../shared/traces/azure_conv_2023.csv \
            --num-prompts "${NUM_PROMPTS:-20000}" --hardware h100 --model-config llama-3-8b |
          grep "of wall time")
   echo "$line"

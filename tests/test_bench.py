@@ -3,15 +3,21 @@ against a real tidal server."""
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
+import lzma
 import math
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tidal.bench.arrivals import arrival_times
-from tidal.bench.dataset import (BenchRequest, DatasetSpec, iter_json_records, load_dataset,
-                                 sharegpt_path)
+import tidal
+from tidal.bench.dataset import (DATA_DIR, BenchRequest, DatasetSpec, iter_json_records,
+                                 load_dataset, open_text, sharegpt_path, trace_path)
 from tidal.bench.metrics import RequestResult, parse_goodput, summarize
 
 VLLM_KEYS = ["duration", "completed", "total_input_tokens", "total_output_tokens",
@@ -61,6 +67,53 @@ def test_mooncake_equal_hash_ids_become_equal_prompt_blocks():
     reqs = load_dataset(spec)  # rows 0-4 all start with hash id 0 (32 tokens once scaled)
     assert all(r.prompt_ids[:32] == reqs[0].prompt_ids[:32] for r in reqs)
     assert reqs[0].prompt_ids[32:64] != reqs[1].prompt_ids[32:64]
+
+
+# sha256 of the traces as their projects publish them (the mooncake one decompressed)
+TRACE_SHA256 = {
+    "azure-conv": "439e4138b7e384f316de614c071f7162be05b8af0cef866f82faacd1b0472249",
+    "mooncake": "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"}
+TRACE_ROWS = {"azure-conv": 19366, "mooncake": 12031}
+
+
+@pytest.mark.parametrize("name", sorted(TRACE_SHA256))
+def test_traces_ship_inside_the_package_with_every_row(name):
+    path = trace_path(DatasetSpec(name=name))
+    package = Path(tidal.__file__).resolve().parent
+    assert path.is_relative_to(package) and path.parent == DATA_DIR
+    assert "shared" not in path.relative_to(package.parent).parts
+    with open_text(path) as f:
+        text = f.read()
+    assert hashlib.sha256(text.encode()).hexdigest() == TRACE_SHA256[name]
+    assert len(text.splitlines()) - (name == "azure-conv") == TRACE_ROWS[name]  # less a header
+    assert len(load_dataset(DatasetSpec(name=name, num_prompts=50, length_scale=1 / 64))) == 50
+
+
+@pytest.mark.parametrize("compress", [None, "gz"])
+def test_azure_from_dataset_path_equals_the_packaged_trace(tmp_path, compress):
+    copy = tmp_path / "azure.csv"
+    shutil.copyfile(DATA_DIR / "azure_conv_2023.csv", copy)
+    if compress:
+        copy = copy.with_name("azure.csv.gz")
+        copy.write_bytes(gzip.compress((tmp_path / "azure.csv").read_bytes()))
+    packaged = load_dataset(DatasetSpec(name="azure-conv", num_prompts=400))
+    given = load_dataset(DatasetSpec(name="azure-conv", num_prompts=400, path=str(copy)))
+    assert len(packaged) == 400 and packaged == given
+    other = load_dataset(DatasetSpec(name="azure-conv", num_prompts=400, seed=1))
+    assert other != packaged  # the comparison can tell two workloads apart
+
+
+def test_compressed_mooncake_reads_as_its_plain_rows(tmp_path):
+    n = 300
+    with lzma.open(DATA_DIR / "mooncake_conversation.jsonl.xz", "rt") as f:
+        head = [next(f) for _ in range(n)]
+    plain = tmp_path / "mooncake.jsonl"
+    plain.write_text("".join(head))
+    spec = dict(name="mooncake", max_model_len=1 << 16, length_scale=1 / 16)
+    packaged = load_dataset(DatasetSpec(num_prompts=n, **spec))
+    given = load_dataset(DatasetSpec(num_prompts=n + 50, path=str(plain), **spec))
+    assert len(given) == n and packaged == given
+    assert [r.arrival for r in given] == [json.loads(line)["timestamp"] / 1000 for line in head]
 
 
 def test_truncated_json_array_yields_the_complete_records():

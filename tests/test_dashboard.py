@@ -1,11 +1,13 @@
 """The live dashboard: a scheduler's view agrees with its stats; over a real data-parallel
-server behind an API key, the stream's events agree with /metrics, the page and its stream
-refuse requests without the key, and a real browser (Debian's chromium, driven by
-Playwright) renders one panel per core with the queues and block counts of the stream; a
-simulation's dashboard replays in the browser from one self-contained file."""
+server behind an API key, the stream's events carry the engine's counters (the tokens the
+answers got, the figures of /metrics), the page and its stream refuse requests without the
+key, and a real browser (Debian's chromium, driven by Playwright) renders one panel per core
+with the queues and block counts of the stream; a simulation's dashboard replays in the
+browser from one self-contained file."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
@@ -79,10 +81,12 @@ def server():
 
 
 class Load:
-    """Requests in background threads until stopped."""
+    """Requests in background threads until stopped; `answers` holds each one's (HTTP status,
+    completion tokens)."""
 
     def __init__(self, url: str, threads: int = 3) -> None:
         self.url, self.running = url, True
+        self.answers: list[tuple[int, int]] = []
         self.threads = [threading.Thread(target=self._run) for _ in range(threads)]
         for t in self.threads:
             t.start()
@@ -90,8 +94,10 @@ class Load:
     def _run(self) -> None:
         with httpx.Client(timeout=120, headers=AUTH) as c:
             while self.running:
-                c.post(self.url + "/v1/completions",
-                       json={"prompt": "the tide comes in " * 8, "max_tokens": 24})
+                r = c.post(self.url + "/v1/completions",
+                           json={"prompt": "the tide comes in " * 8, "max_tokens": 24})
+                tokens = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
+                self.answers.append((r.status_code, tokens))
 
     def stop(self) -> None:
         self.running = False
@@ -137,38 +143,70 @@ def scrape(url: str) -> dict[str, float]:
             for name in METRICS if line.startswith(name + "{")}
 
 
-def test_stream_events_equal_metrics_within_two_reports(server):
-    """Each core reports twice a second; /metrics merges the cores' latest reports. Scraped
-    right after an event, every figure equals the one the events give, taking for each
-    core its latest event or (reports that came in meanwhile, as when this reader lags on a
-    loaded machine) one of its next two."""
-    load = Load(server.url)
-    try:
-        by_core: dict[int, list[dict]] = {0: [], 1: []}
-        scrapes = []  # (metrics, each core's index of its latest event then)
-        for event in events(server.url, 40):
-            assert event["cores"] == 2 and event["view"] is not None
-            stats, view = event["stats"], event["view"]
-            assert view["queues"]["waiting"] == stats["waiting"]
-            assert view["queues"]["decode"] == stats["running_decode"]
-            assert view["block_counts"]["u"] + view["block_counts"]["s"] == stats["used_blocks"]
-            by_core[event["core"]].append(stats)
-            if all(by_core.values()):
-                scrapes.append((scrape(server.url), {c: len(v) - 1 for c, v in by_core.items()}))
-    finally:
-        load.stop()
-    assert len(scrapes) >= 10
-    exact = 0
-    for metrics, at in scrapes:
-        options = [(d0, d1) for d0 in (0, 1, 2) for d1 in (0, 1, 2)
-                   if at[0] + d0 < len(by_core[0]) and at[1] + d1 < len(by_core[1])]
-        match = [o for o in options if all(
-            metrics[name] == merge(by_core[c][at[c] + o[c]][field] for c in (0, 1))
-            for name, (field, merge) in METRICS.items())]
-        assert match, (metrics, at)
-        exact += (0, 0) in match
-    assert exact >= len(scrapes) // 2  # mostly no report came in between
-    assert sum(by_core[c][-1]["generation_tokens"] for c in (0, 1)) > 0
+class Reports:
+    """The dashboard stream, read one event at a time; `latest`: each core's last counters."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.latest = stream, {}
+
+    def next(self) -> dict:
+        event = next(self.stream)
+        assert event["cores"] == 2 and event["view"] is not None
+        self.latest[event["core"]] = event["stats"]
+        return event
+
+    def merged(self) -> dict[str, float]:
+        """The /metrics figures the cores' latest reports make."""
+        return {name: merge(self.latest[c][field] for c in (0, 1))
+                for name, (field, merge) in METRICS.items()}
+
+    def settled(self) -> dict[str, float]:
+        """The merged figures once each core has sent two more reports that leave them be."""
+        for _ in range(100):
+            while len(self.latest) < 2:
+                self.next()
+            figures, repeats = self.merged(), {0: 0, 1: 0}
+            while min(repeats.values()) < 2:
+                repeats[self.next()["core"]] += 1
+                if self.merged() != figures:
+                    break
+            else:
+                return figures
+        raise AssertionError(f"the cores' counters never came to rest: {self.latest}")
+
+
+def test_stream_reports_are_the_engines_counters(server):
+    """Over a load, every event's view agrees with its own counters and no core's counters
+    go back. With the cores at rest before and after the load (nothing left to change a
+    counter, so no reading races another), the stream's tokens generated in between are the
+    tokens the answers got, and its latest report of each core, merged, is /metrics."""
+    with contextlib.closing(events(server.url, 10**6)) as stream:
+        reports = Reports(stream)
+        reports.settled()
+        before = {c: stats["generation_tokens"] for c, stats in reports.latest.items()}
+        load = Load(server.url)
+        try:
+            for _ in range(40):
+                last = dict(reports.latest)
+                event = reports.next()
+                stats, view = event["stats"], event["view"]
+                assert view["queues"]["waiting"] == stats["waiting"]
+                assert view["queues"]["decode"] == stats["running_decode"]
+                assert view["block_counts"]["u"] + view["block_counts"]["s"] == \
+                    stats["used_blocks"]
+                for field in ("generation_tokens", "prompt_tokens", "num_steps"):
+                    assert stats[field] >= last[event["core"]][field], field
+        finally:
+            load.stop()
+        assert load.answers and all(status == 200 for status, _ in load.answers)
+        answered = sum(tokens for _, tokens in load.answers)
+        figures = reports.settled()
+        generated = sum(reports.latest[c]["generation_tokens"] - before[c] for c in (0, 1))
+        assert generated == answered > 0
+        metrics = scrape(server.url)
+        assert reports.settled() == figures  # still at rest after the scrape: it raced nothing
+        assert metrics == figures
+        assert figures["tidal:kv_cache_used_blocks"] == figures["tidal:num_requests_waiting"] == 0
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (make test installs Debian's "

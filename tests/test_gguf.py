@@ -8,6 +8,7 @@ generate HF's greedy tokens in tidal; what does not convert is refused by name."
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -256,3 +257,90 @@ def test_rope_freqs_without_a_llama3_schedule_is_refused(tmp_path):
                       extra={"rope_freqs.weight": np.linspace(1, 3, 8, dtype=np.float32)})
     with pytest.raises(ValueError, match="llama GGUF.*rope_freqs"):
         convert_gguf(path, tmp_path / "out")
+
+
+def _redrawn(folder: Path, seed: int) -> Path:
+    """`folder`'s model with every tensor drawn again from `seed`: same shapes, other values."""
+    path = folder / "model.safetensors"
+    rng = np.random.default_rng(seed)
+    save_file({k: (0.2 * rng.standard_normal(v.shape)).astype(np.float32)
+               for k, v in load_file(str(path)).items()}, str(path), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture
+def conversions(monkeypatch, tmp_path):
+    """resolve_model's cache in tmp_path; the list of GGUFs it converts, in order."""
+    import tidal.model.gguf_convert as gguf_convert
+
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def counting(path, out):
+        calls.append(Path(path))
+        return convert_gguf(path, out)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", counting)
+    return calls
+
+
+@pytest.mark.parametrize("same_mtime", [True, False])
+def test_a_gguf_replaced_by_one_of_its_name_and_size_converts_anew(tmp_path, conversions,
+                                                                   same_mtime):
+    from tidal.model.registry import resolve_model
+
+    path = tmp_path / "m.gguf"
+    old = write_gguf(_redrawn(hf_folder(tmp_path / "a", "qwen2"), 1), "qwen2", path)
+    folder, _ = resolve_model(str(path))
+    old_weights = load_file(str(folder / "model.safetensors"))
+    stat = path.stat()
+    new = write_gguf(_redrawn(hf_folder(tmp_path / "b", "qwen2"), 2), "qwen2",
+                     tmp_path / "b" / "m.gguf")
+    assert new.stat().st_size == stat.st_size and new.read_bytes() != old.read_bytes()
+    new.replace(path)
+    if same_mtime:  # as `cp -p` or an unpacked archive leaves it: only the bytes differ
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert path.stat().st_mtime_ns == stat.st_mtime_ns
+    folder2, _ = resolve_model(str(path))
+    assert conversions == [path, path] and folder2 != folder
+    got = load_file(str(folder2 / "model.safetensors"))
+    want = load_file(str(convert_gguf(path, tmp_path / "fresh") / "model.safetensors"))
+    assert got.keys() == want.keys() == old_weights.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert all((got[k] != old_weights[k]).any() for k in got)
+
+
+def test_an_unchanged_gguf_converts_once(tmp_path, conversions):
+    from tidal.model.registry import resolve_model
+
+    path = write_gguf(hf_folder(tmp_path, "qwen2"), "qwen2", tmp_path / "m.gguf")
+    first, _ = resolve_model(str(path))
+    written = (first / "model.safetensors").stat().st_mtime_ns
+    second, _ = resolve_model(str(path))
+    assert conversions == [path] and second == first
+    assert (second / "model.safetensors").stat().st_mtime_ns == written
+
+
+def test_gguf_fingerprint_sees_its_head_tail_and_slices(tmp_path):
+    from tidal.model import registry
+
+    path = tmp_path / "big.gguf"
+    size = 40 << 20
+    with open(path, "wb") as f:
+        f.truncate(size)
+    stat = path.stat()
+    base = registry.gguf_fingerprint(path)
+    assert registry.gguf_fingerprint(path) == base
+    for offset in (16, 5 << 20, size - 16, size * 3 // (registry._SLICES + 1) + 7):
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(b"\1")
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert registry.gguf_fingerprint(path) != base, offset
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(b"\0")
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert registry.gguf_fingerprint(path) == base, offset
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert registry.gguf_fingerprint(path) != base  # a touched file converts anew too

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-from tidal.bench.dataset import BenchRequest, DatasetSpec, load_dataset
+from tidal.bench.dataset import DATA_DIR, BenchRequest, DatasetSpec, load_dataset
 from tidal.cluster.routing import CoreLoad, Router
 from tidal.core import CacheConfig, SchedulerConfig
 from tidal.sim.calibrate import fit
@@ -281,7 +280,7 @@ def test_the_issues_simulate_command_runs_as_written(tmp_path, monkeypatch):
     """`--save-result out.json`: the path may follow the flag (or come from --result-file)."""
     from tidal.cli import run as main
 
-    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
+    trace = DATA_DIR / "azure_conv_2023.csv"  # the packaged trace, named explicitly
     monkeypatch.chdir(tmp_path)
     main(["simulate", "--dataset", "azure-conv", "--dataset-path", str(trace), "--num-prompts",
           "5000", "--hardware", "h100", "--model-config", "llama-3-8b", "--save-result",

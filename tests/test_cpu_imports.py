@@ -1,0 +1,31 @@
+"""A CPU engine never imports triton: only CUDA runs tidal's Triton kernels, and a triton
+imported for nothing prints nanobind's "leaked instances" warnings at every exit."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+# tidal generate on the CPU and the server's modules; torch._dynamo would import triton.
+CODE = """
+import sys
+from tidal.cli import run
+run(["generate", "--device", "cpu", "--max-tokens", "3", "--temperature", "0", "hi"])
+import tidal.server.api, tidal.engine.model_runner, tidal.model.llama
+print("IMPORTED", sorted(m for m in sys.modules if m.split(".")[0] == "triton"
+                         or m.startswith("torch._dynamo")))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed: nothing could import it")
+def test_cpu_generate_imports_no_triton_and_warns_of_no_leaks():
+    proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[3 tokens, length]" in proc.stdout  # it did generate
+    assert "IMPORTED []" in proc.stdout, proc.stdout[-2000:]
+    assert "leaked" not in proc.stderr, proc.stderr[-2000:]
