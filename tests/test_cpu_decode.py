@@ -157,3 +157,23 @@ def test_models_the_decoder_does_not_run_keep_the_pytorch_path(tmp_path):
     assert fp16.engine.runner.decoder is None
     off = LLM(str(tmp_path / "llama"), dtype="float32", num_kv_blocks=16, cpu_decoder=False)
     assert off.engine.runner.decoder is None and off.engine.runner.model.backend.paged_kernel is None
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_stall_the_next(tmp_path, monkeypatch):
+    """torch waits forever on a `lock` file a killed build left; tidal's build folder drops
+    it under an flock, which another process cannot take while a build holds it."""
+    import fcntl
+
+    from tidal.model.cpu_decode import _build_folder
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with _build_folder() as folder:
+        assert folder.parent == tmp_path
+    (folder / "lock").write_text("")  # a build killed between taking and freeing torch's lock
+    with _build_folder() as again:
+        assert again == folder and not (folder / "lock").exists()
+        with open(folder.parent / f"{folder.name}.flock") as other:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(folder.parent / f"{folder.name}.flock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the build
