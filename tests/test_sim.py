@@ -324,7 +324,7 @@ def test_simulate_takes_the_engine_options_for_pool_and_replicas():
     """--num-kv-blocks and --data-parallel-size are the engine's options of those names;
     build_simulator is the same simulator as a Python function."""
     from tidal.cli import run as main
-    from tidal.sim.cli import build_simulator
+    from tidal.sim.build import build_simulator
 
     result = main(["simulate", "--dataset", "random", "--num-prompts", "20",
                    "--random-input-len", "64", "--random-output-len", "8",

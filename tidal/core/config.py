@@ -38,7 +38,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """What the scheduler admits, chunks, reserves and preempts; defaults are the seeds'.
+    """What the scheduler admits, chunks, reserves and preempts. The defaults are those of
+    FastDeploy's ratio-based scheduler (ResourceManagerV1, after SGLang's): docs/design/
+    scheduler.md says where each comes from.
 
     The chosen policy's own options are `policy_options`, that policy's `Options` dataclass;
     `from_kwargs` takes them by name, as the engine's flags and `LLM` keywords give them."""
@@ -74,7 +76,7 @@ class SchedulerConfig:
         4096, "Cap on one request's remaining output when reserving (estimation only).")
     preemption_order: str = knob(
         "shortest_output", "Retraction victims: 'shortest_output' (fewest generated tokens, "
-        "then longest prompt: the seeds') or 'newest' (last admitted first, as vLLM v1).")
+        "then longest prompt: SGLang's and FastDeploy's) or 'newest' (last admitted first, as vLLM v1).")
     safety_margin: float = knob(
         0.0, "Stop admitting new prefills while free blocks are under this share of the pool.")
     async_scheduling: bool = knob(

@@ -236,7 +236,7 @@ def _simulate(profile: Hardware, model: str, seed: int, concurrency: int,
     """Simulate SERVING_WORKLOAD (`seed`, `concurrency` at a time) on `model` with
     `profile`, as `tidal simulate` would: the replica's busy seconds and the median TTFT
     in ms."""
-    from tidal.sim.cli import build_simulator
+    from tidal.sim.build import build_simulator
 
     sim, arch, _, config = build_simulator(model, replace(profile))
     requests, times = serving_workload(seed, arch.vocab_size, config.scheduler.max_model_len)

@@ -5,36 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
-from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict
 
 from tidal.bench.flags import add_workload_flags, load_workload, result_header, save_result
 from tidal.bench.metrics import format_report, parse_goodput, summarize
 from tidal.engine.flags import add_engine_flags, engine_kwargs, flag_errors
+from tidal.sim.build import BASELINES, build_simulator
 from tidal.sim.dashboard import DashboardRecorder
-
-if TYPE_CHECKING:
-    from tidal.engine.config import EngineConfig
-    from tidal.model.config import ModelArch
-    from tidal.sim.profiles import Hardware
-    from tidal.sim.simulator import Simulator
-
-# Scheduler presets: tidal's defaults, and two baselines run by the same Scheduler class.
-BASELINES = {
-    "tidal": {},
-    # vLLM v1's scheduler as far as these knobs express it: FCFS, decodes and prefill chunks
-    # in one batch under one token budget, no decode reservation, newest-first recompute
-    # preemption. (vLLM may chunk several prompts in a step; tidal chunks one at a time.)
-    "vllm": dict(policy="fcfs", batch_mode="mixed", init_new_token_ratio=0.0,
-                 preemption_order="newest", chunked_prefill_size=8192,
-                 max_input_tokens_per_step=8192),
-    # No chunking: whole prompts in prefill-only steps (vLLM v0's default); the step budget
-    # is set to max_model_len so any prompt fits.
-    "nochunk": dict(batch_mode="separate", chunked_prefill_size=None,
-                    max_input_tokens_per_step=None),
-}
 
 
 def add_simulate_parser(sub) -> None:
@@ -84,50 +62,6 @@ def compare(real: dict, simulated: dict) -> dict[str, dict[str, float]]:
     return {k: {"real": real[k], "sim": simulated[k],
                 "error": (simulated[k] - real[k]) / real[k] if real[k] else float("inf")}
             for k in COMPARED}
-
-
-def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100",
-                    options: dict[str, Any] | None = None, *, baseline: str = "tidal",
-                    pd: str | None = None, routing: str = "round_robin",
-                    link_bandwidth: float = 50.0, prefill_path: str = "prefill-only",
-                    ) -> tuple[Simulator, ModelArch, Hardware, EngineConfig]:
-    """The simulator of `tidal simulate`: `model_config` (a built-in profile, a config.json
-    or a model folder) on `hw` (a profile name, a calibrated JSON file, or a Hardware),
-    with the engine `options` (any `EngineConfig.from_kwargs` keyword; the scheduler
-    `baseline`'s presets under them), `pd` ("xPyD") or data-parallel replicas, `routing`
-    and a KV link of `link_bandwidth` GB/s. Returns the simulator, the model, the hardware
-    and the engine config it runs (whose max_model_len is the context workloads are
-    clipped to; its cache's num_blocks is each replica's pool)."""
-    from tidal.engine.config import EngineConfig
-    from tidal.sim.cost_model import CostModel
-    from tidal.sim.profiles import hardware, kv_blocks_for, model_arch
-    from tidal.sim.simulator import ClusterSpec, Simulator
-
-    arch = model_arch(model_config)
-    hw = hardware(hw) if isinstance(hw, str) else hw
-    options = dict(options or {})
-    # The context: max_model_len if given, else the model's.
-    context = min(options.get("max_model_len", arch.context_length), arch.context_length)
-    knobs = {k: context if v is None else v  # None: "as long as the context"
-             for k, v in BASELINES[baseline].items()}
-    knobs.update(options)
-    knobs["max_model_len"] = context
-    config = EngineConfig.from_kwargs(**knobs)  # routes each knob to the config owning it
-    if config.model.num_kv_blocks is None:  # what fits beside the weights
-        blocks = kv_blocks_for(arch, hw, config.cache.block_size)
-        config = replace(config, model=replace(config.model, num_kv_blocks=blocks),
-                         cache=replace(config.cache, num_blocks=blocks))
-    num_prefill = num_decode = 0
-    if pd:
-        m = re.fullmatch(r"(\d+)P(\d+)D", pd.upper())
-        if not m:
-            raise ValueError(f"--pd takes xPyD, e.g. 1P3D; got {pd!r}")
-        num_prefill, num_decode = int(m.group(1)), int(m.group(2))
-    spec = ClusterSpec(data_parallel_size=config.parallel.data_parallel_size,
-                       num_prefill=num_prefill, num_decode=num_decode, routing=routing,
-                       link_bandwidth=link_bandwidth * 1e9, prefill_path=prefill_path)
-    sim = Simulator(spec, config.scheduler, config.cache, CostModel(arch, hw))
-    return sim, arch, hw, config
 
 
 def cmd_simulate(args: argparse.Namespace) -> dict:

@@ -78,8 +78,9 @@ HARDWARE: dict[str, Hardware] = {
     # typical of a CUDA-graph engine (vLLM reaches ~80% of HBM bandwidth in decode).
     "h100": Hardware("h100", 989e12, 3.35e12, 80e9, step_overhead=1.5e-3,
                      seq_overhead=5e-6),
-    # This 2-core dev VM (AMD EPYC, avx512_bf16): ~350 GFLOP/s bf16 matmul and ~43 GB/s copy
-    # bandwidth, as measured here; `tidal calibrate` fits the rest (cpu-smollm2-135m.json).
+    # A 2-core VM's rough roofline (~350 GFLOP/s matmul, ~43 GB/s copy), a starting point
+    # only: `tidal calibrate` fits a machine's own profile (the shipped cpu-smollm2-135m.json
+    # was fitted on a 2-core AVX2 AMD EPYC, float32: docs/simulator.md).
     "cpu": Hardware("cpu", 350e9, 43e9, 24e9),
     # H200: the same compute with 4.8 TB/s and 141 GB.
     "h200": Hardware("h200", 989e12, 4.8e12, 141e9, step_overhead=1.5e-3, seq_overhead=5e-6),
