@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,30 @@ def test_the_rules_catch_what_they_should():
     assert layer("tidal.engine.flags") == "engine" and layer("tidal.cli") == "cli"
     tree = ROOT / "sim" / "cli.py"
     assert any(m == "tidal.engine.flags" for _, m in imports(tree))
+
+
+def _type_checking_lines(path: Path) -> set[int]:
+    """Lines of imports under `if TYPE_CHECKING:` (annotations only: never run)."""
+    lines = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            lines |= {n.lineno for sub in node.body for n in ast.walk(sub)
+                      if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return lines
+
+
+def test_no_module_imports_itself_through_others():
+    """No import cycle among tidal's modules (each one's imports at run time, nested ones
+    too): a cycle works only by the order modules happen to load in."""
+    graph = {}
+    for path in SOURCES:
+        skip = _type_checking_lines(path)
+        name = module_name(path)
+        graph[name] = {m for line, m in imports(path) if line not in skip and m != name}
+    try:
+        list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        raise AssertionError(f"import cycle: {' -> '.join(exc.args[1])}") from None
 
 
 def test_bench_and_sim_do_not_import_the_command_line():
