@@ -73,15 +73,19 @@ def test_n_greater_than_one_forks_after_the_prompt_sharing_full_blocks():
     out = s.schedule()
     outs = s.update(out, ModelOutput(sampled={"p": [5, 6, 7]}))
     s.check_invariants()
-    assert {(o.request_id, o.parent_id, tuple(o.new_token_ids)) for o in outs} == {
-        ("p", None, (5,)), ("p-1", "p", (6,)), ("p-2", "p", (7,))}
+    assert {(o.request_id, o.parent_id, o.index, tuple(o.new_token_ids)) for o in outs} == {
+        ("p", None, 0, (5,)), ("p-1", "p", 1, (6,)), ("p-2", "p", 2, (7,))}
+    assert [s.requests[rid].index for rid in ("p", "p-1", "p-2")] == [0, 1, 2]
+    out = s.schedule()
+    later = s.update(out, ModelOutput(sampled={"p": [8], "p-1": [9], "p-2": [10]}))
+    assert {(o.request_id, o.index) for o in later} == {("p", 0), ("p-1", 1), ("p-2", 2)}
     tables = {rid: s.kv.block_ids(rid) for rid in ("p", "p-1", "p-2")}
     assert tables["p"][0] == tables["p-1"][0] == tables["p-2"][0]
     assert s.kv.pool.blocks[tables["p"][0]].ref_cnt == 3
     assert len({t[1] for t in tables.values()}) == 3
-    out = s.schedule()
     assert sorted(out.block_copies) == sorted((tables["p"][1], tables[c][1]) for c in ("p-1", "p-2"))
     assert scheduled(out) == {"p": (1, 6), "p-1": (1, 6), "p-2": (1, 6)}
+    s.check_invariants()
     s.abort("p")  # aborting the parent ends its siblings too
     assert not s.has_unfinished_requests() and s.kv.num_free == 32
 

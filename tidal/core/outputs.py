@@ -82,4 +82,5 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None = None
     finish_message: str | None = None
     parent_id: str | None = None  # set on the siblings an n>1 request forks into
+    index: int = 0  # which of an n>1 request's sequences (the parent is 0)
     kv_transfer: bool = False  # prefill role: the request left for its decode instance

@@ -146,12 +146,6 @@ def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> l
     return prompt[start:] + output[:end - n]
 
 
-def sibling_index(request_id: str) -> int:
-    """The index of an n>1 sibling among its request's outputs: `Request.fork` names it
-    `<parent id>-<index>`."""
-    return int(request_id.rsplit("-", 1)[1])
-
-
 class Request:
     """One sequence: its prompt, generated tokens, KV progress and status.
 
@@ -164,8 +158,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "eos_token_id",
         "extra_key", "status", "output_token_ids", "num_computed_tokens", "prefill_target",
         "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "block_tokens",
-        "parent_id", "enqueue_step", "remote_prefill", "fork_pending", "stop_ids", "out_limit",
-        "max_tokens", "admitted",
+        "parent_id", "index", "enqueue_step", "remote_prefill", "fork_pending", "stop_ids",
+        "out_limit", "max_tokens", "admitted",
     )
 
     def __init__(
@@ -195,6 +189,7 @@ class Request:
         self.block_hashes: list[int] = []  # chain hashes of full blocks, grown lazily
         self.block_tokens: list[tuple[int, ...]] = []  # those blocks' token ids, hashed once
         self.parent_id: str | None = None
+        self.index = 0  # which of an n>1 request's sequences: set by fork()
         self.enqueue_step = 0
         self.admitted = False  # ever given blocks here (a retracted one is waiting again)
         self.remote_prefill = False  # decode role: KV comes from a prefill instance
@@ -253,7 +248,7 @@ class Request:
         params = replace(self.sampling_params, n=1, seed=None if seed is None else seed + index)
         child = Request(f"{self.request_id}-{index}", self.prompt_token_ids, params,
                         self.arrival_time, self.eos_token_id, self.extra_key)
-        child.parent_id = self.request_id
+        child.parent_id, child.index = self.request_id, index
         child.stop_ids, child.out_limit = self.stop_ids, self.out_limit
         return child
 

@@ -418,14 +418,15 @@ class Scheduler:
             self._finish(r, RequestStatus.FINISHED_LENGTH)
         elif self.role.hands_off and r.status is RequestStatus.RUNNING:
             self._leave_for_transfer(r)
-            return RequestOutput(r.request_id, [token], parent_id=r.parent_id, kv_transfer=True)
+            return RequestOutput(r.request_id, [token], False, None, None, r.parent_id,
+                                 r.index, True)
         else:
-            return RequestOutput(r.request_id, [token], False, None, None, r.parent_id)
+            return RequestOutput(r.request_id, [token], False, None, None, r.parent_id, r.index)
         return self._output(r, [token])
 
     def _output(self, r: Request, tokens: list[int]) -> RequestOutput:
         return RequestOutput(r.request_id, tokens, r.is_finished, r.finish_reason,
-                             r.finish_message, r.parent_id)
+                             r.finish_message, r.parent_id, r.index)
 
     def _leave_for_transfer(self, r: Request) -> None:
         self.running.remove(r)

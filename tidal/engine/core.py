@@ -16,7 +16,6 @@ from pathlib import Path
 from tidal.core import (POLICIES, KVCacheManager, LearnedStepTime, ModelOutput, Request,
                         RequestOutput, RequestStatus, SamplingParams, Scheduler,
                         SchedulerOutput, StepShape)
-from tidal.core.request import sibling_index
 from tidal.core.snapshot import StepHistory
 from tidal.engine.config import EngineConfig
 from tidal.engine.model_runner import ModelRunner
@@ -169,8 +168,7 @@ class EngineCore:
         logprobs = result.logprobs
         for o in outputs:  # n>1: a sibling's first token was sampled in its parent's row
             if o.parent_id in logprobs and o.request_id not in logprobs:
-                index = sibling_index(o.request_id)
-                logprobs[o.request_id] = logprobs[o.parent_id][index:index + 1]
+                logprobs[o.request_id] = logprobs[o.parent_id][o.index:o.index + 1]
         return outputs, logprobs, result.prompt_logprobs
 
     def close(self) -> None:

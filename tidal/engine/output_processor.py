@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tidal.core import RequestOutput, SamplingParams
-from tidal.core.request import sibling_index
 from tidal.engine.detokenizer import IncrementalDetokenizer
 from tidal.engine.outputs import StepUpdate
 
@@ -69,7 +68,7 @@ class OutputProcessor:
                 root = self._roots.get(o.parent_id) if o.parent_id is not None else None
                 if root is None or o.request_id in root.started:
                     continue  # a late token of a forgotten or already ended sequence
-                self._add(o.request_id, o.parent_id, sibling_index(o.request_id))
+                self._add(o.request_id, o.parent_id, o.index)
             root, index, detok = self._seqs[o.request_id]
             text = detok.add(o.new_token_ids)
             finished, reason, message = o.finished, o.finish_reason, o.finish_message
