@@ -65,8 +65,8 @@ def test_penalties_and_logprobs():
     plain, lp = sample(logits, [row(temperature=0, logprobs=2)], gen)
     assert plain == [[0]]
     probs = logits.log_softmax(-1)[0]
-    assert lp[0][0][0] == pytest.approx(probs[0].item())
-    assert [t for t, _ in lp[0][0][1]] == [0, 1]
+    assert lp[0][0].logprob == pytest.approx(probs[0].item())
+    assert [t for t, _ in lp[0][0].top] == [0, 1]
     penalised = SampleRow(SamplingParams(temperature=0, presence_penalty=0.5), 1, [], [0], None)
     assert sample(logits, [penalised], gen)[0] == [[1]]
     repeated = SampleRow(SamplingParams(temperature=0, repetition_penalty=1.2), 1, [0], [], None)
@@ -145,7 +145,7 @@ def test_logit_bias_shifts_the_logits_before_sampling():
     assert sample(logits, [row(temperature=0, logit_bias={0: -100})], gen)[0] == [[1]]
     _, lp = sample(logits, [row(temperature=0, logit_bias={1: 1.0}, logprobs=1)], gen)
     biased = torch.tensor([[2.0, 2.9, 0.0]]).log_softmax(-1)[0]
-    assert lp[0][0][0] == pytest.approx(biased[1].item())  # logprobs see the bias
+    assert lp[0][0].logprob == pytest.approx(biased[1].item())  # logprobs see the bias
     assert torch.equal(logits, torch.tensor([[2.0, 1.9, 0.0]]))  # the caller's are untouched
     seen = set()
     for _ in range(300):  # -100 all but bans a token at any temperature
@@ -237,9 +237,9 @@ def test_a_step_comes_back_to_the_host_in_one_copy(monkeypatch):
     assert [len(t) for t in tokens] == [3, 1, 2, 1, 1]
     assert tokens[2] == [tokens[2][0]] * 2 and tokens[4] == [int(logits[4].argmax())]
     assert [len(e) if e else e for e in logprobs] == [3, None, 2, 1, None]
-    assert [len(e[0][1]) for e in logprobs if e] == [2, 4, 0]
+    assert [len(e[0].top) for e in logprobs if e] == [2, 4, 0]
     # Each entry's alternatives are the row's likeliest tokens, best first.
-    ids, vals = zip(*logprobs[2][0][1])
+    ids, vals = zip(*logprobs[2][0].top)
     assert list(vals) == sorted(vals, reverse=True) and ids[0] == tokens[2][0]
 
 
@@ -252,7 +252,6 @@ def test_every_sibling_of_n_gets_its_first_tokens_logprobs(llm):
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     for o in out.outputs:
         assert len(o.logprobs) == len(o.token_ids) == 5
-        own, alts = o.logprobs[0]
-        assert own <= 0 and len(alts) == 2
-    firsts = {o.token_ids[0]: o.logprobs[0][0] for o in out.outputs}
+        assert o.logprobs[0].logprob <= 0 and len(o.logprobs[0].top) == 2
+    firsts = {o.token_ids[0]: o.logprobs[0].logprob for o in out.outputs}
     assert len(set(firsts.values())) == len(firsts)  # different tokens, their own logprobs

@@ -82,9 +82,9 @@ def test_sampling_options_run_on_the_device(tmp_path):
     mixed = engine.generate(batch, [seeded, other, other], use_tqdm=False)[0].outputs[0]
     assert mixed.token_ids == alone.token_ids  # a seed reproduces in any batch
     assert len(alone.logprobs) == 24
-    for own, alts in alone.logprobs:  # (the token's logprob, the top 3 as (token, logprob))
-        assert own <= 0 and len(alts) == 3
-        assert [v for _, v in alts] == sorted((v for _, v in alts), reverse=True)
+    for e in alone.logprobs:  # the token's logprob, the top 3 as (token, logprob)
+        assert e.logprob <= 0 and len(e.top) == 3
+        assert [v for _, v in e.top] == sorted((v for _, v in e.top), reverse=True)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])

@@ -67,7 +67,7 @@ class Pair:
                     if not sock.closed and sock.poll(5):  # closed: a "dead" side
                         outs += link.handle(sock)
                 if core.can_step():
-                    outs += core.step()[0]
+                    outs += core.step()
                 for o in link.after_step(outs):
                     self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                     if o.finished:
@@ -96,7 +96,7 @@ def mixed_greedy(folder, prompts):
         core.add(f"r{i}", p, GREEDY)
     tokens: dict[str, list[int]] = {}
     while core.has_work():
-        for o in core.step()[0]:
+        for o in core.step():
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
@@ -142,7 +142,7 @@ def test_a_decode_core_without_room_holds_the_request_back_and_loses_nothing(fol
 def test_a_dead_prefill_side_fails_the_request_and_frees_the_decode_blocks(folder):
     pair = Pair(folder)
     try:
-        pair.p.step = lambda: ([], {})  # the prefill core hangs: it never answers
+        pair.p.step = lambda: []  # the prefill core hangs: it never answers
         pair.add("a", PROMPTS[0])
         pair.pump(3)
         assert pair.dl.prefill_of["a"][1] is not None  # the task went out

@@ -1,9 +1,10 @@
 """The frontend's OutputProcessor: n>1 siblings mapped back to their request, stop strings
-ending a sequence, late tokens of an ended sequence dropped, and logprobs split per token."""
+ending a sequence, late tokens of an ended sequence dropped, and each output's logprobs on
+its own update."""
 
 from __future__ import annotations
 
-from tidal.core import RequestOutput, SamplingParams
+from tidal.core import PromptLogprob, RequestOutput, SamplingParams, TokenLogprob
 from tidal.engine.output_processor import OutputProcessor
 
 
@@ -14,21 +15,22 @@ class CharTokenizer:
         return "".join(chr(t) for t in ids)
 
 
-def out(rid, text, parent=None, finished=False, reason=None, index=0):
-    return RequestOutput(rid, [ord(c) for c in text], finished, reason, None, parent, index)
+def out(rid, text, parent=None, finished=False, reason=None, index=0, **kwargs):
+    return RequestOutput(rid, [ord(c) for c in text], finished, reason, None, parent, index,
+                         **kwargs)
 
 
 def test_a_sibling_ended_by_a_stop_string_is_not_started_again_by_its_late_tokens():
     p = OutputProcessor(CharTokenizer())
     p.track("r", SamplingParams(n=2, max_tokens=8, stop=["!"]))
-    updates, stopped = p.process([out("r", "a"), out("r-1", "b!", parent="r", index=1)], {})
+    updates, stopped = p.process([out("r", "a"), out("r-1", "b!", parent="r", index=1)])
     assert stopped == ["r-1"]
     assert [(u.index, u.new_text, u.finished, u.finish_reason) for u in updates] == [
         (0, "a", False, None), (1, "b", True, "stop")]
     # the core ran one more step before it heard of the stop: that token is dropped
-    updates, stopped = p.process([out("r", "c"), out("r-1", "x", parent="r", index=1)], {})
+    updates, stopped = p.process([out("r", "c"), out("r-1", "x", parent="r", index=1)])
     assert [(u.index, u.finished) for u in updates] == [(0, False)] and stopped == []
-    updates, _ = p.process([out("r", "d", finished=True, reason="length")], {})
+    updates, _ = p.process([out("r", "d", finished=True, reason="length")])
     assert [(u.index, u.new_text, u.finish_reason) for u in updates] == [(0, "d", "length")]
     assert p._roots == {} and p._seqs == {}  # every sibling ended: nothing kept
 
@@ -37,8 +39,7 @@ def test_a_sibling_whose_first_token_comes_after_its_parent_finished_still_strea
     p = OutputProcessor(CharTokenizer())
     p.track("r", SamplingParams(n=2, max_tokens=1))
     updates, _ = p.process([out("r", "a", finished=True, reason="length"),
-                            out("r-1", "b", parent="r", index=1, finished=True,
-                                reason="length")], {})
+                            out("r-1", "b", parent="r", index=1, finished=True, reason="length")])
     assert [(u.index, u.new_text, u.finished) for u in updates] == [(0, "a", True), (1, "b", True)]
     assert p._roots == {} and p._seqs == {}
 
@@ -46,28 +47,29 @@ def test_a_sibling_whose_first_token_comes_after_its_parent_finished_still_strea
 def test_forget_drops_the_request_and_its_siblings():
     p = OutputProcessor(CharTokenizer())
     p.track("r", SamplingParams(n=3, max_tokens=4))
-    p.process([out("r", "a"), out("r-1", "b", parent="r", index=1)], {})
+    p.process([out("r", "a"), out("r-1", "b", parent="r", index=1)])
     p.forget("r")
-    updates, _ = p.process([out("r", "c"), out("r-2", "d", parent="r", index=2)], {})
+    updates, _ = p.process([out("r", "c"), out("r-2", "d", parent="r", index=2)])
     assert updates == [] and p._roots == {} and p._seqs == {}
+
+
+def test_two_outputs_of_one_sequence_in_a_batch_keep_their_own_logprobs():
+    """A P/D first token landed beside the sequence's next decode: each update has its own
+    output's entries, and the prompt logprobs go with the first only."""
+    p = OutputProcessor(CharTokenizer())
+    p.track("r", SamplingParams(max_tokens=8, logprobs=1, prompt_logprobs=0))
+    first, second = TokenLogprob(-0.5, [(97, -0.5)]), TokenLogprob(-1.5, [(99, -0.2)])
+    prompt = [None, PromptLogprob(-2.0, [], 3)]
+    updates, _ = p.process([out("r", "a", logprobs=[first], prompt_logprobs=prompt),
+                            out("r", "b", logprobs=[second])])
+    assert [(u.new_text, u.logprobs, u.prompt_logprobs) for u in updates] == [
+        ("a", [first], prompt), ("b", [second], None)]
 
 
 def test_a_siblings_index_is_the_outputs_field_whatever_its_id():
     p = OutputProcessor(CharTokenizer())
     p.track("r", SamplingParams(n=3, max_tokens=4))
-    updates, _ = p.process([out("r", "a"), out("other-name", "b", parent="r", index=2)], {})
+    updates, _ = p.process([out("r", "a"), out("other-name", "b", parent="r", index=2)])
     assert [(u.request_id, u.root_id, u.index) for u in updates] == [
         ("r", "r", 0), ("other-name", "r", 2)]
 
-
-def test_two_outputs_of_one_sequence_in_a_batch_split_its_logprobs_in_order():
-    """A P/D first token landed beside the sequence's next decode: one entry per token each,
-    and the prompt logprobs go with the first only."""
-    p = OutputProcessor(CharTokenizer())
-    p.track("r", SamplingParams(max_tokens=8, logprobs=0, prompt_logprobs=0))
-    first, second = (-0.5, []), (-1.5, [])
-    prompt = [None, (-2.0, [])]
-    updates, _ = p.process([out("r", "a"), out("r", "b")], {"r": [first, second]},
-                           {"r": prompt})
-    assert [(u.new_text, u.logprobs, u.prompt_logprobs) for u in updates] == [
-        ("a", [first], prompt), ("b", [second], None)]

@@ -12,6 +12,7 @@ import torch
 
 from model_fixtures import small_folder
 from tidal import LLM, SamplingParams
+from tidal.core import PromptLogprob, RequestOutput
 from tidal.engine.config import EngineConfig
 from tidal.model.tokenizer import Tokenizer
 
@@ -43,10 +44,11 @@ def check(entries, prompt: list[int], ref: torch.Tensor, k: int) -> None:
     token's place in the whole distribution."""
     assert entries is not None and len(entries) == len(prompt) and entries[0] is None
     for i in range(1, len(prompt)):
-        logprob, alts, rank = entries[i]
+        assert isinstance(entries[i], PromptLogprob)
+        alts = entries[i].top
         row = ref[i - 1]
-        assert logprob == pytest.approx(row[prompt[i]].item(), abs=1e-4)
-        assert rank == int((row > row[prompt[i]]).sum()) + 1
+        assert entries[i].logprob == pytest.approx(row[prompt[i]].item(), abs=1e-4)
+        assert entries[i].rank == int((row > row[prompt[i]]).sum()) + 1
         assert len(alts) == k
         if k:
             top = row.topk(k)
@@ -171,41 +173,44 @@ def test_a_chunked_prefill_retracted_midway_starts_its_entries_over(folder, refe
     assert runner.execute(decode).prompt_logprobs == {}
 
 
-def drive(pair) -> tuple[dict[str, list], dict[str, list]]:
-    """Step both sides until idle, as the core loop does; the logprobs and prompt logprobs
-    the decode side's frontend would get."""
-    got: tuple[dict[str, list], dict[str, list]] = ({}, {})
+def drive(pair) -> dict[str, list[RequestOutput]]:
+    """Step both sides until idle, as the core loop does; the outputs the decode side's
+    frontend would get, by request."""
+    got: dict[str, list[RequestOutput]] = {}
     while pair.d.has_work() or pair.p.has_work():
         for link, core in ((pair.pl, pair.p), (pair.dl, pair.d)):
-            outs, lp, plp = [], {}, {}
+            outs = []
             for sock in link.sockets:
                 if not sock.closed and sock.poll(5):
                     outs += link.handle(sock)
             if core.can_step():
-                stepped, lp, plp = core.step()
-                outs += stepped
-            outs = link.after_step(outs, lp, plp)
-            if link is pair.dl:
-                for into, new in zip(got, link.with_landed(lp, plp)):
-                    for rid, entries in new.items():
-                        into[rid] = into.get(rid, []) + entries
+                outs += core.step()
+            for o in link.after_step(outs):
+                assert link is pair.dl  # a prefill core's outputs all go to the decode core
+                got.setdefault(o.request_id, []).append(o)
     return got
 
 
 def test_prefill_and_decode_instances_carry_them_across(folder, reference):
+    """The first token's logprobs and the prompt logprobs cross in KVBlocks and arrive on
+    the landed first token's output."""
     from test_kv_transfer import Pair
 
+    asked = params(3, logprobs=2)
     pair = Pair(folder)
     try:
         pair.add("plain", PROMPT, params(None))
-        drive(pair)
+        assert all(o.logprobs is None and o.prompt_logprobs is None
+                   for o in drive(pair)["plain"])
         hits = (pair.p.scheduler.prefix_hit_tokens, pair.d.scheduler.prefix_hit_tokens)
-        pair.add("a", PROMPT, params(3, logprobs=2))
-        sampled, prompt = drive(pair)
+        pair.add("a", PROMPT, asked)
+        outs = drive(pair)["a"]
         assert (pair.p.scheduler.prefix_hit_tokens, pair.d.scheduler.prefix_hit_tokens) == hits
-        assert set(prompt) == {"a"}
-        check(prompt["a"], PROMPT, reference(PROMPT), 3)
-        assert len(sampled["a"]) == 3  # the first token's came from the prefill side too
+        assert [o.prompt_logprobs is not None for o in outs] == [True] + [False] * (
+            len(outs) - 1)  # with the first token only
+        check(outs[0].prompt_logprobs, PROMPT, reference(PROMPT), 3)
+        assert all(len(o.logprobs) == len(o.new_token_ids) for o in outs)
+        assert sum(len(o.logprobs) for o in outs) == 3  # the first's came from the prefill side
     finally:
         pair.close()
 

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tidal.core import RequestOutput, SamplingParams
+from tidal.core import PromptLogprob, RequestOutput, SamplingParams, TokenLogprob
 from tidal.engine.core import EngineCore
 
 log = logging.getLogger("tidal.kv")
@@ -48,8 +48,8 @@ class KVBlocks(msgspec.Struct, tag=True):
     shape: list[int]  # [layers, 2 (K, V), blocks, block_size, kv heads, head dim]
     dtype: str
     data: bytes
-    logprobs: list | None = None
-    prompt_logprobs: list | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class PrefillFailed(msgspec.Struct, tag=True):
@@ -71,9 +71,9 @@ _decoder = msgspec.msgpack.Decoder(PrefillTask | KVBlocks | PrefillFailed | Abor
 
 class KVLink:
     """One engine core's end of P/D transfer (prefill or decode role). The core's loop polls
-    `sockets`, calls `handle(sock)` when one is readable, and `after_step(outputs, logprobs,
-    prompt_logprobs)` after each step; both return the outputs for this core's own frontend,
-    whose logprobs `with_landed` then completes with those that came with landed KV."""
+    `sockets`, calls `handle(sock)` when one is readable, and `after_step(outputs)` after
+    each step; both return the outputs for this core's own frontend (a landed first token's
+    output carries the logprobs that came with it)."""
 
     def __init__(self, core: EngineCore, ctx: zmq.Context, host: str,
                  timeout: float = 300.0) -> None:
@@ -88,9 +88,6 @@ class KVLink:
         self.prefill_of: dict[str, tuple[str, float | None]] = {}
         # prefill role: request -> (its decode core, its blocks there, blocks it skips)
         self.tasks: dict[str, tuple[str, list[int], int]] = {}
-        # decode role: the logprobs and prompt logprobs that came with first tokens landed
-        # since the last step, by request id
-        self._landed: tuple[dict[str, list], dict[str, list]] = ({}, {})
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -164,34 +161,16 @@ class KVLink:
                 if self.tasks.pop(msg.request_id, None) is not None:
                     self.core.abort(msg.request_id)
 
-    def after_step(self, outputs: list[RequestOutput], logprobs: dict[str, list] | None = None,
-                   prompt_logprobs: dict[str, list] | None = None) -> list[RequestOutput]:
-        """`logprobs` and `prompt_logprobs` are the step's, by request id: a prefill core
-        sends a request's with its first token."""
+    def after_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A prefill core sends each request's first token, with its logprobs, to the
+        decode core that asked; a decode core sends out new tasks and expires old ones."""
         if self.receives:
             return self._send_tasks() + outputs + self._expire()
-        logprobs, prompt_logprobs = logprobs or {}, prompt_logprobs or {}
         for o in outputs:  # prefill role: every output belongs to a decode core's request
             task = self.tasks.pop(o.request_id, None)
             if task is not None:
-                self._hand_over(o, *task, logprobs.get(o.request_id),
-                                prompt_logprobs.get(o.request_id))
+                self._hand_over(o, *task)
         return []
-
-    def with_landed(self, logprobs: dict[str, list], prompt_logprobs: dict[str, list],
-                    ) -> tuple[dict[str, list], dict[str, list]]:
-        """The step's logprobs and prompt logprobs with those of the first tokens landed
-        since the last step (decode role) put first: those tokens go out before the step's."""
-        if not (self._landed[0] or self._landed[1]):
-            return logprobs, prompt_logprobs
-        merged = []
-        for landed, step in zip(self._landed, (logprobs, prompt_logprobs)):
-            both = dict(step)
-            for rid, entries in landed.items():
-                both[rid] = entries + step.get(rid, [])
-            merged.append(both)
-        self._landed = ({}, {})
-        return merged[0], merged[1]
 
     # ------------------------------------------------------------------ decode side
     def _send_tasks(self) -> list[RequestOutput]:
@@ -227,11 +206,9 @@ class KVLink:
                 self.core.runner.write_blocks(msg.dst_block_ids, msg.data, msg.shape, msg.dtype)
         except ValueError as exc:
             return self._fail(rid, str(exc))
-        if msg.logprobs is not None:
-            self._landed[0][rid] = msg.logprobs
-        if msg.prompt_logprobs is not None:
-            self._landed[1][rid] = msg.prompt_logprobs
-        return [self.core.scheduler.kv_received(rid, msg.first_token)]
+        out = self.core.scheduler.kv_received(rid, msg.first_token)
+        out.logprobs, out.prompt_logprobs = msg.logprobs, msg.prompt_logprobs
+        return [out]
 
     def _expire(self) -> list[RequestOutput]:
         now, outputs = time.monotonic(), []
@@ -256,8 +233,7 @@ class KVLink:
         self.tasks[task.request_id] = (task.reply_to, task.dst_block_ids, task.skip_blocks)
         self._peer(task.reply_to)  # connect now, so the decode side's death is noticed
 
-    def _hand_over(self, o: RequestOutput, reply_to: str, dst: list[int], skip: int,
-                   logprobs: list | None, prompt_logprobs: list | None) -> None:
+    def _hand_over(self, o: RequestOutput, reply_to: str, dst: list[int], skip: int) -> None:
         if not o.new_token_ids:  # ended without a token: an error or an abort here
             self._send(reply_to, PrefillFailed(o.request_id, o.finish_message or
                                                f"prefill ended: {o.finish_reason}"))
@@ -269,4 +245,4 @@ class KVLink:
             data, shape, dtype = self.core.runner.read_blocks(src)
             self.core.scheduler.kv_sent(o.request_id)  # the bytes are out of our cache
         self._send(reply_to, KVBlocks(o.request_id, o.new_token_ids[0], src, dst[:len(src)],
-                                      shape, dtype, data, logprobs, prompt_logprobs))
+                                      shape, dtype, data, o.logprobs, o.prompt_logprobs))

@@ -53,6 +53,21 @@ class SchedulerOutput(msgspec.Struct):
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    """A sampled token's log-probability and the top alternatives, as (token, logprob)
+    sorted likeliest first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class PromptLogprob(TokenLogprob, array_like=True, gc=False):
+    """A prompt token's log-probability given the tokens before it, the top alternatives,
+    and its rank in the whole distribution (1: the likeliest), as vLLM reports it."""
+
+    rank: int
+
+
 class ModelOutput(msgspec.Struct):
     """What the executor returns for one step.
 
@@ -63,18 +78,19 @@ class ModelOutput(msgspec.Struct):
 
     sampled: dict[str, list[int]] = msgspec.field(default_factory=dict)
     preempted_ack: list[str] = msgspec.field(default_factory=list)
-    # For requests that asked for logprobs: per sampled token, (its logprob, [(token,
-    # logprob) of the top alternatives]). The scheduler ignores it; the engine passes it on.
-    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = msgspec.field(
-        default_factory=dict)
+    # For requests that asked for logprobs: one entry per sampled token (an n>1 request's
+    # row holds its siblings' first tokens too). The scheduler ignores it; the engine core
+    # moves each entry onto its RequestOutput.
+    logprobs: dict[str, list[TokenLogprob]] = msgspec.field(default_factory=dict)
     # For requests that asked for prompt logprobs, on the step that samples their first
-    # token: per prompt position (its logprob, the alternatives, its rank), None for position 0.
-    prompt_logprobs: dict[str, list[tuple[float, list[tuple[int, float]], int] | None]] = \
-        msgspec.field(default_factory=dict)
+    # token: one entry per prompt position, None for position 0 (nothing predicts it).
+    prompt_logprobs: dict[str, list[PromptLogprob | None]] = msgspec.field(
+        default_factory=dict)
 
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False):
-    """New tokens of one request after a step, and whether it finished."""
+    """New tokens of one request after a step, whether it finished, and the logprobs of
+    those tokens (and of its prompt, with its first token) where it asked for them."""
 
     request_id: str
     new_token_ids: list[int]
@@ -84,3 +100,5 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     parent_id: str | None = None  # set on the siblings an n>1 request forks into
     index: int = 0  # which of an n>1 request's sequences (the parent is 0)
     kv_transfer: bool = False  # prefill role: the request left for its decode instance
+    logprobs: list[TokenLogprob] | None = None  # one per new token; None: not asked for
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # whole, with the first token

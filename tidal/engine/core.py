@@ -22,9 +22,6 @@ from tidal.engine.model_runner import ModelRunner
 
 log = logging.getLogger("tidal.engine")
 
-# A step's outputs, sampled-token logprobs and prompt logprobs (both by request id).
-StepResult = tuple[list[RequestOutput], dict[str, list], dict[str, list]]
-
 
 class EngineCore:
     """Owns the scheduler and the model runner; `step()` schedules, executes and updates."""
@@ -102,22 +99,21 @@ class EngineCore:
         s = self.scheduler
         return bool(s.running or s.waiting or s.preempted) or self._pending is not None
 
-    def step(self) -> StepResult:
-        """One step: the requests' new tokens (and finishes), the sampled tokens' logprobs
-        by request id, and prompt logprobs by request id (whole, on the step that samples a
-        request's first token). With async scheduling these are the previous step's, and the
-        next one is running."""
+    def step(self) -> list[RequestOutput]:
+        """One step: the requests' new tokens (and finishes), each with its tokens' logprobs
+        and, on its first token, its prompt logprobs where it asked for them. With async
+        scheduling these are the previous step's, and the next one is running."""
         if self._pool is not None:
             return self._step_overlapped()
         out = self._schedule()
         return self._complete(out, self._execute(out))
 
-    def _step_overlapped(self) -> StepResult:
+    def _step_overlapped(self) -> list[RequestOutput]:
         """Plan step N+1 while step N runs on the worker thread, then wait for N, update,
         and start N+1. The runner reads only the plan's plain data; its block tables are
         snapshotted, as tables grow in place."""
         out = self._schedule() if self.scheduler.has_unfinished_requests() else None
-        done: StepResult = ([], {}, {})
+        done: list[RequestOutput] = []
         if self._pending is not None:
             prev, future = self._pending
             self._pending = None
@@ -157,20 +153,37 @@ class EngineCore:
         self.history.record(out, seconds, time.time(), prefill)
         return result
 
-    def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception) -> StepResult:
+    def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception,
+                  ) -> list[RequestOutput]:
         if isinstance(result, Exception):
             message = f"model runner error: {type(result).__name__}: {result}"
             failed = [o for s in out.scheduled for o in self.fail(s.request_id, message)]
             self.scheduler.update(out, ModelOutput(preempted_ack=list(out.preempted_ids)))
-            return failed, {}, {}
+            return failed
         self.generation_tokens += sum(len(t) for t in result.sampled.values())
         outputs = self.scheduler.update(out, result)
-        logprobs = result.logprobs
-        for o in outputs:  # n>1: a sibling's first token was sampled in its parent's row
-            if o.parent_id in logprobs and o.request_id not in logprobs:
-                logprobs[o.request_id] = logprobs[o.parent_id][o.index:o.index + 1]
-        return outputs, logprobs, result.prompt_logprobs
+        if result.logprobs or result.prompt_logprobs:  # a step without them pays nothing
+            attach_logprobs(outputs, result)
+        return outputs
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def attach_logprobs(outputs: list[RequestOutput], result: ModelOutput) -> None:
+    """Put each sampled row's logprobs on the outputs its tokens went to, and a request's
+    prompt logprobs on the output of its first token. An n>1 request's row holds every
+    sibling's first token: entry i is sibling i's (the parent is 0)."""
+    rows, prompt = result.logprobs, result.prompt_logprobs
+    for o in outputs:
+        count = len(o.new_token_ids)
+        if not count:
+            continue  # ended without a token: nothing was sampled for it
+        row = rows.get(o.request_id)
+        if row is not None:
+            o.logprobs = row[:count]
+        elif o.parent_id in rows:  # a sibling's first token, sampled in its parent's row
+            o.logprobs = rows[o.parent_id][o.index:o.index + count]
+        if prompt:
+            o.prompt_logprobs = prompt.get(o.request_id)

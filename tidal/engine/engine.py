@@ -53,7 +53,7 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[StepUpdate]:
-        updates, stopped = self.outputs.process(*self.core.step())
+        updates, stopped = self.outputs.process(self.core.step())
         for seq_id in stopped:
             self.core.finish(seq_id)
         return updates

@@ -55,14 +55,11 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):
-    """One step's token outputs, and their logprobs by request id where asked for (prompt
-    logprobs whole, with a request's first token)."""
+    """One step's token outputs, each with its logprobs where its request asked for them."""
 
     core: int
     outputs: list[RequestOutput]
-    logprobs: dict[str, list]
     incarnation: int = 0  # late outputs of a dead incarnation are dropped
-    prompt_logprobs: dict[str, list] = msgspec.field(default_factory=dict)
 
 
 class Rejected(msgspec.Struct, tag=True):

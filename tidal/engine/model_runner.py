@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.core import ModelOutput, NewRequest, SchedulerConfig, SchedulerOutput
+from tidal.core import ModelOutput, NewRequest, PromptLogprob, SchedulerConfig, SchedulerOutput
 from tidal.core.kv_cache_manager import cdiv
 from tidal.core.request import token_slice
 from tidal.engine.batch import BatchBuilder, StepBatch
@@ -47,7 +47,8 @@ class _Seq:
         # Owed until the first output token: a request back with output reported them already.
         owed = new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
         self.prompt_k = new.sampling_params.prompt_logprobs if owed else None
-        self.prompt_entries: list = []  # one per prompt position computed so far
+        # one per prompt position computed so far; None for position 0
+        self.prompt_entries: list[PromptLogprob | None] = []
 
     def tokens(self, start: int, end: int) -> list[int]:
         return token_slice(self.prompt, self.output, start, end)

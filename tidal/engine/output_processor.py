@@ -53,16 +53,10 @@ class OutputProcessor:
         if req.ended >= req.params.n:  # every sibling ended: nothing more can come
             del self._roots[root]
 
-    def process(self, outputs: list[RequestOutput], logprobs: dict[str, list],
-                prompt_logprobs: dict[str, list] | None = None,
-                ) -> tuple[list[StepUpdate], list[str]]:
-        """`logprobs` and `prompt_logprobs` are by sequence id, as the core sent them (an
-        n>1 request's prompt logprobs are its own id's: index 0's). A sequence with several
-        outputs in one batch (a P/D first token landed beside a decode) takes its logprobs
-        in order, one entry per token, and its prompt logprobs once."""
+    def process(self, outputs: list[RequestOutput]) -> tuple[list[StepUpdate], list[str]]:
+        """Each output's logprobs (and prompt logprobs, on index 0's first token) go on its
+        update as the core attached them."""
         updates, stopped = [], []
-        prompt_logprobs = dict(prompt_logprobs or {})
-        taken: dict[str, int] = {}  # logprob entries already given to a sequence's outputs
         for o in outputs:
             if o.request_id not in self._seqs:
                 root = self._roots.get(o.parent_id) if o.parent_id is not None else None
@@ -78,12 +72,7 @@ class OutputProcessor:
             if finished:
                 text += detok.flush()
                 self._ended(o.request_id, root)
-            lp = logprobs.get(o.request_id)
-            if lp is not None:
-                start = taken.get(o.request_id, 0)
-                taken[o.request_id] = start + len(o.new_token_ids)
-                lp = lp[start:start + len(o.new_token_ids)]
             updates.append(StepUpdate(o.request_id, root, index, o.new_token_ids, text,
-                                      finished, reason, message, lp,
-                                      prompt_logprobs.pop(o.request_id, None)))
+                                      finished, reason, message, o.logprobs,
+                                      o.prompt_logprobs))
         return updates, stopped

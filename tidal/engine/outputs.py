@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tidal.core import PromptLogprob, TokenLogprob
+
 
 @dataclass
 class StepUpdate:
@@ -17,10 +19,10 @@ class StepUpdate:
     finished: bool
     finish_reason: str | None = None
     finish_message: str | None = None
-    logprobs: list | None = None  # per new token: (logprob, [(token, logprob), ...])
-    # Index 0 only, with its first token: per prompt position (logprob, alternatives, rank),
-    # None for position 0, which has no context.
-    prompt_logprobs: list | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, where asked for
+    # Index 0 only, with its first token: one per prompt position, None for position 0,
+    # which has no context.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass
@@ -31,7 +33,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    logprobs: list | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -42,9 +44,9 @@ class GenerationOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    prompt_logprobs: list | None = None
-    """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first,
-    else (its logprob, [(token, logprob) of the top alternatives], its rank)."""
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    (nothing before it predicts it)."""
 
     @property
     def finished(self) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tidal.core import SamplingParams
+from tidal.core import PromptLogprob, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -114,9 +114,9 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator,
-           ) -> tuple[list[list[int]], list[list[tuple[float, list[tuple[int, float]]]] | None]]:
+           ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
     """Tokens per row (num_samples each) and, for rows asking for logprobs, one entry per
-    token: (its logprob, the top alternatives as (token, logprob)). Every tensor it makes is
+    token: its logprob and the top alternatives as (token, logprob). Every tensor it makes is
     on the logits' device; the generators must be too. Logprobs are those of
     the distribution after penalties, logit bias and min_tokens bans, before temperature."""
     if not rows:  # a step of prefill chunks that sample nothing
@@ -174,17 +174,18 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         k = rows[i].params.logprobs
         alts = [(int(t), v) for t, v in zip(top_ids[j * k_eff:j * k_eff + k],
                                             top_vals[j * k_eff:j * k_eff + k])]
-        logprobs[i] = [(chosen[j * width + s], alts) for s in range(rows[i].num_samples)]
+        logprobs[i] = [TokenLogprob(chosen[j * width + s], alts)
+                       for s in range(rows[i].num_samples)]
     return out, logprobs
 
 
 def target_logprobs(logits_of, hidden: torch.Tensor, targets: list[int], k: int,
-                    rows: int = 256) -> list[tuple[float, list[tuple[int, float]], int]]:
+                    rows: int = 256) -> list[PromptLogprob]:
     """Per row of `hidden`: the raw logprob of its target token, the top `k` alternatives
     and the target's rank (1: the likeliest) under log_softmax(logits_of(row)), float32
     logits. Runs `rows` rows at a time and turns each slice into Python lists at once, so
     a long prompt's logits never exist all together."""
-    entries: list = []
+    entries: list[PromptLogprob] = []
     for lo in range(0, len(targets), rows):
         lp = logits_of(hidden[lo:lo + rows]).log_softmax(-1).clamp(min=-9999.0)
         idx = torch.tensor(targets[lo:lo + rows], device=lp.device)
@@ -196,6 +197,6 @@ def target_logprobs(logits_of, hidden: torch.Tensor, targets: list[int], k: int,
             alts = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
         else:
             alts = [[] for _ in own]
-        entries += zip(own, alts, ranks)
+        entries += map(PromptLogprob, own, alts, ranks)
         del lp
     return entries

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import zmq
 
+from tidal.core import RequestOutput
 from tidal.core.snapshot import SchedulerView, scheduler_view
 from tidal.engine.config import EngineConfig
 from tidal.cluster.kv_transfer import KVLink
@@ -109,7 +110,7 @@ class _CoreLoop:
     def run(self, parent: int) -> None:
         core, link, status = self.core, self.link, StatusLine(self.core)
         while True:
-            outputs, logprobs, prompt_logprobs = [], {}, {}
+            outputs: list[RequestOutput] = []
             for sock in [self.inbox, *(link.sockets if link else ())]:
                 if sock not in self.polled:  # a link's peer monitors come and go
                     self.poller.register(sock, zmq.POLLIN)
@@ -127,15 +128,12 @@ class _CoreLoop:
                 return
             started = time.perf_counter() if core.can_step() else None
             if started is not None:
-                stepped, logprobs, prompt_logprobs = core.step()
-                outputs += stepped
+                outputs += core.step()
                 status.maybe_log()
             if link is not None:
-                outputs = link.after_step(outputs, logprobs, prompt_logprobs)
-                logprobs, prompt_logprobs = link.with_landed(logprobs, prompt_logprobs)
+                outputs = link.after_step(outputs)
             if outputs:
-                self.send(m.Outputs(self.index, outputs, logprobs, self.incarnation,
-                                    prompt_logprobs))
+                self.send(m.Outputs(self.index, outputs, self.incarnation))
             if started is not None:
                 self.step_seconds += time.perf_counter() - started
             now = time.monotonic()

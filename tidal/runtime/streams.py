@@ -51,7 +51,7 @@ class RequestStreams:
     def deliver(self, msg: m.Outputs) -> list[str]:
         """One step's outputs onto their queues; returns the sequences whose text met a stop
         string (the core must be told to finish them)."""
-        updates, stopped = self.outputs.process(msg.outputs, msg.logprobs, msg.prompt_logprobs)
+        updates, stopped = self.outputs.process(msg.outputs)
         for u in updates:
             if self.on_update is not None:
                 self.on_update(u)

@@ -11,6 +11,7 @@ from typing import AsyncGenerator, AsyncIterator
 
 from fastapi.responses import Response
 
+from tidal.core import PromptLogprob, TokenLogprob
 from tidal.engine.outputs import StepUpdate
 from tidal.server.openai import schemas as s
 from tidal.server.openai.chat_output import ChatOutputOptions, ChoiceOutput
@@ -18,6 +19,8 @@ from tidal.server.openai.protocol import APIError
 
 # (choice index, update) until every choice finished; raises APIError when the request fails
 Updates = AsyncGenerator[tuple[int, StepUpdate], None]
+# a token and its logprobs (None: an echoed prompt's first token, which nothing predicts)
+Entry = tuple[int, TokenLogprob | None]
 
 
 def json_response(obj) -> Response:
@@ -28,12 +31,12 @@ def json_response(obj) -> Response:
 class _Choice:
     text: str = ""
     tokens: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # (token, (logprob, alternatives)) entries
+    logprobs: list[Entry] = field(default_factory=list)
     finish_reason: str | None = None
     message: str | None = None
 
 
-def _entries(u: StepUpdate) -> list:
+def _entries(u: StepUpdate) -> list[Entry]:
     return list(zip(u.new_token_ids, u.logprobs or []))
 
 
@@ -56,10 +59,11 @@ class GenerationResponse:
         # a token's own bytes (a partial UTF-8 character stays partial); else its text's
         self._token_bytes = token_bytes
         self.want_prompt_logprobs = prompt_logprobs  # vLLM's field, in the response
-        self.prompt_entries: list[list | None] = [None] * len(prompts)  # as the engine sent
+        # each prompt's logprobs, as the engine sent them
+        self.prompt_entries: list[list[PromptLogprob | None] | None] = [None] * len(prompts)
 
     # ------------------------------------------------------------------ per endpoint
-    def logprobs(self, entries: list, offset: int):
+    def logprobs(self, entries: list[Entry], offset: int):
         raise NotImplementedError
 
     def final(self, choices: list[_Choice]):
@@ -91,9 +95,8 @@ class GenerationResponse:
             if entry is None:
                 out.append(None)
                 continue
-            lp, alts, rank = entry
-            d = {str(t): s.PromptLogprob(lp, rank, text(t))}
-            for r, (a, alp) in enumerate(alts, 1):
+            d = {str(t): s.PromptLogprob(entry.logprob, entry.rank, text(t))}
+            for r, (a, alp) in enumerate(entry.top, 1):
                 d.setdefault(str(a), s.PromptLogprob(alp, r, text(a)))
             out.append(d)
         return out
@@ -188,12 +191,12 @@ class ChatResponse(GenerationResponse):
         self.options = options or ChatOutputOptions()
         self.outputs = [ChoiceOutput(self.options) for _ in self.choices]
 
-    def logprobs(self, entries: list, offset: int) -> s.ChatLogprobs:
+    def logprobs(self, entries: list[Entry], offset: int) -> s.ChatLogprobs:
         text, raw = self.token_text, self.token_bytes
         return s.ChatLogprobs([
-            s.TokenLogprob(text(t), lp, raw(t), [s.TopLogprob(text(a), alp, raw(a))
-                                                 for a, alp in alts])
-            for t, (lp, alts) in entries])
+            s.TokenLogprob(text(t), e.logprob, raw(t), [s.TopLogprob(text(a), alp, raw(a))
+                                                        for a, alp in e.top])
+            for t, e in entries])
 
     def final(self, choices: list[_Choice]) -> s.ChatCompletion:
         out = []
@@ -258,22 +261,22 @@ class CompletionResponse(GenerationResponse):
         return replace(u, new_token_ids=[], new_text="", logprobs=None,
                        finish_reason="length" if reason in ("stop", "length") else reason)
 
-    def logprobs(self, entries: list, offset: int) -> s.CompletionLogprobs:
+    def logprobs(self, entries: list[Entry], offset: int) -> s.CompletionLogprobs:
         tokens, lps, tops, offsets = [], [], [], []
         for t, entry in entries:
             text = self.token_text(t)
             tokens.append(text)
-            lps.append(entry[0] if entry else None)
-            tops.append({self.token_text(a): alp for a, alp in entry[1]} if entry else None)
+            lps.append(entry.logprob if entry else None)
+            tops.append({self.token_text(a): alp for a, alp in entry.top} if entry else None)
             offsets.append(offset)
             offset += len(text)
         return s.CompletionLogprobs(tokens, lps, tops, offsets)
 
-    def _echoed(self, i: int) -> list:
-        """Choice i's prompt as logprob entries (token, entry or None)."""
+    def _echoed(self, i: int) -> list[Entry]:
+        """Choice i's prompt as logprob entries (a PromptLogprob is a TokenLogprob)."""
         p = i // self.n
         entries = self.prompt_entries[p] or [None] * len(self.prompts[p])
-        return [(t, e and e[:2]) for t, e in zip(self.prompts[p], entries)]
+        return list(zip(self.prompts[p], entries))
 
     def final(self, choices: list[_Choice]) -> s.Completion:
         out = []
