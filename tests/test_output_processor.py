@@ -73,3 +73,29 @@ def test_a_siblings_index_is_the_outputs_field_whatever_its_id():
     assert [(u.request_id, u.root_id, u.index) for u in updates] == [
         ("r", "r", 0), ("other-name", "r", 2)]
 
+
+def test_an_outputs_message_carries_typed_logprobs_across_msgpack():
+    """Outputs as the core sends them over ZMQ: the logprobs decode as their structs on the
+    outputs they belong to (a sibling's first token's too), and a plain output stays bare."""
+    from tidal.engine import messages as m
+
+    prompt = [None, PromptLogprob(-2.25, [(5, -0.75), (7, -1.5)], 3)]
+    sent = m.Outputs(1, [
+        out("r", "a", logprobs=[TokenLogprob(-0.5, [(97, -0.5), (98, -2.0)])],
+            prompt_logprobs=prompt),
+        out("r-1", "b", parent="r", index=1, logprobs=[TokenLogprob(-2.0, [(97, -0.5)])]),
+        out("q", "c", finished=True, reason="length")], incarnation=2)
+    got = m.from_core.decode(m.encoder.encode(sent))
+    assert got == sent
+    first, sibling, plain = got.outputs
+    assert isinstance(first.logprobs[0], TokenLogprob) and first.logprobs[0].top[1] == (98, -2.0)
+    assert isinstance(first.prompt_logprobs[1], PromptLogprob)
+    assert first.prompt_logprobs[1].rank == 3
+    assert (sibling.index, sibling.logprobs[0].logprob) == (1, -2.0)
+    assert plain.logprobs is None and plain.prompt_logprobs is None
+    p = OutputProcessor(CharTokenizer())
+    p.track("r", SamplingParams(n=2, max_tokens=4, logprobs=2, prompt_logprobs=2))
+    p.track("q", SamplingParams(max_tokens=1))
+    updates, _ = p.process(got.outputs)
+    assert [(u.index, u.logprobs, u.prompt_logprobs) for u in updates] == [
+        (0, first.logprobs, prompt), (1, sibling.logprobs, None), (0, None, None)]

@@ -12,7 +12,7 @@ import torch
 
 from model_fixtures import small_folder
 from tidal import LLM, SamplingParams
-from tidal.core import PromptLogprob, RequestOutput
+from tidal.core import PromptLogprob, RequestOutput, TokenLogprob
 from tidal.engine.config import EngineConfig
 from tidal.model.tokenizer import Tokenizer
 
@@ -193,8 +193,8 @@ def drive(pair) -> dict[str, list[RequestOutput]]:
 
 def test_prefill_and_decode_instances_carry_them_across(folder, reference):
     """The first token's logprobs and the prompt logprobs cross in KVBlocks and arrive on
-    the landed first token's output."""
-    from test_kv_transfer import Pair
+    the landed first token's output; every token's entry equals a mixed engine's."""
+    from test_kv_transfer import Pair, make_core
 
     asked = params(3, logprobs=2)
     pair = Pair(folder)
@@ -213,6 +213,21 @@ def test_prefill_and_decode_instances_carry_them_across(folder, reference):
         assert sum(len(o.logprobs) for o in outs) == 3  # the first's came from the prefill side
     finally:
         pair.close()
+    mixed = make_core(folder, "mixed")
+    mixed.add("a", PROMPT, asked)
+    alone: list[RequestOutput] = []
+    while mixed.has_work():
+        alone += mixed.step()
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert tokens == [t for o in alone for t in o.new_token_ids] and len(tokens) == 3
+    pd = [e for o in outs for e in o.logprobs]
+    one = [e for o in alone for e in o.logprobs]
+    assert all(isinstance(e, TokenLogprob) for e in pd)
+    assert [e.logprob for e in pd] == pytest.approx([e.logprob for e in one], abs=1e-5)
+    assert [[t for t, _ in e.top] for e in pd] == [[t for t, _ in e.top] for e in one]
+    plp, own = outs[0].prompt_logprobs[1:], alone[0].prompt_logprobs[1:]
+    assert [e.rank for e in plp] == [e.rank for e in own]
+    assert [e.logprob for e in plp] == pytest.approx([e.logprob for e in own], abs=1e-5)
 
 
 def test_through_the_server_core_client(folder, reference):
