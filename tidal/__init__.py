@@ -1,8 +1,8 @@
 """tidal: an LLM serving engine whose heart is its scheduler."""
 
-from tidal.core import SamplingParams
+from tidal.core import PromptLogprob, SamplingParams, TokenLogprob
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "PromptLogprob", "SamplingParams", "TokenLogprob"]
 __version__ = "0.1.0"
 
 
