@@ -25,8 +25,9 @@ from torch import nn
 from tidal.model.linear import Int4Linear, PackedLinear
 
 log = logging.getLogger("tidal.model")
-_SOURCES = [str(Path(__file__).parent / "csrc" / name)  # + tidal_cpu.h, which they include
-            for name in ("linear.cpp", "paged_attention.cpp", "experts.cpp", "decoder.cpp")]
+_SOURCES = [str(Path(__file__).parent / "csrc" / name)  # + the headers they include
+            for name in ("linear.cpp", "paged_attention.cpp", "experts.cpp", "gguf_quants.cpp",
+                         "decoder.cpp")]
 _built: list[ModuleType | None] = []  # [] until the first build attempt
 
 
