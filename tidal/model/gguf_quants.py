@@ -37,8 +37,11 @@ BLOCK_FIELDS = {
     QT.Q6_K: (128, 64, 16, 2),      # ql, qh, scales, d
 }
 SUPPORTED = frozenset(FLOAT_TYPES) | frozenset(BLOCK_FIELDS)
-MAX_ROWS = 16  # steps of up to this many rows take the integer kernels (see the benchmark)
-TILE_BYTES = 8 << 20  # dequantized weight bytes a larger step holds at once
+# Formats whose kernels run faster planar (15-25% at one row, benchmarks/gguf_kernels.py);
+# the others run as fast (Q6_K faster) in the file's layout, so they stay views of the file.
+PLANAR = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
+MAX_ROWS = 16  # the integer kernel's crossover with dequantized tiles: 16-32 rows, measured
+TILE_BYTES = 4 << 20  # float32 bytes of a dequantized tile (256-1024 rows; measured best)
 
 
 def _extension() -> ModuleType | None:
@@ -51,15 +54,15 @@ class QuantizedWeight:
     """One GGUF tensor of logical shape [out_features, in_features] in its own format.
 
     `data` is any array of the tensor's bytes as the file holds them (a numpy memmap from
-    gguf.GGUFReader: then F32/F16/BF16 and, with planar=False, every format stay a view of
-    the file). With `planar` (the default for block formats) each row is repacked so each
-    block field (scales, quants, high bits) lies in a plane of its own: contiguous quants
-    and aligned scales for the kernels, in exactly the file's bytes (`nbytes`), never
-    floats. A type outside SUPPORTED raises ValueError naming the tensor and its type.
+    gguf.GGUFReader: the weight then stays a view of the file unless repacked). With
+    `planar` (None: for the formats in PLANAR) each row is repacked so each block field
+    (scales, quants, high bits) lies in a plane of its own: contiguous quants and aligned
+    scales for the kernels, in exactly the file's bytes (`nbytes`), never floats. A type
+    outside SUPPORTED raises ValueError naming the tensor and its type.
     """
 
     def __init__(self, name: str, data: Any, qtype: int | QT, shape: tuple[int, int],
-                 planar: bool = True, use_extension: bool = True) -> None:
+                 planar: bool | None = None, use_extension: bool = True) -> None:
         try:
             qtype = QT(qtype)
         except ValueError:
@@ -78,7 +81,7 @@ class QuantizedWeight:
                              f"{n * (k // block) * size} bytes, got {raw.numel()}")
         self.name, self.qtype, self.shape = name, qtype, (n, k)
         self.ext = _extension() if use_extension else None
-        self.planar = planar and qtype in BLOCK_FIELDS
+        self.planar = qtype in BLOCK_FIELDS and (qtype in PLANAR if planar is None else planar)
         rows = raw.view(n, -1)
         if qtype in FLOAT_TYPES:
             self.data = rows.view(FLOAT_TYPES[qtype])
@@ -163,7 +166,7 @@ class GGUFLinear(nn.Module):
         n, k = weight.shape
         self.in_features, self.out_features = k, n
         self.max_rows = max_rows if weight.ext is not None else 0
-        self.tile_rows = tile_rows or max(16, TILE_BYTES // (4 * k) // 16 * 16)
+        self.tile_rows = tile_rows or min(1024, max(256, TILE_BYTES // (4 * k) // 16 * 16))
         self.bf16_tiles = "amx_bf16" in cpu_flags()  # else oneDNN's bf16 GEMM lags float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -93,28 +93,26 @@ inline __m256i high_bits(uint32_t h) {
 }
 #endif
 
-// Each format: kBlock weights in kBytes, fields kSize (in the block's order). scalar() writes
-// q[32] and vec() returns them as bytes, both setting s[2] and m so that s * q + m is the
-// weight as gguf.quants computes it. kMin: m is not zero; then q is unsigned and kCenter is
-// its midpoint, which the dot product takes off (q - c with m + c * s: the same weights, and
-// int8 activation rounding weighs |q - c|, not q, so the error is half or less).
+// Each format: kBlock weights (kGroups groups) in kBytes, fields kSize (in the block's
+// order). scales() sets block b's s[j][2] and m[j] for each group j; scalar() writes group j's
+// q[32] and vec() returns them as bytes, so that s * q + m is the weight as gguf.quants
+// computes it. kMin: m is not zero; then q is unsigned and kCenter is its midpoint, which the
+// dot product takes off (q - c with m + c * s: the same weights, and int8 activation rounding
+// weighs |q - c|, not q, so the error is half or less).
 
 struct Q8_0 {  // d, qs[32]
   static constexpr int64_t kBlock = 32, kBytes = 34;
-  static constexpr int kFields = 2;
+  static constexpr int kGroups = 1, kFields = 2, kCenter = 0;
   static constexpr int64_t kSize[kFields] = {2, 32};
   static constexpr bool kMin = false;
-  static constexpr int kCenter = 0;
-  static void scalar(const Field* f, int64_t g, int8_t* q, float* s, float& m) {
-    std::memcpy(q, f[1].at(g), 32);
-    s[0] = s[1] = fp16(f[0].at(g));
-    m = 0.f;
+  static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
+    s[0][0] = s[0][1] = fp16(f[0].at(b));
+    m[0] = 0.f;
   }
+  static void scalar(const Field* f, int64_t b, int, int8_t* q) { std::memcpy(q, f[1].at(b), 32); }
 #ifdef TIDAL_GGUF_AVX2
-  static __m256i vec(const Field* f, int64_t g, float* s, float& m) {
-    s[0] = s[1] = fp16(f[0].at(g));
-    m = 0.f;
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f[1].at(g)));
+  static __m256i vec(const Field* f, int64_t b, int) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f[1].at(b)));
   }
 #endif
 };
@@ -124,30 +122,28 @@ struct Q8_0 {  // d, qs[32]
 template <bool kFive, bool kHasMin>
 struct Q32 {
   static constexpr int64_t kBlock = 32, kBytes = 18 + 2 * kHasMin + 4 * kFive;
-  static constexpr int kFields = 2 + kHasMin + kFive;  // d, (m), (qh), qs
+  static constexpr int kGroups = 1, kFields = 2 + kHasMin + kFive;  // d, (m), (qh), qs
   static constexpr int64_t kSize[4] = {2, kHasMin ? 2 : (kFive ? 4 : 16),
                                        kHasMin ? (kFive ? 4 : 16) : 16, 16};
   static constexpr bool kMin = kHasMin;
   static constexpr int kCenter = kHasMin ? (kFive ? 16 : 8) : 0;
   static constexpr int kOffset = kHasMin ? 0 : (kFive ? 16 : 8);
-  static void scales(const Field* f, int64_t g, float* s, float& m) {
-    s[0] = s[1] = fp16(f[0].at(g));
-    m = kHasMin ? fp16(f[1].at(g)) : 0.f;
+  static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
+    s[0][0] = s[0][1] = fp16(f[0].at(b));
+    m[0] = kHasMin ? fp16(f[1].at(b)) : 0.f;
   }
-  static void scalar(const Field* f, int64_t g, int8_t* q, float* s, float& m) {
-    scales(f, g, s, m);
-    const uint8_t* qs = f[kFields - 1].at(g);
-    const uint32_t h = kFive ? u32(f[kFields - 2].at(g)) : 0;
+  static void scalar(const Field* f, int64_t b, int, int8_t* q) {
+    const uint8_t* qs = f[kFields - 1].at(b);
+    const uint32_t h = kFive ? u32(f[kFields - 2].at(b)) : 0;
     for (int i = 0; i < 16; ++i) {
       q[i] = static_cast<int8_t>((qs[i] & 15) + (((h >> i) & 1) << 4) - kOffset);
       q[i + 16] = static_cast<int8_t>((qs[i] >> 4) + (((h >> (i + 16)) & 1) << 4) - kOffset);
     }
   }
 #ifdef TIDAL_GGUF_AVX2
-  static __m256i vec(const Field* f, int64_t g, float* s, float& m) {
-    scales(f, g, s, m);
-    __m256i q = nibbles16(f[kFields - 1].at(g));
-    if (kFive) q = _mm256_or_si256(q, high_bits(u32(f[kFields - 2].at(g))));
+  static __m256i vec(const Field* f, int64_t b, int) {
+    __m256i q = nibbles16(f[kFields - 1].at(b));
+    if (kFive) q = _mm256_or_si256(q, high_bits(u32(f[kFields - 2].at(b))));
     return kOffset ? _mm256_sub_epi8(q, mask8(kOffset)) : q;
   }
 #endif
@@ -163,19 +159,21 @@ using Q5_1 = Q32<true, true>;
 template <bool kFive>
 struct QK {
   static constexpr int64_t kBlock = 256, kBytes = 144 + 32 * kFive;
-  static constexpr int kFields = 4 + kFive;  // d, dmin, scales[12], (qh[32]), qs[128]
+  static constexpr int kGroups = 8, kFields = 4 + kFive;  // d, dmin, scales[12], (qh), qs
   static constexpr int64_t kSize[5] = {2, 2, 12, kFive ? 32 : 128, 128};
   static constexpr bool kMin = true;
   static constexpr int kCenter = kFive ? 16 : 8;
-  static void scales(const Field* f, int64_t b, int64_t j, float* s, float& m) {
-    int sc, mn;
-    k_scale_min(f[2].at(b), j, sc, mn);
-    s[0] = s[1] = fp16(f[0].at(b)) * static_cast<float>(sc);
-    m = -fp16(f[1].at(b)) * static_cast<float>(mn);
+  static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
+    const float d = fp16(f[0].at(b)), dmin = fp16(f[1].at(b));
+    const uint8_t* packed = f[2].at(b);
+    for (int j = 0; j < kGroups; ++j) {
+      int sc, mn;
+      k_scale_min(packed, j, sc, mn);
+      s[j][0] = s[j][1] = d * static_cast<float>(sc);
+      m[j] = -dmin * static_cast<float>(mn);
+    }
   }
-  static void scalar(const Field* f, int64_t g, int8_t* q, float* s, float& m) {
-    const int64_t b = g / 8, j = g % 8;
-    scales(f, b, j, s, m);
+  static void scalar(const Field* f, int64_t b, int j, int8_t* q) {
     const uint8_t* qs = f[kFields - 1].at(b) + (j / 2) * 32;
     const uint8_t* qh = kFive ? f[3].at(b) : nullptr;
     for (int i = 0; i < 32; ++i)
@@ -183,9 +181,7 @@ struct QK {
                                  (kFive ? ((qh[i] >> j) & 1) << 4 : 0));
   }
 #ifdef TIDAL_GGUF_AVX2
-  static __m256i vec(const Field* f, int64_t g, float* s, float& m) {
-    const int64_t b = g / 8, j = g % 8;
-    scales(f, b, j, s, m);
+  static __m256i vec(const Field* f, int64_t b, int j) {
     __m256i q = bits_at(f[kFields - 1].at(b) + (j / 2) * 32, 4 * (j & 1), 15);
     if (kFive) q = _mm256_or_si256(q, _mm256_slli_epi16(bits_at(f[3].at(b), j, 1), 4));
     return q;
@@ -200,20 +196,20 @@ using Q5_K = QK<true>;
 // (low nibble) and 128h + 64 + 32c + i (high); qh[32h + i] bits 2t..2t+1 weight 128h + 32t + i.
 struct Q6_K {
   static constexpr int64_t kBlock = 256, kBytes = 210;
-  static constexpr int kFields = 4;  // ql[128], qh[64], scales[16], d
+  static constexpr int kGroups = 8, kFields = 4, kCenter = 0;  // ql, qh, scales[16], d
   static constexpr int64_t kSize[kFields] = {128, 64, 16, 2};
   static constexpr bool kMin = false;
-  static constexpr int kCenter = 0;
-  static void scales(const Field* f, int64_t b, int64_t j, float* s, float& m) {
+  static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
     const float d = fp16(f[3].at(b));
-    const int8_t* sc = reinterpret_cast<const int8_t*>(f[2].at(b)) + 2 * j;
-    s[0] = d * static_cast<float>(sc[0]);
-    s[1] = d * static_cast<float>(sc[1]);
-    m = 0.f;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(f[2].at(b));
+    for (int j = 0; j < kGroups; ++j) {
+      s[j][0] = d * static_cast<float>(sc[2 * j]);
+      s[j][1] = d * static_cast<float>(sc[2 * j + 1]);
+      m[j] = 0.f;
+    }
   }
-  static void scalar(const Field* f, int64_t g, int8_t* q, float* s, float& m) {
-    const int64_t b = g / 8, j = g % 8, h = j / 4, t = j % 4;
-    scales(f, b, j, s, m);
+  static void scalar(const Field* f, int64_t b, int j, int8_t* q) {
+    const int h = j / 4, t = j % 4;
     const uint8_t* ql = f[0].at(b) + 64 * h + 32 * (t & 1);
     const uint8_t* qh = f[1].at(b) + 32 * h;
     for (int i = 0; i < 32; ++i)
@@ -221,9 +217,8 @@ struct Q6_K {
                                   (((qh[i] >> (2 * t)) & 3) << 4)) - 32);
   }
 #ifdef TIDAL_GGUF_AVX2
-  static __m256i vec(const Field* f, int64_t g, float* s, float& m) {
-    const int64_t b = g / 8, j = g % 8, h = j / 4, t = j % 4;
-    scales(f, b, j, s, m);
+  static __m256i vec(const Field* f, int64_t b, int j) {
+    const int h = j / 4, t = j % 4;
     const __m256i lo = bits_at(f[0].at(b) + 64 * h + 32 * (t & 1), 4 * (t >> 1), 15);
     const __m256i hi = _mm256_slli_epi16(bits_at(f[1].at(b) + 32 * h, 2 * t, 3), 4);
     return _mm256_sub_epi8(_mm256_or_si256(lo, hi), mask8(32));

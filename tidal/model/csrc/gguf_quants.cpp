@@ -7,12 +7,15 @@
 #include "tidal_cpu.h"
 #include "gguf_formats.h"
 
+#include <type_traits>
+#include <utility>
+
 namespace tidal_cpu {
 namespace {
 
 using namespace gguf;
 
-constexpr int kMaxRows = 4;           // activation rows sharing each decoded weight group
+constexpr int kMaxRows = 8;           // activation rows sharing each decoded weight group
 constexpr int64_t kTileBytes = 1 << 18;  // weight bytes a task keeps in L2 across row groups
 
 // x rows rounded to int8 per group: q, the group's scale d and the exact sum of its x.
@@ -62,6 +65,13 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// Block b's scales with each group's centre taken off q and put into m (see kCenter).
+template <typename F>
+inline void centred_scales(const Field* f, int64_t b, float (*s)[2], float* m) {
+  F::scales(f, b, s, m);
+  for (int j = 0; j < F::kGroups; ++j) m[j] += F::kCenter * s[j][0];
+}
+
 // y[r0 .. r0+NR, o0 .. o1): NR is a compile-time constant so the accumulators stay in registers.
 template <typename F, typename T, int NR>
 void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_bytes, int64_t k,
@@ -71,51 +81,66 @@ void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_by
     Field f[F::kFields];
     fields<F>(w + o * row_bytes, nb, planar, f);
     float out[NR] = {};  // the min terms, m * sum(x) per group
-    float s[2], m;
+    float s[F::kGroups][2], m[F::kGroups];
 #ifdef TIDAL_GGUF_AVX2
     __m256 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256i q = F::vec(f, g, s, m);
-      if (F::kCenter) {
-        q = _mm256_sub_epi8(q, _mm256_set1_epi8(F::kCenter));
-        m += F::kCenter * s[0];
+    for (int64_t b = 0; b < nb; ++b) {
+      centred_scales<F>(f, b, s, m);
+#pragma GCC unroll 8
+      for (int j = 0; j < F::kGroups; ++j) {
+        __m256i q = F::vec(f, b, j);
+        if (F::kCenter) q = _mm256_sub_epi8(q, _mm256_set1_epi8(F::kCenter));
+        const __m256i u = _mm256_abs_epi8(q);  // u8 x s8 products: the sign moves onto x
+        const __m256 sv = _mm256_setr_m128(_mm_set1_ps(s[j][0]), _mm_set1_ps(s[j][1]));
+        const int64_t g = b * F::kGroups + j;
+        for (int r = 0; r < NR; ++r) {
+          const int64_t rg = (r0 + r) * groups + g;
+          const __m256i x8 = _mm256_sign_epi8(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[rg * kGroup])), q);
+          const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, x8));
+          acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(a.d[rg])), acc[r]);
+          if (F::kMin && F::kGroups == 1) out[r] += m[j] * a.sum[rg];
+        }
       }
-      const __m256i u = _mm256_abs_epi8(q);  // u8 x s8 products: the sign moves onto x
-      const __m256 sv = _mm256_setr_m128(_mm_set1_ps(s[0]), _mm_set1_ps(s[1]));
-      for (int r = 0; r < NR; ++r) {
-        const int64_t rg = (r0 + r) * groups + g;
-        __m256i x8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[rg * kGroup]));
-        x8 = _mm256_sign_epi8(x8, q);
-        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, x8));
-        acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(a.d[rg])), acc[r]);
-        if (F::kMin) out[r] += m * a.sum[rg];
+      if (F::kMin && F::kGroups == 8) {  // the block's 8 min terms in one multiply-add
+        const __m256 mv = _mm256_loadu_ps(m);
+        for (int r = 0; r < NR; ++r)
+          acc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(&a.sum[(r0 + r) * groups + b * 8]), acc[r]);
       }
     }
     for (int r = 0; r < NR; ++r) out[r] += hsum(acc[r]);
 #else
     int8_t q[kGroup];
-    for (int64_t g = 0; g < groups; ++g) {
-      F::scalar(f, g, q, s, m);
-      if (F::kCenter) {
+    for (int64_t b = 0; b < nb; ++b) {
+      centred_scales<F>(f, b, s, m);
+      for (int j = 0; j < F::kGroups; ++j) {
+        F::scalar(f, b, j, q);
         for (int i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(q[i] - F::kCenter);
-        m += F::kCenter * s[0];
-      }
-      for (int r = 0; r < NR; ++r) {
-        const int64_t rg = (r0 + r) * groups + g;
-        const int8_t* x8 = &a.q[rg * kGroup];
-        int32_t lo = 0, hi = 0;
-        for (int i = 0; i < 16; ++i) {
-          lo += q[i] * x8[i];
-          hi += q[i + 16] * x8[i + 16];
+        const int64_t g = b * F::kGroups + j;
+        for (int r = 0; r < NR; ++r) {
+          const int64_t rg = (r0 + r) * groups + g;
+          const int8_t* x8 = &a.q[rg * kGroup];
+          int32_t lo = 0, hi = 0;
+          for (int i = 0; i < 16; ++i) {
+            lo += q[i] * x8[i];
+            hi += q[i + 16] * x8[i + 16];
+          }
+          out[r] += a.d[rg] * (s[j][0] * lo + s[j][1] * hi) + m[j] * a.sum[rg];
         }
-        out[r] += a.d[rg] * (s[0] * lo + s[1] * hi) + m * a.sum[rg];
       }
     }
 #endif
     for (int r = 0; r < NR; ++r)
       y[(r0 + r) * n + o] = round_to<T>(out[r] + (bias != nullptr ? f32(bias[o]) : 0.f));
   }
+}
+
+// dot_rows for nr (1..kMaxRows) rows.
+template <typename F, typename T, int... N>
+auto row_kernel(int64_t nr, std::integer_sequence<int, N...>) {
+  static constexpr decltype(&dot_rows<F, T, 1>) kernels[] = {dot_rows<F, T, N + 1>...};
+  return kernels[nr - 1];
 }
 
 template <typename F, typename T>
@@ -131,31 +156,53 @@ void linear(const Tensor& x, const Tensor& w, bool planar, const Tensor& bias, T
       const int64_t o1 = std::min(end, o0 + tile);
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
         const int64_t nr = std::min<int64_t>(kMaxRows, rows - r0);
-        auto run = nr == 1 ? dot_rows<F, T, 1> : nr == 2 ? dot_rows<F, T, 2>
-                 : nr == 3 ? dot_rows<F, T, 3> : dot_rows<F, T, 4>;
+        const auto run = row_kernel<F, T>(nr, std::make_integer_sequence<int, kMaxRows>());
         run(a, r0, wp, row_bytes, k, planar, b, o0, o1, yp, n);
       }
     }
   });
 }
 
+// Group j of block b as floats: v[i] = s * q[i] + m.
+template <typename F>
+inline void group_values(const Field* f, int64_t b, int j, const float* s, float m, float* v) {
+#ifdef TIDAL_GGUF_AVX2
+  const __m256i q = F::vec(f, b, j);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i eighths[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int c = 0; c < 4; ++c) {
+    const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eighths[c]));
+    _mm256_storeu_ps(v + 8 * c, _mm256_fmadd_ps(_mm256_set1_ps(s[c / 2]), qf, _mm256_set1_ps(m)));
+  }
+#else
+  int8_t q[kGroup];
+  F::scalar(f, b, j, q);
+  for (int i = 0; i < kGroup; ++i) v[i] = s[i / 16] * static_cast<float>(q[i]) + m;
+#endif
+}
+
 template <typename F, typename T>
 void dequantize(const Tensor& w, bool planar, int64_t start, Tensor& out) {
   const int64_t rows = out.size(0), k = out.size(1), row_bytes = w.size(1);
-  const int64_t groups = k / kGroup, nb = k / F::kBlock;
+  const int64_t nb = k / F::kBlock;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-    int8_t q[kGroup];
-    float s[2], m, v[kGroup];
+    float s[F::kGroups][2], m[F::kGroups], v[kGroup];
     for (int64_t r = r0; r < r1; ++r) {
       Field f[F::kFields];
       fields<F>(wp + (start + r) * row_bytes, nb, planar, f);
-      for (int64_t g = 0; g < groups; ++g) {
-        F::scalar(f, g, q, s, m);
-        for (int i = 0; i < kGroup; ++i) v[i] = s[i / 16] * static_cast<float>(q[i]) + m;
-        T* dst = op + r * k + g * kGroup;
-        for (int i = 0; i < kGroup; ++i) dst[i] = round_to<T>(v[i]);
+      for (int64_t b = 0; b < nb; ++b) {
+        F::scales(f, b, s, m);
+        for (int j = 0; j < F::kGroups; ++j) {
+          T* dst = op + r * k + (b * F::kGroups + j) * kGroup;
+          if constexpr (std::is_same_v<T, float>) {
+            group_values<F>(f, b, j, s[j], m[j], dst);
+          } else {
+            group_values<F>(f, b, j, s[j], m[j], v);
+            for (int i = 0; i < kGroup; ++i) dst[i] = round_to<T>(v[i]);
+          }
+        }
       }
     }
   });
