@@ -1,5 +1,5 @@
 """tidal's C++ CPU decode path (`csrc/`: the decoder, paged attention, projections, routed
-experts at decode sizes), built once on first use.
+experts and GGUF block formats at decode sizes), built once on first use.
 
 A decode step of a small model on CPU is bound by per-op dispatch (~60 eager ops a layer),
 so `Decoder` runs a whole decode-only step in one call: the projections stay ATen kernels,
