@@ -1,5 +1,5 @@
 """tidal's C++ CPU decode path (`csrc/`: the decoder, paged attention, projections, routed
-experts at decode sizes), built once on first use.
+experts and GGUF block formats at decode sizes), built once on first use.
 
 A decode step of a small model on CPU is bound by per-op dispatch (~60 eager ops a layer),
 so `Decoder` runs a whole decode-only step in one call: the projections stay ATen kernels,
@@ -25,8 +25,9 @@ from torch import nn
 from tidal.model.linear import Int4Linear, PackedLinear
 
 log = logging.getLogger("tidal.model")
-_SOURCES = [str(Path(__file__).parent / "csrc" / name)  # + tidal_cpu.h, which they include
-            for name in ("linear.cpp", "paged_attention.cpp", "experts.cpp", "decoder.cpp")]
+_SOURCES = [str(Path(__file__).parent / "csrc" / name)  # + the headers they include
+            for name in ("linear.cpp", "paged_attention.cpp", "experts.cpp", "gguf_quants.cpp",
+                         "decoder.cpp")]
 _built: list[ModuleType | None] = []  # [] until the first build attempt
 
 

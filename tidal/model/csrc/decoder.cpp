@@ -215,4 +215,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return int4_linear(x, q4, scale_min, bias.value_or(Tensor()));
   }, py::arg("x"), py::arg("q4"), py::arg("scale_min"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_linear", [](Tensor x, Tensor w, int64_t type, bool planar,
+                          c10::optional<Tensor> bias) {
+    return gguf_linear(x, w, type, planar, bias.value_or(Tensor()));
+  }, py::arg("x"), py::arg("w"), py::arg("type"), py::arg("planar"),
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_dequantize", &gguf_dequantize, py::arg("w"), py::arg("type"), py::arg("planar"),
+        py::arg("start"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
 }

@@ -80,6 +80,17 @@ struct Linear {
   Tensor operator()(const Tensor& x) const;
 };
 
+// ---------------------------------------------------------------- GGUF blocks (gguf_quants.cpp)
+
+// y = x @ W^T (+ bias) for W in a GGUF block format (ggml type id `type`: Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): [rows, k] -> [rows, n] in x's dtype. w: [n, row_bytes] uint8,
+// each row its blocks as the file holds them, or with `planar` each field in a plane.
+Tensor gguf_linear(const Tensor& x, const Tensor& w, int64_t type, bool planar,
+                   const Tensor& bias);
+
+// Rows start .. start + out.size(0) of such a W as floats, into out ([rows, k], float or bf16).
+void gguf_dequantize(const Tensor& w, int64_t type, bool planar, int64_t start, Tensor out);
+
 // ---------------------------------------------------------------- paged attention
 // (paged_attention.cpp; instantiated for float and BFloat16)
 

@@ -1,0 +1,270 @@
+// GGUF-quantized weights at decode sizes: y = x @ W^T with W in its GGUF block format
+// (gguf_formats.h), as ggml multiplies them: x rounded to int8 per group of 32 with a float
+// scale, integer products per group, one float multiply-add per group and row. The K-quants
+// take the same per-32 activations (ggml uses one scale per 256): finer, and one code path.
+// `gguf_dequantize` expands rows to floats for steps of many rows, which oneDNN multiplies.
+
+#include "tidal_cpu.h"
+#include "gguf_formats.h"
+
+#include <type_traits>
+#include <utility>
+
+namespace tidal_cpu {
+namespace {
+
+using namespace gguf;
+
+constexpr int kMaxRows = 8;           // activation rows sharing each decoded weight group
+constexpr int64_t kTileBytes = 1 << 18;  // weight bytes a task keeps in L2 across row groups
+
+// x rows rounded to int8 per group: q, the group's scale d and the exact sum of its x.
+struct Activations {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+};
+
+template <typename T>
+Activations quantize(const T* x, int64_t rows, int64_t k) {
+  const int64_t groups = rows * k / kGroup;
+  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(groups),
+                std::vector<float>(groups)};
+  for (int64_t g = 0; g < groups; ++g) {
+    const T* v = x + g * kGroup;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      amax = std::max(amax, std::abs(f32(v[i])));
+      sum += f32(v[i]);
+    }
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    for (int64_t i = 0; i < kGroup; ++i)
+      a.q[g * kGroup + i] = static_cast<int8_t>(std::nearbyint(f32(v[i]) * inv));
+    a.d[g] = d;
+    a.sum[g] = sum;
+  }
+  return a;
+}
+
+#ifdef TIDAL_GGUF_AVX2
+// Sums of 4 adjacent u8 x s8 products as int32 lanes (lane i: weights 4i..4i+3).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // pairs to int16 cannot saturate: |q| <= 128 and |a| <= 127
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
+// Block b's scales with each group's centre taken off q and put into m (see kCenter).
+template <typename F>
+inline void centred_scales(const Field* f, int64_t b, float (*s)[2], float* m) {
+  F::scales(f, b, s, m);
+  for (int j = 0; j < F::kGroups; ++j) m[j] += F::kCenter * s[j][0];
+}
+
+// y[r0 .. r0+NR, o0 .. o1): NR is a compile-time constant so the accumulators stay in registers.
+template <typename F, typename T, int NR>
+void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_bytes, int64_t k,
+              bool planar, const T* bias, int64_t o0, int64_t o1, T* y, int64_t n) {
+  const int64_t groups = k / kGroup, nb = k / F::kBlock;
+  for (int64_t o = o0; o < o1; ++o) {
+    Field f[F::kFields];
+    fields<F>(w + o * row_bytes, nb, planar, f);
+    float out[NR] = {};  // the min terms, m * sum(x) per group
+    float s[F::kGroups][2], m[F::kGroups];
+#ifdef TIDAL_GGUF_AVX2
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      centred_scales<F>(f, b, s, m);
+#pragma GCC unroll 8
+      for (int j = 0; j < F::kGroups; ++j) {
+        __m256i q = F::vec(f, b, j);
+        if (F::kCenter) q = _mm256_sub_epi8(q, _mm256_set1_epi8(F::kCenter));
+        const __m256i u = _mm256_abs_epi8(q);  // u8 x s8 products: the sign moves onto x
+        const __m256 sv = _mm256_setr_m128(_mm_set1_ps(s[j][0]), _mm_set1_ps(s[j][1]));
+        const int64_t g = b * F::kGroups + j;
+        for (int r = 0; r < NR; ++r) {
+          const int64_t rg = (r0 + r) * groups + g;
+          const __m256i x8 = _mm256_sign_epi8(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[rg * kGroup])), q);
+          const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, x8));
+          acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(a.d[rg])), acc[r]);
+          if (F::kMin && F::kGroups == 1) out[r] += m[j] * a.sum[rg];
+        }
+      }
+      if (F::kMin && F::kGroups == 8) {  // the block's 8 min terms in one multiply-add
+        const __m256 mv = _mm256_loadu_ps(m);
+        for (int r = 0; r < NR; ++r)
+          acc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(&a.sum[(r0 + r) * groups + b * 8]), acc[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) out[r] += hsum(acc[r]);
+#else
+    int8_t q[kGroup];
+    for (int64_t b = 0; b < nb; ++b) {
+      centred_scales<F>(f, b, s, m);
+      for (int j = 0; j < F::kGroups; ++j) {
+        F::scalar(f, b, j, q);
+        for (int i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(q[i] - F::kCenter);
+        const int64_t g = b * F::kGroups + j;
+        for (int r = 0; r < NR; ++r) {
+          const int64_t rg = (r0 + r) * groups + g;
+          const int8_t* x8 = &a.q[rg * kGroup];
+          int32_t lo = 0, hi = 0;
+          for (int i = 0; i < 16; ++i) {
+            lo += q[i] * x8[i];
+            hi += q[i + 16] * x8[i + 16];
+          }
+          out[r] += a.d[rg] * (s[j][0] * lo + s[j][1] * hi) + m[j] * a.sum[rg];
+        }
+      }
+    }
+#endif
+    for (int r = 0; r < NR; ++r)
+      y[(r0 + r) * n + o] = round_to<T>(out[r] + (bias != nullptr ? f32(bias[o]) : 0.f));
+  }
+}
+
+// dot_rows for nr (1..kMaxRows) rows.
+template <typename F, typename T, int... N>
+auto row_kernel(int64_t nr, std::integer_sequence<int, N...>) {
+  static constexpr decltype(&dot_rows<F, T, 1>) kernels[] = {dot_rows<F, T, N + 1>...};
+  return kernels[nr - 1];
+}
+
+template <typename F, typename T>
+void linear(const Tensor& x, const Tensor& w, bool planar, const Tensor& bias, Tensor& y) {
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0), row_bytes = w.size(1);
+  const Activations a = quantize<T>(x.data_ptr<T>(), rows, k);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const T* b = bias.defined() ? bias.data_ptr<T>() : nullptr;
+  T* yp = y.data_ptr<T>();
+  const int64_t tile = std::max<int64_t>(8, kTileBytes / row_bytes);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o0 = begin; o0 < end; o0 += tile) {  // a tile's weights stay cached
+      const int64_t o1 = std::min(end, o0 + tile);
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+        const int64_t nr = std::min<int64_t>(kMaxRows, rows - r0);
+        const auto run = row_kernel<F, T>(nr, std::make_integer_sequence<int, kMaxRows>());
+        run(a, r0, wp, row_bytes, k, planar, b, o0, o1, yp, n);
+      }
+    }
+  });
+}
+
+// Group j of block b as floats: v[i] = s * q[i] + m.
+template <typename F>
+inline void group_values(const Field* f, int64_t b, int j, const float* s, float m, float* v) {
+#ifdef TIDAL_GGUF_AVX2
+  const __m256i q = F::vec(f, b, j);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i eighths[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int c = 0; c < 4; ++c) {
+    const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eighths[c]));
+    _mm256_storeu_ps(v + 8 * c, _mm256_fmadd_ps(_mm256_set1_ps(s[c / 2]), qf, _mm256_set1_ps(m)));
+  }
+#else
+  int8_t q[kGroup];
+  F::scalar(f, b, j, q);
+  for (int i = 0; i < kGroup; ++i) v[i] = s[i / 16] * static_cast<float>(q[i]) + m;
+#endif
+}
+
+template <typename F, typename T>
+void dequantize(const Tensor& w, bool planar, int64_t start, Tensor& out) {
+  const int64_t rows = out.size(0), k = out.size(1), row_bytes = w.size(1);
+  const int64_t nb = k / F::kBlock;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    float s[F::kGroups][2], m[F::kGroups], v[kGroup];
+    for (int64_t r = r0; r < r1; ++r) {
+      Field f[F::kFields];
+      fields<F>(wp + (start + r) * row_bytes, nb, planar, f);
+      for (int64_t b = 0; b < nb; ++b) {
+        F::scales(f, b, s, m);
+        for (int j = 0; j < F::kGroups; ++j) {
+          T* dst = op + r * k + (b * F::kGroups + j) * kGroup;
+          if constexpr (std::is_same_v<T, float>) {
+            group_values<F>(f, b, j, s[j], m[j], dst);
+          } else {
+            group_values<F>(f, b, j, s[j], m[j], v);
+            for (int i = 0; i < kGroup; ++i) dst[i] = round_to<T>(v[i]);
+          }
+        }
+      }
+    }
+  });
+}
+
+// Calls fn.template operator()<Format>() for a ggml type id.
+template <typename Fn>
+void with_format(int64_t type, Fn&& fn) {
+  switch (type) {
+    case 2: return fn(Q4_0{});
+    case 3: return fn(Q4_1{});
+    case 6: return fn(Q5_0{});
+    case 7: return fn(Q5_1{});
+    case 8: return fn(Q8_0{});
+    case 12: return fn(Q4_K{});
+    case 13: return fn(Q5_K{});
+    case 14: return fn(Q6_K{});
+    default: TORCH_CHECK(false, "no GGUF kernel for ggml type ", type);
+  }
+}
+
+// k of a [n, row_bytes] weight of format F, checked against the row's bytes.
+template <typename F>
+int64_t row_length(const Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "GGUF weights must be contiguous [n, row_bytes] uint8");
+  TORCH_CHECK(w.size(1) % F::kBytes == 0, "a GGUF row of ", w.size(1),
+              " bytes is not a whole number of ", F::kBytes, "-byte blocks");
+  return w.size(1) / F::kBytes * F::kBlock;
+}
+
+}  // namespace
+
+Tensor gguf_linear(const Tensor& x_in, const Tensor& w, int64_t type, bool planar,
+                   const Tensor& bias) {
+  TORCH_CHECK(x_in.dim() == 2, "gguf_linear takes [rows, k] inputs");
+  const Tensor x = x_in.contiguous();
+  Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  with_format(type, [&](auto format) {
+    using F = decltype(format);
+    TORCH_CHECK(row_length<F>(w) == x.size(1), "x has ", x.size(1), " columns, W rows ",
+                row_length<F>(w));
+    TORCH_CHECK(!bias.defined() || (bias.scalar_type() == x.scalar_type() &&
+                                    bias.numel() == w.size(0)), "bias must be [n] in x's dtype");
+    if (x.size(0) == 0) return;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
+      linear<F, scalar_t>(x, w, planar, bias, y);
+    });
+  });
+  return y;
+}
+
+void gguf_dequantize(const Tensor& w, int64_t type, bool planar, int64_t start, Tensor out) {
+  with_format(type, [&](auto format) {
+    using F = decltype(format);
+    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(1) == row_length<F>(w) &&
+                    start >= 0 && start + out.size(0) <= w.size(0),
+                "gguf_dequantize: out must be contiguous [rows, k] within W's rows");
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "gguf_dequantize", [&] {
+      dequantize<F, scalar_t>(w, planar, start, out);
+    });
+  });
+}
+
+}  // namespace tidal_cpu
