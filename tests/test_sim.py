@@ -307,7 +307,8 @@ def test_simulate_command_writes_the_bench_report(tmp_path, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--routing", "least_loaded"], "routing policy must be one of"),
     (["--block-size", "0"], "block_size must be at least 1"),
-    (["--pd", "0P2D"], "xPyD needs at least one prefill"),
+    (["--pd", "0P2D"], "pd expects xPyD with x, y >= 1"),
+    (["--pd", "1P"], "pd expects xPyD with x, y >= 1"),
     (["--dataset-path", "/no/such/trace.csv"], "no trace at /no/such/trace.csv"),
     (["--goodput", "ttft:soon"], "'soon' is not a number"),
 ])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 from typing import Any, Callable
 
 # The core's main, e.g. tidal.runtime.core_process.run_core: passed in, so that this layer
@@ -122,3 +123,12 @@ def frontend_host(backend: str) -> str | None:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def parse_pd(text: str) -> tuple[int, int]:
+    """A P/D topology, "xPyD" (x prefill and y decode instances, each at least 1), as (x, y);
+    ValueError otherwise."""
+    match = re.fullmatch(r"(\d+)P(\d+)D", text.upper())
+    if not match or min(int(match[1]), int(match[2])) < 1:
+        raise ValueError(f"pd expects xPyD with x, y >= 1 (e.g. 1P3D); got {text!r}")
+    return int(match[1]), int(match[2])

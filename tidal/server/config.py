@@ -5,9 +5,9 @@ docs/configuration.md come from the same words."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from tidal.cluster.launch import parse_pd
 from tidal.core.knobs import check_at_least_one, check_choice, knob
 from tidal.runtime.core_watch import RestartPolicy
 from tidal.server.openai.reasoning import PARSERS as REASONING_PARSERS
@@ -82,17 +82,14 @@ class ServerConfig(HttpConfig):
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         self.restart_policy()  # its own checks
-        if self.pd is not None and self.pd_counts is None:
-            raise ValueError(f"pd expects xPyD with x, y >= 1 (e.g. 1P1D); got {self.pd!r}")
+        if self.pd is not None:
+            parse_pd(self.pd)
 
     def restart_policy(self) -> RestartPolicy:
         """How the client restarts a dead engine core."""
         return RestartPolicy(self.restart_core, self.restart_backoff)
 
     @property
-    def pd_counts(self) -> tuple[int, int] | None:
-        """(prefill, decode) instances that `pd` asks for; None when it is not xPyD."""
-        match = re.fullmatch(r"(\d+)P(\d+)D", self.pd or "")
-        if not match or min(int(match[1]), int(match[2])) < 1:
-            return None
-        return int(match[1]), int(match[2])
+    def pd_counts(self) -> tuple[int, int]:
+        """(prefill, decode) instances that `pd` asks for."""
+        return parse_pd(self.pd or "")

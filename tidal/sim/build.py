@@ -4,10 +4,10 @@ fitted profile."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from typing import Any
 
+from tidal.cluster.launch import parse_pd
 from tidal.engine.config import EngineConfig
 from tidal.model.config import ModelArch
 from tidal.sim.cost_model import CostModel
@@ -59,10 +59,7 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
                          cache=replace(config.cache, num_blocks=blocks))
     num_prefill = num_decode = 0
     if pd:
-        m = re.fullmatch(r"(\d+)P(\d+)D", pd.upper())
-        if not m:
-            raise ValueError(f"--pd takes xPyD, e.g. 1P3D; got {pd!r}")
-        num_prefill, num_decode = int(m.group(1)), int(m.group(2))
+        num_prefill, num_decode = parse_pd(pd)
     spec = ClusterSpec(data_parallel_size=config.parallel.data_parallel_size,
                        num_prefill=num_prefill, num_decode=num_decode, routing=routing,
                        link_bandwidth=link_bandwidth * 1e9, prefill_path=prefill_path)
