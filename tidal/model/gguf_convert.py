@@ -269,13 +269,15 @@ def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Dequantize `gguf_path` into `out_dir` (written atomically: a half-written cache is
-    never left behind). Returns `out_dir`. ValueError for a GGUF that does not convert."""
-    from gguf import GGUFReader
+    never left behind). Returns `out_dir`. ValueError for a GGUF that does not convert (or
+    is truncated)."""
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
+    from tidal.model.gguf_weights import open_gguf  # it imports this module's helpers
+
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)
     config = hf_config(reader)
     tensors = hf_tensors(reader, config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
