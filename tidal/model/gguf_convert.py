@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -202,47 +203,81 @@ def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
     return names
 
 
-def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
-    """The GGUF's tensors dequantized to float32 under Hugging Face checkpoint names, undoing
-    what llama.cpp's converter changed (q/k row order, Gemma's norm offset, stacked experts)."""
-    from gguf.quants import dequantize
+class HFTensor(NamedTuple):
+    """One GGUF tensor under its Hugging Face name, with what llama.cpp changed in it."""
 
+    tensor: Any  # gguf's ReaderTensor: shape, type and the bytes (a view of the file)
+    name: str  # HF name with .weight/.bias; an experts' tensor keeps ".experts." stacked
+    heads: int | None  # llama q/k: its rows are permuted over this many heads
+    norm_offset: bool  # a Gemma norm, stored as 1 + w
+
+
+def hf_layout(reader, config: dict) -> list[HFTensor]:
+    """Every GGUF tensor to load, under its Hugging Face name (RoPE frequency tensors are
+    left out: hf_config reads them). ValueError for a tensor with no Hugging Face name."""
     arch = _field(reader, "general.architecture")
     names = _hf_names(arch, config["num_hidden_layers"])
-    out = {}
+    out = []
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")
         if base.startswith("rope_"):  # RoPE frequency tensors: read into rope_parameters
             continue
         if (hf_name := names.get(base)) is None:
             raise ValueError(f"{arch} GGUF tensor {t.name!r} has no Hugging Face name")
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        heads = None
         if arch == "llama" and base.endswith(".attn_q"):
-            w = _unpermute(w, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif arch == "llama" and base.endswith(".attn_k"):
-            w = _unpermute(w, config["num_key_value_heads"])
-        if arch.startswith("gemma") and base.endswith("norm"):
-            w = w - 1  # llama.cpp stores Gemma's w with the 1 that HF's x * (1 + w) adds
-        if hf_name.endswith("shared_expert_gate") and w.ndim == 1:
-            w = w[None]  # HF's Linear(hidden, 1); some converters store it flat
-        if ".experts." in hf_name:  # [experts, out, in] -> HF checkpoints' one per expert
+            heads = config["num_key_value_heads"]
+        # llama.cpp stores Gemma's w with the 1 that HF's x * (1 + w) adds
+        gemma_norm = arch.startswith("gemma") and base.endswith("norm")
+        out.append(HFTensor(t, f"{hf_name}.{suffix}", heads, gemma_norm))
+    return out
+
+
+def expert_name(name: str, expert: int) -> str:
+    """The HF name of one expert's slice of a stacked [experts, out, in] tensor."""
+    return name.replace(".experts.", f".experts.{expert}.")
+
+
+def is_flat_gate(name: str, ndim: int) -> bool:
+    """A shared_expert_gate stored flat: HF's is a Linear(hidden, 1), [1, hidden]."""
+    return ".shared_expert_gate." in name and ndim == 1
+
+
+def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
+    """The GGUF's tensors dequantized to float32 under Hugging Face checkpoint names, undoing
+    what llama.cpp's converter changed (q/k row order, Gemma's norm offset, stacked experts)."""
+    from gguf.quants import dequantize
+
+    out = {}
+    for t, name, heads, norm_offset in hf_layout(reader, config):
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if heads is not None:
+            w = _unpermute(w, heads)
+        if norm_offset:
+            w = w - 1
+        if is_flat_gate(name, w.ndim):
+            w = w[None]
+        if ".experts." in name:  # [experts, out, in] -> HF checkpoints' one per expert
             for e in range(w.shape[0]):
-                out[f"{hf_name.replace('.experts.', f'.experts.{e}.')}.{suffix}"] = (
-                    np.ascontiguousarray(w[e]))
+                out[expert_name(name, e)] = np.ascontiguousarray(w[e])
         else:
-            out[f"{hf_name}.{suffix}"] = np.ascontiguousarray(w)
+            out[name] = np.ascontiguousarray(w)
     return out
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Dequantize `gguf_path` into `out_dir` (written atomically: a half-written cache is
-    never left behind). Returns `out_dir`. ValueError for a GGUF that does not convert."""
-    from gguf import GGUFReader
+    never left behind). Returns `out_dir`. ValueError for a GGUF that does not convert (or
+    is truncated)."""
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
+    from tidal.model.gguf_weights import open_gguf  # it imports this module's helpers
+
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)
     config = hf_config(reader)
     tensors = hf_tensors(reader, config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,163 @@
+"""A GGUF file's weights in their own formats, under Hugging Face names, with no float32 copy.
+
+`read_gguf` memory-maps the file (gguf.GGUFReader) and gives each tensor the name and layout
+of the tensor `gguf_convert.hf_tensors` writes for it, undoing llama.cpp's changes on the
+stored bytes rather than on floats: llama's q/k permutation reorders output rows, and a row
+of a quantized matrix is a whole row of blocks, so the rows of blocks move intact; stacked
+[experts, out, in] tensors split into per-expert views. Quantized matrices become
+`QuantizedWeight`s, float matrices torch tensors of the file's dtype; both are read-only
+views of the memory map unless reordered (q/k) or repacked into planes. 1-D tensors (norms,
+biases) become small float32 copies, Gemma's norm offset undone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
+
+from tidal.model.gguf_convert import (HFTensor, _unpermute, expert_name, hf_config, hf_layout,
+                                      is_flat_gate)
+from tidal.model.gguf_quants import FLOAT_TYPES, QuantizedWeight, _as_bytes
+
+Weight = Union[torch.Tensor, QuantizedWeight]
+
+
+class GGUFWeights(Mapping):
+    """Hugging Face name -> weight (torch tensor or QuantizedWeight) of one GGUF file, with
+    its `config` (hf_config's config.json dict), `path` and `nbytes`, the bytes of all the
+    file's tensors. The reader's memory map lives as long as the weights viewing it."""
+
+    def __init__(self, path: Path, reader: GGUFReader, config: dict,
+                 weights: dict[str, Weight]) -> None:
+        self.path, self.reader, self.config = path, reader, config
+        self.nbytes = sum(int(t.n_bytes) for t in reader.tensors)
+        self._weights = weights
+
+    def __getitem__(self, name: str) -> Weight:
+        return self._weights[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    def __repr__(self) -> str:
+        return f"GGUFWeights({str(self.path)!r}, {len(self)} tensors, {self.nbytes} bytes)"
+
+
+def read_gguf(path: str | os.PathLike, planar: bool | None = None,
+              use_extension: bool = True) -> GGUFWeights:
+    """The weights of the GGUF file at `path` (see the module docstring); `planar` and
+    `use_extension` go to each QuantizedWeight. ValueError naming the file for a truncated
+    file, an architecture that does not convert, or a tensor type tidal does not run."""
+    path = Path(path)
+    reader = open_gguf(path)
+    try:
+        config = hf_config(reader)
+        weights: dict[str, Weight] = {}
+        for item in hf_layout(reader, config):
+            weights.update(_weights(item, planar, use_extension))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return GGUFWeights(path, reader, config, weights)
+
+
+def _weights(item: HFTensor, planar: bool | None,
+             use_extension: bool) -> Iterator[tuple[str, Weight]]:
+    """(HF name, weight) for one GGUF tensor: one pair, or one per expert."""
+    t, name, heads, norm_offset = item
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost dim first
+    if len(shape) == 1 or norm_offset:
+        yield name, _small_float(t, shape, norm_offset, is_flat_gate(name, len(shape)))
+        return
+    data = np.asarray(t.data)  # [..., rows, row bytes or values]: whole rows either way
+    if heads is not None:  # a copy of the stored rows, reordered as HF orders them
+        data = np.ascontiguousarray(_unpermute(data, heads))
+    if ".experts." in name:
+        for e in range(shape[0]):
+            yield (expert_name(name, e),
+                   _matrix(f"{t.name}[{e}]", data[e], t.tensor_type, shape[1:], planar,
+                           use_extension))
+    else:
+        yield name, _matrix(t.name, data, t.tensor_type, shape, planar, use_extension)
+
+
+def _small_float(t, shape: tuple[int, ...], norm_offset: bool, flat_gate: bool) -> torch.Tensor:
+    """A norm, bias or other small tensor as a float32 copy."""
+    from gguf.quants import dequantize
+
+    try:
+        w = np.array(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {t.name!r} has type {QT(t.tensor_type).name}, which "
+                         "tidal does not read") from None
+    w = w.reshape(shape)
+    if norm_offset:
+        w -= 1
+    return torch.from_numpy(w[None] if flat_gate else w)
+
+
+def _matrix(name: str, data: np.ndarray, qtype: QT, shape: tuple[int, ...],
+            planar: bool | None, use_extension: bool) -> Weight:
+    """A [out, in] matrix of the file's bytes: a torch tensor for the float types, else a
+    QuantizedWeight (which refuses the types tidal does not run, by name)."""
+    if len(shape) != 2:
+        raise ValueError(f"GGUF tensor {name!r} has shape {list(shape)}; tidal reads matrices")
+    if qtype in FLOAT_TYPES:
+        return _as_bytes(data).view(FLOAT_TYPES[qtype]).view(shape)
+    return QuantizedWeight(name, data, qtype, shape, planar, use_extension)
+
+
+class _Truncated(Exception):
+    """A read past the end of the file."""
+
+
+class _CheckedReader(GGUFReader):
+    """gguf.GGUFReader that stops at the first read past the end of the file, where the
+    plain reader takes a short slice of its memory map (a numpy error or a short tensor)."""
+
+    def _get(self, offset, dtype, count=1, *args, **kwargs):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _Truncated(f"its header runs past byte {len(self.data)}, where the file ends")
+        return super()._get(offset, dtype, count, *args, **kwargs)
+
+    def _build_tensors(self, start_offs, fields) -> None:
+        for field in fields:  # each tensor's extent, before the reader slices its data
+            _, name, _, dims, raw_type, offset = field.parts
+            name = bytes(name).decode("utf-8", "replace")
+            try:
+                qtype = QT(int(raw_type[0]))
+            except ValueError:
+                raise ValueError(f"GGUF tensor {name!r} has unknown ggml type "
+                                 f"{int(raw_type[0])}") from None
+            block, size = GGML_QUANT_SIZES[qtype]
+            end = int(start_offs) + int(offset[0]) + math.prod(int(d) for d in dims) // block * size
+            if end > len(self.data):
+                raise _Truncated(f"tensor {name!r} ({qtype.name}) ends at byte {end}, the file "
+                                 f"at byte {len(self.data)}")
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
+    """gguf.GGUFReader over `path` (a memory map); ValueError naming the file when it is
+    truncated (cut in its header or its tensor data) or no GGUF file the reader reads."""
+    path = Path(path)
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is truncated: it is empty")
+    try:
+        return _CheckedReader(path)
+    except _Truncated as e:
+        raise ValueError(f"{path} is truncated: {e}") from None
+    except (ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"{path} is not a GGUF file tidal reads: {e}") from None
