@@ -274,7 +274,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
-    from tidal.model.gguf_weights import open_gguf  # it imports this module's helpers
+    from tidal.model.gguf_file import open_gguf
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_gguf(gguf_path)
