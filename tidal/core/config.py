@@ -76,7 +76,8 @@ class SchedulerConfig:
         4096, "Cap on one request's remaining output when reserving (estimation only).")
     preemption_order: str = knob(
         "shortest_output", "Retraction victims: 'shortest_output' (fewest generated tokens, "
-        "then longest prompt: SGLang's and FastDeploy's) or 'newest' (last admitted first, as vLLM v1).")
+        "then longest prompt: SGLang's and FastDeploy's) or 'newest' (last admitted first, "
+        "as vLLM v1).")
     safety_margin: float = knob(
         0.0, "Stop admitting new prefills while free blocks are under this share of the pool.")
     async_scheduling: bool = knob(

@@ -4,8 +4,8 @@ dashboard (`dashboard.py`), in front of the engine-core process.
 
 The routes are module-level functions over one `Frontend` (at `app.state.frontend`), which
 holds the engine client, the tokenizer, the metrics and the server's settings and drives a
-request from submit to its last update. How a response looks is in `responses.py`; what a
-request may hold is in `protocol.py`."""
+request from submit to its last update. How a response looks is in `openai/responses.py`,
+what a request may hold in `openai/protocol.py`, the server's options in `config.py`."""
 
 from __future__ import annotations
 
