@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tidal.bench.arrivals import arrival_times
 import tidal
+from tidal.bench.arrivals import arrival_times
 from tidal.bench.dataset import (DATA_DIR, BenchRequest, DatasetSpec, iter_json_records,
                                  load_dataset, open_text, sharegpt_path, trace_path)
 from tidal.bench.metrics import RequestResult, parse_goodput, summarize

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tidal.engine.flags import (add_config_flags, add_engine_flags, config_from_args,
-                               engine_kwargs, flag_errors)
+                                engine_kwargs, flag_errors)
 from tidal.server.config import HttpConfig, ServerConfig
 
 

@@ -21,9 +21,9 @@ from tidal.engine.structured import Grammars, Matchers
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
 from tidal.model.config import ModelArch
+from tidal.model.kernels import fused_kernels, paged_decode_kernel, paged_prefill_kernel
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
                                 default_fp32_rows, replace_linears)
-from tidal.model.kernels import fused_kernels, paged_decode_kernel, paged_prefill_kernel
 from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
 from tidal.model.sampler import SampleRow, on_device, sample, target_logprobs

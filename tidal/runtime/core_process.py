@@ -10,13 +10,13 @@ from dataclasses import replace
 
 import zmq
 
+from tidal.cluster.kv_transfer import KVLink
 from tidal.core import RequestOutput
 from tidal.core.snapshot import SchedulerView, scheduler_view
+from tidal.engine import messages as m
 from tidal.engine.config import EngineConfig
-from tidal.cluster.kv_transfer import KVLink
 from tidal.engine.core import EngineCore
 from tidal.engine.device import core_device
-from tidal.engine import messages as m
 
 log = logging.getLogger("tidal.core")
 

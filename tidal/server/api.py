@@ -23,21 +23,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tidal import __version__
 from tidal.engine.outputs import StepUpdate
 from tidal.engine.structured import Grammars
-from tidal.server.openai.chat import ChatRequest, TokenizeRequest
-from tidal.server.openai.chat_output import ChatOutputOptions
 from tidal.runtime.client import CoreClient, EngineDeadError, Failure
+from tidal.server.config import ServerConfig
 from tidal.server.dashboard import DashboardHub
 from tidal.server.dashboard import routes as dashboard_routes
-from tidal.server.config import ServerConfig
 from tidal.server.errors import install_error_handlers
 from tidal.server.metrics import ServerMetrics
+from tidal.server.openai.chat import ChatRequest, TokenizeRequest
+from tidal.server.openai.chat_output import ChatOutputOptions
 from tidal.server.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
-                                   GenerationRequest, check_token_ids)
+                                          GenerationRequest, check_token_ids)
 from tidal.server.openai.reasoning import prompt_opens_thinking
 from tidal.server.openai.responses import (ChatResponse, CompletionResponse, GenerationResponse,
-                                    Updates)
+                                           Updates)
 from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
-                                       parser_for_template)
+                                              parser_for_template)
 
 
 class Frontend:

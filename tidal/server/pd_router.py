@@ -28,12 +28,12 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from tidal.cluster.routing import CoreLoad, Router
-from tidal.server.openai.chat import ChatRequest, TokenizeRequest
+from tidal.server.config import HttpConfig
 from tidal.server.dashboard import page_html
 from tidal.server.errors import install_error_handlers
-from tidal.server.config import HttpConfig
+from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
-                                   GenerationRequest)
+                                          GenerationRequest)
 
 log = logging.getLogger("tidal.router")
 

@@ -13,7 +13,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from tidal.server.openai.protocol import (APIError, GenerationRequest, StrictModel, encode, refuse)
 from tidal.server.openai.refusals import CHAT_REFUSED, VLLM_REFUSED
 from tidal.server.openai.tools import (Tool, ToolChoice, template_conversation, tool_constraint,
-                                tool_dicts)
+                                       tool_dicts)
 
 # Template variables a request's chat_template_kwargs may not set: the server sets them.
 RESERVED_TEMPLATE_ARGS = ("messages", "tools", "documents", "add_generation_prompt",
