@@ -174,7 +174,8 @@ def test_a_request_alone_is_admitted_without_reserving_its_own_output():
 
 def test_newest_first_preemption_takes_the_last_admitted():
     """The vLLM-style order: with a, b, c admitted in that order and one block short, c goes
-    (the seeds' order would take b, the longest prompt among equal outputs)."""
+    (shortest_output, SGLang's and FastDeploy's order, would take b, the longest prompt among
+    equal outputs)."""
     s = make_scheduler(num_blocks=8, block_size=2, clip_max_new_tokens=1,
                        preemption_order="newest")
     a, b, c = (add(s, "a", 4, max_tokens=50), add(s, "b", 6, max_tokens=50),
@@ -183,6 +184,7 @@ def test_newest_first_preemption_takes_the_last_admitted():
     out, _ = step(s)
     assert out.preempted_ids[0] == "c"
     assert c.status is RequestStatus.WAITING and b.status is RequestStatus.RUNNING
+    assert a.status is RequestStatus.RUNNING
 
 
 def test_ratio_zero_reserves_nothing_even_after_a_retraction():
