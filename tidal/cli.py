@@ -41,8 +41,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from tidal.server.config import ServerConfig
-
     with flag_errors("serve"):
         server = config_from_args(ServerConfig, args)
     if server.pd is not None:
@@ -131,7 +129,6 @@ def _free_port() -> int:
 def cmd_router(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from tidal.server.config import HttpConfig
     from tidal.server.limits import uvicorn_limits
     from tidal.server.pd_router import PDRouter, build_router_app
 

@@ -16,6 +16,7 @@ for that model it re-creates the shipped weights rather than losing more precisi
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -140,14 +141,16 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo cannot be read); read once, as
+    every linear layer built asks."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return frozenset(line.partition(":")[2].split())
 
 
 def default_fp32_rows() -> int:
