@@ -1,7 +1,12 @@
 """The CI version of `benchmarks/soak.py`: 300 requests of the soak's mix (chat and
 completions, n up to 4, logprobs, stop strings, penalties; 20% of clients leave mid-stream,
 10% give up on a non-streaming answer) against a real server. Every request that ran to its
-end is well formed, the server holds nothing afterwards, and neither process grows."""
+end is well formed, the server holds nothing afterwards, and neither process grows.
+
+The RSS baseline is taken after the first 30% of requests, as the benchmark does: the
+allocators' high-water marks still rise for a while after the first batches (the engine
+core levels off after ~3,000 requests, docs/reliability.md), while a per-request leak keeps
+growing through the last 70%."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from soak import run_soak  # noqa: E402
 
 
 def test_soak_300_requests():
-    r = run_soak(300, concurrency=24, seed=1, serve_flags=[], progress=False, warmup=0.1)
+    r = run_soak(300, concurrency=24, seed=1, serve_flags=[], progress=False, warmup=0.3)
     out = r.report.outcomes
     assert out["malformed"] == 0, "\n".join(r.report.problems)
     # the mix exercised each kind of client
