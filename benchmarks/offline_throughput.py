@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="none", help="none, int8 or int4 (CPU bf16)")
+    ap.add_argument("--quantization", default="auto",
+                    help="auto (the GGUF in its own formats), gguf, none, int8 or int4")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--no-cpu-decoder", action="store_true",

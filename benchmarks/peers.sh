@@ -3,8 +3,9 @@
 # llama-server serve the embedded SmolLM2-135M one at a time; each gets the same workload
 # (64 chat requests x 64 output tokens, ignore_eos, temperature 0) at concurrency 1, 16 and
 # 64, driven by `tidal bench serve`; one table prints tidal's ratio to each peer.
-# usage: benchmarks/peers.sh [ENGINES...]   (default: tidal tidal-int4 vllm llama)
-# tidal-int4 serves with --quantization int4: the Q4_1 weights llama-server runs.
+# usage: benchmarks/peers.sh [ENGINES...]   (default: tidal tidal-dense vllm llama)
+# tidal serves the GGUF's Q4_1 weights in their own format, as llama-server does;
+# tidal-dense serves a bf16 copy of them (--quantization none).
 # The peers install or build once into $PEERS_DIR (default /tmp/peers): see benchmarks/peers/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ PEERS=${PEERS:-benchmarks/peers}
 OUTDIR=${OUTDIR:-benchmarks/results/peers}
 CONCURRENCY=${CONCURRENCY:-"1 16 64"}
 NUM_PROMPTS=${NUM_PROMPTS:-64}
-engines=${*:-tidal tidal-int4 vllm llama}
+engines=${*:-tidal tidal-dense vllm llama}
 mkdir -p "$OUTDIR"
 model_dir=$($PY -c "from tidal.model.registry import resolve_model; print(resolve_model('smollm2-135m')[0])")
 gguf=$($PY -c "from tidal.model.registry import embedded_gguf; print(embedded_gguf('smollm2-135m'))")
@@ -30,11 +31,11 @@ wait_healthy() {  # port pid
 for engine in $engines; do
   case $engine in
     tidal) port=8100; setsid .venv/bin/tidal serve --port $port >"$OUTDIR/$engine.log" 2>&1 & ;;
-    tidal-int4) port=8103; setsid .venv/bin/tidal serve --port $port --quantization int4 \
+    tidal-dense) port=8103; setsid .venv/bin/tidal serve --port $port --quantization none \
       >"$OUTDIR/$engine.log" 2>&1 & ;;
     vllm) port=8101; setsid "$PEERS/vllm_cpu.sh" "$model_dir" $port >"$OUTDIR/$engine.log" 2>&1 & ;;
     llama) port=8102; setsid "$PEERS/llama_server.sh" "$gguf" $port 64 >"$OUTDIR/$engine.log" 2>&1 & ;;
-    *) echo "unknown engine $engine (tidal, tidal-int4, vllm, llama)"; exit 2 ;;
+    *) echo "unknown engine $engine (tidal, tidal-dense, vllm, llama)"; exit 2 ;;
   esac
   pid=$!
   trap 'kill -- -$pid 2>/dev/null || true' EXIT

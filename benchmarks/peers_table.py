@@ -10,7 +10,7 @@ runs = {}
 for path in folder.glob("*-c*.json"):
     engine, conc = path.stem.rsplit("-c", 1)
     runs[(engine, int(conc))] = json.loads(path.read_text())
-engines = [e for e in ("tidal", "tidal-int4", "vllm", "llama") if any(k[0] == e for k in runs)]
+engines = [e for e in ("tidal", "tidal-dense", "tidal-int4", "vllm", "llama") if any(k[0] == e for k in runs)]
 ours = [e for e in engines if e.startswith("tidal")]
 pairs = [(o, p) for o in ours for p in engines if p not in ours]
 print("| concurrency | " + " | ".join(f"{e} tok/s (TPOT ms)" for e in engines)

@@ -164,7 +164,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_stall_the_next(tmp_path, m
     it under an flock, which another process cannot take while a build holds it."""
     import fcntl
 
-    from tidal.model.cpu_decode import _build_folder
+    from tidal.model.cpu_extension import _build_folder
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     with _build_folder() as folder:

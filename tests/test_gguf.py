@@ -73,7 +73,8 @@ def hf_folder(tmp: Path, name: str) -> Path:
 def write_gguf(folder: Path, arch: str, path: Path, extra: dict | None = None,
                qtype=gguf.GGMLQuantizationType.F32) -> Path:
     """The GGUF llama.cpp's convert_hf_to_gguf.py writes for `folder` (matrices as `qtype`,
-    the rest float32), with a byte-level tokenizer; `extra`: more tensors, by GGUF name."""
+    or as `qtype(gguf_name)` for a callable, the rest float32), with a byte-level tokenizer;
+    `extra`: more tensors, by GGUF name."""
     cfg = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
     layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
@@ -127,8 +128,9 @@ def write_gguf(folder: Path, arch: str, path: Path, extra: dict | None = None,
 
     def add(name: str, t: np.ndarray) -> None:
         name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if t.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        q = qtype(name) if callable(qtype) else qtype
+        if t.ndim >= 2 and q != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, gguf.quants.quantize(t, q), raw_dtype=q)
         else:
             w.add_tensor(name, t)
 
@@ -276,9 +278,9 @@ def conversions(monkeypatch, tmp_path):
     monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
     calls = []
 
-    def counting(path, out):
+    def counting(path, out, **options):
         calls.append(Path(path))
-        return convert_gguf(path, out)
+        return convert_gguf(path, out, **options)
     monkeypatch.setattr(gguf_convert, "convert_gguf", counting)
     return calls
 
@@ -286,11 +288,12 @@ def conversions(monkeypatch, tmp_path):
 @pytest.mark.parametrize("same_mtime", [True, False])
 def test_a_gguf_replaced_by_one_of_its_name_and_size_converts_anew(tmp_path, conversions,
                                                                    same_mtime):
-    from tidal.model.registry import resolve_model
+    from tidal.model.registry import dense_weights, resolve_model
 
     path = tmp_path / "m.gguf"
     old = write_gguf(_redrawn(hf_folder(tmp_path / "a", "qwen2"), 1), "qwen2", path)
     folder, _ = resolve_model(str(path))
+    dense_weights(folder)
     old_weights = load_file(str(folder / "model.safetensors"))
     stat = path.stat()
     new = write_gguf(_redrawn(hf_folder(tmp_path / "b", "qwen2"), 2), "qwen2",
@@ -302,6 +305,7 @@ def test_a_gguf_replaced_by_one_of_its_name_and_size_converts_anew(tmp_path, con
         assert path.stat().st_mtime_ns == stat.st_mtime_ns
     folder2, _ = resolve_model(str(path))
     assert conversions == [path, path] and folder2 != folder
+    dense_weights(folder2)
     got = load_file(str(folder2 / "model.safetensors"))
     want = load_file(str(convert_gguf(path, tmp_path / "fresh") / "model.safetensors"))
     assert got.keys() == want.keys() == old_weights.keys()
@@ -311,12 +315,16 @@ def test_a_gguf_replaced_by_one_of_its_name_and_size_converts_anew(tmp_path, con
 
 
 def test_an_unchanged_gguf_converts_once(tmp_path, conversions):
-    from tidal.model.registry import resolve_model
+    from tidal.model.registry import dense_weights, gguf_source, resolve_model
 
     path = write_gguf(hf_folder(tmp_path, "qwen2"), "qwen2", tmp_path / "m.gguf")
     first, _ = resolve_model(str(path))
+    # the weights stay in the GGUF until a run asks for dense ones
+    assert gguf_source(first) == path.resolve() and not (first / "model.safetensors").exists()
+    dense_weights(first)
     written = (first / "model.safetensors").stat().st_mtime_ns
     second, _ = resolve_model(str(path))
+    dense_weights(second)
     assert conversions == [path] and second == first
     assert (second / "model.safetensors").stat().st_mtime_ns == written
 

@@ -189,18 +189,26 @@ def test_bias_and_leading_dimensions(rows):
 
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
-def test_float_types_multiply_in_torch(qtype):
+def test_float_types_become_dense_layers(qtype):
+    """A float-typed matrix (alone, or fused with a quantized part) multiplies as a dense
+    layer of its values; GGUFLinear itself takes block formats only, and says so."""
+    from tidal.model.gguf_model import projection
+
     rng = np.random.default_rng(6)
-    n, k = 23, 40
+    n, k = 23, 64
     raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
-    layer = GGUFLinear(QuantizedWeight("w", raw, qtype, (n, k)))
-    w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    q8 = gguf.quants.quantize(rng.standard_normal((16, k)).astype(np.float32), QT.Q8_0)
+    with pytest.raises(ValueError, match=f"'w', '{qtype.name}'"):
+        GGUFLinear(QuantizedWeight("w", raw, qtype, (n, k)))
+    parts = [QuantizedWeight("w", raw, qtype, (n, k)), QuantizedWeight("v", q8, QT.Q8_0, (16, k))]
+    w = torch.from_numpy(np.concatenate([dequantized(raw, qtype), dequantized(q8, QT.Q8_0)]))
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32)).to(dtype)
-        bound = F.linear(x.double().abs(), w.double().abs())  # bf16 rounds x, w or y
+        layer = projection(parts, None, dtype)
+        assert not isinstance(layer, GGUFLinear)
+        x = torch.from_numpy(rng.standard_normal((3, k))).to(dtype)
+        bound = F.linear(x.double().abs(), w.abs())
         tol = 1e-6 if dtype == torch.float32 and qtype != QT.BF16 else 2.0 ** -7
-        assert torch.all((layer(x).double() - F.linear(x.double(), w.double())).abs()
-                         <= tol * bound)
+        assert torch.all((layer(x).double() - F.linear(x.double(), w)).abs() <= tol * bound)
 
 
 @pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.IQ2_XXS, QT.IQ4_NL, 99],

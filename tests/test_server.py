@@ -60,7 +60,8 @@ def test_chat_stream_equals_non_stream(client):
         stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        full.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 

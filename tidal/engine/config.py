@@ -17,6 +17,7 @@ from tidal.core.policies import POLICIES, option_fields
 
 # How the data-parallel dispatcher (and the simulator's router) picks an engine core; the
 # policies themselves are in tidal/cluster/routing.py.
+QUANTIZATIONS = ("auto", "gguf", "none", "int8", "int4")
 ROUTING_POLICIES = ("round_robin", "least_tokens", "prefix_aware", "slack")
 
 
@@ -32,10 +33,16 @@ class ModelConfig:
     device: str = knob("auto", "'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'. "
                        "Data-parallel cores on a machine with several GPUs run on GPU "
                        "i modulo their number (auto or cuda).")
-    quantization: str = knob("none", "'none'; 'int8': weight-only int8 projections "
-                             "(per-channel absmax); 'int4': weight-only int4 in groups of 32 "
-                             "(the embedded GGUF's own Q4_1 format) for steps of at most 4 "
-                             "tokens, dense for larger ones. CPU only.")
+    quantization: str = knob("auto", "'auto': 'gguf' for a GGUF model on CPU unless dtype "
+                             "is float32 or float16 (a run that asks for a float copy), "
+                             "else 'none'. 'gguf': the GGUF file's weights in their own "
+                             "formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; "
+                             "float types as dense layers), memory-mapped, no float copy; "
+                             "CPU only. 'none': dense weights in dtype (a GGUF's are "
+                             "converted once into the cache). 'int8': weight-only int8 "
+                             "projections (per-channel absmax); 'int4': weight-only int4 in "
+                             "groups of 32 for steps of a few tokens, dense for larger "
+                             "ones; both CPU only.")
     load_format: str = knob("auto", "'auto' reads the weights; 'dummy' makes small random "
                             "ones (only config.json is needed): for timing, as `tidal "
                             "calibrate` does for models whose weights are not here.")
@@ -92,8 +99,9 @@ class ModelConfig:
         if self.device not in ("auto", "cpu", "cuda") and not (
                 self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-        if self.quantization not in ("none", "int8", "int4"):
-            raise ValueError(f"quantization must be none, int8 or int4; got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
+                             f"got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy; got {self.load_format!r}")
         if self.fp32_gemm_rows is not None and self.fp32_gemm_rows < 0:
@@ -206,3 +214,21 @@ def option_type(name: str) -> type:
             kinds = [t for t in typing.get_args(hints[name]) if t is not type(None)]
             return kinds[0] if kinds else hints[name]
     raise KeyError(name)
+
+
+def effective_quantization(config: ModelConfig, gguf: bool, device: str) -> str:
+    """What `config.quantization` means for this model (`gguf`: it is a GGUF file) on
+    `device`: 'auto' resolved, and a 'gguf' that cannot run refused by name."""
+    q = config.quantization
+    if q == "auto":
+        dense_dtype = config.dtype in ("float32", "float16")
+        use = gguf and device == "cpu" and not dense_dtype and config.load_format == "auto"
+        return "gguf" if use else "none"
+    if q == "gguf":
+        if not gguf:
+            raise ValueError(f"quantization='gguf' runs GGUF files; {config.model!r} is not one")
+        if device != "cpu":
+            raise ValueError("quantization='gguf' runs on CPU; on GPU use 'none' (dense weights)")
+        if config.dtype == "float16":
+            raise ValueError("quantization='gguf' computes in bfloat16 or float32, not float16")
+    return q

@@ -13,7 +13,7 @@ from tidal.core import ModelOutput, NewRequest, PromptLogprob, SchedulerConfig, 
 from tidal.core.kv_cache_manager import cdiv
 from tidal.core.request import token_slice
 from tidal.engine.batch import BatchBuilder, StepBatch
-from tidal.engine.config import ModelConfig
+from tidal.engine.config import ModelConfig, effective_quantization
 from tidal.engine.decode_graphs import CaptureBackend, CudaGraphCapture, DecodeGraphs
 from tidal.engine.device import free_ram, gpu_kv_budget, pick_device, pick_dtype
 from tidal.engine.step_inputs import StepInputs
@@ -24,7 +24,9 @@ from tidal.model.config import ModelArch
 from tidal.model.kernels import fused_kernels, paged_decode_kernel, paged_prefill_kernel
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
                                 default_fp32_rows, replace_linears)
+from tidal.model.gguf_model import load_gguf_model
 from tidal.model.loader import load_model
+from tidal.model.registry import gguf_source
 from tidal.model.mlp import group_experts
 from tidal.model.sampler import SampleRow, on_device, sample, target_logprobs
 
@@ -65,7 +67,9 @@ class ModelRunner:
         sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
         self.device = pick_device(config.device)
         self.on_gpu = self.device.startswith("cuda")
-        self.dtype = pick_dtype(config.dtype, self.device, config.quantization)
+        gguf = gguf_source(folder)
+        quantization = effective_quantization(config, gguf is not None, self.device)
+        self.dtype = pick_dtype(config.dtype, self.device, quantization)
         if self.on_gpu:
             if ":" in self.device:  # cuda:N: this process's current device too
                 torch.cuda.set_device(torch.device(self.device))
@@ -78,22 +82,12 @@ class ModelRunner:
             paged_decode_kernel() if self.on_gpu else None)
         backend = TorchAttention.for_arch(self.arch, paged,
                                           paged_prefill_kernel() if self.on_gpu else None)
-        self.model = load_model(folder, self.dtype, self.device, backend,
-                                dummy=config.load_format == "dummy")
-        kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[config.quantization]
-        if can_pack(self.dtype, self.device):  # CPU: every projection gets its CPU layer
-            if kind is PackedLinear:  # experts: tidal's kernel reads bf16 itself; torch's float32
-                group_experts(self.model, self.dtype if ext else torch.float32,
-                              ext and ext.grouped_linear)
-            rows = default_fp32_rows() if config.fp32_gemm_rows is None else config.fp32_gemm_rows
-            options = {PackedLinear: {"fp32_rows": rows}, Int8Linear: {},
-                       Int4Linear: {"fp32_rows": rows, "ext": ext}}[kind]
-            replace_linears(self.model, kind, **options)
-        elif config.quantization != "none":
-            raise ValueError(f"quantization={config.quantization!r} runs on CPU in bfloat16 "
-                             "or float32")
-        elif self.on_gpu:  # experts as torch's grouped matmul: no per-expert host loop
-            group_experts(self.model, self.dtype)
+        if quantization == "gguf":  # every projection is a CPU layer of the file's formats
+            self.model = load_gguf_model(gguf, self.arch, self.dtype, backend)
+        else:
+            self.model = load_model(folder, self.dtype, self.device, backend,
+                                    dummy=config.load_format == "dummy")
+            self._convert_layers(config, quantization, ext)
         # Decode-only steps run as one C++ call where the model allows (CPU).
         self.decoder = cpu_decode.build_decoder(self.model) if ext else None
         self.block_size = block_size
@@ -123,6 +117,24 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.on_gpu and not config.enforce_eager and backend.paged_kernel is not None:
             self.use_decode_graphs(CudaGraphCapture(), sched.max_num_seqs, max_model_len)
+
+    def _convert_layers(self, config: ModelConfig, quantization: str, ext) -> None:
+        """Dense weights into their device's layers: CPU projections packed or quantized,
+        experts grouped."""
+        kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[quantization]
+        if can_pack(self.dtype, self.device):  # CPU: every projection gets its CPU layer
+            if kind is PackedLinear:  # experts: tidal's kernel reads bf16 itself; torch's float32
+                group_experts(self.model, self.dtype if ext else torch.float32,
+                              ext and ext.grouped_linear)
+            rows = default_fp32_rows() if config.fp32_gemm_rows is None else config.fp32_gemm_rows
+            options = {PackedLinear: {"fp32_rows": rows}, Int8Linear: {},
+                       Int4Linear: {"fp32_rows": rows, "ext": ext}}[kind]
+            replace_linears(self.model, kind, **options)
+        elif quantization != "none":
+            raise ValueError(f"quantization={quantization!r} runs on CPU in bfloat16 "
+                             "or float32")
+        elif self.on_gpu:  # experts as torch's grouped matmul: no per-expert host loop
+            group_experts(self.model, self.dtype)
 
     def _size_kv(self, config: ModelConfig, step_tokens: int, max_seqs: int) -> int:
         per_block = self.arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size

@@ -267,11 +267,11 @@ def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Dequantize `gguf_path` into `out_dir` (written atomically: a half-written cache is
-    never left behind). Returns `out_dir`. ValueError for a GGUF that does not convert (or
-    is truncated)."""
-    from safetensors.numpy import save_file
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
+                 weights: bool = True) -> Path:
+    """Write `gguf_path`'s config.json and tokenizer into `out_dir`, and with `weights` its
+    float32 safetensors too (written atomically: a half-written cache is never left behind).
+    Returns `out_dir`. ValueError for a GGUF that does not convert (or is truncated)."""
     from transformers import AutoTokenizer
 
     from tidal.model.gguf_file import open_gguf
@@ -279,11 +279,13 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_gguf(gguf_path)
     config = hf_config(reader)
-    tensors = hf_tensors(reader, config)
+    if weights:
+        hf_layout(reader, config)  # an architecture that does not convert fails first
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        save_file(tensors, str(tmp / "model.safetensors"))
+        if weights:
+            write_weights(reader, config, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tokenizer.save_pretrained(str(tmp))
@@ -294,3 +296,15 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def write_weights(reader, config: dict, path: Path) -> None:
+    """The file's tensors dequantized to float32 safetensors at `path`, written atomically."""
+    from safetensors.numpy import save_file
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        save_file(hf_tensors(reader, config), str(tmp))
+        tmp.rename(path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -11,7 +11,6 @@ so the extra memory stays one tile however large the weight.
 from __future__ import annotations
 
 import warnings
-from types import ModuleType
 from typing import Any
 
 import gguf
@@ -22,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
-from tidal.model.linear import cpu_flags
+from tidal.model.cpu_extension import extension
 
 FLOAT_TYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 # Each block format's fields, bytes each, in the block's order (ggml's block structs).
@@ -42,12 +41,6 @@ SUPPORTED = frozenset(FLOAT_TYPES) | frozenset(BLOCK_FIELDS)
 PLANAR = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 MAX_ROWS = 16  # the integer kernel's crossover with dequantized tiles: 16-32 rows, measured
 TILE_BYTES = 4 << 20  # float32 bytes of a dequantized tile (256-1024 rows; measured best)
-
-
-def _extension() -> ModuleType | None:
-    from tidal.model import cpu_decode  # only here: cpu_decode builds on first use
-
-    return cpu_decode.extension()
 
 
 class QuantizedWeight:
@@ -80,7 +73,7 @@ class QuantizedWeight:
             raise ValueError(f"GGUF tensor {name!r} ({qtype.name}, {n}x{k}) needs "
                              f"{n * (k // block) * size} bytes, got {raw.numel()}")
         self.name, self.qtype, self.shape = name, qtype, (n, k)
-        self.ext = _extension() if use_extension else None
+        self.ext = extension() if use_extension else None
         self.planar = qtype in BLOCK_FIELDS and (qtype in PLANAR if planar is None else planar)
         rows = raw.view(n, -1)
         if qtype in FLOAT_TYPES:
@@ -110,6 +103,20 @@ class QuantizedWeight:
             blocks = _from_planes(blocks, BLOCK_FIELDS[self.qtype])
         values = gguf.quants.dequantize(blocks.numpy(), self.qtype)
         return out.copy_(torch.from_numpy(values))
+
+    def take_rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` of the weight as a [len(ids), in_features] tensor of `dtype`."""
+        ids = ids.to(torch.long)
+        if self.qtype in FLOAT_TYPES:
+            return self.data[ids].to(dtype)
+        if self.ext is not None and dtype in (torch.float32, torch.bfloat16):
+            out = torch.empty(len(ids), self.shape[1], dtype=dtype)
+            self.ext.gguf_get_rows(self.data, int(self.qtype), self.planar, ids, out)
+            return out
+        blocks = self.data[ids]
+        if self.planar:
+            blocks = _from_planes(blocks, BLOCK_FIELDS[self.qtype])
+        return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), self.qtype)).to(dtype)
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.name!r}, {self.qtype.name}, {list(self.shape)})"
@@ -153,50 +160,79 @@ def _from_planes(rows: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
 
 
 class GGUFLinear(nn.Module):
-    """y = x @ W^T (+ bias) for a QuantizedWeight W. Steps of at most `max_rows` rows run
-    the C++ integer kernel (block formats, with the extension built); larger ones (and
-    every step without the extension) multiply tiles of W dequantized `tile_rows` output
-    rows at a time, in bf16 for bf16 inputs on CPUs with AMX, else in float32."""
+    """y = x @ [W_0; W_1; ...]^T (+ bias) for QuantizedWeights W_i of block formats and one
+    in_features: the parts' outputs side by side, so a fused q/k/v or gate/up keeps each
+    part in the file's format (a Q4_K_M file has Q6_K v beside Q4_K q and k). With the C++
+    extension (`projection`, which the C++ decoder shares) steps of at most `max_rows` rows
+    run the integer kernels and larger ones multiply float32 tiles of `tile_rows`
+    dequantized rows by the activations rounded as the integer kernels round them (the
+    same sums up to float32 rounding, so a token does not depend on its step's size);
+    without it, every step multiplies tiles dequantized by the gguf package."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                 max_rows: int = MAX_ROWS, tile_rows: int | None = None) -> None:
+    def __init__(self, weights: QuantizedWeight | list[QuantizedWeight],
+                 bias: torch.Tensor | None = None, max_rows: int = MAX_ROWS,
+                 tile_rows: int | None = None) -> None:
         super().__init__()
-        self.weight = weight
+        self.parts = [weights] if isinstance(weights, QuantizedWeight) else list(weights)
+        if any(w.qtype not in BLOCK_FIELDS for w in self.parts):
+            raise ValueError(f"GGUFLinear multiplies block formats; got "
+                             f"{[(w.name, w.qtype.name) for w in self.parts]}")
+        k = self.parts[0].shape[1]
+        if any(w.shape[1] != k for w in self.parts):
+            raise ValueError(f"GGUF parts of one projection differ in in_features: {self.parts}")
+        self.in_features, self.out_features = k, sum(w.shape[0] for w in self.parts)
         self.bias = None if bias is None else bias.detach()
-        n, k = weight.shape
-        self.in_features, self.out_features = k, n
-        self.max_rows = max_rows if weight.ext is not None else 0
         self.tile_rows = tile_rows or min(1024, max(256, TILE_BYTES // (4 * k) // 16 * 16))
-        self.bf16_tiles = "amx_bf16" in cpu_flags()  # else oneDNN's bf16 GEMM lags float32
+        ext = self.parts[0].ext
+        self.max_rows = max_rows if ext is not None else 0
+        self.projection = None if ext is None else ext.GGUFProjection(
+            [ext.GGUFPart(w.data, int(w.qtype), w.planar) for w in self.parts], self.bias,
+            self.max_rows, self.tile_rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        w = self.weight
-        if w.qtype in FLOAT_TYPES and w.data.dtype == x.dtype:
-            y = F.linear(x2, w.data, self.bias)
-        elif (w.qtype in BLOCK_FIELDS and x2.shape[0] <= self.max_rows
-              and x.dtype in (torch.float32, torch.bfloat16)):
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            y = w.ext.gguf_linear(x2, w.data, int(w.qtype), w.planar, bias)
+        if self.projection is not None and x.dtype in (torch.float32, torch.bfloat16):
+            y = self.projection(x2)
         else:
             y = self._tiled(x2)
         return y.view(*lead, self.out_features)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype if x.dtype == torch.bfloat16 and self.bf16_tiles else torch.float32
-        xs = x.to(dtype)
-        n, step = self.out_features, self.tile_rows
-        y = torch.empty(x.shape[0], n, dtype=dtype)
-        tile = torch.empty(min(step, n), self.in_features, dtype=dtype)
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            w = self.weight.dequantize_rows(a, b, dtype, out=tile[:b - a])
-            y[:, a:b] = F.linear(xs, w)
+        """The fallback without the extension (or for float16 inputs), in float32."""
+        xs = x.float()
+        ys = []
+        for w in self.parts:
+            for a in range(0, w.shape[0], self.tile_rows):
+                ys.append(F.linear(xs, w.dequantize_rows(a, min(w.shape[0], a + self.tile_rows))))
+        y = torch.cat(ys, dim=1)
         if self.bias is not None:
-            y += self.bias.to(dtype)
+            y += self.bias.float()
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return (f"{self.weight.name}: {self.weight.qtype.name}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, max_rows={self.max_rows}")
+        kinds = "+".join(w.qtype.name for w in self.parts)
+        return (f"{kinds}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"max_rows={self.max_rows}")
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding looked up in the file's format: a step dequantizes only its tokens'
+    rows (into `dtype`). A float-typed table is kept as a tensor of `dtype` instead."""
+
+    def __init__(self, weight: QuantizedWeight | torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.quantized = weight if isinstance(weight, QuantizedWeight) else None
+        self.table = None if self.quantized is not None else weight.to(dtype)
+        self.num_embeddings, self.embedding_dim = (weight.shape[0], weight.shape[1])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return F.embedding(ids, self.table)
+        flat = ids.reshape(-1)
+        return self.quantized.take_rows(flat, self.dtype).view(*ids.shape, self.embedding_dim)

@@ -12,8 +12,9 @@ biases) become small float32 copies, Gemma's norm offset undone.
 
 from __future__ import annotations
 
+import mmap
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Union
 
@@ -49,6 +50,27 @@ class GGUFWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self._weights)
+
+    def release_unused(self, live: Iterable[torch.Tensor]) -> int:
+        """Drop this process's pages of the file's memory map that no `live` tensor views:
+        what was copied (repacked planes, reordered q/k rows, floats converted) and the
+        header, so RSS holds each weight's bytes once. They stay in the page cache, and a
+        later read maps them again. Returns the bytes of the ranges released."""
+        mapped = self.reader.data
+        handle = getattr(mapped, "_mmap", None)  # np.memmap's mmap.mmap
+        if handle is None or not hasattr(handle, "madvise"):
+            return 0
+        base, size, page = mapped.ctypes.data, mapped.nbytes, mmap.PAGESIZE
+        spans = sorted((p - base, p - base + t.numel() * t.element_size())
+                       for t in live if base <= (p := t.data_ptr()) < base + size)
+        released, at = 0, 0
+        for start, end in [*spans, (size, size)]:
+            lo, hi = -(-at // page) * page, start // page * page  # whole pages between views
+            if hi > lo:
+                handle.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                released += hi - lo
+            at = max(at, end)
+        return released
 
     def __repr__(self) -> str:
         return f"GGUFWeights({str(self.path)!r}, {len(self)} tensors, {self.nbytes} bytes)"

@@ -11,6 +11,7 @@ import torch
 from tidal.model.attention import AttentionBackend, TorchAttention
 from tidal.model.config import ModelArch
 from tidal.model.llama import LlamaModel, Rotary
+from tidal.model.registry import dense_weights, gguf_source
 
 # An HF projection's last name -> (our fused projection, which shard of it). w1/w3/w2 are
 # Mixtral's expert gate/up/down.
@@ -63,6 +64,8 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
         # The RoPE tables stay float32, as loaded models keep them.
         model.rotary = Rotary(arch).to(device)
         return model.eval().requires_grad_(False)
+    if not any(folder.glob("*.safetensors")) and gguf_source(folder) is not None:
+        dense_weights(folder)  # a GGUF run that asks for dense weights
     with torch.device("meta"):
         model = LlamaModel(arch, backend)
     params = _read_safetensors(folder, arch, model, dtype)

@@ -37,10 +37,13 @@ def embedded_gguf(name: str) -> Path:
 
 
 def resolve_model(model: str, check: bool = True) -> tuple[Path, str]:
-    """(folder with config.json + safetensors + tokenizer, served model name). A GGUF (an
-    embedded name or a path) is converted once into the cache; later calls reuse it.
-    `check`: raise UnsupportedModelError now for a model tidal cannot run, before any
-    engine, tokenizer or memory (False: the folder serves only its tokenizer)."""
+    """(folder with config.json + tokenizer, served model name). A Hugging Face folder is
+    itself; for a GGUF (an embedded name or a path) the cache holds a folder of its config
+    and tokenizer, written once, with `model.gguf` linking to the file, whose weights are
+    read from the file itself (`gguf_source`; `dense_weights` adds a float32 copy for runs
+    that ask for one). `check`: raise UnsupportedModelError now for a model tidal cannot
+    run, before any engine, tokenizer or memory (False: the folder serves only its
+    tokenizer)."""
     if model in EMBEDDED:
         gguf, served = embedded_gguf(model), model
     elif model.endswith(".gguf") and Path(model).is_file():
@@ -53,10 +56,50 @@ def resolve_model(model: str, check: bool = True) -> tuple[Path, str]:
                 f"GGUF file, nor a folder with config.json and safetensors")
         return _checked(folder, check), folder.name
     folder = cache_root() / f"{served}-{gguf_fingerprint(gguf)}"
-    if not (folder / "model.safetensors").is_file():
-        from tidal.model.gguf_convert import convert_gguf
-        convert_gguf(gguf, folder)
+    if not (folder / "config.json").is_file():
+        from tidal.model import gguf_convert
+        gguf_convert.convert_gguf(gguf, folder, weights=False)
+    _link(folder / SOURCE, gguf.resolve())
     return _checked(folder, check), served
+
+
+SOURCE = "model.gguf"  # in a GGUF's cache folder: a link to the file
+
+
+def gguf_source(folder: str | os.PathLike) -> Path | None:
+    """The GGUF file whose weights a cache folder from resolve_model serves, else None."""
+    link = Path(folder) / SOURCE
+    return link.resolve() if link.is_symlink() and link.exists() else None
+
+
+def dense_weights(folder: str | os.PathLike) -> None:
+    """Give a GGUF's cache folder float32 safetensors of its weights (once; processes that
+    ask at the same time wait for the first)."""
+    import fcntl
+
+    folder = Path(folder)
+    with open(folder / ".dense.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if (folder / "model.safetensors").is_file():
+            return
+        from tidal.model.gguf_convert import hf_config, write_weights
+        from tidal.model.gguf_file import open_gguf
+
+        source = gguf_source(folder)
+        if source is None:
+            raise FileNotFoundError(f"{folder} has no safetensors and no {SOURCE} to make them")
+        reader = open_gguf(source)
+        write_weights(reader, hf_config(reader), folder / "model.safetensors")
+
+
+def _link(link: Path, target: Path) -> None:
+    """Point `link` at `target`, atomically (another process may be reading it)."""
+    if link.is_symlink() and link.resolve() == target:
+        return
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    tmp.replace(link)
 
 
 def gguf_fingerprint(path: Path) -> str:

@@ -20,7 +20,7 @@ from tidal.bench.dataset import BenchRequest, DatasetSpec, load_dataset
 from tidal.bench.metrics import summarize
 from tidal.core.kv_cache_manager import cdiv
 from tidal.sim.cost_model import CostModel, StepShape
-from tidal.sim.profiles import Hardware
+from tidal.sim.profiles import Hardware, weight_params
 
 log = logging.getLogger("tidal.calibrate")
 
@@ -145,6 +145,8 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
         arch = ModelArch.from_folder(folder)
     timings = measure(runner, grid or default_grid(), repeats, arch.vocab_size)
     hardware.dtype_bytes = runner.dtype.itemsize
+    quantized = getattr(runner.model, "gguf", None)  # weights served in the file's formats
+    hardware.weight_bytes = quantized.nbytes / weight_params(arch) if quantized else 0.0
     cost = CostModel(arch, hardware)
     profile, error = fit(cost, timings)
     threads = f", threads={torch.get_num_threads()}" if runner.device == "cpu" else ""

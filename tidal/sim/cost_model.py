@@ -25,13 +25,14 @@ class CostModel:
     def __init__(self, arch: ModelArch, hw: Hardware) -> None:
         self.arch, self.hw = arch, hw
         dtype_bytes = hw.dtype_bytes
+        per_weight = hw.weight_bytes or dtype_bytes
         self.linear_flops_per_token = 2 * linear_params(arch)
         self.head_flops_per_row = 2 * arch.vocab_size * arch.hidden_size
         embed = arch.vocab_size * arch.hidden_size
         # Routed experts are read only when some token of the step picks them.
-        self.expert_bytes = expert_params(arch) * dtype_bytes
+        self.expert_bytes = expert_params(arch) * per_weight
         active = arch.moe.top_k * self.expert_bytes // arch.moe.num_experts if arch.moe else 0
-        self.weight_bytes = (linear_params(arch) + embed) * dtype_bytes - active
+        self.weight_bytes = (linear_params(arch) + embed) * per_weight - active
         self.idle_odds = 1 - arch.moe.top_k / arch.moe.num_experts if arch.moe else 0.0
         self.attn_flops_per_pair = 4 * arch.num_layers * arch.num_heads * arch.head_dim
         self.kv_bytes_per_token = arch.kv_bytes_per_token(dtype_bytes)

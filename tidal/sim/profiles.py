@@ -67,6 +67,9 @@ class Hardware:
     request_latency: float = 0.0  # seconds from a request's send to its scheduler
     memory_utilization: float = 0.9  # share of memory the engine may use
     dtype_bytes: int = 2  # bytes per weight and KV element (calibrate: the runner's dtype)
+    # Bytes per weight where they are not dtype_bytes (calibrate: what a runner of quantized
+    # weights holds, e.g. ~0.6 for a Q4_K_M GGUF served in its own formats); 0: dtype_bytes.
+    weight_bytes: float = 0.0
     calibrated_on: str = ""  # what `tidal calibrate` measured, if it made this profile
 
     def to_json(self) -> str:
@@ -108,7 +111,7 @@ def hardware(name: str) -> Hardware:
 
 def kv_blocks_for(arch: ModelArch, hw: Hardware, block_size: int) -> int:
     """KV blocks that fit beside the weights in the usable memory, as the runner sizes it."""
-    weights = weight_params(arch) * hw.dtype_bytes
+    weights = weight_params(arch) * (hw.weight_bytes or hw.dtype_bytes)
     free = hw.memory_bytes * hw.memory_utilization - weights
     blocks = int(free // (arch.kv_bytes_per_token(hw.dtype_bytes) * block_size))
     if blocks < 1:

@@ -78,13 +78,19 @@ struct Layer {
 
 class Decoder {
  public:
-  Decoder(Tensor embed, Tensor final_norm, Linear lm_head, Tensor cos, Tensor sin,
-          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
-      : embed_(embed), final_norm_(final_norm), lm_head_(lm_head), cos_(cos.contiguous()),
-        sin_(sin.contiguous()), heads_(heads), hkv_(kv_heads), d_(head_dim),
-        inter_(intermediate), eps_(static_cast<float>(eps)) {
-    TORCH_CHECK(embed.scalar_type() == at::kBFloat16 || embed.scalar_type() == at::kFloat,
+  // `embed`: the embedding table in the model's dtype, or undefined with `embed_gguf`, a
+  // GGUF table whose rows a step dequantizes. The model's dtype is the final norm's.
+  Decoder(Tensor embed, GGUFPart embed_gguf, Tensor final_norm, Linear lm_head, Tensor cos,
+          Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+          double eps)
+      : embed_(embed), embed_gguf_(embed_gguf), final_norm_(final_norm), lm_head_(lm_head),
+        cos_(cos.contiguous()), sin_(sin.contiguous()), heads_(heads), hkv_(kv_heads),
+        d_(head_dim), inter_(intermediate), eps_(static_cast<float>(eps)) {
+    const auto dtype = final_norm.scalar_type();
+    TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
                 "the CPU decoder runs bfloat16 and float32 models");
+    TORCH_CHECK(embed.defined() ? embed.scalar_type() == dtype : embed_gguf.data.defined(),
+                "the embedding must be in the final norm's dtype, or a GGUF table");
     TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv heads");
     TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) % 2 == 0 &&
                     cos.size(1) <= head_dim && cos.scalar_type() == at::kFloat,
@@ -100,7 +106,7 @@ class Decoder {
   Tensor forward(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
                  const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
                  Tensor logits_rows, double scale, int64_t block_size) {
-    if (embed_.scalar_type() == at::kFloat)
+    if (final_norm_.scalar_type() == at::kFloat)
       return step<float>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
                          scale, block_size);
     return step<BFloat16>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
@@ -119,14 +125,20 @@ class Decoder {
     slots = slots.to(at::kLong).contiguous();
     tables = tables.to(at::kLong).contiguous();
     lens = lens.to(at::kLong).contiguous();
-    const int64_t rows = ids.size(0), hid = embed_.size(1);
+    const int64_t rows = ids.size(0), hid = final_norm_.size(0);
     check_tables(tables, lens, rows, k_caches[0].size(0), block_size);
     const int64_t num_slots = k_caches[0].size(0) * block_size;
     for (int64_t r = 0; r < rows; ++r)  // write_kv writes by raw offset too
       TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < num_slots,
                   "slot ", slots.data_ptr<int64_t>()[r], " is not in the cache");
     const int64_t qkv_width = (heads_ + 2 * hkv_) * d_, kv_width = hkv_ * d_;
-    Tensor h = embed_.index_select(0, ids).contiguous();
+    Tensor h;
+    if (embed_.defined()) {
+      h = embed_.index_select(0, ids).contiguous();
+    } else {
+      h = at::empty({rows, hid}, final_norm_.options());
+      gguf_get_rows(embed_gguf_.data, embed_gguf_.type, embed_gguf_.planar, ids, h);
+    }
     Tensor x = at::empty_like(h);
     Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
     Tensor attn = at::empty({rows, heads_ * d_}, h.options());
@@ -166,7 +178,9 @@ class Decoder {
     return lm_head_(x).to(at::kFloat);
   }
 
-  Tensor embed_, final_norm_;
+  Tensor embed_;
+  GGUFPart embed_gguf_;
+  Tensor final_norm_;
   Linear lm_head_;
   Tensor cos_, sin_;
   int64_t heads_, hkv_, d_, inter_;
@@ -200,10 +214,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scales_zeros") = py::none(), py::arg("max_rows") = 0,
            py::arg("w32") = py::none(), py::arg("bias32") = py::none(),
            py::arg("fp32_rows") = 0, py::arg("q4") = false)
+      .def_static("from_gguf", [](std::shared_ptr<GGUFProjection> g) {
+             Linear l;
+             l.kind = 3;
+             l.gguf = std::move(g);
+             return l;
+           })
       .def("__call__", &Linear::operator());
+  py::class_<GGUFPart>(m, "GGUFPart")
+      .def(py::init([](Tensor data, int64_t type, bool planar) {
+             return GGUFPart{data, type, planar};
+           }), py::arg("data"), py::arg("type"), py::arg("planar"));
+  py::class_<GGUFProjection, std::shared_ptr<GGUFProjection>>(m, "GGUFProjection")
+      .def(py::init([](std::vector<GGUFPart> parts, c10::optional<Tensor> bias, int64_t max_rows,
+                       int64_t tile_rows) {
+             return std::make_shared<GGUFProjection>(std::move(parts), bias.value_or(Tensor()),
+                                                     max_rows, tile_rows);
+           }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"), py::arg("tile_rows"))
+      .def("__call__", &GGUFProjection::operator(), py::call_guard<py::gil_scoped_release>());
   py::class_<Decoder>(m, "Decoder")
-      .def(py::init<Tensor, Tensor, Linear, Tensor, Tensor, int64_t, int64_t, int64_t, int64_t,
-                    double>())
+      .def(py::init([](c10::optional<Tensor> embed, c10::optional<GGUFPart> embed_gguf,
+                       Tensor final_norm, Linear lm_head, Tensor cos, Tensor sin, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps) {
+             return Decoder(embed.value_or(Tensor()), embed_gguf.value_or(GGUFPart{}), final_norm,
+                            lm_head, cos, sin, heads, kv_heads, head_dim, intermediate, eps);
+           }))
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward, py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"),
@@ -222,4 +257,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("w"), py::arg("type"), py::arg("planar"),
         py::arg("start"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_get_rows", &gguf_get_rows, py::arg("w"), py::arg("type"), py::arg("planar"),
+        py::arg("ids"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
 }

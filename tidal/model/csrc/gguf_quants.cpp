@@ -143,13 +143,12 @@ auto row_kernel(int64_t nr, std::integer_sequence<int, N...>) {
   return kernels[nr - 1];
 }
 
+// y[:, :w.size(0)] of a [rows, ld] output for one weight, over activations already quantized.
 template <typename F, typename T>
-void linear(const Tensor& x, const Tensor& w, bool planar, const Tensor& bias, Tensor& y) {
-  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0), row_bytes = w.size(1);
-  const Activations a = quantize<T>(x.data_ptr<T>(), rows, k);
+void linear(const Activations& a, int64_t rows, int64_t k, const Tensor& w, bool planar,
+            const T* b, T* yp, int64_t ld) {
+  const int64_t n = w.size(0), row_bytes = w.size(1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const T* b = bias.defined() ? bias.data_ptr<T>() : nullptr;
-  T* yp = y.data_ptr<T>();
   const int64_t tile = std::max<int64_t>(8, kTileBytes / row_bytes);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o0 = begin; o0 < end; o0 += tile) {  // a tile's weights stay cached
@@ -157,7 +156,7 @@ void linear(const Tensor& x, const Tensor& w, bool planar, const Tensor& bias, T
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
         const int64_t nr = std::min<int64_t>(kMaxRows, rows - r0);
         const auto run = row_kernel<F, T>(nr, std::make_integer_sequence<int, kMaxRows>());
-        run(a, r0, wp, row_bytes, k, planar, b, o0, o1, yp, n);
+        run(a, r0, wp, row_bytes, k, planar, b, o0, o1, yp, ld);
       }
     }
   });
@@ -181,8 +180,9 @@ inline void group_values(const Field* f, int64_t b, int j, const float* s, float
 #endif
 }
 
+// Rows of W as floats into out: row r is W's row ids[r], or start + r without ids.
 template <typename F, typename T>
-void dequantize(const Tensor& w, bool planar, int64_t start, Tensor& out) {
+void dequantize(const Tensor& w, bool planar, int64_t start, const int64_t* ids, Tensor& out) {
   const int64_t rows = out.size(0), k = out.size(1), row_bytes = w.size(1);
   const int64_t nb = k / F::kBlock;
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -191,7 +191,7 @@ void dequantize(const Tensor& w, bool planar, int64_t start, Tensor& out) {
     float s[F::kGroups][2], m[F::kGroups], v[kGroup];
     for (int64_t r = r0; r < r1; ++r) {
       Field f[F::kFields];
-      fields<F>(wp + (start + r) * row_bytes, nb, planar, f);
+      fields<F>(wp + (ids != nullptr ? ids[r] : start + r) * row_bytes, nb, planar, f);
       for (int64_t b = 0; b < nb; ++b) {
         F::scales(f, b, s, m);
         for (int j = 0; j < F::kGroups; ++j) {
@@ -234,37 +234,121 @@ int64_t row_length(const Tensor& w) {
   return w.size(1) / F::kBytes * F::kBlock;
 }
 
+// Rows of a part into out (float or bf16): W's rows ids, or start .. start + out.size(0).
+void rows_into(const GGUFPart& p, int64_t start, const Tensor& ids, Tensor& out) {
+  with_format(p.type, [&](auto format) {
+    using F = decltype(format);
+    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(1) == row_length<F>(p.data),
+                "GGUF rows: out must be contiguous [rows, k]");
+    const int64_t* idp = nullptr;
+    if (ids.defined()) {
+      TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() &&
+                      ids.numel() == out.size(0), "GGUF rows: ids must be [rows] int64");
+      idp = ids.data_ptr<int64_t>();
+      for (int64_t r = 0; r < ids.numel(); ++r)
+        TORCH_CHECK(idp[r] >= 0 && idp[r] < p.data.size(0), "row ", idp[r], " is not in W");
+    } else {
+      TORCH_CHECK(start >= 0 && start + out.size(0) <= p.data.size(0),
+                  "GGUF rows: out must lie within W's rows");
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "gguf_rows", [&] {
+      dequantize<F, scalar_t>(p.data, p.planar, start, idp, out);
+    });
+  });
+}
+
+// Steps of many rows: float32 tiles of dequantized weight rows that oneDNN multiplies (the
+// extra memory stays one tile however large the weight) by x rounded to the int8 grid the
+// integer kernels use, so both paths compute the same sums up to float32 rounding: a
+// sequence's tokens come out the same whether its prompt ran in one step, in chunks or
+// partly from the prefix cache.
+Tensor tiled(const Tensor& x, const GGUFProjection& g) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  Tensor xs = at::empty({rows, k}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_tiled", [&] {
+    const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k);
+    float* out = xs.data_ptr<float>();
+    at::parallel_for(0, rows * k / kGroup, 256, [&](int64_t g0, int64_t g1) {
+      for (int64_t grp = g0; grp < g1; ++grp)
+        for (int64_t i = 0; i < kGroup; ++i)
+          out[grp * kGroup + i] = a.d[grp] * static_cast<float>(a.q[grp * kGroup + i]);
+    });
+  });
+  Tensor y = at::empty({rows, g.out_features}, xs.options());
+  Tensor tile = at::empty({g.tile_rows, k}, xs.options());
+  int64_t col = 0;
+  for (const GGUFPart& p : g.parts) {
+    for (int64_t a = 0; a < p.data.size(0); a += g.tile_rows) {
+      const int64_t n = std::min(g.tile_rows, p.data.size(0) - a);
+      Tensor t = tile.narrow(0, 0, n);
+      rows_into(p, a, Tensor(), t);
+      y.narrow(1, col + a, n).copy_(at::linear(xs, t));
+    }
+    col += p.data.size(0);
+  }
+  if (g.bias.defined()) y.add_(g.bias.to(at::kFloat));
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
 }  // namespace
 
-Tensor gguf_linear(const Tensor& x_in, const Tensor& w, int64_t type, bool planar,
-                   const Tensor& bias) {
-  TORCH_CHECK(x_in.dim() == 2, "gguf_linear takes [rows, k] inputs");
-  const Tensor x = x_in.contiguous();
-  Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  with_format(type, [&](auto format) {
-    using F = decltype(format);
-    TORCH_CHECK(row_length<F>(w) == x.size(1), "x has ", x.size(1), " columns, W rows ",
-                row_length<F>(w));
-    TORCH_CHECK(!bias.defined() || (bias.scalar_type() == x.scalar_type() &&
-                                    bias.numel() == w.size(0)), "bias must be [n] in x's dtype");
-    if (x.size(0) == 0) return;
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
-      linear<F, scalar_t>(x, w, planar, bias, y);
+GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64_t max_rows_,
+                               int64_t tile_rows_)
+    : parts(std::move(parts_)), bias(bias_), max_rows(max_rows_), tile_rows(tile_rows_) {
+  TORCH_CHECK(!parts.empty() && tile_rows > 0, "a GGUF projection needs parts and tile_rows > 0");
+  for (const GGUFPart& p : parts) {
+    with_format(p.type, [&](auto format) {
+      using F = decltype(format);
+      const int64_t k = row_length<F>(p.data);
+      if (in_features == 0) in_features = k;
+      TORCH_CHECK(k == in_features, "GGUF parts of one projection must share in_features");
     });
+    out_features += p.data.size(0);
+  }
+  TORCH_CHECK(!bias.defined() || bias.numel() == out_features, "bias must be [out_features]");
+}
+
+Tensor GGUFProjection::operator()(const Tensor& x_in) const {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "a GGUF projection takes [rows, ",
+              in_features, "] inputs");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "GGUF projections take float32 or bfloat16 inputs");
+  const Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0);
+  if (rows > max_rows) return tiled(x, *this);
+  Tensor y = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
+    const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features);
+    const Tensor b = bias.defined() ? bias.to(x.scalar_type()) : Tensor();
+    int64_t col = 0;
+    for (const GGUFPart& p : parts) {
+      with_format(p.type, [&](auto format) {
+        linear<decltype(format), scalar_t>(a, rows, in_features, p.data, p.planar,
+                                           b.defined() ? b.data_ptr<scalar_t>() + col : nullptr,
+                                           y.data_ptr<scalar_t>() + col, out_features);
+      });
+      col += p.data.size(0);
+    }
   });
   return y;
 }
 
+Tensor gguf_linear(const Tensor& x, const Tensor& w, int64_t type, bool planar,
+                   const Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2, "gguf_linear takes [rows, k] inputs");
+  TORCH_CHECK(!bias.defined() || bias.scalar_type() == x.scalar_type(),
+              "bias must be in x's dtype");
+  const GGUFProjection g({GGUFPart{w, type, planar}}, bias, x.size(0), 1);
+  return g(x);
+}
+
 void gguf_dequantize(const Tensor& w, int64_t type, bool planar, int64_t start, Tensor out) {
-  with_format(type, [&](auto format) {
-    using F = decltype(format);
-    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(1) == row_length<F>(w) &&
-                    start >= 0 && start + out.size(0) <= w.size(0),
-                "gguf_dequantize: out must be contiguous [rows, k] within W's rows");
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "gguf_dequantize", [&] {
-      dequantize<F, scalar_t>(w, planar, start, out);
-    });
-  });
+  rows_into(GGUFPart{w, type, planar}, start, Tensor(), out);
+}
+
+void gguf_get_rows(const Tensor& w, int64_t type, bool planar, const Tensor& ids, Tensor out) {
+  rows_into(GGUFPart{w, type, planar}, 0, ids.to(at::kLong).contiguous(), out);
 }
 
 }  // namespace tidal_cpu

@@ -176,6 +176,7 @@ Tensor int4_linear(const Tensor& x_in, const Tensor& q4, const Tensor& scale_min
 }
 
 Tensor Linear::operator()(const Tensor& x) const {
+  if (kind == 3) return (*gguf)(x);
   if (kind == 2 && x.size(0) <= max_rows) {
     if (q4) return int4_linear(x, packed, scales_zeros, bias);
     Tensor y = at::_weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros);

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 using at::Tensor;
@@ -70,9 +71,11 @@ Tensor int4_linear(const Tensor& x_in, const Tensor& q4, const Tensor& scale_min
 // 1 = oneDNN-packed bf16 weight, 2 = int4 (groups of 32) for <= max_rows rows, else `w`
 // packed as in kind 1; `packed` and `scales_zeros` are torch's int4 layout or, with `q4`,
 // int4_linear's. Kinds 1 and 2 with `w32` (a packed float32 copy) multiply inputs
-// of >= fp32_rows rows in float32, as PackedLinear does.
+// of >= fp32_rows rows in float32, as PackedLinear does. Kind 3 = `gguf`.
+struct GGUFProjection;
 struct Linear {
   int64_t kind = 0;
+  std::shared_ptr<const GGUFProjection> gguf;
   Tensor w, bias, packed, scales_zeros, w32, bias32;
   int64_t max_rows = 0, fp32_rows = 0;
   bool q4 = false;
@@ -82,14 +85,39 @@ struct Linear {
 
 // ---------------------------------------------------------------- GGUF blocks (gguf_quants.cpp)
 
-// y = x @ W^T (+ bias) for W in a GGUF block format (ggml type id `type`: Q4_0, Q4_1, Q5_0,
-// Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): [rows, k] -> [rows, n] in x's dtype. w: [n, row_bytes] uint8,
-// each row its blocks as the file holds them, or with `planar` each field in a plane.
+// One GGUF weight in its block format (ggml type id `type`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// Q4_K, Q5_K, Q6_K): data [n, row_bytes] uint8, each row its blocks as the file holds them,
+// or with `planar` each block field in a plane of the row.
+struct GGUFPart {
+  Tensor data;
+  int64_t type = 0;
+  bool planar = false;
+};
+
+// y = x @ [W_0; W_1; ...]^T (+ bias), the parts' outputs side by side (fused q/k/v or
+// gate/up whose parts differ in format): [rows, in_features] -> [rows, out_features] in x's
+// dtype (float32 or bf16). Steps of at most max_rows rows: x rounded to int8 per 32 and
+// integer products; larger ones multiply float32 tiles of tile_rows dequantized rows by x
+// rounded the same way.
+struct GGUFProjection {
+  std::vector<GGUFPart> parts;
+  Tensor bias;
+  int64_t max_rows = 0, tile_rows = 0, in_features = 0, out_features = 0;
+
+  GGUFProjection() = default;
+  GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows, int64_t tile_rows);
+  Tensor operator()(const Tensor& x) const;
+};
+
+// One weight, all rows through the integer kernel.
 Tensor gguf_linear(const Tensor& x, const Tensor& w, int64_t type, bool planar,
                    const Tensor& bias);
 
 // Rows start .. start + out.size(0) of such a W as floats, into out ([rows, k], float or bf16).
 void gguf_dequantize(const Tensor& w, int64_t type, bool planar, int64_t start, Tensor out);
+
+// Rows ids of W as floats into out ([len(ids), k]): an embedding lookup.
+void gguf_get_rows(const Tensor& w, int64_t type, bool planar, const Tensor& ids, Tensor out);
 
 // ---------------------------------------------------------------- paged attention
 // (paged_attention.cpp; instantiated for float and BFloat16)

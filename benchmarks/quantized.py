@@ -1,0 +1,188 @@
+"""tidal against llama.cpp's llama-server on one quantized GGUF, side by side in one run.
+
+A Llama-3.2-1B-shaped model with random weights (transformers, seeded; the embedded
+model's tokenizer) goes through llama.cpp's `convert_hf_to_gguf.py` and `llama-quantize`
+(Q4_K_M by default). llama-server (2 threads, 8 slots, 8k context) and `tidal serve FILE`
+then serve the same file one after the other; each is timed from start to ready, its RSS
+read while serving, and driven by `tidal bench serve` (random 128-token prompts, 64 output
+tokens, ignore_eos) one request at a time and 8 at once. Agreement: both engines' mean
+log-likelihood of a fixed text's tokens (llama-server's /completion n_probs over the text
+fed one token at a time would be slow; instead each engine's prompt logprobs: tidal's
+`echo`, llama.cpp's `llama-perplexity` over the same chunk) as perplexities.
+
+usage: .venv/bin/python benchmarks/quantized.py [--llama-cpp DIR] [--work DIR] [--type Q4_K_M]
+The llama.cpp tree is the one benchmarks/peers/llama_server.sh builds ($PEERS_DIR/llama.cpp);
+convert_hf_to_gguf.py needs `sentencepiece` in this Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                                     low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=8192))
+
+
+def make_gguf(work: Path, llama_cpp: Path, qtype: str) -> Path:
+    """The quantized file (built once into `work`)."""
+    out = work / f"llama-1b-shaped.{qtype}.gguf"
+    if out.exists():
+        return out
+    hf, f16 = work / "hf", work / "llama-1b-shaped.f16.gguf"
+    if not (hf / "config.json").exists():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from tidal.model.registry import resolve_model
+
+        tokenizer = resolve_model("smollm2-135m")[0]
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, **LLAMA_1B)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(str(hf))
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tokenizer / name).exists():
+                shutil.copy(tokenizer / name, hf / name)
+    if not f16.exists():
+        subprocess.run([PY, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf), "--outfile",
+                        str(f16), "--outtype", "f16"], check=True)
+    subprocess.run([str(llama_cpp / "build/bin/llama-quantize"), str(f16), str(out), qtype],
+                   check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def rss(pid: int) -> int:
+    """Bytes resident in the process and its children."""
+    p = psutil.Process(pid)
+    return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)])
+
+
+def start(cmd: list[str], port: int, log: Path) -> tuple[subprocess.Popen, float]:
+    import urllib.request
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    while time.perf_counter() - t0 < 900:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, time.perf_counter() - t0
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{cmd[0]} not ready after 900 s")
+
+
+def bench(port: int, backend: str, concurrency: int, prompts: int, out: Path) -> dict:
+    subprocess.run([PY, "-m", "tidal.cli", "bench", "serve", "--base-url",
+                    f"http://127.0.0.1:{port}", "--backend", backend, "--endpoint",
+                    "/v1/completions", "--dataset", "random", "--random-input-len", "128",
+                    "--random-output-len", "64", "--num-prompts", str(prompts),
+                    "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
+                    "--disable-tqdm", "--save-result", "--result-file", str(out)],
+                   check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    return json.loads(out.read_text())
+
+
+TEXT = ("The history of the lighthouse begins with fires lit on hills to guide ships home. "
+        "Later, towers of stone carried lamps of oil, and lenses gathered their light into "
+        "beams that reached far over the water. Keepers trimmed the wicks every night and "
+        "wrote the weather into their logbooks, one line for every watch. ") * 12
+
+
+def tidal_perplexity(port: int, ctx: int) -> float:
+    """tidal's perplexity of TEXT scored as llama-perplexity scores one chunk of `ctx`
+    tokens: the second half of the chunk, given what precedes it."""
+    import httpx
+
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=600, json=dict(
+        model="m", prompt=TEXT, echo=True, logprobs=0, max_tokens=0))
+    r.raise_for_status()
+    lps = r.json()["choices"][0]["logprobs"]["token_logprobs"][:ctx]
+    scored = lps[ctx // 2 + 1:]  # llama-perplexity scores positions ctx/2 + 1 .. ctx - 1
+    return math.exp(-sum(scored) / len(scored))
+
+
+def llama_perplexity(llama_cpp: Path, gguf: Path, ctx: int, work: Path) -> float:
+    text = work / "ppl.txt"
+    text.write_text(TEXT)
+    out = subprocess.run([str(llama_cpp / "build/bin/llama-perplexity"), "-m", str(gguf), "-f",
+                          str(text), "-c", str(ctx), "-b", str(ctx), "--chunks", "1", "-t", "2"],
+                         capture_output=True, text=True, check=True)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if not m:
+        raise RuntimeError(out.stderr[-2000:])
+    return float(m[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-cpp", type=Path,
+                    default=Path(os.environ.get("PEERS_DIR", "/tmp/peers")) / "llama.cpp")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/tidal-quantized"))
+    ap.add_argument("--type", default="Q4_K_M", help="llama-quantize's type name")
+    ap.add_argument("--prompts", type=int, default=16, help="requests at each concurrency")
+    ap.add_argument("--ppl-ctx", type=int, default=256)
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    gguf = make_gguf(args.work, args.llama_cpp, args.type)
+    size = gguf.stat().st_size
+    print(f"{gguf.name}: {size / 2**20:.0f} MiB")
+    engines = {
+        "llama": ([str(args.llama_cpp / "build/bin/llama-server"), "-m", str(gguf), "-t", "2",
+                   "-np", "8", "-cb", "-c", "8192", "--host", "127.0.0.1", "--port", "8102"],
+                  8102),
+        "tidal": ([str(ROOT / ".venv/bin/tidal"), "serve", str(gguf), "--port", "8100",
+                   "--max-num-seqs", "8"], 8100),
+    }
+    rows: dict[str, dict] = {}
+    for name, (cmd, port) in engines.items():
+        proc, ready = start(cmd, port, args.work / f"{name}.log")
+        try:
+            row = {"ready_s": ready}
+            for c in (1, 8):
+                r = bench(port, name, c, args.prompts if c > 1 else max(4, args.prompts // 4),
+                          args.work / f"{name}-c{c}.json")
+                row[f"tok_s_c{c}"] = r["output_throughput"]
+                row[f"tpot_ms_c{c}"] = r["median_tpot_ms"]
+            row["rss_mib"] = rss(proc.pid) / 2**20
+            row["ppl"] = (tidal_perplexity(port, args.ppl_ctx) if name == "tidal" else
+                          llama_perplexity(args.llama_cpp, gguf, args.ppl_ctx, args.work))
+            rows[name] = row
+        finally:
+            os.killpg(proc.pid, 15)
+            proc.wait()
+    t, ll = rows["tidal"], rows["llama"]
+    print(f"\n| {args.type}, {size / 2**20:.0f} MiB file | llama-server | tidal | tidal / llama |")
+    print("|---|---|---|---|")
+    for key, label in [("ready_s", "ready after start (s)"), ("rss_mib", "RSS serving (MiB)"),
+                       ("tok_s_c1", "one request: output tok/s"),
+                       ("tpot_ms_c1", "one request: median TPOT (ms)"),
+                       ("tok_s_c8", "8 concurrent: output tok/s"),
+                       ("tpot_ms_c8", "8 concurrent: median TPOT (ms)"),
+                       ("ppl", f"perplexity, {args.ppl_ctx}-token chunk")]:
+        print(f"| {label} | {ll[key]:.4g} | {t[key]:.4g} | {t[key] / ll[key]:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Models served from a GGUF file's own bits (quantization 'gguf'): tiny Llama (tied head)
+and Qwen2 (q/k/v biases) files whose fused projections mix formats (q/k in Q5_0 beside v in
+Q8_0, as Q4_K_M files mix Q4_K and Q6_K) generate the greedy tokens of the same file run
+dense in float32 (its weights dequantized), with logprobs within the int8 rounding of the
+activations; the projections, embedding and head hold the file's bytes, not floats; the C++
+decoder runs them; a file of ~50 MB loads within the RSS bound; and 'auto' picks the file's
+own formats unless the run asks for a float copy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from test_gguf import CASES, hf_folder, write_gguf
+from tidal import LLM, SamplingParams
+from tidal.engine.config import ModelConfig, effective_quantization
+from tidal.model.gguf_quants import GGUFEmbedding, GGUFLinear
+
+PROMPTS = [[3, 17, 99, 4, 5], [200, 100, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 250, 251, 252, 253]]
+
+
+def mixed(name: str) -> QT:
+    """Per-tensor formats of a mixed file: v and down in Q8_0, the embedding in Q4_1."""
+    if "attn_v" in name or "ffn_down" in name:
+        return QT.Q8_0
+    return QT.Q4_1 if "token_embd" in name else QT.Q5_0
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gguf-model")
+    os.environ.setdefault("TIDAL_CACHE", str(tmp / "cache"))
+    return {name: write_gguf(hf_folder(tmp, name), CASES[name][0], tmp / f"{name}.gguf",
+                             qtype=mixed) for name in ("llama3", "qwen2")}
+
+
+def run(path: Path, quantization: str, dtype: str):
+    llm = LLM(str(path), quantization=quantization, dtype=dtype, num_kv_blocks=64, block_size=4)
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return llm, [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+def test_own_formats_generate_the_dense_files_tokens(files, name):
+    llm, got = run(files[name], "gguf", "float32")
+    _, want = run(files[name], "none", "float32")
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        diffs = [abs(a.logprob - b.logprob) for a, b in zip(g.logprobs, w.logprobs)]
+        assert max(diffs) < 0.05, diffs  # int8 activations: ~0.5% of each projection
+    runner = llm.engine.runner
+    model = runner.model
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert isinstance(attn.qkv_proj, GGUFLinear) and isinstance(mlp.gate_up_proj, GGUFLinear)
+    assert [w.qtype for w in attn.qkv_proj.parts] == [QT.Q5_0, QT.Q5_0, QT.Q8_0]
+    assert isinstance(model.embed_tokens, GGUFEmbedding) and model.embed_tokens.table is None
+    # the tied head multiplies the embedding's own blocks
+    head = model.lm_head
+    assert isinstance(head, GGUFLinear) and (name != "llama3" or
+                                              head.parts[0] is model.embed_tokens.quantized)
+    floats = sum(t.numel() for t in list(model.parameters()) + list(model.buffers())
+                 if t.dtype.is_floating_point and t.dim() >= 2)
+    assert floats <= 2 * runner.arch.context_length * runner.arch.head_dim  # the RoPE tables
+    assert runner.decoder is not None or runner.device != "cpu"
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+def test_bf16_activations_keep_the_tokens(files, name):
+    _, got = run(files[name], "gguf", "bfloat16")
+    _, want = run(files[name], "none", "float32")
+    same = sum(g.token_ids == w.token_ids for g, w in zip(got, want))
+    assert same >= 2, [(g.token_ids, w.token_ids) for g, w in zip(got, want)]
+
+
+def test_auto_serves_a_gguf_in_its_own_formats_unless_a_float_run_asks():
+    cpu = lambda **kw: effective_quantization(ModelConfig(**kw), gguf=True, device="cpu")  # noqa
+    assert cpu() == cpu(dtype="bfloat16") == cpu(quantization="gguf") == "gguf"
+    assert cpu(dtype="float32") == cpu(dtype="float16") == cpu(load_format="dummy") == "none"
+    assert cpu(quantization="int4") == "int4"
+    assert effective_quantization(ModelConfig(), gguf=True, device="cuda") == "none"
+    assert effective_quantization(ModelConfig(), gguf=False, device="cpu") == "none"
+    with pytest.raises(ValueError, match="runs GGUF files"):
+        effective_quantization(ModelConfig(quantization="gguf"), gguf=False, device="cpu")
+    with pytest.raises(ValueError, match="runs on CPU"):
+        effective_quantization(ModelConfig(quantization="gguf"), gguf=True, device="cuda")
+    with pytest.raises(ValueError, match="not float16"):
+        effective_quantization(ModelConfig(quantization="gguf", dtype="float16"), gguf=True,
+                               device="cpu")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        ModelConfig(quantization="q4")
+
+
+_RSS = """
+import json, resource, sys
+import torch
+from tidal.model import cpu_decode
+from tidal.model.config import ModelArch
+from tidal.model.gguf_model import load_gguf_model
+from tidal.model.registry import resolve_model
+cpu_decode.extension()
+arch = ModelArch.from_folder(resolve_model(sys.argv[1])[0])
+def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = peak()
+model = load_gguf_model(sys.argv[1], arch, torch.bfloat16)
+x = torch.randn(3, model.arch.hidden_size, dtype=torch.bfloat16)
+for layer in model.layers:  # every weight read once
+    layer.mlp(x); layer.self_attn.qkv_proj(x); layer.self_attn.o_proj(x)
+model.lm_head(x)
+print(json.dumps({"base": base, "peak": peak()}))
+"""
+
+
+def test_a_mid_size_file_loads_within_the_rss_bound(tmp_path):
+    """Peak RSS of loading and running every weight of a ~50 MB Q4_0/Q8_0 file grows by at
+    most the file's size plus 15% (the repacked planes replace the mapped pages they copy)."""
+    from test_gguf import small_folder
+
+    folder = small_folder(tmp_path, "mid", "llama", hidden_size=1024, intermediate_size=2816,
+                          num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,
+                          head_dim=64, vocab_size=8192, tie_word_embeddings=False)
+    kinds = lambda n: QT.Q8_0 if "attn_v" in n or "output" in n else QT.Q4_0  # noqa: E731
+    path = write_gguf(folder, "llama", tmp_path / "mid.gguf", qtype=kinds)
+    size = path.stat().st_size
+    env = {**os.environ, "TIDAL_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", _RSS, str(path)], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rss = json.loads(out.stdout.strip().splitlines()[-1])
+    grown = rss["peak"] - rss["base"]
+    assert size > 30e6 and grown <= 1.15 * size, (grown / 2**20, size / 2**20)
+    assert np.isfinite(grown)

@@ -1,0 +1,60 @@
+"""Builds tidal's C++ CPU extension (`csrc/`) once, on first use, and loads it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger("tidal.model")
+_SOURCES = [str(Path(__file__).parent / "csrc" / name)  # + the headers they include
+            for name in ("linear.cpp", "paged_attention.cpp", "experts.cpp", "gguf_quants.cpp",
+                         "decoder.cpp")]
+_built: list[ModuleType | None] = []  # [] until the first build attempt
+
+
+def extension() -> ModuleType | None:
+    """The compiled module, or None when it cannot be built here (said once in the log)."""
+    if not _built:
+        try:
+            from torch.utils.cpp_extension import load
+
+            log.info("loading tidal's C++ CPU decoder (the first build takes about a minute)")
+            with warnings.catch_warnings(), _build_folder() as folder:
+                warnings.simplefilter("ignore")
+                _built.append(load(name="tidal_cpu_decode", sources=_SOURCES,
+                                   extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                   extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                                   verbose=False))
+        except Exception as exc:  # no compiler, headers or ninja: the PyTorch ops still work
+            log.warning("tidal's C++ CPU decoder could not be built (%s); decoding with "
+                        "PyTorch ops", str(exc).splitlines()[0] if str(exc) else type(exc))
+            _built.append(None)
+    return _built[0]
+
+
+@contextmanager
+def _build_folder() -> Iterator[Path]:
+    """The extension's build folder, held under an flock while torch builds or loads it.
+    torch's own lock is a plain file that a process killed mid-build leaves behind, and
+    every later build then waits on it forever; the flock dies with its process, so whoever
+    holds it may remove a leftover lock file."""
+    import fcntl
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    version = f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
+    folder = Path(root) / f"tidal_cpu_decode-{version}"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another tidal process building waits here
+        (folder / "lock").unlink(missing_ok=True)
+        yield folder

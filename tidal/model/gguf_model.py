@@ -1,0 +1,100 @@
+"""A model whose weights are a GGUF file's, in the file's own formats: no float32 copy.
+
+Each projection becomes a `GGUFLinear` over the file's quantized tensors (a fused q/k/v or
+gate/up keeps each part in its own format), the embedding a `GGUFEmbedding` that
+dequantizes only a step's rows, and a tied LM head multiplies the embedding's own blocks.
+Float-typed matrices (F32/F16/BF16, and a fused group with one among its parts) become
+oneDNN-packed dense layers in the model's dtype; norms and biases are small copies.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tidal.model.attention import AttentionBackend, TorchAttention
+from tidal.model.config import ModelArch
+from tidal.model.gguf_quants import BLOCK_FIELDS, GGUFEmbedding, GGUFLinear, QuantizedWeight
+from tidal.model.gguf_weights import Weight, read_gguf
+from tidal.model.linear import PackedLinear, can_pack
+from tidal.model.llama import LlamaModel
+from tidal.model.loader import _target
+
+
+def load_gguf_model(path: str | Path, arch: ModelArch, dtype: torch.dtype,
+                    backend: AttentionBackend | None = None,
+                    use_extension: bool = True) -> LlamaModel:
+    """The model of the GGUF file at `path` (`arch` from its config), computing in `dtype`
+    (bfloat16 or float32) on the CPU; `use_extension`: the C++ kernels (False: the gguf
+    package dequantizes tiles, for tests and machines without a compiler)."""
+    weights = read_gguf(path, use_extension=use_extension)
+    backend = backend or TorchAttention.for_arch(arch)
+    with torch.device("meta"):
+        model = LlamaModel(arch, backend)
+    # our name -> [(shard, weight)], the shards of a fused projection in order
+    grouped: dict[str, list[tuple[int, Weight]]] = defaultdict(list)
+    for name, w in weights.items():
+        target, shard = _target(name)
+        if target == "lm_head.weight" and arch.tie_word_embeddings:
+            continue
+        grouped[target].append((shard or 0, w))
+    for prefix, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                full = f"{prefix}.{child_name}" if prefix else child_name
+                setattr(module, child_name, projection(_parts(grouped, f"{full}.weight"),
+                                                       _bias(grouped, f"{full}.bias", dtype),
+                                                       dtype))
+    embedding = _parts(grouped, "embed_tokens.weight")[0]
+    model.embed_tokens = GGUFEmbedding(embedding, dtype)
+    if model.lm_head is None:  # tied: the head multiplies the embedding's own blocks
+        model.lm_head = projection([embedding], None, dtype)
+    rest = {name: torch.cat([w for _, w in sorted(parts, key=lambda p: p[0])]).to(dtype)
+            for name, parts in grouped.items()}
+    model.load_state_dict(rest, assign=True, strict=False)
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    unused = sorted(set(rest) - {name for name, _ in model.named_parameters()})
+    if missing or unused:
+        raise ValueError(f"{path}: missing weights {missing[:5]}, unexpected {unused[:5]}")
+    model.gguf = weights  # the memory map lives as long as the model
+    live = [w.data for m in model.modules() if isinstance(m, GGUFLinear) for w in m.parts]
+    embed = model.embed_tokens  # a float table of the model's dtype may view the file
+    live.append(embed.quantized.data if embed.quantized is not None else embed.table)
+    weights.release_unused(live)
+    return model.eval().requires_grad_(False)
+
+
+def projection(parts: list[Weight], bias: torch.Tensor | None,
+               dtype: torch.dtype) -> nn.Module:
+    """One projection over the parts (stacked on the output dim): a GGUFLinear when every
+    part is of a block format, else a dense layer of the parts' values in `dtype`."""
+    if all(isinstance(w, QuantizedWeight) and w.qtype in BLOCK_FIELDS for w in parts):
+        return GGUFLinear(parts, bias)
+    dense = torch.cat([_values(w, dtype) for w in parts])
+    if can_pack(dtype, "cpu"):
+        return PackedLinear(dense, bias)
+    layer = nn.Linear(dense.shape[1], dense.shape[0], bias=bias is not None, dtype=dtype)
+    layer.weight.data, layer.bias = dense, None if bias is None else nn.Parameter(bias)
+    return layer.requires_grad_(False)
+
+
+def _values(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, QuantizedWeight):
+        return w.dequantize_rows(0, w.shape[0], dtype)
+    return w.to(dtype)
+
+
+def _parts(grouped: dict[str, list[tuple[int, Weight]]], name: str) -> list[Weight]:
+    if name not in grouped:
+        raise ValueError(f"the GGUF file has no tensor for {name}")
+    return [w for _, w in sorted(grouped.pop(name), key=lambda p: p[0])]
+
+
+def _bias(grouped: dict[str, list[tuple[int, Weight]]], name: str,
+          dtype: torch.dtype) -> torch.Tensor | None:
+    if name not in grouped:
+        return None
+    return torch.cat(_parts(grouped, name)).to(dtype)
