@@ -2,13 +2,12 @@
 
 A Llama-3.2-1B-shaped model with random weights (transformers, seeded; the embedded
 model's tokenizer) goes through llama.cpp's `convert_hf_to_gguf.py` and `llama-quantize`
-(Q4_K_M by default). llama-server (2 threads, 8 slots, 8k context) and `tidal serve FILE`
+(Q4_K_M by default). llama-server (2 threads, 8 slots, 8k context) and `tidal serve`
 then serve the same file one after the other; each is timed from start to ready, its RSS
 read while serving, and driven by `tidal bench serve` (random 128-token prompts, 64 output
-tokens, ignore_eos) one request at a time and 8 at once. Agreement: both engines' mean
-log-likelihood of a fixed text's tokens (llama-server's /completion n_probs over the text
-fed one token at a time would be slow; instead each engine's prompt logprobs: tidal's
-`echo`, llama.cpp's `llama-perplexity` over the same chunk) as perplexities.
+tokens, ignore_eos) one request at a time and 8 at once. Agreement: the perplexity of a
+fixed text, scored as `llama-perplexity` scores one chunk (the second half of its tokens,
+given the first), from llama.cpp's tool and from tidal's prompt logprobs (`echo`).
 
 usage: .venv/bin/python benchmarks/quantized.py [--llama-cpp DIR] [--work DIR] [--type Q4_K_M]
 The llama.cpp tree is the one benchmarks/peers/llama_server.sh builds ($PEERS_DIR/llama.cpp);
@@ -115,8 +114,10 @@ def tidal_perplexity(port: int, ctx: int) -> float:
     tokens: the second half of the chunk, given what precedes it."""
     import httpx
 
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=600, json=dict(
-        model="m", prompt=TEXT, echo=True, logprobs=0, max_tokens=0))
+    url = f"http://127.0.0.1:{port}/v1"
+    model = httpx.get(f"{url}/models").json()["data"][0]["id"]
+    r = httpx.post(f"{url}/completions", timeout=600, json=dict(
+        model=model, prompt=TEXT, echo=True, logprobs=0, max_tokens=0))
     r.raise_for_status()
     lps = r.json()["choices"][0]["logprobs"]["token_logprobs"][:ctx]
     scored = lps[ctx // 2 + 1:]  # llama-perplexity scores positions ctx/2 + 1 .. ctx - 1
@@ -152,8 +153,8 @@ def main() -> None:
         "llama": ([str(args.llama_cpp / "build/bin/llama-server"), "-m", str(gguf), "-t", "2",
                    "-np", "8", "-cb", "-c", "8192", "--host", "127.0.0.1", "--port", "8102"],
                   8102),
-        "tidal": ([str(ROOT / ".venv/bin/tidal"), "serve", str(gguf), "--port", "8100",
-                   "--max-num-seqs", "8"], 8100),
+        "tidal": ([str(ROOT / ".venv/bin/tidal"), "serve", "--model", str(gguf), "--port",
+                   "8100", "--max-num-seqs", "8"], 8100),
     }
     rows: dict[str, dict] = {}
     for name, (cmd, port) in engines.items():

@@ -81,19 +81,18 @@ def test_bf16_activations_keep_the_tokens(files, name):
 
 
 def test_auto_serves_a_gguf_in_its_own_formats_unless_a_float_run_asks():
-    cpu = lambda **kw: effective_quantization(ModelConfig(**kw), gguf=True, device="cpu")  # noqa
+    cpu = lambda **kw: effective_quantization(ModelConfig(**kw), "gguf", "cpu")  # noqa: E731
     assert cpu() == cpu(dtype="bfloat16") == cpu(quantization="gguf") == "gguf"
     assert cpu(dtype="float32") == cpu(dtype="float16") == cpu(load_format="dummy") == "none"
     assert cpu(quantization="int4") == "int4"
-    assert effective_quantization(ModelConfig(), gguf=True, device="cuda") == "none"
-    assert effective_quantization(ModelConfig(), gguf=False, device="cpu") == "none"
-    with pytest.raises(ValueError, match="runs GGUF files"):
-        effective_quantization(ModelConfig(quantization="gguf"), gguf=False, device="cpu")
+    assert effective_quantization(ModelConfig(), "gguf", "cuda") == "none"
+    assert effective_quantization(ModelConfig(), "", "cpu") == "none"
+    with pytest.raises(ValueError, match="runs gguf checkpoints"):
+        effective_quantization(ModelConfig(quantization="gguf"), "", "cpu")
     with pytest.raises(ValueError, match="runs on CPU"):
-        effective_quantization(ModelConfig(quantization="gguf"), gguf=True, device="cuda")
+        effective_quantization(ModelConfig(quantization="gguf"), "gguf", "cuda")
     with pytest.raises(ValueError, match="not float16"):
-        effective_quantization(ModelConfig(quantization="gguf", dtype="float16"), gguf=True,
-                               device="cpu")
+        effective_quantization(ModelConfig(quantization="gguf", dtype="float16"), "gguf", "cpu")
     with pytest.raises(ValueError, match="quantization must be one of"):
         ModelConfig(quantization="q4")
 
@@ -103,7 +102,7 @@ import json, resource, sys
 import torch
 from tidal.model import cpu_decode
 from tidal.model.config import ModelArch
-from tidal.model.gguf_model import load_gguf_model
+from tidal.model.quantized_model import load_gguf_model
 from tidal.model.registry import resolve_model
 cpu_decode.extension()
 arch = ModelArch.from_folder(resolve_model(sys.argv[1])[0])

@@ -192,7 +192,7 @@ def test_bias_and_leading_dimensions(rows):
 def test_float_types_become_dense_layers(qtype):
     """A float-typed matrix (alone, or fused with a quantized part) multiplies as a dense
     layer of its values; GGUFLinear itself takes block formats only, and says so."""
-    from tidal.model.gguf_model import projection
+    from tidal.model.quantized_model import projection
 
     rng = np.random.default_rng(6)
     n, k = 23, 64

@@ -291,7 +291,11 @@ def llama_config(**fields) -> dict:
      ["RoPE type 'longrope' needs short_factor and long_factor of 8 values each"]),
     ({"rope_scaling": {"type": "linear"}}, ["RoPE type 'linear' needs a 'factor'"]),
     ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor=0.5", "LlamaForCausalLM"]),
-    ({"quantization_config": {"quant_method": "awq"}}, ["quantized checkpoints (awq)"]),
+    ({"quantization_config": {"quant_method": "fp8"}}, ["quantized checkpoints (fp8)"]),
+    ({"quantization_config": {"quant_method": "awq", "bits": 8, "group_size": 256}},
+     ["awq with 8 bits", "awq group_size 256"]),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                              "checkpoint_format": "marlin"}}, ["checkpoint_format 'marlin'"]),
     ({"layer_types": ["full_attention", "chunked_attention"]}, ["chunked_attention"]),
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, ["per-layer RoPE"]),
 ])

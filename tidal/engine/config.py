@@ -17,7 +17,7 @@ from tidal.core.policies import POLICIES, option_fields
 
 # How the data-parallel dispatcher (and the simulator's router) picks an engine core; the
 # policies themselves are in tidal/cluster/routing.py.
-QUANTIZATIONS = ("auto", "gguf", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "gguf", "gptq", "awq", "none", "int8", "int4")
 ROUTING_POLICIES = ("round_robin", "least_tokens", "prefix_aware", "slack")
 
 
@@ -33,16 +33,19 @@ class ModelConfig:
     device: str = knob("auto", "'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'. "
                        "Data-parallel cores on a machine with several GPUs run on GPU "
                        "i modulo their number (auto or cuda).")
-    quantization: str = knob("auto", "'auto': 'gguf' for a GGUF model on CPU unless dtype "
-                             "is float32 or float16 (a run that asks for a float copy), "
-                             "else 'none'. 'gguf': the GGUF file's weights in their own "
-                             "formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; "
-                             "float types as dense layers), memory-mapped, no float copy; "
-                             "CPU only. 'none': dense weights in dtype (a GGUF's are "
-                             "converted once into the cache). 'int8': weight-only int8 "
+    quantization: str = knob("auto", "'auto': a GGUF file on CPU runs 'gguf' unless dtype "
+                             "is float32 or float16 (a run that asks for a float copy); a "
+                             "GPTQ or AWQ checkpoint runs 'gptq' / 'awq'; else 'none'. 'gguf': "
+                             "the file's weights in their own formats (Q4_0, Q4_1, Q5_0, Q5_1, "
+                             "Q8_0, Q4_K, Q5_K, Q6_K; float types as dense layers), "
+                             "memory-mapped, no float copy. 'gptq', 'awq': 4-bit checkpoints "
+                             "(groups of 32, 64 or 128) repacked into the GGUF kernels' Q4_0 / "
+                             "Q5_0 blocks (exactly their values). These three run on CPU. "
+                             "'none': dense weights in dtype (a GGUF's converted once into the "
+                             "cache). 'int8': weight-only int8 "
                              "projections (per-channel absmax); 'int4': weight-only int4 in "
-                             "groups of 32 for steps of a few tokens, dense for larger "
-                             "ones; both CPU only.")
+                             "groups of 32 for steps of a few tokens, dense for larger ones; "
+                             "both of dense checkpoints, CPU only.")
     load_format: str = knob("auto", "'auto' reads the weights; 'dummy' makes small random "
                             "ones (only config.json is needed): for timing, as `tidal "
                             "calibrate` does for models whose weights are not here.")
@@ -216,19 +219,29 @@ def option_type(name: str) -> type:
     raise KeyError(name)
 
 
-def effective_quantization(config: ModelConfig, gguf: bool, device: str) -> str:
-    """What `config.quantization` means for this model (`gguf`: it is a GGUF file) on
-    `device`: 'auto' resolved, and a 'gguf' that cannot run refused by name."""
+def effective_quantization(config: ModelConfig, source: str, device: str) -> str:
+    """What `config.quantization` means for a model whose checkpoint is `source` ('gguf',
+    'gptq', 'awq', or '' for dense safetensors) on `device`: 'auto' resolved, and a
+    combination that cannot run refused by name."""
     q = config.quantization
+    if source in ("gptq", "awq") and q not in ("auto", source):
+        raise ValueError(f"{config.model!r} is a {source} checkpoint: it runs in its own "
+                         f"format (quantization auto or {source}), not {q!r}")
     if q == "auto":
-        dense_dtype = config.dtype in ("float32", "float16")
-        use = gguf and device == "cpu" and not dense_dtype and config.load_format == "auto"
-        return "gguf" if use else "none"
-    if q == "gguf":
-        if not gguf:
-            raise ValueError(f"quantization='gguf' runs GGUF files; {config.model!r} is not one")
+        if source in ("gptq", "awq"):
+            q = source
+        else:
+            dense_dtype = config.dtype in ("float32", "float16")
+            use = source == "gguf" and device == "cpu" and not dense_dtype \
+                and config.load_format == "auto"
+            return "gguf" if use else "none"
+    if q in ("gguf", "gptq", "awq"):
+        if source != q:
+            raise ValueError(f"quantization={q!r} runs {q} checkpoints; {config.model!r} is "
+                             "not one")
         if device != "cpu":
-            raise ValueError("quantization='gguf' runs on CPU; on GPU use 'none' (dense weights)")
+            raise ValueError(f"quantization={q!r} runs on CPU; on GPU use a dense checkpoint"
+                             + (" or quantization 'none'" if q == "gguf" else ""))
         if config.dtype == "float16":
-            raise ValueError("quantization='gguf' computes in bfloat16 or float32, not float16")
+            raise ValueError(f"quantization={q!r} computes in bfloat16 or float32, not float16")
     return q

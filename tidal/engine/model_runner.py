@@ -24,7 +24,7 @@ from tidal.model.config import ModelArch
 from tidal.model.kernels import fused_kernels, paged_decode_kernel, paged_prefill_kernel
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
                                 default_fp32_rows, replace_linears)
-from tidal.model.gguf_model import load_gguf_model
+from tidal.model.quantized_model import load_gguf_model, load_int4_checkpoint
 from tidal.model.loader import load_model
 from tidal.model.registry import gguf_source
 from tidal.model.mlp import group_experts
@@ -67,15 +67,16 @@ class ModelRunner:
         sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
         self.device = pick_device(config.device)
         self.on_gpu = self.device.startswith("cuda")
+        self.arch = ModelArch.from_folder(folder)
         gguf = gguf_source(folder)
-        quantization = effective_quantization(config, gguf is not None, self.device)
+        source = "gguf" if gguf is not None else self.arch.quant_method
+        quantization = effective_quantization(config, source, self.device)
         self.dtype = pick_dtype(config.dtype, self.device, quantization)
         if self.on_gpu:
             if ":" in self.device:  # cuda:N: this process's current device too
                 torch.cuda.set_device(torch.device(self.device))
         else:
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
-        self.arch = ModelArch.from_folder(folder)
         max_model_len = min(sched.max_model_len, self.arch.context_length)
         ext = cpu_decode.extension() if config.cpu_decoder and self.device == "cpu" else None
         paged = ext.paged_decode_attention if ext else (
@@ -84,6 +85,8 @@ class ModelRunner:
                                           paged_prefill_kernel() if self.on_gpu else None)
         if quantization == "gguf":  # every projection is a CPU layer of the file's formats
             self.model = load_gguf_model(gguf, self.arch, self.dtype, backend)
+        elif quantization in ("gptq", "awq"):
+            self.model = load_int4_checkpoint(folder, self.arch, self.dtype, backend)
         else:
             self.model = load_model(folder, self.dtype, self.device, backend,
                                     dummy=config.load_format == "dummy")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tidal.model.rope_spec import RopeConfigError, RopeSpec, partial_rotary
 
+QUANT_METHODS = ("gptq", "awq")  # quantized checkpoints tidal loads (4-bit, groups of 32-128)
+
 @dataclass(frozen=True)
 class Family:
     """How one transformers architecture differs from Llama, all of it shape-level."""
@@ -97,9 +99,7 @@ def _problems(cfg: dict, model_type: str) -> list[str]:
         out.append(f"architecture {wrong[0]} is not supported for model_type {model_type!r} "
                    f"(tidal runs {family.architecture})")
     if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        out.append(f"quantized checkpoints ({method}) are not supported: tidal loads dense "
-                   "safetensors (its own --quantization works on those)")
+        out += _quantization_problems(cfg["quantization_config"])
     act = _activation(cfg, family)
     if act not in ACTIVATIONS:
         out.append(f"hidden_act {act!r} is not supported (tidal's gated MLP runs "
@@ -194,6 +194,28 @@ def _moe(cfg: dict, family: Family, num_layers: int) -> MoESpec | None:
         if family.shared_expert else 0)
 
 
+def _quantization_problems(quantization_config: dict) -> list[str]:
+    """What tidal cannot load in a checkpoint's `quantization_config` (empty: it can)."""
+    q = quantization_config
+    method = str(q.get("quant_method", "?")).lower()
+    if method not in QUANT_METHODS:
+        return [f"quantized checkpoints ({method}) are not supported: tidal loads GPTQ and AWQ "
+                "4-bit checkpoints, and dense safetensors (its own --quantization works on "
+                "those)"]
+    out = []
+    bits = q.get("bits", q.get("w_bit"))
+    group = q.get("group_size", q.get("q_group_size"))
+    if bits != 4:
+        out.append(f"{method} with {bits} bits is not supported (tidal loads 4-bit {method})")
+    if group not in (32, 64, 128):
+        out.append(f"{method} group_size {group} is not supported (32, 64 or 128)")
+    if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
+        out.append(f"awq version {q.get('version')!r} is not supported (tidal loads GEMM)")
+    if method == "gptq" and q.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+        out.append(f"gptq checkpoint_format {q.get('checkpoint_format')!r} is not supported")
+    return out
+
+
 @dataclass(frozen=True)
 class ModelArch:
     """Shapes and constants of a decoder-only transformer of the Llama family and its
@@ -225,6 +247,7 @@ class ModelArch:
     attn_scale: float = 0.0  # query scale; 0: head_dim ** -0.5
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the mask; 0: none
     final_softcap: float = 0.0  # the same on the logits
+    quant_method: str = ""  # a quantized checkpoint's format ('gptq', 'awq'); '': dense
 
     def __post_init__(self) -> None:
         if not self.rope.rotary_dim:  # built without a config: plain RoPE over whole heads
@@ -288,6 +311,8 @@ class ModelArch:
                                or 0.0),
             final_softcap=float(cfg.get("final_logit_softcapping", 30.0 if gemma2 else None)
                                 or 0.0),
+            quant_method=str((cfg.get("quantization_config") or {}).get("quant_method", ""))
+            .lower(),
         )
 
     @classmethod

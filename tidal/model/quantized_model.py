@@ -1,15 +1,19 @@
-"""A model whose weights are a GGUF file's, in the file's own formats: no float32 copy.
+"""Models whose weights stay quantized as their checkpoint holds them: a GGUF file's, in the
+file's own formats (no float copy), or a GPTQ/AWQ folder's, repacked into Q4_1 blocks.
 
-Each projection becomes a `GGUFLinear` over the file's quantized tensors (a fused q/k/v or
+Each projection becomes a `GGUFLinear` over the quantized tensors (a fused q/k/v or
 gate/up keeps each part in its own format), the embedding a `GGUFEmbedding` that
 dequantizes only a step's rows, and a tied LM head multiplies the embedding's own blocks.
-Float-typed matrices (F32/F16/BF16, and a fused group with one among its parts) become
-oneDNN-packed dense layers in the model's dtype; norms and biases are small copies.
+Float matrices (a GGUF's F32/F16/BF16, a GPTQ/AWQ checkpoint's unquantized head, and a
+fused group with one among its parts) become oneDNN-packed dense layers in the model's
+dtype; norms and biases are small copies.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -19,6 +23,7 @@ from tidal.model.attention import AttentionBackend, TorchAttention
 from tidal.model.config import ModelArch
 from tidal.model.gguf_quants import BLOCK_FIELDS, GGUFEmbedding, GGUFLinear, QuantizedWeight
 from tidal.model.gguf_weights import Weight, read_gguf
+from tidal.model.int4_checkpoint import read_checkpoint
 from tidal.model.linear import PackedLinear, can_pack
 from tidal.model.llama import LlamaModel
 from tidal.model.loader import _target
@@ -31,6 +36,26 @@ def load_gguf_model(path: str | Path, arch: ModelArch, dtype: torch.dtype,
     (bfloat16 or float32) on the CPU; `use_extension`: the C++ kernels (False: the gguf
     package dequantizes tiles, for tests and machines without a compiler)."""
     weights = read_gguf(path, use_extension=use_extension)
+    model = build_model(weights, arch, dtype, backend, str(path))
+    model.gguf = weights  # the memory map lives as long as the model
+    live = [w.data for m in model.modules() if isinstance(m, GGUFLinear) for w in m.parts]
+    embed = model.embed_tokens  # a float table of the model's dtype may view the file
+    live.append(embed.quantized.data if embed.quantized is not None else embed.table)
+    weights.release_unused(live)
+    return model
+
+
+def load_int4_checkpoint(folder: str | Path, arch: ModelArch, dtype: torch.dtype,
+                         backend: AttentionBackend | None = None) -> LlamaModel:
+    """The model of a GPTQ or AWQ folder (tidal.model.int4_checkpoint), as load_gguf_model."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    return build_model(read_checkpoint(folder, config), arch, dtype, backend, str(folder))
+
+
+def build_model(weights: Mapping[str, Weight], arch: ModelArch, dtype: torch.dtype,
+                backend: AttentionBackend | None, source: str) -> LlamaModel:
+    """A LlamaModel of `weights` (Hugging Face name -> tensor or QuantizedWeight)."""
     backend = backend or TorchAttention.for_arch(arch)
     with torch.device("meta"):
         model = LlamaModel(arch, backend)
@@ -38,7 +63,8 @@ def load_gguf_model(path: str | Path, arch: ModelArch, dtype: torch.dtype,
     grouped: dict[str, list[tuple[int, Weight]]] = defaultdict(list)
     for name, w in weights.items():
         target, shard = _target(name)
-        if target == "lm_head.weight" and arch.tie_word_embeddings:
+        if name.endswith("rotary_emb.inv_freq") or (target == "lm_head.weight"
+                                                    and arch.tie_word_embeddings):
             continue
         grouped[target].append((shard or 0, w))
     for prefix, module in list(model.named_modules()):
@@ -58,12 +84,7 @@ def load_gguf_model(path: str | Path, arch: ModelArch, dtype: torch.dtype,
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     unused = sorted(set(rest) - {name for name, _ in model.named_parameters()})
     if missing or unused:
-        raise ValueError(f"{path}: missing weights {missing[:5]}, unexpected {unused[:5]}")
-    model.gguf = weights  # the memory map lives as long as the model
-    live = [w.data for m in model.modules() if isinstance(m, GGUFLinear) for w in m.parts]
-    embed = model.embed_tokens  # a float table of the model's dtype may view the file
-    live.append(embed.quantized.data if embed.quantized is not None else embed.table)
-    weights.release_unused(live)
+        raise ValueError(f"{source}: missing weights {missing[:5]}, unexpected {unused[:5]}")
     return model.eval().requires_grad_(False)
 
 
@@ -89,7 +110,7 @@ def _values(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 def _parts(grouped: dict[str, list[tuple[int, Weight]]], name: str) -> list[Weight]:
     if name not in grouped:
-        raise ValueError(f"the GGUF file has no tensor for {name}")
+        raise ValueError(f"the checkpoint has no tensor for {name}")
     return [w for _, w in sorted(grouped.pop(name), key=lambda p: p[0])]
 
 

@@ -1,0 +1,196 @@
+"""GPTQ and AWQ checkpoints, built here with each format's packing from a tiny random model
+(4-bit, symmetric or with zero points, groups of 32, 64 and 128), load into the GGUF
+kernels' Q4_0 / Q5_0 blocks and run as the same model with the dequantized weights run dense in float32: the same greedy
+tokens, and logprobs within the int8 rounding of the activations.
+The unpacking is exact (Hypothesis, against the packers); an act-order g_idx, other bit
+widths and other methods are refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import load_file, save_file
+
+from model_fixtures import small_folder
+from tidal import LLM, SamplingParams
+from tidal.model.config import ModelArch, UnsupportedModelError
+from tidal.model.gguf_quants import GGUFLinear
+from tidal.model.int4_checkpoint import AWQ_ORDER, unpack_awq, unpack_gptq
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [[3, 17, 99, 4, 5], [200, 100, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 250, 251, 252]]
+
+
+def words(nibbles: np.ndarray, axis: int) -> np.ndarray:
+    """Pack groups of 8 nibbles along `axis` into int32 words, the first lowest."""
+    moved = np.moveaxis(nibbles.astype(np.uint32), axis, -1)
+    grouped = moved.reshape(*moved.shape[:-1], -1, 8)
+    packed = sum(grouped[..., i] << np.uint32(4 * i) for i in range(8))
+    return np.ascontiguousarray(np.moveaxis(packed, -1, axis)).astype(np.uint32).view(np.int32)
+
+
+def pack_gptq(q: np.ndarray, zeros: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ (v1) packing of q [out, in] and zeros [out, groups]: qweight [in/8, out],
+    qzeros [groups, out/8] holding zero - 1."""
+    return words(q.T, 0), words((zeros - 1).T, 1)
+
+
+def pack_awq(q: np.ndarray, zeros: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """AWQ (GEMM) packing: qweight [in, out/8], qzeros [groups, out/8], nibble i of a word
+    holding output channel 8c + AWQ_ORDER[i]."""
+    def interleave(m: np.ndarray) -> np.ndarray:  # [rows, out] -> nibble order per word
+        rows, out = m.shape
+        return m.reshape(rows, out // 8, 8)[:, :, list(AWQ_ORDER)].reshape(rows, out)
+    return words(interleave(q.T), 1), words(interleave(zeros.T), 1)
+
+
+def quantize(w: np.ndarray, group: int, sym: bool, rng) -> tuple[np.ndarray, ...]:
+    """q [out, in], scales and zeros [out, groups] with w ~ scale * (q - zero)."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    if sym:
+        scale = np.abs(g).max(-1) / 7.5
+        zero = np.full(scale.shape, 8)
+    else:
+        lo, hi = g.min(-1), g.max(-1)
+        scale = (hi - lo) / 15
+        zero = np.clip(np.round(-lo / scale), 1, 15)  # >= 1: GPTQ v1 stores zero - 1
+    scale = scale.astype(np.float16).astype(np.float32)
+    q = np.clip(np.round(g / scale[..., None]) + zero[..., None], 0, 15)
+    return q.reshape(n, k).astype(np.uint8), scale, zero.astype(np.uint8)
+
+
+def checkpoint(tmp: Path, method: str, group: int, sym: bool) -> tuple[Path, Path]:
+    """(the quantized folder, the same model with its dequantized weights as a dense one)."""
+    base = small_folder(tmp, f"base-{method}-{group}-{sym}", "llama", hidden_size=128,
+                        intermediate_size=256, head_dim=32, tie_word_embeddings=False)
+    tensors = load_file(str(base / "model.safetensors"))
+    rng = np.random.default_rng(group + sym)
+    quantized, dense = {}, {}
+    for name, t in tensors.items():
+        module = name.removesuffix(".weight")
+        if not module.endswith(PROJECTIONS):
+            quantized[name] = t.astype(np.float16)
+            dense[name] = t.astype(np.float16).astype(np.float32)
+            continue
+        q, scale, zero = quantize(t, group, sym, rng)
+        qweight, qzeros = (pack_gptq if method == "gptq" else pack_awq)(q, zero)
+        quantized[module + ".qweight"], quantized[module + ".qzeros"] = qweight, qzeros
+        quantized[module + ".scales"] = np.ascontiguousarray(scale.T).astype(np.float16)
+        if method == "gptq":
+            quantized[module + ".g_idx"] = (np.arange(t.shape[1]) // group).astype(np.int32)
+        per_weight = np.repeat(scale, group, 1) * (q.astype(np.float32) - np.repeat(zero, group, 1))
+        dense[name] = per_weight.astype(np.float32)
+    folders = []
+    for kind, weights in (("q", quantized), ("dense", dense)):
+        folder = tmp / f"{method}-{group}-{sym}-{kind}"
+        shutil.copytree(base, folder)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        if kind == "q":
+            cfg = json.loads((folder / "config.json").read_text())
+            cfg["quantization_config"] = (
+                dict(quant_method="gptq", bits=4, group_size=group, sym=sym, desc_act=False)
+                if method == "gptq" else
+                dict(quant_method="awq", bits=4, group_size=group, zero_point=not sym,
+                     version="gemm"))
+            (folder / "config.json").write_text(json.dumps(cfg))
+        folders.append(folder)
+    return folders[0], folders[1]
+
+
+LONG = [int(t) for t in np.random.default_rng(7).integers(3, 256, 48)]
+
+
+def int8_rounded(module, args):
+    """A projection's input rounded to int8 per 32 values, as the integer kernels and the
+    tiles of GGUFLinear round it."""
+    x = args[0]
+    groups = x.float().reshape(-1, 32)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(groups / d), torch.zeros_like(groups))
+    return ((q * d).reshape(x.shape).to(x.dtype),)
+
+
+def generate(folder: Path, rounded: bool = False):
+    """(the LLM, each prompt's first 8 greedy tokens, LONG's prompt logprobs). `rounded`:
+    every projection but the head sees int8-rounded inputs (PyTorch ops, no C++ decoder)."""
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4,
+              cpu_decoder=not rounded)
+    if rounded:
+        for name, module in llm.engine.runner.model.named_modules():
+            if name.endswith("_proj"):
+                module.register_forward_pre_hook(int8_rounded)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+    scored = llm.generate([{"prompt_token_ids": LONG}], SamplingParams(
+        max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False)[0]
+    return llm, [o.outputs[0].token_ids for o in outs], scored.prompt_logprobs[1:]
+
+
+@pytest.mark.parametrize("method,group,sym", [("gptq", 128, True), ("gptq", 32, False),
+                                              ("awq", 64, False), ("awq", 128, True)])
+def test_checkpoint_runs_as_its_dequantized_model(tmp_path, method, group, sym):
+    """The checkpoint computes what its dequantized weights compute densely from the inputs
+    the kernels see (int8-rounded per 32): the same greedy tokens (C++ decoder, integer
+    kernels) and the same logprobs over a 48-token prompt (tiles).
+    Wrong unpacking misses by whole units."""
+    folder, dense = checkpoint(tmp_path, method, group, sym)
+    llm, got_tokens, got = generate(folder)
+    _, want_tokens, want = generate(dense, rounded=True)
+    assert got_tokens == want_tokens
+    diffs = np.array([abs(a.logprob - b.logprob) for a, b in zip(got, want)])
+    # float32 rounding; now and then an activation on a rounding boundary of the int8 grid
+    # (x * (1 / d) in C++, x / d here) lands one step apart
+    assert diffs.max() < 1e-2 and diffs.mean() < 1e-3, diffs
+    runner = llm.engine.runner
+    qkv = runner.model.layers[0].self_attn.qkv_proj
+    size = 18 if sym else 22  # Q4_0 blocks where every zero is 8, else Q5_0: both exact
+    assert isinstance(qkv, GGUFLinear) and qkv.nbytes == 128 * 256 // 32 * size
+    assert runner.decoder is not None
+    with pytest.raises(ValueError, match=f"is a {method} checkpoint"):
+        LLM(str(folder), quantization="int4", num_kv_blocks=8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.sampled_from([8, 16, 24]), k=st.sampled_from([32, 64, 128]),
+       seed=st.integers(0, 2**32 - 1))
+def test_unpacking_inverts_each_formats_packing(n, k, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    zeros = rng.integers(1, 16, (n, k // 32), dtype=np.uint8)
+    qweight, qzeros = pack_gptq(q, zeros)
+    got_q, got_z = unpack_gptq(torch.from_numpy(qweight), torch.from_numpy(qzeros), None, 32)
+    assert np.array_equal(got_q, q) and np.array_equal(got_z, zeros)
+    qweight, qzeros = pack_awq(q, zeros)
+    got_q, got_z = unpack_awq(torch.from_numpy(qweight), torch.from_numpy(qzeros))
+    assert np.array_equal(got_q, q) and np.array_equal(got_z, zeros)
+
+
+def test_act_order_is_refused_by_name(tmp_path):
+    folder, _ = checkpoint(tmp_path, "gptq", 32, True)
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    tensors[name] = np.random.default_rng(0).permutation(tensors[name])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj: act-order"):
+        LLM(str(folder), num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("config,message", [
+    (dict(quant_method="gptq", bits=3, group_size=128), "gptq with 3 bits"),
+    (dict(quant_method="awq", bits=4, group_size=128, version="gemv"), "awq version 'gemv'"),
+    (dict(quant_method="bitsandbytes"), "quantized checkpoints (bitsandbytes)"),
+])
+def test_other_quantized_checkpoints_are_refused_by_name(config, message):
+    from model_fixtures import SMALL
+
+    with pytest.raises(UnsupportedModelError, match=message.replace("(", r"\(").replace(
+            ")", r"\)")):
+        ModelArch.from_dict({"model_type": "llama", **SMALL, "quantization_config": config})
