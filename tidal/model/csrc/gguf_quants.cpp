@@ -10,6 +10,11 @@
 #include <type_traits>
 #include <utility>
 
+#if defined(TIDAL_GGUF_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define TIDAL_GGUF_AVX512 1  // -march=native on a CPU with AVX-512 VNNI
+#endif
+
 namespace tidal_cpu {
 namespace {
 
@@ -19,10 +24,11 @@ constexpr int kMaxRows = 8;           // activation rows sharing each decoded we
 constexpr int64_t kTileBytes = 1 << 18;  // weight bytes a task keeps in L2 across row groups
 constexpr int64_t kAheadRows = 2;        // how far ahead of the row in use to prefetch
 
-// x rows rounded to int8 per group: q, the group's scale d and the exact sum of its x.
+// x rows rounded to int8 per group: q, the group's scale d and the exact sum of its x;
+// d8 holds each d 8 times over, so a kernel loads a group pair's scales as one vector.
 struct Activations {
   std::vector<int8_t> q;
-  std::vector<float> d, sum;
+  std::vector<float> d, sum, d8;
 };
 
 template <typename T>
@@ -43,6 +49,10 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
     a.d[g] = d;
     a.sum[g] = sum;
   }
+#ifdef TIDAL_GGUF_AVX512
+  a.d8.resize(groups * 8);
+  for (int64_t g = 0; g < groups; ++g) std::fill_n(&a.d8[g * 8], 8, a.d[g]);
+#endif
   return a;
 }
 
@@ -73,6 +83,117 @@ inline void centred_scales(const Field* f, int64_t b, float (*s)[2], float* m) {
   for (int j = 0; j < F::kGroups; ++j) m[j] += F::kCenter * s[j][0];
 }
 
+#ifdef TIDAL_GGUF_AVX2
+// One row's blocks against NR activation rows, one group of 32 a step; adds each row's sum
+// to out[r].
+template <typename F, int NR>
+inline void dot_avx2(const Activations& a, int64_t r0, const Field* f, int64_t nb,
+                     int64_t groups, float* out) {
+  float s[F::kGroups][2], m[F::kGroups];
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    centred_scales<F>(f, b, s, m);
+#pragma GCC unroll 8
+    for (int j = 0; j < F::kGroups; ++j) {
+      __m256i q = F::vec(f, b, j);
+      if (F::kCenter) q = _mm256_sub_epi8(q, _mm256_set1_epi8(F::kCenter));
+      const __m256i u = _mm256_abs_epi8(q);  // u8 x s8 products: the sign moves onto x
+      const __m256 sv = _mm256_setr_m128(_mm_set1_ps(s[j][0]), _mm_set1_ps(s[j][1]));
+      const int64_t g = b * F::kGroups + j;
+      for (int r = 0; r < NR; ++r) {
+        const int64_t rg = (r0 + r) * groups + g;
+        const __m256i x8 = _mm256_sign_epi8(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[rg * kGroup])), q);
+        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, x8));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(a.d[rg])), acc[r]);
+        if (F::kMin && F::kGroups == 1) out[r] += m[j] * a.sum[rg];
+      }
+    }
+    if (F::kMin && F::kGroups == 8) {  // the block's 8 min terms in one multiply-add
+      const __m256 mv = _mm256_loadu_ps(m);
+      for (int r = 0; r < NR; ++r)
+        acc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(&a.sum[(r0 + r) * groups + b * 8]), acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] += hsum(acc[r]);
+}
+#else
+// The same without AVX2.
+template <typename F, int NR>
+inline void dot_scalar(const Activations& a, int64_t r0, const Field* f, int64_t nb,
+                       int64_t groups, float* out) {
+  float s[F::kGroups][2], m[F::kGroups];
+  int8_t q[kGroup];
+  for (int64_t b = 0; b < nb; ++b) {
+    centred_scales<F>(f, b, s, m);
+    for (int j = 0; j < F::kGroups; ++j) {
+      F::scalar(f, b, j, q);
+      for (int i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(q[i] - F::kCenter);
+      const int64_t g = b * F::kGroups + j;
+      for (int r = 0; r < NR; ++r) {
+        const int64_t rg = (r0 + r) * groups + g;
+        const int8_t* x8 = &a.q[rg * kGroup];
+        int32_t lo = 0, hi = 0;
+        for (int i = 0; i < 16; ++i) {
+          lo += q[i] * x8[i];
+          hi += q[i + 16] * x8[i + 16];
+        }
+        out[r] += a.d[rg] * (s[j][0] * lo + s[j][1] * hi) + m[j] * a.sum[rg];
+      }
+    }
+  }
+}
+#endif
+
+#ifdef TIDAL_GGUF_AVX512
+// One row's K-quant blocks against NR activation rows, two groups of 32 a step: a group
+// pair's 64 quants and 64 activations fill a 512-bit register, and one VNNI instruction
+// takes their products (16 int32 sums of 4: lanes 0-7 the first group, 8-15 the second).
+template <typename F, int NR>
+inline void dot_k512(const Activations& a, int64_t r0, const Field* f, int64_t nb,
+                     int64_t groups, float* out) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  float s[F::kGroups][2], m[F::kGroups];
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t b = 0; b < nb; ++b) {
+    centred_scales<F>(f, b, s, m);
+#pragma GCC unroll 4
+    for (int j = 0; j < F::kGroups; j += 2) {
+      __m256i q0 = F::vec(f, b, j), q1 = F::vec(f, b, j + 1);
+      if (F::kCenter) {
+        q0 = _mm256_sub_epi8(q0, _mm256_set1_epi8(F::kCenter));
+        q1 = _mm256_sub_epi8(q1, _mm256_set1_epi8(F::kCenter));
+      }
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+      const __m512i u = _mm512_abs_epi8(q);  // u8 x s8 products: the sign moves onto x
+      const __mmask64 negative = _mm512_movepi8_mask(q);
+      const __m512 sv = _mm512_insertf32x8(
+          _mm512_castps256_ps512(_mm256_setr_m128(_mm_set1_ps(s[j][0]), _mm_set1_ps(s[j][1]))),
+          _mm256_setr_m128(_mm_set1_ps(s[j + 1][0]), _mm_set1_ps(s[j + 1][1])), 1);
+      const int64_t g = b * F::kGroups + j;
+      for (int r = 0; r < NR; ++r) {
+        const int64_t rg = (r0 + r) * groups + g;
+        __m512i x8 = _mm512_loadu_si512(&a.q[rg * kGroup]);  // groups g and g + 1
+        x8 = _mm512_mask_sub_epi8(x8, negative, zero, x8);
+        const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, u, x8));
+        const __m512 dv = _mm512_loadu_ps(&a.d8[rg * 8]);  // d of groups g and g + 1
+        acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(sv, dv), acc[r]);
+      }
+    }
+    if (F::kMin) {  // the block's 8 min terms in one multiply-add (the upper lanes 0)
+      const __m512 mv = _mm512_zextps256_ps512(_mm256_loadu_ps(m));
+      for (int r = 0; r < NR; ++r)
+        acc[r] = _mm512_fmadd_ps(
+            mv, _mm512_zextps256_ps512(_mm256_loadu_ps(&a.sum[(r0 + r) * groups + b * 8])),
+            acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] += _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 // y[r0 .. r0+NR, o0 .. o1): NR is a compile-time constant so the accumulators stay in registers.
 template <typename F, typename T, int NR>
 void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_bytes, int64_t k,
@@ -85,56 +206,17 @@ void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_by
     for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(ahead + c, 0, 3);
     Field f[F::kFields];
     fields<F>(w + o * row_bytes, nb, planar, f);
-    float out[NR] = {};  // the min terms, m * sum(x) per group
-    float s[F::kGroups][2], m[F::kGroups];
-#ifdef TIDAL_GGUF_AVX2
-    __m256 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      centred_scales<F>(f, b, s, m);
-#pragma GCC unroll 8
-      for (int j = 0; j < F::kGroups; ++j) {
-        __m256i q = F::vec(f, b, j);
-        if (F::kCenter) q = _mm256_sub_epi8(q, _mm256_set1_epi8(F::kCenter));
-        const __m256i u = _mm256_abs_epi8(q);  // u8 x s8 products: the sign moves onto x
-        const __m256 sv = _mm256_setr_m128(_mm_set1_ps(s[j][0]), _mm_set1_ps(s[j][1]));
-        const int64_t g = b * F::kGroups + j;
-        for (int r = 0; r < NR; ++r) {
-          const int64_t rg = (r0 + r) * groups + g;
-          const __m256i x8 = _mm256_sign_epi8(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[rg * kGroup])), q);
-          const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, x8));
-          acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(a.d[rg])), acc[r]);
-          if (F::kMin && F::kGroups == 1) out[r] += m[j] * a.sum[rg];
-        }
-      }
-      if (F::kMin && F::kGroups == 8) {  // the block's 8 min terms in one multiply-add
-        const __m256 mv = _mm256_loadu_ps(m);
-        for (int r = 0; r < NR; ++r)
-          acc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(&a.sum[(r0 + r) * groups + b * 8]), acc[r]);
-      }
+    float out[NR] = {};  // each activation row's dot product with this weight row
+#if defined(TIDAL_GGUF_AVX512)
+    if constexpr (F::kGroups == 8) {  // K-quants: two groups a 512-bit step
+      dot_k512<F, NR>(a, r0, f, nb, groups, out);
+    } else {
+      dot_avx2<F, NR>(a, r0, f, nb, groups, out);
     }
-    for (int r = 0; r < NR; ++r) out[r] += hsum(acc[r]);
+#elif defined(TIDAL_GGUF_AVX2)
+    dot_avx2<F, NR>(a, r0, f, nb, groups, out);
 #else
-    int8_t q[kGroup];
-    for (int64_t b = 0; b < nb; ++b) {
-      centred_scales<F>(f, b, s, m);
-      for (int j = 0; j < F::kGroups; ++j) {
-        F::scalar(f, b, j, q);
-        for (int i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(q[i] - F::kCenter);
-        const int64_t g = b * F::kGroups + j;
-        for (int r = 0; r < NR; ++r) {
-          const int64_t rg = (r0 + r) * groups + g;
-          const int8_t* x8 = &a.q[rg * kGroup];
-          int32_t lo = 0, hi = 0;
-          for (int i = 0; i < 16; ++i) {
-            lo += q[i] * x8[i];
-            hi += q[i + 16] * x8[i + 16];
-          }
-          out[r] += a.d[rg] * (s[j][0] * lo + s[j][1] * hi) + m[j] * a.sum[rg];
-        }
-      }
-    }
+    dot_scalar<F, NR>(a, r0, f, nb, groups, out);
 #endif
     for (int r = 0; r < NR; ++r)
       y[(r0 + r) * n + o] = round_to<T>(out[r] + (bias != nullptr ? f32(bias[o]) : 0.f));
