@@ -2,8 +2,8 @@
 
 A Llama-3.2-1B-shaped model with random weights (transformers, seeded; the embedded
 model's tokenizer) goes through llama.cpp's `convert_hf_to_gguf.py` and `llama-quantize`
-(Q4_K_M by default). llama-server (2 threads, 8 slots, 8k context) and `tidal serve`
-then serve the same file one after the other; each is timed from start to ready, its RSS
+(Q4_K_M by default). llama-server (2 threads, 8 slots, 8k context) and `tidal serve` (a
+KV cache of the same bytes) then serve the same file one after the other; each is timed from start to ready, its RSS
 read while serving, and driven by `tidal bench serve` (random 128-token prompts, 64 output
 tokens, ignore_eos) one request at a time and 8 at once. Agreement: the perplexity of a
 fixed text, scored as `llama-perplexity` scores one chunk (the second half of its tokens,
@@ -149,12 +149,15 @@ def main() -> None:
     gguf = make_gguf(args.work, args.llama_cpp, args.type)
     size = gguf.stat().st_size
     print(f"{gguf.name}: {size / 2**20:.0f} MiB")
+    # tidal's KV cache gets what llama-server's 8192 tokens of f16 K and V take
+    c = LLAMA_1B
+    kv_bytes = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2 * 8192
     engines = {
         "llama": ([str(args.llama_cpp / "build/bin/llama-server"), "-m", str(gguf), "-t", "2",
                    "-np", "8", "-cb", "-c", "8192", "--host", "127.0.0.1", "--port", "8102"],
                   8102),
         "tidal": ([str(ROOT / ".venv/bin/tidal"), "serve", "--model", str(gguf), "--port",
-                   "8100", "--max-num-seqs", "8"], 8100),
+                   "8100", "--max-num-seqs", "8", "--kv-cache-memory", str(kv_bytes)], 8100),
     }
     rows: dict[str, dict] = {}
     for name, (cmd, port) in engines.items():

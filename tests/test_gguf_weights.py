@@ -205,15 +205,28 @@ def test_a_file_cut_in_its_header_is_truncated(gguf_file, tmp_path):
     path = gguf_file("llama", QT.Q8_0)
     first = gguf.GGUFReader(path).tensors[0]
     data_start = first.data_offset
+    config = read_gguf(path).config
     for size in (3, 40, 300, data_start // 2):
         cut = re.escape(str(_cut(path, size, tmp_path)))
-        with pytest.raises(ValueError, match=rf"^{cut} is truncated: "
-                                             "its header runs past byte"):
-            read_gguf(tmp_path / f"cut-{size}.gguf")
+        for known in (None, config):  # the tokenizer's arrays read, or stepped over
+            with pytest.raises(ValueError, match=rf"^{cut} is truncated: "
+                                                 "its header runs past byte"):
+                read_gguf(tmp_path / f"cut-{size}.gguf", config=known)
     with pytest.raises(ValueError, match=rf"is truncated: tensor '{first.name}'"):
         read_gguf(_cut(path, data_start, tmp_path))  # every header byte, no tensor data
     with pytest.raises(ValueError, match=r"cut-0.gguf is truncated: it is empty"):
         read_gguf(_cut(path, 0, tmp_path))
+
+
+def test_a_known_config_skips_the_tokenizers_arrays_and_reads_the_same_weights(gguf_file):
+    path = gguf_file("llama", QT.Q8_0)
+    full = read_gguf(path)
+    fast = read_gguf(path, config=full.config)
+    tokens = "tokenizer.ggml.tokens"
+    assert len(full.reader.fields[tokens].data) == 256 and fast.reader.fields[tokens].data == []
+    assert fast.keys() == full.keys()
+    for name in full:
+        np.testing.assert_array_equal(as_float(fast[name]), as_float(full[name]), err_msg=name)
 
 
 def test_a_file_that_is_no_gguf_is_named(tmp_path):

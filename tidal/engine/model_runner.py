@@ -3,6 +3,7 @@ pass over the paged KV cache, samples, and returns a ModelOutput."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -84,7 +85,9 @@ class ModelRunner:
         backend = TorchAttention.for_arch(self.arch, paged,
                                           paged_prefill_kernel() if self.on_gpu else None)
         if quantization == "gguf":  # every projection is a CPU layer of the file's formats
-            self.model = load_gguf_model(gguf, self.arch, self.dtype, backend)
+            config_json = json.loads((Path(folder) / "config.json").read_text())
+            self.model = load_gguf_model(gguf, self.arch, self.dtype, backend,
+                                         config=config_json)
         elif quantization in ("gptq", "awq"):
             self.model = load_int4_checkpoint(folder, self.arch, self.dtype, backend)
         else:

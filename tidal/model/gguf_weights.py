@@ -77,14 +77,16 @@ class GGUFWeights(Mapping):
 
 
 def read_gguf(path: str | os.PathLike, planar: bool | None = None,
-              use_extension: bool = True) -> GGUFWeights:
+              use_extension: bool = True, config: dict | None = None) -> GGUFWeights:
     """The weights of the GGUF file at `path` (see the module docstring); `planar` and
-    `use_extension` go to each QuantizedWeight. ValueError naming the file for a truncated
-    file, an architecture that does not convert, or a tensor type tidal does not run."""
+    `use_extension` go to each QuantizedWeight; `config`: the file's hf_config, when known
+    (the cache folder's config.json), which spares reading the tokenizer's metadata.
+    ValueError naming the file for a truncated file, an architecture that does not convert,
+    or a tensor type tidal does not run."""
     path = Path(path)
-    reader = open_gguf(path)
+    reader = open_gguf(path, arrays=config is None)
     try:
-        config = hf_config(reader)
+        config = config or hf_config(reader)
         weights: dict[str, Weight] = {}
         for item in hf_layout(reader, config):
             weights.update(_weights(item, planar, use_extension))

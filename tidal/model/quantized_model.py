@@ -30,12 +30,13 @@ from tidal.model.loader import _target
 
 
 def load_gguf_model(path: str | Path, arch: ModelArch, dtype: torch.dtype,
-                    backend: AttentionBackend | None = None,
-                    use_extension: bool = True) -> LlamaModel:
+                    backend: AttentionBackend | None = None, use_extension: bool = True,
+                    config: dict | None = None) -> LlamaModel:
     """The model of the GGUF file at `path` (`arch` from its config), computing in `dtype`
     (bfloat16 or float32) on the CPU; `use_extension`: the C++ kernels (False: the gguf
-    package dequantizes tiles, for tests and machines without a compiler)."""
-    weights = read_gguf(path, use_extension=use_extension)
+    package dequantizes tiles, for tests and machines without a compiler); `config`: the
+    file's config.json dict where the cache has it (read_gguf)."""
+    weights = read_gguf(path, use_extension=use_extension, config=config)
     model = build_model(weights, arch, dtype, backend, str(path))
     model.gguf = weights  # the memory map lives as long as the model
     live = [w.data for m in model.modules() if isinstance(m, GGUFLinear) for w in m.parts]
