@@ -24,7 +24,7 @@ _RENAMES = {"block_sparse_moe": "mlp", "w2": "down_proj"}  # Mixtral's module na
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
-def _target(name: str) -> tuple[str, int | None]:
+def target_of(name: str) -> tuple[str, int | None]:
     """Our parameter name for an HF one, and its shard index when fused."""
     m = _LAYER.match(name)
     if m:
@@ -87,7 +87,7 @@ def _read_safetensors(folder: Path, arch: ModelArch, model: LlamaModel,
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
-                target, shard = _target(name)
+                target, shard = target_of(name)
                 if target == "lm_head.weight" and arch.tie_word_embeddings:
                     continue
                 if target not in params:

@@ -26,7 +26,7 @@ from tidal.model.gguf_weights import Weight, read_gguf
 from tidal.model.int4_checkpoint import read_checkpoint
 from tidal.model.linear import PackedLinear, can_pack
 from tidal.model.llama import LlamaModel
-from tidal.model.loader import _target
+from tidal.model.loader import target_of
 
 
 def load_gguf_model(path: str | Path, arch: ModelArch, dtype: torch.dtype,
@@ -63,7 +63,7 @@ def build_model(weights: Mapping[str, Weight], arch: ModelArch, dtype: torch.dty
     # our name -> [(shard, weight)], the shards of a fused projection in order
     grouped: dict[str, list[tuple[int, Weight]]] = defaultdict(list)
     for name, w in weights.items():
-        target, shard = _target(name)
+        target, shard = target_of(name)
         if name.endswith("rotary_emb.inv_freq") or (target == "lm_head.weight"
                                                     and arch.tie_word_embeddings):
             continue
