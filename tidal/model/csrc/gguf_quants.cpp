@@ -22,7 +22,19 @@ using namespace gguf;
 
 constexpr int kMaxRows = 8;           // activation rows sharing each decoded weight group
 constexpr int64_t kTileBytes = 1 << 18;  // weight bytes a task keeps in L2 across row groups
-constexpr int64_t kAheadRows = 2;        // how far ahead of the row in use to prefetch
+constexpr int64_t kAheadBytes = 4096;    // how far ahead of the block in use to prefetch
+
+// A decode step streams every weight from memory once, faster than the hardware prefetcher
+// alone fetches it: each block asks for the bytes kAheadBytes ahead of it, a few lines at a
+// time (a burst would overrun the core's outstanding misses).
+struct Prefetch {
+  const uint8_t* ahead;  // the row's first byte + kAheadBytes
+  int64_t block_bytes;   // the row's bytes per block, in either layout
+  void block(int64_t b) const {
+    for (int64_t c = 0; c < block_bytes; c += 64)
+      __builtin_prefetch(ahead + b * block_bytes + c, 0, 3);
+  }
+};
 
 // x rows rounded to int8 per group: q, the group's scale d and the exact sum of its x;
 // d8 holds each d 8 times over, so a kernel loads a group pair's scales as one vector.
@@ -87,12 +99,13 @@ inline void centred_scales(const Field* f, int64_t b, float (*s)[2], float* m) {
 // One row's blocks against NR activation rows, one group of 32 a step; adds each row's sum
 // to out[r].
 template <typename F, int NR>
-inline void dot_avx2(const Activations& a, int64_t r0, const Field* f, int64_t nb,
-                     int64_t groups, float* out) {
+inline void dot_avx2(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
+                     int64_t nb, int64_t groups, float* out) {
   float s[F::kGroups][2], m[F::kGroups];
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    pf.block(b);
     centred_scales<F>(f, b, s, m);
 #pragma GCC unroll 8
     for (int j = 0; j < F::kGroups; ++j) {
@@ -121,11 +134,12 @@ inline void dot_avx2(const Activations& a, int64_t r0, const Field* f, int64_t n
 #else
 // The same without AVX2.
 template <typename F, int NR>
-inline void dot_scalar(const Activations& a, int64_t r0, const Field* f, int64_t nb,
-                       int64_t groups, float* out) {
+inline void dot_scalar(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
+                       int64_t nb, int64_t groups, float* out) {
   float s[F::kGroups][2], m[F::kGroups];
   int8_t q[kGroup];
   for (int64_t b = 0; b < nb; ++b) {
+    pf.block(b);
     centred_scales<F>(f, b, s, m);
     for (int j = 0; j < F::kGroups; ++j) {
       F::scalar(f, b, j, q);
@@ -151,13 +165,14 @@ inline void dot_scalar(const Activations& a, int64_t r0, const Field* f, int64_t
 // pair's 64 quants and 64 activations fill a 512-bit register, and one VNNI instruction
 // takes their products (16 int32 sums of 4: lanes 0-7 the first group, 8-15 the second).
 template <typename F, int NR>
-inline void dot_k512(const Activations& a, int64_t r0, const Field* f, int64_t nb,
-                     int64_t groups, float* out) {
+inline void dot_k512(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
+                     int64_t nb, int64_t groups, float* out) {
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   float s[F::kGroups][2], m[F::kGroups];
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t b = 0; b < nb; ++b) {
+    pf.block(b);
     centred_scales<F>(f, b, s, m);
 #pragma GCC unroll 4
     for (int j = 0; j < F::kGroups; j += 2) {
@@ -200,23 +215,20 @@ void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_by
               bool planar, const T* bias, int64_t o0, int64_t o1, T* y, int64_t n) {
   const int64_t groups = k / kGroup, nb = k / F::kBlock;
   for (int64_t o = o0; o < o1; ++o) {
-    // A decode step streams every weight from memory once: ask for the rows ahead now,
-    // which the hardware prefetcher alone does not keep up with (measured 2x on 1B Q4_K_M).
-    const uint8_t* ahead = w + (o + kAheadRows) * row_bytes;
-    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(ahead + c, 0, 3);
+    const Prefetch pf{w + o * row_bytes + kAheadBytes, row_bytes / nb};
     Field f[F::kFields];
     fields<F>(w + o * row_bytes, nb, planar, f);
     float out[NR] = {};  // each activation row's dot product with this weight row
 #if defined(TIDAL_GGUF_AVX512)
     if constexpr (F::kGroups == 8) {  // K-quants: two groups a 512-bit step
-      dot_k512<F, NR>(a, r0, f, nb, groups, out);
+      dot_k512<F, NR>(a, r0, f, pf, nb, groups, out);
     } else {
-      dot_avx2<F, NR>(a, r0, f, nb, groups, out);
+      dot_avx2<F, NR>(a, r0, f, pf, nb, groups, out);
     }
 #elif defined(TIDAL_GGUF_AVX2)
-    dot_avx2<F, NR>(a, r0, f, nb, groups, out);
+    dot_avx2<F, NR>(a, r0, f, pf, nb, groups, out);
 #else
-    dot_scalar<F, NR>(a, r0, f, nb, groups, out);
+    dot_scalar<F, NR>(a, r0, f, pf, nb, groups, out);
 #endif
     for (int r = 0; r < NR; ++r)
       y[(r0 + r) * n + o] = round_to<T>(out[r] + (bias != nullptr ? f32(bias[o]) : 0.f));
