@@ -321,7 +321,8 @@ def test_engine_core_death_fails_fast_and_health_says_so():
 def test_sigterm_drains_running_requests_then_exits():
     s = Server("--drain-timeout", "60")
     core = s.core_pid()
-    body = {"prompt": "Count:", "max_tokens": 40, "stream": True, "ignore_eos": True}
+    # ~3 s of decoding: the status line (logged each second) appears while it runs
+    body = {"prompt": "Count:", "max_tokens": 150, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         next(lines)

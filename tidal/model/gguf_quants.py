@@ -22,6 +22,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
 from tidal.model.cpu_extension import extension
+from tidal.model.linear import cpu_flags
 
 FLOAT_TYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 # Each block format's fields, bytes each, in the block's order (ggml's block structs).
@@ -164,10 +165,12 @@ class GGUFLinear(nn.Module):
     in_features: the parts' outputs side by side, so a fused q/k/v or gate/up keeps each
     part in the file's format (a Q4_K_M file has Q6_K v beside Q4_K q and k). With the C++
     extension (`projection`, which the C++ decoder shares) steps of at most `max_rows` rows
-    run the integer kernels and larger ones multiply float32 tiles of `tile_rows`
-    dequantized rows by the activations rounded as the integer kernels round them (the
-    same sums up to float32 rounding, so a token does not depend on its step's size);
-    without it, every step multiplies tiles dequantized by the gguf package."""
+    run the integer kernels and larger ones multiply tiles of `tile_rows` dequantized rows
+    by the activations rounded as the integer kernels round them: float32 tiles, the same
+    sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
+    for bf16 inputs on CPUs with AMX, whose bf16 GEMMs run several times faster (serving
+    the embedded model to 64 clients: 1.7x the float32 tiles' tokens/s), ~0.3% apart.
+    Without the extension every step multiplies tiles dequantized by the gguf package."""
 
     def __init__(self, weights: QuantizedWeight | list[QuantizedWeight],
                  bias: torch.Tensor | None = None, max_rows: int = MAX_ROWS,
@@ -187,7 +190,7 @@ class GGUFLinear(nn.Module):
         self.max_rows = max_rows if ext is not None else 0
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar) for w in self.parts], self.bias,
-            self.max_rows, self.tile_rows)
+            self.max_rows, self.tile_rows, "amx_bf16" in cpu_flags())
 
     @property
     def nbytes(self) -> int:

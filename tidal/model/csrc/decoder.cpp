@@ -227,10 +227,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }), py::arg("data"), py::arg("type"), py::arg("planar"));
   py::class_<GGUFProjection, std::shared_ptr<GGUFProjection>>(m, "GGUFProjection")
       .def(py::init([](std::vector<GGUFPart> parts, c10::optional<Tensor> bias, int64_t max_rows,
-                       int64_t tile_rows) {
+                       int64_t tile_rows, bool tile_bf16) {
              return std::make_shared<GGUFProjection>(std::move(parts), bias.value_or(Tensor()),
-                                                     max_rows, tile_rows);
-           }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"), py::arg("tile_rows"))
+                                                     max_rows, tile_rows, tile_bf16);
+           }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"), py::arg("tile_rows"),
+           py::arg("tile_bf16") = false)
       .def("__call__", &GGUFProjection::operator(), py::call_guard<py::gil_scoped_release>());
   py::class_<Decoder>(m, "Decoder")
       .def(py::init([](c10::optional<Tensor> embed, c10::optional<GGUFPart> embed_gguf,

@@ -97,15 +97,17 @@ struct GGUFPart {
 // y = x @ [W_0; W_1; ...]^T (+ bias), the parts' outputs side by side (fused q/k/v or
 // gate/up whose parts differ in format): [rows, in_features] -> [rows, out_features] in x's
 // dtype (float32 or bf16). Steps of at most max_rows rows: x rounded to int8 per 32 and
-// integer products; larger ones multiply float32 tiles of tile_rows dequantized rows by x
-// rounded the same way.
+// integer products; larger ones multiply tiles of tile_rows dequantized rows by x rounded
+// the same way, in float32 (or, with tile_bf16 and a bf16 x, in bf16).
 struct GGUFProjection {
   std::vector<GGUFPart> parts;
   Tensor bias;
   int64_t max_rows = 0, tile_rows = 0, in_features = 0, out_features = 0;
+  bool tile_bf16 = false;
 
   GGUFProjection() = default;
-  GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows, int64_t tile_rows);
+  GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows, int64_t tile_rows,
+                 bool tile_bf16);
   Tensor operator()(const Tensor& x) const;
 };
 
