@@ -3,10 +3,10 @@ completions, n up to 4, logprobs, stop strings, penalties; 20% of clients leave 
 10% give up on a non-streaming answer) against a real server. Every request that ran to its
 end is well formed, the server holds nothing afterwards, and neither process grows.
 
-The RSS baseline is taken after the first 30% of requests, as the benchmark does: the
-allocators' high-water marks still rise for a while after the first batches (the engine
-core levels off after ~3,000 requests, docs/reliability.md), while a per-request leak keeps
-growing through the last 70%."""
+The RSS baseline is the highest RSS during the first 30% of requests, as the benchmark
+takes it: the allocators' high-water marks still rise for a while after the first batches
+(the engine core levels off after ~3,000 requests, docs/reliability.md) and a step's
+transient buffers come and go, while a per-request leak keeps growing through the last 70%."""
 
 from __future__ import annotations
 

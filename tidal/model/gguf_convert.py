@@ -279,8 +279,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_gguf(gguf_path)
     config = hf_config(reader)
-    if weights:
-        hf_layout(reader, config)  # an architecture that does not convert fails first
+    hf_layout(reader, config)  # an architecture or tensor that does not convert fails first
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:

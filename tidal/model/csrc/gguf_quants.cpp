@@ -37,7 +37,8 @@ struct Prefetch {
 };
 
 // x rows rounded to int8 per group: q, the group's scale d and the exact sum of its x;
-// d8 holds each d 8 times over, so a kernel loads a group pair's scales as one vector.
+// d8 (filled for the AVX-512 integer path) holds each d 8 times over, so a kernel loads a
+// group pair's scales as one vector.
 struct Activations {
   std::vector<int8_t> q;
   std::vector<float> d, sum, d8;
@@ -61,10 +62,6 @@ Activations quantize(const T* x, int64_t rows, int64_t k) {
     a.d[g] = d;
     a.sum[g] = sum;
   }
-#ifdef TIDAL_GGUF_AVX512
-  a.d8.resize(groups * 8);
-  for (int64_t g = 0; g < groups; ++g) std::fill_n(&a.d8[g * 8], 8, a.d[g]);
-#endif
   return a;
 }
 
@@ -357,7 +354,8 @@ void rows_into(const GGUFPart& p, int64_t start, const Tensor& ids, Tensor& out)
 }
 
 // Steps of many rows: tiles of dequantized weight rows that oneDNN multiplies (the extra
-// memory stays one tile however large the weight) by x rounded to the int8 grid the
+// memory stays one tile however large the weight; the rows bucketed as every CPU GEMM's)
+// by x rounded to the int8 grid the
 // integer kernels use. In float32 both paths compute the same sums up to float32 rounding,
 // so a sequence's tokens do not depend on whether its prompt ran in one step, in chunks or
 // partly from the prefix cache; with tile_bf16 (CPUs with AMX, where bf16 GEMMs run
@@ -383,7 +381,9 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g) {
       const int64_t n = std::min(g.tile_rows, p.data.size(0) - a);
       Tensor t = tile.narrow(0, 0, n);
       rows_into(p, a, Tensor(), t);
-      y.narrow(1, col + a, n).copy_(at::linear(xs, t));
+      y.narrow(1, col + a, n).copy_(bucketed(xs, [&](const Tensor& in) {
+        return at::linear(in, t);
+      }));
     }
     col += p.data.size(0);
   }
@@ -421,7 +421,11 @@ Tensor GGUFProjection::operator()(const Tensor& x_in) const {
   Tensor y = at::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
-    const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features);
+    Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features);
+#ifdef TIDAL_GGUF_AVX512
+    a.d8.resize(a.d.size() * 8);
+    for (size_t g = 0; g < a.d.size(); ++g) std::fill_n(&a.d8[g * 8], 8, a.d[g]);
+#endif
     const Tensor b = bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     int64_t col = 0;
     for (const GGUFPart& p : parts) {

@@ -11,34 +11,17 @@
 namespace tidal_cpu {
 namespace {
 
-// linear.py's ROW_CHUNK and row_bucket: oneDNN sees a bounded set of row counts, so its
-// per-shape primitive caches stay small.
-constexpr int64_t kRowChunk = 256;
-
-int64_t row_bucket(int64_t rows) {
-  if (rows <= 16) return rows;
-  const int64_t step = int64_t{1} << (64 - __builtin_clzll(rows - 1) - 4);
-  return (rows + step - 1) / step * step;
-}
-
 // oneDNN's linear over a weight the Python side packed (mkldnn._reorder_linear_weight).
 Tensor linear_pointwise(const Tensor& x, const Tensor& w, const Tensor& bias) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
       "mkldnn::_linear_pointwise", "");
-  const int64_t rows = x.size(0);
-  if (rows > kRowChunk) {
-    std::vector<Tensor> parts;
-    for (const Tensor& part : x.split(kRowChunk)) parts.push_back(linear_pointwise(part, w, bias));
-    return at::cat(parts);
-  }
-  const int64_t padded = row_bucket(rows);
-  Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows});
-  std::vector<c10::IValue> stack{in, w, bias.defined() ? c10::IValue(bias) : c10::IValue(),
-                                 std::string("none"),
-                                 c10::List<c10::optional<c10::Scalar>>(), c10::IValue()};
-  op.callBoxed(&stack);
-  const Tensor y = stack[0].toTensor();
-  return padded == rows ? y : y.narrow(0, 0, rows);
+  return bucketed(x, [&](const Tensor& in) {
+    std::vector<c10::IValue> stack{in, w, bias.defined() ? c10::IValue(bias) : c10::IValue(),
+                                   std::string("none"),
+                                   c10::List<c10::optional<c10::Scalar>>(), c10::IValue()};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  });
 }
 
 // ---------------------------------------------------------------- int4 weights

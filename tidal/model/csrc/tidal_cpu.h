@@ -54,6 +54,31 @@ inline float dot(const A* q, const B* k, int64_t d) {
   return s;
 }
 
+// linear.py's ROW_CHUNK and row_bucket: oneDNN and PyTorch cache a primitive per matrix
+// shape, each holding buffers of about rows x outputs, so every GEMM over a step's rows sees
+// a bounded set of row counts: exact up to 16, then 8 sizes an octave, chunks of 256.
+constexpr int64_t kRowChunk = 256;
+
+inline int64_t row_bucket(int64_t rows) {
+  if (rows <= 16) return rows;
+  const int64_t step = int64_t{1} << (64 - __builtin_clzll(rows - 1) - 4);
+  return (rows + step - 1) / step * step;
+}
+
+// gemm(rows) over x's rows in chunks of kRowChunk, each padded with zero rows to its bucket.
+template <typename Gemm>
+Tensor bucketed(const Tensor& x, Gemm&& gemm) {
+  const int64_t rows = x.size(0);
+  if (rows > kRowChunk) {
+    std::vector<Tensor> parts;
+    for (const Tensor& part : x.split(kRowChunk)) parts.push_back(bucketed(part, gemm));
+    return at::cat(parts);
+  }
+  const int64_t padded = row_bucket(rows);
+  const Tensor y = gemm(padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows}));
+  return padded == rows ? y : y.narrow(0, 0, rows);
+}
+
 // ---------------------------------------------------------------- experts (experts.cpp)
 
 // Per expert e, xs[ends[e-1]:ends[e]] @ w[e]: float32 xs [rows, k] grouped by expert, ends
