@@ -87,23 +87,10 @@ class QuantizedWeight:
         """Bytes this weight holds (for block formats, those of the file's blocks)."""
         return self.data.numel() * self.data.element_size()
 
-    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows start..stop of the weight as a [stop - start, in_features] float tensor,
-        written into `out` (contiguous, of that shape and dtype) when given."""
-        rows, k = stop - start, self.shape[1]
-        if out is None:
-            out = torch.empty(rows, k, dtype=dtype)
-        if self.qtype in FLOAT_TYPES:
-            return out.copy_(self.data[start:stop])
-        if self.ext is not None and out.dtype in (torch.float32, torch.bfloat16):
-            self.ext.gguf_dequantize(self.data, int(self.qtype), self.planar, start, out)
-            return out
-        blocks = self.data[start:stop]
-        if self.planar:
-            blocks = _from_planes(blocks, BLOCK_FIELDS[self.qtype])
-        values = gguf.quants.dequantize(blocks.numpy(), self.qtype)
-        return out.copy_(torch.from_numpy(values))
+    def dequantize_rows(self, start: int, stop: int,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows start..stop of the weight as a [stop - start, in_features] tensor of `dtype`."""
+        return self.take_rows(torch.arange(start, stop), dtype)
 
     def take_rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` of the weight as a [len(ids), in_features] tensor of `dtype`."""

@@ -256,8 +256,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return gguf_linear(x, w, type, planar, bias.value_or(Tensor()));
   }, py::arg("x"), py::arg("w"), py::arg("type"), py::arg("planar"),
         py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("gguf_dequantize", &gguf_dequantize, py::arg("w"), py::arg("type"), py::arg("planar"),
-        py::arg("start"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("gguf_get_rows", &gguf_get_rows, py::arg("w"), py::arg("type"), py::arg("planar"),
         py::arg("ids"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
 }

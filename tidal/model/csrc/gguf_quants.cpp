@@ -2,7 +2,7 @@
 // (gguf_formats.h), as ggml multiplies them: x rounded to int8 per group of 32 with a float
 // scale, integer products per group, one float multiply-add per group and row. The K-quants
 // take the same per-32 activations (ggml uses one scale per 256): finer, and one code path.
-// `gguf_dequantize` expands rows to floats for steps of many rows, which oneDNN multiplies.
+// Steps of many rows multiply tiles of dequantized rows (`tiled`) with oneDNN instead.
 
 #include "tidal_cpu.h"
 #include "gguf_formats.h"
@@ -447,10 +447,6 @@ Tensor gguf_linear(const Tensor& x, const Tensor& w, int64_t type, bool planar,
               "bias must be in x's dtype");
   const GGUFProjection g({GGUFPart{w, type, planar}}, bias, x.size(0), 1, false);
   return g(x);
-}
-
-void gguf_dequantize(const Tensor& w, int64_t type, bool planar, int64_t start, Tensor out) {
-  rows_into(GGUFPart{w, type, planar}, start, Tensor(), out);
 }
 
 void gguf_get_rows(const Tensor& w, int64_t type, bool planar, const Tensor& ids, Tensor out) {

@@ -140,10 +140,8 @@ struct GGUFProjection {
 Tensor gguf_linear(const Tensor& x, const Tensor& w, int64_t type, bool planar,
                    const Tensor& bias);
 
-// Rows start .. start + out.size(0) of such a W as floats, into out ([rows, k], float or bf16).
-void gguf_dequantize(const Tensor& w, int64_t type, bool planar, int64_t start, Tensor out);
-
-// Rows ids of W as floats into out ([len(ids), k]): an embedding lookup.
+// Rows ids of W as floats into out ([len(ids), k], float or bf16): an embedding lookup, and
+// dequantized rows for Python.
 void gguf_get_rows(const Tensor& w, int64_t type, bool planar, const Tensor& ids, Tensor out);
 
 // ---------------------------------------------------------------- paged attention
