@@ -35,7 +35,8 @@ def random_driver(rng: random.Random) -> SchedulerDriver:
         chunk=rng.randint(1, 64), max_input=rng.randint(1, 96), max_num_seqs=rng.randint(1, 8),
         clip=rng.choice([1, 8, 4096]), margin=rng.choice([0.0, 0.0, 0.25]),
         ttft=rng.choice(SLO_TARGETS), tpot=rng.choice(SLO_TARGETS),
-        overload=rng.choice(["defer", "reject"]))
+        overload=rng.choice(["defer", "reject"]), guesses=rng.choice([0, 0, 1, 3]),
+        adaptive=rng.random() < 0.5, seed=rng.randint(0, 2**31))
 
 
 def one_op(d: SchedulerDriver, rng: random.Random) -> str:

@@ -6,6 +6,7 @@ knows every token a step computes."""
 
 from __future__ import annotations
 
+import random
 from collections import deque
 
 from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, SamplingParams,
@@ -31,7 +32,8 @@ class SchedulerDriver:
     def __init__(self, num_blocks: int, block_size: int, role: str, batch_mode: str,
                  policy: str, async_scheduling: bool, chunk: int, max_input: int,
                  max_num_seqs: int, clip: int, margin: float, ttft: float | None = None,
-                 tpot: float | None = None, overload: str = "defer") -> None:
+                 tpot: float | None = None, overload: str = "defer", guesses: int = 0,
+                 adaptive: bool = True, seed: int = 0) -> None:
         options = {  # each policy takes only its own options
             "longest_prefix_match": dict(lpm_aging_steps=8),
             "slo": dict(ttft_slo_ms=ttft, tpot_slo_ms=tpot, slo_overload=overload,
@@ -41,7 +43,8 @@ class SchedulerDriver:
             max_input_tokens_per_step=max(max_input, block_size),
             batch_mode=batch_mode, policy=policy, role=role, async_scheduling=async_scheduling,
             max_num_seqs=max_num_seqs, clip_max_new_tokens=clip, safety_margin=margin,
-            max_model_len=256, **options)
+            max_model_len=256, num_speculative_tokens=guesses, speculative_adaptive=adaptive,
+            **options)
         self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)),
                            step_time=LinearSteps(), clock=self.now)
         self.scheduled: set[str] = set()  # every request id a step ever computed for
@@ -52,6 +55,7 @@ class SchedulerDriver:
         self.added = 0
         self.work = 0  # prompt + output tokens asked for: bounds the steps to drain
         self.steps_taken = self.tokens = 0
+        self.rng = random.Random(seed)  # how many guesses a proposer holds, and how many pass
 
     def now(self) -> float:
         return self.steps_taken * STEP_SECONDS
@@ -117,9 +121,8 @@ class SchedulerDriver:
     # ------------------------------------------------------------------ executor
     def _finish_oldest(self, emit_eos: bool) -> None:
         out = self.inflight.popleft()
-        sampled = self._execute(out, emit_eos)
-        for o in self.s.update(out, ModelOutput(sampled=sampled,
-                                                preempted_ack=list(out.preempted_ids))):
+        self._execute(out, emit_eos)
+        for o in self.s.update(out, self.outputs):
             if o.finish_reason == "rejected":  # only before any compute, with no token
                 assert o.request_id not in self.scheduled and not o.new_token_ids
         self.s.check_invariants()
@@ -133,21 +136,32 @@ class SchedulerDriver:
         for new in out.new_requests:
             self.known[new.request_id] = new.prompt_token_ids + new.output_token_ids
             self.num_samples[new.request_id] = new.num_samples
-        sampled = {}
+        sampled, drafted, proposed = {}, {}, {}
         for x in out.scheduled:
             rid, c, n = x.request_id, x.num_computed_tokens, x.num_new_tokens
             assert len(x.block_ids) * s.kv.block_size >= c + n
             assert rid in self.known, f"{rid} scheduled before the executor was told of it"
-            assert x.is_prefill or n == 1
+            assert x.is_prefill or n - 1 <= s.config.num_speculative_tokens
             self.scheduled.add(rid)
             self.tokens += n
             r = s.requests.get(rid)
             if r is not None and r.status.name == "RUNNING" and r.num_tokens >= c + n:
                 assert self.known[rid][c:c + n] == r.token_slice(c, c + n)
-            if x.samples:
+            if not x.samples:
+                continue
+            if not x.is_prefill and n > 1:  # verify the guesses: some pass, then one more
+                drafted[rid] = self.rng.randint(0, n - 1)
+                count = 1 + self.rng.randint(0, drafted[rid])
+                sampled[rid] = [self._token(emit_eos) for _ in range(count)]
+                self.known[rid] += sampled[rid]
+            else:
                 sampled[rid] = [self._token(emit_eos) for _ in range(self.num_samples[rid])]
                 self.known[rid].append(sampled[rid][0])
-                self.num_samples[rid] = 1
+            self.num_samples[rid] = 1
+            if s.config.num_speculative_tokens:
+                proposed[rid] = self.rng.randint(0, s.config.num_speculative_tokens)
+        self.outputs = ModelOutput(sampled=sampled, drafted=drafted, proposed=proposed,
+                                   preempted_ack=list(out.preempted_ids))
         return sampled
 
     def _token(self, emit_eos: bool) -> int:

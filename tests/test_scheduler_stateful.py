@@ -28,6 +28,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         ttft=st.sampled_from(SLO_TARGETS),
         tpot=st.sampled_from(SLO_TARGETS),
         overload=st.sampled_from(["defer", "reject"]),
+        guesses=st.sampled_from([0, 0, 1, 3]),
+        adaptive=st.booleans(),
+        seed=st.integers(0, 3),
     )
     def setup(self, **config):
         self.d = SchedulerDriver(**config)

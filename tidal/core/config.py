@@ -18,6 +18,7 @@ __all__ = ["BATCH_MODES", "PREEMPTION_ORDERS", "CacheConfig", "SchedulerConfig",
 
 BATCH_MODES = ("separate", "mixed")
 PREEMPTION_ORDERS = ("shortest_output", "newest")
+MAX_SPECULATIVE_TOKENS = 16  # beyond it a guessed run is almost never accepted whole
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,14 @@ class SchedulerConfig:
     async_scheduling: bool = knob(
         False, "The executor runs one step ahead: preempted requests wait for its "
         "preempted_ack before they rejoin the waiting queue.")
+    num_speculative_tokens: int = knob(
+        0, "Most tokens a decoding request may guess per step, verified in one forward pass "
+        "(0: no speculation). Set with speculative_method, which proposes the guesses.")
+    speculative_adaptive: bool = knob(
+        True, "Choose each request's guesses per step from the step-time model and the "
+        "request's acceptance rate, to maximise expected tokens per second of step time "
+        "(0 guesses allowed: at large batches speculation turns itself off). false: every "
+        "request guesses as many as its proposer offers, up to num_speculative_tokens.")
     policy_options: policies.Policy.Options | Mapping[str, Any] | None = field(
         default=None, metadata={"help": "The chosen policy's options: its `Options` "
                                 "dataclass, or their values by name (unset: the defaults). "
@@ -102,6 +111,9 @@ class SchedulerConfig:
             raise ValueError("min_new_token_ratio_factor must be in [0, 1]")
         if not 0 <= self.safety_margin < 1:
             raise ValueError("safety_margin must be in [0, 1)")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
         if self.retract_decode_steps < 0:
             raise ValueError("retract_decode_steps must be >= 0")
         options = self.policy_options

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -120,8 +121,13 @@ def check_invariants(s: "Scheduler") -> None:
         table = kv.tables[r.request_id]
         _require(len(table) * kv.block_size >= r.num_computed_tokens,
                  lambda: f"{r}: its blocks do not cover its computed tokens")
-        _require(r.num_computed_tokens <= r.num_tokens + r.num_in_flight,
+        _require(r.num_computed_tokens <= r.num_tokens + r.num_in_flight + r.num_guesses,
                  lambda: f"{r}: computed tokens run ahead of known ones")
+        _require(r.num_guesses <= s.config.num_speculative_tokens
+                 and (not r.num_guesses or r.num_in_flight >= 1),
+                 lambda: f"{r}: {r.num_guesses} guesses in flight without a verification")
+    for r in chain(s.waiting, s.preempted.values()):
+        _require(not r.num_guesses, lambda: f"{r}: guesses in flight while not running")
     for r in s.waiting:
         _require(r.num_computed_tokens == 0 and r.request_id not in kv.tables,
                  lambda: f"{r}: waiting with computed tokens or blocks")
@@ -134,11 +140,11 @@ def check_invariants(s: "Scheduler") -> None:
     out = s.last_output
     if out is not None and not s.role.concurrent_prefills:
         decodes = sum(1 for x in out.scheduled if not x.is_prefill)
-        prefill_tokens = out.num_tokens - decodes
+        others = out.num_tokens - decodes  # prefill tokens and guesses
         cap = max(0, s.config.max_input_tokens_per_step - decodes)
-        _require(prefill_tokens <= cap,
-                 lambda: f"step {out.step} computed {prefill_tokens} prefill tokens over its "
-                 "budget")
+        _require(others <= cap,
+                 lambda: f"step {out.step} computed {others} prefill tokens and guesses over "
+                 "its budget")
         chunked = [x for x in out.scheduled if not x.samples]
         _require(len(chunked) <= 1, lambda: f"step {out.step} cut {len(chunked)} chunked prefills")
         for x in chunked:
@@ -150,6 +156,8 @@ def check_invariants(s: "Scheduler") -> None:
                  f"step {out.step} scheduled a request twice")
     if out is not None:
         for x in out.scheduled:  # its blocks must not have been given away in the same plan
+            _require(x.is_prefill or x.num_new_tokens - 1 <= s.config.num_speculative_tokens,
+                     lambda: f"step {out.step}: a decode of {x.num_new_tokens} positions")
             r = s.requests.get(x.request_id)
             _require(r is None or r.status in (RequestStatus.RUNNING, RequestStatus.TRANSFERRING),
                      lambda: f"step {out.step} scheduled {r}, which no longer holds its blocks")

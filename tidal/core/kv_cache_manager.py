@@ -119,6 +119,17 @@ class KVCacheManager:
             table.append(self.pool.allocate(1)[0].block_id)
         return table
 
+    def trim(self, request: Request) -> None:
+        """Give back the tail blocks that hold none of the request's computed tokens (the
+        lookahead of rejected guesses). They were never published: only blocks of computed
+        tokens are."""
+        table = self.tables[request.request_id]
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.pool.release(map(self.pool.blocks.__getitem__, reversed(tail)))
+
     def free(self, request: Request) -> None:
         """Give back every block of the request, tail first (heads stay cached longest)."""
         table = self.tables.pop(request.request_id, None)

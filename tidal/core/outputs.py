@@ -72,7 +72,8 @@ class ModelOutput(msgspec.Struct):
     """What the executor returns for one step.
 
     `sampled` maps a request id to its sampled token (n tokens on the step where a request
-    with n>1 finishes its prompt). `preempted_ack` names preempted requests whose slot the
+    with n>1 finishes its prompt; for a decode entry of 1 + k positions, its accepted
+    guesses then the model's own token: 1 to k + 1 tokens). `preempted_ack` names preempted requests whose slot the
     executor has drained: a typed acknowledgement, never a magic token id.
     """
 
@@ -86,6 +87,11 @@ class ModelOutput(msgspec.Struct):
     # token: one entry per prompt position, None for position 0 (nothing predicts it).
     prompt_logprobs: dict[str, list[PromptLogprob | None]] = msgspec.field(
         default_factory=dict)
+    # Speculative decoding: guesses verified per decode entry that had room for some (the
+    # proposer may hold fewer than the entry's k), and the guesses the proposer holds for
+    # each request that sampled, ready for its next step.
+    drafted: dict[str, int] = msgspec.field(default_factory=dict)
+    proposed: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False):

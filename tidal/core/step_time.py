@@ -46,13 +46,23 @@ class StepShape:
 
     @classmethod
     def of(cls, out: "SchedulerOutput") -> "StepShape":
-        if out.kind != "decode":
-            return cls((s.num_new_tokens, s.num_computed_tokens, s.samples)
-                       for s in out.scheduled)
+        """The step's shape. A decode entry of 1 + k positions (k guesses) runs as 1 + k
+        decode rows, and counts so."""
+        seqs = len(out.scheduled)
+        if out.kind != "decode" or out.num_tokens != seqs:
+            shape = cls()
+            for s in out.scheduled:
+                n, c = s.num_new_tokens, s.num_computed_tokens
+                if s.is_prefill:
+                    shape.add(n, c, s.samples)
+                else:
+                    for j in range(n):
+                        shape.add(1, c + j)
+            return shape
         # The simulator's hot path, the common step: every entry one new, sampled token
         # after c >= 1 cached ones, so the totals need only the sum of c (in one C pass).
         shape = cls.__new__(cls)
-        seqs, context = len(out.scheduled), sum(map(_CACHED, out.scheduled))
+        context = sum(map(_CACHED, out.scheduled))
         shape.tokens = shape.seqs = shape.sampled = seqs
         shape.pairs = shape.gathered = context + seqs
         shape.kv_tokens = context + 2 * seqs

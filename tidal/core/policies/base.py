@@ -51,6 +51,10 @@ class Policy:
         """(TTFT ms, TPOT ms) that requests setting none are held to; None: no target."""
         return None, None
 
+    def tpot(self, r: Request) -> float | None:
+        """The request's time-per-output-token target in seconds; None: it has none."""
+        return None
+
     def order(self, waiting: Sequence[Request], step: int,
               prefix_tokens: Callable[[Request], int]) -> Sequence[Request]:
         """The waiting queue in admission order; admission stops at the first that does not

@@ -1,0 +1,219 @@
+"""Speculative decoding in the scheduler: decode entries of 1 + k positions, the lookahead
+blocks they take and give back, rollback of rejected guesses, stops inside an accepted run,
+and the guess planner's choices (tidal/core/speculation.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, SamplingParams,
+                        Scheduler, SchedulerConfig, StepShape)
+from tidal.core.budget import StepBudget, StepPlan
+from tidal.core.speculation import (GuessPlanner, acceptance, expected_tokens,
+                                    record_verification)
+
+EOS = 2
+
+
+class RowCost:
+    """A step costs `fixed` seconds plus `per_row` a decode row (a memory-bound step grows
+    slowly with its rows, until the rows' compute dominates)."""
+
+    def __init__(self, fixed: float, per_row: float) -> None:
+        self.fixed, self.per_row = fixed, per_row
+
+    def shape_time(self, shape: StepShape) -> float:
+        return self.fixed + self.per_row * shape.tokens if shape.seqs else 0.0
+
+
+def sched(guesses: int = 4, adaptive: bool = False, num_blocks: int = 64, block_size: int = 4,
+          step_time=None, **kw) -> Scheduler:
+    cfg = SchedulerConfig(num_speculative_tokens=guesses, speculative_adaptive=adaptive,
+                          max_model_len=512, **kw)
+    return Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)), step_time)
+
+
+def add(s: Scheduler, rid: str, prompt_len: int = 6, max_tokens: int = 32, **params) -> Request:
+    r = Request(rid, list(range(10, 10 + prompt_len)),
+                SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS)
+    s.add_request(r)
+    return r
+
+
+def step(s: Scheduler, sampled: dict, proposed: dict | None = None, drafted=None):
+    out = s.schedule()
+    s.check_invariants()
+    outputs = s.update(out, ModelOutput(sampled=sampled, proposed=proposed or {},
+                                        drafted=drafted or {}))
+    s.check_invariants()
+    return out, outputs
+
+
+def prefilled(s: Scheduler, rid: str, proposed: int = 4, **kw) -> Request:
+    r = add(s, rid, **kw)
+    step(s, {rid: [100]}, {rid: proposed})
+    return r
+
+
+def test_a_decode_guesses_what_its_proposer_holds_and_accepted_guesses_join_the_request():
+    s = sched(guesses=4)
+    r = prefilled(s, "a", proposed=3)
+    out = s.schedule()
+    (x,) = out.scheduled
+    assert (x.num_new_tokens, x.num_computed_tokens, x.is_prefill) == (4, 6, False)
+    assert r.num_computed_tokens == 10 and r.num_guesses == 3
+    assert len(x.block_ids) * 4 >= 10  # the lookahead positions have slots
+    outputs = s.update(out, ModelOutput(sampled={"a": [101, 102, 103, 104]},
+                                        proposed={"a": 2}))
+    s.check_invariants()
+    assert outputs[0].new_token_ids == [101, 102, 103, 104]
+    assert r.output_token_ids == [100, 101, 102, 103, 104]
+    assert r.num_computed_tokens == r.num_tokens - 1 == 10
+    assert (r.num_guesses, r.num_proposed) == (0, 2)
+    assert (s.spec_drafted_tokens, s.spec_accepted_tokens, s.spec_verifications) == (3, 3, 1)
+
+
+def test_rejected_guesses_roll_back_and_their_blocks_return():
+    s = sched(guesses=8, block_size=4)
+    r = prefilled(s, "a", proposed=8)  # 6 prompt tokens + 1: blocks for 7 tokens, 2 blocks
+    free_before = s.kv.num_free
+    out = s.schedule()
+    assert out.scheduled[0].num_new_tokens == 9  # positions 6..14: 4 blocks
+    assert s.kv.num_free == free_before - 2
+    s.update(out, ModelOutput(sampled={"a": [101]}, drafted={"a": 8}))  # the first is wrong
+    s.check_invariants()
+    assert r.output_token_ids == [100, 101] and r.num_computed_tokens == 7
+    assert len(s.kv.tables["a"]) == 2 and s.kv.num_free == free_before
+    assert (s.spec_drafted_tokens, s.spec_accepted_tokens) == (8, 0)
+    assert acceptance(r) < 0.5  # one rejection, no hit
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_request_there():
+    s = sched(guesses=4)
+    prefilled(s, "a", proposed=4)
+    _, outputs = step(s, {"a": [101, EOS, 103, 104, 105]})
+    assert outputs[0].new_token_ids == [101, EOS]
+    assert outputs[0].finish_reason == "stop"
+    assert "a" not in s.requests and s.kv.num_free == s.kv.num_blocks
+
+
+def test_guesses_never_run_past_max_tokens():
+    s = sched(guesses=8)
+    prefilled(s, "a", proposed=8, max_tokens=4)  # one token out, three to go
+    out, outputs = step(s, {"a": [101, 102, 103]})
+    assert out.scheduled[0].num_new_tokens == 3  # two guesses and the model's own token
+    assert outputs[0].finish_reason == "length"
+    assert outputs[0].new_token_ids == [101, 102, 103]
+
+
+def test_guesses_spend_the_step_budget_and_only_spare_blocks():
+    s = sched(guesses=8, num_blocks=4, block_size=4, max_input_tokens_per_step=16,
+              chunked_prefill_size=16)
+    prefilled(s, "a", proposed=8)  # 2 blocks held, 2 free: 8 spare slots... and 1 used
+    out = s.schedule()
+    s.check_invariants()
+    # blocks cover positions 6..14 at most (4 blocks of 4 = 16 slots), so up to 8 guesses
+    # fit in memory; the budget of 16 tokens less the decode leaves 15
+    assert out.scheduled[0].num_new_tokens == 9
+    s.update(out, ModelOutput(sampled={"a": [101]}))
+    t = sched(guesses=8, num_blocks=3, block_size=4)
+    prefilled(t, "b", proposed=8)  # 2 of 3 blocks held: room for 1 + 5 positions at most
+    out = t.schedule()
+    assert out.scheduled[0].num_new_tokens == 1  # 8 guesses do not fit: none are taken
+    t.check_invariants()
+
+
+def test_structured_requests_do_not_guess():
+    s = sched(guesses=4)
+    prefilled(s, "a", proposed=4, structured=("regex", "[a-z]+"))
+    out = s.schedule()
+    assert out.scheduled[0].num_new_tokens == 1
+
+
+def test_a_retraction_during_a_verification_drops_its_tokens_and_guesses():
+    s = sched(guesses=4, num_blocks=6, block_size=4, async_scheduling=True)
+    r = add(s, "a", prompt_len=6)
+    out = s.schedule()
+    s.update(out, ModelOutput(sampled={"a": [100]}, proposed={"a": 4}))
+    out = s.schedule()
+    assert out.scheduled[0].num_new_tokens == 5 and r.num_guesses == 4
+    later = s.schedule()  # planned while the verification runs: it retracts the request
+    assert later.scheduled == []
+    s._preempt(StepPlan(later, StepBudget(16, 16, 4), 8), r)
+    s.check_invariants()
+    assert r.num_guesses == 0 and "a" not in s.kv.tables
+    s.update(out, ModelOutput(sampled={"a": [101, 102]}, preempted_ack=["a"]))
+    s.check_invariants()
+    assert r.output_token_ids == [100]  # the verification's tokens are dropped
+    assert s.kv.num_free == s.kv.num_blocks
+
+
+def test_with_async_scheduling_a_verifying_request_sits_out_the_next_plan():
+    s = sched(guesses=4, async_scheduling=True)
+    add(s, "a")
+    first = s.schedule()  # prefill
+    second = s.schedule()  # its first decode, planned before the prefill's token is known
+    s.update(first, ModelOutput(sampled={"a": [100]}, proposed={"a": 4}))
+    assert second.scheduled[0].num_new_tokens == 1
+    third = s.schedule()  # the proposer's guesses are known now
+    assert third.scheduled[0].num_new_tokens == 5
+    s.update(second, ModelOutput(sampled={"a": [101]}, proposed={"a": 4}))
+    fourth = s.schedule()  # the verification is in flight: its position is unknown
+    assert fourth.scheduled == []
+    s.update(third, ModelOutput(sampled={"a": [102, 103]}, drafted={"a": 4}))
+    s.check_invariants()
+    r = s.requests["a"]
+    assert r.output_token_ids == [100, 101, 102, 103] and r.num_computed_tokens == 9
+    s.update(fourth, ModelOutput())
+    fifth = s.schedule()
+    assert fifth.scheduled[0].num_computed_tokens == 9
+
+
+def test_acceptance_estimate_follows_verifications():
+    r = Request("a", [1], SamplingParams())
+    assert acceptance(r) == 0.5
+    for _ in range(20):
+        record_verification(r, guessed=4, accepted=4)
+    assert acceptance(r) > 0.9
+    for _ in range(40):
+        record_verification(r, guessed=4, accepted=0)
+    assert acceptance(r) < 0.15
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == 4
+
+
+def _decoding(n: int, alpha_hits: float) -> list[tuple[Request, int]]:
+    out = []
+    for i in range(n):
+        r = Request(f"r{i}", [1] * 8, SamplingParams(max_tokens=100))
+        r.output_token_ids = [3]
+        r.num_proposed = 4
+        r.spec_hits = alpha_hits
+        out.append((r, 8))
+    return out
+
+
+def test_adaptive_guesses_at_one_request_and_turns_itself_off_at_large_batches():
+    memory_bound = RowCost(fixed=0.010, per_row=0.0001)
+    planner = GuessPlanner(4, True, memory_bound)
+    assert planner.choose(_decoding(1, alpha_hits=8.0), budget=100) == [4]
+    many = planner.choose(_decoding(1024, alpha_hits=8.0), budget=10_000)
+    assert sum(many) == 0
+    # a request whose guesses are rarely accepted guesses less than one that is
+    mixed = _decoding(2, alpha_hits=8.0)
+    mixed[1][0].spec_hits, mixed[1][0].spec_misses = 0.0, 30.0
+    k_good, k_bad = GuessPlanner(4, True, RowCost(0.001, 0.0003)).choose(mixed, budget=100)
+    assert k_good > k_bad
+    # before the model predicts anything, every request guesses its cap
+    assert GuessPlanner(4, True, RowCost(0.0, 0.0)).choose(_decoding(3, 0.0), 100) == [4] * 3
+
+
+def test_adaptive_guesses_keep_tpot_targets():
+    """A request that cannot guess pays for the others' guesses in step time: with a TPOT
+    target they stop where its time per token would pass it."""
+    cost = RowCost(fixed=0.010, per_row=0.001)
+    entries = _decoding(2, alpha_hits=2.0)
+    entries[1][0].num_proposed = 0
+    free = GuessPlanner(4, True, cost).choose(entries, budget=100)
+    strict = GuessPlanner(4, True, cost, tpot=lambda r: 0.0125).choose(entries, budget=100)
+    assert free == [4, 0] and strict == [0, 0]

@@ -1,0 +1,138 @@
+"""Speculative decoding as the scheduler sees it: how many tokens each decoding request
+guesses in a step, and what a verification tells it about the request's acceptance rate.
+
+A request that guesses k tokens is scheduled 1 + k positions: its last known token and the
+k guesses its executor's proposer made. The forward pass verifies them; the executor returns
+the accepted guesses plus one token of the model's own (1 to k + 1 tokens), and the
+scheduler rolls the rest back (`Scheduler.update`). Nothing here knows the guessed tokens:
+proposers live with the executor, which reports how many it holds for each request.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable, Sequence
+
+from tidal.core.request import Request
+from tidal.core.step_time import StepShape, StepTimeModel
+
+# Verifications a request's acceptance estimate remembers: counts decay by this per update.
+ACCEPTANCE_DECAY = 0.9
+
+
+def acceptance(r: Request) -> float:
+    """The estimated chance that one more guess of `r` is accepted, given the ones before it
+    were: accepted guesses over accepted guesses plus rejections (each verification that
+    ends early is one rejection; guesses after it were never tested), with a prior of one
+    of each."""
+    return (r.spec_hits + 1.0) / (r.spec_hits + r.spec_misses + 2.0)
+
+
+def record_verification(r: Request, guessed: int, accepted: int) -> None:
+    """Fold one verification of `guessed` tokens, `accepted` of them accepted, into r's
+    decayed counts."""
+    if guessed <= 0:
+        return
+    r.spec_hits = r.spec_hits * ACCEPTANCE_DECAY + accepted
+    r.spec_misses = r.spec_misses * ACCEPTANCE_DECAY + (accepted < guessed)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a verification of k guesses emits on average when each is accepted with
+    probability alpha after the ones before it: 1 + alpha + ... + alpha^k."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class GuessPlanner:
+    """Chooses each decoding request's number of guesses for a step, once its own decode is
+    scheduled.
+
+    The cap per request is the fewest of: `max_guesses`, the guesses its proposer holds, and
+    the output it may still produce besides the tokens in flight (the model's own token
+    always comes). Requests
+    with structured outputs do not guess: their grammar would have to follow the guesses.
+
+    Adaptive (with a step-time model that predicts): start from no guesses and add one at a
+    time, the one most likely to be accepted first, while it raises expected tokens per
+    second of step time (and, given a TPOT target per request, keeps each request's
+    expected time per token within it). Each guess runs as one more decode row of context
+    c + j, which is how the step-time model prices it. At a batch where one more row costs
+    more than the tokens it is expected to add, no request guesses. Otherwise (or before the
+    model has seen enough steps to predict): every request guesses its cap."""
+
+    def __init__(self, max_guesses: int, adaptive: bool,
+                 step_time: StepTimeModel | None,
+                 tpot: Callable[[Request], float | None] | None = None) -> None:
+        self.max_guesses = max_guesses
+        self.adaptive = adaptive
+        self.step_time = step_time
+        self.tpot = tpot  # a request's TPOT target in seconds, where the policy has one
+
+    def cap(self, r: Request) -> int:
+        if r.sampling_params.structured is not None:
+            return 0
+        # num_in_flight counts this step's own token already (it is scheduled first)
+        room = r.out_limit - len(r.output_token_ids) - r.num_in_flight
+        return max(0, min(self.max_guesses, r.num_proposed, room))
+
+    def choose(self, entries: Sequence[tuple[Request, int]], budget: int) -> list[int]:
+        """Guesses per entry of (request, tokens in its KV cache before this step's), at
+        most `budget` in all."""
+        caps = [self.cap(r) for r, _ in entries]
+        if not any(caps) or budget <= 0:
+            return [0] * len(entries)
+        model = self.step_time if self.adaptive else None
+        shape = StepShape()
+        for _, c in entries:
+            shape.add(1, c)
+        base = model.shape_time(shape) if model is not None else 0.0
+        if base <= 0.0:  # not adaptive, or the model cannot predict yet
+            return _fill(caps, budget)
+        return self._adaptive(entries, caps, budget, shape, base)
+
+    def _adaptive(self, entries: Sequence[tuple[Request, int]], caps: list[int], budget: int,
+                  shape: StepShape, seconds: float) -> list[int]:
+        guesses = [0] * len(entries)
+        alphas = [acceptance(r) for r, _ in entries]
+        targets = [self.tpot(r) if self.tpot else None for r, _ in entries]
+        tokens = float(len(entries))  # each entry emits its own token for sure
+        heap = [(-a, i) for i, a in enumerate(alphas) if caps[i]]
+        heapq.heapify(heap)
+        while heap and budget > 0:
+            neg_gain, i = heapq.heappop(heap)
+            k = guesses[i]
+            trial = shape.copy().add(1, entries[i][1] + k + 1)
+            t = self.step_time.shape_time(trial)
+            gain = -neg_gain
+            if (tokens + gain) * seconds <= tokens * t:
+                break  # the likeliest guess left does not pay for its row: none will
+            if not self._meets_targets(guesses, alphas, targets, i, t):
+                continue
+            guesses[i], shape, seconds, tokens = k + 1, trial, t, tokens + gain
+            budget -= 1
+            if k + 1 < caps[i]:
+                heapq.heappush(heap, (-(gain * alphas[i]), i))
+        return guesses
+
+    @staticmethod
+    def _meets_targets(guesses: list[int], alphas: list[float],
+                       targets: list[float | None], grown: int, seconds: float) -> bool:
+        """Whether a step of `seconds`, with one more guess for entry `grown`, keeps every
+        request with a TPOT target within it: step time over its expected tokens."""
+        for i, target in enumerate(targets):
+            if target is None:
+                continue
+            k = guesses[i] + (i == grown)
+            if seconds > target * expected_tokens(alphas[i], k):
+                return False
+        return True
+
+
+def _fill(caps: list[int], budget: int) -> list[int]:
+    """Every entry its cap, in order, until the budget runs out."""
+    out = []
+    for cap in caps:
+        take = min(cap, budget)
+        out.append(take)
+        budget -= take
+    return out
