@@ -41,13 +41,16 @@ class BatchBuilder:
         return passes
 
     def build(self, entries: list[ScheduledRequest], seqs: dict,
-              graphs: DecodeGraphs | None = None) -> StepBatch:
+              graphs: DecodeGraphs | None = None,
+              guesses: dict[str, list[int]] | None = None) -> StepBatch:
         """The flattened batch: prefill entries first (one contiguous run each), then the
-        one-token decodes; a decode-only batch that fits a graph is padded to its bucket."""
+        decodes, one row per position (a decode verifying `guesses[id]` has a row for its
+        last token and one for each guess); a decode-only batch that fits a graph is padded
+        to its bucket."""
         batch = StepBatch()
         self._prefills(batch, [s for s in entries if s.is_prefill], seqs)
         self._decodes(batch, [s for s in entries if not s.is_prefill], seqs,
-                      None if batch.prefills else graphs)
+                      None if batch.prefills else graphs, guesses or {})
         put = self.inputs.put
         self.inputs.begin()
         if batch.lens is not None:
@@ -111,28 +114,36 @@ class BatchBuilder:
             max_query_len=max(s.length for s in seqs))
 
     def _decodes(self, batch: StepBatch, entries: list[ScheduledRequest], seqs: dict,
-                 graphs: DecodeGraphs | None) -> None:
-        """One token each, with block tables padded (with the null block) to a common width
-        for paged attention. With `graphs`, padded to the bucket of a captured graph by rows
-        that read and write the null block alone."""
+                 graphs: DecodeGraphs | None, guesses: dict[str, list[int]]) -> None:
+        """One row per position, with block tables padded (with the null block) to a common
+        width for paged attention. A guess's row is a decode row like any other: it writes
+        its K/V, then attends to the context up to itself, so a verification's rows are
+        causal among themselves. With `graphs`, padded to the bucket of a captured graph by
+        rows that read and write the null block alone."""
         if not entries:
             return
         bs, null = self.block_size, self.null_block
         width = max(len(s.block_ids) for s in entries)
         tables, lens = [], []
+        pad_table = [null] * width
         for s in entries:
-            c, table = s.num_computed_tokens, s.block_ids
-            batch.ids.append(seqs[s.request_id].tokens(c, c + 1)[0])
-            batch.pos.append(c)
-            batch.slots.append(table[c // bs] * bs + c % bs)
-            tables += table
-            tables += [null] * (width - len(table))
-            lens.append(c + 1)
-            batch.logits_rows.append(len(batch.ids) - 1)  # every decode samples
-            batch.sample_ids.append(s.request_id)
-        bucket = graphs.bucket(len(entries), width) if graphs else None
+            c, table, rid = s.num_computed_tokens, s.block_ids, s.request_id
+            own = table + pad_table[len(table):]
+            row_tokens = seqs[rid].tokens(c, c + 1)
+            if rid in guesses:
+                row_tokens = row_tokens + guesses[rid]
+            for p, token in enumerate(row_tokens, start=c):
+                batch.ids.append(token)
+                batch.pos.append(p)
+                batch.slots.append(table[p // bs] * bs + p % bs)
+                tables += own
+                lens.append(p + 1)
+                batch.logits_rows.append(len(batch.ids) - 1)  # every decode row samples
+                batch.sample_ids.append(rid)
+        rows = len(lens)
+        bucket = graphs.bucket(rows, width) if graphs else None
         if bucket is not None:
-            pad = bucket - len(entries)
+            pad = bucket - rows
             batch.ids += [0] * pad
             batch.pos += [0] * pad
             batch.slots += [null * bs] * pad

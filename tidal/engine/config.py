@@ -150,6 +150,39 @@ class ParallelConfig:
             raise ValueError(f"dp_backend must be local or ray; got {self.dp_backend!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix")
+DEFAULT_SPECULATIVE_TOKENS = 4  # with a method given and no num_speculative_tokens
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Who guesses the tokens speculative decoding verifies (the scheduler's
+    num_speculative_tokens and speculative_adaptive say how many)."""
+
+    speculative_method: str | None = knob(
+        None, "'ngram' (prompt lookup over the request's own tokens) or 'suffix' (suffix "
+        "decoding over its tokens and recent requests' outputs); unset: no speculation. "
+        f"With a method, num_speculative_tokens defaults to {DEFAULT_SPECULATIVE_TOKENS}.")
+    prompt_lookup_min: int = knob(2, "(ngram) Shortest n-gram looked up.")
+    prompt_lookup_max: int = knob(4, "(ngram) Longest n-gram looked up (tried first).")
+    suffix_max_depth: int = knob(8, "(suffix) Longest context matched, in tokens.")
+    suffix_min_prob: float = knob(0.1, "(suffix) Stop guessing once the product of the "
+                                  "guessed tokens' frequencies falls under this.")
+    suffix_cache_requests: int = knob(256, "(suffix) Finished requests whose outputs inform "
+                                      "the guesses of later ones.")
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(f"speculative_method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}; got {self.speculative_method!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be in [1, prompt_lookup_max]")
+        if self.suffix_max_depth < 1 or self.suffix_cache_requests < 0:
+            raise ValueError("suffix_max_depth must be >= 1 and suffix_cache_requests >= 0")
+        if not 0 <= self.suffix_min_prob <= 1:
+            raise ValueError("suffix_min_prob must be in [0, 1]")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The whole tree, one dataclass per layer."""
@@ -158,6 +191,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        method, k = self.speculative.speculative_method, self.scheduler.num_speculative_tokens
+        if k and method is None:
+            raise ValueError("num_speculative_tokens needs a speculative_method to guess them")
+        if method is not None and not k:
+            raise ValueError(f"speculative_method={method!r} needs num_speculative_tokens >= 1")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -183,9 +224,12 @@ class EngineConfig:
         cache_kwargs = dict(parts["cache"])
         if model.num_kv_blocks is not None:
             cache_kwargs["num_blocks"] = model.num_kv_blocks
+        if parts["speculative"].get("speculative_method") is not None:
+            parts["scheduler"].setdefault("num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
         return cls(model=model, cache=CacheConfig(**cache_kwargs),
                    scheduler=SchedulerConfig.from_kwargs(**parts["scheduler"]),
-                   parallel=ParallelConfig(**parts["parallel"]))
+                   parallel=ParallelConfig(**parts["parallel"]),
+                   speculative=SpeculativeConfig(**parts["speculative"]))
 
 
 def all_fields(only: tuple[str, ...] | None = None) -> list[tuple[str, Any, str]]:

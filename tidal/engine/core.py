@@ -30,7 +30,7 @@ class EngineCore:
                  eos_token_id: int | None = None) -> None:
         t0 = time.perf_counter()
         self.runner = ModelRunner(folder, config.model, config.cache.block_size,
-                                  config.scheduler)
+                                  config.scheduler, config.speculative)
         arch = self.runner.arch
         # What the model and the memory allow: the context is at most the model's, and the
         # pool is what the runner allocated.
@@ -38,9 +38,11 @@ class EngineCore:
             config.scheduler.max_model_len, arch.context_length))
         cache_cfg = replace(config.cache, num_blocks=self.runner.num_blocks)
         self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
-        # the slo policy's step-time model, learned from this engine's forward passes
+        # the slo policy's and adaptive speculation's step-time model, learned from this
+        # engine's forward passes
+        adaptive = sched_cfg.num_speculative_tokens and sched_cfg.speculative_adaptive
         self.step_time = (LearnedStepTime() if POLICIES[sched_cfg.policy].needs_step_time
-                          else None)
+                          or adaptive else None)
         self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg), self.step_time)
         self.eos_token_id = (eos_token_id if eos_token_id is not None
                              else (arch.eos_token_ids or (None,))[0])

@@ -14,9 +14,10 @@ from tidal.core import ModelOutput, NewRequest, PromptLogprob, SchedulerConfig, 
 from tidal.core.kv_cache_manager import cdiv
 from tidal.core.request import token_slice
 from tidal.engine.batch import BatchBuilder, StepBatch
-from tidal.engine.config import ModelConfig, effective_quantization
+from tidal.engine.config import ModelConfig, SpeculativeConfig, effective_quantization
 from tidal.engine.decode_graphs import CaptureBackend, CudaGraphCapture, DecodeGraphs
 from tidal.engine.device import free_ram, gpu_kv_budget, pick_device, pick_dtype
+from tidal.engine.speculator import Speculator, accepted_run
 from tidal.engine.step_inputs import StepInputs
 from tidal.engine.structured import Grammars, Matchers
 from tidal.model import cpu_decode
@@ -64,7 +65,8 @@ class ModelRunner:
     samples."""
 
     def __init__(self, folder: str | Path, config: ModelConfig, block_size: int,
-                 scheduler: SchedulerConfig | None = None) -> None:
+                 scheduler: SchedulerConfig | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
         self.device = pick_device(config.device)
         self.on_gpu = self.device.startswith("cuda")
@@ -116,8 +118,11 @@ class ModelRunner:
         self._v_caches = [v for _, v in self.kv_caches]
         # Sampling draws its noise on the logits' device, so the generators live there.
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators: dict[str, list[torch.Generator]] = {}  # seeded: one per row
         self.seqs: dict[str, _Seq] = {}
+        self.speculator = (Speculator(speculative, sched.num_speculative_tokens)
+                           if speculative is not None and speculative.speculative_method
+                           and sched.num_speculative_tokens else None)
         self.batches = BatchBuilder(block_size, self.null_block, self.device, backend,
                                     StepInputs(self.device), self.max_forward_tokens)
         self.graphs: DecodeGraphs | None = None
@@ -230,13 +235,18 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        for rid in out.finished_ids:  # a preempted request keeps its generator's state
+        spec = self.speculator
+        for rid in out.finished_ids:
             self.generators.pop(rid, None)
-            self.seqs.pop(rid, None)
+            q = self.seqs.pop(rid, None)
+            if spec is not None and q is not None:
+                spec.forget(rid, q.output, True)
             if self.matchers is not None:
                 self.matchers.drop(rid)
         for new in out.new_requests:  # a retracted request comes back with its tokens
             self.seqs[new.request_id] = _Seq(new)
+            if spec is not None:  # whatever it held was guessed after tokens now dropped
+                spec.forget(new.request_id, [], False)
             if new.sampling_params.structured is not None:  # at the state of its tokens
                 self._matchers().add(new.request_id, *new.sampling_params.structured,
                                      list(new.output_token_ids))
@@ -252,34 +262,56 @@ class ModelRunner:
         # Grammar masks are computed on a worker thread while the forward pass runs.
         masks = self.matchers.start([s.request_id for s in out.scheduled if s.samples]) \
             if self.matchers is not None and self.matchers.by_id else None
+        guesses = {}  # decodes of 1 + k positions: the guesses they verify
+        if spec is not None:
+            for x in out.scheduled:
+                if not x.is_prefill and x.num_new_tokens > 1:
+                    q = self.seqs[x.request_id]
+                    guesses[x.request_id] = spec.guesses(x.request_id, q.prompt, q.output,
+                                                         x.num_new_tokens - 1)
         parts, sample_ids = [], []
         passes = self.batches.passes(out.scheduled)
         for entries in passes:  # a graph's logits live until its next replay: one pass only
             batch = self.batches.build(entries, self.seqs,
-                                       self.graphs if len(passes) == 1 else None)
+                                       self.graphs if len(passes) == 1 else None, guesses)
             logits, hidden = self._forward(batch)
             parts.append(logits)
             sample_ids += batch.sample_ids
             if batch.prompt_spans:
                 self._gather_prompt_logprobs(batch, hidden)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        seqs = [self.seqs[rid] for rid in sample_ids]
-        if masks is not None:
-            self.matchers.apply(masks, logits, sample_ids, [q.stop_ids for q in seqs])
-        tokens, logprobs = sample(logits, [self._row(rid, q) for rid, q in zip(sample_ids, seqs)],
-                                  self.generator)
-        result = ModelOutput(sampled=dict(zip(sample_ids, tokens)),
-                             preempted_ack=list(out.preempted_ids))
-        for rid, q, toks, lp in zip(sample_ids, seqs, tokens, logprobs):
-            q.output.append(toks[0])  # an n>1 request's other tokens start its siblings
+        if masks is not None:  # a request with a grammar never guesses: one row each
+            self.matchers.apply(masks, logits, sample_ids,
+                                [self.seqs[rid].stop_ids for rid in sample_ids])
+        tokens, logprobs = sample(logits, self._rows(sample_ids, guesses), self.generator)
+        result = ModelOutput(preempted_ack=list(out.preempted_ids))
+        i = 0
+        while i < len(sample_ids):
+            rid = sample_ids[i]
+            q = self.seqs[rid]
+            g = guesses.get(rid)
+            if g is None:
+                emitted, lp = tokens[i], logprobs[i]
+                q.output.append(emitted[0])  # an n>1 request's other tokens start its siblings
+                i += 1
+            else:  # rows i .. i + len(g): the model's samples after 0 .. len(g) guesses
+                emitted = accepted_run(g, [t[0] for t in tokens[i:i + len(g) + 1]])
+                lp = (None if logprobs[i] is None else
+                      [row[0] for row in logprobs[i:i + len(emitted)]])
+                q.output += emitted
+                result.drafted[rid] = len(g)
+                i += len(g) + 1
+            result.sampled[rid] = emitted
             q.num_samples = 1
             if masks is not None:
-                self.matchers.advance(rid, toks[0])
+                self.matchers.advance(rid, emitted[0])
             if lp is not None:
                 result.logprobs[rid] = lp
             if q.prompt_k is not None:  # the prompt is done: they go with its first token
                 result.prompt_logprobs[rid] = q.prompt_entries
                 q.prompt_k, q.prompt_entries = None, []
+            if spec is not None and q.params.structured is None:
+                result.proposed[rid] = spec.propose(rid, q.prompt, q.output)
         return result
 
     def _gather_prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor | None) -> None:
@@ -321,13 +353,25 @@ class ModelRunner:
                          batch.logits_indices, batch.hidden_indices)
         return out if batch.hidden_indices is not None else (out, None)
 
-    def _row(self, rid: str, q: _Seq) -> SampleRow:
-        p = q.params
-        gen = None
-        if p.seed is not None:
-            gen = self.generators.get(rid)
-            if gen is None:
-                gen = torch.Generator(device=self.device).manual_seed(p.seed)
-                self.generators[rid] = gen
-        banned = q.stop_ids if len(q.output) < p.min_tokens else None
-        return SampleRow(p, q.num_samples, q.prompt, q.output, gen, banned)
+    def _rows(self, sample_ids: list[str], guesses: dict[str, list[int]]) -> list[SampleRow]:
+        """One SampleRow per logits row. Row j of a verification samples after j guesses:
+        penalties, min_tokens and its seed see the output with those guesses."""
+        rows, j = [], 0
+        for i, rid in enumerate(sample_ids):
+            j = j + 1 if i and sample_ids[i - 1] == rid else 0
+            q = self.seqs[rid]
+            output = q.output + guesses[rid][:j] if j else q.output
+            p = q.params
+            gen = self._generator(rid, j, p.seed, len(output)) if p.seed is not None else None
+            banned = q.stop_ids if len(output) < p.min_tokens else None
+            rows.append(SampleRow(p, q.num_samples, q.prompt, output, gen, banned))
+        return rows
+
+    def _generator(self, rid: str, row: int, seed: int, position: int) -> torch.Generator:
+        """A seeded request's generator for its token at output `position`, seeded from
+        (seed, position): the same seed gives the same tokens in any batch, after a
+        retraction, and with or without speculation (however many rows a step runs)."""
+        gens = self.generators.setdefault(rid, [])
+        while len(gens) <= row:
+            gens.append(torch.Generator(device=self.device))
+        return gens[row].manual_seed((seed * 0x9E3779B97F4A7C15 + position) % 2**64)
