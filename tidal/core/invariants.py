@@ -40,6 +40,9 @@ class SchedulerStats:
     outstanding_tokens: int  # prompt tokens still to compute + output tokens still allowed
     unclaimed_blocks: int  # free blocks less what the waiting prompts will take
     prefill_tokens: int  # prompt tokens still to compute: what a new request's TTFT waits on
+    spec_drafts: int = 0  # verifications of at least one guess, since start
+    spec_draft_tokens: int = 0  # guesses verified
+    spec_accepted_tokens: int = 0  # guesses accepted
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -71,6 +74,9 @@ def collect_stats(s: "Scheduler") -> SchedulerStats:
         outstanding_tokens=outstanding,
         unclaimed_blocks=pool.num_free - claimed,
         prefill_tokens=s.prefill_backlog(s.waiting),
+        spec_drafts=s.spec_verifications,
+        spec_draft_tokens=s.spec_drafted_tokens,
+        spec_accepted_tokens=s.spec_accepted_tokens,
     )
 
 

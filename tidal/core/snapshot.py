@@ -34,12 +34,14 @@ class RequestView:
 
 @dataclass
 class StepRecord:
-    """One executed step: when it ended, its prompt and decode tokens, its seconds."""
+    """One executed step: when it ended, its prompt and decode tokens (guesses included),
+    its seconds, and the guesses it accepted."""
 
     time: float
     prefill_tokens: int
     decode_tokens: int
     seconds: float
+    accepted_tokens: int = 0
 
 
 class StepHistory:
@@ -50,14 +52,15 @@ class StepHistory:
         self.prefill_total = self.decode_total = 0  # tokens of every step recorded
 
     def record(self, out: "SchedulerOutput", seconds: float, now: float,
-               prefill: int | None = None) -> None:
-        """Add a step; `prefill`: its prompt tokens, where the caller counted them already."""
+               prefill: int | None = None, accepted: int = 0) -> None:
+        """Add a step; `prefill`: its prompt tokens, where the caller counted them already;
+        `accepted`: the guesses its verifications accepted."""
         if prefill is None:
             prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
         decode = out.num_tokens - prefill
         self.prefill_total += prefill
         self.decode_total += decode
-        self.steps.append(StepRecord(now, prefill, decode, seconds))
+        self.steps.append(StepRecord(now, prefill, decode, seconds, accepted))
 
     def since(self, t: float) -> list[StepRecord]:
         return [s for s in list(self.steps) if s.time > t]

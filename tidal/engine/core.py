@@ -152,7 +152,8 @@ class EngineCore:
             self.execute_seconds += seconds
         if isinstance(self.step_time, LearnedStepTime):
             self.step_time.observe(StepShape.of(out), seconds)
-        self.history.record(out, seconds, time.time(), prefill)
+        accepted = sum(len(result.sampled[rid]) - 1 for rid in result.drafted)
+        self.history.record(out, seconds, time.time(), prefill, accepted)
         return result
 
     def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception,

@@ -42,6 +42,11 @@ class StatusLine:
                  "prefix hit %.1f%%, new_token_ratio %.3f, prefill %.1f tok/s, decode %.1f tok/s",
                  s.running_decode, s.running_prefill, s.waiting, s.preempted, 100 * s.kv_usage,
                  100 * s.prefix_hit_rate, s.new_token_ratio, prefill_rate, decode_rate)
+        if s.spec_drafts:
+            log.info("speculation: %d verifications, %d of %d guesses accepted (%.1f%%), "
+                     "%.2f tokens per verification", s.spec_drafts, s.spec_accepted_tokens,
+                     s.spec_draft_tokens, 100 * s.spec_accepted_tokens / s.spec_draft_tokens,
+                     1 + s.spec_accepted_tokens / s.spec_drafts)
         self.last, self.last_prompt, self.last_gen = now, c.prompt_tokens, c.generation_tokens
 
 

@@ -43,6 +43,8 @@ class _CoreCollector:
              s.prefix_hit_rate),
             ("tidal:new_token_ratio", "Decode reservation ratio of the scheduler.",
              s.new_token_ratio),
+            ("tidal:spec_decode_acceptance_rate", "Share of guessed tokens accepted (0-1).",
+             s.spec_accepted_tokens / max(1, s.spec_draft_tokens)),
         ]
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
@@ -56,6 +58,15 @@ class _CoreCollector:
              stats.execute_seconds),
             ("tidal:engine_step_seconds", "Wall time of engine steps (schedule, execute, "
              "update, send outputs).", stats.step_seconds),
+            ("tidal:spec_decode_num_drafts", "Speculative verifications (decode steps of a "
+             "request that guessed).", s.spec_drafts),
+            ("tidal:spec_decode_num_draft_tokens", "Guessed tokens verified.",
+             s.spec_draft_tokens),
+            ("tidal:spec_decode_num_accepted_tokens", "Guessed tokens accepted.",
+             s.spec_accepted_tokens),
+            ("tidal:spec_decode_num_emitted_tokens", "Tokens emitted by verifications: the "
+             "accepted guesses and the model's own token after them.",
+             s.spec_accepted_tokens + s.spec_drafts),
         ]
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)

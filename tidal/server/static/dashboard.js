@@ -62,11 +62,11 @@ function corePanel(index, label) {
   const slot = () => { const d = el("div"); charts.append(d); return d; };
   return {
     panel, canvas, tbody: table.querySelector("tbody"), last: null,
-    rate: {x: [], prompt: [], gen: []}, steps: {x: [], prefill: [], decode: [], ms: []},
+    rate: {x: [], prompt: [], gen: []}, steps: {x: [], prefill: [], decode: [], accepted: [], ms: []},
     state: {x: [], ratio: [], usage: []},
     charts: {
       rate: chart(slot(), "Throughput", "tokens/s", [["prompt", "#f0a030"], ["generated", "#2f8fdc"]]),
-      steps: chart(slot(), "Step composition", "tokens/step", [["prefill", "#f0a030", true], ["decode", "#2f8fdc"]]),
+      steps: chart(slot(), "Step composition", "tokens/step", [["prefill", "#f0a030", true], ["decode", "#2f8fdc"], ["accepted guesses", "#30a050"]]),
       ms: chart(slot(), "Step time", "ms", [["step", "#555"]]),
       state: chart(slot(), "Decode reservation and KV use", "share (0-1)", [["new_token_ratio", "#8a5cd0"], ["kv usage", "#2f8fdc"]]),
     },
@@ -124,12 +124,13 @@ function render(frame) {
     c.steps.x.push(step.time - origin);
     c.steps.prefill.push(step.prefill_tokens);
     c.steps.decode.push(step.decode_tokens);
+    c.steps.accepted.push(step.accepted_tokens || 0);
     c.steps.ms.push(step.seconds * 1000);
   }
   c.state.x.push(t); c.state.ratio.push(s.new_token_ratio); c.state.usage.push(s.kv_usage);
   for (const series of [c.rate, c.steps, c.state]) trim(series, t);
   c.charts.rate.setData([c.rate.x, c.rate.prompt, c.rate.gen]);
-  c.charts.steps.setData([c.steps.x, c.steps.prefill, c.steps.decode]);
+  c.charts.steps.setData([c.steps.x, c.steps.prefill, c.steps.decode, c.steps.accepted]);
   c.charts.ms.setData([c.steps.x, c.steps.ms]);
   c.charts.state.setData([c.state.x, c.state.ratio, c.state.usage]);
   c.panel.dataset.steps = s.num_steps;
