@@ -85,8 +85,24 @@ def test_greedy_through_1p1d_equals_a_mixed_engine():
     mixed = Server("--dtype", "float32")
     try:
         assert answers(mixed.url) == got
+        copied = copy_answer(mixed.url)
     finally:
         mixed.stop()
+    spec = Server("--pd", "1P1D", "--dtype", "float32", "--speculative-method", "ngram")
+    try:  # the decode instance speculates: the same tokens
+        assert answers(spec.url) == got and copy_answer(spec.url) == copied
+        _, decode = instances(spec.url)
+        assert metric(decode, "tidal:spec_decode_num_accepted_tokens_total") > 0
+    finally:
+        spec.stop()
+
+
+def copy_answer(url: str) -> str:
+    """A completion that repeats its prompt's text: n-gram guesses are accepted."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"
+    return client.completions.create(model="smollm2-135m", prompt=f"{text}\n{text}\n{text}\n",
+                                     max_tokens=32, temperature=0).choices[0].text
 
 
 def test_the_router_refuses_a_bad_request_with_the_servers_own_error():

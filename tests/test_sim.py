@@ -441,3 +441,30 @@ def test_below_the_knee_the_slo_policy_loses_nothing():
     slo = sim(hardware("h100"), num_blocks=4000, policy="slo", ttft_slo_ms=1000,
               tpot_slo_ms=50).run(reqs, times)
     assert _on_time(slo) >= _on_time(fcfs) * 0.98
+
+
+def test_modelled_speculation_cuts_steps_at_low_load_and_turns_off_at_high_load():
+    """On a fixed step time every accepted guess is a step saved; on hardware whose step
+    grows with its rows, the adaptive rule stops guessing once a batch is compute-bound."""
+    one = [BenchRequest(list(range(1, 101)), 64)]
+    plain = sim(overhead_only()).run(one, [0.0])
+    spec = sim(overhead_only(), ClusterSpec(spec_acceptance=0.8), num_speculative_tokens=4,
+               speculative_adaptive=False).run(one, [0.0])
+    assert spec.results[0].output_len == plain.results[0].output_len == 64
+    assert spec.steps < 0.5 * plain.steps
+    # compute-bound: 1 ms a step plus 1 ms a row, so a guess costs as much as a decode
+    hw = Hardware("slow", 1e30, 1e30, 80e9, step_overhead=1e-3)
+    cost = CostModel(ARCH, hw)
+    many = [BenchRequest(list(range(1, 33)), 16) for _ in range(64)]
+    runs = {}
+    for adaptive in (False, True):
+        s = Simulator(ClusterSpec(spec_acceptance=0.3),
+                      SchedulerConfig.from_kwargs(max_model_len=8192, num_speculative_tokens=4,
+                                                  speculative_adaptive=adaptive),
+                      CacheConfig(num_blocks=1000, block_size=16), cost)
+        s.replicas[0].scheduler.step_time = s.replicas[0].scheduler.guesses.step_time = \
+            type("Rows", (), {"shape_time": staticmethod(
+                lambda shape: 1e-3 + 1e-3 * shape.tokens if shape.seqs else 0.0)})()
+        runs[adaptive] = (s.run(many, [0.0] * 64), s.replicas[0].scheduler)
+    assert runs[True][1].spec_drafted_tokens < 0.2 * runs[False][1].spec_drafted_tokens
+    assert all(r.success and r.output_len == 16 for r in runs[True][0].results)

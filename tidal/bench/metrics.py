@@ -133,6 +133,12 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
         row("Request goodput (req/s):", result["request_goodput"])
     row("Output token throughput (tok/s):", result["output_throughput"])
     row("Total token throughput (tok/s):", result["total_token_throughput"])
+    spec = result.get("spec_decode")
+    if spec:
+        lines.append(f"{'Speculative Decoding':-^60}")
+        row("Verifications:", int(spec["drafts"]))
+        row("Acceptance rate (%):", 100 * spec["acceptance_rate"])
+        row("Mean accepted length (tokens):", spec["mean_accepted_length"])
     for m, label in _LABELS.items():
         lines.append(f"{label:-^60}")
         name = m.upper()

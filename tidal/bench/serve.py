@@ -60,6 +60,38 @@ def bench_serve(target: Target, tokenizer, requests: list[BenchRequest], times: 
     return summarize(results, duration, slos), results
 
 
+_SPEC = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def spec_counters(base_url: str) -> dict[str, float] | None:
+    """A tidal server's speculative-decoding counters from /metrics (summed over models);
+    None where the server has none (a peer engine, or no speculation)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=5).text
+        families = list(text_string_to_metric_families(text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    found = {f.name: sum(s.value for s in f.samples if s.name.endswith("_total"))
+             for f in families}
+    names = {k: f"tidal:spec_decode_num_{k}" for k in _SPEC}
+    return {k: found[n] for k, n in names.items()} if all(
+        n in found for n in names.values()) else None
+
+
+def spec_summary(before: dict | None, after: dict | None) -> dict | None:
+    """The run's verifications, guesses, accepted guesses, acceptance rate and mean
+    accepted length (tokens per verification, the model's own included)."""
+    if not before or not after or after["drafts"] == before["drafts"]:
+        return None
+    d = {k: after[k] - before[k] for k in _SPEC}
+    d["acceptance_rate"] = d["accepted_tokens"] / max(1.0, d["draft_tokens"])
+    d["mean_accepted_length"] = 1 + d["accepted_tokens"] / d["drafts"]
+    return d
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> dict:
     from tidal.model.registry import resolve_model
     from tidal.model.tokenizer import Tokenizer
@@ -72,11 +104,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> dict:
     target = Target(base_url=args.base_url or f"http://{args.host}:{args.port}",
                     endpoint=args.endpoint, model=args.model, api_key=args.api_key,
                     ignore_eos=args.ignore_eos, temperature=args.temperature)
+    before = spec_counters(target.base_url)
     summary, results = bench_serve(target, tokenizer, requests, times, args.max_concurrency,
                                    slos, not args.disable_tqdm)
     result = result_header(args, args.backend, target.model)
     result["tokenizer_id"] = args.tokenizer
     result.update(summary)
+    result["spec_decode"] = spec_summary(before, spec_counters(target.base_url))
     result["generated_texts"] = [r.text for r in results]
     print(format_report(result))
     errors = [r.error for r in results if r.error]

@@ -35,12 +35,15 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
                     options: dict[str, Any] | None = None, *, baseline: str = "tidal",
                     pd: str | None = None, routing: str = "round_robin",
                     link_bandwidth: float = 50.0, prefill_path: str = "prefill-only",
+                    spec_acceptance: float = 0.0,
                     ) -> tuple[Simulator, ModelArch, Hardware, EngineConfig]:
     """The simulator of `tidal simulate`: `model_config` (a built-in profile, a config.json
     or a model folder) on `hw` (a profile name, a calibrated JSON file, or a Hardware),
     with the engine `options` (any `EngineConfig.from_kwargs` keyword; the scheduler
     `baseline`'s presets under them), `pd` ("xPyD") or data-parallel replicas, `routing`
-    and a KV link of `link_bandwidth` GB/s. Returns the simulator, the model, the hardware
+    and a KV link of `link_bandwidth` GB/s. `spec_acceptance` > 0 models speculative
+    decoding: a proposer that always offers num_speculative_tokens guesses (4 unless given),
+    each accepted with that chance after the ones before it. Returns the simulator, the model, the hardware
     and the engine config it runs (whose max_model_len is the context workloads are
     clipped to; its cache's num_blocks is each replica's pool)."""
     arch = model_arch(model_config)
@@ -52,6 +55,13 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
              for k, v in BASELINES[baseline].items()}
     knobs.update(options)
     knobs["max_model_len"] = context
+    if not 0 <= spec_acceptance < 1:
+        raise ValueError(f"spec_acceptance must be in [0, 1); got {spec_acceptance}")
+    if spec_acceptance:  # the method stands for the modelled proposer; none runs here
+        knobs.setdefault("speculative_method", "ngram")
+    elif knobs.get("num_speculative_tokens"):
+        raise ValueError("num_speculative_tokens in a simulation needs spec_acceptance "
+                         "(--spec-acceptance): the chance each guess is accepted")
     config = EngineConfig.from_kwargs(**knobs)  # routes each knob to the config owning it
     if config.model.num_kv_blocks is None:  # what fits beside the weights
         blocks = kv_blocks_for(arch, hw, config.cache.block_size)
@@ -62,6 +72,7 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
         num_prefill, num_decode = parse_pd(pd)
     spec = ClusterSpec(data_parallel_size=config.parallel.data_parallel_size,
                        num_prefill=num_prefill, num_decode=num_decode, routing=routing,
-                       link_bandwidth=link_bandwidth * 1e9, prefill_path=prefill_path)
+                       link_bandwidth=link_bandwidth * 1e9, prefill_path=prefill_path,
+                       spec_acceptance=spec_acceptance)
     sim = Simulator(spec, config.scheduler, config.cache, CostModel(arch, hw))
     return sim, arch, hw, config

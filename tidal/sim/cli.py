@@ -44,6 +44,10 @@ def add_simulate_parser(sub) -> None:
                         "HTML); its frames also go into --save-result")
     p.add_argument("--dashboard-interval", type=float, default=1.0, metavar="SECONDS",
                    help="simulated seconds between the dashboard's frames")
+    p.add_argument("--spec-acceptance", type=float, default=0.0, metavar="P",
+                   help="model speculative decoding: a proposer that always offers "
+                   "--num-speculative-tokens guesses (default 4), each accepted with "
+                   "chance P after the ones before it (0: no speculation)")
     add_workload_flags(p, max_model_len=None)
     # The cache and scheduler options, each replica's KV pool and the data-parallel replicas
     # (the hardware's memory sizes the pool when --num-kv-blocks is not given).
@@ -70,7 +74,7 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
         sim, arch, hw, config = build_simulator(
             args.model_config, args.hardware, engine_kwargs(args), baseline=args.baseline,
             pd=args.pd, routing=args.routing, link_bandwidth=args.link_bandwidth,
-            prefill_path=args.prefill_path)
+            prefill_path=args.prefill_path, spec_acceptance=args.spec_acceptance)
         requests, times, spec = load_workload(args, arch.vocab_size,
                                               max_model_len=config.scheduler.max_model_len)
     recorder = None

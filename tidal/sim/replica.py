@@ -3,6 +3,7 @@ model, on a virtual clock. It also keeps each request's token times for the repo
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 from itertools import compress
 from operator import attrgetter
@@ -43,8 +44,13 @@ class SimReplica:
     returns when it ends; `finish()` applies it, as the real core's update does."""
 
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, cost: CostModel,
-                 role: str = "mixed") -> None:
+                 role: str = "mixed", spec_acceptance: float = 0.0, seed: int = 0) -> None:
         self.cost = cost
+        # speculative decoding: a proposer that always holds the most guesses, each
+        # accepted with this chance after the ones before it (a seeded draw per guess)
+        self.guesses = sched.num_speculative_tokens if spec_acceptance else 0
+        self.acceptance = spec_acceptance
+        self.rng = random.Random(seed)
         self.now = 0.0  # the virtual clock, as of the step being planned
         # the roofline is the slo policy's step-time model: an oracle of this executor
         self.scheduler = Scheduler(replace(sched, role=role), KVCacheManager(cache),
@@ -100,7 +106,23 @@ class SimReplica:
             sampled = dict.fromkeys(map(_ID, steps), token)
         else:
             sampled = dict.fromkeys(compress(map(_ID, steps), map(_SAMPLES, steps)), token)
+        result = ModelOutput(sampled, out.preempted_ids)
+        if self.guesses:
+            self._verify(steps, result)
         if self.history is not None:
-            self.generated += len(sampled)
+            self.generated += sum(map(len, sampled.values()))
         # The simulated executor has drained a preempted request's slot when its step ends.
-        return self.scheduler.update(out, ModelOutput(sampled, out.preempted_ids))
+        return self.scheduler.update(out, result)
+
+    def _verify(self, steps, result: ModelOutput) -> None:
+        """Each verification's accepted run (geometric), and guesses held for everyone."""
+        rng, p = self.rng.random, self.acceptance
+        for s in steps:
+            if not s.is_prefill and s.num_new_tokens > 1:
+                k = s.num_new_tokens - 1
+                accepted = 0
+                while accepted < k and rng() < p:
+                    accepted += 1
+                result.sampled[s.request_id] = [SIM_TOKEN] * (accepted + 1)
+                result.drafted[s.request_id] = k
+        result.proposed = dict.fromkeys(result.sampled, self.guesses)

@@ -41,6 +41,7 @@ class ClusterSpec:
     # prompt a step), freeing blocks when the token is out: optimistic for "shared".
     prefill_path: str = "prefill-only"
     sample_interval: float = 1.0  # virtual seconds between timeline samples
+    spec_acceptance: float = 0.0  # speculative decoding: the chance a guess is accepted
 
     @property
     def disaggregated(self) -> bool:
@@ -74,14 +75,14 @@ class Simulator:
             role = "prefill" if spec.prefill_path == "prefill-only" else "mixed"
             self.prefill = [SimReplica(sched, cache, cost, role)
                             for _ in range(spec.num_prefill)]
-            self.decode = [SimReplica(sched, cache, cost, "decode")
-                           for _ in range(spec.num_decode)]
+            self.decode = [SimReplica(sched, cache, cost, "decode", spec.spec_acceptance, i)
+                           for i in range(spec.num_decode)]
             self.replicas = self.prefill + self.decode
         else:
             if spec.data_parallel_size < 1:
                 raise ValueError("data_parallel_size must be at least 1")
-            self.replicas = [SimReplica(sched, cache, cost)
-                             for _ in range(spec.data_parallel_size)]
+            self.replicas = [SimReplica(sched, cache, cost, "mixed", spec.spec_acceptance, i)
+                             for i in range(spec.data_parallel_size)]
             self.prefill, self.decode = [], self.replicas
         self.prefill_router = Router(spec.routing, max(1, len(self.prefill)))
         self.router = Router(spec.routing, len(self.decode))
@@ -233,7 +234,7 @@ class Simulator:
                 else:
                     clock.first = now
                 clock.last = now
-                clock.count += 1
+                clock.count += len(o.new_token_ids)  # a verification emits several
             if o.finished:
                 self._released += 1
                 done[int(o.request_id)] = o.finish_reason
