@@ -85,7 +85,7 @@ def main() -> None:
                     layer = GGUFLinear(QuantizedWeight("w", raw, qtype, (n, k), planar=planar))
                     label = qtype.name + ("" if len(layouts) == 1 else
                                           " planar" if planar else " file")
-                    print(row(label, timed(layer, x), layer.weight.nbytes))
+                    print(row(label, timed(layer, x), layer.nbytes))
     crossover = [int(r) for r in args.crossover.split(",")]
     n, k = SHAPES[0]
     print(f"--- {n}x{k}: integer kernel / dequantized tiles, ms, by rows {crossover}")

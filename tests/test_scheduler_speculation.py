@@ -123,11 +123,10 @@ def test_guesses_spend_the_step_budget_and_only_spare_blocks():
     t.check_invariants()
 
 
-def test_structured_requests_do_not_guess():
+def test_guesses_follow_what_the_proposer_holds():
     s = sched(guesses=4)
-    prefilled(s, "a", proposed=4, structured=("regex", "[a-z]+"))
-    out = s.schedule()
-    assert out.scheduled[0].num_new_tokens == 1
+    prefilled(s, "a", proposed=0)
+    assert s.schedule().scheduled[0].num_new_tokens == 1  # nothing to guess
 
 
 def test_a_retraction_during_a_verification_drops_its_tokens_and_guesses():
@@ -179,6 +178,16 @@ def test_acceptance_estimate_follows_verifications():
         record_verification(r, guessed=4, accepted=0)
     assert acceptance(r) < 0.15
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # the engine's verifications set a new request's prior
+    planner = GuessPlanner(4, True, None)
+    assert planner.prior == 0.5
+    for _ in range(50):
+        planner.record(r, guessed=4, accepted=0)
+    assert planner.prior < 0.1
+    fresh = Request("b", [1], SamplingParams())
+    assert acceptance(fresh, planner.prior) == 0.5  # it tries once, whatever others did
+    record_verification(fresh, guessed=4, accepted=0)
+    assert acceptance(fresh, planner.prior) < 0.1
     assert expected_tokens(1.0, 3) == 4
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_fixtures import PROMPTS
+from model_fixtures import PROMPTS, small_folder, tiny_folder
 from tidal import LLM, SamplingParams
 from tidal.engine.speculator import accepted_run
 from tidal.model.sampler import SampleRow, sample
@@ -96,12 +96,54 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation():
     assert accepted(llm) > 0
 
 
-def test_structured_output_requests_do_not_guess_and_keep_their_tokens():
-    p = SamplingParams(max_tokens=20, temperature=0, structured=("regex", "(ab){3,8}"))
-    plain = engine().generate(["Say abab"], p, use_tqdm=False)[0].outputs[0].text
+def test_structured_outputs_guess_within_their_grammar_and_keep_their_tokens():
+    """Guesses the grammar forbids are cut, rows are masked by the state after the guesses
+    before them, and the matcher follows the accepted run: the same text as without."""
+    prompts = ["Say ab ab ab ab:", f"List the words of: {PASSAGE[:60]}"]
+    params = [SamplingParams(max_tokens=24, temperature=0, structured=("regex", "(ab ){3,12}")),
+              SamplingParams(max_tokens=40, temperature=0, structured=(
+                  "json", '{"type": "object", "properties": {"words": {"type": "array", '
+                  '"items": {"type": "string"}}}, "required": ["words"]}'))]
+    plain = [o.outputs[0].text for o in engine().generate(prompts, params, use_tqdm=False)]
     llm = engine(speculative_method="ngram")
-    assert llm.generate(["Say abab"], p, use_tqdm=False)[0].outputs[0].text == plain
-    assert llm.engine.core.scheduler.spec_drafted_tokens == 0
+    got = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == plain and got[0].startswith("ab ab ab")
+    assert accepted(llm) > 0
+
+
+def test_a_draft_model_keeps_its_kv_through_every_path(reference):
+    """The target as its own draft: its greedy guesses all pass exactly when the draft's KV
+    follows every position the target computes: prompt chunks, recomputes after retraction,
+    prefix-cache hits and the guessed positions of earlier verifications."""
+    prompts, ref = reference
+    llm = engine(speculative_method="draft", speculative_model="smollm2-135m",
+                 num_kv_blocks=14, block_size=16, chunked_prefill_size=16,
+                 max_input_tokens_per_step=48, init_new_token_ratio=0.0)
+    assert greedy(llm, prompts) == ref
+    assert greedy(llm, prompts[:3]) == ref[:3]  # prefix-cache hits
+    s = llm.engine.core.scheduler
+    assert s.num_preemptions > 0
+    assert s.spec_drafted_tokens > 200
+    assert s.spec_accepted_tokens >= 0.95 * s.spec_drafted_tokens
+
+
+def test_a_poor_draft_model_still_gives_the_targets_tokens(reference, tmp_path):
+    prompts, ref = reference
+    draft = tiny_folder(tmp_path, "llama")  # random weights, the embedded tokenizer
+    llm = engine(speculative_method="draft", speculative_model=str(draft))
+    assert greedy(llm, prompts) == ref
+    s = llm.engine.core.scheduler
+    assert s.spec_accepted_tokens < 0.5 * s.spec_drafted_tokens
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path):
+    other = small_folder(tmp_path, "words", "llama")  # a 256-word vocabulary
+    with pytest.raises(ValueError, match="another tokenizer or vocabulary"):
+        engine(speculative_method="draft", speculative_model=str(other))
+    with pytest.raises(ValueError, match="needs one"):
+        engine(speculative_method="draft")
+    with pytest.raises(ValueError, match="P/D pair speculates"):
+        engine(speculative_method="draft", speculative_model="smollm2-135m", role="decode")
 
 
 def test_bad_speculation_options_fail_at_start():

@@ -21,7 +21,7 @@ from tidal.core.policies import make_policy
 from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus
 from tidal.core.roles import ROLES
-from tidal.core.speculation import GuessPlanner, record_verification
+from tidal.core.speculation import GuessPlanner
 from tidal.core.step_time import StepTimeModel
 
 
@@ -440,7 +440,7 @@ class Scheduler:
         r.num_computed_tokens = x.num_computed_tokens + 1 + accepted
         self.kv.trim(r)
         drafted = result.drafted.get(r.request_id, guessed)
-        record_verification(r, drafted, accepted)
+        self.guesses.record(r, drafted, accepted)
         if drafted:
             self.spec_verifications += 1
             self.spec_drafted_tokens += drafted

@@ -16,16 +16,21 @@ from typing import Callable, Sequence
 from tidal.core.request import Request
 from tidal.core.step_time import StepShape, StepTimeModel
 
-# Verifications a request's acceptance estimate remembers: counts decay by this per update.
+# Verifications a request's acceptance estimate remembers: counts decay by this per update;
+# the engine-wide estimate (a new request's prior) remembers more.
 ACCEPTANCE_DECAY = 0.9
+ENGINE_DECAY = 0.99
 
 
-def acceptance(r: Request) -> float:
+def acceptance(r: Request, prior: float = 0.5) -> float:
     """The estimated chance that one more guess of `r` is accepted, given the ones before it
     were: accepted guesses over accepted guesses plus rejections (each verification that
-    ends early is one rejection; guesses after it were never tested), with a prior of one
-    of each."""
-    return (r.spec_hits + 1.0) / (r.spec_hits + r.spec_misses + 2.0)
+    ends early is one rejection; guesses after it were never tested), with two
+    pseudo-counts split as `prior`. A request that never verified is taken at least even
+    (so that it tries, whatever the others did)."""
+    if not r.spec_hits and not r.spec_misses:
+        return max(prior, 0.5)
+    return (r.spec_hits + 2.0 * prior) / (r.spec_hits + r.spec_misses + 2.0)
 
 
 def record_verification(r: Request, guessed: int, accepted: int) -> None:
@@ -49,8 +54,7 @@ class GuessPlanner:
 
     The cap per request is the fewest of: `max_guesses`, the guesses its proposer holds, and
     the output it may still produce besides the tokens in flight (the model's own token
-    always comes). Requests
-    with structured outputs do not guess: their grammar would have to follow the guesses.
+    always comes).
 
     Adaptive (with a step-time model that predicts): start from no guesses and add one at a
     time, the one most likely to be accepted first, while it raises expected tokens per
@@ -67,10 +71,23 @@ class GuessPlanner:
         self.adaptive = adaptive
         self.step_time = step_time
         self.tpot = tpot  # a request's TPOT target in seconds, where the policy has one
+        # every request's verifications, decayed: a new request's prior (a workload whose
+        # guesses rarely pass starts its requests guessing little)
+        self.hits = self.misses = 0.0
+
+    @property
+    def prior(self) -> float:
+        return (self.hits + 1.0) / (self.hits + self.misses + 2.0)
+
+    def record(self, r: Request, guessed: int, accepted: int) -> None:
+        """A verification of r: its counts and the engine's."""
+        if guessed <= 0:
+            return
+        record_verification(r, guessed, accepted)
+        self.hits = self.hits * ENGINE_DECAY + accepted
+        self.misses = self.misses * ENGINE_DECAY + (accepted < guessed)
 
     def cap(self, r: Request) -> int:
-        if r.sampling_params.structured is not None:
-            return 0
         # num_in_flight counts this step's own token already (it is scheduled first)
         room = r.out_limit - len(r.output_token_ids) - r.num_in_flight
         return max(0, min(self.max_guesses, r.num_proposed, room))
@@ -93,7 +110,8 @@ class GuessPlanner:
     def _adaptive(self, entries: Sequence[tuple[Request, int]], caps: list[int], budget: int,
                   shape: StepShape, seconds: float) -> list[int]:
         guesses = [0] * len(entries)
-        alphas = [acceptance(r) for r, _ in entries]
+        prior = self.prior
+        alphas = [acceptance(r, prior) for r, _ in entries]
         targets = [self.tpot(r) if self.tpot else None for r, _ in entries]
         tokens = float(len(entries))  # each entry emits its own token for sure
         heap = [(-a, i) for i, a in enumerate(alphas) if caps[i]]

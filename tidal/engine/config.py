@@ -150,7 +150,7 @@ class ParallelConfig:
             raise ValueError(f"dp_backend must be local or ray; got {self.dp_backend!r}")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 DEFAULT_SPECULATIVE_TOKENS = 4  # with a method given and no num_speculative_tokens
 
 
@@ -160,9 +160,15 @@ class SpeculativeConfig:
     num_speculative_tokens and speculative_adaptive say how many)."""
 
     speculative_method: str | None = knob(
-        None, "'ngram' (prompt lookup over the request's own tokens) or 'suffix' (suffix "
-        "decoding over its tokens and recent requests' outputs); unset: no speculation. "
-        f"With a method, num_speculative_tokens defaults to {DEFAULT_SPECULATIVE_TOKENS}.")
+        None, "'ngram' (prompt lookup over the request's own tokens), 'suffix' (suffix "
+        "decoding over its tokens and recent requests' outputs) or 'draft' (a smaller model "
+        "with the same tokenizer, speculative_model, decoding greedily); unset: no "
+        f"speculation. With a method, num_speculative_tokens defaults to "
+        f"{DEFAULT_SPECULATIVE_TOKENS}.")
+    speculative_model: str | None = knob(
+        None, "(draft) The draft model: an embedded name, a Hugging Face folder or a GGUF "
+        "file, with the target's tokenizer. It runs in the target's dtype and quantization "
+        "options; its KV shares the target's blocks (each block holds both).")
     prompt_lookup_min: int = knob(2, "(ngram) Shortest n-gram looked up.")
     prompt_lookup_max: int = knob(4, "(ngram) Longest n-gram looked up (tried first).")
     suffix_max_depth: int = knob(8, "(suffix) Longest context matched, in tokens.")
@@ -175,6 +181,9 @@ class SpeculativeConfig:
         if self.speculative_method not in (None, *SPECULATIVE_METHODS):
             raise ValueError(f"speculative_method must be one of "
                              f"{', '.join(SPECULATIVE_METHODS)}; got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_model names the draft model of speculative_method "
+                             "'draft', and that method needs one")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be in [1, prompt_lookup_max]")
         if self.suffix_max_depth < 1 or self.suffix_cache_requests < 0:
@@ -199,6 +208,9 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens needs a speculative_method to guess them")
         if method is not None and not k:
             raise ValueError(f"speculative_method={method!r} needs num_speculative_tokens >= 1")
+        if method == "draft" and self.scheduler.role != "mixed":
+            raise ValueError("a draft model needs the prompt's KV computed by the draft too; "
+                             "a P/D pair speculates with ngram or suffix")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

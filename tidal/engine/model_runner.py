@@ -3,7 +3,6 @@ pass over the paged KV cache, samples, and returns a ModelOutput."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -14,9 +13,11 @@ from tidal.core import ModelOutput, NewRequest, PromptLogprob, SchedulerConfig, 
 from tidal.core.kv_cache_manager import cdiv
 from tidal.core.request import token_slice
 from tidal.engine.batch import BatchBuilder, StepBatch
-from tidal.engine.config import ModelConfig, SpeculativeConfig, effective_quantization
+from tidal.engine.config import ModelConfig, SpeculativeConfig
 from tidal.engine.decode_graphs import CaptureBackend, CudaGraphCapture, DecodeGraphs
-from tidal.engine.device import free_ram, gpu_kv_budget, pick_device, pick_dtype
+from tidal.engine.device import free_ram, gpu_kv_budget, pick_device
+from tidal.engine.draft import DraftModel, check_same_tokenizer
+from tidal.engine.model_loading import load_for_runner, pick_model_dtype
 from tidal.engine.speculator import Speculator, accepted_run
 from tidal.engine.step_inputs import StepInputs
 from tidal.engine.structured import Grammars, Matchers
@@ -24,12 +25,7 @@ from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
 from tidal.model.config import ModelArch
 from tidal.model.kernels import fused_kernels, paged_decode_kernel, paged_prefill_kernel
-from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
-                                default_fp32_rows, replace_linears)
-from tidal.model.quantized_model import load_gguf_model, load_int4_checkpoint
-from tidal.model.loader import load_model
-from tidal.model.registry import gguf_source
-from tidal.model.mlp import group_experts
+from tidal.model.registry import resolve_model
 from tidal.model.sampler import SampleRow, on_device, sample, target_logprobs
 
 log = logging.getLogger("tidal.engine")
@@ -71,10 +67,7 @@ class ModelRunner:
         self.device = pick_device(config.device)
         self.on_gpu = self.device.startswith("cuda")
         self.arch = ModelArch.from_folder(folder)
-        gguf = gguf_source(folder)
-        source = "gguf" if gguf is not None else self.arch.quant_method
-        quantization = effective_quantization(config, source, self.device)
-        self.dtype = pick_dtype(config.dtype, self.device, quantization)
+        quantization, self.dtype = pick_model_dtype(folder, self.arch, config, self.device)
         if self.on_gpu:
             if ":" in self.device:  # cuda:N: this process's current device too
                 torch.cuda.set_device(torch.device(self.device))
@@ -86,18 +79,15 @@ class ModelRunner:
             paged_decode_kernel() if self.on_gpu else None)
         backend = TorchAttention.for_arch(self.arch, paged,
                                           paged_prefill_kernel() if self.on_gpu else None)
-        if quantization == "gguf":  # every projection is a CPU layer of the file's formats
-            config_json = json.loads((Path(folder) / "config.json").read_text())
-            self.model = load_gguf_model(gguf, self.arch, self.dtype, backend,
-                                         config=config_json)
-        elif quantization in ("gptq", "awq"):
-            self.model = load_int4_checkpoint(folder, self.arch, self.dtype, backend)
-        else:
-            self.model = load_model(folder, self.dtype, self.device, backend,
-                                    dummy=config.load_format == "dummy")
-            self._convert_layers(config, quantization, ext)
-        # Decode-only steps run as one C++ call where the model allows (CPU).
-        self.decoder = cpu_decode.build_decoder(self.model) if ext else None
+        self.model, self.decoder = load_for_runner(folder, self.arch, config, self.device,
+                                                   self.dtype, quantization, backend, ext)
+        method = speculative.speculative_method if speculative is not None else None
+        self.max_guesses = sched.num_speculative_tokens if method else 0
+        self.draft: DraftModel | None = None
+        if self.max_guesses and method == "draft":
+            draft_folder = resolve_model(speculative.speculative_model)[0]
+            check_same_tokenizer(Path(folder), draft_folder)
+            self.draft = DraftModel(draft_folder, config, self.device, ext)
         self.block_size = block_size
         self.folder = Path(folder)
         self.matchers: Matchers | None = None  # structured outputs, made on first use
@@ -116,39 +106,24 @@ class ModelRunner:
                           for _ in range(self.arch.num_layers)]
         self._k_caches = [k for k, _ in self.kv_caches]
         self._v_caches = [v for _, v in self.kv_caches]
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks + 1, block_size)
         # Sampling draws its noise on the logits' device, so the generators live there.
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.generators: dict[str, list[torch.Generator]] = {}  # seeded: one per row
         self.seqs: dict[str, _Seq] = {}
-        self.speculator = (Speculator(speculative, sched.num_speculative_tokens)
-                           if speculative is not None and speculative.speculative_method
-                           and sched.num_speculative_tokens else None)
+        self.speculator = (Speculator(speculative, self.max_guesses)
+                           if self.max_guesses and self.draft is None else None)
         self.batches = BatchBuilder(block_size, self.null_block, self.device, backend,
                                     StepInputs(self.device), self.max_forward_tokens)
         self.graphs: DecodeGraphs | None = None
         if self.on_gpu and not config.enforce_eager and backend.paged_kernel is not None:
             self.use_decode_graphs(CudaGraphCapture(), sched.max_num_seqs, max_model_len)
 
-    def _convert_layers(self, config: ModelConfig, quantization: str, ext) -> None:
-        """Dense weights into their device's layers: CPU projections packed or quantized,
-        experts grouped."""
-        kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[quantization]
-        if can_pack(self.dtype, self.device):  # CPU: every projection gets its CPU layer
-            if kind is PackedLinear:  # experts: tidal's kernel reads bf16 itself; torch's float32
-                group_experts(self.model, self.dtype if ext else torch.float32,
-                              ext and ext.grouped_linear)
-            rows = default_fp32_rows() if config.fp32_gemm_rows is None else config.fp32_gemm_rows
-            options = {PackedLinear: {"fp32_rows": rows}, Int8Linear: {},
-                       Int4Linear: {"fp32_rows": rows, "ext": ext}}[kind]
-            replace_linears(self.model, kind, **options)
-        elif quantization != "none":
-            raise ValueError(f"quantization={quantization!r} runs on CPU in bfloat16 "
-                             "or float32")
-        elif self.on_gpu:  # experts as torch's grouped matmul: no per-expert host loop
-            group_experts(self.model, self.dtype)
-
     def _size_kv(self, config: ModelConfig, step_tokens: int, max_seqs: int) -> int:
         per_block = self.arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+        if self.draft is not None:  # a block holds the draft's KV of its positions too
+            per_block += self.draft.block_bytes(self.block_size)
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         if config.kv_cache_memory:
@@ -257,18 +232,26 @@ class ModelRunner:
             for k, v in self.kv_caches:
                 k[dst] = k[src]
                 v[dst] = v[src]
+            if self.draft is not None:
+                self.draft.copy_blocks(src, dst)
         if not out.scheduled:
             return ModelOutput(preempted_ack=list(out.preempted_ids))
-        # Grammar masks are computed on a worker thread while the forward pass runs.
-        masks = self.matchers.start([s.request_id for s in out.scheduled if s.samples]) \
-            if self.matchers is not None and self.matchers.by_id else None
+        constrained = self.matchers is not None and bool(self.matchers.by_id)
+        wanted = {x.request_id: x.num_new_tokens - 1 for x in out.scheduled
+                  if not x.is_prefill and x.num_new_tokens > 1}
         guesses = {}  # decodes of 1 + k positions: the guesses they verify
-        if spec is not None:
-            for x in out.scheduled:
-                if not x.is_prefill and x.num_new_tokens > 1:
-                    q = self.seqs[x.request_id]
-                    guesses[x.request_id] = spec.guesses(x.request_id, q.prompt, q.output,
-                                                         x.num_new_tokens - 1)
+        if self.draft is not None:  # it computes every known position of the step too
+            guesses = self.draft.step(out.scheduled, self.seqs, self.batches, wanted)
+        elif spec is not None:
+            for rid, k in wanted.items():
+                q = self.seqs[rid]
+                guesses[rid] = spec.guesses(rid, q.prompt, q.output, k)
+        if constrained:
+            guesses = {rid: self.matchers.cut(rid, g) for rid, g in guesses.items()}
+        # Grammar masks are computed on a worker thread while the forward pass runs.
+        masks = self.matchers.start([(s.request_id, guesses.get(s.request_id, []))
+                                     for s in out.scheduled if s.samples]) \
+            if constrained else None
         parts, sample_ids = [], []
         passes = self.batches.passes(out.scheduled)
         for entries in passes:  # a graph's logits live until its next replay: one pass only
@@ -280,7 +263,7 @@ class ModelRunner:
             if batch.prompt_spans:
                 self._gather_prompt_logprobs(batch, hidden)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if masks is not None:  # a request with a grammar never guesses: one row each
+        if masks is not None:
             self.matchers.apply(masks, logits, sample_ids,
                                 [self.seqs[rid].stop_ids for rid in sample_ids])
         tokens, logprobs = sample(logits, self._rows(sample_ids, guesses), self.generator)
@@ -304,14 +287,16 @@ class ModelRunner:
             result.sampled[rid] = emitted
             q.num_samples = 1
             if masks is not None:
-                self.matchers.advance(rid, emitted[0])
+                self.matchers.advance(rid, emitted[:1] if g is None else emitted)
             if lp is not None:
                 result.logprobs[rid] = lp
             if q.prompt_k is not None:  # the prompt is done: they go with its first token
                 result.prompt_logprobs[rid] = q.prompt_entries
                 q.prompt_k, q.prompt_entries = None, []
-            if spec is not None and q.params.structured is None:
+            if spec is not None:
                 result.proposed[rid] = spec.propose(rid, q.prompt, q.output)
+            elif self.draft is not None:  # a draft model always has guesses
+                result.proposed[rid] = self.max_guesses
         return result
 
     def _gather_prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor | None) -> None:

@@ -7,6 +7,11 @@ tokenizer; `Matchers` keeps one matcher per sequence in the model runner. Each s
 masks of the sampling rows are computed on a worker thread while the forward pass runs,
 then applied to the logits as a bitmask; the sampled tokens advance the matchers. A
 sequence whose grammar is complete may only end (its stop tokens).
+
+With speculative decoding, guesses the grammar forbids are cut before verification (`cut`),
+and a verification's row j is masked by the matcher's state after the first j guesses: the
+matcher walks through the guesses and rolls back, then advances through the tokens the
+verification emits.
 """
 
 from __future__ import annotations
@@ -91,33 +96,57 @@ class Matchers:
     def drop(self, rid: str) -> None:
         self.by_id.pop(rid, None)
 
-    def start(self, rids: list[str]) -> Future | None:
-        """Begin computing the masks of these sampling rows on the worker thread; None when
-        none of them is constrained."""
-        rows = [(r, self.by_id[r]) for r in rids if r in self.by_id]
+    def cut(self, rid: str, guesses: list[int]) -> list[int]:
+        """The guesses up to the first one the sequence's grammar forbids."""
+        m = self.by_id.get(rid)
+        return guesses[:m.validate_tokens(guesses)] if m is not None and guesses else guesses
+
+    def start(self, rows: list[tuple[str, list[int]]]) -> Future | None:
+        """Begin computing the masks of these sampling entries, (id, guesses) each: one row
+        per position, on the worker thread; None when none of them is constrained."""
+        rows = [(r, g, self.by_id[r]) for r, g in rows if r in self.by_id]
         return self._pool.submit(self._fill, rows) if rows else None
 
-    def _fill(self, rows: list) -> tuple[dict[str, int], torch.Tensor]:
-        bitmask = self._llt.allocate_token_bitmask(len(rows), self.grammars.vocab_size)
-        for i, (_, m) in enumerate(rows):
-            self._llt.fill_next_token_bitmask(m, bitmask, i)
-        return {r: i for i, (r, _) in enumerate(rows)}, bitmask
+    def _fill(self, rows: list) -> tuple[dict[str, int], list[bool], torch.Tensor]:
+        """The bitmask rows (an entry's first row by id) and whether the grammar accepts at
+        each: after row j's j guesses, consumed and then rolled back."""
+        size = sum(1 + len(g) for _, g, _ in rows)
+        bitmask = self._llt.allocate_token_bitmask(size, self.grammars.vocab_size)
+        first, accepting, i = {}, [], 0
+        for rid, guesses, m in rows:
+            first[rid] = i
+            for j in range(len(guesses) + 1):
+                self._llt.fill_next_token_bitmask(m, bitmask, i)
+                accepting.append(m.is_accepting())
+                i += 1
+                if j < len(guesses):
+                    m.consume_token(guesses[j])
+            if guesses:
+                m.rollback(len(guesses))
+        return first, accepting, bitmask
 
     def apply(self, pending: Future, logits: torch.Tensor, rids: list[str],
               stop_ids: list[list[int]]) -> None:
-        """In place: the constrained rows' disallowed tokens to -inf. A row whose grammar
-        accepts may also end with any of its stop tokens."""
-        index, bitmask = pending.result()
-        rows = [i for i, r in enumerate(rids) if r in index]
+        """In place: the constrained rows' disallowed tokens to -inf (rids: each logits
+        row's sequence, a verification's rows in a run). A row whose grammar accepts may
+        also end with any of its stop tokens."""
+        first, accepting, bitmask = pending.result()
+        rows, masks, j = [], [], 0
+        for i, r in enumerate(rids):
+            j = j + 1 if i and rids[i - 1] == r else 0
+            if r in first:
+                rows.append(i)
+                masks.append(first[r] + j)
         sub = logits[rows]
-        self._llt.apply_token_bitmask_inplace(
-            sub, bitmask[[index[rids[i]] for i in rows]].to(logits.device))
-        for j, i in enumerate(rows):
-            if stop_ids[i] and self.by_id[rids[i]].is_accepting():
-                sub[j, stop_ids[i]] = logits[i, stop_ids[i]]
+        self._llt.apply_token_bitmask_inplace(sub, bitmask[masks].to(logits.device))
+        for k, (i, b) in enumerate(zip(rows, masks)):
+            if stop_ids[i] and accepting[b]:
+                sub[k, stop_ids[i]] = logits[i, stop_ids[i]]
         logits[rows] = sub
 
-    def advance(self, rid: str, token: int) -> None:
+    def advance(self, rid: str, tokens: list[int]) -> None:
         m = self.by_id.get(rid)
-        if m is not None and not m.is_stopped():
+        for token in tokens:
+            if m is None or m.is_stopped():
+                return
             m.consume_token(token)

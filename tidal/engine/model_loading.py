@@ -1,0 +1,64 @@
+"""A model folder (or GGUF) as the model runner computes with it: its weights in the layers
+its device and quantization call for, and the C++ decoder of its decode steps on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tidal.engine.config import ModelConfig, effective_quantization
+from tidal.engine.device import pick_dtype
+from tidal.model import cpu_decode
+from tidal.model.attention import AttentionBackend
+from tidal.model.config import ModelArch
+from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
+                                default_fp32_rows, replace_linears)
+from tidal.model.loader import load_model
+from tidal.model.mlp import group_experts
+from tidal.model.quantized_model import load_gguf_model, load_int4_checkpoint
+from tidal.model.registry import gguf_source
+
+
+def pick_model_dtype(folder: str | Path, arch: ModelArch, config: ModelConfig,
+                     device: str) -> tuple[str, torch.dtype]:
+    """(quantization, dtype) the model in `folder` runs with on `device` under `config`."""
+    gguf = gguf_source(folder)
+    source = "gguf" if gguf is not None else arch.quant_method
+    quantization = effective_quantization(config, source, device)
+    return quantization, pick_dtype(config.dtype, device, quantization)
+
+
+def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, device: str,
+                    dtype: torch.dtype, quantization: str, backend: AttentionBackend,
+                    ext) -> tuple[torch.nn.Module, object | None]:
+    """The model and (with the CPU extension `ext`) its C++ decoder."""
+    if quantization == "gguf":  # every projection is a CPU layer of the file's formats
+        config_json = json.loads((Path(folder) / "config.json").read_text())
+        model = load_gguf_model(gguf_source(folder), arch, dtype, backend, config=config_json)
+    elif quantization in ("gptq", "awq"):
+        model = load_int4_checkpoint(folder, arch, dtype, backend)
+    else:
+        model = load_model(folder, dtype, device, backend, dummy=config.load_format == "dummy")
+        convert_layers(model, config, quantization, dtype, device, ext)
+    # Decode-only steps run as one C++ call where the model allows (CPU).
+    return model, cpu_decode.build_decoder(model) if ext else None
+
+
+def convert_layers(model: torch.nn.Module, config: ModelConfig, quantization: str,
+                   dtype: torch.dtype, device: str, ext) -> None:
+    """Dense weights into their device's layers: CPU projections packed or quantized,
+    experts grouped."""
+    kind = {"none": PackedLinear, "int8": Int8Linear, "int4": Int4Linear}[quantization]
+    if can_pack(dtype, device):  # CPU: every projection gets its CPU layer
+        if kind is PackedLinear:  # experts: tidal's kernel reads bf16 itself; torch's float32
+            group_experts(model, dtype if ext else torch.float32, ext and ext.grouped_linear)
+        rows = default_fp32_rows() if config.fp32_gemm_rows is None else config.fp32_gemm_rows
+        options = {PackedLinear: {"fp32_rows": rows}, Int8Linear: {},
+                   Int4Linear: {"fp32_rows": rows, "ext": ext}}[kind]
+        replace_linears(model, kind, **options)
+    elif quantization != "none":
+        raise ValueError(f"quantization={quantization!r} runs on CPU in bfloat16 or float32")
+    elif device.startswith("cuda"):  # experts as torch's grouped matmul: no per-expert host loop
+        group_experts(model, dtype)
