@@ -119,7 +119,7 @@ def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, mon
     from tidal import LLM, SamplingParams
 
     if quantization == "unpacked":
-        monkeypatch.setattr("tidal.engine.model_runner.can_pack", lambda *args: False)
+        monkeypatch.setattr("tidal.engine.model_loading.can_pack", lambda *args: False)
     folder = tiny_folder(tmp_path, family)
     llm = LLM(str(folder), dtype=dtype, num_kv_blocks=256, block_size=4,
               quantization="none" if quantization == "unpacked" else quantization,

@@ -3,7 +3,8 @@ option has one name.
 
 Layers, lowest first: core < model < engine < cluster < runtime < server < cli (tidal/cli.py,
 and any other top-level module such as `python -m tidal.config_docs`). A module imports its own
-layer and the ones below it; core imports only core. bench/ and sim/ stand beside the stack:
+layer and the ones below it; core imports only core. spec/ (speculative decoding's proposers)
+is of the engine's layer. bench/ and sim/ stand beside the stack:
 they may import core, model, engine (the flag helpers are tidal/engine/flags.py), cluster
 and each other, never server or cli; of the stack, only cli imports them. Every import
 counts, at module level or inside a function.
@@ -26,7 +27,8 @@ RANKS = {"core": 0, "model": 1, "engine": 2, "cluster": 3, "runtime": 4, "server
 BESIDE = "beside"
 BESIDE_MAY_IMPORT = {"core", "model", "engine", "cluster", BESIDE}
 PACKAGES = {"core": "core", "model": "model", "engine": "engine", "cluster": "cluster",
-            "runtime": "runtime", "server": "server", "bench": BESIDE, "sim": BESIDE}
+            "runtime": "runtime", "server": "server", "spec": "engine", "bench": BESIDE,
+            "sim": BESIDE}
 
 
 def module_name(path: Path) -> str:
