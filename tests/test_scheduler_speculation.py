@@ -70,7 +70,7 @@ def test_a_decode_guesses_what_its_proposer_holds_and_accepted_guesses_join_the_
     assert r.output_token_ids == [100, 101, 102, 103, 104]
     assert r.num_computed_tokens == r.num_tokens - 1 == 10
     assert (r.num_guesses, r.num_proposed) == (0, 2)
-    assert (s.spec_drafted_tokens, s.spec_accepted_tokens, s.spec_verifications) == (3, 3, 1)
+    assert (s.spec.drafted_tokens, s.spec.accepted_tokens, s.spec.verifications) == (3, 3, 1)
 
 
 def test_rejected_guesses_roll_back_and_their_blocks_return():
@@ -84,7 +84,7 @@ def test_rejected_guesses_roll_back_and_their_blocks_return():
     s.check_invariants()
     assert r.output_token_ids == [100, 101] and r.num_computed_tokens == 7
     assert len(s.kv.tables["a"]) == 2 and s.kv.num_free == free_before
-    assert (s.spec_drafted_tokens, s.spec_accepted_tokens) == (8, 0)
+    assert (s.spec.drafted_tokens, s.spec.accepted_tokens) == (8, 0)
     assert acceptance(r) < 0.5  # one rejection, no hit
 
 

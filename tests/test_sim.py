@@ -462,9 +462,9 @@ def test_modelled_speculation_cuts_steps_at_low_load_and_turns_off_at_high_load(
                       SchedulerConfig.from_kwargs(max_model_len=8192, num_speculative_tokens=4,
                                                   speculative_adaptive=adaptive),
                       CacheConfig(num_blocks=1000, block_size=16), cost)
-        s.replicas[0].scheduler.step_time = s.replicas[0].scheduler.guesses.step_time = \
+        s.replicas[0].scheduler.step_time = s.replicas[0].scheduler.spec.planner.step_time = \
             type("Rows", (), {"shape_time": staticmethod(
                 lambda shape: 1e-3 + 1e-3 * shape.tokens if shape.seqs else 0.0)})()
         runs[adaptive] = (s.run(many, [0.0] * 64), s.replicas[0].scheduler)
-    assert runs[True][1].spec_drafted_tokens < 0.2 * runs[False][1].spec_drafted_tokens
+    assert runs[True][1].spec.drafted_tokens < 0.2 * runs[False][1].spec.drafted_tokens
     assert all(r.success and r.output_len == 16 for r in runs[True][0].results)

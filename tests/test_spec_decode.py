@@ -35,7 +35,7 @@ def greedy(llm: LLM, prompts: list[str], max_tokens: int = MAX_TOKENS, **params)
 
 
 def accepted(llm: LLM) -> int:
-    return llm.engine.core.scheduler.spec_accepted_tokens
+    return llm.engine.core.scheduler.spec.accepted_tokens
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,8 @@ def test_greedy_tokens_equal_those_without_speculation(reference, method):
     assert greedy(llm, prompts) == ref  # batched
     assert greedy(llm, prompts) == ref  # again: prefix-cache hits, suffix cache warm
     stats = llm.engine.core.scheduler
-    assert stats.spec_accepted_tokens > 100  # the copies were guessed
-    assert stats.spec_accepted_tokens <= stats.spec_drafted_tokens
+    assert stats.spec.accepted_tokens > 100  # the copies were guessed
+    assert stats.spec.accepted_tokens <= stats.spec.drafted_tokens
     assert llm.engine.core.scheduler.kv.num_free == llm.engine.core.scheduler.kv.num_blocks
 
 
@@ -66,7 +66,7 @@ def test_chunked_prefill_retraction_and_async_steps_keep_the_tokens(reference):
                  init_new_token_ratio=0.0, async_scheduling=True)
     assert greedy(llm, prompts) == ref
     s = llm.engine.core.scheduler
-    assert s.num_preemptions > 0 and s.spec_accepted_tokens > 0
+    assert s.num_preemptions > 0 and s.spec.accepted_tokens > 0
 
 
 def test_max_tokens_and_stop_strings_cut_inside_an_accepted_run(reference):
@@ -123,8 +123,8 @@ def test_a_draft_model_keeps_its_kv_through_every_path(reference):
     assert greedy(llm, prompts[:3]) == ref[:3]  # prefix-cache hits
     s = llm.engine.core.scheduler
     assert s.num_preemptions > 0
-    assert s.spec_drafted_tokens > 200
-    assert s.spec_accepted_tokens >= 0.95 * s.spec_drafted_tokens
+    assert s.spec.drafted_tokens > 200
+    assert s.spec.accepted_tokens >= 0.95 * s.spec.drafted_tokens
 
 
 def test_a_poor_draft_model_still_gives_the_targets_tokens(reference, tmp_path):
@@ -133,7 +133,7 @@ def test_a_poor_draft_model_still_gives_the_targets_tokens(reference, tmp_path):
     llm = engine(speculative_method="draft", speculative_model=str(draft))
     assert greedy(llm, prompts) == ref
     s = llm.engine.core.scheduler
-    assert s.spec_accepted_tokens < 0.5 * s.spec_drafted_tokens
+    assert s.spec.accepted_tokens < 0.5 * s.spec.drafted_tokens
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path):

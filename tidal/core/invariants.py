@@ -74,9 +74,9 @@ def collect_stats(s: "Scheduler") -> SchedulerStats:
         outstanding_tokens=outstanding,
         unclaimed_blocks=pool.num_free - claimed,
         prefill_tokens=s.prefill_backlog(s.waiting),
-        spec_drafts=s.spec_verifications,
-        spec_draft_tokens=s.spec_drafted_tokens,
-        spec_accepted_tokens=s.spec_accepted_tokens,
+        spec_drafts=s.spec.verifications,
+        spec_draft_tokens=s.spec.drafted_tokens,
+        spec_accepted_tokens=s.spec.accepted_tokens,
     )
 
 

@@ -21,7 +21,7 @@ from tidal.core.policies import make_policy
 from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus
 from tidal.core.roles import ROLES
-from tidal.core.speculation import GuessPlanner
+from tidal.core.speculation import Speculation
 from tidal.core.step_time import StepTimeModel
 
 
@@ -50,8 +50,7 @@ class Scheduler:
             raise ValueError(f"policy {config.policy!r} needs a step-time model")
         self.step_time, self.clock = step_time, clock
         self.ratio = NewTokenRatio(config)
-        self.guesses = GuessPlanner(config.num_speculative_tokens, config.speculative_adaptive,
-                                    step_time, self.policy.tpot)
+        self.spec = Speculation(config, step_time, self.policy.tpot)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # hold blocks and compute here, admission order
@@ -62,9 +61,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
-        self.spec_drafted_tokens = 0  # guesses verified
-        self.spec_accepted_tokens = 0  # of those, accepted
-        self.spec_verifications = 0  # decode entries that verified at least one guess
         self.last_output: SchedulerOutput | None = None
         self._finished_ids: list[str] = []
         self._pending_copies: list[tuple[int, int]] = []
@@ -180,24 +176,8 @@ class Scheduler:
             r.num_computed_tokens = computed + 1
             r.num_in_flight += 1
         plan.num_decodes += len(scheduled) - before
-        if self.guesses.max_guesses and len(scheduled) > before:
-            self._add_guesses(plan, scheduled[before:])
-
-    def _add_guesses(self, plan: StepPlan, entries: list[ScheduledRequest]) -> None:
-        """Speculative decoding: grow decode entries to 1 + k positions, k chosen by the
-        guess planner, within the step's input budget and from blocks nobody else needs
-        this step (guesses never retract anyone; their blocks return at update)."""
-        requests = self.requests
-        pairs = [(requests[x.request_id], x.num_computed_tokens) for x in entries]
-        chosen = self.guesses.choose(pairs, plan.budget.rem_input_tokens)
-        for x, (r, computed), k in zip(entries, pairs, chosen):
-            if not k or not self.kv.allocate(r, k):  # r.num_computed_tokens is computed + 1
-                continue
-            x.num_new_tokens = 1 + k
-            x.block_ids = self.kv.block_ids(r.request_id)
-            r.num_computed_tokens += k
-            r.num_guesses = k
-            plan.budget.spend(k, False)
+        if self.spec.planner.max_guesses and len(scheduled) > before:
+            self.spec.add_guesses(self.kv, self.requests, plan, scheduled[before:])
 
     @staticmethod
     def _ready_to_decode(decoding: list[Request]) -> list[Request]:
@@ -416,7 +396,7 @@ class Scheduler:
                 outputs.append(self._output(r, []))
                 continue
             if not x.is_prefill and num_new > 1:  # a verification: 1 to num_new tokens
-                outputs.append(self._verified(r, x, tokens, result))
+                outputs.append(self.spec.apply(self.kv, r, x, tokens, result, self._append))
                 continue
             if num_new > 1 or (computed + 1) % bs == 0:  # a block may have filled up
                 self.kv.cache_computed(r, computed + num_new)
@@ -427,35 +407,6 @@ class Scheduler:
             r.num_proposed = result.proposed.get(rid, 0)
             outputs.append(append(r, tokens[0]))
         return outputs
-
-    def _verified(self, r: Request, x: ScheduledRequest, tokens: list[int],
-                  result: ModelOutput) -> RequestOutput:
-        """Apply a verification: the accepted guesses and the model's own token join the
-        request (up to a stop), the rejected positions roll back, and the blocks that hold
-        none of its tokens return to the pool. Only then are its full blocks published."""
-        guessed = x.num_new_tokens - 1
-        tokens = tokens[:guessed + 1]
-        accepted = len(tokens) - 1
-        r.num_guesses = 0
-        r.num_computed_tokens = x.num_computed_tokens + 1 + accepted
-        self.kv.trim(r)
-        drafted = result.drafted.get(r.request_id, guessed)
-        self.guesses.record(r, drafted, accepted)
-        if drafted:
-            self.spec_verifications += 1
-            self.spec_drafted_tokens += drafted
-            self.spec_accepted_tokens += accepted
-        r.num_proposed = result.proposed.get(r.request_id, 0)
-        appended: list[int] = []
-        for token in tokens:
-            appended.append(token)
-            out = self._append(r, token)
-            if r.status is not RequestStatus.RUNNING:
-                break
-        if r.status is RequestStatus.RUNNING:
-            self.kv.cache_computed(r, r.num_computed_tokens)
-        out.new_token_ids = appended
-        return out
 
     def _on_preempt_ack(self, rid: str) -> None:
         r = self.preempted.pop(rid, None)

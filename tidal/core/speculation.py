@@ -1,5 +1,5 @@
 """Speculative decoding as the scheduler sees it: how many tokens each decoding request
-guesses in a step, and what a verification tells it about the request's acceptance rate.
+guesses in a step, their KV slots, and what a verification does to the request.
 
 A request that guesses k tokens is scheduled 1 + k positions: its last known token and the
 k guesses its executor's proposer made. The forward pass verifies them; the executor returns
@@ -11,10 +11,16 @@ proposers live with the executor, which reports how many it holds for each reque
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from tidal.core.request import Request
+from tidal.core.outputs import ModelOutput, RequestOutput, ScheduledRequest
+from tidal.core.request import Request, RequestStatus
 from tidal.core.step_time import StepShape, StepTimeModel
+
+if TYPE_CHECKING:
+    from tidal.core.budget import StepPlan
+    from tidal.core.config import SchedulerConfig
+    from tidal.core.kv_cache_manager import KVCacheManager
 
 # Verifications a request's acceptance estimate remembers: counts decay by this per update;
 # the engine-wide estimate (a new request's prior) remembers more.
@@ -154,3 +160,61 @@ def _fill(caps: list[int], budget: int) -> list[int]:
         out.append(take)
         budget -= take
     return out
+
+
+class Speculation:
+    """The scheduler's side of speculative decoding: it grows planned decodes by the
+    planner's guesses and applies verifications; counts what was guessed and accepted."""
+
+    def __init__(self, config: "SchedulerConfig", step_time: StepTimeModel | None,
+                 tpot: Callable[[Request], float | None]) -> None:
+        self.planner = GuessPlanner(config.num_speculative_tokens, config.speculative_adaptive,
+                                    step_time, tpot)
+        self.drafted_tokens = 0  # guesses verified
+        self.accepted_tokens = 0  # of those, accepted
+        self.verifications = 0  # decode entries that verified at least one guess
+
+    def add_guesses(self, kv: "KVCacheManager", requests: dict[str, Request],
+                    plan: "StepPlan", entries: list[ScheduledRequest]) -> None:
+        """Grow decode entries (each already holding its own token's slot) to 1 + k
+        positions, within the step's input budget and from blocks nobody else needs this
+        step: guesses never retract anyone, and their blocks return at update."""
+        pairs = [(requests[x.request_id], x.num_computed_tokens) for x in entries]
+        chosen = self.planner.choose(pairs, plan.budget.rem_input_tokens)
+        for x, (r, _), k in zip(entries, pairs, chosen):
+            if not k or not kv.allocate(r, k):  # r.num_computed_tokens is computed + 1
+                continue
+            x.num_new_tokens = 1 + k
+            x.block_ids = kv.block_ids(r.request_id)
+            r.num_computed_tokens += k
+            r.num_guesses = k
+            plan.budget.spend(k, False)
+
+    def apply(self, kv: "KVCacheManager", r: Request, x: ScheduledRequest, tokens: list[int],
+              result: ModelOutput, append: Callable[[Request, int], RequestOutput],
+              ) -> RequestOutput:
+        """A verification: the accepted guesses and the model's own token join the request
+        through `append` (up to a stop), the rejected positions roll back, and the blocks
+        that hold none of its tokens return to the pool. Only then are its full blocks
+        published."""
+        guessed = x.num_new_tokens - 1
+        tokens = tokens[:guessed + 1]
+        accepted = len(tokens) - 1
+        r.num_guesses = 0
+        r.num_computed_tokens = x.num_computed_tokens + 1 + accepted
+        kv.trim(r)
+        drafted = result.drafted.get(r.request_id, guessed)
+        self.planner.record(r, drafted, accepted)
+        if drafted:
+            self.verifications += 1
+            self.drafted_tokens += drafted
+            self.accepted_tokens += accepted
+        r.num_proposed = result.proposed.get(r.request_id, 0)
+        for count, token in enumerate(tokens, start=1):
+            out = append(r, token)
+            if r.status is not RequestStatus.RUNNING:
+                break
+        else:
+            kv.cache_computed(r, r.num_computed_tokens)
+        out.new_token_ids = tokens[:count]
+        return out
