@@ -81,11 +81,13 @@ def test_max_tokens_and_stop_strings_cut_inside_an_accepted_run(reference):
     assert got.text == plain.text and "runner" not in got.text
 
 
-def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation():
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation_in_any_batch():
     p = SamplingParams(max_tokens=30, temperature=0.8, seed=7, n=2, logprobs=2)
     plain = engine().generate(COPY[:2], p, use_tqdm=False)
     llm = engine(speculative_method="suffix")
     spec = llm.generate(COPY[:2], p, use_tqdm=False)
+    alone = llm.generate(COPY[1:2], p, use_tqdm=False)  # another batch, other guesses
+    assert [c.token_ids for c in alone[0].outputs] == [c.token_ids for c in plain[1].outputs]
     for a, b in zip(plain, spec):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
         for ca, cb in zip(a.outputs, b.outputs):  # one logprob entry per token, same values
@@ -93,6 +95,16 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation():
             for la, lb in zip(ca.logprobs, cb.logprobs):
                 assert la.logprob == pytest.approx(lb.logprob, abs=1e-3)
                 assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+    assert accepted(llm) > 0
+
+
+def test_penalties_and_min_tokens_see_the_guesses_before_each_row():
+    p = SamplingParams(max_tokens=30, temperature=0, frequency_penalty=0.3,
+                       repetition_penalty=1.1, min_tokens=12, ignore_eos=False)
+    plain = engine().generate(COPY, p, use_tqdm=False)
+    llm = engine(speculative_method="ngram")
+    spec = llm.generate(COPY, p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert accepted(llm) > 0
 
 

@@ -377,7 +377,8 @@ class Scheduler:
         for rid in acks:
             self._on_preempt_ack(rid)
         outputs, self._pending_outputs = self._pending_outputs, []
-        requests, sampled, bs = self.requests, result.sampled, self.block_size
+        requests, sampled, proposed, bs = (self.requests, result.sampled, result.proposed,
+                                           self.block_size)
         running, append = RequestStatus.RUNNING, self._append
         for x in out.scheduled:
             rid = x.request_id
@@ -404,7 +405,8 @@ class Scheduler:
                 continue
             if r.fork_pending:
                 outputs.extend(self._fork(r, tokens[1:]))
-            r.num_proposed = result.proposed.get(rid, 0)
+            if proposed:  # speculative decoding: guesses held for its next step
+                r.num_proposed = proposed.get(rid, 0)
             outputs.append(append(r, tokens[0]))
         return outputs
 

@@ -26,7 +26,8 @@ from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention,
 from tidal.model.config import ModelArch
 from tidal.model.kernels import fused_kernels, paged_decode_kernel, paged_prefill_kernel
 from tidal.model.registry import resolve_model
-from tidal.model.sampler import SampleRow, on_device, sample, target_logprobs
+from tidal.model.sampler import (SampleRow, needs_penalty, on_device, sample,
+                                 target_logprobs)
 
 log = logging.getLogger("tidal.engine")
 
@@ -345,10 +346,12 @@ class ModelRunner:
         for i, rid in enumerate(sample_ids):
             j = j + 1 if i and sample_ids[i - 1] == rid else 0
             q = self.seqs[rid]
-            output = q.output + guesses[rid][:j] if j else q.output
             p = q.params
-            gen = self._generator(rid, j, p.seed, len(output)) if p.seed is not None else None
-            banned = q.stop_ids if len(output) < p.min_tokens else None
+            # only penalties read the output's tokens: copy it with the guesses for them
+            output = q.output + guesses[rid][:j] if j and needs_penalty(p) else q.output
+            produced = len(q.output) + j
+            gen = self._generator(rid, j, p.seed, produced) if p.seed is not None else None
+            banned = q.stop_ids if produced < p.min_tokens else None
             rows.append(SampleRow(p, q.num_samples, q.prompt, output, gen, banned))
         return rows
 

@@ -49,7 +49,8 @@ def to_host(t: torch.Tensor) -> list:
     return host.tolist()
 
 
-def _needs_penalty(p: SamplingParams) -> bool:
+def needs_penalty(p: SamplingParams) -> bool:
+    """Whether sampling with p reads the tokens generated so far."""
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
@@ -58,7 +59,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     frequency (OpenAI style) at the output only."""
     for i, row in enumerate(rows):
         p = row.params
-        if not _needs_penalty(p):
+        if not needs_penalty(p):
             continue
         if p.repetition_penalty != 1.0:
             seen = on_device(sorted(set(row.prompt_ids) | set(row.output_ids)), torch.long,
@@ -123,7 +124,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         return [], []
     logits = logits.float()
     dev = logits.device
-    if any(_needs_penalty(r.params) or r.banned or r.params.logit_bias for r in rows):
+    if any(needs_penalty(r.params) or r.banned or r.params.logit_bias for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
         apply_logit_bias(logits, rows)
