@@ -158,7 +158,7 @@ class SchedulerDriver:
                 sampled[rid] = [self._token(emit_eos) for _ in range(self.num_samples[rid])]
                 self.known[rid].append(sampled[rid][0])
             self.num_samples[rid] = 1
-            if s.config.num_speculative_tokens:
+            if out.propose:
                 proposed[rid] = self.rng.randint(0, s.config.num_speculative_tokens)
         self.outputs = ModelOutput(sampled=sampled, drafted=drafted, proposed=proposed,
                                    preempted_ack=list(out.preempted_ids))

@@ -208,6 +208,9 @@ def test_adaptive_guesses_at_one_request_and_turns_itself_off_at_large_batches()
     assert planner.choose(_decoding(1, alpha_hits=8.0), budget=100) == [4]
     many = planner.choose(_decoding(1024, alpha_hits=8.0), budget=10_000)
     assert sum(many) == 0
+    # and the runner is not asked to guess ahead where no guess could pay
+    assert planner.worth_proposing(_decoding(1, alpha_hits=8.0))
+    assert not planner.worth_proposing(_decoding(1024, alpha_hits=8.0))
     # a request whose guesses are rarely accepted guesses less than one that is
     mixed = _decoding(2, alpha_hits=8.0)
     mixed[1][0].spec_hits, mixed[1][0].spec_misses = 0.0, 30.0

@@ -47,6 +47,9 @@ class SchedulerOutput(msgspec.Struct):
     finished_ids: list[str] = msgspec.field(default_factory=list)  # since the last plan
     block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (src, dst)
     transfer_ids: list[str] = msgspec.field(default_factory=list)  # KV moves after this step
+    # speculative decoding: report the proposers' guesses for the requests this step
+    # samples (the planner may use them next step)
+    propose: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -139,7 +139,8 @@ class Scheduler:
         if not (self.running or self.waiting or self.preempted or self.transferring):
             self.ratio.reset()
         out = SchedulerOutput(step=self.step, kind="idle", finished_ids=self._finished_ids,
-                              block_copies=self._pending_copies)
+                              block_copies=self._pending_copies,
+                              propose=bool(self.spec.planner.max_guesses))
         self._finished_ids, self._pending_copies = [], []
         if self._pending_new:
             out.new_requests = [self._new_request(r) for r in self._pending_new
@@ -379,6 +380,7 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         requests, sampled, proposed, bs = (self.requests, result.sampled, result.proposed,
                                            self.block_size)
+        speculating = bool(self.spec.planner.max_guesses)
         running, append = RequestStatus.RUNNING, self._append
         for x in out.scheduled:
             rid = x.request_id
@@ -405,7 +407,7 @@ class Scheduler:
                 continue
             if r.fork_pending:
                 outputs.extend(self._fork(r, tokens[1:]))
-            if proposed:  # speculative decoding: guesses held for its next step
+            if speculating:  # guesses held for its next step (none: not asked for)
                 r.num_proposed = proposed.get(rid, 0)
             outputs.append(append(r, tokens[0]))
         return outputs

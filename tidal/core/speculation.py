@@ -104,14 +104,31 @@ class GuessPlanner:
         caps = [self.cap(r) for r, _ in entries]
         if not any(caps) or budget <= 0:
             return [0] * len(entries)
-        model = self.step_time if self.adaptive else None
-        shape = StepShape()
-        for _, c in entries:
-            shape.add(1, c)
-        base = model.shape_time(shape) if model is not None else 0.0
+        shape, base = self._base(entries)
         if base <= 0.0:  # not adaptive, or the model cannot predict yet
             return _fill(caps, budget)
         return self._adaptive(entries, caps, budget, shape, base)
+
+    def worth_proposing(self, entries: Sequence[tuple[Request, int]]) -> bool:
+        """Whether a guess could pay at this batch: one as likely as the likeliest
+        request's, for one more row. Only then are proposers asked to guess ahead (they
+        cost the runner time for every request it samples)."""
+        shape, base = self._base(entries)
+        if base <= 0.0 or not entries:
+            return True
+        prior = self.prior
+        alpha = max(acceptance(r, prior) for r, _ in entries)
+        with_guess = self.step_time.shape_time(shape.copy().add(1, entries[0][1] + 1))
+        return (len(entries) + alpha) * base > len(entries) * with_guess
+
+    def _base(self, entries: Sequence[tuple[Request, int]]) -> tuple[StepShape, float]:
+        """The decode rows' shape and predicted seconds (0: not adaptive, or no prediction
+        yet)."""
+        shape = StepShape()
+        for _, c in entries:
+            shape.add(1, c)
+        model = self.step_time if self.adaptive else None
+        return shape, model.shape_time(shape) if model is not None else 0.0
 
     def _adaptive(self, entries: Sequence[tuple[Request, int]], caps: list[int], budget: int,
                   shape: StepShape, seconds: float) -> list[int]:
@@ -181,6 +198,7 @@ class Speculation:
         step: guesses never retract anyone, and their blocks return at update."""
         pairs = [(requests[x.request_id], x.num_computed_tokens) for x in entries]
         chosen = self.planner.choose(pairs, plan.budget.rem_input_tokens)
+        plan.out.propose = any(chosen) or self.planner.worth_proposing(pairs)
         for x, (r, _), k in zip(entries, pairs, chosen):
             if not k or not kv.allocate(r, k):  # r.num_computed_tokens is computed + 1
                 continue

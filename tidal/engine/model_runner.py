@@ -294,6 +294,8 @@ class ModelRunner:
             if q.prompt_k is not None:  # the prompt is done: they go with its first token
                 result.prompt_logprobs[rid] = q.prompt_entries
                 q.prompt_k, q.prompt_entries = None, []
+            if not out.propose:  # the scheduler will not guess next step
+                continue
             if spec is not None:
                 result.proposed[rid] = spec.propose(rid, q.prompt, q.output)
             elif self.draft is not None:  # a draft model always has guesses

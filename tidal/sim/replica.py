@@ -108,16 +108,17 @@ class SimReplica:
             sampled = dict.fromkeys(compress(map(_ID, steps), map(_SAMPLES, steps)), token)
         result = ModelOutput(sampled, out.preempted_ids)
         if self.guesses:
-            self._verify(steps, result)
+            self._verify(out, result)
         if self.history is not None:
             self.generated += sum(map(len, sampled.values()))
         # The simulated executor has drained a preempted request's slot when its step ends.
         return self.scheduler.update(out, result)
 
-    def _verify(self, steps, result: ModelOutput) -> None:
-        """Each verification's accepted run (geometric), and guesses held for everyone."""
+    def _verify(self, out: SchedulerOutput, result: ModelOutput) -> None:
+        """Each verification's accepted run (geometric), and guesses held for everyone
+        where the plan asks for them."""
         rng, p = self.rng.random, self.acceptance
-        for s in steps:
+        for s in out.scheduled:
             if not s.is_prefill and s.num_new_tokens > 1:
                 k = s.num_new_tokens - 1
                 accepted = 0
@@ -125,4 +126,5 @@ class SimReplica:
                     accepted += 1
                 result.sampled[s.request_id] = [SIM_TOKEN] * (accepted + 1)
                 result.drafted[s.request_id] = k
-        result.proposed = dict.fromkeys(result.sampled, self.guesses)
+        if out.propose:
+            result.proposed = dict.fromkeys(result.sampled, self.guesses)
