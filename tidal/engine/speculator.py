@@ -57,7 +57,7 @@ class Speculator:
     def guesses(self, seq_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
         """Up to k guesses to verify after `output` now."""
         held = self._held.get(seq_id)
-        if held is None or held[0] != len(output):  # the sequence grew: an async step
+        if held is None or held[0] != len(output):  # grown since: async, or none asked for
             self.propose(seq_id, prompt, output)
             held = self._held[seq_id]
         return held[1][:k]
