@@ -228,3 +228,15 @@ def test_bench_serve_against_a_real_server(tmp_path):
     assert all(text for text in result["generated_texts"])
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "bench_throughput.png", "bench_tpot_cdf.png", "bench_ttft_cdf.png"]
+
+
+def test_a_tidal_servers_speculation_counters_become_the_runs_acceptance():
+    from tidal.bench.serve import spec_summary
+
+    before = {"drafts": 10.0, "draft_tokens": 40.0, "accepted_tokens": 20.0}
+    after = {"drafts": 30.0, "draft_tokens": 120.0, "accepted_tokens": 80.0}
+    s = spec_summary(before, after)
+    assert s["drafts"] == 20 and s["acceptance_rate"] == pytest.approx(0.75)
+    assert s["mean_accepted_length"] == pytest.approx(4.0)  # 60 accepted + 20 own tokens
+    assert spec_summary(before, before) is None  # no verification in the run
+    assert spec_summary(None, after) is None  # a peer engine: no counters
