@@ -40,10 +40,8 @@ def acceptance(r: Request, prior: float = 0.5) -> float:
 
 
 def record_verification(r: Request, guessed: int, accepted: int) -> None:
-    """Fold one verification of `guessed` tokens, `accepted` of them accepted, into r's
-    decayed counts."""
-    if guessed <= 0:
-        return
+    """Fold one verification of `guessed` tokens (at least one), `accepted` of them
+    accepted, into r's decayed counts."""
     r.spec_hits = r.spec_hits * ACCEPTANCE_DECAY + accepted
     r.spec_misses = r.spec_misses * ACCEPTANCE_DECAY + (accepted < guessed)
 
@@ -86,9 +84,7 @@ class GuessPlanner:
         return (self.hits + 1.0) / (self.hits + self.misses + 2.0)
 
     def record(self, r: Request, guessed: int, accepted: int) -> None:
-        """A verification of r: its counts and the engine's."""
-        if guessed <= 0:
-            return
+        """A verification of r (at least one guess): its counts and the engine's."""
         record_verification(r, guessed, accepted)
         self.hits = self.hits * ENGINE_DECAY + accepted
         self.misses = self.misses * ENGINE_DECAY + (accepted < guessed)
@@ -98,22 +94,36 @@ class GuessPlanner:
         room = r.out_limit - len(r.output_token_ids) - r.num_in_flight
         return max(0, min(self.max_guesses, r.num_proposed, room))
 
+    def plan(self, entries: Sequence[tuple[Request, int]],
+             budget: int) -> tuple[list[int], bool]:
+        """The step's guesses (see `choose`), and whether the runner should guess ahead for
+        the next one (see `worth_proposing`), pricing the decode rows once."""
+        shape, base = self._base(entries)
+        guesses = self._choose(entries, budget, shape, base)
+        return guesses, any(guesses) or self._worth(entries, shape, base)
+
     def choose(self, entries: Sequence[tuple[Request, int]], budget: int) -> list[int]:
         """Guesses per entry of (request, tokens in its KV cache before this step's), at
         most `budget` in all."""
-        caps = [self.cap(r) for r, _ in entries]
-        if not any(caps) or budget <= 0:
-            return [0] * len(entries)
-        shape, base = self._base(entries)
-        if base <= 0.0:  # not adaptive, or the model cannot predict yet
-            return _fill(caps, budget)
-        return self._adaptive(entries, caps, budget, shape, base)
+        return self._choose(entries, budget, *self._base(entries))
 
     def worth_proposing(self, entries: Sequence[tuple[Request, int]]) -> bool:
         """Whether a guess could pay at this batch: one as likely as the likeliest
         request's, for one more row. Only then are proposers asked to guess ahead (they
         cost the runner time for every request it samples)."""
-        shape, base = self._base(entries)
+        return self._worth(entries, *self._base(entries))
+
+    def _choose(self, entries: Sequence[tuple[Request, int]], budget: int, shape: StepShape,
+                base: float) -> list[int]:
+        caps = [self.cap(r) for r, _ in entries]
+        if not any(caps) or budget <= 0:
+            return [0] * len(entries)
+        if base <= 0.0:  # not adaptive, or the model cannot predict yet
+            return _fill(caps, budget)
+        return self._adaptive(entries, caps, budget, shape, base)
+
+    def _worth(self, entries: Sequence[tuple[Request, int]], shape: StepShape,
+               base: float) -> bool:
         if base <= 0.0 or not entries:
             return True
         prior = self.prior
@@ -197,8 +207,7 @@ class Speculation:
         positions, within the step's input budget and from blocks nobody else needs this
         step: guesses never retract anyone, and their blocks return at update."""
         pairs = [(requests[x.request_id], x.num_computed_tokens) for x in entries]
-        chosen = self.planner.choose(pairs, plan.budget.rem_input_tokens)
-        plan.out.propose = any(chosen) or self.planner.worth_proposing(pairs)
+        chosen, plan.out.propose = self.planner.plan(pairs, plan.budget.rem_input_tokens)
         for x, (r, _), k in zip(entries, pairs, chosen):
             if not k or not kv.allocate(r, k):  # r.num_computed_tokens is computed + 1
                 continue
@@ -222,8 +231,8 @@ class Speculation:
         r.num_computed_tokens = x.num_computed_tokens + 1 + accepted
         kv.trim(r)
         drafted = result.drafted.get(r.request_id, guessed)
-        self.planner.record(r, drafted, accepted)
-        if drafted:
+        if drafted:  # none: the proposer had nothing left to guess when the step ran
+            self.planner.record(r, drafted, accepted)
             self.verifications += 1
             self.drafted_tokens += drafted
             self.accepted_tokens += accepted

@@ -155,6 +155,22 @@ class BatchBuilder:
 
 
 
+def forward(model, decoder, batch: "StepBatch", kv_caches: list, k_caches: list,
+            v_caches: list, block_size: int, hidden: bool = True):
+    """The batch's logits through one C++ decoder call where the step is decode-only and
+    the model has a decoder, else through the PyTorch model (with the final hidden states
+    of the prompt-logprob rows too, as (logits, hidden), when `hidden` and the batch has
+    such rows). `kv_caches`: a (K, V) pair per layer; `k_caches`, `v_caches` the same
+    tensors as two lists (what the decoder takes)."""
+    meta = batch.meta
+    if decoder is not None and not meta.prefills:
+        return decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
+                               meta.decode_block_tables, meta.decode_lens, k_caches, v_caches,
+                               batch.logits_indices, model.backend.scale, block_size)
+    return model(batch.input_ids, batch.positions, kv_caches, meta, batch.logits_indices,
+                 batch.hidden_indices if hidden else None)
+
+
 class StepBatch:
     """One forward pass's inputs, filled by the prefill then the decode preparation."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tidal.core import ScheduledRequest
-from tidal.engine.batch import BatchBuilder, StepBatch
+from tidal.engine.batch import BatchBuilder, StepBatch, forward
 from tidal.engine.config import ModelConfig
 from tidal.engine.model_loading import load_for_runner, pick_model_dtype
 from tidal.model.attention import TorchAttention, kv_cache_shape
@@ -59,11 +59,12 @@ class DraftModel:
         config = replace(config, model=str(folder))
         quantization, self.dtype = pick_model_dtype(folder, self.arch, config, device)
         paged = ext.paged_decode_attention if ext else None
-        self.backend = TorchAttention.for_arch(self.arch, paged, None)
+        backend = TorchAttention.for_arch(self.arch, paged, None)
         self.model, self.decoder = load_for_runner(folder, self.arch, config, device,
-                                                   self.dtype, quantization, self.backend, ext)
+                                                   self.dtype, quantization, backend, ext)
         self.device = device
         self.block_size = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
 
@@ -79,6 +80,7 @@ class DraftModel:
                          for _ in range(self.arch.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                          for _ in range(self.arch.num_layers)]
+        self.kv_caches = list(zip(self.k_caches, self.v_caches))
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for k, v in zip(self.k_caches, self.v_caches):
@@ -117,12 +119,5 @@ class DraftModel:
             guesses[rid].append(token)
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
-        meta = batch.meta
-        if self.decoder is not None and not meta.prefills:
-            return self.decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
-                                        meta.decode_block_tables, meta.decode_lens,
-                                        self.k_caches, self.v_caches, batch.logits_indices,
-                                        self.backend.scale, self.block_size)
-        caches = list(zip(self.k_caches, self.v_caches))
-        return self.model(batch.input_ids, batch.positions, caches, meta,
-                          batch.logits_indices)
+        return forward(self.model, self.decoder, batch, self.kv_caches, self.k_caches,
+                       self.v_caches, self.block_size, hidden=False)

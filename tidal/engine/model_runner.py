@@ -12,7 +12,7 @@ import torch
 from tidal.core import ModelOutput, NewRequest, PromptLogprob, SchedulerConfig, SchedulerOutput
 from tidal.core.kv_cache_manager import cdiv
 from tidal.core.request import token_slice
-from tidal.engine.batch import BatchBuilder, StepBatch
+from tidal.engine.batch import BatchBuilder, StepBatch, forward
 from tidal.engine.config import ModelConfig, SpeculativeConfig
 from tidal.engine.decode_graphs import CaptureBackend, CudaGraphCapture, DecodeGraphs
 from tidal.engine.device import free_ram, gpu_kv_budget, pick_device
@@ -238,17 +238,7 @@ class ModelRunner:
         if not out.scheduled:
             return ModelOutput(preempted_ack=list(out.preempted_ids))
         constrained = self.matchers is not None and bool(self.matchers.by_id)
-        wanted = {x.request_id: x.num_new_tokens - 1 for x in out.scheduled
-                  if not x.is_prefill and x.num_new_tokens > 1}
-        guesses = {}  # decodes of 1 + k positions: the guesses they verify
-        if self.draft is not None:  # it computes every known position of the step too
-            guesses = self.draft.step(out.scheduled, self.seqs, self.batches, wanted)
-        elif spec is not None:
-            for rid, k in wanted.items():
-                q = self.seqs[rid]
-                guesses[rid] = spec.guesses(rid, q.prompt, q.output, k)
-        if constrained:
-            guesses = {rid: self.matchers.cut(rid, g) for rid, g in guesses.items()}
+        guesses = self._guesses(out.scheduled, constrained) if self.max_guesses else {}
         # Grammar masks are computed on a worker thread while the forward pass runs.
         masks = self.matchers.start([(s.request_id, guesses.get(s.request_id, []))
                                      for s in out.scheduled if s.samples]) \
@@ -302,6 +292,21 @@ class ModelRunner:
                 result.proposed[rid] = self.max_guesses
         return result
 
+    def _guesses(self, scheduled: list, constrained: bool) -> dict[str, list[int]]:
+        """The guesses the step's decodes of 1 + k positions verify (a draft model computes
+        every known position of the step first), cut where a grammar forbids them."""
+        wanted = {x.request_id: x.num_new_tokens - 1 for x in scheduled
+                  if not x.is_prefill and x.num_new_tokens > 1}
+        if self.draft is not None:
+            guesses = self.draft.step(scheduled, self.seqs, self.batches, wanted)
+        else:
+            guesses = {rid: self.speculator.guesses(rid, self.seqs[rid].prompt,
+                                                    self.seqs[rid].output, k)
+                       for rid, k in wanted.items()}
+        if constrained:
+            guesses = {rid: self.matchers.cut(rid, g) for rid, g in guesses.items()}
+        return guesses
+
     def _gather_prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor | None) -> None:
         """Each chunk's prompt logprobs, appended to its request's: row p of a chunk gives
         position p + 1's entry (the next chunk's first token is known: it is the prompt)."""
@@ -332,13 +337,8 @@ class ModelRunner:
             return self.graphs.run(batch.input_ids, batch.positions, meta.slot_mapping,
                                    meta.decode_block_tables,
                                    meta.decode_lens)[:len(batch.logits_rows)], None
-        if self.decoder is not None and not meta.prefills:
-            return self.decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
-                                        meta.decode_block_tables, meta.decode_lens,
-                                        self._k_caches, self._v_caches, batch.logits_indices,
-                                        self.model.backend.scale, self.block_size), None
-        out = self.model(batch.input_ids, batch.positions, self.kv_caches, meta,
-                         batch.logits_indices, batch.hidden_indices)
+        out = forward(self.model, self.decoder, batch, self.kv_caches, self._k_caches,
+                      self._v_caches, self.block_size)
         return out if batch.hidden_indices is not None else (out, None)
 
     def _rows(self, sample_ids: list[str], guesses: dict[str, list[int]]) -> list[SampleRow]:
