@@ -143,11 +143,15 @@ def _in_map(t: torch.Tensor, mm: np.memmap) -> bool:
     return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + mm.size
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "in-memory"])
 @pytest.mark.parametrize("name, qtype", [("qwen3_moe-wide", QT.Q6_K), ("llama", QT.Q4_0),
                                          ("llama", QT.F16), ("llama", QT.BF16)],
                          ids=lambda c: getattr(c, "name", c))
-def test_weights_are_views_of_the_file_and_hold_its_bytes(gguf_file, name, qtype):
-    weights = read_gguf(gguf_file(name, qtype), planar=False, use_extension=False)
+def test_weights_hold_the_files_bytes_once(gguf_file, name, qtype, in_place):
+    """In place, matrices view the map (but reordered q/k rows); by default the quantized
+    ones are copied out of it (into huge-page memory), the float ones still view it."""
+    weights = read_gguf(gguf_file(name, qtype), planar=False, use_extension=False,
+                        in_place=in_place)
     mm, tensors = weights.reader.data, weights.reader.tensors
     quant_bytes = sum(int(t.n_bytes) for t in tensors if t.tensor_type not in (QT.F32, QT.F16,
                                                                                   QT.BF16))
@@ -155,16 +159,27 @@ def test_weights_are_views_of_the_file_and_hold_its_bytes(gguf_file, name, qtype
     assert weights.nbytes == quant_bytes + float_bytes
     held = {"quant": 0, "float": 0}
     for key, w in weights.items():
-        data = w.data if isinstance(w, QuantizedWeight) else w
-        held["quant" if isinstance(w, QuantizedWeight) else "float"] += (
-            data.numel() * data.element_size())
+        quantized = isinstance(w, QuantizedWeight)
+        data = w.data if quantized else w
+        held["quant" if quantized else "float"] += data.numel() * data.element_size()
         reordered = "q_proj" in key or "k_proj" in key
-        if data.dim() == 2:  # matrices: the file's own bytes, in place unless reordered
-            assert _in_map(data, mm) != (reordered and name.startswith("llama")), key
+        if data.dim() == 2:  # matrices: the file's own bytes
+            viewed = not (reordered and name.startswith("llama")) and (in_place or not quantized)
+            assert _in_map(data, mm) == viewed, key
         else:
             assert data.dtype == torch.float32 and not _in_map(data, mm), key
     assert held["quant"] == quant_bytes  # not one float copy of a quantized weight
     assert held["float"] <= float_bytes  # a rope_freqs tensor is read into the config only
+
+
+def test_weights_in_memory_equal_those_in_place(gguf_file):
+    path = gguf_file("llama", QT.Q6_K)
+    copied, viewed = read_gguf(path, use_extension=False), read_gguf(path, use_extension=False,
+                                                                     in_place=True)
+    for key, w in copied.items():
+        if isinstance(w, QuantizedWeight):
+            assert w.data.data_ptr() % 64 == 0, key
+            assert torch.equal(w.data, viewed[key].data), key
 
 
 def test_planar_formats_are_repacked_in_the_files_bytes(gguf_file):

@@ -23,6 +23,7 @@ from torch import nn
 
 from tidal.model.cpu_extension import extension
 from tidal.model.linear import cpu_flags
+from tidal.model.weight_arena import WeightArena
 
 FLOAT_TYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 # Each block format's fields, bytes each, in the block's order (ggml's block structs).
@@ -48,15 +49,17 @@ class QuantizedWeight:
     """One GGUF tensor of logical shape [out_features, in_features] in its own format.
 
     `data` is any array of the tensor's bytes as the file holds them (a numpy memmap from
-    gguf.GGUFReader: the weight then stays a view of the file unless repacked). With
-    `planar` (None: for the formats in PLANAR) each row is repacked so each block field
-    (scales, quants, high bits) lies in a plane of its own: contiguous quants and aligned
-    scales for the kernels, in exactly the file's bytes (`nbytes`), never floats. A type
-    outside SUPPORTED raises ValueError naming the tensor and its type.
+    gguf.GGUFReader: the weight then stays a view of the file unless repacked or given an
+    `arena`, a WeightArena its blocks are copied into). With `planar` (None: for the
+    formats in PLANAR) each row is repacked so each block field (scales, quants, high bits)
+    lies in a plane of its own: contiguous quants and aligned scales for the kernels, in
+    exactly the file's bytes (`nbytes`), never floats. A type outside SUPPORTED raises
+    ValueError naming the tensor and its type.
     """
 
     def __init__(self, name: str, data: Any, qtype: int | QT, shape: tuple[int, int],
-                 planar: bool | None = None, use_extension: bool = True) -> None:
+                 planar: bool | None = None, use_extension: bool = True,
+                 arena: WeightArena | None = None) -> None:
         try:
             qtype = QT(qtype)
         except ValueError:
@@ -79,8 +82,12 @@ class QuantizedWeight:
         rows = raw.view(n, -1)
         if qtype in FLOAT_TYPES:
             self.data = rows.view(FLOAT_TYPES[qtype])
+            return
+        out = None if arena is None else arena.empty(rows.numel()).view(rows.shape)
+        if self.planar:
+            self.data = _to_planes(rows, BLOCK_FIELDS[qtype], out)
         else:
-            self.data = _to_planes(rows, BLOCK_FIELDS[qtype]) if self.planar else rows
+            self.data = rows if out is None else out.copy_(rows)
 
     @property
     def nbytes(self) -> int:
@@ -120,13 +127,15 @@ def _as_bytes(data: Any) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
-def _to_planes(rows: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+def _to_planes(rows: torch.Tensor, sizes: tuple[int, ...],
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """[n, blocks * block_bytes] as the file holds them -> each field in a plane of the row
-    (the planes in field order), one strided copy a field and no temporaries."""
+    (the planes in field order; into `out` if given), one strided copy a field and no
+    temporaries."""
     n, block_bytes = rows.shape[0], sum(sizes)
     blocks = rows.view(n, -1, block_bytes)
     nb = blocks.shape[1]
-    out = torch.empty_like(rows)
+    out = torch.empty_like(rows) if out is None else out
     at = 0
     for size in sizes:
         field_at = at // nb

@@ -5,9 +5,10 @@ of the tensor `gguf_convert.hf_tensors` writes for it, undoing llama.cpp's chang
 stored bytes rather than on floats: llama's q/k permutation reorders output rows, and a row
 of a quantized matrix is a whole row of blocks, so the rows of blocks move intact; stacked
 [experts, out, in] tensors split into per-expert views. Quantized matrices become
-`QuantizedWeight`s, float matrices torch tensors of the file's dtype; both are read-only
-views of the memory map unless reordered (q/k) or repacked into planes. 1-D tensors (norms,
-biases) become small float32 copies, Gemma's norm offset undone.
+`QuantizedWeight`s, copied into huge-page memory (tidal.model.weight_arena) as they are read,
+the map's pages of each dropped once copied (`in_place=True`: read-only views of the map
+unless reordered or repacked); float matrices are torch tensors of the file's dtype viewing
+the map. 1-D tensors (norms, biases) become small float32 copies, Gemma's norm offset undone.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tidal.model.gguf_convert import (HFTensor, _unpermute, expert_name, hf_conf
                                       is_flat_gate)
 from tidal.model.gguf_file import open_gguf
 from tidal.model.gguf_quants import FLOAT_TYPES, QuantizedWeight, _as_bytes
+from tidal.model.weight_arena import WeightArena
 
 Weight = Union[torch.Tensor, QuantizedWeight]
 
@@ -53,22 +55,16 @@ class GGUFWeights(Mapping):
 
     def release_unused(self, live: Iterable[torch.Tensor]) -> int:
         """Drop this process's pages of the file's memory map that no `live` tensor views:
-        what was copied (repacked planes, reordered q/k rows, floats converted) and the
-        header, so RSS holds each weight's bytes once. They stay in the page cache, and a
-        later read maps them again. Returns the bytes of the ranges released."""
+        what was copied (weights in memory, floats converted) and the header, so RSS holds
+        each weight's bytes once. They stay in the page cache, and a later read maps them
+        again. Returns the bytes of the ranges released."""
         mapped = self.reader.data
-        handle = getattr(mapped, "_mmap", None)  # np.memmap's mmap.mmap
-        if handle is None or not hasattr(handle, "madvise"):
-            return 0
-        base, size, page = mapped.ctypes.data, mapped.nbytes, mmap.PAGESIZE
+        base, size = mapped.ctypes.data, mapped.nbytes
         spans = sorted((p - base, p - base + t.numel() * t.element_size())
                        for t in live if base <= (p := t.data_ptr()) < base + size)
         released, at = 0, 0
         for start, end in [*spans, (size, size)]:
-            lo, hi = -(-at // page) * page, start // page * page  # whole pages between views
-            if hi > lo:
-                handle.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-                released += hi - lo
+            released += drop_pages(mapped, at, start)
             at = max(at, end)
         return released
 
@@ -76,27 +72,45 @@ class GGUFWeights(Mapping):
         return f"GGUFWeights({str(self.path)!r}, {len(self)} tensors, {self.nbytes} bytes)"
 
 
+def drop_pages(mapped: np.memmap, start: int, end: int) -> int:
+    """Drop this process's whole pages of the map within bytes start..end; their bytes."""
+    handle = getattr(mapped, "_mmap", None)  # np.memmap's mmap.mmap
+    lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if handle is None or not hasattr(handle, "madvise") or hi <= lo:
+        return 0
+    handle.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    return hi - lo
+
+
 def read_gguf(path: str | os.PathLike, planar: bool | None = None,
-              use_extension: bool = True, config: dict | None = None) -> GGUFWeights:
+              use_extension: bool = True, config: dict | None = None,
+              in_place: bool = False) -> GGUFWeights:
     """The weights of the GGUF file at `path` (see the module docstring); `planar` and
     `use_extension` go to each QuantizedWeight; `config`: the file's hf_config, when known
-    (the cache folder's config.json), which spares reading the tokenizer's metadata.
-    ValueError naming the file for a truncated file, an architecture that does not convert,
-    or a tensor type tidal does not run."""
+    (the cache folder's config.json), which spares reading the tokenizer's metadata;
+    `in_place`: quantized weights stay views of the map. ValueError naming the file for a
+    truncated file, an architecture that does not convert, or a tensor type tidal does not
+    run."""
     path = Path(path)
     reader = open_gguf(path, arrays=config is None)
+    arena = None if in_place else WeightArena()
     try:
         config = config or hf_config(reader)
         weights: dict[str, Weight] = {}
         for item in hf_layout(reader, config):
-            weights.update(_weights(item, planar, use_extension))
+            read = dict(_weights(item, planar, use_extension, arena))
+            weights.update(read)
+            if arena is not None and all(isinstance(w, QuantizedWeight) for w in read.values()):
+                stored = np.asarray(item[0].data)  # copied: the map's pages go now, not at
+                at = stored.ctypes.data - reader.data.ctypes.data  # the end (peak RSS)
+                drop_pages(reader.data, at, at + stored.nbytes)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return GGUFWeights(path, reader, config, weights)
 
 
-def _weights(item: HFTensor, planar: bool | None,
-             use_extension: bool) -> Iterator[tuple[str, Weight]]:
+def _weights(item: HFTensor, planar: bool | None, use_extension: bool,
+             arena: WeightArena | None) -> Iterator[tuple[str, Weight]]:
     """(HF name, weight) for one GGUF tensor: one pair, or one per expert."""
     t, name, heads, norm_offset = item
     shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost dim first
@@ -110,9 +124,9 @@ def _weights(item: HFTensor, planar: bool | None,
         for e in range(shape[0]):
             yield (expert_name(name, e),
                    _matrix(f"{t.name}[{e}]", data[e], t.tensor_type, shape[1:], planar,
-                           use_extension))
+                           use_extension, arena))
     else:
-        yield name, _matrix(t.name, data, t.tensor_type, shape, planar, use_extension)
+        yield name, _matrix(t.name, data, t.tensor_type, shape, planar, use_extension, arena)
 
 
 def _small_float(t, shape: tuple[int, ...], norm_offset: bool, flat_gate: bool) -> torch.Tensor:
@@ -131,11 +145,11 @@ def _small_float(t, shape: tuple[int, ...], norm_offset: bool, flat_gate: bool) 
 
 
 def _matrix(name: str, data: np.ndarray, qtype: QT, shape: tuple[int, ...],
-            planar: bool | None, use_extension: bool) -> Weight:
+            planar: bool | None, use_extension: bool, arena: WeightArena | None) -> Weight:
     """A [out, in] matrix of the file's bytes: a torch tensor for the float types, else a
     QuantizedWeight (which refuses the types tidal does not run, by name)."""
     if len(shape) != 2:
         raise ValueError(f"GGUF tensor {name!r} has shape {list(shape)}; tidal reads matrices")
     if qtype in FLOAT_TYPES:
         return _as_bytes(data).view(FLOAT_TYPES[qtype]).view(shape)
-    return QuantizedWeight(name, data, qtype, shape, planar, use_extension)
+    return QuantizedWeight(name, data, qtype, shape, planar, use_extension, arena)

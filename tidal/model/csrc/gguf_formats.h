@@ -47,6 +47,21 @@ struct Field {
   const uint8_t* at(int64_t b) const { return p + b * stride; }
 };
 
+// A decode step streams every weight from memory once, faster than the hardware prefetcher
+// alone fetches it: each block asks for the bytes kAheadBytes ahead of it, a few lines at a
+// time, into L2 (prefetcht2): into L1 they would hold the line-fill buffers the loads in use
+// need (a 1B Q4_K_M model's projections: 34 ms a token with L2 hints, 42 with L1, 64 with
+// none, on a 2-core Xeon).
+constexpr int64_t kAheadBytes = 4096;
+struct Prefetch {
+  const uint8_t* ahead;  // the row's first byte + kAheadBytes
+  int64_t block_bytes;   // the row's bytes per block, in either layout
+  void block(int64_t b) const {
+    for (int64_t c = 0; c < block_bytes; c += 64)
+      __builtin_prefetch(ahead + b * block_bytes + c, 0, 1);
+  }
+};
+
 // The fields of the row at `row` (nb blocks of format F) in either layout.
 template <typename F>
 void fields(const uint8_t* row, int64_t nb, bool planar, Field* out) {

@@ -1,19 +1,15 @@
 // GGUF-quantized weights at decode sizes: y = x @ W^T with W in its GGUF block format
-// (gguf_formats.h), as ggml multiplies them: x rounded to int8 per group of 32 with a float
-// scale, integer products per group, one float multiply-add per group and row. The K-quants
-// take the same per-32 activations (ggml uses one scale per 256): finer, and one code path.
-// Steps of many rows multiply tiles of dequantized rows (`tiled`) with oneDNN instead.
+// (gguf_formats.h), as ggml multiplies them: x rounded to int8 with a float scale per 32
+// values (gguf_activations.h), integer products, float multiply-adds per block and row (the
+// K-quants: gguf_kdot.h). Steps of many rows multiply tiles of dequantized rows (`tiled`) with
+// oneDNN instead.
 
 #include "tidal_cpu.h"
 #include "gguf_formats.h"
+#include "gguf_kdot.h"
 
 #include <type_traits>
 #include <utility>
-
-#if defined(TIDAL_GGUF_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-#define TIDAL_GGUF_AVX512 1  // -march=native on a CPU with AVX-512 VNNI
-#endif
 
 namespace tidal_cpu {
 namespace {
@@ -22,48 +18,6 @@ using namespace gguf;
 
 constexpr int kMaxRows = 8;           // activation rows sharing each decoded weight group
 constexpr int64_t kTileBytes = 1 << 18;  // weight bytes a task keeps in L2 across row groups
-constexpr int64_t kAheadBytes = 4096;    // how far ahead of the block in use to prefetch
-
-// A decode step streams every weight from memory once, faster than the hardware prefetcher
-// alone fetches it: each block asks for the bytes kAheadBytes ahead of it, a few lines at a
-// time (a burst would overrun the core's outstanding misses).
-struct Prefetch {
-  const uint8_t* ahead;  // the row's first byte + kAheadBytes
-  int64_t block_bytes;   // the row's bytes per block, in either layout
-  void block(int64_t b) const {
-    for (int64_t c = 0; c < block_bytes; c += 64)
-      __builtin_prefetch(ahead + b * block_bytes + c, 0, 3);
-  }
-};
-
-// x rows rounded to int8 per group: q, the group's scale d and the exact sum of its x;
-// d8 (filled for the AVX-512 integer path) holds each d 8 times over, so a kernel loads a
-// group pair's scales as one vector.
-struct Activations {
-  std::vector<int8_t> q;
-  std::vector<float> d, sum, d8;
-};
-
-template <typename T>
-Activations quantize(const T* x, int64_t rows, int64_t k) {
-  const int64_t groups = rows * k / kGroup;
-  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(groups),
-                std::vector<float>(groups)};
-  for (int64_t g = 0; g < groups; ++g) {
-    const T* v = x + g * kGroup;
-    float amax = 0.f, sum = 0.f;
-    for (int64_t i = 0; i < kGroup; ++i) {
-      amax = std::max(amax, std::abs(f32(v[i])));
-      sum += f32(v[i]);
-    }
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    for (int64_t i = 0; i < kGroup; ++i)
-      a.q[g * kGroup + i] = static_cast<int8_t>(std::nearbyint(f32(v[i]) * inv));
-    a.d[g] = d;
-    a.sum[g] = sum;
-  }
-  return a;
-}
 
 #ifdef TIDAL_GGUF_AVX2
 // Sums of 4 adjacent u8 x s8 products as int32 lanes (lane i: weights 4i..4i+3).
@@ -85,124 +39,53 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// Block b's scales with each group's centre taken off q and put into m (see kCenter).
-template <typename F>
-inline void centred_scales(const Field* f, int64_t b, float (*s)[2], float* m) {
-  F::scales(f, b, s, m);
-  for (int j = 0; j < F::kGroups; ++j) m[j] += F::kCenter * s[j][0];
-}
-
+// The 32-weight formats, one block a step: (q - c) . x in integers, then one float
+// multiply-add for the scale and one for the min, m + c * s (see kCenter), times x's exact sum.
 #ifdef TIDAL_GGUF_AVX2
-// One row's blocks against NR activation rows, one group of 32 a step; adds each row's sum
-// to out[r].
 template <typename F, int NR>
 inline void dot_avx2(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                     int64_t nb, int64_t groups, float* out) {
-  float s[F::kGroups][2], m[F::kGroups];
+                     int64_t nb, float* out) {
+  static_assert(F::kBlock == kGroup);
+  float s[1][2], m[1];
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     pf.block(b);
-    centred_scales<F>(f, b, s, m);
-#pragma GCC unroll 8
-    for (int j = 0; j < F::kGroups; ++j) {
-      __m256i q = F::vec(f, b, j);
-      if (F::kCenter) q = _mm256_sub_epi8(q, _mm256_set1_epi8(F::kCenter));
-      const __m256i u = _mm256_abs_epi8(q);  // u8 x s8 products: the sign moves onto x
-      const __m256 sv = _mm256_setr_m128(_mm_set1_ps(s[j][0]), _mm_set1_ps(s[j][1]));
-      const int64_t g = b * F::kGroups + j;
-      for (int r = 0; r < NR; ++r) {
-        const int64_t rg = (r0 + r) * groups + g;
-        const __m256i x8 = _mm256_sign_epi8(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[rg * kGroup])), q);
-        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, x8));
-        acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(a.d[rg])), acc[r]);
-        if (F::kMin && F::kGroups == 1) out[r] += m[j] * a.sum[rg];
-      }
-    }
-    if (F::kMin && F::kGroups == 8) {  // the block's 8 min terms in one multiply-add
-      const __m256 mv = _mm256_loadu_ps(m);
-      for (int r = 0; r < NR; ++r)
-        acc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(&a.sum[(r0 + r) * groups + b * 8]), acc[r]);
+    F::scales(f, b, s, m);
+    __m256i q = F::vec(f, b, 0);
+    if (F::kCenter) q = _mm256_sub_epi8(q, _mm256_set1_epi8(F::kCenter));
+    const __m256i u = _mm256_abs_epi8(q);  // u8 x s8 products: the sign moves onto x
+    const __m256 sv = _mm256_set1_ps(s[0][0]);
+    for (int r = 0; r < NR; ++r) {
+      const int64_t rg = (r0 + r) * nb + b;
+      const __m256i x8 = _mm256_sign_epi8(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[rg * kGroup])), q);
+      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, x8));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(a.d[rg])), acc[r]);
+      if (F::kMin) out[r] += (m[0] + F::kCenter * s[0][0]) * a.sum[rg];
     }
   }
   for (int r = 0; r < NR; ++r) out[r] += hsum(acc[r]);
 }
 #else
-// The same without AVX2.
 template <typename F, int NR>
 inline void dot_scalar(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                       int64_t nb, int64_t groups, float* out) {
-  float s[F::kGroups][2], m[F::kGroups];
+                       int64_t nb, float* out) {
+  static_assert(F::kBlock == kGroup);
+  float s[1][2], m[1];
   int8_t q[kGroup];
   for (int64_t b = 0; b < nb; ++b) {
     pf.block(b);
-    centred_scales<F>(f, b, s, m);
-    for (int j = 0; j < F::kGroups; ++j) {
-      F::scalar(f, b, j, q);
-      for (int i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(q[i] - F::kCenter);
-      const int64_t g = b * F::kGroups + j;
-      for (int r = 0; r < NR; ++r) {
-        const int64_t rg = (r0 + r) * groups + g;
-        const int8_t* x8 = &a.q[rg * kGroup];
-        int32_t lo = 0, hi = 0;
-        for (int i = 0; i < 16; ++i) {
-          lo += q[i] * x8[i];
-          hi += q[i + 16] * x8[i + 16];
-        }
-        out[r] += a.d[rg] * (s[j][0] * lo + s[j][1] * hi) + m[j] * a.sum[rg];
-      }
+    F::scales(f, b, s, m);
+    F::scalar(f, b, 0, q);
+    for (int r = 0; r < NR; ++r) {
+      const int64_t rg = (r0 + r) * nb + b;
+      const int8_t* x8 = &a.q[rg * kGroup];
+      int32_t dot = 0;
+      for (int i = 0; i < kGroup; ++i) dot += (q[i] - F::kCenter) * x8[i];
+      out[r] += a.d[rg] * s[0][0] * dot + (m[0] + F::kCenter * s[0][0]) * a.sum[rg];
     }
   }
-}
-#endif
-
-#ifdef TIDAL_GGUF_AVX512
-// One row's K-quant blocks against NR activation rows, two groups of 32 a step: a group
-// pair's 64 quants and 64 activations fill a 512-bit register, and one VNNI instruction
-// takes their products (16 int32 sums of 4: lanes 0-7 the first group, 8-15 the second).
-template <typename F, int NR>
-inline void dot_k512(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                     int64_t nb, int64_t groups, float* out) {
-  __m512 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-  float s[F::kGroups][2], m[F::kGroups];
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t b = 0; b < nb; ++b) {
-    pf.block(b);
-    centred_scales<F>(f, b, s, m);
-#pragma GCC unroll 4
-    for (int j = 0; j < F::kGroups; j += 2) {
-      __m256i q0 = F::vec(f, b, j), q1 = F::vec(f, b, j + 1);
-      if (F::kCenter) {
-        q0 = _mm256_sub_epi8(q0, _mm256_set1_epi8(F::kCenter));
-        q1 = _mm256_sub_epi8(q1, _mm256_set1_epi8(F::kCenter));
-      }
-      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
-      const __m512i u = _mm512_abs_epi8(q);  // u8 x s8 products: the sign moves onto x
-      const __mmask64 negative = _mm512_movepi8_mask(q);
-      const __m512 sv = _mm512_insertf32x8(
-          _mm512_castps256_ps512(_mm256_setr_m128(_mm_set1_ps(s[j][0]), _mm_set1_ps(s[j][1]))),
-          _mm256_setr_m128(_mm_set1_ps(s[j + 1][0]), _mm_set1_ps(s[j + 1][1])), 1);
-      const int64_t g = b * F::kGroups + j;
-      for (int r = 0; r < NR; ++r) {
-        const int64_t rg = (r0 + r) * groups + g;
-        __m512i x8 = _mm512_loadu_si512(&a.q[rg * kGroup]);  // groups g and g + 1
-        x8 = _mm512_mask_sub_epi8(x8, negative, zero, x8);
-        const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, u, x8));
-        const __m512 dv = _mm512_loadu_ps(&a.d8[rg * 8]);  // d of groups g and g + 1
-        acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(sv, dv), acc[r]);
-      }
-    }
-    if (F::kMin) {  // the block's 8 min terms in one multiply-add (the upper lanes 0)
-      const __m512 mv = _mm512_zextps256_ps512(_mm256_loadu_ps(m));
-      for (int r = 0; r < NR; ++r)
-        acc[r] = _mm512_fmadd_ps(
-            mv, _mm512_zextps256_ps512(_mm256_loadu_ps(&a.sum[(r0 + r) * groups + b * 8])),
-            acc[r]);
-    }
-  }
-  for (int r = 0; r < NR; ++r) out[r] += _mm512_reduce_add_ps(acc[r]);
 }
 #endif
 
@@ -210,23 +93,21 @@ inline void dot_k512(const Activations& a, int64_t r0, const Field* f, const Pre
 template <typename F, typename T, int NR>
 void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_bytes, int64_t k,
               bool planar, const T* bias, int64_t o0, int64_t o1, T* y, int64_t n) {
-  const int64_t groups = k / kGroup, nb = k / F::kBlock;
+  const int64_t nb = k / F::kBlock;
   for (int64_t o = o0; o < o1; ++o) {
     const Prefetch pf{w + o * row_bytes + kAheadBytes, row_bytes / nb};
     Field f[F::kFields];
     fields<F>(w + o * row_bytes, nb, planar, f);
     float out[NR] = {};  // each activation row's dot product with this weight row
-#if defined(TIDAL_GGUF_AVX512)
-    if constexpr (F::kGroups == 8) {  // K-quants: two groups a 512-bit step
-      dot_k512<F, NR>(a, r0, f, pf, nb, groups, out);
+    if constexpr (F::kBlock == 256) {
+      kdot<F, NR>(a, r0, f, pf, nb, out);
     } else {
-      dot_avx2<F, NR>(a, r0, f, pf, nb, groups, out);
-    }
-#elif defined(TIDAL_GGUF_AVX2)
-    dot_avx2<F, NR>(a, r0, f, pf, nb, groups, out);
+#if defined(TIDAL_GGUF_AVX2)
+      dot_avx2<F, NR>(a, r0, f, pf, nb, out);
 #else
-    dot_scalar<F, NR>(a, r0, f, pf, nb, groups, out);
+      dot_scalar<F, NR>(a, r0, f, pf, nb, out);
 #endif
+    }
     for (int r = 0; r < NR; ++r)
       y[(r0 + r) * n + o] = round_to<T>(out[r] + (bias != nullptr ? f32(bias[o]) : 0.f));
   }
@@ -353,23 +234,29 @@ void rows_into(const GGUFPart& p, int64_t start, const Tensor& ids, Tensor& out)
   });
 }
 
+// Whether any part is a K-quant (whose kernel reads the sums of q and the repeated scales).
+bool has_k_quants(const std::vector<GGUFPart>& parts) {
+  bool any = false;
+  for (const GGUFPart& p : parts)
+    with_format(p.type, [&](auto format) { any = any || decltype(format)::kBlock == 256; });
+  return any;
+}
+
 // Steps of many rows: tiles of dequantized weight rows that oneDNN multiplies (the extra
 // memory stays one tile however large the weight; the rows bucketed as every CPU GEMM's)
-// by x rounded to the int8 grid the
-// integer kernels use. In float32 both paths compute the same sums up to float32 rounding,
-// so a sequence's tokens do not depend on whether its prompt ran in one step, in chunks or
-// partly from the prefix cache; with tile_bf16 (CPUs with AMX, where bf16 GEMMs run
-// several times faster) x and the tile are rounded to bf16 too, ~0.3% apart.
+// by x rounded to the int8 grid the integer kernels use. In float32 both paths compute the
+// same sums up to float32 rounding, so a sequence's tokens do not depend on whether its
+// prompt ran in one step, in chunks or partly from the prefix cache; with tile_bf16 (CPUs
+// with AMX, where bf16 GEMMs run several times faster) x and the tile are rounded to bf16
+// too, ~0.3% apart.
 Tensor tiled(const Tensor& x, const GGUFProjection& g) {
   const int64_t rows = x.size(0), k = x.size(1);
   Tensor xs = at::empty({rows, k}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_tiled", [&] {
-    const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k);
+    const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k, false);
     float* out = xs.data_ptr<float>();
-    at::parallel_for(0, rows * k / kGroup, 256, [&](int64_t g0, int64_t g1) {
-      for (int64_t grp = g0; grp < g1; ++grp)
-        for (int64_t i = 0; i < kGroup; ++i)
-          out[grp * kGroup + i] = a.d[grp] * static_cast<float>(a.q[grp * kGroup + i]);
+    at::parallel_for(0, rows * k, 8192, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) out[i] = a.value(i);
     });
   });
   if (g.tile_bf16 && x.scalar_type() == at::kBFloat16) xs = xs.to(at::kBFloat16);
@@ -421,11 +308,8 @@ Tensor GGUFProjection::operator()(const Tensor& x_in) const {
   Tensor y = at::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
-    Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features);
-#ifdef TIDAL_GGUF_AVX512
-    a.d8.resize(a.d.size() * 8);
-    for (size_t g = 0; g < a.d.size(); ++g) std::fill_n(&a.d8[g * 8], 8, a.d[g]);
-#endif
+    const Activations a =
+        quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, has_k_quants(parts));
     const Tensor b = bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     int64_t col = 0;
     for (const GGUFPart& p : parts) {

@@ -1,0 +1,247 @@
+// K-quant rows (Q4_K, Q5_K, Q6_K) against activations rounded to int8 per 32 values
+// (gguf_activations.h). A block's sub-block scales are small integers (6 bits, or int8 for
+// Q6_K) times one float d: y += d * sum_j dx_j * sc_j * (q . x)_j - dmin * sum_j dx_j * mn_j
+// * sum(x_j), with the mins (and Q6_K's offset of 32) taken from the sums of q.
+//
+// A step takes 64 weights (two sub-blocks of 32, or four of 16 for Q6_K): with AVX-512 one
+// register, with AVX2 two; u8 x s8 products in pairs (maddubs), times the int16 scales
+// (madd), to float times each sub-block's dx. The weights' bits are unpacked once per step
+// for every activation row. (ggml rounds x per 256 instead, so a block's sums stay integers
+// to its end; per 32 costs a conversion a step and keeps the rounding error ~30% lower.)
+
+#pragma once
+
+#include "gguf_activations.h"
+#include "gguf_formats.h"
+
+#include <type_traits>
+
+namespace tidal_cpu {
+namespace gguf {
+
+// Block b's 6-bit scales and mins (Q4_K, Q5_K) as 8 bytes each, from its 12 packed bytes:
+// scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7; 4-7 take their low 4
+// bits from bytes 8-11 and their top 2 from the top bits of bytes 0-3 (scales) or 4-7 (mins).
+inline void k_scales_mins(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
+  uint32_t u[3];
+  std::memcpy(u, p, sizeof u);
+  sc = (u[0] & 0x3f3f3f3fu) |
+       uint64_t((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
+  mn = (u[1] & 0x3f3f3f3fu) |
+       uint64_t(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)) << 32;
+}
+
+#if defined(TIDAL_GGUF_AVX2)
+inline float fsum8(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 64 int8 lanes in one register; "half" h is lanes 32h .. 32h + 31.
+struct V64 {
+  __m512i v;
+  static V64 load(const void* p) { return {_mm512_loadu_si512(p)}; }
+  // The 32 bytes at p in both halves, shifted right by a (low half) and b (high half) bits
+  // in 16-bit lanes, then masked per byte.
+  static V64 halves(const uint8_t* p, int a, int b, int mask) {
+    const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(a)),
+                                          _mm256_set1_epi16(static_cast<short>(b)), 1);
+    return {_mm512_and_si512(_mm512_srlv_epi16(raw, by), _mm512_set1_epi8(static_cast<char>(mask)))};
+  }
+  V64 shr(int n, int mask) const {
+    return {_mm512_and_si512(_mm512_srli_epi16(v, n), _mm512_set1_epi8(static_cast<char>(mask)))};
+  }
+  V64 operator|(V64 o) const { return {_mm512_or_si512(v, o.v)}; }
+  V64 shl4() const { return {_mm512_slli_epi16(v, 4)}; }
+};
+// A block's int16 scales (16 lanes); step t's 32 lanes: each of n (2 or 4) scales
+// sc[n * t ..] over 32 / n lanes.
+struct Scales {
+  __m512i all;
+  explicit Scales(__m256i sc) : all(_mm512_zextsi256_si512(sc)) {}
+  __m512i step(int t, int n) const {
+    alignas(64) static const int16_t kLanes[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10,
+                                                   11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                                   22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+    const __m512i lane = _mm512_load_si512(kLanes);
+    const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(lane, n == 2 ? 4 : 3),
+                                         _mm512_set1_epi16(static_cast<short>(n * t)));
+    return _mm512_permutexvar_epi16(idx, all);
+  }
+};
+using F32 = __m512;
+// acc += float(s * (q . x)) * dx: the u8 x s8 products in pairs, times each pair's int16
+// scale, in 16 int32 lanes (8 a sub-block of 32), times the sub-blocks' activation scales.
+inline void add_scaled(F32& acc, V64 q, const int8_t* x, __m512i s, const float* dx) {
+  const __m512i i = _mm512_madd_epi16(_mm512_maddubs_epi16(q.v, _mm512_loadu_si512(x)), s);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_loadu_ps(dx), acc);
+}
+inline F32 widen(__m256 v) { return _mm512_zextps256_ps512(v); }
+inline F32 fzero() { return _mm512_setzero_ps(); }
+inline F32 fma_by(F32 a, float s, F32 acc) { return _mm512_fmadd_ps(a, _mm512_set1_ps(s), acc); }
+inline F32 fnma_by(F32 a, float s, F32 acc) { return _mm512_fnmadd_ps(a, _mm512_set1_ps(s), acc); }
+inline float fsum(F32 a) { return _mm512_reduce_add_ps(a); }
+#else
+struct V64 {
+  __m256i lo, hi;
+  static V64 load(const void* p) {
+    const __m256i* v = reinterpret_cast<const __m256i*>(p);
+    return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
+  }
+  static V64 halves(const uint8_t* p, int a, int b, int mask) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+    return {_mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(a)), m),
+            _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(b)), m)};
+  }
+  V64 shr(int n, int mask) const {
+    const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+    const __m128i c = _mm_cvtsi32_si128(n);
+    return {_mm256_and_si256(_mm256_srl_epi16(lo, c), m), _mm256_and_si256(_mm256_srl_epi16(hi, c), m)};
+  }
+  V64 operator|(V64 o) const { return {_mm256_or_si256(lo, o.lo), _mm256_or_si256(hi, o.hi)}; }
+  V64 shl4() const { return {_mm256_slli_epi16(lo, 4), _mm256_slli_epi16(hi, 4)}; }
+};
+struct S64 {
+  __m256i lo, hi;
+};
+struct Scales {
+  alignas(32) int16_t sc[16];
+  explicit Scales(__m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(sc), v); }
+  S64 step(int t, int n) const {
+    const int16_t* s = sc + n * t;
+    if (n == 2) return {_mm256_set1_epi16(s[0]), _mm256_set1_epi16(s[1])};
+    return {_mm256_setr_m128i(_mm_set1_epi16(s[0]), _mm_set1_epi16(s[1])),
+            _mm256_setr_m128i(_mm_set1_epi16(s[2]), _mm_set1_epi16(s[3]))};
+  }
+};
+using F32 = __m256;
+inline void add_scaled(F32& acc, V64 q, const int8_t* x, S64 s, const float* dx) {
+  const __m256i* xv = reinterpret_cast<const __m256i*>(x);
+  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(q.lo, _mm256_loadu_si256(xv)), s.lo);
+  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(q.hi, _mm256_loadu_si256(xv + 1)), s.hi);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(dx), acc);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(dx + 8), acc);
+}
+inline F32 widen(__m256 v) { return v; }
+inline F32 fzero() { return _mm256_setzero_ps(); }
+inline F32 fma_by(F32 a, float s, F32 acc) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
+inline F32 fnma_by(F32 a, float s, F32 acc) { return _mm256_fnmadd_ps(a, _mm256_set1_ps(s), acc); }
+inline float fsum(F32 a) { return fsum8(a); }
+#endif
+
+// 16 int16 sums of q (one activation row's block) times 16 int16 weights, in 8 int32 pairs.
+inline __m256i madd16(const int16_t* sums, __m256i w) {
+  return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)), w);
+}
+
+// The block's 64 quants of step t (0-3) as unsigned bytes, for each format.
+template <typename F>
+struct KSteps;
+
+template <bool kFive>
+struct KSteps<QK<kFive>> {
+  static constexpr int kScales = 2;  // sub-blocks of 32 a step
+  const uint8_t* qs;
+  const uint8_t* qh;
+  KSteps(const Field* f, int64_t b) : qs(f[kFive ? 4 : 3].at(b)), qh(kFive ? f[3].at(b) : nullptr) {}
+  V64 operator()(int t) const {  // nibbles of qs[32t ..]: low ones sub-block 2t, high 2t + 1
+    V64 q = V64::halves(qs + 32 * t, 0, 4, 15);
+    if (kFive) q = q | V64::halves(qh, 2 * t, 2 * t + 1, 1).shl4();  // fifth bit: qh bit j
+    return q;
+  }
+};
+
+template <>
+struct KSteps<Q6_K> {
+  static constexpr int kScales = 4;  // sub-blocks of 16 a step
+  const uint8_t* ql;
+  const uint8_t* qh;
+  KSteps(const Field* f, int64_t b) : ql(f[0].at(b)), qh(f[1].at(b)) {}
+  V64 operator()(int t) const {  // weights 64t ..: half h = t / 2, nibble and qh pair by t % 2
+    const int h = t / 2, p = t % 2;
+    const V64 lo = V64::load(ql + 64 * h).shr(4 * p, 15);
+    return lo | V64::halves(qh + 32 * h, 4 * p, 4 * p + 2, 3).shl4();
+  }
+};
+
+// One weight row's K-quant blocks against NR activation rows; adds each dot product to out[r].
+template <typename F, int NR>
+inline void kdot(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
+                 int64_t nb, float* out) {
+  constexpr bool kQ6 = std::is_same_v<F, Q6_K>;
+  const int64_t groups = a.k / kGroup;
+  F32 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = fzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    pf.block(b);
+    float d, offset;  // offset: what multiplies the sums of q (dmin, or 32 d for Q6_K's q - 32)
+    __m256i sc, sums_by;  // int16 scales; the weights of the sums of q (Q6_K: the scales)
+    if constexpr (kQ6) {
+      sc = sums_by = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(f[2].at(b))));
+      d = fp16(f[3].at(b));
+      offset = 32.f * d;
+    } else {
+      uint64_t s8, m8;
+      k_scales_mins(f[2].at(b), s8, m8);
+      sc = _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(s8))));
+      const __m128i m = _mm_cvtsi64_si128(static_cast<int64_t>(m8));
+      sums_by = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));  // each min for two 16s
+      d = fp16(f[0].at(b));
+      offset = fp16(f[1].at(b));
+    }
+    const KSteps<F> steps(f, b);
+    const Scales scales(sc);
+    F32 block[NR];
+    for (int r = 0; r < NR; ++r) block[r] = fzero();
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const V64 q = steps(t);
+      const auto s = scales.step(t, KSteps<F>::kScales);
+      for (int r = 0; r < NR; ++r) {
+        const int64_t g = (r0 + r) * groups + b * 8 + 2 * t;  // sub-blocks g, g + 1
+        add_scaled(block[r], q, &a.q[g * kGroup], s, &a.d8[g * 8]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const int64_t g = (r0 + r) * groups + b * 8;
+      const __m256 sums = _mm256_mul_ps(_mm256_cvtepi32_ps(madd16(&a.sum16[g * 2], sums_by)),
+                                        _mm256_loadu_ps(&a.d[g]));  // per sub-block, times dx
+      acc[r] = fnma_by(widen(sums), offset, fma_by(block[r], d, acc[r]));
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] += fsum(acc[r]);
+}
+#else
+// The same without AVX2, a sub-block of 32 at a time in float.
+template <typename F, int NR>
+inline void kdot(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
+                 int64_t nb, float* out) {
+  float s[8][2], m[8];
+  int8_t q[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    pf.block(b);
+    F::scales(f, b, s, m);
+    for (int j = 0; j < 8; ++j) {
+      F::scalar(f, b, j, q);
+      for (int r = 0; r < NR; ++r) {
+        const int64_t g = (r0 + r) * (a.k / kGroup) + b * 8 + j;
+        const int8_t* x = &a.q[g * kGroup];
+        int32_t lo = 0, hi = 0;
+        for (int i = 0; i < 16; ++i) {
+          lo += q[i] * x[i];
+          hi += q[i + 16] * x[i + 16];
+        }
+        const int32_t sum = a.sum16[g * 2] + a.sum16[g * 2 + 1];
+        out[r] += a.d[g] * (s[j][0] * lo + s[j][1] * hi + m[j] * sum);
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace gguf
+}  // namespace tidal_cpu
