@@ -1,6 +1,10 @@
-// Activation rows rounded to int8 for the GGUF integer kernels, per group of 32 values as
-// ggml's Q8_0: a scale per group, the exact sum of its x (the 32-weight formats' mins) and,
-// for the K-quants, the sums of each 16 of q and each scale repeated over 8 lanes.
+// Activation rows rounded to int8 for the GGUF integer kernels, a scale per group of 32
+// values (ggml's Q8_0 grid), each scale an integer multiple r of one base per 8 groups
+// (256 values): d = r * base, r in 1..kSteps, base = amax(256) / (127 * kSteps). A group's
+// d is then at most 1 + 1/r above its own amax / 127, so the rounding is per 32 for every
+// group that matters, while a K-quant block's sums stay integers to its end (its scales
+// times r, as int16) and cost one float multiply-add per block (gguf_kdot.h), as ggml's
+// coarser Q8_K grid (one scale per 256) does.
 
 #pragma once
 
@@ -12,49 +16,67 @@
 namespace tidal_cpu {
 namespace gguf {
 
+constexpr int kSteps = 128;  // r's range: a K-quant scale times r stays in int16
+
 struct Activations {
   int64_t k = 0;                // values per row
   std::vector<int8_t> q;        // [rows, k]
   std::vector<float> d;         // [rows * k / 32]: q * d is x rounded
   std::vector<float> sum;       // the exact sum of each group's x
-  std::vector<int16_t> sum16;   // with k_quants: the sum of each 16 of q
-  std::vector<float> d8;        // with k_quants: each d 8 times
+  std::vector<int16_t> r;       // each group's d / base
+  std::vector<float> base;      // per row, per 8 groups (the last ones of a row: fewer)
+  std::vector<float> sum16;     // with k_quants: the sum of each 16 of q, times d
 
+  int64_t bases_per_row() const { return (k / kGroup + 7) / 8; }
   // x as the kernels see it: value i of row-major [rows, k].
   float value(int64_t i) const { return d[i / kGroup] * static_cast<float>(q[i]); }
 };
 
-// rows x k values (k a multiple of 32) rounded to int8 with one scale per 32.
+// rows x k values (k a multiple of 32) rounded to int8 as above.
 template <typename T>
 Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants) {
-  constexpr int64_t group = kGroup;
-  const int64_t groups = rows * k / group;
+  const int64_t per_row = k / kGroup, groups = rows * per_row;
   Activations a;
   a.k = k;
   a.q.resize(rows * k);
   a.d.resize(groups);
   a.sum.resize(groups);
-  if (k_quants) a.sum16.resize(groups * 2), a.d8.resize(groups * 8);
-  at::parallel_for(0, groups, 64, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const T* v = x + g * group;
-      float amax = 0.f, sum = 0.f;
-      for (int64_t i = 0; i < group; ++i) {
-        amax = std::max(amax, std::abs(f32(v[i])));
-        sum += f32(v[i]);
+  a.r.resize(groups);
+  a.base.resize(rows * a.bases_per_row());
+  if (k_quants) a.sum16.resize(groups * 2);
+  at::parallel_for(0, static_cast<int64_t>(a.base.size()), 16, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t row = s / a.bases_per_row(), first = (s % a.bases_per_row()) * 8;
+      const int64_t g0 = row * per_row + first, n = std::min<int64_t>(8, per_row - first);
+      float amax[8] = {}, top = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        const T* v = x + (g0 + j) * kGroup;
+        float sum = 0.f;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          amax[j] = std::max(amax[j], std::abs(f32(v[i])));
+          sum += f32(v[i]);
+        }
+        a.sum[g0 + j] = sum;
+        top = std::max(top, amax[j]);
       }
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int8_t* q = &a.q[g * group];
-      for (int64_t i = 0; i < group; ++i)
-        q[i] = static_cast<int8_t>(std::nearbyint(f32(v[i]) * inv));
-      a.d[g] = d;
-      a.sum[g] = sum;
-      if (!k_quants) continue;
-      std::fill_n(&a.d8[g * 8], 8, d);
-      for (int64_t s = 0; s < 2; ++s) {
-        int32_t t = 0;
-        for (int i = 0; i < 16; ++i) t += q[16 * s + i];
-        a.sum16[g * 2 + s] = static_cast<int16_t>(t);
+      const float base = top / (127.f * kSteps);
+      a.base[s] = base;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t g = g0 + j;
+        const float steps = top > 0.f ? std::ceil(amax[j] * kSteps / top) : 1.f;
+        const int r = std::clamp(static_cast<int>(steps), 1, kSteps);
+        const float d = static_cast<float>(r) * base, inv = d > 0.f ? 1.f / d : 0.f;
+        a.r[g] = static_cast<int16_t>(r);
+        a.d[g] = d;
+        int8_t* q = &a.q[g * kGroup];
+        const T* v = x + g * kGroup;
+        for (int64_t i = 0; i < kGroup; ++i)
+          q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(f32(v[i]) * inv), -127.f, 127.f));
+        for (int64_t h = 0; k_quants && h < 2; ++h) {
+          int32_t t = 0;
+          for (int i = 0; i < 16; ++i) t += q[16 * h + i];
+          a.sum16[g * 2 + h] = static_cast<float>(t) * d;
+        }
       }
     }
   });

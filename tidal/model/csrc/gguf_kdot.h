@@ -1,13 +1,13 @@
-// K-quant rows (Q4_K, Q5_K, Q6_K) against activations rounded to int8 per 32 values
-// (gguf_activations.h). A block's sub-block scales are small integers (6 bits, or int8 for
-// Q6_K) times one float d: y += d * sum_j dx_j * sc_j * (q . x)_j - dmin * sum_j dx_j * mn_j
-// * sum(x_j), with the mins (and Q6_K's offset of 32) taken from the sums of q.
+// K-quant rows (Q4_K, Q5_K, Q6_K) against activations rounded to int8 per 32 values, each
+// scale r_j * base (gguf_activations.h). A block's sub-block scales are small integers
+// (6 bits, or int8 for Q6_K) times one float d, so with s_j = sc_j * r_j as int16:
+// y += d * base * sum_j s_j * (q . x)_j - dmin * sum_j mn_j * sum(x_j): the products in
+// integers to the block's end and one float multiply-add per block and row, the mins (and
+// Q6_K's offset of 32) from the sums of each 16 of x as rounded, also one multiply-add.
 //
 // A step takes 64 weights (two sub-blocks of 32, or four of 16 for Q6_K): with AVX-512 one
 // register, with AVX2 two; u8 x s8 products in pairs (maddubs), times the int16 scales
-// (madd), to float times each sub-block's dx. The weights' bits are unpacked once per step
-// for every activation row. (ggml rounds x per 256 instead, so a block's sums stay integers
-// to its end; per 32 costs a conversion a step and keeps the rounding error ~30% lower.)
+// (madd). The weights' bits are unpacked once per step for every activation row.
 
 #pragma once
 
@@ -72,17 +72,23 @@ struct Scales {
     return _mm512_permutexvar_epi16(idx, all);
   }
 };
+// 16 int32 partial sums.
+struct I32 {
+  __m512i v = _mm512_setzero_si512();
+  void add(V64 q, const int8_t* x, __m512i s) {  // += s * (q . x): u8 x s8 pairs, int16 s
+    v = _mm512_add_epi32(v, _mm512_madd_epi16(_mm512_maddubs_epi16(q.v, _mm512_loadu_si512(x)), s));
+  }
+  __m512 to_float() const { return _mm512_cvtepi32_ps(v); }
+};
 using F32 = __m512;
-// acc += float(s * (q . x)) * dx: the u8 x s8 products in pairs, times each pair's int16
-// scale, in 16 int32 lanes (8 a sub-block of 32), times the sub-blocks' activation scales.
-inline void add_scaled(F32& acc, V64 q, const int8_t* x, __m512i s, const float* dx) {
-  const __m512i i = _mm512_madd_epi16(_mm512_maddubs_epi16(q.v, _mm512_loadu_si512(x)), s);
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_loadu_ps(dx), acc);
-}
-inline F32 widen(__m256 v) { return _mm512_zextps256_ps512(v); }
+// 16 floats: a block's weights of the sums of each 16 of x.
+struct W16 {
+  __m512 v;
+  W16(__m256i w, float by) : v(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(w)), _mm512_set1_ps(by))) {}
+  F32 fnma(const float* sums, F32 acc) const { return _mm512_fnmadd_ps(_mm512_loadu_ps(sums), v, acc); }
+};
 inline F32 fzero() { return _mm512_setzero_ps(); }
 inline F32 fma_by(F32 a, float s, F32 acc) { return _mm512_fmadd_ps(a, _mm512_set1_ps(s), acc); }
-inline F32 fnma_by(F32 a, float s, F32 acc) { return _mm512_fnmadd_ps(a, _mm512_set1_ps(s), acc); }
 inline float fsum(F32 a) { return _mm512_reduce_add_ps(a); }
 #else
 struct V64 {
@@ -118,25 +124,30 @@ struct Scales {
             _mm256_setr_m128i(_mm_set1_epi16(s[2]), _mm_set1_epi16(s[3]))};
   }
 };
+struct I32 {
+  __m256i v = _mm256_setzero_si256();
+  void add(V64 q, const int8_t* x, S64 s) {
+    const __m256i* xv = reinterpret_cast<const __m256i*>(x);
+    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(q.lo, _mm256_loadu_si256(xv)), s.lo);
+    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(q.hi, _mm256_loadu_si256(xv + 1)), s.hi);
+    v = _mm256_add_epi32(v, _mm256_add_epi32(lo, hi));
+  }
+  __m256 to_float() const { return _mm256_cvtepi32_ps(v); }
+};
 using F32 = __m256;
-inline void add_scaled(F32& acc, V64 q, const int8_t* x, S64 s, const float* dx) {
-  const __m256i* xv = reinterpret_cast<const __m256i*>(x);
-  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(q.lo, _mm256_loadu_si256(xv)), s.lo);
-  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(q.hi, _mm256_loadu_si256(xv + 1)), s.hi);
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(dx), acc);
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(dx + 8), acc);
-}
-inline F32 widen(__m256 v) { return v; }
+struct W16 {
+  __m256 lo, hi;
+  W16(__m256i w, float by)
+      : lo(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w))), _mm256_set1_ps(by))),
+        hi(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(w, 1))), _mm256_set1_ps(by))) {}
+  F32 fnma(const float* sums, F32 acc) const {
+    return _mm256_fnmadd_ps(_mm256_loadu_ps(sums + 8), hi, _mm256_fnmadd_ps(_mm256_loadu_ps(sums), lo, acc));
+  }
+};
 inline F32 fzero() { return _mm256_setzero_ps(); }
 inline F32 fma_by(F32 a, float s, F32 acc) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
-inline F32 fnma_by(F32 a, float s, F32 acc) { return _mm256_fnmadd_ps(a, _mm256_set1_ps(s), acc); }
 inline float fsum(F32 a) { return fsum8(a); }
 #endif
-
-// 16 int16 sums of q (one activation row's block) times 16 int16 weights, in 8 int32 pairs.
-inline __m256i madd16(const int16_t* sums, __m256i w) {
-  return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)), w);
-}
 
 // The block's 64 quants of step t (0-3) as unsigned bytes, for each format.
 template <typename F>
@@ -168,49 +179,58 @@ struct KSteps<Q6_K> {
   }
 };
 
+// Activation row r's scale ratios for block b's sub-blocks (gguf_activations.h): 8 int16,
+// or each twice (16) for Q6_K's sub-blocks of 16.
+template <bool kTwice>
+inline __m256i ratios(const Activations& a, int64_t g) {
+  const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&a.r[g]));
+  if (kTwice) return _mm256_setr_m128i(_mm_unpacklo_epi16(r, r), _mm_unpackhi_epi16(r, r));
+  return _mm256_zextsi128_si256(r);
+}
+
 // One weight row's K-quant blocks against NR activation rows; adds each dot product to out[r].
+// Per block and row the int16 scales are the weight's times the row's ratios r (<= 63 * 128
+// or 128 * 128), so every sum stays int32 (a lane: 4 steps of 4 products, 16 * 63 * 127 *
+// 16384 < 2^31).
 template <typename F, int NR>
 inline void kdot(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
                  int64_t nb, float* out) {
   constexpr bool kQ6 = std::is_same_v<F, Q6_K>;
-  const int64_t groups = a.k / kGroup;
+  const int64_t groups = a.k / kGroup, bases = a.bases_per_row();
   F32 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = fzero();
   for (int64_t b = 0; b < nb; ++b) {
     pf.block(b);
-    float d, offset;  // offset: what multiplies the sums of q (dmin, or 32 d for Q6_K's q - 32)
-    __m256i sc, sums_by;  // int16 scales; the weights of the sums of q (Q6_K: the scales)
+    float d;
+    __m256i sc, by_sums;  // int16: the sub-blocks' scales; the weights of each 16's sum of x
+    float by;             // what multiplies by_sums: dmin, or 32 d for Q6_K's q - 32
     if constexpr (kQ6) {
-      sc = sums_by = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(f[2].at(b))));
+      sc = by_sums = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(f[2].at(b))));
       d = fp16(f[3].at(b));
-      offset = 32.f * d;
+      by = 32.f * d;
     } else {
       uint64_t s8, m8;
       k_scales_mins(f[2].at(b), s8, m8);
       sc = _mm256_zextsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(s8))));
       const __m128i m = _mm_cvtsi64_si128(static_cast<int64_t>(m8));
-      sums_by = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));  // each min for two 16s
+      by_sums = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));  // each min for two 16s
       d = fp16(f[0].at(b));
-      offset = fp16(f[1].at(b));
+      by = fp16(f[1].at(b));
     }
+    const W16 offsets(by_sums, by);
     const KSteps<F> steps(f, b);
-    const Scales scales(sc);
-    F32 block[NR];
-    for (int r = 0; r < NR; ++r) block[r] = fzero();
+    V64 q[4];  // the block's weights, unpacked once for every row
 #pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) {
-      const V64 q = steps(t);
-      const auto s = scales.step(t, KSteps<F>::kScales);
-      for (int r = 0; r < NR; ++r) {
-        const int64_t g = (r0 + r) * groups + b * 8 + 2 * t;  // sub-blocks g, g + 1
-        add_scaled(block[r], q, &a.q[g * kGroup], s, &a.d8[g * 8]);
-      }
-    }
+    for (int t = 0; t < 4; ++t) q[t] = steps(t);
     for (int r = 0; r < NR; ++r) {
       const int64_t g = (r0 + r) * groups + b * 8;
-      const __m256 sums = _mm256_mul_ps(_mm256_cvtepi32_ps(madd16(&a.sum16[g * 2], sums_by)),
-                                        _mm256_loadu_ps(&a.d[g]));  // per sub-block, times dx
-      acc[r] = fnma_by(widen(sums), offset, fma_by(block[r], d, acc[r]));
+      const Scales scales(_mm256_mullo_epi16(sc, ratios<kQ6>(a, g)));
+      I32 dot;
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t)
+        dot.add(q[t], &a.q[(g + 2 * t) * kGroup], scales.step(t, KSteps<F>::kScales));
+      acc[r] = offsets.fnma(&a.sum16[g * 2],
+                            fma_by(dot.to_float(), d * a.base[(r0 + r) * bases + b], acc[r]));
     }
   }
   for (int r = 0; r < NR; ++r) out[r] += fsum(acc[r]);
@@ -235,8 +255,8 @@ inline void kdot(const Activations& a, int64_t r0, const Field* f, const Prefetc
           lo += q[i] * x[i];
           hi += q[i + 16] * x[i + 16];
         }
-        const int32_t sum = a.sum16[g * 2] + a.sum16[g * 2 + 1];
-        out[r] += a.d[g] * (s[j][0] * lo + s[j][1] * hi + m[j] * sum);
+        out[r] += a.d[g] * (s[j][0] * lo + s[j][1] * hi) +
+                  m[j] * (a.sum16[g * 2] + a.sum16[g * 2 + 1]);
       }
     }
   }
