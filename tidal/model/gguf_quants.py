@@ -40,7 +40,7 @@ BLOCK_FIELDS = {
 SUPPORTED = frozenset(FLOAT_TYPES) | frozenset(BLOCK_FIELDS)
 # Formats whose kernels run faster planar (15-25% at one row, benchmarks/gguf_kernels.py);
 # the others run as fast (Q6_K faster) in the file's layout, so they stay views of the file.
-PLANAR = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
+PLANAR = frozenset({QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 MAX_ROWS = 16  # the integer kernel's crossover with dequantized tiles: 16-32 rows, measured
 TILE_BYTES = 4 << 20  # float32 bytes of a dequantized tile (256-1024 rows; measured best)
 

@@ -22,7 +22,7 @@ struct Activations {
   int64_t k = 0;                // values per row
   std::vector<int8_t> q;        // [rows, k]
   std::vector<float> d;         // [rows * k / 32]: q * d is x rounded
-  std::vector<float> sum;       // the exact sum of each group's x
+  std::vector<float> sum32;     // the sum of each group's q, times d: x's sum as rounded
   std::vector<int16_t> r;       // each group's d / base
   std::vector<float> base;      // per row, per 8 groups (the last ones of a row: fewer)
   std::vector<float> sum16;     // with k_quants: the sum of each 16 of q, times d
@@ -32,15 +32,16 @@ struct Activations {
   float value(int64_t i) const { return d[i / kGroup] * static_cast<float>(q[i]); }
 };
 
-// rows x k values (k a multiple of 32) rounded to int8 as above.
+// rows x k values (k a multiple of 32) rounded to int8 as above (and one group past the end
+// readable); k_quants: with sum16.
 template <typename T>
 Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants) {
   const int64_t per_row = k / kGroup, groups = rows * per_row;
   Activations a;
   a.k = k;
-  a.q.resize(rows * k);
-  a.d.resize(groups);
-  a.sum.resize(groups);
+  a.q.resize(rows * k + kGroup);
+  a.d.resize(groups + 8);
+  a.sum32.resize(groups + 8);
   a.r.resize(groups);
   a.base.resize(rows * a.bases_per_row());
   if (k_quants) a.sum16.resize(groups * 2);
@@ -51,12 +52,7 @@ Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants) {
       float amax[8] = {}, top = 0.f;
       for (int64_t j = 0; j < n; ++j) {
         const T* v = x + (g0 + j) * kGroup;
-        float sum = 0.f;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          amax[j] = std::max(amax[j], std::abs(f32(v[i])));
-          sum += f32(v[i]);
-        }
-        a.sum[g0 + j] = sum;
+        for (int64_t i = 0; i < kGroup; ++i) amax[j] = std::max(amax[j], std::abs(f32(v[i])));
         top = std::max(top, amax[j]);
       }
       const float base = top / (127.f * kSteps);
@@ -72,11 +68,11 @@ Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants) {
         const T* v = x + g * kGroup;
         for (int64_t i = 0; i < kGroup; ++i)
           q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(f32(v[i]) * inv), -127.f, 127.f));
-        for (int64_t h = 0; k_quants && h < 2; ++h) {
-          int32_t t = 0;
-          for (int i = 0; i < 16; ++i) t += q[16 * h + i];
-          a.sum16[g * 2 + h] = static_cast<float>(t) * d;
-        }
+        int32_t sums[2] = {0, 0};
+        for (int i = 0; i < kGroup; ++i) sums[i / 16] += q[i];
+        if (k_quants)
+          for (int h = 0; h < 2; ++h) a.sum16[g * 2 + h] = static_cast<float>(sums[h]) * d;
+        a.sum32[g] = static_cast<float>(sums[0] + sums[1]) * d;
       }
     }
   });

@@ -140,7 +140,7 @@ struct Q32 {
   static constexpr int kGroups = 1, kFields = 2 + kHasMin + kFive;  // d, (m), (qh), qs
   static constexpr int64_t kSize[4] = {2, kHasMin ? 2 : (kFive ? 4 : 16),
                                        kHasMin ? (kFive ? 4 : 16) : 16, 16};
-  static constexpr bool kMin = kHasMin;
+  static constexpr bool kMin = kHasMin, kFiveBits = kFive;
   static constexpr int kCenter = kHasMin ? (kFive ? 16 : 8) : 0;
   static constexpr int kOffset = kHasMin ? 0 : (kFive ? 16 : 8);
   static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {

@@ -6,6 +6,7 @@
 
 #include "tidal_cpu.h"
 #include "gguf_formats.h"
+#include "gguf_dot32.h"
 #include "gguf_kdot.h"
 
 #include <type_traits>
@@ -40,7 +41,7 @@ inline float hsum(__m256 v) {
 #endif
 
 // The 32-weight formats, one block a step: (q - c) . x in integers, then one float
-// multiply-add for the scale and one for the min, m + c * s (see kCenter), times x's exact sum.
+// multiply-add for the scale and one for the min, m + c * s (see kCenter), times x's sum.
 #ifdef TIDAL_GGUF_AVX2
 template <typename F, int NR>
 inline void dot_avx2(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
@@ -62,7 +63,7 @@ inline void dot_avx2(const Activations& a, int64_t r0, const Field* f, const Pre
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[rg * kGroup])), q);
       const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, x8));
       acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(a.d[rg])), acc[r]);
-      if (F::kMin) out[r] += (m[0] + F::kCenter * s[0][0]) * a.sum[rg];
+      if (F::kMin) out[r] += (m[0] + F::kCenter * s[0][0]) * a.sum32[rg];
     }
   }
   for (int r = 0; r < NR; ++r) out[r] += hsum(acc[r]);
@@ -83,7 +84,7 @@ inline void dot_scalar(const Activations& a, int64_t r0, const Field* f, const P
       const int8_t* x8 = &a.q[rg * kGroup];
       int32_t dot = 0;
       for (int i = 0; i < kGroup; ++i) dot += (q[i] - F::kCenter) * x8[i];
-      out[r] += a.d[rg] * s[0][0] * dot + (m[0] + F::kCenter * s[0][0]) * a.sum[rg];
+      out[r] += a.d[rg] * s[0][0] * dot + (m[0] + F::kCenter * s[0][0]) * a.sum32[rg];
     }
   }
 }
@@ -102,7 +103,13 @@ void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_by
     if constexpr (F::kBlock == 256) {
       kdot<F, NR>(a, r0, f, pf, nb, out);
     } else {
-#if defined(TIDAL_GGUF_AVX2)
+#if defined(TIDAL_GGUF_DOT32)
+      if (planar) {
+        dot32<F, NR>(a, r0, f, pf, nb, out);
+      } else {
+        dot_avx2<F, NR>(a, r0, f, pf, nb, out);
+      }
+#elif defined(TIDAL_GGUF_AVX2)
       dot_avx2<F, NR>(a, r0, f, pf, nb, out);
 #else
       dot_scalar<F, NR>(a, r0, f, pf, nb, out);
@@ -234,11 +241,11 @@ void rows_into(const GGUFPart& p, int64_t start, const Tensor& ids, Tensor& out)
   });
 }
 
-// Whether any part is a K-quant (whose kernel reads the sums of q and the repeated scales).
-bool has_k_quants(const std::vector<GGUFPart>& parts) {
+// Whether any part has blocks of `block` weights (the activation fields its kernel reads).
+bool has_blocks(const std::vector<GGUFPart>& parts, int64_t block) {
   bool any = false;
   for (const GGUFPart& p : parts)
-    with_format(p.type, [&](auto format) { any = any || decltype(format)::kBlock == 256; });
+    with_format(p.type, [&](auto format) { any = any || decltype(format)::kBlock == block; });
   return any;
 }
 
@@ -309,7 +316,7 @@ Tensor GGUFProjection::operator()(const Tensor& x_in) const {
   if (rows == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
     const Activations a =
-        quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, has_k_quants(parts));
+        quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, has_blocks(parts, 256));
     const Tensor b = bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     int64_t col = 0;
     for (const GGUFPart& p : parts) {
