@@ -190,9 +190,10 @@ class Decoder {
 
 }  // namespace tidal_cpu
 
+// Types local to the module: builds for other instruction sets load beside it (tests).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace tidal_cpu;
-  py::class_<Linear>(m, "Linear")
+  py::class_<Linear>(m, "Linear", py::module_local())
       .def(py::init([](int64_t kind, Tensor w, c10::optional<Tensor> bias,
                        c10::optional<Tensor> packed, c10::optional<Tensor> scales_zeros,
                        int64_t max_rows, c10::optional<Tensor> w32,
@@ -221,11 +222,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return l;
            })
       .def("__call__", &Linear::operator());
-  py::class_<GGUFPart>(m, "GGUFPart")
+  py::class_<GGUFPart>(m, "GGUFPart", py::module_local())
       .def(py::init([](Tensor data, int64_t type, bool planar) {
              return GGUFPart{data, type, planar};
            }), py::arg("data"), py::arg("type"), py::arg("planar"));
-  py::class_<GGUFProjection, std::shared_ptr<GGUFProjection>>(m, "GGUFProjection")
+  py::class_<GGUFProjection, std::shared_ptr<GGUFProjection>>(m, "GGUFProjection",
+                                                          py::module_local())
       .def(py::init([](std::vector<GGUFPart> parts, c10::optional<Tensor> bias, int64_t max_rows,
                        int64_t tile_rows, bool tile_bf16) {
              return std::make_shared<GGUFProjection>(std::move(parts), bias.value_or(Tensor()),
@@ -233,7 +235,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"), py::arg("tile_rows"),
            py::arg("tile_bf16") = false)
       .def("__call__", &GGUFProjection::operator(), py::call_guard<py::gil_scoped_release>());
-  py::class_<Decoder>(m, "Decoder")
+  py::class_<Decoder>(m, "Decoder", py::module_local())
       .def(py::init([](c10::optional<Tensor> embed, c10::optional<GGUFPart> embed_gguf,
                        Tensor final_norm, Linear lm_head, Tensor cos, Tensor sin, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps) {

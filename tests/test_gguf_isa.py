@@ -1,0 +1,84 @@
+"""The GGUF kernels as compiled for other CPUs. The extension builds with -march=native, so
+this machine runs only its own instruction set's paths; here the same sources are built for
+AVX2 without AVX-512 (haswell) and for no SIMD at all (x86-64), and each build's integer
+kernel must give what the native one gives (the same activation rounding, so equal up to
+float32 summation order) and what gguf.quants.dequantize(W) @ x gives, for every block
+format in both row layouts and 1-9 rows (each row count its own kernel instance)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.constants import GGML_QUANT_SIZES
+from test_gguf_quants import (MAX_TOL, RMS_TOL, dequantized, exact_x, k_for, relative_errors,
+                              weight_bytes)
+
+from tidal.model import cpu_decode
+from tidal.model.cpu_extension import _SOURCES
+from tidal.model.gguf_quants import BLOCK_FIELDS, QuantizedWeight
+from tidal.model.linear import cpu_flags
+
+NATIVE = cpu_decode.extension()
+MARCHES = {"haswell": {"avx2", "fma", "f16c"}, "x86-64": set()}
+
+
+@pytest.fixture(scope="module", params=list(MARCHES))
+def variant(request, tmp_path_factory):
+    march = request.param
+    if NATIVE is None:
+        pytest.skip("needs tidal's C++ extension")
+    if not MARCHES[march] <= cpu_flags():
+        pytest.skip(f"this CPU cannot run code built for {march}")
+    from torch.utils.cpp_extension import load
+
+    return load(name=f"tidal_cpu_{march.replace('-', '_')}", sources=_SOURCES,
+                extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                build_directory=str(tmp_path_factory.mktemp(march)), verbose=False)
+
+
+def linear(ext, w: QuantizedWeight, x: np.ndarray) -> np.ndarray:
+    y = ext.gguf_linear(torch.from_numpy(x).float(), w.data, int(w.qtype), w.planar, None)
+    return y.double().numpy()
+
+
+@pytest.mark.parametrize("planar", [True, False], ids=["planar", "file"])
+@pytest.mark.parametrize("qtype", list(BLOCK_FIELDS), ids=lambda t: t.name)
+def test_each_build_equals_the_native_one_and_gguf(variant, qtype, planar):
+    rng = np.random.default_rng(int(qtype) + 100 * planar)
+    n, k = 37, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 19)
+    raw = weight_bytes(qtype, n, k, rng, random=True)
+    w = QuantizedWeight("w", raw, qtype, (n, k), planar, use_extension=False)
+    ref = dequantized(raw, qtype)
+    for rows in range(1, 10):
+        x = exact_x(rows, k, rng)  # int8 rounding leaves it as it is: products exact
+        got, native = linear(variant, w, x), linear(NATIVE, w, x)
+        bound = np.abs(x) @ np.abs(ref).T
+        assert np.all(np.abs(got - x @ ref.T) <= 1e-5 * bound + 1e-30), rows
+        assert np.all(np.abs(got - native) <= 1e-5 * bound + 1e-30), rows
+        gauss = rng.standard_normal((rows, k)).astype(np.float32)
+        got, native = linear(variant, w, gauss), linear(NATIVE, w, gauss)
+        bound = np.abs(gauss) @ np.abs(ref).T
+        assert np.all(np.abs(got - native) <= 1e-5 * bound + 1e-30), rows
+        rms, worst = relative_errors(got, gauss.astype(np.float64) @ ref.T)
+        assert rms <= RMS_TOL and worst <= MAX_TOL, (rows, rms, worst)
+
+
+def test_each_build_keeps_to_its_instruction_set(variant):
+    """What the test above compares is the other instruction sets' code: the haswell build
+    has no AVX-512 register in it, the x86-64 one no AVX register at all."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("needs objdump")
+    code = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", variant.__file__],
+                          capture_output=True, text=True, check=True).stdout
+    assert "dot_rows<tidal_cpu::gguf::QK<false>" in code  # the Q4_K kernel is in there
+    assert "%zmm" not in code
+    if variant.__name__.endswith("x86_64"):
+        assert "%ymm" not in code
+    else:
+        assert "vpmaddubsw" in code
