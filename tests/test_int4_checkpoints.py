@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
@@ -109,13 +110,21 @@ LONG = [int(t) for t in np.random.default_rng(7).integers(3, 256, 48)]
 
 
 def int8_rounded(module, args):
-    """A projection's input rounded to int8 per 32 values, as the integer kernels and the
-    tiles of GGUFLinear round it."""
+    """A projection's input rounded to int8 per 32 values as the integer kernels and the
+    tiles of GGUFLinear round it (csrc/gguf_activations.h): each group's scale r * base,
+    base = amax / (127 * 128) over 8 groups of a row, r = ceil(128 * the group's amax / it)."""
     x = args[0]
-    groups = x.float().reshape(-1, 32)
-    d = groups.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, torch.round(groups / d), torch.zeros_like(groups))
-    return ((q * d).reshape(x.shape).to(x.dtype),)
+    rows = x.float().reshape(-1, x.shape[-1])
+    groups = rows.reshape(rows.shape[0], -1, 32)
+    amax = groups.abs().amax(-1)
+    n = amax.shape[1]
+    top = F.pad(amax, (0, -n % 8)).reshape(len(amax), -1, 8).amax(-1)
+    top = top.repeat_interleave(8, dim=1)[:, :n]
+    steps = torch.where(top > 0, torch.ceil(amax * 128 / top), torch.ones_like(top))
+    d = steps.clamp(1, 128) * (top / (127 * 128))
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(groups * inv[..., None]).clamp(-127, 127)
+    return ((q * d[..., None]).reshape(x.shape).to(x.dtype),)
 
 
 def generate(folder: Path, rounded: bool = False):
