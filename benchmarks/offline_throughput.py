@@ -1,7 +1,8 @@
 """Offline throughput on the embedded model: tidal against HF transformers' continuous
 batching (`generate_batch`) in the same run, plus tidal's decode step time by batch size.
 
-    python benchmarks/offline_throughput.py [--requests 64] [--max-tokens 64] [--skip-hf]
+    python benchmarks/offline_throughput.py [--model smollm2-135m] [--requests 64]
+        [--max-tokens 64] [--skip-hf] [--batches 1 8 32 64]
 
 Workload: N chat requests (the model's chat template around short questions), M output tokens
 each, ignore_eos, temperature 0. Prints generated tokens/s for both and the ratio.
@@ -83,6 +84,8 @@ def decode_step_ms(llm, batch: int, steps: int = 30, repeat: int = 5) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="a registry name, a Hugging Face folder or a .gguf file")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
@@ -99,7 +102,7 @@ def main() -> None:
 
     from tidal import LLM
 
-    llm = LLM("smollm2-135m", dtype=args.dtype, num_kv_blocks=2048,
+    llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=2048,
               quantization=args.quantization, num_threads=args.threads,
               cpu_decoder=not args.no_cpu_decoder, fp32_gemm_rows=args.fp32_gemm_rows)
     dtype = llm.engine.runner.dtype
