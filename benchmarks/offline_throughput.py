@@ -25,10 +25,14 @@ QUESTIONS = [
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The questions in the model's chat template (as plain text where it has none)."""
     out = []
     for i in range(n):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"}])
+        question = f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        except ValueError:  # no chat template
+            text = question
         out.append(tokenizer.encode(text, add_special_tokens=False))
     return out
 
