@@ -38,8 +38,8 @@ BLOCK_FIELDS = {
     QT.Q6_K: (128, 64, 16, 2),      # ql, qh, scales, d
 }
 SUPPORTED = frozenset(FLOAT_TYPES) | frozenset(BLOCK_FIELDS)
-# Formats whose kernels run faster planar (15-25% at one row, benchmarks/gguf_kernels.py);
-# the others run as fast (Q6_K faster) in the file's layout, so they stay views of the file.
+# Formats whose kernels read planar rows (each field contiguous: two blocks' quants one
+# load, eight blocks' scales another); the K-quants' kernel reads the file's layout.
 PLANAR = frozenset({QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 MAX_ROWS = 16  # the integer kernel's crossover with dequantized tiles: 16-32 rows, measured
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on

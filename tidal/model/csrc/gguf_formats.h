@@ -86,6 +86,12 @@ inline void k_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
 #ifdef TIDAL_GGUF_AVX2
 inline __m256i mask8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
 
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
 // 16 bytes of nibbles -> 32 values: the low nibbles, then the high ones (Q4_0's group order).
 inline __m256i nibbles16(const uint8_t* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

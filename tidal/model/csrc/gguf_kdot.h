@@ -32,12 +32,6 @@ inline void k_scales_mins(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
 }
 
 #if defined(TIDAL_GGUF_AVX2)
-inline float fsum8(__m256 a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // 64 int8 lanes in one register; "half" h is lanes 32h .. 32h + 31.
 struct V64 {
@@ -146,7 +140,7 @@ struct W16 {
 };
 inline F32 fzero() { return _mm256_setzero_ps(); }
 inline F32 fma_by(F32 a, float s, F32 acc) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
-inline float fsum(F32 a) { return fsum8(a); }
+inline float fsum(F32 a) { return hsum(a); }
 #endif
 
 // The block's 64 quants of step t (0-3) as unsigned bytes, for each format.
