@@ -26,6 +26,8 @@ struct Activations {
   std::vector<int16_t> r;       // each group's d / base
   std::vector<float> base;      // per row, per 8 groups (the last ones of a row: fewer)
   std::vector<float> sum16;     // with k_quants: the sum of each 16 of q, times d
+  std::vector<int8_t> qi;       // with interleaved: q, each 16 groups of a row as 8 x 16 x 4
+                                // (dword i of group l at 64 i + 4 l; gguf_dot32.h)
 
   int64_t bases_per_row() const { return (k / kGroup + 7) / 8; }
   // x as the kernels see it: value i of row-major [rows, k].
@@ -33,9 +35,9 @@ struct Activations {
 };
 
 // rows x k values (k a multiple of 32) rounded to int8 as above (and one group past the end
-// readable); k_quants: with sum16.
+// readable); k_quants: with sum16; interleaved: with qi.
 template <typename T>
-Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants) {
+Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants, bool interleaved) {
   const int64_t per_row = k / kGroup, groups = rows * per_row;
   Activations a;
   a.k = k;
@@ -76,6 +78,18 @@ Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants) {
       }
     }
   });
+  if (interleaved) {
+    a.qi.resize(a.q.size());
+    const int64_t runs = per_row / 16;  // whole runs of 16 groups a row
+    at::parallel_for(0, rows * runs, 16, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t at = ((s / runs) * per_row + (s % runs) * 16) * kGroup;
+        for (int64_t i = 0; i < 8; ++i)
+          for (int64_t l = 0; l < 16; ++l)
+            std::memcpy(&a.qi[at + 64 * i + 4 * l], &a.q[at + kGroup * l + 4 * i], 4);
+      }
+    });
+  }
   return a;
 }
 

@@ -54,28 +54,79 @@ struct Unsigned32 {
   }
 };
 
-// One planar row's blocks against NR activation rows; adds each dot product to out[r]. Eight
-// blocks a round: their scales (and mins) converted at once; per row the weights' and x's
-// scales multiplied once and spread over each pair's lanes, the offsets one multiply-add.
+// 16 blocks' unpacked quants transposed: from P[t] (blocks 2t and 2t + 1, eight dwords of
+// four weights each) to C[i], whose lane l is dword i of block l (weights 4i .. 4i + 3), in
+// three rounds of two-register dword permutes.
+inline void transpose16(const __m512i* P, __m512i* C) {
+  alignas(64) static const int32_t kIdx[3][2][16] = {
+      {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},     // 4 blocks, dwords 0-3
+       {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},  // and 4-7
+      {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},     // 8 blocks, 2 dwords
+       {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
+      {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},    // 16 blocks, 1 dword
+       {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}}};
+  const auto perm = [&](__m512i x, int round, int half, __m512i y) {
+    return _mm512_permutex2var_epi32(x, _mm512_load_si512(kIdx[round][half]), y);
+  };
+  __m512i four[2][4], eight[2][4];  // [dword half][blocks 4s ..]; [block half][dword pair]
+  for (int s = 0; s < 4; ++s)
+    for (int h = 0; h < 2; ++h) four[h][s] = perm(P[2 * s], 0, h, P[2 * s + 1]);
+  for (int h = 0; h < 2; ++h)
+    for (int p = 0; p < 4; ++p)
+      eight[h][p] = perm(four[p / 2][2 * h], 1, p % 2, four[p / 2][2 * h + 1]);
+  for (int p = 0; p < 4; ++p)
+    for (int e = 0; e < 2; ++e) C[2 * p + e] = perm(eight[0][p], 2, e, eight[1][p]);
+}
+
+// One planar row's blocks against NR activation rows; adds each dot product to out[r].
+// Sixteen blocks a round: transposed (above) against x interleaved the same way
+// (Activations::qi), each lane one block's products, so eight VNNI dot products a row sum
+// 512 weights in int32 and one conversion and multiply-add scale them. The last blocks (nb
+// % 16), and all of them for one row (whose step streams the weights from memory at the
+// speed either way, without the transposes), go eight a round: two blocks a dot product,
+// converted and scaled at once.
 template <typename F, int NR>
 inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
                   int64_t nb, float* out) {
   using U = Unsigned32<F>;
   __m512 acc[NR];
-  __m256 off_acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps(), off_acc[r] = _mm256_setzero_ps();
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i zero = _mm512_setzero_si512();
+  int64_t b0 = 0;
+  for (; NR > 1 && b0 + 16 <= nb; b0 += 16) {  // one row: memory-bound, the rounds below do
+    const auto halves = [&](int field) {  // the 16 blocks' float16 fields as floats
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f[field].at(b0))));
+    };
+    const __m512 d = halves(0);
+    // each block's offset m - c d, which multiplies the sum of its x
+    const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(U::kCentre), d,
+                                        F::kMin ? halves(1) : _mm512_setzero_ps());
+    __m512i pairs[8], u[8];
+    for (int t = 0; t < 8; ++t) {
+      pf.block(b0 + 2 * t);
+      pf.block(b0 + 2 * t + 1);
+      pairs[t] = U::pair(f, b0 + 2 * t, true);
+    }
+    transpose16(pairs, u);
+    for (int r = 0; r < NR; ++r) {
+      const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + 15
+      __m512i sum = zero;
+      for (int i = 0; i < 8; ++i)
+        sum = _mm512_dpbusd_epi32(sum, u[i], _mm512_loadu_si512(&a.qi[g * kGroup + 64 * i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_loadu_ps(&a.d[g])),
+                               _mm512_fmadd_ps(off, _mm512_loadu_ps(&a.sum32[g]), acc[r]));
+    }
+  }
   alignas(64) static const int32_t kPairLanes[4][16] = {
       {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
       {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}};
-  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+  for (; b0 < nb; b0 += 8) {
     const int n = static_cast<int>(std::min<int64_t>(8, nb - b0));
     const __mmask8 valid = static_cast<__mmask8>((1u << n) - 1);
     const auto halves = [&](int field) {  // n float16 fields of blocks b0.. as floats
       return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(valid, f[field].at(b0)));
     };
     const __m256 d = halves(0);
-    // each block's offset m - c d, which multiplies the sum of its x
     const __m256 off = _mm256_fnmadd_ps(_mm256_set1_ps(U::kCentre), d,
                                         F::kMin ? halves(1) : _mm256_setzero_ps());
     __m512i u[4];
@@ -87,7 +138,9 @@ inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefet
     for (int r = 0; r < NR; ++r) {
       const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + 7 (readable past the end)
       const __m512 dd = _mm512_zextps256_ps512(_mm256_mul_ps(d, _mm256_maskz_loadu_ps(valid, &a.d[g])));
-      off_acc[r] = _mm256_fmadd_ps(off, _mm256_maskz_loadu_ps(valid, &a.sum32[g]), off_acc[r]);
+      acc[r] = _mm512_fmadd_ps(
+          _mm512_zextps256_ps512(off),
+          _mm512_zextps256_ps512(_mm256_maskz_loadu_ps(valid, &a.sum32[g])), acc[r]);
       for (int t = 0; 2 * t < n; ++t) {
         const __m512i i = _mm512_dpbusd_epi32(zero, u[t], _mm512_loadu_si512(&a.q[(g + 2 * t) * kGroup]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i),
@@ -95,8 +148,7 @@ inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefet
       }
     }
   }
-  for (int r = 0; r < NR; ++r)
-    out[r] += _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(off_acc[r]));
+  for (int r = 0; r < NR; ++r) out[r] += _mm512_reduce_add_ps(acc[r]);
 }
 
 }  // namespace gguf

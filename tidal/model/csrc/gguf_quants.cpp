@@ -18,6 +18,11 @@ namespace {
 using namespace gguf;
 
 constexpr int kMaxRows = 8;           // activation rows sharing each decoded weight group
+#ifdef TIDAL_GGUF_DOT32
+constexpr bool kInterleaved = true;  // dot32 reads x's runs of 16 groups interleaved
+#else
+constexpr bool kInterleaved = false;
+#endif
 constexpr int64_t kTileBytes = 1 << 18;  // weight bytes a task keeps in L2 across row groups
 
 #ifdef TIDAL_GGUF_AVX2
@@ -254,7 +259,7 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g) {
   const int64_t rows = x.size(0), k = x.size(1);
   Tensor xs = at::empty({rows, k}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_tiled", [&] {
-    const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k, false);
+    const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k, false, false);
     float* out = xs.data_ptr<float>();
     at::parallel_for(0, rows * k, 8192, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) out[i] = a.value(i);
@@ -310,7 +315,8 @@ Tensor GGUFProjection::operator()(const Tensor& x_in) const {
   if (rows == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
     const Activations a =
-        quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, has_blocks(parts, 256));
+        quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, has_blocks(parts, 256),
+                           kInterleaved && has_blocks(parts, kGroup));
     const Tensor b = bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     int64_t col = 0;
     for (const GGUFPart& p : parts) {
