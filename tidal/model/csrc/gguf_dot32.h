@@ -1,8 +1,8 @@
-// The 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), planar, with AVX-512 VNNI: two
-// blocks (64 weights) a step, their quants as unsigned bytes u = q + c (c: 128 for Q8_0's int8, 0 for
-// the nibble formats, whose centre 8 or 16 is then part of the offset). Per block b and
-// activation row: y += d_b * dx_b * (u . x) + (m_b - c * d_b) * sum(x_b), the products one
-// VNNI instruction a step, the sums those of x as rounded.
+// The 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), planar, with AVX-512 VNNI: their
+// quants as unsigned bytes u = q + c (c: 128 for Q8_0's int8, 0 for the nibble formats,
+// whose centre 8 or 16 is then part of the offset). Per block b and activation row:
+// y += d_b * dx_b * (u . x) + (m_b - c * d_b) * sum(x_b), the sums those of x as rounded;
+// the products VNNI dot products, sixteen blocks (or two, see dot32) at a time.
 
 #pragma once
 
