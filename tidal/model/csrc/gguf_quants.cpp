@@ -240,14 +240,6 @@ void rows_into(const GGUFPart& p, int64_t start, const Tensor& ids, Tensor& out)
   });
 }
 
-// Whether any part has blocks of `block` weights (the activation fields its kernel reads).
-bool has_blocks(const std::vector<GGUFPart>& parts, int64_t block) {
-  bool any = false;
-  for (const GGUFPart& p : parts)
-    with_format(p.type, [&](auto format) { any = any || decltype(format)::kBlock == block; });
-  return any;
-}
-
 // Steps of many rows: tiles of dequantized weight rows that oneDNN multiplies (the extra
 // memory stays one tile however large the weight; the rows bucketed as every CPU GEMM's)
 // by x rounded to the int8 grid the integer kernels use. In float32 both paths compute the
@@ -297,6 +289,7 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
       const int64_t k = row_length<F>(p.data);
       if (in_features == 0) in_features = k;
       TORCH_CHECK(k == in_features, "GGUF parts of one projection must share in_features");
+      (F::kBlock == kGroup ? blocks32 : k_quants) = true;
     });
     out_features += p.data.size(0);
   }
@@ -315,8 +308,8 @@ Tensor GGUFProjection::operator()(const Tensor& x_in) const {
   if (rows == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
     const Activations a =
-        quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, has_blocks(parts, 256),
-                           kInterleaved && has_blocks(parts, kGroup));
+        quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, k_quants,
+                           kInterleaved && blocks32 && rows > 1);  // one row: no runs
     const Tensor b = bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     int64_t col = 0;
     for (const GGUFPart& p : parts) {

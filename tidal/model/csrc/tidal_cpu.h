@@ -129,6 +129,7 @@ struct GGUFProjection {
   Tensor bias;
   int64_t max_rows = 0, tile_rows = 0, in_features = 0, out_features = 0;
   bool tile_bf16 = false;
+  bool k_quants = false, blocks32 = false;  // whether some part is a K-quant / 32-weight format
 
   GGUFProjection() = default;
   GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows, int64_t tile_rows,
