@@ -104,6 +104,24 @@ def test_gaussian_activations_within_the_int8_rounding_bound(qtype, dtype):
         assert rms <= RMS_TOL and err <= MAX_TOL, (rows, rms, err)
 
 
+@needs_ext
+@pytest.mark.parametrize("planar", [None, False], ids=["default", "file"])
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_a_row_is_computed_alike_at_any_number_of_rows(qtype, planar):
+    """Bit for bit: a decode row's result does not depend on the rows beside it in the step
+    (speculative decoding verifies 1 + k rows of one request, and greedy output with guesses
+    must be greedy output without them), in the integer kernels' range of 1-16 rows."""
+    rng = np.random.default_rng(int(qtype) + 7)
+    k = k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 37)  # 16-block runs + a tail
+    raw = weight_bytes(qtype, 45, k, rng)
+    layer = GGUFLinear(QuantizedWeight("w", raw, qtype, (45, k), planar=planar))
+    x = torch.from_numpy(rng.standard_normal((16, k)).astype(np.float32))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])
+    for rows in (2, 3, 8, 9, 16):
+        together = torch.cat([layer(x[i:i + rows]) for i in range(0, 16, rows)])
+        assert torch.equal(together, alone), (rows, (together - alone).abs().max().item())
+
+
 def relative_errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     """(rms, max) of got - ref over the rms of ref."""
     scale = np.sqrt(np.mean(ref ** 2))

@@ -54,37 +54,55 @@ struct Unsigned32 {
   }
 };
 
+// Dword permutes that gather 16 blocks' dwords, from pairs of registers each holding 2, 4
+// or 8 blocks' dwords (8, 4, 2 a block), into registers holding twice the blocks and half
+// the dwords each: [round][half], half 0 the low dwords of each block, half 1 the high.
+alignas(64) inline constexpr int32_t kGather[3][2][16] = {
+    {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},     // 4 blocks, dwords 0-3
+     {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},  // and 4-7
+    {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},     // 8 blocks, 2 dwords
+     {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
+    {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},    // 16 blocks, 1 dword
+     {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}}};
+
+inline __m512i gather(__m512i x, int round, int half, __m512i y) {
+  return _mm512_permutex2var_epi32(x, _mm512_load_si512(kGather[round][half]), y);
+}
+
 // 16 blocks' unpacked quants transposed: from P[t] (blocks 2t and 2t + 1, eight dwords of
-// four weights each) to C[i], whose lane l is dword i of block l (weights 4i .. 4i + 3), in
-// three rounds of two-register dword permutes.
+// four weights each) to C[i], whose lane l is dword i of block l (weights 4i .. 4i + 3).
 inline void transpose16(const __m512i* P, __m512i* C) {
-  alignas(64) static const int32_t kIdx[3][2][16] = {
-      {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},     // 4 blocks, dwords 0-3
-       {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},  // and 4-7
-      {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},     // 8 blocks, 2 dwords
-       {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
-      {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},    // 16 blocks, 1 dword
-       {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}}};
-  const auto perm = [&](__m512i x, int round, int half, __m512i y) {
-    return _mm512_permutex2var_epi32(x, _mm512_load_si512(kIdx[round][half]), y);
-  };
   __m512i four[2][4], eight[2][4];  // [dword half][blocks 4s ..]; [block half][dword pair]
   for (int s = 0; s < 4; ++s)
-    for (int h = 0; h < 2; ++h) four[h][s] = perm(P[2 * s], 0, h, P[2 * s + 1]);
+    for (int h = 0; h < 2; ++h) four[h][s] = gather(P[2 * s], 0, h, P[2 * s + 1]);
   for (int h = 0; h < 2; ++h)
     for (int p = 0; p < 4; ++p)
-      eight[h][p] = perm(four[p / 2][2 * h], 1, p % 2, four[p / 2][2 * h + 1]);
+      eight[h][p] = gather(four[p / 2][2 * h], 1, p % 2, four[p / 2][2 * h + 1]);
   for (int p = 0; p < 4; ++p)
-    for (int e = 0; e < 2; ++e) C[2 * p + e] = perm(eight[0][p], 2, e, eight[1][p]);
+    for (int e = 0; e < 2; ++e) C[2 * p + e] = gather(eight[0][p], 2, e, eight[1][p]);
+}
+
+// The same walk summing instead of keeping: from S[t] (blocks 2t and 2t + 1, eight int32
+// partial sums each) to one register whose lane l is block l's whole sum, the integer that
+// the transposed path's lane l holds, so one row and many sum a block alike.
+inline __m512i reduce16(const __m512i* S) {
+  const auto both = [](__m512i x, int round, __m512i y) {
+    return _mm512_add_epi32(gather(x, round, 0, y), gather(x, round, 1, y));
+  };
+  __m512i four[4], eight[2];  // 4 blocks x 4 partials; 8 blocks x 2
+  for (int s = 0; s < 4; ++s) four[s] = both(S[2 * s], 0, S[2 * s + 1]);
+  for (int h = 0; h < 2; ++h) eight[h] = both(four[2 * h], 1, four[2 * h + 1]);
+  return both(eight[0], 2, eight[1]);
 }
 
 // One planar row's blocks against NR activation rows; adds each dot product to out[r].
 // Sixteen blocks a round: transposed (above) against x interleaved the same way
 // (Activations::qi), each lane one block's products, so eight VNNI dot products a row sum
-// 512 weights in int32 and one conversion and multiply-add scale them. The last blocks (nb
-// % 16), and all of them for one row (whose step streams the weights from memory at the
-// speed either way, without the transposes), go eight a round: two blocks a dot product,
-// converted and scaled at once.
+// 512 weights in int32 and one conversion and multiply-add scale them. One row (x not
+// interleaved) takes two blocks a dot product and sums each block's lanes (reduce16), so a
+// block's integer, and every float operation after it, are the same at any number of rows:
+// a token does not depend on how many rows its step verifies. The last blocks (nb % 16) go
+// eight a round: two blocks a dot product, converted and scaled at once.
 template <typename F, int NR>
 inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
                   int64_t nb, float* out) {
@@ -93,7 +111,7 @@ inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefet
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i zero = _mm512_setzero_si512();
   int64_t b0 = 0;
-  for (; NR > 1 && b0 + 16 <= nb; b0 += 16) {  // one row: memory-bound, the rounds below do
+  for (; b0 + 16 <= nb; b0 += 16) {
     const auto halves = [&](int field) {  // the 16 blocks' float16 fields as floats
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f[field].at(b0))));
     };
@@ -107,12 +125,18 @@ inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefet
       pf.block(b0 + 2 * t + 1);
       pairs[t] = U::pair(f, b0 + 2 * t, true);
     }
-    transpose16(pairs, u);
+    if constexpr (NR > 1) transpose16(pairs, u);
     for (int r = 0; r < NR; ++r) {
       const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + 15
       __m512i sum = zero;
-      for (int i = 0; i < 8; ++i)
-        sum = _mm512_dpbusd_epi32(sum, u[i], _mm512_loadu_si512(&a.qi[g * kGroup + 64 * i]));
+      if constexpr (NR > 1) {
+        for (int i = 0; i < 8; ++i)
+          sum = _mm512_dpbusd_epi32(sum, u[i], _mm512_loadu_si512(&a.qi[g * kGroup + 64 * i]));
+      } else {  // x as it lies (one row is not interleaved): two blocks a product, then summed
+        for (int t = 0; t < 8; ++t)
+          u[t] = _mm512_dpbusd_epi32(zero, pairs[t], _mm512_loadu_si512(&a.q[(g + 2 * t) * kGroup]));
+        sum = reduce16(u);
+      }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_loadu_ps(&a.d[g])),
                                _mm512_fmadd_ps(off, _mm512_loadu_ps(&a.sum32[g]), acc[r]));
     }
