@@ -23,20 +23,23 @@ if TYPE_CHECKING:
     from tidal.core.kv_cache_manager import KVCacheManager
 
 # Verifications a request's acceptance estimate remembers: counts decay by this per update;
-# the engine-wide estimate (a new request's prior) remembers more.
+# the engine-wide estimates (a request's prior) remember more.
 ACCEPTANCE_DECAY = 0.9
 ENGINE_DECAY = 0.99
+# Verifications' worth of the prior in a request's estimate: its own few verifications
+# move it, but a proposal's length says as much as they do about a guess's chance.
+PRIOR_WEIGHT = 4.0
 
 
 def acceptance(r: Request, prior: float = 0.5) -> float:
     """The estimated chance that one more guess of `r` is accepted, given the ones before it
     were: accepted guesses over accepted guesses plus rejections (each verification that
-    ends early is one rejection; guesses after it were never tested), with two
+    ends early is one rejection; guesses after it were never tested), with `PRIOR_WEIGHT`
     pseudo-counts split as `prior`. A request that never verified is taken at least even
     (so that it tries, whatever the others did)."""
     if not r.spec_hits and not r.spec_misses:
         return max(prior, 0.5)
-    return (r.spec_hits + 2.0 * prior) / (r.spec_hits + r.spec_misses + 2.0)
+    return (r.spec_hits + PRIOR_WEIGHT * prior) / (r.spec_hits + r.spec_misses + PRIOR_WEIGHT)
 
 
 def record_verification(r: Request, guessed: int, accepted: int) -> None:
@@ -75,19 +78,26 @@ class GuessPlanner:
         self.adaptive = adaptive
         self.step_time = step_time
         self.tpot = tpot  # a request's TPOT target in seconds, where the policy has one
-        # every request's verifications, decayed: a new request's prior (a workload whose
-        # guesses rarely pass starts its requests guessing little)
-        self.hits = self.misses = 0.0
+        # every request's verifications, decayed, by how many tokens its proposer held
+        # (hits, misses): the prior of a request whose proposer holds that many. A suffix
+        # proposer holds more after a longer match, and its guesses pass more often (chat,
+        # one at a time: ~20% of first guesses after a 2-guess proposal, ~90% after 8)
+        self.by_proposal = [[0.0, 0.0] for _ in range(max_guesses + 1)]
 
-    @property
-    def prior(self) -> float:
-        return (self.hits + 1.0) / (self.hits + self.misses + 2.0)
+    def prior(self, r: Request) -> float:
+        hits, misses = self.by_proposal[min(r.num_proposed, self.max_guesses)]
+        return (hits + 1.0) / (hits + misses + 2.0)
 
     def record(self, r: Request, guessed: int, accepted: int) -> None:
-        """A verification of r (at least one guess): its counts and the engine's."""
+        """A verification of r (at least one guess), planned from the `r.num_proposed`
+        tokens its proposer held: its counts and the engine's."""
         record_verification(r, guessed, accepted)
-        self.hits = self.hits * ENGINE_DECAY + accepted
-        self.misses = self.misses * ENGINE_DECAY + (accepted < guessed)
+        counts = self.by_proposal[min(r.num_proposed, self.max_guesses)]
+        counts[0] = counts[0] * ENGINE_DECAY + accepted
+        counts[1] = counts[1] * ENGINE_DECAY + (accepted < guessed)
+
+    def alpha(self, r: Request) -> float:
+        return acceptance(r, self.prior(r))
 
     def cap(self, r: Request) -> int:
         # num_in_flight counts this step's own token already (it is scheduled first)
@@ -126,8 +136,7 @@ class GuessPlanner:
                base: float) -> bool:
         if base <= 0.0 or not entries:
             return True
-        prior = self.prior
-        alpha = max(acceptance(r, prior) for r, _ in entries)
+        alpha = max(self.alpha(r) for r, _ in entries)
         with_guess = self.step_time.shape_time(shape.copy().add(1, entries[0][1] + 1))
         return (len(entries) + alpha) * base > len(entries) * with_guess
 
@@ -143,8 +152,7 @@ class GuessPlanner:
     def _adaptive(self, entries: Sequence[tuple[Request, int]], caps: list[int], budget: int,
                   shape: StepShape, seconds: float) -> list[int]:
         guesses = [0] * len(entries)
-        prior = self.prior
-        alphas = [acceptance(r, prior) for r, _ in entries]
+        alphas = [self.alpha(r) for r, _ in entries]
         targets = [self.tpot(r) if self.tpot else None for r, _ in entries]
         tokens = float(len(entries))  # each entry emits its own token for sure
         heap = [(-a, i) for i, a in enumerate(alphas) if caps[i]]

@@ -17,7 +17,7 @@ namespace {
 
 using namespace gguf;
 
-constexpr int kMaxRows = 8;           // activation rows sharing each decoded weight group
+constexpr int kMaxRows = 16;          // activation rows sharing each decoded weight group
 #ifdef TIDAL_GGUF_DOT32
 constexpr bool kInterleaved = true;  // dot32 reads x's runs of 16 groups interleaved
 #else
@@ -253,8 +253,11 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_tiled", [&] {
     const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k, false, false);
     float* out = xs.data_ptr<float>();
-    at::parallel_for(0, rows * k, 8192, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) out[i] = a.value(i);
+    at::parallel_for(0, rows * k / kGroup, 256, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const float d = a.d[g];
+        for (int64_t i = 0; i < kGroup; ++i) out[g * kGroup + i] = d * static_cast<float>(a.q[g * kGroup + i]);
+      }
     });
   });
   if (g.tile_bf16 && x.scalar_type() == at::kBFloat16) xs = xs.to(at::kBFloat16);
