@@ -2,8 +2,12 @@
 
 #include "tidal_cpu.h"
 
-#include <numeric>
+#include <limits>
 #include <type_traits>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace tidal_cpu {
 namespace {
@@ -41,15 +45,14 @@ inline v16f load16(const float* p) {
   return v;
 }
 inline v16f load16(const BFloat16* p) {  // bf16 is the top half of a float's bits
+#ifdef __AVX512F__  // one widening load (GCC splits the generic one into halves)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<v16f>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
   v16u16 h;
   std::memcpy(&h, p, sizeof h);
   return reinterpret_cast<v16f>(__builtin_convertvector(h, v16u32) << 16);
-}
-inline float hsum(v16f v) {
-  v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[1]) + (b[2] + b[3]);
+#endif
 }
 
 // A sequence's context in a [blocks, block_size, hkv, d] cache, for one KV head: `each`
@@ -68,35 +71,92 @@ struct Paged {
   }
 };
 
-// softmax in place over each of `groups` rows of n scores.
+// softmax in place over each of `groups` rows of n scores. The max and the sum run sixteen
+// lanes wide: a serial chain of n adds would cost more than the exponentials.
 inline void softmax_rows(float* scores, int64_t groups, int64_t n) {
   for (int64_t j = 0; j < groups; ++j) {
     float* s = scores + j * n;
-    const float mx = *std::max_element(s, s + n);
+    const int64_t whole = n / 16 * 16;
+    v16f m = v16f{} - std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < whole; t += 16) {
+      const v16f v = load16(s + t);
+      m = v > m ? v : m;
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < 16; ++i) mx = std::max(mx, m[i]);
+    for (int64_t t = whole; t < n; ++t) mx = std::max(mx, s[t]);
     for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - mx);
-    const float inv = 1.f / std::accumulate(s, s + n, 0.f);
+    v16f sum{};
+    for (int64_t t = 0; t < whole; t += 16) sum += load16(s + t);
+    float total = 0.f;
+    for (int i = 0; i < 16; ++i) total += sum[i];
+    for (int64_t t = whole; t < n; ++t) total += s[t];
+    const float inv = 1.f / total;
     for (int64_t t = 0; t < n; ++t) s[t] *= inv;
   }
 }
 
+// Sixteen vectors to one whose lane i is the sum of p[i]'s lanes, in four rounds that each
+// add two vectors' halves side by side (15 adds, 30 two-vector shuffles; 16 horizontal sums
+// take four times as many). A token's sum takes the same pairs at any lane, so a score does
+// not depend on where its block of 16 starts.
+inline v16f transpose_sum(const v16f* p) {
+  v16f a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                   18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                   20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                   22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
 // One (sequence, KV head) task for head_dim a multiple of 16 (up to 256): each K and V row
 // is loaded once as d/16 vectors and serves every query head of the group. NV = d / 16 when
-// known at compile time (the loops over a row then unroll), 0 to read it from d.
+// known at compile time (the loops over a row then unroll), 0 to read it from d. Scores go
+// sixteen tokens at a time: each token's products as one vector per query head, summed
+// across lanes together (transpose_sum).
 template <typename T, int NV>
 void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
-                int64_t groups, int64_t d, float* scores, float* acc) {
+                int64_t groups, int64_t d, float* scores, float* acc, v16f* part) {
   const int64_t nv = NV > 0 ? NV : d / 16;
-  v16f row[NV > 0 ? NV : 16];
-  ctx.each(n, [&](int64_t t, int64_t off) {
+  v16f row[NV > 0 ? NV : 16];  // part: [query head][token of the 16]
+  int64_t t0 = 0;      // the first of the 16 tokens
+  int m = 0;           // tokens of the 16 gathered
+  const auto flush = [&] {
+    for (int64_t j = 0; j < groups; ++j) {
+      v16f* pj = part + j * 16;
+      std::fill(pj + m, pj + 16, v16f{});
+      const v16f s = transpose_sum(pj);
+      std::memcpy(scores + j * n + t0, &s, sizeof(float) * m);
+    }
+    t0 += m;
+    m = 0;
+  };
+  ctx.each(n, [&](int64_t, int64_t off) {
     const T* k = k_cache + off;
     for (int64_t c = 0; c < nv; ++c) row[c] = load16(k + 16 * c);
     for (int64_t j = 0; j < groups; ++j) {
       const float* qj = qf + j * d;
       v16f sum = load16(qj) * row[0];
       for (int64_t c = 1; c < nv; ++c) sum += load16(qj + 16 * c) * row[c];
-      scores[j * n + t] = hsum(sum);
+      part[j * 16 + m] = sum;
     }
+    if (++m == 16) flush();
   });
+  if (m > 0) flush();
   softmax_rows(scores, groups, n);
   v16f out[16 * 16];  // groups * nv <= 16 * 16: checked by the caller
   std::fill(out, out + groups * nv, v16f{});
@@ -145,6 +205,7 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
   const bool vec = vectorisable && d % 16 == 0 && d <= 256 && groups * (d / 16) <= 256;
   at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf, scores, acc;
+    std::vector<v16f> parts(groups * 16);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / hkv, g = task % hkv;
       const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
@@ -159,11 +220,11 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
       float *qp = qf.data(), *sp = scores.data(), *ap = acc.data();
       if constexpr (vectorisable) {
         if (vec && d == 64) {
-          attend_vec<T, 4>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+          attend_vec<T, 4>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
         } else if (vec && d == 128) {
-          attend_vec<T, 8>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+          attend_vec<T, 8>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
         } else if (vec) {
-          attend_vec<T, 0>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+          attend_vec<T, 0>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
         } else {
           attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
         }
