@@ -1,11 +1,12 @@
 """The limits of a public endpoint, each at its edge and one past it, against a real
 `tidal serve` started with small limits: body size (413, by Content-Length and counted for a
-chunked body), prompt length, n x max_tokens, prompts per request, stop strings, logprobs
+chunked body), prompt length, n x max_tokens, sequences per request (prompts x n) and in flight, stop strings, logprobs
 (400s naming the field, through the official `openai` client), header size (431, or uvicorn's
 400 for headers still arriving) and the idle timeout (raw sockets)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -83,10 +84,29 @@ def test_n_times_max_tokens_is_capped(client):
     assert out.usage.completion_tokens == TOTAL
 
 
-def test_prompts_per_request_are_at_most_max_pending(client):
+def test_sequences_per_request_are_at_most_max_pending(client):
+    """Prompts times n: one request may not become more sequences than the server holds."""
     assert len(complete(client, prompt=["Hi"] * PENDING, max_tokens=1).choices) == PENDING
     assert "at most" in refused(lambda: complete(client, prompt=["Hi"] * (PENDING + 1),
                                                  max_tokens=1), "prompt")
+    half = PENDING // 2
+    assert len(complete(client, prompt=["Hi"] * half, n=2, max_tokens=1).choices) == PENDING
+    assert "sequences" in refused(lambda: complete(client, prompt=["Hi"] * half, n=3,
+                                                   max_tokens=1), "n")
+
+
+def test_concurrent_requests_never_overshoot_max_pending(server):
+    """Each request waits on its constraint's compilation between the pending check and its
+    admission: the check must reserve, or all of them pass it at once."""
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"prompt": "Say a:", "max_tokens": TOTAL, "ignore_eos": True,
+                    "guided_regex": "[ab]+"}
+            return await asyncio.gather(*(http.post(server.url + "/v1/completions", json=body)
+                                          for _ in range(3 * PENDING)))
+
+    codes = [r.status_code for r in asyncio.run(main())]
+    assert set(codes) == {200, 429} and codes.count(200) <= PENDING, codes
 
 
 def test_stop_strings_count_and_length(client):

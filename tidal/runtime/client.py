@@ -204,7 +204,8 @@ class CoreClient:
 
     @property
     def num_outstanding(self) -> int:
-        return len(self.streams)
+        """Sequences in flight: each open request's n."""
+        return self.streams.num_sequences
 
     def broadcast(self, msg: m.Watch) -> None:
         """Tell every core (and cores started later) how many dashboards watch."""

@@ -28,6 +28,8 @@ class RequestStreams:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.outputs = OutputProcessor(tokenizer)
         self.queues: dict[str, asyncio.Queue] = {}
+        self.widths: dict[str, int] = {}  # each open request's n
+        self.num_sequences = 0  # the open requests' sequences: the sum of their n
         self.on_update: Callable[[StepUpdate], None] | None = None  # e.g. metrics
 
     def __len__(self) -> int:
@@ -38,12 +40,19 @@ class RequestStreams:
         queue = queue if queue is not None else asyncio.Queue()
         self.queues[request_id] = queue
         self.outputs.track(request_id, params)
+        self._forget_width(request_id)  # an id opened twice counts once
+        self.widths[request_id] = params.n
+        self.num_sequences += params.n
         return queue
 
     def close(self, request_id: str) -> None:
         """Forget a request: finished, aborted, or never sent."""
         self.queues.pop(request_id, None)
         self.outputs.forget(request_id)
+        self._forget_width(request_id)
+
+    def _forget_width(self, request_id: str) -> None:
+        self.num_sequences -= self.widths.pop(request_id, 0)
 
     def ids(self) -> list[str]:
         return list(self.queues)
@@ -62,6 +71,7 @@ class RequestStreams:
 
     def fail(self, request_id: str, message: str, dead: bool) -> None:
         self.outputs.forget(request_id)
+        self._forget_width(request_id)
         queue = self.queues.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(Failure(message, dead=dead))

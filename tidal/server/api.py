@@ -50,6 +50,7 @@ class Frontend:
         self.metrics = ServerMetrics(client, config.served_model_name)
         self.dashboard = DashboardHub(client, self.metrics, config.served_model_name)
         self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
+        self.reserved = 0  # sequences of requests being checked and sent (see _submit)
         parser = config.tool_call_parser
         if parser == "auto":  # the format the model's chat template speaks
             template = getattr(self.tokenizer, "chat_template", None)
@@ -101,15 +102,29 @@ class Frontend:
     async def _submit(self, prompts: list[list[int]], body: GenerationRequest
                       ) -> tuple[list[str], asyncio.Queue, int]:
         """Check every prompt and its sampling parameters, then send them all to the cores
-        on one queue; returns their request ids, the queue and n."""
+        on one queue; returns their request ids, the queue and n. Its sequences (prompts
+        times n) count against --max-pending from the first check on."""
         client, config = self.client, self.config
         if not client.alive:
             raise _unavailable(client.unavailable())
-        if len(prompts) > config.max_pending:  # a 429 would say retry, which cannot help
-            raise APIError(f"the request holds {len(prompts)} prompts; this server takes at "
-                           f"most {config.max_pending} at once", param="prompt")
-        if client.num_outstanding + len(prompts) > config.max_pending:
+        n, most = body.n, min(config.max_sequences_per_request, config.max_pending)
+        sequences = len(prompts) * n
+        if sequences > most:  # a 429 would say retry, which cannot help
+            raise APIError(f"the request asks for {sequences} sequences ({len(prompts)} "
+                           f"prompts, n={n}); this server takes at most {most} from one "
+                           f"request", param="n" if n > 1 else "prompt")
+        # checked and reserved with no await between: concurrent requests cannot overshoot
+        if client.num_outstanding + self.reserved + sequences > config.max_pending:
             raise APIError("too many requests in flight; retry later", 429, "rate_limit_error")
+        self.reserved += sequences
+        try:
+            return await self._checked_submit(prompts, body)
+        finally:  # sent, the requests count themselves (client.num_outstanding)
+            self.reserved -= sequences
+
+    async def _checked_submit(self, prompts: list[list[int]], body: GenerationRequest
+                              ) -> tuple[list[str], asyncio.Queue, int]:
+        client, config = self.client, self.config
         params = []
         for ids in prompts:
             if not ids:

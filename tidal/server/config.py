@@ -47,7 +47,10 @@ class ServerConfig(HttpConfig):
 
     served_model_name: str | None = knob(None, "The model name clients send as `model` "
                                          "(unset: the model's own).")
-    max_pending: int = knob(512, "Requests in flight before new ones get HTTP 429.")
+    max_pending: int = knob(512, "Sequences in flight (each prompt of a request times its "
+                            "n) before new requests get HTTP 429.")
+    max_sequences_per_request: int = knob(256, "Most sequences one request may ask for, its "
+                                          "prompts times n (more: HTTP 400).")
     max_n: int = knob(16, "Largest `n` a request may ask for.")
     drain_timeout: float = knob(30.0, "Seconds SIGTERM lets running requests finish.")
     max_total_tokens: int | None = knob(None, "Most output tokens one prompt may ask for, n x "
@@ -73,7 +76,8 @@ class ServerConfig(HttpConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_at_least_one(self, "max_pending", "max_n", "max_stop_strings", "max_stop_length")
+        check_at_least_one(self, "max_pending", "max_sequences_per_request", "max_n",
+                           "max_stop_strings", "max_stop_length")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be at least 1, got {self.max_total_tokens}")
         check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
