@@ -24,6 +24,7 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, *flags: str) -> None:
+        self.flags = flags
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")  # a pipe could fill up and stall the server
@@ -44,7 +45,10 @@ class Server:
             time.sleep(0.3)
 
     def core_pid(self) -> int:
-        return httpx.get(self.url + "/health").json()["engine_core_pid"]
+        """The engine core's process id (/health tells it to a caller with the key)."""
+        key = self.flags[self.flags.index("--api-key") + 1] if "--api-key" in self.flags else None
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(self.url + "/health", headers=headers).json()["engine_core_pid"]
 
     def stop(self, timeout: float = 30) -> str:
         if self.proc.poll() is None:

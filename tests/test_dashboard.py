@@ -129,6 +129,44 @@ def test_the_page_and_its_stream_need_the_api_key(server):
     assert httpx.get(server.url + "/dashboard", headers=AUTH).status_code == 200
 
 
+def test_docs_and_internals_need_the_key_and_the_log_keeps_it_secret(server):
+    """A keyed server's schema and doc pages need the key (the pages also as ?api_key=, their
+    schema URL carrying it on); /health tells the core's pid only to a caller with the key;
+    the access log prints ?api_key= as [redacted]."""
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(server.url + path).status_code == 401, path
+        assert httpx.get(server.url + path, headers=AUTH).status_code == 200, path
+    assert "/v1/chat/completions" in httpx.get(server.url + f"/openapi.json?api_key={KEY}").text
+    page = httpx.get(server.url + f"/docs?api_key={KEY}")
+    assert page.status_code == 200 and f"/openapi.json?api_key={KEY}" in page.text
+    open_health = httpx.get(server.url + "/health").json()
+    assert open_health["status"] == "ok" and "engine_core_pid" not in open_health
+    assert httpx.get(server.url + "/health", headers=AUTH).json()["engine_core_pid"] > 0
+    httpx.get(server.url + f"/dashboard?api_key={KEY}")
+    log = server.output()
+    assert "/dashboard?api_key=[redacted]" in log and f"api_key={KEY}" not in log
+
+
+def test_the_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    from tidal.server.config import HttpConfig
+
+    monkeypatch.delenv("TIDAL_API_KEY", raising=False)
+    assert HttpConfig().key is None
+    monkeypatch.setenv("TIDAL_API_KEY", "from-env")
+    assert HttpConfig().key == "from-env"
+    assert HttpConfig(api_key="flag").key == "flag"  # the flag wins
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\nignored\n")
+    assert HttpConfig(api_key_file=str(key_file)).key == "from-file"
+    with pytest.raises(ValueError, match="not both"):
+        HttpConfig(api_key="flag", api_key_file=str(key_file))
+    with pytest.raises(ValueError, match="missing.*No such file"):
+        HttpConfig(api_key_file=str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        HttpConfig(api_key_file=str(tmp_path / "empty"))
+
+
 METRICS = {  # /metrics name -> (stats field, how /metrics merges the cores)
     "tidal:generation_tokens_total": ("generation_tokens", sum),
     "tidal:num_steps_total": ("num_steps", max),

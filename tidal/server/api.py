@@ -27,7 +27,7 @@ from tidal.runtime.client import CoreClient, EngineDeadError, Failure
 from tidal.server.config import ServerConfig
 from tidal.server.dashboard import DashboardHub
 from tidal.server.dashboard import routes as dashboard_routes
-from tidal.server.errors import install_error_handlers
+from tidal.server.errors import authorized, install_docs, install_error_handlers
 from tidal.server.metrics import ServerMetrics
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.openai.chat_output import ChatOutputOptions
@@ -268,7 +268,9 @@ routes = APIRouter()
 
 
 @routes.get("/health")
-async def health(f: FrontendDep):
+async def health(f: FrontendDep, request: Request):
+    """Whether the server serves, and how its cores fare; their process ids only to a
+    caller with the API key where there is one (an open endpoint tells no internals)."""
     client = f.client
     restarts = {"core_restarts": sum(s.restarts for s in client.watch.cores),
                 "restarting": client.watch.restarting}
@@ -285,6 +287,10 @@ async def health(f: FrontendDep):
     if client.num_cores > 1:  # data parallel: serving on while any core lives
         body.update(engine_core_pids=client.pids,
                     dead_cores={str(i): why for i, why in client.dead_cores.items()})
+    key = f.config.key
+    if key and not authorized(request, f"Bearer {key}".encode()):
+        body.pop("engine_core_pid")
+        body.pop("engine_core_pids", None)
     return body
 
 
@@ -351,9 +357,11 @@ async def _lifespan(app: FastAPI):
 
 def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     """The server's app over `client`'s engine cores (started and stopped with the app)."""
-    app = FastAPI(title="tidal", version=__version__, lifespan=_lifespan)
+    app = FastAPI(title="tidal", version=__version__, lifespan=_lifespan, docs_url=None,
+                  redoc_url=None)
     app.state.frontend = Frontend(client, config)
     install_error_handlers(app, config)
+    install_docs(app)
     app.include_router(routes)
     app.include_router(dashboard_routes)
     return app

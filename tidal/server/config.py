@@ -5,6 +5,7 @@ docs/configuration.md come from the same words."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from tidal.cluster.launch import parse_pd
@@ -23,7 +24,11 @@ class HttpConfig:
     host: str = knob("127.0.0.1", "Address to bind (loopback unless told otherwise).")
     port: int = knob(8000, "Port to listen on.")
     api_key: str | None = knob(None, "Require `Authorization: Bearer KEY` on /v1/*, "
-                               "/tokenize, /detokenize and /dashboard (401 otherwise).")
+                               "/tokenize, /detokenize, /dashboard and the API docs (401 "
+                               "otherwise). Unset: --api-key-file, else the TIDAL_API_KEY "
+                               "environment variable, else none.")
+    api_key_file: str | None = knob(None, "A file whose first line is the API key (kept off "
+                                    "the command line, which any local user may read).")
     max_body_bytes: int = knob(8 * 1024 * 1024, "Largest request body; larger ones get HTTP "
                                "413.")
     max_header_bytes: int = knob(16 * 1024, "Largest request line plus headers; larger ones "
@@ -33,11 +38,34 @@ class HttpConfig:
                                "keep-alive default).")
 
     def __post_init__(self) -> None:
+        # self.key, the API key in force: not a field, so replace() resolves it anew
+        object.__setattr__(self, "key", self._key())
         check_at_least_one(self, "max_body_bytes", "max_header_bytes")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.idle_timeout <= 0:
             raise ValueError(f"idle_timeout must be > 0, got {self.idle_timeout}")
+
+    def _key(self) -> str | None:
+        """The API key: --api-key, else the first line of --api-key-file, else
+        TIDAL_API_KEY (vLLM reads VLLM_API_KEY alike), else none."""
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give the API key once: --api-key or --api-key-file, not both")
+        key = self.api_key
+        if self.api_key_file is not None:
+            try:
+                with open(self.api_key_file, encoding="utf-8") as f:
+                    key = f.readline().strip()
+            except OSError as exc:
+                raise ValueError(f"api_key_file {self.api_key_file!r}: {exc.strerror}") from exc
+            if not key:
+                raise ValueError(f"api_key_file {self.api_key_file!r} holds no key on its "
+                                 f"first line")
+        elif key is None:
+            key = os.environ.get("TIDAL_API_KEY") or None
+        if key is not None and not key.strip():
+            raise ValueError("the API key is empty")
+        return key
 
 
 @dataclass(frozen=True)

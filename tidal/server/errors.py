@@ -5,10 +5,14 @@ refuses alike."""
 from __future__ import annotations
 
 import hmac
+import logging
+import re
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.server.config import HttpConfig
@@ -59,8 +63,9 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI, http: HttpConfig) -> None:
     """Answer APIError, invalid bodies (400, not FastAPI's 422) and HTTP errors with OpenAI
-    error bodies; with `http.api_key`, refuse /v1, /tokenize, /detokenize and /dashboard
-    requests that do not carry it (401; the dashboard may carry it as `?api_key=`); refuse
+    error bodies; with an API key (`http.key`), refuse /v1, /tokenize, /detokenize,
+    /dashboard and the docs requests that do not carry it (401; pages may carry it as
+    `?api_key=`, which the access log redacts); refuse
     headers over `max_header_bytes` (431) and bodies over `max_body_bytes` (413)."""
     app.add_middleware(RequestLimits, max_body_bytes=http.max_body_bytes,
                        max_header_bytes=http.max_header_bytes)
@@ -68,18 +73,65 @@ def install_error_handlers(app: FastAPI, http: HttpConfig) -> None:
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
 
-    api_key = http.api_key
+    api_key = http.key
     expected = f"Bearer {api_key}".encode()
+    install_key_redaction()
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         path = request.url.path
-        page = path.startswith("/dashboard")
+        page = path.startswith("/dashboard") or path in DOC_PAGES
         if api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize") or page):
-            sent = request.headers.get("authorization", "").encode()
-            if page and not sent:  # a browser cannot add headers to a page or EventSource
-                sent = f"Bearer {request.query_params.get('api_key', '')}".encode()
-            if not hmac.compare_digest(sent, expected):  # constant time: no timing oracle
+            if not authorized(request, expected, page):
                 return error_response(APIError("invalid or missing API key", 401,
                                                "authentication_error"))
         return await call_next(request)
+
+
+# The API's schema and its two documentation pages: behind the key when there is one (they
+# list every route and field), and, as pages, with the key also as ?api_key=.
+DOC_PAGES = ("/openapi.json", "/docs", "/redoc")
+
+
+def authorized(request: Request, expected: bytes, page: bool = False) -> bool:
+    """Whether the request carries the key (`expected`: b"Bearer KEY"); a page may carry it
+    as ?api_key=, since a browser cannot add headers to a page or an EventSource."""
+    sent = request.headers.get("authorization", "").encode()
+    if page and not sent:
+        sent = f"Bearer {request.query_params.get('api_key', '')}".encode()
+    return hmac.compare_digest(sent, expected)  # constant time: no timing oracle
+
+
+class _RedactKeys(logging.Filter):
+    """Access-log lines with ?api_key=... (a dashboard's URL) print the key as [redacted]."""
+
+    PATTERN = re.compile(r"(api_key=)[^&\s]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self.PATTERN.sub(r"\1[redacted]", a) if isinstance(a, str)
+                                else a for a in record.args)
+        return True
+
+
+def install_docs(app: FastAPI) -> None:
+    """/docs and /redoc (the app made with docs_url=None, redoc_url=None): FastAPI's pages,
+    whose schema URL carries the page's own ?api_key= so that a keyed server's page loads."""
+
+    def schema_url(request: Request) -> str:
+        key = request.query_params.get("api_key")
+        return app.openapi_url + (f"?{urlencode({'api_key': key})}" if key else "")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger(request: Request) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=schema_url(request), title=f"{app.title} docs")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        return get_redoc_html(openapi_url=schema_url(request), title=f"{app.title} docs")
+
+
+def install_key_redaction() -> None:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _RedactKeys) for f in access.filters):
+        access.addFilter(_RedactKeys())

@@ -30,7 +30,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from tidal.cluster.routing import CoreLoad, Router
 from tidal.server.config import HttpConfig
 from tidal.server.dashboard import page_html
-from tidal.server.errors import install_error_handlers
+from tidal.server.errors import install_docs, install_error_handlers
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
                                           GenerationRequest)
@@ -303,8 +303,9 @@ def build_router_app(router: PDRouter, http: HttpConfig | None = None,
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="tidal router", lifespan=lifespan)
+    app = FastAPI(title="tidal router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
     install_error_handlers(app, http or HttpConfig())
+    install_docs(app)
     app.include_router(routes)
     return app
