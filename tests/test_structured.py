@@ -1,7 +1,8 @@
 """Structured outputs on the embedded model, through a real server and the official `openai`
 client: JSON schemas (OpenAI's response_format and vLLM's fields) hold at temperature 1.0
 for 20 samples, streamed or not and with n > 1; regexes, choices and Lark grammars hold;
-a constraint that does not compile, or two at once, is a 400 naming the field. Offline: a
+a constraint that does not compile, is too large, or fails on its first mask, or two at
+once, is a 400 naming the field; one that fails while decoding ends with an error. Offline: a
 request retracted and recomputed mid-output keeps to its grammar."""
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ def test_regex_choice_and_grammar_hold(client):
     ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml", "not supported"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
      "send one"),
+    # over --max-constraint-bytes: refused before any compilation
+    ({"guided_choice": [f"c{i}" for i in range(100_000)]}, "guided_choice", "at most"),
+    # past the parser's row limit (it would fail only once decoding reached it)
+    ({"guided_choice": [f"c{i}" for i in range(2000)]}, "guided_choice", "at most 1999"),
+    # compiles, but its first mask fails: a schema that is only a reference to itself
+    ({"guided_json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+     "guided_json", "does not compile"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, body, param, words):
     r = httpx.post(server.url + "/v1/chat/completions",
@@ -101,6 +109,25 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param, words):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_a_constraint_that_fails_while_decoding_ends_with_an_error(server):
+    """A regex the grammar engine compiles but cannot run to its end (too many lexer
+    states): the request ends with an error naming the constraint, never a silent stop, and
+    the engine serves the next one."""
+    body = {"messages": ASK, "max_tokens": 16, "guided_regex": "((a{100}){100}){100}"}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 500, r.text
+    assert "constraint failed while decoding" in r.json()["error"]["message"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      json={**body, "stream": True}, timeout=120) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert any("constraint failed while decoding" in e for e in events), events[-3:]
+    assert not any('"finish_reason":"stop"' in e.replace(" ", "") for e in events)
+    ok = httpx.post(server.url + "/v1/chat/completions",
+                    json={"messages": ASK, "max_tokens": 4, "guided_choice": ["yes", "no"]},
+                    timeout=60)
+    assert ok.json()["choices"][0]["message"]["content"] in ("yes", "no")
 
 
 def test_a_retracted_request_resumes_its_grammar():

@@ -95,6 +95,9 @@ class ModelOutput(msgspec.Struct):
     # each request that sampled, ready for its next step.
     drafted: dict[str, int] = msgspec.field(default_factory=dict)
     proposed: dict[str, int] = msgspec.field(default_factory=dict)
+    # Requests the executor cannot go on with (e.g. an output constraint that failed while
+    # decoding), and why: they end with `error` before this step's tokens reach them.
+    failed: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False):

@@ -163,8 +163,9 @@ class EngineCore:
             failed = [o for s in out.scheduled for o in self.fail(s.request_id, message)]
             self.scheduler.update(out, ModelOutput(preempted_ack=list(out.preempted_ids)))
             return failed
+        failed = [o for rid, why in result.failed.items() for o in self.fail(rid, why)]
         self.generation_tokens += sum(len(t) for t in result.sampled.values())
-        outputs = self.scheduler.update(out, result)
+        outputs = failed + self.scheduler.update(out, result)
         if result.logprobs or result.prompt_logprobs:  # a step without them pays nothing
             attach_logprobs(outputs, result)
         return outputs

@@ -212,6 +212,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         spec = self.speculator
+        failed: dict[str, str] = {}  # requests that cannot go on, and why
         for rid in out.finished_ids:
             self.generators.pop(rid, None)
             q = self.seqs.pop(rid, None)
@@ -224,8 +225,10 @@ class ModelRunner:
             if spec is not None:  # whatever it held was guessed after tokens now dropped
                 spec.forget(new.request_id, [], False)
             if new.sampling_params.structured is not None:  # at the state of its tokens
-                self._matchers().add(new.request_id, *new.sampling_params.structured,
-                                     list(new.output_token_ids))
+                why = self._matchers().add(new.request_id, *new.sampling_params.structured,
+                                           list(new.output_token_ids))
+                if why is not None:
+                    failed[new.request_id] = why
         if out.block_copies:
             dev = torch.device(self.device)  # staged without a sync, as the sampler's inputs
             src = on_device([s for s, _ in out.block_copies], torch.long, dev)
@@ -236,7 +239,7 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.copy_blocks(src, dst)
         if not out.scheduled:
-            return ModelOutput(preempted_ack=list(out.preempted_ids))
+            return ModelOutput(preempted_ack=list(out.preempted_ids), failed=failed)
         constrained = self.matchers is not None and bool(self.matchers.by_id)
         guesses = self._guesses(out.scheduled, constrained) if self.max_guesses else {}
         # Grammar masks are computed on a worker thread while the forward pass runs.
@@ -258,7 +261,7 @@ class ModelRunner:
             self.matchers.apply(masks, logits, sample_ids,
                                 [self.seqs[rid].stop_ids for rid in sample_ids])
         tokens, logprobs = sample(logits, self._rows(sample_ids, guesses), self.generator)
-        result = ModelOutput(preempted_ack=list(out.preempted_ids))
+        result = ModelOutput(preempted_ack=list(out.preempted_ids), failed=failed)
         i = 0
         while i < len(sample_ids):
             rid = sample_ids[i]
@@ -279,6 +282,9 @@ class ModelRunner:
             q.num_samples = 1
             if masks is not None:
                 self.matchers.advance(rid, emitted[:1] if g is None else emitted)
+                why = self.matchers.failure(rid)
+                if why is not None:  # its tokens since the failure are not the grammar's
+                    failed[rid] = why
             if lp is not None:
                 result.logprobs[rid] = lp
             if q.prompt_k is not None:  # the prompt is done: they go with its first token

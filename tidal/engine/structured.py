@@ -22,6 +22,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 KINDS = ("json", "regex", "choice", "grammar")  # SamplingParams.structured[0]
+# One grammar row holds at most 2000 items (llguidance's max_items_in_row); n choices make
+# n + 1, which fail only once decoding reaches them
+MAX_CHOICES = 1999
 # tidal's kind -> llguidance's grammar_from format
 _FORMATS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "lark"}
 
@@ -41,17 +44,30 @@ class Grammars:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None) -> None:
         import llguidance
+        import llguidance.torch as llt
 
-        self._ll = llguidance
+        self._ll, self._llt = llguidance, llt
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=eos_token_id)
         self.vocab_size = vocab_size
+
+    def check(self, kind: str, spec: str) -> None:
+        """Compile a spec and compute its first mask, as a sequence's matcher will: a
+        ValueError naming what is wrong (some grammars fail only once they run, e.g. a
+        schema that refers to itself and nothing else)."""
+        m = self.matcher(kind, spec, [])
+        self._llt.fill_next_token_bitmask(m, self._llt.allocate_token_bitmask(1, self.vocab_size))
+        if m.is_error():
+            raise ValueError(f"the {kind} constraint does not compile: {error_line(m)}")
 
     def grammar(self, kind: str, spec: str) -> str:
         """llguidance's grammar for a spec; ValueError naming what is wrong with it."""
         try:
             if kind == "choice" and not json.loads(spec):
                 raise ValueError("the choice list is empty")
+            if kind == "choice" and len(json.loads(spec)) > MAX_CHOICES:
+                raise ValueError(f"{len(json.loads(spec))} choices; llguidance's parser takes "
+                                 f"at most {MAX_CHOICES}")
             if kind == "json":
                 spec = _compact(spec)
             grammar = self._ll.grammar_from(_FORMATS[kind], spec)
@@ -80,6 +96,11 @@ class Grammars:
         return m
 
 
+def error_line(matcher) -> str:
+    """A failed matcher's error, its first line (llguidance's next lines dump its state)."""
+    return (matcher.get_error().strip().splitlines() or ["unknown error"])[0]
+
+
 class Matchers:
     """The constrained sequences of a model runner, by request id."""
 
@@ -90,8 +111,22 @@ class Matchers:
         self.by_id: dict[str, object] = {}
         self._pool = ThreadPoolExecutor(1, "tidal-grammar")
 
-    def add(self, rid: str, kind: str, spec: str, consumed: list[int]) -> None:
-        self.by_id[rid] = self.grammars.matcher(kind, spec, consumed)
+    def add(self, rid: str, kind: str, spec: str, consumed: list[int]) -> str | None:
+        """Start a sequence's matcher at the state after `consumed`; what is wrong, if it
+        cannot be."""
+        try:
+            self.by_id[rid] = self.grammars.matcher(kind, spec, consumed)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def failure(self, rid: str) -> str | None:
+        """Why a sequence's grammar failed while it decoded (a limit of the grammar engine
+        hit, e.g. too many lexer states), or None while it holds."""
+        m = self.by_id.get(rid)
+        if m is None or not m.is_error():
+            return None
+        return f"the output constraint failed while decoding: {error_line(m)}"
 
     def drop(self, rid: str) -> None:
         self.by_id.pop(rid, None)

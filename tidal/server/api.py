@@ -164,10 +164,16 @@ class Frontend:
         return self.grammars
 
     async def _check_constraint(self, field: str, constraint: tuple[str, str]) -> None:
-        """Compile an output constraint: a 400 naming `field` if it does not."""
+        """Compile an output constraint: a 400 naming `field` if it is over
+        --max-constraint-bytes or does not compile (in a worker thread: the event loop goes
+        on; the size bounds the work here and again in the engine core)."""
+        size, most = len(constraint[1].encode()), self.config.max_constraint_bytes
+        if size > most:
+            raise APIError(f"the output constraint is {size} bytes; this server takes at most "
+                           f"{most}", param=field)
         await self._load_grammars()
         try:
-            await asyncio.to_thread(self.grammars.grammar, *constraint)
+            await asyncio.to_thread(self.grammars.check, *constraint)
         except ValueError as exc:
             raise APIError(str(exc), param=field) from exc
 

@@ -84,6 +84,9 @@ class ServerConfig(HttpConfig):
     max_total_tokens: int | None = knob(None, "Most output tokens one prompt may ask for, n x "
                                         "max_tokens (unset: no cap beyond max_n and the "
                                         "context).")
+    max_constraint_bytes: int = knob(128 * 1024, "Largest output constraint (a JSON schema, "
+                                     "regex, choice list or grammar) a request may send; its "
+                                     "compilation grows with it.")
     max_stop_strings: int = knob(16, "Most stop strings a request may send.")
     max_stop_length: int = knob(256, "Most characters of one stop string (a stream holds "
                                 "that much text back).")
@@ -105,7 +108,7 @@ class ServerConfig(HttpConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_at_least_one(self, "max_pending", "max_sequences_per_request", "max_n",
-                           "max_stop_strings", "max_stop_length")
+                           "max_constraint_bytes", "max_stop_strings", "max_stop_length")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be at least 1, got {self.max_total_tokens}")
         check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
