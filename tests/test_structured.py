@@ -7,8 +7,10 @@ request retracted and recomputed mid-output keeps to its grammar."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 
 import httpx
 import jsonschema
@@ -128,6 +130,31 @@ def test_a_constraint_that_fails_while_decoding_ends_with_an_error(server):
                     json={"messages": ASK, "max_tokens": 4, "guided_choice": ["yes", "no"]},
                     timeout=60)
     assert ok.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def test_a_pathological_grammar_does_not_stall_other_requests(server):
+    """Regexes whose lexers would take seconds to build and run (nested repetitions): the
+    engine core compiles a constraint on a worker thread before scheduling it, and the
+    grammar engine's budgets end such a request with an error within a few steps, while
+    other requests go on."""
+    async def main(regex: str):
+        async with httpx.AsyncClient(timeout=120) as http:
+            slow = asyncio.create_task(http.post(server.url + "/v1/completions", json={
+                "prompt": "a", "max_tokens": 32, "guided_regex": regex}))
+            latencies = []
+            while not slow.done():
+                t0 = time.perf_counter()
+                r = await http.post(server.url + "/v1/completions",
+                                    json={"prompt": "Hi", "max_tokens": 1})
+                assert r.status_code == 200
+                latencies.append(time.perf_counter() - t0)
+            return (await slow), latencies
+
+    for regex in ("((a{100}){100}){45}", "((a{100}){100}){100}"):
+        slow, latencies = asyncio.run(main(regex))
+        assert slow.status_code in (400, 500), slow.text  # refused, or ended while decoding
+        assert "constraint" in slow.json()["error"]["message"]
+        assert max(latencies, default=0.0) < 0.3, latencies
 
 
 def test_a_retracted_request_resumes_its_grammar():

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
 
-from tidal.core import ModelOutput, NewRequest, PromptLogprob, SchedulerConfig, SchedulerOutput
+from tidal.core import (ModelOutput, NewRequest, PromptLogprob, SamplingParams, SchedulerConfig,
+                        SchedulerOutput)
 from tidal.core.kv_cache_manager import cdiv
 from tidal.core.request import token_slice
 from tidal.engine.batch import BatchBuilder, StepBatch, forward
@@ -92,6 +94,7 @@ class ModelRunner:
         self.block_size = block_size
         self.folder = Path(folder)
         self.matchers: Matchers | None = None  # structured outputs, made on first use
+        self._matchers_lock = threading.Lock()
         if self.on_gpu and not self.arch.gemma:  # Gemma's offset norms keep the eager ops
             self._use_fused_kernels()
         self.max_forward_tokens = (config.max_forward_tokens if config.max_forward_tokens
@@ -327,11 +330,19 @@ class ModelRunner:
                     q.prompt[c + 1:c + 1 + count], q.prompt_k)
                 offset += count
 
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile a request's output constraint before it is scheduled, from any thread
+        (the engine core's inbox compiles them off the step loop); ValueError if it
+        cannot be."""
+        if params.structured is not None:
+            self._matchers().grammars.compile(*params.structured)
+
     def _matchers(self) -> Matchers:
-        if self.matchers is None:
-            eos = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None
-            self.matchers = Matchers(Grammars((self.folder / "tokenizer.json").read_text(),
-                                              self.arch.vocab_size, eos))
+        with self._matchers_lock:  # made on first use, by the step loop or the compiler
+            if self.matchers is None:
+                eos = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None
+                self.matchers = Matchers(Grammars((self.folder / "tokenizer.json").read_text(),
+                                                  self.arch.vocab_size, eos))
         return self.matchers
 
     def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

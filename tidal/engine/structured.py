@@ -3,7 +3,10 @@ strings or a Lark grammar, with llguidance (Rust, no torch: it computes each ste
 mask on the CPU and releases the GIL meanwhile).
 
 `Grammars` compiles and checks a `SamplingParams.structured` spec against the model's
-tokenizer; `Matchers` keeps one matcher per sequence in the model runner. Each step the
+tokenizer, and caches the compiled matchers; `Matchers` keeps one matcher per sequence in
+the model runner, a copy of the compiled one. A served engine core compiles a request's
+constraint on a worker thread before the request reaches its scheduler
+(`tidal/runtime/core_process.py`), so a slow grammar never stalls the step loop. Each step the
 masks of the sampling rows are computed on a worker thread while the forward pass runs,
 then applied to the logits as a bitmask; the sampled tokens advance the matchers. A
 sequence whose grammar is complete may only end (its stop tokens).
@@ -17,6 +20,7 @@ verification emits.
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -25,6 +29,12 @@ KINDS = ("json", "regex", "choice", "grammar")  # SamplingParams.structured[0]
 # One grammar row holds at most 2000 items (llguidance's max_items_in_row); n choices make
 # n + 1, which fail only once decoding reaches them
 MAX_CHOICES = 1999
+CACHED = 64  # compiled constraints kept (a workload reuses a few schemas)
+# The grammar engine's work budgets, a tenth of llguidance's defaults: a step's mask then
+# costs at most ~2 ms of lexer work and a lexer ~25k states, so one request's constraint
+# cannot stall a step; schemas, regexes and grammars of real use stay well inside, and one
+# past them fails (a 400 when its first mask does, else an error while decoding).
+LIMITS = {"initial_lexer_fuel": 100_000, "step_lexer_fuel": 20_000, "max_lexer_states": 25_000}
 # tidal's kind -> llguidance's grammar_from format
 _FORMATS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "lark"}
 
@@ -50,15 +60,11 @@ class Grammars:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=eos_token_id)
         self.vocab_size = vocab_size
-
-    def check(self, kind: str, spec: str) -> None:
-        """Compile a spec and compute its first mask, as a sequence's matcher will: a
-        ValueError naming what is wrong (some grammars fail only once they run, e.g. a
-        schema that refers to itself and nothing else)."""
-        m = self.matcher(kind, spec, [])
-        self._llt.fill_next_token_bitmask(m, self._llt.allocate_token_bitmask(1, self.vocab_size))
-        if m.is_error():
-            raise ValueError(f"the {kind} constraint does not compile: {error_line(m)}")
+        # compiled matchers at their start, by (kind, spec): a sequence's is a copy, so a
+        # constraint compiled off the step loop (`compile`) costs the loop nothing
+        self._compiled: dict[tuple[str, str], object] = {}
+        self._lock = threading.Lock()
+        self.limits = llguidance.LLParserLimits(**LIMITS)
 
     def grammar(self, kind: str, spec: str) -> str:
         """llguidance's grammar for a spec; ValueError naming what is wrong with it."""
@@ -88,9 +94,30 @@ class Grammars:
             return self.tokenizer.decode_str([token]).encode()
         return self.tokenizer.decode_bytes([token])
 
+    def compile(self, kind: str, spec: str):
+        """Compile a constraint and compute its first mask (the costly part: the lexer
+        built over the vocabulary, which the sequences' copies then share), into the cache
+        of the last CACHED; from any thread. Returns the compiled matcher (copy it: it is
+        shared). ValueError naming what is wrong, including a grammar that fails on its
+        first mask (e.g. a schema that only refers to itself)."""
+        key = (kind, spec)
+        with self._lock:
+            if key in self._compiled:
+                return self._compiled[key]
+        m = self._ll.LLMatcher(self.tokenizer, self.grammar(kind, spec), limits=self.limits)
+        self._llt.fill_next_token_bitmask(m, self._llt.allocate_token_bitmask(1, self.vocab_size))
+        if m.is_error():
+            raise ValueError(f"the {kind} constraint does not compile: {error_line(m)}")
+        with self._lock:
+            self._compiled[key] = m
+            while len(self._compiled) > CACHED:
+                del self._compiled[next(iter(self._compiled))]  # the oldest
+        return m
+
     def matcher(self, kind: str, spec: str, consumed: list[int]):
-        """A matcher at the state after `consumed` (a resumed or forked sequence's tokens)."""
-        m = self._ll.LLMatcher(self.tokenizer, self.grammar(kind, spec))
+        """A matcher at the state after `consumed` (a resumed or forked sequence's tokens),
+        copied from the compiled one (compiled now if it is not cached)."""
+        m = self.compile(kind, spec).deep_copy()  # compiled ahead, or now (offline)
         if consumed and not m.consume_tokens(consumed):
             raise ValueError(f"the tokens so far do not match the {kind} constraint")
         return m

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import zmq
@@ -108,6 +109,10 @@ class _CoreLoop:
         self.step_seconds = 0.0  # wall time of steps, their outputs sent, since start
         self.poller = zmq.Poller()
         self.polled: set[zmq.Socket] = set()
+        # Requests whose output constraint compiles on a worker thread, kept out of the
+        # scheduler until it has: a large or slow grammar never stalls the step loop.
+        self.compiling: dict[str, tuple[Future, m.Add]] = {}
+        self.compiler = ThreadPoolExecutor(1, "tidal-compile")
 
     def send(self, msg) -> None:
         self.outbox.send(m.encoder.encode(msg))
@@ -120,15 +125,19 @@ class _CoreLoop:
                 if sock not in self.polled:  # a link's peer monitors come and go
                     self.poller.register(sock, zmq.POLLIN)
                     self.polled.add(sock)
-            for sock, _ in self.poller.poll(0 if core.can_step() else 200):
+            wait = 0 if core.can_step() else 5 if self.compiling else 200  # ms
+            for sock, _ in self.poller.poll(wait):
                 if sock is self.inbox:
                     self._take_messages()
                 else:
                     outputs += link.handle(sock)
-            if self.deadline is not None and (not core.has_work()
-                                              or time.monotonic() > self.deadline):
+            self._admit_compiled()
+            idle = not core.has_work() and not self.compiling
+            if self.deadline is not None and (idle or time.monotonic() > self.deadline):
                 for rid in list(core.scheduler.requests):  # drain timed out: end the rest
                     core.abort(rid)
+                self.compiling.clear()
+                self.compiler.shutdown(wait=False, cancel_futures=True)
                 log.info("engine core stopped")
                 return
             started = time.perf_counter() if core.can_step() else None
@@ -172,6 +181,8 @@ class _CoreLoop:
                 self.last_stats = 0.0  # report the new load after this step
                 self._add(msg)
             elif isinstance(msg, m.Abort):
+                if self.compiling.pop(msg.request_id, None) is not None:
+                    continue  # never reached the scheduler
                 if link is not None:
                     link.on_abort(msg.request_id)
                 core.abort(msg.request_id)
@@ -183,6 +194,26 @@ class _CoreLoop:
                 self.viewers = msg.viewers
 
     def _add(self, msg: m.Add) -> None:
+        if msg.params.structured is not None:  # admitted once compiled (_admit_compiled)
+            self.compiling[msg.request_id] = (
+                self.compiler.submit(self.core.runner.compile_constraint, msg.params), msg)
+            return
+        self._admit(msg)
+
+    def _admit_compiled(self) -> None:
+        """Admit the requests whose constraint has compiled (in arrival order); refuse
+        those whose constraint did not."""
+        for rid, (future, msg) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[rid]
+            error = future.exception()
+            if error is None:
+                self._admit(msg)
+            else:
+                self.send(m.Rejected(rid, str(error)))
+
+    def _admit(self, msg: m.Add) -> None:
         refusal = self.core.scheduler.role.refusal(msg.prefill_address)
         try:
             if refusal is not None:

@@ -173,7 +173,7 @@ class Frontend:
                            f"{most}", param=field)
         await self._load_grammars()
         try:
-            await asyncio.to_thread(self.grammars.check, *constraint)
+            await asyncio.to_thread(self.grammars.compile, *constraint)
         except ValueError as exc:
             raise APIError(str(exc), param=field) from exc
 
