@@ -101,6 +101,35 @@ def test_a_dead_core_fails_only_its_requests_and_the_other_serves_on():
     assert not pid_alive(pids[1])
 
 
+def test_requests_sent_before_a_death_is_seen_go_to_the_live_core():
+    """Deaths are seen within a poll (0.2 s): requests routed to the dead core meanwhile
+    have produced nothing, so they are served by the live core instead of failing."""
+    s = Server("--data-parallel-size", "2", "--dp-routing", "round_robin",
+               "--dp-batch-timeout", "0.01", "--restart-core", "0")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        pids = httpx.get(s.url + "/health").json()["engine_core_pids"]
+        results: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            try:
+                results[i] = client.completions.create(
+                    model="smollm2-135m", prompt=PROMPTS[i], max_tokens=4).choices[0].text
+            except openai.APIError as exc:
+                results[i] = exc
+        os.kill(pids[0], signal.SIGKILL)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(isinstance(r, str) for r in results.values()) and len(results) == 4, results
+        assert routed(s.url, 1) == 4  # round robin sent half to core 0: all ran on core 1
+        assert list(httpx.get(s.url + "/health").json()["dead_cores"]) == ["0"]
+    finally:
+        s.stop()
+
+
 def test_ray_backend_places_the_cores_as_actors_behind_the_same_dispatcher():
     pytest.importorskip("ray")
     s = Server("--data-parallel-size", "2", "--dp-backend", "ray", "--dtype", "float32",

@@ -127,6 +127,33 @@ def test_a_dead_core_gets_nothing_more_and_hands_back_its_requests():
     assert [x.request_id for x in d.close()] == ["late"]
 
 
+def test_a_dead_cores_requests_without_output_go_to_a_live_core():
+    """Sent to a core that had died before its death was seen (or queued in it): no output
+    reached the client, so the request goes to a live core rather than failing."""
+    d, rec = make(policy="round_robin", cores=2)
+    route(d, item("r0", 10), item("r1", 10), item("r2", 10), item("r3", 10))
+    assert rec.ids(0) == ["r0", "r2"]
+    d.submit(item("later", 10))  # arrived before the death was seen
+    assert d.core_died(0, begun={"r0"}.__contains__) == ["r0"]  # r0 had streamed: it fails
+    assert [x.request_id for _, x in d._queue] == ["r2", "later"]  # r2 first, in order
+    route(d)
+    assert rec.ids(1) == ["r1", "r3", "r2", "later"] and d.core_of["r2"] == 1
+    d.abort("r2")  # a replayed request aborts on the core it went to
+    assert rec.sent[-1] == (1, Abort("r2")) and "r2" not in d.sent
+
+
+def test_a_request_whose_core_is_found_gone_goes_to_another():
+    sent = []
+
+    def send(core, msg):  # core 0's process is gone; the watcher has not said so yet
+        if core == 0:
+            return False
+        sent.append(msg.request_id)
+    d = Dispatcher(Router("round_robin", 2), send, 64, 16, 1000, 0.05)
+    route(d, item("a", 10), item("b", 10), item("c", 10))
+    assert sent == ["a", "b", "c"] and not d.views[0].alive and d.routed == [0, 3]
+
+
 def test_a_restarted_core_rejoins_empty_and_takes_requests_again():
     d, rec = make(policy="round_robin", cores=2)
     route(d, item("r0", 10), item("r1", 10))

@@ -49,11 +49,12 @@ class CoreView:
 
 class Dispatcher:
     """Queue, batch and route requests (the frontend's Add messages) to `num_cores` cores,
-    sending each with `send(core, message)`. Thread-safe; `close()` ends the gathering
-    thread."""
+    sending each with `send(core, message)`, which returns False where the core is gone.
+    Thread-safe; `close()` ends the gathering thread."""
 
-    def __init__(self, router: Router, send: Callable[[int, Add | Abort], None], num_blocks: int,
-                 block_size: int, max_batch_tokens: int, batch_timeout: float = 0.1) -> None:
+    def __init__(self, router: Router, send: Callable[[int, Add | Abort], bool | None],
+                 num_blocks: int, block_size: int, max_batch_tokens: int,
+                 batch_timeout: float = 0.1) -> None:
         self.router, self.send = router, send
         self.block_size, self.max_batch_tokens = block_size, max_batch_tokens
         self.batch_timeout = batch_timeout
@@ -61,6 +62,7 @@ class Dispatcher:
                       for _ in range(router.num_cores)]
         self.prefixes = [PrefixIndex(block_size, num_blocks) for _ in range(router.num_cores)]
         self.core_of: dict[str, int] = {}
+        self.sent: dict[str, Add] = {}  # routed requests, kept to replay if their core dies
         self.batches = 0  # batches sent, for tests and logs
         self.routed = [0] * router.num_cores  # requests sent to each core, restarts included
         self._queue: deque[tuple[float, Add]] = deque()
@@ -101,6 +103,7 @@ class Dispatcher:
                     self._queue.remove(entry)
                     return
             core = self.core_of.pop(request_id, None)
+            self.sent.pop(request_id, None)
             if core is not None and self.views[core].alive:
                 self.send(core, Abort(request_id))
 
@@ -108,6 +111,7 @@ class Dispatcher:
         """The request finished: forget where it went."""
         with self._cond:
             self.core_of.pop(request_id, None)
+            self.sent.pop(request_id, None)
 
     @property
     def num_queued(self) -> int:
@@ -126,13 +130,24 @@ class Dispatcher:
             v.new_token_ratio = new_token_ratio
             self._cond.notify_all()
 
-    def core_died(self, core: int) -> list[str]:
-        """Route nothing more to `core`; returns the requests it held (to be failed)."""
+    def core_died(self, core: int, begun: Callable[[str], bool] = lambda rid: True
+                  ) -> list[str]:
+        """Route nothing more to `core`. Its requests that have not `begun` (no output
+        reached the client: sent after it died, before its death was seen, or queued in
+        it) go back to the head of the queue, for the live cores; returns the rest (to be
+        failed)."""
         with self._cond:
             self.views[core].alive = False
-            lost = [rid for rid, c in self.core_of.items() if c == core]
-            for rid in lost:
+            held = [rid for rid, c in self.core_of.items() if c == core]
+            lost, replay = [], []
+            for rid in held:
                 del self.core_of[rid]
+                item = self.sent.pop(rid, None)
+                if item is not None and not begun(rid):
+                    replay.append((time.monotonic(), item))
+                else:
+                    lost.append(rid)
+            self._queue.extendleft(reversed(replay))  # ahead of later arrivals, in order
             self._cond.notify_all()
             return lost
 
@@ -183,13 +198,16 @@ class Dispatcher:
             # A request larger than a whole core goes anyway: the core refuses it, clearly.
             if blocks > v.free() and blocks <= v.num_blocks:
                 break
+            if self.send(core, item) is False:  # the core is gone, its death not yet seen
+                v.alive = False  # (until core_rejoined); the request tries another
+                continue
             self._queue.popleft()
             self.core_of[item.request_id] = core
+            self.sent[item.request_id] = item
             v.unseen.append((v.adds_sent, blocks, n + item.params.max_tokens, n))
             v.adds_sent += 1
             self.routed[core] += 1
             self.prefixes[core].insert(hashes)
-            self.send(core, item)
             tokens += n
             sent += 1
         self.batches += sent > 0

@@ -213,11 +213,10 @@ class CoreClient:
         for core in range(self.num_cores):
             self.sockets.send(core, msg)
 
-    def _send_routed(self, core: int, msg: m.Add | m.Abort) -> None:
-        """The dispatcher thread's send: a request that found its core just gone fails."""
-        if not self.sockets.send(core, msg) and isinstance(msg, m.Add):
-            self._loop.call_soon_threadsafe(self.streams.fail, msg.request_id,
-                                            f"engine core {core} is not running", True)
+    def _send_routed(self, core: int, msg: m.Add | m.Abort) -> bool:
+        """The dispatcher thread's send; False where the core is gone (the dispatcher
+        routes the request to another)."""
+        return self.sockets.send(core, msg)
 
     # ------------------------------------------------------------------ from the cores
     async def _read_loop(self) -> None:
@@ -244,10 +243,11 @@ class CoreClient:
                                            s.new_token_ratio, msg.adds_seen, s.prefill_tokens)
 
     def _core_down(self, core: int, message: str) -> None:
-        """Core `core` died: fail the requests it held (with one core, every request)."""
+        """Core `core` died: fail the requests it held (with one core, every request); under
+        data parallelism those with no output yet go to a live core instead."""
         self.board.clear(core)
-        lost = self.dispatcher.core_died(core) if self.dispatcher is not None \
-            else self.streams.ids()
+        lost = self.dispatcher.core_died(core, self.streams.begun.__contains__) \
+            if self.dispatcher is not None else self.streams.ids()
         log.error("%s; failing its %d requests", message, len(lost))
         for rid in lost:
             self.streams.fail(rid, message, dead=True)

@@ -29,6 +29,7 @@ class RequestStreams:
         self.outputs = OutputProcessor(tokenizer)
         self.queues: dict[str, asyncio.Queue] = {}
         self.widths: dict[str, int] = {}  # each open request's n
+        self.begun: set[str] = set()  # open requests some output of which arrived
         self.num_sequences = 0  # the open requests' sequences: the sum of their n
         self.on_update: Callable[[StepUpdate], None] | None = None  # e.g. metrics
 
@@ -40,7 +41,7 @@ class RequestStreams:
         queue = queue if queue is not None else asyncio.Queue()
         self.queues[request_id] = queue
         self.outputs.track(request_id, params)
-        self._forget_width(request_id)  # an id opened twice counts once
+        self._untrack(request_id)  # an id opened twice counts once
         self.widths[request_id] = params.n
         self.num_sequences += params.n
         return queue
@@ -49,10 +50,11 @@ class RequestStreams:
         """Forget a request: finished, aborted, or never sent."""
         self.queues.pop(request_id, None)
         self.outputs.forget(request_id)
-        self._forget_width(request_id)
+        self._untrack(request_id)
 
-    def _forget_width(self, request_id: str) -> None:
+    def _untrack(self, request_id: str) -> None:
         self.num_sequences -= self.widths.pop(request_id, 0)
+        self.begun.discard(request_id)
 
     def ids(self) -> list[str]:
         return list(self.queues)
@@ -67,11 +69,12 @@ class RequestStreams:
             queue = self.queues.get(u.root_id)
             if queue is not None:
                 queue.put_nowait(u)
+                self.begun.add(u.root_id)
         return stopped
 
     def fail(self, request_id: str, message: str, dead: bool) -> None:
         self.outputs.forget(request_id)
-        self._forget_width(request_id)
+        self._untrack(request_id)
         queue = self.queues.pop(request_id, None)
         if queue is not None:
             queue.put_nowait(Failure(message, dead=dead))
