@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import socket
 import time
 
@@ -17,7 +18,7 @@ import pytest
 
 from server_fixtures import Server, openai_client
 
-MODEL_LEN, BODY, HEADER, IDLE = 256, 4096, 4096, 1.0
+MODEL_LEN, BODY, HEADER, IDLE, READ, CONNECTIONS = 256, 4096, 4096, 1.0, 2.0, 64
 TOTAL, MAX_N, STOPS, STOP_LEN, PENDING = 64, 4, 4, 8, 8
 
 
@@ -27,7 +28,8 @@ def server():
                "--max-header-bytes", str(HEADER), "--idle-timeout", str(IDLE),
                "--max-total-tokens", str(TOTAL), "--max-n", str(MAX_N),
                "--max-stop-strings", str(STOPS), "--max-stop-length", str(STOP_LEN),
-               "--max-pending", str(PENDING))
+               "--max-pending", str(PENDING), "--request-read-timeout", str(READ),
+               "--max-connections", str(CONNECTIONS))
     yield s
     s.stop()
 
@@ -223,3 +225,49 @@ def test_idle_connections_are_closed(server):
         assert IDLE * 0.8 < closed_after(s) < IDLE * 5
     with socket.create_connection(("127.0.0.1", server.port), timeout=10 * IDLE) as s:
         assert IDLE * 0.8 < closed_after(s) < IDLE * 5  # never sent a request
+
+
+def trickled_until_closed(s: socket.socket, head: bytes) -> float:
+    """Send `head`, then a byte every IDLE / 4 (never idle, never whole); seconds until the
+    server closes the connection."""
+    t0 = time.monotonic()
+    s.sendall(head)
+    s.settimeout(IDLE / 4)
+    while time.monotonic() - t0 < 10 * READ:
+        try:
+            if s.recv(1024) == b"":
+                return time.monotonic() - t0
+        except socket.timeout:
+            try:
+                s.sendall(b"a")
+            except OSError:  # closed while we wrote
+                return time.monotonic() - t0
+        except OSError:
+            return time.monotonic() - t0
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /version HTTP/1.1\r\nHost: x\r\nX-Slow: ",  # headers that never end
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 100000\r\n\r\n{",  # a body that never completes
+], ids=["headers", "body"])
+def test_a_trickling_request_is_closed_at_the_read_timeout(server, head):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        assert READ * 0.8 < trickled_until_closed(s, head) < READ * 3
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_connections_past_the_cap_are_closed_at_once(server):
+    socks = [socket.create_connection(("127.0.0.1", server.port))
+             for _ in range(CONNECTIONS + 16)]
+    try:
+        time.sleep(IDLE / 4)  # well before the idle timeout closes the rest
+        readable, _, _ = select.select(socks, [], [], 0)
+        closed = sum(s.recv(1) == b"" for s in readable)  # a closed socket reads as ready
+        assert 16 <= closed <= 24, closed  # the test client's own connections count too
+    finally:
+        for s in socks:
+            s.close()
+    time.sleep(0.2)
+    assert httpx.get(server.url + "/health").status_code == 200

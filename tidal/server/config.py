@@ -6,6 +6,7 @@ docs/configuration.md come from the same words."""
 from __future__ import annotations
 
 import os
+import resource
 from dataclasses import dataclass
 
 from tidal.cluster.launch import parse_pd
@@ -36,6 +37,12 @@ class HttpConfig:
     idle_timeout: float = knob(5.0, "Seconds a connection may sit idle, before its first "
                                "request or between requests, before it is closed (uvicorn's "
                                "keep-alive default).")
+    request_read_timeout: float = knob(30.0, "Seconds a client may take to send one request, "
+                                       "headers and body, from its first byte; a slower one "
+                                       "is closed (a trickling client holds no connection).")
+    max_connections: int | None = knob(None, "Open connections past which new ones are closed "
+                                       "at once (unset: the open-file limit less 256, kept for "
+                                       "the server's own files and sockets).")
 
     def __post_init__(self) -> None:
         # self.key, the API key in force: not a field, so replace() resolves it anew
@@ -45,6 +52,18 @@ class HttpConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.idle_timeout <= 0:
             raise ValueError(f"idle_timeout must be > 0, got {self.idle_timeout}")
+        if self.request_read_timeout <= 0:
+            raise ValueError(f"request_read_timeout must be > 0, got "
+                             f"{self.request_read_timeout}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+
+    def connection_cap(self) -> int:
+        """max_connections, or the process's open-file limit less 256."""
+        if self.max_connections is not None:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(16, soft - 256) if soft != resource.RLIM_INFINITY else 65536
 
     def _key(self) -> str | None:
         """The API key: --api-key, else the first line of --api-key-file, else

@@ -1,9 +1,13 @@
 """What a public endpoint refuses before a request reaches a route: headers and bodies over a
 size (431, 413: an ASGI middleware every tidal HTTP app installs, beside uvicorn's h11 limit
-on headers still arriving), and connections idle too long (`uvicorn_limits`)."""
+on headers still arriving), and connections idle too long, too slow to send a request or
+past the connection cap (`uvicorn_limits`)."""
 
 from __future__ import annotations
 
+import asyncio
+
+import h11
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -72,17 +76,54 @@ class RequestLimits:
 
 
 class IdleH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with its keep-alive timer also running from the moment a
-    connection opens: one that never sends a request is closed like an idle kept-alive one."""
+    """uvicorn's h11 protocol with three more limits: its keep-alive timer also runs from
+    the moment a connection opens (one that never sends a request is closed like an idle
+    kept-alive one); a request must arrive whole, headers and body, within `read_timeout`
+    of its first byte (a client trickling bytes is closed); and past `max_connections`
+    open ones a new connection is closed at once, so descriptors never run out. Each
+    closes quietly: a flood of them writes no flood of log lines."""
+
+    read_timeout = 30.0
+    max_connections = 65536
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.read_deadline: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.max_connections:
+            transport.abort()  # connection_lost then forgets it
+            return
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # a request partly here
+            if self.read_deadline is None:
+                self.read_deadline = self.loop.call_later(self.read_timeout,
+                                                          self.transport.close)
+        else:  # whole (or the connection is ending): the next request gets its own time
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        self._disarm()
+        super().on_response_complete()
+
+    def _disarm(self) -> None:
+        if getattr(self, "read_deadline", None) is not None:
+            self.read_deadline.cancel()
+            self.read_deadline = None
+
 
 def uvicorn_limits(http: HttpConfig) -> dict:
-    """uvicorn.run's arguments for the header size limit and the idle timeout (h11 is the
-    parser that enforces the header limit, whether or not httptools is installed)."""
-    return {"http": IdleH11Protocol, "h11_max_incomplete_event_size": http.max_header_bytes,
+    """uvicorn.run's arguments for the header size limit, the idle and read timeouts and the
+    connection cap (h11 is the parser that enforces the header limit, whether or not
+    httptools is installed)."""
+    protocol = type("LimitedH11Protocol", (IdleH11Protocol,),
+                    {"read_timeout": http.request_read_timeout,
+                     "max_connections": http.connection_cap()})
+    return {"http": protocol, "h11_max_incomplete_event_size": http.max_header_bytes,
             "timeout_keep_alive": http.idle_timeout}
