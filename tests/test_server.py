@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import os
 import signal
+import sys
+import tempfile
 import time
 
 import httpx
@@ -206,13 +209,13 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
 def test_a_non_streaming_client_that_leaves_frees_the_blocks(server):
     """2000 tokens take far longer than the wait below: only an abort frees the blocks."""
     body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}
-    def finished():  # requests that ran to their length (none yet: no sample)
+    def finished(reason: str = "length") -> float:  # requests that ended so (or none yet)
         try:
-            return metric(server.url, 'tidal:request_success_total{finished_reason="length"}')
+            return metric(server.url, f'tidal:request_success_total{{finished_reason="{reason}"}}')
         except KeyError:
             return 0
 
-    before = finished()
+    before, aborted = finished(), finished("abort")
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json=body, timeout=2,
                    headers={"authorization": f"Bearer {KEY}"})
@@ -221,7 +224,17 @@ def test_a_non_streaming_client_that_leaves_frees_the_blocks(server):
            or metric(server.url, "tidal:num_requests_running") > 0):
         assert time.monotonic() < deadline, "blocks not freed after the client left"
         time.sleep(0.1)
-    assert finished() == before
+    assert finished() == before and finished("abort") == aborted + 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets: Linux")
+def test_the_engine_sockets_leave_no_files(server):
+    """The frontend and its cores talk over sockets in Linux's abstract namespace: none is a
+    file in the temporary directory, so none outlives the server, however it ends."""
+    pid = server.proc.pid
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"tidal-{pid}-*"))
+    with open("/proc/net/unix") as f:
+        assert f"@tidal-{pid}-" in f.read()  # yet they are there
 
 
 def test_32_concurrent_streams(server):

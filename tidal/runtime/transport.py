@@ -3,7 +3,9 @@ by a lock, because the dispatcher's thread sends too) and one PULL socket all co
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import tempfile
 import threading
 import uuid
@@ -18,7 +20,10 @@ class CoreSockets:
     """Bound before any core starts, so a restarted core connects to the same addresses."""
 
     def __init__(self, num_cores: int, host: str | None) -> None:
-        base = os.path.join(tempfile.gettempdir(), f"tidal-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        name = f"tidal-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Linux's abstract socket namespace: no file to leave behind, even if killed
+        base = f"@{name}" if sys.platform.startswith("linux") else \
+            os.path.join(tempfile.gettempdir(), name)
         self._sync_ctx, self._ctx = zmq.Context(), zmq.asyncio.Context()
         self._lock = threading.Lock()
         self._to_core: list[zmq.Socket] = []
@@ -49,6 +54,11 @@ class CoreSockets:
         self._from_core.close(linger=0)
         self._sync_ctx.term()
         self._ctx.term()
+        for addr in [*self.in_addrs, self.out_addr]:  # socket files, where there are any
+            path = addr.removeprefix("ipc://")
+            if addr.startswith("ipc://") and not path.startswith("@"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def _bind(sock: zmq.Socket, host: str | None, path: str) -> str:

@@ -213,9 +213,11 @@ class Frontend:
                 metrics.recent.append((time.time(), first - t0,
                                        sum(gaps) / len(gaps) if gaps else None))
         finally:
+            if left:  # client gone or an error: its unfinished sequences end as aborted
+                metrics.finished("abort").inc(left)
             for rid in rids:
                 if left:
-                    await self.client.abort(rid)  # client gone or an error: free the blocks now
+                    await self.client.abort(rid)  # free the blocks now
                 else:
                     self.client.release(rid)
 
