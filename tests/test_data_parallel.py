@@ -57,12 +57,18 @@ def test_two_cores_share_the_requests_and_answer_as_one_engine_does(dp):
     assert len(health["engine_core_pids"]) == 2 and health["dead_cores"] == {}
 
 
-def test_a_dead_core_fails_only_its_requests_and_the_other_serves_on():
+def two_cores_never_restarted() -> tuple[Server, openai.OpenAI, list[int]]:
+    """A server of two cores, round robin, whose dead cores stay dead: (it, a client on it,
+    the cores' pids)."""
     s = Server("--data-parallel-size", "2", "--dp-routing", "round_robin",
                "--dp-batch-timeout", "0.01", "--restart-core", "0")
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    return s, client, httpx.get(s.url + "/health").json()["engine_core_pids"]
+
+
+def test_a_dead_core_fails_only_its_requests_and_the_other_serves_on():
+    s, client, pids = two_cores_never_restarted()
     try:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
-        pids = httpx.get(s.url + "/health").json()["engine_core_pids"]
         results: dict[int, object] = {}
         started = threading.Barrier(5)
 
@@ -104,11 +110,8 @@ def test_a_dead_core_fails_only_its_requests_and_the_other_serves_on():
 def test_requests_sent_before_a_death_is_seen_go_to_the_live_core():
     """Deaths are seen within a poll (0.2 s): requests routed to the dead core meanwhile
     have produced nothing, so they are served by the live core instead of failing."""
-    s = Server("--data-parallel-size", "2", "--dp-routing", "round_robin",
-               "--dp-batch-timeout", "0.01", "--restart-core", "0")
+    s, client, pids = two_cores_never_restarted()
     try:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
-        pids = httpx.get(s.url + "/health").json()["engine_core_pids"]
         results: dict[int, object] = {}
 
         def ask(i: int) -> None:
