@@ -31,8 +31,6 @@ struct Activations {
                                 // (dword i of group l at 64 i + 4 l; gguf_dot32.h)
 
   int64_t bases_per_row() const { return (k / kGroup + 7) / 8; }
-  // x as the kernels see it: value i of row-major [rows, k].
-  float value(int64_t i) const { return d[i / kGroup] * static_cast<float>(q[i]); }
 };
 
 // The element types the vector paths load (others, e.g. double, take the scalar loops).

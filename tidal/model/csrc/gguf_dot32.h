@@ -134,7 +134,8 @@ inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefet
           sum = _mm512_dpbusd_epi32(sum, u[i], _mm512_loadu_si512(&a.qi[g * kGroup + 64 * i]));
       } else {  // x as it lies (one row is not interleaved): two blocks a product, then summed
         for (int t = 0; t < 8; ++t)
-          u[t] = _mm512_dpbusd_epi32(zero, pairs[t], _mm512_loadu_si512(&a.q[(g + 2 * t) * kGroup]));
+          u[t] = _mm512_dpbusd_epi32(zero, pairs[t],
+                                     _mm512_loadu_si512(&a.q[(g + 2 * t) * kGroup]));
         sum = reduce16(u);
       }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_loadu_ps(&a.d[g])),

@@ -252,11 +252,12 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g) {
   Tensor xs = at::empty({rows, k}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_tiled", [&] {
     const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k, false, false);
-    float* out = xs.data_ptr<float>();
+    float* out = xs.data_ptr<float>();  // x as the integer kernels see it, group by group
     at::parallel_for(0, rows * k / kGroup, 256, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         const float d = a.d[g];
-        for (int64_t i = 0; i < kGroup; ++i) out[g * kGroup + i] = d * static_cast<float>(a.q[g * kGroup + i]);
+        for (int64_t i = 0; i < kGroup; ++i)
+          out[g * kGroup + i] = d * static_cast<float>(a.q[g * kGroup + i]);
       }
     });
   });
