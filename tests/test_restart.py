@@ -109,6 +109,30 @@ def test_a_killed_core_is_restarted_until_its_retries_are_spent():
         s.stop()
 
 
+def test_a_hung_core_is_killed_failing_its_requests_and_restarted():
+    """A SIGSTOPped core answers nothing: past --core-hang-timeout the watchdog kills it,
+    its in-flight request fails, /health says so, and the restarted core serves."""
+    s = Server("--restart-core", "1", "--restart-backoff", "0.2", "--core-hang-timeout", "2")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        first = s.core_pid()
+        result: dict = {}
+        started = threading.Event()
+        thread = stream_in_background(client, result, 0, started)
+        assert started.wait(60)
+        os.kill(first, signal.SIGSTOP)
+        t0 = time.monotonic()
+        thread.join(30)
+        assert isinstance(result[0], openai.APIError) and "core-hang-timeout" in str(result[0])
+        assert 2 <= time.monotonic() - t0 < 10
+        wait_until(lambda: health(s.url).status_code == 200)
+        assert health(s.url).json()["engine_core_pid"] != first and not pid_alive(first)
+        out = client.completions.create(model=MODEL, prompt="The sea", max_tokens=4)
+        assert out.choices[0].finish_reason == "length"
+    finally:
+        s.stop()
+
+
 def test_a_data_parallel_core_is_restarted_and_rejoins_while_the_other_serves():
     s = Server("--data-parallel-size", "2", "--dp-routing", "round_robin",
                "--dp-batch-timeout", "0.01", "--restart-backoff", "0.5")

@@ -231,9 +231,11 @@ class CoreClient:
             elif not self.watch.current(msg.core, msg.incarnation):
                 continue  # late news from a dead incarnation: its requests were failed
             elif isinstance(msg, m.Outputs):
+                self.watch.heard(msg.core)
                 for seq_id in self.streams.deliver(msg):
                     self.sockets.send(msg.core, m.Finish(seq_id))
-            elif isinstance(msg, m.Stats):
+            elif isinstance(msg, m.Stats):  # also the core's heartbeat, between steps
+                self.watch.heard(msg.core)
                 self.board.record(msg)
                 if self.on_stats is not None:
                     self.on_stats(msg)

@@ -26,10 +26,12 @@ class RestartPolicy:
     max_restarts: int = 3  # tries in a row; 0: a dead core stays dead
     backoff: float = 1.0  # seconds before the first try, doubled for each next one
     stable_after: float = 600.0  # a core up this long when it dies gets its tries back
+    hang_timeout: float = 0.0  # seconds without a message that make a live core hung (0: off)
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.backoff < 0:
-            raise ValueError("--restart-core and --restart-backoff must be >= 0")
+        if self.max_restarts < 0 or self.backoff < 0 or self.hang_timeout < 0:
+            raise ValueError("--restart-core, --restart-backoff and --core-hang-timeout "
+                             "must be >= 0")
 
     def delay(self, attempt: int) -> float:
         """Seconds before try `attempt` (0-based) of a run of restarts."""
@@ -54,6 +56,8 @@ class CoreState:
     next_try: float = 0.0  # monotonic time of the next start while restarting
     ready: Any = None  # its latest Ready message
     failure: str | None = None  # a Failed message's text while starting
+    last_heard: float = 0.0  # monotonic time of its latest message (the watchdog's clock)
+    hung: str | None = None  # why the watchdog killed it
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def status(self) -> dict:
@@ -115,6 +119,7 @@ class CoreWatch:
             state.reason = state.failure
             return False
         state.up, state.up_since = True, time.monotonic()
+        state.last_heard, state.hung = state.up_since, None
         return True
 
     # ------------------------------------------------------------------ messages
@@ -123,6 +128,10 @@ class CoreWatch:
         state = self.cores[core] if 0 <= core < len(self.cores) else None
         return (state is not None and state.incarnation == incarnation
                 and (state.up or state.starting))
+
+    def heard(self, core: int) -> None:
+        """A message from the live incarnation of `core`: it is not hung."""
+        self.cores[core].last_heard = time.monotonic()
 
     def on_ready(self, msg) -> None:
         if self.current(msg.core, msg.incarnation) and self.cores[msg.core].starting:
@@ -152,11 +161,21 @@ class CoreWatch:
 
     async def run(self) -> None:
         """Poll the cores' processes until every core is gone for good (or closing)."""
+        hang = self.policy.hang_timeout
         while not self.closing and not all(s.gone for s in self.cores):
             await asyncio.sleep(0.2)
             for state in self.cores:
-                if state.up and not state.handle.alive() and not self.closing:
+                if not state.up or self.closing:
+                    continue
+                if not state.handle.alive():
                     self._died(state)
+                elif hang and time.monotonic() - state.last_heard > hang and not state.hung:
+                    # stopped or stuck in a step: a process that answers nothing is killed,
+                    # and the next poll finds it dead
+                    state.hung = (f"it sent nothing for {hang:g} s (--core-hang-timeout) and "
+                                  f"was killed")
+                    log.error("engine core %d: %s", state.index, state.hung)
+                    state.handle.kill()
 
     def close(self) -> None:
         """Start nothing more; stop restarts under way."""
@@ -165,7 +184,7 @@ class CoreWatch:
             task.cancel()
 
     def _died(self, state: CoreState) -> None:
-        state.up, state.reason = False, state.handle.exit_reason()
+        state.up, state.reason = False, state.hung or state.handle.exit_reason()
         if time.monotonic() - state.up_since >= self.policy.stable_after:
             state.attempts = 0
         more = state.attempts < self.policy.max_restarts

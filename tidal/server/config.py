@@ -120,6 +120,11 @@ class ServerConfig(HttpConfig):
                              "it is back.")
     restart_backoff: float = knob(1.0, "Seconds before the first restart of a dead core, "
                                   "doubled for each next one.")
+    core_hang_timeout: float = knob(120.0, "Seconds an engine core may go without a word "
+                                    "(it reports twice a second between steps) before it "
+                                    "counts as hung: killed, its requests failed, and "
+                                    "restarted like a dead one (0: never; keep it above the "
+                                    "longest step).")
     pd: str | None = knob(None, "Prefill/decode disaggregation on this machine, as xPyD (e.g. "
                           "1P1D): start x prefill and y decode instances and serve the "
                           "router on the port.")
@@ -131,6 +136,8 @@ class ServerConfig(HttpConfig):
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be at least 1, got {self.max_total_tokens}")
         check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.core_hang_timeout < 0:
+            raise ValueError(f"core_hang_timeout must be >= 0, got {self.core_hang_timeout}")
         if self.reasoning_parser is not None:
             check_choice("reasoning_parser", self.reasoning_parser, tuple(REASONING_PARSERS))
         if self.drain_timeout < 0:
@@ -141,7 +148,8 @@ class ServerConfig(HttpConfig):
 
     def restart_policy(self) -> RestartPolicy:
         """How the client restarts a dead engine core."""
-        return RestartPolicy(self.restart_core, self.restart_backoff)
+        return RestartPolicy(self.restart_core, self.restart_backoff,
+                             hang_timeout=self.core_hang_timeout)
 
     @property
     def pd_counts(self) -> tuple[int, int]:
