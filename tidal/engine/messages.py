@@ -98,7 +98,14 @@ class Failed(msgspec.Struct, tag=True):
 
 
 ToCore = Add | Abort | Finish | Shutdown | Watch
-FromCore = Ready | Outputs | Rejected | Stats | Failed
+class Heartbeat(msgspec.Struct, tag=True):
+    """Twice a second from a thread of the core's process, even mid-step: it is not hung."""
+
+    core: int
+    incarnation: int = 0
+
+
+FromCore = Ready | Outputs | Rejected | Stats | Failed | Heartbeat
 
 encoder = msgspec.msgpack.Encoder()
 to_core = msgspec.msgpack.Decoder(ToCore)

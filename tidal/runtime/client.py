@@ -230,12 +230,12 @@ class CoreClient:
                 self.streams.fail(msg.request_id, msg.message, dead=False)
             elif not self.watch.current(msg.core, msg.incarnation):
                 continue  # late news from a dead incarnation: its requests were failed
-            elif isinstance(msg, m.Outputs):
+            elif isinstance(msg, m.Heartbeat):
                 self.watch.heard(msg.core)
+            elif isinstance(msg, m.Outputs):
                 for seq_id in self.streams.deliver(msg):
                     self.sockets.send(msg.core, m.Finish(seq_id))
-            elif isinstance(msg, m.Stats):  # also the core's heartbeat, between steps
-                self.watch.heard(msg.core)
+            elif isinstance(msg, m.Stats):
                 self.board.record(msg)
                 if self.on_stats is not None:
                     self.on_stats(msg)

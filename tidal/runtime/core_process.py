@@ -3,8 +3,10 @@ outputs and stats back, and logs a status line each second while busy."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -83,15 +85,34 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     outbox.send(m.encoder.encode(m.Ready(index, core.max_model_len, core.vocab_size,
                                          core.runner.num_blocks, config.cache.block_size,
                                          link.address if link else "", incarnation)))
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(ctx, out_addr, index, incarnation, stop),
+                     name="tidal-heartbeat", daemon=True).start()
     try:
         _CoreLoop(core, inbox, outbox, link, index, incarnation).run(parent)
     finally:
+        stop.set()
         core.close()
         if link is not None:
             link.close()
         inbox.close(linger=0)
         outbox.close()
         ctx.term()
+
+
+def _heartbeat(ctx: zmq.Context, out_addr: str, index: int, incarnation: int,
+               stop: threading.Event) -> None:
+    """Say twice a second that the process lives, on a socket of its own (a ZMQ socket
+    serves one thread): the frontend's watchdog kills a core that falls silent (stopped),
+    while a long step, which holds the loop, is no silence."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(out_addr)
+    beat = m.encoder.encode(m.Heartbeat(index, incarnation))
+    while not stop.wait(0.5):
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send(beat, zmq.NOBLOCK)
+    sock.close()
 
 
 class _CoreLoop:
