@@ -124,7 +124,7 @@ def test_a_hung_core_is_killed_failing_its_requests_and_restarted():
         t0 = time.monotonic()
         thread.join(30)
         assert isinstance(result[0], openai.APIError) and "core-hang-timeout" in str(result[0])
-        assert 2 <= time.monotonic() - t0 < 10
+        assert 1 <= time.monotonic() - t0 < 10  # the timeout counts from its last heartbeat
         wait_until(lambda: health(s.url).status_code == 200)
         assert health(s.url).json()["engine_core_pid"] != first and not pid_alive(first)
         out = client.completions.create(model=MODEL, prompt="The sea", max_tokens=4)
