@@ -321,9 +321,11 @@ def test_engine_core_death_fails_fast_and_health_says_so():
             rest = [line for line in lines if line]
         assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]"
         deadline = time.monotonic() + 10
-        while httpx.get(s.url + "/health").status_code != 503:
+        while (health := httpx.get(s.url + "/health")).status_code != 503:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+        assert "will not be restarted" in health.json()["error"]["message"]
+        assert "retry-after" not in health.headers
         t0 = time.monotonic()
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert r.status_code == 503 and time.monotonic() - t0 < 2

@@ -231,5 +231,7 @@ class CoreWatch:
         if self.policy.max_restarts:
             state.reason = (f"{state.reason}; not restarted again after {state.attempts} "
                             f"restart(s) (--restart-core {self.policy.max_restarts})")
+        else:  # say it: a client reading /health should not wait for it
+            state.reason = f"{state.reason}; it will not be restarted (--restart-core 0)"
         if all(s.gone for s in self.cores):
             self._on_gone(f"engine core {state.index}: {state.reason}")
