@@ -69,11 +69,12 @@ class Grammars:
     def grammar(self, kind: str, spec: str) -> str:
         """llguidance's grammar for a spec; ValueError naming what is wrong with it."""
         try:
-            if kind == "choice" and not json.loads(spec):
+            choices = len(json.loads(spec)) if kind == "choice" else None
+            if choices == 0:
                 raise ValueError("the choice list is empty")
-            if kind == "choice" and len(json.loads(spec)) > MAX_CHOICES:
-                raise ValueError(f"{len(json.loads(spec))} choices; llguidance's parser takes "
-                                 f"at most {MAX_CHOICES}")
+            if choices is not None and choices > MAX_CHOICES:
+                raise ValueError(f"{choices} choices; llguidance's parser takes at most "
+                                 f"{MAX_CHOICES}")
             if kind == "json":
                 spec = _compact(spec)
             grammar = self._ll.grammar_from(_FORMATS[kind], spec)

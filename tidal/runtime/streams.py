@@ -30,7 +30,6 @@ class RequestStreams:
         self.queues: dict[str, asyncio.Queue] = {}
         self.widths: dict[str, int] = {}  # each open request's n
         self.begun: set[str] = set()  # open requests some output of which arrived
-        self.num_sequences = 0  # the open requests' sequences: the sum of their n
         self.on_update: Callable[[StepUpdate], None] | None = None  # e.g. metrics
 
     def __len__(self) -> int:
@@ -41,9 +40,7 @@ class RequestStreams:
         queue = queue if queue is not None else asyncio.Queue()
         self.queues[request_id] = queue
         self.outputs.track(request_id, params)
-        self._untrack(request_id)  # an id opened twice counts once
         self.widths[request_id] = params.n
-        self.num_sequences += params.n
         return queue
 
     def close(self, request_id: str) -> None:
@@ -52,8 +49,13 @@ class RequestStreams:
         self.outputs.forget(request_id)
         self._untrack(request_id)
 
+    @property
+    def num_sequences(self) -> int:
+        """The open requests' sequences: the sum of their n."""
+        return sum(self.widths.values())
+
     def _untrack(self, request_id: str) -> None:
-        self.num_sequences -= self.widths.pop(request_id, 0)
+        self.widths.pop(request_id, None)
         self.begun.discard(request_id)
 
     def ids(self) -> list[str]:

@@ -113,7 +113,7 @@ class IdleH11Protocol(H11Protocol):
         super().on_response_complete()
 
     def _disarm(self) -> None:
-        if getattr(self, "read_deadline", None) is not None:
+        if self.read_deadline is not None:
             self.read_deadline.cancel()
             self.read_deadline = None
 
