@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -14,9 +15,11 @@ from typing import Iterator
 import torch
 
 log = logging.getLogger("tidal.model")
-_SOURCES = [str(Path(__file__).parent / "csrc" / name)  # + the headers they include
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [str(_CSRC / name)  # + the headers they include
             for name in ("linear.cpp", "paged_attention.cpp", "experts.cpp", "gguf_quants.cpp",
                          "decoder.cpp")]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _built: list[ModuleType | None] = []  # [] until the first build attempt
 
 
@@ -30,7 +33,7 @@ def extension() -> ModuleType | None:
             with warnings.catch_warnings(), _build_folder() as folder:
                 warnings.simplefilter("ignore")
                 _built.append(load(name="tidal_cpu_decode", sources=_SOURCES,
-                                   extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                   extra_cflags=_CFLAGS,
                                    extra_ldflags=["-fopenmp"], build_directory=str(folder),
                                    verbose=False))
         except Exception as exc:  # no compiler, headers or ninja: the PyTorch ops still work
@@ -45,16 +48,27 @@ def _build_folder() -> Iterator[Path]:
     """The extension's build folder, held under an flock while torch builds or loads it.
     torch's own lock is a plain file that a process killed mid-build leaves behind, and
     every later build then waits on it forever; the flock dies with its process, so whoever
-    holds it may remove a leftover lock file."""
+    holds it may remove a leftover lock file. The folder is named by the hash of the sources
+    and flags, so checkouts of different versions on one machine never rebuild over each
+    other."""
     import fcntl
 
     from torch.utils.cpp_extension import get_default_build_root
 
     version = f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's
-    folder = Path(root) / f"tidal_cpu_decode-{version}"
+    folder = Path(root) / f"tidal_cpu_decode-{version}-{source_key(_CSRC)}"
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another tidal process building waits here
         (folder / "lock").unlink(missing_ok=True)
         yield folder
+
+
+def source_key(csrc: Path) -> str:
+    """A short hash of every source and header under `csrc` and of the compiler flags."""
+    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+    for path in sorted(csrc.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
