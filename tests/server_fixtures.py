@@ -117,6 +117,14 @@ def metric(url: str, name: str) -> float:
     raise KeyError(name)
 
 
+def finished(server: Server, reason: str = "length") -> float:
+    """Requests the server counts as ended so (0 before the first)."""
+    try:
+        return metric(server.url, f'tidal:request_success_total{{finished_reason="{reason}"}}')
+    except KeyError:
+        return 0
+
+
 BAD = [  # (path, body) pairs the server refuses with 400 and an OpenAI error body
     ("/v1/completions", {"prompt": "", "max_tokens": 4}),
     ("/v1/completions", {"prompt": [], "max_tokens": 4}),

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import BAD, Server, metric, pid_alive
+from server_fixtures import BAD, Server, finished, metric, pid_alive
 
 KEY = "test-key"
 
@@ -209,13 +209,7 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
 def test_a_non_streaming_client_that_leaves_frees_the_blocks(server):
     """2000 tokens take far longer than the wait below: only an abort frees the blocks."""
     body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}
-    def finished(reason: str = "length") -> float:  # requests that ended so (or none yet)
-        try:
-            return metric(server.url, f'tidal:request_success_total{{finished_reason="{reason}"}}')
-        except KeyError:
-            return 0
-
-    before, aborted = finished(), finished("abort")
+    before, aborted = finished(server), finished(server, "abort")
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json=body, timeout=2,
                    headers={"authorization": f"Bearer {KEY}"})
@@ -224,7 +218,7 @@ def test_a_non_streaming_client_that_leaves_frees_the_blocks(server):
            or metric(server.url, "tidal:num_requests_running") > 0):
         assert time.monotonic() < deadline, "blocks not freed after the client left"
         time.sleep(0.1)
-    assert finished() == before and finished("abort") == aborted + 1
+    assert finished(server) == before and finished(server, "abort") == aborted + 1
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets: Linux")

@@ -14,10 +14,11 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Annotated, Any, Awaitable
+from typing import Annotated, Any, AsyncGenerator, Awaitable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tidal import __version__
@@ -80,29 +81,38 @@ class Frontend:
                        **options):
         """Submit the prompts, then answer with the whole body or an SSE stream; `options`
         go to the response (a chat's ChatOutputOptions)."""
-        rids, queue, n = await self._submit(prompts, body)
-        response = response_cls(self.tokenizer, self.config.served_model_name, rids[0], prompts,
-                                len(prompts) * n, body.num_logprobs() is not None,
-                                self.grammars.token_bytes if self.grammars else None,
-                                prompt_logprobs=body.prompt_logprobs is not None, **options)
-        updates = self._updates(rids, queue, n)
-        if not body.stream:
-            return await _unless_client_leaves(request, response.body(updates))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        sched = self.client.config.scheduler
-        if sched.policy_class.may_reject(sched.policy_options):
-            # A rejection comes before the first token: hold the headers until then, so that
-            # it is a plain 503 rather than an error event inside a 200 stream.
-            updates = await _unless_client_leaves(request, _after_first(updates))
-            if isinstance(updates, Response):
-                return updates  # the client left
-        return StreamingResponse(response.events(updates, include_usage),
-                                 media_type="text/event-stream")
+        sub = await self._submit(prompts, body)
+        try:
+            response = response_cls(self.tokenizer, self.config.served_model_name, sub.rids[0],
+                                    prompts, len(prompts) * sub.n,
+                                    body.num_logprobs() is not None,
+                                    self.grammars.token_bytes if self.grammars else None,
+                                    prompt_logprobs=body.prompt_logprobs is not None, **options)
+            updates = self._updates(sub)
+            if not body.stream:
+                try:
+                    return await _unless_client_leaves(request, response.body(updates))
+                finally:
+                    await sub.end()
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            sched = self.client.config.scheduler
+            if sched.policy_class.may_reject(sched.policy_options):
+                # A rejection comes before the first token: hold the headers until then, so
+                # that it is a plain 503 rather than an error event inside a 200 stream.
+                updates = await _unless_client_leaves(request, _after_first(updates))
+                if isinstance(updates, Response):
+                    await sub.end()
+                    return updates  # the client left
+            events = response.events(updates, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     background=BackgroundTask(_closed, events, sub))
+        except BaseException:
+            await sub.end()
+            raise
 
-    async def _submit(self, prompts: list[list[int]], body: GenerationRequest
-                      ) -> tuple[list[str], asyncio.Queue, int]:
+    async def _submit(self, prompts: list[list[int]], body: GenerationRequest) -> Submission:
         """Check every prompt and its sampling parameters, then send them all to the cores
-        on one queue; returns their request ids, the queue and n. Its sequences (prompts
+        on one queue. Its sequences (prompts
         times n) count against --max-pending from the first check on."""
         client, config = self.client, self.config
         if not client.alive:
@@ -123,7 +133,7 @@ class Frontend:
             self.reserved -= sequences
 
     async def _checked_submit(self, prompts: list[list[int]], body: GenerationRequest
-                              ) -> tuple[list[str], asyncio.Queue, int]:
+                              ) -> Submission:
         client, config = self.client, self.config
         params = []
         for ids in prompts:
@@ -148,12 +158,15 @@ class Frontend:
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex[:16]
         rids = [f"{base}-{i}" for i in range(len(prompts))]
+        sent = 0
         try:
             for rid, ids, p in zip(rids, prompts, params):
                 await client.add(rid, ids, p, queue, prefill)
-        except EngineDeadError as exc:
+                sent += 1
+        except EngineDeadError as exc:  # those already sent are aborted
+            await Submission(client, self.metrics, rids[:sent], params[0].n).end()
             raise _unavailable(exc) from exc
-        return rids, queue, params[0].n
+        return Submission(client, self.metrics, rids, params[0].n, queue)
 
     async def _load_grammars(self) -> Grammars:
         """The tokenizer as llguidance sees it, built once (in a thread: ~0.3 s)."""
@@ -177,17 +190,16 @@ class Frontend:
         except ValueError as exc:
             raise APIError(str(exc), param=field) from exc
 
-    async def _updates(self, rids: list[str], queue: asyncio.Queue, n: int) -> Updates:
+    async def _updates(self, sub: Submission) -> Updates:
         """(choice index, update) until every choice finished, observing the latency
-        metrics; aborts the requests on early exit."""
-        metrics = self.metrics
-        index_of = {rid: i for i, rid in enumerate(rids)}
-        left = len(rids) * n
+        metrics; ends the submission (aborting what is left) on early exit."""
+        metrics, n = self.metrics, sub.n
+        index_of = {rid: i for i, rid in enumerate(sub.rids)}
         t0 = time.perf_counter()
         first, last, gaps = None, {}, []
         try:
-            while left:
-                item = await queue.get()
+            while sub.left:
+                item = await sub.queue.get()
                 if isinstance(item, Failure):
                     raise APIError(item.message, 503 if item.dead else 400,
                                    "service_unavailable" if item.dead else "invalid_request_error")
@@ -202,7 +214,7 @@ class Frontend:
                         metrics.itl.observe(gaps[-1])
                     last[u.request_id] = now
                 if u.finished:
-                    left -= 1
+                    sub.left -= 1
                     metrics.finished(u.finish_reason or "unknown").inc()
                     if u.finish_reason == "rejected":  # the slo policy's overload decision
                         raise APIError(u.finish_message or "overloaded", 503,
@@ -213,13 +225,39 @@ class Frontend:
                 metrics.recent.append((time.time(), first - t0,
                                        sum(gaps) / len(gaps) if gaps else None))
         finally:
-            if left:  # client gone or an error: its unfinished sequences end as aborted
-                metrics.finished("abort").inc(left)
-            for rid in rids:
-                if left:
-                    await self.client.abort(rid)  # free the blocks now
-                else:
-                    self.client.release(rid)
+            await sub.end()
+
+
+class Submission:
+    """One request's sequences (prompts x n) from their submission to their end, however
+    the answer goes: `end()` frees them, aborting those unfinished (the client left, an
+    error), whether or not any update was ever read; it acts once."""
+
+    def __init__(self, client: CoreClient, metrics: ServerMetrics, rids: list[str], n: int,
+                 queue: asyncio.Queue | None = None) -> None:
+        self.client, self.metrics, self.rids, self.n, self.queue = client, metrics, rids, n, queue
+        self.left = len(rids) * n  # sequences not finished
+        self.ended = False
+
+    async def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self.left:  # their unfinished sequences end as aborted
+            self.metrics.finished("abort").inc(self.left)
+        for rid in self.rids:
+            if self.left:
+                await self.client.abort(rid)  # free the blocks now
+            else:
+                self.client.release(rid)
+
+
+async def _closed(events: AsyncGenerator[str, None], sub: Submission) -> None:
+    """After a stream: a hang-up cancels it wherever it waits, perhaps on sending a chunk
+    with `events` paused at a yield (left to the garbage collector, its requests would
+    decode on) or before its first step (`events` never opened): close both now."""
+    await events.aclose()
+    await sub.end()
 
 
 async def _after_first(updates: Updates) -> Updates:
