@@ -154,8 +154,10 @@ def test_each_refused_field_is_a_400_naming_it(server, path, base, model):
     ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "text"),
     ("/v1/chat/completions", {**CHAT, "service_tier": "flex"}, "service_tier", "tier"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens", "at least 1"),
-    ("/v1/completions", {**COMPLETION, "prompt": [-1], "echo": True}, "prompt",
+    ("/v1/completions", {**COMPLETION, "prompt": [49152], "echo": True}, "prompt",
      "token ids must be in"),
+    ("/v1/completions", {**COMPLETION, "prompt": [-1], "echo": True}, "prompt.0",
+     "greater than or equal to 0"),
     ("/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix", "insertion"),
     ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 3}, "best_of", "rank"),
     ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 1}, "best_of", "at least n"),
@@ -311,14 +313,14 @@ def test_bad_logit_bias_is_a_400(server, bias, words):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("stop_token_ids", [49152]), ("stop_token_ids", [-1]), ("seed", 2**64),
+    ("stop_token_ids", [49152]), ("stop_token_ids.0", [-1]), ("seed", 2**64),
     ("seed", -2**63 - 1), ("priority", 2**63), ("top_k", 2**63)])
 def test_integers_outside_the_vocabulary_or_int64_are_400s_and_leave_nothing(server, field,
                                                                              value):
     """An out-of-vocabulary stop token would index past the logits; an integer beyond int64
     cannot travel to the engine core. Both are refused up front, and the server serves the
     next request."""
-    r = post(server, "/v1/completions", {**COMPLETION, field: value})
+    r = post(server, "/v1/completions", {**COMPLETION, field.split(".")[0]: value})
     assert refused(r, field)
     assert post(server, "/v1/completions", COMPLETION).status_code == 200
 

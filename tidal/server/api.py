@@ -30,6 +30,7 @@ from tidal.server.dashboard import DashboardHub
 from tidal.server.dashboard import routes as dashboard_routes
 from tidal.server.errors import authorized, install_docs, install_error_handlers
 from tidal.server.metrics import ServerMetrics
+from tidal.server.openapi import install_schema
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.openai.chat_output import ChatOutputOptions
 from tidal.server.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
@@ -345,8 +346,9 @@ async def version():
     return {"version": __version__}
 
 
-@routes.get("/metrics")
+@routes.get("/metrics", response_class=Response)
 async def prometheus(f: FrontendDep):
+    """Prometheus' text format."""
     return Response(generate_latest(f.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -410,4 +412,5 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     install_docs(app)
     app.include_router(routes)
     app.include_router(dashboard_routes)
+    install_schema(app, config.served_model_name, bool(config.key))
     return app

@@ -34,7 +34,8 @@ def _is_union_member(part) -> bool:
     """Whether a part of an error's loc names a union's member (str, list[int], a literal, a
     model class such as NamedToolChoice), not a field (fields are lower case)."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
-                                      or part.startswith(("list[", "dict[", "literal["))
+                                      or part.startswith(("list[", "dict[", "literal[",
+                                                          "constrained-"))
                                       or part[:1].isupper())
 
 
@@ -44,9 +45,11 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "json_invalid":  # its loc is a character position, not a field
         why = (first.get("ctx") or {}).get("error", "invalid")
         return error_response(APIError(f"the body is not valid JSON: {why}"))
-    # a union field fails once per member: the member that got furthest says most
+    # a union field fails once per member: the member that got furthest says most, and
+    # of those one whose type matched (a list too short, not "should be a valid string")
     same = [e for e in errors if e["loc"][:2] == first.get("loc", ())[:2]]
-    first = max(same, key=lambda e: len(e["loc"]), default=first)
+    first = max(same, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")),
+                default=first)
     loc = [str(p) for p in first.get("loc", ())[1:] if not _is_union_member(p)]  # drop "body"
     ctx = first.get("ctx") or {}
     if first.get("type") == "refused":  # protocol.refuse: its own words, naming the field
@@ -58,7 +61,9 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
 
 
 async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(APIError(str(exc.detail), exc.status_code))
+    response = error_response(APIError(str(exc.detail), exc.status_code))
+    response.headers.update(exc.headers or {})  # a 405's Allow
+    return response
 
 
 def install_error_handlers(app: FastAPI, http: HttpConfig) -> None:

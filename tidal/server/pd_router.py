@@ -31,6 +31,7 @@ from tidal.cluster.routing import CoreLoad, Router
 from tidal.server.config import HttpConfig
 from tidal.server.dashboard import page_html
 from tidal.server.errors import install_docs, install_error_handlers
+from tidal.server.openapi import install_schema
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
                                           GenerationRequest)
@@ -305,7 +306,9 @@ def build_router_app(router: PDRouter, http: HttpConfig | None = None,
 
     app = FastAPI(title="tidal router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
-    install_error_handlers(app, http or HttpConfig())
+    http = http or HttpConfig()
+    install_error_handlers(app, http)
     install_docs(app)
     app.include_router(routes)
+    install_schema(app, None, bool(http.key))
     return app

@@ -145,7 +145,7 @@ class ChatRequest(GenerationRequest):
     _refused: ClassVar = {**VLLM_REFUSED, **CHAT_REFUSED}
     prompt_field: ClassVar[str] = "messages"
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -230,7 +230,7 @@ class TokenizeRequest(StrictModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None  # messages only
     add_generation_prompt: bool = True  # messages only
     add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages

@@ -16,7 +16,7 @@ A null value means the field is absent, as in OpenAI's API."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
@@ -64,9 +64,10 @@ def _passes(value: Any, allowed: tuple) -> bool:
 
 class StrictModel(BaseModel):
     """Refuses unknown fields, and the `_refused` table's fields unless their value passes;
-    null counts as absent. Refused fields that pass are dropped: they ask for nothing."""
+    null counts as absent. Refused fields that pass are dropped: they ask for nothing.
+    Types are strict: "10" is no integer, true no token id."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     _refused: ClassVar[dict[str, tuple[tuple, str]]] = {}
 
     @model_validator(mode="before")
@@ -115,6 +116,11 @@ def encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[i
 
 
 _INT64_MAX = 2**63 - 1  # integers travel to the engine core as msgpack int64
+# What the schema can say of a prompt and its token ids (the vocabulary's end it cannot:
+# that is a 400 naming the field).
+TokenId = Annotated[int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class GenerationRequest(StrictModel):
@@ -135,7 +141,7 @@ class GenerationRequest(StrictModel):
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=-_INT64_MAX - 1, le=_INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # each checked against the vocabulary
+    stop_token_ids: list[TokenId] | None = None  # each checked against the vocabulary
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
@@ -291,7 +297,8 @@ class CompletionRequest(GenerationRequest):
     _refused: ClassVar = {**VLLM_REFUSED, **COMPLETION_REFUSED}
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's legacy completions default
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1)  # only equal to n: the best n of n are all n
     echo: bool = False  # the prompt before the output (and its logprobs with logprobs)
@@ -349,4 +356,4 @@ class DetokenizeRequest(StrictModel):
     """POST /detokenize: token ids back to text."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

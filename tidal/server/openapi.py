@@ -1,0 +1,99 @@
+"""The OpenAPI schema as the server answers: FastAPI's generated one, corrected where the
+server differs from FastAPI's defaults. Invalid bodies are 400s with an OpenAI error body
+(never 422), generation may answer 429 and 503 and stream as SSE, /metrics is Prometheus
+text, a request field sent as null counts as absent, and the served model is the only
+`model` accepted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+_ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
+_ERROR_SCHEMA = {
+    "type": "object", "required": ["error"], "title": "ErrorResponse",
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["integer", "string", "null"]}}}}}
+_ERRORS = {  # status -> when, for the routes each applies to
+    "400": "the body is invalid: the message names the field (`param`)",
+    "401": "the API key is missing or wrong (a server started with --api-key)",
+    "413": "the body is over --max-body-bytes",
+    "429": "too many requests in flight (--max-pending); retry after Retry-After",
+    "503": "the engine core is restarting (with Retry-After) or gone",
+}
+_ANY: dict = {}
+_TEXT = {  # routes whose 200 is not JSON: its media type and schema
+    "/metrics": ("text/plain", {"type": "string"}),
+    "/dashboard": ("text/html", {"type": "string"}),
+    "/dashboard/stream": ("text/event-stream", _ANY),  # each event's data: a JSON report
+}
+_GENERATION = ("/v1/completions", "/v1/chat/completions")
+_KEYED = ("/v1/", "/tokenize", "/detokenize", "/dashboard")
+
+
+def install_schema(app: FastAPI, served_model: str | None, keyed: bool) -> None:
+    """Serve the corrected schema at /openapi.json (built once, on first request); the P/D
+    router, which relays to servers, knows no model name (None)."""
+
+    def schema() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            raw = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = corrected(raw, served_model, keyed)
+        return app.openapi_schema
+
+    app.openapi = schema  # type: ignore[method-assign]
+
+
+def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dict[str, Any]:
+    """`raw` (FastAPI's schema) as the server behaves; see the module's docstring."""
+    schemas = raw.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    schemas["ErrorResponse"] = _ERROR_SCHEMA
+    for path, operations in raw.get("paths", {}).items():
+        for op in operations.values():
+            responses = op.setdefault("responses", {})
+            has_body = responses.pop("422", None) is not None
+            errors = (["400", "413"] if has_body else []) + (
+                ["401"] if keyed and path.startswith(_KEYED) else []) + (
+                ["429", "503"] if path in _GENERATION else [])
+            for status in errors:
+                responses[status] = {"description": _ERRORS[status],
+                                     "content": {"application/json": {"schema": _ERROR}}}
+            ok = responses.get("200", {})
+            if path in _TEXT:
+                media, body = _TEXT[path]
+                ok["content"] = {media: {"schema": body}}
+            elif path in _GENERATION:  # stream: true answers with server-sent events
+                ok.setdefault("content", {})["text/event-stream"] = {"schema": _ANY}
+    for model in schemas.values():
+        if model.get("additionalProperties") is False:  # a request body (StrictModel)
+            _nulls_are_absent(model, served_model)
+    return raw
+
+
+def _nulls_are_absent(model: dict[str, Any], served_model: str | None) -> None:
+    """A request model's fields as the server reads them: null as if absent, so every
+    optional field also takes null; `model`, where given, names the served model."""
+    required = set(model.get("required", ()))
+    for name, prop in model.get("properties", {}).items():
+        if name == "model" and served_model is not None:
+            prop.clear()
+            prop.update({"anyOf": [{"type": "string", "enum": [served_model]},
+                                   {"type": "null"}], "title": "Model"})
+        elif name not in required and not _takes_null(prop):
+            inner = {k: v for k, v in prop.items() if k not in ("default", "title",
+                                                                  "description")}
+            for k in list(inner):
+                prop.pop(k)
+            prop["anyOf"] = [inner, {"type": "null"}]
+
+
+def _takes_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(
+        _takes_null(p) for p in prop.get("anyOf", []) + prop.get("oneOf", []))
