@@ -11,6 +11,11 @@ as asked, no stop string in the text). Afterwards the server must hold nothing: 
 running and waiting all 0. The frontend's and the engine core's RSS at the end must be within
 `--rss-tolerance` of their highest value during the warm-up (the first `--warmup` share of
 requests, 30%; a step's transient buffers come and go, a leak outgrows them). Prints the figures; exits 1 if a check fails.
+
+With `--hostile` it runs the mix twice on fresh servers, the second time beside hostile
+clients (`hostile.py`: slowloris connections, amplifying and huge-constraint requests, all of
+which the server must refuse or close), and checks that the normal clients' p99 latency
+stays within `--p99-tolerance` (2x) of the run without them.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import psutil
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from server_fixtures import Server, metric  # noqa: E402
+
+from hostile import Hostility, hostile_clients  # noqa: E402
 
 WORDS = ("the sea river mountain city paper clip music light quiet green tall old road "
          "window story garden winter bright number table letter house cloud stone").split()
@@ -82,6 +89,11 @@ class Report:
     outcomes: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
     tokens: int = 0
+    latencies: list[float] = field(default_factory=list)  # of the requests run to their end
+
+    def p99(self) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
 
     def fail(self, plan: Plan, what: str) -> None:
         self.outcomes["malformed"] += 1
@@ -176,7 +188,10 @@ async def run_full(http: httpx.AsyncClient, url: str, plan: Plan, report: Report
 
 async def run_one(http: httpx.AsyncClient, url: str, plan: Plan, report: Report) -> None:
     if plan.mode == "full":
-        return await run_full(http, url, plan, report)
+        t0 = time.perf_counter()
+        await run_full(http, url, plan, report)
+        report.latencies.append(time.perf_counter() - t0)
+        return
     if plan.mode == "disconnect":
         async with http.stream("POST", url + plan.endpoint, json=plan.body) as resp:
             chunks = 0
@@ -200,9 +215,11 @@ def rss_mb(pids: list[int]) -> list[float]:
 
 
 async def soak(url: str, pids: list[int], requests: int, concurrency: int, seed: int,
-               progress: bool = True, warmup: float = 0.1) -> tuple[Report, list[float], float]:
-    """Run the mix; returns the report, the highest RSS during the warm-up (the first
-    `warmup` share of the requests) and the seconds taken."""
+               progress: bool = True, warmup: float = 0.1, hostility: Hostility | None = None
+               ) -> tuple[Report, list[float], float]:
+    """Run the mix (beside `hostility`'s clients, if given, until it ends); returns the
+    report, the highest RSS during the warm-up (the first `warmup` share of the requests)
+    and the seconds taken."""
     rng = random.Random(seed)
     plans = [make_plan(rng) for _ in range(requests)]
     report, gate = Report(), asyncio.Semaphore(concurrency)
@@ -227,7 +244,14 @@ async def soak(url: str, pids: list[int], requests: int, concurrency: int, seed:
                 print(f"  {finished}/{requests} {dict(report.outcomes)} RSS MiB {rss}",
                       flush=True)
 
-        await asyncio.gather(*(one(p) for p in plans))
+        normal = asyncio.gather(*(one(p) for p in plans))
+        if hostility is None:
+            await normal
+        else:
+            hostile = asyncio.ensure_future(hostile_clients(url, hostility))
+            await normal
+            hostility.stop.set()
+            await hostile
     return report, warm_rss, time.perf_counter() - t0
 
 
@@ -253,6 +277,7 @@ class SoakResult:
     left: dict[str, float]
     warm_rss: list[float]
     end_rss: list[float]
+    hostility: Hostility | None = None
 
     @property
     def growth(self) -> list[float]:
@@ -260,22 +285,25 @@ class SoakResult:
 
     def ok(self, rss_tolerance: float) -> bool:
         return (not self.report.outcomes["malformed"] and not any(self.left.values())
-                and all(g <= rss_tolerance for g in self.growth))
+                and all(g <= rss_tolerance for g in self.growth)
+                and (self.hostility is None or not self.hostility.problems))
 
 
 def run_soak(requests: int, concurrency: int, seed: int, serve_flags: list[str],
-             progress: bool = True, warmup: float = 0.1) -> SoakResult:
-    """Start a server, soak it, wait for it to drain, stop it."""
+             progress: bool = True, warmup: float = 0.1,
+             hostility: Hostility | None = None) -> SoakResult:
+    """Start a server, soak it (beside `hostility`'s clients), wait for it to drain, stop
+    it."""
     server = Server(*serve_flags)
     try:
         pids = [server.proc.pid, server.core_pid()]
         report, warm_rss, seconds = asyncio.run(
-            soak(server.url, pids, requests, concurrency, seed, progress, warmup))
+            soak(server.url, pids, requests, concurrency, seed, progress, warmup, hostility))
         left = drained(server.url)
         end_rss = rss_mb(pids)
     finally:
         server.stop()
-    return SoakResult(report, seconds, left, warm_rss, end_rss)
+    return SoakResult(report, seconds, left, warm_rss, end_rss, hostility)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,24 +314,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-tolerance", type=float, default=0.10)
     p.add_argument("--warmup", type=float, default=0.3,
                    help="share of the requests after which the RSS baseline is taken")
+    p.add_argument("--hostile", action="store_true",
+                   help="run the mix again beside hostile clients and compare the p99")
+    p.add_argument("--p99-tolerance", type=float, default=2.0,
+                   help="most the normal clients' p99 latency may grow beside hostile ones")
     p.add_argument("serve_flags", nargs="*", help="extra `tidal serve` flags (after --)")
     args = p.parse_args(argv)
-    r = run_soak(args.requests, args.concurrency, args.seed, args.serve_flags,
-                 warmup=args.warmup)
+    runs = [("alone", None)] + ([("beside hostile clients", Hostility())] if args.hostile
+                                else [])
+    ok, p99 = True, []
+    for name, hostility in runs:
+        r = run_soak(args.requests, args.concurrency, args.seed, args.serve_flags,
+                     warmup=args.warmup, hostility=hostility)
+        print(f"{name}:")
+        ok &= summary(args, r)
+        p99.append(r.report.p99())
+    if args.hostile:
+        ratio = p99[1] / p99[0]
+        print(f"normal clients' p99 latency: {p99[0]:.2f} s alone, {p99[1]:.2f} s beside "
+              f"hostile clients ({ratio:.2f}x; at most {args.p99_tolerance:g}x)")
+        ok &= ratio <= args.p99_tolerance
+    print("soak " + ("passed" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def summary(args: argparse.Namespace, r: SoakResult) -> bool:
+    """Print one run's figures; whether its checks passed."""
     report = r.report
-    print(f"{args.requests} requests in {r.seconds:.0f} s ({args.requests / r.seconds:.1f} "
+    print(f"  {args.requests} requests in {r.seconds:.0f} s ({args.requests / r.seconds:.1f} "
           f"req/s, {report.tokens} tokens in complete requests), concurrency "
-          f"{args.concurrency}")
+          f"{args.concurrency}, p99 latency of complete requests {report.p99():.2f} s")
     print("  outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items())))
+    if r.hostility is not None:
+        print("  hostile: " + ", ".join(f"{k} {v}" for k, v in
+                                        sorted(r.hostility.outcomes.items())))
+        for line in r.hostility.problems:
+            print("  HOSTILE " + line)
     print("  left after drain: " + ", ".join(f"{k.split(':')[1]} {v:g}"
                                              for k, v in r.left.items()))
     for name, w, e, g in zip(("frontend", "engine core"), r.warm_rss, r.end_rss, r.growth):
         print(f"  RSS {name}: {w:.0f} MiB after warm-up, {e:.0f} MiB at the end ({g:+.1%})")
     for line in report.problems:
         print("  MALFORMED " + line)
-    ok = r.ok(args.rss_tolerance)
-    print("  soak " + ("passed" if ok else "FAILED"))
-    return 0 if ok else 1
+    return r.ok(args.rss_tolerance)
 
 
 if __name__ == "__main__":
