@@ -4,7 +4,7 @@ none may fail. Left out: positive_data_acceptance, as a schema-valid body may st
 400 naming its field for what JSON Schema cannot state (the vocabulary's size, a prompt's
 length in tokens, n x max_tokens, which role a message needs, 4.0 for an integer).
 
-TIDAL_SCHEMA_EXAMPLES sets the examples per operation (default 15)."""
+TIDAL_SCHEMA_EXAMPLES sets the examples per operation (default 8)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from server_fixtures import Server
 
 KEY = "schema-key"
-EXAMPLES = int(os.environ.get("TIDAL_SCHEMA_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("TIDAL_SCHEMA_EXAMPLES", "8"))
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
