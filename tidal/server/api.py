@@ -18,8 +18,8 @@ from typing import Annotated, Any, AsyncGenerator, Awaitable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 
 from tidal import __version__
 from tidal.engine.outputs import StepUpdate
@@ -113,8 +113,8 @@ class Frontend:
 
     async def _submit(self, prompts: list[list[int]], body: GenerationRequest) -> Submission:
         """Check every prompt and its sampling parameters, then send them all to the cores
-        on one queue. Its sequences (prompts
-        times n) count against --max-pending from the first check on."""
+        on one queue. Its sequences (prompts times n) count against --max-pending from the
+        first check on."""
         client, config = self.client, self.config
         if not client.alive:
             raise _unavailable(client.unavailable())

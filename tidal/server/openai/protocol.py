@@ -340,16 +340,14 @@ class CompletionRequest(GenerationRequest):
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
         """One token-id list per prompt: strings are tokenized, ids pass as they are."""
-        p, special = self.prompt, self.add_special_tokens
-        if isinstance(p, str):  # the empty one is refused on submit
-            return [encode(tokenizer, p, special, "prompt")] if p else [[]]
-        if p and all(isinstance(x, str) for x in p):
+        p, special = self.prompt, self.add_special_tokens  # none of them empty (the schema)
+        if isinstance(p, str):
+            return [encode(tokenizer, p, special, "prompt")]
+        if isinstance(p[0], str):
             return [encode(tokenizer, x, special, "prompt") for x in p]
-        if p and all(isinstance(x, int) for x in p):
+        if isinstance(p[0], int):
             return [list(p)]
-        if p and all(isinstance(x, list) for x in p):
-            return [list(x) for x in p]
-        raise APIError("the prompt is empty", param="prompt")
+        return [list(x) for x in p]
 
 
 class DetokenizeRequest(StrictModel):
