@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import select
 import socket
 import time
@@ -290,3 +291,29 @@ def test_connections_past_the_cap_are_closed_at_once(server):
             s.close()
     time.sleep(0.2)
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_burst_past_a_small_open_file_limit_neither_floods_the_log_nor_stops_the_server():
+    """Under an open-file limit of 512 (so a connection cap of 256), 600 connections at once
+    run asyncio out of descriptors before the cap closes the surplus: it logged that, with
+    a traceback, once per connection it could not accept (hundreds of lines a burst). Now
+    one line says it; every connection is closed, over the cap or idle, and the server
+    serves on."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))  # the server inherits it
+    try:
+        server = Server("--idle-timeout", str(IDLE))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(600)]
+        try:
+            assert len(closing_times(socks, 10 * IDLE)) == len(socks)
+        finally:
+            for s in socks:
+                s.close()
+        assert httpx.get(server.url + "/health").status_code == 200
+        log = server.output()
+        assert log.count("out of system resource") <= 2 and "Traceback" not in log, log[-3000:]
+    finally:
+        server.stop()

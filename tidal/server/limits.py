@@ -6,6 +6,8 @@ past the connection cap (`uvicorn_limits`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import h11
 from fastapi.responses import JSONResponse
@@ -118,10 +120,44 @@ class IdleH11Protocol(H11Protocol):
             self.read_deadline = None
 
 
+class AcceptErrorsOnceInAWhile(logging.Filter):
+    """asyncio logs "socket.accept() out of system resource", with a traceback, once for
+    every connection of a burst it cannot accept (up to its backlog of 2,048 in a row): a
+    burst past the open-file limit, before the connection cap closes the surplus, flooded
+    the log. One line every `every` seconds says it, and how many were left out."""
+
+    MESSAGE = "socket.accept() out of system resource"
+
+    def __init__(self, every: float = 10.0) -> None:
+        super().__init__()
+        self.every, self.last, self.dropped = every, -float("inf"), 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(self.MESSAGE):
+            return True
+        now = time.monotonic()
+        if now - self.last < self.every:
+            self.dropped += 1
+            return False
+        more = f" ({self.dropped} more since the last)" if self.dropped else ""
+        record.msg, record.args, record.exc_info = (
+            f"{self.MESSAGE}: too many open files; connections wait in the listen queue"
+            f"{more}", (), None)
+        self.last, self.dropped = now, 0
+        return True
+
+
+def install_accept_error_filter() -> None:
+    aio = logging.getLogger("asyncio")
+    if not any(isinstance(f, AcceptErrorsOnceInAWhile) for f in aio.filters):
+        aio.addFilter(AcceptErrorsOnceInAWhile())
+
+
 def uvicorn_limits(http: HttpConfig) -> dict:
     """uvicorn.run's arguments for the header size limit, the idle and read timeouts and the
     connection cap (h11 is the parser that enforces the header limit, whether or not
     httptools is installed)."""
+    install_accept_error_filter()
     protocol = type("LimitedH11Protocol", (IdleH11Protocol,),
                     {"read_timeout": http.request_read_timeout,
                      "max_connections": http.connection_cap()})
