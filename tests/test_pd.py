@@ -148,6 +148,12 @@ def test_the_router_refuses_a_bad_request_with_the_servers_own_error():
             assert via_router.status_code == direct.status_code, (path, body)
             assert via_router.json() == direct.json(), (path, body)
         assert httpx.post(pd.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        for name, status in (("smollm2-135m", 200), ("org/other", 404)):  # OpenAI's retrieve
+            via_router = httpx.get(pd.url + f"/v1/models/{name}", headers=auth)
+            direct = httpx.get(decode + f"/v1/models/{name}", headers=auth)
+            assert via_router.status_code == direct.status_code == status, name
+            assert via_router.json()["error" if status == 404 else "id"] == \
+                direct.json()["error" if status == 404 else "id"]
     finally:
         pd.stop()
 

@@ -33,8 +33,8 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
 
-def post(server, path, body, key=KEY, **kw):
-    headers = {"authorization": f"Bearer {key}"} if key else {}
+def post(server, path, body, key=KEY, headers=None, **kw):
+    headers = {**({"authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     return httpx.post(server.url + path, headers=headers, timeout=60, **kw,
                       **({"json": body} if body is not None else {}))
 
@@ -348,3 +348,30 @@ def test_sigterm_drains_running_requests_then_exits():
     while pid_alive(core):
         assert time.monotonic() < deadline, "engine core outlived the server"
         time.sleep(0.1)
+
+
+def test_a_model_is_retrieved_by_name_and_an_unknown_one_is_a_404(client):
+    assert client.models.retrieve("smollm2-135m").id == "smollm2-135m"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-9")
+    assert err.value.body["param"] == "model" and "gpt-9" in err.value.body["message"]
+
+
+def test_answers_carry_a_fingerprint_a_null_refusal_and_the_request_id(server):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = post(server, "/v1/chat/completions", chat, headers={"x-request-id": "trace-7"})
+    body = r.json()
+    assert r.headers["x-request-id"] == "trace-7"
+    assert body["system_fingerprint"].startswith("tidal-")
+    assert "refusal" in body["choices"][0]["message"]
+    assert body["choices"][0]["message"]["refusal"] is None
+    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert chunks and all(c["system_fingerprint"] == body["system_fingerprint"]
+                          for c in chunks)
+    generated = r.headers["x-request-id"]
+    assert len(generated) == 32 and generated != post(
+        server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).headers["x-request-id"]
+    assert httpx.get(server.url + "/health").headers["x-request-id"]  # every route
+    assert httpx.get(server.url + "/favicon.ico").status_code == 204  # not a 404 in a browser

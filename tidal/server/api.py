@@ -354,9 +354,21 @@ async def prometheus(f: FrontendDep):
 
 @routes.get("/v1/models")
 async def models(f: FrontendDep):
-    return {"object": "list", "data": [{
-        "id": f.config.served_model_name, "object": "model", "created": int(time.time()),
-        "owned_by": "tidal", "max_model_len": f.client.ready.max_model_len}]}
+    return {"object": "list", "data": [_model_card(f)]}
+
+
+@routes.get("/v1/models/{model:path}")
+async def model(model: str, f: FrontendDep):
+    """OpenAI's retrieve: the served model, or a 404 naming any other."""
+    if model != f.config.served_model_name:
+        raise APIError(f"the model {model!r} does not exist; this server serves "
+                       f"{f.config.served_model_name!r}", 404, param="model")
+    return _model_card(f)
+
+
+def _model_card(f: Frontend) -> dict:
+    return {"id": f.config.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "tidal", "max_model_len": f.client.ready.max_model_len}
 
 
 @routes.post("/v1/completions")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from tidal.core.snapshot import dashboard_frame
 from tidal.engine import messages as m
@@ -100,6 +100,12 @@ routes = APIRouter()
 async def dashboard(request: Request):
     f = request.app.state.frontend
     return HTMLResponse(page_html(title=f"tidal: {f.config.served_model_name}"))
+
+
+@routes.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> Response:
+    """The page has no icon: a 204, not a 404 in the browser's console."""
+    return Response(status_code=204)
 
 
 @routes.get("/dashboard/stream")

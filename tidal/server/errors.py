@@ -7,6 +7,7 @@ from __future__ import annotations
 import hmac
 import logging
 import re
+import uuid
 from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
@@ -74,6 +75,7 @@ def install_error_handlers(app: FastAPI, http: HttpConfig) -> None:
     headers over `max_header_bytes` (431) and bodies over `max_body_bytes` (413)."""
     app.add_middleware(RequestLimits, max_body_bytes=http.max_body_bytes,
                        max_header_bytes=http.max_header_bytes)
+    app.add_middleware(RequestIds)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
@@ -91,6 +93,27 @@ def install_error_handlers(app: FastAPI, http: HttpConfig) -> None:
                 return error_response(APIError("invalid or missing API key", 401,
                                                "authentication_error"))
         return await call_next(request)
+
+
+class RequestIds:
+    """Every HTTP answer carries X-Request-Id: the one the client sent (its first 128
+    characters), else a new one, so a client's logs and the server's can be matched."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")[:128]
+        rid = sent or uuid.uuid4().hex.encode()
+
+        async def with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
+            await send(message)
+
+        await self.app(scope, receive, with_id)
 
 
 # The API's schema and its two documentation pages: behind the key when there is one (they

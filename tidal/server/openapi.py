@@ -22,6 +22,7 @@ _ERROR_SCHEMA = {
 _ERRORS = {  # status -> when, for the routes each applies to
     "400": "the body is invalid: the message names the field (`param`)",
     "401": "the API key is missing or wrong (a server started with --api-key)",
+    "404": "no such model: this server serves one",
     "413": "the body is over --max-body-bytes",
     "429": "too many requests in flight (--max-pending); retry after Retry-After",
     "503": "the engine core is restarting (with Retry-After) or gone",
@@ -61,7 +62,8 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
             has_body = responses.pop("422", None) is not None
             errors = (["400", "413"] if has_body else []) + (
                 ["401"] if keyed and path.startswith(_KEYED) else []) + (
-                ["429", "503"] if path in _GENERATION else [])
+                ["429", "503"] if path in _GENERATION else []) + (
+                ["404"] if path.startswith("/v1/models/") else [])
             for status in errors:
                 responses[status] = {"description": _ERRORS[status],
                                      "content": {"application/json": {"schema": _ERROR}}}

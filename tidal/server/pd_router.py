@@ -22,6 +22,7 @@ import json
 import logging
 from contextlib import asynccontextmanager
 from typing import Annotated, AsyncIterator
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -29,7 +30,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from tidal.cluster.routing import CoreLoad, Router
 from tidal.server.config import HttpConfig
-from tidal.server.dashboard import page_html
+from tidal.server.dashboard import favicon, page_html
 from tidal.server.errors import install_docs, install_error_handlers
 from tidal.server.openapi import install_schema
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
@@ -259,6 +260,11 @@ async def models(request: Request, router: RouterDep):
     return await router.relay("/v1/models", request)
 
 
+@routes.get("/v1/models/{model:path}")
+async def model(model: str, request: Request, router: RouterDep):
+    return await router.relay(f"/v1/models/{quote(model, safe='')}", request)
+
+
 @routes.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request, router: RouterDep):
     return await router.relay("/tokenize", request)
@@ -277,6 +283,9 @@ async def health(router: RouterDep):
 @routes.get("/dashboard", response_class=HTMLResponse)
 async def dashboard():
     return HTMLResponse(page_html(title="tidal router: prefill and decode instances"))
+
+
+routes.add_api_route("/favicon.ico", favicon, include_in_schema=False)
 
 
 @routes.get("/dashboard/stream")

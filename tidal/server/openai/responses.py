@@ -134,7 +134,7 @@ class GenerationResponse:
 
     def chunk(self, choices: list, **extra) -> str:
         return s.sse(s.Chunk(self.id, self.chunk_object, self.created, self.model_name,
-                             choices, **extra))
+                             s.FINGERPRINT, choices, **extra))
 
     async def body(self, updates: Updates) -> Response:
         """The whole response once every choice finished (stream=false)."""
@@ -205,7 +205,7 @@ class ChatResponse(GenerationResponse):
             content: str | None = reader.content
             if self.options.tool_parser is not None:
                 content = content.strip() or None  # the text around calls
-            message = s.AssistantMessage("assistant", content, reader.calls,
+            message = s.AssistantMessage("assistant", content, None, reader.calls,
                                          reader.reasoning or None)
             lp = self.logprobs(ch.logprobs, 0) if self.want_logprobs else None
             out.append(s.ChatChoice(i, message, lp, reader.finish_reason(ch.finish_reason)))

@@ -10,7 +10,11 @@ from __future__ import annotations
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
+from tidal import __version__
+
 _encoder = msgspec.json.Encoder()
+# OpenAI's system_fingerprint names the backend configuration; here, tidal's version
+FINGERPRINT = f"tidal-{__version__}"
 
 
 def encode(obj) -> bytes:
@@ -78,6 +82,7 @@ class ChatLogprobs(Struct):
 class AssistantMessage(Struct, omit_defaults=True):
     role: str
     content: str | None
+    refusal: str | None  # OpenAI's, always sent: tidal never refuses (null)
     tool_calls: list[ToolCall] = []
     reasoning_content: str | None = None  # with --reasoning-parser
 
@@ -110,6 +115,7 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    system_fingerprint: str = FINGERPRINT
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # sent only when asked for
 
 
@@ -153,6 +159,7 @@ class Completion(Struct):
     choices: list[CompletionChoice]
     usage: Usage
     object: str = "text_completion"
+    system_fingerprint: str = FINGERPRINT
 
 
 class Chunk(Struct, omit_defaults=True):
@@ -163,5 +170,6 @@ class Chunk(Struct, omit_defaults=True):
     object: str
     created: int
     model: str
+    system_fingerprint: str  # no default: omit_defaults would drop it
     choices: list  # ChatChunkChoice or CompletionChoice
     usage: Usage | None | UnsetType = UNSET
