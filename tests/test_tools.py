@@ -24,7 +24,9 @@ from tidal.model.chat_template import ChatTemplate
 from tidal.server.openai.chat_output import ChatOutputOptions, ChoiceOutput
 from tidal.server.openai.reasoning import ThinkSplitter
 from tidal.server.openai.tool_parsers import HermesParser, Llama3JsonParser, RequiredCallsParser
-from tidal.server.openai.tools import template_conversation
+from tidal.server.openai.structured import closed_objects
+from tidal.server.openai.tools import (NamedToolChoice, Tool, template_conversation,
+                                       tool_constraint)
 
 # A template in the style of Qwen 2.5's: tools as JSON lines, calls and results as tags.
 TOOL_TEMPLATE = """\
@@ -203,6 +205,34 @@ def test_reasoning_splits_the_same_in_any_pieces(thought, answer, opens, closed,
     assert split(["plain answer"], False) == ("", "plain answer")
 
 
+def test_tool_schemas_refuse_undeclared_properties_unless_they_allow_them():
+    """Objects that declare properties and say nothing of others are closed, at any depth
+    (properties, items, anyOf, $defs); an explicit additionalProperties is kept; an object
+    with no properties stays open; the schema given is not changed."""
+    open_ = {"type": "object", "properties": {
+        "where": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {}}}},
+        "either": {"anyOf": [{"$ref": "#/$defs/point"}, {"type": "null"}]},
+        "extra": {"type": "object", "additionalProperties": True, "properties": {"a": {}}},
+        "anything": {"type": "object"}},
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}}}}
+    before = json.dumps(open_)
+    closed = closed_objects(open_)
+    assert json.dumps(open_) == before
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["where"]["additionalProperties"] is False
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["point"]["additionalProperties"] is False
+    assert props["extra"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["anything"]
+    tool = Tool.model_validate({"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {}}}}})
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "f"}})
+    _, spec = tool_constraint([tool], named, True)
+    assert json.loads(spec)["additionalProperties"] is False  # what the grammar is built from
+
+
 # ---------------------------------------------------------------------- end to end
 
 MODEL = "smollm2-135m"
@@ -233,6 +263,20 @@ def test_a_named_tool_choice_returns_valid_calls(client):
         assert call.function.name == "get_time"
         jsonschema.validate(json.loads(call.function.arguments), TIME)
     assert len({c.message.tool_calls[0].id for c in r.choices}) == 5
+
+
+def test_a_forced_call_of_a_schema_open_to_other_properties_has_only_declared_ones(client):
+    """langchain's bind_tools sends parameters without additionalProperties: a forced call
+    must still end, its arguments the declared properties only."""
+    loose = {"type": "object", "required": ["city"],
+             "properties": {"city": {"type": "string", "maxLength": 20}}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, n=5, temperature=1.0, seed=4, max_tokens=60,
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": loose}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"city"}
 
 
 def test_required_returns_calls_of_the_tools_streamed_or_not(client):

@@ -46,6 +46,34 @@ def _spec(kind: str, value: Any, field: str) -> str:
     return value
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that declares
+    `properties` and says nothing of others, as OpenAI's strict mode and the grammar
+    engines of vLLM and SGLang read tool parameters: a forced call then cannot invent
+    properties until max_tokens. An explicit `additionalProperties` is kept (the opt-out)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: closed_objects(v) for k, v in value.items()}
+        elif key in _SUBSCHEMA_LISTS or key in _SUBSCHEMAS:
+            out[key] = closed_objects(value)
+        else:
+            out[key] = value
+    if "properties" in out and not {"additionalProperties", "patternProperties",
+                                    "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
 def _response_format(value: dict) -> tuple[str, str] | None:
     kind = value.get("type")
     if kind == "text":
@@ -57,6 +85,8 @@ def _response_format(value: dict) -> tuple[str, str] | None:
         if schema is None:
             raise ConstraintError("response_format.json_schema.schema",
                                   "response_format json_schema needs json_schema.schema")
+        if value["json_schema"].get("strict") is True and isinstance(schema, dict):
+            schema = closed_objects(schema)
         return "json", _spec("json", schema, "response_format.json_schema.schema")
     raise ConstraintError("response_format.type", f"response_format type {kind!r} is not "
                                                   "supported (text, json_object, json_schema)")

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from tidal.server.openai.protocol import StrictModel, refuse
+from tidal.server.openai.structured import closed_objects
 
 
 class FunctionDefinition(StrictModel):
@@ -48,7 +49,9 @@ def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
 
 
 def arguments_schema(tool: Tool) -> dict:
-    return tool.function.parameters or {"type": "object", "properties": {}}
+    """What a forced call's arguments must match: the parameters, with undeclared
+    properties refused unless the schema allows them (`closed_objects`)."""
+    return closed_objects(tool.function.parameters or {"type": "object", "properties": {}})
 
 
 def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool
