@@ -180,8 +180,13 @@ def test_required_calls_and_their_limit():
     out.finish()
     assert [c.function.name for c in out.calls] == ["f"]  # parallel_tool_calls=false
     assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
-    assert collect(run(RequiredCallsParser(), ['[{"name": "f", "argu'])) == \
-        ('[{"name": "f", "argu', [])
+    # cut by max_tokens: OpenAI's shape, the calls so far with the last one's arguments as
+    # far as they came, never the constraint's raw text as content
+    for cut, calls in (('[{"name": "f", "argu', [("f", "")]),
+                       ('[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b',
+                        [("f", '{"a": 1}'), ("g", '{"b')]),
+                       ('[{"na', [])):
+        assert collect(run(RequiredCallsParser(), [cut])) == ("", calls), cut
 
 
 @settings(max_examples=150, deadline=None)
@@ -277,6 +282,39 @@ def test_a_forced_call_of_a_schema_open_to_other_properties_has_only_declared_on
     for choice in r.choices:
         assert choice.finish_reason == "stop"
         assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"city"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_forced_call_cut_by_max_tokens_has_one_shape_named_or_required(client, stream):
+    """OpenAI's: finish_reason length, no content, the call in tool_calls with the arguments
+    generated so far (a `required` list once came back as its raw text in content)."""
+    shapes = []
+    # each cut inside its arguments: a required list first writes the call's name
+    for choice, most in (({"type": "function", "function": {"name": "get_weather"}}, 6),
+                         ("required", 16)):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=FUNCTIONS[:1],
+                                           tool_choice=choice, max_tokens=most, stream=stream)
+        if stream:
+            content, calls, finish = "", {}, None
+            for chunk in r:
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                for d in delta.tool_calls or []:
+                    entry = calls.setdefault(d.index, ["", ""])
+                    entry[0] += d.function.name or ""
+                    entry[1] += d.function.arguments or ""
+                finish = chunk.choices[0].finish_reason or finish
+            shape = (content or None, [tuple(c) for c in calls.values()], finish)
+        else:
+            m = r.choices[0].message
+            shape = (m.content, [(c.function.name, c.function.arguments)
+                                 for c in m.tool_calls or []], r.choices[0].finish_reason)
+        assert shape[0] is None and shape[2] == "length", shape
+        assert [name for name, _ in shape[1]] == ["get_weather"], shape
+        with pytest.raises(ValueError):  # unfinished
+            json.loads(shape[1][0][1])
+        shapes.append(shape)
+    assert all(args.lstrip().startswith("{") for _, ((_, args),), _ in shapes), shapes
 
 
 def test_required_returns_calls_of_the_tools_streamed_or_not(client):

@@ -11,6 +11,7 @@ forced choices read the output that structured outputs constrained."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 Event = tuple  # ("content", text) | ("call", name, arguments) | ("args", text)
@@ -183,11 +184,35 @@ class RequiredCallsParser(ToolParser):
         try:
             objs = json.loads(self._text)
             calls = [_call(o, ("arguments",)) for o in objs]
-        except (ValueError, TypeError):  # cut short by max_tokens: it stays text
+        except ValueError:  # cut short by max_tokens: OpenAI's shape is the calls so far,
+            return [("call", *c) for c in _cut_calls(self._text)]  # the last unfinished
+        except TypeError:
             calls = [None]
         if not calls or None in calls:
             return self._content(self._text)
         return [("call", *c) for c in calls]
+
+
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"arguments"\s*:\s*(.*))?',
+                       re.S)
+
+
+def _cut_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of a `required` list cut short: each whole one, then the last with its
+    name and its arguments as far as they were generated (none if even its name is cut)."""
+    decoder, calls = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    while 0 < at < len(text):
+        at = len(text) - len(text[at:].lstrip(", \t\r\n"))
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except ValueError:
+            cut = _CUT_CALL.match(text, at)
+            if cut is not None:
+                calls.append((json.loads(cut[1]), cut[2] or ""))
+            break
+        calls.append(_call(obj, ("arguments",)))
+    return calls
 
 
 def partial_suffix(text: str, tag: str) -> int:
