@@ -62,7 +62,8 @@ class Frontend:
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
             raise APIError(f"the model {name!r} does not exist; this server serves "
-                           f"{self.config.served_model_name!r}", param="model")
+                           f"{self.config.served_model_name!r}", param="model",
+                           code="model_not_found")
 
     def chat_options(self, body: ChatRequest) -> ChatOutputOptions:
         """How a chat request's replies are read: its tool choice and the reasoning split."""
@@ -362,7 +363,8 @@ async def model(model: str, f: FrontendDep):
     """OpenAI's retrieve: the served model, or a 404 naming any other."""
     if model != f.config.served_model_name:
         raise APIError(f"the model {model!r} does not exist; this server serves "
-                       f"{f.config.served_model_name!r}", 404, param="model")
+                       f"{f.config.served_model_name!r}", 404, param="model",
+                       code="model_not_found")
     return _model_card(f)
 
 

@@ -18,7 +18,7 @@ _ERROR_SCHEMA = {
         "type": "object", "required": ["message", "type", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]},
-                       "code": {"type": ["integer", "string", "null"]}}}}}
+                       "code": {"type": ["string", "null"]}}}}}
 _ERRORS = {  # status -> when, for the routes each applies to
     "400": "the body is invalid: the message names the field (`param`)",
     "401": "the API key is missing or wrong (a server started with --api-key)",

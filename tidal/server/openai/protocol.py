@@ -29,20 +29,27 @@ if TYPE_CHECKING:
     from tidal.server.config import ServerConfig
 
 
+# OpenAI's error codes are strings (or null): those of the statuses that have one
+_CODES = {401: "invalid_api_key", 413: "request_too_large", 429: "rate_limit_exceeded"}
+
+
 class APIError(Exception):
     """Becomes an OpenAI-style error body with this HTTP status (a 429 also says when to
-    retry, in seconds, as a Retry-After header)."""
+    retry, in seconds, as a Retry-After header); its `code` a string or None, by default
+    the status's (`_CODES`)."""
 
     def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
-                 param: str | None = None, retry_after: int | None = None) -> None:
+                 param: str | None = None, retry_after: int | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.kind, self.param = message, status, kind, param
+        self.code = code if code is not None else _CODES.get(status)
         self.retry_after = retry_after if retry_after is not None else (
             1 if status == 429 else None)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.status}}
+                          "code": self.code}}
 
 
 def check_token_ids(ids, vocab_size: int, param: str) -> None:
