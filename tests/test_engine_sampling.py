@@ -73,6 +73,19 @@ def test_penalties_and_logprobs():
     assert sample(logits, [repeated], gen)[0] == [[1]]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tiny_repetition_penalty_never_revives_a_masked_token(temperature):
+    """A grammar mask leaves -inf; a repetition penalty of 5e-324 on a masked token seen in
+    the prompt once clamped that -inf to a finite logit, which then beat the one token the
+    grammar allowed (a 500 "token doesn't satisfy the grammar", found by the schema fuzzer)."""
+    masked = float("-inf")
+    logits = torch.tensor([[masked, masked, -30.0, masked]])  # the grammar allows token 2
+    tiny = SampleRow(SamplingParams(temperature=temperature, repetition_penalty=5e-324),
+                     1, [0, 1, 3], [], None)
+    for seed in range(20):
+        assert sample(logits, [tiny], torch.Generator().manual_seed(seed))[0] == [[2]]
+
+
 class _CharTokenizer:
     """One character per token id (ord), multi-byte-free: enough to test stop handling."""
 

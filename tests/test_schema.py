@@ -70,6 +70,6 @@ def test_schemathesis_finds_no_failure_with_every_check(server, tmp_path):
          "--checks", "all", "--exclude-checks", "positive_data_acceptance",
          "--max-examples", str(EXAMPLES), "--seed", "1", "--request-timeout", "60",
          "--max-failures", "50", "--no-color", "--report-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache goes there
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert " passed" in run.stdout

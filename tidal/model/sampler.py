@@ -65,9 +65,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             seen = on_device(sorted(set(row.prompt_ids) | set(row.output_ids)), torch.long,
                              logits.device)
             vals = logits[i, seen]
-            big = torch.finfo(logits.dtype).max  # a tiny penalty must not make a logit inf
-            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                          vals * p.repetition_penalty).clamp(-big, big)
+            big = torch.finfo(logits.dtype).max  # a tiny penalty must not make a logit inf,
+            scaled = torch.where(vals > 0, vals / p.repetition_penalty,  # nor a masked one
+                                 vals * p.repetition_penalty).clamp(-big, big)  # finite
+            logits[i, seen] = torch.where(vals == float("-inf"), vals, scaled)
         if row.output_ids and (p.presence_penalty or p.frequency_penalty):
             ids = on_device(row.output_ids, torch.long, logits.device)
             # scatter_add, not bincount: CUDA's bincount reads the largest id on the host

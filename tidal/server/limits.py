@@ -148,6 +148,7 @@ class AcceptErrorsOnceInAWhile(logging.Filter):
 
 
 def install_accept_error_filter() -> None:
+    """Put AcceptErrorsOnceInAWhile on asyncio's logger (once per process)."""
     aio = logging.getLogger("asyncio")
     if not any(isinstance(f, AcceptErrorsOnceInAWhile) for f in aio.filters):
         aio.addFilter(AcceptErrorsOnceInAWhile())
