@@ -86,6 +86,15 @@ def test_a_tiny_repetition_penalty_never_revives_a_masked_token(temperature):
         assert sample(logits, [tiny], torch.Generator().manual_seed(seed))[0] == [[2]]
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_likeliest_token():
+    """top_p=5e-324 is 0 in float32: every token's mass before it reached it, and the row
+    was all -inf (a 500 under a grammar, found by the schema fuzzer)."""
+    logits = torch.tensor([[float("-inf"), 1.0, float("-inf"), 0.5]])
+    tiny = SampleRow(SamplingParams(temperature=1.0, top_p=5e-324), 1, [], [], None)
+    for seed in range(20):
+        assert sample(logits, [tiny], torch.Generator().manual_seed(seed))[0] == [[1]]
+
+
 class _CharTokenizer:
     """One character per token id (ord), multi-byte-free: enough to test stop handling."""
 

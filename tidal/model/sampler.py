@@ -102,9 +102,10 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         ranks = torch.arange(vocab, device=dev)[None, :]
         drop = ranks >= ks[:, None]
         probs = sorted_logits.softmax(-1)
-        # Keep the smallest set whose mass reaches top_p (the first token always stays).
+        # Keep the smallest set whose mass reaches top_p; the first token always stays,
+        # even for a top_p that rounds to 0 in float32 (5e-324 once dropped every token).
         before = probs.cumsum(-1) - probs
-        drop |= before >= on_device(top_p, probs.dtype, dev)[:, None]
+        drop |= (before >= on_device(top_p, probs.dtype, dev)[:, None]) & (ranks > 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if any(p > 0 for p in min_p):

@@ -88,12 +88,10 @@ def _nulls_are_absent(model: dict[str, Any], served_model: str | None) -> None:
             prop.clear()
             prop.update({"anyOf": [{"type": "string", "enum": [served_model]},
                                    {"type": "null"}], "title": "Model"})
-        elif name not in required and not _takes_null(prop):
-            inner = {k: v for k, v in prop.items() if k not in ("default", "title",
-                                                                  "description")}
-            for k in list(inner):
-                prop.pop(k)
-            prop["anyOf"] = [inner, {"type": "null"}]
+        elif name not in required and not _takes_null(prop):  # its type moves into anyOf
+            kept = {k: prop.pop(k) for k in list(prop)
+                    if k not in ("default", "title", "description")}
+            prop["anyOf"] = [kept, {"type": "null"}]
 
 
 def _takes_null(prop: dict[str, Any]) -> bool:
