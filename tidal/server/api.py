@@ -84,6 +84,7 @@ class Frontend:
         """Submit the prompts, then answer with the whole body or an SSE stream; `options`
         go to the response (a chat's ChatOutputOptions)."""
         sub = await self._submit(prompts, body)
+        stream = None  # once made, its background task ends the submission
         try:
             response = response_cls(self.tokenizer, self.config.served_model_name, sub.rids[0],
                                     prompts, len(prompts) * sub.n,
@@ -92,10 +93,7 @@ class Frontend:
                                     prompt_logprobs=body.prompt_logprobs is not None, **options)
             updates = self._updates(sub)
             if not body.stream:
-                try:
-                    return await _unless_client_leaves(request, response.body(updates))
-                finally:
-                    await sub.end()
+                return await _unless_client_leaves(request, response.body(updates))
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             sched = self.client.config.scheduler
             if sched.policy_class.may_reject(sched.policy_options):
@@ -103,14 +101,14 @@ class Frontend:
                 # that it is a plain 503 rather than an error event inside a 200 stream.
                 updates = await _unless_client_leaves(request, _after_first(updates))
                 if isinstance(updates, Response):
-                    await sub.end()
                     return updates  # the client left
             events = response.events(updates, include_usage)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     background=BackgroundTask(_closed, events, sub))
-        except BaseException:
-            await sub.end()
-            raise
+            stream = StreamingResponse(events, media_type="text/event-stream",
+                                       background=BackgroundTask(_closed, events, sub))
+            return stream
+        finally:  # the answer is whole, the client left or an error came
+            if stream is None:
+                await sub.end()
 
     async def _submit(self, prompts: list[list[int]], body: GenerationRequest) -> Submission:
         """Check every prompt and its sampling parameters, then send them all to the cores
@@ -194,57 +192,51 @@ class Frontend:
 
     async def _updates(self, sub: Submission) -> Updates:
         """(choice index, update) until every choice finished, observing the latency
-        metrics; ends the submission (aborting what is left) on early exit."""
+        metrics. Whoever answers ends the submission (`Submission.end`), so that it ends even
+        when this generator is never opened or never closed."""
         metrics, n = self.metrics, sub.n
         index_of = {rid: i for i, rid in enumerate(sub.rids)}
         t0 = time.perf_counter()
         first, last, gaps = None, {}, []
-        try:
-            while sub.left:
-                item = await sub.queue.get()
-                if isinstance(item, Failure):
-                    raise APIError(item.message, 503 if item.dead else 400,
-                                   "service_unavailable" if item.dead else "invalid_request_error")
-                u: StepUpdate = item
-                now = time.perf_counter()
-                if u.new_token_ids:
-                    if first is None:
-                        first = now
-                        metrics.ttft.observe(now - t0)
-                    elif u.request_id in last:
-                        gaps.append(now - last[u.request_id])
-                        metrics.itl.observe(gaps[-1])
-                    last[u.request_id] = now
-                if u.finished:
-                    sub.left -= 1
-                    metrics.finished(u.finish_reason or "unknown").inc()
-                    if u.finish_reason == "rejected":  # the slo policy's overload decision
-                        raise APIError(u.finish_message or "overloaded", 503,
-                                       "service_unavailable", retry_after=1)
-                yield index_of[u.root_id] * n + u.index, u
-            metrics.e2e.observe(time.perf_counter() - t0)
-            if first is not None:  # for the dashboard's latency charts
-                metrics.recent.append((time.time(), first - t0,
-                                       sum(gaps) / len(gaps) if gaps else None))
-        finally:
-            await sub.end()
+        while sub.left:
+            item = await sub.queue.get()
+            if isinstance(item, Failure):
+                raise APIError(item.message, 503 if item.dead else 400,
+                               "service_unavailable" if item.dead else "invalid_request_error")
+            u: StepUpdate = item
+            now = time.perf_counter()
+            if u.new_token_ids:
+                if first is None:
+                    first = now
+                    metrics.ttft.observe(now - t0)
+                elif u.request_id in last:
+                    gaps.append(now - last[u.request_id])
+                    metrics.itl.observe(gaps[-1])
+                last[u.request_id] = now
+            if u.finished:
+                sub.left -= 1
+                metrics.finished(u.finish_reason or "unknown").inc()
+                if u.finish_reason == "rejected":  # the slo policy's overload decision
+                    raise APIError(u.finish_message or "overloaded", 503,
+                                   "service_unavailable", retry_after=1)
+            yield index_of[u.root_id] * n + u.index, u
+        metrics.e2e.observe(time.perf_counter() - t0)
+        if first is not None:  # for the dashboard's latency charts
+            metrics.recent.append((time.time(), first - t0,
+                                   sum(gaps) / len(gaps) if gaps else None))
 
 
 class Submission:
     """One request's sequences (prompts x n) from their submission to their end, however
-    the answer goes: `end()` frees them, aborting those unfinished (the client left, an
-    error), whether or not any update was ever read; it acts once."""
+    the answer goes: `end()`, called once by whoever answered, frees them, aborting those
+    unfinished (the client left, an error), whether or not any update was ever read."""
 
     def __init__(self, client: CoreClient, metrics: ServerMetrics, rids: list[str], n: int,
                  queue: asyncio.Queue | None = None) -> None:
         self.client, self.metrics, self.rids, self.n, self.queue = client, metrics, rids, n, queue
         self.left = len(rids) * n  # sequences not finished
-        self.ended = False
 
     async def end(self) -> None:
-        if self.ended:
-            return
-        self.ended = True
         if self.left:  # their unfinished sequences end as aborted
             self.metrics.finished("abort").inc(self.left)
         for rid in self.rids:

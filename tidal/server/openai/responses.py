@@ -175,7 +175,7 @@ class GenerationResponse:
         except APIError as exc:
             yield s.sse(exc.body())
         finally:
-            await updates.aclose()  # a closed connection lands here: abort at once
+            await updates.aclose()  # (the server then ends the requests: Submission.end)
         yield "data: [DONE]\n\n"
 
 
