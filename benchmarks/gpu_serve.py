@@ -50,7 +50,9 @@ def serve(command: list[str], port: int, log: Path) -> subprocess.Popen:
     deadline = time.time() + 1800
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{command[0]} exited ({proc.returncode}); see {log}")
+            tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+            raise RuntimeError(f"{command[0]} exited ({proc.returncode}); the end of {log}:\n"
+                               f"{tail}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
                 return proc
@@ -124,7 +126,13 @@ def main() -> None:
         root = Path(tmp)
         folder = save_model(root / args.model, args.model, args.device)
         ours = run_server("tidal", folder, args, root)
-        theirs = {} if args.no_hf else run_server("hf", folder, args, root)
+        print(f"tidal: {ours}", flush=True)  # kept if the peer then fails
+        theirs = {}
+        if not args.no_hf:
+            try:
+                theirs = run_server("hf", folder, args, root)
+            except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:
+                print(f"transformers serve failed: {e}")
     print(f"served output tokens/s, {args.model}, {args.input_len} in / {args.output_len} "
           f"out, {args.waves} waves: tidal / HF continuous batching / ratio")
     for c in args.concurrency:

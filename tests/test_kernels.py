@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from triton_setup import DEVICE, random_cache  # first: sets Triton's interpreter up without CUDA
 
 from test_cpu_decode import gathered_attention
-from tidal.model.kernels.paged_attention import num_splits, paged_decode_attention
+from tidal.model.kernels.paged_attention import (MIN_SPLIT_TOKENS, TARGET_PROGRAMS, num_splits,
+                                                 paged_decode_attention)
 
 
 @settings(max_examples=25, deadline=None)
@@ -42,10 +43,16 @@ def test_paged_decode_attention_equals_the_gathered_context(data, batch, heads, 
 
 
 def test_splits_cover_the_context_in_whole_blocks():
-    for max_len, block in ((1, 16), (512, 16), (513, 16), (3000, 32), (100_000, 16)):
-        splits, per = num_splits(max_len, block)
+    """Splits fill the GPU when a few sequences run (about TARGET_PROGRAMS programs), none
+    shorter than MIN_SPLIT_TOKENS; a batch that fills it alone is not split."""
+    for max_len, block, programs in ((1, 16, 1), (512, 16, 8), (513, 16, 2), (3000, 32, 64),
+                                     (100_000, 16, 8), (8192, 16, 512), (8192, 16, 4096)):
+        splits, per = num_splits(max_len, block, programs)
         assert per % block == 0 and splits * per >= max_len > (splits - 1) * per
-        assert 1 <= splits <= 16
+        assert 1 <= splits and (splits == 1 or per >= MIN_SPLIT_TOKENS)
+        assert splits * programs < TARGET_PROGRAMS + programs
+    assert num_splits(8192, 16, 8) == (TARGET_PROGRAMS // 8, 8192 * 8 // TARGET_PROGRAMS)
+    assert num_splits(8192, 16, TARGET_PROGRAMS)[0] == 1
 
 
 def test_refuses_heads_that_do_not_share_kv_heads():
@@ -56,6 +63,8 @@ def test_refuses_heads_that_do_not_share_kv_heads():
                                torch.ones(1, dtype=torch.int32), 1.0)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's stand-in for the GPU path: "
+                    "test_gpu.py runs the real one")
 def test_a_model_decodes_the_same_through_the_kernel(tmp_path):
     """A tiny Llama's greedy tokens with the Triton kernel under its decodes equal the
     PyTorch path's (the runner uses it on CUDA)."""
@@ -82,6 +91,8 @@ def test_a_model_decodes_the_same_through_the_kernel(tmp_path):
     assert len(calls) >= 11 * 2 and max(calls) == 3  # every decode step, every layer
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's stand-in for the GPU path: "
+                    "test_gpu.py runs the real one")
 def test_the_whole_gpu_path_gives_the_pytorch_paths_tokens(tmp_path):
     """What the runner runs on CUDA, on CPU: decode steps replayed through graph buckets
     (EagerReplay: same static inputs, padding and null block), the paged decode and prefill

@@ -54,8 +54,13 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
     arch = ModelArch.from_folder(folder)
     backend = backend or TorchAttention.for_arch(arch)
     if dummy:
-        with torch.device(device):
-            model = LlamaModel(arch, backend).to(dtype)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in it: an 8B model in float32 fills an H100
+        try:
+            with torch.device(device):
+                model = LlamaModel(arch, backend)
+        finally:
+            torch.set_default_dtype(default)
         for p in model.parameters():
             p.data.uniform_(-0.02, 0.02)
         for name, p in model.named_parameters():

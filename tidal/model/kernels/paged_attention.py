@@ -1,13 +1,17 @@
 """Paged decode attention in Triton: one query token per sequence against its context, read
-in place from the paged KV cache, split along the context (flash-decoding) so that a few
-long sequences still fill the GPU.
+in place from the paged KV cache, split along the context (flash-decoding) so that a small
+batch still fills the GPU.
 
 `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window=0)` has the C++ CPU
 kernel's signature and layouts: q [B, H, D]; caches [num_blocks, block_size, Hkv, D];
 tables [B, max_blocks] block ids; lens [B] context lengths (the new token's included);
 `window` > 0 attends to the last `window` tokens only. Each program takes one sequence, one
 KV head with the query heads that share it (GQA), and one split of the context, keeping an
-online softmax over its blocks; a second pass merges the splits by their log-sum-exp.
+online softmax over tiles of tokens (a tile may span several blocks: each token finds its
+block in the table, so the loads of a tile are in flight together); a second kernel merges
+the splits by their log-sum-exp. The number of splits comes from what the host knows (the
+batch, the heads, the table's width), never from `lens`, so a step needs no sync and a CUDA
+graph can capture it.
 """
 
 from __future__ import annotations
@@ -16,19 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
+TARGET_PROGRAMS = 1024  # about eight programs per SM of an H100: enough to hide load latency
+MIN_SPLIT_TOKENS = 64  # below this a split's fixed costs outweigh its loads
+
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
-                  scale, window, split_blocks,
+                  scale, window, split_tokens,
                   sq_b, sq_h, sk_n, sk_t, sk_h, sv_n, sv_t, sv_h, st_b, so_b, so_h, so_s,
                   sl_b, sl_h,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                  DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(lens_ptr + b)
     first = tl.maximum(n - window, 0)  # window: a huge number for whole contexts
-    start = tl.maximum(split * split_blocks * BLOCK_SIZE, first)
-    end = tl.minimum((split + 1) * split_blocks * BLOCK_SIZE, n)
+    start = tl.maximum(split * split_tokens, first)
+    end = tl.minimum((split + 1) * split_tokens, n)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     heads = kvh * GROUP + g
@@ -38,17 +45,18 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     s = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    t_in = tl.arange(0, BLOCK_SIZE)
-    for blk in range(start // BLOCK_SIZE, tl.cdiv(end, BLOCK_SIZE)):  # this split's blocks
-        page = tl.load(tables_ptr + b * st_b + blk).to(tl.int64)
-        t = blk * BLOCK_SIZE + t_in
+    t_in = tl.arange(0, TILE)
+    for t0 in range(start - start % TILE, end, TILE):  # tiles aligned to TILE tokens
+        t = t0 + t_in
         valid = (t >= start) & (t < end)
+        page = tl.load(tables_ptr + b * st_b + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = t % BLOCK_SIZE
         kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptr + page * sk_n + t_in[:, None] * sk_t + kvh * sk_h + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + page * sv_n + t_in[:, None] * sv_t + kvh * sv_h + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK]
+        k = tl.load(k_ptr + page[:, None] * sk_n + slot[:, None] * sk_t + kvh * sk_h
+                    + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + page[:, None] * sv_n + slot[:, None] * sv_t + kvh * sv_h
+                    + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, TILE]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split with no token yet
@@ -60,15 +68,36 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
     lse = tl.where(s > 0, m + tl.log(tl.maximum(s, 1e-30)), float("-inf"))  # padded rows: 0
     out = acc / tl.where(s > 0, s, 1.0)[:, None]
     tl.store(out_ptr + b * so_b + heads[:, None] * so_h + split * so_s + d[None, :], out,
-             mask=q_mask)
+             mask=q_mask)  # one split: straight into the result, in its dtype
     tl.store(lse_ptr + b * sl_b + heads * sl_h + split, lse, mask=g < GROUP)
 
 
-def num_splits(max_len: int, block_size: int, max_splits: int = 16,
-               tokens_per_split: int = 512) -> tuple[int, int]:
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, splits, sp_b, sp_h, sp_s, sl_b, sl_h,
+                  so_b, so_h, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr):
+    """Each split weighs by exp(its lse - the largest); empty splits (lse -inf) weigh 0."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    i = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    lse = tl.load(lse_ptr + b * sl_b + h * sl_h + i, mask=i < splits, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    w = tl.where(lse > float("-inf"), tl.exp(lse - tl.where(top > float("-inf"), top, 0.0)),
+                 0.0)
+    part = tl.load(part_ptr + b * sp_b + h * sp_h + i[:, None] * sp_s + d[None, :],
+                   mask=(w[:, None] > 0) & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    tl.store(out_ptr + b * so_b + h * so_h + d, out, mask=d < HEAD_DIM)
+
+
+def num_splits(max_len: int, block_size: int, programs: int = 1,
+               target: int = TARGET_PROGRAMS) -> tuple[int, int]:
     """(splits, tokens a split covers, a whole number of blocks) for contexts up to
-    `max_len`: one split per `tokens_per_split` tokens, at most `max_splits`."""
-    splits = max(1, min(max_splits, triton.cdiv(max_len, tokens_per_split)))
+    `max_len` when `programs` (sequences x KV heads) already run: enough splits to reach
+    about `target` programs, none shorter than MIN_SPLIT_TOKENS."""
+    want = max(1, -(-target // max(programs, 1)))
+    most = max(1, -(-max_len // max(MIN_SPLIT_TOKENS, block_size)))
+    splits = min(want, most)
     per = triton.cdiv(triton.cdiv(max_len, splits), block_size) * block_size
     return triton.cdiv(max_len, per), per
 
@@ -87,19 +116,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          f"{kv_heads} KV heads")
     if max_len is None:
         max_len = tables.shape[1] * block_size
-    splits, per = num_splits(max(max_len, 1), block_size)
-    out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+    splits, per = num_splits(max(max_len, 1), block_size, batch * kv_heads)
+    result = torch.empty_like(q)
+    if splits == 1:
+        part, part_strides = result, (*result.stride()[:2], 0)
+    else:
+        part = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+        part_strides = part.stride()[:3]
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     group = heads // kv_heads
+    group_pad, dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(dim)
+    # tokens per tile: a [group, tile, dim] product of at most 16k floats (registers)
+    tile = max(block_size, 16, min(64, triton.next_power_of_2(16384 // (group_pad * dim_pad))))
     _split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, tables, lens, out, lse, scale, window if window > 0 else 2**30,
-        per // block_size,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=dim,
-        DIM_PAD=triton.next_power_of_2(dim), BLOCK_SIZE=block_size)
-    # merge the splits: each weighs by exp(its lse - the total's); empty splits weigh 0
-    total = torch.logsumexp(lse, dim=2, keepdim=True)
-    weights = torch.exp(lse - total).nan_to_num(0.0)
-    return (out * weights[..., None]).sum(dim=2).to(q.dtype)
+        q, k_cache, v_cache, tables, lens, part, lse, scale, window if window > 0 else 2**30,
+        per, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        tables.stride(0), *part_strides, lse.stride(0), lse.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, TILE=tile)
+    if splits > 1:
+        _merge_kernel[(batch, heads)](
+            part, lse, result, splits, *part.stride()[:3], lse.stride(0), lse.stride(1),
+            result.stride(0), result.stride(1), HEAD_DIM=dim, DIM_PAD=dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(splits))
+    return result
