@@ -167,7 +167,8 @@ def main() -> None:
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64, 256])
     p.add_argument("--context", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--prefill", type=int, default=8192)
-    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64, 256])
+    p.add_argument("--concurrency", nargs="*", type=int, default=[1, 16, 64, 256],
+                   help="none: no throughput table")
     p.add_argument("--waves", type=int, default=2, help="requests = waves x concurrency")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
@@ -182,7 +183,8 @@ def main() -> None:
             folder = dummy_folder(Path(tmp), model)
             decode_table(folder, args)
             prefill_rate(folder, args)
-            throughput_table(folder, args)
+            if args.concurrency:
+                throughput_table(folder, args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from triton_setup import DEVICE, random_cache  # first: sets Triton's interpreter up without CUDA
 
 from test_cpu_decode import gathered_attention
-from tidal.model.kernels.paged_attention import (MIN_SPLIT_TOKENS, TARGET_PROGRAMS, num_splits,
+from tidal.model.kernels.paged_attention import (MIN_SPLIT_TOKENS, num_splits,
                                                  paged_decode_attention)
 
 
@@ -43,16 +43,32 @@ def test_paged_decode_attention_equals_the_gathered_context(data, batch, heads, 
 
 
 def test_splits_cover_the_context_in_whole_blocks():
-    """Splits fill the GPU when a few sequences run (about TARGET_PROGRAMS programs), none
-    shorter than MIN_SPLIT_TOKENS; a batch that fills it alone is not split."""
+    """Short splits while few sequences run, longer ones as the batch fills the GPU; the
+    length never depends on the context, only on (sequences x KV heads)."""
     for max_len, block, programs in ((1, 16, 1), (512, 16, 8), (513, 16, 2), (3000, 32, 64),
-                                     (100_000, 16, 8), (8192, 16, 512), (8192, 16, 4096)):
+                                     (100_000, 16, 8), (8192, 16, 512), (8192, 128, 4096)):
         splits, per = num_splits(max_len, block, programs)
-        assert per % block == 0 and splits * per >= max_len > (splits - 1) * per
-        assert 1 <= splits and (splits == 1 or per >= MIN_SPLIT_TOKENS)
-        assert splits * programs < TARGET_PROGRAMS + programs
-    assert num_splits(8192, 16, 8) == (TARGET_PROGRAMS // 8, 8192 * 8 // TARGET_PROGRAMS)
-    assert num_splits(8192, 16, TARGET_PROGRAMS)[0] == 1
+        assert per % block == 0 and per >= MIN_SPLIT_TOKENS
+        assert splits * per >= max_len > (splits - 1) * per
+        assert per == num_splits(max_len * 7 + 3, block, programs)[1]
+    assert num_splits(1024, 16, 8) == (1024 // MIN_SPLIT_TOKENS, MIN_SPLIT_TOKENS)
+    assert num_splits(1024, 16, 512)[0] == 1  # 64 sequences of 8 KV heads: no split
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_wider_table_gives_the_same_bits(dtype):
+    """A CUDA graph's tables are as wide as the longest context the engine allows: the
+    result equals an eager step's bit for bit, so graph and eager decode agree."""
+    gen = torch.Generator().manual_seed(5)
+    lens = [1, 70, 300, 129]
+    k_cache, v_cache, tables = random_cache(gen, lens, 16, 2, 64, dtype)
+    q = torch.randn(len(lens), 4, 64, generator=gen).to(dtype)
+    wide = torch.cat([tables, torch.zeros(len(lens), 100, dtype=torch.int32)], dim=1)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    narrow_out, wide_out = (paged_decode_attention(*(x.to(DEVICE) for x in (
+        q, k_cache, v_cache, t, lens_t)), 0.125) for t in (tables, wide))
+    assert num_splits(wide.shape[1] * 16, 16, 8)[0] > num_splits(tables.shape[1] * 16, 16, 8)[0] > 1
+    assert torch.equal(narrow_out, wide_out)
 
 
 def test_refuses_heads_that_do_not_share_kv_heads():
