@@ -88,6 +88,7 @@ def prefill_rate(folder: Path, args) -> None:
         arch.num_heads * arch.head_dim  # causal QK^T and PV: half of 4 n^2 H D each layer
     cells = []
     for name in ("kernel", "sdpa"):
+        r.model.backend.kernel_for_fresh_prefills = name == "kernel"
         if name == "sdpa" or r.model.backend.prefill_kernel is None:
             r.model.backend.prefill_kernel, name = None, "sdpa"
         (_, t), = measure(r, [[(n, 0)]], repeats=args.repeats)
@@ -125,8 +126,9 @@ def hf_rate(folder: Path, prompts: list[list[int]], concurrency: int, device: st
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                             attn_implementation="sdpa").to(device)
+    with torch.device(device):  # initialising 8B parameters on a CPU takes minutes
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa")
     gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
     model.generate_batch(prompts[:concurrency], generation_config=gen, progress_bar=False)

@@ -72,10 +72,12 @@ class BatchBuilder:
     def _prefills(self, batch: StepBatch, entries: list[ScheduledRequest], seqs: dict) -> None:
         """Each chunk's tokens and slots; a chunk after cached tokens (an earlier chunk, a
         prefix-cache hit) attends to them through its block table. With a paged prefill
-        kernel (CUDA), every chunk reads its context through the step's padded tables."""
+        kernel (CUDA) and a chunk that reads cached tokens, every chunk of the step reads its
+        context through the step's padded tables."""
         bs, dev = self.block_size, self.device
         ids, slots = batch.ids, batch.slots
-        kernel = self.backend.prefill_kernel is not None
+        kernel = self.backend.prefill_kernel is not None and (
+            self.backend.kernel_for_fresh_prefills or any(s.num_computed_tokens for s in entries))
         for s in entries:
             c, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_ids
             start = len(ids)

@@ -113,6 +113,10 @@ class TorchAttention(AttentionBackend):
         # `paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale,
         # max_query_len, window)` (Triton, CUDA): every prefill of a step in one launch.
         self.prefill_kernel = None if softcap else prefill_kernel
+        # A step whose prefills all start fresh (no cached prefix) runs SDPA instead: its
+        # flash attention beat the kernel 1.25x on an H100 (docs/performance.md). True sends
+        # them through the kernel too (benchmarks compare the two).
+        self.kernel_for_fresh_prefills = False
 
     @classmethod
     def for_arch(cls, arch, paged_kernel=None, prefill_kernel=None) -> "TorchAttention":
