@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions (streamed over SSE or
-not), vLLM's tokenize and detokenize, models, health, version, metrics and the live
+not; the Responses API over the chat path in `responses_routes.py`), vLLM's tokenize and detokenize, models, health, version, metrics and the live
 dashboard (`dashboard.py`), in front of the engine-core process.
 
 The routes are module-level functions over one `Frontend` (at `app.state.frontend`), which
@@ -40,6 +40,8 @@ from tidal.server.openai.responses import (ChatResponse, CompletionResponse, Gen
                                            Updates)
 from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
                                               parser_for_template)
+from tidal.server.response_store import ResponseStore
+from tidal.server.responses_routes import routes as responses_routes
 
 
 class Frontend:
@@ -53,6 +55,7 @@ class Frontend:
         self.dashboard = DashboardHub(client, self.metrics, config.served_model_name)
         self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
         self.reserved = 0  # sequences of requests being checked and sent (see _submit)
+        self.responses = ResponseStore(config.response_store_bytes, config.response_ttl)
         parser = config.tool_call_parser
         if parser == "auto":  # the format the model's chat template speaks
             template = getattr(self.tokenizer, "chat_template", None)
@@ -417,6 +420,7 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     install_error_handlers(app, config)
     install_docs(app)
     app.include_router(routes)
+    app.include_router(responses_routes)
     app.include_router(dashboard_routes)
     install_schema(app, config.served_model_name, bool(config.key))
     return app

@@ -115,6 +115,10 @@ class ServerConfig(HttpConfig):
                                  "the chat template).")
     reasoning_parser: str | None = knob(None, "'think' (also 'qwen3', 'deepseek_r1'): <think> "
                                         "blocks of replies go to reasoning_content.")
+    response_store_bytes: int = knob(256 * 1024 * 1024, "Memory for responses created with "
+                                     "`store: true` (the Responses API), the oldest dropped "
+                                     "first; 0 keeps none.")
+    response_ttl: float = knob(3600.0, "Seconds a stored response is kept.")
     restart_core: int = knob(3, "Restart a dead engine core up to this many times in a row "
                              "(0: never); its in-flight requests fail, new ones get 503 until "
                              "it is back.")
@@ -140,6 +144,9 @@ class ServerConfig(HttpConfig):
             raise ValueError(f"core_hang_timeout must be >= 0, got {self.core_hang_timeout}")
         if self.reasoning_parser is not None:
             check_choice("reasoning_parser", self.reasoning_parser, tuple(REASONING_PARSERS))
+        if self.response_store_bytes < 0 or self.response_ttl <= 0:
+            raise ValueError("response_store_bytes must be >= 0 and response_ttl > 0, got "
+                             f"{self.response_store_bytes} and {self.response_ttl}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         self.restart_policy()  # its own checks

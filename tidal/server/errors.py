@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from tidal.server.config import HttpConfig
 from tidal.server.limits import RequestLimits
@@ -61,9 +62,14 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
                                    param=where))
 
 
-async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     response = error_response(APIError(str(exc.detail), exc.status_code))
-    response.headers.update(exc.headers or {})  # a 405's Allow
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405:  # Starlette's Allow names the first route of the path only
+        response.headers["Allow"] = ", ".join(
+            m for m in ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+            if any(route.matches({**request.scope, "method": m})[0] == Match.FULL
+                   for route in request.app.router.routes))
     return response
 
 

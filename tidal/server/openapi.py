@@ -22,7 +22,7 @@ _ERROR_SCHEMA = {
 _ERRORS = {  # status -> when, for the routes each applies to
     "400": "the body is invalid: the message names the field (`param`)",
     "401": "the API key is missing or wrong (a server started with --api-key)",
-    "404": "no such model: this server serves one",
+    "404": "no such model (this server serves one), or no such stored response",
     "413": "the body is over --max-body-bytes",
     "429": "too many requests in flight (--max-pending); retry after Retry-After",
     "503": "the engine core is restarting (with Retry-After) or gone",
@@ -33,7 +33,7 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
     "/dashboard": ("text/html", {"type": "string"}),
     "/dashboard/stream": ("text/event-stream", _ANY),  # each event's data: a JSON report
 }
-_GENERATION = ("/v1/completions", "/v1/chat/completions")
+_GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 _KEYED = ("/v1/", "/tokenize", "/detokenize", "/dashboard")
 
 
@@ -63,7 +63,7 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
             errors = (["400", "413"] if has_body else []) + (
                 ["401"] if keyed and path.startswith(_KEYED) else []) + (
                 ["429", "503"] if path in _GENERATION else []) + (
-                ["404"] if path.startswith("/v1/models/") else [])
+                ["404"] if path.startswith(("/v1/models/", "/v1/responses")) else [])
             for status in errors:
                 responses[status] = {"description": _ERRORS[status],
                                      "content": {"application/json": {"schema": _ERROR}}}

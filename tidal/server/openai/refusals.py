@@ -53,3 +53,19 @@ CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
 COMPLETION_REFUSED: dict[str, tuple[tuple, str]] = {
     "suffix": (("",), "tidal does not implement insertion"),
 }
+
+# OpenAI Responses fields tidal does not implement.
+RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
+    "background": ((False,), "tidal answers within the request"),
+    "background_options": ((), "tidal answers within the request"),
+    "access_programs": ((), NOT_YET),
+    "context_management": ((), "tidal does not compact conversations"),
+    "image": ((), "tidal serves text-only models"),
+    "moderation": ((), "tidal runs no moderation"),
+    "conversation": ((), "tidal keeps no conversations: chain responses with "
+                          "previous_response_id"),
+    "prompt": ((), "tidal has no stored prompt templates"),
+    "max_tool_calls": ((), NOT_YET),
+    "truncation": (("disabled",), "tidal does not truncate a conversation"),
+    "service_tier": (("auto", "default"), "this server has one service tier, 'default'"),
+}

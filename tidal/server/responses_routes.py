@@ -1,0 +1,67 @@
+"""OpenAI's Responses API: `POST /v1/responses` (whole or streamed), and `GET` / `DELETE
+/v1/responses/{id}` over the server's in-memory store (`response_store.py`). A request runs
+as the chat request it translates into (`openai/responses_api.py`); its answer is shaped by
+`openai/response_output.py`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tidal.server.openai.protocol import APIError
+from tidal.server.openai.response_output import ResponseBody
+from tidal.server.openai.responses_api import ResponsesRequest
+
+routes = APIRouter()
+
+
+def _stored(request: Request, response_id: str, param: str | None = None):
+    entry = request.app.state.frontend.responses.get(response_id)
+    if entry is None:
+        raise APIError(f"no stored response with id {response_id!r} (unknown, deleted, or "
+                       f"expired)", 404, param=param, code="response_not_found")
+    return entry
+
+
+@routes.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    f = request.app.state.frontend
+    f.check_model(body.model)
+    history = []
+    if body.previous_response_id is not None:
+        history = _stored(request, body.previous_response_id, "previous_response_id").messages
+    chat, conversation = body.chat_request(history)
+    prompts = await asyncio.to_thread(chat.prompt_ids, f.tokenizer)  # as in chat
+
+    def keep(response: dict) -> None:
+        """The finished response and its conversation, for its successors."""
+        reply = [item for item in response["output"] if item["type"] != "reasoning"]
+        text = "".join(p["text"] for item in reply if item["type"] == "message"
+                       for p in item["content"])
+        calls = [{"id": item["call_id"], "type": "function",
+                  "function": {"name": item["name"], "arguments": item["arguments"]}}
+                 for item in reply if item["type"] == "function_call"]
+        message = {"role": "assistant", "content": text or None}
+        if calls:
+            message["tool_calls"] = calls
+        f.responses.put(response["id"], msgspec.json.encode(response),
+                        conversation + [message])
+
+    return await f.generate(ResponseBody, chat, prompts, request, options=f.chat_options(chat),
+                            source=body, on_done=keep if body.store else None)
+
+
+@routes.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    """A response created with store: true, as it was sent."""
+    return Response(_stored(request, response_id).body, media_type="application/json")
+
+
+@routes.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    _stored(request, response_id)
+    request.app.state.frontend.responses.delete(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
