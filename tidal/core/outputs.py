@@ -90,6 +90,8 @@ class ModelOutput(msgspec.Struct):
     # token: one entry per prompt position, None for position 0 (nothing predicts it).
     prompt_logprobs: dict[str, list[PromptLogprob | None]] = msgspec.field(
         default_factory=dict)
+    # For requests that asked for an embedding, on the step that samples their first token.
+    embeddings: dict[str, list[float]] = msgspec.field(default_factory=dict)
     # Speculative decoding: guesses verified per decode entry that had room for some (the
     # proposer may hold fewer than the entry's k), and the guesses the proposer holds for
     # each request that sampled, ready for its next step.
@@ -114,3 +116,4 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     kv_transfer: bool = False  # prefill role: the request left for its decode instance
     logprobs: list[TokenLogprob] | None = None  # one per new token; None: not asked for
     prompt_logprobs: list[PromptLogprob | None] | None = None  # whole, with the first token
+    embedding: list[float] | None = None  # with the first token, where asked for

@@ -77,6 +77,10 @@ class SamplingParams:
     before it and this many top alternatives: the raw model distribution (no temperature,
     penalties or bias), as vLLM's `prompt_logprobs`. Such a request reads no cached prefix
     blocks (tokens read from the cache have no logits); it still publishes its own."""
+    embed: int | None = None
+    """Return the prompt's embedding (the model's pooling of its final hidden states) with
+    the first token: its first `embed` dimensions, or all of them with 0. Such a request
+    reads no cached prefix blocks, as with prompt logprobs."""
     min_tokens: int = 0
     """Stop tokens (EOS, stop_token_ids) cannot be sampled before this many output tokens."""
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -109,6 +113,7 @@ class SamplingParams:
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              "prompt_logprobs must be >= 0"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (self.embed is None or self.embed >= 0, "embed must be >= 0"),
             (self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "ttft_slo_ms must be > 0"),
             (self.tpot_slo_ms is None or self.tpot_slo_ms > 0, "tpot_slo_ms must be > 0"),
             (self.structured is None or (len(self.structured) == 2 and self.structured[0]
@@ -234,9 +239,11 @@ class Request:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """Whether admission may take cached prefix blocks: not while prompt logprobs are
-        owed (they come with the first output token, so a request with output has them)."""
-        return self.sampling_params.prompt_logprobs is None or bool(self.output_token_ids)
+        """Whether admission may take cached prefix blocks: not while prompt logprobs or an
+        embedding are owed (they come with the first output token, so a request with output
+        has them)."""
+        p = self.sampling_params
+        return (p.prompt_logprobs is None and p.embed is None) or bool(self.output_token_ids)
 
     @property
     def is_prefilling(self) -> bool:

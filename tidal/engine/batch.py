@@ -64,8 +64,8 @@ class BatchBuilder:
         batch.input_ids = put("ids", batch.ids)
         batch.positions = put("positions", batch.pos)
         batch.logits_indices = put("rows", batch.logits_rows)
-        if batch.prompt_rows:
-            batch.hidden_indices = put("hidden", batch.prompt_rows)
+        if batch.prompt_rows or batch.pool_rows:
+            batch.hidden_indices = put("hidden", batch.prompt_rows + batch.pool_rows)
         self.inputs.end()
         return batch
 
@@ -87,6 +87,9 @@ class BatchBuilder:
                 count = max(0, min(c + n, len(q.prompt) - 1) - c)
                 batch.prompt_rows.extend(range(start, start + count))
                 batch.prompt_spans.append((s.request_id, c, count))
+            if q.embed is not None:  # every row: the pooling keeps what it reads
+                batch.pool_spans.append((s.request_id, c, len(batch.pool_rows), n))
+                batch.pool_rows.extend(range(start, start + n))
             pos = range(c, c + n)
             batch.pos.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
@@ -161,8 +164,8 @@ def forward(model, decoder, batch: "StepBatch", kv_caches: list, k_caches: list,
             v_caches: list, block_size: int, hidden: bool = True):
     """The batch's logits through one C++ decoder call where the step is decode-only and
     the model has a decoder, else through the PyTorch model (with the final hidden states
-    of the prompt-logprob rows too, as (logits, hidden), when `hidden` and the batch has
-    such rows). `kv_caches`: a (K, V) pair per layer; `k_caches`, `v_caches` the same
+    of the prompt-logprob rows, then of the pooled rows, as (logits, hidden), when `hidden`
+    and the batch has such rows). `kv_caches`: a (K, V) pair per layer; `k_caches`, `v_caches` the same
     tensors as two lists (what the decoder takes)."""
     meta = batch.meta
     if decoder is not None and not meta.prefills:
@@ -186,6 +189,9 @@ class StepBatch:
         self.sample_ids: list[str] = []
         self.prompt_rows: list[int] = []  # rows whose next-token logprobs a prompt asked for
         self.prompt_spans: list[tuple[str, int, int]] = []  # (request, first position, rows)
+        self.pool_rows: list[int] = []  # rows of prompts whose embedding is owed
+        # (request, first position, its first row in pool_rows, rows)
+        self.pool_spans: list[tuple[str, int, int, int]] = []
         self.hidden_indices = None
         self.tables = self.bias = self.lens = None  # decode-only fields
         self.max_len = self.width = 0

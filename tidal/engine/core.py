@@ -166,8 +166,8 @@ class EngineCore:
         failed = [o for rid, why in result.failed.items() for o in self.fail(rid, why)]
         self.generation_tokens += sum(len(t) for t in result.sampled.values())
         outputs = failed + self.scheduler.update(out, result)
-        if result.logprobs or result.prompt_logprobs:  # a step without them pays nothing
-            attach_logprobs(outputs, result)
+        if result.logprobs or result.prompt_logprobs or result.embeddings:
+            attach_row_data(outputs, result)  # a step without them pays nothing
         return outputs
 
     def close(self) -> None:
@@ -175,11 +175,11 @@ class EngineCore:
             self._pool.shutdown(wait=True)
 
 
-def attach_logprobs(outputs: list[RequestOutput], result: ModelOutput) -> None:
+def attach_row_data(outputs: list[RequestOutput], result: ModelOutput) -> None:
     """Put each sampled row's logprobs on the outputs its tokens went to, and a request's
-    prompt logprobs on the output of its first token. An n>1 request's row holds every
-    sibling's first token: entry i is sibling i's (the parent is 0)."""
-    rows, prompt = result.logprobs, result.prompt_logprobs
+    prompt logprobs and embedding on the output of its first token. An n>1 request's row
+    holds every sibling's first token: entry i is sibling i's (the parent is 0)."""
+    rows, prompt, embeddings = result.logprobs, result.prompt_logprobs, result.embeddings
     for o in outputs:
         count = len(o.new_token_ids)
         if not count:
@@ -191,3 +191,5 @@ def attach_logprobs(outputs: list[RequestOutput], result: ModelOutput) -> None:
             o.logprobs = rows[o.parent_id][o.index:o.index + count]
         if prompt:
             o.prompt_logprobs = prompt.get(o.request_id)
+        if embeddings:
+            o.embedding = embeddings.get(o.request_id)

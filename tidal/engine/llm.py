@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(conversations)`."""
+"""The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(conversations)` and
+`LLM.embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ class LLM:
             else:
                 raise TypeError("a prompt is a string or {'prompt_token_ids': [...]}")
         return self._run(encoded, params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int = 0,
+              use_tqdm: bool = False) -> list[list[float]]:
+        """Each prompt's embedding: the model's pooling of its final hidden states
+        (tidal/model/pooling.py), its first `dimensions` (0: all), batched as prompts are."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                embed=dimensions)
+        return [r.embedding for r in self.generate(prompts, params, use_tqdm)]
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -78,6 +87,8 @@ class LLM:
                         seq.logprobs = (seq.logprobs or []) + u.logprobs
                     if u.prompt_logprobs is not None:
                         result.prompt_logprobs = (result.prompt_logprobs or []) + u.prompt_logprobs
+                    if u.embedding is not None:
+                        result.embedding = u.embedding
                     if u.finished:
                         seq.finish_reason = u.finish_reason
                         if result.finished:

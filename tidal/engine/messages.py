@@ -52,6 +52,8 @@ class Ready(msgspec.Struct, tag=True):
     block_size: int
     kv_address: str = ""  # P/D roles: where this core's KV transfer socket listens
     incarnation: int = 0  # which start of this core (a restart is a new one)
+    embedding_size: int = 0  # the model's hidden size: an embedding's dimensions
+    matryoshka: bool = False  # an embedding's leading dimensions are one too
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):

@@ -27,6 +27,7 @@ from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
 from tidal.model.config import ModelArch
 from tidal.model.kernels import fused_kernels, paged_decode_kernel, paged_prefill_kernel
+from tidal.model.pooling import Pooling
 from tidal.model.registry import resolve_model
 from tidal.model.sampler import (SampleRow, needs_penalty, on_device, sample,
                                  target_logprobs)
@@ -36,10 +37,10 @@ log = logging.getLogger("tidal.engine")
 
 class _Seq:
     """The runner's copy of a request: what sampling needs, the tokens it sampled, and the
-    prompt logprobs it has gathered so far while they are owed."""
+    prompt logprobs and pooled hidden states it has gathered so far while they are owed."""
 
     __slots__ = ("prompt", "output", "params", "stop_ids", "num_samples", "prompt_k",
-                 "prompt_entries")
+                 "prompt_entries", "embed", "pooled")
 
     def __init__(self, new: NewRequest) -> None:
         self.prompt = new.prompt_token_ids
@@ -52,6 +53,9 @@ class _Seq:
         self.prompt_k = new.sampling_params.prompt_logprobs if owed else None
         # one per prompt position computed so far; None for position 0
         self.prompt_entries: list[PromptLogprob | None] = []
+        # SamplingParams.embed while the embedding is owed (as prompt logprobs are)
+        self.embed = new.sampling_params.embed if not new.output_token_ids else None
+        self.pooled: tuple[torch.Tensor, int] | None = None  # Pooling.add's state
 
     def tokens(self, start: int, end: int) -> list[int]:
         return token_slice(self.prompt, self.output, start, end)
@@ -93,6 +97,7 @@ class ModelRunner:
             self.draft = DraftModel(draft_folder, config, self.device, ext)
         self.block_size = block_size
         self.folder = Path(folder)
+        self.pooling = Pooling.from_folder(folder)
         self.matchers: Matchers | None = None  # structured outputs, made on first use
         self._matchers_lock = threading.Lock()
         if self.on_gpu and not self.arch.gemma:  # Gemma's offset norms keep the eager ops
@@ -259,6 +264,8 @@ class ModelRunner:
             sample_ids += batch.sample_ids
             if batch.prompt_spans:
                 self._gather_prompt_logprobs(batch, hidden)
+            if batch.pool_spans:
+                self._pool(batch, hidden[len(batch.prompt_rows):])
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         if masks is not None:
             self.matchers.apply(masks, logits, sample_ids,
@@ -293,6 +300,9 @@ class ModelRunner:
             if q.prompt_k is not None:  # the prompt is done: they go with its first token
                 result.prompt_logprobs[rid] = q.prompt_entries
                 q.prompt_k, q.prompt_entries = None, []
+            if q.embed is not None:  # likewise its embedding
+                result.embeddings[rid] = self.pooling.finish(q.pooled, q.embed)
+                q.embed, q.pooled = None, None
             if not out.propose:  # the scheduler will not guess next step
                 continue
             if spec is not None:
@@ -329,6 +339,12 @@ class ModelRunner:
                     self.model.logits, hidden[offset:offset + count],
                     q.prompt[c + 1:c + 1 + count], q.prompt_k)
                 offset += count
+
+    def _pool(self, batch: StepBatch, hidden: torch.Tensor) -> None:
+        """Fold each embedding request's chunk of final hidden states into its pooling."""
+        for rid, c, row, count in batch.pool_spans:
+            q = self.seqs[rid]
+            q.pooled = self.pooling.add(q.pooled, hidden[row:row + count], c, len(q.prompt))
 
     def compile_constraint(self, params: SamplingParams) -> None:
         """Compile a request's output constraint before it is scheduled, from any thread

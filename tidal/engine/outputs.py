@@ -23,6 +23,7 @@ class StepUpdate:
     # Index 0 only, with its first token: one per prompt position, None for position 0,
     # which has no context.
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    embedding: list[float] | None = None  # SamplingParams.embed: with the first token
 
 
 @dataclass
@@ -47,6 +48,8 @@ class GenerationOutput:
     prompt_logprobs: list[PromptLogprob | None] | None = None
     """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     (nothing before it predicts it)."""
+    embedding: list[float] | None = None
+    """With SamplingParams.embed: the prompt's pooled embedding."""
 
     @property
     def finished(self) -> bool:

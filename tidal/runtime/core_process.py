@@ -84,7 +84,9 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
                                          incarnation=incarnation)))
     outbox.send(m.encoder.encode(m.Ready(index, core.max_model_len, core.vocab_size,
                                          core.runner.num_blocks, config.cache.block_size,
-                                         link.address if link else "", incarnation)))
+                                         link.address if link else "", incarnation,
+                                         core.runner.arch.hidden_size,
+                                         core.runner.pooling.matryoshka)))
     stop = threading.Event()
     threading.Thread(target=_heartbeat, args=(ctx, out_addr, index, incarnation, stop),
                      name="tidal-heartbeat", daemon=True).start()

@@ -33,6 +33,7 @@ from tidal.server.metrics import ServerMetrics
 from tidal.server.openapi import install_schema
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.openai.chat_output import ChatOutputOptions
+from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
                                           GenerationRequest, check_token_ids)
 from tidal.server.openai.reasoning import prompt_opens_thinking
@@ -113,6 +114,27 @@ class Frontend:
             if stream is None:
                 await sub.end()
 
+    async def embed(self, body: EmbeddingRequest, prompts: list[list[int]],
+                    request: Request) -> Response | dict:
+        """Submit each input for its embedding; the body once all are back."""
+        sub = await self._submit(prompts, body)
+        vectors: list = [None] * len(prompts)
+
+        async def collect() -> None:
+            async for i, u in self._updates(sub):
+                if u.embedding is not None:
+                    vectors[i] = u.embedding
+
+        try:
+            gone = await _unless_client_leaves(request, collect())
+        finally:
+            await sub.end()
+        if isinstance(gone, Response):
+            return gone
+        if any(v is None for v in vectors):  # a finished request always carries it
+            raise APIError("an input's embedding did not come back", 500, "internal_error")
+        return body.body(vectors, prompts, self.config.served_model_name)
+
     async def _submit(self, prompts: list[list[int]], body: GenerationRequest) -> Submission:
         """Check every prompt and its sampling parameters, then send them all to the cores
         on one queue. Its sequences (prompts times n) count against --max-pending from the
@@ -141,8 +163,8 @@ class Frontend:
         params = []
         for ids in prompts:
             if not ids:
-                raise APIError("the prompt is empty", param="prompt")
-            check_token_ids(ids, client.ready.vocab_size, "prompt")
+                raise APIError("the prompt is empty", param=body.prompt_field)
+            check_token_ids(ids, client.ready.vocab_size, body.prompt_field)
             params.append(body.to_sampling_params(config, len(ids), client.ready.max_model_len,
                                                   client.ready.vocab_size))
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
@@ -384,6 +406,16 @@ async def chat(body: ChatRequest, f: FrontendDep, request: Request):
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)  # as in completions
     return await f.generate(ChatResponse, body, prompts, request,
                             options=f.chat_options(body))
+
+
+@routes.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, f: FrontendDep, request: Request):
+    """OpenAI's: one pooled, normalised vector per input (the model's sentence-transformers
+    pooling, else its last token's), batched with generation on the same cores."""
+    f.check_model(body.model)
+    body.check_dimensions(f.client.ready.embedding_size, f.client.ready.matryoshka)
+    prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)  # as in completions
+    return await f.embed(body, prompts, request)
 
 
 @routes.post("/tokenize")

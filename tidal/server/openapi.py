@@ -34,6 +34,7 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
     "/dashboard/stream": ("text/event-stream", _ANY),  # each event's data: a JSON report
 }
 _GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+_QUEUED = _GENERATION + ("/v1/embeddings",)  # may answer 429 and 503
 _KEYED = ("/v1/", "/tokenize", "/detokenize", "/dashboard")
 
 
@@ -62,7 +63,7 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
             has_body = responses.pop("422", None) is not None
             errors = (["400", "413"] if has_body else []) + (
                 ["401"] if keyed and path.startswith(_KEYED) else []) + (
-                ["429", "503"] if path in _GENERATION else []) + (
+                ["429", "503"] if path in _QUEUED else []) + (
                 ["404"] if path.startswith(("/v1/models/", "/v1/responses")) else [])
             for status in errors:
                 responses[status] = {"description": _ERRORS[status],

@@ -1,0 +1,89 @@
+"""`POST /v1/embeddings` bodies: strings or token ids in, one pooled vector per input out.
+Each input runs as a request that stops after its prompt (one token, dropped) with
+SamplingParams.embed set, so embeddings batch with generation on the same engine core."""
+
+from __future__ import annotations
+
+import base64
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+
+import numpy as np
+from pydantic import Field
+
+from tidal.core import SamplingParams
+from tidal.server.openai.protocol import APIError, StrictModel, Text, TokenIds, encode
+
+if TYPE_CHECKING:
+    from tidal.server.config import ServerConfig
+
+
+class EmbeddingRequest(StrictModel):
+    """An /v1/embeddings body. It answers the frontend's submission as a generation request
+    would (n, sampling parameters, no constraint, no logprobs, no latency targets)."""
+
+    _refused: ClassVar = {
+        "truncate_prompt_tokens": ((), "tidal does not truncate prompts"),
+        "normalize": ((), "the model's pooling configuration says whether it normalises"),
+    }
+    prompt_field: ClassVar[str] = "input"  # what a 400 about an input names
+    n: ClassVar[int] = 1
+    ttft_slo_ms: ClassVar[None] = None
+    tpot_slo_ms: ClassVar[None] = None
+    kv_transfer_params: ClassVar[None] = None
+
+    model: str | None = None
+    input: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS / EOS as it adds them
+    user: str | None = None  # harmless: an end-user id for abuse monitoring
+
+    def check_dimensions(self, size: int, matryoshka: bool) -> None:
+        """A 400 for `dimensions` the model cannot give: over its size, or any other than
+        its size unless it was trained for shorter ones (Matryoshka)."""
+        d = self.dimensions
+        if d is None or d == size:
+            return
+        if d > size:
+            raise APIError(f"dimensions ({d}) is over this model's {size}", param="dimensions")
+        if not matryoshka:
+            raise APIError(f"this model does not support dimensions other than {size}: it is "
+                           "not a Matryoshka model (config.json: matryoshka_dimensions)",
+                           param="dimensions")
+
+    def prompt_ids(self, tokenizer) -> list[list[int]]:
+        """One token-id list per input: strings are tokenized, ids pass as they are."""
+        x, special = self.input, self.add_special_tokens
+        if isinstance(x, str):
+            return [encode(tokenizer, x, special, "input")]
+        if isinstance(x[0], str):
+            return [encode(tokenizer, t, special, "input") for t in x]
+        if isinstance(x[0], int):
+            return [list(x)]
+        return [list(ids) for ids in x]
+
+    def to_sampling_params(self, limits: ServerConfig, prompt_len: int, max_model_len: int,
+                           vocab_size: int) -> SamplingParams:
+        if prompt_len >= max_model_len:
+            raise APIError(f"an input has {prompt_len} tokens; this model takes at most "
+                           f"{max_model_len - 1}", param="input")
+        return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                              embed=self.dimensions or 0)
+
+    def output_constraint(self) -> None:
+        return None
+
+    def num_logprobs(self) -> None:
+        return None
+
+    def body(self, vectors: list[list[float]], prompts: list[list[int]], model: str) -> dict:
+        """OpenAI's answer: each vector as floats or as base64 of little-endian float32."""
+        data = []
+        for i, v in enumerate(vectors):
+            value = v if self.encoding_format == "float" else \
+                base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        tokens = sum(len(p) for p in prompts)
+        return {"object": "list", "data": data, "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
