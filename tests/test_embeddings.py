@@ -182,3 +182,23 @@ def test_an_unknown_model_is_refused_as_in_chat(served):
     with pytest.raises(openai.BadRequestError) as err:
         openai_client(server).embeddings.create(model="nope", input="a")
     assert err.value.body["code"] == "model_not_found"
+
+
+def test_a_bare_body_checkpoint_loads_for_embeddings(tmp_path):
+    """Embedding checkpoints (Qwen3-Embedding's) hold the body alone: no `model.` prefix and
+    no LM head. They load (the head tied to the embeddings) and embed as transformers."""
+    from transformers import AutoModel
+
+    folder = tiny_folder(tmp_path, "qwen3")
+    body = AutoModel.from_pretrained(str(folder), dtype=torch.float32)
+    bare = tmp_path / "bare"
+    body.save_pretrained(str(bare))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).write_bytes((folder / name).read_bytes())
+    from safetensors import safe_open
+    with safe_open(str(next(bare.glob("*.safetensors"))), "pt") as f:
+        assert not any(k.startswith(("model.", "lm_head")) for k in f.keys())
+    llm = LLM(str(bare), dtype="float32", num_kv_blocks=64)
+    got = torch.tensor(llm.embed(TEXTS[2])[0])
+    want = reference(bare, llm.engine.tokenize(TEXTS[2]), "last", True)
+    assert torch.allclose(got, want, atol=1e-4)

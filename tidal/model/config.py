@@ -94,7 +94,8 @@ def _problems(cfg: dict, model_type: str) -> list[str]:
         return [f"model_type {model_type!r} is not supported{hint} (tidal runs "
                 f"{', '.join(f.architecture for f in FAMILIES.values())})"] + moe
     out = moe
-    wrong = [a for a in cfg.get("architectures") or [] if a != family.architecture]
+    body = family.architecture.replace("ForCausalLM", "Model")  # an embedding model's
+    wrong = [a for a in cfg.get("architectures") or [] if a not in (family.architecture, body)]
     if wrong:
         out.append(f"architecture {wrong[0]} is not supported for model_type {model_type!r} "
                    f"(tidal runs {family.architecture})")

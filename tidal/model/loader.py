@@ -3,6 +3,7 @@ experts' too (Phi-3 checkpoints store them fused already, under the names tidal 
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from tidal.model.config import ModelArch
 from tidal.model.llama import LlamaModel, Rotary
 from tidal.model.registry import dense_weights, gguf_source
 
+log = logging.getLogger("tidal.model")
+
 # An HF projection's last name -> (our fused projection, which shard of it). w1/w3/w2 are
 # Mixtral's expert gate/up/down.
 _SHARDS = {
@@ -21,7 +24,8 @@ _SHARDS = {
     "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
 }
 _RENAMES = {"block_sparse_moe": "mlp", "w2": "down_proj"}  # Mixtral's module names
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# `model.` is absent from a bare body's checkpoint (an embedding model's: Qwen3-Embedding)
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 def target_of(name: str) -> tuple[str, int | None]:
@@ -107,6 +111,13 @@ def _read_safetensors(folder: Path, arch: ModelArch, model: LlamaModel,
                     offset = sum(sizes[:shard])
                     loaded[target][offset:offset + sizes[shard]].copy_(tensor)
     missing = sorted(set(params) - set(loaded))
+    if missing == ["lm_head.weight"] and "embed_tokens.weight" in loaded:
+        # a body without its head (an embedding model): the head is never read for its
+        # embeddings, and the tied embeddings give it a shape and a meaning
+        log.warning("%s: no LM head; it is tied to the embeddings (text generated with this "
+                    "model means nothing)", folder)
+        loaded["lm_head.weight"] = loaded["embed_tokens.weight"]
+        missing = []
     if missing:
         raise KeyError(f"{folder}: missing weights {missing[:5]}")
     return loaded
