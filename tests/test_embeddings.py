@@ -202,3 +202,25 @@ def test_a_bare_body_checkpoint_loads_for_embeddings(tmp_path):
     got = torch.tensor(llm.embed(TEXTS[2])[0])
     want = reference(bare, llm.engine.tokenize(TEXTS[2]), "last", True)
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_an_embed_server_refuses_generation_and_a_generate_one_embeddings(tmp_path):
+    folder = tiny_folder(tmp_path, "qwen3")
+    for task, refused, served in (("embed", "/v1/chat/completions", "/v1/embeddings"),
+                                  ("generate", "/v1/embeddings", "/v1/completions")):
+        server = Server("--model", str(folder), "--dtype", "float32", "--task", task)
+        try:
+            body = {"input": "a", "prompt": "a", "messages": [{"role": "user", "content": "a"}],
+                    "max_tokens": 2}
+            keys = {"/v1/embeddings": ("input",), "/v1/completions": ("prompt", "max_tokens"),
+                    "/v1/chat/completions": ("messages", "max_tokens")}
+            r = httpx.post(server.url + refused, json={k: body[k] for k in keys[refused]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_task"
+            assert f"--task {task}" in r.json()["error"]["message"]
+            ok = httpx.post(server.url + served, json={k: body[k] for k in keys[served]})
+            assert ok.status_code == 200, ok.text
+            if task == "embed":
+                r = httpx.post(server.url + "/v1/responses", json={"input": "a"})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_task"
+        finally:
+            server.stop()

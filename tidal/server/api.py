@@ -69,6 +69,13 @@ class Frontend:
                            f"{self.config.served_model_name!r}", param="model",
                            code="model_not_found")
 
+    def check_task(self, task: str) -> None:
+        """A 400 for an endpoint of the task this server was not started for (--task)."""
+        if self.config.task not in ("auto", task):
+            serves = "embeddings" if self.config.task == "embed" else "generation"
+            raise APIError(f"this server serves {serves} only (--task {self.config.task})",
+                           code="unsupported_task")
+
     def chat_options(self, body: ChatRequest) -> ChatOutputOptions:
         """How a chat request's replies are read: its tool choice and the reasoning split."""
         mode = body.tool_mode()
@@ -393,6 +400,7 @@ def _model_card(f: Frontend) -> dict:
 @routes.post("/v1/completions")
 async def completions(body: CompletionRequest, f: FrontendDep, request: Request):
     f.check_model(body.model)
+    f.check_task("generate")
     # a body of --max-body-bytes takes seconds to tokenize; in a thread (the Rust tokenizer
     # lets go of the GIL) other requests keep streaming meanwhile
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)
@@ -403,6 +411,7 @@ async def completions(body: CompletionRequest, f: FrontendDep, request: Request)
 @routes.post("/v1/chat/completions")
 async def chat(body: ChatRequest, f: FrontendDep, request: Request):
     f.check_model(body.model)
+    f.check_task("generate")
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)  # as in completions
     return await f.generate(ChatResponse, body, prompts, request,
                             options=f.chat_options(body))
@@ -413,6 +422,7 @@ async def embeddings(body: EmbeddingRequest, f: FrontendDep, request: Request):
     """OpenAI's: one pooled, normalised vector per input (the model's sentence-transformers
     pooling, else its last token's), batched with generation on the same cores."""
     f.check_model(body.model)
+    f.check_task("embed")
     body.check_dimensions(f.client.ready.embedding_size, f.client.ready.matryoshka)
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)  # as in completions
     return await f.embed(body, prompts, request)

@@ -115,6 +115,10 @@ class ServerConfig(HttpConfig):
                                  "the chat template).")
     reasoning_parser: str | None = knob(None, "'think' (also 'qwen3', 'deepseek_r1'): <think> "
                                         "blocks of replies go to reasoning_content.")
+    task: str = knob("auto", "What the server answers: 'auto' generation and embeddings, "
+                     "'generate' generation only, 'embed' embeddings only (an embedding "
+                     "model, whose generated text means nothing); the other endpoints "
+                     "answer 400.")
     response_store_bytes: int = knob(256 * 1024 * 1024, "Memory for responses created with "
                                      "`store: true` (the Responses API), the oldest dropped "
                                      "first; 0 keeps none.")
@@ -140,6 +144,7 @@ class ServerConfig(HttpConfig):
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be at least 1, got {self.max_total_tokens}")
         check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        check_choice("task", self.task, ("auto", "generate", "embed"))
         if self.core_hang_timeout < 0:
             raise ValueError(f"core_hang_timeout must be >= 0, got {self.core_hang_timeout}")
         if self.reasoning_parser is not None:

@@ -30,6 +30,7 @@ def _stored(request: Request, response_id: str, param: str | None = None):
 async def create_response(body: ResponsesRequest, request: Request):
     f = request.app.state.frontend
     f.check_model(body.model)
+    f.check_task("generate")
     history = []
     if body.previous_response_id is not None:
         history = _stored(request, body.previous_response_id, "previous_response_id").messages
