@@ -284,6 +284,24 @@ def test_a_forced_call_of_a_schema_open_to_other_properties_has_only_declared_on
         assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"city"}
 
 
+def test_langchain_bind_tools_with_tool_choice_any_returns_a_call(server):
+    """What langchain-openai users write: a pydantic tool (its schema without
+    additionalProperties), tool_choice "any" (sent as "required")."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """The weather in a city."""
+
+        city: str = Field(max_length=20, description="the city")
+
+    llm = ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key="none", temperature=0,
+                     max_tokens=60, max_retries=0)
+    reply = llm.bind_tools([GetWeather], tool_choice="any").invoke("What's the weather in Paris?")
+    (call,) = reply.tool_calls
+    assert call["name"] == "GetWeather" and set(call["args"]) == {"city"}
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_forced_call_cut_by_max_tokens_has_one_shape_named_or_required(client, stream):
     """OpenAI's: finish_reason length, no content, the call in tool_calls with the arguments
