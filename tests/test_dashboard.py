@@ -274,11 +274,16 @@ def test_a_browser_renders_a_panel_per_core_from_the_stream(server):
                            .textContent)])),
                 rows: [...p.querySelectorAll('tr.req')].map(r => r.firstChild.textContent),
             })), window.tidalLast]""")
+            # the charts' legends show the latest values (uPlot's own show "--" off the cursor)
+            legend = page.evaluate("() => [...document.querySelectorAll('.core .u-legend "
+                                   ".u-value')].map(e => e.textContent)")
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)
             browser.close()
     finally:
         load.stop()
+    assert legend and "--" not in legend
+    assert sum(v not in ("-", "0") for v in legend) >= 4  # ratios, usage, rates: numbers
     assert [p["index"] for p in shown] == [0, 1]  # one panel per core, in order
     for p in shown:
         view = frames[str(p["index"])]["view"]

@@ -17,17 +17,31 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
+// A legend's value: the point under the cursor, else the latest (uPlot shows "--").
+function latest(u, value, series, index) {
+  const data = u.data[series];
+  const v = index == null ? data[data.length - 1] : value;
+  if (v == null) return "-";
+  return Math.abs(v) >= 100 ? v.toFixed(0) : Number(v.toPrecision(3)).toString();
+}
+
 // series: [label, colour, bars?]; the x axis is seconds since the first frame.
 function chart(parent, title, yLabel, series) {
   const opts = {
     title, width: 380, height: 190, legend: {show: true},
     scales: {x: {time: false}},
     axes: [{label: "seconds"}, {label: yLabel, size: 60}],
-    series: [{label: "s"}, ...series.map(([label, color, bars]) => ({
+    series: [{label: "s", value: latest}, ...series.map(([label, color, bars]) => ({
       label, stroke: color, fill: bars ? color : undefined, width: 1.5, points: {show: false},
-      paths: bars ? uPlot.paths.bars({size: [0.9, 8]}) : undefined}))],
+      value: latest, paths: bars ? uPlot.paths.bars({size: [0.9, 8]}) : undefined}))],
   };
   return new uPlot(opts, [[], ...series.map(() => [])], parent);
+}
+
+// New data, and the legend's latest values unless the cursor is on the chart.
+function draw(u, data) {
+  u.setData(data);
+  if (u.cursor.idx == null) u.setLegend({idx: null});
 }
 
 function corePanel(index, label) {
@@ -129,10 +143,10 @@ function render(frame) {
   }
   c.state.x.push(t); c.state.ratio.push(s.new_token_ratio); c.state.usage.push(s.kv_usage);
   for (const series of [c.rate, c.steps, c.state]) trim(series, t);
-  c.charts.rate.setData([c.rate.x, c.rate.prompt, c.rate.gen]);
-  c.charts.steps.setData([c.steps.x, c.steps.prefill, c.steps.decode, c.steps.accepted]);
-  c.charts.ms.setData([c.steps.x, c.steps.ms]);
-  c.charts.state.setData([c.state.x, c.state.ratio, c.state.usage]);
+  draw(c.charts.rate, [c.rate.x, c.rate.prompt, c.rate.gen]);
+  draw(c.charts.steps, [c.steps.x, c.steps.prefill, c.steps.decode, c.steps.accepted]);
+  draw(c.charts.ms, [c.steps.x, c.steps.ms]);
+  draw(c.charts.state, [c.state.x, c.state.ratio, c.state.usage]);
   c.panel.dataset.steps = s.num_steps;
   addLatency(frame);
 }
