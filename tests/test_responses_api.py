@@ -285,3 +285,43 @@ def test_a_wrong_method_is_a_405_allowing_both_of_the_paths_methods(server):
     r = httpx.put(server.url + "/v1/responses/resp_x", json={})
     assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET"
     assert r.json()["error"]["message"] == "Method Not Allowed"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_think_blocks_become_a_reasoning_item_whole_or_streamed(stream):
+    """With --reasoning-parser, a <think> block is a reasoning item before the message."""
+    import asyncio
+
+    from tidal.engine.outputs import StepUpdate
+    from tidal.server.openai.chat_output import ChatOutputOptions
+    from tidal.server.openai.response_output import ResponseBody
+
+    pieces = ["<th", "ink>\nIt is", " sunny.</think>", "\n\nSun", "ny."]
+
+    async def updates():
+        for i, text in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield 0, StepUpdate("r", "r", 0, [i], text, last, "stop" if last else None)
+
+    kept = []
+    body = ResponseBody(None, MODEL, "r", [[1, 2, 3]], 1, False,
+                        options=ChatOutputOptions(reasoning=True),
+                        source=ResponsesRequest(input="weather?"), on_done=kept.append)
+
+    async def run():
+        if not stream:
+            return json.loads((await body.body(updates())).body)
+        events = [json.loads(e.split("data: ", 1)[1]) async for e in body.events(updates(), False)]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        reasoning = "".join(e["delta"] for e in events
+                            if e["type"] == "response.reasoning_text.delta")
+        assert reasoning == "\nIt is sunny."
+        assert events[-1]["type"] == "response.completed"
+        return events[-1]["response"]
+
+    final = asyncio.run(run())
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"][0]["text"] == "\nIt is sunny."
+    assert final["output"][1]["content"][0]["text"] == "Sunny."
+    assert final["status"] == "completed" and final["usage"]["input_tokens"] == 3
+    assert kept == [final]
