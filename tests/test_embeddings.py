@@ -32,7 +32,8 @@ def sentence_transformers_files(folder, mode: str | None, normalize: bool, **con
         (folder / "config.json").write_text(json.dumps({**cfg, **config}))
     if mode is None:
         return
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
     if normalize:

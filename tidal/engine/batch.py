@@ -76,8 +76,9 @@ class BatchBuilder:
         context through the step's padded tables."""
         bs, dev = self.block_size, self.device
         ids, slots = batch.ids, batch.slots
-        kernel = self.backend.prefill_kernel is not None and (
-            self.backend.kernel_for_fresh_prefills or any(s.num_computed_tokens for s in entries))
+        backend = self.backend
+        kernel = backend.prefill_kernel is not None and (
+            backend.kernel_for_fresh_prefills or any(s.num_computed_tokens for s in entries))
         for s in entries:
             c, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_ids
             start = len(ids)
@@ -165,8 +166,8 @@ def forward(model, decoder, batch: "StepBatch", kv_caches: list, k_caches: list,
     """The batch's logits through one C++ decoder call where the step is decode-only and
     the model has a decoder, else through the PyTorch model (with the final hidden states
     of the prompt-logprob rows, then of the pooled rows, as (logits, hidden), when `hidden`
-    and the batch has such rows). `kv_caches`: a (K, V) pair per layer; `k_caches`, `v_caches` the same
-    tensors as two lists (what the decoder takes)."""
+    and the batch has such rows). `kv_caches`: a (K, V) pair per layer; `k_caches`,
+    `v_caches` the same tensors as two lists (what the decoder takes)."""
     meta = batch.meta
     if decoder is not None and not meta.prefills:
         return decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,

@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions (streamed over SSE or
-not; the Responses API over the chat path in `responses_routes.py`), vLLM's tokenize and detokenize, models, health, version, metrics and the live
-dashboard (`dashboard.py`), in front of the engine-core process.
+not), embeddings (the Responses API, over the chat path, is in `responses_routes.py`),
+vLLM's tokenize and detokenize, models, health, version, metrics and the live dashboard
+(`dashboard.py`), in front of the engine-core process.
 
 The routes are module-level functions over one `Frontend` (at `app.state.frontend`), which
 holds the engine client, the tokenizer, the metrics and the server's settings and drives a

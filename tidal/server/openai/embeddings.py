@@ -11,7 +11,7 @@ import numpy as np
 from pydantic import Field
 
 from tidal.core import SamplingParams
-from tidal.server.openai.protocol import APIError, StrictModel, Text, TokenIds, encode
+from tidal.server.openai.protocol import APIError, StrictModel, Text, TokenIds, prompt_lists
 
 if TYPE_CHECKING:
     from tidal.server.config import ServerConfig
@@ -53,15 +53,7 @@ class EmbeddingRequest(StrictModel):
                            param="dimensions")
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
-        """One token-id list per input: strings are tokenized, ids pass as they are."""
-        x, special = self.input, self.add_special_tokens
-        if isinstance(x, str):
-            return [encode(tokenizer, x, special, "input")]
-        if isinstance(x[0], str):
-            return [encode(tokenizer, t, special, "input") for t in x]
-        if isinstance(x[0], int):
-            return [list(x)]
-        return [list(ids) for ids in x]
+        return prompt_lists(self.input, tokenizer, self.add_special_tokens, "input")
 
     def to_sampling_params(self, limits: ServerConfig, prompt_len: int, max_model_len: int,
                            vocab_size: int) -> SamplingParams:

@@ -122,6 +122,18 @@ def encode(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[i
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+def prompt_lists(value, tokenizer, add_special_tokens: bool, param: str) -> list[list[int]]:
+    """One token-id list per prompt of a field that takes a string, strings, token ids or
+    lists of them (none empty: the schema): strings are tokenized, ids pass as they are."""
+    if isinstance(value, str):
+        return [encode(tokenizer, value, add_special_tokens, param)]
+    if isinstance(value[0], str):
+        return [encode(tokenizer, x, add_special_tokens, param) for x in value]
+    if isinstance(value[0], int):
+        return [list(value)]
+    return [list(x) for x in value]
+
+
 _INT64_MAX = 2**63 - 1  # integers travel to the engine core as msgpack int64
 # What the schema can say of a prompt and its token ids (the vocabulary's end it cannot:
 # that is a 400 naming the field).
@@ -346,15 +358,7 @@ class CompletionRequest(GenerationRequest):
         return list(p) if p and all(isinstance(x, str) for x in p) else None
 
     def prompt_ids(self, tokenizer) -> list[list[int]]:
-        """One token-id list per prompt: strings are tokenized, ids pass as they are."""
-        p, special = self.prompt, self.add_special_tokens  # none of them empty (the schema)
-        if isinstance(p, str):
-            return [encode(tokenizer, p, special, "prompt")]
-        if isinstance(p[0], str):
-            return [encode(tokenizer, x, special, "prompt") for x in p]
-        if isinstance(p[0], int):
-            return [list(p)]
-        return [list(x) for x in p]
+        return prompt_lists(self.prompt, tokenizer, self.add_special_tokens, "prompt")
 
 
 class DetokenizeRequest(StrictModel):
