@@ -137,6 +137,17 @@ def test_output_items_and_their_events():
     assert "".join(deltas) == '{"a":1}'
 
 
+def test_a_piece_that_ends_a_call_and_starts_text_keeps_the_arguments_on_the_call():
+    out = OutputItems()
+    out.add(Piece(calls=[ToolCallDelta(0, "c1", "function", FunctionDelta("f", '{"a":'))]))
+    out.add(Piece(content="done", calls=[ToolCallDelta(0, function=FunctionDelta(
+        arguments="1}"))]))
+    out.close()
+    assert [i["type"] for i in out.items] == ["function_call", "message"]
+    assert out.items[0]["arguments"] == '{"a":1}'
+    assert out.items[1]["content"][0]["text"] == "done"
+
+
 # ---------------------------------------------------------------------- end to end
 
 server, client = module_server("--max-model-len", "1024")

@@ -33,25 +33,34 @@ class OutputItems:
         self._blank = ""  # leading whitespace, held until text follows it
 
     def add(self, piece: Piece, logprobs: list | None = None) -> list[dict]:
+        """A piece's events. Its text came after the arguments that continue the open call
+        and before any new call (a call's arguments hold no text), so they go in that order."""
         events = []
+        going_on = 0
+        while going_on < len(piece.calls) and piece.calls[going_on].id is None:
+            events += self._arguments(piece.calls[going_on])
+            going_on += 1
         if piece.reasoning:
             events += self._text("reasoning", piece.reasoning, [])
         if piece.content:
             events += self._text("message", piece.content, logprobs or [])
-        for call in piece.calls:
-            function = call.function
+        for call in piece.calls[going_on:]:
             if call.id is not None:  # a new call
                 events += self.close()
                 events += self._start({"type": "function_call", "id": _id("fc"),
-                                       "call_id": call.id, "name": function.name,
+                                       "call_id": call.id, "name": call.function.name,
                                        "arguments": "", "status": "in_progress"})
-            if function is not None and function.arguments:
-                item = self._open
-                item["arguments"] += function.arguments
-                events.append({"type": "response.function_call_arguments.delta",
-                               "item_id": item["id"], "output_index": len(self.items) - 1,
-                               "delta": function.arguments})
+            events += self._arguments(call)
         return events
+
+    def _arguments(self, call) -> list[dict]:
+        text = call.function.arguments if call.function is not None else None
+        item = self._open
+        if not text or item is None or item["type"] != "function_call":
+            return []
+        item["arguments"] += text
+        return [{"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                 "output_index": len(self.items) - 1, "delta": text}]
 
     def close(self) -> list[dict]:
         """The events that end the open item, if any."""
