@@ -246,6 +246,7 @@ def test_stored_responses_are_retrieved_and_deleted(client):
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": []}, "input"),
+    ({"input": ""}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content.0"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -263,6 +264,12 @@ def test_bad_requests_are_400s_naming_the_field(server, extra, param):
                    json={"model": MODEL, "input": QUESTION, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_input_that_is_not_unicode_is_a_400_naming_it(server):
+    r = httpx.post(server.url + "/v1/responses", content=b'{"input": "a\\ud800"}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
 
 
 @pytest.mark.parametrize("api", ["responses", "chat"])

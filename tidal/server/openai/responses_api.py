@@ -28,6 +28,14 @@ class ResponsesChatRequest(ChatRequest):
     def limit_field(self) -> str:
         return "max_output_tokens"
 
+    def prompt_ids(self, tokenizer) -> list[list[int]]:
+        try:
+            return super().prompt_ids(tokenizer)
+        except APIError as exc:  # the conversation is the input's
+            if exc.param == "messages":
+                exc.param, exc.message = "input", exc.message.replace("messages", "input")
+            raise
+
     def output_constraint(self) -> tuple[str, tuple[str, str]] | None:
         constraint = super().output_constraint()
         if constraint is not None and constraint[0] == "response_format":
