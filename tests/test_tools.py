@@ -305,7 +305,7 @@ def test_langchain_bind_tools_with_tool_choice_any_returns_a_call(server):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_forced_call_cut_by_max_tokens_has_one_shape_named_or_required(client, stream):
     """OpenAI's: finish_reason length, no content, the call in tool_calls with the arguments
-    generated so far (a `required` list once came back as its raw text in content)."""
+    generated so far, whether the call was named or `required`."""
     shapes = []
     # each cut inside its arguments: a required list first writes the call's name
     for choice, most in (({"type": "function", "function": {"name": "get_weather"}}, 6),
