@@ -33,7 +33,8 @@ class SchedulerDriver:
                  policy: str, async_scheduling: bool, chunk: int, max_input: int,
                  max_num_seqs: int, clip: int, margin: float, ttft: float | None = None,
                  tpot: float | None = None, overload: str = "defer", guesses: int = 0,
-                 adaptive: bool = True, seed: int = 0) -> None:
+                 adaptive: bool = True, seed: int = 0, max_loras: int = 1,
+                 lora_wait: int = 32) -> None:
         options = {  # each policy takes only its own options
             "longest_prefix_match": dict(lpm_aging_steps=8),
             "slo": dict(ttft_slo_ms=ttft, tpot_slo_ms=tpot, slo_overload=overload,
@@ -44,7 +45,7 @@ class SchedulerDriver:
             batch_mode=batch_mode, policy=policy, role=role, async_scheduling=async_scheduling,
             max_num_seqs=max_num_seqs, clip_max_new_tokens=clip, safety_margin=margin,
             max_model_len=256, num_speculative_tokens=guesses, speculative_adaptive=adaptive,
-            **options)
+            max_loras=max_loras, lora_wait_steps=lora_wait, **options)
         self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)),
                            step_time=LinearSteps(), clock=self.now)
         self.scheduled: set[str] = set()  # every request id a step ever computed for
@@ -66,10 +67,10 @@ class SchedulerDriver:
 
     # ------------------------------------------------------------------ operations
     def add(self, prompt: list[int], n: int, max_tokens: int, ignore_eos: bool,
-            priority: int) -> None:
+            priority: int, lora: str | None = None) -> None:
         n = 1 if self.s.config.role == "decode" else n  # a decode instance forks nothing
         params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=ignore_eos,
-                                priority=priority)
+                                priority=priority, lora=lora)
         self.added += 1
         self.s.add_request(Request(f"r{self.added}", prompt, params, arrival_time=self.now(),
                                    eos_token_id=EOS))

@@ -101,4 +101,5 @@ def test_max_num_seqs_caps_requests_holding_blocks():
 
 
 def test_admission_outcomes_are_named():
-    assert {a.name for a in Admission} == {"ADMITTED", "NO_MEMORY", "BUDGET_EXHAUSTED"}
+    assert {a.name for a in Admission} == {"ADMITTED", "NO_MEMORY", "BUDGET_EXHAUSTED",
+                                           "NO_ADAPTER_SLOT"}

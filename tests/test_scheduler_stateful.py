@@ -1,8 +1,8 @@
 """Hypothesis state machine: random arrivals, steps, aborts, forks and KV hand-offs on tiny
-pools, in every role, batch mode, policy and executor mode. After every rule the invariants
-hold; at the end every request finishes within a bounded number of steps. The executor sees
-only the plans' plain data, as the model runner does: it must always know the tokens a step
-computes (`scheduler_driver.py`)."""
+pools, in every role, batch mode, policy and executor mode, with requests of several LoRA
+adapters. After every rule the invariants hold; at the end every request finishes within a
+bounded number of steps. The executor sees only the plans' plain data, as the model runner
+does: it must always know the tokens a step computes (`scheduler_driver.py`)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         guesses=st.sampled_from([0, 0, 1, 3]),
         adaptive=st.booleans(),
         seed=st.integers(0, 3),
+        max_loras=st.integers(1, 3),
+        lora_wait=st.sampled_from([0, 2, 32]),
     )
     def setup(self, **config):
         self.d = SchedulerDriver(**config)
@@ -40,7 +42,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         d = self.d
         d.add(prompt=data.draw(st.lists(st.integers(3, 5), min_size=1, max_size=d.max_prompt)),
               n=data.draw(st.integers(1, 3)), max_tokens=data.draw(st.integers(1, 12)),
-              ignore_eos=data.draw(st.booleans()), priority=data.draw(st.integers(-2, 2)))
+              ignore_eos=data.draw(st.booleans()), priority=data.draw(st.integers(-2, 2)),
+              lora=data.draw(st.sampled_from([None, None, "a", "b", "c", "d"])))
 
     @rule(eos=st.integers(0, 9))
     def step(self, eos):

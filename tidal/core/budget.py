@@ -16,6 +16,7 @@ class Admission(enum.Enum):
     ADMITTED = "admitted"
     NO_MEMORY = "no_memory"  # blocks (with reservations) do not cover it; wait for frees
     BUDGET_EXHAUSTED = "budget_exhausted"  # token budget, chunk slot or max_num_seqs is used up
+    NO_ADAPTER_SLOT = "no_adapter_slot"  # its LoRA adapter would exceed max_loras this step
 
 
 class StepBudget:
@@ -56,7 +57,7 @@ class StepPlan:
     """The step being planned: its output, its budgets, and what it holds so far."""
 
     __slots__ = ("out", "budget", "reserved_tokens", "preempted", "num_decodes", "num_prefills",
-                 "max_seqs")
+                 "max_seqs", "adapters")
 
     def __init__(self, out: SchedulerOutput, budget: StepBudget, max_seqs: int) -> None:
         self.out = out
@@ -66,6 +67,7 @@ class StepPlan:
         self.preempted = False
         self.num_decodes = 0
         self.num_prefills = 0
+        self.adapters: set[str] = set()  # LoRA adapters of the requests holding blocks
 
     def kind(self) -> str:
         if self.num_prefills:

@@ -92,6 +92,13 @@ class SchedulerConfig:
         "request's acceptance rate, to maximise expected tokens per second of step time "
         "(0 guesses allowed: at large batches speculation turns itself off). false: every "
         "request guesses as many as its proposer offers, up to num_speculative_tokens.")
+    max_loras: int = knob(
+        1, "Most distinct LoRA adapters the requests holding KV blocks may use at once: the "
+        "model runner's adapter slots. Requests of the base model take none.")
+    lora_wait_steps: int = knob(
+        32, "Steps a waiting request whose adapter finds no free slot lets later requests of "
+        "resident adapters be admitted past it; after that nobody behind it is admitted "
+        "until a slot frees up for it.")
     policy_options: policies.Policy.Options | Mapping[str, Any] | None = field(
         default=None, metadata={"help": "The chosen policy's options: its `Options` "
                                 "dataclass, or their values by name (unset: the defaults). "
@@ -103,7 +110,7 @@ class SchedulerConfig:
         check_choice("role", self.role, tuple(roles.ROLES))
         check_at_least_one(self, "chunked_prefill_size", "max_input_tokens_per_step",
                            "max_num_seqs", "max_model_len", "new_token_ratio_decay_steps",
-                           "clip_max_new_tokens")
+                           "clip_max_new_tokens", "max_loras")
         check_choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
         if not 0 <= self.init_new_token_ratio <= 1:
             raise ValueError("init_new_token_ratio must be in [0, 1]")
@@ -114,6 +121,8 @@ class SchedulerConfig:
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")
+        if self.lora_wait_steps < 0:
+            raise ValueError("lora_wait_steps must be >= 0")
         if self.retract_decode_steps < 0:
             raise ValueError("retract_decode_steps must be >= 0")
         options = self.policy_options

@@ -137,6 +137,10 @@ def check_invariants(s: "Scheduler") -> None:
     for r in s.waiting:
         _require(r.num_computed_tokens == 0 and r.request_id not in kv.tables,
                  lambda: f"{r}: waiting with computed tokens or blocks")
+    adapters = {r.lora for r in chain(s.running, s.transferring.values()) if r.lora is not None}
+    _require(len(adapters) <= s.config.max_loras,
+             lambda: f"{len(adapters)} LoRA adapters hold blocks; max_loras is "
+             f"{s.config.max_loras}")
     prefilling = [r for r in s.running if r.is_prefilling]
     if not s.role.concurrent_prefills:
         _require(len(prefilling) <= 1, lambda: f"{len(prefilling)} chunked prefills at once")

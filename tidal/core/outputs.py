@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tidal.core.request import SamplingParams
+from tidal.core.request import Request, SamplingParams
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
@@ -33,6 +33,13 @@ class NewRequest(msgspec.Struct, gc=False):
     sampling_params: SamplingParams
     stop_token_ids: list[int]  # EOS (unless ignore_eos) and stop_token_ids
     num_samples: int  # tokens its next sample draws: n where an n>1 request has yet to fork
+
+
+def new_request(r: Request) -> NewRequest:
+    """What the executor learns of `r` when a step first schedules it (again)."""
+    p = r.sampling_params
+    return NewRequest(r.request_id, r.prompt_token_ids, list(r.output_token_ids), p,
+                      sorted(r.stop_ids), p.n if r.fork_pending else 1)
 
 
 class SchedulerOutput(msgspec.Struct):

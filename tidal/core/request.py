@@ -92,6 +92,10 @@ class SamplingParams:
     """Constrain the output: (kind, spec) with kind `json` (a JSON schema, as JSON text),
     `regex`, `choice` (a JSON list of strings) or `grammar` (Lark / EBNF)."""
 
+    lora: str | None = None
+    """The LoRA adapter that serves this request, by name; None: the base model. Its
+    prefix-cache blocks are its own: the same prompt under another adapter is no hit."""
+
     ttft_slo_ms: float | None = None
     """Time-to-first-token target in ms, from arrival (policy `slo`; None: the scheduler's
     default, if any)."""
@@ -115,6 +119,8 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.embed is None or self.embed >= 0, "embed must be >= 0"),
             (self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "ttft_slo_ms must be > 0"),
+            (self.lora is None or (isinstance(self.lora, str) and self.lora != ""),
+             "lora must be an adapter's name"),
             (self.tpot_slo_ms is None or self.tpot_slo_ms > 0, "tpot_slo_ms must be > 0"),
             (self.structured is None or (len(self.structured) == 2 and self.structured[0]
                                          in ("json", "regex", "choice", "grammar")),
@@ -184,7 +190,9 @@ class Request:
         self.sampling_params = sampling_params or SamplingParams()
         self.arrival_time = arrival_time
         self.eos_token_id = eos_token_id
-        self.extra_key = extra_key  # salts prefix-cache hashes (tenant, adapter, images)
+        # salts prefix-cache hashes (tenant, images; the adapter, whose KV differs)
+        lora = self.sampling_params.lora
+        self.extra_key = extra_key if lora is None else (extra_key, "lora", lora)
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
@@ -246,6 +254,11 @@ class Request:
         return (p.prompt_logprobs is None and p.embed is None) or bool(self.output_token_ids)
 
     @property
+    def lora(self) -> str | None:
+        """The adapter serving this request (None: the base model)."""
+        return self.sampling_params.lora
+
+    @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.prefill_target
 
@@ -262,7 +275,8 @@ class Request:
         seed = self.sampling_params.seed
         params = replace(self.sampling_params, n=1, seed=None if seed is None else seed + index)
         child = Request(f"{self.request_id}-{index}", self.prompt_token_ids, params,
-                        self.arrival_time, self.eos_token_id, self.extra_key)
+                        self.arrival_time, self.eos_token_id)
+        child.extra_key = self.extra_key  # salted already
         child.parent_id, child.index = self.request_id, index
         child.stop_ids, child.out_limit = self.stop_ids, self.out_limit
         return child
@@ -270,3 +284,12 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
                 f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")
+
+
+def ready_to_decode(decoding: list[Request]) -> list[Request]:
+    """Those whose next position's token is known or in flight and that may still grow
+    (an executor one step ahead may already hold a request's last token)."""
+    return [r for r in decoding
+            if (g := len(r.output_token_ids) + r.num_in_flight) < r.out_limit
+            and r.num_computed_tokens < len(r.prompt_token_ids) + g]
+

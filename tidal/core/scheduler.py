@@ -15,11 +15,12 @@ from tidal.core.budget import Admission, StepPlan
 from tidal.core.config import SchedulerConfig
 from tidal.core.invariants import SchedulerStats, check_invariants, collect_stats
 from tidal.core.kv_cache_manager import KVCacheManager, cdiv
-from tidal.core.outputs import (ModelOutput, NewRequest, RequestOutput, ScheduledRequest,
-                                SchedulerOutput)
+from tidal.core.lora import AdapterSlots
+from tidal.core.outputs import (ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput,
+                                new_request)
 from tidal.core.policies import make_policy
 from tidal.core.ratio import NewTokenRatio
-from tidal.core.request import Request, RequestStatus
+from tidal.core.request import Request, RequestStatus, ready_to_decode
 from tidal.core.roles import ROLES
 from tidal.core.speculation import Speculation
 from tidal.core.step_time import StepTimeModel
@@ -51,6 +52,7 @@ class Scheduler:
         self.step_time, self.clock = step_time, clock
         self.ratio = NewTokenRatio(config)
         self.spec = Speculation(config, step_time, self.policy.tpot)
+        self.loras = AdapterSlots(config.max_loras, config.lora_wait_steps)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # hold blocks and compute here, admission order
@@ -84,6 +86,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.enqueue_step = self.step
         request.remote_prefill = self.role.kv_arrives(request)
+        self.loras.note(request)
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -143,7 +146,7 @@ class Scheduler:
                               propose=bool(self.spec.planner.max_guesses))
         self._finished_ids, self._pending_copies = [], []
         if self._pending_new:
-            out.new_requests = [self._new_request(r) for r in self._pending_new
+            out.new_requests = [new_request(r) for r in self._pending_new
                                 if self.requests.get(r.request_id) is r]
             self._pending_new = []
         decoding = [r for r in self.running if r.num_computed_tokens >= r.prefill_target]
@@ -161,7 +164,7 @@ class Scheduler:
     def schedule_decodes(self, plan: StepPlan, decoding: list[Request]) -> None:
         """One token for every decoding request that can take one; retract some when
         blocks run short."""
-        ready = self._ready_to_decode(decoding)
+        ready = ready_to_decode(decoding)
         if len(ready) > self.kv.num_free:  # someone may find no block: count with care
             ready = self._fit_decodes(plan, decoding, ready)
         # The hot path at large batch sizes: one pass of plain attribute reads.
@@ -179,14 +182,6 @@ class Scheduler:
         plan.num_decodes += len(scheduled) - before
         if self.spec.planner.max_guesses and len(scheduled) > before:
             self.spec.add_guesses(self.kv, self.requests, plan, scheduled[before:])
-
-    @staticmethod
-    def _ready_to_decode(decoding: list[Request]) -> list[Request]:
-        """Those whose next position's token is known or in flight and that may still grow
-        (an executor one step ahead may already hold a request's last token)."""
-        return [r for r in decoding
-                if (g := len(r.output_token_ids) + r.num_in_flight) < r.out_limit
-                and r.num_computed_tokens < len(r.prompt_token_ids) + g]
 
     def _fit_decodes(self, plan: StepPlan, decoding: list[Request],
                      ready: list[Request]) -> list[Request]:
@@ -264,11 +259,15 @@ class Scheduler:
                 return
         if not self.waiting:
             return
+        plan.adapters = self.loras.resident(chain(self.running, self.transferring.values()))
         admitted = []
         for r in self.policy.order(self.waiting, self.step, self._prefix_tokens):
-            if self._admit(plan, r) is not Admission.ADMITTED:
+            result = self._admit(plan, r)
+            if result is Admission.ADMITTED:
+                admitted.append(r)
+            elif not (result is Admission.NO_ADAPTER_SLOT
+                      and self.loras.may_be_passed(r, self.step)):
                 break  # FIFO fairness: nobody overtakes the first one that does not fit
-            admitted.append(r)
         if admitted:
             taken = set(map(id, admitted))
             self.waiting = [r for r in self.waiting if id(r) not in taken]
@@ -282,6 +281,8 @@ class Scheduler:
         fresh = r.status is RequestStatus.WAITING
         if fresh and len(self.running) + len(self.transferring) >= plan.max_seqs:
             return Admission.BUDGET_EXHAUSTED
+        if fresh and not self.loras.claim(plan.adapters, r):
+            return Admission.NO_ADAPTER_SLOT  # (a claim that fails below ends the loop)
         hit = self.kv.match_prefix(r) if fresh else []
         computed = len(hit) * self.block_size if fresh else r.num_computed_tokens
         remaining = (r.num_tokens if fresh else r.prefill_target) - computed
@@ -343,18 +344,12 @@ class Scheduler:
             elif self.active_prefill is r:
                 self.active_prefill = None
         if fresh:
-            plan.out.new_requests.append(self._new_request(r))
+            plan.out.new_requests.append(new_request(r))
         samples = computed + num_new == r.num_tokens
         plan.out.scheduled.append(ScheduledRequest(
             r.request_id, num_new, computed, self.kv.block_ids(r.request_id), samples, True))
         r.num_computed_tokens = computed + num_new
         r.num_in_flight += samples
-
-    @staticmethod
-    def _new_request(r: Request) -> NewRequest:
-        p = r.sampling_params
-        return NewRequest(r.request_id, r.prompt_token_ids, list(r.output_token_ids), p,
-                          sorted(r.stop_ids), p.n if r.fork_pending else 1)
 
     def _start(self, r: Request, num_cached: int) -> None:
         r.num_computed_tokens = num_cached
