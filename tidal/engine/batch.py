@@ -91,6 +91,7 @@ class BatchBuilder:
             if q.embed is not None:  # every row: the pooling keeps what it reads
                 batch.pool_spans.append((s.request_id, c, len(batch.pool_rows), n))
                 batch.pool_rows.extend(range(start, start + n))
+            batch.spans.append((s.request_id, start, n))
             pos = range(c, c + n)
             batch.pos.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
@@ -138,6 +139,7 @@ class BatchBuilder:
             row_tokens = seqs[rid].tokens(c, c + 1)
             if rid in guesses:
                 row_tokens = row_tokens + guesses[rid]
+            batch.spans.append((rid, len(batch.ids), len(row_tokens)))
             for p, token in enumerate(row_tokens, start=c):
                 batch.ids.append(token)
                 batch.pos.append(p)
@@ -162,17 +164,20 @@ class BatchBuilder:
 
 
 def forward(model, decoder, batch: "StepBatch", kv_caches: list, k_caches: list,
-            v_caches: list, block_size: int, hidden: bool = True):
+            v_caches: list, block_size: int, hidden: bool = True, lora=None):
     """The batch's logits through one C++ decoder call where the step is decode-only and
     the model has a decoder, else through the PyTorch model (with the final hidden states
     of the prompt-logprob rows, then of the pooled rows, as (logits, hidden), when `hidden`
     and the batch has such rows). `kv_caches`: a (K, V) pair per layer; `k_caches`,
-    `v_caches` the same tensors as two lists (what the decoder takes)."""
+    `v_caches` the same tensors as two lists (what the decoder takes). `lora`: the pass's
+    LoRABatch (the PyTorch model's LoRA projections read it themselves)."""
     meta = batch.meta
     if decoder is not None and not meta.prefills:
+        rows = lora.rows if lora is not None else None
         return decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
                                meta.decode_block_tables, meta.decode_lens, k_caches, v_caches,
-                               batch.logits_indices, model.backend.scale, block_size)
+                               batch.logits_indices, model.backend.scale, block_size,
+                               rows, None if rows is None else lora.ends)
     return model(batch.input_ids, batch.positions, kv_caches, meta, batch.logits_indices,
                  batch.hidden_indices if hidden else None)
 
@@ -185,6 +190,7 @@ class StepBatch:
         self.pos: list[int] = []
         self.slots: list[int] = []
         self.prefills: list[PrefillSeq] = []
+        self.spans: list[tuple[str, int, int]] = []  # (request, first row, rows)
         self.num_prefill_tokens = 0
         self.logits_rows: list[int] = []
         self.sample_ids: list[str] = []

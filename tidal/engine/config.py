@@ -193,6 +193,51 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: the adapters known from start and how many stay loaded (the
+    scheduler's max_loras says how many a step may use)."""
+
+    enable_lora: bool = knob(False, "Serve LoRA adapters over the base model: a request "
+                             "names one (the OpenAI `model` field; `lora` in "
+                             "SamplingParams). Implied by lora_modules.")
+    lora_modules: tuple[str, ...] = knob((), "Adapters served from start, each name=path (a "
+                                         "PEFT folder: adapter_config.json and "
+                                         "adapter_model.safetensors).")
+    max_lora_rank: int = knob(16, "Largest rank an adapter may have; the adapter slots are "
+                              "sized for it.")
+    max_cpu_loras: int | None = knob(None, "Adapters kept loaded in memory, least recently "
+                                     "used out first (a request for another reloads it from "
+                                     "its folder). Unset: max_loras, or every adapter of "
+                                     "lora_modules if more.")
+
+    def __post_init__(self) -> None:
+        modules = self.lora_modules
+        if isinstance(modules, str):
+            modules = modules.replace(",", " ").split()
+        elif isinstance(modules, dict):
+            modules = [f"{k}={v}" for k, v in modules.items()]
+        modules = tuple(str(m) for m in modules)
+        names = [m.partition("=")[0] for m in modules]
+        for m, name in zip(modules, names):
+            if not name or "=" not in m or not m.partition("=")[2]:
+                raise ValueError(f"lora_modules entries are name=path; got {m!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {names}")
+        object.__setattr__(self, "lora_modules", modules)
+        if modules and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError("max_cpu_loras must be at least 1")
+
+    @property
+    def modules(self) -> dict[str, str]:
+        """lora_modules as {name: path}."""
+        return dict(m.split("=", 1) for m in self.lora_modules)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The whole tree, one dataclass per layer."""
 
@@ -201,6 +246,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         method, k = self.speculative.speculative_method, self.scheduler.num_speculative_tokens
@@ -208,6 +254,10 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens needs a speculative_method to guess them")
         if method is not None and not k:
             raise ValueError(f"speculative_method={method!r} needs num_speculative_tokens >= 1")
+        cpu_loras = self.lora.max_cpu_loras
+        if self.lora.enable_lora and cpu_loras is not None and cpu_loras < self.scheduler.max_loras:
+            raise ValueError(f"max_cpu_loras={cpu_loras} is under max_loras="
+                             f"{self.scheduler.max_loras}: a step's adapters must all be loaded")
         if method == "draft" and self.scheduler.role != "mixed":
             raise ValueError("a draft model needs the prompt's KV computed by the draft too; "
                              "a P/D pair speculates with ngram or suffix")
@@ -241,7 +291,8 @@ class EngineConfig:
         return cls(model=model, cache=CacheConfig(**cache_kwargs),
                    scheduler=SchedulerConfig.from_kwargs(**parts["scheduler"]),
                    parallel=ParallelConfig(**parts["parallel"]),
-                   speculative=SpeculativeConfig(**parts["speculative"]))
+                   speculative=SpeculativeConfig(**parts["speculative"]),
+                   lora=LoRAConfig(**parts["lora"]))
 
 
 def all_fields(only: tuple[str, ...] | None = None) -> list[tuple[str, Any, str]]:

@@ -30,7 +30,7 @@ class EngineCore:
                  eos_token_id: int | None = None) -> None:
         t0 = time.perf_counter()
         self.runner = ModelRunner(folder, config.model, config.cache.block_size,
-                                  config.scheduler, config.speculative)
+                                  config.scheduler, config.speculative, config.lora)
         arch = self.runner.arch
         # What the model and the memory allow: the context is at most the model's, and the
         # pool is what the runner allocated.
@@ -72,6 +72,10 @@ class EngineCore:
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"request {request_id!r}: {what} must be in "
                                  f"[0, {self.vocab_size})")
+        lora = self.runner.lora
+        if params.lora is not None and (lora is None or params.lora not in lora.paths):
+            raise ValueError(f"request {request_id!r}: unknown LoRA adapter {params.lora!r}"
+                             + ("" if lora else " (LoRA is not enabled: enable_lora)"))
         self.scheduler.add_request(Request(
             request_id, prompt_token_ids, params,
             arrival_time=time.time() if arrival_time is None else arrival_time,

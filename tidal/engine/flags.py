@@ -35,6 +35,10 @@ def _add_flags(group, rows: list[tuple[str, Any, str]], type_of) -> None:
     the default is None). A flag not given leaves its option unset (the config's default)."""
     for name, default, help_text in rows:
         flag = "--" + name.replace("_", "-")
+        if isinstance(default, tuple):  # a list: each value a word (name=path, ...)
+            group.add_argument(flag, dest=name, nargs="+", default=argparse.SUPPRESS,
+                               help=f"{help_text} (default: none)")
+            continue
         if isinstance(default, bool):
             kind = _parse_bool
         elif isinstance(default, (int, float)):

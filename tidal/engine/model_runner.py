@@ -15,10 +15,11 @@ from tidal.core import (ModelOutput, NewRequest, PromptLogprob, SamplingParams, 
 from tidal.core.kv_cache_manager import cdiv
 from tidal.core.request import token_slice
 from tidal.engine.batch import BatchBuilder, StepBatch, forward
-from tidal.engine.config import ModelConfig, SpeculativeConfig
+from tidal.engine.config import LoRAConfig, ModelConfig, SpeculativeConfig
 from tidal.engine.decode_graphs import CaptureBackend, CudaGraphCapture, DecodeGraphs
 from tidal.engine.device import free_ram, gpu_kv_budget, pick_device
 from tidal.engine.draft import DraftModel, check_same_tokenizer
+from tidal.engine.lora_manager import LoRAManager
 from tidal.engine.model_loading import load_for_runner, pick_model_dtype
 from tidal.engine.speculator import Speculator, accepted_run
 from tidal.engine.step_inputs import StepInputs
@@ -69,7 +70,8 @@ class ModelRunner:
 
     def __init__(self, folder: str | Path, config: ModelConfig, block_size: int,
                  scheduler: SchedulerConfig | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 lora: LoRAConfig | None = None) -> None:
         sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
         self.device = pick_device(config.device)
         self.on_gpu = self.device.startswith("cuda")
@@ -88,6 +90,9 @@ class ModelRunner:
                                           paged_prefill_kernel() if self.on_gpu else None)
         self.model, self.decoder = load_for_runner(folder, self.arch, config, self.device,
                                                    self.dtype, quantization, backend, ext)
+        self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
+            lora, sched.max_loras, self.arch, self.model, self.dtype, self.device, ext,
+            self.decoder)
         method = speculative.speculative_method if speculative is not None else None
         self.max_guesses = sched.num_speculative_tokens if method else 0
         self.draft: DraftModel | None = None
@@ -256,9 +261,12 @@ class ModelRunner:
             if constrained else None
         parts, sample_ids = [], []
         passes = self.batches.passes(out.scheduled)
+        adapters = self._adapter_slots(out.scheduled) if self.lora is not None else {}
         for entries in passes:  # a graph's logits live until its next replay: one pass only
-            batch = self.batches.build(entries, self.seqs,
-                                       self.graphs if len(passes) == 1 else None, guesses)
+            batch = self.batches.build(entries, self.seqs, self.graphs if len(passes) == 1
+                                       and not adapters else None, guesses)
+            if adapters:
+                self._set_adapter_rows(batch, adapters)
             logits, hidden = self._forward(batch)
             parts.append(logits)
             sample_ids += batch.sample_ids
@@ -326,6 +334,24 @@ class ModelRunner:
             guesses = {rid: self.matchers.cut(rid, g) for rid, g in guesses.items()}
         return guesses
 
+    def _adapter_slots(self, scheduled: list) -> dict[str, int]:
+        """Each of the step's requests that has an adapter -> the slot holding it."""
+        names = {s.request_id: self.seqs[s.request_id].params.lora for s in scheduled}
+        names = {rid: name for rid, name in names.items() if name is not None}
+        if not names:
+            return {}
+        slots = self.lora.prepare(names.values())
+        return {rid: slots[name] for rid, name in names.items()}
+
+    def _set_adapter_rows(self, batch: StepBatch, adapters: dict[str, int]) -> None:
+        """The pass's rows of each adapter, for the LoRA projections (or the C++ decoder)."""
+        row_slots = [-1] * len(batch.ids)
+        for rid, start, count in batch.spans:
+            slot = adapters.get(rid)
+            if slot is not None:
+                row_slots[start:start + count] = [slot] * count
+        self.lora.pool.batch.set(row_slots, self.lora.pool.num_slots, self.device)
+
     def _gather_prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor | None) -> None:
         """Each chunk's prompt logprobs, appended to its request's: row p of a chunk gives
         position p + 1's entry (the next chunk's first token is known: it is the prompt)."""
@@ -370,8 +396,13 @@ class ModelRunner:
             return self.graphs.run(batch.input_ids, batch.positions, meta.slot_mapping,
                                    meta.decode_block_tables,
                                    meta.decode_lens)[:len(batch.logits_rows)], None
-        out = forward(self.model, self.decoder, batch, self.kv_caches, self._k_caches,
-                      self._v_caches, self.block_size)
+        lora = self.lora.pool.batch if self.lora is not None else None
+        try:
+            out = forward(self.model, self.decoder, batch, self.kv_caches, self._k_caches,
+                          self._v_caches, self.block_size, lora=lora)
+        finally:
+            if lora is not None:
+                lora.clear()  # the next pass (or the draft's) sets its own rows
         return out if batch.hidden_indices is not None else (out, None)
 
     def _rows(self, sample_ids: list[str], guesses: dict[str, list[int]]) -> list[SampleRow]:

@@ -74,7 +74,17 @@ struct Layer {
   Tensor norm1, norm2;
   Linear qkv, o, gate_up, down;
   int64_t window;  // sliding window (0: full attention)
+  std::vector<Tensor> lora;  // LoRA slots: shrink and expand panels of qkv, o, gate_up, down
 };
+
+// y[rows] += the rows' adapter deltas: x's rows (sorted by slot, `ends` cumulative) through
+// their slot's shrink then expand panels, as tidal/model/lora_slots.py computes them.
+void add_lora(const Tensor& x, Tensor& y, const Tensor& shrink, const Tensor& expand,
+              const Tensor& rows, const Tensor& ends) {
+  const Tensor u = grouped_linear(x.index_select(0, rows).to(at::kFloat), ends, shrink);
+  const Tensor d = grouped_linear(u, ends, expand).narrow(1, 0, y.size(1));
+  y.index_add_(0, rows, d.to(y.scalar_type()));
+}
 
 class Decoder {
  public:
@@ -99,27 +109,40 @@ class Decoder {
 
   void add_layer(Tensor norm1, Tensor norm2, Linear qkv, Linear o, Linear gate_up, Linear down,
                  int64_t window) {
-    layers_.push_back({norm1, norm2, qkv, o, gate_up, down, window});
+    layers_.push_back({norm1, norm2, qkv, o, gate_up, down, window, {}});
+  }
+
+  // Layer `layer`'s LoRA slot weights (shared with Python, which writes adapters into them).
+  void set_lora(int64_t layer, std::vector<Tensor> weights) {
+    TORCH_CHECK(weights.size() == 8, "LoRA weights: shrink and expand of four projections");
+    layers_.at(layer).lora = std::move(weights);
   }
 
   // One decode-only step: logits (float32) of `logits_rows` among the B one-token rows.
+  // `lora_rows`, `lora_ends`: the rows that carry an adapter, sorted by slot, and each
+  // slot's cumulative row count (undefined: none does).
   Tensor forward(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
                  const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
-                 Tensor logits_rows, double scale, int64_t block_size) {
+                 Tensor logits_rows, double scale, int64_t block_size, Tensor lora_rows,
+                 Tensor lora_ends) {
     if (final_norm_.scalar_type() == at::kFloat)
       return step<float>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
-                         scale, block_size);
+                         scale, block_size, lora_rows, lora_ends);
     return step<BFloat16>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
-                          scale, block_size);
+                          scale, block_size, lora_rows, lora_ends);
   }
 
  private:
   template <typename T>
   Tensor step(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
               const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
-              Tensor logits_rows, double scale, int64_t block_size) {
+              Tensor logits_rows, double scale, int64_t block_size, Tensor lora_rows,
+              Tensor lora_ends) {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
+    const bool lora = lora_rows.defined();
+    TORCH_CHECK(!lora || (lora_ends.defined() && !layers_.empty() && !layers_[0].lora.empty()),
+                "LoRA rows given to a decoder without LoRA slots");
     ids = ids.to(at::kLong).contiguous();
     positions = positions.to(at::kLong).contiguous();
     slots = slots.to(at::kLong).contiguous();
@@ -151,6 +174,7 @@ class Decoder {
       add_rms_norm<T>(h.data_ptr<T>(), y.defined() ? y.data_ptr<T>() : nullptr,
                       L.norm1.data_ptr<T>(), x.data_ptr<T>(), rows, hid, eps_);
       Tensor qkv = L.qkv(x).contiguous();
+      if (lora) add_lora(x, qkv, L.lora[0], L.lora[1], lora_rows, lora_ends);
       T* qp = qkv.data_ptr<T>();
       rope<T>(qp, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, heads_ + hkv_,
               d_, cos_.size(1));
@@ -163,13 +187,16 @@ class Decoder {
                          rows, heads_, hkv_, d_, block_size, static_cast<float>(scale),
                          L.window, attn.data_ptr<T>());
       y = L.o(attn).contiguous();
+      if (lora) add_lora(attn, y, L.lora[2], L.lora[3], lora_rows, lora_ends);
       add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), L.norm2.data_ptr<T>(), x.data_ptr<T>(),
                       rows, hid, eps_);
       Tensor gate_up = L.gate_up(x).contiguous();
+      if (lora) add_lora(x, gate_up, L.lora[4], L.lora[5], lora_rows, lora_ends);
       // ATen's vectorised SiLU: its exp rounds as the PyTorch path's does.
       at::mul_out(act, at::silu(gate_up.narrow(1, 0, inter_)),
                   gate_up.narrow(1, inter_, inter_));
       y = L.down(act).contiguous();
+      if (lora) add_lora(act, y, L.lora[6], L.lora[7], lora_rows, lora_ends);
     }
     // The final norm of h + the last MLP output; the LM head only for the rows that sample.
     add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), final_norm_.data_ptr<T>(), x.data_ptr<T>(),
@@ -243,7 +270,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             lm_head, cos, sin, heads, kv_heads, head_dim, intermediate, eps);
            }))
       .def("add_layer", &Decoder::add_layer)
-      .def("forward", &Decoder::forward, py::call_guard<py::gil_scoped_release>());
+      .def("set_lora", &Decoder::set_lora)
+      .def("forward", [](Decoder& d, Tensor ids, Tensor positions, Tensor slots, Tensor tables,
+                         Tensor lens, const std::vector<Tensor>& k_caches,
+                         const std::vector<Tensor>& v_caches, Tensor logits_rows, double scale,
+                         int64_t block_size, c10::optional<Tensor> lora_rows,
+                         c10::optional<Tensor> lora_ends) {
+             return d.forward(ids, positions, slots, tables, lens, k_caches, v_caches,
+                              logits_rows, scale, block_size, lora_rows.value_or(Tensor()),
+                              lora_ends.value_or(Tensor()));
+           }, py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("tables"),
+           py::arg("lens"), py::arg("k_caches"), py::arg("v_caches"), py::arg("logits_rows"),
+           py::arg("scale"), py::arg("block_size"), py::arg("lora_rows") = py::none(),
+           py::arg("lora_ends") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
         py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());

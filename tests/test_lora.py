@@ -1,0 +1,151 @@
+"""Multi-LoRA against PEFT: greedy tokens equal each adapter's merged model
+(`merge_and_unload`), with three adapters of different ranks and targets mixed in one batch
+with base-model requests, chunked prefill and prefix hits, on the C++ decoder and on the
+PyTorch path; loading refuses what tidal cannot serve, by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tidal import LLM, SamplingParams
+from tidal.model.lora import LoRAError
+
+from model_fixtures import hf_greedy, small_folder
+
+MAX_TOKENS = 8
+PROMPTS = [[5, 9, 33, 2 + i, 17, 101, 64, 12, 7, 200, 3 + i, 88, 41][:6 + i] for i in range(6)]
+# (name, rank, alpha, targets, rsLoRA)
+ADAPTERS = [
+    ("qv4", 4, 8, ["q_proj", "v_proj"], False),
+    ("all8", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj"], True),
+    ("mlp16", 16, 8, ["o_proj", "gate_proj", "up_proj", "down_proj"], False),
+]
+
+
+def make_adapter(base_folder, out, rank, alpha, targets, rslora, seed):
+    """A PEFT adapter of random A and B (B is zero at PEFT's default init: no delta)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base_folder), dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                     init_lora_weights=False)
+    peft = get_peft_model(model, cfg)
+    with torch.no_grad():  # deltas large enough that each adapter changes the tokens
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.mul_(3.0)
+    peft.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The base model, three adapters, and each one's merged-model greedy tokens."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tmp = tmp_path_factory.mktemp("lora")
+    base = small_folder(tmp, "base", "llama", tie_word_embeddings=False)
+    folders, refs = {}, {}
+    for i, (name, rank, alpha, targets, rs) in enumerate(ADAPTERS):
+        folders[name] = make_adapter(base, tmp / name, rank, alpha, targets, rs, seed=i + 1)
+    for name in [None] + list(folders):
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, str(folders[name])).merge_and_unload()
+        model.eval()
+        refs[name] = [hf_greedy(model, p, MAX_TOKENS, None) for p in PROMPTS]
+    assert len({str(r) for r in refs.values()}) == len(refs), "an adapter changes nothing"
+    return base, folders, refs
+
+
+def run(llm, jobs):
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora=name)
+              for name, _ in jobs]
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for _, i in jobs], params,
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("cpu_decoder", [True, False])
+def test_adapters_mixed_in_one_batch_equal_their_merged_models(setup, cpu_decoder):
+    base, folders, refs = setup
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=96, block_size=4,
+              chunked_prefill_size=8, max_input_tokens_per_step=24, max_loras=3,
+              lora_modules=[f"{n}={p}" for n, p in folders.items()],
+              cpu_decoder=cpu_decoder)
+    assert (llm.engine.runner.decoder is not None) == cpu_decoder
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in [None, *folders]]
+    assert run(llm, jobs) == [refs[name][i] for name, i in jobs]
+    # again, reversed: prompts now hit the cache, each under its own adapter's blocks
+    hits = llm.engine.scheduler.prefix_hit_tokens
+    assert run(llm, jobs[::-1]) == [refs[name][i] for name, i in jobs[::-1]]
+    assert llm.engine.scheduler.prefix_hit_tokens > hits
+
+
+def test_two_slots_for_three_adapters_and_a_small_cpu_cache(setup):
+    """Fewer slots than adapters: the scheduler holds two adapters at a time and the runner
+    swaps slots (and reloads from disk, with one adapter cached) without mixing them up."""
+    base, folders, refs = setup
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=96, block_size=4, max_loras=2,
+              max_cpu_loras=2, lora_modules=[f"{n}={p}" for n, p in folders.items()])
+    jobs = [(name, i) for name in [*folders, None] for i in range(len(PROMPTS))]
+    assert run(llm, jobs) == [refs[name][i] for name, i in jobs]
+    assert len(llm.engine.runner.lora.loaded) <= 2
+
+
+def test_an_unknown_adapter_is_refused_by_name(setup):
+    base, folders, _ = setup
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=32,
+              lora_modules=[f"qv4={folders['qv4']}"])
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
+        run(llm, [("nope", 0)])
+    plain = LLM(str(base), dtype="float32", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        run(plain, [("qv4", 0)])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def edit_config(folder, tmp, **changes):
+    import shutil
+    out = tmp / f"edited{len(list(tmp.iterdir()))}"
+    shutil.copytree(folder, out)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(use_dora=True), "DoRA"),
+    (dict(target_modules=["q_proj", "lm_head"]), "the LM head"),
+    (dict(target_modules=["embed_tokens"]), "the embeddings"),
+    (dict(bias="all"), "biases"),
+    (dict(modules_to_save=["lm_head"]), "modules saved whole"),
+    (dict(peft_type="PREFIX_TUNING"), "not LORA"),
+])
+def test_adapters_tidal_cannot_serve_are_refused_by_name(setup, tmp_path, changes, message):
+    base, folders, _ = setup
+    bad = edit_config(folders["all8"], tmp_path, **changes)
+    with pytest.raises(LoRAError, match=message):
+        LLM(str(base), dtype="float32", num_kv_blocks=16, lora_modules=[f"bad={bad}"])
+
+
+def test_a_rank_over_the_limit_a_missing_folder_and_another_models_adapter(setup, tmp_path):
+    base, folders, _ = setup
+    with pytest.raises(LoRAError, match="rank 16 .* over max_lora_rank=8"):
+        LLM(str(base), dtype="float32", num_kv_blocks=16, max_lora_rank=8,
+            lora_modules=[f"big={folders['mlp16']}"])
+    with pytest.raises(LoRAError, match="'gone'.* is not a folder"):
+        LLM(str(base), dtype="float32", num_kv_blocks=16,
+            lora_modules=[f"gone={tmp_path / 'nothing'}"])
+    wider = small_folder(tmp_path, "wider", "llama", hidden_size=96)
+    other = make_adapter(wider, tmp_path / "other", 4, 8, ["q_proj"], False, seed=9)
+    with pytest.raises(LoRAError, match="do not fit the model"):
+        LLM(str(base), dtype="float32", num_kv_blocks=16, lora_modules=[f"other={other}"])

@@ -1,0 +1,91 @@
+"""The runner's adapters: which exist (name -> PEFT folder), which are loaded in memory (a
+least-recently-used cache of `max_cpu_loras`), and which sit in the `max_loras` slots a
+step computes with. The scheduler guarantees a step uses at most `max_loras` adapters, so
+`prepare` always finds each a slot."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Iterable
+
+from tidal.engine.config import LoRAConfig
+from tidal.model.lora import LoRAAdapter, LoRAError, load_adapter
+from tidal.model.lora_slots import SlotPool
+
+log = logging.getLogger("tidal.engine")
+
+
+class LoRAManager:
+    """Adapters by name for one model runner."""
+
+    def __init__(self, config: LoRAConfig, max_loras: int, arch, model, dtype, device,
+                 ext=None, decoder=None) -> None:
+        self.arch, self.max_rank = arch, config.max_lora_rank
+        modules = config.modules
+        self.capacity = config.max_cpu_loras or max(max_loras, len(modules))
+        self.pool = SlotPool(model, arch, max_loras, config.max_lora_rank, dtype, device, ext,
+                             decoder)
+        self.paths: dict[str, str] = {}  # every adapter requests may name
+        self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU, the newest last
+        for name, path in modules.items():
+            self.register(name, path)
+
+    def register(self, name: str, path: str) -> LoRAAdapter:
+        """Load and check the adapter in `path` under `name` (LoRAError if it does not fit
+        this model, or `name` is taken)."""
+        if name in self.paths:
+            raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path, self.arch, self.max_rank)
+        self.paths[name] = adapter.path
+        self._keep(adapter, ())
+        log.info("LoRA adapter %r loaded from %s (rank %d, %.1f MiB)", name, adapter.path,
+                 adapter.rank, adapter.nbytes / 2**20)
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        """Forget `name`: new requests may not use it. Requests already running keep their
+        slot's weights (a retracted one that needs them again fails)."""
+        if name not in self.paths:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+        del self.paths[name]
+        self.loaded.pop(name, None)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.paths)
+
+    def prepare(self, names: Iterable[str]) -> dict[str, int]:
+        """Each adapter of a step -> its slot, writing those not resident into slots whose
+        adapters the step does not use."""
+        wanted = set(names)
+        slots = {n: i for i, n in enumerate(self.pool.names) if n in wanted}
+        free = [i for i, n in enumerate(self.pool.names) if n not in wanted]
+        for name in sorted(wanted - set(slots)):
+            if not free:
+                raise RuntimeError(f"more adapters in one step than the {self.pool.num_slots} "
+                                   "LoRA slots (the scheduler's max_loras bounds them)")
+            slots[name] = free.pop(0)
+            self.pool.write(slots[name], self._adapter(name, wanted))
+        return slots
+
+    def _adapter(self, name: str, in_use: Iterable[str]) -> LoRAAdapter:
+        adapter = self.loaded.get(name)
+        if adapter is not None:
+            self.loaded.move_to_end(name)
+            return adapter
+        if name not in self.paths:
+            raise LoRAError(f"LoRA adapter {name!r} was unloaded")
+        adapter = load_adapter(name, self.paths[name], self.arch, self.max_rank)
+        self._keep(adapter, in_use)
+        return adapter
+
+    def _keep(self, adapter: LoRAAdapter, in_use: Iterable[str]) -> None:
+        """Cache `adapter`, dropping the least recently used others over capacity."""
+        self.loaded[adapter.name] = adapter
+        keep = set(in_use) | {adapter.name}
+        for name in list(self.loaded):
+            if len(self.loaded) <= self.capacity:
+                break
+            if name not in keep:
+                del self.loaded[name]
