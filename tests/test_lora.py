@@ -149,3 +149,62 @@ def test_a_rank_over_the_limit_a_missing_folder_and_another_models_adapter(setup
     other = make_adapter(wider, tmp_path / "other", 4, 8, ["q_proj"], False, seed=9)
     with pytest.raises(LoRAError, match="do not fit the model"):
         LLM(str(base), dtype="float32", num_kv_blocks=16, lora_modules=[f"other={other}"])
+
+
+def test_served_adapters_over_http_with_the_openai_client(setup, tmp_path):
+    """`model` picks the adapter; /v1/models lists them with their parent; adapters load and
+    unload at run time behind the API key; bad names and folders are 4xx naming them."""
+    import httpx
+    import openai
+    from tokenizers import Tokenizer
+
+    from server_fixtures import Server, openai_client
+
+    base, folders, refs = setup
+    text = Tokenizer.from_file(str(base / "tokenizer.json")).decode
+    server = Server("--model", str(base), "--dtype", "float32", "--max-loras", "2",
+                    "--lora-modules", f"qv4={folders['qv4']}", f"all8={folders['all8']}",
+                    "--enable-lora-runtime-updates", "--api-key", "k")
+    try:
+        client = openai_client(server, "k")
+        auth = {"authorization": "Bearer k"}
+
+        def complete(model, i):
+            out = client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS,
+                                            temperature=0, extra_body={"ignore_eos": True})
+            return out.choices[0].text
+
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"base", "qv4", "all8"}  # the folder's name is the model's
+        assert cards["qv4"].parent == "base" and cards["qv4"].root == str(folders["qv4"])
+        for name in ("base", "qv4", "all8"):
+            ref = refs[None if name == "base" else name]
+            assert [complete(name, i) for i in range(3)] == [text(t) for t in ref[:3]]
+        with pytest.raises(openai.BadRequestError, match="'nope' does not exist"):
+            complete("nope", 0)
+
+        def post(path, **body):
+            return httpx.post(server.url + path, json=body, headers=auth, timeout=30)
+        assert httpx.post(server.url + "/v1/load_lora_adapter", timeout=30,
+                          json={"lora_name": "x", "lora_path": "y"}).status_code == 401
+        r = post("/v1/load_lora_adapter", lora_name="mlp16", lora_path=str(folders["mlp16"]))
+        assert r.status_code == 200 and "mlp16" in r.text
+        assert complete("mlp16", 1) == text(refs["mlp16"][1])
+        assert client.models.retrieve("mlp16").parent == "base"
+        r = post("/v1/load_lora_adapter", lora_name="mlp16", lora_path=str(folders["mlp16"]))
+        assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+        r = post("/v1/load_lora_adapter", lora_name="bad", lora_path=str(tmp_path))
+        assert r.status_code == 400 and "'bad'" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "lora_path"
+        assert post("/v1/unload_lora_adapter", lora_name="mlp16").status_code == 200
+        with pytest.raises(openai.BadRequestError, match="'mlp16' does not exist"):
+            complete("mlp16", 1)
+        r = post("/v1/unload_lora_adapter", lora_name="mlp16")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert complete("all8", 2) == text(refs["all8"][2])  # the others still serve
+        metrics = httpx.get(server.url + "/metrics", headers=auth).text
+        assert 'tidal:lora_requests_total{lora_name="qv4"' in metrics
+        assert "tidal:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
+    finally:
+        log = server.stop()
+    assert "Traceback" not in log, log

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import chain
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from tidal.core.request import RequestStatus
@@ -43,6 +43,8 @@ class SchedulerStats:
     spec_drafts: int = 0  # verifications of at least one guess, since start
     spec_draft_tokens: int = 0  # guesses verified
     spec_accepted_tokens: int = 0  # guesses accepted
+    running_loras: list[str] = field(default_factory=list)  # adapters of requests holding blocks
+    waiting_loras: list[str] = field(default_factory=list)  # adapters of waiting requests
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -77,6 +79,8 @@ def collect_stats(s: "Scheduler") -> SchedulerStats:
         spec_drafts=s.spec.verifications,
         spec_draft_tokens=s.spec.drafted_tokens,
         spec_accepted_tokens=s.spec.accepted_tokens,
+        running_loras=sorted(s.loras.adapters_of(chain(s.running, s.transferring.values()))),
+        waiting_loras=sorted(s.loras.adapters_of(chain(s.waiting, s.preempted.values()))),
     )
 
 

@@ -30,11 +30,11 @@ class AdapterSlots:
         if request.lora is not None:
             self.seen = True
 
-    def resident(self, holders: Iterable[Request]) -> set[str]:
-        """The adapters of the requests holding blocks: the slots in use."""
+    def adapters_of(self, requests: Iterable[Request]) -> set[str]:
+        """The adapters these requests use (those holding blocks: the slots in use)."""
         if not self.seen:
             return set()
-        return {r.lora for r in holders if r.lora is not None}
+        return {r.lora for r in requests if r.lora is not None}
 
     def claim(self, held: set[str], request: Request) -> bool:
         """Whether admitting `request` keeps the step within max_loras adapters; if so its

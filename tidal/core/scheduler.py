@@ -259,7 +259,7 @@ class Scheduler:
                 return
         if not self.waiting:
             return
-        plan.adapters = self.loras.resident(chain(self.running, self.transferring.values()))
+        plan.adapters = self.loras.adapters_of(chain(self.running, self.transferring.values()))
         admitted = []
         for r in self.policy.order(self.waiting, self.step, self._prefix_tokens):
             result = self._admit(plan, r)

@@ -19,6 +19,7 @@ from tidal.core import (POLICIES, KVCacheManager, LearnedStepTime, ModelOutput, 
 from tidal.core.snapshot import StepHistory
 from tidal.engine.config import EngineConfig
 from tidal.engine.model_runner import ModelRunner
+from tidal.model.lora import LoRAError
 
 log = logging.getLogger("tidal.engine")
 
@@ -80,6 +81,22 @@ class EngineCore:
             request_id, prompt_token_ids, params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             eos_token_id=self.eos_token_id))
+
+    def set_adapters(self, adapters: dict[str, str]) -> None:
+        """Serve exactly these LoRA adapters (name -> folder): load the new ones, forget
+        those gone; one that fails to load is logged and left out."""
+        lora = self.runner.lora
+        if lora is None:
+            log.error("LoRA adapters sent to a core without LoRA enabled")
+            return
+        for name in [n for n, path in lora.paths.items() if adapters.get(n) != path]:
+            lora.unregister(name)
+        for name, path in adapters.items():
+            if name not in lora.paths:
+                try:
+                    lora.register(name, path)
+                except LoRAError as e:
+                    log.error("%s", e)
 
     def abort(self, request_id: str) -> None:
         """End a request and its n>1 siblings, from any state; their blocks return now."""

@@ -39,9 +39,12 @@ def _add_flags(group, rows: list[tuple[str, Any, str]], type_of) -> None:
             group.add_argument(flag, dest=name, nargs="+", default=argparse.SUPPRESS,
                                help=f"{help_text} (default: none)")
             continue
-        if isinstance(default, bool):
-            kind = _parse_bool
-        elif isinstance(default, (int, float)):
+        if isinstance(default, bool):  # `--flag` alone means true, as vLLM's switches
+            group.add_argument(flag, dest=name, type=_parse_bool, nargs="?", const=True,
+                               default=argparse.SUPPRESS,
+                               help=f"{help_text} (default: {default})")
+            continue
+        if isinstance(default, (int, float)):
             kind = type(default)
         else:  # None: the annotation says (int for `int | None`)
             kind = type_of(name)

@@ -44,12 +44,13 @@ class LoRAManager:
         return adapter
 
     def unregister(self, name: str) -> None:
-        """Forget `name`: new requests may not use it. Requests already running keep their
-        slot's weights (a retracted one that needs them again fails)."""
+        """Forget `name`: new requests may not use it (the server unloads no adapter that
+        requests still use)."""
         if name not in self.paths:
             raise LoRAError(f"LoRA adapter {name!r} is not loaded")
         del self.paths[name]
         self.loaded.pop(name, None)
+        self.pool.names = [None if n == name else n for n in self.pool.names]  # rewrite on reuse
 
     @property
     def names(self) -> list[str]:

@@ -33,6 +33,13 @@ class Finish(msgspec.Struct, tag=True):
     seq_id: str
 
 
+class Adapters(msgspec.Struct, tag=True):
+    """Serve exactly these LoRA adapters (name -> PEFT folder): load the new, forget the
+    rest (the frontend checked them; it unloads none still in use)."""
+
+    adapters: dict[str, str]
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Finish running requests for up to `drain_timeout` seconds, then exit."""
 
@@ -99,7 +106,7 @@ class Failed(msgspec.Struct, tag=True):
     incarnation: int = 0
 
 
-ToCore = Add | Abort | Finish | Shutdown | Watch
+ToCore = Add | Abort | Finish | Shutdown | Watch | Adapters
 class Heartbeat(msgspec.Struct, tag=True):
     """Twice a second from a thread of the core's process, even mid-step: it is not hung."""
 

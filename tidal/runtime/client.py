@@ -55,6 +55,7 @@ class CoreClient:
         self.dead: str | None = None  # why, once every core is gone for good
         self.on_stats: Callable[[m.Stats], None] | None = None  # e.g. the dashboard
         self._watching = m.Watch(0)  # what the cores were last told of open dashboards
+        self.adapters = dict(config.lora.modules)  # the LoRA adapters the cores serve
         self.dispatcher: Dispatcher | None = None
         backend, gpu = config.parallel.dp_backend, config.model.device == "cuda"
         self._new_handle = lambda i: core_handle(backend, i, gpu)
@@ -213,6 +214,12 @@ class CoreClient:
         for core in range(self.num_cores):
             self.sockets.send(core, msg)
 
+    def set_adapters(self, adapters: dict[str, str]) -> None:
+        """Tell every core (and cores restarted later) which LoRA adapters to serve."""
+        self.adapters = adapters
+        for core in range(self.num_cores):
+            self.sockets.send(core, m.Adapters(adapters))
+
     def _send_routed(self, core: int, msg: m.Add | m.Abort) -> bool:
         """The dispatcher thread's send; False where the core is gone (the dispatcher
         routes the request to another)."""
@@ -259,6 +266,8 @@ class CoreClient:
         self.ready = ready
         if self._watching.viewers:
             self.sockets.send(core, self._watching)
+        if self.adapters != dict(self.config.lora.modules):  # it started with those
+            self.sockets.send(core, m.Adapters(self.adapters))
         if self.dispatcher is not None:
             self.dispatcher.core_rejoined(core)
 

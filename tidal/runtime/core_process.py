@@ -215,6 +215,8 @@ class _CoreLoop:
                 self.deadline = time.monotonic() + msg.drain_timeout
             elif isinstance(msg, m.Watch):
                 self.viewers = msg.viewers
+            elif isinstance(msg, m.Adapters):
+                core.set_adapters(msg.adapters)
 
     def _add(self, msg: m.Add) -> None:
         if msg.params.structured is not None:  # admitted once compiled (_admit_compiled)

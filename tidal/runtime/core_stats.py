@@ -30,8 +30,11 @@ class CoreStatsBoard:
 
 def merge_stats(stats: list[m.Stats]) -> m.Stats:
     """Data-parallel cores' stats as one engine's: counts summed, shares recomputed."""
+    lists = ("running_loras", "waiting_loras")  # adapter names: their union
     total = {f.name: sum(getattr(s.scheduler, f.name) for s in stats)
-             for f in fields(SchedulerStats)}
+             for f in fields(SchedulerStats) if f.name not in lists}
+    for name in lists:
+        total[name] = sorted({a for s in stats for a in getattr(s.scheduler, name)})
     total["kv_usage"] = total["used_blocks"] / max(1, total["num_blocks"])
     total["prefix_hit_rate"] = total["prefix_hit_tokens"] / max(1, total["prefix_query_tokens"])
     total["new_token_ratio"] /= len(stats)

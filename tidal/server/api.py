@@ -15,7 +15,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Annotated, Any, AsyncGenerator, Awaitable
+from typing import Annotated, Any, AsyncGenerator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +30,8 @@ from tidal.server.config import ServerConfig
 from tidal.server.dashboard import DashboardHub
 from tidal.server.dashboard import routes as dashboard_routes
 from tidal.server.errors import authorized, install_docs, install_error_handlers
+from tidal.server.lora_routes import Adapters
+from tidal.server.lora_routes import routes as lora_routes
 from tidal.server.metrics import ServerMetrics
 from tidal.server.openapi import install_schema
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
@@ -58,17 +60,17 @@ class Frontend:
         self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
         self.reserved = 0  # sequences of requests being checked and sent (see _submit)
         self.responses = ResponseStore(config.response_store_bytes, config.response_ttl)
+        self.adapters = Adapters(client, config.served_model_name,
+                                 config.enable_lora_runtime_updates)
         parser = config.tool_call_parser
         if parser == "auto":  # the format the model's chat template speaks
             template = getattr(self.tokenizer, "chat_template", None)
             parser = parser_for_template(getattr(template, "source", None))
         self.tool_parser = AUTO_PARSERS[parser]
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.served_model_name:
-            raise APIError(f"the model {name!r} does not exist; this server serves "
-                           f"{self.config.served_model_name!r}", param="model",
-                           code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter `name` is (None: the base model); a 400 if it is neither."""
+        return self.adapters.resolve(name)
 
     def check_task(self, task: str) -> None:
         """A 400 for an endpoint of the task this server was not started for (--task)."""
@@ -168,6 +170,7 @@ class Frontend:
     async def _checked_submit(self, prompts: list[list[int]], body: GenerationRequest
                               ) -> Submission:
         client, config = self.client, self.config
+        adapter = self.adapters.resolve(body.model)
         params = []
         for ids in prompts:
             if not ids:
@@ -175,6 +178,7 @@ class Frontend:
             check_token_ids(ids, client.ready.vocab_size, body.prompt_field)
             params.append(body.to_sampling_params(config, len(ids), client.ready.max_model_len,
                                                   client.ready.vocab_size))
+            params[-1].lora = adapter
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             if getattr(body, name) is not None and \
                     not client.config.scheduler.policy_class.takes_latency_targets:
@@ -199,7 +203,13 @@ class Frontend:
         except EngineDeadError as exc:  # those already sent are aborted
             await Submission(client, self.metrics, rids[:sent], params[0].n).end()
             raise _unavailable(exc) from exc
-        return Submission(client, self.metrics, rids, params[0].n, queue)
+        sub = Submission(client, self.metrics, rids, params[0].n, queue)
+        if adapter is not None:  # in use until the answer ends
+            self.metrics.lora_request(adapter)
+            in_flight = self.adapters.in_flight
+            in_flight[adapter] += 1
+            sub.on_end = lambda: in_flight.subtract([adapter])
+        return sub
 
     async def _load_grammars(self) -> Grammars:
         """The tokenizer as llguidance sees it, built once (in a thread: ~0.3 s)."""
@@ -268,8 +278,12 @@ class Submission:
                  queue: asyncio.Queue | None = None) -> None:
         self.client, self.metrics, self.rids, self.n, self.queue = client, metrics, rids, n, queue
         self.left = len(rids) * n  # sequences not finished
+        self.on_end: Callable[[], None] | None = None
 
     async def end(self) -> None:
+        if self.on_end is not None:
+            self.on_end()
+            self.on_end = None
         if self.left:  # their unfinished sequences end as aborted
             self.metrics.finished("abort").inc(self.left)
         for rid in self.rids:
@@ -380,22 +394,26 @@ async def prometheus(f: FrontendDep):
 
 @routes.get("/v1/models")
 async def models(f: FrontendDep):
-    return {"object": "list", "data": [_model_card(f)]}
+    """The served model, then its LoRA adapters (each with the model as `parent`)."""
+    return {"object": "list", "data": _model_cards(f)}
 
 
 @routes.get("/v1/models/{model:path}")
 async def model(model: str, f: FrontendDep):
-    """OpenAI's retrieve: the served model, or a 404 naming any other."""
-    if model != f.config.served_model_name:
+    """OpenAI's retrieve: the served model or an adapter, or a 404 naming any other."""
+    cards = {card["id"]: card for card in _model_cards(f)}
+    if model not in cards:
         raise APIError(f"the model {model!r} does not exist; this server serves "
-                       f"{f.config.served_model_name!r}", 404, param="model",
+                       f"{', '.join(map(repr, cards))}", 404, param="model",
                        code="model_not_found")
-    return _model_card(f)
+    return cards[model]
 
 
-def _model_card(f: Frontend) -> dict:
-    return {"id": f.config.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "tidal", "max_model_len": f.client.ready.max_model_len}
+def _model_cards(f: Frontend) -> list[dict]:
+    created, length = int(time.time()), f.client.ready.max_model_len
+    return [{"id": f.config.served_model_name, "object": "model", "created": created,
+             "owned_by": "tidal", "root": str(f.client.folder), "parent": None,
+             "max_model_len": length}] + f.adapters.cards(created, length)
 
 
 @routes.post("/v1/completions")
@@ -464,6 +482,7 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     install_docs(app)
     app.include_router(routes)
     app.include_router(responses_routes)
+    app.include_router(lora_routes)
     app.include_router(dashboard_routes)
     install_schema(app, config.served_model_name, bool(config.key))
     return app

@@ -115,6 +115,9 @@ class ServerConfig(HttpConfig):
                                  "the chat template).")
     reasoning_parser: str | None = knob(None, "'think' (also 'qwen3', 'deepseek_r1'): <think> "
                                         "blocks of replies go to reasoning_content.")
+    enable_lora_runtime_updates: bool = knob(False, "Allow POST /v1/load_lora_adapter and "
+                                             "/v1/unload_lora_adapter (vLLM's), behind the "
+                                             "API key if there is one.")
     task: str = knob("auto", "What the server answers: 'auto' generation and embeddings, "
                      "'generate' generation only, 'embed' embeddings only (an embedding "
                      "model, whose generated text means nothing); the other endpoints "

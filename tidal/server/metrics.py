@@ -4,6 +4,7 @@ Stats message; latencies are observed per request here."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -70,6 +71,15 @@ class _CoreCollector:
         ]
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
+        lora = getattr(getattr(self.client, "config", None), "lora", None)
+        if lora is not None and lora.enable_lora:  # vLLM's: the value is the time of the info
+            info = self._family(GaugeMetricFamily, "tidal:lora_requests_info",
+                                "LoRA adapters of running and waiting requests.",
+                                labels=["max_lora", "running_lora_adapters",
+                                        "waiting_lora_adapters"])
+            info.add_metric([self.model, str(self.client.config.scheduler.max_loras),
+                             ",".join(s.running_loras), ",".join(s.waiting_loras)], time.time())
+            yield info
         dispatcher = getattr(self.client, "dispatcher", None)
         if dispatcher is not None:
             routed = self._family(CounterMetricFamily, "tidal:dp_requests_routed",
@@ -113,9 +123,15 @@ class ServerMetrics:
         self.e2e = histogram("tidal:e2e_request_latency_seconds", "Request latency.")
         self._finished = Counter("tidal:request_success", "Finished requests by reason.",
                                  ["model_name", "finished_reason"], registry=self.registry)
+        self._lora = Counter("tidal:lora_requests", "Requests by LoRA adapter.",
+                             ["model_name", "lora_name"], registry=self.registry)
         # (finish time, TTFT, mean time per output token or None) of recent requests
         self.recent: deque[tuple[float, float, float | None]] = deque(maxlen=2048)
 
     def finished(self, reason: str):
         """The finished-requests counter of one reason."""
         return self._finished.labels(self.model, reason)
+
+    def lora_request(self, adapter: str) -> None:
+        """Count one request of a LoRA adapter."""
+        self._lora.labels(self.model, adapter).inc()
