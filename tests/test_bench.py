@@ -240,3 +240,22 @@ def test_a_tidal_servers_speculation_counters_become_the_runs_acceptance():
     assert s["mean_accepted_length"] == pytest.approx(4.0)  # 60 accepted + 20 own tokens
     assert spec_summary(before, before) is None  # no verification in the run
     assert spec_summary(None, after) is None  # a peer engine: no counters
+
+
+def test_requests_spread_over_adapters_uniformly_or_by_zipf():
+    from collections import Counter
+
+    from tidal.bench.client import Target, payload
+    from tidal.bench.dataset import BenchRequest, assign_adapters
+
+    names = ["a", "b", "c", "d"]
+    requests = [BenchRequest([1, 2], 4) for _ in range(4000)]
+    assign_adapters(requests, names, "uniform", seed=1)
+    uniform = Counter(r.model for r in requests)
+    assert set(uniform) == set(names) and max(uniform.values()) < 1.15 * min(uniform.values())
+    assign_adapters(requests, names, "zipf", seed=1)
+    zipf = Counter(r.model for r in requests)
+    # weights 1, 1/2, 1/3, 1/4 of their sum 25/12: a ~48%, d ~12%
+    assert 0.44 < zipf["a"] / 4000 < 0.52 and 0.09 < zipf["d"] / 4000 < 0.15
+    assert payload(Target(model="base"), "hi", 4, requests[0].model)["model"] == requests[0].model
+    assert payload(Target(model="base"), "hi", 4)["model"] == "base"

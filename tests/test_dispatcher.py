@@ -249,3 +249,27 @@ def test_every_request_is_sent_once_dropped_by_its_abort_or_still_queued(ops, po
             before = [c for c, y in rec.sent[:rec.sent.index((core, x))]
                       if isinstance(y, Add) and y.request_id == x.request_id]
             assert before == [core]
+
+
+def lora_item(rid: str, n: int, lora: str | None) -> Add:
+    return Add(rid, list(range(100 * len(rid), 100 * len(rid) + n)),
+               SamplingParams(max_tokens=16, lora=lora), 0.0)
+
+
+def test_requests_of_an_adapter_go_where_it_is_held_until_that_core_is_far_busier():
+    d, rec = make(budget=200)
+    route(d, lora_item("a1", 40, "a"))
+    route(d, lora_item("b1", 40, "b"))  # least tokens: the other core
+    (core_a,), (core_b,) = ({c for c, x in rec.sent if x.params.lora == n} for n in "ab")
+    assert core_a != core_b
+    route(d, lora_item("a2", 40, "a"), lora_item("a3", 40, "a"))
+    assert {c for c, x in rec.sent if x.params.lora == "a"} == {core_a}  # not least-loaded
+    route(d, lora_item("base", 40, None))
+    assert rec.sent[-1][0] == core_b  # base-model requests route by load alone
+    for i in range(4, 12):  # once core_a carries a batch of tokens more, "a" spills over
+        route(d, lora_item(f"a{i}", 40, "a"))
+    assert core_b in {c for c, x in rec.sent if x.params.lora == "a"}
+    for rid in ("a1", "a2", "a3"):
+        d.done(rid)
+    assert d.adapters[core_a]["a"] == sum(1 for c, x in rec.sent if c == core_a
+                                          and x.params.lora == "a") - 3

@@ -36,8 +36,9 @@ class Target:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def payload(target: Target, prompt: str, output_len: int) -> dict:
-    body = {"model": target.model, "max_tokens": output_len, "temperature": target.temperature,
+def payload(target: Target, prompt: str, output_len: int, model: str | None = None) -> dict:
+    body = {"model": model or target.model, "max_tokens": output_len,
+            "temperature": target.temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     if target.chat:
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -65,7 +66,7 @@ async def send_one(http: httpx.AsyncClient, target: Target, prompt: str, req: Be
     last, chunks, text = sent, 0, []
     try:
         async with http.stream("POST", target.base_url + target.endpoint,
-                               json=payload(target, prompt, req.output_len),
+                               json=payload(target, prompt, req.output_len, req.model),
                                headers=target.headers()) as resp:
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:500]}"

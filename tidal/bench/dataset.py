@@ -14,6 +14,7 @@ import gzip
 import importlib.util
 import json
 import lzma
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ class BenchRequest:
     output_len: int
     arrival: float | None = None  # seconds from the start, for trace replays
     text: str | None = None  # the prompt as text, when the dataset has real text
+    model: str | None = None  # the model (a LoRA adapter) to send; None: the target's
 
     @property
     def prompt_len(self) -> int:
@@ -239,3 +241,14 @@ def load_dataset(spec: DatasetSpec, tokenizer=None) -> list[BenchRequest]:
     if spec.name not in loaders:
         raise ValueError(f"unknown dataset {spec.name!r}; choose from {', '.join(DATASETS)}")
     return loaders[spec.name](spec)
+
+
+def assign_adapters(requests: list[BenchRequest], names: list[str], distribution: str,
+                    seed: int) -> None:
+    """Give each request one of the LoRA adapters `names`: uniformly, or by Zipf's law
+    (the i-th name drawn with weight 1 / i), as the workload's seed draws."""
+    weights = ([1.0] * len(names) if distribution == "uniform"
+               else [1.0 / (i + 1) for i in range(len(names))])
+    rng = random.Random(seed)
+    for r, name in zip(requests, rng.choices(names, weights, k=len(requests))):
+        r.model = name

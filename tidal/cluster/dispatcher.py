@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from tidal.cluster.prefix_index import PrefixIndex, block_hashes
@@ -61,6 +61,8 @@ class Dispatcher:
         self.views = [CoreView(num_blocks, free_blocks=num_blocks)
                       for _ in range(router.num_cores)]
         self.prefixes = [PrefixIndex(block_size, num_blocks) for _ in range(router.num_cores)]
+        # LoRA adapters of the requests each core holds (sent, not done): where they are hot
+        self.adapters = [Counter() for _ in range(router.num_cores)]
         self.core_of: dict[str, int] = {}
         self.sent: dict[str, Add] = {}  # routed requests, kept to replay if their core dies
         self.batches = 0  # batches sent, for tests and logs
@@ -102,16 +104,21 @@ class Dispatcher:
                 if entry[1].request_id == request_id:
                     self._queue.remove(entry)
                     return
-            core = self.core_of.pop(request_id, None)
-            self.sent.pop(request_id, None)
+            core = self._forget(request_id)
             if core is not None and self.views[core].alive:
                 self.send(core, Abort(request_id))
 
     def done(self, request_id: str) -> None:
         """The request finished: forget where it went."""
         with self._cond:
-            self.core_of.pop(request_id, None)
-            self.sent.pop(request_id, None)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> int | None:
+        core = self.core_of.pop(request_id, None)
+        item = self.sent.pop(request_id, None)
+        if core is not None and item is not None and item.params.lora is not None:
+            self.adapters[core][item.params.lora] -= 1
+        return core
 
     @property
     def num_queued(self) -> int:
@@ -138,6 +145,7 @@ class Dispatcher:
         failed)."""
         with self._cond:
             self.views[core].alive = False
+            self.adapters[core].clear()
             held = [rid for rid, c in self.core_of.items() if c == core]
             lost, replay = [], []
             for rid in held:
@@ -189,7 +197,7 @@ class Dispatcher:
             if sent and tokens + n > self.max_batch_tokens:
                 break
             hashes = block_hashes(item.prompt_token_ids, self.block_size)
-            core = self._choose(hashes)
+            core = self._choose(hashes, item.params.lora)
             if core is None:  # every core is dead: the frontend fails what is queued
                 break
             v = self.views[core]
@@ -208,15 +216,27 @@ class Dispatcher:
             v.adds_sent += 1
             self.routed[core] += 1
             self.prefixes[core].insert(hashes)
+            if item.params.lora is not None:
+                self.adapters[core][item.params.lora] += 1
             tokens += n
             sent += 1
         self.batches += sent > 0
         return sent
 
-    def _choose(self, hashes: list[int]) -> int | None:
+    def _choose(self, hashes: list[int], lora: str | None = None) -> int | None:
+        """The router's pick; a request of a LoRA adapter goes among the cores already
+        holding requests of it (its slot is loaded there), unless those all carry more
+        than a batch of tokens over the least loaded core."""
         loads = [CoreLoad(v.load(), v.free(),
                           self.prefixes[i].match(hashes) if self.router.needs_prefix else 0,
                           v.prefill_load(), v.alive) for i, v in enumerate(self.views)]
         if not any(v.alive for v in self.views):
             return None
+        if lora is not None:
+            least = min(x.outstanding_tokens for x in loads if x.available)
+            near = {i for i, x in enumerate(loads) if x.available and self.adapters[i][lora] > 0
+                    and x.outstanding_tokens <= least + self.max_batch_tokens}
+            if near:
+                loads = [x if i in near else replace(x, available=False)
+                         for i, x in enumerate(loads)]
         return self.router.choose(loads)

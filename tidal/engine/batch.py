@@ -174,10 +174,11 @@ def forward(model, decoder, batch: "StepBatch", kv_caches: list, k_caches: list,
     meta = batch.meta
     if decoder is not None and not meta.prefills:
         rows = lora.rows if lora is not None else None
+        adapters = () if rows is None else (rows, lora.ends)  # the rows that carry one
         return decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
                                meta.decode_block_tables, meta.decode_lens, k_caches, v_caches,
                                batch.logits_indices, model.backend.scale, block_size,
-                               rows, None if rows is None else lora.ends)
+                               *adapters)
     return model(batch.input_ids, batch.positions, kv_caches, meta, batch.logits_indices,
                  batch.hidden_indices if hidden else None)
 
