@@ -2,10 +2,10 @@
 onto tidal's projections.
 
 tidal fuses q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj`, so an adapter's
-pieces are fused too: the A matrices of q, k and v stack into one [r_q + r_k + r_v, in]
-shrink, and their B matrices sit block-diagonally in one [out_q + out_k + out_v, r_q + r_k
-+ r_v] expand, so x A^T B^T is each piece's delta in its own columns. Phi-3's fused
-`qkv_proj` and `gate_up_proj` adapters are tidal's layout already. Each piece's scale
+pieces are kept per part of those projections: the slot pool (lora_slots.py) stacks the A
+matrices of q, k and v and sets their B matrices block-diagonally, so x A^T B^T is each
+piece's delta in its own columns. A Phi-3 adapter of the fused `qkv_proj` or `gate_up_proj`
+becomes one piece per part, each with the whole A and its part of B. Each piece's scale
 (lora_alpha / r, or / sqrt(r) with rsLoRA; r is the module's own, alpha is alpha_pattern's
 where it names the module) is folded into its B. What tidal cannot serve is refused by
 name: DoRA, adapters on the embeddings or the LM head, on routed experts, trained biases,
@@ -52,17 +52,20 @@ def projection_shapes(arch: ModelArch) -> dict[str, tuple[int, list[int]]]:
 
 @dataclass
 class LoRAAdapter:
-    """One adapter, fused: (layer, projection) -> (A [R, in], B [out, R] with the scales
-    folded in), float32 on CPU. `rank` is its largest piece's rank."""
+    """One adapter: (layer, projection) -> its pieces, (part of the fused projection, A
+    [r, in], B [part's out, r] with the scale folded in), float32 on CPU. `rank` is its
+    largest piece's rank."""
 
     name: str
     path: str
     rank: int
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    weights: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = field(
+        repr=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(a.nbytes + b.nbytes for pieces in self.weights.values()
+                   for _, a, b in pieces)
 
 
 def _pattern(patterns: dict, module: str, default):
@@ -164,18 +167,17 @@ def load_adapter(name: str, path: str | Path, arch: ModelArch, max_rank: int) ->
         # r is this module's rank (rank_pattern's, if it names the module)
         alpha = _pattern(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", r))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        offset = 0 if part is None else sum(outs[:part])
-        fused.setdefault((layer, proj), []).append((a, b * scale, offset))
+        b = b * scale
+        # a fused checkpoint's piece (Phi-3's qkv_proj) is one piece per part sharing its A
+        split = (list(enumerate(b.split(outs))) if part is None else [(part, b)])
+        held = fused.setdefault((layer, proj), {})
+        for p_index, pb in split:
+            if p_index in held:
+                raise LoRAError(f"LoRA adapter {name!r}: layer {layer} adapts {proj}'s part "
+                                f"{p_index} twice ({module})")
+            held[p_index] = (a.contiguous(), pb.contiguous())
     if not fused:
         raise LoRAError(f"LoRA adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
-    weights = {}
-    for (layer, proj), parts in fused.items():
-        out = sum(shapes[proj][1])
-        a = torch.cat([p[0] for p in parts])
-        b = torch.zeros(out, a.shape[0])
-        col = 0
-        for pa, pb, offset in parts:
-            b[offset:offset + pb.shape[0], col:col + pa.shape[0]] = pb
-            col += pa.shape[0]
-        weights[(layer, proj)] = (a.contiguous(), b)
+    weights = {key: [(p, a, b) for p, (a, b) in sorted(parts.items())]
+               for key, parts in fused.items()}
     return LoRAAdapter(name, str(folder), top, weights)

@@ -2,12 +2,13 @@
 delta in one step that mixes adapters and the base model.
 
 A step's rows that carry an adapter are sorted by slot (`LoRABatch`); each projection then
-computes its delta as two grouped products over those segments, shrink (x A^T, rank R) then
-expand (u B^T), as S-LoRA / Punica's segmented kernels do, and adds it to the base output
-at those rows. On CPU with tidal's extension the products are its grouped expert kernel
-(`grouped_linear`, the weights as 16-column panels), the same calls the C++ decoder makes,
-so both paths give the same bits; elsewhere a loop over the step's slots multiplies.
-The pool's weights are in the model's dtype, zero-padded to the largest rank.
+adds each row's delta, shrink (u = x A^T, rank R) then expand (u B^T), over those segments,
+as S-LoRA's and Punica's segmented kernels do. On CPU with tidal's extension both products
+are one call (`lora_add`, csrc/lora.cpp), the one the C++ decoder makes, so both paths give
+the same bits; elsewhere (no compiler, a GPU) a pair of matmuls per slot of the step.
+The pool's weights are in the model's dtype, each part of a fused projection (q, k, v;
+gate, up) in its own max_lora_rank ranks, zero past an adapter's rank: B is block-diagonal,
+and the kernel multiplies an output column by its part's ranks alone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from tidal.model.lora import PROJECTIONS, LoRAAdapter, projection_shapes
-from tidal.model.mlp import PANEL, _each_expert, pack_panels
+from tidal.model.mlp import _each_expert
 
 
 class LoRABatch:
@@ -49,60 +50,53 @@ class LoRABatch:
         self.rows = self.ends = None
 
 
-def _round16(n: int) -> int:
-    return -(-n // PANEL) * PANEL
-
-
 class SlotWeights:
-    """One projection's slots: shrink [S, in, R] and expand [S, R, out] as x @ W takes them
-    (16-column panels with the grouped kernel)."""
+    """One projection's slots: A [S, R, k] and B transposed, [S, R, n] (both contiguous
+    along what a product runs over), zero past each adapter's rank."""
 
-    def __init__(self, slots: int, k: int, rank: int, out: int, dtype, device, panels: bool):
-        self.k, self.rank, self.out = k, _round16(rank), out
-        self.out_padded = _round16(out) if panels else out
-        self.panels = panels
-        shapes = ([(slots, self.rank // PANEL, k, PANEL), (slots, self.out_padded // PANEL,
-                                                           self.rank, PANEL)] if panels
-                  else [(slots, k, self.rank), (slots, self.rank, out)])
-        self.shrink = torch.zeros(shapes[0], dtype=dtype, device=device)
-        self.expand = torch.zeros(shapes[1], dtype=dtype, device=device)
+    def __init__(self, slots: int, k: int, max_rank: int, outs: list[int], dtype,
+                 device) -> None:
+        self.max_rank, self.outs = max_rank, outs
+        rank = max_rank * len(outs)  # part p's ranks: [p max_rank, (p + 1) max_rank)
+        self.a = torch.zeros(slots, rank, k, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, rank, sum(outs), dtype=dtype, device=device)
+        # the fused parts' cumulative outputs: part p's columns use its ranks alone
+        self.bounds = torch.tensor(outs).cumsum(0)
 
-    def write(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        """Slot `slot` := this adapter's A [r, in] and B [out, r] (None: no delta)."""
-        shrink = torch.zeros(1, self.k, self.rank)
-        expand = torch.zeros(1, self.rank, self.out_padded)
-        if a is not None:
-            r = a.shape[0]
-            shrink[0, :, :r] = a.t()
-            expand[0, :r, :self.out] = b.t()
-        if self.panels:
-            shrink, expand = pack_panels(shrink), pack_panels(expand)
-        self.shrink[slot].copy_(shrink[0])
-        self.expand[slot].copy_(expand[0])
+    def write(self, slot: int, pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Slot `slot` := an adapter's pieces of this projection, (part, A [r, in], B [part's
+        out, r]) each (none: no delta)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for part, a, b in pieces:
+            r0, c0, r = part * self.max_rank, sum(self.outs[:part]), a.shape[0]
+            self.a[slot, r0:r0 + r].copy_(a)
+            self.b[slot, r0:r0 + r, c0:c0 + b.shape[0]].copy_(b.t())
 
-    def delta(self, x: torch.Tensor, batch: LoRABatch, grouped) -> torch.Tensor:
-        """The adapter rows' deltas, float32 [len(batch.rows), out]."""
+    def add(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch, kernel) -> torch.Tensor:
+        """y with the adapter rows' deltas added: `kernel` (the extension's lora_add, in
+        place) or a product per slot."""
+        if kernel is not None and x.is_contiguous() and y.is_contiguous():
+            kernel(x, y, self.a, self.b, batch.rows, batch.ends, self.bounds)
+            return y
         xs = x.index_select(0, batch.rows).float()
-        if grouped is not None:
-            u = grouped(xs, batch.ends, self.shrink)
-            return grouped(u, batch.ends, self.expand)[:, :self.out]
-        return _each_expert(xs, batch.ends, lambda part, s: (part @ self.shrink[s].float())
-                            @ self.expand[s].float())
+        d = _each_expert(xs, batch.ends, lambda part, s: (part @ self.a[s].t().float())
+                         @ self.b[s].float())
+        return y.index_add_(0, batch.rows, d.to(y.dtype))
 
 
 class LoRAProjection(nn.Module):
     """A projection plus its slots' deltas at the pass's adapter rows."""
 
-    def __init__(self, base: nn.Module, weights: SlotWeights, batch: LoRABatch, grouped):
+    def __init__(self, base: nn.Module, weights: SlotWeights, batch: LoRABatch, kernel):
         super().__init__()
-        self.base, self.weights, self.batch, self.grouped = base, weights, batch, grouped
+        self.base, self.weights, self.batch, self.kernel = base, weights, batch, kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if self.batch.rows is None:
             return y
-        d = self.weights.delta(x.reshape(-1, x.shape[-1]), self.batch, self.grouped)
-        return y.index_add_(0, self.batch.rows, d.to(y.dtype))
+        return self.weights.add(x, y, self.batch, self.kernel)
 
 
 class SlotPool:
@@ -113,9 +107,8 @@ class SlotPool:
                  ext=None, decoder=None) -> None:
         self.num_slots = num_slots
         self.batch = LoRABatch()
-        grouped = ext.grouped_linear if ext is not None else None
+        kernel = ext.lora_add if ext is not None else None
         shapes = projection_shapes(arch)
-        parts = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # pieces fused into each
         self.layers: list[dict[str, SlotWeights]] = []
         for i, layer in enumerate(model.layers):
             a, m = layer.self_attn, layer.mlp
@@ -124,25 +117,23 @@ class SlotPool:
             weights = {}
             for proj in PROJECTIONS:
                 k, outs = shapes[proj]
-                w = SlotWeights(num_slots, k, parts[proj] * max_rank, sum(outs), dtype, device,
-                                grouped is not None)
+                w = SlotWeights(num_slots, k, max_rank, outs, dtype, device)
                 owner, attr = owners[proj]
-                setattr(owner, attr, LoRAProjection(getattr(owner, attr), w, self.batch, grouped))
+                setattr(owner, attr, LoRAProjection(getattr(owner, attr), w, self.batch, kernel))
                 weights[proj] = w
             self.layers.append(weights)
             if decoder is not None:
                 decoder.set_lora(i, [t for p in PROJECTIONS
-                                     for t in (weights[p].shrink, weights[p].expand)])
+                                     for t in (weights[p].a, weights[p].b, weights[p].bounds)])
         self.names: list[str | None] = [None] * num_slots  # the adapter in each slot
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put `adapter` in `slot` (every projection it does not adapt gets no delta)."""
         for i, weights in enumerate(self.layers):
             for proj, w in weights.items():
-                a, b = adapter.weights.get((i, proj), (None, None))
-                w.write(slot, a, b)
+                w.write(slot, adapter.weights.get((i, proj), []))
         self.names[slot] = adapter.name
 
     @property
     def nbytes(self) -> int:
-        return sum(w.shrink.nbytes + w.expand.nbytes for ws in self.layers for w in ws.values())
+        return sum(w.a.nbytes + w.b.nbytes for ws in self.layers for w in ws.values())

@@ -74,17 +74,9 @@ struct Layer {
   Tensor norm1, norm2;
   Linear qkv, o, gate_up, down;
   int64_t window;  // sliding window (0: full attention)
-  std::vector<Tensor> lora;  // LoRA slots: shrink and expand panels of qkv, o, gate_up, down
+  std::vector<Tensor> lora;  // LoRA slots: A, B^T and part bounds of qkv, o, gate_up, down
 };
 
-// y[rows] += the rows' adapter deltas: x's rows (sorted by slot, `ends` cumulative) through
-// their slot's shrink then expand panels, as tidal/model/lora_slots.py computes them.
-void add_lora(const Tensor& x, Tensor& y, const Tensor& shrink, const Tensor& expand,
-              const Tensor& rows, const Tensor& ends) {
-  const Tensor u = grouped_linear(x.index_select(0, rows).to(at::kFloat), ends, shrink);
-  const Tensor d = grouped_linear(u, ends, expand).narrow(1, 0, y.size(1));
-  y.index_add_(0, rows, d.to(y.scalar_type()));
-}
 
 class Decoder {
  public:
@@ -114,7 +106,7 @@ class Decoder {
 
   // Layer `layer`'s LoRA slot weights (shared with Python, which writes adapters into them).
   void set_lora(int64_t layer, std::vector<Tensor> weights) {
-    TORCH_CHECK(weights.size() == 8, "LoRA weights: shrink and expand of four projections");
+    TORCH_CHECK(weights.size() == 12, "LoRA weights: A, B^T and bounds of four projections");
     layers_.at(layer).lora = std::move(weights);
   }
 
@@ -174,7 +166,7 @@ class Decoder {
       add_rms_norm<T>(h.data_ptr<T>(), y.defined() ? y.data_ptr<T>() : nullptr,
                       L.norm1.data_ptr<T>(), x.data_ptr<T>(), rows, hid, eps_);
       Tensor qkv = L.qkv(x).contiguous();
-      if (lora) add_lora(x, qkv, L.lora[0], L.lora[1], lora_rows, lora_ends);
+      if (lora) lora_add(x, qkv, L.lora[0], L.lora[1], lora_rows, lora_ends, L.lora[2]);
       T* qp = qkv.data_ptr<T>();
       rope<T>(qp, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, heads_ + hkv_,
               d_, cos_.size(1));
@@ -187,16 +179,16 @@ class Decoder {
                          rows, heads_, hkv_, d_, block_size, static_cast<float>(scale),
                          L.window, attn.data_ptr<T>());
       y = L.o(attn).contiguous();
-      if (lora) add_lora(attn, y, L.lora[2], L.lora[3], lora_rows, lora_ends);
+      if (lora) lora_add(attn, y, L.lora[3], L.lora[4], lora_rows, lora_ends, L.lora[5]);
       add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), L.norm2.data_ptr<T>(), x.data_ptr<T>(),
                       rows, hid, eps_);
       Tensor gate_up = L.gate_up(x).contiguous();
-      if (lora) add_lora(x, gate_up, L.lora[4], L.lora[5], lora_rows, lora_ends);
+      if (lora) lora_add(x, gate_up, L.lora[6], L.lora[7], lora_rows, lora_ends, L.lora[8]);
       // ATen's vectorised SiLU: its exp rounds as the PyTorch path's does.
       at::mul_out(act, at::silu(gate_up.narrow(1, 0, inter_)),
                   gate_up.narrow(1, inter_, inter_));
       y = L.down(act).contiguous();
-      if (lora) add_lora(act, y, L.lora[6], L.lora[7], lora_rows, lora_ends);
+      if (lora) lora_add(act, y, L.lora[9], L.lora[10], lora_rows, lora_ends, L.lora[11]);
     }
     // The final norm of h + the last MLP output; the LM head only for the rows that sample.
     add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), final_norm_.data_ptr<T>(), x.data_ptr<T>(),
@@ -286,6 +278,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
         py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("lora_add", &lora_add, py::arg("x"), py::arg("y"), py::arg("a"), py::arg("b"),
+        py::arg("rows"), py::arg("ends"), py::arg("bounds"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("grouped_linear", &grouped_linear, py::arg("xs"), py::arg("ends"), py::arg("w"),
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear", [](Tensor x, Tensor q4, Tensor scale_min, c10::optional<Tensor> bias) {

@@ -85,6 +85,15 @@ Tensor bucketed(const Tensor& x, Gemm&& gemm) {
 // [E] cumulative row counts, w [E, k, n].
 Tensor grouped_linear(const Tensor& xs, const Tensor& ends, const Tensor& w);
 
+// ---------------------------------------------------------------- LoRA (lora.cpp)
+
+// y[rows[i]] += (x[rows[i]] A_s^T) B_s^T, s the slot of row i (rows grouped by slot, `ends`
+// cumulative counts); x [rows, k], y [rows, n], A [S, R, k], B^T [S, R, n], one dtype.
+// `bounds`: the cumulative output counts of the P fused parts, part p using ranks
+// [p R/P, (p+1) R/P) alone.
+void lora_add(const Tensor& x, Tensor& y, const Tensor& a, const Tensor& b, const Tensor& rows,
+              const Tensor& ends, const Tensor& bounds);
+
 // ---------------------------------------------------------------- projections (linear.cpp)
 
 // y = x @ W^T (+ bias) for int4 W: [rows, k] -> [rows, n] in x's dtype. q4: [n, k/2] bytes,
