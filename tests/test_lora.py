@@ -208,3 +208,20 @@ def test_served_adapters_over_http_with_the_openai_client(setup, tmp_path):
     finally:
         log = server.stop()
     assert "Traceback" not in log, log
+
+
+def test_offline_lora_request_loads_an_adapter_on_first_use(setup):
+    """vLLM's offline form: LLM(enable_lora=True), generate(..., lora_request=LoRARequest)."""
+    from tidal import LoRARequest
+
+    base, folders, refs = setup
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    outs = llm.generate(prompts, params, use_tqdm=False,
+                        lora_request=LoRARequest("mlp16", 1, str(folders["mlp16"])))
+    assert [o.outputs[0].token_ids for o in outs] == refs["mlp16"][:2]
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=["mlp16", None])
+    assert [o.outputs[0].token_ids for o in outs] == [refs["mlp16"][0], refs[None][1]]
+    with pytest.raises(ValueError, match="2 LoRA requests for 1 prompts"):
+        llm.generate(prompts[:1], params, lora_request=["mlp16", None])

@@ -468,3 +468,18 @@ def test_modelled_speculation_cuts_steps_at_low_load_and_turns_off_at_high_load(
         runs[adaptive] = (s.run(many, [0.0] * 64), s.replicas[0].scheduler)
     assert runs[True][1].spec.drafted_tokens < 0.2 * runs[False][1].spec.drafted_tokens
     assert all(r.success and r.output_len == 16 for r in runs[True][0].results)
+
+
+def test_one_adapter_slot_serves_adapters_by_turns_and_the_base_model_alongside():
+    """Requests of adapters a, b, a and of the base model, all at once, one slot: the first
+    arrival starts a step alone; then the second a and the base request join it and b
+    waits until a's requests have drained. With two slots b joins at once."""
+    reqs = [BenchRequest(list(range(100 * i + 1, 100 * i + 101)), 4, model=m)
+            for i, m in enumerate(["a", "b", "a", None])]
+    a1, b, a2, base = sim(overhead_only(), max_loras=1).run(reqs, [0.0] * 4).results
+    assert all(r.success for r in (a1, b, a2, base))
+    assert a1.ttft == pytest.approx(1e-3)
+    assert a2.ttft == base.ttft == pytest.approx(2e-3)
+    assert b.ttft == pytest.approx(a2.latency + 1e-3)  # admitted once a's requests finished
+    both = sim(overhead_only(), max_loras=2).run(reqs, [0.0] * 4).results
+    assert both[1].ttft == pytest.approx(2e-3)

@@ -2,13 +2,13 @@
 
 from tidal.core import PromptLogprob, SamplingParams, TokenLogprob
 
-__all__ = ["LLM", "PromptLogprob", "SamplingParams", "TokenLogprob"]
+__all__ = ["LLM", "LoRARequest", "PromptLogprob", "SamplingParams", "TokenLogprob"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # The offline API pulls in torch: import it only when asked for.
-    if name == "LLM":
-        from tidal.engine.llm import LLM
-        return LLM
+    if name in ("LLM", "LoRARequest"):
+        from tidal.engine import llm
+        return getattr(llm, name)
     raise AttributeError(name)

@@ -10,7 +10,8 @@ from datetime import datetime
 from pathlib import Path
 
 from tidal.bench.arrivals import arrival_times
-from tidal.bench.dataset import DATASETS, BenchRequest, DatasetSpec, load_dataset
+from tidal.bench.dataset import (DATASETS, BenchRequest, DatasetSpec, assign_adapters,
+                                 load_dataset)
 
 
 DEFAULT_MAX_MODEL_LEN = 2048  # `tidal bench serve --max-model-len`: the workload's clip
@@ -42,6 +43,12 @@ def add_workload_flags(p: argparse.ArgumentParser,
                         "prompt exceeds --max-model-len, else 1)")
     g.add_argument("--time-scale", type=float, default=1.0,
                    help="traces: multiply arrival times (0.5 replays twice as fast)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server serves (vLLM bench's flag): each request "
+                        "names one of them as its model")
+    g.add_argument("--lora-distribution", choices=("uniform", "zipf"), default="uniform",
+                   help="how requests spread over --lora-modules (zipf: the i-th named "
+                        "with weight 1/i)")
     a = p.add_argument_group("arrivals and SLOs")
     a.add_argument("--request-rate", type=float, default=None,
                    help="requests/s (inf: all at once; default: the trace's timestamps, or "
@@ -83,6 +90,8 @@ def load_workload(args: argparse.Namespace, vocab_size: int, tokenizer=None,
     spec = dataset_spec(args, vocab_size, max_model_len)
     requests = load_dataset(spec, tokenizer)
     times = arrival_times(requests, args.request_rate, args.burstiness, args.seed)
+    if getattr(args, "lora_modules", None):
+        assign_adapters(requests, args.lora_modules, args.lora_distribution, args.seed)
     if spec.name in ("azure-conv", "mooncake") and spec.length_scale != 1.0:
         print(f"{spec.name}: token counts scaled by {spec.length_scale:g} and clipped to "
               f"--max-model-len {spec.max_model_len}")

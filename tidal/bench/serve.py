@@ -8,7 +8,7 @@ import asyncio
 import logging
 
 from tidal.bench.client import Target, run_workload
-from tidal.bench.dataset import BenchRequest, assign_adapters
+from tidal.bench.dataset import BenchRequest
 from tidal.bench.flags import add_workload_flags, load_workload, result_header, save_result
 from tidal.bench.metrics import RequestResult, format_report, parse_goodput, summarize
 from tidal.engine.flags import flag_errors
@@ -33,10 +33,6 @@ def add_bench_serve_parser(sub) -> None:
                    help="generate exactly the requested output lengths")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
-                   help="LoRA adapters the server serves: each request names one of them")
-    p.add_argument("--lora-distribution", choices=("uniform", "zipf"), default="uniform",
-                   help="how requests spread over --lora-modules")
     add_workload_flags(p)
     p.set_defaults(func=cmd_bench_serve)
 
@@ -105,8 +101,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> dict:
         slos = parse_goodput(args.goodput)
         tokenizer = Tokenizer(resolve_model(args.tokenizer, check=False)[0])
         requests, times, _ = load_workload(args, tokenizer.vocab_size, tokenizer)
-        if args.lora_modules:
-            assign_adapters(requests, args.lora_modules, args.lora_distribution, args.seed)
     target = Target(base_url=args.base_url or f"http://{args.host}:{args.port}",
                     endpoint=args.endpoint, model=args.model, api_key=args.api_key,
                     ignore_eos=args.ignore_eos, temperature=args.temperature)

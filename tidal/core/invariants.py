@@ -43,6 +43,7 @@ class SchedulerStats:
     spec_drafts: int = 0  # verifications of at least one guess, since start
     spec_draft_tokens: int = 0  # guesses verified
     spec_accepted_tokens: int = 0  # guesses accepted
+    max_loras: int = 0  # adapter slots (summed over data-parallel cores)
     running_loras: list[str] = field(default_factory=list)  # adapters of requests holding blocks
     waiting_loras: list[str] = field(default_factory=list)  # adapters of waiting requests
 
@@ -79,6 +80,7 @@ def collect_stats(s: "Scheduler") -> SchedulerStats:
         spec_drafts=s.spec.verifications,
         spec_draft_tokens=s.spec.drafted_tokens,
         spec_accepted_tokens=s.spec.accepted_tokens,
+        max_loras=s.config.max_loras,
         running_loras=sorted(s.loras.adapters_of(chain(s.running, s.transferring.values()))),
         waiting_loras=sorted(s.loras.adapters_of(chain(s.waiting, s.preempted.values()))),
     )

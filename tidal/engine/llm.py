@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -13,6 +14,20 @@ from tidal.engine.engine import Engine
 from tidal.engine.outputs import CompletionOutput, GenerationOutput
 
 Prompt = str | dict  # a string, or {"prompt_token_ids": [...]}
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter for `LLM.generate` and `LLM.chat`, as vLLM's: its name and PEFT
+    folder (loaded on first use; the name alone for one loaded already). The integer id is
+    vLLM's and unused: tidal goes by names."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
+Adapter = LoRARequest | str | None
 
 
 class LLM:
@@ -26,7 +41,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: Adapter | Sequence[Adapter] = None) -> list[GenerationOutput]:
+        """Each prompt's outputs; `lora_request`: the adapter serving them (or one per
+        prompt), with LoRA enabled (`enable_lora=True` or `lora_modules`)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         encoded = []
@@ -37,7 +55,7 @@ class LLM:
                 encoded.append((p.get("prompt"), list(p["prompt_token_ids"])))
             else:
                 raise TypeError("a prompt is a string or {'prompt_token_ids': [...]}")
-        return self._run(encoded, params, use_tqdm)
+        return self._run(encoded, params, use_tqdm, lora_request)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int = 0,
               use_tqdm: bool = False) -> list[list[float]]:
@@ -49,20 +67,38 @@ class LLM:
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[GenerationOutput]:
+             use_tqdm: bool = True,
+             lora_request: Adapter | Sequence[Adapter] = None) -> list[GenerationOutput]:
         """One or more message lists, each rendered with the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         encoded = [(None, self.engine.apply_chat_template(list(c))) for c in conversations]
-        return self._run(encoded, params, use_tqdm)
+        return self._run(encoded, params, use_tqdm, lora_request)
+
+    def _adapter(self, request: Adapter) -> str | None:
+        """The adapter's name, loading it from its folder if it is new."""
+        if request is None or isinstance(request, str):
+            return request
+        lora = self.engine.core.runner.lora
+        if lora is not None and request.lora_path and request.lora_name not in lora.paths:
+            lora.register(request.lora_name, request.lora_path)
+        return request.lora_name
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool) -> list[GenerationOutput]:
+             use_tqdm: bool, lora_request: Adapter | Sequence[Adapter] = None,
+             ) -> list[GenerationOutput]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(encoded)
         if len(params) != len(encoded):
             raise ValueError(f"{len(params)} SamplingParams for {len(encoded)} prompts")
+        if lora_request is not None:
+            adapters = ([lora_request] * len(encoded)
+                        if isinstance(lora_request, (str, LoRARequest)) else list(lora_request))
+            if len(adapters) != len(encoded):
+                raise ValueError(f"{len(adapters)} LoRA requests for {len(encoded)} prompts")
+            params = [p if a is None else replace(p, lora=self._adapter(a))
+                      for p, a in zip(params, adapters)]
         results: dict[str, GenerationOutput] = {}
         order = []
         try:

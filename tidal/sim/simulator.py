@@ -187,7 +187,8 @@ class Simulator:
 
     # ------------------------------------------------------------------ events
     def _arrive(self, index: int, req: BenchRequest, now: float) -> SimReplica:
-        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True,
+                                lora=req.model)  # a LoRA adapter (--lora-modules)
         request = Request(str(index), req.prompt_ids, params, arrival_time=now)
         target = self._route(self.router, self.decode, request)
         target.add(request)

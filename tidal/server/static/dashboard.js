@@ -52,6 +52,9 @@ function corePanel(index, label) {
     counts.append(el("span", {}, el("i", {class: `chip ${q}`}), `${q} `,
                      el("b", {class: `queue-${q}`}, "0")));
   }
+  // LoRA adapter slots: the adapters of running requests (in slots) and of waiting ones
+  counts.append(el("span", {class: "lora", hidden: ""}, "LoRA slots ", el("b", {class: "lora-running"}),
+                   " waiting ", el("b", {class: "lora-waiting"})));
   panel.append(counts);
   const blockRow = el("div", {class: "row"});
   const canvas = el("canvas", {class: "blocks", width: 512, height: 128});
@@ -125,6 +128,11 @@ function render(frame) {
   (window.tidalLast ??= {})[frame.core] = frame;  // what each panel shows, for tests
   const t = view.time - origin, s = frame.stats;
   for (const q of QUEUES) c.panel.querySelector(`.queue-${q}`).textContent = view.queues[q] ?? 0;
+  const lora = c.panel.querySelector(".lora"), running = s.running_loras ?? [];
+  lora.hidden = !running.length && !(s.waiting_loras ?? []).length;
+  lora.querySelector(".lora-running").textContent =
+    `${running.join(", ") || "none"} (${running.length} of ${s.max_loras})`;
+  lora.querySelector(".lora-waiting").textContent = (s.waiting_loras ?? []).join(", ") || "none";
   drawBlocks(c, view);
   drawRequests(c, view);
   if (c.last && t > c.last.t) {
