@@ -20,12 +20,12 @@ class LoRAManager:
     """Adapters by name for one model runner."""
 
     def __init__(self, config: LoRAConfig, max_loras: int, arch, model, dtype, device,
-                 ext=None, decoder=None) -> None:
+                 kernel=None, decoder=None) -> None:
         self.arch, self.max_rank = arch, config.max_lora_rank
         modules = config.modules
         self.capacity = config.max_cpu_loras or max(max_loras, len(modules))
-        self.pool = SlotPool(model, arch, max_loras, config.max_lora_rank, dtype, device, ext,
-                             decoder)
+        self.pool = SlotPool(model, arch, max_loras, config.max_lora_rank, dtype, device,
+                             kernel, decoder)
         self.paths: dict[str, str] = {}  # every adapter requests may name
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU, the newest last
         for name, path in modules.items():

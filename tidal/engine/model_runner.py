@@ -27,7 +27,8 @@ from tidal.engine.structured import Grammars, Matchers
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
 from tidal.model.config import ModelArch
-from tidal.model.kernels import fused_kernels, paged_decode_kernel, paged_prefill_kernel
+from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel,
+                                 paged_prefill_kernel)
 from tidal.model.pooling import Pooling
 from tidal.model.registry import resolve_model
 from tidal.model.sampler import (SampleRow, needs_penalty, on_device, sample,
@@ -91,8 +92,8 @@ class ModelRunner:
         self.model, self.decoder = load_for_runner(folder, self.arch, config, self.device,
                                                    self.dtype, quantization, backend, ext)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
-            lora, sched.max_loras, self.arch, self.model, self.dtype, self.device, ext,
-            self.decoder)
+            lora, sched.max_loras, self.arch, self.model, self.dtype, self.device,
+            ext.lora_add if ext else lora_kernel() if self.on_gpu else None, self.decoder)
         method = speculative.speculative_method if speculative is not None else None
         self.max_guesses = sched.num_speculative_tokens if method else 0
         self.draft: DraftModel | None = None

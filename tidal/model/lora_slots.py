@@ -5,7 +5,8 @@ A step's rows that carry an adapter are sorted by slot (`LoRABatch`); each proje
 adds each row's delta, shrink (u = x A^T, rank R) then expand (u B^T), over those segments,
 as S-LoRA's and Punica's segmented kernels do. On CPU with tidal's extension both products
 are one call (`lora_add`, csrc/lora.cpp), the one the C++ decoder makes, so both paths give
-the same bits; elsewhere (no compiler, a GPU) a pair of matmuls per slot of the step.
+the same bits; on CUDA the Triton kernel of the same arguments (kernels/lora.py); without
+either, a pair of matmuls per slot of the step.
 The pool's weights are in the model's dtype, each part of a fused projection (q, k, v;
 gate, up) in its own max_lora_rank ranks, zero past an adapter's rank: B is block-diagonal,
 and the kernel multiplies an output column by its part's ranks alone.
@@ -104,10 +105,10 @@ class SlotPool:
     projections; `decoder` (the C++ one, if any) reads the same tensors."""
 
     def __init__(self, model: nn.Module, arch, num_slots: int, max_rank: int, dtype, device,
-                 ext=None, decoder=None) -> None:
+                 kernel=None, decoder=None) -> None:
+        """`kernel`: lora_add, the C++ extension's (CPU) or Triton's (CUDA); None: matmuls."""
         self.num_slots = num_slots
         self.batch = LoRABatch()
-        kernel = ext.lora_add if ext is not None else None
         shapes = projection_shapes(arch)
         self.layers: list[dict[str, SlotWeights]] = []
         for i, layer in enumerate(model.layers):

@@ -34,14 +34,16 @@ void add_deltas(const T* x, T* y, const T* a, const T* b, const int64_t* rows,
       const int64_t width = std::min(n - c0, kColumns);
       const float* ui = u.data() + i * r;
       // a fused projection's part p (columns up to bounds[p]) has ranks [p r/P, (p+1) r/P)
-      int64_t p0 = 0, p1 = 0;
-      while (bounds[p0] <= c0) ++p0;
-      while (bounds[p1] < c0 + width) ++p1;
+      int64_t p = 0;
+      while (bounds[p] <= c0) ++p;
       float acc[kColumns] = {0.f};
-      for (int64_t j = p0 * r / parts; j < (p1 + 1) * r / parts; ++j) {  // u_j B^T[j]
-        const T* bj = b + (slot[i] * r + j) * n + c0;
-        const float uj = ui[j];
-        for (int64_t c = 0; c < width; ++c) acc[c] += uj * f32(bj[c]);
+      for (int64_t lo = c0; lo < c0 + width; lo = bounds[p++]) {
+        const int64_t hi = std::min(c0 + width, bounds[p]);
+        for (int64_t j = p * r / parts; j < (p + 1) * r / parts; ++j) {  // u_j B^T[j]
+          const T* bj = b + (slot[i] * r + j) * n;
+          const float uj = ui[j];
+          for (int64_t c = lo; c < hi; ++c) acc[c - c0] += uj * f32(bj[c]);
+        }
       }
       T* yi = y + rows[i] * n + c0;
       for (int64_t c = 0; c < width; ++c) yi[c] = round_to<T>(f32(yi[c]) + acc[c]);

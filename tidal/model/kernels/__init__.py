@@ -42,3 +42,9 @@ def paged_prefill_kernel() -> Callable | None:
 def paged_decode_kernel() -> Callable | None:
     """Triton's paged decode attention, or None where triton is not installed."""
     return _optional("paged_attention", "paged_decode_attention")
+
+
+def lora_kernel() -> Callable | None:
+    """Triton's batched LoRA deltas (the C++ lora_add's arguments), or None where triton is
+    not installed."""
+    return _optional("lora", "lora_add")
