@@ -225,3 +225,25 @@ def test_offline_lora_request_loads_an_adapter_on_first_use(setup):
     assert [o.outputs[0].token_ids for o in outs] == [refs["mlp16"][0], refs[None][1]]
     with pytest.raises(ValueError, match="2 LoRA requests for 1 prompts"):
         llm.generate(prompts[:1], params, lora_request=["mlp16", None])
+
+
+def test_a_prefill_decode_pair_serves_adapters(setup):
+    """1P1D: both instances hold the adapters; the prefill side computes the prompt under
+    the adapter, the decode side continues under it."""
+    from tokenizers import Tokenizer
+
+    from server_fixtures import Server, openai_client
+
+    base, folders, refs = setup
+    text = Tokenizer.from_file(str(base / "tokenizer.json")).decode
+    pd = Server("--pd", "1P1D", "--model", str(base), "--dtype", "float32", "--max-loras", "2",
+                "--lora-modules", f"qv4={folders['qv4']}", f"all8={folders['all8']}")
+    try:
+        client = openai_client(pd)
+        for name, i in (("qv4", 0), ("all8", 1), ("base", 2), ("all8", 3)):
+            out = client.completions.create(model=name, prompt=PROMPTS[i], temperature=0,
+                                            max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+            assert out.choices[0].text == text(refs[None if name == "base" else name][i])
+    finally:
+        log = pd.stop()
+    assert "Traceback" not in log, log
