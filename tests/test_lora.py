@@ -61,15 +61,30 @@ def setup(tmp_path_factory):
             model = PeftModel.from_pretrained(model, str(folders[name])).merge_and_unload()
         model.eval()
         refs[name] = [hf_greedy(model, p, MAX_TOKENS, None) for p in PROMPTS]
+        with torch.no_grad():  # each greedy token's log-probability
+            for p, tokens in zip(PROMPTS, refs[name]):
+                logits = model(torch.tensor([p + tokens])).logits[0, len(p) - 1:-1]
+                LOGPROBS[(name, tuple(p))] = (tokens, logits.log_softmax(-1)[range(len(tokens)),
+                                                                              tokens])
     assert len({str(r) for r in refs.values()}) == len(refs), "an adapter changes nothing"
     return base, folders, refs
 
 
+LOGPROBS: dict = {}  # (adapter, prompt) -> the merged model's greedy tokens and their logprobs
+
+
 def run(llm, jobs):
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora=name)
-              for name, _ in jobs]
+    """Greedy tokens of (adapter, prompt index) jobs in one batch; each token's logprob
+    within 1e-4 of the merged model's."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora=name,
+                             logprobs=0) for name, _ in jobs]
     outs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for _, i in jobs], params,
                         use_tqdm=False)
+    for (name, i), o in zip(jobs, outs):
+        tokens, want = LOGPROBS[(name, tuple(PROMPTS[i]))]
+        if o.outputs[0].token_ids == tokens:  # (else the caller's comparison fails)
+            got = torch.tensor([lp.logprob for lp in o.outputs[0].logprobs])
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -202,6 +217,9 @@ def test_served_adapters_over_http_with_the_openai_client(setup, tmp_path):
         r = post("/v1/unload_lora_adapter", lora_name="mlp16")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert complete("all8", 2) == text(refs["all8"][2])  # the others still serve
+        schema = httpx.get(server.url + "/openapi.json", headers=auth).json()
+        model = schema["components"]["schemas"]["CompletionRequest"]["properties"]["model"]
+        assert "enum" not in str(model)  # adapters come and go: any name may be one
         metrics = httpx.get(server.url + "/metrics", headers=auth).text
         assert 'tidal:lora_requests_total{lora_name="qv4"' in metrics
         assert "tidal:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
@@ -247,3 +265,33 @@ def test_a_prefill_decode_pair_serves_adapters(setup):
     finally:
         log = pd.stop()
     assert "Traceback" not in log, log
+
+
+def test_an_attention_adapter_on_a_mixture_of_experts_model(tmp_path):
+    """Mixtral: adapters reach the attention of expert layers (their MLP is routed
+    experts, which tidal refuses to adapt)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = small_folder(tmp_path, "moe", "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    folder = make_adapter(base, tmp_path / "attn", 8, 16, ["q_proj", "v_proj", "o_proj"],
+                          False, seed=5)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload().eval()
+    want = [hf_greedy(merged, p, MAX_TOKENS, None) for p in PROMPTS[:3]]
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=64, lora_modules=[f"attn={folder}"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora="attn")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert (1, "gate_up") not in llm.engine.runner.lora.loaded["attn"].weights
+
+
+def test_the_schema_names_the_model_and_its_adapters():
+    """Without run-time updates `model` takes the served model's name or an adapter's."""
+    from tidal.server.openapi import corrected
+
+    body = {"additionalProperties": False, "properties": {"model": {"type": "string"}}}
+    raw = {"paths": {}, "components": {"schemas": {"CompletionRequest": body}}}
+    model = corrected(raw, ["base", "qv4"], False)["components"]["schemas"][
+        "CompletionRequest"]["properties"]["model"]
+    assert model["anyOf"][0]["enum"] == ["base", "qv4"]

@@ -77,6 +77,8 @@ class EngineCore:
         if params.lora is not None and (lora is None or params.lora not in lora.paths):
             raise ValueError(f"request {request_id!r}: unknown LoRA adapter {params.lora!r}"
                              + ("" if lora else " (LoRA is not enabled: enable_lora)"))
+        if params.lora is not None:
+            lora.load(params.lora)  # from its folder now, if not in memory: not in a step
         self.scheduler.add_request(Request(
             request_id, prompt_token_ids, params,
             arrival_time=time.time() if arrival_time is None else arrival_time,

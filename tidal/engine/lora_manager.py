@@ -56,6 +56,10 @@ class LoRAManager:
     def names(self) -> list[str]:
         return list(self.paths)
 
+    def load(self, name: str) -> None:
+        """Have `name` in memory (read from its folder if the cache let it go)."""
+        self._adapter(name, ())
+
     def prepare(self, names: Iterable[str]) -> dict[str, int]:
         """Each adapter of a step -> its slot, writing those not resident into slots whose
         adapters the step does not use."""

@@ -144,6 +144,9 @@ def load_adapter(name: str, path: str | Path, arch: ModelArch, max_rank: int) ->
         layer = int(m.group(1))
         if layer >= arch.num_layers:
             raise LoRAError(f"LoRA adapter {name!r}: {key}: the model has {arch.num_layers} layers")
+        if arch.moe and arch.moe.layers[layer] and PIECES[m.group(2)][0] in ("gate_up", "down"):
+            raise LoRAError(f"LoRA adapter {name!r}: {key}: layer {layer}'s MLP is routed "
+                            "experts; adapters on routed MoE experts are not supported")
         pieces.setdefault((layer, module), {"piece": m.group(2)})[m.group(3)] = t.float()
     shapes = projection_shapes(arch)
     fused: dict[tuple[int, str], list] = {}

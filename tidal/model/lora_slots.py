@@ -117,9 +117,11 @@ class SlotPool:
                       "down": (m, "down_proj")}
             weights = {}
             for proj in PROJECTIONS:
+                owner, attr = owners[proj]
+                if not hasattr(owner, attr):
+                    continue  # a layer of routed experts: adapters touch its attention only
                 k, outs = shapes[proj]
                 w = SlotWeights(num_slots, k, max_rank, outs, dtype, device)
-                owner, attr = owners[proj]
                 setattr(owner, attr, LoRAProjection(getattr(owner, attr), w, self.batch, kernel))
                 weights[proj] = w
             self.layers.append(weights)

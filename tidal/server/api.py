@@ -484,5 +484,8 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     app.include_router(responses_routes)
     app.include_router(lora_routes)
     app.include_router(dashboard_routes)
-    install_schema(app, config.served_model_name, bool(config.key))
+    lora = client.config.lora  # the names `model` takes (any, where adapters come and go)
+    names = (None if lora.enable_lora and config.enable_lora_runtime_updates
+             else [config.served_model_name, *lora.modules])
+    install_schema(app, names, bool(config.key))
     return app

@@ -1,8 +1,8 @@
 """The OpenAPI schema as the server answers: FastAPI's generated one, corrected where the
 server differs from FastAPI's defaults. Invalid bodies are 400s with an OpenAI error body
 (never 422), generation may answer 429 and 503 and stream as SSE, /metrics is Prometheus
-text, a request field sent as null counts as absent, and the served model is the only
-`model` accepted."""
+text, a request field sent as null counts as absent, and the served model (and its LoRA
+adapters) the only `model` accepted."""
 
 from __future__ import annotations
 
@@ -38,9 +38,11 @@ _QUEUED = _GENERATION + ("/v1/embeddings",)  # may answer 429 and 503
 _KEYED = ("/v1/", "/tokenize", "/detokenize", "/dashboard")
 
 
-def install_schema(app: FastAPI, served_model: str | None, keyed: bool) -> None:
-    """Serve the corrected schema at /openapi.json (built once, on first request); the P/D
-    router, which relays to servers, knows no model name (None)."""
+def install_schema(app: FastAPI, served_model: list[str] | str | None, keyed: bool) -> None:
+    """Serve the corrected schema at /openapi.json (built once, on first request).
+    `served_model`: the names `model` takes (the model's and its LoRA adapters'); None for
+    any (the P/D router, which relays to servers, and a server loading adapters at run
+    time)."""
 
     def schema() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -86,8 +88,9 @@ def _nulls_are_absent(model: dict[str, Any], served_model: str | None) -> None:
     required = set(model.get("required", ()))
     for name, prop in model.get("properties", {}).items():
         if name == "model" and served_model is not None:
+            names = [served_model] if isinstance(served_model, str) else list(served_model)
             prop.clear()
-            prop.update({"anyOf": [{"type": "string", "enum": [served_model]},
+            prop.update({"anyOf": [{"type": "string", "enum": names},
                                    {"type": "null"}], "title": "Model"})
         elif name not in required and not _takes_null(prop):  # its type moves into anyOf
             kept = {k: prop.pop(k) for k in list(prop)
