@@ -295,3 +295,25 @@ def test_the_schema_names_the_model_and_its_adapters():
     model = corrected(raw, ["base", "qv4"], False)["components"]["schemas"][
         "CompletionRequest"]["properties"]["model"]
     assert model["anyOf"][0]["enum"] == ["base", "qv4"]
+
+
+def test_a_phi3_adapter_of_the_fused_projections(tmp_path):
+    """Phi-3 fuses q/k/v and gate/up in its checkpoints: an adapter on `qkv_proj` and
+    `gate_up_proj` is one piece per part of tidal's projections, each with the whole A."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = small_folder(tmp_path, "phi3", "phi3", sliding_window=12,
+                        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                             partial_rotary_factor=0.5))
+    folder = make_adapter(base, tmp_path / "fused", 8, 16,
+                          ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"], False, seed=7)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload().eval()
+    want = [hf_greedy(merged, p, MAX_TOKENS, None) for p in PROMPTS[:3]]
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=64, lora_modules=[f"fused={folder}"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora="fused")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    pieces = llm.engine.runner.lora.loaded["fused"].weights[(0, "qkv")]
+    assert [part for part, _, _ in pieces] == [0, 1, 2]

@@ -292,4 +292,3 @@ def ready_to_decode(decoding: list[Request]) -> list[Request]:
     return [r for r in decoding
             if (g := len(r.output_token_ids) + r.num_in_flight) < r.out_limit
             and r.num_computed_tokens < len(r.prompt_token_ids) + g]
-

@@ -52,10 +52,6 @@ class LoRAManager:
         self.loaded.pop(name, None)
         self.pool.names = [None if n == name else n for n in self.pool.names]  # rewrite on reuse
 
-    @property
-    def names(self) -> list[str]:
-        return list(self.paths)
-
     def load(self, name: str) -> None:
         """Have `name` in memory (read from its folder if the cache let it go)."""
         self._adapter(name, ())

@@ -72,7 +72,11 @@ def _pattern(patterns: dict, module: str, default):
     """PEFT's rank_pattern / alpha_pattern lookup: the first key the module's name ends with
     (a key may be a regex)."""
     for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        try:
+            hit = re.match(rf"(.*\.)?({key})$", module)
+        except re.error:  # not a regex: the name itself
+            hit = module == key or module.endswith("." + key)
+        if hit:
             return value
     return default
 
@@ -87,6 +91,8 @@ def read_config(name: str, folder: Path) -> dict:
         cfg = json.loads(path.read_text())
     except ValueError as e:
         raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not a JSON object")
     refusals = [
         (cfg.get("peft_type", "LORA") != "LORA", f"peft_type {cfg.get('peft_type')!r} is not LORA"),
         (cfg.get("use_dora"), "DoRA adapters (use_dora) are not supported"),
