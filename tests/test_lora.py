@@ -314,3 +314,17 @@ def test_a_phi3_adapter_of_the_fused_projections(tmp_path):
                           ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"], False, seed=7)
     adapter = equals_merged(base, folder)
     assert [part for part, _, _ in adapter.weights[(0, "qkv")]] == [0, 1, 2]
+
+
+def test_lora_modules_take_name_path_pairs_and_vllms_json_form():
+    from tidal.engine.config import LoRAConfig
+
+    json_entry = '{"name": "sql", "path": "/a/sql", "base_model_name": "m"}'
+    assert LoRAConfig(lora_modules=["chat=/a/chat", json_entry]).modules == {
+        "chat": "/a/chat", "sql": "/a/sql"}
+    assert LoRAConfig(lora_modules="x=/1,y=/2").modules == {"x": "/1", "y": "/2"}
+    assert LoRAConfig(lora_modules=json_entry).enable_lora
+    for bad, message in (("noequals", "name=path"), ('{"name": "a"}', "JSON"),
+                         (["a=/1", "a=/2"], "twice")):
+        with pytest.raises(ValueError, match=message):
+            LoRAConfig(lora_modules=bad)

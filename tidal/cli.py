@@ -22,12 +22,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     with flag_errors("generate"):
         llm = LLM(**engine_kwargs(args))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed_per_request)
-    t0 = time.perf_counter()
-    if args.raw:
-        outs = llm.generate(args.prompts, params)
-    else:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed_per_request,
+                                lora=args.lora)
+        t0 = time.perf_counter()  # (an unknown adapter is refused here)
+        if args.raw:
+            outs = llm.generate(args.prompts, params)
+        else:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
     elapsed = time.perf_counter() - t0
     tokens = 0
     for prompt, out in zip(args.prompts, outs):
@@ -180,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed-per-request", type=int, default=None,
                      help="sampling seed of every request")
+    gen.add_argument("--lora", default=None, metavar="NAME",
+                     help="the LoRA adapter (of --lora-modules) that serves every prompt")
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")

@@ -8,6 +8,7 @@ with `dataclasses.replace`.
 
 from __future__ import annotations
 
+import json
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -192,6 +193,20 @@ class SpeculativeConfig:
             raise ValueError("suffix_min_prob must be in [0, 1]")
 
 
+def _lora_module(entry) -> str:
+    """One lora_modules entry as name=path: given so, or as vLLM's JSON form
+    {"name": ..., "path": ..., "base_model_name": ...} (the base model's name unused)."""
+    entry = str(entry)
+    if not entry.lstrip().startswith("{"):
+        return entry
+    try:
+        spec = json.loads(entry)
+        return f"{spec['name']}={spec['path']}"
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"a JSON lora_modules entry names the adapter and its folder, "
+                         f'{{"name": ..., "path": ...}}; got {entry!r}') from None
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving: the adapters known from start and how many stay loaded (the
@@ -202,7 +217,8 @@ class LoRAConfig:
                              "SamplingParams). Implied by lora_modules.")
     lora_modules: tuple[str, ...] = knob((), "Adapters served from start, each name=path (a "
                                          "PEFT folder: adapter_config.json and "
-                                         "adapter_model.safetensors).")
+                                         "adapter_model.safetensors) or vLLM's JSON form, "
+                                         '{"name": ..., "path": ...}.')
     max_lora_rank: int = knob(16, "Largest rank an adapter may have; the adapter slots are "
                               "sized for it.")
     max_cpu_loras: int | None = knob(None, "Adapters kept loaded in memory, least recently "
@@ -212,11 +228,12 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         modules = self.lora_modules
-        if isinstance(modules, str):
-            modules = modules.replace(",", " ").split()
+        if isinstance(modules, str):  # "a=/x,b=/y", or one JSON entry
+            modules = [modules] if modules.lstrip().startswith("{") else \
+                modules.replace(",", " ").split()
         elif isinstance(modules, dict):
             modules = [f"{k}={v}" for k, v in modules.items()]
-        modules = tuple(str(m) for m in modules)
+        modules = tuple(_lora_module(m) for m in modules)
         names = [m.partition("=")[0] for m in modules]
         for m, name in zip(modules, names):
             if not name or "=" not in m or not m.partition("=")[2]:
