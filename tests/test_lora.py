@@ -328,3 +328,19 @@ def test_lora_modules_take_name_path_pairs_and_vllms_json_form():
                          (["a=/1", "a=/2"], "twice")):
         with pytest.raises(ValueError, match=message):
             LoRAConfig(lora_modules=bad)
+
+
+def test_a_new_adapter_takes_the_slot_used_longest_ago(setup):
+    base, folders, _ = setup
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=16, max_loras=2,
+              lora_modules=[f"{n}={p}" for n, p in folders.items()])
+    lora, writes = llm.engine.runner.lora, []
+    write = lora.pool.write
+    lora.pool.write = lambda slot, adapter: writes.append((slot, adapter.name)) or write(
+        slot, adapter)
+    assert lora.prepare(["qv4"]) == {"qv4": 0}
+    assert lora.prepare(["all8"]) == {"all8": 1}
+    assert lora.prepare(["qv4"]) == {"qv4": 0}  # resident: no write
+    assert lora.prepare(["mlp16"]) == {"mlp16": 1}  # all8's slot: used longest ago
+    assert lora.prepare(["qv4", "all8"]) == {"qv4": 0, "all8": 1}
+    assert writes == [(0, "qv4"), (1, "all8"), (1, "mlp16"), (1, "all8")]

@@ -28,6 +28,8 @@ class LoRAManager:
                              kernel, decoder)
         self.paths: dict[str, str] = {}  # every adapter requests may name
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU, the newest last
+        self.steps = 0  # prepare() calls: when each slot was last used (0: never)
+        self.used = [0] * max_loras
         for name, path in modules.items():
             self.register(name, path)
 
@@ -50,7 +52,9 @@ class LoRAManager:
             raise LoRAError(f"LoRA adapter {name!r} is not loaded")
         del self.paths[name]
         self.loaded.pop(name, None)
-        self.pool.names = [None if n == name else n for n in self.pool.names]  # rewrite on reuse
+        for i, n in enumerate(self.pool.names):
+            if n == name:  # rewritten when the name comes back, and taken first meanwhile
+                self.pool.names[i], self.used[i] = None, 0
 
     def load(self, name: str) -> None:
         """Have `name` in memory (read from its folder if the cache let it go)."""
@@ -60,14 +64,20 @@ class LoRAManager:
         """Each adapter of a step -> its slot, writing those not resident into slots whose
         adapters the step does not use."""
         wanted = set(names)
+        self.steps += 1
         slots = {n: i for i, n in enumerate(self.pool.names) if n in wanted}
-        free = [i for i, n in enumerate(self.pool.names) if n not in wanted]
+        for i in slots.values():
+            self.used[i] = self.steps
+        # empty slots first, then those whose adapter was used longest ago
+        free = sorted((i for i, n in enumerate(self.pool.names) if n not in wanted),
+                      key=lambda i: self.used[i])
         for name in sorted(wanted - set(slots)):
             if not free:
                 raise RuntimeError(f"more adapters in one step than the {self.pool.num_slots} "
                                    "LoRA slots (the scheduler's max_loras bounds them)")
             slots[name] = free.pop(0)
             self.pool.write(slots[name], self._adapter(name, wanted))
+            self.used[slots[name]] = self.steps
         return slots
 
     def _adapter(self, name: str, in_use: Iterable[str]) -> LoRAAdapter:
