@@ -308,6 +308,7 @@ def replay(tmp_path_factory):
                   "--request-rate", "20", "--random-input-len", "256",
                   "--random-output-len", "64", "--num-kv-blocks", "600",
                   "--data-parallel-size", "2", "--policy", "slo", "--ttft-slo-ms", "200",
+                  "--lora-modules", "a", "b", "c", "--max-loras", "2",
                   "--dashboard", str(page), "--dashboard-interval", "0.25",
                   "--save-result", str(saved)])
     return page, saved, result
@@ -343,6 +344,13 @@ def test_the_replay_plays_in_a_browser(replay):
         page.goto(page_path.as_uri())
         page.wait_for_selector("#core-1")
         assert page.get_attribute("#scrub", "max") == str(len(frames) - 1)
+        # a frame where core 0 runs requests of adapters: its LoRA slots line shows them
+        at = next(i for i in range(len(frames) // 2, len(frames))
+                  if frames[i]["core"] == 0 and frames[i]["stats"]["running_loras"])
+        page.fill("#scrub", str(at))
+        page.dispatch_event("#scrub", "input")
+        lora = page.evaluate("() => [...document.querySelectorAll('#core-0 .lora b')]"
+                             ".map(e => e.textContent)")
         page.fill("#scrub", str(len(frames) - 1))  # to the end
         page.dispatch_event("#scrub", "input")
         decode = page.evaluate("() => [0, 1].map(c => Number(document.querySelector("
@@ -352,6 +360,11 @@ def test_the_replay_plays_in_a_browser(replay):
         browser.close()
     last = {f["core"]: f for f in frames}
     assert decode == [last[c]["view"]["queues"]["decode"] for c in (0, 1)]
+    stats = frames[at]["stats"]
+    running = stats["running_loras"]
+    assert 1 <= len(running) <= 2 and stats["max_loras"] == 2
+    assert lora == [f"{', '.join(running)} ({len(running)} of 2)",
+                    ", ".join(stats["waiting_loras"]) or "none"]
 
 
 # ---------------------------------------------------------------------- plots
