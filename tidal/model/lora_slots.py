@@ -62,7 +62,7 @@ class SlotWeights:
         self.a = torch.zeros(slots, rank, k, dtype=dtype, device=device)
         self.b = torch.zeros(slots, rank, sum(outs), dtype=dtype, device=device)
         # the fused parts' cumulative outputs: part p's columns use its ranks alone
-        self.bounds = torch.tensor(outs).cumsum(0)
+        self.bounds = torch.tensor(outs, device=device).cumsum(0)
 
     def write(self, slot: int, pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Slot `slot` := an adapter's pieces of this projection, (part, A [r, in], B [part's
