@@ -20,12 +20,14 @@ from tidal.model.kernels.norm import cast_rtne
 
 
 @triton.jit
-def _lora_kernel(x_ptr, y_ptr, a_ptr, b_ptr, rows_ptr, slots_ptr, bounds_ptr, k, n, r,
-                 PARTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+def _lora_kernel(x_ptr, y_ptr, a_ptr, b_ptr, rows_ptr, ends_ptr, bounds_ptr, k, n, r,
+                 num_slots, PARTS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)
-    s = tl.load(slots_ptr + i).to(tl.int64)
+    s = i.to(tl.int64) * 0  # the listed row's slot: how many slots end at or before it
+    for q in range(num_slots):
+        s += (tl.load(ends_ptr + q) <= i).to(tl.int64)
     ranks = tl.arange(0, BLOCK_R)
     live = ranks < r
     u = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -56,9 +58,7 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if m == 0:
         return
     k, n, r = x.shape[1], y.shape[1], a.shape[1]
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    slots = torch.repeat_interleave(torch.arange(len(ends), device=rows.device), counts)
     block_n = 64
     _lora_kernel[(m, triton.cdiv(n, block_n))](
-        x, y, a, b, rows, slots, bounds.to(rows.device), k, n, r, PARTS=bounds.numel(),
+        x, y, a, b, rows, ends, bounds, k, n, r, ends.numel(), PARTS=bounds.numel(),
         BLOCK_K=64, BLOCK_R=triton.next_power_of_2(r), BLOCK_N=block_n)
