@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from model_fixtures import small_folder
 from tidal import LLM, SamplingParams
 from tidal.model.config import ModelArch, UnsupportedModelError
-from tidal.model.gguf_quants import GGUFLinear
+from tidal.model.gguf_quants import MAX_ROWS, GGUFLinear
 from tidal.model.int4_checkpoint import AWQ_ORDER, unpack_awq, unpack_gptq
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -106,7 +106,8 @@ def checkpoint(tmp: Path, method: str, group: int, sym: bool) -> tuple[Path, Pat
     return folders[0], folders[1]
 
 
-LONG = [int(t) for t in np.random.default_rng(7).integers(3, 256, 48)]
+# longer than the integer kernels' steps (MAX_ROWS): its prompt runs the dequantized tiles
+LONG = [int(t) for t in np.random.default_rng(7).integers(3, 256, MAX_ROWS + 16)]
 
 
 def int8_rounded(module, args):
@@ -148,7 +149,7 @@ def generate(folder: Path, rounded: bool = False):
 def test_checkpoint_runs_as_its_dequantized_model(tmp_path, method, group, sym):
     """The checkpoint computes what its dequantized weights compute densely from the inputs
     the kernels see (int8-rounded per 32): the same greedy tokens (C++ decoder, integer
-    kernels) and the same logprobs over a 48-token prompt (tiles).
+    kernels) and the same logprobs over a prompt longer than MAX_ROWS (tiles).
     Wrong unpacking misses by whole units."""
     folder, dense = checkpoint(tmp_path, method, group, sym)
     llm, got_tokens, got = generate(folder)

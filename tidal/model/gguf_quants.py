@@ -41,7 +41,10 @@ SUPPORTED = frozenset(FLOAT_TYPES) | frozenset(BLOCK_FIELDS)
 # Formats whose kernels read planar rows (each field contiguous: two blocks' quants one
 # load, eight blocks' scales another); the K-quants' kernel reads the file's layout.
 PLANAR = frozenset({QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
-MAX_ROWS = 16  # the integer kernel's crossover with dequantized tiles: 16-32 rows, measured
+# The integer kernels' crossover with dequantized tiles: 16-32 rows without AVX-512 VNNI;
+# with it 48-64 (2048x2048 Q4_1 / Q4_K / Q6_K / Q8_0 at 48 rows: 0.95-1.9 ms against
+# 2.2-2.4 ms, measured with benchmarks/gguf_kernels.py --crossover)
+MAX_ROWS = 48 if {"avx512_vnni", "avx512bw"} <= cpu_flags() else 16
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)
 TILE_BYTES = 16 << 20
