@@ -84,9 +84,18 @@ template <typename T>
 void add_deltas(const T* x, T* y, const T* a, const T* b, const int64_t* rows,
                 const std::vector<int64_t>& slot, int64_t m, int64_t k, int64_t n, int64_t r,
                 const int64_t* bounds, int64_t parts) {
-  std::vector<float> xf(m * k), u(m * r);  // the listed rows in float32; their x A^T
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t c = 0; c < k; ++c) xf[i * k + c] = f32(x[rows[i] * k + c]);
+  // the listed rows in float32 and their x A^T: buffers kept across calls (a fresh one of
+  // this size is mmap'd, and its pages faulted in, on every call)
+  // (thread_local: the lambdas below run on other threads, so they take the pointers)
+  static thread_local std::vector<float> xf_buf, u_buf;
+  xf_buf.resize(m * k);
+  u_buf.resize(m * r);
+  float* const xf = xf_buf.data();
+  float* const u = u_buf.data();
+  at::parallel_for(0, m, 4, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t c = 0; c < k; ++c) xf[i * k + c] = f32(x[rows[i] * k + c]);
+  });
   const int64_t groups = (r + kRanks - 1) / kRanks;
   at::parallel_for(0, m * groups, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -94,7 +103,7 @@ void add_deltas(const T* x, T* y, const T* a, const T* b, const int64_t* rows,
       const int count = static_cast<int>(std::min(kRanks, r - j0));
       const T* rows_a[kRanks];
       for (int q = 0; q < count; ++q) rows_a[q] = a + (slot[i] * r + j0 + q) * k;
-      dots(xf.data() + i * k, rows_a, count, k, u.data() + i * r + j0);
+      dots(xf + i * k, rows_a, count, k, u + i * r + j0);
     }
   });
   // the expand's column chunks, none across a part boundary: (part, first column, width)
@@ -107,7 +116,7 @@ void add_deltas(const T* x, T* y, const T* a, const T* b, const int64_t* rows,
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = t / nc;
       const auto& [p, c0, w] = chunks[t % nc];
-      expand(u.data() + i * r, b + slot[i] * r * n + c0, n, p * per, (p + 1) * per, w,
+      expand(u + i * r, b + slot[i] * r * n + c0, n, p * per, (p + 1) * per, w,
              y + rows[i] * n + c0);
     }
   });
