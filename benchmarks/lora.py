@@ -20,16 +20,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import torch
 from safetensors.torch import save_file
 
 from tidal.model.config import ModelArch
 from tidal.model.lora import projection_shapes
 from tidal.model.registry import resolve_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quantized import start  # noqa: E402  (the same start-and-wait-for-ready)
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,19 +57,6 @@ def write_adapter(folder: Path, arch: ModelArch, rank: int, seed: int) -> None:
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules":
         list(MODULES), "bias": "none", "use_rslora": False, "use_dora": False}))
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, log: Path) -> None:
-    for _ in range(900):
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"server did not become healthy; see {log}")
 
 
 def bench(port: int, args, loras: list[str], dist: str, out: Path) -> dict:
@@ -118,10 +106,8 @@ def main() -> None:
         if cmd[0] == PY:
             cmd += ["--port", str(port)]
         log = work / f"{label.replace(' ', '-')}.log"
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        proc, _ = start(cmd, port, log)
         try:
-            wait_healthy(port, proc, log)
             for dist in dists:
                 r = bench(port, args, loras, dist, work / f"{label.replace(' ', '-')}-{dist}.json")
                 rows.append((label, dist, r["output_throughput"], r["median_tpot_ms"],

@@ -14,6 +14,8 @@ and the kernel multiplies an output column by its part's ranks alone.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import nn
 
@@ -33,19 +35,17 @@ class LoRABatch:
 
     def set(self, row_slots: list[int], num_slots: int, device) -> None:
         """`row_slots`: each row's slot, -1 for the base model."""
-        pairs = sorted((s, i) for i, s in enumerate(row_slots) if s >= 0)
-        if not pairs:
+        by_slot: list[list[int]] = [[] for _ in range(num_slots)]  # grouped, no sort
+        for i, s in enumerate(row_slots):
+            if s >= 0:
+                by_slot[s].append(i)
+        if not any(by_slot):
             self.rows = self.ends = None
             return
-        counts = [0] * num_slots
-        for s, _ in pairs:
-            counts[s] += 1
-        ends, total = [], 0
-        for c in counts:
-            total += c
-            ends.append(total)
-        self.rows = torch.tensor([i for _, i in pairs], dtype=torch.long, device=device)
-        self.ends = torch.tensor(ends, dtype=torch.long, device=device)
+        self.rows = torch.tensor([i for rows in by_slot for i in rows], dtype=torch.long,
+                                 device=device)
+        self.ends = torch.tensor(list(accumulate(map(len, by_slot))), dtype=torch.long,
+                                 device=device)
 
     def clear(self) -> None:
         self.rows = self.ends = None
