@@ -115,6 +115,51 @@ def test_two_slots_for_three_adapters_and_a_small_cpu_cache(setup):
     assert len(llm.engine.runner.lora.loaded) <= 2
 
 
+def bf16_merged_reference(base, folder, prompt):
+    """The merged model of `folder` with its weights as bfloat16 slots hold them (A, and B
+    with the scale folded in, rounded): its greedy tokens of `prompt` and their logprobs."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32), str(folder))
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                scale = module.scaling["default"]
+                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                a.copy_(a.bfloat16().float())
+                b.copy_((b * scale).bfloat16().float() / scale)
+    model = model.merge_and_unload().eval()
+    tokens = hf_greedy(model, prompt, MAX_TOKENS, None)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    return tokens, logits.log_softmax(-1)[range(len(tokens)), tokens]
+
+
+def test_bfloat16_slots_under_a_float32_model(setup):
+    """--lora-dtype bfloat16: the slots hold the adapters rounded to bfloat16, and a step
+    gives the tokens and logprobs of the merged models of those rounded weights."""
+    base, folders, refs = setup
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=96, block_size=4, max_loras=3,
+              lora_dtype="bfloat16", lora_modules=[f"{n}={p}" for n, p in folders.items()])
+    pool = llm.engine.runner.lora.pool
+    assert {w.a.dtype for ws in pool.layers for w in ws.values()} == {torch.bfloat16}
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in folders]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora=name,
+                             logprobs=0) for name, _ in jobs]
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for _, i in jobs], params,
+                        use_tqdm=False)
+    for (name, i), o in zip(jobs, outs):
+        tokens, want = bf16_merged_reference(base, folders[name], PROMPTS[i])
+        assert o.outputs[0].token_ids == tokens
+        got = torch.tensor([lp.logprob for lp in o.outputs[0].logprobs])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="lora_dtype"):
+        LLM(str(base), dtype="float32", num_kv_blocks=16, lora_dtype="float16",
+            enable_lora=True)
+
+
 def test_an_unknown_adapter_is_refused_by_name(setup):
     base, folders, _ = setup
     llm = LLM(str(base), dtype="float32", num_kv_blocks=32,

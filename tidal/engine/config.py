@@ -221,6 +221,9 @@ class LoRAConfig:
                                          '{"name": ..., "path": ...}.')
     max_lora_rank: int = knob(16, "Largest rank an adapter may have; the adapter slots are "
                               "sized for it.")
+    lora_dtype: str = knob("auto", "The adapter slots' dtype: 'auto' (the model's), "
+                           "'bfloat16' (half the bytes a step reads per adapter, under a "
+                           "float32 model too) or 'float32'.")
     max_cpu_loras: int | None = knob(None, "Adapters kept loaded in memory, least recently "
                                      "used out first (a request for another reloads it from "
                                      "its folder). Unset: max_loras, or every adapter of "
@@ -247,6 +250,9 @@ class LoRAConfig:
             raise ValueError("max_lora_rank must be at least 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
             raise ValueError("max_cpu_loras must be at least 1")
+        if self.lora_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"lora_dtype must be auto, bfloat16 or float32; got "
+                             f"{self.lora_dtype!r}")
 
     @property
     def modules(self) -> dict[str, str]:

@@ -9,6 +9,8 @@ import logging
 from collections import OrderedDict
 from typing import Iterable
 
+import torch
+
 from tidal.engine.config import LoRAConfig
 from tidal.model.lora import LoRAAdapter, LoRAError, load_adapter
 from tidal.model.lora_slots import SlotPool
@@ -24,6 +26,8 @@ class LoRAManager:
         self.arch, self.max_rank = arch, config.max_lora_rank
         modules = config.modules
         self.capacity = config.max_cpu_loras or max(max_loras, len(modules))
+        if config.lora_dtype != "auto":
+            dtype = getattr(torch, config.lora_dtype)
         self.pool = SlotPool(model, arch, max_loras, config.max_lora_rank, dtype, device,
                              kernel, decoder)
         self.paths: dict[str, str] = {}  # every adapter requests may name

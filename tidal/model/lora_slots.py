@@ -7,7 +7,8 @@ as S-LoRA's and Punica's segmented kernels do. On CPU with tidal's extension bot
 are one call (`lora_add`, csrc/lora.cpp), the one the C++ decoder makes, so both paths give
 the same bits; on CUDA the Triton kernel of the same arguments (kernels/lora.py); without
 either, a pair of matmuls per slot of the step.
-The pool's weights are in the model's dtype, each part of a fused projection (q, k, v;
+The pool's weights are in the model's dtype or lora_dtype's (bfloat16 under float32 rows
+halves the bytes a step streams per adapter), each part of a fused projection (q, k, v;
 gate, up) in its own max_lora_rank ranks, zero past an adapter's rank: B is block-diagonal,
 and the kernel multiplies an output column by its part's ranks alone.
 """
