@@ -160,6 +160,36 @@ def test_bfloat16_slots_under_a_float32_model(setup):
             enable_lora=True)
 
 
+def test_a_float16_model_serves_adapters(setup):
+    """float16 rows (which the C++ kernels do not take) add the deltas by matmuls: base and
+    adapter rows in one batch, each token the merged model's choice or within float16's
+    rounding of it (teacher-forced through the float32 merged model)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, folders, refs = setup
+    llm = LLM(str(base), dtype="float16", num_kv_blocks=96, block_size=4, max_loras=3,
+              lora_modules=[f"{n}={p}" for n, p in folders.items()])
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in [None, *folders]]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora=name)
+              for name, _ in jobs]
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for _, i in jobs], params,
+                        use_tqdm=False)
+    for name in [None, *folders]:
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, str(folders[name])).merge_and_unload()
+        for (n, i), o in zip(jobs, outs):
+            if n != name:
+                continue
+            got = o.outputs[0].token_ids
+            assert len(got) == MAX_TOKENS
+            with torch.no_grad():
+                logits = model(torch.tensor([PROMPTS[i] + got])).logits[0, len(PROMPTS[i]) - 1:-1]
+            lp = logits.log_softmax(-1)
+            assert (lp.max(-1).values - lp[range(len(got)), got]).max() < 0.05
+
+
 def test_an_unknown_adapter_is_refused_by_name(setup):
     base, folders, _ = setup
     llm = LLM(str(base), dtype="float32", num_kv_blocks=32,

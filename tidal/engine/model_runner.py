@@ -85,7 +85,10 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         max_model_len = min(sched.max_model_len, self.arch.context_length)
         ext = cpu_decode.extension() if config.cpu_decoder and self.device == "cpu" else None
-        paged = ext.paged_decode_attention if ext else (
+        # the C++ paged attention and lora_add run float32 and bfloat16; float16 rows on CPU
+        # take PyTorch's attention and matmuls
+        cpp = ext if ext is not None and self.dtype != torch.float16 else None
+        paged = cpp.paged_decode_attention if cpp else (
             paged_decode_kernel() if self.on_gpu else None)
         backend = TorchAttention.for_arch(self.arch, paged,
                                           paged_prefill_kernel() if self.on_gpu else None)
@@ -93,7 +96,7 @@ class ModelRunner:
                                                    self.dtype, quantization, backend, ext)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
             lora, sched.max_loras, self.arch, self.model, self.dtype, self.device,
-            ext.lora_add if ext else lora_kernel() if self.on_gpu else None, self.decoder)
+            lora_kernel() if self.on_gpu else cpp and cpp.lora_add, self.decoder)
         method = speculative.speculative_method if speculative is not None else None
         self.max_guesses = sched.num_speculative_tokens if method else 0
         self.draft: DraftModel | None = None
