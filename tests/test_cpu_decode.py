@@ -37,7 +37,7 @@ def gathered_attention(q, k_cache, v_cache, tables, lens, scale, window=0):
 @settings(max_examples=60)
 @given(data=st.data(), batch=st.integers(1, 5), heads=st.sampled_from([(1, 1), (4, 2), (9, 3),
                                                                        (8, 1)]),
-       head_dim=st.sampled_from([8, 16, 24, 64]), block_size=st.sampled_from([1, 4, 16]),
+       head_dim=st.sampled_from([8, 16, 24, 64, 128]), block_size=st.sampled_from([1, 4, 16]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        window=st.sampled_from([0, 0, 1, 3, 8, 17]))
 def test_paged_attention_equals_attention_over_the_gathered_context(data, batch, heads,

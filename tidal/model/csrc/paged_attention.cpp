@@ -124,14 +124,26 @@ inline v16f transpose_sum(const v16f* p) {
 }
 
 // One (sequence, KV head) task for head_dim a multiple of 16 (up to 256): each K and V row
-// is loaded once as d/16 vectors and serves every query head of the group. NV = d / 16 when
-// known at compile time (the loops over a row then unroll), 0 to read it from d. Scores go
+// is loaded once as d/16 vectors and serves every query head of the group. NV = d / 16 and
+// G = groups when known at compile time (0: read them from d and groups): the loops over a
+// row then unroll, and with both known the queries and the output accumulators stay in
+// registers (in memory, each token's update is a load and a store per vector). Scores go
 // sixteen tokens at a time: each token's products as one vector per query head, summed
-// across lanes together (transpose_sum).
-template <typename T, int NV>
+// across lanes together (transpose_sum). The same operations in the same order either
+// way: a token's output does not depend on which instance computed it.
+template <typename T, int NV, int G>
 void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
-                int64_t groups, int64_t d, float* scores, float* acc, v16f* part) {
-  const int64_t nv = NV > 0 ? NV : d / 16;
+                int64_t groups_, int64_t d, float* scores, float* acc, v16f* part) {
+  const int64_t nv = NV > 0 ? NV : d / 16, groups = G > 0 ? G : groups_;
+  constexpr bool kRegs = NV > 0 && G > 0;
+  constexpr int kQ = kRegs ? G * NV : 1;  // the queries' vectors, in registers
+  v16f q[kQ];
+  if constexpr (kRegs)
+    for (int i = 0; i < kQ; ++i) q[i] = load16(qf + 16 * i);
+  const auto qvec = [&](int64_t j, int64_t c) {
+    if constexpr (kRegs) return q[j * NV + c];
+    else return load16(qf + j * d + 16 * c);
+  };
   v16f row[NV > 0 ? NV : 16];  // part: [query head][token of the 16]
   int64_t t0 = 0;      // the first of the 16 tokens
   int m = 0;           // tokens of the 16 gathered
@@ -149,16 +161,16 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
     const T* k = k_cache + off;
     for (int64_t c = 0; c < nv; ++c) row[c] = load16(k + 16 * c);
     for (int64_t j = 0; j < groups; ++j) {
-      const float* qj = qf + j * d;
-      v16f sum = load16(qj) * row[0];
-      for (int64_t c = 1; c < nv; ++c) sum += load16(qj + 16 * c) * row[c];
+      v16f sum = qvec(j, 0) * row[0];
+      for (int64_t c = 1; c < nv; ++c) sum += qvec(j, c) * row[c];
       part[j * 16 + m] = sum;
     }
     if (++m == 16) flush();
   });
   if (m > 0) flush();
   softmax_rows(scores, groups, n);
-  v16f out[16 * 16];  // groups * nv <= 16 * 16: checked by the caller
+  constexpr int kOut = kRegs ? G * NV : 16 * 16;  // groups * nv <= 16 * 16: checked by the caller
+  v16f out[kOut];
   std::fill(out, out + groups * nv, v16f{});
   ctx.each(n, [&](int64_t t, int64_t off) {
     const T* v = v_cache + off;
@@ -169,6 +181,33 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
     }
   });
   std::memcpy(acc, out, sizeof(float) * groups * d);
+}
+
+// attend_vec with NV and, where the queries and accumulators fit in registers (G * NV <= 24
+// of the 32 vector registers), G fixed.
+template <typename T, int NV>
+void attend_nv(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
+               int64_t groups, int64_t d, float* scores, float* acc, v16f* part) {
+  const auto run = [&]<int G>() {
+    attend_vec<T, NV, G>(qf, k_cache, v_cache, ctx, n, groups, d, scores, acc, part);
+  };
+  if constexpr (NV == 4) {
+    switch (groups) {
+      case 1: return run.template operator()<1>();
+      case 2: return run.template operator()<2>();
+      case 3: return run.template operator()<3>();
+      case 4: return run.template operator()<4>();
+      case 5: return run.template operator()<5>();
+      case 6: return run.template operator()<6>();
+    }
+  } else if constexpr (NV == 8) {
+    switch (groups) {
+      case 1: return run.template operator()<1>();
+      case 2: return run.template operator()<2>();
+      case 3: return run.template operator()<3>();
+    }
+  }
+  run.template operator()<0>();
 }
 
 // Any head_dim, one element at a time.
@@ -220,11 +259,11 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
       float *qp = qf.data(), *sp = scores.data(), *ap = acc.data();
       if constexpr (vectorisable) {
         if (vec && d == 64) {
-          attend_vec<T, 4>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
+          attend_nv<T, 4>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
         } else if (vec && d == 128) {
-          attend_vec<T, 8>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
+          attend_nv<T, 8>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
         } else if (vec) {
-          attend_vec<T, 0>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
+          attend_vec<T, 0, 0>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
         } else {
           attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
         }
