@@ -5,6 +5,11 @@ GGUFLinear's max_rows should sit).
 
 usage: .venv/bin/python benchmarks/gguf_kernels.py [--threads 2] [--rows 1,4,8,16]
        [--formats Q4_K,Q6_K] [--layout default|planar|file|both] [--crossover 8,16,24,32]
+       [--crossover-dtype bfloat16|float32]
+The crossover's activations default to bfloat16, the dtype `--dtype auto` serves a GGUF
+file in: its dequantized tiles are then bf16 GEMMs on CPUs with AMX (float32 ones
+elsewhere, as for float32 activations), which cross the integer kernel at other row
+counts than float32 tiles.
 The weights are random valid blocks (the kernels' speed does not depend on the values).
 """
 
@@ -63,6 +68,8 @@ def main() -> None:
     parser.add_argument("--layout", choices=("default", "planar", "file", "both"),
                         default="default", help="default: QuantizedWeight's per format")
     parser.add_argument("--crossover", default="8,16,24,32")
+    parser.add_argument("--crossover-dtype", choices=("bfloat16", "float32"),
+                        default="bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -88,13 +95,15 @@ def main() -> None:
                     print(row(label, timed(layer, x), layer.nbytes))
     crossover = [int(r) for r in args.crossover.split(",")]
     n, k = SHAPES[0]
-    print(f"--- {n}x{k}: integer kernel / dequantized tiles, ms, by rows {crossover}")
+    dtype = args.crossover_dtype
+    print(f"--- {n}x{k}: integer kernel / dequantized tiles, ms, by rows {crossover}, "
+          f"{dtype} activations")
     for qtype in formats:
         weight = QuantizedWeight("w", random_blocks(qtype, n, k, rng), qtype, (n, k))
         kernel, tiles = GGUFLinear(weight, max_rows=10**9), GGUFLinear(weight, max_rows=0)
         cells = []
         for r in crossover:
-            x = torch.randn(r, k)
+            x = torch.randn(r, k).to(getattr(torch, dtype))
             cells.append(f"{timed(kernel, x) * 1e3:.2f}/{timed(tiles, x) * 1e3:.2f}")
         print(f"{qtype.name:>6} " + "  ".join(cells))
 

@@ -42,8 +42,9 @@ SUPPORTED = frozenset(FLOAT_TYPES) | frozenset(BLOCK_FIELDS)
 # load, eight blocks' scales another); the K-quants' kernel reads the file's layout.
 PLANAR = frozenset({QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # The integer kernels' crossover with dequantized tiles: 16-32 rows without AVX-512 VNNI;
-# with it 48-64 (2048x2048 Q4_1 / Q4_K / Q6_K / Q8_0 at 48 rows: 0.95-1.9 ms against
-# 2.2-2.4 ms, measured with benchmarks/gguf_kernels.py --crossover)
+# with it ~40-64 by shape for bf16 activations on AMX (SmolLM2's 576x1536 Q4_1 at 48 rows:
+# 0.26 ms against 0.32, 2048x2048: 1.33 against 1.11), far more against float32 tiles
+# (benchmarks/gguf_kernels.py --crossover, --crossover-dtype)
 MAX_ROWS = 48 if {"avx512_vnni", "avx512bw"} <= cpu_flags() else 16
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)

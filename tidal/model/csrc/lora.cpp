@@ -157,7 +157,8 @@ void add_deltas(const T* x, T* y, const W* a, const W* b, const int64_t* rows,
       for (size_t h = 0; h < chunks.size(); ++h) {
         const auto& [p, c0, w] = chunks[h];
         // the next chunk of the same part, if any (another part's ranks are other rows)
-        const int64_t ahead = h + 1 < chunks.size() && chunks[h + 1][0] == p ? chunks[h + 1][2] : 0;
+        const int64_t ahead =
+            h + 1 < chunks.size() && chunks[h + 1][0] == p ? chunks[h + 1][2] : 0;
         T* ys[kBlock];
         for (int64_t i = 0; i < blk.count; ++i) ys[i] = y + rows[blk.first + i] * n + c0;
         by_rows(blk.count, [&]<int NX>() {
