@@ -44,28 +44,49 @@ def make_adapter(base_folder, out, rank, alpha, targets, rslora, seed):
     return out
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """The base model, three adapters, and each one's merged-model greedy tokens."""
+def merged_model(base, folder=None, bf16: bool = False):
+    """The float32 base model, with the adapter in `folder` merged in (PEFT's
+    merge_and_unload); `bf16`: its weights first rounded as bfloat16 slots hold them (A, and
+    B with the scale folded in)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    if folder is None:
+        return model.eval()
+    model = PeftModel.from_pretrained(model, str(folder))
+    lora = [m for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    with torch.no_grad():
+        for module in lora if bf16 else []:
+            scale = module.scaling["default"]
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            a.copy_(a.bfloat16().float())
+            b.copy_((b * scale).bfloat16().float() / scale)
+    return model.merge_and_unload().eval()
+
+
+def token_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Each position's log-probabilities after `prompt` + `tokens` (teacher-forced): one row
+    per token."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    return logits.log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The base model, three adapters, and each one's merged-model greedy tokens."""
     tmp = tmp_path_factory.mktemp("lora")
     base = small_folder(tmp, "base", "llama", tie_word_embeddings=False)
     folders, refs = {}, {}
     for i, (name, rank, alpha, targets, rs) in enumerate(ADAPTERS):
         folders[name] = make_adapter(base, tmp / name, rank, alpha, targets, rs, seed=i + 1)
     for name in [None] + list(folders):
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-        if name is not None:
-            model = PeftModel.from_pretrained(model, str(folders[name])).merge_and_unload()
-        model.eval()
+        model = merged_model(base, folders.get(name))
         refs[name] = [hf_greedy(model, p, MAX_TOKENS, None) for p in PROMPTS]
-        with torch.no_grad():  # each greedy token's log-probability
-            for p, tokens in zip(PROMPTS, refs[name]):
-                logits = model(torch.tensor([p + tokens])).logits[0, len(p) - 1:-1]
-                LOGPROBS[(name, tuple(p))] = (tokens, logits.log_softmax(-1)[range(len(tokens)),
-                                                                              tokens])
+        for p, tokens in zip(PROMPTS, refs[name]):  # each greedy token's log-probability
+            lp = token_logprobs(model, p, tokens)
+            LOGPROBS[(name, tuple(p))] = (tokens, lp[range(len(tokens)), tokens])
     assert len({str(r) for r in refs.values()}) == len(refs), "an adapter changes nothing"
     return base, folders, refs
 
@@ -115,28 +136,6 @@ def test_two_slots_for_three_adapters_and_a_small_cpu_cache(setup):
     assert len(llm.engine.runner.lora.loaded) <= 2
 
 
-def bf16_merged_reference(base, folder, prompt):
-    """The merged model of `folder` with its weights as bfloat16 slots hold them (A, and B
-    with the scale folded in, rounded): its greedy tokens of `prompt` and their logprobs."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32), str(folder))
-    with torch.no_grad():
-        for module in model.modules():
-            if hasattr(module, "lora_A") and "default" in module.lora_A:
-                scale = module.scaling["default"]
-                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
-                a.copy_(a.bfloat16().float())
-                b.copy_((b * scale).bfloat16().float() / scale)
-    model = model.merge_and_unload().eval()
-    tokens = hf_greedy(model, prompt, MAX_TOKENS, None)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
-    return tokens, logits.log_softmax(-1)[range(len(tokens)), tokens]
-
-
 def test_bfloat16_slots_under_a_float32_model(setup):
     """--lora-dtype bfloat16: the slots hold the adapters rounded to bfloat16, and a step
     gives the tokens and logprobs of the merged models of those rounded weights."""
@@ -150,10 +149,12 @@ def test_bfloat16_slots_under_a_float32_model(setup):
                              logprobs=0) for name, _ in jobs]
     outs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for _, i in jobs], params,
                         use_tqdm=False)
+    models = {name: merged_model(base, folder, bf16=True) for name, folder in folders.items()}
     for (name, i), o in zip(jobs, outs):
-        tokens, want = bf16_merged_reference(base, folders[name], PROMPTS[i])
+        tokens = hf_greedy(models[name], PROMPTS[i], MAX_TOKENS, None)
         assert o.outputs[0].token_ids == tokens
         got = torch.tensor([lp.logprob for lp in o.outputs[0].logprobs])
+        want = token_logprobs(models[name], PROMPTS[i], tokens)[range(len(tokens)), tokens]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="lora_dtype"):
         LLM(str(base), dtype="float32", num_kv_blocks=16, lora_dtype="float16",
@@ -164,10 +165,7 @@ def test_a_float16_model_serves_adapters(setup):
     """float16 rows (which the C++ kernels do not take) add the deltas by matmuls: base and
     adapter rows in one batch, each token the merged model's choice or within float16's
     rounding of it (teacher-forced through the float32 merged model)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base, folders, refs = setup
+    base, folders, _ = setup
     llm = LLM(str(base), dtype="float16", num_kv_blocks=96, block_size=4, max_loras=3,
               lora_modules=[f"{n}={p}" for n, p in folders.items()])
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in [None, *folders]]
@@ -175,19 +173,12 @@ def test_a_float16_model_serves_adapters(setup):
               for name, _ in jobs]
     outs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for _, i in jobs], params,
                         use_tqdm=False)
-    for name in [None, *folders]:
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-        if name is not None:
-            model = PeftModel.from_pretrained(model, str(folders[name])).merge_and_unload()
-        for (n, i), o in zip(jobs, outs):
-            if n != name:
-                continue
-            got = o.outputs[0].token_ids
-            assert len(got) == MAX_TOKENS
-            with torch.no_grad():
-                logits = model(torch.tensor([PROMPTS[i] + got])).logits[0, len(PROMPTS[i]) - 1:-1]
-            lp = logits.log_softmax(-1)
-            assert (lp.max(-1).values - lp[range(len(got)), got]).max() < 0.05
+    models = {name: merged_model(base, folders.get(name)) for name in [None, *folders]}
+    for (name, i), o in zip(jobs, outs):
+        got = o.outputs[0].token_ids
+        assert len(got) == MAX_TOKENS
+        lp = token_logprobs(models[name], PROMPTS[i], got)
+        assert (lp.max(-1).values - lp[range(len(got)), got]).max() < 0.05
 
 
 def test_an_unknown_adapter_is_refused_by_name(setup):
@@ -345,11 +336,7 @@ def test_a_prefill_decode_pair_serves_adapters(setup):
 def equals_merged(base, folder):
     """tidal's greedy tokens under the adapter in `folder` equal its merged model's on three
     prompts; returns the adapter as tidal loaded it."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload().eval()
+    merged = merged_model(base, folder)
     want = [hf_greedy(merged, p, MAX_TOKENS, None) for p in PROMPTS[:3]]
     llm = LLM(str(base), dtype="float32", num_kv_blocks=64, lora_modules=[f"it={folder}"])
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora="it")

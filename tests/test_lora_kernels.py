@@ -19,7 +19,7 @@ from tidal.model.lora_slots import LoRABatch
 def case(seed: int, outs: list[int], k: int, rank: int, slots: int, rows: int,
          dtype: torch.dtype, wdtype: torch.dtype | None = None):
     """x, y, A [S, P rank, k], B^T [S, P rank, n] (random everywhere: part p's columns must
-    read its ranks alone), and a batch of every other row with random slots."""
+    read its ranks alone), and a batch of two rows in three with random slots."""
     g = torch.Generator().manual_seed(seed)
     n, parts = sum(outs), len(outs)
     x = torch.randn(rows, k, generator=g).to(dtype)
