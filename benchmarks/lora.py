@@ -103,7 +103,7 @@ def main() -> None:
                 *modules]
         setups += [("vllm base", ["bash", str(script), str(folder), "{port}"], [], ["-"]),
                    (f"vllm {args.adapters} slots", vllm, names, ["uniform", "zipf"])]
-    best: dict[tuple[str, str], tuple] = {}  # (setup, distribution) -> its best run
+    best: dict[tuple[int, str], tuple] = {}  # (setup's index, distribution) -> its best run
     for turn in range(args.repeats):
         for n, (label, cmd, loras, dists) in enumerate(setups):
             port = 8300 + n
@@ -117,8 +117,9 @@ def main() -> None:
                     r = bench(port, args, loras, dist, work / f"{name}-{dist}.json")
                     run = (label, dist, r["output_throughput"], r["median_tpot_ms"],
                            r["median_ttft_ms"], r["completed"])
-                    if run[2] > best.get((label, dist), (0, 0, 0))[2]:
-                        best[(label, dist)] = run
+                    kept = best.get((n, dist))
+                    if kept is None or run[2] > kept[2]:
+                        best[(n, dist)] = run
                     print(f"{label:>16} {dist:>8}: {run[2]:7.1f} tok/s (turn {turn + 1})",
                           flush=True)
             finally:

@@ -96,7 +96,7 @@ class ModelRunner:
                                                    self.dtype, quantization, backend, ext)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
             lora, sched.max_loras, self.arch, self.model, self.dtype, self.device,
-            lora_kernel() if self.on_gpu else cpp and cpp.lora_add, self.decoder)
+            lora_kernel() if self.on_gpu else cpp.lora_add if cpp else None, self.decoder)
         method = speculative.speculative_method if speculative is not None else None
         self.max_guesses = sched.num_speculative_tokens if method else 0
         self.draft: DraftModel | None = None
