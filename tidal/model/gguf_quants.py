@@ -46,6 +46,12 @@ PLANAR = frozenset({QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # 0.26 ms against 0.32, 2048x2048: 1.33 against 1.11), far more against float32 tiles
 # (benchmarks/gguf_kernels.py --crossover, --crossover-dtype)
 MAX_ROWS = 48 if {"avx512_vnni", "avx512bw"} <= cpu_flags() else 16
+# With AVX2 and no AVX-512 VNNI the planar nibble formats take gguf_dot8.h, whose rows share
+# each unpacked block: it beats float32 tiles at every size measured (2048x2048 Q4_1 on a
+# 2-core AMD EPYC, Zen 3: 0.95 ms against 3.63 at 16 rows, 14.8 against 20.9 at 256)
+DOT8 = "avx2" in cpu_flags() and MAX_ROWS == 16
+NIBBLE_MAX_ROWS = 256 if DOT8 else MAX_ROWS
+NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)
 TILE_BYTES = 16 << 20
@@ -167,7 +173,7 @@ class GGUFLinear(nn.Module):
     in_features: the parts' outputs side by side, so a fused q/k/v or gate/up keeps each
     part in the file's format (a Q4_K_M file has Q6_K v beside Q4_K q and k). With the C++
     extension (`projection`, which the C++ decoder shares) steps of at most `max_rows` rows
-    run the integer kernels and larger ones multiply tiles of `tile_rows` dequantized rows
+    (None: the parts' kernels' crossover, MAX_ROWS or NIBBLE_MAX_ROWS) run the integer kernels and larger ones multiply tiles of `tile_rows` dequantized rows
     by the activations rounded as the integer kernels round them: float32 tiles, the same
     sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
     for bf16 inputs on CPUs with AMX, whose bf16 GEMMs run several times faster (serving
@@ -175,7 +181,7 @@ class GGUFLinear(nn.Module):
     Without the extension every step multiplies tiles dequantized by the gguf package."""
 
     def __init__(self, weights: QuantizedWeight | list[QuantizedWeight],
-                 bias: torch.Tensor | None = None, max_rows: int = MAX_ROWS,
+                 bias: torch.Tensor | None = None, max_rows: int | None = None,
                  tile_rows: int | None = None) -> None:
         super().__init__()
         self.parts = [weights] if isinstance(weights, QuantizedWeight) else list(weights)
@@ -189,6 +195,9 @@ class GGUFLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self.tile_rows = tile_rows or min(2048, max(256, TILE_BYTES // (4 * k) // 16 * 16))
         ext = self.parts[0].ext
+        if max_rows is None:  # the crossover of the parts' kernels
+            nibbles = all(w.qtype in NIBBLES and w.planar for w in self.parts)
+            max_rows = NIBBLE_MAX_ROWS if nibbles else MAX_ROWS
         self.max_rows = max_rows if ext is not None else 0
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar) for w in self.parts], self.bias,

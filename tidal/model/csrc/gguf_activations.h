@@ -27,8 +27,8 @@ struct Activations {
   std::vector<int16_t> r;       // each group's d / base
   std::vector<float> base;      // per row, per 8 groups (the last ones of a row: fewer)
   std::vector<float> sum16;     // with k_quants: the sum of each 16 of q, times d
-  std::vector<int8_t> qi;       // with interleaved: q, each 16 groups of a row as 8 x 16 x 4
-                                // (dword i of group l at 64 i + 4 l; gguf_dot32.h)
+  std::vector<int8_t> qi;       // with runs of n groups: q, each n groups of a row as 8 x n x 4
+                                // (dword i of group l at 4 n i + 4 l; gguf_dot32.h, _dot8.h)
 
   int64_t bases_per_row() const { return (k / kGroup + 7) / 8; }
 };
@@ -97,9 +97,9 @@ inline void round_group(const T* v, float inv, int8_t* q, int32_t* sums) {
 }
 
 // rows x k values (k a multiple of 32) rounded to int8 as above (and one group past the end
-// readable); k_quants: with sum16; interleaved: with qi.
+// readable); k_quants: with sum16; run > 0: with qi, interleaved in runs of `run` groups.
 template <typename T>
-Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants, bool interleaved) {
+Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants, int run) {
   const int64_t per_row = k / kGroup, groups = rows * per_row;
   Activations a;
   a.k = k;
@@ -135,15 +135,15 @@ Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants, bool in
       }
     }
   });
-  if (interleaved) {
+  if (run > 0) {
     a.qi.resize(a.q.size());
-    const int64_t runs = per_row / 16;  // whole runs of 16 groups a row
+    const int64_t runs = per_row / run;  // whole runs a row
     at::parallel_for(0, rows * runs, 16, [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s) {
-        const int64_t at = ((s / runs) * per_row + (s % runs) * 16) * kGroup;
+        const int64_t at = ((s / runs) * per_row + (s % runs) * run) * kGroup;
         for (int64_t i = 0; i < 8; ++i)
-          for (int64_t l = 0; l < 16; ++l)
-            std::memcpy(&a.qi[at + 64 * i + 4 * l], &a.q[at + kGroup * l + 4 * i], 4);
+          for (int64_t l = 0; l < run; ++l)
+            std::memcpy(&a.qi[at + 4 * run * i + 4 * l], &a.q[at + kGroup * l + 4 * i], 4);
       }
     });
   }

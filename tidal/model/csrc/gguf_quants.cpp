@@ -7,6 +7,7 @@
 #include "tidal_cpu.h"
 #include "gguf_formats.h"
 #include "gguf_dot32.h"
+#include "gguf_dot8.h"
 #include "gguf_kdot.h"
 
 #include <type_traits>
@@ -18,10 +19,12 @@ namespace {
 using namespace gguf;
 
 constexpr int kMaxRows = 16;          // activation rows sharing each decoded weight group
-#ifdef TIDAL_GGUF_DOT32
-constexpr bool kInterleaved = true;  // dot32 reads x's runs of 16 groups interleaved
+#if defined(TIDAL_GGUF_DOT32)
+constexpr int kRun = 16;  // dot32 reads x's runs of 16 groups interleaved
+#elif defined(TIDAL_GGUF_DOT8)
+constexpr int kRun = 8;  // dot8 of 8
 #else
-constexpr bool kInterleaved = false;
+constexpr int kRun = 0;
 #endif
 constexpr int64_t kTileBytes = 1 << 18;  // weight bytes a task keeps in L2 across row groups
 
@@ -105,6 +108,12 @@ void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_by
 #if defined(TIDAL_GGUF_DOT32)
       if (planar) {
         dot32<F, NR>(a, r0, f, pf, nb, out);
+      } else {
+        dot_avx2<F, NR>(a, r0, f, pf, nb, out);
+      }
+#elif defined(TIDAL_GGUF_DOT8)
+      if (planar && !Unsigned8<F>::kSigned) {
+        dot8<F, NR>(a, r0, f, nb, out);
       } else {
         dot_avx2<F, NR>(a, r0, f, pf, nb, out);
       }
@@ -251,7 +260,7 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g) {
   const int64_t rows = x.size(0), k = x.size(1);
   Tensor xs = at::empty({rows, k}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_tiled", [&] {
-    const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k, false, false);
+    const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k, false, 0);
     float* out = xs.data_ptr<float>();  // x as the integer kernels see it, group by group
     at::parallel_for(0, rows * k / kGroup, 256, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
@@ -313,7 +322,7 @@ Tensor GGUFProjection::operator()(const Tensor& x_in) const {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
     const Activations a =
         quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, k_quants,
-                           kInterleaved && blocks32 && rows > 1);  // one row: no runs
+                           blocks32 && rows > 1 ? kRun : 0);  // one row: no runs
     const Tensor b = bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     int64_t col = 0;
     for (const GGUFPart& p : parts) {

@@ -34,6 +34,11 @@ inline float exp_approx(float x) {
 // Vectors of 16 floats in GCC's vector extension: the compiler picks the widest ISA
 // -march=native offers (AVX-512, or two AVX2 halves), with no intrinsics to port.
 typedef float v16f __attribute__((vector_size(64)));
+#ifdef __AVX512F__
+constexpr bool kWideRegisters = true;  // a v16f is one of 32 registers
+#else
+constexpr bool kWideRegisters = false;  // two of 16 (AVX2)
+#endif
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
@@ -172,14 +177,27 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
   constexpr int kOut = kRegs ? G * NV : 16 * 16;  // groups * nv <= 16 * 16: checked by the caller
   v16f out[kOut];
   std::fill(out, out + groups * nv, v16f{});
-  ctx.each(n, [&](int64_t t, int64_t off) {
-    const T* v = v_cache + off;
-    for (int64_t c = 0; c < nv; ++c) row[c] = load16(v + 16 * c);
-    for (int64_t j = 0; j < groups; ++j) {
-      const float p = scores[j * n + t];
-      for (int64_t c = 0; c < nv; ++c) out[j * nv + c] += p * row[c];
+  if constexpr (kRegs && !kWideRegisters) {
+    // A vector is two of AVX2's 16 registers, too few for G * NV accumulators: V one column
+    // vector at a time, its G accumulators in registers (each sum in the same order).
+    for (int c = 0; c < NV; ++c) {
+      v16f o[G] = {};
+      ctx.each(n, [&](int64_t t, int64_t off) {
+        const v16f v = load16(v_cache + off + 16 * c);
+        for (int j = 0; j < G; ++j) o[j] += scores[j * n + t] * v;
+      });
+      for (int j = 0; j < G; ++j) out[j * NV + c] = o[j];
     }
-  });
+  } else {
+    ctx.each(n, [&](int64_t t, int64_t off) {
+      const T* v = v_cache + off;
+      for (int64_t c = 0; c < nv; ++c) row[c] = load16(v + 16 * c);
+      for (int64_t j = 0; j < groups; ++j) {
+        const float p = scores[j * n + t];
+        for (int64_t c = 0; c < nv; ++c) out[j * nv + c] += p * row[c];
+      }
+    });
+  }
   std::memcpy(acc, out, sizeof(float) * groups * d);
 }
 

@@ -1,0 +1,147 @@
+// The 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), planar, with AVX2 and no AVX-512
+// VNNI: gguf_dot32.h's scheme on 256-bit registers, eight blocks a round. A block's quants
+// as unsigned bytes u (the nibble formats' q; Q8_0's |q|, its sign moved onto x) and
+// y += d_b * dx_b * (u . x) + (m_b - c * d_b) * sum(x_b), c the nibble formats' centre, the
+// sums those of x as rounded. maddubs pairs u8 x s8 products into int16 lanes, which a Q4
+// round sums over all its eight steps before widening to int32 (8 * 2 * 15 * 127 < 2^15),
+// Q5 over four, Q8_0 over one: two instructions a row for 32 weights of eight blocks.
+
+#pragma once
+
+#include "gguf_activations.h"
+#include "gguf_formats.h"
+
+#include <type_traits>
+
+#if defined(TIDAL_GGUF_AVX2) && !defined(TIDAL_GGUF_DOT32)
+#define TIDAL_GGUF_DOT8 1
+
+namespace tidal_cpu {
+namespace gguf {
+
+template <typename F>
+struct Unsigned8 {
+  static constexpr bool kSigned = std::is_same_v<F, Q8_0>;  // |q| against x with q's sign
+  static constexpr int centre() {
+    if constexpr (kSigned) return 0;
+    else return F::kOffset;
+  }
+  static constexpr int sum16() {  // maddubs results an int16 lane sums without overflow
+    if constexpr (kSigned) return 1;
+    else return F::kFiveBits ? 4 : 8;
+  }
+  static constexpr int kCentre = centre(), kSum16 = sum16();
+  // Block b's 32 quants: Q8_0's as signed bytes, the others' unsigned (q + kCentre).
+  static __m256i block(const Field* f, int64_t b) {
+    if constexpr (kSigned) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f[1].at(b)));
+    } else {
+      const __m256i q = nibbles16(f[F::kFields - 1].at(b));
+      if constexpr (F::kFiveBits) return _mm256_or_si256(q, high_bits(u32(f[F::kFields - 2].at(b))));
+      else return q;
+    }
+  }
+  // int16 lanes: sums of two products of the quants q (as `block` gives them) and x.
+  static __m256i pairs(__m256i q, __m256i x) {
+    if constexpr (kSigned) return _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+    else return _mm256_maddubs_epi16(q, x);
+  }
+};
+
+// From P[j] (block j's 32 quants, eight dwords of four) to C[i], whose lane l is dword i of
+// block l: an 8 x 8 transpose of dwords.
+inline void transpose8(const __m256i* P, __m256i* C) {
+  __m256i t[8], s[8];
+  for (int j = 0; j < 4; ++j) {  // t[2j]: dwords 0, 1 | 4, 5 of blocks 2j, 2j + 1; t[2j+1]: 2, 3 | 6, 7
+    t[2 * j] = _mm256_unpacklo_epi32(P[2 * j], P[2 * j + 1]);
+    t[2 * j + 1] = _mm256_unpackhi_epi32(P[2 * j], P[2 * j + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // s[4h + i]: dword i | i + 4 of blocks 4h .. 4h + 3
+    const __m256i* u = t + 4 * h;
+    s[4 * h] = _mm256_unpacklo_epi64(u[0], u[2]);
+    s[4 * h + 1] = _mm256_unpackhi_epi64(u[0], u[2]);
+    s[4 * h + 2] = _mm256_unpacklo_epi64(u[1], u[3]);
+    s[4 * h + 3] = _mm256_unpackhi_epi64(u[1], u[3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    C[i] = _mm256_permute2x128_si256(s[i], s[4 + i], 0x20);
+    C[i + 4] = _mm256_permute2x128_si256(s[i], s[4 + i], 0x31);
+  }
+}
+
+// Lane l: the sum of v[l]'s eight lanes, the integer the transposed path's lane l holds.
+inline __m256i reduce8(const __m256i* v) {
+  // a: the sums of v[0..3]'s low halves | of their high halves; b: the same for v[4..7]
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// One planar row's blocks against NR activation rows; adds each dot product to out[r].
+// Eight blocks a round, unpacked once: with more than one row transposed (above) against x
+// interleaved the same way (Activations::qi, runs of 8 groups); one row, and the last
+// blocks of a row (nb % 8), take x as it lies, a block at a time, and sum each block's
+// lanes (reduce8). Either way a block's integer and every float operation after it are the
+// same, so a row's result does not depend on the rows beside it in the step. No software
+// prefetch: the hardware's keeps up here, and prefetcht2 slowed SmolLM2's decode step from
+// 12.9 to 17.6 ms on a 2-core AMD EPYC (Zen 3).
+template <typename F, int NR>
+inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, float* out) {
+  using U = Unsigned8<F>;
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi16(1);
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, nb - b0));
+    // lanes 0 .. n - 1 (a planar field's 16 bytes are readable: the row's quants follow it)
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const auto halves = [&](int field) {  // the blocks' float16 fields as floats, 0 past n
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f[field].at(b0)));
+      return _mm256_and_ps(_mm256_cvtph_ps(h), valid);
+    };
+    const __m256 d = halves(0);
+    const __m256 off = _mm256_fnmadd_ps(_mm256_set1_ps(U::kCentre), d,
+                                        F::kMin ? halves(1) : _mm256_setzero_ps());
+    __m256i P[8];
+    for (int j = 0; j < 8; ++j) P[j] = j < n ? U::block(f, b0 + j) : zero;
+    if (NR > 4 && n == 8) {
+      __m256i C[8];
+      transpose8(P, C);
+      for (int r = 0; r < NR; ++r) {
+        const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + 7, interleaved
+        const int8_t* x = &a.qi[g * kGroup];
+        __m256i sum = zero, part = zero;
+        for (int i = 0; i < 8; ++i) {
+          part = _mm256_add_epi16(part, U::pairs(C[i], _mm256_loadu_si256(
+                                                           reinterpret_cast<const __m256i*>(x + 32 * i))));
+          if ((i + 1) % U::kSum16 == 0) {
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(part, ones));
+            part = zero;
+          }
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_loadu_ps(&a.d[g])),
+                                 _mm256_fmadd_ps(off, _mm256_loadu_ps(&a.sum32[g]), acc[r]));
+      }
+    } else {
+      for (int r = 0; r < NR; ++r) {
+        const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + n - 1 as they lie
+        __m256i v[8];
+        for (int j = 0; j < 8; ++j)
+          v[j] = j < n ? _mm256_madd_epi16(U::pairs(P[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                              &a.q[(g + j) * kGroup]))), ones)
+                       : zero;
+        // lanes past n: d and off are 0 there (a.d and a.sum32 are readable 8 past the end)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(v)),
+                                 _mm256_mul_ps(d, _mm256_loadu_ps(&a.d[g])),
+                                 _mm256_fmadd_ps(off, _mm256_loadu_ps(&a.sum32[g]), acc[r]));
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] += hsum(acc[r]);
+}
+
+}  // namespace gguf
+}  // namespace tidal_cpu
+#endif
