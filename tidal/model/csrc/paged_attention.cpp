@@ -202,7 +202,7 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
 }
 
 // attend_vec with NV and, where the queries and accumulators fit in registers (G * NV <= 24
-// of the 32 vector registers), G fixed.
+// of AVX-512's 32 vector registers; with AVX2's 16, the V pass's G of a column), G fixed.
 template <typename T, int NV>
 void attend_nv(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
                int64_t groups, int64_t d, float* scores, float* acc, v16f* part) {
