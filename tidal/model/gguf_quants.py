@@ -45,12 +45,12 @@ PLANAR = frozenset({QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # with it ~40-64 by shape for bf16 activations on AMX (SmolLM2's 576x1536 Q4_1 at 48 rows:
 # 0.26 ms against 0.32, 2048x2048: 1.33 against 1.11), far more against float32 tiles
 # (benchmarks/gguf_kernels.py --crossover, --crossover-dtype)
-MAX_ROWS = 48 if {"avx512_vnni", "avx512bw"} <= cpu_flags() else 16
+VNNI = {"avx512_vnni", "avx512bw"} <= cpu_flags()
+MAX_ROWS = 48 if VNNI else 16
 # With AVX2 and no AVX-512 VNNI the planar nibble formats take gguf_dot8.h, whose rows share
 # each unpacked block: it beats float32 tiles at every size measured (2048x2048 Q4_1 on a
 # 2-core AMD EPYC, Zen 3: 0.95 ms against 3.63 at 16 rows, 14.8 against 20.9 at 256)
-DOT8 = "avx2" in cpu_flags() and MAX_ROWS == 16
-NIBBLE_MAX_ROWS = 256 if DOT8 else MAX_ROWS
+NIBBLE_MAX_ROWS = 256 if "avx2" in cpu_flags() and not VNNI else MAX_ROWS
 NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)

@@ -19,6 +19,9 @@
 namespace tidal_cpu {
 namespace gguf {
 
+// Rows from which dot8 transposes a round (below, one block a product is cheaper).
+constexpr int kDot8TransposeRows = 5;
+
 template <typename F>
 struct Unsigned8 {
   static constexpr bool kSigned = std::is_same_v<F, Q8_0>;  // |q| against x with q's sign
@@ -79,9 +82,9 @@ inline __m256i reduce8(const __m256i* v) {
 }
 
 // One planar row's blocks against NR activation rows; adds each dot product to out[r].
-// Eight blocks a round, unpacked once: with more than one row transposed (above) against x
-// interleaved the same way (Activations::qi, runs of 8 groups); one row, and the last
-// blocks of a row (nb % 8), take x as it lies, a block at a time, and sum each block's
+// Eight blocks a round, unpacked once: from kDot8TransposeRows rows on transposed (above)
+// against x interleaved the same way (Activations::qi, runs of 8 groups); fewer rows, and the
+// last blocks of a row (nb % 8), take x as it lies, a block at a time, and sum each block's
 // lanes (reduce8). Either way a block's integer and every float operation after it are the
 // same, so a row's result does not depend on the rows beside it in the step. No software
 // prefetch: the hardware's keeps up here, and prefetcht2 slowed SmolLM2's decode step from
@@ -106,7 +109,7 @@ inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, f
                                         F::kMin ? halves(1) : _mm256_setzero_ps());
     __m256i P[8];
     for (int j = 0; j < 8; ++j) P[j] = j < n ? U::block(f, b0 + j) : zero;
-    if (NR > 4 && n == 8) {
+    if (NR >= kDot8TransposeRows && n == 8) {
       __m256i C[8];
       transpose8(P, C);
       for (int r = 0; r < NR; ++r) {

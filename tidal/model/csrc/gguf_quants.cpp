@@ -19,12 +19,13 @@ namespace {
 using namespace gguf;
 
 constexpr int kMaxRows = 16;          // activation rows sharing each decoded weight group
+// x interleaved in runs of kRun groups, for steps of at least kRunRows rows
 #if defined(TIDAL_GGUF_DOT32)
-constexpr int kRun = 16;  // dot32 reads x's runs of 16 groups interleaved
+constexpr int kRun = 16, kRunRows = 2;
 #elif defined(TIDAL_GGUF_DOT8)
-constexpr int kRun = 8;  // dot8 of 8
+constexpr int kRun = 8, kRunRows = kDot8TransposeRows;
 #else
-constexpr int kRun = 0;
+constexpr int kRun = 0, kRunRows = 1;
 #endif
 constexpr int64_t kTileBytes = 1 << 18;  // weight bytes a task keeps in L2 across row groups
 
@@ -322,7 +323,7 @@ Tensor GGUFProjection::operator()(const Tensor& x_in) const {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
     const Activations a =
         quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, k_quants,
-                           blocks32 && rows > 1 ? kRun : 0);  // one row: no runs
+                           blocks32 && rows >= kRunRows ? kRun : 0);
     const Tensor b = bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     int64_t col = 0;
     for (const GGUFPart& p : parts) {
