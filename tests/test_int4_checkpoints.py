@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 from model_fixtures import small_folder
 from tidal import LLM, SamplingParams
 from tidal.model.config import ModelArch, UnsupportedModelError
+from tidal.model import gguf_quants
 from tidal.model.gguf_quants import MAX_ROWS, GGUFLinear
 from tidal.model.int4_checkpoint import AWQ_ORDER, unpack_awq, unpack_gptq
 
@@ -146,11 +147,13 @@ def generate(folder: Path, rounded: bool = False):
 
 @pytest.mark.parametrize("method,group,sym", [("gptq", 128, True), ("gptq", 32, False),
                                               ("awq", 64, False), ("awq", 128, True)])
-def test_checkpoint_runs_as_its_dequantized_model(tmp_path, method, group, sym):
+def test_checkpoint_runs_as_its_dequantized_model(tmp_path, monkeypatch, method, group, sym):
     """The checkpoint computes what its dequantized weights compute densely from the inputs
     the kernels see (int8-rounded per 32): the same greedy tokens (C++ decoder, integer
-    kernels) and the same logprobs over a prompt longer than MAX_ROWS (tiles).
+    kernels) and the same logprobs over a prompt longer than MAX_ROWS (tiles; also for its
+    Q4_0 / Q5_0, whose integer kernels may otherwise take more rows).
     Wrong unpacking misses by whole units."""
+    monkeypatch.setattr(gguf_quants, "NIBBLE_MAX_ROWS", MAX_ROWS)
     folder, dense = checkpoint(tmp_path, method, group, sym)
     llm, got_tokens, got = generate(folder)
     _, want_tokens, want = generate(dense, rounded=True)
