@@ -1,10 +1,11 @@
-// The 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), planar, with AVX2 and no AVX-512
-// VNNI: gguf_dot32.h's scheme on 256-bit registers, eight blocks a round. A block's quants
-// as unsigned bytes u (the nibble formats' q; Q8_0's |q|, its sign moved onto x) and
-// y += d_b * dx_b * (u . x) + (m_b - c * d_b) * sum(x_b), c the nibble formats' centre, the
-// sums those of x as rounded. maddubs pairs u8 x s8 products into int16 lanes, which a Q4
-// round sums over all its eight steps before widening to int32 (8 * 2 * 15 * 127 < 2^15),
-// Q5 over four, Q8_0 over one: two instructions a row for 32 weights of eight blocks.
+// The nibble formats (Q4_0, Q4_1, Q5_0, Q5_1), planar, with AVX2 and no AVX-512 VNNI:
+// gguf_dot32.h's scheme on 256-bit registers, eight blocks a round. A block's quants as the
+// unsigned bytes u = q and y += d_b * dx_b * (u . x) + (m_b - c * d_b) * sum(x_b), c the _0
+// formats' centre, the sums those of x as rounded. maddubs pairs u8 x s8 products into
+// int16 lanes, which a Q4 round sums over all its eight steps before widening to int32
+// (8 * 2 * 15 * 127 < 2^15), Q5 over four: two instructions a row for 32 weights of eight
+// blocks. Q8_0 keeps the per-block kernel: its |q| x x pairs fill an int16 lane at once, and
+// transposing a round then cost more than it saved (1.1-1.6x slower at 2-8 rows).
 
 #pragma once
 
@@ -23,31 +24,14 @@ namespace gguf {
 constexpr int kDot8TransposeRows = 5;
 
 template <typename F>
-struct Unsigned8 {
-  static constexpr bool kSigned = std::is_same_v<F, Q8_0>;  // |q| against x with q's sign
-  static constexpr int centre() {
-    if constexpr (kSigned) return 0;
-    else return F::kOffset;
-  }
-  static constexpr int sum16() {  // maddubs results an int16 lane sums without overflow
-    if constexpr (kSigned) return 1;
-    else return F::kFiveBits ? 4 : 8;
-  }
-  static constexpr int kCentre = centre(), kSum16 = sum16();
-  // Block b's 32 quants: Q8_0's as signed bytes, the others' unsigned (q + kCentre).
+struct Nibbles8 {
+  static constexpr int kCentre = F::kOffset;
+  static constexpr int kSum16 = F::kFiveBits ? 4 : 8;  // steps an int16 lane sums safely
+  // Block b's 32 quants as unsigned bytes.
   static __m256i block(const Field* f, int64_t b) {
-    if constexpr (kSigned) {
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f[1].at(b)));
-    } else {
-      const __m256i q = nibbles16(f[F::kFields - 1].at(b));
-      if constexpr (F::kFiveBits) return _mm256_or_si256(q, high_bits(u32(f[F::kFields - 2].at(b))));
-      else return q;
-    }
-  }
-  // int16 lanes: sums of two products of the quants q (as `block` gives them) and x.
-  static __m256i pairs(__m256i q, __m256i x) {
-    if constexpr (kSigned) return _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
-    else return _mm256_maddubs_epi16(q, x);
+    const __m256i q = nibbles16(f[F::kFields - 1].at(b));
+    if constexpr (F::kFiveBits) return _mm256_or_si256(q, high_bits(u32(f[F::kFields - 2].at(b))));
+    else return q;
   }
 };
 
@@ -91,7 +75,7 @@ inline __m256i reduce8(const __m256i* v) {
 // 12.9 to 17.6 ms on a 2-core AMD EPYC (Zen 3).
 template <typename F, int NR>
 inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, float* out) {
-  using U = Unsigned8<F>;
+  using U = Nibbles8<F>;
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi16(1);
@@ -117,7 +101,7 @@ inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, f
         const int8_t* x = &a.qi[g * kGroup];
         __m256i sum = zero, part = zero;
         for (int i = 0; i < 8; ++i) {
-          part = _mm256_add_epi16(part, U::pairs(C[i], _mm256_loadu_si256(
+          part = _mm256_add_epi16(part, _mm256_maddubs_epi16(C[i], _mm256_loadu_si256(
                                                            reinterpret_cast<const __m256i*>(x + 32 * i))));
           if ((i + 1) % U::kSum16 == 0) {
             sum = _mm256_add_epi32(sum, _mm256_madd_epi16(part, ones));
@@ -132,7 +116,7 @@ inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, f
         const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + n - 1 as they lie
         __m256i v[8];
         for (int j = 0; j < 8; ++j)
-          v[j] = j < n ? _mm256_madd_epi16(U::pairs(P[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          v[j] = j < n ? _mm256_madd_epi16(_mm256_maddubs_epi16(P[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
                                                               &a.q[(g + j) * kGroup]))), ones)
                        : zero;
         // lanes past n: d and off are 0 there (a.d and a.sum32 are readable 8 past the end)

@@ -113,7 +113,9 @@ void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_by
         dot_avx2<F, NR>(a, r0, f, pf, nb, out);
       }
 #elif defined(TIDAL_GGUF_DOT8)
-      if (planar && !Unsigned8<F>::kSigned) {
+      if constexpr (std::is_same_v<F, Q8_0>) {  // gguf_dot8.h takes the nibble formats
+        dot_avx2<F, NR>(a, r0, f, pf, nb, out);
+      } else if (planar) {
         dot8<F, NR>(a, r0, f, nb, out);
       } else {
         dot_avx2<F, NR>(a, r0, f, pf, nb, out);
