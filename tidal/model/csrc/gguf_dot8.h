@@ -91,6 +91,12 @@ inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, f
     const __m256 d = halves(0);
     const __m256 off = _mm256_fnmadd_ps(_mm256_set1_ps(U::kCentre), d,
                                         F::kMin ? halves(1) : _mm256_setzero_ps());
+    // row r's blocks' integers (lane l: block b0 + l) scaled into its accumulator, alike on
+    // both paths below (a.d and a.sum32 are readable 8 past the end; d, off are 0 past n)
+    const auto scale = [&](int r, int64_t g, __m256i sum) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_loadu_ps(&a.d[g])),
+                               _mm256_fmadd_ps(off, _mm256_loadu_ps(&a.sum32[g]), acc[r]));
+    };
     __m256i P[8];
     for (int j = 0; j < 8; ++j) P[j] = j < n ? U::block(f, b0 + j) : zero;
     if (NR >= kDot8TransposeRows && n == 8) {
@@ -108,8 +114,7 @@ inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, f
             part = zero;
           }
         }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_loadu_ps(&a.d[g])),
-                                 _mm256_fmadd_ps(off, _mm256_loadu_ps(&a.sum32[g]), acc[r]));
+        scale(r, g, sum);
       }
     } else {
       for (int r = 0; r < NR; ++r) {
@@ -119,10 +124,7 @@ inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, f
           v[j] = j < n ? _mm256_madd_epi16(_mm256_maddubs_epi16(P[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
                                                               &a.q[(g + j) * kGroup]))), ones)
                        : zero;
-        // lanes past n: d and off are 0 there (a.d and a.sum32 are readable 8 past the end)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(v)),
-                                 _mm256_mul_ps(d, _mm256_loadu_ps(&a.d[g])),
-                                 _mm256_fmadd_ps(off, _mm256_loadu_ps(&a.sum32[g]), acc[r]));
+        scale(r, g, reduce8(v));
       }
     }
   }
