@@ -46,8 +46,15 @@ def variant(request, tmp_path_factory):
                 build_directory=str(tmp_path_factory.mktemp(march)), verbose=False)
 
 
+def weight(ext, raw: np.ndarray, qtype, shape, planar: bool) -> QuantizedWeight:
+    """The weight in the layout `ext`'s build reads (planar nibble quants in rounds or not)."""
+    return QuantizedWeight("w", raw, qtype, shape, planar, use_extension=False,
+                           rounds=ext.gguf_nibble_rounds)
+
+
 def linear(ext, w: QuantizedWeight, x: np.ndarray) -> np.ndarray:
-    y = ext.gguf_linear(torch.from_numpy(x).float(), w.data, int(w.qtype), w.planar, None)
+    y = ext.gguf_linear(torch.from_numpy(x).float(), w.data, int(w.qtype), w.planar, None,
+                        rounds=w.rounds)
     return y.double().numpy()
 
 
@@ -57,16 +64,16 @@ def test_each_build_equals_the_native_one_and_gguf(variant, qtype, planar):
     rng = np.random.default_rng(int(qtype) + 100 * planar)
     n, k = 37, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 19)
     raw = weight_bytes(qtype, n, k, rng, random=True)
-    w = QuantizedWeight("w", raw, qtype, (n, k), planar, use_extension=False)
+    w, w_native = (weight(e, raw, qtype, (n, k), planar) for e in (variant, NATIVE))
     ref = dequantized(raw, qtype)
     for rows in range(1, 10):
         x = exact_x(rows, k, rng)  # int8 rounding leaves it as it is: products exact
-        got, native = linear(variant, w, x), linear(NATIVE, w, x)
+        got, native = linear(variant, w, x), linear(NATIVE, w_native, x)
         bound = np.abs(x) @ np.abs(ref).T
         assert np.all(np.abs(got - x @ ref.T) <= 1e-5 * bound + 1e-30), rows
         assert np.all(np.abs(got - native) <= 1e-5 * bound + 1e-30), rows
         gauss = rng.standard_normal((rows, k)).astype(np.float32)
-        got, native = linear(variant, w, gauss), linear(NATIVE, w, gauss)
+        got, native = linear(variant, w, gauss), linear(NATIVE, w_native, gauss)
         bound = np.abs(gauss) @ np.abs(ref).T
         assert np.all(np.abs(got - native) <= 1e-5 * bound + 1e-30), rows
         rms, worst = relative_errors(got, gauss.astype(np.float64) @ ref.T)

@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.model import cpu_decode
-from tidal.model.gguf_quants import (BLOCK_FIELDS, GGUFLinear, QuantizedWeight, _from_planes,
-                                     _to_planes)
+from tidal.model.gguf_quants import (BLOCK_FIELDS, NIBBLES, GGUFLinear, QuantizedWeight,
+                                     _from_planes, _to_planes)
 
 EXT = cpu_decode.extension()
 needs_ext = pytest.mark.skipif(EXT is None, reason="needs tidal's C++ extension")
@@ -248,14 +248,40 @@ def test_a_row_that_is_no_whole_number_of_blocks_is_refused():
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_repacked_bytes_stay_the_files_and_planes_round_trip(qtype):
     rng = np.random.default_rng(8)
-    n, k = 7, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 9)
+    n, k = 7, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 19)
     raw = weight_bytes(qtype, n, k, rng, random=True)
     planar = QuantizedWeight("w", raw, qtype, (n, k), planar=True, use_extension=False)
     assert planar.nbytes <= 1.1 * raw.nbytes and planar.nbytes == raw.nbytes
-    rows = torch.from_numpy(raw)
-    assert torch.equal(_from_planes(_to_planes(rows, BLOCK_FIELDS[qtype]), BLOCK_FIELDS[qtype]),
-                       rows)
+    rows, sizes = torch.from_numpy(raw), BLOCK_FIELDS[qtype]
     assert not torch.equal(planar.data, rows)  # the fields did move
+    plain = _to_planes(rows, sizes)
+    assert torch.equal(_from_planes(plain, sizes), rows)
+    if qtype not in NIBBLES:
+        return
+    rounds = _to_planes(rows, sizes, rounds=True)
+    assert torch.equal(_from_planes(rounds, sizes, rounds=True), rows)
+    # rounds move only the quants of whole runs of 8 blocks (19 blocks: two runs and 3 more)
+    quants = slice(rows.shape[1] - 16 * 19, None)
+    assert torch.equal(rounds[:, :quants.start], plain[:, :quants.start])
+    moved = ~torch.eq(rounds[:, quants], plain[:, quants]).view(n, 19, 16).all(-1).all(0)
+    assert moved[:16].any() and not moved[16:].any()
+    # dword i of block l at 32 i + 4 l: block 9's (the second run's block 1) dword 2
+    assert torch.equal(rounds[:, quants][:, 128 + 64 + 4:128 + 64 + 8],
+                       plain[:, quants][:, 16 * 9 + 8:16 * 9 + 12])
+
+
+@pytest.mark.skipif(cpu_decode.extension() is None, reason="needs tidal's C++ extension")
+def test_a_part_in_the_other_layout_is_refused():
+    """Quants in rounds (or not) where this build reads the other order: a clear error, not
+    wrong numbers."""
+    ext = cpu_decode.extension()
+    raw = weight_bytes(QT.Q4_1, 4, 256, np.random.default_rng(3), random=True)
+    w = QuantizedWeight("w", raw, QT.Q4_1, (4, 256), planar=True,
+                        rounds=not ext.gguf_nibble_rounds)
+    with pytest.raises(RuntimeError, match="rounds"):
+        ext.gguf_linear(torch.ones(1, 256), w.data, int(w.qtype), True, None, rounds=w.rounds)
+    with pytest.raises(RuntimeError, match="rounds"):
+        GGUFLinear(w)
 
 
 def test_a_memory_mapped_file_is_used_in_place(tmp_path):

@@ -71,7 +71,7 @@ def build_decoder(model: nn.Module):
     embed = model.embed_tokens
     if isinstance(embed, GGUFEmbedding) and embed.quantized is not None:
         q = embed.quantized
-        embed_args = (None, ext.GGUFPart(q.data, int(q.qtype), q.planar))
+        embed_args = (None, ext.GGUFPart(q.data, int(q.qtype), q.planar, q.rounds))
     else:
         embed_args = (embed.table if isinstance(embed, GGUFEmbedding) else embed.weight, None)
     decoder = ext.Decoder(*embed_args, model.norm.weight, projections[0],

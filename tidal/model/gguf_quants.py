@@ -49,8 +49,12 @@ VNNI = {"avx512_vnni", "avx512bw"} <= cpu_flags()
 MAX_ROWS = 48 if VNNI else 16
 # With AVX2 and no AVX-512 VNNI the planar nibble formats take gguf_dot8.h, whose rows share
 # each unpacked block: it beats float32 tiles at every size measured (2048x2048 Q4_1 on a
-# 2-core AMD EPYC, Zen 3: 0.95 ms against 3.63 at 16 rows, 14.8 against 20.9 at 256)
-NIBBLE_MAX_ROWS = 256 if "avx2" in cpu_flags() and not VNNI else MAX_ROWS
+# 2-core AMD EPYC, Zen 3: 0.95 ms against 3.63 at 16 rows, 14.8 against 20.9 at 256). Its
+# builds read the quants of those formats' planar rows in rounds of 8 blocks (NIBBLE_ROUNDS;
+# csrc/gguf_formats.h), the order the kernel multiplies them in.
+DOT8 = {"avx2", "fma", "f16c"} <= cpu_flags() and not VNNI
+NIBBLE_MAX_ROWS = 256 if DOT8 else MAX_ROWS
+NIBBLE_ROUNDS = DOT8
 NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)
@@ -65,13 +69,14 @@ class QuantizedWeight:
     `arena`, a WeightArena its blocks are copied into). With `planar` (None: for the
     formats in PLANAR) each row is repacked so each block field (scales, quants, high bits)
     lies in a plane of its own: contiguous quants and aligned scales for the kernels, in
-    exactly the file's bytes (`nbytes`), never floats. A type outside SUPPORTED raises
-    ValueError naming the tensor and its type.
+    exactly the file's bytes (`nbytes`), never floats; `rounds` (None: NIBBLE_ROUNDS, what
+    this CPU's kernels read) lays a planar nibble format's quants in rounds of 8 blocks. A
+    type outside SUPPORTED raises ValueError naming the tensor and its type.
     """
 
     def __init__(self, name: str, data: Any, qtype: int | QT, shape: tuple[int, int],
                  planar: bool | None = None, use_extension: bool = True,
-                 arena: WeightArena | None = None) -> None:
+                 arena: WeightArena | None = None, rounds: bool | None = None) -> None:
         try:
             qtype = QT(qtype)
         except ValueError:
@@ -91,13 +96,15 @@ class QuantizedWeight:
         self.name, self.qtype, self.shape = name, qtype, (n, k)
         self.ext = extension() if use_extension else None
         self.planar = qtype in BLOCK_FIELDS and (qtype in PLANAR if planar is None else planar)
+        self.rounds = self.planar and qtype in NIBBLES and (
+            NIBBLE_ROUNDS if rounds is None else rounds)
         rows = raw.view(n, -1)
         if qtype in FLOAT_TYPES:
             self.data = rows.view(FLOAT_TYPES[qtype])
             return
         out = None if arena is None else arena.empty(rows.numel()).view(rows.shape)
         if self.planar:
-            self.data = _to_planes(rows, BLOCK_FIELDS[qtype], out)
+            self.data = _to_planes(rows, BLOCK_FIELDS[qtype], out, self.rounds)
         else:
             self.data = rows if out is None else out.copy_(rows)
 
@@ -118,11 +125,12 @@ class QuantizedWeight:
             return self.data[ids].to(dtype)
         if self.ext is not None and dtype in (torch.float32, torch.bfloat16):
             out = torch.empty(len(ids), self.shape[1], dtype=dtype)
-            self.ext.gguf_get_rows(self.data, int(self.qtype), self.planar, ids, out)
+            self.ext.gguf_get_rows(self.data, int(self.qtype), self.planar, ids, out,
+                                   rounds=self.rounds)
             return out
         blocks = self.data[ids]
         if self.planar:
-            blocks = _from_planes(blocks, BLOCK_FIELDS[self.qtype])
+            blocks = _from_planes(blocks, BLOCK_FIELDS[self.qtype], self.rounds)
         return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), self.qtype)).to(dtype)
 
     def __repr__(self) -> str:
@@ -139,33 +147,59 @@ def _as_bytes(data: Any) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
-def _to_planes(rows: torch.Tensor, sizes: tuple[int, ...],
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def _to_planes(rows: torch.Tensor, sizes: tuple[int, ...], out: torch.Tensor | None = None,
+               rounds: bool = False) -> torch.Tensor:
     """[n, blocks * block_bytes] as the file holds them -> each field in a plane of the row
     (the planes in field order; into `out` if given), one strided copy a field and no
-    temporaries."""
+    temporaries; with `rounds` the last field (a nibble format's quants) in rounds."""
     n, block_bytes = rows.shape[0], sum(sizes)
     blocks = rows.view(n, -1, block_bytes)
     nb = blocks.shape[1]
     out = torch.empty_like(rows) if out is None else out
-    at = 0
-    for size in sizes:
-        field_at = at // nb
-        out[:, at:at + nb * size].view(n, nb, size).copy_(blocks[:, :, field_at:field_at + size])
-        at += nb * size
+    for field, plane, last in _fields(blocks, out, sizes):
+        if rounds and last:
+            _round_pairs(field, plane, nb, to_plane=True)
+        else:
+            plane.copy_(field)
     return out
 
 
-def _from_planes(rows: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+def _from_planes(rows: torch.Tensor, sizes: tuple[int, ...], rounds: bool = False) -> torch.Tensor:
     """The inverse of _to_planes: rows back in the file's block layout."""
     n, block_bytes = rows.shape[0], sum(sizes)
     nb = rows.shape[1] // block_bytes
     out = torch.empty(n, nb, block_bytes, dtype=torch.uint8)
-    at = 0
-    for size in sizes:
-        out[:, :, at // nb:at // nb + size] = rows[:, at:at + nb * size].reshape(n, nb, size)
-        at += nb * size
+    for field, plane, last in _fields(out, rows.contiguous(), sizes):
+        if rounds and last:
+            _round_pairs(field, plane, nb, to_plane=False)
+        else:
+            field.copy_(plane)
     return out.view(n, -1)
+
+
+def _fields(blocks: torch.Tensor, planes: torch.Tensor, sizes: tuple[int, ...]):
+    """Each field as (its bytes in blocks [n, nb, block_bytes], its plane as [n, nb, size],
+    whether it is the last)."""
+    n, nb = blocks.shape[:2]
+    at = 0
+    for i, size in enumerate(sizes):
+        yield (blocks[:, :, at // nb:at // nb + size],
+               planes[:, at:at + nb * size].view(n, nb, size), i == len(sizes) - 1)
+        at += nb * size
+
+
+def _round_pairs(field: torch.Tensor, plane: torch.Tensor, nb: int, to_plane: bool) -> None:
+    """Copies 16-byte quants between the file's block order and the plane's rounds: each
+    whole 8 blocks' dword i of block l at 32 i + 4 l; the last nb % 8 blocks as they are."""
+    n, whole = field.shape[0], nb // 8 * 8
+    blocks = field[:, :whole].view(n, nb // 8, 8, 4, 4)  # [round, block, dword, byte]
+    rounds = plane[:, :whole].view(n, nb // 8, 4, 8, 4)  # [round, dword, block, byte]
+    if to_plane:
+        rounds.copy_(blocks.transpose(2, 3))
+        plane[:, whole:].copy_(field[:, whole:])
+    else:
+        blocks.copy_(rounds.transpose(2, 3))
+        field[:, whole:].copy_(plane[:, whole:])
 
 
 class GGUFLinear(nn.Module):
@@ -200,7 +234,8 @@ class GGUFLinear(nn.Module):
             max_rows = NIBBLE_MAX_ROWS if nibbles else MAX_ROWS
         self.max_rows = max_rows if ext is not None else 0
         self.projection = None if ext is None else ext.GGUFProjection(
-            [ext.GGUFPart(w.data, int(w.qtype), w.planar) for w in self.parts], self.bias,
+            [ext.GGUFPart(w.data, int(w.qtype), w.planar, w.rounds) for w in self.parts],
+            self.bias,
             self.max_rows, self.tile_rows, "amx_bf16" in cpu_flags())
 
     @property

@@ -152,7 +152,7 @@ class Decoder {
       h = embed_.index_select(0, ids).contiguous();
     } else {
       h = at::empty({rows, hid}, final_norm_.options());
-      gguf_get_rows(embed_gguf_.data, embed_gguf_.type, embed_gguf_.planar, ids, h);
+      gguf_get_rows(embed_gguf_, ids, h);
     }
     Tensor x = at::empty_like(h);
     Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
@@ -242,9 +242,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("__call__", &Linear::operator());
   py::class_<GGUFPart>(m, "GGUFPart", py::module_local())
-      .def(py::init([](Tensor data, int64_t type, bool planar) {
-             return GGUFPart{data, type, planar};
-           }), py::arg("data"), py::arg("type"), py::arg("planar"));
+      .def(py::init([](Tensor data, int64_t type, bool planar, bool rounds) {
+             return GGUFPart{data, type, planar, rounds};
+           }), py::arg("data"), py::arg("type"), py::arg("planar"), py::arg("rounds") = false);
   py::class_<GGUFProjection, std::shared_ptr<GGUFProjection>>(m, "GGUFProjection",
                                                           py::module_local())
       .def(py::init([](std::vector<GGUFPart> parts, c10::optional<Tensor> bias, int64_t max_rows,
@@ -288,10 +288,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, py::arg("x"), py::arg("q4"), py::arg("scale_min"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("gguf_linear", [](Tensor x, Tensor w, int64_t type, bool planar,
-                          c10::optional<Tensor> bias) {
-    return gguf_linear(x, w, type, planar, bias.value_or(Tensor()));
+                          c10::optional<Tensor> bias, bool rounds) {
+    return gguf_linear(x, GGUFPart{w, type, planar, rounds}, bias.value_or(Tensor()));
   }, py::arg("x"), py::arg("w"), py::arg("type"), py::arg("planar"),
-        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("gguf_get_rows", &gguf_get_rows, py::arg("w"), py::arg("type"), py::arg("planar"),
-        py::arg("ids"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+        py::arg("bias") = py::none(), py::arg("rounds") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_get_rows", [](Tensor w, int64_t type, bool planar, Tensor ids, Tensor out,
+                            bool rounds) {
+    gguf_get_rows(GGUFPart{w, type, planar, rounds}, ids, out);
+  }, py::arg("w"), py::arg("type"), py::arg("planar"), py::arg("ids"), py::arg("out"),
+        py::arg("rounds") = false, py::call_guard<py::gil_scoped_release>());
+  m.attr("gguf_nibble_rounds") = gguf_nibble_rounds();
 }

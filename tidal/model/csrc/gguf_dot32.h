@@ -11,9 +11,7 @@
 
 #include <type_traits>
 
-#if defined(TIDAL_GGUF_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512VNNI__)
-#define TIDAL_GGUF_DOT32 1
+#ifdef TIDAL_GGUF_DOT32  // (gguf_formats.h: AVX-512 VNNI)
 
 namespace tidal_cpu {
 namespace gguf {

@@ -1,11 +1,13 @@
 // The nibble formats (Q4_0, Q4_1, Q5_0, Q5_1), planar, with AVX2 and no AVX-512 VNNI:
 // gguf_dot32.h's scheme on 256-bit registers, eight blocks a round. A block's quants as the
 // unsigned bytes u = q and y += d_b * dx_b * (u . x) + (m_b - c * d_b) * sum(x_b), c the _0
-// formats' centre, the sums those of x as rounded. maddubs pairs u8 x s8 products into
-// int16 lanes, which a Q4 round sums over all its eight steps before widening to int32
-// (8 * 2 * 15 * 127 < 2^15), Q5 over four: two instructions a row for 32 weights of eight
-// blocks. Q8_0 keeps the per-block kernel: its |q| x x pairs fill an int16 lane at once, and
-// transposing a round then cost more than it saved (1.1-1.6x slower at 2-8 rows).
+// formats' centre, the sums those of x as rounded. The quants lie in rounds (kNibbleRounds,
+// gguf_formats.h), so a round's four loads unpack into C[i], lane l dword i of block l, once
+// for all rows, against x interleaved the same way (Activations::qi, runs of 8 groups).
+// maddubs pairs u8 x s8 products into int16 lanes, which a Q4 round sums over all its eight
+// steps before widening to int32 (8 * 2 * 15 * 127 < 2^15), Q5 over four: two instructions
+// a row for 32 weights of eight blocks. Q8_0 keeps the per-block kernel: its |q| x x pairs
+// fill an int16 lane at once.
 
 #pragma once
 
@@ -14,50 +16,50 @@
 
 #include <type_traits>
 
-#if defined(TIDAL_GGUF_AVX2) && !defined(TIDAL_GGUF_DOT32)
-#define TIDAL_GGUF_DOT8 1
+#ifdef TIDAL_GGUF_DOT8  // (gguf_formats.h: AVX2 without AVX-512 VNNI)
 
 namespace tidal_cpu {
 namespace gguf {
-
-// Rows from which dot8 transposes a round (below, one block a product is cheaper).
-constexpr int kDot8TransposeRows = 5;
 
 template <typename F>
 struct Nibbles8 {
   static constexpr int kCentre = F::kOffset;
   static constexpr int kSum16 = F::kFiveBits ? 4 : 8;  // steps an int16 lane sums safely
-  // Block b's 32 quants as unsigned bytes.
-  static __m256i block(const Field* f, int64_t b) {
-    const __m256i q = nibbles16(f[F::kFields - 1].at(b));
+  // Block b's 32 quants as unsigned bytes (one of the last nb % 8, which lie as they are).
+  __attribute__((always_inline)) static __m256i block(const Field* f, int64_t b) {
+    const uint8_t* qs = f[F::kFields - 1].at(b);
+    const __m256i q = nibbles16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     if constexpr (F::kFiveBits) return _mm256_or_si256(q, high_bits(u32(f[F::kFields - 2].at(b))));
     else return q;
   }
+  // A whole round's quants from block b0: C[i], lane l dword i (weights 4i .. 4i + 3) of
+  // block b0 + l. Low nibbles hold weights 0-15, high ones 16-31, so C[i + 4] is C[i]'s
+  // bytes' high nibbles; Q5's fifth bits of those weights are bits 4i .. 4i + 3 of qh.
+  __attribute__((always_inline)) static void round(const Field* f, int64_t b0, __m256i* C) {
+    const uint8_t* qs = f[F::kFields - 1].dword(b0, 0);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+      C[i] = _mm256_and_si256(raw, mask8(15));
+      C[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask8(15));
+    }
+    if constexpr (F::kFiveBits) {
+      const uint8_t* qh = f[F::kFields - 2].at(b0);  // lane l: block b0 + l's fifth bits
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+      const __m256i low_byte = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                                0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+      const __m256i bit = _mm256_set1_epi32(0x08040201);  // byte c: bit c
+      for (int i = 0; i < 8; ++i) {
+        const __m256i spread =
+            _mm256_shuffle_epi8(_mm256_srl_epi32(h, _mm_cvtsi32_si128(4 * i)), low_byte);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        C[i] = _mm256_or_si256(C[i], _mm256_and_si256(set, mask8(16)));
+      }
+    }
+  }
 };
 
-// From P[j] (block j's 32 quants, eight dwords of four) to C[i], whose lane l is dword i of
-// block l: an 8 x 8 transpose of dwords.
-inline void transpose8(const __m256i* P, __m256i* C) {
-  __m256i t[8], s[8];
-  for (int j = 0; j < 4; ++j) {  // t[2j]: dwords 0, 1 | 4, 5 of blocks 2j, 2j + 1; t[2j+1]: 2, 3 | 6, 7
-    t[2 * j] = _mm256_unpacklo_epi32(P[2 * j], P[2 * j + 1]);
-    t[2 * j + 1] = _mm256_unpackhi_epi32(P[2 * j], P[2 * j + 1]);
-  }
-  for (int h = 0; h < 2; ++h) {  // s[4h + i]: dword i | i + 4 of blocks 4h .. 4h + 3
-    const __m256i* u = t + 4 * h;
-    s[4 * h] = _mm256_unpacklo_epi64(u[0], u[2]);
-    s[4 * h + 1] = _mm256_unpackhi_epi64(u[0], u[2]);
-    s[4 * h + 2] = _mm256_unpacklo_epi64(u[1], u[3]);
-    s[4 * h + 3] = _mm256_unpackhi_epi64(u[1], u[3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    C[i] = _mm256_permute2x128_si256(s[i], s[4 + i], 0x20);
-    C[i + 4] = _mm256_permute2x128_si256(s[i], s[4 + i], 0x31);
-  }
-}
-
-// Lane l: the sum of v[l]'s eight lanes, the integer the transposed path's lane l holds.
-inline __m256i reduce8(const __m256i* v) {
+// Lane l: the sum of v[l]'s eight lanes, the integer a round's lane l holds.
+__attribute__((always_inline)) inline __m256i reduce8(const __m256i* v) {
   // a: the sums of v[0..3]'s low halves | of their high halves; b: the same for v[4..7]
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
   const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
@@ -66,13 +68,11 @@ inline __m256i reduce8(const __m256i* v) {
 }
 
 // One planar row's blocks against NR activation rows; adds each dot product to out[r].
-// Eight blocks a round, unpacked once: from kDot8TransposeRows rows on transposed (above)
-// against x interleaved the same way (Activations::qi, runs of 8 groups); fewer rows, and the
-// last blocks of a row (nb % 8), take x as it lies, a block at a time, and sum each block's
-// lanes (reduce8). Either way a block's integer and every float operation after it are the
-// same, so a row's result does not depend on the rows beside it in the step. No software
-// prefetch: the hardware's keeps up here, and prefetcht2 slowed SmolLM2's decode step from
-// 12.9 to 17.6 ms on a 2-core AMD EPYC (Zen 3).
+// Whole rounds as above; the last blocks of a row (nb % 8) take x as it lies, a block at a
+// time, and sum each block's lanes (reduce8). Either way a block's integer and every float
+// operation after it are the same, so a row's result does not depend on the rows beside it
+// in the step. No software prefetch: the hardware's keeps up here, and prefetcht2 slowed
+// SmolLM2's decode step from 12.9 to 17.6 ms on a 2-core AMD EPYC (Zen 3).
 template <typename F, int NR>
 inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, float* out) {
   using U = Nibbles8<F>;
@@ -97,11 +97,9 @@ inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, f
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_loadu_ps(&a.d[g])),
                                _mm256_fmadd_ps(off, _mm256_loadu_ps(&a.sum32[g]), acc[r]));
     };
-    __m256i P[8];
-    for (int j = 0; j < 8; ++j) P[j] = j < n ? U::block(f, b0 + j) : zero;
-    if (NR >= kDot8TransposeRows && n == 8) {
+    if (n == 8) {
       __m256i C[8];
-      transpose8(P, C);
+      U::round(f, b0, C);
       for (int r = 0; r < NR; ++r) {
         const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + 7, interleaved
         const int8_t* x = &a.qi[g * kGroup];
@@ -117,6 +115,8 @@ inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, f
         scale(r, g, sum);
       }
     } else {
+      __m256i P[8];
+      for (int j = 0; j < 8; ++j) P[j] = j < n ? U::block(f, b0 + j) : zero;
       for (int r = 0; r < NR; ++r) {
         const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + n - 1 as they lie
         __m256i v[8];

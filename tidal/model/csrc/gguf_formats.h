@@ -6,6 +6,10 @@
 // layouts: GGUF's own (each block's fields side by side, as the file holds them) or planar
 // (each field of every block of the row in a plane of its own, the planes in the block's
 // field order): the same bytes, so either may come straight from the file or a repack.
+// In builds of gguf_dot8.h (kNibbleRounds) a planar nibble format's quants plane lies in
+// rounds: each whole run of 8 blocks' 128 bytes as dword i of block l at 32 i + 4 l, the
+// order that kernel multiplies them in (no transposition a step); the last nb % 8 blocks
+// as they are. GGUFPart::rounds says which a tensor holds.
 
 #pragma once
 
@@ -18,11 +22,24 @@
 #define TIDAL_GGUF_AVX2 1
 #include <immintrin.h>
 #endif
+// The 32-weight formats' integer kernel: gguf_dot32.h with AVX-512 VNNI, gguf_dot8.h
+// (the nibble formats) with AVX2 alone.
+#if defined(TIDAL_GGUF_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VNNI__)
+#define TIDAL_GGUF_DOT32 1
+#elif defined(TIDAL_GGUF_AVX2)
+#define TIDAL_GGUF_DOT8 1
+#endif
 
 namespace tidal_cpu {
 namespace gguf {
 
 constexpr int64_t kGroup = 32;  // weights per decoded group and per activation scale
+#ifdef TIDAL_GGUF_DOT8
+constexpr bool kNibbleRounds = true;  // planar nibble quants in rounds (above)
+#else
+constexpr bool kNibbleRounds = false;
+#endif
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -40,11 +57,17 @@ inline uint32_t u32(const uint8_t* p) {
   return v;
 }
 
-// One field of a row's blocks: block b's bytes start at p + b * stride.
+// One field of a row's blocks: block b's bytes start at p + b * stride, except in a nibble
+// plane's rounds (blocks before rounds_end), which dword() reads.
 struct Field {
   const uint8_t* p;
   int64_t stride;
+  int64_t rounds_end = 0;
   const uint8_t* at(int64_t b) const { return p + b * stride; }
+  // dword i (bytes 4i .. 4i + 3) of block b's 16 bytes of nibbles
+  __attribute__((always_inline)) const uint8_t* dword(int64_t b, int i) const {
+    return b < rounds_end ? p + 16 * (b & ~int64_t{7}) + 32 * i + 4 * (b & 7) : at(b) + 4 * i;
+  }
 };
 
 // A decode step streams every weight from memory once, faster than the hardware prefetcher
@@ -64,12 +87,14 @@ struct Prefetch {
 
 // The fields of the row at `row` (nb blocks of format F) in either layout.
 template <typename F>
-void fields(const uint8_t* row, int64_t nb, bool planar, Field* out) {
+__attribute__((always_inline)) inline void fields(const uint8_t* row, int64_t nb, bool planar,
+                                                  Field* out) {
   int64_t off = 0;
   for (int f = 0; f < F::kFields; ++f) {
     out[f] = planar ? Field{row + nb * off, F::kSize[f]} : Field{row + off, F::kBytes};
     off += F::kSize[f];
   }
+  if (planar && kNibbleRounds && F::kNibbles) out[F::kFields - 1].rounds_end = nb / 8 * 8;
 }
 
 // K-quants' 6-bit scale and min of sub-block j from the block's 12 packed bytes.
@@ -92,10 +117,18 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// 16 bytes of nibbles -> 32 values: the low nibbles, then the high ones (Q4_0's group order).
-inline __m256i nibbles16(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+// 16 bytes of nibbles -> 32 values: the low nibbles, then the high ones (Q4_0's group
+// order). Always inlined, as the kernels' other helpers: a call through the PLT spills
+// every vector register the loop holds.
+__attribute__((always_inline)) inline __m256i nibbles16(__m128i raw) {
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask8(0x0f));
+}
+
+// Block b's 16 bytes of nibbles, in either order of the plane.
+inline __m128i quants16(const Field& qs, int64_t b) {
+  if (b >= qs.rounds_end) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs.at(b)));
+  const auto at = [&](int i) { return static_cast<int>(u32(qs.dword(b, i))); };
+  return _mm_setr_epi32(at(0), at(1), at(2), at(3));
 }
 
 // 32 bytes -> the 4-bit (or, with mask 3, 2-bit) field at bit `shift` of each byte.
@@ -105,7 +138,7 @@ inline __m256i bits_at(const uint8_t* p, int shift, int mask) {
 }
 
 // Q5_0/Q5_1's high bits: bit i of h -> 16 in byte i, else 0.
-inline __m256i high_bits(uint32_t h) {
+__attribute__((always_inline)) inline __m256i high_bits(uint32_t h) {
   const __m256i spread = _mm256_shuffle_epi8(  // byte i gets byte i / 8 of h
       _mm256_set1_epi32(static_cast<int>(h)),
       _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
@@ -125,7 +158,7 @@ struct Q8_0 {  // d, qs[32]
   static constexpr int64_t kBlock = 32, kBytes = 34;
   static constexpr int kGroups = 1, kFields = 2, kCenter = 0;
   static constexpr int64_t kSize[kFields] = {2, 32};
-  static constexpr bool kMin = false;
+  static constexpr bool kMin = false, kNibbles = false;
   static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
     s[0][0] = s[0][1] = fp16(f[0].at(b));
     m[0] = 0.f;
@@ -146,7 +179,7 @@ struct Q32 {
   static constexpr int kGroups = 1, kFields = 2 + kHasMin + kFive;  // d, (m), (qh), qs
   static constexpr int64_t kSize[4] = {2, kHasMin ? 2 : (kFive ? 4 : 16),
                                        kHasMin ? (kFive ? 4 : 16) : 16, 16};
-  static constexpr bool kMin = kHasMin, kFiveBits = kFive;
+  static constexpr bool kMin = kHasMin, kFiveBits = kFive, kNibbles = true;
   static constexpr int kCenter = kHasMin ? (kFive ? 16 : 8) : 0;
   static constexpr int kOffset = kHasMin ? 0 : (kFive ? 16 : 8);
   static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
@@ -154,16 +187,16 @@ struct Q32 {
     m[0] = kHasMin ? fp16(f[1].at(b)) : 0.f;
   }
   static void scalar(const Field* f, int64_t b, int, int8_t* q) {
-    const uint8_t* qs = f[kFields - 1].at(b);
     const uint32_t h = kFive ? u32(f[kFields - 2].at(b)) : 0;
     for (int i = 0; i < 16; ++i) {
-      q[i] = static_cast<int8_t>((qs[i] & 15) + (((h >> i) & 1) << 4) - kOffset);
-      q[i + 16] = static_cast<int8_t>((qs[i] >> 4) + (((h >> (i + 16)) & 1) << 4) - kOffset);
+      const uint8_t qs = f[kFields - 1].dword(b, i / 4)[i % 4];
+      q[i] = static_cast<int8_t>((qs & 15) + (((h >> i) & 1) << 4) - kOffset);
+      q[i + 16] = static_cast<int8_t>((qs >> 4) + (((h >> (i + 16)) & 1) << 4) - kOffset);
     }
   }
 #ifdef TIDAL_GGUF_AVX2
   static __m256i vec(const Field* f, int64_t b, int) {
-    __m256i q = nibbles16(f[kFields - 1].at(b));
+    __m256i q = nibbles16(quants16(f[kFields - 1], b));
     if (kFive) q = _mm256_or_si256(q, high_bits(u32(f[kFields - 2].at(b))));
     return kOffset ? _mm256_sub_epi8(q, mask8(kOffset)) : q;
   }
@@ -182,7 +215,7 @@ struct QK {
   static constexpr int64_t kBlock = 256, kBytes = 144 + 32 * kFive;
   static constexpr int kGroups = 8, kFields = 4 + kFive;  // d, dmin, scales[12], (qh), qs
   static constexpr int64_t kSize[5] = {2, 2, 12, kFive ? 32 : 128, 128};
-  static constexpr bool kMin = true;
+  static constexpr bool kMin = true, kNibbles = false;
   static constexpr int kCenter = kFive ? 16 : 8;
   static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
     const float d = fp16(f[0].at(b)), dmin = fp16(f[1].at(b));
@@ -219,7 +252,7 @@ struct Q6_K {
   static constexpr int64_t kBlock = 256, kBytes = 210;
   static constexpr int kGroups = 8, kFields = 4, kCenter = 0;  // ql, qh, scales[16], d
   static constexpr int64_t kSize[kFields] = {128, 64, 16, 2};
-  static constexpr bool kMin = false;
+  static constexpr bool kMin = false, kNibbles = false;
   static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
     const float d = fp16(f[3].at(b));
     const int8_t* sc = reinterpret_cast<const int8_t*>(f[2].at(b));

@@ -23,10 +23,31 @@ constexpr int kMaxRows = 16;          // activation rows sharing each decoded we
 #if defined(TIDAL_GGUF_DOT32)
 constexpr int kRun = 16, kRunRows = 2;
 #elif defined(TIDAL_GGUF_DOT8)
-constexpr int kRun = 8, kRunRows = kDot8TransposeRows;
+constexpr int kRun = 8, kRunRows = 1;
 #else
 constexpr int kRun = 0, kRunRows = 1;
 #endif
+
+// Whether format F's kernel reads x in runs, for a part in the given layout.
+template <typename F>
+constexpr bool reads_runs(bool planar) {
+#if defined(TIDAL_GGUF_DOT32)
+  return planar && F::kBlock == kGroup;
+#elif defined(TIDAL_GGUF_DOT8)
+  return planar && F::kNibbles;
+#else
+  return false;
+#endif
+}
+
+// A part's quants must lie as this build's kernels read them (gguf_formats.h).
+template <typename F>
+void check_layout(const GGUFPart& p) {
+  const bool rounds = p.planar && kNibbleRounds && F::kNibbles;
+  TORCH_CHECK(p.rounds == rounds, "a GGUF part of ggml type ", p.type, " has its quants ",
+              p.rounds ? "in" : "not in", " rounds, but this build's kernels read them ",
+              rounds ? "in rounds" : "as they lie");
+}
 constexpr int64_t kTileBytes = 1 << 18;  // weight bytes a task keeps in L2 across row groups
 
 #ifdef TIDAL_GGUF_AVX2
@@ -233,6 +254,7 @@ int64_t row_length(const Tensor& w) {
 void rows_into(const GGUFPart& p, int64_t start, const Tensor& ids, Tensor& out) {
   with_format(p.type, [&](auto format) {
     using F = decltype(format);
+    check_layout<F>(p);
     TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(1) == row_length<F>(p.data),
                 "GGUF rows: out must be contiguous [rows, k]");
     const int64_t* idp = nullptr;
@@ -303,9 +325,11 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
     with_format(p.type, [&](auto format) {
       using F = decltype(format);
       const int64_t k = row_length<F>(p.data);
+      check_layout<F>(p);
       if (in_features == 0) in_features = k;
       TORCH_CHECK(k == in_features, "GGUF parts of one projection must share in_features");
-      (F::kBlock == kGroup ? blocks32 : k_quants) = true;
+      k_quants = k_quants || F::kBlock != kGroup;
+      runs = runs || reads_runs<F>(p.planar);
     });
     out_features += p.data.size(0);
   }
@@ -325,7 +349,7 @@ Tensor GGUFProjection::operator()(const Tensor& x_in) const {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
     const Activations a =
         quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, k_quants,
-                           blocks32 && rows >= kRunRows ? kRun : 0);
+                           runs && rows >= kRunRows ? kRun : 0);
     const Tensor b = bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     int64_t col = 0;
     for (const GGUFPart& p : parts) {
@@ -340,17 +364,18 @@ Tensor GGUFProjection::operator()(const Tensor& x_in) const {
   return y;
 }
 
-Tensor gguf_linear(const Tensor& x, const Tensor& w, int64_t type, bool planar,
-                   const Tensor& bias) {
+Tensor gguf_linear(const Tensor& x, const GGUFPart& w, const Tensor& bias) {
   TORCH_CHECK(x.dim() == 2, "gguf_linear takes [rows, k] inputs");
   TORCH_CHECK(!bias.defined() || bias.scalar_type() == x.scalar_type(),
               "bias must be in x's dtype");
-  const GGUFProjection g({GGUFPart{w, type, planar}}, bias, x.size(0), 1, false);
+  const GGUFProjection g({w}, bias, x.size(0), 1, false);
   return g(x);
 }
 
-void gguf_get_rows(const Tensor& w, int64_t type, bool planar, const Tensor& ids, Tensor out) {
-  rows_into(GGUFPart{w, type, planar}, 0, ids.to(at::kLong).contiguous(), out);
+void gguf_get_rows(const GGUFPart& w, const Tensor& ids, Tensor out) {
+  rows_into(w, 0, ids.to(at::kLong).contiguous(), out);
 }
+
+bool gguf_nibble_rounds() { return kNibbleRounds; }
 
 }  // namespace tidal_cpu

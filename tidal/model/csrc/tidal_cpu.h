@@ -121,11 +121,14 @@ struct Linear {
 
 // One GGUF weight in its block format (ggml type id `type`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 // Q4_K, Q5_K, Q6_K): data [n, row_bytes] uint8, each row its blocks as the file holds them,
-// or with `planar` each block field in a plane of the row.
+// or with `planar` each block field in a plane of the row; `rounds`: a nibble format's
+// quants plane in rounds of 8 blocks, as builds with AVX2 and no AVX-512 VNNI read it
+// (gguf_formats.h; a part in the other layout is refused).
 struct GGUFPart {
   Tensor data;
   int64_t type = 0;
   bool planar = false;
+  bool rounds = false;
 };
 
 // y = x @ [W_0; W_1; ...]^T (+ bias), the parts' outputs side by side (fused q/k/v or
@@ -138,7 +141,8 @@ struct GGUFProjection {
   Tensor bias;
   int64_t max_rows = 0, tile_rows = 0, in_features = 0, out_features = 0;
   bool tile_bf16 = false;
-  bool k_quants = false, blocks32 = false;  // whether some part is a K-quant / 32-weight format
+  bool k_quants = false;  // whether some part is a K-quant
+  bool runs = false;      // whether some part's kernel reads x interleaved (Activations::qi)
 
   GGUFProjection() = default;
   GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows, int64_t tile_rows,
@@ -147,12 +151,14 @@ struct GGUFProjection {
 };
 
 // One weight, all rows through the integer kernel.
-Tensor gguf_linear(const Tensor& x, const Tensor& w, int64_t type, bool planar,
-                   const Tensor& bias);
+Tensor gguf_linear(const Tensor& x, const GGUFPart& w, const Tensor& bias);
 
 // Rows ids of W as floats into out ([len(ids), k], float or bf16): an embedding lookup, and
 // dequantized rows for Python.
-void gguf_get_rows(const Tensor& w, int64_t type, bool planar, const Tensor& ids, Tensor out);
+void gguf_get_rows(const GGUFPart& w, const Tensor& ids, Tensor out);
+
+// Whether this build reads planar nibble quants in rounds (GGUFPart::rounds).
+bool gguf_nibble_rounds();
 
 // ---------------------------------------------------------------- paged attention
 // (paged_attention.cpp; instantiated for float and BFloat16)
