@@ -72,9 +72,10 @@ __attribute__((always_inline)) inline __m256i reduce8(const __m256i* v) {
 // time, and sum each block's lanes (reduce8). Either way a block's integer and every float
 // operation after it are the same, so a row's result does not depend on the rows beside it
 // in the step. No software prefetch: the hardware's keeps up here, and prefetcht2 slowed
-// SmolLM2's decode step from 12.9 to 17.6 ms on a 2-core AMD EPYC (Zen 3).
+// SmolLM2's decode step from 12.9 to 17.6 ms on a 2-core AMD EPYC (Zen 3). Inlined into
+// dot_rows (GCC kept it a call through the PLT: 10-25% slower at 1-3 rows).
 template <typename F, int NR>
-inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, float* out) {
+__attribute__((always_inline)) inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, float* out) {
   using U = Nibbles8<F>;
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
