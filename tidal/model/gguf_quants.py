@@ -158,20 +158,21 @@ def _to_planes(rows: torch.Tensor, sizes: tuple[int, ...], out: torch.Tensor | N
     out = torch.empty_like(rows) if out is None else out
     for field, plane, last in _fields(blocks, out, sizes):
         if rounds and last:
-            _round_pairs(field, plane, nb, to_plane=True)
+            _copy_rounds(field, plane, nb, to_plane=True)
         else:
             plane.copy_(field)
     return out
 
 
-def _from_planes(rows: torch.Tensor, sizes: tuple[int, ...], rounds: bool = False) -> torch.Tensor:
+def _from_planes(rows: torch.Tensor, sizes: tuple[int, ...],
+                 rounds: bool = False) -> torch.Tensor:
     """The inverse of _to_planes: rows back in the file's block layout."""
     n, block_bytes = rows.shape[0], sum(sizes)
     nb = rows.shape[1] // block_bytes
     out = torch.empty(n, nb, block_bytes, dtype=torch.uint8)
     for field, plane, last in _fields(out, rows.contiguous(), sizes):
         if rounds and last:
-            _round_pairs(field, plane, nb, to_plane=False)
+            _copy_rounds(field, plane, nb, to_plane=False)
         else:
             field.copy_(plane)
     return out.view(n, -1)
@@ -188,7 +189,7 @@ def _fields(blocks: torch.Tensor, planes: torch.Tensor, sizes: tuple[int, ...]):
         at += nb * size
 
 
-def _round_pairs(field: torch.Tensor, plane: torch.Tensor, nb: int, to_plane: bool) -> None:
+def _copy_rounds(field: torch.Tensor, plane: torch.Tensor, nb: int, to_plane: bool) -> None:
     """Copies 16-byte quants between the file's block order and the plane's rounds: each
     whole 8 blocks' dword i of block l at 32 i + 4 l; the last nb % 8 blocks as they are."""
     n, whole = field.shape[0], nb // 8 * 8
@@ -235,8 +236,7 @@ class GGUFLinear(nn.Module):
         self.max_rows = max_rows if ext is not None else 0
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar, w.rounds) for w in self.parts],
-            self.bias,
-            self.max_rows, self.tile_rows, "amx_bf16" in cpu_flags())
+            self.bias, self.max_rows, self.tile_rows, "amx_bf16" in cpu_flags())
 
     @property
     def nbytes(self) -> int:
