@@ -51,8 +51,7 @@ struct Nibbles8 {
       for (int i = 0; i < 8; ++i) {
         const __m256i spread =
             _mm256_shuffle_epi8(_mm256_srl_epi32(h, _mm_cvtsi32_si128(4 * i)), low_byte);
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-        C[i] = _mm256_or_si256(C[i], _mm256_and_si256(set, mask8(16)));
+        C[i] = _mm256_or_si256(C[i], fifth_bits(spread, bit));
       }
     }
   }

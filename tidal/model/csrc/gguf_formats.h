@@ -137,13 +137,18 @@ inline __m256i bits_at(const uint8_t* p, int shift, int mask) {
   return _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(shift)), mask8(mask));
 }
 
+// 16 in each byte whose bit `bit` (one set bit a byte) is set in `spread`, else 0: a Q5
+// fifth bit as the value it adds.
+__attribute__((always_inline)) inline __m256i fifth_bits(__m256i spread, __m256i bit) {
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), mask8(16));
+}
+
 // Q5_0/Q5_1's high bits: bit i of h -> 16 in byte i, else 0.
 __attribute__((always_inline)) inline __m256i high_bits(uint32_t h) {
   const __m256i spread = _mm256_shuffle_epi8(  // byte i gets byte i / 8 of h
       _mm256_set1_epi32(static_cast<int>(h)),
       _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), mask8(16));
+  return fifth_bits(spread, _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL)));
 }
 #endif
 
