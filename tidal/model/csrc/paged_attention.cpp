@@ -5,7 +5,7 @@
 #include <limits>
 #include <type_traits>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -31,32 +31,34 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-// Vectors of 16 floats in GCC's vector extension: the compiler picks the widest ISA
-// -march=native offers (AVX-512, or two AVX2 halves), with no intrinsics to port.
-typedef float v16f __attribute__((vector_size(64)));
+// A vector register of floats in GCC's vector extension: AVX-512's 16 lanes (of 32
+// registers) or AVX2's 8 (of 16). Arithmetic is the compiler's; only bf16's widening load
+// takes intrinsics (GCC assembles a generic one from 64-bit pieces through GPRs on AVX2).
 #ifdef __AVX512F__
-constexpr bool kWideRegisters = true;  // a v16f is one of 32 registers
+constexpr int kLanes = 16, kRegisters = 32;
 #else
-constexpr bool kWideRegisters = false;  // two of 16 (AVX2)
+constexpr int kLanes = 8, kRegisters = 16;
 #endif
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * kLanes)));
 
-inline v16f load16(const float* p) {
-  v16f v;
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v16f load16(const BFloat16* p) {  // bf16 is the top half of a float's bits
-#ifdef __AVX512F__  // one widening load (GCC splits the generic one into halves)
+inline vf loadv(const BFloat16* p) {  // bf16 is the top half of a float's bits
+#ifdef __AVX512F__
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return reinterpret_cast<v16f>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return reinterpret_cast<vf>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vf>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 #else
-  v16u16 h;
+  vu16 h;
   std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<v16f>(__builtin_convertvector(h, v16u32) << 16);
+  return reinterpret_cast<vf>(__builtin_convertvector(h, vu32) << 16);
 #endif
 }
 
@@ -76,87 +78,97 @@ struct Paged {
   }
 };
 
-// softmax in place over each of `groups` rows of n scores. The max and the sum run sixteen
-// lanes wide: a serial chain of n adds would cost more than the exponentials.
+// softmax in place over each of `groups` rows of n scores. The max and the sum run a vector
+// wide: a serial chain of n adds would cost more than the exponentials.
 inline void softmax_rows(float* scores, int64_t groups, int64_t n) {
   for (int64_t j = 0; j < groups; ++j) {
     float* s = scores + j * n;
-    const int64_t whole = n / 16 * 16;
-    v16f m = v16f{} - std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < whole; t += 16) {
-      const v16f v = load16(s + t);
+    const int64_t whole = n / kLanes * kLanes;
+    vf m = vf{} - std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < whole; t += kLanes) {
+      const vf v = loadv(s + t);
       m = v > m ? v : m;
     }
     float mx = -std::numeric_limits<float>::infinity();
-    for (int i = 0; i < 16; ++i) mx = std::max(mx, m[i]);
+    for (int i = 0; i < kLanes; ++i) mx = std::max(mx, m[i]);
     for (int64_t t = whole; t < n; ++t) mx = std::max(mx, s[t]);
     for (int64_t t = 0; t < n; ++t) s[t] = exp_approx(s[t] - mx);
-    v16f sum{};
-    for (int64_t t = 0; t < whole; t += 16) sum += load16(s + t);
+    vf sum{};
+    for (int64_t t = 0; t < whole; t += kLanes) sum += loadv(s + t);
     float total = 0.f;
-    for (int i = 0; i < 16; ++i) total += sum[i];
+    for (int i = 0; i < kLanes; ++i) total += sum[i];
     for (int64_t t = whole; t < n; ++t) total += s[t];
     const float inv = 1.f / total;
     for (int64_t t = 0; t < n; ++t) s[t] *= inv;
   }
 }
 
-// Sixteen vectors to one whose lane i is the sum of p[i]'s lanes, in four rounds that each
-// add two vectors' halves side by side (15 adds, 30 two-vector shuffles; 16 horizontal sums
-// take four times as many). A token's sum takes the same pairs at any lane, so a score does
-// not depend on where its block of 16 starts.
-inline v16f transpose_sum(const v16f* p) {
-  v16f a[8], b[4], c[2];
+// kLanes vectors to one whose lane i is the sum of p[i]'s lanes, in rounds that each add two
+// vectors' halves side by side (kLanes - 1 adds; kLanes horizontal sums take several times
+// as many). A token's sum takes the same pairs at any lane, so a score does not depend on
+// where its run of kLanes tokens starts.
+#define TIDAL_HALVES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+inline vf transpose_sum(const vf* p) {
+#ifdef __AVX512F__
+  vf a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
-    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
+    a[i] = TIDAL_HALVES(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           TIDAL_HALVES(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int i = 0; i < 4; ++i)
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
-                                   18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
-                                   22, 23, 28, 29, 30, 31);
+    b[i] = TIDAL_HALVES(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           TIDAL_HALVES(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   for (int i = 0; i < 2; ++i)
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
-                                   20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
-                                   22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
-                                 26, 28, 30) +
-         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
+    c[i] = TIDAL_HALVES(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           TIDAL_HALVES(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return TIDAL_HALVES(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         TIDAL_HALVES(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vf a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = TIDAL_HALVES(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           TIDAL_HALVES(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    b[i] = TIDAL_HALVES(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           TIDAL_HALVES(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return TIDAL_HALVES(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         TIDAL_HALVES(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
+#undef TIDAL_HALVES
 
-// One (sequence, KV head) task for head_dim a multiple of 16 (up to 256): each K and V row
-// is loaded once as d/16 vectors and serves every query head of the group. NV = d / 16 and
-// G = groups when known at compile time (0: read them from d and groups): the loops over a
-// row then unroll, and with both known the queries and the output accumulators stay in
-// registers (in memory, each token's update is a load and a store per vector). Scores go
-// sixteen tokens at a time: each token's products as one vector per query head, summed
-// across lanes together (transpose_sum). The same operations in the same order either
-// way: a token's output does not depend on which instance computed it.
+constexpr int kMaxHeadDim = 256, kMaxGroupWidth = 4096;  // d, and groups * d, of attend_vec
+
+// One (sequence, KV head) task for head_dim a multiple of kLanes (up to 256): each K and V
+// row is loaded once as d / kLanes vectors and serves every query head of the group.
+// NV = d / kLanes and G = groups when known at compile time (0: read them from d and
+// groups): the loops over a row then unroll, the queries can stay in registers, and the V
+// pass keeps its accumulators in registers, as many columns of V a pass as G * columns of
+// them fit in three quarters of the registers (otherwise each token's update is a load and
+// a store per vector). Scores go kLanes tokens at a time: each token's products as one
+// vector per query head, summed across lanes together (transpose_sum). The same operations
+// in the same order either way: a token's output does not depend on which instance
+// computed it.
 template <typename T, int NV, int G>
 void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
-                int64_t groups_, int64_t d, float* scores, float* acc, v16f* part) {
-  const int64_t nv = NV > 0 ? NV : d / 16, groups = G > 0 ? G : groups_;
-  constexpr bool kRegs = NV > 0 && G > 0;
-  constexpr int kQ = kRegs ? G * NV : 1;  // the queries' vectors, in registers
-  v16f q[kQ];
-  if constexpr (kRegs)
-    for (int i = 0; i < kQ; ++i) q[i] = load16(qf + 16 * i);
+                int64_t groups_, int64_t d, float* scores, float* acc, vf* part) {
+  const int64_t nv = NV > 0 ? NV : d / kLanes, groups = G > 0 ? G : groups_;
+  constexpr bool kFixed = NV > 0 && G > 0;
+  constexpr int kQ = kFixed ? G * NV : 1;
+  vf q[kQ];
+  if constexpr (kFixed)
+    for (int i = 0; i < kQ; ++i) q[i] = loadv(qf + kLanes * i);
   const auto qvec = [&](int64_t j, int64_t c) {
-    if constexpr (kRegs) return q[j * NV + c];
-    else return load16(qf + j * d + 16 * c);
+    if constexpr (kFixed) return q[j * NV + c];
+    else return loadv(qf + j * d + kLanes * c);
   };
-  v16f row[NV > 0 ? NV : 16];  // part: [query head][token of the 16]
-  int64_t t0 = 0;      // the first of the 16 tokens
-  int m = 0;           // tokens of the 16 gathered
+  vf row[NV > 0 ? NV : kMaxHeadDim / kLanes];  // part: [query head][token of the kLanes]
+  int64_t t0 = 0;  // the first of the kLanes tokens
+  int m = 0;       // tokens of the kLanes gathered
   const auto flush = [&] {
     for (int64_t j = 0; j < groups; ++j) {
-      v16f* pj = part + j * 16;
-      std::fill(pj + m, pj + 16, v16f{});
-      const v16f s = transpose_sum(pj);
+      vf* pj = part + j * kLanes;
+      std::fill(pj + m, pj + kLanes, vf{});
+      const vf s = transpose_sum(pj);
       std::memcpy(scores + j * n + t0, &s, sizeof(float) * m);
     }
     t0 += m;
@@ -164,68 +176,72 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
   };
   ctx.each(n, [&](int64_t, int64_t off) {
     const T* k = k_cache + off;
-    for (int64_t c = 0; c < nv; ++c) row[c] = load16(k + 16 * c);
+    for (int64_t c = 0; c < nv; ++c) row[c] = loadv(k + kLanes * c);
     for (int64_t j = 0; j < groups; ++j) {
-      v16f sum = qvec(j, 0) * row[0];
+      vf sum = qvec(j, 0) * row[0];
       for (int64_t c = 1; c < nv; ++c) sum += qvec(j, c) * row[c];
-      part[j * 16 + m] = sum;
+      part[j * kLanes + m] = sum;
     }
-    if (++m == 16) flush();
+    if (++m == kLanes) flush();
   });
   if (m > 0) flush();
   softmax_rows(scores, groups, n);
-  constexpr int kOut = kRegs ? G * NV : 16 * 16;  // groups * nv <= 16 * 16: checked by the caller
-  v16f out[kOut];
-  std::fill(out, out + groups * nv, v16f{});
-  if constexpr (kRegs && !kWideRegisters) {
-    // A vector is two of AVX2's 16 registers, too few for G * NV accumulators: V one column
-    // vector at a time, its G accumulators in registers (each sum in the same order).
-    for (int c = 0; c < NV; ++c) {
-      v16f o[G] = {};
+  if constexpr (kFixed) {
+    constexpr int kCols = std::max(1, std::min(NV, kRegisters * 3 / 4 / G));
+    for (int c0 = 0; c0 < NV; c0 += kCols) {
+      constexpr int kAcc = G * kCols;
+      vf o[kAcc] = {};
+      const int cols = std::min(kCols, NV - c0);
       ctx.each(n, [&](int64_t t, int64_t off) {
-        const v16f v = load16(v_cache + off + 16 * c);
-        for (int j = 0; j < G; ++j) o[j] += scores[j * n + t] * v;
+        const T* v = v_cache + off + kLanes * c0;
+        for (int c = 0; c < kCols; ++c) {
+          if (c >= cols) break;
+          row[c] = loadv(v + kLanes * c);
+        }
+        for (int j = 0; j < G; ++j) {
+          const float p = scores[j * n + t];
+          for (int c = 0; c < kCols; ++c) {
+            if (c >= cols) break;
+            o[j * kCols + c] += p * row[c];
+          }
+        }
       });
-      for (int j = 0; j < G; ++j) out[j * NV + c] = o[j];
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < cols; ++c) std::memcpy(acc + j * d + kLanes * (c0 + c), &o[j * kCols + c], sizeof(vf));
     }
   } else {
+    vf out[kMaxGroupWidth / kLanes];
+    std::fill(out, out + groups * nv, vf{});
     ctx.each(n, [&](int64_t t, int64_t off) {
       const T* v = v_cache + off;
-      for (int64_t c = 0; c < nv; ++c) row[c] = load16(v + 16 * c);
+      for (int64_t c = 0; c < nv; ++c) row[c] = loadv(v + kLanes * c);
       for (int64_t j = 0; j < groups; ++j) {
         const float p = scores[j * n + t];
         for (int64_t c = 0; c < nv; ++c) out[j * nv + c] += p * row[c];
       }
     });
+    std::memcpy(acc, out, sizeof(float) * groups * d);
   }
-  std::memcpy(acc, out, sizeof(float) * groups * d);
 }
 
-// attend_vec with NV and, where the queries and accumulators fit in registers (G * NV <= 24
-// of AVX-512's 32 vector registers; with AVX2's 16, the V pass's G of a column), G fixed.
+// attend_vec with NV = d / kLanes and G fixed where a group's queries take at most 24
+// vectors (AVX-512 keeps them in registers; AVX2 in L1), otherwise G read at run time.
 template <typename T, int NV>
 void attend_nv(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
-               int64_t groups, int64_t d, float* scores, float* acc, v16f* part) {
-  const auto run = [&]<int G>() {
-    attend_vec<T, NV, G>(qf, k_cache, v_cache, ctx, n, groups, d, scores, acc, part);
+               int64_t groups, int64_t d, float* scores, float* acc, vf* part) {
+  const auto fixed = [&]<int G>() {
+    if constexpr (G * NV <= 24) {
+      if (groups == G) {
+        attend_vec<T, NV, G>(qf, k_cache, v_cache, ctx, n, groups, d, scores, acc, part);
+        return true;
+      }
+    }
+    return false;
   };
-  if constexpr (NV == 4) {
-    switch (groups) {
-      case 1: return run.template operator()<1>();
-      case 2: return run.template operator()<2>();
-      case 3: return run.template operator()<3>();
-      case 4: return run.template operator()<4>();
-      case 5: return run.template operator()<5>();
-      case 6: return run.template operator()<6>();
-    }
-  } else if constexpr (NV == 8) {
-    switch (groups) {
-      case 1: return run.template operator()<1>();
-      case 2: return run.template operator()<2>();
-      case 3: return run.template operator()<3>();
-    }
-  }
-  run.template operator()<0>();
+  if (!(fixed.template operator()<1>() || fixed.template operator()<2>() ||
+        fixed.template operator()<3>() || fixed.template operator()<4>() ||
+        fixed.template operator()<5>() || fixed.template operator()<6>()))
+    attend_vec<T, NV, 0>(qf, k_cache, v_cache, ctx, n, groups, d, scores, acc, part);
 }
 
 // Any head_dim, one element at a time.
@@ -259,10 +275,10 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
                      float scale, int64_t window, T* out) {
   const int64_t groups = heads / hkv;
   constexpr bool vectorisable = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
-  const bool vec = vectorisable && d % 16 == 0 && d <= 256 && groups * (d / 16) <= 256;
+  const bool vec = vectorisable && d % kLanes == 0 && d <= kMaxHeadDim && groups * d <= kMaxGroupWidth;
   at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf, scores, acc;
-    std::vector<v16f> parts(groups * 16);
+    std::vector<vf> parts(groups * kLanes);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / hkv, g = task % hkv;
       const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
@@ -277,9 +293,9 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
       float *qp = qf.data(), *sp = scores.data(), *ap = acc.data();
       if constexpr (vectorisable) {
         if (vec && d == 64) {
-          attend_nv<T, 4>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
+          attend_nv<T, 64 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
         } else if (vec && d == 128) {
-          attend_nv<T, 8>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
+          attend_nv<T, 128 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
         } else if (vec) {
           attend_vec<T, 0, 0>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
         } else {
