@@ -123,6 +123,23 @@ def test_guesses_spend_the_step_budget_and_only_spare_blocks():
     t.check_invariants()
 
 
+def test_guesses_take_only_the_budget_that_waiting_prompts_leave():
+    s = sched(guesses=8, max_input_tokens_per_step=16, chunked_prefill_size=16)
+    prefilled(s, "a", proposed=8)
+    s.add_request(Request("b", list(range(500, 512)), SamplingParams(max_tokens=8),
+                          eos_token_id=EOS))  # 12 of the 15 tokens left after a's decode
+    out = s.schedule()
+    s.check_invariants()
+    got = {x.request_id: x.num_new_tokens for x in out.scheduled}
+    assert got == {"a": 1 + 3, "b": 12}  # the prompt first; guesses the 3 it leaves
+    s.update(out, ModelOutput(sampled={"a": [101, 102], "b": [200]}, proposed={"a": 8}))
+    add(s, "c", prompt_len=40)  # more than the whole step: nobody guesses
+    out = s.schedule()
+    s.check_invariants()
+    assert all(x.num_new_tokens == 1 for x in out.scheduled if not x.is_prefill)
+    assert sum(x.num_new_tokens for x in out.scheduled if x.is_prefill) > 0
+
+
 def test_guesses_follow_what_the_proposer_holds():
     s = sched(guesses=4)
     prefilled(s, "a", proposed=0)

@@ -210,12 +210,13 @@ class Speculation:
         self.verifications = 0  # decode entries that verified at least one guess
 
     def add_guesses(self, kv: "KVCacheManager", requests: dict[str, Request],
-                    plan: "StepPlan", entries: list[ScheduledRequest]) -> None:
+                    plan: "StepPlan", entries: list[ScheduledRequest], budget: int) -> None:
         """Grow decode entries (each already holding its own token's slot) to 1 + k
-        positions, within the step's input budget and from blocks nobody else needs this
-        step: guesses never retract anyone, and their blocks return at update."""
+        positions, at most `budget` guesses in all (the input budget that prompts waiting to
+        be computed leave) and from blocks nobody else needs this step: guesses never
+        retract anyone nor hold a prompt back, and their blocks return at update."""
         pairs = [(requests[x.request_id], x.num_computed_tokens) for x in entries]
-        chosen, plan.out.propose = self.planner.plan(pairs, plan.budget.rem_input_tokens)
+        chosen, plan.out.propose = self.planner.plan(pairs, budget)
         for x, (r, _), k in zip(entries, pairs, chosen):
             if not k or not kv.allocate(r, k):  # r.num_computed_tokens is computed + 1
                 continue
