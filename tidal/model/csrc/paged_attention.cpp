@@ -112,14 +112,20 @@ inline vf transpose_sum(const vf* p) {
 #ifdef __AVX512F__
   vf a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
-    a[i] = TIDAL_HALVES(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           TIDAL_HALVES(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    a[i] = TIDAL_HALVES(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                        22, 23) +
+           TIDAL_HALVES(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                        29, 30, 31);
   for (int i = 0; i < 4; ++i)
-    b[i] = TIDAL_HALVES(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           TIDAL_HALVES(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    b[i] = TIDAL_HALVES(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                        26, 27) +
+           TIDAL_HALVES(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                        29, 30, 31);
   for (int i = 0; i < 2; ++i)
-    c[i] = TIDAL_HALVES(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           TIDAL_HALVES(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    c[i] = TIDAL_HALVES(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25,
+                        28, 29) +
+           TIDAL_HALVES(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26,
+                        27, 30, 31);
   return TIDAL_HALVES(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          TIDAL_HALVES(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 #else
@@ -207,7 +213,8 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
         }
       });
       for (int j = 0; j < G; ++j)
-        for (int c = 0; c < cols; ++c) std::memcpy(acc + j * d + kLanes * (c0 + c), &o[j * kCols + c], sizeof(vf));
+        for (int c = 0; c < cols; ++c)
+          std::memcpy(acc + j * d + kLanes * (c0 + c), &o[j * kCols + c], sizeof(vf));
     }
   } else {
     vf out[kMaxGroupWidth / kLanes];
@@ -275,7 +282,8 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
                      float scale, int64_t window, T* out) {
   const int64_t groups = heads / hkv;
   constexpr bool vectorisable = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
-  const bool vec = vectorisable && d % kLanes == 0 && d <= kMaxHeadDim && groups * d <= kMaxGroupWidth;
+  const bool vec = vectorisable && d % kLanes == 0 && d <= kMaxHeadDim &&
+                   groups * d <= kMaxGroupWidth;
   at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf, scores, acc;
     std::vector<vf> parts(groups * kLanes);
