@@ -22,7 +22,7 @@ from tidal.core.policies import make_policy
 from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, ready_to_decode
 from tidal.core.roles import ROLES
-from tidal.core.speculation import Speculation
+from tidal.core.speculation import Speculation, guess_budget
 from tidal.core.step_time import StepTimeModel
 
 
@@ -181,20 +181,9 @@ class Scheduler:
             r.num_in_flight += 1
         plan.num_decodes += len(scheduled) - before
         if self.spec.planner.max_guesses and len(scheduled) > before:
+            prompts = chain([self.active_prefill] if self.active_prefill else (), self.waiting)
             self.spec.add_guesses(self.kv, self.requests, plan, scheduled[before:],
-                                  self._guess_budget(plan))
-
-    def _guess_budget(self, plan: StepPlan) -> int:
-        """The step's input budget that guesses may take: what the prompt tokens still to
-        compute here (the active prefill's, the waiting requests') leave of it. Under load,
-        with prompts queued, a step's budget goes to them and nobody guesses."""
-        left = plan.budget.rem_input_tokens
-        for r in chain([self.active_prefill] if self.active_prefill else (), self.waiting):
-            if left <= 0:
-                break
-            if not self.role.kv_arrives(r):  # a decode instance's prompt KV comes computed
-                left -= max(0, r.num_tokens - r.num_computed_tokens)
-        return max(0, left)
+                                  guess_budget(plan, prompts, self.role.kv_arrives))
 
     def _fit_decodes(self, plan: StepPlan, decoding: list[Request],
                      ready: list[Request]) -> list[Request]:

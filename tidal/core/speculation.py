@@ -11,7 +11,7 @@ proposers live with the executor, which reports how many it holds for each reque
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from tidal.core.outputs import ModelOutput, RequestOutput, ScheduledRequest
 from tidal.core.request import Request, RequestStatus
@@ -185,6 +185,20 @@ class GuessPlanner:
             if seconds > target * expected_tokens(alphas[i], k):
                 return False
         return True
+
+
+def guess_budget(plan: "StepPlan", prompts: Iterable[Request],
+                 kv_arrives: Callable[[Request], bool]) -> int:
+    """The step's input budget that guesses may take: what the prompt tokens still to compute
+    (of `prompts`, but those whose KV `kv_arrives` from a prefill instance) leave of it.
+    Under load, with prompts queued, a step's budget goes to them and nobody guesses."""
+    left = plan.budget.rem_input_tokens
+    for r in prompts:
+        if left <= 0:
+            break
+        if not kv_arrives(r):
+            left -= max(0, r.num_tokens - r.num_computed_tokens)
+    return max(0, left)
 
 
 def _fill(caps: list[int], budget: int) -> list[int]:
