@@ -10,7 +10,11 @@ Each one request at a time and 64 at once. Engines: tidal without speculation, w
 own n-gram speculation (`--spec-type ngram-simple`). Prints output tokens/s, the ratios,
 and tidal's acceptance rate and mean accepted length per workload.
 
-usage: .venv/bin/python benchmarks/spec_decode.py [--llama-cpp DIR] [--prompts 8]
+Each workload runs on fresh servers, the engines one after another, so that the ratios
+compare runs a minute apart; `--rounds` repeats it all (engine order reversed every other
+round) and reports medians, the ratios' taken within each round.
+
+usage: .venv/bin/python benchmarks/spec_decode.py [--llama-cpp DIR] [--prompts 8] [--rounds 1]
 llama-server comes from the tree benchmarks/peers/llama_server.sh builds (skipped if absent).
 """
 
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quantized import start  # noqa: E402  (the same start-and-wait-for-ready)
@@ -78,6 +83,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8, help="requests one at a time")
     p.add_argument("--concurrent-prompts", type=int, default=64,
                    help="requests sent 64 at a time")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of every engine on every workload; the table gives medians")
     args = p.parse_args()
     from tidal.model.registry import embedded_gguf
 
@@ -100,36 +107,42 @@ def main() -> None:
                  str(64 * 2048), "--host", "127.0.0.1", "--port", str(port)]
         engines["llama"] = llama
         engines["llama ngram"] = llama + ["--spec-type", "ngram-simple"]
-    rates: dict[tuple[str, str, int], float] = {}
+    runs = [(wl, conc, n) for wl in workloads
+            for conc, n in ((1, args.prompts), (64, args.concurrent_prompts))]
+    rates: dict[tuple[str, str, int], list[float]] = {}
     spec: dict[tuple[str, str, int], dict] = {}
-    for name, cmd in engines.items():
-        proc, _ = start(cmd, port, work / f"{name.replace(' ', '-')}.log")
-        try:
-            for wl, flags in workloads.items():
-                for conc, n in ((1, args.prompts), (64, args.concurrent_prompts)):
-                    r = bench(port, flags, n, conc, work / "result.json")
-                    rates[name, wl, conc] = r["output_throughput"]
-                    if r.get("spec_decode"):
-                        spec[name, wl, conc] = r["spec_decode"]
-                    print(f"{name:>13} {wl:>5} x{conc:<3} {r['output_throughput']:8.1f} tok/s",
-                          flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    for round_ in range(args.rounds):
+        for wl, conc, n in runs:
+            # each workload on fresh servers, the engines back to back (in turn reversed
+            # each round): this machine's speed drifts over minutes
+            for name in (engines if round_ % 2 == 0 else list(reversed(engines))):
+                proc, _ = start(engines[name], port, work / f"{name.replace(' ', '-')}.log")
+                try:
+                    r = bench(port, workloads[wl], n, conc, work / "result.json")
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+                rates.setdefault((name, wl, conc), []).append(r["output_throughput"])
+                if r.get("spec_decode"):
+                    spec[name, wl, conc] = r["spec_decode"]
+                print(f"{name:>13} {wl:>5} x{conc:<3} {r['output_throughput']:8.1f} tok/s",
+                      flush=True)
     print("\n| workload | clients | engine | output tok/s | vs tidal | vs llama (best) | "
           "acceptance | tokens / verification |\n|---|---|---|---|---|---|---|---|")
-    for wl in workloads:
-        for conc in (1, 64):
-            base = rates["tidal", wl, conc]
-            peers = [rates[k, wl, conc] for k in ("llama", "llama ngram") if (k, wl, conc) in rates]
-            for name in engines:
-                rate = rates[name, wl, conc]
-                s = spec.get((name, wl, conc))
-                peer = f"{rate / max(peers):.2f}x" if peers else "-"
-                acc = (f"{100 * s['acceptance_rate']:.0f}% | {s['mean_accepted_length']:.2f}"
-                       if s else "- | -")
-                print(f"| {wl} | {conc} | {name} | {rate:.1f} | {rate / base:.2f}x | {peer} | "
-                      f"{acc} |")
+    for wl, conc, _ in runs:
+        base = rates["tidal", wl, conc]
+        peers = [rates[k, wl, conc] for k in ("llama", "llama ngram") if (k, wl, conc) in rates]
+        for name in engines:
+            rate = rates[name, wl, conc]
+            s = spec.get((name, wl, conc))
+            # ratios within each round, then their median: runs minutes apart differ more
+            vs_tidal = median(a / b for a, b in zip(rate, base))
+            peer = (f"{median(a / max(p) for a, *p in zip(rate, *peers)):.2f}x" if peers
+                    else "-")
+            acc = (f"{100 * s['acceptance_rate']:.0f}% | {s['mean_accepted_length']:.2f}"
+                   if s else "- | -")
+            print(f"| {wl} | {conc} | {name} | {median(rate):.1f} | {vs_tidal:.2f}x | {peer} | "
+                  f"{acc} |")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,15 @@ and the guess planner's choices (tidal/core/speculation.py)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, SamplingParams,
-                        Scheduler, SchedulerConfig, StepShape)
+from tidal.core import (CacheConfig, KVCacheManager, LearnedStepTime, ModelOutput, Request,
+                        SamplingParams, Scheduler, SchedulerConfig, StepShape)
 from tidal.core.budget import StepBudget, StepPlan
-from tidal.core.speculation import (GuessPlanner, acceptance, expected_tokens,
-                                    record_verification)
+from tidal.core.speculation import (GUESS_FIXED_PENALTY, GuessPlanner, acceptance,
+                                    expected_tokens, record_verification)
 
 EOS = 2
 
@@ -244,8 +246,50 @@ def test_adaptive_guesses_at_one_request_and_turns_itself_off_at_large_batches()
     mixed[1][0].spec_hits, mixed[1][0].spec_misses = 0.0, 30.0
     k_good, k_bad = GuessPlanner(4, True, RowCost(0.001, 0.0003)).choose(mixed, budget=100)
     assert k_good > k_bad
-    # before the model predicts anything, every request guesses its cap
-    assert GuessPlanner(4, True, RowCost(0.0, 0.0)).choose(_decoding(3, 0.0), 100) == [4] * 3
+    # before the model predicts anything, a step guesses one request's cap in all: a large
+    # batch does not grow to many times its rows while the model learns what a row costs
+    assert GuessPlanner(4, True, RowCost(0.0, 0.0)).choose(_decoding(3, 0.0), 100) == [4, 0, 0]
+    # not adaptive: every request guesses its cap
+    assert GuessPlanner(4, False, memory_bound).choose(_decoding(3, 0.0), 100) == [4] * 3
+
+
+def _learned(penalty: float, rows: list[int], fixed: float, per_row: float,
+             noise: float, steps: int = 40) -> LearnedStepTime:
+    """A learned model of the planner's kind after `steps` decode steps of the given sizes
+    (in turn, contexts at random), each `fixed` + `per_row` a row with a relative gaussian
+    error of `noise`."""
+    model, rng = LearnedStepTime(fixed_penalty=penalty), random.Random(0)
+    for i in range(steps):
+        n = rows[i % len(rows)]
+        model.observe(StepShape((1, rng.randint(8, 600), True) for _ in range(n)),
+                      (fixed + per_row * n) * (1 + rng.gauss(0, noise)))
+    return model
+
+
+def test_steps_of_one_size_price_a_guess_at_the_average_row():
+    """A large batch's first steps, all of one size, cannot tell a fixed cost from the
+    rows'. The planner's model then takes a row at its step's average, and 64 requests do
+    not guess; without the preference for a small fixed cost, the fit split the time (a
+    fixed 169 ms, rows at 1.3 ms where they cost 3.4) and all 64 guessed. Steps of 1 and 16
+    rows still find the fixed cost, so one request still guesses."""
+    def row(model, n):
+        return (model.shape_time(StepShape([(1, 300, True)] * (n + 1)))
+                - model.shape_time(StepShape([(1, 300, True)] * n)))
+
+    high = _decoding(64, alpha_hits=20.0)
+    one_size = _learned(GUESS_FIXED_PENALTY, [79], 0.006, 0.0034, 0.0)
+    assert row(one_size, 79) == pytest.approx(
+        one_size.shape_time(StepShape([(1, 300, True)] * 79)) / 79, rel=0.05)
+    assert sum(GuessPlanner(4, True, one_size).choose(high, budget=10_000)) == 0
+    split = _learned(0.0, [79], 0.006, 0.0034, 0.0)
+    assert row(split, 79) < 0.5 * 0.0034
+    assert sum(GuessPlanner(4, True, split).choose(high, budget=10_000)) == 64 * 4
+    narrow = _learned(GUESS_FIXED_PENALTY, [64, 79], 0.006, 0.0034, 0.08)
+    assert 0.85 * 0.0034 < row(narrow, 64) < 1.15 * 0.0034
+    assert sum(GuessPlanner(4, True, narrow).choose(high, budget=10_000)) == 0
+    small = _learned(GUESS_FIXED_PENALTY, [1, 16], 0.006, 0.0025, 0.05)
+    assert small.coef[0] == pytest.approx(0.006, rel=0.15)
+    assert GuessPlanner(4, True, small).choose(_decoding(1, alpha_hits=8.0), 100)[0] >= 2
 
 
 def test_adaptive_guesses_keep_tpot_targets():

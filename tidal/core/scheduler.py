@@ -33,11 +33,13 @@ class Scheduler:
 
     `step_time` predicts a step's seconds from its shape and `clock` reads the time
     requests' `arrival_time` is on (the simulator's virtual clock); the `slo` policy plans
-    with both, the others use neither."""
+    with both, the others use neither. Adaptive speculation prices guesses with
+    `guess_time` (default: `step_time`)."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  step_time: StepTimeModel | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 guess_time: StepTimeModel | None = None) -> None:
         for name in ("chunked_prefill_size", "max_input_tokens_per_step"):
             if getattr(config, name) < kv.block_size:
                 raise ValueError(f"{name}={getattr(config, name)} is under block_size="
@@ -51,7 +53,7 @@ class Scheduler:
             raise ValueError(f"policy {config.policy!r} needs a step-time model")
         self.step_time, self.clock = step_time, clock
         self.ratio = NewTokenRatio(config)
-        self.spec = Speculation(config, step_time, self.policy.tpot)
+        self.spec = Speculation(config, guess_time or step_time, self.policy.tpot)
         self.loras = AdapterSlots(config.max_loras, config.lora_wait_steps)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []

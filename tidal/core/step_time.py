@@ -87,17 +87,26 @@ class LearnedStepTime:
     per-token and attention terms stay out of the fit: a slope from a few small steps would
     extrapolate wildly to long prompts, and an overestimate makes the slo policy reject
     requests it could serve (and then never see the steps that would correct it), whereas
-    an underestimate only admits a little too much until the fit learns."""
+    an underestimate only admits a little too much until the fit learns.
+
+    `fixed_penalty` makes the fit prefer a small constant: a pseudo-step of the constant
+    alone, due zero seconds, weighs that fraction of the steps. Steps that cannot tell a
+    fixed cost from a per-row one (all of one size, or of a narrow range of sizes, with
+    noise) then put the time on the rows, so one more row is priced near its step's average
+    row and never as nearly free. The speculation planner's model wants that (a guess priced
+    too cheaply at a large batch costs seconds); the slo policy's does not (0: the constant
+    takes what the steps leave undecided, which keeps a long prompt's prediction low)."""
 
     # Feature scales keep the normal equations well conditioned (coefficients near 1e-3).
     _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4)
     _DECODE_FEATURES = [0, 2, 4]  # constant, seqs, KV tokens: what decode steps pin down
 
     def __init__(self, window: int = 512, half_life: float = 128.0, min_steps: int = 8,
-                 refit_every: int = 8) -> None:
+                 refit_every: int = 8, fixed_penalty: float = 0.0) -> None:
         self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self.decay = 0.5 ** (1.0 / half_life)
         self.min_steps, self.refit_every = min_steps, refit_every
+        self.fixed_penalty = fixed_penalty
         self.coef: list[float] = [0.0] * len(self._SCALES)
         self._since_fit = 0
 
@@ -139,7 +148,7 @@ class LearnedStepTime:
             if not samples:
                 return self.coef
         while active:
-            coef = _solve_weighted(samples, weights, active)
+            coef = _solve_weighted(samples, weights, active, self.fixed_penalty)
             if coef is None:
                 return self.coef  # degenerate (one step size so far): keep the old fit
             negative = [i for i, c in zip(active, coef) if c < 0]
@@ -152,8 +161,10 @@ class LearnedStepTime:
         return self.coef
 
 
-def _solve_weighted(samples, weights, active: list[int]) -> list[float] | None:
-    """argmin sum w (y - x[active] . b)^2 with a tiny ridge; None if singular."""
+def _solve_weighted(samples, weights, active: list[int],
+                    fixed_penalty: float = 0.0) -> list[float] | None:
+    """argmin sum w (y - x[active] . b)^2 + fixed_penalty * sum w * b_0^2 (b_0 the
+    constant's coefficient, when active), with a tiny ridge; None if singular."""
     k = len(active)
     a = [[0.0] * k for _ in range(k)]
     rhs = [0.0] * k
@@ -168,6 +179,8 @@ def _solve_weighted(samples, weights, active: list[int]) -> list[float] | None:
     ridge = 1e-9 * max(a[r][r] for r in range(k))  # steadies features that barely vary
     for r in range(k):
         a[r][r] += ridge
+    if fixed_penalty and active[0] == 0:  # the constant's pseudo-step: x = (1, 0, ...), y = 0
+        a[0][0] += fixed_penalty * sum(weights)
     return _gauss(a, rhs)
 
 

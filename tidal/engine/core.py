@@ -17,6 +17,7 @@ from tidal.core import (POLICIES, KVCacheManager, LearnedStepTime, ModelOutput, 
                         RequestOutput, RequestStatus, SamplingParams, Scheduler,
                         SchedulerOutput, StepShape)
 from tidal.core.snapshot import StepHistory
+from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.engine.config import EngineConfig
 from tidal.engine.model_runner import ModelRunner
 from tidal.model.lora import LoRAError
@@ -39,12 +40,15 @@ class EngineCore:
             config.scheduler.max_model_len, arch.context_length))
         cache_cfg = replace(config.cache, num_blocks=self.runner.num_blocks)
         self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
-        # the slo policy's and adaptive speculation's step-time model, learned from this
-        # engine's forward passes
+        # The slo policy's and adaptive speculation's step-time models, learned from this
+        # engine's forward passes: each errs on its own safe side (see LearnedStepTime).
         adaptive = sched_cfg.num_speculative_tokens and sched_cfg.speculative_adaptive
         self.step_time = (LearnedStepTime() if POLICIES[sched_cfg.policy].needs_step_time
-                          or adaptive else None)
-        self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg), self.step_time)
+                          else None)
+        self.guess_time = LearnedStepTime(fixed_penalty=GUESS_FIXED_PENALTY) if adaptive else None
+        self._learners = [m for m in (self.step_time, self.guess_time) if m is not None]
+        self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg), self.step_time,
+                                   guess_time=self.guess_time)
         self.eos_token_id = (eos_token_id if eos_token_id is not None
                              else (arch.eos_token_ids or (None,))[0])
         self.vocab_size = arch.vocab_size
@@ -173,8 +177,10 @@ class EngineCore:
         finally:
             seconds = time.perf_counter() - t0
             self.execute_seconds += seconds
-        if isinstance(self.step_time, LearnedStepTime):
-            self.step_time.observe(StepShape.of(out), seconds)
+        if self._learners:
+            shape = StepShape.of(out)
+            for model in self._learners:
+                model.observe(shape, seconds)
         accepted = sum(len(result.sampled[rid]) - 1 for rid in result.drafted)
         self.history.record(out, seconds, time.time(), prefill, accepted)
         return result
