@@ -76,9 +76,10 @@ class GuessPlanner:
     expected time per token within it). Each guess runs as one more decode row of context
     c + j, which is how the step-time model prices it. At a batch where one more row costs
     more than the tokens it is expected to add, no request guesses. Otherwise (or before the
-    model has seen enough steps to predict): every request guesses its cap, though before
-    a prediction no more than `max_guesses` in all, so that a large batch's first steps do
-    not grow to many times their rows while the model learns what a row costs."""
+    model predicts): every request guesses its cap, though without a prediction only every
+    other step and no more than `max_guesses` in all: a large batch's first steps do not
+    grow to many times their rows while the model learns what a row costs, and it sees
+    steps of two sizes, which it needs to price a row."""
 
     def __init__(self, max_guesses: int, adaptive: bool,
                  step_time: StepTimeModel | None,
@@ -92,6 +93,7 @@ class GuessPlanner:
         # proposer holds more after a longer match, and its guesses pass more often (chat,
         # one at a time: ~20% of first guesses after a 2-guess proposal, ~90% after 8)
         self.by_proposal = [[0.0, 0.0] for _ in range(max_guesses + 1)]
+        self._probe = False  # whether the last step planned without a prediction guessed
 
     def prior(self, r: Request) -> float:
         hits, misses = self.by_proposal[min(r.num_proposed, self.max_guesses)]
@@ -137,8 +139,11 @@ class GuessPlanner:
         caps = [self.cap(r) for r, _ in entries]
         if not any(caps) or budget <= 0:
             return [0] * len(entries)
-        if base <= 0.0:  # not adaptive, or no prediction yet: then one request's worth
-            return _fill(caps, min(budget, self.max_guesses) if self.adaptive else budget)
+        if not self.adaptive:
+            return _fill(caps, budget)
+        if base <= 0.0:  # no prediction yet: one request's worth, every other step
+            self._probe = not self._probe  # so that the model sees two step sizes
+            return _fill(caps, min(budget, self.max_guesses) if self._probe else 0)
         return self._adaptive(entries, caps, budget, shape, base)
 
     def _worth(self, entries: Sequence[tuple[Request, int]], shape: StepShape,

@@ -95,7 +95,9 @@ class LearnedStepTime:
     noise) then put the time on the rows, so one more row is priced near its step's average
     row and never as nearly free. The speculation planner's model wants that (a guess priced
     too cheaply at a large batch costs seconds); the slo policy's does not (0: the constant
-    takes what the steps leave undecided, which keeps a long prompt's prediction low)."""
+    takes what the steps leave undecided, which keeps a long prompt's prediction low). With
+    a penalty the model predicts 0 while its decode steps are all of one size: it could only
+    price a row as the whole step, and a planner told so would never try a guess again."""
 
     # Feature scales keep the normal equations well conditioned (coefficients near 1e-3).
     _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4)
@@ -140,6 +142,9 @@ class LearnedStepTime:
         weights = [self.decay ** age / (y * y)
                    for age, (_, y) in zip(range(len(self.samples) - 1, -1, -1), self.samples)]
         samples = list(self.samples)
+        if self.fixed_penalty and len({x[2] for x, _ in samples
+                                       if not self._computes_prompt(x)}) < 2:
+            return [0.0] * n  # decode steps of one size: no price for one more row yet
         active = list(range(n))
         if sum(map(self._computes_prompt, (x for x, _ in samples))) < self.min_steps:
             active = list(self._DECODE_FEATURES)  # and only the decode steps to fit them
