@@ -30,9 +30,9 @@ ENGINE_DECAY = 0.99
 # move it, but a proposal's length says as much as they do about a guess's chance.
 PRIOR_WEIGHT = 4.0
 # The learned step-time model the planner prices guesses with prefers a small fixed cost
-# by this much (`LearnedStepTime.fixed_penalty`): steps of one size, as a large batch's
-# first ones are, cannot say what one more row costs, and the planner then takes a row at
-# its step's average (without it, 64 clients' first steps of 79 rows on a 2-core CPU were
+# by this much (`LearnedStepTime.fixed_penalty`): steps of a narrow range of sizes, as a
+# large batch's first ones are, hardly say what one more row costs, and the fit then puts
+# the time on the rows (without it, 64 clients' first steps of 79 rows on a 2-core CPU were
 # fitted as 163 ms fixed and 1.3 ms a row, where a row cost ~3.5). Steps of 6 ms + 2.5 ms
 # a row with 5% noise, at 1 and 16 rows, still give 5.8 ms fixed.
 GUESS_FIXED_PENALTY = 0.03

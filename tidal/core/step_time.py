@@ -97,7 +97,8 @@ class LearnedStepTime:
     too cheaply at a large batch costs seconds); the slo policy's does not (0: the constant
     takes what the steps leave undecided, which keeps a long prompt's prediction low). With
     a penalty the model predicts 0 while its decode steps are all of one size: it could only
-    price a row as the whole step, and a planner told so would never try a guess again."""
+    price a row at its step's average, at one row the whole step, and a planner told so
+    would never try a guess again."""
 
     # Feature scales keep the normal equations well conditioned (coefficients near 1e-3).
     _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4)
