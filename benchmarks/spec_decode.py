@@ -123,7 +123,7 @@ def main() -> None:
                     proc.terminate()
                     proc.wait(60)
                 rates.setdefault((name, wl, conc), []).append(r["output_throughput"])
-                if r.get("spec_decode"):
+                if r.get("spec_decode"):  # the table's acceptance: the last round's
                     spec[name, wl, conc] = r["spec_decode"]
                 print(f"{name:>13} {wl:>5} x{conc:<3} {r['output_throughput']:8.1f} tok/s",
                       flush=True)
