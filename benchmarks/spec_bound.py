@@ -1,0 +1,125 @@
+"""How close adaptive speculation comes to the best that any choice of guesses could do, one
+request at a time on the embedded model (offline, `LLM.chat`, greedy).
+
+The bound is measured, not modelled: the same proposer runs with its guesses cut at the
+first one the model will not accept (the model's tokens are known from the run without
+speculation), and every guess left is verified. No planner can beat that: it pays for no
+rejected row and misses no accepted one, at this machine's real step times and first
+tokens. Each round runs: no speculation, then per method the adaptive planner and the bound;
+the table gives medians of per-round ratios to no speculation.
+
+Workloads are `benchmarks/spec_decode.py`'s (`copy`: "repeat this function" over Python
+standard-library functions; `chat`: ShareGPT first turns), each request's output capped at
+its reference reply's tokens as `tidal bench serve` caps it.
+
+usage: .venv/bin/python benchmarks/spec_bound.py [--workload copy] [--prompts 8] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_decode import GUESSES, copy_dataset  # noqa: E402  (the same workload and cap)
+
+
+class AcceptedOnly:
+    """A proposer whose guesses stop at the first one the model would reject: `reference`
+    maps a prompt's tokens to the model's output for it."""
+
+    def __init__(self, inner, reference: dict[tuple[int, ...], list[int]]) -> None:
+        self.inner, self.reference = inner, reference
+        self.cut = 0  # guesses cut off, over the run
+
+    def propose(self, seq_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
+        guess = self.inner.propose(seq_id, prompt, output, k)
+        ref, n, j = self.reference[tuple(prompt)], len(output), 0
+        while j < len(guess) and n + j < len(ref) and guess[j] == ref[n + j]:
+            j += 1
+        self.cut += len(guess) - j
+        return guess[:j]
+
+    def forget(self, seq_id: str, output: list[int], finished: bool) -> None:
+        self.inner.forget(seq_id, output, finished)
+
+
+def requests(workload: str, prompts: int, tokenizer) -> list[tuple[str, int]]:
+    """(prompt text, output cap) pairs, as `tidal bench serve` draws them."""
+    from tidal.bench.dataset import DatasetSpec, load_dataset
+
+    path = None
+    if workload == "copy":
+        path = Path(tempfile.mkdtemp(prefix="tidal-bound-")) / "copy.json"
+        copy_dataset(path, prompts)
+    spec = DatasetSpec(name="sharegpt", path=str(path) if path else None, num_prompts=prompts,
+                       output_len=0)  # 0: the reply's length
+    return [(r.text, r.output_len) for r in load_dataset(spec, tokenizer)]
+
+
+def run(llm, work: list[tuple[str, int]]) -> tuple[float, list[list[int]], list[list[int]]]:
+    """Output tokens/s over the requests sent one at a time; prompts' and outputs' tokens."""
+    from tidal import SamplingParams
+
+    prompts, outputs, seconds = [], [], 0.0
+    for text, cap in work:
+        params = SamplingParams(max_tokens=cap, temperature=0.0)
+        start = time.perf_counter()
+        out = llm.chat([{"role": "user", "content": text}], params, use_tqdm=False)[0]
+        seconds += time.perf_counter() - start
+        prompts.append(list(out.prompt_token_ids))
+        outputs.append(list(out.outputs[0].token_ids))
+    return sum(map(len, outputs)) / seconds, prompts, outputs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=("copy", "chat"), default="copy")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--methods", default="ngram,suffix")
+    args = p.parse_args()
+    from tidal import LLM
+
+    methods = args.methods.split(",")
+    rates: dict[str, list[float]] = {}
+    differ = cut = 0
+    for _ in range(args.rounds):
+        llm = LLM("smollm2-135m")
+        work = requests(args.workload, args.prompts, llm.tokenizer)
+        run(llm, work[:1])  # warm-up: the kernels' first calls
+        base, prompts, outputs = run(llm, work)
+        rates.setdefault("none", []).append(base)
+        reference = {tuple(p): o for p, o in zip(prompts, outputs)}
+        del llm
+        for method in methods:
+            for bound in (False, True):
+                llm = LLM("smollm2-135m", speculative_method=method,
+                          num_speculative_tokens=GUESSES, speculative_adaptive=not bound)
+                run(llm, work[:1])
+                spec = llm.engine.core.runner.speculator
+                if bound:
+                    spec.proposer = AcceptedOnly(spec.proposer, reference)
+                rate, _, got = run(llm, work)
+                differ += sum(a != b for a, b in zip(got, outputs))
+                cut += spec.proposer.cut if bound else 0
+                rates.setdefault(f"{method} {'bound' if bound else 'adaptive'}", []).append(rate)
+                del llm
+    print(f"\n{args.workload}, {args.prompts} requests one at a time, {args.rounds} rounds "
+          f"(outputs unlike no speculation's: {differ}; guesses the bound cut: {cut})\n")
+    print("| engine | output tok/s | vs none | of the bound |\n|---|---|---|---|")
+    for name, rate in rates.items():
+        method = name.split()[0]
+        bound = rates.get(f"{method} bound")
+        vs_bound = (f"{median(a / b for a, b in zip(rate, bound)):.0%}"
+                    if bound and name.endswith("adaptive") else "-")
+        vs_none = median(a / b for a, b in zip(rate, rates["none"]))
+        print(f"| {name} | {median(rate):.1f} | {vs_none:.2f}x | {vs_bound} |")
+
+
+if __name__ == "__main__":
+    main()
