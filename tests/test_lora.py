@@ -125,6 +125,44 @@ def test_adapters_mixed_in_one_batch_equal_their_merged_models(setup, cpu_decode
     assert llm.engine.scheduler.prefix_hit_tokens > hits
 
 
+class ScriptedProposer:
+    """Guesses the merged models' greedy continuation of a sequence (the first adapter's
+    whose tokens so far agree), its second guess wrong at every other position: accepted
+    runs and rejections under every adapter, which random weights seldom give a real
+    proposer."""
+
+    def __init__(self, refs: list[tuple[list[int], list[int]]]) -> None:
+        self.refs = refs
+
+    def propose(self, seq_id, prompt, output, k):
+        for p, tokens in self.refs:
+            if p == prompt and tokens[:len(output)] == output:
+                guess = list(tokens[len(output):len(output) + k])
+                if len(output) % 2 and len(guess) > 1:
+                    guess[1] += 1
+                return guess
+        return []
+
+    def forget(self, seq_id, output, finished):
+        pass
+
+
+@pytest.mark.parametrize("cpu_decoder", [True, False])
+def test_speculative_rows_take_their_requests_adapter(setup, cpu_decoder):
+    """A verification's 1 + k rows run under the request's adapter, beside other adapters'
+    and the base model's requests: the tokens (and their logprobs) stay the merged models'."""
+    base, folders, refs = setup
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=96, block_size=4, max_loras=3,
+              lora_modules=[f"{n}={p}" for n, p in folders.items()], cpu_decoder=cpu_decoder,
+              speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False)
+    llm.engine.runner.speculator.proposer = ScriptedProposer(
+        [(PROMPTS[i], refs[name][i]) for name in [None, *folders] for i in range(len(PROMPTS))])
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in [None, *folders]]
+    assert run(llm, jobs) == [refs[name][i] for name, i in jobs]
+    spec = llm.engine.scheduler.spec
+    assert spec.accepted_tokens > 40 and spec.drafted_tokens > spec.accepted_tokens
+
+
 def test_two_slots_for_three_adapters_and_a_small_cpu_cache(setup):
     """Fewer slots than adapters: the scheduler holds two adapters at a time and the runner
     swaps slots (and reloads from disk, with one adapter cached) without mixing them up."""
