@@ -62,8 +62,9 @@ def test_greedy_tokens_equal_those_without_speculation(reference, method):
 def test_the_served_gguf_weights_give_the_same_tokens_with_guesses(method):
     """In the GGUF file's own format, one request at a time: its 1 + k verification rows go
     through the integer kernels, which sum a row as they do alone (a near tie would
-    otherwise flip a greedy token). Batches are not compared: past 16 rows a step takes
-    dequantized tiles, whose GEMM rounds otherwise, with or without guesses."""
+    otherwise flip a greedy token). Batches are not compared: past `MAX_ROWS` rows (16-48 by
+    CPU) the Q8_0 LM head takes dequantized tiles, whose GEMM rounds otherwise, with or
+    without guesses."""
     prompts = COPY + PROMPTS[:3]
     llm = LLM("smollm2-135m", num_kv_blocks=256, enable_prefix_caching=False)
     ref = [greedy(llm, [p], max_tokens=64)[0] for p in prompts]

@@ -41,18 +41,21 @@ SUPPORTED = frozenset(FLOAT_TYPES) | frozenset(BLOCK_FIELDS)
 # Formats whose kernels read planar rows (each field contiguous: two blocks' quants one
 # load, eight blocks' scales another); the K-quants' kernel reads the file's layout.
 PLANAR = frozenset({QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
-# The integer kernels' crossover with dequantized tiles: 16-32 rows without AVX-512 VNNI;
-# with it ~40-64 by shape for bf16 activations on AMX (SmolLM2's 576x1536 Q4_1 at 48 rows:
-# 0.26 ms against 0.32, 2048x2048: 1.33 against 1.11), far more against float32 tiles
-# (benchmarks/gguf_kernels.py --crossover, --crossover-dtype)
+# The integer kernels' crossover with dequantized tiles (benchmarks/gguf_kernels.py
+# --crossover, --crossover-dtype). With AVX-512 VNNI ~40-64 rows by shape for bf16
+# activations on AMX (SmolLM2's 576x1536 Q4_1 at 48 rows: 0.26 ms against 0.32, 2048x2048:
+# 1.33 against 1.11), far more against float32 tiles. With AVX2 alone (DOT8 below) 32-48:
+# 2048x2048 on a 2-core AMD EPYC (Zen 3) at 32 rows, bf16 activations, Q8_0 4.0 ms against
+# 4.5, Q4_K 2.2 against 4.7, Q6_K 4.0 against 4.6; at 48 Q6_K 6.4 against 5.6. Without
+# AVX2's F16C and FMA, 16.
 VNNI = {"avx512_vnni", "avx512bw"} <= cpu_flags()
-MAX_ROWS = 48 if VNNI else 16
 # With AVX2 and no AVX-512 VNNI the planar nibble formats take gguf_dot8.h, whose rows share
 # each unpacked block: it beats float32 tiles at every size measured (2048x2048 Q4_1 on a
 # 2-core AMD EPYC, Zen 3: 0.95 ms against 3.63 at 16 rows, 14.8 against 20.9 at 256). Its
 # builds read the quants of those formats' planar rows in rounds of 8 blocks (NIBBLE_ROUNDS;
 # csrc/gguf_formats.h), the order the kernel multiplies them in.
 DOT8 = {"avx2", "fma", "f16c"} <= cpu_flags() and not VNNI
+MAX_ROWS = 48 if VNNI else 32 if DOT8 else 16
 NIBBLE_MAX_ROWS = 256 if DOT8 else MAX_ROWS
 NIBBLE_ROUNDS = DOT8
 NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
