@@ -256,6 +256,31 @@ def test_adaptive_guesses_at_one_request_and_turns_itself_off_at_large_batches()
     assert GuessPlanner(4, False, memory_bound).choose(_decoding(3, 0.0), 100) == [4] * 3
 
 
+def test_a_request_whose_short_proposals_failed_still_proposes_for_long_ones():
+    """Whether the runner proposes ahead is decided before the proposer holds anything. A
+    request whose two-guess proposals kept failing must still be asked: the engine's long
+    proposals pass, and the planner prices the next proposal by its length (suffix decoding
+    on chat prompts one at a time had stopped proposing for good, at 0.91x of no
+    speculation). Where no guess of any length could pay, nobody proposes."""
+    planner = GuessPlanner(8, True, RowCost(fixed=0.008, per_row=0.003))
+    other = Request("o", [1], SamplingParams())
+    for _ in range(30):
+        other.num_proposed = 8
+        planner.record(other, guessed=8, accepted=8)
+        other.num_proposed = 2
+        planner.record(other, guessed=2, accepted=0)
+    (r, c), = entries = _decoding(1, alpha_hits=0.0)
+    r.num_proposed = 2
+    for _ in range(10):
+        planner.record(r, guessed=2, accepted=0)
+    assert planner.alpha(r) < 0.1 and planner.choose(entries, budget=100) == [0]
+    assert planner.worth_proposing(entries)
+    r.num_proposed = 8  # asked, its proposer now holds a long match: it guesses
+    assert planner.choose(entries, budget=100)[0] >= 1
+    assert not GuessPlanner(8, True, RowCost(fixed=0.008, per_row=0.009)).worth_proposing(
+        entries)
+
+
 def _learned(penalty: float, rows: list[int], fixed: float, per_row: float,
              noise: float, steps: int = 40) -> LearnedStepTime:
     """A learned model of the planner's kind after `steps` decode steps of the given sizes
