@@ -269,7 +269,8 @@ def test_a_request_whose_short_proposals_failed_still_proposes_for_long_ones():
         planner.record(other, guessed=8, accepted=8)
         other.num_proposed = 2
         planner.record(other, guessed=2, accepted=0)
-    (r, c), = entries = _decoding(1, alpha_hits=0.0)
+    entries = _decoding(1, alpha_hits=0.0)
+    r = entries[0][0]
     r.num_proposed = 2
     for _ in range(10):
         planner.record(r, guessed=2, accepted=0)
