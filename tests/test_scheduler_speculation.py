@@ -87,7 +87,8 @@ def test_rejected_guesses_roll_back_and_their_blocks_return():
     assert r.output_token_ids == [100, 101] and r.num_computed_tokens == 7
     assert len(s.kv.tables["a"]) == 2 and s.kv.num_free == free_before
     assert (s.spec.drafted_tokens, s.spec.accepted_tokens) == (8, 0)
-    assert acceptance(r) < 0.5  # one rejection, no hit
+    r.num_proposed = 8  # one rejection, no hit, on a proposal of 8
+    assert acceptance(r) < 0.5
 
 
 def test_a_stop_token_inside_an_accepted_run_ends_the_request_there():
@@ -221,13 +222,32 @@ def test_the_prior_is_learned_per_proposal_length():
     assert planner.alpha(fresh) > 0.6
 
 
+def test_a_requests_own_record_is_kept_per_proposal_length():
+    """A request whose short proposals fail and whose long ones pass (a suffix proposer's
+    short and long matches) is expected to pass on a long one and fail on a short one, even
+    where the engine knows nothing yet: one mixed record would put both near even."""
+    planner = GuessPlanner(8, True, None)
+    r = Request("a", [1], SamplingParams())
+    for _ in range(10):
+        r.num_proposed = 2
+        record_verification(r, guessed=2, accepted=0)
+        r.num_proposed = 8
+        record_verification(r, guessed=8, accepted=8)
+    assert planner.prior(r) == 0.5  # the engine's counts are untouched
+    assert planner.alpha(r) > 0.9
+    r.num_proposed = 2
+    assert planner.alpha(r) < 0.25
+    r.num_proposed = 5  # a length it never verified: at least even
+    assert planner.alpha(r) == 0.5
+
+
 def _decoding(n: int, alpha_hits: float) -> list[tuple[Request, int]]:
     out = []
     for i in range(n):
         r = Request(f"r{i}", [1] * 8, SamplingParams(max_tokens=100))
         r.output_token_ids = [3]
         r.num_proposed = 4
-        r.spec_hits = alpha_hits
+        r.spec_counts[4] = [alpha_hits, 0.0]
         out.append((r, 8))
     return out
 
@@ -243,7 +263,7 @@ def test_adaptive_guesses_at_one_request_and_turns_itself_off_at_large_batches()
     assert not planner.worth_proposing(_decoding(1024, alpha_hits=8.0))
     # a request whose guesses are rarely accepted guesses less than one that is
     mixed = _decoding(2, alpha_hits=8.0)
-    mixed[1][0].spec_hits, mixed[1][0].spec_misses = 0.0, 30.0
+    mixed[1][0].spec_counts[4] = [0.0, 30.0]
     k_good, k_bad = GuessPlanner(4, True, RowCost(0.001, 0.0003)).choose(mixed, budget=100)
     assert k_good > k_bad
     # before the model predicts anything, every other step guesses one request's cap in

@@ -170,8 +170,7 @@ class Request:
         "extra_key", "status", "output_token_ids", "num_computed_tokens", "prefill_target",
         "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "block_tokens",
         "parent_id", "index", "enqueue_step", "remote_prefill", "fork_pending", "stop_ids",
-        "out_limit", "max_tokens", "admitted", "num_guesses", "num_proposed", "spec_hits",
-        "spec_misses",
+        "out_limit", "max_tokens", "admitted", "num_guesses", "num_proposed", "spec_counts",
     )
 
     def __init__(
@@ -212,12 +211,11 @@ class Request:
         self.max_tokens = self.sampling_params.max_tokens
         self.out_limit = self.max_tokens
         # Speculative decoding: guesses scheduled and not yet verified, guesses the
-        # executor's proposer holds for the next step, and the decayed counts of accepted
-        # guesses and of verifications that ended in a rejected one.
+        # executor's proposer holds for the next step, and by that proposal length, the
+        # decayed counts [accepted guesses, verifications that ended in a rejected one].
         self.num_guesses = 0
         self.num_proposed = 0
-        self.spec_hits = 0.0
-        self.spec_misses = 0.0
+        self.spec_counts: dict[int, list[float]] = {}
 
     def prepare_limits(self, max_model_len: int) -> None:
         """Precompute the stop checks the per-step hot path runs: the token ids that stop

@@ -40,20 +40,27 @@ GUESS_FIXED_PENALTY = 0.03
 
 def acceptance(r: Request, prior: float = 0.5) -> float:
     """The estimated chance that one more guess of `r` is accepted, given the ones before it
-    were: accepted guesses over accepted guesses plus rejections (each verification that
-    ends early is one rejection; guesses after it were never tested), with `PRIOR_WEIGHT`
-    pseudo-counts split as `prior`. A request that never verified is taken at least even
-    (so that it tries, whatever the others did)."""
-    if not r.spec_hits and not r.spec_misses:
+    were, from r's verifications of proposals as long as the one its proposer holds now:
+    accepted guesses over accepted guesses plus rejections (each verification that ends
+    early is one rejection; guesses after it were never tested), with `PRIOR_WEIGHT`
+    pseudo-counts split as `prior`. Kept per length because a long proposal passes far more
+    often than a short one of the same request (a suffix match's length). A request that
+    never verified a proposal of that length is taken at least even (so that it tries,
+    whatever the others did)."""
+    counts = r.spec_counts.get(r.num_proposed)
+    if counts is None:
         return max(prior, 0.5)
-    return (r.spec_hits + PRIOR_WEIGHT * prior) / (r.spec_hits + r.spec_misses + PRIOR_WEIGHT)
+    hits, misses = counts
+    return (hits + PRIOR_WEIGHT * prior) / (hits + misses + PRIOR_WEIGHT)
 
 
 def record_verification(r: Request, guessed: int, accepted: int) -> None:
     """Fold one verification of `guessed` tokens (at least one), `accepted` of them
-    accepted, into r's decayed counts."""
-    r.spec_hits = r.spec_hits * ACCEPTANCE_DECAY + accepted
-    r.spec_misses = r.spec_misses * ACCEPTANCE_DECAY + (accepted < guessed)
+    accepted, planned from the `r.num_proposed` its proposer held, into r's decayed counts
+    for that length."""
+    counts = r.spec_counts.setdefault(r.num_proposed, [0.0, 0.0])
+    counts[0] = counts[0] * ACCEPTANCE_DECAY + accepted
+    counts[1] = counts[1] * ACCEPTANCE_DECAY + (accepted < guessed)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
