@@ -22,13 +22,10 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 # The target's own builds: a wheel from here would shadow its CUDA torch.
 NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def read_have(path: Path) -> set[str]:
@@ -38,7 +35,7 @@ def read_have(path: Path) -> set[str]:
         line = line.strip()
         if not line or line.startswith(("#", "Package", "---")):
             continue
-        names.add(canonical(re.split(r"[=<>@ ]", line, maxsplit=1)[0]))
+        names.add(canonicalize_name(re.split(r"[=<>@ ]", line, maxsplit=1)[0]))
     return names
 
 
@@ -47,7 +44,7 @@ def closure(roots: list[str], have: set[str]) -> dict[str, str]:
     needed: dict[str, str] = {}
     todo = list(roots)
     while todo:
-        name = canonical(todo.pop())
+        name = canonicalize_name(todo.pop())
         if name in needed or name in have or NEVER.match(name):
             continue
         try:
@@ -64,8 +61,8 @@ def closure(roots: list[str], have: set[str]) -> dict[str, str]:
 
 
 def tidal_roots() -> list[str]:
-    return [Requirement(text).name for text in distribution("tidal").requires or []
-            if Requirement(text).marker is None]
+    requirements = map(Requirement, distribution("tidal").requires or [])
+    return [req.name for req in requirements if req.marker is None]
 
 
 def main() -> None:
