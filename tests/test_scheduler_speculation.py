@@ -343,6 +343,30 @@ def test_steps_of_one_size_price_a_guess_at_the_average_row():
     assert GuessPlanner(4, True, small).choose(_decoding(1, alpha_hits=8.0), 100)[0] >= 2
 
 
+def test_verifications_aged_out_of_the_fit_leave_a_row_unpriced_not_dear():
+    """One request: once its verifications weigh less than the fixed cost's pseudo-step,
+    the fit priced one more row at the whole step, so nothing paid, no verification came to
+    correct it, and guessing stopped for hundreds of steps. Then the model predicts nothing
+    and the planner probes, as before its first fit."""
+    model, rng = LearnedStepTime(fixed_penalty=GUESS_FIXED_PENALTY), random.Random(0)
+
+    def steps(count: int, sizes: list[int]) -> None:
+        for i in range(count):
+            n = sizes[i % len(sizes)]
+            model.observe(StepShape((1, 300 + i, True) for _ in range(n)),
+                          (0.006 + 0.0025 * n) * (1 + rng.gauss(0, 0.03)))
+
+    one_row = StepShape([(1, 300, True)])
+    steps(40, [1, 4])
+    row = model.shape_time(one_row.copy().add(1, 301)) - model.shape_time(one_row)
+    assert 0.8 * 0.0025 < row < 1.2 * 0.0025
+    planner, entries = GuessPlanner(4, True, model), _decoding(1, alpha_hits=8.0)
+    assert planner.choose(entries, budget=100)[0] >= 2
+    steps(400, [1])  # no guesses for a while: the 4-row steps age out of the fit
+    assert model.shape_time(one_row) == 0.0
+    assert [planner.choose(entries, budget=100)[0] for _ in range(2)] == [4, 0]
+
+
 def test_adaptive_guesses_keep_tpot_targets():
     """A request that cannot guess pays for the others' guesses in step time: with a TPOT
     target they stop where its time per token would pass it."""

@@ -96,9 +96,10 @@ class LearnedStepTime:
     row and never as nearly free. The speculation planner's model wants that (a guess priced
     too cheaply at a large batch costs seconds); the slo policy's does not (0: the constant
     takes what the steps leave undecided, which keeps a long prompt's prediction low). With
-    a penalty the model predicts 0 while its decode steps are all of one size: it could only
-    price a row at its step's average, at one row the whole step, and a planner told so
-    would never try a guess again."""
+    a penalty the model predicts 0 while its decode steps are all of one size, or those of
+    other sizes weigh less than the pseudo-step: it could only price a row at its step's
+    average, at one row the whole step, and a planner told so would never try a guess
+    again."""
 
     # Feature scales keep the normal equations well conditioned (coefficients near 1e-3).
     _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4)
@@ -135,6 +136,18 @@ class LearnedStepTime:
             return 0.0
         return sum(c * x for c, x in zip(self.coef, self._features(shape)))
 
+    def _one_size(self, samples, weights: list[float]) -> bool:
+        """Whether the decode steps are, in effect, all of one size: those of other sizes
+        weigh less than the fixed cost's pseudo-step. The fit would then price one more row
+        at the whole step (at one request, a planner's verifications aged out of the fit
+        made every guess look dear, and it stopped guessing for ~500 steps at a time)."""
+        by_size: dict[float, float] = {}
+        for (x, _), w in zip(samples, weights):
+            if not self._computes_prompt(x):
+                by_size[x[2]] = by_size.get(x[2], 0.0) + w
+        others = sum(by_size.values()) - max(by_size.values(), default=0.0)
+        return others <= self.fixed_penalty * sum(weights)
+
     def _fit(self) -> list[float]:
         """Weighted non-negative least squares by active set: solve, drop the features whose
         coefficients come out negative, solve again (at most five rounds)."""
@@ -143,8 +156,7 @@ class LearnedStepTime:
         weights = [self.decay ** age / (y * y)
                    for age, (_, y) in zip(range(len(self.samples) - 1, -1, -1), self.samples)]
         samples = list(self.samples)
-        if self.fixed_penalty and len({x[2] for x, _ in samples
-                                       if not self._computes_prompt(x)}) < 2:
+        if self.fixed_penalty and self._one_size(samples, weights):
             return [0.0] * n  # decode steps of one size: no price for one more row yet
         active = list(range(n))
         if sum(map(self._computes_prompt, (x for x, _ in samples))) < self.min_steps:
