@@ -28,7 +28,7 @@ from tidal.core import SchedulerConfig
 from tidal.engine.config import ModelConfig
 from tidal.engine.model_runner import ModelRunner
 from tidal.model.config import ModelArch
-from tidal.sim.calibrate import measure
+from tidal.engine.step_profile import measure
 from tidal.sim.profiles import MODEL_CONFIGS, linear_params
 
 

@@ -36,7 +36,8 @@ def random_driver(rng: random.Random) -> SchedulerDriver:
         clip=rng.choice([1, 8, 4096]), margin=rng.choice([0.0, 0.0, 0.25]),
         ttft=rng.choice(SLO_TARGETS), tpot=rng.choice(SLO_TARGETS),
         overload=rng.choice(["defer", "reject"]), guesses=rng.choice([0, 0, 1, 3]),
-        adaptive=rng.random() < 0.5, seed=rng.randint(0, 2**31))
+        adaptive=rng.random() < 0.5, seed=rng.randint(0, 2**31),
+        max_step_ms=rng.choice([None, None, 3.0, 6.0]))
 
 
 def one_op(d: SchedulerDriver, rng: random.Random) -> str:

@@ -6,6 +6,7 @@ knows every token a step computes."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 
@@ -34,7 +35,7 @@ class SchedulerDriver:
                  max_num_seqs: int, clip: int, margin: float, ttft: float | None = None,
                  tpot: float | None = None, overload: str = "defer", guesses: int = 0,
                  adaptive: bool = True, seed: int = 0, max_loras: int = 1,
-                 lora_wait: int = 32) -> None:
+                 lora_wait: int = 32, max_step_ms: float | None = None) -> None:
         options = {  # each policy takes only its own options
             "longest_prefix_match": dict(lpm_aging_steps=8),
             "slo": dict(ttft_slo_ms=ttft, tpot_slo_ms=tpot, slo_overload=overload,
@@ -45,7 +46,7 @@ class SchedulerDriver:
             batch_mode=batch_mode, policy=policy, role=role, async_scheduling=async_scheduling,
             max_num_seqs=max_num_seqs, clip_max_new_tokens=clip, safety_margin=margin,
             max_model_len=256, num_speculative_tokens=guesses, speculative_adaptive=adaptive,
-            max_loras=max_loras, lora_wait_steps=lora_wait, **options)
+            max_loras=max_loras, lora_wait_steps=lora_wait, max_step_ms=max_step_ms, **options)
         self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)),
                            step_time=LinearSteps(), clock=self.now)
         self.scheduled: set[str] = set()  # every request id a step ever computed for
@@ -79,6 +80,7 @@ class SchedulerDriver:
     def step(self, emit_eos: bool) -> None:
         self.inflight.append(self.s.schedule())
         self.s.check_invariants()
+        self._check_step_time(self.inflight[-1])
         self.steps_taken += 1
         if not self.s.config.async_scheduling or len(self.inflight) > 1:
             self._finish_oldest(emit_eos)
@@ -127,6 +129,17 @@ class SchedulerDriver:
             if o.finish_reason == "rejected":  # only before any compute, with no token
                 assert o.request_id not in self.scheduled and not o.new_token_ids
         self.s.check_invariants()
+
+    def _check_step_time(self, out) -> None:
+        """Under a step target, a step computing more than one block of prompt tokens is
+        predicted to keep within it (LinearSteps prices tokens alone: the sizer's estimate
+        of a step is exact)."""
+        prompt = sum(x.num_new_tokens for x in out.scheduled if x.is_prefill)
+        if self.s.max_step < math.inf and prompt > self.s.block_size:
+            seconds = LinearSteps().shape_time(StepShape.of(out))
+            assert seconds <= self.s.max_step + 1e-12, (
+                f"step {out.step}: {prompt} prompt tokens, predicted {seconds * 1e3:.2f} ms "
+                f"over the {self.s.max_step * 1e3:g} ms target")
 
     def _execute(self, out, emit_eos: bool) -> dict[str, list[int]]:
         """What a model runner does with a plan: forget finished requests, learn new ones,

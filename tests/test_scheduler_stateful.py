@@ -33,6 +33,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         seed=st.integers(0, 3),
         max_loras=st.integers(1, 3),
         lora_wait=st.sampled_from([0, 2, 32]),
+        max_step_ms=st.sampled_from([None, None, 3.0, 6.0]),  # 20 and 50 tokens a step
     )
     def setup(self, **config):
         self.d = SchedulerDriver(**config)

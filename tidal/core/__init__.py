@@ -13,7 +13,7 @@ from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, SamplingParams
 from tidal.core.roles import ROLES, Role
 from tidal.core.scheduler import Scheduler
-from tidal.core.step_time import LearnedStepTime, StepShape, StepTimeModel
+from tidal.core.step_time import LearnedStepTime, PredictionLog, StepShape, StepTimeModel
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 
@@ -22,6 +22,6 @@ __all__ = [
     "KVCacheManager", "ModelOutput", "NewRequest", "NewTokenRatio", "POLICIES", "Policy",
     "PromptLogprob", "ROLES", "Request", "RequestOutput", "RequestStatus", "Role",
     "SamplingParams", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput",
-    "SchedulerStats", "StepBudget", "StepPlan", "LearnedStepTime", "StepShape",
+    "SchedulerStats", "StepBudget", "StepPlan", "LearnedStepTime", "PredictionLog", "StepShape",
     "StepTimeModel", "TokenLogprob",
 ]

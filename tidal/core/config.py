@@ -50,6 +50,12 @@ class SchedulerConfig:
         8192, "Largest prefill chunk of the one chunked request in a step (rem_chunk_tokens).")
     max_input_tokens_per_step: int = knob(
         16384, "Tokens one step may compute; running decodes are subtracted (rem_input_tokens).")
+    max_step_ms: float | None = knob(
+        None, "Most milliseconds a step should take, as the step-time model predicts it: a "
+        "step's prefill tokens are capped so that running streams get their next token "
+        "within it (at least one block of prefill per step). The engine derives it when "
+        "unset: on CPU from the machine (docs/design/step-time.md), on GPU none (the token "
+        "budgets alone); 0: no time cap.")
     max_num_seqs: int = knob(256, "Most requests holding KV blocks at once.")
     max_model_len: int = knob(32768, "Longest sequence, prompt plus output.")
     batch_mode: str = knob(
@@ -123,6 +129,8 @@ class SchedulerConfig:
                              f"got {self.num_speculative_tokens}")
         if self.lora_wait_steps < 0:
             raise ValueError("lora_wait_steps must be >= 0")
+        if self.max_step_ms is not None and self.max_step_ms < 0:
+            raise ValueError("max_step_ms must be >= 0")
         if self.retract_decode_steps < 0:
             raise ValueError("retract_decode_steps must be >= 0")
         options = self.policy_options

@@ -32,9 +32,9 @@ class Scheduler:
     (mixed, prefill, decode) is configuration of this one class.
 
     `step_time` predicts a step's seconds from its shape and `clock` reads the time
-    requests' `arrival_time` is on (the simulator's virtual clock); the `slo` policy plans
-    with both, the others use neither. Adaptive speculation prices guesses with
-    `guess_time` (default: `step_time`)."""
+    requests' `arrival_time` is on (the simulator's virtual clock); every policy sizes
+    steps by `step_time` under `max_step_ms`, and the `slo` policy plans with both.
+    Adaptive speculation prices guesses with `guess_time` (default: `step_time`)."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  step_time: StepTimeModel | None = None,
@@ -44,14 +44,14 @@ class Scheduler:
             if getattr(config, name) < kv.block_size:
                 raise ValueError(f"{name}={getattr(config, name)} is under block_size="
                                  f"{kv.block_size}: no block-aligned chunk would ever fit")
-        self.config = config
-        self.kv = kv
-        self.block_size = kv.block_size
-        self.role = ROLES[config.role]
-        self.policy = make_policy(config)
-        if self.policy.needs_step_time and step_time is None:
-            raise ValueError(f"policy {config.policy!r} needs a step-time model")
+        self.config, self.kv, self.block_size = config, kv, kv.block_size
+        self.role, self.policy = ROLES[config.role], make_policy(config)
+        for needs, what in ((self.policy.needs_step_time, f"policy {config.policy!r}"),
+                            (config.max_step_ms, "max_step_ms")):
+            if needs and step_time is None:
+                raise ValueError(f"{what} needs a step-time model")
         self.step_time, self.clock = step_time, clock
+        self.max_step = config.max_step_ms / 1000 if config.max_step_ms else math.inf
         self.ratio = NewTokenRatio(config)
         self.spec = Speculation(config, guess_time or step_time, self.policy.tpot)
         self.loras = AdapterSlots(config.max_loras, config.lora_wait_steps)
@@ -154,6 +154,8 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_computed_tokens >= r.prefill_target]
         plan = StepPlan(out, self.role.step_budget(self.config, len(decoding), self.block_size),
                         self.config.max_num_seqs)
+        if self.waiting or self.active_prefill is not None or self.role.concurrent_prefills:
+            self.policy.size_step(self, plan, decoding)
         self.policy.compose(self, plan, decoding)
         out.kind = plan.kind()
         if (out.kind == "decode" and not plan.preempted and not self.waiting

@@ -78,6 +78,25 @@ class StepTimeModel(Protocol):
     def shape_time(self, shape: StepShape) -> float: ...
 
 
+class PredictionLog:
+    """Predicted over measured seconds of the last `window` steps: how far a step-time
+    model is off on this engine (1: exact; above 1: it overestimates)."""
+
+    def __init__(self, window: int = 512) -> None:
+        self.ratios: deque[float] = deque(maxlen=window)
+
+    def record(self, predicted: float, measured: float) -> None:
+        if predicted > 0 and measured > 0:
+            self.ratios.append(predicted / measured)
+
+    def quantiles(self, *qs: float) -> list[float]:
+        """The ratios' quantiles (nearest rank); 0 for each while none is recorded."""
+        ordered = sorted(self.ratios)
+        if not ordered:
+            return [0.0] * len(qs)
+        return [ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in qs]
+
+
 class LearnedStepTime:
     """A step-time model learned from the engine's own steps: seconds = a + b * tokens +
     c * seqs + d * attention pairs + e * KV tokens, fitted by least squares over the last
@@ -99,20 +118,31 @@ class LearnedStepTime:
     a penalty the model predicts 0 while its decode steps are all of one size, or those of
     other sizes weigh less than the pseudo-step: it could only price a row at its step's
     average, at one row the whole step, and a planner told so would never try a guess
-    again."""
+    again.
+
+    `prior`: (shape, seconds) of steps timed before serving, kept in every fit."""
 
     # Feature scales keep the normal equations well conditioned (coefficients near 1e-3).
     _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4)
     _DECODE_FEATURES = [0, 2, 4]  # constant, seqs, KV tokens: what decode steps pin down
 
     def __init__(self, window: int = 512, half_life: float = 128.0, min_steps: int = 8,
-                 refit_every: int = 8, fixed_penalty: float = 0.0) -> None:
+                 refit_every: int = 8, fixed_penalty: float = 0.0,
+                 prior: Iterable[tuple[StepShape, float]] = (),
+                 prior_weight: float = 4.0) -> None:
         self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self.decay = 0.5 ** (1.0 / half_life)
         self.min_steps, self.refit_every = min_steps, refit_every
         self.fixed_penalty = fixed_penalty
         self.coef: list[float] = [0.0] * len(self._SCALES)
         self._since_fit = 0
+        # Steps timed before serving (a start-up profile): in every fit, each weighing as
+        # `prior_weight` fresh steps, so the model predicts from the first step and still
+        # prices prompts after a long run of decodes has filled the window.
+        self.prior = [(self._features(s), y) for s, y in prior if s.seqs and y > 0]
+        self.prior_weight = prior_weight
+        if self.prior:
+            self.coef = self._fit()
 
     def _features(self, shape: StepShape) -> tuple[float, ...]:
         raw = (1.0, shape.tokens, shape.seqs, shape.pairs, shape.kv_tokens)
@@ -127,7 +157,8 @@ class LearnedStepTime:
             return
         self.samples.append((self._features(shape), seconds))
         self._since_fit += 1
-        if self._since_fit >= self.refit_every and len(self.samples) >= self.min_steps:
+        if (self._since_fit >= self.refit_every
+                and len(self.samples) + len(self.prior) >= self.min_steps):
             self._since_fit = 0
             self.coef = self._fit()
 
@@ -153,13 +184,15 @@ class LearnedStepTime:
         coefficients come out negative, solve again (at most five rounds)."""
         n = len(self._SCALES)
         # Relative errors count (1/y^2): a long prompt's seconds would drown decode steps.
-        weights = [self.decay ** age / (y * y)
-                   for age, (_, y) in zip(range(len(self.samples) - 1, -1, -1), self.samples)]
-        samples = list(self.samples)
+        weights = [self.prior_weight / (y * y) for _, y in self.prior]
+        weights += [self.decay ** age / (y * y)
+                    for age, (_, y) in zip(range(len(self.samples) - 1, -1, -1), self.samples)]
+        samples = self.prior + list(self.samples)
         if self.fixed_penalty and self._one_size(samples, weights):
             return [0.0] * n  # decode steps of one size: no price for one more row yet
         active = list(range(n))
-        if sum(map(self._computes_prompt, (x for x, _ in samples))) < self.min_steps:
+        prompts = sum(map(self._computes_prompt, (x for x, _ in samples)))
+        if prompts < self.min_steps and not any(self._computes_prompt(x) for x, _ in self.prior):
             active = list(self._DECODE_FEATURES)  # and only the decode steps to fit them
             kept = [i for i, (x, _) in enumerate(samples) if not self._computes_prompt(x)]
             samples, weights = [samples[i] for i in kept], [weights[i] for i in kept]

@@ -90,6 +90,12 @@ class ModelConfig:
                                           "bounded size keep the activations in the CPU's "
                                           "caches, which speeds up large prefill steps. Unset: "
                                           "1024 on CPU, no limit on GPU; 0: no limit.")
+    step_profile_seconds: float = knob(10.0, "Most seconds the engine spends at start-up "
+                                       "timing steps of a few shapes, when no profile of "
+                                       "this model on this machine is saved yet (then it is "
+                                       "saved): they seed the step-time model that sizes "
+                                       "steps (max_step_ms) and the slo policy's plans. 0: "
+                                       "none; the model learns from served steps alone.")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 or float32 models "
                              "without q/k norms (Llama, Mistral, Qwen2, Phi-3) as one call "
                              "into tidal's C++ decoder, and every decode "
@@ -114,6 +120,8 @@ class ModelConfig:
             raise ValueError("max_forward_tokens must be >= 0")
         if self.omp_spin_count is not None and self.omp_spin_count < 0:
             raise ValueError("omp_spin_count must be >= 0")
+        if self.step_profile_seconds < 0:
+            raise ValueError("step_profile_seconds must be >= 0")
         if not 0 < self.kv_cache_fraction < 1:
             raise ValueError("kv_cache_fraction must be in (0, 1)")
         if not 0 < self.gpu_memory_utilization <= 1:

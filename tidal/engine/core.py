@@ -13,13 +13,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from tidal.core import (POLICIES, KVCacheManager, LearnedStepTime, ModelOutput, Request,
-                        RequestOutput, RequestStatus, SamplingParams, Scheduler,
-                        SchedulerOutput, StepShape)
+from tidal.core import (POLICIES, KVCacheManager, LearnedStepTime, ModelOutput,
+                        PredictionLog, Request, RequestOutput, RequestStatus, SamplingParams,
+                        Scheduler, SchedulerOutput, StepShape)
 from tidal.core.snapshot import StepHistory
 from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.engine.config import EngineConfig
 from tidal.engine.model_runner import ModelRunner
+from tidal.engine.step_profile import load_or_measure, resolve_max_step_ms
 from tidal.model.lora import LoRAError
 
 log = logging.getLogger("tidal.engine")
@@ -36,15 +37,23 @@ class EngineCore:
         arch = self.runner.arch
         # What the model and the memory allow: the context is at most the model's, and the
         # pool is what the runner allocated.
+        # The step-time model that sizes steps and the slo policy's plans, and adaptive
+        # speculation's, learned from this engine's forward passes: each errs on its own
+        # safe side (see LearnedStepTime). The first starts from this machine's profile.
+        given, self.step_time = config.scheduler.max_step_ms, None
+        if ((given if given is not None else not self.runner.on_gpu)
+                or POLICIES[config.scheduler.policy].needs_step_time):
+            seconds = config.model.step_profile_seconds
+            prior = (load_or_measure(self.runner, Path(folder), seconds, arch.vocab_size)
+                     if seconds else ())
+            self.step_time = LearnedStepTime(prior=prior)
         sched_cfg = replace(config.scheduler, max_model_len=min(
-            config.scheduler.max_model_len, arch.context_length))
+            config.scheduler.max_model_len, arch.context_length),
+            max_step_ms=resolve_max_step_ms(given, self.runner, self.step_time))
         cache_cfg = replace(config.cache, num_blocks=self.runner.num_blocks)
         self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
-        # The slo policy's and adaptive speculation's step-time models, learned from this
-        # engine's forward passes: each errs on its own safe side (see LearnedStepTime).
         adaptive = sched_cfg.num_speculative_tokens and sched_cfg.speculative_adaptive
-        self.step_time = (LearnedStepTime() if POLICIES[sched_cfg.policy].needs_step_time
-                          else None)
+        self.step_errors = PredictionLog()  # the step-time model's, on the steps it sized
         self.guess_time = LearnedStepTime(fixed_penalty=GUESS_FIXED_PENALTY) if adaptive else None
         self._learners = [m for m in (self.step_time, self.guess_time) if m is not None]
         self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg), self.step_time,
@@ -61,12 +70,20 @@ class EngineCore:
         # Async scheduling: one worker thread runs the forward pass (torch releases the GIL).
         self._pool = ThreadPoolExecutor(1, "tidal-step") if sched_cfg.async_scheduling else None
         self._pending: tuple[SchedulerOutput, Future] | None = None
-        log.info("model loaded in %.2fs (%s, %s); KV cache: %d blocks x %d tokens = %.1f MiB",
-                 time.perf_counter() - t0, self.runner.device,
+        log.info("model loaded in %.2fs (%s, %s); KV cache: %d blocks x %d tokens = %.1f MiB; "
+                 "step target %s", time.perf_counter() - t0, self.runner.device,
                  str(self.runner.dtype).split(".")[-1], self.runner.num_blocks,
-                 cache_cfg.block_size, self.runner.kv_cache_bytes / 2**20)
+                 cache_cfg.block_size, self.runner.kv_cache_bytes / 2**20,
+                 f"{sched_cfg.max_step_ms:g} ms" if sched_cfg.max_step_ms else "none")
         gc.collect()
         gc.freeze()  # the model and the block pool are long-lived: keep them out of GC passes
+
+    def step_time_error(self) -> list[float]:
+        """p50 and p99 of the step-time model's predicted / measured seconds over recent
+        steps; empty without a model or before its first prediction."""
+        if self.step_time is None or not self.step_errors.ratios:
+            return []
+        return self.step_errors.quantiles(0.5, 0.99)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
@@ -179,6 +196,8 @@ class EngineCore:
             self.execute_seconds += seconds
         if self._learners:
             shape = StepShape.of(out)
+            if self.step_time is not None:
+                self.step_errors.record(self.step_time.shape_time(shape), seconds)
             for model in self._learners:
                 model.observe(shape, seconds)
         accepted = sum(len(result.sampled[rid]) - 1 for rid in result.drafted)

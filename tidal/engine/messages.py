@@ -96,6 +96,9 @@ class Stats(msgspec.Struct, tag=True):
     step_seconds: float = 0.0  # wall time of steps (schedule, execute, update, send) since start
     incarnation: int = 0  # late stats of a dead incarnation are dropped
     view: SchedulerView | None = None  # queues, block map and steps, while dashboards watch
+    # The step-time model's predicted / measured seconds over recent steps: p50, p99 (empty
+    # without a model, or before its first step).
+    step_time_error: list[float] = msgspec.field(default_factory=list)
 
 
 class Failed(msgspec.Struct, tag=True):

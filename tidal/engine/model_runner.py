@@ -225,18 +225,23 @@ class ModelRunner:
             k.index_copy_(0, idx, layer[0])
             v.index_copy_(0, idx, layer[1])
 
+    def forget(self, rid: str, finished: bool = False) -> None:
+        """Drop a request's state; a finished one's output may teach the proposer, a
+        discarded one's (a timing run's) never does."""
+        self.generators.pop(rid, None)
+        q = self.seqs.pop(rid, None)
+        if self.speculator is not None and q is not None:
+            self.speculator.forget(rid, q.output if finished else [], finished)
+        if self.matchers is not None:
+            self.matchers.drop(rid)
+
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         spec = self.speculator
         failed: dict[str, str] = {}  # requests that cannot go on, and why
         for rid in out.finished_ids:
-            self.generators.pop(rid, None)
-            q = self.seqs.pop(rid, None)
-            if spec is not None and q is not None:
-                spec.forget(rid, q.output, True)
-            if self.matchers is not None:
-                self.matchers.drop(rid)
+            self.forget(rid, finished=True)
         for new in out.new_requests:  # a retracted request comes back with its tokens
             self.seqs[new.request_id] = _Seq(new)
             if spec is not None:  # whatever it held was guessed after tokens now dropped

@@ -49,6 +49,14 @@ class _CoreCollector:
         ]
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
+        if stats.step_time_error:
+            error = self._family(GaugeMetricFamily, "tidal:step_time_prediction_ratio",
+                                 "The step-time model's predicted over measured step seconds "
+                                 "over recent steps, by quantile (1: exact).",
+                                 labels=["quantile"])
+            for q, value in zip(("0.5", "0.99"), stats.step_time_error):
+                error.add_metric([self.model, q], value)
+            yield error
         counters = [
             ("tidal:num_preemptions", "Retractions since start.", s.num_preemptions),
             ("tidal:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",

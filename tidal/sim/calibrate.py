@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -18,7 +17,7 @@ import numpy as np
 from tidal.bench.arrivals import arrival_times
 from tidal.bench.dataset import BenchRequest, DatasetSpec, load_dataset
 from tidal.bench.metrics import summarize
-from tidal.core.kv_cache_manager import cdiv
+from tidal.engine.step_profile import measure
 from tidal.sim.cost_model import CostModel, StepShape
 from tidal.sim.profiles import Hardware, weight_params
 
@@ -37,40 +36,6 @@ def default_grid(max_batch: int = 64, max_prefill: int = 1024) -> list[list[tupl
     grid += [[(n, 0)] for n in prefills] + [[(256, 512)]]
     grid += [[(256, 0)] + [(1, 256)] * b for b in (4, 16, 32) if b <= max_batch]
     return grid
-
-
-def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5,
-            vocab: int = 1000) -> list[tuple[StepShape, float]]:
-    """Median seconds of `runner.execute` for each step shape of `grid`."""
-    from tidal.core import NewRequest, SamplingParams, ScheduledRequest, SchedulerOutput
-
-    rng = np.random.default_rng(0)
-    bs = runner.block_size
-    timings = []
-    for entries in grid:
-        new, scheduled, next_block = [], [], 0
-        for i, (n, c) in enumerate(entries):
-            rid = f"cal{i}"
-            blocks = cdiv(n + c, bs)
-            if next_block + blocks > runner.num_blocks:
-                raise ValueError(f"the KV cache ({runner.num_blocks} blocks) is too small for "
-                                 f"the shape {entries[:1]} x {len(entries)}: raise "
-                                 f"--num-kv-blocks")
-            table = list(range(next_block, next_block + blocks))
-            next_block += blocks
-            new.append(NewRequest(rid, rng.integers(10, vocab, n + c).tolist(), [],
-                                  SamplingParams(temperature=0.0), [], 1))
-            # The grid's one-token entries are decodes after c cached tokens.
-            scheduled.append(ScheduledRequest(rid, n, c, table, True, n > 1))
-        out = SchedulerOutput(step=0, kind="mixed", scheduled=scheduled, new_requests=new)
-        samples = []
-        for k in range(repeats + 2):  # two warm-ups
-            t0 = time.perf_counter()
-            runner.execute(out)  # returns Python token ids: the device has synced
-            if k >= 2:
-                samples.append(time.perf_counter() - t0)
-        timings.append((StepShape((n, c, True) for n, c in entries), statistics.median(samples)))
-    return timings
 
 
 def _fit_overheads(rows: np.ndarray, residual: np.ndarray, weight: np.ndarray):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 from tidal.core.request import Request
+from tidal.core.step_sizing import cap_prefill, decode_shape
 
 if TYPE_CHECKING:
     from tidal.core.config import SchedulerConfig
@@ -16,10 +18,10 @@ if TYPE_CHECKING:
 class Policy:
     """`fcfs`: the queue's own order (retracted requests rejoin its tail).
 
-    A policy answers two questions per step: `order` (which waiting request is offered
-    admission first) and `compose` (what the step holds, by calling the scheduler's
-    `schedule_decodes` and `schedule_prefills` in the order and under the conditions it
-    chooses).
+    A policy answers three questions per step: `size_step` (how many prompt tokens the step
+    may compute), `order` (which waiting request is offered admission first) and `compose`
+    (what the step holds, by calling the scheduler's `schedule_decodes` and
+    `schedule_prefills` in the order and under the conditions it chooses).
 
     A policy declares its own options (`Options`, a frozen dataclass of `knob` fields: each
     one an engine option, flag and `LLM` keyword of the same name) and what it can do, for
@@ -60,6 +62,12 @@ class Policy:
         """The waiting queue in admission order; admission stops at the first that does not
         fit (FIFO fairness), so the order decides who may overtake whom."""
         return waiting
+
+    def size_step(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
+        """Before the step is composed, when prompts are to compute: cap its prefill tokens
+        so that it is predicted to take at most the scheduler's `max_step_ms`."""
+        if sched.max_step < math.inf:
+            cap_prefill(sched, plan, decode_shape(decoding), sched.max_step)
 
     def compose(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
         """`mixed` batches: decodes take their blocks first, then prefill chunks fill the

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from tidal.core.knobs import check_choice, check_positive, knob
 from tidal.core.policies.base import Policy
 from tidal.core.request import Request
+from tidal.core.step_sizing import cap_prefill, decode_shape, largest, prompt_step
 from tidal.core.step_time import StepShape
 
 if TYPE_CHECKING:
@@ -25,8 +26,8 @@ class SloPolicy(Policy):
     model, every step runs three named pieces:
 
     - `size_step`: the prefill tokens the step may add so that its predicted time stays
-      within the tightest TPOT target of the running decodes (at least one block, so prompts
-      always move), and the most requests that may run at once so that their decode step
+      within the tightest TPOT target of the running decodes and the scheduler's
+      `max_step_ms` (at least one block, so prompts always move), and the most requests that may run at once so that their decode step
       still leaves room for that block;
     - `triage`: the waiting queue's admission order. Retracted requests come first (one
       admitted is never rejected), then those waiting past `slo_max_defer_ms` (the starvation bound),
@@ -79,15 +80,13 @@ class SloPolicy(Policy):
     def order(self, waiting, step, prefix_tokens):
         return self._order  # triage() ran on this very queue at the start of the step
 
-    def compose(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
-        # Sizing matters only to prompts: a step of decodes alone (the common one under load)
-        # skips it. A role with concurrent prefills runs no decodes, so sizing costs nothing.
+    def size_step(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
+        # Runs only when prompts are to compute: a step of decodes alone (the common one
+        # under load) skips sizing and triage.
         self._order = []
-        if sched.waiting or sched.active_prefill is not None or sched.role.concurrent_prefills:
-            rate = self.size_step(sched, plan, decoding)
-            if sched.waiting:
-                self._order = self.triage(sched, rate)
-        super().compose(sched, plan, decoding)
+        rate = self._size(sched, plan, decoding)
+        if sched.waiting:
+            self._order = self.triage(sched, rate)
 
     # ------------------------------------------------------------------ targets
     def ttft_ms(self, r: Request) -> float | None:
@@ -102,46 +101,29 @@ class SloPolicy(Policy):
         return None if ms is None else ms / 1000
 
     # ------------------------------------------------------------------ step sizing
-    def size_step(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> float:
-        """Cap the step's prefill tokens and concurrent requests by the tightest TPOT target
-        of the running decodes; returns the prefill rate (tokens/s) such steps reach."""
+    def _size(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> float:
+        """Cap the step's prefill tokens by the tightest TPOT target of the running decodes
+        (and the step-time target, `max_step_ms`), and the requests that may run at once by
+        that TPOT target; returns the prefill rate (tokens/s) such steps reach."""
         model, bs, budget = sched.step_time, sched.block_size, plan.budget
-        decode, target = StepShape(), math.inf
+        decode, tpot = decode_shape(decoding), math.inf
         for r in decoding:
-            decode.add(1, r.num_computed_tokens)
-            tpot = self.tpot(r)
-            if tpot is not None and tpot < target:
-                target = tpot
-        room = min(budget.rem_input_tokens, budget.rem_chunk_tokens)
-        tokens = room
+            t = self.tpot(r)
+            if t is not None and t < tpot:
+                tpot = t
+        room = tokens = min(budget.rem_input_tokens, budget.rem_chunk_tokens)
         mean = decode.kv_tokens // max(1, decode.seqs)  # about the mean context
-        if model.shape_time(StepShape().add(1, mean).add(bs, 0)) > target:
-            target = math.inf  # not even one decode beside a block meets it: no use capping
-        prompt, active = self._prompt_length(sched), sched.active_prefill
-        first = ((active.prefill_target - active.num_computed_tokens,
-                  active.num_computed_tokens) if active is not None else (0, 0))
-
-        def step(tokens: int) -> float:
-            return model.shape_time(_with_prompts(decode, tokens, first, prompt))
-
-        if target < math.inf and room > bs:
-            tokens = bs * _largest(1, room // bs, lambda k: step(k * bs) <= target)
-            budget.rem_input_tokens = min(budget.rem_input_tokens, tokens)
-            budget.rem_chunk_tokens = min(budget.rem_chunk_tokens, tokens)
-            plan.max_seqs = min(plan.max_seqs, self._max_seqs(sched, decode, mean, target))
+        if model.shape_time(StepShape().add(1, mean).add(bs, 0)) > tpot:
+            tpot = math.inf  # not even one decode beside a block meets it: no use capping
+        target = min(tpot, sched.max_step)
+        if target < math.inf:
+            tokens = cap_prefill(sched, plan, decode, target)
+        if tpot < math.inf and room > bs:
+            plan.max_seqs = min(plan.max_seqs, self._max_seqs(sched, decode, mean, tpot))
         if tokens <= 0:
             return math.inf
-        seconds = step(tokens)
+        seconds = prompt_step(sched, decode)(tokens)
         return tokens / seconds if seconds > 0 else math.inf
-
-    @staticmethod
-    def _prompt_length(sched: "Scheduler") -> int:
-        """The mean prompt still to compute of the running prefills and the waiting queue:
-        a step's prefill tokens come as pieces of about that length, which is what its
-        attention cost depends on (one 8k-token sequence costs far more than 64 of 128)."""
-        total = sched.prefill_backlog(sched.waiting)
-        count = sum(1 for r in sched.running if r.is_prefilling) + len(sched.waiting)
-        return max(1, total // max(1, count))
 
     def _max_seqs(self, sched: "Scheduler", decode: StepShape, mean: int, target: float) -> int:
         """Requests that may hold blocks: the running and arriving ones, plus as many new
@@ -161,7 +143,7 @@ class SloPolicy(Policy):
         def fits(k: int) -> bool:
             return model.shape_time(base.copy().add(1, mean, count=k).add(bs, 0)) <= target
 
-        return held + (_largest(1, spare, fits) if fits(1) else 0)
+        return held + (largest(1, spare, fits) if fits(1) else 0)
 
     # ------------------------------------------------------------------ admission order
     def triage(self, sched: "Scheduler", rate: float) -> list[Request]:
@@ -191,24 +173,6 @@ class SloPolicy(Policy):
         return resumed + aged + on_time + untimed + behind
 
 
-def _with_prompts(decode: StepShape, tokens: int, first: tuple[int, int],
-                  length: int) -> StepShape:
-    """`decode` plus `tokens` prompt tokens: first up to `first` = (tokens left, tokens
-    computed) of the chunked prompt, which attends to what it computed, then pieces of
-    `length`."""
-    shape = decode.copy()
-    left, computed = first
-    if left:
-        shape.add(min(left, tokens), computed)
-        tokens -= min(left, tokens)
-    whole, rest = divmod(tokens, length)
-    if whole:
-        shape.add(length, 0, count=whole)
-    if rest:
-        shape.add(rest, 0)
-    return shape
-
-
 def _first(pair: tuple) -> float:
     return pair[0]
 
@@ -227,17 +191,3 @@ def _moore_hodgson(timed: list[tuple[float, Request]], start: float, rate: float
             t += neg
             late.add(j)
     return late
-
-
-def _largest(lo: int, hi: int, ok) -> int:
-    """The largest k in [lo, hi] with ok(k), for ok monotone (true up to some k); lo when
-    even lo fails."""
-    if ok(hi):
-        return hi
-    while lo < hi - 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -1,0 +1,178 @@
+"""Steps sized by time (`max_step_ms`) under every policy, with made-up step-time models
+(pure core, no torch); the step-time model seeded by a start-up profile; the log of its
+prediction error."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.core import LearnedStepTime, PredictionLog, SchedulerConfig, StepShape
+from tidal.core.policies import POLICIES
+
+from conftest import add, make_scheduler, step
+
+
+class Linear:
+    """seconds = fixed + per_token * tokens: a step's prompt pieces cost what their tokens
+    do, so the sizer's estimate of a step is exact."""
+
+    def __init__(self, fixed: float, per_token: float) -> None:
+        self.fixed, self.per_token = fixed, per_token
+
+    def shape_time(self, shape: StepShape) -> float:
+        return self.fixed + self.per_token * shape.tokens if shape.seqs else 0.0
+
+
+MODEL = Linear(fixed=0.010, per_token=0.001)  # 10 ms a step, 1 ms a token
+
+
+def sized(policy: str = "fcfs", max_step_ms: float | None = 100.0, **config):
+    return make_scheduler(num_blocks=4000, block_size=16, step_time=MODEL,
+                          policy=policy, max_step_ms=max_step_ms, **config)
+
+
+def prompt_tokens(out) -> int:
+    return sum(x.num_new_tokens for x in out.scheduled if x.is_prefill)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_long_prompt_is_cut_to_the_chunks_that_fit_the_step_target(policy):
+    """100 ms at 10 ms + 1 ms a token holds 90 tokens: block-aligned chunks of 80."""
+    s = sized(policy)
+    add(s, "a", 1000)
+    chunks = []
+    while "a" in s.requests and not s.requests["a"].output_token_ids:
+        out, _ = step(s)
+        chunks.append(prompt_tokens(out))
+        assert MODEL.shape_time(StepShape.of(out)) <= 0.100
+    assert chunks == [80] * 12 + [40]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "slo"])
+def test_running_decodes_take_their_rows_off_the_prompt_tokens(policy):
+    """Twenty streams decoding: 10 ms + 20 rows leave 70 ms, so 64 prompt tokens (4 blocks)
+    join them, and every step keeps within the target."""
+    s = sized(policy)
+    for i in range(20):
+        add(s, f"d{i}", 16, max_tokens=50)
+    while any(r.is_prefilling or not r.output_token_ids for r in s.requests.values()):
+        step(s)
+    add(s, "long", 1000)
+    out, _ = step(s)
+    assert sum(1 for x in out.scheduled if not x.is_prefill) == 20
+    assert prompt_tokens(out) == 64
+    assert MODEL.shape_time(StepShape.of(out)) <= 0.100
+
+
+def test_decodes_over_the_target_still_let_one_block_of_prompt_through():
+    """100 streams take 110 ms alone: the waiting prompt still moves, a block a step."""
+    s = sized(max_num_seqs=200)
+    for i in range(100):
+        add(s, f"d{i}", 16, max_tokens=500)
+    while any(not r.output_token_ids for r in s.requests.values()):
+        step(s)
+    add(s, "late", 200)
+    out, _ = step(s)
+    assert sum(1 for x in out.scheduled if not x.is_prefill) == 100
+    assert prompt_tokens(out) == 16
+
+
+@pytest.mark.parametrize("max_step_ms", [None, 0.0])
+def test_without_a_target_only_the_token_budgets_cap_a_step(max_step_ms):
+    s = sized(max_step_ms=max_step_ms, chunked_prefill_size=512)
+    add(s, "a", 1000)
+    out, _ = step(s)
+    assert prompt_tokens(out) == 512
+
+
+def test_a_burst_gets_first_tokens_step_by_step_not_all_in_one_step():
+    """Forty 300-token prompts at once under a 400 ms target (at 10 ms + 1 ms a token): each
+    step computes at most 390 tokens, so first tokens come over many steps, the first after
+    one or two, and no step that streams wait on runs past the target."""
+    s = sized(max_step_ms=400.0)
+    for i in range(40):
+        add(s, f"r{i}", 300, max_tokens=8)
+    first: dict[str, int] = {}
+    steps = 0
+    while s.has_unfinished_requests():
+        out, outputs = step(s)
+        steps += 1
+        assert MODEL.shape_time(StepShape.of(out)) <= 0.400
+        for o in outputs:
+            first.setdefault(o.request_id, steps)
+    order = sorted(first.values())
+    assert len(order) == 40 and order[0] <= 2 and order[-1] >= 30
+
+
+def test_the_slo_policy_sizes_by_the_tighter_of_its_tpot_target_and_the_step_target():
+    """TPOT 50 ms under a 100 ms step target: 50 ms - 10 ms - 1 decode row -> 32 tokens; a
+    TPOT of 300 ms: the step target (80 tokens) binds."""
+    for tpot, expected in ((50.0, 32), (300.0, 80)):
+        s = sized("slo", tpot_slo_ms=tpot)
+        add(s, "stream", 16, max_tokens=100)
+        step(s)
+        add(s, "long", 1000)
+        out, _ = step(s)
+        assert prompt_tokens(out) == expected, tpot
+
+
+def test_a_step_target_needs_a_step_time_model():
+    with pytest.raises(ValueError, match="max_step_ms needs a step-time model"):
+        make_scheduler(max_step_ms=100.0)
+    with pytest.raises(ValueError, match="max_step_ms must be >= 0"):
+        SchedulerConfig(max_step_ms=-1.0)
+
+
+# ---------------------------------------------------------------- the step-time model
+
+
+def _truth(shape: StepShape) -> float:
+    """A machine: 8 ms a step, 1.2 ms a prompt token, 2 ms a decode row."""
+    prompt = shape.tokens - shape.seqs
+    return 0.008 + 0.0012 * prompt + 0.002 * shape.seqs
+
+
+def _profile() -> list[tuple[StepShape, float]]:
+    shapes = [StepShape().add(1, 256, count=b) for b in (1, 4, 16, 64)]
+    shapes += [StepShape().add(n, 0) for n in (16, 64, 256, 512, 1024)]
+    shapes += [StepShape().add(128, 0, count=4), StepShape().add(256, 768)]
+    return [(s, _truth(s)) for s in shapes]
+
+
+def test_a_profile_makes_the_model_right_before_its_first_step():
+    fresh, seeded = LearnedStepTime(), LearnedStepTime(prior=_profile())
+    chunk = StepShape().add(1, 300, count=10).add(300, 0)
+    assert fresh.shape_time(chunk) == 0.0
+    assert seeded.shape_time(chunk) == pytest.approx(_truth(chunk), rel=0.1)
+
+
+def test_the_profile_still_prices_prompts_after_a_long_run_of_decodes():
+    """1,000 steps of decodes alone fill the window, where tokens and rows are one feature:
+    the profile keeps a prompt's price, which decodes alone would leave to chance."""
+    model = LearnedStepTime(prior=_profile())
+    for i in range(1000):
+        decode = StepShape().add(1, 300 + i % 50, count=8 + i % 16)
+        model.observe(decode, _truth(decode))
+    prompt = StepShape().add(512, 0)
+    assert model.shape_time(prompt) == pytest.approx(_truth(prompt), rel=0.15)
+
+
+def test_served_steps_correct_a_profile_from_a_faster_machine():
+    """The server runs 1.5x slower than its profile says: the fit follows the served steps."""
+    model = LearnedStepTime(prior=_profile())
+    for i in range(400):
+        shape = StepShape().add(1, 300, count=8).add(64 + 16 * (i % 20), 0)
+        model.observe(shape, 1.5 * _truth(shape))
+    probe = StepShape().add(1, 300, count=8).add(200, 0)
+    assert model.shape_time(probe) == pytest.approx(1.5 * _truth(probe), rel=0.1)
+
+
+def test_the_prediction_log_gives_quantiles_of_predicted_over_measured():
+    log = PredictionLog(window=100)
+    assert log.quantiles(0.5, 0.99) == [0.0, 0.0]
+    for i in range(200):  # the first 100 leave the window
+        log.record(predicted=(1.0 if i < 100 else 0.5 + i / 200), measured=1.0)
+    p50, p99 = log.quantiles(0.5, 0.99)
+    assert p50 == pytest.approx(1.25, abs=0.01) and p99 == pytest.approx(1.495, abs=0.01)
+    log.record(0.0, 1.0)  # no prediction: not an error of the model's
+    assert len(log.ratios) == 100

@@ -1,0 +1,90 @@
+"""Steps sized by time: the prefill tokens a step may add so that its predicted time, and so
+the running decodes' wait for their next token, stays within a target (Sarathi-Serve's
+stall-free batching). Every policy sizes its steps through `cap_prefill`; the step-time
+model is the scheduler's."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from tidal.core.step_time import StepShape
+
+if TYPE_CHECKING:
+    from tidal.core.budget import StepPlan
+    from tidal.core.request import Request
+    from tidal.core.scheduler import Scheduler
+
+
+def decode_shape(decoding: Iterable["Request"]) -> StepShape:
+    """The shape of one decode row for each of `decoding`, at its current context."""
+    shape = StepShape()
+    for r in decoding:
+        shape.add(1, r.num_computed_tokens)
+    return shape
+
+
+def cap_prefill(sched: "Scheduler", plan: "StepPlan", decode: StepShape,
+                target: float) -> int:
+    """Cap the plan's token budgets so that `decode` plus the step's prompt tokens is
+    predicted to take at most `target` seconds; returns the prompt tokens allowed. At least
+    one block, so prompts always move (decodes that alone take the target still run, with
+    that block beside them)."""
+    budget, bs = plan.budget, sched.block_size
+    room = min(budget.rem_input_tokens, budget.rem_chunk_tokens)
+    if room <= bs:
+        return room
+    step = prompt_step(sched, decode)
+    tokens = bs * largest(1, room // bs, lambda k: step(k * bs) <= target)
+    budget.rem_input_tokens = min(budget.rem_input_tokens, tokens)
+    budget.rem_chunk_tokens = min(budget.rem_chunk_tokens, tokens)
+    return tokens
+
+
+def prompt_step(sched: "Scheduler", decode: StepShape) -> Callable[[int], float]:
+    """Predicted seconds of a step of `decode` plus n prompt tokens, as a function of n:
+    first the rest of the chunked prompt (which attends to what it computed), then pieces
+    of the mean prompt still to compute."""
+    model, active, length = sched.step_time, sched.active_prefill, prompt_length(sched)
+    first = ((active.prefill_target - active.num_computed_tokens, active.num_computed_tokens)
+             if active is not None else (0, 0))
+    return lambda tokens: model.shape_time(with_prompts(decode, tokens, first, length))
+
+
+def prompt_length(sched: "Scheduler") -> int:
+    """The mean prompt still to compute of the running prefills and the waiting queue: a
+    step's prefill tokens come as pieces of about that length, which is what its attention
+    cost depends on (one 8k-token sequence costs far more than 64 of 128)."""
+    total = sched.prefill_backlog(sched.waiting)
+    count = sum(1 for r in sched.running if r.is_prefilling) + len(sched.waiting)
+    return max(1, total // max(1, count))
+
+
+def with_prompts(decode: StepShape, tokens: int, first: tuple[int, int],
+                 length: int) -> StepShape:
+    """`decode` plus `tokens` prompt tokens: first up to `first` = (tokens left, tokens
+    computed) of the chunked prompt, then pieces of `length`."""
+    shape = decode.copy()
+    left, computed = first
+    if left:
+        shape.add(min(left, tokens), computed)
+        tokens -= min(left, tokens)
+    whole, rest = divmod(tokens, length)
+    if whole:
+        shape.add(length, 0, count=whole)
+    if rest:
+        shape.add(rest, 0)
+    return shape
+
+
+def largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """The largest k in [lo, hi] with ok(k), for ok monotone (true up to some k); lo when
+    even lo fails."""
+    if ok(hi):
+        return hi
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

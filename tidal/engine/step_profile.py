@@ -1,0 +1,172 @@
+"""The step-time profile of a model on this machine: step times measured at start-up over a
+small grid of shapes (or read back from the profile saved by an earlier start), which seed
+the engine's step-time model so that it is right from the first step. `tidal calibrate`
+times the runner with the same `measure`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+from tidal.core import (NewRequest, SamplingParams, ScheduledRequest, SchedulerOutput,
+                        StepShape, StepTimeModel)
+from tidal.core.kv_cache_manager import cdiv
+from tidal.model.registry import cache_root
+
+log = logging.getLogger("tidal.engine")
+
+PROFILE_VERSION = 1  # bump when the grid or the runner's timing changes meaning
+DECODE_CONTEXT = 256  # cached tokens behind each timed decode row
+# A step's target on CPU: streams wait at most this for their next token while prompts are
+# computed beside them (a few hundred prompt tokens a step on a 2-core VM).
+CPU_MAX_STEP_MS = 400.0
+EFFICIENT_CHUNK = 256  # prompt tokens a step needs to compute them near full speed on CPU
+
+
+def startup_grid(max_tokens: int = 1024) -> list[list[tuple[int, int]]]:
+    """Step shapes as (new tokens, cached tokens) per sequence, cheapest first: decodes of
+    1 to 64 rows (and 16 at a longer context), single prompts of 16 to `max_tokens`, chunks
+    after a cached prefix, four prompts at once and a prompt beside 16 decodes."""
+    decode = (1, DECODE_CONTEXT)
+    grid = [[decode] * b for b in (1, 4, 16)] + [[(1, 4 * DECODE_CONTEXT)] * 16]
+    grid += [[decode] * 64] + [[(n, 0)] for n in (16, 64, 256) if n <= max_tokens]
+    grid += [[(128, 0)] * 4, [(256, 0)] + [decode] * 16, [(256, 768)]]
+    grid += [[(n, 0)] for n in (512, 1024) if n <= max_tokens]
+    grid += [[(256, 1792)]]
+    return grid
+
+
+def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5, vocab: int = 1000,
+            warmups: int = 2, deadline: float = float("inf")) -> list[tuple[StepShape, float]]:
+    """Median seconds of `runner.execute` for each step shape of `grid` (shapes the KV cache
+    cannot hold are skipped; none is started after the `deadline`, a perf_counter time).
+    The timed requests are dropped from the runner afterwards."""
+    rng = random.Random(0)
+    bs = runner.block_size
+    timings, ids = [], set()
+    for entries in grid:
+        if time.perf_counter() > deadline:
+            break
+        new, scheduled, next_block = [], [], 0
+        for i, (n, c) in enumerate(entries):
+            rid = f"timing-{i}"
+            blocks = cdiv(n + c, bs)
+            table = list(range(next_block, next_block + blocks))
+            next_block += blocks
+            new.append(NewRequest(rid, [rng.randrange(10, vocab) for _ in range(n + c)], [],
+                                  SamplingParams(temperature=0.0), [], 1))
+            # A one-token entry is a decode after c cached tokens.
+            scheduled.append(ScheduledRequest(rid, n, c, table, True, n > 1))
+            ids.add(rid)
+        if next_block > runner.num_blocks:
+            log.debug("KV cache of %d blocks skips the timed shape %s x %d", runner.num_blocks,
+                      entries[:1], len(entries))
+            continue
+        out = SchedulerOutput(step=0, kind="mixed", scheduled=scheduled, new_requests=new)
+        samples = []
+        for k in range(repeats + warmups):
+            t0 = time.perf_counter()
+            runner.execute(out)  # returns Python token ids: the device has synced
+            if k >= warmups:
+                samples.append(time.perf_counter() - t0)
+        if samples:
+            timings.append((StepShape((n, c, True) for n, c in entries),
+                            statistics.median(samples)))
+    for rid in ids:
+        runner.forget(rid)
+    return timings
+
+
+def machine_key(runner, folder: Path) -> dict:
+    """What a saved profile holds for: the model's files, how the runner runs them, and on
+    what hardware."""
+    import torch
+
+    model = {}
+    for name in ("config.json", "model.gguf", "model.safetensors"):
+        path = Path(folder) / name
+        if path.exists():
+            st = path.stat()
+            model[name] = [str(path.resolve()), st.st_size, int(st.st_mtime)]
+    if runner.on_gpu:
+        hardware = torch.cuda.get_device_name(torch.device(runner.device))
+    else:
+        hardware = f"{_cpu_name()}, {torch.get_num_threads()} threads"
+    # A small pool skips the larger shapes: its profile is not one of a larger pool's.
+    fits = sum(sum(cdiv(n + c, runner.block_size) for n, c in entries) <= runner.num_blocks
+               for entries in startup_grid(runner.max_forward_tokens or 1024))
+    return {"version": PROFILE_VERSION, "model": model, "hardware": hardware, "fits": fits,
+            "device": runner.device, "dtype": str(runner.dtype), "torch": torch.__version__,
+            "block_size": runner.block_size, "forward_tokens": runner.max_forward_tokens,
+            "decoder": runner.decoder is not None, "machine": platform.node()}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def profile_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "step-profiles" / f"{digest}.json"
+
+
+def load_or_measure(runner, folder: Path, budget_s: float, vocab: int,
+                    ) -> list[tuple[StepShape, float]]:
+    """This model's step times on this machine: the saved profile, or measured now (within
+    about `budget_s` seconds) and saved for the next start."""
+    key = machine_key(runner, folder)
+    path = profile_path(key)
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return [(_shape(s), t) for s, t in saved["steps"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or unreadable: measure
+    t0 = time.perf_counter()
+    grid = startup_grid(runner.max_forward_tokens or 1024)  # as machine_key's
+    measure(runner, grid[:1] + grid[5:6], repeats=0, warmups=1)  # first calls' one-time costs
+    steps = measure(runner, grid, repeats=1, vocab=vocab, warmups=0, deadline=t0 + budget_s)
+    log.info("step times measured in %.1fs (%d shapes); saved to %s",
+             time.perf_counter() - t0, len(steps), path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "steps": [
+            [[getattr(s, f) for f in StepShape.__slots__], t] for s, t in steps]}))
+        tmp.replace(path)  # atomic: another core starting beside this one reads it whole
+    except OSError as e:
+        log.warning("could not save the step-time profile to %s: %s", path, e)
+    return steps
+
+
+def _shape(values: list[int]) -> StepShape:
+    shape = StepShape()
+    for name, value in zip(StepShape.__slots__, values, strict=True):
+        setattr(shape, name, int(value))
+    return shape
+
+
+def resolve_max_step_ms(given: float | None, runner, model: StepTimeModel | None) -> float:
+    """The step-time target when none is given. On a GPU none: its token budgets already
+    keep steps short. On a CPU, where a step of those budgets takes tens of seconds,
+    CPU_MAX_STEP_MS, or the predicted time of a prompt chunk of EFFICIENT_CHUNK tokens on a
+    machine where that takes longer (smaller chunks compute prompts more slowly)."""
+    if given is not None:
+        return given
+    if runner.on_gpu:
+        return 0.0
+    chunk = model.shape_time(StepShape().add(EFFICIENT_CHUNK, 0)) if model else 0.0
+    return max(CPU_MAX_STEP_MS, round(chunk * 1000))
