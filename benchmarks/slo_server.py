@@ -1,11 +1,19 @@
-"""The slo policy on the real server: `tidal serve` (the embedded model, this machine) under
-Poisson arrivals at multiples of its capacity, fcfs against slo (defer and reject), goodput
-measured by `tidal bench serve --goodput`.
+"""Scheduling on the real server: `tidal serve` (the embedded model, this machine) under
+Poisson arrivals at multiples of its capacity, with requests shaped like a real trace (the
+Azure 2023 conversation trace's token counts, scaled by --length-scale), goodput measured by
+`tidal bench serve --goodput`. Policies: fcfs with the token budgets alone (`--max-step-ms
+0`), fcfs with steps sized by time (the default), slo (defer and reject).
 
-usage: .venv/bin/python benchmarks/slo_server.py [--num-prompts 60] [--loads 0.5 1 2 3]
-  [--ttft-ms 3000] [--tpot-ms 400] [--input-len 128] [--output-len 32]
+usage: .venv/bin/python benchmarks/slo_server.py [--num-prompts 60] [--loads 1 2]
+  [--ttft-ms 2500] [--tpot-ms 300] [--length-scale 0.125] [--policies fcfs-tokens fcfs ...]
+  [--simulate]
 
-Capacity is measured first: the fcfs server saturated by every prompt at once (req/s).
+Capacity is measured first, on other prompts than the measured ones (another seed: no
+prefix-cache carry-over): the default fcfs server saturated by every prompt at once (req/s).
+Every server is warmed up alike (a run of prompts of a third seed, all at once). With
+--simulate, `tidal simulate` runs the same workloads with a hardware profile calibrated on
+this machine (`tidal calibrate --serving-url`), and its goodput is printed beside the
+server's.
 """
 
 from __future__ import annotations
@@ -15,64 +23,112 @@ import contextlib
 import io
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from server_fixtures import Server  # noqa: E402
 from tidal.cli import run as tidal_run  # noqa: E402
 
-POLICIES = [("fcfs", []), ("slo, defer", ["--policy", "slo"]),
-            ("slo, reject", ["--policy", "slo", "--slo-overload", "reject"])]
+POLICIES = {"fcfs-tokens": ["--max-step-ms", "0"], "fcfs": [],
+            "slo-defer": ["--policy", "slo"],
+            "slo-reject": ["--policy", "slo", "--slo-overload", "reject"]}
+# Each run its own prompts (a seed each), so that no run is served from another's prefix
+# cache: the measured loads' seeds, then the capacity run's and the warm-ups'.
+MEASURED_SEED, CAPACITY_SEED, WARMUP_SEED = 10, 1, 2
 
 
-def bench(url: str, args: argparse.Namespace, rate: float | None) -> dict:
-    argv = ["bench", "serve", "--base-url", url, "--dataset", "random", "--num-prompts",
-            str(args.num_prompts), "--random-input-len", str(args.input_len),
-            "--random-output-len", str(args.output_len), "--ignore-eos", "--seed", "0",
-            "--disable-tqdm", "--goodput", f"ttft:{args.ttft_ms:g}", f"tpot:{args.tpot_ms:g}"]
-    if rate is not None:
-        argv += ["--request-rate", f"{rate:.4g}"]
+def workload(args: argparse.Namespace, seed: int) -> list[str]:
+    argv = ["--num-prompts", str(args.num_prompts), "--seed", str(seed), "--ignore-eos"]
+    if args.dataset == "azure-conv":
+        return argv + ["--dataset", "azure-conv", "--length-scale", f"{args.length_scale:g}"]
+    return argv + ["--dataset", "random", "--random-input-len", str(args.input_len),
+                   "--random-output-len", str(args.output_len)]
+
+
+def bench(url: str, args: argparse.Namespace, seed: int, rate: float | None) -> dict:
+    argv = ["bench", "serve", "--base-url", url, *workload(args, seed), "--disable-tqdm",
+            "--goodput", f"ttft:{args.ttft_ms:g}", f"tpot:{args.tpot_ms:g}"]
+    argv += ["--request-rate", f"{rate:.4g}" if rate is not None else "inf"]
     with contextlib.redirect_stdout(io.StringIO()):
         return tidal_run(argv)
 
 
+def simulate(profile: str, flags: list[str], args: argparse.Namespace, seed: int,
+             rate: float) -> dict:
+    argv = ["simulate", "--model-config", "smollm2-135m", "--hardware", profile,
+            *workload(args, seed), "--request-rate", f"{rate:.4g}",
+            "--goodput", f"ttft:{args.ttft_ms:g}", f"tpot:{args.tpot_ms:g}", *flags,
+            *targets(flags, args)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        return tidal_run(argv)
+
+
+def targets(flags: list[str], args: argparse.Namespace) -> list[str]:
+    """The slo policy gets the targets as its defaults (they are that policy's options:
+    another policy refuses them)."""
+    if "slo" not in flags:
+        return []
+    return ["--ttft-slo-ms", f"{args.ttft_ms:g}", "--tpot-slo-ms", f"{args.tpot_ms:g}"]
+
+
 def serve(flags: list[str], args: argparse.Namespace) -> Server:
-    """A server with `flags`; the slo policy's get the targets as its defaults (they are that
-    policy's options: another policy refuses them)."""
-    targets = (["--ttft-slo-ms", f"{args.ttft_ms:g}", "--tpot-slo-ms", f"{args.tpot_ms:g}"]
-               if "slo" in flags else [])
-    return Server("--num-threads", str(args.threads), *targets, *flags)
+    return Server("--num-threads", str(args.threads), "--num-kv-blocks", "4096",
+                  *targets(flags, args), *flags)
+
+
+def calibrated_profile(args: argparse.Namespace, url: str) -> str:
+    """A hardware profile of this machine for `tidal simulate`, serving included."""
+    path = os.path.join(tempfile.mkdtemp(), "this-machine.json")
+    with contextlib.redirect_stdout(io.StringIO()):
+        tidal_run(["calibrate", "--hardware", "cpu", "--num-threads", str(args.threads),
+                   "--max-batch", "32", "--max-prefill", "1024", "--repeats", "3",
+                   "--serving-url", url, "--output", path])
+    return path
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-prompts", type=int, default=60)
-    p.add_argument("--loads", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0])
-    p.add_argument("--ttft-ms", type=float, default=3000)
-    p.add_argument("--tpot-ms", type=float, default=400)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--loads", type=float, nargs="+", default=[1.0, 2.0])
+    p.add_argument("--ttft-ms", type=float, default=2500)
+    p.add_argument("--tpot-ms", type=float, default=300)
+    p.add_argument("--dataset", choices=("azure-conv", "random"), default="azure-conv")
+    p.add_argument("--length-scale", type=float, default=0.125)
+    p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
+    p.add_argument("--output-len", type=int, default=32, help="random: output tokens")
+    p.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--simulate", action="store_true",
+                   help="also run each load in `tidal simulate` with this machine's profile")
     args = p.parse_args()
     server = serve([], args)
     try:
-        bench(server.url, args, None)  # warm-up: every step size once
-        capacity = bench(server.url, args, None)["request_throughput"]
+        bench(server.url, args, WARMUP_SEED, None)
+        capacity = bench(server.url, args, CAPACITY_SEED, None)["request_throughput"]
+        profile = calibrated_profile(args, server.url) if args.simulate else None
     finally:
         server.stop()
-    print(f"capacity: {capacity:.2f} req/s ({args.input_len} prompt + {args.output_len} "
-          f"output tokens, SLO TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms)")
-    print("| load | policy | goodput req/s | req/s | completed | median TTFT ms | "
+    print(f"capacity: {capacity:.2f} req/s ({args.dataset}, {args.num_prompts} prompts; SLO "
+          f"TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms)")
+    sim = " simulated goodput |" if profile else ""
+    print(f"| load | policy | goodput req/s |{sim} req/s | completed | median TTFT ms | "
           "p99 TTFT ms | median TPOT ms | p99 TPOT ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for label, flags in POLICIES:
+    print("|---" * (9 + bool(profile)) + "|")
+    for label in args.policies:
+        flags = POLICIES[label]
         server = serve(flags, args)
         try:
-            bench(server.url, args, None)  # warm-up (and, for slo, the learned step times)
-            for load in args.loads:
-                r = bench(server.url, args, load * capacity)
-                print(f"| {load:g}x | {label} | {r['request_goodput']:.2f} "
-                      f"| {r['request_throughput']:.2f} | {r['completed']} "
+            bench(server.url, args, WARMUP_SEED, None)
+            for i, load in enumerate(args.loads):
+                seed, rate = MEASURED_SEED + i, load * capacity
+                r = bench(server.url, args, seed, rate)
+                simulated = ""
+                if profile:
+                    sim = simulate(profile, flags, args, seed, rate)
+                    simulated = f" {sim['request_goodput']:.2f} |"
+                print(f"| {load:g}x | {label} | {r['request_goodput']:.2f} |{simulated} "
+                      f"{r['request_throughput']:.2f} | {r['completed']} "
                       f"| {r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} "
                       f"| {r['median_tpot_ms']:.0f} | {r['p99_tpot_ms']:.0f} |", flush=True)
         finally:

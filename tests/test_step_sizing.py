@@ -8,6 +8,7 @@ import pytest
 
 from tidal.core import LearnedStepTime, PredictionLog, SchedulerConfig, StepShape
 from tidal.core.policies import POLICIES
+from tidal.core.step_sizing import CPU_MAX_STEP_MS, default_step_target
 
 from conftest import add, make_scheduler, step
 
@@ -176,3 +177,22 @@ def test_the_prediction_log_gives_quantiles_of_predicted_over_measured():
     assert p50 == pytest.approx(1.25, abs=0.01) and p99 == pytest.approx(1.495, abs=0.01)
     log.record(0.0, 1.0)  # no prediction: not an error of the model's
     assert len(log.ratios) == 100
+
+
+def test_the_default_target_is_none_on_a_gpu_and_a_chunks_time_on_a_slow_cpu():
+    """400 ms on a CPU that computes a 256-token chunk faster; that chunk's time on one
+    slower (2 ms a token: 522 ms); none on a GPU, and none known without a model."""
+    assert default_step_target(True, MODEL) == 0.0
+    assert default_step_target(False, MODEL) == CPU_MAX_STEP_MS  # 266 ms a chunk
+    assert default_step_target(False, Linear(0.010, 0.002)) == 522
+    assert default_step_target(False, None) == CPU_MAX_STEP_MS
+
+
+def test_the_simulator_sizes_steps_as_the_engine_would_on_that_hardware():
+    from tidal.sim.build import build_simulator
+
+    cpu = build_simulator("smollm2-135m", "cpu-smollm2-135m")[3].scheduler
+    gpu = build_simulator("smollm2-135m", "h100-smollm2-135m")[3].scheduler
+    given = build_simulator("smollm2-135m", "cpu", {"max_step_ms": 0.0})[3].scheduler
+    assert cpu.max_step_ms >= CPU_MAX_STEP_MS and gpu.max_step_ms == 0.0
+    assert given.max_step_ms == 0.0

@@ -52,9 +52,9 @@ async def _burst(url: str) -> tuple[list[float], list[float], float]:
 def test_a_burst_is_admitted_step_by_step_and_running_streams_keep_flowing():
     server = Server("--num-kv-blocks", "2048", "--num-threads", "2")
     try:
-        match = re.search(r"step target (\d+(?:\.\d+)?) ms", server.output())
-        assert match, "the engine logs the step target it derived"
-        target = float(match.group(1)) / 1000
+        assert re.search(r"step target \d+ ms", server.output()), "the engine logs it"
+        target = metric(server.url, "tidal:max_step_seconds")
+        assert target >= 0.4  # derived on a CPU: at least 400 ms
         ttfts, gaps, seconds = asyncio.run(_burst(server.url))
         ratio_p50 = metric(server.url, 'tidal:step_time_prediction_ratio{quantile="0.5"}')
     finally:

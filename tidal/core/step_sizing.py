@@ -7,12 +7,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from tidal.core.step_time import StepShape
+from tidal.core.step_time import StepShape, StepTimeModel
 
 if TYPE_CHECKING:
     from tidal.core.budget import StepPlan
     from tidal.core.request import Request
     from tidal.core.scheduler import Scheduler
+
+
+# A step's target on CPU when none is given: streams wait at most this for their next
+# token while prompts are computed beside them (a few hundred prompt tokens a step on a
+# 2-core VM).
+CPU_MAX_STEP_MS = 400.0
+EFFICIENT_CHUNK = 256  # prompt tokens a step needs to compute them near full speed on CPU
+
+
+def default_step_target(on_gpu: bool, model: "StepTimeModel | None") -> float:
+    """`max_step_ms` when none is given. On a GPU none (0): its token budgets already keep
+    steps short. On a CPU, where a step of those budgets takes tens of seconds,
+    CPU_MAX_STEP_MS, or the predicted time of a prompt chunk of EFFICIENT_CHUNK tokens on a
+    machine where that takes longer (smaller chunks compute prompts more slowly)."""
+    if on_gpu:
+        return 0.0
+    chunk = model.shape_time(StepShape().add(EFFICIENT_CHUNK, 0)) if model else 0.0
+    return max(CPU_MAX_STEP_MS, round(chunk * 1000))
 
 
 def decode_shape(decoding: Iterable["Request"]) -> StepShape:

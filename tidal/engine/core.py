@@ -18,9 +18,10 @@ from tidal.core import (POLICIES, KVCacheManager, LearnedStepTime, ModelOutput,
                         Scheduler, SchedulerOutput, StepShape)
 from tidal.core.snapshot import StepHistory
 from tidal.core.speculation import GUESS_FIXED_PENALTY
+from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
 from tidal.engine.model_runner import ModelRunner
-from tidal.engine.step_profile import load_or_measure, resolve_max_step_ms
+from tidal.engine.step_profile import load_or_measure
 from tidal.model.lora import LoRAError
 
 log = logging.getLogger("tidal.engine")
@@ -49,7 +50,8 @@ class EngineCore:
             self.step_time = LearnedStepTime(prior=prior)
         sched_cfg = replace(config.scheduler, max_model_len=min(
             config.scheduler.max_model_len, arch.context_length),
-            max_step_ms=resolve_max_step_ms(given, self.runner, self.step_time))
+            max_step_ms=given if given is not None else default_step_target(
+                self.runner.on_gpu, self.step_time))
         cache_cfg = replace(config.cache, num_blocks=self.runner.num_blocks)
         self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
         adaptive = sched_cfg.num_speculative_tokens and sched_cfg.speculative_adaptive

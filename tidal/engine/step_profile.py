@@ -15,8 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tidal.core import (NewRequest, SamplingParams, ScheduledRequest, SchedulerOutput,
-                        StepShape, StepTimeModel)
+from tidal.core import NewRequest, SamplingParams, ScheduledRequest, SchedulerOutput, StepShape
 from tidal.core.kv_cache_manager import cdiv
 from tidal.model.registry import cache_root
 
@@ -24,10 +23,6 @@ log = logging.getLogger("tidal.engine")
 
 PROFILE_VERSION = 1  # bump when the grid or the runner's timing changes meaning
 DECODE_CONTEXT = 256  # cached tokens behind each timed decode row
-# A step's target on CPU: streams wait at most this for their next token while prompts are
-# computed beside them (a few hundred prompt tokens a step on a 2-core VM).
-CPU_MAX_STEP_MS = 400.0
-EFFICIENT_CHUNK = 256  # prompt tokens a step needs to compute them near full speed on CPU
 
 
 def startup_grid(max_tokens: int = 1024) -> list[list[tuple[int, int]]]:
@@ -157,16 +152,3 @@ def _shape(values: list[int]) -> StepShape:
     for name, value in zip(StepShape.__slots__, values, strict=True):
         setattr(shape, name, int(value))
     return shape
-
-
-def resolve_max_step_ms(given: float | None, runner, model: StepTimeModel | None) -> float:
-    """The step-time target when none is given. On a GPU none: its token budgets already
-    keep steps short. On a CPU, where a step of those budgets takes tens of seconds,
-    CPU_MAX_STEP_MS, or the predicted time of a prompt chunk of EFFICIENT_CHUNK tokens on a
-    machine where that takes longer (smaller chunks compute prompts more slowly)."""
-    if given is not None:
-        return given
-    if runner.on_gpu:
-        return 0.0
-    chunk = model.shape_time(StepShape().add(EFFICIENT_CHUNK, 0)) if model else 0.0
-    return max(CPU_MAX_STEP_MS, round(chunk * 1000))

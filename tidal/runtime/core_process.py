@@ -86,7 +86,8 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
                                          core.runner.num_blocks, config.cache.block_size,
                                          link.address if link else "", incarnation,
                                          core.runner.arch.hidden_size,
-                                         core.runner.pooling.matryoshka)))
+                                         core.runner.pooling.matryoshka,
+                                         core.config.scheduler.max_step_ms or 0.0)))
     stop = threading.Event()
     threading.Thread(target=_heartbeat, args=(ctx, out_addr, index, incarnation, stop),
                      name="tidal-heartbeat", daemon=True).start()

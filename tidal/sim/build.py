@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from tidal.cluster.launch import parse_pd
+from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
 from tidal.model.config import ModelArch
 from tidal.sim.cost_model import CostModel
@@ -67,6 +68,11 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
         blocks = kv_blocks_for(arch, hw, config.cache.block_size)
         config = replace(config, model=replace(config.model, num_kv_blocks=blocks),
                          cache=replace(config.cache, num_blocks=blocks))
+    cost = CostModel(arch, hw)
+    if config.scheduler.max_step_ms is None:  # as the engine derives it on that hardware
+        target = (hw.max_step_ms if hw.max_step_ms is not None
+                  else default_step_target(not hw.on_cpu, cost))
+        config = replace(config, scheduler=replace(config.scheduler, max_step_ms=target))
     num_prefill = num_decode = 0
     if pd:
         num_prefill, num_decode = parse_pd(pd)
@@ -74,5 +80,5 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
                        num_prefill=num_prefill, num_decode=num_decode, routing=routing,
                        link_bandwidth=link_bandwidth * 1e9, prefill_path=prefill_path,
                        spec_acceptance=spec_acceptance)
-    sim = Simulator(spec, config.scheduler, config.cache, CostModel(arch, hw))
+    sim = Simulator(spec, config.scheduler, config.cache, cost)
     return sim, arch, hw, config

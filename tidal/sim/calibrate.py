@@ -150,6 +150,19 @@ def served_counters(base_url: str) -> np.ndarray:
     return np.array([values[n] for n in names])
 
 
+def step_target_ms(base_url: str) -> float:
+    """The step target a tidal server sizes its steps to (`tidal:max_step_seconds`), ms."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "tidal:max_step_seconds" and family.samples:
+            return family.samples[0].value * 1000
+    raise RuntimeError(f"{base_url} does not report tidal:max_step_seconds: not a tidal "
+                       "server?")
+
+
 def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:
     """What serving adds to the runner, from a tidal server of the same model and engine
     flags at `base_url`: it serves SERVING_WORKLOAD one request at a time and four at a
@@ -157,7 +170,8 @@ def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:
     simulator's for the same workloads scale every runner term of `profile` (a server's
     runner may run slower beside its frontend than alone); the rest of each step (update,
     sending outputs) adds to `step_overhead`; then the median TTFT gap one at a time
-    (HTTP, tokenization, IPC) becomes `request_latency`."""
+    (HTTP, tokenization, IPC) becomes `request_latency`. The server's step target becomes
+    the profile's `max_step_ms`, so that simulated steps are sized as served ones."""
     from tidal.bench.client import Target
     from tidal.bench.flags import DEFAULT_MAX_MODEL_LEN
     from tidal.bench.serve import DEFAULT_TOKENIZER, bench_serve
@@ -165,6 +179,7 @@ def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:
     from tidal.model.tokenizer import Tokenizer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scrape
+    profile.max_step_ms = step_target_ms(base_url)  # simulated steps sized as served ones
     tokenizer = Tokenizer(resolve_model(DEFAULT_TOKENIZER)[0])  # as `tidal bench serve`
     profile.request_latency = 0.0
     served, simulated, reals = np.zeros(3), 0.0, []

@@ -71,6 +71,14 @@ class Hardware:
     # weights holds, e.g. ~0.6 for a Q4_K_M GGUF served in its own formats); 0: dtype_bytes.
     weight_bytes: float = 0.0
     calibrated_on: str = ""  # what `tidal calibrate` measured, if it made this profile
+    # The engine's step target (max_step_ms) on this hardware, as a server calibrated
+    # against reported it; None: derived from this profile as the engine derives it.
+    max_step_ms: float | None = None
+
+    @property
+    def on_cpu(self) -> bool:
+        """A CPU's profile (`cpu`, and what `tidal calibrate --hardware cpu` writes)."""
+        return self.name == "cpu" or self.name.startswith("cpu-")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
