@@ -36,10 +36,12 @@ POLICIES = {"fcfs-tokens": ["--max-step-ms", "0"], "fcfs": [],
 # Each run its own prompts (a seed each), so that no run is served from another's prefix
 # cache: the measured loads' seeds, then the capacity run's and the warm-ups'.
 MEASURED_SEED, CAPACITY_SEED, WARMUP_SEED = 10, 1, 2
+NUM_KV_BLOCKS = 4096  # the servers' pool, and the simulated one
 
 
 def workload(args: argparse.Namespace, seed: int) -> list[str]:
-    argv = ["--num-prompts", str(args.num_prompts), "--seed", str(seed), "--ignore-eos"]
+    """The dataset flags `tidal bench serve` and `tidal simulate` share."""
+    argv = ["--num-prompts", str(args.num_prompts), "--seed", str(seed)]
     if args.dataset == "azure-conv":
         return argv + ["--dataset", "azure-conv", "--length-scale", f"{args.length_scale:g}"]
     return argv + ["--dataset", "random", "--random-input-len", str(args.input_len),
@@ -47,7 +49,8 @@ def workload(args: argparse.Namespace, seed: int) -> list[str]:
 
 
 def bench(url: str, args: argparse.Namespace, seed: int, rate: float | None) -> dict:
-    argv = ["bench", "serve", "--base-url", url, *workload(args, seed), "--disable-tqdm",
+    argv = ["bench", "serve", "--base-url", url, *workload(args, seed), "--ignore-eos",
+            "--disable-tqdm",
             "--goodput", f"ttft:{args.ttft_ms:g}", f"tpot:{args.tpot_ms:g}"]
     argv += ["--request-rate", f"{rate:.4g}" if rate is not None else "inf"]
     with contextlib.redirect_stdout(io.StringIO()):
@@ -57,7 +60,8 @@ def bench(url: str, args: argparse.Namespace, seed: int, rate: float | None) -> 
 def simulate(profile: str, flags: list[str], args: argparse.Namespace, seed: int,
              rate: float) -> dict:
     argv = ["simulate", "--model-config", "smollm2-135m", "--hardware", profile,
-            *workload(args, seed), "--request-rate", f"{rate:.4g}",
+            "--num-kv-blocks", str(NUM_KV_BLOCKS), *workload(args, seed),
+            "--request-rate", f"{rate:.4g}",
             "--goodput", f"ttft:{args.ttft_ms:g}", f"tpot:{args.tpot_ms:g}", *flags,
             *targets(flags, args)]
     with contextlib.redirect_stdout(io.StringIO()):
@@ -73,7 +77,7 @@ def targets(flags: list[str], args: argparse.Namespace) -> list[str]:
 
 
 def serve(flags: list[str], args: argparse.Namespace) -> Server:
-    return Server("--num-threads", str(args.threads), "--num-kv-blocks", "4096",
+    return Server("--num-threads", str(args.threads), "--num-kv-blocks", str(NUM_KV_BLOCKS),
                   *targets(flags, args), *flags)
 
 

@@ -35,13 +35,15 @@ class RequestView:
 @dataclass
 class StepRecord:
     """One executed step: when it ended, its prompt and decode tokens (guesses included),
-    its seconds, and the guesses it accepted."""
+    its seconds, the guesses it accepted, and the seconds the step-time model predicted
+    (0: no model)."""
 
     time: float
     prefill_tokens: int
     decode_tokens: int
     seconds: float
     accepted_tokens: int = 0
+    predicted: float = 0.0
 
 
 class StepHistory:
@@ -52,15 +54,16 @@ class StepHistory:
         self.prefill_total = self.decode_total = 0  # tokens of every step recorded
 
     def record(self, out: "SchedulerOutput", seconds: float, now: float,
-               prefill: int | None = None, accepted: int = 0) -> None:
+               prefill: int | None = None, accepted: int = 0, predicted: float = 0.0) -> None:
         """Add a step; `prefill`: its prompt tokens, where the caller counted them already;
-        `accepted`: the guesses its verifications accepted."""
+        `accepted`: the guesses its verifications accepted; `predicted`: its seconds as the
+        step-time model predicted them."""
         if prefill is None:
             prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
         decode = out.num_tokens - prefill
         self.prefill_total += prefill
         self.decode_total += decode
-        self.steps.append(StepRecord(now, prefill, decode, seconds, accepted))
+        self.steps.append(StepRecord(now, prefill, decode, seconds, accepted, predicted))
 
     def since(self, t: float) -> list[StepRecord]:
         return [s for s in list(self.steps) if s.time > t]

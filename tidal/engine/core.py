@@ -45,8 +45,9 @@ class EngineCore:
         if ((given if given is not None else not self.runner.on_gpu)
                 or POLICIES[config.scheduler.policy].needs_step_time):
             seconds = config.model.step_profile_seconds
-            prior = (load_or_measure(self.runner, Path(folder), seconds, arch.vocab_size)
-                     if seconds else ())
+            max_len = min(config.scheduler.max_model_len, arch.context_length)
+            prior = (load_or_measure(self.runner, Path(folder), seconds, arch.vocab_size,
+                                     max_len) if seconds else ())
             self.step_time = LearnedStepTime(prior=prior)
         sched_cfg = replace(config.scheduler, max_model_len=min(
             config.scheduler.max_model_len, arch.context_length),
@@ -196,14 +197,16 @@ class EngineCore:
         finally:
             seconds = time.perf_counter() - t0
             self.execute_seconds += seconds
+        predicted = 0.0
         if self._learners:
             shape = StepShape.of(out)
             if self.step_time is not None:
-                self.step_errors.record(self.step_time.shape_time(shape), seconds)
+                predicted = self.step_time.shape_time(shape)
+                self.step_errors.record(predicted, seconds)
             for model in self._learners:
                 model.observe(shape, seconds)
         accepted = sum(len(result.sampled[rid]) - 1 for rid in result.drafted)
-        self.history.record(out, seconds, time.time(), prefill, accepted)
+        self.history.record(out, seconds, time.time(), prefill, accepted, predicted)
         return result
 
     def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception,

@@ -25,17 +25,19 @@ PROFILE_VERSION = 1  # bump when the grid or the runner's timing changes meaning
 DECODE_CONTEXT = 256  # cached tokens behind each timed decode row
 
 
-def startup_grid(max_tokens: int = 1024) -> list[list[tuple[int, int]]]:
+def startup_grid(max_tokens: int = 1024, max_len: int = 1 << 30,
+                 ) -> list[list[tuple[int, int]]]:
     """Step shapes as (new tokens, cached tokens) per sequence, cheapest first: decodes of
     1 to 64 rows (and 16 at a longer context), single prompts of 16 to `max_tokens`, chunks
-    after a cached prefix, four prompts at once and a prompt beside 16 decodes."""
+    after a cached prefix, four prompts at once and a prompt beside 16 decodes; none with a
+    sequence longer than `max_len`."""
     decode = (1, DECODE_CONTEXT)
     grid = [[decode] * b for b in (1, 4, 16)] + [[(1, 4 * DECODE_CONTEXT)] * 16]
     grid += [[decode] * 64] + [[(n, 0)] for n in (16, 64, 256) if n <= max_tokens]
     grid += [[(128, 0)] * 4, [(256, 0)] + [decode] * 16, [(256, 768)]]
     grid += [[(n, 0)] for n in (512, 1024) if n <= max_tokens]
     grid += [[(256, 1792)]]
-    return grid
+    return [entries for entries in grid if all(n + c <= max_len for n, c in entries)]
 
 
 def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5, vocab: int = 1000,
@@ -79,7 +81,12 @@ def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5, vocab: 
     return timings
 
 
-def machine_key(runner, folder: Path) -> dict:
+def runner_grid(runner, max_len: int) -> list[list[tuple[int, int]]]:
+    """The start-up grid for this runner's forward-pass size and `max_len`."""
+    return startup_grid(runner.max_forward_tokens or 1024, max_len)
+
+
+def machine_key(runner, folder: Path, max_len: int) -> dict:
     """What a saved profile holds for: the model's files, how the runner runs them, and on
     what hardware."""
     import torch
@@ -96,7 +103,7 @@ def machine_key(runner, folder: Path) -> dict:
         hardware = f"{_cpu_name()}, {torch.get_num_threads()} threads"
     # A small pool skips the larger shapes: its profile is not one of a larger pool's.
     fits = sum(sum(cdiv(n + c, runner.block_size) for n, c in entries) <= runner.num_blocks
-               for entries in startup_grid(runner.max_forward_tokens or 1024))
+               for entries in runner_grid(runner, max_len))
     return {"version": PROFILE_VERSION, "model": model, "hardware": hardware, "fits": fits,
             "device": runner.device, "dtype": str(runner.dtype), "torch": torch.__version__,
             "block_size": runner.block_size, "forward_tokens": runner.max_forward_tokens,
@@ -118,11 +125,11 @@ def profile_path(key: dict) -> Path:
     return cache_root() / "step-profiles" / f"{digest}.json"
 
 
-def load_or_measure(runner, folder: Path, budget_s: float, vocab: int,
+def load_or_measure(runner, folder: Path, budget_s: float, vocab: int, max_len: int,
                     ) -> list[tuple[StepShape, float]]:
     """This model's step times on this machine: the saved profile, or measured now (within
     about `budget_s` seconds) and saved for the next start."""
-    key = machine_key(runner, folder)
+    key = machine_key(runner, folder, max_len)
     path = profile_path(key)
     try:
         saved = json.loads(path.read_text())
@@ -131,8 +138,9 @@ def load_or_measure(runner, folder: Path, budget_s: float, vocab: int,
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none yet, or unreadable: measure
     t0 = time.perf_counter()
-    grid = startup_grid(runner.max_forward_tokens or 1024)  # as machine_key's
-    measure(runner, grid[:1] + grid[5:6], repeats=0, warmups=1)  # first calls' one-time costs
+    grid = runner_grid(runner, max_len)
+    warm = [e for e in grid if e[0][0] == 1][:1] + [e for e in grid if e[0][0] > 1][:1]
+    measure(runner, warm, repeats=0, vocab=vocab, warmups=1)  # one-time costs of each kind
     steps = measure(runner, grid, repeats=1, vocab=vocab, warmups=0, deadline=t0 + budget_s)
     log.info("step times measured in %.1fs (%d shapes); saved to %s",
              time.perf_counter() - t0, len(steps), path)

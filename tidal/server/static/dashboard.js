@@ -79,12 +79,12 @@ function corePanel(index, label) {
   const slot = () => { const d = el("div"); charts.append(d); return d; };
   return {
     panel, canvas, tbody: table.querySelector("tbody"), last: null,
-    rate: {x: [], prompt: [], gen: []}, steps: {x: [], prefill: [], decode: [], accepted: [], ms: []},
+    rate: {x: [], prompt: [], gen: []}, steps: {x: [], prefill: [], decode: [], accepted: [], ms: [], predicted: []},
     state: {x: [], ratio: [], usage: []},
     charts: {
       rate: chart(slot(), "Throughput", "tokens/s", [["prompt", "#f0a030"], ["generated", "#2f8fdc"]]),
       steps: chart(slot(), "Step composition", "tokens/step", [["prefill", "#f0a030", true], ["decode", "#2f8fdc"], ["accepted guesses", "#30a050"]]),
-      ms: chart(slot(), "Step time", "ms", [["step", "#555"]]),
+      ms: chart(slot(), "Step time", "ms", [["step", "#555"], ["predicted", "#f0a030"]]),
       state: chart(slot(), "Decode reservation and KV use", "share (0-1)", [["new_token_ratio", "#8a5cd0"], ["kv usage", "#2f8fdc"]]),
     },
   };
@@ -148,12 +148,13 @@ function render(frame) {
     c.steps.decode.push(step.decode_tokens);
     c.steps.accepted.push(step.accepted_tokens || 0);
     c.steps.ms.push(step.seconds * 1000);
+    c.steps.predicted.push(step.predicted ? step.predicted * 1000 : null);  // none: no model
   }
   c.state.x.push(t); c.state.ratio.push(s.new_token_ratio); c.state.usage.push(s.kv_usage);
   for (const series of [c.rate, c.steps, c.state]) trim(series, t);
   draw(c.charts.rate, [c.rate.x, c.rate.prompt, c.rate.gen]);
   draw(c.charts.steps, [c.steps.x, c.steps.prefill, c.steps.decode, c.steps.accepted]);
-  draw(c.charts.ms, [c.steps.x, c.steps.ms]);
+  draw(c.charts.ms, [c.steps.x, c.steps.ms, c.steps.predicted]);
   draw(c.charts.state, [c.state.x, c.state.ratio, c.state.usage]);
   c.panel.dataset.steps = s.num_steps;
   addLatency(frame);
