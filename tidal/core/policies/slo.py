@@ -23,12 +23,12 @@ SLO_OVERLOAD = ("defer", "reject")
 class SloPolicy(Policy):
     """Each request has a TTFT deadline (arrival + `ttft_slo_ms`) and a TPOT target (its own,
     else the scheduler's defaults; either may be absent). With the scheduler's step-time
-    model, every step runs three named pieces:
+    model, every step with prompts to compute runs two named pieces, then the step:
 
     - `size_step`: the prefill tokens the step may add so that its predicted time stays
       within the tightest TPOT target of the running decodes and the scheduler's
-      `max_step_ms` (at least one block, so prompts always move), and the most requests that may run at once so that their decode step
-      still leaves room for that block;
+      `max_step_ms` (at least one block, so prompts always move), and the most requests
+      that may run at once so that their decode step still leaves room for that block;
     - `triage`: the waiting queue's admission order. Retracted requests come first (one
       admitted is never rejected), then those waiting past `slo_max_defer_ms` (the starvation bound),
       then, by deadline, those predicted to make it (Moore-Hodgson over predicted prefill
