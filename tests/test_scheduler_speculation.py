@@ -376,3 +376,12 @@ def test_adaptive_guesses_keep_tpot_targets():
     free = GuessPlanner(4, True, cost).choose(entries, budget=100)
     strict = GuessPlanner(4, True, cost, tpot=lambda r: 0.0125).choose(entries, budget=100)
     assert free == [4, 0] and strict == [0, 0]
+
+
+def test_adaptive_guesses_keep_the_step_within_its_target():
+    """Guesses that pay for their rows still stop where the step would pass `max_step`:
+    11 ms for the one row, 1 ms a guess, a 12.5 ms target: one guess."""
+    cost = RowCost(fixed=0.010, per_row=0.001)
+    entries = _decoding(1, alpha_hits=8.0)
+    assert GuessPlanner(4, True, cost).choose(entries, budget=100) == [4]
+    assert GuessPlanner(4, True, cost, max_step=0.0125).choose(entries, budget=100) == [1]
