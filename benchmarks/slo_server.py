@@ -25,6 +25,8 @@ import os
 import sys
 import tempfile
 
+import httpx
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from server_fixtures import Server  # noqa: E402
@@ -81,6 +83,16 @@ def serve(flags: list[str], args: argparse.Namespace) -> Server:
                   *targets(flags, args), *flags)
 
 
+def model_error(url: str) -> str:
+    """The server's step-time model's predicted / measured step time over its last 512
+    steps (`tidal:step_time_prediction_ratio`), p50 and p99."""
+    q = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("tidal:step_time_prediction_ratio{"):
+            q[line.split('quantile="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return f"{q['0.5']:.2f} {q['0.99']:.2f}" if q else "-"
+
+
 def calibrated_profile(args: argparse.Namespace, url: str) -> str:
     """A hardware profile of this machine for `tidal simulate`, serving included."""
     path = os.path.join(tempfile.mkdtemp(), "this-machine.json")
@@ -117,8 +129,8 @@ def main() -> None:
           f"TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms)")
     sim = " simulated goodput |" if profile else ""
     print(f"| load | policy | goodput req/s |{sim} req/s | completed | median TTFT ms | "
-          "p99 TTFT ms | median TPOT ms | p99 TPOT ms |")
-    print("|---" * (9 + bool(profile)) + "|")
+          "p99 TTFT ms | median TPOT ms | p99 TPOT ms | predicted / measured step, p50 p99 |")
+    print("|---" * (10 + bool(profile)) + "|")
     for label in args.policies:
         flags = POLICIES[label]
         server = serve(flags, args)
@@ -134,7 +146,8 @@ def main() -> None:
                 print(f"| {load:g}x | {label} | {r['request_goodput']:.2f} |{simulated} "
                       f"{r['request_throughput']:.2f} | {r['completed']} "
                       f"| {r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} "
-                      f"| {r['median_tpot_ms']:.0f} | {r['p99_tpot_ms']:.0f} |", flush=True)
+                      f"| {r['median_tpot_ms']:.0f} | {r['p99_tpot_ms']:.0f} "
+                      f"| {model_error(server.url)} |", flush=True)
         finally:
             server.stop()
 

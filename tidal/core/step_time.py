@@ -129,7 +129,7 @@ class LearnedStepTime:
     def __init__(self, window: int = 512, half_life: float = 128.0, min_steps: int = 8,
                  refit_every: int = 8, fixed_penalty: float = 0.0,
                  prior: Iterable[tuple[StepShape, float]] = (),
-                 prior_weight: float = 4.0) -> None:
+                 prior_weight: float = 1.0) -> None:
         self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self.decay = 0.5 ** (1.0 / half_life)
         self.min_steps, self.refit_every = min_steps, refit_every
