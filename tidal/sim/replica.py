@@ -87,8 +87,8 @@ class SimReplica:
                 self.steps += 1
                 took = self.cost.shape_time(shape)
                 self.busy_seconds += took
-                if self.history is not None:
-                    self.history.record(out, took, now + took)
+                if self.history is not None:  # the scheduler planned with this very cost
+                    self.history.record(out, took, now + took, predicted=took)
                 return now + took
             self.early += sched.update(out, ModelOutput(preempted_ack=out.preempted_ids))
             if not (out.preempted_ids or out.transfer_ids):
