@@ -36,8 +36,7 @@ class EngineCore:
         self.runner = ModelRunner(folder, config.model, config.cache.block_size,
                                   config.scheduler, config.speculative, config.lora)
         arch = self.runner.arch
-        # What the model and the memory allow: the context is at most the model's, and the
-        # pool is what the runner allocated.
+        max_len = min(config.scheduler.max_model_len, arch.context_length)
         # The step-time model that sizes steps and the slo policy's plans, and adaptive
         # speculation's, learned from this engine's forward passes: each errs on its own
         # safe side (see LearnedStepTime). The first starts from this machine's profile.
@@ -45,14 +44,14 @@ class EngineCore:
         if ((given if given is not None else not self.runner.on_gpu)
                 or POLICIES[config.scheduler.policy].needs_step_time):
             seconds = config.model.step_profile_seconds
-            max_len = min(config.scheduler.max_model_len, arch.context_length)
             prior = (load_or_measure(self.runner, Path(folder), seconds, arch.vocab_size,
                                      max_len) if seconds else ())
             self.step_time = LearnedStepTime(prior=prior)
-        sched_cfg = replace(config.scheduler, max_model_len=min(
-            config.scheduler.max_model_len, arch.context_length),
-            max_step_ms=given if given is not None else default_step_target(
-                self.runner.on_gpu, self.step_time))
+        # What the model and the memory allow: the context is at most the model's, and the
+        # pool is what the runner allocated; the step target is the machine's unless given.
+        sched_cfg = replace(config.scheduler, max_model_len=max_len, max_step_ms=(
+            given if given is not None else default_step_target(self.runner.on_gpu,
+                                                                self.step_time)))
         cache_cfg = replace(config.cache, num_blocks=self.runner.num_blocks)
         self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
         adaptive = sched_cfg.num_speculative_tokens and sched_cfg.speculative_adaptive

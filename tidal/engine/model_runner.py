@@ -78,6 +78,7 @@ class ModelRunner:
         self.on_gpu = self.device.startswith("cuda")
         self.arch = ModelArch.from_folder(folder)
         quantization, self.dtype = pick_model_dtype(folder, self.arch, config, self.device)
+        self.quantization = quantization  # the weights' format as served
         if self.on_gpu:
             if ":" in self.device:  # cuda:N: this process's current device too
                 torch.cuda.set_device(torch.device(self.device))

@@ -106,6 +106,7 @@ def machine_key(runner, folder: Path, max_len: int) -> dict:
                for entries in runner_grid(runner, max_len))
     return {"version": PROFILE_VERSION, "model": model, "hardware": hardware, "fits": fits,
             "device": runner.device, "dtype": str(runner.dtype), "torch": torch.__version__,
+            "quantization": runner.quantization,
             "block_size": runner.block_size, "forward_tokens": runner.max_forward_tokens,
             "decoder": runner.decoder is not None, "machine": platform.node()}
 
