@@ -76,3 +76,13 @@ def test_served_steps_are_logged_against_their_predictions(folder):
     p50, p99 = c.step_time_error()
     assert len(c.step_errors.ratios) == 4 and 0 < p50 <= p99
     assert all(s.predicted > 0 for s in c.history.steps)
+
+
+def test_offline_steps_are_not_sized_by_time_unless_asked(folder):
+    """`LLM` computes a batch: no stream waits for a token there, so no step target (and
+    no profile to time) unless one is given."""
+    from tidal import LLM
+
+    assert LLM(str(folder), num_kv_blocks=64).engine.core.config.scheduler.max_step_ms == 0
+    given = LLM(str(folder), num_kv_blocks=64, max_step_ms=250.0)
+    assert given.engine.core.config.scheduler.max_step_ms == 250.0

@@ -33,9 +33,13 @@ Adapter = LoRARequest | str | None
 class LLM:
     """Generate for a batch of prompts with continuous batching, in this process. Any engine
     option (docs/configuration.md) is a keyword: `LLM("smollm2-135m", dtype="float32",
-    num_kv_blocks=64, ...)`; an unknown one raises TypeError."""
+    num_kv_blocks=64, ...)`; an unknown one raises TypeError. Steps are not sized by time
+    unless `max_step_ms` is given: no stream waits here for its next token, and whole steps
+    compute a batch fastest."""
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+        if kwargs.get("max_step_ms") is None:  # unset (the CLI's flags come as None)
+            kwargs["max_step_ms"] = 0.0
         self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
