@@ -11,9 +11,9 @@ usage: .venv/bin/python benchmarks/slo_server.py [--num-prompts 60] [--loads 1 2
 Capacity is measured first, on other prompts than the measured ones (another seed: no
 prefix-cache carry-over): the default fcfs server saturated by every prompt at once (req/s).
 Every server is warmed up alike (a run of prompts of a third seed, all at once). With
---simulate, `tidal simulate` runs the same workloads with a hardware profile calibrated on
-this machine (`tidal calibrate --serving-url`), and its goodput is printed beside the
-server's.
+--simulate, `tidal simulate` runs the same workloads with a profile that times steps by the
+capacity server's own learned step-time model (`tidal calibrate --learned-from`), and its
+goodput is printed beside the server's.
 """
 
 from __future__ import annotations
@@ -93,13 +93,12 @@ def model_error(url: str) -> str:
     return f"{q['0.5']:.2f} {q['0.99']:.2f}" if q else "-"
 
 
-def calibrated_profile(args: argparse.Namespace, url: str) -> str:
-    """A hardware profile of this machine for `tidal simulate`, serving included."""
+def learned_profile(url: str) -> str:
+    """A profile of this machine for `tidal simulate`: the server's own learned step-time
+    model, after it served the capacity run (`tidal calibrate --learned-from`)."""
     path = os.path.join(tempfile.mkdtemp(), "this-machine.json")
     with contextlib.redirect_stdout(io.StringIO()):
-        tidal_run(["calibrate", "--hardware", "cpu", "--num-threads", str(args.threads),
-                   "--max-batch", "32", "--max-prefill", "1024", "--repeats", "3",
-                   "--serving-url", url, "--output", path])
+        tidal_run(["calibrate", "--hardware", "cpu", "--learned-from", url, "--output", path])
     return path
 
 
@@ -122,7 +121,7 @@ def main() -> None:
     try:
         bench(server.url, args, WARMUP_SEED, None)
         capacity = bench(server.url, args, CAPACITY_SEED, None)["request_throughput"]
-        profile = calibrated_profile(args, server.url) if args.simulate else None
+        profile = learned_profile(server.url) if args.simulate else None
     finally:
         server.stop()
     print(f"capacity: {capacity:.2f} req/s ({args.dataset}, {args.num_prompts} prompts; SLO "

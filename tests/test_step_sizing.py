@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.core import LearnedStepTime, PredictionLog, SchedulerConfig, StepShape
+from tidal.core import (LearnedStepTime, LinearStepTime, PredictionLog, SchedulerConfig,
+                        StepShape)
 from tidal.core.policies import POLICIES
 from tidal.core.step_sizing import CPU_MAX_STEP_MS, default_step_target
 
@@ -196,3 +197,26 @@ def test_the_simulator_sizes_steps_as_the_engine_would_on_that_hardware():
     given = build_simulator("smollm2-135m", "cpu", {"max_step_ms": 0.0})[3].scheduler
     assert cpu.max_step_ms >= CPU_MAX_STEP_MS and gpu.max_step_ms == 0.0
     assert given.max_step_ms == 0.0
+
+
+def test_a_learned_models_coefficients_predict_as_it_does():
+    """`coefficients()` are seconds per unit of each term: a `LinearStepTime` of them (what
+    the simulator times steps by, from a server's profile) predicts what the fit does."""
+    learned = LearnedStepTime(prior=_profile())
+    fixed = LinearStepTime(learned.coefficients())
+    for shape in (StepShape().add(300, 0), StepShape().add(1, 500, count=32).add(64, 128)):
+        assert fixed.shape_time(shape) == pytest.approx(learned.shape_time(shape))
+    assert fixed.shape_time(StepShape()) == 0.0
+    with pytest.raises(ValueError, match="5 coefficients"):
+        LinearStepTime([1.0, 2.0])
+
+
+def test_a_profile_with_a_learned_model_times_steps_by_it():
+    from tidal.sim.cost_model import CostModel
+    from tidal.sim.profiles import hardware, model_arch
+
+    hw = hardware("cpu")
+    hw.step_time, hw.step_overhead = [0.008, 0.0012, 0.002, 0.0, 0.0], 0.001
+    cost = CostModel(model_arch("smollm2-135m"), hw)
+    chunk = StepShape().add(1, 300, count=10).add(300, 0)
+    assert cost.shape_time(chunk) == pytest.approx(0.008 + 0.0012 * 310 + 0.002 * 11 + 0.001)

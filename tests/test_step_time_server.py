@@ -1,7 +1,8 @@
 """Steps sized by time behind the real server with its default scheduling: a burst of forty
 ~300-token prompts gets its first tokens one after another, a stream already running keeps
 getting tokens within a bounded wait all through the burst, and /metrics tells how far the
-step-time model is off. The official `openai` client."""
+step-time model is off and what it learned (the simulator's profile of this server). The
+official `openai` client."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import time
 import openai
 
 from server_fixtures import Server, metric
+from tidal.core import StepShape
+from tidal.sim.calibrate import learned_profile
+from tidal.sim.cost_model import CostModel
+from tidal.sim.profiles import hardware, model_arch
 
 BURST, PROMPT_WORDS = 40, 60  # ~290 tokens a prompt
 # Gaps a stream may see, in step targets: a step runs a little over its prediction now and
@@ -57,6 +62,7 @@ def test_a_burst_is_admitted_step_by_step_and_running_streams_keep_flowing():
         assert target >= 0.4  # derived on a CPU: at least 400 ms
         ttfts, gaps, seconds = asyncio.run(_burst(server.url))
         ratio_p50 = metric(server.url, 'tidal:step_time_prediction_ratio{quantile="0.5"}')
+        profile = learned_profile(hardware("cpu"), server.url)  # its model, for the simulator
     finally:
         server.stop()
     ttfts.sort()
@@ -71,3 +77,9 @@ def test_a_burst_is_admitted_step_by_step_and_running_streams_keep_flowing():
     assert max(gaps) <= MAX_GAP_STEPS * target
     assert sorted(gaps)[int(0.9 * len(gaps))] <= P90_GAP_STEPS * target
     assert 0.5 < ratio_p50 < 2.0
+    # The simulator, given the server's learned model, times steps as the server planned
+    # them: a block of prompt beside a decode well within the target, a 4k prompt past it.
+    cost = CostModel(model_arch("smollm2-135m"), profile)
+    assert profile.max_step_ms == target * 1000
+    assert cost.shape_time(StepShape().add(1, 300).add(16, 0)) < target / 2
+    assert cost.shape_time(StepShape().add(1, 300).add(4096, 0)) > target

@@ -13,7 +13,8 @@ from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, SamplingParams
 from tidal.core.roles import ROLES, Role
 from tidal.core.scheduler import Scheduler
-from tidal.core.step_time import LearnedStepTime, PredictionLog, StepShape, StepTimeModel
+from tidal.core.step_time import (STEP_TIME_TERMS, LearnedStepTime, LinearStepTime,
+                                   PredictionLog, StepShape, StepTimeModel)
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 
@@ -22,6 +23,7 @@ __all__ = [
     "KVCacheManager", "ModelOutput", "NewRequest", "NewTokenRatio", "POLICIES", "Policy",
     "PromptLogprob", "ROLES", "Request", "RequestOutput", "RequestStatus", "Role",
     "SamplingParams", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput",
-    "SchedulerStats", "StepBudget", "StepPlan", "LearnedStepTime", "PredictionLog", "StepShape",
+    "SchedulerStats", "StepBudget", "StepPlan", "LearnedStepTime", "LinearStepTime",
+    "PredictionLog", "STEP_TIME_TERMS", "StepShape",
     "StepTimeModel", "TokenLogprob",
 ]

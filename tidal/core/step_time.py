@@ -78,6 +78,29 @@ class StepTimeModel(Protocol):
     def shape_time(self, shape: StepShape) -> float: ...
 
 
+# The linear step-time models' terms: seconds per step, new token, sequence, attention
+# pair and KV token.
+STEP_TIME_TERMS = ("step", "token", "seq", "pair", "kv_token")
+
+
+class LinearStepTime:
+    """A fixed linear step-time model: seconds = a + b tokens + c seqs + d pairs + e KV
+    tokens (`STEP_TIME_TERMS`), e.g. the one a server learned (`LearnedStepTime.
+    coefficients()`), for the simulator to time steps as that server plans them."""
+
+    def __init__(self, coefficients: Iterable[float]) -> None:
+        self.coef = tuple(coefficients)
+        if len(self.coef) != len(STEP_TIME_TERMS):
+            raise ValueError(f"a linear step-time model has {len(STEP_TIME_TERMS)} "
+                             f"coefficients ({', '.join(STEP_TIME_TERMS)}), got {len(self.coef)}")
+
+    def shape_time(self, shape: StepShape) -> float:
+        if shape.seqs == 0:
+            return 0.0
+        a, b, c, d, e = self.coef
+        return a + b * shape.tokens + c * shape.seqs + d * shape.pairs + e * shape.kv_tokens
+
+
 class PredictionLog:
     """Predicted over measured seconds of the last `window` steps: how far a step-time
     model is off on this engine (1: exact; above 1: it overestimates)."""
@@ -166,6 +189,10 @@ class LearnedStepTime:
         if shape.seqs == 0:
             return 0.0
         return sum(c * x for c, x in zip(self.coef, self._features(shape)))
+
+    def coefficients(self) -> list[float]:
+        """The fit's seconds per unit of each of STEP_TIME_TERMS (a `LinearStepTime`'s)."""
+        return [c * s for c, s in zip(self.coef, self._SCALES)]
 
     def _one_size(self, samples, weights: list[float]) -> bool:
         """Whether the decode steps are, in effect, all of one size: those of other sizes

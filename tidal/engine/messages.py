@@ -100,6 +100,8 @@ class Stats(msgspec.Struct, tag=True):
     # The step-time model's predicted / measured seconds over recent steps: p50, p99 (empty
     # without a model, or before its first step).
     step_time_error: list[float] = msgspec.field(default_factory=list)
+    # Its coefficients, seconds per unit of each of tidal.core.STEP_TIME_TERMS (empty: none).
+    step_time_coef: list[float] = msgspec.field(default_factory=list)
 
 
 class Failed(msgspec.Struct, tag=True):

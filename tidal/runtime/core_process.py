@@ -180,7 +180,8 @@ class _CoreLoop:
                 self.send(m.Stats(self.index, self.adds_seen, core.scheduler.stats(),
                                   core.prompt_tokens, core.generation_tokens,
                                   core.execute_seconds, self.step_seconds, self.incarnation,
-                                  self._view(), core.step_time_error()))
+                                  self._view(), core.step_time_error(),
+                                  core.step_time.coefficients() if core.step_time else []))
                 if os.getppid() != parent:  # the frontend died: do not linger as an orphan
                     log.warning("frontend process gone; engine core exiting")
                     return

@@ -41,7 +41,9 @@ def merge_stats(stats: list[m.Stats]) -> m.Stats:
     total["num_steps"] = max(s.scheduler.num_steps for s in stats)
     errors = [s.step_time_error for s in stats if s.step_time_error]
     worst = [max(e[i] for e in errors) for i in range(2)] if errors else []  # by quantile
+    coefs = [s.step_time_coef for s in stats if s.step_time_coef]
+    mean = [sum(c) / len(coefs) for c in zip(*coefs)]  # the cores' models, term by term
     return m.Stats(-1, sum(s.adds_seen for s in stats), SchedulerStats(**total),
                    sum(s.prompt_tokens for s in stats), sum(s.generation_tokens for s in stats),
                    sum(s.execute_seconds for s in stats), sum(s.step_seconds for s in stats),
-                   step_time_error=worst)
+                   step_time_error=worst, step_time_coef=mean)

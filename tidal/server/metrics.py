@@ -10,6 +10,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tidal.core.step_time import STEP_TIME_TERMS
+
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -61,6 +63,14 @@ class _CoreCollector:
             for q, value in zip(("0.5", "0.99"), stats.step_time_error):
                 error.add_metric([self.model, q], value)
             yield error
+        if stats.step_time_coef:
+            coef = self._family(GaugeMetricFamily, "tidal:step_time_coefficient",
+                                "The step-time model's seconds per unit of each term: per "
+                                "step, new token, sequence, attention pair, KV token.",
+                                labels=["term"])
+            for term, value in zip(STEP_TIME_TERMS, stats.step_time_coef):
+                coef.add_metric([self.model, term], value)
+            yield coef
         counters = [
             ("tidal:num_preemptions", "Retractions since start.", s.num_preemptions),
             ("tidal:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",

@@ -17,6 +17,7 @@ import numpy as np
 from tidal.bench.arrivals import arrival_times
 from tidal.bench.dataset import BenchRequest, DatasetSpec, load_dataset
 from tidal.bench.metrics import summarize
+from tidal.core.step_time import STEP_TIME_TERMS
 from tidal.engine.step_profile import measure
 from tidal.sim.cost_model import CostModel, StepShape
 from tidal.sim.profiles import Hardware, weight_params
@@ -150,17 +151,39 @@ def served_counters(base_url: str) -> np.ndarray:
     return np.array([values[n] for n in names])
 
 
-def step_target_ms(base_url: str) -> float:
-    """The step target a tidal server sizes its steps to (`tidal:max_step_seconds`), ms."""
+def _samples(base_url: str, name: str) -> list:
+    """The samples of the metric family `name` on a tidal server's /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(base_url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
-        if family.name == "tidal:max_step_seconds" and family.samples:
-            return family.samples[0].value * 1000
-    raise RuntimeError(f"{base_url} does not report tidal:max_step_seconds: not a tidal "
-                       "server?")
+        if family.name == name and family.samples:
+            return family.samples
+    raise RuntimeError(f"{base_url} does not report {name}: not a tidal server, or one "
+                       "without a step-time model?")
+
+
+def step_target_ms(base_url: str) -> float:
+    """The step target a tidal server sizes its steps to (`tidal:max_step_seconds`), ms."""
+    return _samples(base_url, "tidal:max_step_seconds")[0].value * 1000
+
+
+def learned_profile(profile: Hardware, base_url: str) -> Hardware:
+    """`profile` timing steps as the tidal server at `base_url` plans them: its learned
+    step-time model (`tidal:step_time_coefficient`, fitted to its recent steps, so serve it
+    a workload like the one to simulate first), its step target, and what its steps cost
+    besides the runner (scheduling, outputs) on average since it started."""
+    by_term = {s.labels["term"]: s.value
+               for s in _samples(base_url, "tidal:step_time_coefficient")}
+    profile.step_time = [by_term[t] for t in STEP_TIME_TERMS]
+    profile.max_step_ms = step_target_ms(base_url)
+    execute, step, steps = served_counters(base_url)
+    profile.step_overhead = max(0.0, step - execute) / max(1.0, steps)
+    profile.calibrated_on = (f"the learned step-time model of the server at {base_url}: "
+                             + ", ".join(f"{t} {by_term[t]:.3g} s" for t in STEP_TIME_TERMS)
+                             + f"; {profile.step_overhead * 1e3:.2f} ms a step besides")
+    return profile
 
 
 def calibrate_serving(profile: Hardware, model: str, base_url: str) -> Hardware:

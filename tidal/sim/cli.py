@@ -129,23 +129,34 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--output", default=None, help="JSON file to write (default: print)")
     p.add_argument("--max-batch", type=int, default=64, help="largest decode batch timed")
     p.add_argument("--max-prefill", type=int, default=1024, help="longest prefill timed")
-    p.add_argument("--serving-url", default=None, metavar="URL",
-                   help="a tidal server of the same model and flags: also measure what "
-                        "serving adds (its steps' times by its own counters, request latency)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--learned-from", default=None, metavar="URL",
+                        help="a tidal server that has served a workload: write a profile "
+                             "that times steps by its own learned step-time model (no "
+                             "runner timed)")
+    source.add_argument("--serving-url", default=None, metavar="URL",
+                        help="a tidal server of the same model and flags: also measure what "
+                             "serving adds (its steps' times by its own counters, request "
+                             "latency)")
     add_engine_flags(p)
     p.set_defaults(func=cmd_calibrate)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from tidal.sim.calibrate import calibrate, calibrate_serving, default_grid, format_rows
+    from tidal.sim.calibrate import (calibrate, calibrate_serving, default_grid, format_rows,
+                                     learned_profile)
     from tidal.sim.profiles import hardware
 
     kwargs = engine_kwargs(args)
     model = kwargs.pop("model", "smollm2-135m")
-    profile, error, rows = calibrate(model, hardware(args.hardware), kwargs, args.repeats,
-                                     default_grid(args.max_batch, args.max_prefill))
-    print(format_rows(rows))
-    print(f"mean absolute error {error:.1%}")
+    if args.learned_from:
+        profile = learned_profile(hardware(args.hardware), args.learned_from)
+        print(profile.calibrated_on)
+    else:
+        profile, error, rows = calibrate(model, hardware(args.hardware), kwargs, args.repeats,
+                                         default_grid(args.max_batch, args.max_prefill))
+        print(format_rows(rows))
+        print(f"mean absolute error {error:.1%}")
     if args.serving_url:
         calibrate_serving(profile, model, args.serving_url)
         print("serving:", profile.calibrated_on.rpartition("serving at ")[2])

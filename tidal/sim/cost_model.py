@@ -7,11 +7,13 @@ For a step's scheduled requests (each `n` new tokens after `c` cached ones):
                   KV bytes read and written                    over  bandwidth * bw_eff)
   step      = linear + attention + step_overhead + seq_overhead * seqs + token_overhead * tokens
               + context_overhead * cached tokens gathered (sequences with c > 0 read c + n)
+or, for a profile holding a server's learned model (`step_time`), what that model predicts
+plus step_overhead.
 """
 
 from __future__ import annotations
 
-from tidal.core.step_time import StepShape
+from tidal.core.step_time import LinearStepTime, StepShape
 from tidal.model.config import ModelArch
 from tidal.sim.profiles import Hardware, expert_params, linear_params
 
@@ -36,6 +38,9 @@ class CostModel:
         self.idle_odds = 1 - arch.moe.top_k / arch.moe.num_experts if arch.moe else 0.0
         self.attn_flops_per_pair = 4 * arch.num_layers * arch.num_heads * arch.head_dim
         self.kv_bytes_per_token = arch.kv_bytes_per_token(dtype_bytes)
+        # A server's own learned model, where the profile carries one (`tidal calibrate
+        # --learned-from`): steps take what it predicts, plus the serving overhead.
+        self.learned = LinearStepTime(hw.step_time) if hw.step_time else None
 
     def roofline(self, shape: StepShape) -> float:
         hw = self.hw
@@ -55,6 +60,8 @@ class CostModel:
         hw = self.hw
         if shape.seqs == 0:
             return 0.0
+        if self.learned is not None:
+            return self.learned.shape_time(shape) + hw.step_overhead
         return (self.roofline(shape) + hw.step_overhead + hw.seq_overhead * shape.seqs
                 + hw.token_overhead * shape.tokens + hw.context_overhead * shape.gathered)
 

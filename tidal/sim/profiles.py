@@ -74,6 +74,10 @@ class Hardware:
     # The engine's step target (max_step_ms) on this hardware, as a server calibrated
     # against reported it; None: derived from this profile as the engine derives it.
     max_step_ms: float | None = None
+    # A tidal server's learned step-time model on this hardware: seconds per step, new
+    # token, sequence, attention pair and KV token (`tidal calibrate --learned-from`). When
+    # set, steps take what it predicts (plus step_overhead), not the roofline.
+    step_time: list[float] | None = None
 
     @property
     def on_cpu(self) -> bool:
