@@ -35,6 +35,7 @@ class Clock:
 
 
 def slo_scheduler(model, clock=None, block_size: int = 16, **config):
+    config.setdefault("slo_step_headroom", 1.0)  # the cases' arithmetic sizes to the target
     return make_scheduler(num_blocks=2000, block_size=block_size, policy="slo",
                           step_time=model, clock=clock or Clock(), **config)
 
@@ -116,6 +117,15 @@ def test_the_prefill_chunk_keeps_the_step_within_the_tightest_tpot():
     assert scheduled(out)["long"] == (128, 0)
     out, _ = step(s)
     assert scheduled(out)["long"] == (128, 128)
+
+
+def test_headroom_sizes_steps_to_a_share_of_the_tpot_target():
+    """Half of the 20 ms target: 5 + 0.1 * (10 + T) <= 10 for T <= 40, so 32 (2 blocks)."""
+    s = slo_scheduler(Linear(fixed=5e-3, per_token=1e-4), slo_step_headroom=0.5)
+    _decoding(s, 10, tpot_ms=20)
+    add(s, "long", 2000, ttft_slo_ms=60_000)
+    out, _ = step(s)
+    assert scheduled(out)["long"] == (32, 0)
 
 
 def test_without_tpot_targets_the_step_takes_the_whole_budget():

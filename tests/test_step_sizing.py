@@ -110,7 +110,7 @@ def test_the_slo_policy_sizes_by_the_tighter_of_its_tpot_target_and_the_step_tar
     """TPOT 50 ms under a 100 ms step target: 50 ms - 10 ms - 1 decode row -> 32 tokens; a
     TPOT of 300 ms: the step target (80 tokens) binds."""
     for tpot, expected in ((50.0, 32), (300.0, 80)):
-        s = sized("slo", tpot_slo_ms=tpot)
+        s = sized("slo", tpot_slo_ms=tpot, slo_step_headroom=1.0)
         add(s, "stream", 16, max_tokens=100)
         step(s)
         add(s, "long", 1000)

@@ -56,10 +56,16 @@ class SloPolicy(Policy):
         slo_max_defer_ms: float = knob(
             30000.0, "A request waiting this long (ms, from arrival) goes ahead of every "
             "request that has not, so a deferred one is served within a bounded time.")
+        slo_step_headroom: float = knob(
+            0.85, "Steps are sized to this share of the tightest TPOT target: a step runs "
+            "slower than predicted now and then, and a request whose steps all sit at its "
+            "target misses it on half of them.")
 
         def __post_init__(self) -> None:
             check_choice("slo_overload", self.slo_overload, SLO_OVERLOAD)
             check_positive(self, "ttft_slo_ms", "tpot_slo_ms", "slo_max_defer_ms")
+            if not 0 < self.slo_step_headroom <= 1:
+                raise ValueError("slo_step_headroom must be in (0, 1]")
 
     name = "slo"
     needs_step_time = True
@@ -111,6 +117,7 @@ class SloPolicy(Policy):
             t = self.tpot(r)
             if t is not None and t < tpot:
                 tpot = t
+        tpot *= self.options.slo_step_headroom
         room = tokens = min(budget.rem_input_tokens, budget.rem_chunk_tokens)
         mean = decode.kv_tokens // max(1, decode.seqs)  # about the mean context
         if model.shape_time(StepShape().add(1, mean).add(bs, 0)) > tpot:
