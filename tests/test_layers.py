@@ -201,6 +201,8 @@ def _other_value(name: str, default):
 
     if isinstance(default, str):
         return {"slo_overload": "reject"}[name]  # a new str option: add a value here
+    if name == "slo_step_headroom":  # a share: at most 1
+        return default / 2
     return option_type(name)(7 if default is None else default * 2)
 
 

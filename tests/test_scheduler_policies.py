@@ -87,7 +87,7 @@ def test_policy_knobs_live_in_their_policys_options_only():
     own = _names(SchedulerConfig)
     assert _names(LongestPrefixMatch.Options) == {"lpm_aging_steps", "lpm_max_queue"}
     assert _names(SloPolicy.Options) == {"ttft_slo_ms", "tpot_slo_ms", "slo_overload",
-                                         "slo_max_defer_ms"}
+                                         "slo_max_defer_ms", "slo_step_headroom"}
     for cls in POLICIES.values():
         assert not own & _names(cls.Options), cls.name
     assert not [n for n in own if "lpm" in n or "slo" in n]

@@ -21,8 +21,9 @@ from tidal.model.registry import cache_root
 
 log = logging.getLogger("tidal.engine")
 
-PROFILE_VERSION = 1  # bump when the grid or the runner's timing changes meaning
+PROFILE_VERSION = 2  # bump when the grid or the runner's timing changes meaning
 DECODE_CONTEXT = 256  # cached tokens behind each timed decode row
+REPEAT_SECONDS = 0.15  # a shape is timed up to 3 times while its runs take less in all
 
 
 def startup_grid(max_tokens: int = 1024, max_len: int = 1 << 30,
@@ -41,10 +42,13 @@ def startup_grid(max_tokens: int = 1024, max_len: int = 1 << 30,
 
 
 def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5, vocab: int = 1000,
-            warmups: int = 2, deadline: float = float("inf")) -> list[tuple[StepShape, float]]:
+            warmups: int = 2, deadline: float = float("inf"),
+            repeat_seconds: float = float("inf")) -> list[tuple[StepShape, float]]:
     """Median seconds of `runner.execute` for each step shape of `grid` (shapes the KV cache
-    cannot hold are skipped; none is started after the `deadline`, a perf_counter time).
-    The timed requests are dropped from the runner afterwards."""
+    cannot hold are skipped; none is started after the `deadline`, a perf_counter time). A
+    shape's timed runs stop once they add up to `repeat_seconds`: cheap shapes, whose one
+    run the machine's noise sways most, get all `repeats`; dear ones fewer. The timed
+    requests are dropped from the runner afterwards."""
     rng = random.Random(0)
     bs = runner.block_size
     timings, ids = [], set()
@@ -73,6 +77,8 @@ def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5, vocab: 
             runner.execute(out)  # returns Python token ids: the device has synced
             if k >= warmups:
                 samples.append(time.perf_counter() - t0)
+                if sum(samples) >= repeat_seconds:
+                    break
         if samples:
             timings.append((StepShape((n, c, True) for n, c in entries),
                             statistics.median(samples)))
@@ -142,7 +148,8 @@ def load_or_measure(runner, folder: Path, budget_s: float, vocab: int, max_len: 
     grid = runner_grid(runner, max_len)
     warm = [e for e in grid if e[0][0] == 1][:1] + [e for e in grid if e[0][0] > 1][:1]
     measure(runner, warm, repeats=0, vocab=vocab, warmups=1)  # one-time costs of each kind
-    steps = measure(runner, grid, repeats=1, vocab=vocab, warmups=0, deadline=t0 + budget_s)
+    steps = measure(runner, grid, repeats=3, vocab=vocab, warmups=0, deadline=t0 + budget_s,
+                    repeat_seconds=REPEAT_SECONDS)
     log.info("step times measured in %.1fs (%d shapes); saved to %s",
              time.perf_counter() - t0, len(steps), path)
     try:
