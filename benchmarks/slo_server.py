@@ -25,11 +25,9 @@ import os
 import sys
 import tempfile
 
-import httpx
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from server_fixtures import Server  # noqa: E402
+from server_fixtures import Server, metric  # noqa: E402
 from tidal.cli import run as tidal_run  # noqa: E402
 
 POLICIES = {"fcfs-tokens": ["--max-step-ms", "0"], "fcfs": [],
@@ -86,11 +84,12 @@ def serve(flags: list[str], args: argparse.Namespace) -> Server:
 def model_error(url: str) -> str:
     """The server's step-time model's predicted / measured step time over its last 512
     steps (`tidal:step_time_prediction_ratio`), p50 and p99."""
-    q = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("tidal:step_time_prediction_ratio{"):
-            q[line.split('quantile="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return f"{q['0.5']:.2f} {q['0.99']:.2f}" if q else "-"
+    try:
+        p50, p99 = (metric(url, f'tidal:step_time_prediction_ratio{{quantile="{q}"}}')
+                    for q in ("0.5", "0.99"))
+    except KeyError:  # no step-time model there
+        return "-"
+    return f"{p50:.2f} {p99:.2f}"
 
 
 def learned_profile(url: str) -> str:
