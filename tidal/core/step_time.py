@@ -164,6 +164,7 @@ class LearnedStepTime:
         # prices prompts after a long run of decodes has filled the window.
         self.prior = [(self._features(s), y) for s, y in prior if s.seqs and y > 0]
         self.prior_weight = prior_weight
+        self._prior_prompts = any(self._computes_prompt(x) for x, _ in self.prior)
         if self.prior:
             self.coef = self._fit()
 
@@ -219,7 +220,7 @@ class LearnedStepTime:
             return [0.0] * n  # decode steps of one size: no price for one more row yet
         active = list(range(n))
         prompts = sum(map(self._computes_prompt, (x for x, _ in samples)))
-        if prompts < self.min_steps and not any(self._computes_prompt(x) for x, _ in self.prior):
+        if prompts < self.min_steps and not self._prior_prompts:
             active = list(self._DECODE_FEATURES)  # and only the decode steps to fit them
             kept = [i for i, (x, _) in enumerate(samples) if not self._computes_prompt(x)]
             samples, weights = [samples[i] for i in kept], [weights[i] for i in kept]

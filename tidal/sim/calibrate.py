@@ -135,38 +135,32 @@ def serving_workload(seed: int, vocab_size: int, max_model_len: int,
     return requests, arrival_times(requests, None, seed=seed)
 
 
+def _samples(base_url: str, *names: str) -> list[list]:
+    """The samples of each metric family of `names` on a tidal server's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    found = {f.name: f.samples for f in text_string_to_metric_families(text) if f.samples}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise RuntimeError(f"{base_url} does not report {', '.join(missing)}: not a tidal "
+                           "server, or one without a step-time model?")
+    return [found[n] for n in names]
+
+
 def served_counters(base_url: str) -> np.ndarray:
     """The server's runner seconds, step seconds and steps so far, once its cores' stats
     are fresh (`tidal:model_execute_seconds`, `engine_step_seconds`, `num_steps`)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     time.sleep(0.7)  # cores report every 0.5 s
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    values = {f.name: sum(s.value for s in f.samples)
-              for f in text_string_to_metric_families(text)}
     names = ("tidal:model_execute_seconds", "tidal:engine_step_seconds", "tidal:num_steps")
-    if not all(n in values for n in names):
-        raise RuntimeError(f"{base_url} does not report {', '.join(names)}: not a tidal server?")
-    return np.array([values[n] for n in names])
-
-
-def _samples(base_url: str, name: str) -> list:
-    """The samples of the metric family `name` on a tidal server's /metrics."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        if family.name == name and family.samples:
-            return family.samples
-    raise RuntimeError(f"{base_url} does not report {name}: not a tidal server, or one "
-                       "without a step-time model?")
+    return np.array([sum(s.value for s in samples)
+                     for samples in _samples(base_url, *names)])
 
 
 def step_target_ms(base_url: str) -> float:
     """The step target a tidal server sizes its steps to (`tidal:max_step_seconds`), ms."""
-    return _samples(base_url, "tidal:max_step_seconds")[0].value * 1000
+    return _samples(base_url, "tidal:max_step_seconds")[0][0].value * 1000
 
 
 def learned_profile(profile: Hardware, base_url: str) -> Hardware:
@@ -175,7 +169,7 @@ def learned_profile(profile: Hardware, base_url: str) -> Hardware:
     a workload like the one to simulate first), its step target, and what its steps cost
     besides the runner (scheduling, outputs) on average since it started."""
     by_term = {s.labels["term"]: s.value
-               for s in _samples(base_url, "tidal:step_time_coefficient")}
+               for s in _samples(base_url, "tidal:step_time_coefficient")[0]}
     profile.step_time = [by_term[t] for t in STEP_TIME_TERMS]
     profile.max_step_ms = step_target_ms(base_url)
     execute, step, steps = served_counters(base_url)
