@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.core import (LearnedStepTime, LinearStepTime, PredictionLog, SchedulerConfig,
-                        StepShape)
+from tidal.core import (STEP_TIME_TERMS, LearnedStepTime, LinearStepTime, PredictionLog,
+                        SchedulerConfig, StepShape)
 from tidal.core.policies import POLICIES
 from tidal.core.step_sizing import CPU_MAX_STEP_MS, default_step_target
 
@@ -207,8 +207,75 @@ def test_a_learned_models_coefficients_predict_as_it_does():
     for shape in (StepShape().add(300, 0), StepShape().add(1, 500, count=32).add(64, 128)):
         assert fixed.shape_time(shape) == pytest.approx(learned.shape_time(shape))
     assert fixed.shape_time(StepShape()) == 0.0
-    with pytest.raises(ValueError, match="5 coefficients"):
+    with pytest.raises(ValueError, match="7 coefficients"):
         LinearStepTime([1.0, 2.0])
+    # a model of the first five terms (a profile from before the adapter terms) prices
+    # adapters at nothing
+    five = LinearStepTime(learned.coefficients()[:5])
+    lora = StepShape().add(1, 500, count=8, adapter=True)
+    lora.adapters = 2
+    assert five.shape_time(lora) == pytest.approx(learned.shape_time(lora))
+
+
+# ---------------------------------------------------------------- LoRA in the same budget
+
+ADAPTER, ADAPTER_TOKEN = 0.004, 0.0005  # reading an adapter's weights; a row through one
+
+
+def _lora_truth(shape: StepShape) -> float:
+    return _truth(shape) + ADAPTER * shape.adapters + ADAPTER_TOKEN * shape.adapter_tokens
+
+
+def test_adapter_steps_teach_the_model_what_an_adapter_costs():
+    """Served steps that mix base rows with rows of one to four adapters: the fit learns the
+    two adapter terms, and prices an adapter step the profile never timed within 5%."""
+    model = LearnedStepTime(prior=_profile())
+    base = StepShape().add(1, 300, count=8)
+    for i in range(300):
+        shape = StepShape().add(1, 300, count=4 + i % 8)
+        lora = i % 3
+        if lora:  # 1-4 adapters over 2-8 rows
+            shape.add(1, 300, count=2 + i % 7, adapter=True)
+            shape.adapters = 1 + i % 4
+        model.observe(shape, _lora_truth(shape))
+    probe = StepShape().add(1, 300, count=4).add(1, 300, count=12, adapter=True)
+    probe.adapters = 3
+    assert model.shape_time(probe) == pytest.approx(_lora_truth(probe), rel=0.05)
+    assert model.shape_time(base) == pytest.approx(_truth(base), rel=0.05)
+    coef = dict(zip(STEP_TIME_TERMS, model.coefficients()))
+    assert coef["adapter"] == pytest.approx(ADAPTER, rel=0.2)
+    assert coef["adapter_token"] == pytest.approx(ADAPTER_TOKEN, rel=0.2)
+
+
+def test_the_step_shape_counts_the_adapters_its_requests_use():
+    s = make_scheduler(num_blocks=400, block_size=16, max_loras=2)
+    add(s, "a", 40, lora="x")
+    add(s, "b", 24, lora="y")
+    add(s, "c", 8)
+    add(s, "d", 16, lora="x")
+    out = s.schedule()
+    shape = StepShape.of(out, s.requests)
+    assert (shape.adapters, shape.adapter_tokens, shape.tokens) == (2, 80, 88)
+    assert StepShape.of(out).adapters == 0  # no requests given: none counted
+
+
+def test_decodes_through_adapters_leave_a_prompt_fewer_tokens():
+    """Ten decodes: 10 ms + 10 ms of rows leave 80 ms for a prompt; through two adapters
+    (+4 ms each, +0.5 ms a row) they leave 67 ms, so one block fewer joins them."""
+    model = LinearStepTime([0.010, 0.001, 0.0, 0.0, 0.0, ADAPTER, ADAPTER_TOKEN])
+    counts = {}
+    for loras in ([None] * 10, ["x", "y"] * 5):
+        s = make_scheduler(num_blocks=4000, block_size=16, step_time=model, max_step_ms=100.0,
+                           max_loras=2)
+        for i, lora in enumerate(loras):
+            add(s, f"d{i}", 16, max_tokens=50, lora=lora)
+        while any(not r.output_token_ids for r in s.requests.values()):
+            step(s)
+        add(s, "long", 1000)
+        out, _ = step(s)
+        assert model.shape_time(StepShape.of(out, s.requests)) <= 0.100
+        counts[loras[0]] = prompt_tokens(out)
+    assert counts == {None: 80, "x": 64}
 
 
 def test_a_profile_with_a_learned_model_times_steps_by_it():
@@ -220,3 +287,30 @@ def test_a_profile_with_a_learned_model_times_steps_by_it():
     cost = CostModel(model_arch("smollm2-135m"), hw)
     chunk = StepShape().add(1, 300, count=10).add(300, 0)
     assert cost.shape_time(chunk) == pytest.approx(0.008 + 0.0012 * 310 + 0.002 * 11 + 0.001)
+
+
+def test_a_profile_with_the_servers_scatter_draws_step_times_from_it():
+    """Measured / predicted of 0.8-2.0 at the quantiles: simulated steps scatter so (their
+    runner part; the overhead is paid as is), while the scheduler's prediction stays put."""
+    import random
+    import statistics
+
+    from tidal.core import ERROR_QUANTILES
+    from tidal.sim.cost_model import CostModel
+    from tidal.sim.profiles import hardware, model_arch
+
+    hw = hardware("cpu")
+    hw.step_time, hw.step_overhead = [0.010, 0.001, 0.0, 0.0, 0.0], 0.002
+    hw.step_scatter = [0.8, 0.9, 0.95, 1.0, 1.1, 1.3, 2.0]
+    cost = CostModel(model_arch("smollm2-135m"), hw)
+    shape = StepShape().add(90, 0)  # 100 ms predicted by the model, 102 ms with overhead
+    rng = random.Random(0)
+    took = sorted((cost.step_seconds(shape, rng.random) - 0.002) / 0.100
+                  for _ in range(20000))
+    for q, want in zip(ERROR_QUANTILES, hw.step_scatter):
+        assert took[int(q * len(took))] == pytest.approx(want, abs=0.02)
+    assert cost.shape_time(shape) == pytest.approx(0.102)
+    assert statistics.mean(took) > 1.05  # the slow tail lengthens the mean
+    hw.step_scatter = [1.0, 2.0]
+    with pytest.raises(ValueError, match="step_scatter holds 7 values"):
+        CostModel(model_arch("smollm2-135m"), hw)

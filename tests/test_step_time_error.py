@@ -1,7 +1,8 @@
 """The engine's step-time model, seeded by the start-up profile alone, against step times
 measured on this machine with the embedded model over a mix of shapes the profile did not
 time: prompt chunks of 32 to 4,096 tokens (some after a cached prefix), decodes of 1 to 64
-rows at other contexts, and a chunk beside decodes. The bound is stated below; it holds on
+rows at other contexts, a chunk beside decodes, and decodes verifying 2-4 guesses each
+(ngram speculation: a guess is a decode row, and is priced as one). The bound is stated below; it holds on
 the 2-core CPUs these tests run on (three runs on a 2-core Xeon: 0.74-1.51, medians
 0.92-1.00; docs/design/step-time.md)."""
 
@@ -26,13 +27,19 @@ MIX = ([[(n, 0)] for n in (32, 128, 384, 768)]
        + [[(512, 1024)], [(128, 2048)]]
        + [[(1, 100)] * b for b in (2, 8, 32)] + [[(1, 700)] * b for b in (1, 24, 64)]
        + [[(192, 0)] + [(1, 400)] * 8, [(64, 0)] * 6 + [(1, 200)] * 20]
-       + [[(2048, 0)], [(4096, 0)]])
+       + [[(2048, 0)], [(4096, 0)]]
+       + [[(1, 300, 4)], [(1, 300, 4)] * 8, [(1, 600, 2)] * 16,
+          [(128, 0)] + [(1, 400, 3)] * 6])
+GUESSES = 4
 
 
 @pytest.fixture(scope="module")
 def runner():
-    config = EngineConfig.from_kwargs(model="smollm2-135m", num_kv_blocks=3000)
-    return ModelRunner(embedded_folder(), config.model, 16, config.scheduler)
+    config = EngineConfig.from_kwargs(model="smollm2-135m", num_kv_blocks=3000,
+                                      speculative_method="ngram",
+                                      num_speculative_tokens=GUESSES)
+    return ModelRunner(embedded_folder(), config.model, 16, config.scheduler,
+                       config.speculative)
 
 
 def test_the_profile_prices_a_mix_of_steps_it_did_not_time(runner):
@@ -46,5 +53,25 @@ def test_the_profile_prices_a_mix_of_steps_it_did_not_time(runner):
         print(f"{shape.seqs:3d} seqs {shape.tokens:5d} tokens {shape.kv_tokens:6d} KV: "
               f"measured {seconds * 1e3:7.1f} ms, predicted / measured {ratio:.2f}")
     assert len(timed) == len(MIX)
+    assert all(k == GUESSES for k in _verified(runner, [(1, 300, GUESSES)] * 2))
     assert all(WORST[0] <= r <= WORST[1] for r in ratios), ratios
     assert MEDIAN[0] <= statistics.median(ratios) <= MEDIAN[1]
+
+
+def _verified(runner, entries) -> list[int]:
+    """The guesses the runner verified for each of `entries` (one run of their step)."""
+    from tidal.core import NewRequest, SamplingParams, ScheduledRequest, SchedulerOutput
+
+    phrase = list(range(100, 116))
+    new, scheduled = [], []
+    for i, (n, c, k) in enumerate(entries):
+        rid = f"verify-{i}"
+        new.append(NewRequest(rid, [phrase[j % 16] for j in range(n + c)], [],
+                              SamplingParams(temperature=0.0), [], 1))
+        blocks = -(-(n + c + k) // runner.block_size)
+        table = list(range(i * blocks, (i + 1) * blocks))
+        scheduled.append(ScheduledRequest(rid, n + k, c, table, True, False))
+    result = runner.execute(SchedulerOutput(0, "mixed", scheduled, new))
+    for s in scheduled:
+        runner.forget(s.request_id)
+    return [result.drafted.get(s.request_id, 0) for s in scheduled]

@@ -12,9 +12,10 @@ import statistics
 import time
 
 import openai
+import pytest
 
 from server_fixtures import Server, metric
-from tidal.core import StepShape
+from tidal.core import ERROR_QUANTILES, StepShape
 from tidal.sim.calibrate import learned_profile
 from tidal.sim.cost_model import CostModel
 from tidal.sim.profiles import hardware, model_arch
@@ -83,3 +84,8 @@ def test_a_burst_is_admitted_step_by_step_and_running_streams_keep_flowing():
     assert profile.max_step_ms == target * 1000
     assert cost.shape_time(StepShape().add(1, 300).add(16, 0)) < target / 2
     assert cost.shape_time(StepShape().add(1, 300).add(4096, 0)) > target
+    # and draws step times from how the served ones scattered around the model: measured /
+    # predicted, ascending, with the median the inverse of the server's p50 ratio
+    scatter = profile.step_scatter
+    assert scatter == sorted(scatter) and scatter[0] < scatter[-1]
+    assert scatter[ERROR_QUANTILES.index(0.5)] == pytest.approx(1 / ratio_p50, rel=0.05)

@@ -13,7 +13,7 @@ from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, SamplingParams
 from tidal.core.roles import ROLES, Role
 from tidal.core.scheduler import Scheduler
-from tidal.core.step_time import (STEP_TIME_TERMS, LearnedStepTime, LinearStepTime,
+from tidal.core.step_time import (ERROR_QUANTILES, STEP_TIME_TERMS, LearnedStepTime, LinearStepTime,
                                    PredictionLog, StepShape, StepTimeModel)
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
@@ -24,6 +24,6 @@ __all__ = [
     "PromptLogprob", "ROLES", "Request", "RequestOutput", "RequestStatus", "Role",
     "SamplingParams", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput",
     "SchedulerStats", "StepBudget", "StepPlan", "LearnedStepTime", "LinearStepTime",
-    "PredictionLog", "STEP_TIME_TERMS", "StepShape",
+    "ERROR_QUANTILES", "PredictionLog", "STEP_TIME_TERMS", "StepShape",
     "StepTimeModel", "TokenLogprob",
 ]

@@ -170,15 +170,19 @@ class GuessPlanner:
         # chat prompts, one at a time: 0.91-0.94x of no speculation, its bound 1.6-1.75x)
         alpha = max(max(self.alpha(r) for r, _ in entries),
                     max(self._prior(n) for n in range(1, self.max_guesses + 1)))
-        with_guess = self.step_time.shape_time(shape.copy().add(1, entries[0][1] + 1))
+        r, c = entries[0]
+        with_guess = self.step_time.shape_time(shape.copy().add(1, c + 1,
+                                                                adapter=r.lora is not None))
         return (len(entries) + alpha) * base > len(entries) * with_guess
 
     def _base(self, entries: Sequence[tuple[Request, int]]) -> tuple[StepShape, float]:
         """The decode rows' shape and predicted seconds (0: not adaptive, or no prediction
         yet)."""
-        shape = StepShape()
-        for _, c in entries:
-            shape.add(1, c)
+        shape, adapters = StepShape(), set()
+        for r, c in entries:
+            shape.add(1, c, adapter=r.lora is not None)
+            adapters.add(r.lora)
+        shape.adapters = len(adapters - {None})
         model = self.step_time if self.adaptive else None
         return shape, model.shape_time(shape) if model is not None else 0.0
 
@@ -193,7 +197,8 @@ class GuessPlanner:
         while heap and budget > 0:
             neg_gain, i = heapq.heappop(heap)
             k = guesses[i]
-            trial = shape.copy().add(1, entries[i][1] + k + 1)
+            r, c = entries[i]
+            trial = shape.copy().add(1, c + k + 1, adapter=r.lora is not None)
             t = self.step_time.shape_time(trial)
             gain = -neg_gain
             if (tokens + gain) * seconds <= tokens * t or t > self.max_step:

@@ -9,27 +9,35 @@ from __future__ import annotations
 
 from collections import deque
 from operator import attrgetter
-from typing import TYPE_CHECKING, Iterable, Protocol
+from typing import TYPE_CHECKING, Iterable, Mapping, Protocol
 
 if TYPE_CHECKING:
     from tidal.core.outputs import SchedulerOutput
+    from tidal.core.request import Request
 
 
 class StepShape:
     """The totals of one step that a step-time model needs."""
 
-    __slots__ = ("tokens", "seqs", "sampled", "pairs", "kv_tokens", "gathered")
+    __slots__ = ("tokens", "seqs", "sampled", "pairs", "kv_tokens", "gathered", "adapters",
+                 "adapter_tokens")
 
     def __init__(self, entries: Iterable[tuple[int, int, bool]] = ()) -> None:
         """entries: (new tokens, cached tokens before them, samples a token)."""
         self.tokens = self.seqs = self.sampled = self.pairs = self.kv_tokens = 0
         self.gathered = 0
+        self.adapters = 0  # distinct LoRA adapters the step runs (their weights are read)
+        self.adapter_tokens = 0  # tokens whose rows run through an adapter
         for n, c, samples in entries:
             self.add(n, c, samples)
 
-    def add(self, n: int, c: int, samples: bool = True, count: int = 1) -> "StepShape":
-        """Add `count` entries of n new tokens after c cached ones; returns self."""
+    def add(self, n: int, c: int, samples: bool = True, count: int = 1,
+            adapter: bool = False) -> "StepShape":
+        """Add `count` entries of n new tokens after c cached ones (through a LoRA adapter
+        if `adapter`; the caller counts distinct adapters in `adapters`); returns self."""
         self.tokens += n * count
+        if adapter:
+            self.adapter_tokens += n * count
         self.seqs += count
         self.sampled += samples * count
         self.pairs += (n * c + n * (n + 1) // 2) * count  # (query, key) pairs, causal mask
@@ -45,19 +53,26 @@ class StepShape:
         return other
 
     @classmethod
-    def of(cls, out: "SchedulerOutput") -> "StepShape":
+    def of(cls, out: "SchedulerOutput",
+           requests: "Mapping[str, Request] | None" = None) -> "StepShape":
         """The step's shape. A decode entry of 1 + k positions (k guesses) runs as 1 + k
-        decode rows, and counts so."""
+        decode rows, and counts so. `requests`: the scheduler's, to count LoRA adapters
+        (None where no request has one: `LoraRule.seen`)."""
         seqs = len(out.scheduled)
-        if out.kind != "decode" or out.num_tokens != seqs:
-            shape = cls()
+        if requests is not None or out.kind != "decode" or out.num_tokens != seqs:
+            shape, names = cls(), set()
             for s in out.scheduled:
                 n, c = s.num_new_tokens, s.num_computed_tokens
+                r = requests.get(s.request_id) if requests is not None else None
+                name = r.lora if r is not None else None
+                if name is not None:
+                    names.add(name)
                 if s.is_prefill:
-                    shape.add(n, c, s.samples)
+                    shape.add(n, c, s.samples, adapter=name is not None)
                 else:
                     for j in range(n):
-                        shape.add(1, c + j)
+                        shape.add(1, c + j, adapter=name is not None)
+            shape.adapters = len(names)
             return shape
         # The simulator's hot path, the common step: every entry one new, sampled token
         # after c >= 1 cached ones, so the totals need only the sum of c (in one C pass).
@@ -66,6 +81,7 @@ class StepShape:
         shape.tokens = shape.seqs = shape.sampled = seqs
         shape.pairs = shape.gathered = context + seqs
         shape.kv_tokens = context + 2 * seqs
+        shape.adapters = shape.adapter_tokens = 0
         return shape
 
 
@@ -79,26 +95,39 @@ class StepTimeModel(Protocol):
 
 
 # The linear step-time models' terms: seconds per step, new token, sequence, attention
-# pair and KV token.
-STEP_TIME_TERMS = ("step", "token", "seq", "pair", "kv_token")
+# pair, KV token, LoRA adapter run and token through an adapter.
+STEP_TIME_TERMS = ("step", "token", "seq", "pair", "kv_token", "adapter", "adapter_token")
+_BASE_TERMS = 5  # a model of the first five terms prices adapters at nothing
+
+
+def _terms(shape: StepShape) -> tuple[int, ...]:
+    """The shape's count of each of STEP_TIME_TERMS."""
+    return (1, shape.tokens, shape.seqs, shape.pairs, shape.kv_tokens, shape.adapters,
+            shape.adapter_tokens)
 
 
 class LinearStepTime:
-    """A fixed linear step-time model: seconds = a + b tokens + c seqs + d pairs + e KV
-    tokens (`STEP_TIME_TERMS`), e.g. the one a server learned (`LearnedStepTime.
-    coefficients()`), for the simulator to time steps as that server plans them."""
+    """A fixed linear step-time model: seconds = the sum of each of `STEP_TIME_TERMS` times
+    its coefficient, e.g. the one a server learned (`LearnedStepTime.coefficients()`), for
+    the simulator to time steps as that server plans them. Five coefficients (a profile
+    without the adapter terms) price adapters at nothing."""
 
     def __init__(self, coefficients: Iterable[float]) -> None:
-        self.coef = tuple(coefficients)
-        if len(self.coef) != len(STEP_TIME_TERMS):
+        coef = list(coefficients)
+        if len(coef) not in (_BASE_TERMS, len(STEP_TIME_TERMS)):
             raise ValueError(f"a linear step-time model has {len(STEP_TIME_TERMS)} "
-                             f"coefficients ({', '.join(STEP_TIME_TERMS)}), got {len(self.coef)}")
+                             f"coefficients ({', '.join(STEP_TIME_TERMS)}), got {len(coef)}")
+        self.coef = tuple(coef + [0.0] * (len(STEP_TIME_TERMS) - len(coef)))
 
     def shape_time(self, shape: StepShape) -> float:
         if shape.seqs == 0:
             return 0.0
-        a, b, c, d, e = self.coef
-        return a + b * shape.tokens + c * shape.seqs + d * shape.pairs + e * shape.kv_tokens
+        return sum(c * x for c, x in zip(self.coef, _terms(shape)))
+
+
+# The quantiles of predicted / measured step seconds an engine reports (its metrics, and
+# the simulator's scatter of step times around a learned model's predictions).
+ERROR_QUANTILES = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 
 
 class PredictionLog:
@@ -122,7 +151,8 @@ class PredictionLog:
 
 class LearnedStepTime:
     """A step-time model learned from the engine's own steps: seconds = a + b * tokens +
-    c * seqs + d * attention pairs + e * KV tokens, fitted by least squares over the last
+    c * seqs + d * attention pairs + e * KV tokens (+ f * LoRA adapters + g * tokens through
+    them, once steps with adapters are seen), fitted by least squares over the last
     `window` steps with weights that halve every `half_life` steps (so it follows a machine
     whose speed drifts), every coefficient >= 0. It predicts 0 until it has seen `min_steps`
     steps. Until `min_steps` of them computed prompts (more tokens than sequences), the
@@ -146,8 +176,9 @@ class LearnedStepTime:
     `prior`: (shape, seconds) of steps timed before serving, kept in every fit."""
 
     # Feature scales keep the normal equations well conditioned (coefficients near 1e-3).
-    _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4)
-    _DECODE_FEATURES = [0, 2, 4]  # constant, seqs, KV tokens: what decode steps pin down
+    _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4, 1.0, 1e-3)
+    # constant, seqs, KV tokens and the adapter terms: what decode steps pin down
+    _DECODE_FEATURES = [0, 2, 4, 5, 6]
 
     def __init__(self, window: int = 512, half_life: float = 128.0, min_steps: int = 8,
                  refit_every: int = 8, fixed_penalty: float = 0.0,
@@ -169,8 +200,7 @@ class LearnedStepTime:
             self.coef = self._fit()
 
     def _features(self, shape: StepShape) -> tuple[float, ...]:
-        raw = (1.0, shape.tokens, shape.seqs, shape.pairs, shape.kv_tokens)
-        return tuple(x * s for x, s in zip(raw, self._SCALES))
+        return tuple(x * s for x, s in zip(_terms(shape), self._SCALES))
 
     def _computes_prompt(self, x: tuple[float, ...]) -> bool:
         return x[1] / self._SCALES[1] > x[2] / self._SCALES[2] + 0.5  # tokens > seqs
@@ -226,6 +256,9 @@ class LearnedStepTime:
             samples, weights = [samples[i] for i in kept], [weights[i] for i in kept]
             if not samples:
                 return self.coef
+        # the adapter terms only once steps with adapters are seen (a fit without LoRA costs
+        # what it did before them)
+        active = [i for i in active if i < _BASE_TERMS or any(x[i] for x, _ in samples)]
         while active:
             coef = _solve_weighted(samples, weights, active, self.fixed_penalty)
             if coef is None:

@@ -13,9 +13,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from tidal.core import (POLICIES, KVCacheManager, LearnedStepTime, ModelOutput,
-                        PredictionLog, Request, RequestOutput, RequestStatus, SamplingParams,
-                        Scheduler, SchedulerOutput, StepShape)
+from tidal.core import (ERROR_QUANTILES, POLICIES, KVCacheManager, LearnedStepTime,
+                        ModelOutput, PredictionLog, Request, RequestOutput, RequestStatus,
+                        SamplingParams, Scheduler, SchedulerOutput, StepShape)
 from tidal.core.snapshot import StepHistory
 from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.core.step_sizing import default_step_target
@@ -81,11 +81,11 @@ class EngineCore:
         gc.freeze()  # the model and the block pool are long-lived: keep them out of GC passes
 
     def step_time_error(self) -> list[float]:
-        """p50 and p99 of the step-time model's predicted / measured seconds over recent
-        steps; empty without a model or before its first prediction."""
+        """The step-time model's predicted / measured seconds over recent steps at each of
+        ERROR_QUANTILES; empty without a model or before its first prediction."""
         if self.step_time is None or not self.step_errors.ratios:
             return []
-        return self.step_errors.quantiles(0.5, 0.99)
+        return self.step_errors.quantiles(*ERROR_QUANTILES)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None) -> None:
@@ -198,7 +198,8 @@ class EngineCore:
             self.execute_seconds += seconds
         predicted = 0.0
         if self._learners:
-            shape = StepShape.of(out)
+            sched = self.scheduler
+            shape = StepShape.of(out, sched.requests if sched.loras.seen else None)
             if self.step_time is not None:
                 predicted = self.step_time.shape_time(shape)
                 self.step_errors.record(predicted, seconds)

@@ -97,8 +97,8 @@ class Stats(msgspec.Struct, tag=True):
     step_seconds: float = 0.0  # wall time of steps (schedule, execute, update, send) since start
     incarnation: int = 0  # late stats of a dead incarnation are dropped
     view: SchedulerView | None = None  # queues, block map and steps, while dashboards watch
-    # The step-time model's predicted / measured seconds over recent steps: p50, p99 (empty
-    # without a model, or before its first step).
+    # The step-time model's predicted / measured seconds over recent steps at each of
+    # tidal.core.ERROR_QUANTILES (empty without a model, or before its first step).
     step_time_error: list[float] = msgspec.field(default_factory=list)
     # Its coefficients, seconds per unit of each of tidal.core.STEP_TIME_TERMS (empty: none).
     step_time_coef: list[float] = msgspec.field(default_factory=list)

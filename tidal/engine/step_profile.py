@@ -21,7 +21,7 @@ from tidal.model.registry import cache_root
 
 log = logging.getLogger("tidal.engine")
 
-PROFILE_VERSION = 2  # bump when the grid or the runner's timing changes meaning
+PROFILE_VERSION = 3  # bump when the grid or the runner's timing changes meaning
 DECODE_CONTEXT = 256  # cached tokens behind each timed decode row
 REPEAT_SECONDS = 0.15  # a shape is timed up to 3 times while its runs take less in all
 
@@ -41,14 +41,15 @@ def startup_grid(max_tokens: int = 1024, max_len: int = 1 << 30,
     return [entries for entries in grid if all(n + c <= max_len for n, c in entries)]
 
 
-def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5, vocab: int = 1000,
+def measure(runner, grid: list[list[tuple[int, ...]]], repeats: int = 5, vocab: int = 1000,
             warmups: int = 2, deadline: float = float("inf"),
             repeat_seconds: float = float("inf")) -> list[tuple[StepShape, float]]:
-    """Median seconds of `runner.execute` for each step shape of `grid` (shapes the KV cache
-    cannot hold are skipped; none is started after the `deadline`, a perf_counter time). A
-    shape's timed runs stop once they add up to `repeat_seconds`: cheap shapes, whose one
-    run the machine's noise sways most, get all `repeats`; dear ones fewer. The timed
-    requests are dropped from the runner afterwards."""
+    """Median seconds of `runner.execute` for each step shape of `grid`: per sequence (new
+    tokens, cached tokens), or (1, cached tokens, k guesses to verify) for a runner that
+    speculates. Shapes the KV cache cannot hold are skipped; none is started after the
+    `deadline`, a perf_counter time. A shape's timed runs stop once they add up to
+    `repeat_seconds`: cheap shapes, whose one run the machine's noise sways most, get all
+    `repeats`; dear ones fewer. The timed requests are dropped from the runner afterwards."""
     rng = random.Random(0)
     bs = runner.block_size
     timings, ids = [], set()
@@ -56,15 +57,17 @@ def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5, vocab: 
         if time.perf_counter() > deadline:
             break
         new, scheduled, next_block = [], [], 0
-        for i, (n, c) in enumerate(entries):
+        for i, entry in enumerate(entries):
+            n, c, k = (*entry, 0)[:3]
             rid = f"timing-{i}"
-            blocks = cdiv(n + c, bs)
+            blocks = cdiv(n + c + k, bs)
             table = list(range(next_block, next_block + blocks))
             next_block += blocks
-            new.append(NewRequest(rid, [rng.randrange(10, vocab) for _ in range(n + c)], [],
+            new.append(NewRequest(rid, _tokens(rng, n + c, vocab, k > 0), [],
                                   SamplingParams(temperature=0.0), [], 1))
-            # A one-token entry is a decode after c cached tokens.
-            scheduled.append(ScheduledRequest(rid, n, c, table, True, n > 1))
+            # A one-token entry is a decode after c cached tokens; with k, it verifies k
+            # guesses (the runner's proposer finds them in the repeating prompt).
+            scheduled.append(ScheduledRequest(rid, n + k, c, table, True, n > 1))
             ids.add(rid)
         if next_block > runner.num_blocks:
             log.debug("KV cache of %d blocks skips the timed shape %s x %d", runner.num_blocks,
@@ -80,11 +83,17 @@ def measure(runner, grid: list[list[tuple[int, int]]], repeats: int = 5, vocab: 
                 if sum(samples) >= repeat_seconds:
                     break
         if samples:
-            timings.append((StepShape((n, c, True) for n, c in entries),
-                            statistics.median(samples)))
+            timings.append((StepShape.of(out), statistics.median(samples)))
     for rid in ids:
         runner.forget(rid)
     return timings
+
+
+def _tokens(rng: random.Random, count: int, vocab: int, repeating: bool) -> list[int]:
+    """`count` random prompt tokens; `repeating`: a random phrase of 16 over and over, which
+    any proposer continues for as many guesses as it is asked."""
+    phrase = [rng.randrange(10, vocab) for _ in range(16 if repeating else count)]
+    return [phrase[i % len(phrase)] for i in range(count)]
 
 
 def runner_grid(runner, max_len: int) -> list[list[tuple[int, int]]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from tidal.core.invariants import SchedulerStats
+from tidal.core.step_time import ERROR_QUANTILES
 from tidal.engine import messages as m
 
 
@@ -40,7 +41,9 @@ def merge_stats(stats: list[m.Stats]) -> m.Stats:
     total["new_token_ratio"] /= len(stats)
     total["num_steps"] = max(s.scheduler.num_steps for s in stats)
     errors = [s.step_time_error for s in stats if s.step_time_error]
-    worst = [max(e[i] for e in errors) for i in range(2)] if errors else []  # by quantile
+    # the widest spread of the cores' errors: the lowest low quantiles, the highest high ones
+    worst = [(min if q < 0.5 else max)(e[i] for e in errors)
+             for i, q in enumerate(ERROR_QUANTILES)] if errors else []
     coefs = [s.step_time_coef for s in stats if s.step_time_coef]
     mean = [sum(c) / len(coefs) for c in zip(*coefs)]  # the cores' models, term by term
     return m.Stats(-1, sum(s.adds_seen for s in stats), SchedulerStats(**total),

@@ -10,7 +10,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tidal.core.step_time import STEP_TIME_TERMS
+from tidal.core.step_time import ERROR_QUANTILES, STEP_TIME_TERMS
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -60,13 +60,14 @@ class _CoreCollector:
                                  "The step-time model's predicted over measured step seconds "
                                  "over recent steps, by quantile (1: exact).",
                                  labels=["quantile"])
-            for q, value in zip(("0.5", "0.99"), stats.step_time_error):
-                error.add_metric([self.model, q], value)
+            for q, value in zip(ERROR_QUANTILES, stats.step_time_error):
+                error.add_metric([self.model, str(q)], value)
             yield error
         if stats.step_time_coef:
             coef = self._family(GaugeMetricFamily, "tidal:step_time_coefficient",
                                 "The step-time model's seconds per unit of each term: per "
-                                "step, new token, sequence, attention pair, KV token.",
+                                "step, new token, sequence, attention pair, KV token, LoRA "
+                                "adapter and token through an adapter.",
                                 labels=["term"])
             for term, value in zip(STEP_TIME_TERMS, stats.step_time_coef):
                 coef.add_metric([self.model, term], value)

@@ -17,7 +17,7 @@ import numpy as np
 from tidal.bench.arrivals import arrival_times
 from tidal.bench.dataset import BenchRequest, DatasetSpec, load_dataset
 from tidal.bench.metrics import summarize
-from tidal.core.step_time import STEP_TIME_TERMS
+from tidal.core.step_time import ERROR_QUANTILES, STEP_TIME_TERMS
 from tidal.engine.step_profile import measure
 from tidal.sim.cost_model import CostModel, StepShape
 from tidal.sim.profiles import Hardware, weight_params
@@ -166,16 +166,23 @@ def step_target_ms(base_url: str) -> float:
 def learned_profile(profile: Hardware, base_url: str) -> Hardware:
     """`profile` timing steps as the tidal server at `base_url` plans them: its learned
     step-time model (`tidal:step_time_coefficient`, fitted to its recent steps, so serve it
-    a workload like the one to simulate first), its step target, and what its steps cost
-    besides the runner (scheduling, outputs) on average since it started."""
-    by_term = {s.labels["term"]: s.value
-               for s in _samples(base_url, "tidal:step_time_coefficient")[0]}
-    profile.step_time = [by_term[t] for t in STEP_TIME_TERMS]
+    a workload like the one to simulate first), how its steps scattered around that model's
+    predictions (`tidal:step_time_prediction_ratio`), its step target, and what its steps
+    cost besides the runner (scheduling, outputs) on average since it started."""
+    coefficients, ratios = _samples(base_url, "tidal:step_time_coefficient",
+                                    "tidal:step_time_prediction_ratio")
+    by_term = {s.labels["term"]: s.value for s in coefficients}
+    profile.step_time = [by_term.get(t, 0.0) for t in STEP_TIME_TERMS]
+    by_quantile = {float(s.labels["quantile"]): s.value for s in ratios}
+    if all(by_quantile.get(q, 0.0) > 0 for q in ERROR_QUANTILES):
+        # measured / predicted at quantile q is 1 / (predicted / measured at 1 - q)
+        profile.step_scatter = [1 / by_quantile[q] for q in reversed(ERROR_QUANTILES)]
     profile.max_step_ms = step_target_ms(base_url)
     execute, step, steps = served_counters(base_url)
     profile.step_overhead = max(0.0, step - execute) / max(1.0, steps)
     profile.calibrated_on = (f"the learned step-time model of the server at {base_url}: "
-                             + ", ".join(f"{t} {by_term[t]:.3g} s" for t in STEP_TIME_TERMS)
+                             + ", ".join(f"{t} {c:.3g} s"
+                                         for t, c in zip(STEP_TIME_TERMS, profile.step_time))
                              + f"; {profile.step_overhead * 1e3:.2f} ms a step besides")
     return profile
 

@@ -13,7 +13,10 @@ plus step_overhead.
 
 from __future__ import annotations
 
-from tidal.core.step_time import LinearStepTime, StepShape
+from bisect import bisect_right
+from typing import Callable
+
+from tidal.core.step_time import ERROR_QUANTILES, LinearStepTime, StepShape
 from tidal.model.config import ModelArch
 from tidal.sim.profiles import Hardware, expert_params, linear_params
 
@@ -41,6 +44,10 @@ class CostModel:
         # A server's own learned model, where the profile carries one (`tidal calibrate
         # --learned-from`): steps take what it predicts, plus the serving overhead.
         self.learned = LinearStepTime(hw.step_time) if hw.step_time else None
+        if hw.step_scatter is not None and len(hw.step_scatter) != len(ERROR_QUANTILES):
+            raise ValueError(f"step_scatter holds {len(ERROR_QUANTILES)} values (measured / "
+                             f"predicted at quantiles {ERROR_QUANTILES}), got "
+                             f"{len(hw.step_scatter)}")
 
     def roofline(self, shape: StepShape) -> float:
         hw = self.hw
@@ -65,7 +72,30 @@ class CostModel:
         return (self.roofline(shape) + hw.step_overhead + hw.seq_overhead * shape.seqs
                 + hw.token_overhead * shape.tokens + hw.context_overhead * shape.gathered)
 
+    def step_seconds(self, shape: StepShape, draw: Callable[[], float]) -> float:
+        """How long a step of `shape` takes when it runs: what `shape_time` predicts, its
+        runner's part scaled by the profile's scatter at a uniform `draw()` (piecewise
+        linear between the quantiles, held at the outer ones)."""
+        predicted = self.shape_time(shape)
+        scatter = self.hw.step_scatter
+        if not scatter or predicted == 0.0:
+            return predicted
+        overhead = self.hw.step_overhead
+        return (predicted - overhead) * _at(scatter, draw()) + overhead
+
     def transfer_time(self, num_tokens: int, link_bandwidth: float,
                       latency: float = 0.0) -> float:
         """Seconds to move `num_tokens` tokens of KV over a link of `link_bandwidth` B/s."""
         return latency + num_tokens * self.kv_bytes_per_token / link_bandwidth
+
+
+def _at(values: list[float], u: float) -> float:
+    """The distribution with `values` at ERROR_QUANTILES, at quantile u."""
+    qs = ERROR_QUANTILES
+    i = bisect_right(qs, u)
+    if i == 0:
+        return values[0]
+    if i == len(qs):
+        return values[-1]
+    lo, hi = qs[i - 1], qs[i]
+    return values[i - 1] + (values[i] - values[i - 1]) * (u - lo) / (hi - lo)

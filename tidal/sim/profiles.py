@@ -74,10 +74,15 @@ class Hardware:
     # The engine's step target (max_step_ms) on this hardware, as a server calibrated
     # against reported it; None: derived from this profile as the engine derives it.
     max_step_ms: float | None = None
-    # A tidal server's learned step-time model on this hardware: seconds per step, new
-    # token, sequence, attention pair and KV token (`tidal calibrate --learned-from`). When
-    # set, steps take what it predicts (plus step_overhead), not the roofline.
+    # A tidal server's learned step-time model on this hardware: seconds per unit of each
+    # of tidal.core.STEP_TIME_TERMS (`tidal calibrate --learned-from`). When set, steps take
+    # what it predicts (plus step_overhead), not the roofline.
     step_time: list[float] | None = None
+    # How that server's steps scattered around the model's predictions: measured /
+    # predicted seconds at each of tidal.core.ERROR_QUANTILES. When set, each simulated
+    # step's predicted seconds are scaled by a draw from that distribution (the scheduler
+    # still plans with the prediction, as the server's does).
+    step_scatter: list[float] | None = None
 
     @property
     def on_cpu(self) -> bool:

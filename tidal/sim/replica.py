@@ -82,13 +82,14 @@ class SimReplica:
                 self.pending_transfers += out.transfer_ids
             if out.scheduled:
                 self.plan = out
-                shape = StepShape.of(out)
+                shape = StepShape.of(out, sched.requests if sched.loras.seen else None)
                 self.planned_tokens = shape.tokens
                 self.steps += 1
-                took = self.cost.shape_time(shape)
+                took = self.cost.step_seconds(shape, self.rng.random)
                 self.busy_seconds += took
-                if self.history is not None:  # the scheduler planned with this very cost
-                    self.history.record(out, took, now + took, predicted=took)
+                if self.history is not None:
+                    self.history.record(out, took, now + took,
+                                        predicted=self.cost.shape_time(shape))
                 return now + took
             self.early += sched.update(out, ModelOutput(preempted_ack=out.preempted_ids))
             if not (out.preempted_ids or out.transfer_ids):
