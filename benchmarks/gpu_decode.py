@@ -26,9 +26,9 @@ import torch
 from tidal.bench.word_tokenizer import save_word_tokenizer
 from tidal.core import SchedulerConfig
 from tidal.engine.config import ModelConfig
-from tidal.engine.model_runner import ModelRunner
-from tidal.model.config import ModelArch
 from tidal.engine.step_profile import measure
+from tidal.engine.worker import Worker
+from tidal.model.config import ModelArch
 from tidal.sim.profiles import MODEL_CONFIGS, linear_params
 
 
@@ -43,9 +43,9 @@ def dummy_folder(root: Path, name: str) -> Path:
     return folder
 
 
-def runner(folder: Path, device: str, eager: bool, max_seqs: int) -> ModelRunner:
+def runner(folder: Path, device: str, eager: bool, max_seqs: int) -> Worker:
     config = ModelConfig(load_format="dummy", device=device, enforce_eager=eager)
-    return ModelRunner(folder, config, 16, SchedulerConfig(max_num_seqs=max_seqs))
+    return Worker(folder, config, 16, SchedulerConfig(max_num_seqs=max_seqs))
 
 
 def release() -> None:

@@ -109,9 +109,9 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=2048,
               quantization=args.quantization, num_threads=args.threads,
               cpu_decoder=not args.no_cpu_decoder, fp32_gemm_rows=args.fp32_gemm_rows)
-    dtype = llm.engine.runner.dtype
+    dtype = llm.engine.executor.info.dtype
     prompts = chat_prompts(llm.tokenizer, args.requests)
-    print(f"device {llm.engine.runner.device}, dtype {str(dtype).split('.')[-1]}, "
+    print(f"device {llm.engine.executor.info.device}, dtype {str(dtype).split('.')[-1]}, "
           f"quantization {args.quantization}, C++ decoder "
           f"{llm.engine.runner.decoder is not None}, torch threads "
           f"{torch.get_num_threads()}, {args.requests} requests x {args.max_tokens} tokens, "

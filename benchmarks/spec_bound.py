@@ -105,7 +105,7 @@ def main() -> None:
                 llm = LLM("smollm2-135m", speculative_method=method,
                           num_speculative_tokens=GUESSES, speculative_adaptive=not bound)
                 run(llm, warm)
-                spec = llm.engine.core.runner.speculator
+                spec = llm.engine.runner.guesser
                 if bound:
                     spec.proposer = AcceptedOnly(spec.proposer, reference)
                 rate, _, got = run(llm, work)

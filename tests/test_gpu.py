@@ -113,4 +113,4 @@ def test_gpu_memory_utilization_sizes_the_kv_cache(tmp_path):
     engine = LLM(str(folder), load_format="dummy", device="cuda", gpu_memory_utilization=0.5)
     total = torch.cuda.mem_get_info()[1]
     assert torch.cuda.memory_reserved() <= 0.52 * total
-    assert engine.engine.runner.kv_cache_bytes >= 0.5 * total - before - 4 * 2**30
+    assert engine.engine.executor.info.kv_cache_bytes >= 0.5 * total - before - 4 * 2**30

@@ -46,12 +46,12 @@ class Pair:
         def spy_land(msg):
             self.sent.append(msg)
             out = land(msg)
-            self.landed[msg.request_id] = self.d.runner.read_blocks(msg.dst_block_ids)[0]
+            self.landed[msg.request_id] = self.d.executor.read_blocks(msg.dst_block_ids)[0]
             return out
 
         def spy_sent(rid):
             blocks = self.p.scheduler.kv.block_ids(rid)
-            self.source[rid] = self.p.runner.read_blocks(list(blocks))[0]
+            self.source[rid] = self.p.executor.read_blocks(list(blocks))[0]
             kv_sent(rid)
         self.dl._land, self.p.scheduler.kv_sent = spy_land, spy_sent
 
@@ -184,10 +184,10 @@ def test_a_dead_decode_side_makes_the_prefill_side_drop_its_requests(folder):
 
 def test_kv_from_a_different_model_shape_is_refused_clearly(folder):
     core = make_core(folder, "decode")
-    data, shape, dtype = core.runner.read_blocks([0, 1])
+    data, shape, dtype = core.executor.read_blocks([0, 1])
     with pytest.raises(ValueError, match="same model, dtype and block size"):
-        core.runner.write_blocks([0], data, shape, dtype)
+        core.executor.write_blocks([0], data, shape, dtype)
     with pytest.raises(ValueError, match="same model"):
-        core.runner.write_blocks([0, 1], data, shape, "torch.bfloat16")
-    core.runner.write_blocks([2, 3], data, shape, dtype)
-    assert torch.equal(core.runner.kv_caches[0][0][2], core.runner.kv_caches[0][0][0])
+        core.executor.write_blocks([0, 1], data, shape, "torch.bfloat16")
+    core.executor.write_blocks([2, 3], data, shape, dtype)
+    assert torch.equal(core.executor.worker.kv.layers[0][0][2], core.executor.worker.kv.layers[0][0][0])

@@ -155,7 +155,7 @@ def test_speculative_rows_take_their_requests_adapter(setup, cpu_decoder):
     llm = LLM(str(base), dtype="float32", num_kv_blocks=96, block_size=4, max_loras=3,
               lora_modules=[f"{n}={p}" for n, p in folders.items()], cpu_decoder=cpu_decoder,
               speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False)
-    llm.engine.runner.speculator.proposer = ScriptedProposer(
+    llm.engine.runner.guesser.proposer = ScriptedProposer(
         [(PROMPTS[i], refs[name][i]) for name in [None, *folders] for i in range(len(PROMPTS))])
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in [None, *folders]]
     assert run(llm, jobs) == [refs[name][i] for name, i in jobs]

@@ -327,7 +327,7 @@ def test_unsupported_models_fail_before_anything_loads(tmp_path, monkeypatch, fa
     def never(*args, **kwargs):
         raise AssertionError("loading started")
     monkeypatch.setattr("tidal.engine.engine.Tokenizer", never)
-    monkeypatch.setattr("tidal.engine.core.ModelRunner", never)
+    monkeypatch.setattr("tidal.engine.core.make_executor", never)
     with pytest.raises(UnsupportedModelError) as err:
         LLM(str(tmp_path), dtype="float32")
     assert f"tidal cannot run {tmp_path} ({arch})" in str(err.value)

@@ -10,7 +10,7 @@ import torch
 
 from model_fixtures import PROMPTS, small_folder, tiny_folder
 from tidal import LLM, SamplingParams
-from tidal.engine.speculator import accepted_run
+from tidal.spec import accepted_run
 from tidal.model.sampler import SampleRow, sample
 from tidal.spec import NgramProposer, SuffixProposer
 

@@ -14,7 +14,7 @@ import pytest
 
 from tidal.core import LearnedStepTime
 from tidal.engine.config import EngineConfig
-from tidal.engine.model_runner import ModelRunner
+from tidal.engine.worker import Worker
 from tidal.engine.step_profile import REPEAT_SECONDS, load_or_measure, measure
 
 from model_fixtures import embedded_folder
@@ -38,7 +38,7 @@ def runner():
     config = EngineConfig.from_kwargs(model="smollm2-135m", num_kv_blocks=3000,
                                       speculative_method="ngram",
                                       num_speculative_tokens=GUESSES)
-    return ModelRunner(embedded_folder(), config.model, 16, config.scheduler,
+    return Worker(embedded_folder(), config.model, 16, config.scheduler,
                        config.speculative)
 
 

@@ -203,7 +203,7 @@ class KVLink:
         del self.prefill_of[rid]
         try:
             if msg.src_block_ids:
-                self.core.runner.write_blocks(msg.dst_block_ids, msg.data, msg.shape, msg.dtype)
+                self.core.executor.write_blocks(msg.dst_block_ids, msg.data, msg.shape, msg.dtype)
         except ValueError as exc:
             return self._fail(rid, str(exc))
         out = self.core.scheduler.kv_received(rid, msg.first_token)
@@ -242,7 +242,7 @@ class KVLink:
         data, shape, dtype = b"", [], ""
         if o.kv_transfer:  # otherwise its first token already ended it: no KV needed
             src = list(self.core.scheduler.kv.block_ids(o.request_id))[skip:][:len(dst)]
-            data, shape, dtype = self.core.runner.read_blocks(src)
+            data, shape, dtype = self.core.executor.read_blocks(src)
             self.core.scheduler.kv_sent(o.request_id)  # the bytes are out of our cache
         self._send(reply_to, KVBlocks(o.request_id, o.new_token_ids[0], src, dst[:len(src)],
                                       shape, dtype, data, o.logprobs, o.prompt_logprobs))

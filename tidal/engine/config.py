@@ -15,6 +15,7 @@ from typing import Any
 
 from tidal.core.config import CacheConfig, SchedulerConfig, knob
 from tidal.core.policies import POLICIES, option_fields
+from tidal.spec import METHODS
 
 # How the data-parallel dispatcher (and the simulator's router) picks an engine core; the
 # policies themselves are in tidal/cluster/routing.py.
@@ -159,7 +160,6 @@ class ParallelConfig:
             raise ValueError(f"dp_backend must be local or ray; got {self.dp_backend!r}")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 DEFAULT_SPECULATIVE_TOKENS = 4  # with a method given and no num_speculative_tokens
 
 
@@ -187,9 +187,9 @@ class SpeculativeConfig:
                                       "the guesses of later ones.")
 
     def __post_init__(self) -> None:
-        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+        if self.speculative_method not in (None, *METHODS):
             raise ValueError(f"speculative_method must be one of "
-                             f"{', '.join(SPECULATIVE_METHODS)}; got {self.speculative_method!r}")
+                             f"{', '.join(METHODS)}; got {self.speculative_method!r}")
         if (self.speculative_method == "draft") != (self.speculative_model is not None):
             raise ValueError("speculative_model names the draft model of speculative_method "
                              "'draft', and that method needs one")

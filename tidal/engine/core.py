@@ -1,4 +1,4 @@
-"""The engine core: the scheduler and the model runner. Token ids in, token ids out; no text.
+"""The engine core: the scheduler and the executor of the model's workers. Token ids in, token ids out; no text.
 
 It runs in the caller's process under `Engine` (the offline API) or in its own process under
 the server, which keeps tokenization and HTTP off the step loop.
@@ -20,7 +20,7 @@ from tidal.core.snapshot import StepHistory
 from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
-from tidal.engine.model_runner import ModelRunner
+from tidal.engine.executor import make_executor
 from tidal.engine.step_profile import load_or_measure
 from tidal.model.lora import LoRAError
 
@@ -28,31 +28,31 @@ log = logging.getLogger("tidal.engine")
 
 
 class EngineCore:
-    """Owns the scheduler and the model runner; `step()` schedules, executes and updates."""
+    """Owns the scheduler and the executor; `step()` schedules, executes and updates."""
 
     def __init__(self, config: EngineConfig, folder: str | Path,
                  eos_token_id: int | None = None) -> None:
         t0 = time.perf_counter()
-        self.runner = ModelRunner(folder, config.model, config.cache.block_size,
-                                  config.scheduler, config.speculative, config.lora)
-        arch = self.runner.arch
+        self.executor = make_executor(config, folder)
+        info = self.executor.info
+        arch = info.arch
         max_len = min(config.scheduler.max_model_len, arch.context_length)
         # The step-time model that sizes steps and the slo policy's plans, and adaptive
         # speculation's, learned from this engine's forward passes: each errs on its own
         # safe side (see LearnedStepTime). The first starts from this machine's profile.
         given, self.step_time = config.scheduler.max_step_ms, None
-        if ((given if given is not None else not self.runner.on_gpu)
+        if ((given if given is not None else not info.on_gpu)
                 or POLICIES[config.scheduler.policy].needs_step_time):
             seconds = config.model.step_profile_seconds
-            prior = (load_or_measure(self.runner, Path(folder), seconds, arch.vocab_size,
+            prior = (load_or_measure(self.executor, Path(folder), seconds, arch.vocab_size,
                                      max_len) if seconds else ())
             self.step_time = LearnedStepTime(prior=prior)
         # What the model and the memory allow: the context is at most the model's, and the
-        # pool is what the runner allocated; the step target is the machine's unless given.
+        # pool is what the worker allocated; the step target is the machine's unless given.
         sched_cfg = replace(config.scheduler, max_model_len=max_len, max_step_ms=(
-            given if given is not None else default_step_target(self.runner.on_gpu,
+            given if given is not None else default_step_target(info.on_gpu,
                                                                 self.step_time)))
-        cache_cfg = replace(config.cache, num_blocks=self.runner.num_blocks)
+        cache_cfg = replace(config.cache, num_blocks=info.num_blocks)
         self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
         adaptive = sched_cfg.num_speculative_tokens and sched_cfg.speculative_adaptive
         self.step_errors = PredictionLog()  # the step-time model's, on the steps it sized
@@ -73,9 +73,9 @@ class EngineCore:
         self._pool = ThreadPoolExecutor(1, "tidal-step") if sched_cfg.async_scheduling else None
         self._pending: tuple[SchedulerOutput, Future] | None = None
         log.info("model loaded in %.2fs (%s, %s); KV cache: %d blocks x %d tokens = %.1f MiB; "
-                 "step target %s", time.perf_counter() - t0, self.runner.device,
-                 str(self.runner.dtype).split(".")[-1], self.runner.num_blocks,
-                 cache_cfg.block_size, self.runner.kv_cache_bytes / 2**20,
+                 "step target %s", time.perf_counter() - t0, info.device,
+                 str(info.dtype).split(".")[-1], info.num_blocks,
+                 cache_cfg.block_size, info.kv_cache_bytes / 2**20,
                  f"{sched_cfg.max_step_ms:g} ms" if sched_cfg.max_step_ms else "none")
         gc.collect()
         gc.freeze()  # the model and the block pool are long-lived: keep them out of GC passes
@@ -96,12 +96,13 @@ class EngineCore:
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"request {request_id!r}: {what} must be in "
                                  f"[0, {self.vocab_size})")
-        lora = self.runner.lora
-        if params.lora is not None and (lora is None or params.lora not in lora.paths):
-            raise ValueError(f"request {request_id!r}: unknown LoRA adapter {params.lora!r}"
-                             + ("" if lora else " (LoRA is not enabled: enable_lora)"))
         if params.lora is not None:
-            lora.load(params.lora)  # from its folder now, if not in memory: not in a step
+            adapters = self.executor.adapters()
+            if adapters is None or params.lora not in adapters:
+                raise ValueError(f"request {request_id!r}: unknown LoRA adapter "
+                                 f"{params.lora!r}" + ("" if adapters is not None else
+                                                       " (LoRA is not enabled: enable_lora)"))
+            self.executor.load_adapter(params.lora)  # from its folder now: not in a step
         self.scheduler.add_request(Request(
             request_id, prompt_token_ids, params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
@@ -110,16 +111,16 @@ class EngineCore:
     def set_adapters(self, adapters: dict[str, str]) -> None:
         """Serve exactly these LoRA adapters (name -> folder): load the new ones, forget
         those gone; one that fails to load is logged and left out."""
-        lora = self.runner.lora
-        if lora is None:
+        served = self.executor.adapters()
+        if served is None:
             log.error("LoRA adapters sent to a core without LoRA enabled")
             return
-        for name in [n for n, path in lora.paths.items() if adapters.get(n) != path]:
-            lora.unregister(name)
+        for name in [n for n, path in served.items() if adapters.get(n) != path]:
+            self.executor.unregister_adapter(name)
         for name, path in adapters.items():
-            if name not in lora.paths:
+            if name not in served or served[name] != path:
                 try:
-                    lora.register(name, path)
+                    self.executor.register_adapter(name, path)
                 except LoRAError as e:
                     log.error("%s", e)
 
@@ -188,7 +189,7 @@ class EngineCore:
         self.prompt_tokens += prefill
         t0 = time.perf_counter()
         try:
-            result = self.runner.execute(out)
+            result = self.executor.execute(out)
         except Exception as exc:  # the step's requests fail; the engine serves the rest
             log.exception("model runner failed; ending the step's %d requests",
                           len(out.scheduled))

@@ -22,9 +22,14 @@ class Engine:
         self.runner_folder = folder
         self.tokenizer = Tokenizer(folder)
         self.core = EngineCore(config, folder, self.tokenizer.eos_token_id)
-        self.scheduler, self.runner = self.core.scheduler, self.core.runner
+        self.scheduler, self.executor = self.core.scheduler, self.core.executor
         self.outputs = OutputProcessor(self.tokenizer)
         self._counter = 0
+
+    @property
+    def runner(self):
+        """The in-process worker's model runner (what tests and benchmarks look inside)."""
+        return self.executor.worker.runner
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:

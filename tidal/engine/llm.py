@@ -83,9 +83,10 @@ class LLM:
         """The adapter's name, loading it from its folder if it is new."""
         if request is None or isinstance(request, str):
             return request
-        lora = self.engine.core.runner.lora
-        if lora is not None and request.lora_path and request.lora_name not in lora.paths:
-            lora.register(request.lora_name, request.lora_path)
+        executor = self.engine.core.executor
+        adapters = executor.adapters()
+        if adapters is not None and request.lora_path and request.lora_name not in adapters:
+            executor.register_adapter(request.lora_name, request.lora_path)
         return request.lora_name
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],

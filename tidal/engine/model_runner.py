@@ -1,38 +1,30 @@
-"""Executes a SchedulerOutput on the model: builds the flattened batch, runs the forward
-pass over the paged KV cache, samples, and returns a ModelOutput."""
+"""Executes a SchedulerOutput on a worker's model: builds the flattened batch, runs the
+forward pass over the paged KV cache, samples, verifies guesses, and returns a ModelOutput.
+The worker (`worker.py`) loads what it runs on."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from tidal.core import (ModelOutput, NewRequest, PromptLogprob, SamplingParams, SchedulerConfig,
-                        SchedulerOutput)
+from tidal.core import ModelOutput, NewRequest, PromptLogprob, SamplingParams, SchedulerOutput
 from tidal.core.kv_cache_manager import cdiv
 from tidal.core.request import token_slice
 from tidal.engine.batch import BatchBuilder, StepBatch, forward
-from tidal.engine.config import LoRAConfig, ModelConfig, SpeculativeConfig
-from tidal.engine.decode_graphs import CaptureBackend, CudaGraphCapture, DecodeGraphs
-from tidal.engine.device import free_ram, gpu_kv_budget, pick_device
-from tidal.engine.draft import DraftModel, check_same_tokenizer
+from tidal.engine.decode_graphs import CaptureBackend, DecodeGraphs
+from tidal.engine.kv_cache import KVCache
 from tidal.engine.lora_manager import LoRAManager
-from tidal.engine.model_loading import load_for_runner, pick_model_dtype
-from tidal.engine.speculator import Speculator, accepted_run
+from tidal.engine.prompt_outputs import PromptOutputs
 from tidal.engine.step_inputs import StepInputs
 from tidal.engine.structured import Grammars, Matchers
-from tidal.model import cpu_decode
-from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
+from tidal.model.attention import AttentionBackend
 from tidal.model.config import ModelArch
-from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel,
-                                 paged_prefill_kernel)
 from tidal.model.pooling import Pooling
-from tidal.model.registry import resolve_model
-from tidal.model.sampler import (SampleRow, needs_penalty, on_device, sample,
-                                 target_logprobs)
+from tidal.model.sampler import SampleRow, needs_penalty, sample
+from tidal.spec import Guesser, accepted_run
 
 log = logging.getLogger("tidal.engine")
 
@@ -64,203 +56,86 @@ class _Seq:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors, the requests' sampling state and their
-    generators. It reads only the plain data of each SchedulerOutput: a request's prompt
-    and parameters come with its first scheduled step, and the runner keeps the tokens it
-    samples."""
+    """Runs steps on a worker's model and KV cache: turns each SchedulerOutput into forward
+    passes, samples, verifies guesses and returns a ModelOutput. It reads only the plain data
+    of the plan: a request's prompt and parameters come with its first scheduled step, and
+    the runner keeps the tokens it samples (and each request's generators)."""
 
-    def __init__(self, folder: str | Path, config: ModelConfig, block_size: int,
-                 scheduler: SchedulerConfig | None = None,
-                 speculative: SpeculativeConfig | None = None,
-                 lora: LoRAConfig | None = None) -> None:
-        sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
-        self.device = pick_device(config.device)
-        self.on_gpu = self.device.startswith("cuda")
-        self.arch = ModelArch.from_folder(folder)
-        quantization, self.dtype = pick_model_dtype(folder, self.arch, config, self.device)
-        self.quantization = quantization  # the weights' format as served
-        if self.on_gpu:
-            if ":" in self.device:  # cuda:N: this process's current device too
-                torch.cuda.set_device(torch.device(self.device))
-        else:
-            torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
-        max_model_len = min(sched.max_model_len, self.arch.context_length)
-        ext = cpu_decode.extension() if config.cpu_decoder and self.device == "cpu" else None
-        # the C++ paged attention and lora_add run float32 and bfloat16; float16 rows on CPU
-        # take PyTorch's attention and matmuls
-        cpp = ext if ext is not None and self.dtype != torch.float16 else None
-        paged = cpp.paged_decode_attention if cpp else (
-            paged_decode_kernel() if self.on_gpu else None)
-        backend = TorchAttention.for_arch(self.arch, paged,
-                                          paged_prefill_kernel() if self.on_gpu else None)
-        self.model, self.decoder = load_for_runner(folder, self.arch, config, self.device,
-                                                   self.dtype, quantization, backend, ext)
-        self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
-            lora, sched.max_loras, self.arch, self.model, self.dtype, self.device,
-            lora_kernel() if self.on_gpu else cpp.lora_add if cpp else None, self.decoder)
-        method = speculative.speculative_method if speculative is not None else None
-        self.max_guesses = sched.num_speculative_tokens if method else 0
-        self.draft: DraftModel | None = None
-        if self.max_guesses and method == "draft":
-            draft_folder = resolve_model(speculative.speculative_model)[0]
-            check_same_tokenizer(Path(folder), draft_folder)
-            self.draft = DraftModel(draft_folder, config, self.device, ext)
-        self.block_size = block_size
-        self.folder = Path(folder)
-        self.pooling = Pooling.from_folder(folder)
+    def __init__(self, model, decoder, kv: KVCache, backend: AttentionBackend, folder: Path,
+                 arch: ModelArch, seed: int, max_forward_tokens: int,
+                 guesser: Guesser | None = None, lora: LoRAManager | None = None,
+                 pooling: Pooling | None = None) -> None:
+        self.model, self.decoder, self.kv, self.arch = model, decoder, kv, arch
+        self.device, self.block_size = kv.device, kv.block_size
+        self.folder = folder
+        self.guesser, self.lora = guesser, lora
+        self.max_guesses = guesser.max_guesses if guesser is not None else 0
+        self.prompt_outputs = PromptOutputs(model, pooling or Pooling())
         self.matchers: Matchers | None = None  # structured outputs, made on first use
         self._matchers_lock = threading.Lock()
-        if self.on_gpu and not self.arch.gemma:  # Gemma's offset norms keep the eager ops
-            self._use_fused_kernels()
-        self.max_forward_tokens = (config.max_forward_tokens if config.max_forward_tokens
-                                   is not None else 1024 if self.device == "cpu" else 0)
-        self.num_blocks = self._size_kv(config, min(sched.max_input_tokens_per_step,
-                                                    max_model_len), sched.max_num_seqs)
-        # One block more than the pool's: the null block, which padded rows read and write.
-        self.null_block = self.num_blocks
-        shape = kv_cache_shape(self.num_blocks + 1, block_size, self.arch.num_kv_heads,
-                               self.arch.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(self.arch.num_layers)]
-        self._k_caches = [k for k, _ in self.kv_caches]
-        self._v_caches = [v for _, v in self.kv_caches]
-        if self.draft is not None:
-            self.draft.allocate(self.num_blocks + 1, block_size)
         # Sampling draws its noise on the logits' device, so the generators live there.
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.generators: dict[str, list[torch.Generator]] = {}  # seeded: one per row
         self.seqs: dict[str, _Seq] = {}
-        self.speculator = (Speculator(speculative, self.max_guesses)
-                           if self.max_guesses and self.draft is None else None)
-        self.batches = BatchBuilder(block_size, self.null_block, self.device, backend,
-                                    StepInputs(self.device), self.max_forward_tokens)
+        self.batches = BatchBuilder(kv.block_size, kv.null_block, self.device, backend,
+                                    StepInputs(self.device), max_forward_tokens)
         self.graphs: DecodeGraphs | None = None
-        if self.on_gpu and not config.enforce_eager and backend.paged_kernel is not None:
-            self.use_decode_graphs(CudaGraphCapture(), sched.max_num_seqs, max_model_len)
 
-    def _size_kv(self, config: ModelConfig, step_tokens: int, max_seqs: int) -> int:
-        per_block = self.arch.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
-        if self.draft is not None:  # a block holds the draft's KV of its positions too
-            per_block += self.draft.block_bytes(self.block_size)
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        if config.kv_cache_memory:
-            budget = config.kv_cache_memory
-        elif self.on_gpu:
-            budget = gpu_kv_budget(self.device, config.gpu_memory_utilization,
-                                   lambda: self._profile(step_tokens, max_seqs))
-        else:
-            budget = int(free_ram() * config.kv_cache_fraction)
-        blocks = budget // per_block - 1  # the null block
-        if blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block}")
-        return blocks
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv.layers
 
-    @torch.inference_mode()
-    def _profile(self, tokens: int, rows: int) -> None:
-        """The largest step's forward pass (one prefill of `tokens`, `rows` logits rows) over
-        a one-block cache: its peak memory is what the KV cache must leave free."""
-        shape = kv_cache_shape(1, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
-                  for _ in range(self.arch.num_layers)]
-        zeros = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(zeros, [PrefillSeq(0, tokens, 0)], tokens)
-        rows_t = torch.arange(tokens - min(rows, tokens), tokens, device=self.device)
-        self.model(zeros, torch.arange(tokens, device=self.device), caches, meta, rows_t)
+    @property
+    def null_block(self) -> int:
+        return self.kv.null_block
 
-    def _use_fused_kernels(self) -> None:
-        """Triton's norm and RoPE kernels, kept if a tiny forward pass runs with them (they
-        compile for this device)."""
-        self.model.kernels = fused_kernels()
-        if self.model.kernels is not None:
-            try:
-                self._profile(2, 1)
-            except Exception as exc:
-                log.warning("fused kernels failed (%s); running PyTorch ops", exc)
-                self.model.kernels = None
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
 
     @torch.inference_mode()
     def use_decode_graphs(self, backend: CaptureBackend, max_num_seqs: int,
                           max_model_len: int) -> None:
         """Capture decode steps of every batch-size bucket up to max_num_seqs; a capture
         that fails (a kernel that does not compile here) leaves every step eager."""
-        graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
-                              cdiv(max_model_len, self.block_size), self.null_block,
+        graphs = DecodeGraphs(self.model, self.kv.layers, max_num_seqs,
+                              cdiv(max_model_len, self.block_size), self.kv.null_block,
                               self.block_size, self.device)
         try:
             graphs.capture(backend)
         except Exception as exc:
-            if not self.on_gpu:
+            if not self.device.startswith("cuda"):
                 raise
             log.warning("decode graph capture failed (%s); decoding eagerly", exc)
             return
         self.graphs = graphs
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
-
-    # ------------------------------------------------------------------ KV transfer
-    @torch.inference_mode()
-    def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]:
-        """These blocks' KV (every layer's K then V) as bytes, with its shape and dtype:
-        what a prefill instance sends its decode instance."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        kv = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
-                          for k, v in self.kv_caches]).cpu()
-        return kv.view(torch.uint8).numpy().tobytes(), list(kv.shape), str(self.dtype)
-
-    @torch.inference_mode()
-    def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
-                     dtype: str) -> None:
-        """Write KV read by another instance's `read_blocks` into these blocks."""
-        mine = [len(self.kv_caches), 2, len(block_ids), *self.kv_caches[0][0].shape[1:]]
-        if shape != mine or dtype != str(self.dtype):
-            raise ValueError(f"KV of shape {shape} ({dtype}) does not fit this instance's "
-                             f"{mine} ({self.dtype}): prefill and decode must run the same "
-                             f"model, dtype and block size")
-        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(shape)
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for (k, v), layer in zip(self.kv_caches, kv.to(self.device)):
-            k.index_copy_(0, idx, layer[0])
-            v.index_copy_(0, idx, layer[1])
 
     def forget(self, rid: str, finished: bool = False) -> None:
         """Drop a request's state; a finished one's output may teach the proposer, a
         discarded one's (a timing run's) never does."""
         self.generators.pop(rid, None)
         q = self.seqs.pop(rid, None)
-        if self.speculator is not None and q is not None:
-            self.speculator.forget(rid, q.output if finished else [], finished)
+        if self.guesser is not None and q is not None:
+            self.guesser.forget(rid, q.output if finished else [], finished)
         if self.matchers is not None:
             self.matchers.drop(rid)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        spec = self.speculator
+        guesser = self.guesser
         failed: dict[str, str] = {}  # requests that cannot go on, and why
         for rid in out.finished_ids:
             self.forget(rid, finished=True)
         for new in out.new_requests:  # a retracted request comes back with its tokens
             self.seqs[new.request_id] = _Seq(new)
-            if spec is not None:  # whatever it held was guessed after tokens now dropped
-                spec.forget(new.request_id, [], False)
+            if guesser is not None:  # whatever it held was guessed after tokens now dropped
+                guesser.forget(new.request_id, [], False)
             if new.sampling_params.structured is not None:  # at the state of its tokens
                 why = self._matchers().add(new.request_id, *new.sampling_params.structured,
                                            list(new.output_token_ids))
                 if why is not None:
                     failed[new.request_id] = why
-        if out.block_copies:
-            dev = torch.device(self.device)  # staged without a sync, as the sampler's inputs
-            src = on_device([s for s, _ in out.block_copies], torch.long, dev)
-            dst = on_device([d for _, d in out.block_copies], torch.long, dev)
-            for k, v in self.kv_caches:
-                k[dst] = k[src]
-                v[dst] = v[src]
-            if self.draft is not None:
-                self.draft.copy_blocks(src, dst)
         if not out.scheduled:
             return ModelOutput(preempted_ack=list(out.preempted_ids), failed=failed)
         constrained = self.matchers is not None and bool(self.matchers.by_id)
@@ -280,10 +155,7 @@ class ModelRunner:
             logits, hidden = self._forward(batch)
             parts.append(logits)
             sample_ids += batch.sample_ids
-            if batch.prompt_spans:
-                self._gather_prompt_logprobs(batch, hidden)
-            if batch.pool_spans:
-                self._pool(batch, hidden[len(batch.prompt_rows):])
+            self.prompt_outputs.gather(batch, hidden, self.seqs)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         if masks is not None:
             self.matchers.apply(masks, logits, sample_ids,
@@ -315,18 +187,9 @@ class ModelRunner:
                     failed[rid] = why
             if lp is not None:
                 result.logprobs[rid] = lp
-            if q.prompt_k is not None:  # the prompt is done: they go with its first token
-                result.prompt_logprobs[rid] = q.prompt_entries
-                q.prompt_k, q.prompt_entries = None, []
-            if q.embed is not None:  # likewise its embedding
-                result.embeddings[rid] = self.pooling.finish(q.pooled, q.embed)
-                q.embed, q.pooled = None, None
-            if not out.propose:  # the scheduler will not guess next step
-                continue
-            if spec is not None:
-                result.proposed[rid] = spec.propose(rid, q.prompt, q.output)
-            elif self.draft is not None:  # a draft model always has guesses
-                result.proposed[rid] = self.max_guesses
+            self.prompt_outputs.hand_over(rid, q, result)  # the prompt is done
+            if out.propose and guesser is not None:  # the scheduler may guess next step
+                result.proposed[rid] = guesser.propose(rid, q.prompt, q.output)
         return result
 
     def _guesses(self, scheduled: list, constrained: bool) -> dict[str, list[int]]:
@@ -334,12 +197,7 @@ class ModelRunner:
         every known position of the step first), cut where a grammar forbids them."""
         wanted = {x.request_id: x.num_new_tokens - 1 for x in scheduled
                   if not x.is_prefill and x.num_new_tokens > 1}
-        if self.draft is not None:
-            guesses = self.draft.step(scheduled, self.seqs, self.batches, wanted)
-        else:
-            guesses = {rid: self.speculator.guesses(rid, self.seqs[rid].prompt,
-                                                    self.seqs[rid].output, k)
-                       for rid, k in wanted.items()}
+        guesses = self.guesser.guesses(scheduled, self.seqs, self.batches, wanted)
         if constrained:
             guesses = {rid: self.matchers.cut(rid, g) for rid, g in guesses.items()}
         return guesses
@@ -361,26 +219,6 @@ class ModelRunner:
             if slot is not None:
                 row_slots[start:start + count] = [slot] * count
         self.lora.pool.batch.set(row_slots, self.lora.pool.num_slots, self.device)
-
-    def _gather_prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor | None) -> None:
-        """Each chunk's prompt logprobs, appended to its request's: row p of a chunk gives
-        position p + 1's entry (the next chunk's first token is known: it is the prompt)."""
-        offset = 0
-        for rid, c, count in batch.prompt_spans:
-            q = self.seqs[rid]
-            if c == 0:
-                q.prompt_entries.append(None)  # position 0 has no context to predict it
-            if count:
-                q.prompt_entries += target_logprobs(
-                    self.model.logits, hidden[offset:offset + count],
-                    q.prompt[c + 1:c + 1 + count], q.prompt_k)
-                offset += count
-
-    def _pool(self, batch: StepBatch, hidden: torch.Tensor) -> None:
-        """Fold each embedding request's chunk of final hidden states into its pooling."""
-        for rid, c, row, count in batch.pool_spans:
-            q = self.seqs[rid]
-            q.pooled = self.pooling.add(q.pooled, hidden[row:row + count], c, len(q.prompt))
 
     def compile_constraint(self, params: SamplingParams) -> None:
         """Compile a request's output constraint before it is scheduled, from any thread
@@ -408,8 +246,8 @@ class ModelRunner:
                                    meta.decode_lens)[:len(batch.logits_rows)], None
         lora = self.lora.pool.batch if self.lora is not None else None
         try:
-            out = forward(self.model, self.decoder, batch, self.kv_caches, self._k_caches,
-                          self._v_caches, self.block_size, lora=lora)
+            out = forward(self.model, self.decoder, batch, self.kv.layers, self.kv.k_caches,
+                          self.kv.v_caches, self.block_size, lora=lora)
         finally:
             if lora is not None:
                 lora.clear()  # the next pass (or the draft's) sets its own rows

@@ -1,7 +1,7 @@
 """The step-time profile of a model on this machine: step times measured at start-up over a
 small grid of shapes (or read back from the profile saved by an earlier start), which seed
 the engine's step-time model so that it is right from the first step. `tidal calibrate`
-times the runner with the same `measure`."""
+times a worker with the same `measure`."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tidal.core import NewRequest, SamplingParams, ScheduledRequest, SchedulerOutput, StepShape
 from tidal.core.kv_cache_manager import cdiv
 from tidal.model.registry import cache_root
+
+if TYPE_CHECKING:
+    from tidal.engine.worker import WorkerInfo
 
 log = logging.getLogger("tidal.engine")
 
@@ -41,17 +45,18 @@ def startup_grid(max_tokens: int = 1024, max_len: int = 1 << 30,
     return [entries for entries in grid if all(n + c <= max_len for n, c in entries)]
 
 
-def measure(runner, grid: list[list[tuple[int, ...]]], repeats: int = 5, vocab: int = 1000,
+def measure(executor, grid: list[list[tuple[int, ...]]], repeats: int = 5, vocab: int = 1000,
             warmups: int = 2, deadline: float = float("inf"),
             repeat_seconds: float = float("inf")) -> list[tuple[StepShape, float]]:
-    """Median seconds of `runner.execute` for each step shape of `grid`: per sequence (new
-    tokens, cached tokens), or (1, cached tokens, k guesses to verify) for a runner that
-    speculates. Shapes the KV cache cannot hold are skipped; none is started after the
+    """Median seconds of `executor.execute` (an executor's or a worker's) for each step
+    shape of `grid`: per sequence (new tokens, cached tokens), or (1, cached tokens, k
+    guesses to verify) for one that speculates. Shapes the KV cache cannot hold are skipped; none is started after the
     `deadline`, a perf_counter time. A shape's timed runs stop once they add up to
     `repeat_seconds`: cheap shapes, whose one run the machine's noise sways most, get all
-    `repeats`; dear ones fewer. The timed requests are dropped from the runner afterwards."""
+    `repeats`; dear ones fewer. The timed requests are dropped afterwards."""
     rng = random.Random(0)
-    bs = runner.block_size
+    info = executor.info
+    bs = info.block_size
     timings, ids = [], set()
     for entries in grid:
         if time.perf_counter() > deadline:
@@ -69,15 +74,15 @@ def measure(runner, grid: list[list[tuple[int, ...]]], repeats: int = 5, vocab: 
             # guesses (the runner's proposer finds them in the repeating prompt).
             scheduled.append(ScheduledRequest(rid, n + k, c, table, True, n > 1))
             ids.add(rid)
-        if next_block > runner.num_blocks:
-            log.debug("KV cache of %d blocks skips the timed shape %s x %d", runner.num_blocks,
+        if next_block > info.num_blocks:
+            log.debug("KV cache of %d blocks skips the timed shape %s x %d", info.num_blocks,
                       entries[:1], len(entries))
             continue
         out = SchedulerOutput(step=0, kind="mixed", scheduled=scheduled, new_requests=new)
         samples = []
         for k in range(repeats + warmups):
             t0 = time.perf_counter()
-            runner.execute(out)  # returns Python token ids: the device has synced
+            executor.execute(out)  # returns Python token ids: the device has synced
             if k >= warmups:
                 samples.append(time.perf_counter() - t0)
                 if sum(samples) >= repeat_seconds:
@@ -85,7 +90,7 @@ def measure(runner, grid: list[list[tuple[int, ...]]], repeats: int = 5, vocab: 
         if samples:
             timings.append((StepShape.of(out), statistics.median(samples)))
     for rid in ids:
-        runner.forget(rid)
+        executor.forget(rid)
     return timings
 
 
@@ -96,13 +101,13 @@ def _tokens(rng: random.Random, count: int, vocab: int, repeating: bool) -> list
     return [phrase[i % len(phrase)] for i in range(count)]
 
 
-def runner_grid(runner, max_len: int) -> list[list[tuple[int, int]]]:
-    """The start-up grid for this runner's forward-pass size and `max_len`."""
-    return startup_grid(runner.max_forward_tokens or 1024, max_len)
+def worker_grid(info: "WorkerInfo", max_len: int) -> list[list[tuple[int, int]]]:
+    """The start-up grid for a worker's forward-pass size and `max_len`."""
+    return startup_grid(info.max_forward_tokens or 1024, max_len)
 
 
-def machine_key(runner, folder: Path, max_len: int) -> dict:
-    """What a saved profile holds for: the model's files, how the runner runs them, and on
+def machine_key(info: "WorkerInfo", folder: Path, max_len: int) -> dict:
+    """What a saved profile holds for: the model's files, how the worker runs them, and on
     what hardware."""
     import torch
 
@@ -112,18 +117,18 @@ def machine_key(runner, folder: Path, max_len: int) -> dict:
         if path.exists():
             st = path.stat()
             model[name] = [str(path.resolve()), st.st_size, int(st.st_mtime)]
-    if runner.on_gpu:
-        hardware = torch.cuda.get_device_name(torch.device(runner.device))
+    if info.on_gpu:
+        hardware = torch.cuda.get_device_name(torch.device(info.device))
     else:
         hardware = f"{_cpu_name()}, {torch.get_num_threads()} threads"
     # A small pool skips the larger shapes: its profile is not one of a larger pool's.
-    fits = sum(sum(cdiv(n + c, runner.block_size) for n, c in entries) <= runner.num_blocks
-               for entries in runner_grid(runner, max_len))
+    fits = sum(sum(cdiv(n + c, info.block_size) for n, c in entries) <= info.num_blocks
+               for entries in worker_grid(info, max_len))
     return {"version": PROFILE_VERSION, "model": model, "hardware": hardware, "fits": fits,
-            "device": runner.device, "dtype": str(runner.dtype), "torch": torch.__version__,
-            "quantization": runner.quantization,
-            "block_size": runner.block_size, "forward_tokens": runner.max_forward_tokens,
-            "decoder": runner.decoder is not None, "machine": platform.node()}
+            "device": info.device, "dtype": str(info.dtype), "torch": torch.__version__,
+            "quantization": info.quantization,
+            "block_size": info.block_size, "forward_tokens": info.max_forward_tokens,
+            "decoder": info.decoder, "machine": platform.node()}
 
 
 def _cpu_name() -> str:
@@ -141,11 +146,11 @@ def profile_path(key: dict) -> Path:
     return cache_root() / "step-profiles" / f"{digest}.json"
 
 
-def load_or_measure(runner, folder: Path, budget_s: float, vocab: int, max_len: int,
+def load_or_measure(executor, folder: Path, budget_s: float, vocab: int, max_len: int,
                     ) -> list[tuple[StepShape, float]]:
     """This model's step times on this machine: the saved profile, or measured now (within
     about `budget_s` seconds) and saved for the next start."""
-    key = machine_key(runner, folder, max_len)
+    key = machine_key(executor.info, folder, max_len)
     path = profile_path(key)
     try:
         saved = json.loads(path.read_text())
@@ -154,10 +159,10 @@ def load_or_measure(runner, folder: Path, budget_s: float, vocab: int, max_len: 
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none yet, or unreadable: measure
     t0 = time.perf_counter()
-    grid = runner_grid(runner, max_len)
+    grid = worker_grid(executor.info, max_len)
     warm = [e for e in grid if e[0][0] == 1][:1] + [e for e in grid if e[0][0] > 1][:1]
-    measure(runner, warm, repeats=0, vocab=vocab, warmups=1)  # one-time costs of each kind
-    steps = measure(runner, grid, repeats=3, vocab=vocab, warmups=0, deadline=t0 + budget_s,
+    measure(executor, warm, repeats=0, vocab=vocab, warmups=1)  # one-time costs of each kind
+    steps = measure(executor, grid, repeats=3, vocab=vocab, warmups=0, deadline=t0 + budget_s,
                     repeat_seconds=REPEAT_SECONDS)
     log.info("step times measured in %.1fs (%d shapes); saved to %s",
              time.perf_counter() - t0, len(steps), path)

@@ -83,10 +83,10 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     outbox.send(m.encoder.encode(m.Stats(index, 0, core.scheduler.stats(), 0, 0,
                                          incarnation=incarnation)))
     outbox.send(m.encoder.encode(m.Ready(index, core.max_model_len, core.vocab_size,
-                                         core.runner.num_blocks, config.cache.block_size,
+                                         core.executor.info.num_blocks, config.cache.block_size,
                                          link.address if link else "", incarnation,
-                                         core.runner.arch.hidden_size,
-                                         core.runner.pooling.matryoshka,
+                                         core.executor.info.arch.hidden_size,
+                                         core.executor.info.matryoshka,
                                          core.config.scheduler.max_step_ms or 0.0)))
     stop = threading.Event()
     threading.Thread(target=_heartbeat, args=(ctx, out_addr, index, incarnation, stop),
@@ -223,7 +223,7 @@ class _CoreLoop:
     def _add(self, msg: m.Add) -> None:
         if msg.params.structured is not None:  # admitted once compiled (_admit_compiled)
             self.compiling[msg.request_id] = (
-                self.compiler.submit(self.core.runner.compile_constraint, msg.params), msg)
+                self.compiler.submit(self.core.executor.compile_constraint, msg.params), msg)
             return
         self._admit(msg)
 

@@ -90,12 +90,12 @@ def fit(cost: CostModel, timings: list[tuple[StepShape, float]]) -> tuple[Hardwa
 
 def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int = 5,
               grid: list[list[tuple[int, int]]] | None = None):
-    """Build the real runner for `model`, time it, fit `hardware`'s factors. Returns
+    """Build the real worker for `model`, time it, fit `hardware`'s factors. Returns
     (profile, mean error, [(shape, measured, predicted)])."""
     import torch
 
     from tidal.engine.config import EngineConfig
-    from tidal.engine.model_runner import ModelRunner
+    from tidal.engine.worker import Worker
     from tidal.model.config import ModelArch
     from tidal.model.registry import resolve_model
     from tidal.sim.profiles import MODEL_CONFIGS
@@ -107,16 +107,16 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
             (folder / "config.json").write_text(json.dumps(MODEL_CONFIGS[model]))
         else:
             folder = resolve_model(model)[0]
-        runner = ModelRunner(folder, config.model, config.cache.block_size)
+        worker = Worker(folder, config.model, config.cache.block_size)
         arch = ModelArch.from_folder(folder)
-    timings = measure(runner, grid or default_grid(), repeats, arch.vocab_size)
-    hardware.dtype_bytes = runner.dtype.itemsize
-    quantized = getattr(runner.model, "gguf", None)  # weights served in the file's formats
+    timings = measure(worker, grid or default_grid(), repeats, arch.vocab_size)
+    hardware.dtype_bytes = worker.dtype.itemsize
+    quantized = getattr(worker.model, "gguf", None)  # weights served in the file's formats
     hardware.weight_bytes = quantized.nbytes / weight_params(arch) if quantized else 0.0
     cost = CostModel(arch, hardware)
     profile, error = fit(cost, timings)
-    threads = f", threads={torch.get_num_threads()}" if runner.device == "cpu" else ""
-    profile.calibrated_on = (f"{model} on {runner.device} ({str(runner.dtype).split('.')[-1]}"
+    threads = f", threads={torch.get_num_threads()}" if worker.device == "cpu" else ""
+    profile.calibrated_on = (f"{model} on {worker.device} ({str(worker.dtype).split('.')[-1]}"
                              f"{threads}), {len(timings)} step shapes, mean error {error:.1%}")
     rows = [(s, t, cost.shape_time(s)) for s, t in timings]
     return profile, error, rows

@@ -1,10 +1,19 @@
-"""Speculative decoding's proposers: each guesses the tokens that follow a sequence, for the
-model to verify in one forward pass (tidal/core/speculation.py plans how many)."""
+"""Speculative decoding's guessers: proposers (ngram, suffix) and a draft model, each
+guessing the tokens that follow a sequence for the model to verify in one forward pass
+(tidal/core/speculation.py plans how many; docs/design/speculative.md).
 
+- `proposer.py`, `ngram.py`, `suffix.py`: proposers, which guess from token histories;
+- `speculator.py`: a proposer as the runner's `Guesser`;
+- `draft.py`: a draft model as one;
+- `guesser.py`: that interface and the verification rule; `factory.py`: method -> guesser.
+"""
+
+from tidal.spec.guesser import Guesser, accepted_run
 from tidal.spec.ngram import NgramProposer
 from tidal.spec.proposer import Proposer
 from tidal.spec.suffix import SuffixProposer
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft")  # speculative_method's choices
 
-__all__ = ["METHODS", "NgramProposer", "Proposer", "SuffixProposer"]
+__all__ = ["METHODS", "Guesser", "NgramProposer", "Proposer", "SuffixProposer",
+           "accepted_run"]

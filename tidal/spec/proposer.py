@@ -1,4 +1,4 @@
-"""The interface every speculative proposer implements, and the one that makes them.
+"""The interface every speculative proposer implements (`factory.py` makes them).
 
 A proposer guesses the tokens that follow a sequence; the model verifies the guesses in one
 forward pass. Proposers run beside the model runner (they see every sequence's tokens as it

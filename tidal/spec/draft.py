@@ -52,9 +52,12 @@ def check_same_tokenizer(target: Path, draft: Path) -> None:
 
 
 class DraftModel:
-    """The draft model, its decoder and its KV caches (made by `allocate`)."""
+    """The draft model, its decoder and its KV caches (made by `allocate`): a `Guesser`
+    that always has `max_guesses` guesses."""
 
-    def __init__(self, folder: Path, config: ModelConfig, device: str, ext) -> None:
+    def __init__(self, folder: Path, config: ModelConfig, device: str, ext,
+                 max_guesses: int) -> None:
+        self.max_guesses = max_guesses
         self.arch = ModelArch.from_folder(folder)
         config = replace(config, model=str(folder))
         quantization, self.dtype = pick_model_dtype(folder, self.arch, config, device)
@@ -87,9 +90,15 @@ class DraftModel:
             k[dst] = k[src]
             v[dst] = v[src]
 
+    def propose(self, seq_id: str, prompt: list[int], output: list[int]) -> int:
+        return self.max_guesses  # computed at the step that verifies them
+
+    def forget(self, seq_id: str, output: list[int], finished: bool) -> None:
+        pass  # its KV lives in the target's blocks, freed with them
+
     @torch.inference_mode()
-    def step(self, entries: list[ScheduledRequest], seqs: dict, batches: BatchBuilder,
-             wanted: dict[str, int]) -> dict[str, list[int]]:
+    def guesses(self, entries: list[ScheduledRequest], seqs: dict, batches: BatchBuilder,
+                wanted: dict[str, int]) -> dict[str, list[int]]:
         """Compute the step's known positions, then guess `wanted[id]` tokens for each
         verifying request; its guesses by id."""
         guesses: dict[str, list[int]] = {rid: [] for rid in wanted}

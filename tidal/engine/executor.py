@@ -1,0 +1,90 @@
+"""Between the engine core and the model: an executor hands each step's plan to the model's
+workers and returns what they sampled. The engine core, the step-time profile and the KV
+transfers talk to an executor only, so workers on other processes or ranks (tensor or
+pipeline parallelism: each holds its shard of the model and of every KV block, under the
+same block tables) need no change above it.
+
+`LocalExecutor`: one worker, in this process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
+from tidal.engine.config import EngineConfig
+from tidal.engine.worker import Worker, WorkerInfo
+
+
+class Executor(Protocol):
+    """Runs steps on the model's workers."""
+
+    info: WorkerInfo
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        """Run one step on every worker; what the step sampled."""
+        ...
+
+    def forget(self, rid: str, finished: bool = False) -> None:
+        """Drop a request the engine ran outside its plans (the step-time profile's)."""
+        ...
+
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile a request's output constraint (ValueError if it cannot be), from any
+        thread."""
+        ...
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]: ...
+
+    def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
+                     dtype: str) -> None: ...
+
+    def adapters(self) -> dict[str, str] | None: ...
+
+    def register_adapter(self, name: str, path: str) -> None: ...
+
+    def unregister_adapter(self, name: str) -> None: ...
+
+    def load_adapter(self, name: str) -> None: ...
+
+
+class LocalExecutor:
+    """One worker in this process: each call is the worker's own (no copy, no IPC)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker, self.info = worker, worker.info
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        return self.worker.execute(out)
+
+    def forget(self, rid: str, finished: bool = False) -> None:
+        self.worker.forget(rid, finished)
+
+    def compile_constraint(self, params: SamplingParams) -> None:
+        self.worker.compile_constraint(params)
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]:
+        return self.worker.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
+                     dtype: str) -> None:
+        self.worker.write_blocks(block_ids, data, shape, dtype)
+
+    def adapters(self) -> dict[str, str] | None:
+        return self.worker.adapters()
+
+    def register_adapter(self, name: str, path: str) -> None:
+        self.worker.register_adapter(name, path)
+
+    def unregister_adapter(self, name: str) -> None:
+        self.worker.unregister_adapter(name)
+
+    def load_adapter(self, name: str) -> None:
+        self.worker.load_adapter(name)
+
+
+def make_executor(config: EngineConfig, folder: str | Path) -> Executor:
+    """The executor of an engine's config: today one worker, in process."""
+    return LocalExecutor(Worker(folder, config.model, config.cache.block_size,
+                                config.scheduler, config.speculative, config.lora))

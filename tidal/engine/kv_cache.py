@@ -1,0 +1,87 @@
+"""A worker's KV cache: its tensors, how many blocks fit the memory left beside the model,
+and the block I/O that P/D transfers (and lower cache tiers) go through.
+
+Every layer holds one K and one V tensor of `num_blocks + 1` blocks: block `num_blocks` is
+the null block, which padded rows read and write. The scheduler's block ids index them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tidal.engine.config import ModelConfig
+from tidal.engine.device import free_ram, gpu_kv_budget
+from tidal.model.attention import kv_cache_shape
+from tidal.model.config import ModelArch
+
+
+def kv_blocks(config: ModelConfig, per_block: int, device: str,
+              peak_step: Callable[[], None]) -> int:
+    """Blocks of `per_block` bytes the pool gets: `num_kv_blocks` if given; else those that
+    fit `kv_cache_memory`, or on a GPU the memory `gpu_memory_utilization` leaves after the
+    largest step (`peak_step` runs it), or on a CPU `kv_cache_fraction` of the free RAM."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory:
+        budget = config.kv_cache_memory
+    elif device.startswith("cuda"):
+        budget = gpu_kv_budget(device, config.gpu_memory_utilization, peak_step)
+    else:
+        budget = int(free_ram() * config.kv_cache_fraction)
+    blocks = budget // per_block - 1  # the null block
+    if blocks < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block}")
+    return blocks
+
+
+class KVCache:
+    """The K and V tensors of every layer, `num_blocks` blocks of `block_size` positions
+    plus the null block."""
+
+    def __init__(self, arch: ModelArch, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: str) -> None:
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.device = device
+        self.null_block = num_blocks
+        shape = kv_cache_shape(num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(arch.num_layers)]
+        self.k_caches = [k for k, _ in self.layers]
+        self.v_caches = [v for _, v in self.layers]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy blocks `src` to `dst` in every layer (ids on this device)."""
+        for k, v in self.layers:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]:
+        """These blocks' KV (every layer's K then V) as bytes, with its shape and dtype:
+        what a prefill instance sends its decode instance."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        kv = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+                          for k, v in self.layers]).cpu()
+        return kv.view(torch.uint8).numpy().tobytes(), list(kv.shape), str(self.dtype)
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
+                     dtype: str) -> None:
+        """Write KV read by another instance's `read_blocks` into these blocks."""
+        mine = [len(self.layers), 2, len(block_ids), *self.layers[0][0].shape[1:]]
+        if shape != mine or dtype != str(self.dtype):
+            raise ValueError(f"KV of shape {shape} ({dtype}) does not fit this instance's "
+                             f"{mine} ({self.dtype}): prefill and decode must run the same "
+                             f"model, dtype and block size")
+        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(shape)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for (k, v), layer in zip(self.layers, kv.to(self.device)):
+            k.index_copy_(0, idx, layer[0])
+            v.index_copy_(0, idx, layer[1])

@@ -1,0 +1,179 @@
+"""A worker: one device and what lives on it (the model's weights, its KV cache tensors, the
+LoRA slots, the guesser of speculative decoding) and the `ModelRunner` that runs steps on
+them. The executor hands it each step's plan."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tidal.core import ModelOutput, SamplingParams, SchedulerConfig, SchedulerOutput
+from tidal.engine.config import LoRAConfig, ModelConfig, SpeculativeConfig
+from tidal.engine.decode_graphs import CudaGraphCapture
+from tidal.engine.device import pick_device
+from tidal.engine.kv_cache import KVCache, kv_blocks
+from tidal.engine.lora_manager import LoRAManager
+from tidal.engine.model_loading import load_for_runner, pick_model_dtype
+from tidal.engine.model_runner import ModelRunner
+from tidal.model import cpu_decode
+from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
+from tidal.model.config import ModelArch
+from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel,
+                                 paged_prefill_kernel)
+from tidal.model.pooling import Pooling
+from tidal.model.sampler import on_device
+from tidal.spec.factory import make_guesser
+
+log = logging.getLogger("tidal.engine")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the engine core and the step-time profile need to know of a worker."""
+
+    arch: ModelArch
+    device: str
+    dtype: torch.dtype
+    quantization: str | None  # the weights' format as served
+    num_blocks: int  # the KV pool's blocks (the scheduler's)
+    block_size: int
+    kv_cache_bytes: int
+    max_forward_tokens: int  # tokens a forward pass takes at most (0: any)
+    decoder: bool  # decode steps run through the C++ decoder
+    matryoshka: object  # the pooling's Matryoshka dimensions, if the model has them
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+class Worker:
+    """Loads the model onto its device and sizes its KV cache; `execute` applies a step's
+    block copies and runs the step."""
+
+    def __init__(self, folder: str | Path, config: ModelConfig, block_size: int,
+                 scheduler: SchedulerConfig | None = None,
+                 speculative: SpeculativeConfig | None = None,
+                 lora: LoRAConfig | None = None) -> None:
+        sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
+        self.device = device = pick_device(config.device)
+        on_gpu = device.startswith("cuda")
+        self.arch = arch = ModelArch.from_folder(folder)
+        self.block_size = block_size
+        quantization, self.dtype = pick_model_dtype(folder, arch, config, device)
+        if on_gpu:
+            if ":" in device:  # cuda:N: this process's current device too
+                torch.cuda.set_device(torch.device(device))
+        else:
+            torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        max_model_len = min(sched.max_model_len, arch.context_length)
+        ext = cpu_decode.extension() if config.cpu_decoder and device == "cpu" else None
+        # the C++ paged attention and lora_add run float32 and bfloat16; float16 rows on CPU
+        # take PyTorch's attention and matmuls
+        cpp = ext if ext is not None and self.dtype != torch.float16 else None
+        paged = cpp.paged_decode_attention if cpp else (
+            paged_decode_kernel() if on_gpu else None)
+        backend = TorchAttention.for_arch(arch, paged,
+                                          paged_prefill_kernel() if on_gpu else None)
+        self.model, decoder = load_for_runner(folder, arch, config, device, self.dtype,
+                                              quantization, backend, ext)
+        self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
+            lora, sched.max_loras, arch, self.model, self.dtype, device,
+            lora_kernel() if on_gpu else cpp.lora_add if cpp else None, decoder)
+        method = speculative.speculative_method if speculative is not None else None
+        guesses = sched.num_speculative_tokens if method else 0
+        guesser = make_guesser(speculative, guesses, Path(folder), config, device,
+                               ext) if guesses else None
+        pooling = Pooling.from_folder(folder)
+        if on_gpu and not arch.gemma:  # Gemma's offset norms keep the eager ops
+            self._use_fused_kernels()
+        max_forward = (config.max_forward_tokens if config.max_forward_tokens is not None
+                       else 1024 if device == "cpu" else 0)
+        per_block = arch.kv_bytes_per_token(self.dtype.itemsize) * block_size
+        if guesser is not None:  # a block holds a draft's KV of its positions too
+            per_block += guesser.block_bytes(block_size)
+        step_tokens = min(sched.max_input_tokens_per_step, max_model_len)
+        num_blocks = kv_blocks(config, per_block, device,
+                               lambda: self._peak_step(step_tokens, sched.max_num_seqs))
+        self.kv = KVCache(arch, num_blocks, block_size, self.dtype, device)
+        if guesser is not None:
+            guesser.allocate(num_blocks + 1, block_size)
+        self.guesser = guesser
+        self.runner = ModelRunner(self.model, decoder, self.kv, backend, Path(folder), arch,
+                                  config.seed, max_forward, guesser, self.lora, pooling)
+        if on_gpu and not config.enforce_eager and backend.paged_kernel is not None:
+            self.runner.use_decode_graphs(CudaGraphCapture(), sched.max_num_seqs,
+                                          max_model_len)
+        self.info = WorkerInfo(arch, device, self.dtype, quantization, num_blocks, block_size,
+                               self.kv.nbytes, max_forward, decoder is not None,
+                               pooling.matryoshka)
+
+    @torch.inference_mode()
+    def _peak_step(self, tokens: int, rows: int) -> None:
+        """The largest step's forward pass (one prefill of `tokens`, `rows` logits rows) over
+        a one-block cache: its peak memory is what the KV cache must leave free."""
+        arch = self.arch
+        shape = kv_cache_shape(1, self.block_size, arch.num_kv_heads, arch.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
+                  for _ in range(arch.num_layers)]
+        zeros = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(zeros, [PrefillSeq(0, tokens, 0)], tokens)
+        rows_t = torch.arange(tokens - min(rows, tokens), tokens, device=self.device)
+        self.model(zeros, torch.arange(tokens, device=self.device), caches, meta, rows_t)
+
+    def _use_fused_kernels(self) -> None:
+        """Triton's norm and RoPE kernels, kept if a tiny forward pass runs with them (they
+        compile for this device)."""
+        self.model.kernels = fused_kernels()
+        if self.model.kernels is not None:
+            try:
+                self._peak_step(2, 1)
+            except Exception as exc:
+                log.warning("fused kernels failed (%s); running PyTorch ops", exc)
+                self.model.kernels = None
+
+    # ------------------------------------------------------------------ steps
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        """Copy the step's blocks (copy-on-write of shared prefixes), then run it."""
+        if out.block_copies:
+            dev = torch.device(self.device)  # staged without a sync, as the sampler's inputs
+            src = on_device([s for s, _ in out.block_copies], torch.long, dev)
+            dst = on_device([d for _, d in out.block_copies], torch.long, dev)
+            self.kv.copy_blocks(src, dst)
+            if self.guesser is not None:
+                self.guesser.copy_blocks(src, dst)
+        return self.runner.execute(out)
+
+    def forget(self, rid: str, finished: bool = False) -> None:
+        self.runner.forget(rid, finished)
+
+    def compile_constraint(self, params: SamplingParams) -> None:
+        self.runner.compile_constraint(params)
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]:
+        return self.kv.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
+                     dtype: str) -> None:
+        self.kv.write_blocks(block_ids, data, shape, dtype)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def adapters(self) -> dict[str, str] | None:
+        """The adapters requests may name (name -> folder); None where LoRA is off."""
+        return None if self.lora is None else dict(self.lora.paths)
+
+    def register_adapter(self, name: str, path: str) -> None:
+        """Let requests name the adapter in `path` (LoRAError if it cannot be served)."""
+        self.lora.register(name, path)
+
+    def unregister_adapter(self, name: str) -> None:
+        self.lora.unregister(name)
+
+    def load_adapter(self, name: str) -> None:
+        """Read a registered adapter from its folder now, if it is not in memory."""
+        self.lora.load(name)

@@ -1,0 +1,67 @@
+"""The one interface the model runner speculates through, and the rule that verifies guesses.
+
+A `Guesser` hands the runner each verifying request's guesses before the forward pass, and
+after sampling says how many it holds for the next step. Two kinds implement it:
+`Speculator` (a `Proposer` beside the runner: ngram, suffix; an EAGLE or MTP head would be
+one more proposer) and `DraftModel` (a smaller model with KV of its own in the target's
+block ids). The runner never branches on which it has.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from tidal.core import ScheduledRequest
+
+
+class Guesser(Protocol):
+    """Guesses for the runner's verifying requests, by request id."""
+
+    max_guesses: int
+
+    def block_bytes(self, block_size: int) -> int:
+        """KV bytes a block of `block_size` positions holds for the guesser (0: none)."""
+        ...
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """Its KV cache of the pool's blocks (and the null block), if it keeps one."""
+        ...
+
+    def copy_blocks(self, src: "torch.Tensor", dst: "torch.Tensor") -> None:
+        """Copy its KV of blocks `src` to `dst`, as the target's are copied."""
+        ...
+
+    def guesses(self, scheduled: "list[ScheduledRequest]", seqs: dict, batches,
+                wanted: dict[str, int]) -> dict[str, list[int]]:
+        """Up to `wanted[id]` guesses for each verifying request of the step (`seqs`: the
+        runner's requests; `batches`: its BatchBuilder, for a guesser that runs a model)."""
+        ...
+
+    def propose(self, seq_id: str, prompt: list[int], output: list[int]) -> int:
+        """Guess ahead of `output` for the sequence's next step; returns how many."""
+        ...
+
+    def forget(self, seq_id: str, output: list[int], finished: bool) -> None:
+        """The sequence left the runner: finished, or retracted ([] output: it comes back)."""
+        ...
+
+
+def accepted_run(guesses: list[int], samples: list[int]) -> list[int]:
+    """The tokens a verification emits: sample j was drawn from the model's distribution
+    after the guesses before it, so it stands while every earlier guess matched its sample;
+    the first sample that differs from its guess is the last token (and with all guesses
+    matched, the sample after them is a bonus token).
+
+    For a proposer whose guess is one token, not a distribution, this is the rejection
+    sampler of Leviathan et al. exactly: guess g is kept with probability p(g), and a
+    rejected position emits a sample of p with g removed, renormalised; greedy rows keep
+    g iff it is the argmax."""
+    out = []
+    for j, token in enumerate(samples):
+        out.append(token)
+        if j == len(guesses) or token != guesses[j]:
+            break
+    return out
