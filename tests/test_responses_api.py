@@ -18,10 +18,10 @@ from pydantic import BaseModel, Field
 from server_fixtures import module_server
 from tidal.server.openai.chat_output import Piece
 from tidal.server.openai.protocol import APIError
-from tidal.server.openai.response_output import OutputItems
-from tidal.server.openai.responses_api import ResponsesRequest, input_messages
+from tidal.server.responses.output import OutputItems
+from tidal.server.responses.request import ResponsesRequest, input_messages
 from tidal.server.openai.schemas import FunctionDelta, ToolCallDelta
-from tidal.server.response_store import ResponseStore
+from tidal.server.responses.store import ResponseStore
 
 MODEL = "smollm2-135m"
 QUESTION = "What is the capital of France?"
@@ -177,6 +177,30 @@ def test_create_and_stream_give_chats_answer(client):
     assert deltas == final.output_text == whole.output_text
 
 
+def test_logprobs_asked_by_include_and_top_logprobs_are_chats(client):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs: 3` gives each output
+    token chat's logprob and its three likeliest alternatives, whole and streamed; without
+    either the text carries none."""
+    kw = dict(model=MODEL, max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": QUESTION}], model=MODEL, max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+    asked = dict(include=["message.output_text.logprobs"], top_logprobs=3, **kw)
+    whole = client.responses.create(input=QUESTION, **asked)
+    got = whole.output[-1].content[0].logprobs
+    assert [e.token for e in got] == [e.token for e in chat]
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in chat], abs=1e-4)
+    assert all(len(e.top_logprobs) == 3 for e in got)
+    assert [[a.token for a in e.top_logprobs] for e in got] == \
+        [[a.token for a in e.top_logprobs] for e in chat]
+    with client.responses.stream(input=QUESTION, **asked) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+    streamed = [lp for d in deltas for lp in d.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in chat]
+    plain = client.responses.create(input=QUESTION, **kw)
+    assert not plain.output[-1].content[0].logprobs
+
+
 def test_parse_follows_the_schema(client):
     class City(BaseModel):
         name: str = Field(max_length=20)
@@ -312,7 +336,7 @@ def test_think_blocks_become_a_reasoning_item_whole_or_streamed(stream):
 
     from tidal.engine.outputs import StepUpdate
     from tidal.server.openai.chat_output import ChatOutputOptions
-    from tidal.server.openai.response_output import ResponseBody
+    from tidal.server.responses.output import ResponseBody
 
     pieces = ["<th", "ink>\nIt is", " sunny.</think>", "\n\nSun", "ny."]
 

@@ -68,7 +68,9 @@ class TopLogprob(Struct):
     bytes: list[int]
 
 
-class TokenLogprob(Struct):
+class ChatTokenLogprob(Struct):
+    """OpenAI's entry of a chat choice's logprobs (the wire form of a core TokenLogprob)."""
+
     token: str
     logprob: float
     bytes: list[int]
@@ -76,7 +78,7 @@ class TokenLogprob(Struct):
 
 
 class ChatLogprobs(Struct):
-    content: list[TokenLogprob]
+    content: list[ChatTokenLogprob]
 
 
 class AssistantMessage(Struct, omit_defaults=True):
@@ -94,9 +96,9 @@ class ChatChoice(Struct):
     finish_reason: str | None
 
 
-class PromptLogprob(Struct):
-    """vLLM's entry of prompt_logprobs: a token's logprob, its rank (1: the likeliest) and
-    its text."""
+class RankedLogprob(Struct):
+    """vLLM's entry of prompt_logprobs (the wire form of a core PromptLogprob): a token's
+    logprob, its rank (1: the likeliest) and its text."""
 
     logprob: float
     rank: int
@@ -105,7 +107,7 @@ class PromptLogprob(Struct):
 
 # vLLM's prompt_logprobs: per prompt token, {token id: entry} for the token itself and the
 # top alternatives; None for the first token, which has no context.
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
+PromptLogprobs = list[dict[str, RankedLogprob] | None]
 
 
 class ChatCompletion(Struct):

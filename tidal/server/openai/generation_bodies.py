@@ -95,9 +95,9 @@ class GenerationResponse:
             if entry is None:
                 out.append(None)
                 continue
-            d = {str(t): s.PromptLogprob(entry.logprob, entry.rank, text(t))}
+            d = {str(t): s.RankedLogprob(entry.logprob, entry.rank, text(t))}
             for r, (a, alp) in enumerate(entry.top, 1):
-                d.setdefault(str(a), s.PromptLogprob(alp, r, text(a)))
+                d.setdefault(str(a), s.RankedLogprob(alp, r, text(a)))
             out.append(d)
         return out
 
@@ -194,7 +194,7 @@ class ChatResponse(GenerationResponse):
     def logprobs(self, entries: list[Entry], offset: int) -> s.ChatLogprobs:
         text, raw = self.token_text, self.token_bytes
         return s.ChatLogprobs([
-            s.TokenLogprob(text(t), e.logprob, raw(t), [s.TopLogprob(text(a), alp, raw(a))
+            s.ChatTokenLogprob(text(t), e.logprob, raw(t), [s.TopLogprob(text(a), alp, raw(a))
                                                         for a, alp in e.top])
             for t, e in entries])
 

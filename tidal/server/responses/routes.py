@@ -1,7 +1,7 @@
 """OpenAI's Responses API: `POST /v1/responses` (whole or streamed), and `GET` / `DELETE
-/v1/responses/{id}` over the server's in-memory store (`response_store.py`). A request runs
-as the chat request it translates into (`openai/responses_api.py`); its answer is shaped by
-`openai/response_output.py`."""
+/v1/responses/{id}` over the server's in-memory store (`store.py`). A request runs
+as the chat request it translates into (`request.py`); its answer is shaped by
+`output.py`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tidal.server.openai.protocol import APIError
-from tidal.server.openai.response_output import ResponseBody
-from tidal.server.openai.responses_api import ResponsesRequest
+from tidal.server.responses.output import ResponseBody
+from tidal.server.responses.request import ResponsesRequest
 
 routes = APIRouter()
 

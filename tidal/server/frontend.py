@@ -1,0 +1,337 @@
+"""The server's one `Frontend`: the engine client, the tokenizer, the metrics and the
+server's settings, and a request's way from submit to its last update (`generate`, `embed`).
+The routes reach it as `FrontendDep` (at `app.state.frontend`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from functools import partial
+from typing import Annotated, Any, AsyncGenerator, Awaitable, Callable
+
+from fastapi import Depends, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from tidal.engine.outputs import StepUpdate
+from tidal.engine.structured import Grammars
+from tidal.runtime.client import CoreClient, EngineDeadError, Failure
+from tidal.server.config import ServerConfig
+from tidal.server.dashboard import DashboardHub
+from tidal.server.lora_routes import Adapters
+from tidal.server.metrics import ServerMetrics
+from tidal.server.openai.chat import ChatRequest
+from tidal.server.openai.chat_output import ChatOutputOptions
+from tidal.server.openai.embeddings import EmbeddingRequest
+from tidal.server.openai.generation_bodies import GenerationResponse, Updates
+from tidal.server.openai.protocol import APIError, GenerationRequest, check_token_ids
+from tidal.server.openai.reasoning import prompt_opens_thinking
+from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
+                                              parser_for_template)
+from tidal.server.responses.store import ResponseStore
+
+
+class Frontend:
+    """What the routes serve from: the engine cores' client, the tokenizer, the metrics and
+    the server's settings. `generate` takes a checked, tokenized request to its response."""
+
+    def __init__(self, client: CoreClient, config: ServerConfig) -> None:
+        self.client, self.config = client, config
+        self.tokenizer = client.tokenizer
+        self.metrics = ServerMetrics(client, config.served_model_name)
+        self.dashboard = DashboardHub(client, self.metrics, config.served_model_name)
+        self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
+        self.reserved = 0  # sequences of requests being checked and sent (see _submit)
+        self.responses = ResponseStore(config.response_store_bytes, config.response_ttl)
+        self.adapters = Adapters(client, config.served_model_name,
+                                 config.enable_lora_runtime_updates)
+        parser = config.tool_call_parser
+        if parser == "auto":  # the format the model's chat template speaks
+            template = getattr(self.tokenizer, "chat_template", None)
+            parser = parser_for_template(getattr(template, "source", None))
+        self.tool_parser = AUTO_PARSERS[parser]
+
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter `name` is (None: the base model); a 400 if it is neither."""
+        return self.adapters.resolve(name)
+
+    def check_task(self, task: str) -> None:
+        """A 400 for an endpoint of the task this server was not started for (--task)."""
+        if self.config.task not in ("auto", task):
+            serves = "embeddings" if self.config.task == "embed" else "generation"
+            raise APIError(f"this server serves {serves} only (--task {self.config.task})",
+                           code="unsupported_task")
+
+    def chat_options(self, body: ChatRequest) -> ChatOutputOptions:
+        """How a chat request's replies are read: its tool choice and the reasoning split."""
+        mode = body.tool_mode()
+        parser = {"none": None, "auto": self.tool_parser,
+                  "required": RequiredCallsParser}.get(mode)
+        if parser is None and mode != "none":  # a forced function
+            parser = partial(NamedCallParser, mode)
+        return ChatOutputOptions(
+            tool_parser=parser, named=mode not in ("none", "auto", "required"),
+            parallel=body.parallel_tool_calls, reasoning=self.config.reasoning_parser is not None,
+            prompt_opens_thinking=prompt_opens_thinking(body.prompt_text()),
+            include_reasoning=body.include_reasoning)
+
+    async def generate(self, response_cls: type[GenerationResponse],
+                       body: GenerationRequest, prompts: list[list[int]], request: Request,
+                       **options):
+        """Submit the prompts, then answer with the whole body or an SSE stream; `options`
+        go to the response (a chat's ChatOutputOptions)."""
+        sub = await self._submit(prompts, body)
+        stream = None  # once made, its background task ends the submission
+        try:
+            response = response_cls(self.tokenizer, self.config.served_model_name, sub.rids[0],
+                                    prompts, len(prompts) * sub.n,
+                                    body.num_logprobs() is not None,
+                                    self.grammars.token_bytes if self.grammars else None,
+                                    prompt_logprobs=body.prompt_logprobs is not None, **options)
+            updates = self._updates(sub)
+            if not body.stream:
+                return await _unless_client_leaves(request, response.body(updates))
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            sched = self.client.config.scheduler
+            if sched.policy_class.may_reject(sched.policy_options):
+                # A rejection comes before the first token: hold the headers until then, so
+                # that it is a plain 503 rather than an error event inside a 200 stream.
+                updates = await _unless_client_leaves(request, _after_first(updates))
+                if isinstance(updates, Response):
+                    return updates  # the client left
+            events = response.events(updates, include_usage)
+            stream = StreamingResponse(events, media_type="text/event-stream",
+                                       background=BackgroundTask(_closed, events, sub))
+            return stream
+        finally:  # the answer is whole, the client left or an error came
+            if stream is None:
+                await sub.end()
+
+    async def embed(self, body: EmbeddingRequest, prompts: list[list[int]],
+                    request: Request) -> Response | dict:
+        """Submit each input for its embedding; the body once all are back."""
+        sub = await self._submit(prompts, body)
+        vectors: list = [None] * len(prompts)
+
+        async def collect() -> None:
+            async for i, u in self._updates(sub):
+                if u.embedding is not None:
+                    vectors[i] = u.embedding
+
+        try:
+            gone = await _unless_client_leaves(request, collect())
+        finally:
+            await sub.end()
+        if isinstance(gone, Response):
+            return gone
+        if any(v is None for v in vectors):  # a finished request always carries it
+            raise APIError("an input's embedding did not come back", 500, "internal_error")
+        return body.body(vectors, prompts, self.config.served_model_name)
+
+    async def _submit(self, prompts: list[list[int]], body: GenerationRequest) -> Submission:
+        """Check every prompt and its sampling parameters, then send them all to the cores
+        on one queue. Its sequences (prompts times n) count against --max-pending from the
+        first check on."""
+        client, config = self.client, self.config
+        if not client.alive:
+            raise unavailable(client.unavailable())
+        n, most = body.n, min(config.max_sequences_per_request, config.max_pending)
+        sequences = len(prompts) * n
+        if sequences > most:  # a 429 would say retry, which cannot help
+            raise APIError(f"the request asks for {sequences} sequences ({len(prompts)} "
+                           f"prompts, n={n}); this server takes at most {most} from one "
+                           f"request", param="n" if n > 1 else "prompt")
+        # checked and reserved with no await between: concurrent requests cannot overshoot
+        if client.num_outstanding + self.reserved + sequences > config.max_pending:
+            raise APIError("too many requests in flight; retry later", 429, "rate_limit_error")
+        self.reserved += sequences
+        try:
+            return await self._checked_submit(prompts, body)
+        finally:  # sent, the requests count themselves (client.num_outstanding)
+            self.reserved -= sequences
+
+    async def _checked_submit(self, prompts: list[list[int]], body: GenerationRequest
+                              ) -> Submission:
+        client, config = self.client, self.config
+        adapter = self.adapters.resolve(body.model)
+        params = []
+        for ids in prompts:
+            if not ids:
+                raise APIError("the prompt is empty", param=body.prompt_field)
+            check_token_ids(ids, client.ready.vocab_size, body.prompt_field)
+            params.append(body.to_sampling_params(config, len(ids), client.ready.max_model_len,
+                                                  client.ready.vocab_size))
+            params[-1].lora = adapter
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            if getattr(body, name) is not None and \
+                    not client.config.scheduler.policy_class.takes_latency_targets:
+                raise APIError(f"{name} needs a server started with --policy slo (this one "
+                               f"schedules by {client.config.scheduler.policy!r})", param=name)
+        constraint = body.output_constraint()
+        if constraint is not None:  # compiled against the tokenizer: a 400 if it cannot be
+            await self._check_constraint(*constraint)
+        if body.num_logprobs() is not None:  # their `bytes` come from the grammar tokenizer
+            await self._load_grammars()
+        prefill = (body.kv_transfer_params or {}).get("prefill_address")
+        if prefill is not None:
+            body.check_disaggregated()
+        queue: asyncio.Queue = asyncio.Queue()
+        base = uuid.uuid4().hex[:16]
+        rids = [f"{base}-{i}" for i in range(len(prompts))]
+        sent = 0
+        try:
+            for rid, ids, p in zip(rids, prompts, params):
+                await client.add(rid, ids, p, queue, prefill)
+                sent += 1
+        except EngineDeadError as exc:  # those already sent are aborted
+            await Submission(client, self.metrics, rids[:sent], params[0].n).end()
+            raise unavailable(exc) from exc
+        sub = Submission(client, self.metrics, rids, params[0].n, queue)
+        if adapter is not None:  # in use until the answer ends
+            self.metrics.lora_request(adapter)
+            in_flight = self.adapters.in_flight
+            in_flight[adapter] += 1
+            sub.on_end = lambda: in_flight.subtract([adapter])
+        return sub
+
+    async def _load_grammars(self) -> Grammars:
+        """The tokenizer as llguidance sees it, built once (in a thread: ~0.3 s)."""
+        if self.grammars is None:
+            tok, vocab = self.tokenizer, self.client.ready.vocab_size
+            self.grammars = await asyncio.to_thread(Grammars, tok.to_json(), vocab,
+                                                    tok.eos_token_id)
+        return self.grammars
+
+    async def _check_constraint(self, field: str, constraint: tuple[str, str]) -> None:
+        """Compile an output constraint: a 400 naming `field` if it is over
+        --max-constraint-bytes or does not compile (in a worker thread: the event loop goes
+        on; the size bounds the work here and again in the engine core)."""
+        size, most = len(constraint[1].encode()), self.config.max_constraint_bytes
+        if size > most:
+            raise APIError(f"the output constraint is {size} bytes; this server takes at most "
+                           f"{most}", param=field)
+        await self._load_grammars()
+        try:
+            await asyncio.to_thread(self.grammars.compile, *constraint)
+        except ValueError as exc:
+            raise APIError(str(exc), param=field) from exc
+
+    async def _updates(self, sub: Submission) -> Updates:
+        """(choice index, update) until every choice finished, observing the latency
+        metrics. Whoever answers ends the submission (`Submission.end`), so that it ends even
+        when this generator is never opened or never closed."""
+        metrics, n = self.metrics, sub.n
+        index_of = {rid: i for i, rid in enumerate(sub.rids)}
+        t0 = time.perf_counter()
+        first, last, gaps = None, {}, []
+        while sub.left:
+            item = await sub.queue.get()
+            if isinstance(item, Failure):
+                raise APIError(item.message, 503 if item.dead else 400,
+                               "service_unavailable" if item.dead else "invalid_request_error")
+            u: StepUpdate = item
+            now = time.perf_counter()
+            if u.new_token_ids:
+                if first is None:
+                    first = now
+                    metrics.ttft.observe(now - t0)
+                elif u.request_id in last:
+                    gaps.append(now - last[u.request_id])
+                    metrics.itl.observe(gaps[-1])
+                last[u.request_id] = now
+            if u.finished:
+                sub.left -= 1
+                metrics.finished(u.finish_reason or "unknown").inc()
+                if u.finish_reason == "rejected":  # the slo policy's overload decision
+                    raise APIError(u.finish_message or "overloaded", 503,
+                                   "service_unavailable", retry_after=1)
+            yield index_of[u.root_id] * n + u.index, u
+        metrics.e2e.observe(time.perf_counter() - t0)
+        if first is not None:  # for the dashboard's latency charts
+            metrics.recent.append((time.time(), first - t0,
+                                   sum(gaps) / len(gaps) if gaps else None))
+
+
+class Submission:
+    """One request's sequences (prompts x n) from their submission to their end, however
+    the answer goes: `end()`, called once by whoever answered, frees them, aborting those
+    unfinished (the client left, an error), whether or not any update was ever read."""
+
+    def __init__(self, client: CoreClient, metrics: ServerMetrics, rids: list[str], n: int,
+                 queue: asyncio.Queue | None = None) -> None:
+        self.client, self.metrics, self.rids, self.n, self.queue = client, metrics, rids, n, queue
+        self.left = len(rids) * n  # sequences not finished
+        self.on_end: Callable[[], None] | None = None
+
+    async def end(self) -> None:
+        if self.on_end is not None:
+            self.on_end()
+            self.on_end = None
+        if self.left:  # their unfinished sequences end as aborted
+            self.metrics.finished("abort").inc(self.left)
+        for rid in self.rids:
+            if self.left:
+                await self.client.abort(rid)  # free the blocks now
+            else:
+                self.client.release(rid)
+
+
+async def _closed(events: AsyncGenerator[str, None], sub: Submission) -> None:
+    """After a stream: a hang-up cancels it wherever it waits, perhaps on sending a chunk
+    with `events` paused at a yield (left to the garbage collector, its requests would
+    decode on) or before its first step (`events` never opened): close both now."""
+    await events.aclose()
+    await sub.end()
+
+
+async def _after_first(updates: Updates) -> Updates:
+    """`updates` once its first item is here (an APIError before then propagates)."""
+    first = await anext(updates)
+
+    async def chained() -> Updates:
+        try:
+            yield first
+            async for item in updates:
+                yield item
+        finally:
+            await updates.aclose()
+
+    return chained()
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable) -> Any:
+    """A whole-body answer stops when its client disconnects first, as a stream does: the
+    cancelled update stream aborts the requests and their blocks return at once."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not gone.done() or gone.cancelled():
+            raise  # the server itself is cancelling this request
+        return Response(status_code=499)  # nobody is left to read it
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body was read: receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def unavailable(exc: EngineDeadError) -> APIError:
+    """A 503 for a dead or restarting engine (with Retry-After while restarting)."""
+    return APIError(str(exc), 503, "service_unavailable", retry_after=exc.retry_after)
+
+
+def get_frontend(request: Request) -> Frontend:
+    return request.app.state.frontend
+
+
+FrontendDep = Annotated[Frontend, Depends(get_frontend)]
