@@ -24,8 +24,11 @@ from tidal import LLM, SamplingParams
 from tidal.model.config import ModelArch, UnsupportedModelError
 from tidal.model import gguf_quants
 from tidal.model.gguf_quants import MAX_ROWS, GGUFLinear
-from tidal.model.int4_checkpoint import AWQ_ORDER, unpack_awq, unpack_gptq
+from tidal.model.int4_checkpoint import unpack_awq, unpack_gptq
 
+# AutoAWQ's pack order: nibble i of a word holds output channel 8c + AWQ_ORDER[i] (written
+# out here, not taken from the implementation, so that a wrong order fails)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[3, 17, 99, 4, 5], [200, 100, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 250, 251, 252]]
 
@@ -38,10 +41,12 @@ def words(nibbles: np.ndarray, axis: int) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(packed, -1, axis)).astype(np.uint32).view(np.int32)
 
 
-def pack_gptq(q: np.ndarray, zeros: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """GPTQ (v1) packing of q [out, in] and zeros [out, groups]: qweight [in/8, out],
-    qzeros [groups, out/8] holding zero - 1."""
-    return words(q.T, 0), words((zeros - 1).T, 1)
+def pack_gptq(q: np.ndarray, zeros: np.ndarray, v2: bool = False,
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ packing of q [out, in] and zeros [out, groups]: qweight [in/8, out], qzeros
+    [groups, out/8] holding zero - 1 in v1 (a zero of 0 wraps to 15), the zero in v2."""
+    stored = zeros if v2 else (zeros.astype(np.int16) - 1) & 15
+    return words(q.T, 0), words(stored.T, 1)
 
 
 def pack_awq(q: np.ndarray, zeros: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -53,8 +58,10 @@ def pack_awq(q: np.ndarray, zeros: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return words(interleave(q.T), 1), words(interleave(zeros.T), 1)
 
 
-def quantize(w: np.ndarray, group: int, sym: bool, rng) -> tuple[np.ndarray, ...]:
-    """q [out, in], scales and zeros [out, groups] with w ~ scale * (q - zero)."""
+def quantize(w: np.ndarray, group: int, sym: bool, rng, v2: bool = False,
+             ) -> tuple[np.ndarray, ...]:
+    """q [out, in], scales and zeros [out, groups] with w ~ scale * (q - zero); `v2`: every
+    third group's zero 0 (what only GPTQ v2 stores)."""
     n, k = w.shape
     g = w.reshape(n, k // group, group)
     if sym:
@@ -64,6 +71,8 @@ def quantize(w: np.ndarray, group: int, sym: bool, rng) -> tuple[np.ndarray, ...
         lo, hi = g.min(-1), g.max(-1)
         scale = (hi - lo) / 15
         zero = np.clip(np.round(-lo / scale), 1, 15)  # >= 1: GPTQ v1 stores zero - 1
+        if v2:
+            zero[:, ::3] = 0
     scale = scale.astype(np.float16).astype(np.float32)
     q = np.clip(np.round(g / scale[..., None]) + zero[..., None], 0, 15)
     return q.reshape(n, k).astype(np.uint8), scale, zero.astype(np.uint8)
@@ -82,11 +91,12 @@ def checkpoint(tmp: Path, method: str, group: int, sym: bool) -> tuple[Path, Pat
             quantized[name] = t.astype(np.float16)
             dense[name] = t.astype(np.float16).astype(np.float32)
             continue
-        q, scale, zero = quantize(t, group, sym, rng)
-        qweight, qzeros = (pack_gptq if method == "gptq" else pack_awq)(q, zero)
+        v2 = method == "gptq_v2"
+        q, scale, zero = quantize(t, group, sym, rng, v2)
+        qweight, qzeros = (pack_awq(q, zero) if method == "awq" else pack_gptq(q, zero, v2))
         quantized[module + ".qweight"], quantized[module + ".qzeros"] = qweight, qzeros
         quantized[module + ".scales"] = np.ascontiguousarray(scale.T).astype(np.float16)
-        if method == "gptq":
+        if method != "awq":
             quantized[module + ".g_idx"] = (np.arange(t.shape[1]) // group).astype(np.int32)
         per_weight = np.repeat(scale, group, 1) * (q.astype(np.float32) - np.repeat(zero, group, 1))
         dense[name] = per_weight.astype(np.float32)
@@ -98,8 +108,9 @@ def checkpoint(tmp: Path, method: str, group: int, sym: bool) -> tuple[Path, Pat
         if kind == "q":
             cfg = json.loads((folder / "config.json").read_text())
             cfg["quantization_config"] = (
-                dict(quant_method="gptq", bits=4, group_size=group, sym=sym, desc_act=False)
-                if method == "gptq" else
+                dict(quant_method="gptq", bits=4, group_size=group, sym=sym, desc_act=False,
+                     checkpoint_format="gptq_v2" if v2 else "gptq")
+                if method != "awq" else
                 dict(quant_method="awq", bits=4, group_size=group, zero_point=not sym,
                      version="gemm"))
             (folder / "config.json").write_text(json.dumps(cfg))
@@ -146,7 +157,8 @@ def generate(folder: Path, rounded: bool = False):
 
 
 @pytest.mark.parametrize("method,group,sym", [("gptq", 128, True), ("gptq", 32, False),
-                                              ("awq", 64, False), ("awq", 128, True)])
+                                              ("gptq_v2", 64, False), ("awq", 64, False),
+                                              ("awq", 128, True)])
 def test_checkpoint_runs_as_its_dequantized_model(tmp_path, monkeypatch, method, group, sym):
     """The checkpoint computes what its dequantized weights compute densely from the inputs
     the kernels see (int8-rounded per 32): the same greedy tokens (C++ decoder, integer
@@ -167,7 +179,7 @@ def test_checkpoint_runs_as_its_dequantized_model(tmp_path, monkeypatch, method,
     size = 18 if sym else 22  # Q4_0 blocks where every zero is 8, else Q5_0: both exact
     assert isinstance(qkv, GGUFLinear) and qkv.nbytes == 128 * 256 // 32 * size
     assert runner.decoder is not None
-    with pytest.raises(ValueError, match=f"is a {method} checkpoint"):
+    with pytest.raises(ValueError, match=f"is a {method.split('_')[0]} checkpoint"):
         LLM(str(folder), quantization="int4", num_kv_blocks=8)
 
 
@@ -184,6 +196,27 @@ def test_unpacking_inverts_each_formats_packing(n, k, seed):
     qweight, qzeros = pack_awq(q, zeros)
     got_q, got_z = unpack_awq(torch.from_numpy(qweight), torch.from_numpy(qzeros))
     assert np.array_equal(got_q, q) and np.array_equal(got_z, zeros)
+
+
+def test_gptq_v1_reads_a_stored_zero_plus_one_and_v2_the_zero_itself():
+    """A v1 checkpoint stores zero - 1, so a stored 15 (a zero of 0 wrapped) reads as 16, as
+    in every v1 reader; v2 stores the zero: 0 reads as 0."""
+    q = np.zeros((8, 32), np.uint8)
+    zeros = np.array([[0], [1], [8], [15], [0], [3], [0], [15]], np.uint8)
+    _, v1 = pack_gptq(q, zeros)
+    _, v2 = pack_gptq(q, zeros, v2=True)
+    got_v1 = unpack_gptq(torch.zeros(4, 8, dtype=torch.int32), torch.from_numpy(v1), None, 32)[1]
+    got_v2 = unpack_gptq(torch.zeros(4, 8, dtype=torch.int32), torch.from_numpy(v2), None, 32,
+                         v2=True)[1]
+    assert got_v1[:, 0].tolist() == [16, 1, 8, 15, 16, 3, 16, 15]
+    assert np.array_equal(got_v2, zeros)
+
+
+def test_a_quantized_config_over_dense_tensors_is_refused_naming_the_tensor(tmp_path):
+    folder, dense = checkpoint(tmp_path, "gptq", 32, True)
+    shutil.copy(dense / "model.safetensors", folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"hold no model\.layers\.0\.\w+\.\w+_proj\.qweight"):
+        LLM(str(folder), num_kv_blocks=8)
 
 
 def test_act_order_is_refused_by_name(tmp_path):

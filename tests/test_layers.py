@@ -1,9 +1,9 @@
-"""tidal's structure: imports go down the layers, configs are frozen, and every engine
-option has one name.
+"""tidal's structure: imports go down the layers, no file is over 500 lines, configs are
+frozen, and every engine option has one name.
 
 Layers, lowest first: core < model < engine < cluster < runtime < server < cli (tidal/cli.py,
 and any other top-level module such as `python -m tidal.config_docs`). A module imports its own
-layer and the ones below it; core imports only core. spec/ (speculative decoding's proposers)
+layer and the ones below it; core imports only core. spec/ (speculative decoding's guessers)
 is of the engine's layer. bench/ and sim/ stand beside the stack:
 they may import core, model, engine (the flag helpers are tidal/engine/flags.py), cluster
 and each other, never server or cli; of the stack, only cli imports them. Every import
@@ -144,6 +144,20 @@ def test_bench_and_sim_do_not_import_the_command_line():
                  if layer(module_name(p)) == BESIDE
                  for line, m in imports(p) if m == "tidal.cli"]
     assert offenders == []
+
+
+MAX_LINES = 500  # a file past this holds more than one job: split it
+
+
+def test_no_file_is_over_the_line_cap():
+    """Every Python file of the package, its tests and its benchmarks stays within
+    MAX_LINES lines."""
+    repo = ROOT.parent
+    files = [*ROOT.rglob("*.py"), *(repo / "tests").rglob("*.py"),
+             *(repo / "benchmarks").rglob("*.py")]
+    over = {str(p.relative_to(repo)): n for p in files
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert len(files) > 100 and over == {}
 
 
 # Configs: frozen, with one name per engine option.

@@ -1,79 +1,20 @@
-"""The batched LoRA kernels, Triton's (under its interpreter without CUDA) and the C++ one,
-against a float64 reference: rows of several slots in any order, the fused projections'
-block-diagonal B (q, k, v parts), slots of more rows than a block of the C++ kernel, ranks,
-inputs and outputs of no round size, float32 and bf16 (and bf16 weights under float32
-rows)."""
+"""The batched LoRA kernel of Triton (under its interpreter without CUDA) against a float64
+reference (`lora_reference.py`: rows of several slots in any order, the fused projections'
+block-diagonal B, ranks, inputs and outputs of no round size, float32 and bf16, and bf16
+weights under float32 rows). The C++ kernel's test is `test_lora_kernel_cpp.py`, which runs
+without Triton."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from triton_setup import DEVICE  # first: sets Triton's interpreter up without CUDA
 
-from tidal.model.cpu_extension import extension
-from tidal.model.kernels.lora import lora_add as triton_lora_add
-from tidal.model.lora_slots import LoRABatch
+from lora_reference import DTYPES, SHAPES, check_kernel
+from tidal.model.kernels.lora import lora_add
 
 
-def case(seed: int, outs: list[int], k: int, rank: int, slots: int, rows: int,
-         dtype: torch.dtype, wdtype: torch.dtype | None = None):
-    """x, y, A [S, P rank, k], B^T [S, P rank, n] (random everywhere: part p's columns must
-    read its ranks alone), and a batch of two rows in three with random slots."""
-    g = torch.Generator().manual_seed(seed)
-    n, parts = sum(outs), len(outs)
-    x = torch.randn(rows, k, generator=g).to(dtype)
-    y = torch.randn(rows, n, generator=g).to(dtype)
-    wdtype = wdtype or dtype
-    a = (torch.randn(slots, parts * rank, k, generator=g) / k ** 0.5).to(wdtype)
-    b = torch.randn(slots, parts * rank, n, generator=g)  # the kernels read the blocks alone
-    row_slots = [int(torch.randint(-1, slots, (1,), generator=g)) if i % 3 else -1
-                 for i in range(rows)]
-    batch = LoRABatch()
-    batch.set(row_slots, slots, "cpu")
-    return x, y, a, b.to(wdtype), batch, torch.tensor(outs).cumsum(0)
-
-
-def reference(x, y, a, b, batch, outs) -> torch.Tensor:
-    out = y.double().clone()
-    if batch.rows is None:
-        return out
-    rank = b.shape[1] // len(outs)
-    own = torch.zeros(b.shape[1:], dtype=torch.bool)  # part p's ranks x part p's columns
-    for p, (c0, c1) in enumerate(zip([0, *torch.tensor(outs).cumsum(0).tolist()],
-                                     torch.tensor(outs).cumsum(0).tolist())):
-        own[p * rank:(p + 1) * rank, c0:c1] = True
-    b = b.double() * own
-    starts = [0, *batch.ends.tolist()]
-    for s, (lo, hi) in enumerate(zip(starts, starts[1:])):
-        for row in batch.rows[lo:hi].tolist():
-            out[row] += (x[row].double() @ a[s].double().t()) @ b[s].double()
-    return out
-
-
-KERNELS = {"triton": triton_lora_add}
-if extension() is not None:
-    KERNELS["c++"] = extension().lora_add
-
-
-@pytest.mark.parametrize("kernel", list(KERNELS))
-@pytest.mark.parametrize("dtype, wdtype", [(torch.float32, torch.float32),
-                                           (torch.bfloat16, torch.bfloat16),
-                                           (torch.float32, torch.bfloat16)])
-@pytest.mark.parametrize("outs, k, rank", [([64, 32, 32], 64, 8), ([96], 160, 16),
-                                           ([80, 80], 48, 4), ([70, 30], 100, 6)])
-def test_lora_add_equals_the_reference(kernel, dtype, wdtype, outs, k, rank):
-    for seed in range(3):
-        x, y, a, b, batch, bounds = case(seed, outs, k, rank, slots=3, rows=25, dtype=dtype,
-                                         wdtype=wdtype)
-        want = reference(x, y, a, b, batch, outs)
-        if batch.rows is None:
-            continue
-        got = y.clone().to(DEVICE) if kernel == "triton" else y.clone()
-        dev = DEVICE if kernel == "triton" else "cpu"
-        KERNELS[kernel](x.to(dev), got, a.to(dev), b.to(dev), batch.rows.to(dev),
-                        batch.ends.to(dev), bounds.to(dev))
-        tol = 1e-4 if dtype == torch.float32 else 2e-2  # the reference takes the weights' bits
-        torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
-        untouched = [i for i in range(25) if i not in batch.rows.tolist()]
-        assert torch.equal(got.cpu()[untouched], y[untouched])  # base-model rows stay
+@pytest.mark.parametrize("dtype, wdtype", DTYPES)
+@pytest.mark.parametrize("outs, k, rank", SHAPES)
+def test_the_triton_kernel_equals_the_reference(dtype, wdtype, outs, k, rank):
+    check_kernel(lora_add, DEVICE, dtype, wdtype, outs, k, rank)

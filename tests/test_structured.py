@@ -85,6 +85,9 @@ def test_regex_choice_and_grammar_hold(client):
         assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\)", c.text), c.text
 
 
+OVER_BYTES = "bytes; this server takes at most 131072"
+
+
 @pytest.mark.parametrize("body,param,words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}},
      "response_format", "does not compile"),
@@ -97,8 +100,12 @@ def test_regex_choice_and_grammar_hold(client):
     ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml", "not supported"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
      "send one"),
-    # over --max-constraint-bytes: refused before any compilation
-    ({"guided_choice": [f"c{i}" for i in range(100_000)]}, "guided_choice", "at most"),
+    # over --max-constraint-bytes (128 KiB): refused before any compilation, by size
+    ({"guided_choice": [f"c{i}" for i in range(100_000)]}, "guided_choice", OVER_BYTES),
+    ({"guided_regex": "(ab|cd)" * 20_000}, "guided_regex", OVER_BYTES),
+    ({"guided_json": {"type": "object", "properties": {
+        f"field_{i}": {"type": "string", "maxLength": 10} for i in range(4000)}}},
+     "guided_json", OVER_BYTES),
     # past the parser's row limit (it would fail only once decoding reached it)
     ({"guided_choice": [f"c{i}" for i in range(2000)]}, "guided_choice", "at most 1999"),
     # compiles, but its first mask fails: a schema that is only a reference to itself

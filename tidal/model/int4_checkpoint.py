@@ -43,8 +43,14 @@ def read_checkpoint(folder: Path, quantization_config: dict) -> dict[str, Weight
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 raw[name] = f.get_tensor(name)
+    packed = [n for n in raw if n.endswith(".qweight")]
+    if not packed:  # dense weights under a quantized config would load as dense
+        dense = next((n for n in raw if n.endswith("_proj.weight")), "a projection's weight")
+        raise ValueError(f"{folder}: config.json declares a {method} checkpoint, but its "
+                         f"tensors hold no {dense.removesuffix('.weight')}.qweight (dense "
+                         f"weights? drop quantization_config to load them as they are)")
     weights: dict[str, Weight] = {}
-    for name in [n for n in raw if n.endswith(".qweight")]:
+    for name in packed:
         module = name.removesuffix(".qweight")
         parts = {p: raw.pop(module + p, None) for p in _PARTS}
         if parts[".qzeros"] is None or parts[".scales"] is None:
