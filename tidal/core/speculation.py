@@ -178,11 +178,7 @@ class GuessPlanner:
     def _base(self, entries: Sequence[tuple[Request, int]]) -> tuple[StepShape, float]:
         """The decode rows' shape and predicted seconds (0: not adaptive, or no prediction
         yet)."""
-        shape, adapters = StepShape(), set()
-        for r, c in entries:
-            shape.add(1, c, adapter=r.lora is not None)
-            adapters.add(r.lora)
-        shape.adapters = len(adapters - {None})
+        shape = StepShape.decodes((c, r.lora) for r, c in entries)
         model = self.step_time if self.adaptive else None
         return shape, model.shape_time(shape) if model is not None else 0.0
 

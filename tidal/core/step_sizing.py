@@ -36,13 +36,7 @@ def default_step_target(on_gpu: bool, model: "StepTimeModel | None") -> float:
 def decode_shape(decoding: Iterable["Request"]) -> StepShape:
     """The shape of one decode row for each of `decoding`, at its current context (through
     its LoRA adapter, if it has one)."""
-    shape, adapters = StepShape(), set()
-    for r in decoding:
-        shape.add(1, r.num_computed_tokens, adapter=r.lora is not None)
-        if r.lora is not None:
-            adapters.add(r.lora)
-    shape.adapters = len(adapters)
-    return shape
+    return StepShape.decodes((r.num_computed_tokens, r.lora) for r in decoding)
 
 
 def cap_prefill(sched: "Scheduler", plan: "StepPlan", decode: StepShape,

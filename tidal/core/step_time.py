@@ -53,6 +53,17 @@ class StepShape:
         return other
 
     @classmethod
+    def decodes(cls, rows: Iterable[tuple[int, str | None]]) -> "StepShape":
+        """One decode row for each (cached tokens, LoRA adapter or None) of `rows`."""
+        shape, names = cls(), set()
+        for c, lora in rows:
+            shape.add(1, c, adapter=lora is not None)
+            names.add(lora)
+        names.discard(None)
+        shape.adapters = len(names)
+        return shape
+
+    @classmethod
     def of(cls, out: "SchedulerOutput",
            requests: "Mapping[str, Request] | None" = None) -> "StepShape":
         """The step's shape. A decode entry of 1 + k positions (k guesses) runs as 1 + k

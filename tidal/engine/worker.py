@@ -44,7 +44,7 @@ class WorkerInfo:
     kv_cache_bytes: int
     max_forward_tokens: int  # tokens a forward pass takes at most (0: any)
     decoder: bool  # decode steps run through the C++ decoder
-    matryoshka: object  # the pooling's Matryoshka dimensions, if the model has them
+    matryoshka: bool  # an embedding's leading dimensions are one too (`dimensions` works)
 
     @property
     def on_gpu(self) -> bool:
