@@ -66,6 +66,17 @@ def test_running_decodes_take_their_rows_off_the_prompt_tokens(policy):
     assert MODEL.shape_time(StepShape.of(out)) <= 0.100
 
 
+def test_whole_prompts_keep_to_the_target_under_a_small_chunk_budget():
+    """Twelve 10-token prompts need no chunk: the input budget is what caps them, even where
+    the chunk budget is a single block (80 tokens fit 100 ms at 10 ms + 1 ms a token)."""
+    s = sized(chunked_prefill_size=16)
+    for i in range(12):
+        add(s, f"p{i}", 10)
+    out, _ = step(s)
+    assert prompt_tokens(out) == 80
+    assert MODEL.shape_time(StepShape.of(out)) <= 0.100
+
+
 def test_decodes_over_the_target_still_let_one_block_of_prompt_through():
     """100 streams take 110 ms alone: the waiting prompt still moves, a block a step."""
     s = sized(max_num_seqs=200)

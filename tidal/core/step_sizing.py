@@ -46,7 +46,9 @@ def cap_prefill(sched: "Scheduler", plan: "StepPlan", decode: StepShape,
     one block, so prompts always move (decodes that alone take the target still run, with
     that block beside them)."""
     budget, bs = plan.budget, sched.block_size
-    room = min(budget.rem_input_tokens, budget.rem_chunk_tokens)
+    # the input budget, not the chunk budget: whole prompts that need no chunk take the
+    # input budget alone, so a chunk budget of a block must not leave them uncapped
+    room = budget.rem_input_tokens
     if room <= bs:
         return room
     step = prompt_step(sched, decode)
