@@ -146,6 +146,19 @@ def profile_path(key: dict) -> Path:
     return cache_root() / "step-profiles" / f"{digest}.json"
 
 
+def measure_profile(executor, budget_s: float, vocab: int, max_len: int,
+                    ) -> list[tuple[StepShape, float]]:
+    """Time the start-up grid of step shapes now, within about `budget_s` seconds."""
+    t0 = time.perf_counter()
+    grid = worker_grid(executor.info, max_len)
+    warm = [e for e in grid if e[0][0] == 1][:1] + [e for e in grid if e[0][0] > 1][:1]
+    measure(executor, warm, repeats=0, vocab=vocab, warmups=1)  # one-time costs of each kind
+    steps = measure(executor, grid, repeats=3, vocab=vocab, warmups=0, deadline=t0 + budget_s,
+                    repeat_seconds=REPEAT_SECONDS)
+    log.info("step times measured in %.1fs (%d shapes)", time.perf_counter() - t0, len(steps))
+    return steps
+
+
 def load_or_measure(executor, folder: Path, budget_s: float, vocab: int, max_len: int,
                     ) -> list[tuple[StepShape, float]]:
     """This model's step times on this machine: the saved profile, or measured now (within
@@ -158,14 +171,8 @@ def load_or_measure(executor, folder: Path, budget_s: float, vocab: int, max_len
             return [(_shape(s), t) for s, t in saved["steps"]]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none yet, or unreadable: measure
-    t0 = time.perf_counter()
-    grid = worker_grid(executor.info, max_len)
-    warm = [e for e in grid if e[0][0] == 1][:1] + [e for e in grid if e[0][0] > 1][:1]
-    measure(executor, warm, repeats=0, vocab=vocab, warmups=1)  # one-time costs of each kind
-    steps = measure(executor, grid, repeats=3, vocab=vocab, warmups=0, deadline=t0 + budget_s,
-                    repeat_seconds=REPEAT_SECONDS)
-    log.info("step times measured in %.1fs (%d shapes); saved to %s",
-             time.perf_counter() - t0, len(steps), path)
+    steps = measure_profile(executor, budget_s, vocab, max_len)
+    log.info("%d step times saved to %s", len(steps), path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
