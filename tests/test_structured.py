@@ -1,8 +1,8 @@
 """Structured outputs on the embedded model, through a real server and the official `openai`
 client: JSON schemas (OpenAI's response_format and vLLM's fields) hold at temperature 1.0
 for 20 samples, streamed or not and with n > 1; regexes, choices and Lark grammars hold;
-a constraint that does not compile, is too large, or fails on its first mask, or two at
-once, is a 400 naming the field; one that fails while decoding ends with an error. Offline: a
+a constraint that does not compile, is too large, fails on its first mask or outgrows the
+grammar engine on its first tokens, or two at once, is a 400 naming the field; one that fails while decoding ends with an error. Offline: a
 request retracted and recomputed mid-output keeps to its grammar."""
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def test_regex_choice_and_grammar_hold(client):
 
 
 OVER_BYTES = "bytes; this server takes at most 131072"
+CANNOT = "cannot be followed"
 
 
 @pytest.mark.parametrize("body,param,words", [
@@ -111,6 +112,20 @@ OVER_BYTES = "bytes; this server takes at most 131072"
     # compiles, but its first mask fails: a schema that is only a reference to itself
     ({"guided_json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
      "guided_json", "does not compile"),
+    # compile and mask, but outgrow the grammar engine on their first tokens: nested or
+    # huge counted repetitions (a lexer of millions of states), a forced output of a
+    # million tokens (the parser's items)
+    ({"guided_regex": "((a{100}){100}){100}"}, "guided_regex", CANNOT),
+    ({"guided_regex": "a{100000}"}, "guided_regex", CANNOT),
+    ({"guided_regex": "(b|(a{1000}){1000})"}, "guided_regex", CANNOT),
+    ({"structured_outputs": {"regex": "The answer: (ab){20000}"}},
+     "structured_outputs.regex", CANNOT),
+    ({"guided_grammar": 'start: a{1000}\na: b{1000}\nb: "x"'}, "guided_grammar", CANNOT),
+    ({"guided_grammar": 'start: "x" /(a{1000}){1000}/'}, "guided_grammar", CANNOT),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "required": ["a"],
+        "properties": {"a": {"type": "string", "pattern": "^((a{100}){100}){100}$"}}}}}},
+     "response_format", CANNOT),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, body, param, words):
     r = httpx.post(server.url + "/v1/chat/completions",
@@ -121,10 +136,12 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param, words):
 
 
 def test_a_constraint_that_fails_while_decoding_ends_with_an_error(server):
-    """A regex the grammar engine compiles but cannot run to its end (too many lexer
-    states): the request ends with an error naming the constraint, never a silent stop, and
-    the engine serves the next one."""
-    body = {"messages": ASK, "max_tokens": 16, "guided_regex": "((a{100}){100}){100}"}
+    """A grammar whose first tokens are fine but one branch outgrows the grammar engine
+    (the compile-time probe takes the other): a bias steers the model into it, and the
+    request ends with an error naming the constraint, never a silent stop, and the engine
+    serves the next one."""
+    body = {"messages": ASK, "max_tokens": 16, "logit_bias": {"97": 100},  # "q"
+            "guided_grammar": 'start: "yes yes yes" | "q" X\nX: /(a{1000}){1000}/'}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 500, r.text
     assert "constraint failed while decoding" in r.json()["error"]["message"]

@@ -35,6 +35,8 @@ CACHED = 64  # compiled constraints kept (a workload reuses a few schemas)
 # cannot stall a step; schemas, regexes and grammars of real use stay well inside, and one
 # past them fails (a 400 when its first mask does, else an error while decoding).
 LIMITS = {"initial_lexer_fuel": 100_000, "step_lexer_fuel": 20_000, "max_lexer_states": 25_000}
+PROBE_STEPS = 4  # tokens a new constraint is walked ahead at compilation (`_probe`)
+_BITS = torch.arange(32, dtype=torch.int32)
 # tidal's kind -> llguidance's grammar_from format
 _FORMATS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "lark"}
 
@@ -65,6 +67,7 @@ class Grammars:
         self._compiled: dict[tuple[str, str], object] = {}
         self._lock = threading.Lock()
         self.limits = llguidance.LLParserLimits(**LIMITS)
+        self._token_lengths: torch.Tensor | None = None
 
     def grammar(self, kind: str, spec: str) -> str:
         """llguidance's grammar for a spec; ValueError naming what is wrong with it."""
@@ -109,11 +112,43 @@ class Grammars:
         self._llt.fill_next_token_bitmask(m, self._llt.allocate_token_bitmask(1, self.vocab_size))
         if m.is_error():
             raise ValueError(f"the {kind} constraint does not compile: {error_line(m)}")
+        failure = self._probe(m.deep_copy())
+        if failure:
+            raise ValueError(f"the {kind} constraint cannot be followed: {failure} (its "
+                             "repetitions grow past the grammar engine's limits)")
         with self._lock:
             self._compiled[key] = m
             while len(self._compiled) > CACHED:
                 del self._compiled[next(iter(self._compiled))]  # the oldest
         return m
+
+    def _probe(self, m) -> str | None:
+        """Walk a copy of a fresh matcher PROBE_STEPS tokens ahead, the longest allowed one
+        each time: a lexer or parser that outgrows the engine's budgets (nested counted
+        repetitions, a forced output of millions of tokens) fails on its first steps, so
+        it is refused before admission rather than ending in an error mid-answer."""
+        bitmask = self._llt.allocate_token_bitmask(1, self.vocab_size)
+        for _ in range(PROBE_STEPS):
+            self._llt.fill_next_token_bitmask(m, bitmask, 0)
+            if m.is_error():
+                return error_line(m)
+            if m.is_stopped():
+                return None
+            allowed = (bitmask[0, :, None] >> _BITS) & 1  # words x 32 bits: a token each
+            lengths = torch.where(allowed.flatten()[:self.vocab_size].bool(),
+                                  self._lengths(), -1)
+            if int(lengths.max()) <= 0:  # nothing but a stop token may follow
+                return None
+            m.consume_token(int(lengths.argmax()))
+        return error_line(m) if m.is_error() else None
+
+    def _lengths(self) -> torch.Tensor:
+        """Each token's byte length; 0 for special tokens (the probe never picks them)."""
+        if self._token_lengths is None:
+            self._token_lengths = torch.tensor(
+                [0 if self.tokenizer.is_special_token(t) else len(self.token_bytes(t))
+                 for t in range(self.vocab_size)])
+        return self._token_lengths
 
     def matcher(self, kind: str, spec: str, consumed: list[int]):
         """A matcher at the state after `consumed` (a resumed or forked sequence's tokens),
