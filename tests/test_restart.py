@@ -6,6 +6,7 @@ finds a restarted prefill core at its new KV address."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -195,3 +196,74 @@ def test_the_router_finds_a_restarted_prefill_core_at_its_new_address():
         assert again.json()["choices"][0]["text"] == ok.json()["choices"][0]["text"]
     finally:
         pd.stop()
+
+
+def test_a_long_step_under_full_load_is_no_hang():
+    """A prefill of ~2,500 tokens in one step (no step-time cap) beside streams decoding, with
+    --core-hang-timeout at 1 s: the streams freeze for longer than the timeout (the step is
+    longer), yet the core's heartbeat thread speaks through it, so nothing is killed."""
+    s = Server("--core-hang-timeout", "1", "--max-step-ms", "0")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        pid = s.core_pid()
+        gaps: list[float] = []
+
+        def stream() -> None:
+            last = None
+            for _ in client.completions.create(model=MODEL, prompt="Once upon a time",
+                                               max_tokens=60, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+                now = time.monotonic()
+                gaps.append(now - last if last is not None else 0.0)
+                last = now
+
+        threads = [threading.Thread(target=stream) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        words = " ".join(f"word{i % 97} river{i % 13}" for i in range(450))
+        long = client.completions.create(model=MODEL, prompt=words, max_tokens=2)
+        for t in threads:
+            t.join(120)
+        assert long.usage.prompt_tokens > 2000 and long.choices[0].finish_reason == "length"
+        assert max(gaps) > 1.0, max(gaps)  # a step longer than the hang timeout happened
+        assert len(gaps) == 4 * 60  # every stream ended whole
+        assert s.core_pid() == pid and health(s.url).json()["core_restarts"] == 0
+    finally:
+        s.stop()
+
+
+def test_a_stall_of_the_frontends_own_loop_is_no_silence_of_a_core():
+    """The frontend's event loop blocked for longer than the hang timeout (a heavy request
+    parsed on the loop, a slow GC): the watchdog's next tick comes before the heartbeats
+    queued behind it are read, and must not kill a live core for it."""
+    from tidal.runtime.core_watch import CoreWatch, RestartPolicy
+
+    class Alive:
+        pid, killed = 1, False
+
+        def alive(self) -> bool:
+            return not self.killed
+
+        def kill(self) -> None:
+            self.killed = True
+
+    async def main() -> tuple[bool, bool]:
+        handle = Alive()
+        watch = CoreWatch(1, RestartPolicy(max_restarts=0, hang_timeout=0.5),
+                          launch=lambda *a: handle, on_down=lambda *a: None,
+                          on_up=lambda *a: None, on_gone=lambda *a: None, handles=[handle])
+        watch.cores[0].up, watch.cores[0].last_heard = True, time.monotonic()
+        task = asyncio.create_task(watch.run())
+        await asyncio.sleep(0.3)
+        watch.heard(0)
+        time.sleep(1.5)  # the loop blocked: heartbeats pile up unread meanwhile
+        await asyncio.sleep(0.05)  # the watchdog's overdue tick runs before any read
+        killed_by_stall = handle.killed
+        watch.heard(0)  # the queued heartbeats, read
+        await asyncio.sleep(1.0)  # then a real silence past the timeout is noticed
+        watch.close()
+        task.cancel()
+        return killed_by_stall, handle.killed
+
+    assert asyncio.run(main()) == (False, True)

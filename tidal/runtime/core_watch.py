@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 log = logging.getLogger("tidal.server")
+POLL_SECONDS = 0.2  # the watchdog's period
+STALL_SECONDS = 1.0  # a period this late means the frontend's own event loop was blocked
 
 
 @dataclass(frozen=True)
@@ -161,9 +163,16 @@ class CoreWatch:
 
     async def run(self) -> None:
         """Poll the cores' processes until every core is gone for good (or closing)."""
-        hang = self.policy.hang_timeout
+        hang, tick = self.policy.hang_timeout, time.monotonic()
         while not self.closing and not all(s.gone for s in self.cores):
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(POLL_SECONDS)
+            now, last = time.monotonic(), tick
+            tick = now
+            if now - last > STALL_SECONDS:
+                # this process's own loop stalled: the cores' heartbeats may wait unread
+                # behind this tick, so the stall is no silence of theirs
+                for state in self.cores:
+                    state.last_heard += now - last - POLL_SECONDS
             for state in self.cores:
                 if not state.up or self.closing:
                     continue

@@ -131,9 +131,10 @@ class ServerConfig(HttpConfig):
                              "it is back.")
     restart_backoff: float = knob(1.0, "Seconds before the first restart of a dead core, "
                                   "doubled for each next one.")
-    core_hang_timeout: float = knob(30.0, "Seconds an engine core's process may go without "
+    core_hang_timeout: float = knob(10.0, "Seconds an engine core's process may go without "
                                     "a heartbeat (twice a second, from a thread of its own, "
-                                    "so a long step is no silence) before it counts as hung "
+                                    "so a long step is no silence; a stall of the frontend's "
+                                    "own loop is not counted) before it counts as hung "
                                     "(e.g. stopped): killed, its requests failed, and "
                                     "restarted like a dead one (0: never).")
     pd: str | None = knob(None, "Prefill/decode disaggregation on this machine, as xPyD (e.g. "
