@@ -187,6 +187,16 @@ def test_required_calls_and_their_limit():
                         [("f", '{"a": 1}'), ("g", '{"b')]),
                        ('[{"na', [])):
         assert collect(run(RequiredCallsParser(), [cut])) == ("", calls), cut
+    # cut before a name ended: the one tool whose name begins so, as a named call would be
+    # (none when two could be meant)
+    tools = ["get_weather", "get_time", "f"]
+    for cut, calls in (("", [("f", "")]), ("[", [("f", "")]), ('[{"na', [("f", "")]),
+                       ('[{"name": "get_w', [("get_weather", "")]),
+                       ('[{"name": "get_', []),
+                       ('[{"name": "f", "arguments": {}}, {"name": "get_t',
+                        [("f", "{}"), ("get_time", "")])):
+        assert collect(run(RequiredCallsParser(tools[2:] if cut in ("", "[", '[{"na')
+                                               else tools), [cut])) == ("", calls), cut
 
 
 @settings(max_examples=150, deadline=None)
@@ -307,9 +317,10 @@ def test_a_forced_call_cut_by_max_tokens_has_one_shape_named_or_required(client,
     """OpenAI's: finish_reason length, no content, the call in tool_calls with the arguments
     generated so far, whether the call was named or `required`."""
     shapes = []
-    # each cut inside its arguments: a required list first writes the call's name
+    # each cut inside its arguments (a required list first writes the call's name), and a
+    # required list cut inside the name: the call is named all the same
     for choice, most in (({"type": "function", "function": {"name": "get_weather"}}, 6),
-                         ("required", 16)):
+                         ("required", 16), ("required", 3)):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=FUNCTIONS[:1],
                                            tool_choice=choice, max_tokens=most, stream=stream)
         if stream:
@@ -332,7 +343,8 @@ def test_a_forced_call_cut_by_max_tokens_has_one_shape_named_or_required(client,
         with pytest.raises(ValueError):  # unfinished
             json.loads(shape[1][0][1])
         shapes.append(shape)
-    assert all(args.lstrip().startswith("{") for _, ((_, args),), _ in shapes), shapes
+    assert all(args.lstrip().startswith("{") for _, ((_, args),), _ in shapes[:2]), shapes
+    assert shapes[2][1] == [("get_weather", "")], shapes
 
 
 def test_required_returns_calls_of_the_tools_streamed_or_not(client):

@@ -66,8 +66,9 @@ class Frontend:
     def chat_options(self, body: ChatRequest) -> ChatOutputOptions:
         """How a chat request's replies are read: its tool choice and the reasoning split."""
         mode = body.tool_mode()
+        names = [t.function.name for t in body.tools or ()]
         parser = {"none": None, "auto": self.tool_parser,
-                  "required": RequiredCallsParser}.get(mode)
+                  "required": partial(RequiredCallsParser, names)}.get(mode)
         if parser is None and mode != "none":  # a forced function
             parser = partial(NamedCallParser, mode)
         return ChatOutputOptions(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Sequence
 
 Event = tuple  # ("content", text) | ("call", name, arguments) | ("args", text)
 
@@ -170,11 +170,12 @@ class NamedCallParser(ToolParser):
 
 
 class RequiredCallsParser(ToolParser):
-    """`tool_choice: required`: the output is a JSON list of {name, arguments} calls."""
+    """`tool_choice: required`: the output is a JSON list of {name, arguments} calls, each
+    name one of `names` (the request's tools)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Sequence[str] = ()) -> None:
         super().__init__()
-        self._text = ""
+        self._text, self._names = "", names
 
     def feed(self, text: str) -> list[Event]:
         self._text += text
@@ -185,7 +186,8 @@ class RequiredCallsParser(ToolParser):
             objs = json.loads(self._text)
             calls = [_call(o, ("arguments",)) for o in objs]
         except ValueError:  # cut short by max_tokens: OpenAI's shape is the calls so far,
-            return [("call", *c) for c in _cut_calls(self._text)]  # the last unfinished
+            return [("call", *c) for c in _cut_calls(self._text, self._names)]  # the last
+            # unfinished
         except TypeError:
             calls = [None]
         if not calls or None in calls:
@@ -197,10 +199,15 @@ _CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"argu
                        re.S)
 
 
-def _cut_calls(text: str) -> list[tuple[str, str]]:
+_CUT_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)$', re.S)
+
+
+def _cut_calls(text: str, names: Sequence[str]) -> list[tuple[str, str]]:
     """The calls of a `required` list cut short: each whole one, then the last with its
-    name and its arguments as far as they were generated (none if even its name is cut)."""
-    decoder, calls = json.JSONDecoder(), []
+    name and its arguments as far as they were generated. A call cut before its name ended
+    (or before the list's first call began: it holds one at least) is named when exactly
+    one of the tools' `names` begins as far as it came, as a forced named call would be."""
+    decoder, calls, begun = json.JSONDecoder(), [], None
     at = text.find("[") + 1
     while 0 < at < len(text):
         at = len(text) - len(text[at:].lstrip(", \t\r\n"))
@@ -210,8 +217,16 @@ def _cut_calls(text: str) -> list[tuple[str, str]]:
             cut = _CUT_CALL.match(text, at)
             if cut is not None:
                 calls.append((json.loads(cut[1]), cut[2] or ""))
+            else:
+                begun = _CUT_NAME.search(text, at)
+                begun = begun[1] if begun else ""
             break
         calls.append(_call(obj, ("arguments",)))
+    if begun is not None or not calls:
+        fits = [n for n in names
+                if json.dumps(n, ensure_ascii=False)[1:-1].startswith(begun or "")]
+        if len(fits) == 1:
+            calls.append((fits[0], ""))
     return calls
 
 
