@@ -28,7 +28,9 @@ def json_response(obj) -> Response:
 
 
 @dataclass
-class _Choice:
+class Choice:
+    """One answer (of n, or of one prompt) as its updates accumulate."""
+
     text: str = ""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[Entry] = field(default_factory=list)
@@ -36,7 +38,8 @@ class _Choice:
     message: str | None = None
 
 
-def _entries(u: StepUpdate) -> list[Entry]:
+def token_entries(u: StepUpdate) -> list[Entry]:
+    """An update's new tokens, each with its logprobs where they were asked for."""
     return list(zip(u.new_token_ids, u.logprobs or []))
 
 
@@ -53,7 +56,7 @@ class GenerationResponse:
                  prompt_logprobs: bool = False) -> None:
         self.tokenizer, self.model_name, self.prompts = tokenizer, model_name, prompts
         self.id, self.created = f"{self.id_prefix}-{request_id}", int(time.time())
-        self.choices = [_Choice() for _ in range(num_choices)]
+        self.choices = [Choice() for _ in range(num_choices)]
         self.n = num_choices // len(prompts)  # choice i answers prompt i // n
         self.want_logprobs = logprobs
         # a token's own bytes (a partial UTF-8 character stays partial); else its text's
@@ -66,7 +69,7 @@ class GenerationResponse:
     def logprobs(self, entries: list[Entry], offset: int):
         raise NotImplementedError
 
-    def final(self, choices: list[_Choice]):
+    def final(self, choices: list[Choice]):
         """The whole body (stream=false)."""
         raise NotImplementedError
 
@@ -142,7 +145,7 @@ class GenerationResponse:
             ch = self.choices[i]
             ch.text += u.new_text
             ch.tokens.extend(u.new_token_ids)
-            ch.logprobs.extend(_entries(u))
+            ch.logprobs.extend(token_entries(u))
             if u.finished:
                 ch.finish_reason, ch.message = u.finish_reason, u.finish_message
         for ch in self.choices:
@@ -159,7 +162,7 @@ class GenerationResponse:
                 yield self.chunk(opening, **extra)
             async for i, u in self._prompt_entries_first(updates):
                 ch = self.choices[i]
-                lp = self.logprobs(_entries(u), len(ch.text)) if self.want_logprobs else None
+                lp = self.logprobs(token_entries(u), len(ch.text)) if self.want_logprobs else None
                 ch.text += u.new_text
                 ch.tokens.extend(u.new_token_ids)
                 if u.finish_reason == "error":
@@ -198,7 +201,7 @@ class ChatResponse(GenerationResponse):
                                                         for a, alp in e.top])
             for t, e in entries])
 
-    def final(self, choices: list[_Choice]) -> s.ChatCompletion:
+    def final(self, choices: list[Choice]) -> s.ChatCompletion:
         out = []
         for i, (ch, reader) in enumerate(zip(choices, self.outputs)):
             reader.feed(ch.text, last=True)
@@ -278,7 +281,7 @@ class CompletionResponse(GenerationResponse):
         entries = self.prompt_entries[p] or [None] * len(self.prompts[p])
         return list(zip(self.prompts[p], entries))
 
-    def final(self, choices: list[_Choice]) -> s.Completion:
+    def final(self, choices: list[Choice]) -> s.Completion:
         out = []
         for i, ch in enumerate(choices):
             lp = None

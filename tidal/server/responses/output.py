@@ -12,7 +12,7 @@ from typing import AsyncIterator, Callable
 from tidal.server.openai import schemas as s
 from tidal.server.openai.chat_output import ChoiceOutput, Piece
 from tidal.server.openai.protocol import APIError
-from tidal.server.openai.generation_bodies import ChatResponse, Updates, _Choice, _entries
+from tidal.server.openai.generation_bodies import ChatResponse, Updates, Choice, token_entries
 from tidal.server.responses.request import ResponsesRequest
 
 _DELTA = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
@@ -131,7 +131,7 @@ class ResponseBody(ChatResponse):
         self.id, self.created = _id("resp"), time.time()
         self.output = OutputItems()
 
-    def final(self, choices: list[_Choice]) -> dict:
+    def final(self, choices: list[Choice]) -> dict:
         ch, reader = choices[0], self.outputs[0]
         self.output.add(reader.feed(ch.text, last=True), self._logprobs(ch.logprobs))
         self.output.close()
@@ -156,7 +156,7 @@ class ResponseBody(ChatResponse):
                 if u.finished:
                     ch.finish_reason, ch.message = u.finish_reason, u.finish_message
                 piece = reader.feed(u.new_text, last=u.finished)
-                for body in self.output.add(piece, self._logprobs(_entries(u))):
+                for body in self.output.add(piece, self._logprobs(token_entries(u))):
                     yield event(body)
             for body in self.output.close():
                 yield event(body)
@@ -178,7 +178,7 @@ class ResponseBody(ChatResponse):
                  "top_logprobs": [{"token": text(a), "logprob": alp, "bytes": raw(a)}
                                   for a, alp in e.top]} for t, e in entries]
 
-    def _finished(self, ch: _Choice, reader: ChoiceOutput) -> dict:
+    def _finished(self, ch: Choice, reader: ChoiceOutput) -> dict:
         status, details, error = "completed", None, None
         if ch.finish_reason == "length":
             status, details = "incomplete", {"reason": "max_output_tokens"}
