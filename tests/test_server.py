@@ -7,10 +7,12 @@ import asyncio
 import glob
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -40,6 +42,16 @@ def post(server, path, body, key=KEY, headers=None, **kw):
 
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_the_readmes_first_request_names_paris(server):
+    """The README's curl body, read from the README itself, on a server with the default
+    model, dtype and quantization: a newcomer's first answer is right."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    body = json.loads(re.search(r"completions .*?-d '(\{.*?\})'", readme, re.S)[1])
+    assert body["messages"] == QUESTION and body["temperature"] == 0
+    answer = post(server, "/v1/chat/completions", body).json()
+    assert "Paris" in answer["choices"][0]["message"]["content"], answer
 
 
 def test_chat_matches_the_offline_engine(client):

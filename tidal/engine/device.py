@@ -31,9 +31,18 @@ def cpu_has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and bf16_kernels()
 
 
+OWN_FORMATS = ("gguf", "gptq", "awq")  # quantizations that run the GGUF integer kernels
+
+
 def pick_dtype(name: str, device: str, quantization: str = "none") -> torch.dtype:
-    """`auto`: bf16 on GPUs and on CPUs with native bf16; on other CPUs float32, except for
-    quantized weights, whose torch kernels vectorise bf16 activations only (8-13x faster)."""
+    """`auto`: float32 for weights in their own formats on CPU (the integer kernels cost
+    the same with float32 activations, and a near-tie between two tokens then falls as the
+    float32 reference's does, where bf16 hidden states and KV flip the embedded model's
+    answer to the README's first question); bf16 on GPUs and on CPUs with native bf16; on
+    other CPUs float32, except for int8/int4 weights, whose torch kernels vectorise bf16
+    activations only (8-13x faster)."""
+    if name == "auto" and quantization in OWN_FORMATS and not device.startswith("cuda"):
+        return torch.float32
     if name == "auto":
         bf16 = device.startswith("cuda") or cpu_has_bf16() or quantization != "none"
         return torch.bfloat16 if bf16 else torch.float32

@@ -280,7 +280,7 @@ void rows_into(const GGUFPart& p, int64_t start, const Tensor& ids, Tensor& out)
 // same sums up to float32 rounding, so a sequence's tokens do not depend on whether its
 // prompt ran in one step, in chunks or partly from the prefix cache; with tile_bf16 (CPUs
 // with AMX, where bf16 GEMMs run several times faster) x and the tile are rounded to bf16
-// too, ~0.3% apart.
+// too, ~0.3% apart, whatever x's dtype.
 Tensor tiled(const Tensor& x, const GGUFProjection& g) {
   const int64_t rows = x.size(0), k = x.size(1);
   Tensor xs = at::empty({rows, k}, x.options().dtype(at::kFloat));
@@ -295,7 +295,7 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g) {
       }
     });
   });
-  if (g.tile_bf16 && x.scalar_type() == at::kBFloat16) xs = xs.to(at::kBFloat16);
+  if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs, y back
   Tensor y = at::empty({rows, g.out_features}, xs.options());
   Tensor tile = at::empty({g.tile_rows, k}, xs.options());
   int64_t col = 0;
