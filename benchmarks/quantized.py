@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 import psutil
+from perplexity import llama_perplexity  # this folder's
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -124,18 +124,6 @@ def tidal_perplexity(port: int, ctx: int) -> float:
     return math.exp(-sum(scored) / len(scored))
 
 
-def llama_perplexity(llama_cpp: Path, gguf: Path, ctx: int, work: Path) -> float:
-    text = work / "ppl.txt"
-    text.write_text(TEXT)
-    out = subprocess.run([str(llama_cpp / "build/bin/llama-perplexity"), "-m", str(gguf), "-f",
-                          str(text), "-c", str(ctx), "-b", str(ctx), "--chunks", "1", "-t", "2"],
-                         capture_output=True, text=True, check=True)
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
-    if not m:
-        raise RuntimeError(out.stderr[-2000:])
-    return float(m[1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-cpp", type=Path,
@@ -171,7 +159,7 @@ def main() -> None:
                 row[f"tpot_ms_c{c}"] = r["median_tpot_ms"]
             row["rss_mib"] = rss(proc.pid) / 2**20
             row["ppl"] = (tidal_perplexity(port, args.ppl_ctx) if name == "tidal" else
-                          llama_perplexity(args.llama_cpp, gguf, args.ppl_ctx, args.work))
+                          llama_perplexity(args.llama_cpp, gguf, TEXT, args.ppl_ctx, 1))
             rows[name] = row
         finally:
             os.killpg(proc.pid, 15)
