@@ -352,3 +352,33 @@ def test_gguf_fingerprint_sees_its_head_tail_and_slices(tmp_path):
         assert registry.gguf_fingerprint(path) == base, offset
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     assert registry.gguf_fingerprint(path) != base  # a touched file converts anew too
+
+
+def test_the_one_pass_reader_reads_every_field_as_the_plain_reader(tmp_path):
+    """tidal's reader (and what it lends transformers for the tokenizer) parses array fields
+    in one pass over the bytes: every field of the embedded file (its 49k-token vocabulary,
+    merges, scalars, strings) has the plain reader's parts, data indices and contents; a
+    file cut inside the vocabulary is refused as truncated."""
+    from tidal.model.gguf_file import lent_to_gguf, open_gguf
+    from tidal.model.registry import embedded_gguf
+
+    path = embedded_gguf("smollm2-135m")
+    plain, fast = gguf.GGUFReader(path), open_gguf(path)
+    assert list(plain.fields) == list(fast.fields)
+    for key, a in plain.fields.items():
+        b = fast.fields[key]
+        assert (a.offset, a.name, a.types, a.data) == (b.offset, b.name, b.types, b.data), key
+        assert len(a.parts) == len(b.parts), key
+        assert all(p.dtype == q.dtype and np.array_equal(p, q)
+                   for p, q in zip(a.parts, b.parts)), key
+        assert a.contents() == b.contents(), key
+    assert len(fast.fields["tokenizer.ggml.tokens"].data) == 49152
+    with lent_to_gguf():
+        assert gguf.GGUFReader is type(fast)
+    assert gguf.GGUFReader is not type(fast)
+    tokens = fast.fields["tokenizer.ggml.tokens"]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(path).read_bytes()[:int(tokens.parts[tokens.data[1000]].ctypes.data
+                                                 - fast.data.ctypes.data)])
+    with pytest.raises(ValueError, match="truncated"):
+        open_gguf(cut)

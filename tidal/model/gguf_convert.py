@@ -274,7 +274,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     Returns `out_dir`. ValueError for a GGUF that does not convert (or is truncated)."""
     from transformers import AutoTokenizer
 
-    from tidal.model.gguf_file import open_gguf
+    from tidal.model.gguf_file import lent_to_gguf, open_gguf
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_gguf(gguf_path)
@@ -286,7 +286,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
         if weights:
             write_weights(reader, config, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        with lent_to_gguf():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent),
+                                                      gguf_file=gguf_path.name)
         tokenizer.save_pretrained(str(tmp))
         if out_dir.exists():
             shutil.rmtree(out_dir)
