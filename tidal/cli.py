@@ -59,8 +59,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if ROLES[config.scheduler.role].transfers_kv and config.parallel.data_parallel_size > 1:
         raise SystemExit("a prefill or decode instance runs one engine core; run several "
                          "instances behind `tidal router` instead of --data-parallel-size")
+    t0 = time.perf_counter()
     with flag_errors("serve"):
         folder, name = resolve_model(config.model.model)  # converts once, before the core starts
+    logging.getLogger("tidal.server").info("model files ready in %.2fs: %s",
+                                           time.perf_counter() - t0, folder)
     if server.served_model_name is None:
         server = replace(server, served_model_name=name)
     client = CoreClient(config, str(folder), Tokenizer(folder), server.restart_policy())

@@ -21,6 +21,7 @@ from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import make_executor
+from tidal.engine.phases import Phases
 from tidal.engine.step_profile import load_or_measure
 from tidal.model.lora import LoRAError
 
@@ -32,9 +33,10 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, folder: str | Path,
                  eos_token_id: int | None = None) -> None:
-        t0 = time.perf_counter()
         self.executor = make_executor(config, folder)
         info = self.executor.info
+        phases = Phases()
+        phases.extend(info.phases)
         arch = info.arch
         max_len = min(config.scheduler.max_model_len, arch.context_length)
         # The step-time model that sizes steps and the slo policy's plans, and adaptive
@@ -47,6 +49,7 @@ class EngineCore:
             prior = (load_or_measure(self.executor, Path(folder), seconds, arch.vocab_size,
                                      max_len) if seconds else ())
             self.step_time = LearnedStepTime(prior=prior)
+            phases.done("step profile")
         # What the model and the memory allow: the context is at most the model's, and the
         # pool is what the worker allocated; the step target is the machine's unless given.
         sched_cfg = replace(config.scheduler, max_model_len=max_len, max_step_ms=(
@@ -72,8 +75,9 @@ class EngineCore:
         # Async scheduling: one worker thread runs the forward pass (torch releases the GIL).
         self._pool = ThreadPoolExecutor(1, "tidal-step") if sched_cfg.async_scheduling else None
         self._pending: tuple[SchedulerOutput, Future] | None = None
-        log.info("model loaded in %.2fs (%s, %s); KV cache: %d blocks x %d tokens = %.1f MiB; "
-                 "step target %s", time.perf_counter() - t0, info.device,
+        phases.done("scheduler")
+        log.info("model loaded in %.2fs (%s; %s, %s); KV cache: %d blocks x %d tokens = "
+                 "%.1f MiB; step target %s", phases.total, phases, info.device,
                  str(info.dtype).split(".")[-1], info.num_blocks,
                  cache_cfg.block_size, info.kv_cache_bytes / 2**20,
                  f"{sched_cfg.max_step_ms:g} ms" if sched_cfg.max_step_ms else "none")

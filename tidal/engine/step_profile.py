@@ -50,17 +50,20 @@ def measure(executor, grid: list[list[tuple[int, ...]]], repeats: int = 5, vocab
             repeat_seconds: float = float("inf")) -> list[tuple[StepShape, float]]:
     """Median seconds of `executor.execute` (an executor's or a worker's) for each step
     shape of `grid`: per sequence (new tokens, cached tokens), or (1, cached tokens, k
-    guesses to verify) for one that speculates. Shapes the KV cache cannot hold are skipped; none is started after the
-    `deadline`, a perf_counter time. A shape's timed runs stop once they add up to
+    guesses to verify) for one that speculates. Shapes the KV cache cannot hold are skipped,
+    and so is one whose run would end past the `deadline` (a perf_counter time), as the
+    measured shape of most tokens, scaled by tokens, prices it. A shape's timed runs stop once they add up to
     `repeat_seconds`: cheap shapes, whose one run the machine's noise sways most, get all
     `repeats`; dear ones fewer. The timed requests are dropped afterwards."""
     rng = random.Random(0)
     info = executor.info
     bs = info.block_size
     timings, ids = [], set()
+    largest = (1, 0.0)  # the measured shape of most tokens: (tokens, seconds), to scale
     for entries in grid:
-        if time.perf_counter() > deadline:
-            break
+        tokens = sum(e[0] + (e[2] if len(e) > 2 else 0) for e in entries)
+        if time.perf_counter() + largest[1] * tokens / largest[0] > deadline:
+            continue  # past the deadline, or one run of it would end past it
         new, scheduled, next_block = [], [], 0
         for i, entry in enumerate(entries):
             n, c, k = (*entry, 0)[:3]
@@ -89,6 +92,7 @@ def measure(executor, grid: list[list[tuple[int, ...]]], repeats: int = 5, vocab
                     break
         if samples:
             timings.append((StepShape.of(out), statistics.median(samples)))
+            largest = max(largest, (tokens, timings[-1][1]))
     for rid in ids:
         executor.forget(rid)
     return timings

@@ -19,6 +19,7 @@ from tidal.engine.kv_cache import KVCache, kv_blocks
 from tidal.engine.lora_manager import LoRAManager
 from tidal.engine.model_loading import load_for_runner, pick_model_dtype
 from tidal.engine.model_runner import ModelRunner
+from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
 from tidal.model.config import ModelArch
@@ -45,6 +46,7 @@ class WorkerInfo:
     max_forward_tokens: int  # tokens a forward pass takes at most (0: any)
     decoder: bool  # decode steps run through the C++ decoder
     matryoshka: bool  # an embedding's leading dimensions are one too (`dimensions` works)
+    phases: Phases  # where its start's seconds went
 
     @property
     def on_gpu(self) -> bool:
@@ -60,6 +62,7 @@ class Worker:
                  speculative: SpeculativeConfig | None = None,
                  lora: LoRAConfig | None = None) -> None:
         sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
+        phases = Phases()  # where the start's seconds go, for the log
         self.device = device = pick_device(config.device)
         on_gpu = device.startswith("cuda")
         self.arch = arch = ModelArch.from_folder(folder)
@@ -72,6 +75,7 @@ class Worker:
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
         max_model_len = min(sched.max_model_len, arch.context_length)
         ext = cpu_decode.extension() if config.cpu_decoder and device == "cpu" else None
+        phases.done("C++ extension")
         # the C++ paged attention and lora_add run float32 and bfloat16; float16 rows on CPU
         # take PyTorch's attention and matmuls
         cpp = ext if ext is not None and self.dtype != torch.float16 else None
@@ -89,6 +93,7 @@ class Worker:
         guesser = make_guesser(speculative, guesses, Path(folder), config, device,
                                ext) if guesses else None
         pooling = Pooling.from_folder(folder)
+        phases.done("weights")
         if on_gpu and not arch.gemma:  # Gemma's offset norms keep the eager ops
             self._use_fused_kernels()
         max_forward = (config.max_forward_tokens if config.max_forward_tokens is not None
@@ -100,6 +105,7 @@ class Worker:
         num_blocks = kv_blocks(config, per_block, device,
                                lambda: self._peak_step(step_tokens, sched.max_num_seqs))
         self.kv = KVCache(arch, num_blocks, block_size, self.dtype, device)
+        phases.done("KV cache")
         if guesser is not None:
             guesser.allocate(num_blocks + 1, block_size)
         self.guesser = guesser
@@ -108,9 +114,10 @@ class Worker:
         if on_gpu and not config.enforce_eager and backend.paged_kernel is not None:
             self.runner.use_decode_graphs(CudaGraphCapture(), sched.max_num_seqs,
                                           max_model_len)
+        phases.done("runner")
         self.info = WorkerInfo(arch, device, self.dtype, quantization, num_blocks, block_size,
                                self.kv.nbytes, max_forward, decoder is not None,
-                               pooling.matryoshka)
+                               pooling.matryoshka, phases)
 
     @torch.inference_mode()
     def _peak_step(self, tokens: int, rows: int) -> None:

@@ -85,6 +85,8 @@ class CoreClient:
             self._tasks[0].cancel()
             raise
         self.watch.startup_seconds = time.monotonic() - t0
+        log.info("engine core%s ready in %.2fs", "s" if self.num_cores > 1 else "",
+                 self.watch.startup_seconds)
         self.watch.start_timeout = timeout
         if self.num_cores > 1:
             par = self.config.parallel
