@@ -1,9 +1,10 @@
 """Structured outputs on the embedded model, through a real server and the official `openai`
 client: JSON schemas (OpenAI's response_format and vLLM's fields) hold at temperature 1.0
-for 20 samples, streamed or not and with n > 1; regexes, choices and Lark grammars hold;
-a constraint that does not compile, is too large, fails on its first mask or outgrows the
-grammar engine on its first tokens, or two at once, is a 400 naming the field; one that fails while decoding ends with an error. Offline: a
-request retracted and recomputed mid-output keeps to its grammar."""
+for 20 samples, streamed or not and with n > 1; regexes, choices and Lark grammars hold; a
+constraint that does not compile, is too large, fails on its first mask or outgrows the
+grammar engine on its first tokens, or two at once, is a 400 naming the field; one that
+fails while decoding ends with an error. Offline: a request retracted and recomputed
+mid-output keeps to its grammar."""
 
 from __future__ import annotations
 

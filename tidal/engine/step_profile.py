@@ -52,9 +52,9 @@ def measure(executor, grid: list[list[tuple[int, ...]]], repeats: int = 5, vocab
     shape of `grid`: per sequence (new tokens, cached tokens), or (1, cached tokens, k
     guesses to verify) for one that speculates. Shapes the KV cache cannot hold are skipped,
     and so is one whose run would end past the `deadline` (a perf_counter time), as the
-    measured shape of most tokens, scaled by tokens, prices it. A shape's timed runs stop once they add up to
-    `repeat_seconds`: cheap shapes, whose one run the machine's noise sways most, get all
-    `repeats`; dear ones fewer. The timed requests are dropped afterwards."""
+    measured shape of most tokens, scaled by tokens, prices it. A shape's timed runs stop
+    once they add up to `repeat_seconds`: cheap shapes, whose one run the machine's noise
+    sways most, get all `repeats`; dear ones fewer. The timed requests are dropped afterwards."""
     rng = random.Random(0)
     info = executor.info
     bs = info.block_size

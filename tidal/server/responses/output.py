@@ -12,7 +12,7 @@ from typing import AsyncIterator, Callable
 from tidal.server.openai import schemas as s
 from tidal.server.openai.chat_output import ChoiceOutput, Piece
 from tidal.server.openai.protocol import APIError
-from tidal.server.openai.generation_bodies import ChatResponse, Updates, Choice, token_entries
+from tidal.server.openai.generation_bodies import ChatResponse, Choice, Updates, token_entries
 from tidal.server.responses.request import ResponsesRequest
 
 _DELTA = {"message": "response.output_text", "reasoning": "response.reasoning_text"}

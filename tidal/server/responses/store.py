@@ -30,7 +30,7 @@ class ResponseStore:
     def __init__(self, max_bytes: int, ttl: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes, self.ttl, self.clock = max_bytes, ttl, clock
-        self.token_entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self.bytes = 0
 
     def put(self, response_id: str, body: bytes, messages: list[dict]) -> bool:
@@ -40,8 +40,8 @@ class ResponseStore:
         if size > self.max_bytes:
             return False
         while self.bytes + size > self.max_bytes:  # the oldest make room
-            self._drop(next(iter(self.token_entries)))
-        self.token_entries[response_id] = StoredResponse(body, messages, size,
+            self._drop(next(iter(self._entries)))
+        self._entries[response_id] = StoredResponse(body, messages, size,
                                                     self.clock() + self.ttl)
         self.bytes += size
         return True
@@ -49,26 +49,26 @@ class ResponseStore:
     def get(self, response_id: str) -> StoredResponse | None:
         """The response, or None when unknown, deleted, evicted or expired."""
         self._expire()
-        return self.token_entries.get(response_id)
+        return self._entries.get(response_id)
 
     def delete(self, response_id: str) -> bool:
         """Forget a response; False if it was not there."""
-        if response_id not in self.token_entries:
+        if response_id not in self._entries:
             return False
         self._drop(response_id)
         return True
 
     def __len__(self) -> int:
         self._expire()
-        return len(self.token_entries)
+        return len(self._entries)
 
     def _expire(self) -> None:
         now = self.clock()
-        while self.token_entries:  # kept in the order they expire: ttl is the same for all
-            oldest = next(iter(self.token_entries))
-            if self.token_entries[oldest].expires > now:
+        while self._entries:  # kept in the order they expire: ttl is the same for all
+            oldest = next(iter(self._entries))
+            if self._entries[oldest].expires > now:
                 break
             self._drop(oldest)
 
     def _drop(self, response_id: str) -> None:
-        self.bytes -= self.token_entries.pop(response_id).size
+        self.bytes -= self._entries.pop(response_id).size
