@@ -180,11 +180,16 @@ def test_create_and_stream_give_chats_answer(client):
 def test_logprobs_asked_by_include_and_top_logprobs_are_chats(client):
     """`include: ["message.output_text.logprobs"]` with `top_logprobs: 3` gives each output
     token chat's logprob and its three likeliest alternatives, whole and streamed; without
-    either the text carries none."""
+    either the text carries none. They are the text's tokens: chat's (as vLLM's) also
+    report the end-of-turn token that stopped the answer, which is no text."""
     kw = dict(model=MODEL, max_output_tokens=8, temperature=0)
-    chat = client.chat.completions.create(
+    answer = client.chat.completions.create(
         messages=[{"role": "user", "content": QUESTION}], model=MODEL, max_tokens=8,
-        temperature=0, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+        temperature=0, logprobs=True, top_logprobs=3).choices[0]
+    chat = answer.logprobs.content
+    if answer.finish_reason == "stop":
+        assert chat[-1].token == "<|im_end|>"
+        chat = chat[:-1]
     asked = dict(include=["message.output_text.logprobs"], top_logprobs=3, **kw)
     whole = client.responses.create(input=QUESTION, **asked)
     got = whole.output[-1].content[0].logprobs

@@ -171,12 +171,15 @@ class ResponseBody(ChatResponse):
             await updates.aclose()  # (the server then ends the requests: Submission.end)
 
     def _logprobs(self, entries) -> list:
+        """The entries of the text's tokens: a special token (the end of turn that stopped
+        the answer) is no text, so it has none, whole or streamed."""
         if not self.want_logprobs:
             return []
         text, raw = self.token_text, self.token_bytes
         return [{"token": text(t), "logprob": e.logprob, "bytes": raw(t),
                  "top_logprobs": [{"token": text(a), "logprob": alp, "bytes": raw(a)}
-                                  for a, alp in e.top]} for t, e in entries]
+                                  for a, alp in e.top]} for t, e in entries
+                if self.tokenizer.decode([t]) or not text(t)]
 
     def _finished(self, ch: Choice, reader: ChoiceOutput) -> dict:
         status, details, error = "completed", None, None
