@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tidal.core import PromptLogprob, RequestOutput, SamplingParams, TokenLogprob
-from tidal.engine.core import EngineCore
+
+if TYPE_CHECKING:
+    from tidal.engine.core import EngineCore
 
 log = logging.getLogger("tidal.kv")
 

@@ -23,7 +23,12 @@ import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json", "regex", "choice", "grammar")  # SamplingParams.structured[0]
 # One grammar row holds at most 2000 items (llguidance's max_items_in_row); n choices make
@@ -36,7 +41,7 @@ CACHED = 64  # compiled constraints kept (a workload reuses a few schemas)
 # past them fails (a 400 when its first mask does, else an error while decoding).
 LIMITS = {"initial_lexer_fuel": 100_000, "step_lexer_fuel": 20_000, "max_lexer_states": 25_000}
 PROBE_STEPS = 4  # tokens a new constraint is walked ahead at compilation (`_probe`)
-_BITS = torch.arange(32, dtype=torch.int32)
+_BITS = np.arange(32, dtype=np.int32)
 # tidal's kind -> llguidance's grammar_from format
 _FORMATS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "lark"}
 
@@ -56,9 +61,9 @@ class Grammars:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None) -> None:
         import llguidance
-        import llguidance.torch as llt
+        import llguidance.numpy as lln  # the frontend compiles constraints without torch
 
-        self._ll, self._llt = llguidance, llt
+        self._ll, self._lln = llguidance, lln
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=eos_token_id)
         self.vocab_size = vocab_size
@@ -67,7 +72,7 @@ class Grammars:
         self._compiled: dict[tuple[str, str], object] = {}
         self._lock = threading.Lock()
         self.limits = llguidance.LLParserLimits(**LIMITS)
-        self._token_lengths: torch.Tensor | None = None
+        self._token_lengths: np.ndarray | None = None
 
     def grammar(self, kind: str, spec: str) -> str:
         """llguidance's grammar for a spec; ValueError naming what is wrong with it."""
@@ -109,7 +114,7 @@ class Grammars:
             if key in self._compiled:
                 return self._compiled[key]
         m = self._ll.LLMatcher(self.tokenizer, self.grammar(kind, spec), limits=self.limits)
-        self._llt.fill_next_token_bitmask(m, self._llt.allocate_token_bitmask(1, self.vocab_size))
+        self._lln.fill_next_token_bitmask(m, self._lln.allocate_token_bitmask(1, self.vocab_size))
         if m.is_error():
             raise ValueError(f"the {kind} constraint does not compile: {error_line(m)}")
         failure = self._probe(m.deep_copy())
@@ -127,25 +132,25 @@ class Grammars:
         each time: a lexer or parser that outgrows the engine's budgets (nested counted
         repetitions, a forced output of millions of tokens) fails on its first steps, so
         it is refused before admission rather than ending in an error mid-answer."""
-        bitmask = self._llt.allocate_token_bitmask(1, self.vocab_size)
+        bitmask = self._lln.allocate_token_bitmask(1, self.vocab_size)
         for _ in range(PROBE_STEPS):
-            self._llt.fill_next_token_bitmask(m, bitmask, 0)
+            self._lln.fill_next_token_bitmask(m, bitmask, 0)
             if m.is_error():
                 return error_line(m)
             if m.is_stopped():
                 return None
             allowed = (bitmask[0, :, None] >> _BITS) & 1  # words x 32 bits: a token each
-            lengths = torch.where(allowed.flatten()[:self.vocab_size].bool(),
-                                  self._lengths(), -1)
+            lengths = np.where(allowed.reshape(-1)[:self.vocab_size].astype(bool),
+                               self._lengths(), -1)
             if int(lengths.max()) <= 0:  # nothing but a stop token may follow
                 return None
             m.consume_token(int(lengths.argmax()))
         return error_line(m) if m.is_error() else None
 
-    def _lengths(self) -> torch.Tensor:
+    def _lengths(self) -> np.ndarray:
         """Each token's byte length; 0 for special tokens (the probe never picks them)."""
         if self._token_lengths is None:
-            self._token_lengths = torch.tensor(
+            self._token_lengths = np.array(
                 [0 if self.tokenizer.is_special_token(t) else len(self.token_bytes(t))
                  for t in range(self.vocab_size)])
         return self._token_lengths

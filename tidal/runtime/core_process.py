@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -18,8 +19,9 @@ from tidal.core import RequestOutput
 from tidal.core.snapshot import SchedulerView, scheduler_view
 from tidal.engine import messages as m
 from tidal.engine.config import EngineConfig
-from tidal.engine.core import EngineCore
-from tidal.engine.device import core_device
+
+if TYPE_CHECKING:
+    from tidal.engine.core import EngineCore
 
 log = logging.getLogger("tidal.core")
 
@@ -58,6 +60,11 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     """The process's main: build the core, say Ready, then serve until Shutdown or until the
     frontend process is gone. `index` names this core among data-parallel ones;
     `incarnation` which start of it this is (every message says so)."""
+    # The engine (torch, the model) is imported here, in the core's own process: the
+    # frontend that hands this function to it never loads torch.
+    from tidal.engine.core import EngineCore
+    from tidal.engine.device import core_device
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()

@@ -13,7 +13,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from tidal.model.config import ModelArch
-from tidal.model.lora import LoRAError, load_adapter
 from tidal.server.openai.protocol import APIError, StrictModel
 
 routes = APIRouter()
@@ -49,6 +48,8 @@ class Adapters:
                 for name, path in self.paths.items()]
 
     async def load(self, name: str, path: str) -> None:
+        from tidal.model.lora import LoRAError, load_adapter  # torch: only when one loads
+
         self._check_updates()
         async with self._lock:
             if name == self.base or name in self.paths:
