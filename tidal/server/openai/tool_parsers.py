@@ -186,8 +186,8 @@ class RequiredCallsParser(ToolParser):
             objs = json.loads(self._text)
             calls = [_call(o, ("arguments",)) for o in objs]
         except ValueError:  # cut short by max_tokens: OpenAI's shape is the calls so far,
-            return [("call", *c) for c in _cut_calls(self._text, self._names)]  # the last
-            # unfinished
+            # the last one unfinished
+            return [("call", *c) for c in _cut_calls(self._text, self._names)]
         except TypeError:
             calls = [None]
         if not calls or None in calls:
@@ -218,8 +218,8 @@ def _cut_calls(text: str, names: Sequence[str]) -> list[tuple[str, str]]:
             if cut is not None:
                 calls.append((json.loads(cut[1]), cut[2] or ""))
             else:
-                begun = _CUT_NAME.search(text, at)
-                begun = begun[1] if begun else ""
+                name_cut = _CUT_NAME.search(text, at)
+                begun = name_cut[1] if name_cut else ""
             break
         calls.append(_call(obj, ("arguments",)))
     if begun is not None or not calls:
