@@ -21,7 +21,6 @@ from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import make_executor
-from tidal.engine.phases import Phases
 from tidal.engine.step_profile import load_or_measure
 from tidal.model.lora import LoRAError
 
@@ -35,8 +34,7 @@ class EngineCore:
                  eos_token_id: int | None = None) -> None:
         self.executor = make_executor(config, folder)
         info = self.executor.info
-        phases = Phases()
-        phases.extend(info.phases)
+        phases = info.phases  # the worker's start, continued with the core's own phases
         arch = info.arch
         max_len = min(config.scheduler.max_model_len, arch.context_length)
         # The step-time model that sizes steps and the slo policy's plans, and adaptive

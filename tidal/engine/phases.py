@@ -18,12 +18,6 @@ class Phases:
         self.times.append((name, now - self._last))
         self._last = now
 
-    def extend(self, other: Phases) -> None:
-        """Take `other`'s phases (a part of this start, timed in this process before this
-        clock's own) as this clock's first."""
-        self.times = other.times + self.times
-        self.start = min(self.start, other.start)
-
     @property
     def total(self) -> float:
         return self._last - self.start

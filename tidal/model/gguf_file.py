@@ -50,9 +50,8 @@ class _CheckedReader(GGUFReader):
         """n strings from `offs`, each a uint64 length and its bytes: (end, parts)."""
         raw, size, parts = memoryview(self.data), len(self.data), []
         for _ in range(n):
-            if offs + 8 > size:
-                raise _Truncated(f"its header runs past byte {size}, where the file ends")
-            length = int.from_bytes(raw[offs:offs + 8], "little")
+            # (a length that is itself cut counts as one past the end)
+            length = int.from_bytes(raw[offs:offs + 8], "little") if offs + 8 <= size else size
             if offs + 8 + length > size:
                 raise _Truncated(f"its header runs past byte {size}, where the file ends")
             if self._arrays:
