@@ -13,6 +13,7 @@ standard-library functions; `chat`: ShareGPT first turns), each request's output
 its reference reply's tokens as `tidal bench serve` caps it.
 
 usage: .venv/bin/python benchmarks/spec_bound.py [--workload copy] [--prompts 8] [--rounds 2]
+       [--methods ngram,suffix,ngram:3,suffix:3]
 """
 
 from __future__ import annotations
@@ -29,20 +30,29 @@ from spec_decode import GUESSES, copy_dataset  # noqa: E402  (the same workload 
 
 
 class AcceptedOnly:
-    """A proposer whose guesses stop at the first one the model would reject: `reference`
-    maps a prompt's tokens to the model's output for it."""
+    """A proposer whose guesses are cut to the path the model will accept (a tree's
+    longest, a chain's run up to the first miss): `reference` maps a prompt's tokens to the
+    model's output for it."""
 
     def __init__(self, inner, reference: dict[tuple[int, ...], list[int]]) -> None:
         self.inner, self.reference = inner, reference
         self.cut = 0  # guesses cut off, over the run
 
-    def propose(self, seq_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
-        guess = self.inner.propose(seq_id, prompt, output, k)
-        ref, n, j = self.reference[tuple(prompt)], len(output), 0
-        while j < len(guess) and n + j < len(ref) and guess[j] == ref[n + j]:
-            j += 1
-        self.cut += len(guess) - j
-        return guess[:j]
+    def propose(self, seq_id: str, prompt: list[int], output: list[int], k: int):
+        from tidal.spec import GuessTree
+
+        tree = self.inner.propose(seq_id, prompt, output, k)
+        ref, n = self.reference[tuple(prompt)], len(output)
+        path, node = [], -1
+        while n + len(path) < len(ref):
+            want = ref[n + len(path)]
+            node = next((i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens))
+                         if p == node and t == want), None)
+            if node is None:
+                break
+            path.append(want)
+        self.cut += len(tree) - len(path)
+        return GuessTree.chain(path)
 
     def forget(self, seq_id: str, output: list[int], finished: bool) -> None:
         self.inner.forget(seq_id, output, finished)
@@ -81,7 +91,8 @@ def main() -> None:
     p.add_argument("--workload", choices=("copy", "chat"), default="copy")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--methods", default="ngram,suffix")
+    p.add_argument("--methods", default="ngram,suffix",
+                   help="proposers; NAME:B grows trees of B branches (ngram:3)")
     args = p.parse_args()
     from tidal import LLM
 
@@ -101,8 +112,10 @@ def main() -> None:
         reference = {tuple(p): o for p, o in zip(prompts, outputs)}
         del llm
         for method in methods:
+            name, _, branches = method.partition(":")
             for bound in (False, True):
-                llm = LLM("smollm2-135m", speculative_method=method,
+                llm = LLM("smollm2-135m", speculative_method=name,
+                          speculative_branches=int(branches or 1),
                           num_speculative_tokens=GUESSES, speculative_adaptive=not bound)
                 run(llm, warm)
                 spec = llm.engine.runner.guesser
@@ -117,7 +130,7 @@ def main() -> None:
           f"(outputs unlike no speculation's: {differ}; guesses the bound cut: {cut})\n")
     print("| engine | output tok/s | vs none | of the bound |\n|---|---|---|---|")
     for name, rate in rates.items():
-        method = name.split()[0]
+        method = name.split()[0]  # with its branches: a tree's bound is its own
         bound = rates.get(f"{method} bound")
         vs_bound = (f"{median(a / b for a, b in zip(rate, bound)):.0%}"
                     if bound and name.endswith("adaptive") else "-")

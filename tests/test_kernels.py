@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from triton_setup import DEVICE, random_cache  # first: sets Triton's interpreter up without CUDA
 
 from test_cpu_decode import gathered_attention
+from test_spec_trees import random_tree_rows, tree_attention
 from tidal.model.kernels.paged_attention import (MIN_SPLIT_TOKENS, num_splits,
                                                  paged_decode_attention)
 
@@ -151,3 +152,19 @@ def test_the_whole_gpu_path_gives_the_pytorch_paths_tokens(tmp_path):
     assert runs(True) == runs(False)
     # every step (prefill too) in every layer; chunks of 8 tokens: several prefill steps
     assert len(rope_calls) > len(prefill_calls) >= 2 * 4
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), dtype=st.sampled_from([torch.float32,
+                                                                       torch.bfloat16]))
+def test_tree_rows_see_only_their_own_branch(data, batch, dtype):
+    """A speculation tree's rows (`tree`: each row's start and bits) against attention over
+    the positions each one sees."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    k_cache, v_cache, tables, lens, tree = random_tree_rows(data, batch, 16, 2, 64, dtype, gen)
+    q = torch.randn(batch, 4, 64, generator=gen).to(dtype)
+    want = tree_attention(q, k_cache, v_cache, tables, lens, tree, 0.125)
+    got = paged_decode_attention(*(x.to(DEVICE) for x in (q, k_cache, v_cache, tables, lens)),
+                                 0.125, tree=tree.to(DEVICE))
+    tol = 2e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)

@@ -12,6 +12,7 @@ import torch
 
 from tidal import LLM, SamplingParams
 from tidal.model.lora import LoRAError
+from tidal.spec import GuessTree
 
 from model_fixtures import hf_greedy, small_folder
 
@@ -140,8 +141,8 @@ class ScriptedProposer:
                 guess = list(tokens[len(output):len(output) + k])
                 if len(output) % 2 and len(guess) > 1:
                     guess[1] += 1
-                return guess
-        return []
+                return GuessTree.chain(guess)
+        return GuessTree()
 
     def forget(self, seq_id, output, finished):
         pass

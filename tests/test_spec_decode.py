@@ -10,9 +10,8 @@ import torch
 
 from model_fixtures import PROMPTS, small_folder, tiny_folder
 from tidal import LLM, SamplingParams
-from tidal.spec import accepted_run
 from tidal.model.sampler import SampleRow, sample
-from tidal.spec import NgramProposer, SuffixProposer
+from tidal.spec import GuessTree, NgramProposer, SuffixProposer
 
 PASSAGE = ("The scheduler plans a step and the runner executes it. The runner returns the "
            "sampled tokens and the scheduler applies them. Blocks that hold no token return "
@@ -202,7 +201,7 @@ def test_the_acceptance_rule_keeps_the_target_distribution():
     tokens, _ = sample(logits, rows, gen)
     firsts, seconds = torch.zeros(5), torch.zeros(5)
     for t in range(trials):
-        run = accepted_run([g], [tokens[2 * t][0], tokens[2 * t + 1][0]])
+        run = GuessTree.chain([g]).accept([tokens[2 * t][0], tokens[2 * t + 1][0]])[0]
         firsts[run[0]] += 1
         if run[0] == g:
             assert len(run) == 2
@@ -215,6 +214,10 @@ def test_the_acceptance_rule_keeps_the_target_distribution():
         assert chi2 < 18.47  # 4 degrees of freedom, p = 0.001
 
 
+def accepted_run(guesses: list[int], samples: list[int]) -> list[int]:
+    return GuessTree.chain(guesses).accept(samples)[0]
+
+
 def test_accepted_run_greedy_cases():
     assert accepted_run([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept, a bonus token
     assert accepted_run([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the first mismatch is the last
@@ -225,26 +228,29 @@ def test_accepted_run_greedy_cases():
 def test_ngram_proposes_what_followed_the_latest_match():
     ngram = NgramProposer(1, 3)
     prompt = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6]
-    assert ngram.propose("a", prompt, [], 3) == []  # ...5, 6: "6" never seen before
-    assert ngram.propose("a", prompt, [1, 2], 3) == [3, 5, 6]  # "6 1 2" -> "1 2" latest: 3 5 6
-    assert ngram.propose("a", prompt, [1, 2, 3], 2) == [5, 6]  # the longest n-gram "1 2 3"
-    assert ngram.propose("b", [7, 7, 7], [], 4) == [7]  # follows the occurrence before the end
+    assert ngram.propose("a", prompt, [], 3).tokens == []  # ...5, 6: "6" never seen before
+    # "6 1 2" -> "1 2" latest: 3 5 6
+    assert ngram.propose("a", prompt, [1, 2], 3) == GuessTree.chain([3, 5, 6])
+    # the longest n-gram "1 2 3"
+    assert ngram.propose("a", prompt, [1, 2, 3], 2) == GuessTree.chain([5, 6])
+    # follows the occurrence before the end
+    assert ngram.propose("b", [7, 7, 7], [], 4) == GuessTree.chain([7])
     ngram.forget("a", [], False)
     assert "a" not in ngram._seqs
 
 
 def test_suffix_guesses_by_frequency_and_learns_from_finished_outputs():
     suffix = SuffixProposer(max_depth=4, min_prob=0.3, cache_requests=2)
-    assert suffix.propose("a", [1, 2, 3], [], 4) == []
+    assert suffix.propose("a", [1, 2, 3], [], 4).tokens == []
     # once "a" finished with output 3 4 5 6, a request ending in 3 guesses what followed,
     # at most spec_factor (2) times the length of its match
     suffix.propose("a", [1, 2, 3], [4, 5, 6], 4)
     suffix.forget("a", [3, 4, 5, 6], finished=True)
-    assert suffix.propose("b", [9, 3], [], 3) == [4, 5]
-    assert suffix.propose("g", [3, 4], [], 3) == [5, 6]
+    assert suffix.propose("b", [9, 3], [], 3) == GuessTree.chain([4, 5])
+    assert suffix.propose("g", [3, 4], [], 3) == GuessTree.chain([5, 6])
     # its own tokens: the continuation seen most often wins, and weak ones stop the guess
-    assert suffix.propose("c", [8, 1, 8, 1, 8, 2, 8], [], 4)[:1] == [1]
+    assert suffix.propose("c", [8, 1, 8, 1, 8, 2, 8], [], 4).tokens[:1] == [1]
     # the shared cache keeps the last two outputs only
     suffix.forget("d", [20, 21], True)
     suffix.forget("e", [30, 31], True)
-    assert suffix.propose("f", [3], [], 2) == []
+    assert suffix.propose("f", [3], [], 2).tokens == []

@@ -10,6 +10,7 @@ from tidal.engine.decode_graphs import DecodeGraphs
 from tidal.engine.step_inputs import StepInputs
 from tidal.model.attention import (AttentionBackend, AttentionMetadata, PrefillSeq,
                                    prefix_causal_mask)
+from tidal.spec.tree import GuessTree
 
 
 class BatchBuilder:
@@ -42,11 +43,11 @@ class BatchBuilder:
 
     def build(self, entries: list[ScheduledRequest], seqs: dict,
               graphs: DecodeGraphs | None = None,
-              guesses: dict[str, list[int]] | None = None) -> StepBatch:
+              guesses: dict[str, GuessTree] | None = None) -> StepBatch:
         """The flattened batch: prefill entries first (one contiguous run each), then the
         decodes, one row per position (a decode verifying `guesses[id]` has a row for its
-        last token and one for each guess); a decode-only batch that fits a graph is padded
-        to its bucket."""
+        last token and one for each guess); a decode-only batch that fits a graph, and
+        verifies no tree, is padded to its bucket."""
         batch = StepBatch()
         self._prefills(batch, [s for s in entries if s.is_prefill], seqs)
         self._decodes(batch, [s for s in entries if not s.is_prefill], seqs,
@@ -58,9 +59,11 @@ class BatchBuilder:
             batch.lens = put("lens", batch.lens)
         if batch.prefill_tables:
             self._prefill_inputs(batch)
+        tree = (put("tree", [v for row in batch.tree for v in row], 2)
+                if batch.tree is not None else None)
         batch.meta = AttentionMetadata(put("slots", batch.slots), batch.prefills,
                                        batch.num_prefill_tokens, batch.tables, batch.bias,
-                                       batch.max_len, batch.lens, **batch.prefill_meta)
+                                       batch.max_len, batch.lens, tree, **batch.prefill_meta)
         batch.input_ids = put("ids", batch.ids)
         batch.positions = put("positions", batch.pos)
         batch.logits_indices = put("rows", batch.logits_rows)
@@ -121,35 +124,44 @@ class BatchBuilder:
             max_query_len=max(s.length for s in seqs))
 
     def _decodes(self, batch: StepBatch, entries: list[ScheduledRequest], seqs: dict,
-                 graphs: DecodeGraphs | None, guesses: dict[str, list[int]]) -> None:
+                 graphs: DecodeGraphs | None, guesses: dict[str, GuessTree]) -> None:
         """One row per position, with block tables padded (with the null block) to a common
         width for paged attention. A guess's row is a decode row like any other: it writes
         its K/V, then attends to the context up to itself, so a verification's rows are
-        causal among themselves. With `graphs`, padded to the bucket of a captured graph by
-        rows that read and write the null block alone."""
+        causal among themselves; a tree's rows (`GuessTree`) take its slots in order and
+        their positions by depth, and see only their own branch (`batch.tree`). With
+        `graphs`, padded to the bucket of a captured graph by rows that read and write the
+        null block alone."""
         if not entries:
             return
         bs, null = self.block_size, self.null_block
         width = max(len(s.block_ids) for s in entries)
         tables, lens = [], []
         pad_table = [null] * width
+        trees = any(not g.is_chain() for g in guesses.values())
+        tree_rows = batch.tree = [] if trees else None
         for s in entries:
             c, table, rid = s.num_computed_tokens, s.block_ids, s.request_id
             own = table + pad_table[len(table):]
-            row_tokens = seqs[rid].tokens(c, c + 1)
-            if rid in guesses:
-                row_tokens = row_tokens + guesses[rid]
+            g = guesses.get(rid)
+            row_tokens = seqs[rid].tokens(c, c + 1) + (g.tokens if g is not None else [])
+            depths = [0] + g.depths() if g is not None else [0]
             batch.spans.append((rid, len(batch.ids), len(row_tokens)))
-            for p, token in enumerate(row_tokens, start=c):
+            for i, token in enumerate(row_tokens):
+                slot = c + i  # a tree node's position is its depth's, its slot its own
                 batch.ids.append(token)
-                batch.pos.append(p)
-                batch.slots.append(table[p // bs] * bs + p % bs)
+                batch.pos.append(c + depths[i])
+                batch.slots.append(table[slot // bs] * bs + slot % bs)
                 tables += own
-                lens.append(p + 1)
+                lens.append(slot + 1)
                 batch.logits_rows.append(len(batch.ids) - 1)  # every decode row samples
                 batch.sample_ids.append(rid)
+            if tree_rows is not None:
+                bits = [1] + (g.visible() if g is not None and not g.is_chain() else [])
+                tree_rows += [(c, _int64(b)) for b in bits]
+                tree_rows += [(c + i + 1, 0) for i in range(len(bits), len(row_tokens))]
         rows = len(lens)
-        bucket = graphs.bucket(rows, width) if graphs else None
+        bucket = graphs.bucket(rows, width) if graphs and not trees else None
         if bucket is not None:
             pad = bucket - rows
             batch.ids += [0] * pad
@@ -159,8 +171,12 @@ class BatchBuilder:
             lens += [1] * pad
             batch.graph = True
         batch.tables, batch.width, batch.lens, batch.max_len = tables, width, lens, max(lens)
-        batch.bias = self.backend.decode_bias(lens, width * bs, self.device)
+        batch.bias = self.backend.decode_bias(lens, width * bs, self.device, tree_rows)
 
+
+def _int64(bits: int) -> int:
+    """A 64-bit mask as the signed integer an int64 tensor holds."""
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
 
 
 def forward(model, decoder, batch: "StepBatch", kv_caches: list, k_caches: list,
@@ -175,10 +191,11 @@ def forward(model, decoder, batch: "StepBatch", kv_caches: list, k_caches: list,
     if decoder is not None and not meta.prefills:
         rows = lora.rows if lora is not None else None
         adapters = () if rows is None else (rows, lora.ends)  # the rows that carry one
+        tree = {} if meta.decode_tree is None else {"tree": meta.decode_tree}
         return decoder.forward(batch.input_ids, batch.positions, meta.slot_mapping,
                                meta.decode_block_tables, meta.decode_lens, k_caches, v_caches,
                                batch.logits_indices, model.backend.scale, block_size,
-                               *adapters)
+                               *adapters, **tree)
     return model(batch.input_ids, batch.positions, kv_caches, meta, batch.logits_indices,
                  batch.hidden_indices if hidden else None)
 
@@ -202,6 +219,7 @@ class StepBatch:
         self.pool_spans: list[tuple[str, int, int, int]] = []
         self.hidden_indices = None
         self.tables = self.bias = self.lens = None  # decode-only fields
+        self.tree: list[tuple[int, int]] | None = None  # (start, bits) per decode row
         self.max_len = self.width = 0
         self.graph = False  # runs through a captured decode graph
         self.prefill_tables: list[list[int]] = []  # for a paged prefill kernel

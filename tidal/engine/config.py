@@ -180,6 +180,12 @@ class SpeculativeConfig:
         None, "(draft) The draft model: an embedded name, a Hugging Face folder or a GGUF "
         "file, with the target's tokenizer. It runs in the target's dtype and quantization "
         "options; its KV shares the target's blocks (each block holds both).")
+    speculative_branches: int = knob(
+        1, "(ngram, suffix) Candidate continuations a proposer offers at each guessed "
+        "position: 1 guesses one path; more grow a tree of them (ngram: the latest "
+        "occurrences of the matched n-gram; suffix: the most frequent next tokens), of which "
+        "one forward pass verifies the best num_speculative_tokens nodes and keeps the "
+        "longest accepted path.")
     prompt_lookup_min: int = knob(2, "(ngram) Shortest n-gram looked up.")
     prompt_lookup_max: int = knob(4, "(ngram) Longest n-gram looked up (tried first).")
     suffix_max_depth: int = knob(8, "(suffix) Longest context matched, in tokens.")
@@ -195,6 +201,12 @@ class SpeculativeConfig:
         if (self.speculative_method == "draft") != (self.speculative_model is not None):
             raise ValueError("speculative_model names the draft model of speculative_method "
                              "'draft', and that method needs one")
+        if self.speculative_branches < 1:
+            raise ValueError(f"speculative_branches must be >= 1; got "
+                             f"{self.speculative_branches}")
+        if self.speculative_branches > 1 and self.speculative_method == "draft":
+            raise ValueError("speculative_branches > 1 grows trees of ngram or suffix "
+                             "guesses; a draft model guesses one path")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be in [1, prompt_lookup_max]")
         if self.suffix_max_depth < 1 or self.suffix_cache_requests < 0:

@@ -63,6 +63,18 @@ class KVCache:
             v[dst] = v[src]
 
     @torch.inference_mode()
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the KV at slots `src` to slots `dst` in every layer (a speculation tree's
+        accepted nodes to the positions they now hold): every source is read before any
+        destination is written, so one move's destination may be another's source."""
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for k, v in self.layers:
+            for cache in (k, v):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat.index_copy_(0, d, flat.index_select(0, s))
+
+    @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]:
         """These blocks' KV (every layer's K then V) as bytes, with its shape and dtype:
         what a prefill instance sends its decode instance."""

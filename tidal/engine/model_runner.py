@@ -24,7 +24,8 @@ from tidal.model.attention import AttentionBackend
 from tidal.model.config import ModelArch
 from tidal.model.pooling import Pooling
 from tidal.model.sampler import SampleRow, needs_penalty, sample
-from tidal.spec import Guesser, accepted_run
+from tidal.spec import Guesser
+from tidal.spec.tree import GuessTree
 
 log = logging.getLogger("tidal.engine")
 
@@ -70,6 +71,10 @@ class ModelRunner:
         self.folder = folder
         self.guesser, self.lora = guesser, lora
         self.max_guesses = guesser.max_guesses if guesser is not None else 0
+        # a tree's rows sit at slots past their positions, which a sliding window (counted
+        # in slots) would misplace: such models verify the main path alone
+        self.trees = not any(getattr(layer.self_attn, "window", 0)
+                             for layer in getattr(model, "layers", ()))
         self.prompt_outputs = PromptOutputs(model, pooling or Pooling())
         self.matchers: Matchers | None = None  # structured outputs, made on first use
         self._matchers_lock = threading.Lock()
@@ -141,7 +146,8 @@ class ModelRunner:
         constrained = self.matchers is not None and bool(self.matchers.by_id)
         guesses = self._guesses(out.scheduled, constrained) if self.max_guesses else {}
         # Grammar masks are computed on a worker thread while the forward pass runs.
-        masks = self.matchers.start([(s.request_id, guesses.get(s.request_id, []))
+        masks = self.matchers.start([(s.request_id, guesses[s.request_id].tokens
+                                      if s.request_id in guesses else [])
                                      for s in out.scheduled if s.samples]) \
             if constrained else None
         parts, sample_ids = [], []
@@ -162,6 +168,8 @@ class ModelRunner:
                                 [self.seqs[rid].stop_ids for rid in sample_ids])
         tokens, logprobs = sample(logits, self._rows(sample_ids, guesses), self.generator)
         result = ModelOutput(preempted_ack=list(out.preempted_ids), failed=failed)
+        moves: tuple[list[int], list[int]] = ([], [])  # KV slots of accepted branches
+        entries = {s.request_id: s for s in out.scheduled} if guesses else {}
         i = 0
         while i < len(sample_ids):
             rid = sample_ids[i]
@@ -171,10 +179,11 @@ class ModelRunner:
                 emitted, lp = tokens[i], logprobs[i]
                 q.output.append(emitted[0])  # an n>1 request's other tokens start its siblings
                 i += 1
-            else:  # rows i .. i + len(g): the model's samples after 0 .. len(g) guesses
-                emitted = accepted_run(g, [t[0] for t in tokens[i:i + len(g) + 1]])
-                lp = (None if logprobs[i] is None else
-                      [row[0] for row in logprobs[i:i + len(emitted)]])
+            else:  # rows i .. i + len(g): the model's samples after the root and each node
+                emitted, nodes = g.accept([t[0] for t in tokens[i:i + len(g) + 1]])
+                rows = [i] + [i + 1 + n for n in nodes]
+                lp = None if logprobs[i] is None else [logprobs[r][0] for r in rows]
+                self._settle(entries[rid], nodes, moves)
                 q.output += emitted
                 result.drafted[rid] = len(g)
                 i += len(g) + 1
@@ -190,16 +199,36 @@ class ModelRunner:
             self.prompt_outputs.hand_over(rid, q, result)  # the prompt is done
             if out.propose and guesser is not None:  # the scheduler may guess next step
                 result.proposed[rid] = guesser.propose(rid, q.prompt, q.output)
+        if moves[0]:
+            self.kv.move_slots(*moves)
         return result
 
-    def _guesses(self, scheduled: list, constrained: bool) -> dict[str, list[int]]:
+    def _settle(self, entry, nodes: list[int], moves: tuple[list[int], list[int]]) -> None:
+        """Accepted tree nodes' KV to the slots of their positions: node n at depth j sits at
+        slot c + 1 + n and belongs at c + j (a chain's nodes are there already)."""
+        c, table, bs = entry.num_computed_tokens, entry.block_ids, self.block_size
+        for depth, node in enumerate(nodes, start=1):
+            if node + 1 != depth:
+                src, dst = c + 1 + node, c + depth
+                moves[0].append(table[src // bs] * bs + src % bs)
+                moves[1].append(table[dst // bs] * bs + dst % bs)
+
+    def _guesses(self, scheduled: list, constrained: bool) -> dict[str, GuessTree]:
         """The guesses the step's decodes of 1 + k positions verify (a draft model computes
-        every known position of the step first), cut where a grammar forbids them."""
+        every known position of the step first): a proposer's tree, or a draft's path. A
+        grammar is checked along one path: a constrained request (and a model with sliding
+        windows) verifies the main path alone, cut where the grammar forbids it."""
         wanted = {x.request_id: x.num_new_tokens - 1 for x in scheduled
                   if not x.is_prefill and x.num_new_tokens > 1}
-        guesses = self.guesser.guesses(scheduled, self.seqs, self.batches, wanted)
+        guesses = {rid: g if isinstance(g, GuessTree) else GuessTree.chain(g)
+                   for rid, g in self.guesser.guesses(scheduled, self.seqs, self.batches,
+                                                      wanted).items()}
+        if constrained or not self.trees:
+            guesses = {rid: g if g.is_chain() else GuessTree.chain(g.main_path())
+                       for rid, g in guesses.items()}
         if constrained:
-            guesses = {rid: self.matchers.cut(rid, g) for rid, g in guesses.items()}
+            guesses = {rid: GuessTree.chain(self.matchers.cut(rid, g.tokens))
+                       for rid, g in guesses.items()}
         return guesses
 
     def _adapter_slots(self, scheduled: list) -> dict[str, int]:
@@ -253,17 +282,19 @@ class ModelRunner:
                 lora.clear()  # the next pass (or the draft's) sets its own rows
         return out if batch.hidden_indices is not None else (out, None)
 
-    def _rows(self, sample_ids: list[str], guesses: dict[str, list[int]]) -> list[SampleRow]:
-        """One SampleRow per logits row. Row j of a verification samples after j guesses:
-        penalties, min_tokens and its seed see the output with those guesses."""
+    def _rows(self, sample_ids: list[str], guesses: dict[str, GuessTree]) -> list[SampleRow]:
+        """One SampleRow per logits row. Row j > 0 of a verification samples after node
+        j - 1 of its guesses: penalties, min_tokens and its seed see the output with the
+        guesses on that node's path."""
         rows, j = [], 0
         for i, rid in enumerate(sample_ids):
             j = j + 1 if i and sample_ids[i - 1] == rid else 0
             q = self.seqs[rid]
             p = q.params
+            path = guesses[rid].path_tokens(j - 1) if j else []
             # only penalties read the output's tokens: copy it with the guesses for them
-            output = q.output + guesses[rid][:j] if j and needs_penalty(p) else q.output
-            produced = len(q.output) + j
+            output = q.output + path if path and needs_penalty(p) else q.output
+            produced = len(q.output) + len(path)
             gen = self._generator(rid, j, p.seed, produced) if p.seed is not None else None
             banned = q.stop_ids if produced < p.min_tokens else None
             rows.append(SampleRow(p, q.num_samples, q.prompt, output, gen, banned))

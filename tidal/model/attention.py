@@ -46,6 +46,9 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None  # from the backend's decode_bias(); None at B=1
     decode_max_len: int = 0  # the longest decode context, this step's token included
     decode_lens: torch.Tensor | None = None  # [B] each decode's context, its token included
+    # [B, 2] int64 where a speculation tree verifies (None: no tree): each decode row's
+    # (start, bits): of the positions from start on it sees only those whose bit is set.
+    decode_tree: torch.Tensor | None = None
     # Sliding-window masks built by the backend, shared by the step's layers of one window.
     window_masks: dict = field(default_factory=dict)
     # For a paged prefill kernel (else None): the prefills' block tables [S, max_blocks]
@@ -72,9 +75,10 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
 class AttentionBackend:
     """The interface a model layer calls: write this step's K/V, attend, return [T, H, D]."""
 
-    def decode_bias(self, context_lens: list[int], width: int,
-                    device: str) -> torch.Tensor | None:
-        """Whatever mask the decode path needs, built once a step by the runner."""
+    def decode_bias(self, context_lens: list[int], width: int, device: str,
+                    tree: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
+        """Whatever mask the decode path needs, built once a step by the runner (`tree`:
+        the rows' (start, bits), as `AttentionMetadata.decode_tree`)."""
         return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -106,7 +110,7 @@ class TorchAttention(AttentionBackend):
         self.scale = scale or head_dim ** -0.5
         self.softcap = softcap
         self.groups = num_heads // num_kv_heads
-        # `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)` for
+        # `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window, tree)` for
         # decodes: the C++ kernel on CPU (tidal.model.cpu_decode), Triton's on CUDA
         # (tidal.model.kernels); None: SDPA or gather + bmm.
         self.paged_kernel = None if softcap else paged_kernel
@@ -144,11 +148,16 @@ class TorchAttention(AttentionBackend):
         o = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vs)
         return o.transpose(0, 1)
 
-    def decode_bias(self, context_lens, width, device):
+    def decode_bias(self, context_lens, width, device, tree=None):
         if len(context_lens) == 1 or self.paged_kernel is not None:  # the kernel masks itself
             return None
-        pad = (torch.arange(width, device=device)[None, :]
-               >= torch.tensor(context_lens, device=device)[:, None])  # [B, L]
+        cols = torch.arange(width, device=device)[None, :]
+        pad = cols >= torch.tensor(context_lens, device=device)[:, None]  # [B, L]
+        if tree is not None:  # a tree row hides the other branches' positions too
+            start, bits = torch.tensor(tree, dtype=torch.long, device=device).unbind(1)
+            rel = cols - start[:, None]
+            seen = (bits[:, None] >> rel.clamp(0, 63)) & 1 == 1
+            pad |= (rel >= 0) & ((rel > 63) | ~seen)
         kv_head = torch.arange(self.num_kv_heads, device=device)
         own = (torch.arange(self.num_heads, device=device)[:, None] // self.groups
                == kv_head[None, :])  # [H, Hkv]: query head h reads KV head h // groups
@@ -241,13 +250,15 @@ class TorchAttention(AttentionBackend):
         tables = meta.decode_block_tables
         if self.paged_kernel is not None:
             o = self._kernel("paged_kernel", q, k_cache, v_cache, tables, meta.decode_lens,
-                             self.scale, window)
+                             self.scale, window, meta.decode_tree)
             if o is not None:
                 return o
             if tables.shape[0] > 1:  # the step was prepared for the kernel: no bias yet
+                tree = meta.decode_tree
                 meta.decode_bias = self.decode_bias(meta.decode_lens.tolist(),
                                                     tables.shape[1] * k_cache.shape[1],
-                                                    q.device)
+                                                    q.device,
+                                                    None if tree is None else tree.tolist())
         if tables.shape[0] == 1:  # no padding to mask: attend over the exact context
             n = meta.decode_max_len
             first = max(0, n - window) if window else 0

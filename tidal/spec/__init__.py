@@ -5,15 +5,16 @@ guessing the tokens that follow a sequence for the model to verify in one forwar
 - `proposer.py`, `ngram.py`, `suffix.py`: proposers, which guess from token histories;
 - `speculator.py`: a proposer as the runner's `Guesser`;
 - `draft.py`: a draft model as one;
-- `guesser.py`: that interface and the verification rule; `factory.py`: method -> guesser.
+- `tree.py`: guesses as a tree of candidate continuations, and the verification rule;
+- `guesser.py`: the runner's interface to them; `factory.py`: method -> guesser.
 """
 
-from tidal.spec.guesser import Guesser, accepted_run
+from tidal.spec.guesser import Guesser
 from tidal.spec.ngram import NgramProposer
 from tidal.spec.proposer import Proposer
 from tidal.spec.suffix import SuffixProposer
+from tidal.spec.tree import GuessTree
 
 METHODS = ("ngram", "suffix", "draft")  # speculative_method's choices
 
-__all__ = ["METHODS", "Guesser", "NgramProposer", "Proposer", "SuffixProposer",
-           "accepted_run"]
+__all__ = ["METHODS", "GuessTree", "Guesser", "NgramProposer", "Proposer", "SuffixProposer"]

@@ -22,10 +22,12 @@ def make_guesser(config: "SpeculativeConfig", max_guesses: int, target: Path,
     it)."""
     method = config.speculative_method
     if method == "ngram":
-        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                 config.speculative_branches)
     elif method == "suffix":
         proposer = SuffixProposer(config.suffix_max_depth, config.suffix_min_prob,
-                                  cache_requests=config.suffix_cache_requests)
+                                  cache_requests=config.suffix_cache_requests,
+                                  branches=config.speculative_branches)
     elif method == "draft":
         from tidal.model.registry import resolve_model
         from tidal.spec.draft import DraftModel, check_same_tokenizer

@@ -1,4 +1,4 @@
-"""The one interface the model runner speculates through, and the rule that verifies guesses.
+"""The one interface the model runner speculates through (`tree.py` verifies the guesses).
 
 A `Guesser` hands the runner each verifying request's guesses before the forward pass, and
 after sampling says how many it holds for the next step. Two kinds implement it:
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from tidal.core import ScheduledRequest
+    from tidal.spec.tree import GuessTree
 
 
 class Guesser(Protocol):
@@ -35,9 +36,10 @@ class Guesser(Protocol):
         ...
 
     def guesses(self, scheduled: "list[ScheduledRequest]", seqs: dict, batches,
-                wanted: dict[str, int]) -> dict[str, list[int]]:
-        """Up to `wanted[id]` guesses for each verifying request of the step (`seqs`: the
-        runner's requests; `batches`: its BatchBuilder, for a guesser that runs a model)."""
+                wanted: dict[str, int]) -> "dict[str, GuessTree | list[int]]":
+        """Up to `wanted[id]` guesses for each verifying request of the step, a tree or one
+        path (`seqs`: the runner's requests; `batches`: its BatchBuilder, for a guesser that
+        runs a model)."""
         ...
 
     def propose(self, seq_id: str, prompt: list[int], output: list[int]) -> int:
@@ -48,20 +50,3 @@ class Guesser(Protocol):
         """The sequence left the runner: finished, or retracted ([] output: it comes back)."""
         ...
 
-
-def accepted_run(guesses: list[int], samples: list[int]) -> list[int]:
-    """The tokens a verification emits: sample j was drawn from the model's distribution
-    after the guesses before it, so it stands while every earlier guess matched its sample;
-    the first sample that differs from its guess is the last token (and with all guesses
-    matched, the sample after them is a bonus token).
-
-    For a proposer whose guess is one token, not a distribution, this is the rejection
-    sampler of Leviathan et al. exactly: guess g is kept with probability p(g), and a
-    rejected position emits a sample of p with g removed, renormalised; greedy rows keep
-    g iff it is the argmax."""
-    out = []
-    for j, token in enumerate(samples):
-        out.append(token)
-        if j == len(guesses) or token != guesses[j]:
-            break
-    return out

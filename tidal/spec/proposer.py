@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from tidal.spec.tree import GuessTree
+
 
 class Proposer(Protocol):
-    """Guesses up to k tokens that follow a sequence's prompt and output."""
+    """Guesses up to k tokens that follow a sequence's prompt and output: one path, or a
+    tree of candidate continuations (`tree.py`)."""
 
-    def propose(self, seq_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
-        """At most k guessed tokens to follow prompt + output (none: no guess). Called with
-        the same sequence's output grown by appends only, until `forget`."""
+    def propose(self, seq_id: str, prompt: list[int], output: list[int], k: int) -> GuessTree:
+        """At most k guessed tokens to follow prompt + output, best first (empty: no
+        guess). Called with the same sequence's output grown by appends only, until
+        `forget`."""
         ...
 
     def forget(self, seq_id: str, output: list[int], finished: bool) -> None:

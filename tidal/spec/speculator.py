@@ -4,6 +4,7 @@ sample and handed out at the next step."""
 from __future__ import annotations
 
 from tidal.spec.proposer import Proposer
+from tidal.spec.tree import GuessTree
 
 
 class Speculator:
@@ -14,7 +15,7 @@ class Speculator:
     def __init__(self, proposer: Proposer, max_guesses: int) -> None:
         self.proposer = proposer
         self.max_guesses = max_guesses
-        self._held: dict[str, tuple[int, list[int]]] = {}  # id -> (output length, guesses)
+        self._held: dict[str, tuple[int, GuessTree]] = {}  # id -> (output length, guesses)
 
     def block_bytes(self, block_size: int) -> int:
         return 0
@@ -35,14 +36,14 @@ class Speculator:
         return len(guesses)
 
     def guesses(self, scheduled: list, seqs: dict, batches,
-                wanted: dict[str, int]) -> dict[str, list[int]]:
+                wanted: dict[str, int]) -> dict[str, GuessTree]:
         return {rid: self.guess(rid, seqs[rid].prompt, seqs[rid].output, k)
                 for rid, k in wanted.items()}
 
-    def guess(self, seq_id: str, prompt: list[int], output: list[int], k: int) -> list[int]:
-        """Up to k guesses to verify after `output` now."""
+    def guess(self, seq_id: str, prompt: list[int], output: list[int], k: int) -> GuessTree:
+        """The best k guesses (or fewer) to verify after `output` now."""
         held = self._held.get(seq_id)
         if held is None or held[0] != len(output):  # grown since: async, or none asked for
             self.propose(seq_id, prompt, output)
             held = self._held[seq_id]
-        return held[1][:k]
+        return held[1].take(k)

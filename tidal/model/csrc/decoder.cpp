@@ -116,12 +116,12 @@ class Decoder {
   Tensor forward(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
                  const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
                  Tensor logits_rows, double scale, int64_t block_size, Tensor lora_rows,
-                 Tensor lora_ends) {
+                 Tensor lora_ends, Tensor tree) {
     if (final_norm_.scalar_type() == at::kFloat)
       return step<float>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
-                         scale, block_size, lora_rows, lora_ends);
+                         scale, block_size, lora_rows, lora_ends, tree);
     return step<BFloat16>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
-                          scale, block_size, lora_rows, lora_ends);
+                          scale, block_size, lora_rows, lora_ends, tree);
   }
 
  private:
@@ -129,7 +129,7 @@ class Decoder {
   Tensor step(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
               const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
               Tensor logits_rows, double scale, int64_t block_size, Tensor lora_rows,
-              Tensor lora_ends) {
+              Tensor lora_ends, Tensor tree) {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
     const bool lora = lora_rows.defined();
@@ -142,6 +142,7 @@ class Decoder {
     lens = lens.to(at::kLong).contiguous();
     const int64_t rows = ids.size(0), hid = final_norm_.size(0);
     check_tables(tables, lens, rows, k_caches[0].size(0), block_size);
+    const int64_t* tree_data = tree_rows(tree, rows);
     const int64_t num_slots = k_caches[0].size(0) * block_size;
     for (int64_t r = 0; r < rows; ++r)  // write_kv writes by raw offset too
       TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < num_slots,
@@ -176,7 +177,7 @@ class Decoder {
                   kv_width, v_caches[l].data_ptr<T>());
       paged_attention<T>(qp, qkv_width, k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(),
                          tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
-                         rows, heads_, hkv_, d_, block_size, static_cast<float>(scale),
+                         tree_data, rows, heads_, hkv_, d_, block_size, static_cast<float>(scale),
                          L.window, attn.data_ptr<T>());
       y = L.o(attn).contiguous();
       if (lora) lora_add(attn, y, L.lora[3], L.lora[4], lora_rows, lora_ends, L.lora[5]);
@@ -267,17 +268,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          Tensor lens, const std::vector<Tensor>& k_caches,
                          const std::vector<Tensor>& v_caches, Tensor logits_rows, double scale,
                          int64_t block_size, c10::optional<Tensor> lora_rows,
-                         c10::optional<Tensor> lora_ends) {
+                         c10::optional<Tensor> lora_ends, c10::optional<Tensor> tree) {
              return d.forward(ids, positions, slots, tables, lens, k_caches, v_caches,
                               logits_rows, scale, block_size, lora_rows.value_or(Tensor()),
-                              lora_ends.value_or(Tensor()));
+                              lora_ends.value_or(Tensor()), tree.value_or(Tensor()));
            }, py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("tables"),
            py::arg("lens"), py::arg("k_caches"), py::arg("v_caches"), py::arg("logits_rows"),
            py::arg("scale"), py::arg("block_size"), py::arg("lora_rows") = py::none(),
-           py::arg("lora_ends") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
-        py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+           py::arg("lora_ends") = py::none(), py::arg("tree") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", [](Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
+                                     Tensor lens, double scale, int64_t window,
+                                     c10::optional<Tensor> tree) {
+    return paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window,
+                                  tree.value_or(Tensor()));
+  }, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("tree") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("lora_add", &lora_add, py::arg("x"), py::arg("y"), py::arg("a"), py::arg("b"),
         py::arg("rows"), py::arg("ends"), py::arg("bounds"),
         py::call_guard<py::gil_scoped_release>());

@@ -103,6 +103,21 @@ inline void softmax_rows(float* scores, int64_t groups, int64_t n) {
   }
 }
 
+// A speculation tree row's view of its context's last positions: of the scores from index
+// `from` on, those whose bit (index - from) is clear are hidden (-inf before the softmax).
+struct TreeMask {
+  int64_t from;  // >= n: nothing hidden
+  uint64_t bits;
+  void apply(float* scores, int64_t groups, int64_t n) const {
+    for (int64_t t = std::max<int64_t>(from, 0); t < n; ++t) {
+      const int64_t bit = t - from;
+      if (bit < 64 && (bits >> bit) & 1) continue;
+      for (int64_t j = 0; j < groups; ++j)
+        scores[j * n + t] = -std::numeric_limits<float>::infinity();
+    }
+  }
+};
+
 // kLanes vectors to one whose lane i is the sum of p[i]'s lanes, in rounds that each add two
 // vectors' halves side by side (kLanes - 1 adds; kLanes horizontal sums take several times
 // as many). A token's sum takes the same pairs at any lane, so a score does not depend on
@@ -156,7 +171,8 @@ constexpr int kMaxHeadDim = 256, kMaxGroupWidth = 4096;  // d, and groups * d, o
 // computed it.
 template <typename T, int NV, int G>
 void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
-                int64_t groups_, int64_t d, float* scores, float* acc, vf* part) {
+                int64_t groups_, int64_t d, const TreeMask& mask, float* scores, float* acc,
+                vf* part) {
   const int64_t nv = NV > 0 ? NV : d / kLanes, groups = G > 0 ? G : groups_;
   constexpr bool kFixed = NV > 0 && G > 0;
   constexpr int kQ = kFixed ? G * NV : 1;
@@ -191,6 +207,7 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
     if (++m == kLanes) flush();
   });
   if (m > 0) flush();
+  mask.apply(scores, groups, n);
   softmax_rows(scores, groups, n);
   if constexpr (kFixed) {
     constexpr int kCols = std::max(1, std::min(NV, kRegisters * 3 / 4 / G));
@@ -235,11 +252,12 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
 // vectors (AVX-512 keeps them in registers; AVX2 in L1), otherwise G read at run time.
 template <typename T, int NV>
 void attend_nv(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
-               int64_t groups, int64_t d, float* scores, float* acc, vf* part) {
+               int64_t groups, int64_t d, const TreeMask& mask, float* scores, float* acc,
+               vf* part) {
   const auto fixed = [&]<int G>() {
     if constexpr (G * NV <= 24) {
       if (groups == G) {
-        attend_vec<T, NV, G>(qf, k_cache, v_cache, ctx, n, groups, d, scores, acc, part);
+        attend_vec<T, NV, G>(qf, k_cache, v_cache, ctx, n, groups, d, mask, scores, acc, part);
         return true;
       }
     }
@@ -248,16 +266,18 @@ void attend_nv(const float* qf, const T* k_cache, const T* v_cache, const Paged&
   if (!(fixed.template operator()<1>() || fixed.template operator()<2>() ||
         fixed.template operator()<3>() || fixed.template operator()<4>() ||
         fixed.template operator()<5>() || fixed.template operator()<6>()))
-    attend_vec<T, NV, 0>(qf, k_cache, v_cache, ctx, n, groups, d, scores, acc, part);
+    attend_vec<T, NV, 0>(qf, k_cache, v_cache, ctx, n, groups, d, mask, scores, acc, part);
 }
 
 // Any head_dim, one element at a time.
 template <typename T>
 void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx,
-                   int64_t n, int64_t groups, int64_t d, float* scores, float* acc) {
+                   int64_t n, int64_t groups, int64_t d, const TreeMask& mask, float* scores,
+                   float* acc) {
   ctx.each(n, [&](int64_t t, int64_t off) {
     for (int64_t j = 0; j < groups; ++j) scores[j * n + t] = dot(qf + j * d, k_cache + off, d);
   });
+  mask.apply(scores, groups, n);
   softmax_rows(scores, groups, n);
   std::fill(acc, acc + groups * d, 0.f);
   ctx.each(n, [&](int64_t t, int64_t off) {
@@ -274,12 +294,12 @@ void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Pa
 // q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, d];
 // tables [B, W] int64; lens [B]. One task per (sequence, KV head) reads that head's context
 // straight from its blocks and serves every query head of its group. window > 0: only the
-// last `window` positions of each context (a sliding-window layer).
+// last `window` positions of each context (a sliding-window layer). tree: see tidal_cpu.h.
 template <typename T>
 void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                      const int64_t* tables, int64_t table_width, const int64_t* lens,
-                     int64_t batch, int64_t heads, int64_t hkv, int64_t d, int64_t block_size,
-                     float scale, int64_t window, T* out) {
+                     const int64_t* tree, int64_t batch, int64_t heads, int64_t hkv, int64_t d,
+                     int64_t block_size, float scale, int64_t window, T* out) {
   const int64_t groups = heads / hkv;
   constexpr bool vectorisable = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
   const bool vec = vectorisable && d % kLanes == 0 && d <= kMaxHeadDim &&
@@ -292,6 +312,9 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
       const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
       const int64_t n = lens[b] - first;
       const Paged ctx{tables + b * table_width, block_size, hkv * d, g * d, first};
+      const TreeMask mask = tree ? TreeMask{tree[2 * b] - first,
+                                            static_cast<uint64_t>(tree[2 * b + 1])}
+                                 : TreeMask{n, 0};
       qf.resize(groups * d);
       scores.resize(groups * n);
       acc.resize(groups * d);
@@ -301,16 +324,19 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
       float *qp = qf.data(), *sp = scores.data(), *ap = acc.data();
       if constexpr (vectorisable) {
         if (vec && d == 64) {
-          attend_nv<T, 64 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
+          attend_nv<T, 64 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
+                                    parts.data());
         } else if (vec && d == 128) {
-          attend_nv<T, 128 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
+          attend_nv<T, 128 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
+                                    parts.data());
         } else if (vec) {
-          attend_vec<T, 0, 0>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap, parts.data());
+          attend_vec<T, 0, 0>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
+                              parts.data());
         } else {
-          attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+          attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap);
         }
       } else {
-        attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, sp, ap);
+        attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap);
       }
       for (int64_t j = 0; j < groups; ++j)
         for (int64_t i = 0; i < d; ++i)
@@ -347,14 +373,23 @@ void check_tables(const Tensor& tables, const Tensor& lens, int64_t batch, int64
     TORCH_CHECK(t[i] >= 0 && t[i] < num_blocks, "block id ", t[i], " is not in the cache");
 }
 
+const int64_t* tree_rows(Tensor& tree, int64_t batch) {
+  if (!tree.defined()) return nullptr;
+  tree = tree.to(at::kLong).contiguous();
+  TORCH_CHECK(tree.dim() == 2 && tree.size(0) == batch && tree.size(1) == 2,
+              "tree must be [batch, 2]: each row's (start, bits)");
+  return tree.data_ptr<int64_t>();
+}
+
 // The dtypes of the decoder's models (decoder.cpp calls these two).
 template void paged_attention<float>(const float*, int64_t, const float*, const float*,
-                                     const int64_t*, int64_t, const int64_t*, int64_t, int64_t,
-                                     int64_t, int64_t, int64_t, float, int64_t, float*);
+                                     const int64_t*, int64_t, const int64_t*, const int64_t*,
+                                     int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
+                                     float*);
 template void paged_attention<BFloat16>(const BFloat16*, int64_t, const BFloat16*,
                                         const BFloat16*, const int64_t*, int64_t,
-                                        const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                                        int64_t, float, int64_t, BFloat16*);
+                                        const int64_t*, const int64_t*, int64_t, int64_t,
+                                        int64_t, int64_t, int64_t, float, int64_t, BFloat16*);
 template void write_kv<float>(const float*, int64_t, int64_t, const int64_t*, int64_t, int64_t,
                               float*);
 template void write_kv<BFloat16>(const BFloat16*, int64_t, int64_t, const int64_t*, int64_t,
@@ -362,7 +397,7 @@ template void write_kv<BFloat16>(const BFloat16*, int64_t, int64_t, const int64_
 
 // Paged decode attention on its own: the PyTorch path's decode attention on CPU.
 Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
-                              Tensor lens, double scale, int64_t window) {
+                              Tensor lens, double scale, int64_t window, Tensor tree) {
   TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim]");
   check_cache(k_cache, q.scalar_type());
   check_cache(v_cache, q.scalar_type());
@@ -373,11 +408,12 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor t
   TORCH_CHECK(heads % k_cache.size(2) == 0 && d == k_cache.size(3),
               "q's heads must be a multiple of the cache's KV heads, with the same head_dim");
   check_tables(tables, lens, batch, k_cache.size(0), k_cache.size(1));
+  const int64_t* rows = tree_rows(tree, batch);
   Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
     paged_attention<scalar_t>(q.data_ptr<scalar_t>(), heads * d, k_cache.data_ptr<scalar_t>(),
                               v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
-                              tables.size(1), lens.data_ptr<int64_t>(), batch, heads,
+                              tables.size(1), lens.data_ptr<int64_t>(), rows, batch, heads,
                               k_cache.size(2), d, k_cache.size(1), static_cast<float>(scale),
                               window, out.data_ptr<scalar_t>());
   });

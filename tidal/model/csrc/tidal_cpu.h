@@ -165,12 +165,13 @@ bool gguf_nibble_rounds();
 
 // q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, d];
 // tables [B, W] int64; lens [B]. window > 0: only the last `window` positions of each
-// context (a sliding-window layer).
+// context (a sliding-window layer). tree (nullptr: none) [B, 2] int64: a speculation tree's
+// (start, bits): of the positions from start on, a row sees those whose bit is set.
 template <typename T>
 void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                      const int64_t* tables, int64_t table_width, const int64_t* lens,
-                     int64_t batch, int64_t heads, int64_t hkv, int64_t d, int64_t block_size,
-                     float scale, int64_t window, T* out);
+                     const int64_t* tree, int64_t batch, int64_t heads, int64_t hkv, int64_t d,
+                     int64_t block_size, float scale, int64_t window, T* out);
 
 // Copies `width` values at `offset` of each qkv row into the cache at that row's slot.
 template <typename T>
@@ -180,9 +181,11 @@ void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* s
 void check_cache(const Tensor& t, at::ScalarType dtype);
 void check_tables(const Tensor& tables, const Tensor& lens, int64_t batch, int64_t num_blocks,
                   int64_t block_size);
+// The tree rows' (start, bits) as a [B, 2] int64 tensor's data (nullptr: undefined).
+const int64_t* tree_rows(Tensor& tree, int64_t batch);
 
 // Paged decode attention on its own: the PyTorch path's decode attention on CPU.
 Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
-                              Tensor lens, double scale, int64_t window);
+                              Tensor lens, double scale, int64_t window, Tensor tree);
 
 }  // namespace tidal_cpu

@@ -5,7 +5,9 @@ batch still fills the GPU.
 `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window=0)` has the C++ CPU
 kernel's signature and layouts: q [B, H, D]; caches [num_blocks, block_size, Hkv, D];
 tables [B, max_blocks] block ids; lens [B] context lengths (the new token's included);
-`window` > 0 attends to the last `window` tokens only.
+`window` > 0 attends to the last `window` tokens only; `tree` [B, 2] int64 (optional): a
+speculation tree row's (start, bits), of the positions from start on only those whose bit is
+set (`tidal/spec/tree.py`).
 
 Each program takes one sequence, one KV head with the query heads that share it (GQA, padded
 to the 16 rows a tensor-core product needs), and one split of the context. It walks the split
@@ -28,15 +30,18 @@ MERGE_CHUNK = 16  # splits merged per step of the merge kernel's loop
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
+def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, tree_ptr, out_ptr, lse_ptr,
                   scale, window, split_tokens,
                   sq_b, sq_h, sk_n, sk_t, sk_h, sv_n, sv_t, sv_h, st_b, so_b, so_h, so_s,
                   sl_b, sl_h,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  FP32_DOT: tl.constexpr):
+                  FP32_DOT: tl.constexpr, TREE: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(lens_ptr + b)
+    if TREE:
+        tree_start = tl.load(tree_ptr + 2 * b)
+        tree_bits = tl.load(tree_ptr + 2 * b + 1)
     first = tl.maximum(n - window, 0)  # window: a huge number for whole contexts
     start = tl.maximum(split * split_tokens, first)
     end = tl.minimum((split + 1) * split_tokens, n)
@@ -54,6 +59,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
     for t0 in range(start - start % TILE, end, TILE):  # tiles aligned to TILE tokens
         t = t0 + t_in
         valid = (t >= start) & (t < end)
+        if TREE:  # a tree row sees, from tree_start on, the positions of its bits alone
+            bit = tl.minimum(tl.maximum(t - tree_start, 0), 63).to(tl.int64)
+            seen = ((tree_bits >> bit) & 1) != 0
+            valid = valid & ((t < tree_start) | (seen & (t - tree_start < 64)))
         page = tl.load(tables_ptr + b * st_b + t // BLOCK_SIZE, mask=valid,
                        other=0).to(tl.int64)
         slot = t % BLOCK_SIZE
@@ -128,7 +137,8 @@ def num_splits(max_len: int, block_size: int, programs: int = 1) -> tuple[int, i
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                           window: int = 0, max_len: int | None = None) -> torch.Tensor:
+                           window: int = 0, tree: torch.Tensor | None = None,
+                           max_len: int | None = None) -> torch.Tensor:
     """Attention of each sequence's one query token over its paged context, [B, H, D] in
     q's dtype. `max_len` (the longest context) bounds the grid; by default the block
     table's width does, which needs no device-to-host copy of `lens`."""
@@ -152,14 +162,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     dim_pad = triton.next_power_of_2(dim)
     _split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, tables, lens, part, lse, scale, window, per,
+        q, k_cache, v_cache, tables, lens, lens if tree is None else tree.contiguous(), part,
+        lse, scale, window, per,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         tables.stride(0), *part_strides, lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
         TILE=max(16, min(64, 8192 // dim_pad)),  # K and V tiles of at most 16 KB in bf16
         # float32 caches, and Triton's interpreter (CPU tensors), whose dot misreads bfloat16
-        FP32_DOT=k_cache.dtype == torch.float32 or q.device.type == "cpu")
+        FP32_DOT=k_cache.dtype == torch.float32 or q.device.type == "cpu",
+        TREE=tree is not None)
     if splits > 1:
         _merge_kernel[(batch, heads)](
             part, lse, lens, result, window, per, *part.stride()[:3], lse.stride(0),
