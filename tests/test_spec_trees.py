@@ -252,3 +252,34 @@ def test_branches_are_refused_for_a_draft_model():
     with pytest.raises(ValueError, match="a draft model guesses one path"):
         LLM("smollm2-135m", speculative_method="draft", speculative_model="smollm2-135m",
             speculative_branches=2)
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       head_dim=st.sampled_from([16, 64]))
+def test_a_tree_row_equals_its_one_path_twin_bit_for_bit(data, dtype, head_dim):
+    """The C++ kernel's tree row against a plain row over the positions it sees, packed:
+    the same bits, so a token never depends on whether its guesses came as a tree."""
+    from tidal.model.cpu_decode import extension
+
+    ext = extension()
+    if ext is None:
+        pytest.skip("no C++ compiler")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    k_cache, v_cache, tables, lens, tree = random_tree_rows(data, 1, 4, 2, head_dim, dtype,
+                                                            gen)
+    start, bits = tree[0].tolist()
+    keep = [t for t in range(int(lens[0])) if t < start or (bits >> (t - start)) & 1]
+    # the seen positions packed into fresh blocks of the same size
+    width = -(-len(keep) // 4)
+    flat_k = k_cache[tables[0]].flatten(0, 1)[keep]
+    flat_v = v_cache[tables[0]].flatten(0, 1)[keep]
+    pad = torch.zeros(width * 4 - len(keep), 2, head_dim, dtype=dtype)
+    packed_k = torch.cat([flat_k, pad]).view(width, 4, 2, head_dim)
+    packed_v = torch.cat([flat_v, pad]).view(width, 4, 2, head_dim)
+    q = torch.randn(1, 4, head_dim, generator=gen).to(dtype)
+    got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 0, tree)
+    twin = ext.paged_decode_attention(q, packed_k.contiguous(), packed_v.contiguous(),
+                                      torch.arange(width)[None], torch.tensor([len(keep)]),
+                                      0.25)
+    assert torch.equal(got, twin)

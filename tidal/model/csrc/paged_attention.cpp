@@ -104,17 +104,32 @@ inline void softmax_rows(float* scores, int64_t groups, int64_t n) {
 }
 
 // A speculation tree row's view of its context's last positions: of the scores from index
-// `from` on, those whose bit (index - from) is clear are hidden (-inf before the softmax).
+// `from` on, only those whose bit (index - from) is set are seen. `softmax` normalises the
+// seen scores packed together, exactly as a row of just those positions would (the sums run
+// by lane), and gives the hidden ones weight 0, which adds nothing in the V pass: a tree
+// node's output is its one-path twin's to the bit.
 struct TreeMask {
   int64_t from;  // >= n: nothing hidden
   uint64_t bits;
-  void apply(float* scores, int64_t groups, int64_t n) const {
-    for (int64_t t = std::max<int64_t>(from, 0); t < n; ++t) {
-      const int64_t bit = t - from;
-      if (bit < 64 && (bits >> bit) & 1) continue;
-      for (int64_t j = 0; j < groups; ++j)
-        scores[j * n + t] = -std::numeric_limits<float>::infinity();
+  bool seen(int64_t t) const {
+    return t < from || (t - from < 64 && (bits >> (t - from)) & 1);
+  }
+  void softmax(float* scores, int64_t groups, int64_t n) const {
+    if (from >= n) {
+      softmax_rows(scores, groups, n);
+      return;
     }
+    std::vector<int64_t> keep;
+    for (int64_t t = 0; t < n; ++t)
+      if (seen(t)) keep.push_back(t);
+    const int64_t m = static_cast<int64_t>(keep.size());
+    std::vector<float> packed(groups * m);
+    for (int64_t j = 0; j < groups; ++j)
+      for (int64_t i = 0; i < m; ++i) packed[j * m + i] = scores[j * n + keep[i]];
+    softmax_rows(packed.data(), groups, m);
+    std::fill(scores, scores + groups * n, 0.f);
+    for (int64_t j = 0; j < groups; ++j)
+      for (int64_t i = 0; i < m; ++i) scores[j * n + keep[i]] = packed[j * m + i];
   }
 };
 
@@ -207,8 +222,7 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
     if (++m == kLanes) flush();
   });
   if (m > 0) flush();
-  mask.apply(scores, groups, n);
-  softmax_rows(scores, groups, n);
+  mask.softmax(scores, groups, n);
   if constexpr (kFixed) {
     constexpr int kCols = std::max(1, std::min(NV, kRegisters * 3 / 4 / G));
     for (int c0 = 0; c0 < NV; c0 += kCols) {
@@ -277,8 +291,7 @@ void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Pa
   ctx.each(n, [&](int64_t t, int64_t off) {
     for (int64_t j = 0; j < groups; ++j) scores[j * n + t] = dot(qf + j * d, k_cache + off, d);
   });
-  mask.apply(scores, groups, n);
-  softmax_rows(scores, groups, n);
+  mask.softmax(scores, groups, n);
   std::fill(acc, acc + groups * d, 0.f);
   ctx.each(n, [&](int64_t t, int64_t off) {
     const T* v = v_cache + off;
