@@ -172,8 +172,10 @@ def test_checkpoint_runs_as_its_dequantized_model(tmp_path, monkeypatch, method,
     assert got_tokens == want_tokens
     diffs = np.array([abs(a.logprob - b.logprob) for a, b in zip(got, want)])
     # float32 rounding; now and then an activation on a rounding boundary of the int8 grid
-    # (x * (1 / d) in C++, x / d here) lands one step apart
-    assert diffs.max() < 1e-2 and diffs.mean() < 1e-3, diffs
+    # lands one step apart (the dense reference's GEMM sums in another order than the
+    # kernels, by CPU: one position 0.035 apart on a Zen 4 EPYC), so the worst position is
+    # bounded loosely and the mean tightly (wrong unpacking misses everywhere, by whole units)
+    assert diffs.max() < 5e-2 and diffs.mean() < 1e-3, diffs
     runner = llm.engine.runner
     qkv = runner.model.layers[0].self_attn.qkv_proj
     size = 18 if sym else 22  # Q4_0 blocks where every zero is 8, else Q5_0: both exact
