@@ -40,8 +40,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     with flag_errors("serve"):
         server = config_from_args(ServerConfig, args)
     if server.pd is not None:
@@ -51,8 +49,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tidal.model.registry import resolve_model
     from tidal.model.tokenizer import Tokenizer
     from tidal.runtime.client import CoreClient
-    from tidal.server.api import build_app
-    from tidal.server.limits import uvicorn_limits
 
     with flag_errors("serve"):
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
@@ -67,6 +63,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if server.served_model_name is None:
         server = replace(server, served_model_name=name)
     client = CoreClient(config, str(folder), Tokenizer(folder), server.restart_policy())
+    client.launch()  # the cores load while this process imports and builds the HTTP app
+    import uvicorn
+
+    from tidal.server.api import build_app
+    from tidal.server.limits import uvicorn_limits
+
     uvicorn.run(build_app(client, server), host=server.host, port=server.port,
                 log_level="info", timeout_graceful_shutdown=int(server.drain_timeout),
                 **uvicorn_limits(server))

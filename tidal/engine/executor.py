@@ -40,6 +40,11 @@ class Executor(Protocol):
     def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
                      dtype: str) -> None: ...
 
+    def touch_kv_cache(self) -> None:
+        """Write every page of the workers' KV pools (the step-time profile times steps over
+        contexts nobody wrote: `KVCache.touch`)."""
+        ...
+
     def adapters(self) -> dict[str, str] | None: ...
 
     def register_adapter(self, name: str, path: str) -> None: ...
@@ -70,6 +75,9 @@ class LocalExecutor:
     def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
                      dtype: str) -> None:
         self.worker.write_blocks(block_ids, data, shape, dtype)
+
+    def touch_kv_cache(self) -> None:
+        self.worker.touch_kv_cache()
 
     def adapters(self) -> dict[str, str] | None:
         return self.worker.adapters()

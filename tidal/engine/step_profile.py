@@ -154,6 +154,7 @@ def measure_profile(executor, budget_s: float, vocab: int, max_len: int,
                     ) -> list[tuple[StepShape, float]]:
     """Time the start-up grid of step shapes now, within about `budget_s` seconds."""
     t0 = time.perf_counter()
+    executor.touch_kv_cache()  # the grid reads contexts nobody wrote: no first-touch faults
     grid = worker_grid(executor.info, max_len)
     warm = [e for e in grid if e[0][0] == 1][:1] + [e for e in grid if e[0][0] > 1][:1]
     measure(executor, warm, repeats=0, vocab=vocab, warmups=1)  # one-time costs of each kind

@@ -165,6 +165,9 @@ class Worker:
     def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]:
         return self.kv.read_blocks(block_ids)
 
+    def touch_kv_cache(self) -> None:
+        self.kv.touch()
+
     def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
                      dtype: str) -> None:
         self.kv.write_blocks(block_ids, data, shape, dtype)

@@ -65,15 +65,23 @@ class CoreClient:
         self.sockets = CoreSockets(self.num_cores, frontend_host(backend))
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._launched: float | None = None  # when the cores were launched
 
     # ------------------------------------------------------------------ lifecycle
+    def launch(self) -> None:
+        """Start the engine cores now; `start` waits for them. `tidal serve` launches them
+        before it imports and builds the HTTP app, so the two load side by side."""
+        if self._launched is None:
+            self._launched = time.monotonic()
+            for state in self.watch.cores:
+                self.watch.launch(state)
+
     async def start(self, timeout: float = 600.0) -> None:
         self._loop = asyncio.get_running_loop()
         self._tasks = [asyncio.create_task(self._read_loop())]
-        t0 = time.monotonic()
         try:
-            for state in self.watch.cores:
-                self.watch.launch(state)
+            self.launch()
+            t0 = self._launched
             for state in self.watch.cores:
                 left = timeout - (time.monotonic() - t0)
                 if not await self.watch.wait_ready(state, left):

@@ -21,6 +21,7 @@ import torch
 from tidal.core import ScheduledRequest
 from tidal.engine.batch import BatchBuilder, StepBatch, forward
 from tidal.engine.config import ModelConfig
+from tidal.engine.kv_cache import cache_zeros
 from tidal.engine.model_loading import load_for_runner, pick_model_dtype
 from tidal.model.attention import TorchAttention, kv_cache_shape
 from tidal.model.config import ModelArch
@@ -79,9 +80,9 @@ class DraftModel:
         self.block_size = block_size
         shape = kv_cache_shape(num_blocks, block_size, self.arch.num_kv_heads,
                                self.arch.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_caches = [cache_zeros(shape, self.dtype, self.device)
                          for _ in range(self.arch.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_caches = [cache_zeros(shape, self.dtype, self.device)
                          for _ in range(self.arch.num_layers)]
         self.kv_caches = list(zip(self.k_caches, self.v_caches))
 
