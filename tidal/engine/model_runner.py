@@ -286,15 +286,18 @@ class ModelRunner:
         """One SampleRow per logits row. Row j > 0 of a verification samples after node
         j - 1 of its guesses: penalties, min_tokens and its seed see the output with the
         guesses on that node's path."""
-        rows, j = [], 0
+        rows, j, depths = [], 0, {}
         for i, rid in enumerate(sample_ids):
             j = j + 1 if i and sample_ids[i - 1] == rid else 0
             q = self.seqs[rid]
             p = q.params
-            path = guesses[rid].path_tokens(j - 1) if j else []
+            if j and rid not in depths:  # a verification's first guess row
+                depths[rid] = guesses[rid].depths()
+            depth = depths[rid][j - 1] if j else 0
             # only penalties read the output's tokens: copy it with the guesses for them
-            output = q.output + path if path and needs_penalty(p) else q.output
-            produced = len(q.output) + len(path)
+            output = (q.output + guesses[rid].path_tokens(j - 1)
+                      if depth and needs_penalty(p) else q.output)
+            produced = len(q.output) + depth
             gen = self._generator(rid, j, p.seed, produced) if p.seed is not None else None
             banned = q.stop_ids if produced < p.min_tokens else None
             rows.append(SampleRow(p, q.num_samples, q.prompt, output, gen, banned))
