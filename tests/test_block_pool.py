@@ -58,12 +58,13 @@ def test_pool_allocate_more_than_free_raises_and_takes_nothing():
 
 @settings(max_examples=300, deadline=None)
 @given(num_blocks=st.integers(1, 8), ops=st.lists(st.tuples(
-    st.sampled_from(["allocate", "touch", "release"]), st.integers(0, 63), st.integers(1, 3)),
-    max_size=120))
+    st.sampled_from(["allocate", "touch", "release", "lend"]), st.integers(0, 63),
+    st.integers(1, 3)), max_size=120))
 def test_pool_free_queue_is_an_exact_lru(num_blocks, ops):
     """Against an OrderedDict model: allocate takes the least recently freed blocks, touch
-    revives a free block wherever it waits, release queues at the back. The pool's lazy
-    queue (stale entries skipped, compacted when they pile up) must match it exactly."""
+    revives a free block wherever it waits, release queues at the back, blocks lent (for a
+    timing run) and given back return to the front. The pool's lazy queue (stale entries
+    skipped, compacted when they pile up) must match it exactly."""
     pool = BlockPool(num_blocks)
     model: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # free ids
     held = [0] * num_blocks
@@ -73,6 +74,14 @@ def test_pool_free_queue_is_an_exact_lru(num_blocks, ops):
             assert [b.block_id for b in pool.allocate(len(want))] == want
             for bid in want:
                 held[bid] = 1
+        elif op == "lend":
+            want = [model.popitem(last=False)[0] for _ in range(min(n, len(model)))]
+            lent = pool.allocate(len(want))
+            assert [b.block_id for b in lent] == want
+            pool.give_back(lent)
+            for bid in reversed(want):
+                model[bid] = None
+                model.move_to_end(bid, last=False)
         elif op == "touch":  # a prefix hit or a fork: free or held alike
             bid = i % num_blocks
             pool.touch([pool.blocks[bid]])
@@ -88,6 +97,17 @@ def test_pool_free_queue_is_an_exact_lru(num_blocks, ops):
         assert pool.num_free == len(model) and [b.ref_cnt for b in pool.blocks] == held
         assert len(pool._queue) <= 2 * num_blocks  # stale entries stay bounded
     assert [b.block_id for b in pool.allocate(len(model))] == list(model)  # drain it all
+
+
+def test_only_blocks_fresh_from_allocate_are_given_back():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.touch([a])  # a prefix hit or a fork: another holder
+    with pytest.raises(ValueError):
+        pool.give_back([a, b])
+    assert (pool.num_free, a.ref_cnt, b.ref_cnt) == (2, 2, 1)
+    pool.give_back([b])
+    assert pool.free_block_ids() == [1, 2, 3]
 
 
 def test_pool_compaction_forgets_the_stale_entries_of_blocks_in_use():

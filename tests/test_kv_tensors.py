@@ -52,7 +52,7 @@ def test_a_cpu_pool_is_zeroed_and_takes_memory_as_its_blocks_fill(dtype):
     assert rss_bytes() - before > 100 << 20
 
 
-def test_touch_keeps_what_the_pool_holds_and_makes_it_resident():
+def test_touch_keeps_what_the_blocks_hold_and_makes_them_resident():
     """What a timing run calls first (the step-time profile reads contexts nobody wrote)."""
     live = rss_is_live()
     arch = SimpleNamespace(num_kv_heads=8, head_dim=64, num_layers=2)
@@ -60,7 +60,7 @@ def test_touch_keeps_what_the_pool_holds_and_makes_it_resident():
     kv = KVCache(arch, 2047, 16, torch.float32, "cpu")  # 2 layers x K, V x 32 MiB
     assert not live or rss_bytes() - before < 16 << 20
     kv.layers[0][0][3] = 0.5  # a block a request filled
-    kv.touch()
+    kv.touch(list(range(kv.num_blocks + 1)))
     assert float(kv.layers[0][0][3].min()) == 0.5 and float(kv.layers[0][0][3].max()) == 0.5
     assert float(kv.layers[1][1].abs().max()) == 0 and float(kv.layers[0][0][4:].abs().max()) == 0
     if not live:

@@ -29,31 +29,70 @@ def core(folder, **kwargs) -> EngineCore:
     return EngineCore(config, folder)
 
 
+def finish_profile(c: EngineCore) -> int:
+    """Time the rest of the profile as an idle server does; the shapes timed."""
+    timed = 0
+    while c.profile_idle():
+        timed += 1
+    return timed
+
+
 def test_the_profile_is_measured_once_saved_and_read_back(folder, tmp_path, monkeypatch):
     measured = []
-    real = step_profile.measure
-    monkeypatch.setattr(step_profile, "measure",
+    real = step_profile.time_shape
+    monkeypatch.setattr(step_profile, "time_shape",
                         lambda *a, **k: measured.append(1) or real(*a, **k))
     first = core(folder)
-    (saved,) = (tmp_path / "cache" / "step-profiles").glob("*.json")
+    saved = tmp_path / "cache" / "step-profiles"
+    chunk = StepShape().add(1, 100, count=4).add(128, 0)
+    # serving starts on the shapes timed first: one decode row, four, a 64-token prompt
+    assert len(first.profile.steps) == 3 and first.profiling() and not saved.exists()
+    assert first.step_time.shape_time(chunk) > 0  # before any served step
+    assert finish_profile(first) >= 3 and not first.profiling() and not first.profile_idle()
+    (saved,) = saved.glob("*.json")
     steps = json.loads(saved.read_text())["steps"]
-    assert measured and len(steps) >= 6
+    assert len(steps) >= 6 and len(steps) == len(first.profile.steps)
     # every shape fits the model's 300 positions: nothing after 1,024 cached tokens
     assert all(shape[5] <= 300 * shape[1] for shape, _ in steps)  # gathered <= 300 a seq
-    chunk = StepShape().add(1, 100, count=4).add(128, 0)
     predicted = first.step_time.shape_time(chunk)
-    assert predicted > 0  # before any served step
+    assert predicted > 0
     measured.clear()
     second = core(folder)
-    assert not measured  # read back, not measured again
+    assert not measured and not second.profiling()  # read back, not measured again
     assert second.step_time.shape_time(chunk) == pytest.approx(predicted)
     assert first.config.scheduler.max_step_ms == CPU_MAX_STEP_MS  # a tiny model is fast
     assert first.step_errors.ratios == type(first.step_errors.ratios)()
 
 
+def test_idle_timing_waits_for_requests_and_keeps_the_prefix_cache(folder):
+    """The rest of the profile is timed on blocks lent by the pool while no request is in
+    the engine: a cached prefix is still hit afterwards, and its request answers as before."""
+    from tidal.core import SamplingParams
+    from tidal.core.invariants import check_invariants
+
+    c = core(folder)
+    prompt = list(range(3, 60))
+
+    def answer(rid: str) -> list[int]:
+        c.add(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0))
+        tokens = []
+        while c.has_work():
+            assert not c.profile_idle()  # a request is in: nothing is timed
+            tokens += [t for o in c.step() for t in o.new_token_ids]
+        return tokens
+
+    first = answer("a")
+    assert finish_profile(c) >= 3
+    check_invariants(c.scheduler)
+    pool = c.scheduler.kv.pool
+    assert pool.num_free == pool.num_blocks and pool.num_cached >= 3
+    hits = c.scheduler.prefix_hit_tokens
+    assert answer("b") == first and c.scheduler.prefix_hit_tokens - hits >= 48
+
+
 def test_another_machine_key_measures_anew_and_none_when_asked(folder, tmp_path):
-    core(folder)
-    core(folder, num_kv_blocks=40)  # a pool too small for some shapes: its own profile
+    finish_profile(core(folder))
+    finish_profile(core(folder, num_kv_blocks=40))  # a pool too small for some shapes
     assert len(list((tmp_path / "cache" / "step-profiles").glob("*.json"))) == 2
     off = core(folder, step_profile_seconds=0)
     assert off.step_time.shape_time(StepShape().add(64, 0)) == 0.0  # learns from steps

@@ -18,7 +18,7 @@ import pytest
 from tidal.core import LearnedStepTime
 from tidal.engine.config import EngineConfig
 from tidal.engine.worker import Worker
-from tidal.engine.step_profile import REPEAT_SECONDS, measure, measure_profile
+from tidal.engine.step_profile import REPEAT_SECONDS, StepProfile, measure
 
 from model_fixtures import embedded_folder
 
@@ -46,10 +46,11 @@ def runner():
                        config.speculative)
 
 
-def test_the_profile_prices_a_mix_of_steps_it_did_not_time(runner):
+def test_the_profile_prices_a_mix_of_steps_it_did_not_time(runner, tmp_path, monkeypatch):
     # Timed here rather than read from the saved profile: one saved by an earlier test, under
     # other load, would price this minute's machine with another's speed.
-    prior = measure_profile(runner, 10.0, 49152, 8192)
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path))
+    prior = StepProfile(runner, embedded_folder(), 10.0, 49152, 8192).measure_all()
     model = LearnedStepTime(prior=prior)
     measure(runner, MIX[:1], repeats=0, vocab=49152, warmups=1)
     timed = measure(runner, MIX, repeats=3, vocab=49152, warmups=0,

@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         return _serve_pd(args, server)
     from tidal.core.roles import ROLES
     from tidal.engine.config import EngineConfig
-    from tidal.model.registry import resolve_model
+    from tidal.model.registry import locate_model, pending, write_model_files
     from tidal.model.tokenizer import Tokenizer
     from tidal.runtime.client import CoreClient
 
@@ -57,13 +57,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          "instances behind `tidal router` instead of --data-parallel-size")
     t0 = time.perf_counter()
     with flag_errors("serve"):
-        folder, name = resolve_model(config.model.model)  # converts once, before the core starts
+        files = locate_model(config.model.model)
+    client = None
+    if pending(files):  # a new GGUF: the cores import the engine while this process converts
+        client = CoreClient(config, str(files.folder), None, server.restart_policy())
+        client.launch()
+    with flag_errors("serve"):
+        folder = write_model_files(files)
     logging.getLogger("tidal.server").info("model files ready in %.2fs: %s",
                                            time.perf_counter() - t0, folder)
     if server.served_model_name is None:
-        server = replace(server, served_model_name=name)
-    client = CoreClient(config, str(folder), Tokenizer(folder), server.restart_policy())
-    client.launch()  # the cores load while this process imports and builds the HTTP app
+        server = replace(server, served_model_name=files.name)
+    if client is None:
+        client = CoreClient(config, str(folder), Tokenizer(folder), server.restart_policy())
+        client.launch()  # the cores load while this process imports and builds the HTTP app
+    else:
+        client.attach_tokenizer(Tokenizer(folder))
     import uvicorn
 
     from tidal.server.api import build_app

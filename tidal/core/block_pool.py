@@ -110,6 +110,17 @@ class BlockPool:
         if len(queue) > 2 * self.num_blocks:
             self._compact()
 
+    def give_back(self, blocks: list[Block]) -> None:
+        """Return blocks that `allocate` gave and nobody else took a reference on, their
+        contents worthless (a timing run's): to the front of the free queue, in order, so
+        they are taken again before any cached prefix is evicted."""
+        if any(b.ref_cnt != 1 or b.queued for b in blocks):
+            raise ValueError("give_back takes blocks fresh from allocate, held once")
+        for block in reversed(blocks):
+            block.ref_cnt, block.queued = 0, 1
+            self._queue.appendleft(block)
+        self._num_free += len(blocks)
+
     def _compact(self) -> None:
         """Drop the stale entries (prefix hits on free blocks leave them behind)."""
         live = [self.blocks[i] for i in self.free_block_ids()]

@@ -212,6 +212,15 @@ class LearnedStepTime:
         if self.prior:
             self.coef = self._fit()
 
+    def add_prior(self, steps: Iterable[tuple[StepShape, float]]) -> None:
+        """Add steps timed apart from serving (the rest of a start-up profile, timed while
+        the engine idles) to the prior, and refit."""
+        added = [(self._features(s), y) for s, y in steps if s.seqs and y > 0]
+        if added:
+            self.prior += added
+            self._prior_prompts = any(self._computes_prompt(x) for x, _ in self.prior)
+            self.coef = self._fit()
+
     def _features(self, shape: StepShape) -> tuple[float, ...]:
         return tuple(x * s for x, s in zip(_terms(shape), self._SCALES))
 

@@ -21,7 +21,7 @@ from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import make_executor
-from tidal.engine.step_profile import load_or_measure
+from tidal.engine.step_profile import StepProfile
 from tidal.model.lora import LoRAError
 
 log = logging.getLogger("tidal.engine")
@@ -40,12 +40,15 @@ class EngineCore:
         # The step-time model that sizes steps and the slo policy's plans, and adaptive
         # speculation's, learned from this engine's forward passes: each errs on its own
         # safe side (see LearnedStepTime). The first starts from this machine's profile.
-        given, self.step_time = config.scheduler.max_step_ms, None
+        # The shapes it needs first are timed now, the rest while the engine idles.
+        given, self.step_time, self.profile = config.scheduler.max_step_ms, None, None
         if ((given if given is not None else not info.on_gpu)
                 or POLICIES[config.scheduler.policy].needs_step_time):
             seconds = config.model.step_profile_seconds
-            prior = (load_or_measure(self.executor, Path(folder), seconds, arch.vocab_size,
-                                     max_len) if seconds else ())
+            if seconds:
+                self.profile = StepProfile(self.executor, Path(folder), seconds,
+                                           arch.vocab_size, max_len)
+            prior = self.profile.measure_first() if self.profile else ()
             self.step_time = LearnedStepTime(prior=prior)
             phases.done("step profile")
         # What the model and the memory allow: the context is at most the model's, and the
@@ -143,6 +146,27 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._pending is not None
+
+    def profiling(self) -> bool:
+        """Whether shapes of the step-time profile are left to time while idle."""
+        return self.profile is not None and not self.profile.done
+
+    def profile_idle(self) -> bool:
+        """Time the next shape of the step-time profile, on free KV blocks lent by the
+        pool, if no request is in the engine; whether one was timed. A request that arrives
+        meanwhile waits for one shape's runs (tens to hundreds of milliseconds)."""
+        if not self.profiling() or self.has_work():
+            return False
+        pool, need = self.scheduler.kv.pool, self.profile.blocks_next()
+        # Never-used blocks come first in the free queue, cached prefixes last; a shape the
+        # pool cannot hold is lent none (and skipped).
+        lent = pool.allocate(need) if need <= pool.num_free else []
+        try:
+            steps = self.profile.measure_next([b.block_id for b in lent])
+        finally:
+            pool.give_back(lent)
+        self.step_time.add_prior(steps)
+        return True
 
     def can_step(self) -> bool:
         """Whether a step would do anything: requests that only await their KV from a

@@ -40,9 +40,9 @@ class Executor(Protocol):
     def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
                      dtype: str) -> None: ...
 
-    def touch_kv_cache(self) -> None:
-        """Write every page of the workers' KV pools (the step-time profile times steps over
-        contexts nobody wrote: `KVCache.touch`)."""
+    def touch_kv_cache(self, block_ids: list[int]) -> None:
+        """Write the pages of the workers' KV blocks `block_ids` (the step-time profile times
+        steps over contexts nobody wrote: `KVCache.touch`)."""
         ...
 
     def adapters(self) -> dict[str, str] | None: ...
@@ -76,8 +76,8 @@ class LocalExecutor:
                      dtype: str) -> None:
         self.worker.write_blocks(block_ids, data, shape, dtype)
 
-    def touch_kv_cache(self) -> None:
-        self.worker.touch_kv_cache()
+    def touch_kv_cache(self, block_ids: list[int]) -> None:
+        self.worker.touch_kv_cache(block_ids)
 
     def adapters(self) -> dict[str, str] | None:
         return self.worker.adapters()

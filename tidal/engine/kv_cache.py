@@ -44,7 +44,7 @@ def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torc
     (torch.zeros writes every byte up front: 0.5 s for the embedded model's 2 GiB pool).
     A block is always written before it is read, so serving meets a page's first touch
     once, in the step that fills it; only a timing run over contexts nobody wrote must
-    `touch` the pool first."""
+    `touch` the blocks it reads first."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
@@ -67,12 +67,14 @@ class KVCache:
         self.v_caches = [v for _, v in self.layers]
 
     @torch.inference_mode()
-    def touch(self) -> None:
-        """Write every page of the pool in place (its contents unchanged), so that steps
-        timed now read memory as a warm server's do, not pages the OS maps on first touch."""
+    def touch(self, block_ids: list[int]) -> None:
+        """Write the pages of blocks `block_ids` in place, their contents unchanged, so that
+        steps timed now read memory as a warm server's do, not pages the OS maps on first
+        touch."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for k, v in self.layers:
-            k.mul_(1)
-            v.mul_(1)
+            k[ids] = k[ids]
+            v[ids] = v[ids]
 
     @property
     def nbytes(self) -> int:

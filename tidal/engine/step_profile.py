@@ -47,55 +47,77 @@ def startup_grid(max_tokens: int = 1024, max_len: int = 1 << 30,
 
 def measure(executor, grid: list[list[tuple[int, ...]]], repeats: int = 5, vocab: int = 1000,
             warmups: int = 2, deadline: float = float("inf"),
-            repeat_seconds: float = float("inf")) -> list[tuple[StepShape, float]]:
+            repeat_seconds: float = float("inf"),
+            blocks: list[int] | None = None) -> list[tuple[StepShape, float]]:
     """Median seconds of `executor.execute` (an executor's or a worker's) for each step
     shape of `grid`: per sequence (new tokens, cached tokens), or (1, cached tokens, k
-    guesses to verify) for one that speculates. Shapes the KV cache cannot hold are skipped,
-    and so is one whose run would end past the `deadline` (a perf_counter time), as the
-    measured shape of most tokens, scaled by tokens, prices it. A shape's timed runs stop
-    once they add up to `repeat_seconds`: cheap shapes, whose one run the machine's noise
-    sways most, get all `repeats`; dear ones fewer. The timed requests are dropped afterwards."""
+    guesses to verify) for one that speculates, over the KV blocks `blocks` (all of the
+    pool's by default). Shapes those blocks cannot hold are skipped, and so is one whose
+    run would end past the `deadline` (a perf_counter time), as the measured shape of most
+    tokens, scaled by tokens, prices it. A shape's timed runs stop once they add up to
+    `repeat_seconds`: cheap shapes, whose one run the machine's noise sways most, get all
+    `repeats`; dear ones fewer. The timed requests are dropped afterwards."""
     rng = random.Random(0)
-    info = executor.info
-    bs = info.block_size
-    timings, ids = [], set()
+    blocks = list(range(executor.info.num_blocks)) if blocks is None else blocks
+    timings = []
     largest = (1, 0.0)  # the measured shape of most tokens: (tokens, seconds), to scale
     for entries in grid:
-        tokens = sum(e[0] + (e[2] if len(e) > 2 else 0) for e in entries)
+        tokens = shape_tokens(entries)
         if time.perf_counter() + largest[1] * tokens / largest[0] > deadline:
             continue  # past the deadline, or one run of it would end past it
-        new, scheduled, next_block = [], [], 0
-        for i, entry in enumerate(entries):
-            n, c, k = (*entry, 0)[:3]
-            rid = f"timing-{i}"
-            blocks = cdiv(n + c + k, bs)
-            table = list(range(next_block, next_block + blocks))
-            next_block += blocks
-            new.append(NewRequest(rid, _tokens(rng, n + c, vocab, k > 0), [],
-                                  SamplingParams(temperature=0.0), [], 1))
-            # A one-token entry is a decode after c cached tokens; with k, it verifies k
-            # guesses (the runner's proposer finds them in the repeating prompt).
-            scheduled.append(ScheduledRequest(rid, n + k, c, table, True, n > 1))
-            ids.add(rid)
-        if next_block > info.num_blocks:
-            log.debug("KV cache of %d blocks skips the timed shape %s x %d", info.num_blocks,
-                      entries[:1], len(entries))
-            continue
-        out = SchedulerOutput(step=0, kind="mixed", scheduled=scheduled, new_requests=new)
-        samples = []
-        for k in range(repeats + warmups):
-            t0 = time.perf_counter()
-            executor.execute(out)  # returns Python token ids: the device has synced
-            if k >= warmups:
-                samples.append(time.perf_counter() - t0)
-                if sum(samples) >= repeat_seconds:
-                    break
-        if samples:
-            timings.append((StepShape.of(out), statistics.median(samples)))
-            largest = max(largest, (tokens, timings[-1][1]))
-    for rid in ids:
-        executor.forget(rid)
+        timed = time_shape(executor, entries, blocks, rng, vocab, repeats, warmups,
+                           repeat_seconds)
+        if timed is not None:
+            timings.append(timed)
+            largest = max(largest, (tokens, timed[1]))
     return timings
+
+
+def shape_tokens(entries: list[tuple[int, ...]]) -> int:
+    """The positions one run of a grid shape computes."""
+    return sum(e[0] + (e[2] if len(e) > 2 else 0) for e in entries)
+
+
+def shape_blocks(entries: list[tuple[int, ...]], block_size: int) -> int:
+    """The KV blocks a grid shape's sequences hold."""
+    return sum(cdiv(sum(e), block_size) for e in entries)
+
+
+def time_shape(executor, entries: list[tuple[int, ...]], blocks: list[int],
+               rng: random.Random, vocab: int, repeats: int, warmups: int,
+               repeat_seconds: float) -> tuple[StepShape, float] | None:
+    """(shape, median seconds) of one grid shape run on `blocks`, whose pages it writes
+    first (a pool's untouched pages would time the OS mapping them); None when the blocks
+    cannot hold it. The timed requests are dropped afterwards."""
+    bs = executor.info.block_size
+    if shape_blocks(entries, bs) > len(blocks):
+        log.debug("KV cache of %d blocks skips the timed shape %s x %d", len(blocks),
+                  entries[:1], len(entries))
+        return None
+    new, scheduled, used = [], [], 0
+    for i, entry in enumerate(entries):
+        n, c, k = (*entry, 0)[:3]
+        rid = f"timing-{i}"
+        table = blocks[used:used + cdiv(n + c + k, bs)]
+        used += len(table)
+        new.append(NewRequest(rid, _tokens(rng, n + c, vocab, k > 0), [],
+                              SamplingParams(temperature=0.0), [], 1))
+        # A one-token entry is a decode after c cached tokens; with k, it verifies k
+        # guesses (the runner's proposer finds them in the repeating prompt).
+        scheduled.append(ScheduledRequest(rid, n + k, c, table, True, n > 1))
+    executor.touch_kv_cache(blocks[:used])
+    out = SchedulerOutput(step=0, kind="mixed", scheduled=scheduled, new_requests=new)
+    samples = []
+    for k in range(repeats + warmups):
+        t0 = time.perf_counter()
+        executor.execute(out)  # returns Python token ids: the device has synced
+        if k >= warmups:
+            samples.append(time.perf_counter() - t0)
+            if sum(samples) >= repeat_seconds:
+                break
+    for s in scheduled:
+        executor.forget(s.request_id)
+    return (StepShape.of(out), statistics.median(samples)) if samples else None
 
 
 def _tokens(rng: random.Random, count: int, vocab: int, repeating: bool) -> list[int]:
@@ -150,43 +172,109 @@ def profile_path(key: dict) -> Path:
     return cache_root() / "step-profiles" / f"{digest}.json"
 
 
-def measure_profile(executor, budget_s: float, vocab: int, max_len: int,
-                    ) -> list[tuple[StepShape, float]]:
-    """Time the start-up grid of step shapes now, within about `budget_s` seconds."""
-    t0 = time.perf_counter()
-    executor.touch_kv_cache()  # the grid reads contexts nobody wrote: no first-touch faults
-    grid = worker_grid(executor.info, max_len)
-    warm = [e for e in grid if e[0][0] == 1][:1] + [e for e in grid if e[0][0] > 1][:1]
-    measure(executor, warm, repeats=0, vocab=vocab, warmups=1)  # one-time costs of each kind
-    steps = measure(executor, grid, repeats=3, vocab=vocab, warmups=0, deadline=t0 + budget_s,
-                    repeat_seconds=REPEAT_SECONDS)
-    log.info("step times measured in %.1fs (%d shapes)", time.perf_counter() - t0, len(steps))
-    return steps
+def first_shape(entries: list[tuple[int, int]]) -> bool:
+    """A shape timed before the engine serves: one decode row, four, and a 64-token prompt,
+    so that the first steps are sized (a model that knows nothing would let one step take
+    a whole long prompt) and the CPU step target priced (`default_step_target`)."""
+    return entries in ([(1, DECODE_CONTEXT)], [(1, DECODE_CONTEXT)] * 4, [(64, 0)])
 
 
-def load_or_measure(executor, folder: Path, budget_s: float, vocab: int, max_len: int,
-                    ) -> list[tuple[StepShape, float]]:
-    """This model's step times on this machine: the saved profile, or measured now (within
-    about `budget_s` seconds) and saved for the next start."""
-    key = machine_key(executor.info, folder, max_len)
-    path = profile_path(key)
-    try:
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            return [(_shape(s), t) for s, t in saved["steps"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # none yet, or unreadable: measure
-    steps = measure_profile(executor, budget_s, vocab, max_len)
-    log.info("%d step times saved to %s", len(steps), path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "steps": [
-            [[getattr(s, f) for f in StepShape.__slots__], t] for s, t in steps]}))
-        tmp.replace(path)  # atomic: another core starting beside this one reads it whole
-    except OSError as e:
-        log.warning("could not save the step-time profile to %s: %s", path, e)
-    return steps
+class StepProfile:
+    """This model's step times on this machine (`steps`): the profile an earlier start
+    saved, or the start-up grid measured in two parts, a few shapes before the engine
+    serves (`measure_first`) and the rest a shape at a time while it idles
+    (`measure_next`), within about `budget_s` seconds of timing in all, then saved for the
+    next start. A server is ready in a second where timing the whole grid took ten."""
+
+    def __init__(self, executor, folder: Path, budget_s: float, vocab: int,
+                 max_len: int) -> None:
+        self.executor, self.vocab, self.budget_s = executor, vocab, budget_s
+        self.key = machine_key(executor.info, folder, max_len)
+        self.path = profile_path(self.key)
+        self.steps: list[tuple[StepShape, float]] = self._load()
+        self.pending = [] if self.steps else worker_grid(executor.info, max_len)
+        self.spent = 0.0  # seconds of timing so far
+        self.largest = (1, 0.0)  # the measured shape of most tokens: (tokens, seconds)
+        self._rng = random.Random(0)
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    def _load(self) -> list[tuple[StepShape, float]]:
+        try:
+            saved = json.loads(self.path.read_text())
+            if saved.get("key") == self.key:
+                return [(_shape(s), t) for s, t in saved["steps"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or unreadable: measure
+        return []
+
+    def measure_first(self) -> list[tuple[StepShape, float]]:
+        """Warm the runner up (one decode run: one-time costs; a prompt's first run is no
+        slower than its next) and time the shapes the engine needs before it serves; the
+        steps known so far."""
+        if self.done:
+            return list(self.steps)
+        t0 = time.perf_counter()
+        first = [e for e in self.pending if first_shape(e)]
+        measure(self.executor, first[:1], repeats=0, vocab=self.vocab, warmups=1)
+        for entries in first:
+            self._time(entries, list(range(self.executor.info.num_blocks)))
+        log.info("%d step times measured in %.1fs before serving; %d more while idle",
+                 len(self.steps), time.perf_counter() - t0, len(self.pending))
+        return list(self.steps)
+
+    def blocks_next(self) -> int:
+        """The KV blocks the next pending shape holds."""
+        return shape_blocks(self.pending[0], self.executor.info.block_size) if self.pending else 0
+
+    def measure_next(self, blocks: list[int]) -> list[tuple[StepShape, float]]:
+        """Time the next pending shape on the free KV blocks `blocks` (its own or skip it:
+        too few blocks, or past the budget); the steps it added. The last one saves the
+        profile."""
+        if self.done:
+            return []
+        entries = self.pending[0]
+        tokens = shape_tokens(entries)
+        before = len(self.steps)
+        if self.spent + self.largest[1] * tokens / self.largest[0] <= self.budget_s:
+            self._time(entries, blocks)
+        else:
+            self.pending.pop(0)  # one run of it would end past the budget
+        if self.done:
+            self._save()
+        return self.steps[before:]
+
+    def measure_all(self) -> list[tuple[StepShape, float]]:
+        """The whole profile now, over the whole pool (where no engine idles between
+        requests: a test, a benchmark); the steps."""
+        self.measure_first()
+        while not self.done:
+            self.measure_next(list(range(self.executor.info.num_blocks)))
+        return list(self.steps)
+
+    def _time(self, entries: list[tuple[int, int]], blocks: list[int]) -> None:
+        self.pending.remove(entries)
+        t0 = time.perf_counter()
+        timed = time_shape(self.executor, entries, blocks, self._rng, self.vocab, repeats=3,
+                           warmups=0, repeat_seconds=REPEAT_SECONDS)
+        self.spent += time.perf_counter() - t0
+        if timed is not None:
+            self.steps.append(timed)
+            self.largest = max(self.largest, (shape_tokens(entries), timed[1]))
+
+    def _save(self) -> None:
+        log.info("%d step times measured in %.1fs, saved to %s", len(self.steps), self.spent,
+                 self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": self.key, "steps": [
+                [[getattr(s, f) for f in StepShape.__slots__], t] for s, t in self.steps]}))
+            tmp.replace(self.path)  # atomic: another core starting beside this one reads it whole
+        except OSError as e:
+            log.warning("could not save the step-time profile to %s: %s", self.path, e)
 
 
 def _shape(values: list[int]) -> StepShape:

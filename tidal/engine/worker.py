@@ -165,8 +165,8 @@ class Worker:
     def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]:
         return self.kv.read_blocks(block_ids)
 
-    def touch_kv_cache(self) -> None:
-        self.kv.touch()
+    def touch_kv_cache(self, block_ids: list[int]) -> None:
+        self.kv.touch(block_ids)
 
     def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
                      dtype: str) -> None:

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 DEFAULT_MODEL = "smollm2-135m"
 # Fingerprint reads: the head (a big vocabulary's metadata runs to MiBs), tail and slices.
@@ -44,6 +45,21 @@ def resolve_model(model: str, check: bool = True) -> tuple[Path, str]:
     that ask for one). `check`: raise UnsupportedModelError now for a model tidal cannot
     run, before any engine, tokenizer or memory (False: the folder serves only its
     tokenizer)."""
+    files = locate_model(model)
+    return write_model_files(files, check), files.name
+
+
+class ModelFiles(NamedTuple):
+    """Where a model's folder is, before it need exist (`locate_model`)."""
+
+    folder: Path
+    name: str  # the served model name
+    gguf: Path | None  # the GGUF file; `pending`: its folder is still to write
+
+
+def locate_model(model: str) -> ModelFiles:
+    """The folder `resolve_model` gives for `model`, without writing it: an engine core
+    launched now can load in parallel with the conversion (`files_written`)."""
     if model in EMBEDDED:
         gguf, served = embedded_gguf(model), model
     elif model.endswith(".gguf") and Path(model).is_file():
@@ -54,13 +70,29 @@ def resolve_model(model: str, check: bool = True) -> tuple[Path, str]:
             raise FileNotFoundError(
                 f"--model {model!r} is neither an embedded model ({', '.join(EMBEDDED)}), a "
                 f"GGUF file, nor a folder with config.json and safetensors")
-        return _checked(folder, check), folder.name
-    folder = cache_root() / f"{served}-{gguf_fingerprint(gguf)}"
-    if not (folder / "config.json").is_file():
-        from tidal.model import gguf_convert
-        gguf_convert.convert_gguf(gguf, folder, weights=False)
-    _link(folder / SOURCE, gguf.resolve())
-    return _checked(folder, check), served
+        return ModelFiles(folder, folder.name, None)
+    return ModelFiles(cache_root() / f"{served}-{gguf_fingerprint(gguf)}", served, gguf)
+
+
+def pending(files: ModelFiles) -> bool:
+    """Whether the folder is still to write (a GGUF converted for the first time)."""
+    return files.gguf is not None and not files_written(files.folder)
+
+
+def write_model_files(files: ModelFiles, check: bool = True) -> Path:
+    """Convert a GGUF into its folder (once) and link the file; `resolve_model`'s folder."""
+    folder = files.folder
+    if files.gguf is not None:
+        if not (folder / "config.json").is_file():
+            from tidal.model import gguf_convert
+            gguf_convert.convert_gguf(files.gguf, folder, weights=False)
+        _link(folder / SOURCE, files.gguf.resolve())
+    return _checked(folder, check)
+
+
+def files_written(folder: str | os.PathLike) -> bool:
+    """Whether a GGUF's cache folder is whole: converted, and the file linked last."""
+    return (Path(folder) / "config.json").is_file() and gguf_source(folder) is not None
 
 
 SOURCE = "model.gguf"  # in a GGUF's cache folder: a link to the file

@@ -45,11 +45,14 @@ class CoreClient:
     with several the dispatcher's thread batches and routes them. A dead core fails only the
     requests it held; the others keep serving, and it is restarted under `restart`."""
 
-    def __init__(self, config: EngineConfig, folder: str, tokenizer: Tokenizer,
+    def __init__(self, config: EngineConfig, folder: str, tokenizer: Tokenizer | None,
                  restart: RestartPolicy | None = None) -> None:
-        self.config, self.folder, self.tokenizer = config, folder, tokenizer
+        """`tokenizer` None: `folder` is a GGUF's, still being written; the cores launched
+        meanwhile wait for it, and `attach_tokenizer` comes before `start`."""
+        self.config, self.folder, self.tokenizer = config, folder, None
         self.num_cores = config.parallel.data_parallel_size
-        self.streams = RequestStreams(tokenizer)
+        if tokenizer is not None:
+            self.attach_tokenizer(tokenizer)
         self.board = CoreStatsBoard(self.num_cores)
         self.ready: m.Ready | None = None
         self.dead: str | None = None  # why, once every core is gone for good
@@ -68,6 +71,9 @@ class CoreClient:
         self._launched: float | None = None  # when the cores were launched
 
     # ------------------------------------------------------------------ lifecycle
+    def attach_tokenizer(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.streams = tokenizer, RequestStreams(tokenizer)
+
     def launch(self) -> None:
         """Start the engine cores now; `start` waits for them. `tidal serve` launches them
         before it imports and builds the HTTP app, so the two load side by side."""
@@ -112,9 +118,11 @@ class CoreClient:
             if handle is not None:
                 handle.kill()  # reaps the dead process (or frees its Ray actor)
             handle = self._new_handle(index)
-        handle.start(run_core, (self._core_config(), str(self.folder),
-                                self.tokenizer.eos_token_id, self.sockets.in_addrs[index],
-                                self.sockets.out_addr, index, incarnation))
+        # No tokenizer yet: the core waits for the files and reads its end token itself.
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        handle.start(run_core, (self._core_config(), str(self.folder), eos,
+                                self.sockets.in_addrs[index], self.sockets.out_addr, index,
+                                incarnation, self.tokenizer is None))
         return handle
 
     def _core_config(self) -> EngineConfig:

@@ -56,10 +56,13 @@ class StatusLine:
 
 
 def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_addr: str,
-             out_addr: str, index: int = 0, incarnation: int = 0) -> None:
+             out_addr: str, index: int = 0, incarnation: int = 0,
+             files_pending: bool = False) -> None:
     """The process's main: build the core, say Ready, then serve until Shutdown or until the
     frontend process is gone. `index` names this core among data-parallel ones;
-    `incarnation` which start of it this is (every message says so)."""
+    `incarnation` which start of it this is (every message says so). `files_pending`: the
+    frontend is still converting the GGUF into `folder`; import the engine meanwhile, wait
+    for the files, and take the end-of-sequence id from their tokenizer."""
     # The engine (torch, the model) is imported here, in the core's own process: the
     # frontend that hands this function to it never loads torch.
     from tidal.engine.core import EngineCore
@@ -67,6 +70,18 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parent = os.getppid()
+    if files_pending:
+        from tidal.model.registry import files_written
+        from tidal.model.tokenizer import Tokenizer
+
+        waited = time.perf_counter()
+        while not files_written(folder):
+            if os.getppid() != parent:
+                return  # the conversion failed and the frontend exited
+            time.sleep(0.02)
+        log.info("engine imported; waited %.2fs for the model files",
+                 time.perf_counter() - waited)
+        eos_token_id = Tokenizer(folder).eos_token_id
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(in_addr)
@@ -156,7 +171,9 @@ class _CoreLoop:
                 if sock not in self.polled:  # a link's peer monitors come and go
                     self.poller.register(sock, zmq.POLLIN)
                     self.polled.add(sock)
-            wait = 0 if core.can_step() else 5 if self.compiling else 200  # ms
+            # Idle with step-time shapes left to time: time one per pass, messages between.
+            timing = core.profiling() and not core.has_work() and not self.compiling
+            wait = 0 if core.can_step() or timing else 5 if self.compiling else 200  # ms
             for sock, _ in self.poller.poll(wait):
                 if sock is self.inbox:
                     self._take_messages()
@@ -175,6 +192,8 @@ class _CoreLoop:
             if started is not None:
                 outputs += core.step()
                 status.maybe_log()
+            elif self.deadline is None and not self.compiling:
+                core.profile_idle()
             if link is not None:
                 outputs = link.after_step(outputs)
             if outputs:

@@ -109,7 +109,6 @@ def calibrate(model: str, hardware: Hardware, engine_kwargs: dict, repeats: int 
             folder = resolve_model(model)[0]
         worker = Worker(folder, config.model, config.cache.block_size)
         arch = ModelArch.from_folder(folder)
-    worker.touch_kv_cache()  # the grid reads contexts nobody wrote
     timings = measure(worker, grid or default_grid(), repeats, arch.vocab_size)
     hardware.dtype_bytes = worker.dtype.itemsize
     quantized = getattr(worker.model, "gguf", None)  # weights served in the file's formats
