@@ -126,3 +126,26 @@ def test_offline_steps_are_not_sized_by_time_unless_asked(folder):
     assert LLM(str(folder), num_kv_blocks=64).engine.core.config.scheduler.max_step_ms == 0
     given = LLM(str(folder), num_kv_blocks=64, max_step_ms=250.0)
     assert given.engine.core.config.scheduler.max_step_ms == 250.0
+
+
+def test_shapes_timed_while_the_machine_is_busy_are_priced_at_its_speed_before(
+        folder, monkeypatch):
+    """Idle timing runs beside whatever else the machine does: each shape is scaled by a
+    decode row timed before serving over the same row timed beside it, so a machine twice
+    as slow meanwhile saves the prices it would have timed idle."""
+    slowdown = [1.0]
+
+    def fake(executor, entries, blocks, *args, **kwargs):
+        if step_profile.shape_blocks(entries, executor.info.block_size) > len(blocks):
+            return None
+        shape = StepShape([(e[0], e[1], True) for e in entries])
+        return shape, slowdown[0] * 1e-3 * step_profile.shape_tokens(entries)
+
+    monkeypatch.setattr(step_profile, "time_shape", fake)
+    c = core(folder)
+    first = list(c.profile.steps)
+    slowdown[0] = 2.0  # a client's own work, say, beside the idle engine
+    finish_profile(c)
+    later = c.profile.steps[len(first):]
+    assert later and all(t == pytest.approx(1e-3 * s.tokens) for s, t in later)
+    assert c.profile.steps[:len(first)] == first

@@ -93,10 +93,11 @@ class ModelConfig:
                                           "bounded size keep the activations in the CPU's "
                                           "caches, which speeds up large prefill steps. Unset: "
                                           "1024 on CPU, no limit on GPU; 0: no limit.")
-    step_profile_seconds: float = knob(10.0, "Most seconds the engine spends at start-up "
-                                       "timing steps of a few shapes, when no profile of "
-                                       "this model on this machine is saved yet (then it is "
-                                       "saved): they seed the step-time model that sizes "
+    step_profile_seconds: float = knob(10.0, "Most seconds the engine spends timing steps "
+                                       "of a grid of shapes when no profile of this model on "
+                                       "this machine is saved yet: three small shapes before "
+                                       "it serves, the rest one at a time while it idles, "
+                                       "then saved. They seed the step-time model that sizes "
                                        "steps (max_step_ms) and the slo policy's plans. 0: "
                                        "none; the model learns from served steps alone.")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 or float32 models "

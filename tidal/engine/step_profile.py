@@ -196,6 +196,8 @@ class StepProfile:
         self.spent = 0.0  # seconds of timing so far
         self.largest = (1, 0.0)  # the measured shape of most tokens: (tokens, seconds)
         self._rng = random.Random(0)
+        # One decode row as timed before serving: the yardstick of the machine's speed then.
+        self.reference: tuple[list[tuple[int, int]], float] | None = None
 
     @property
     def done(self) -> bool:
@@ -221,25 +223,38 @@ class StepProfile:
         measure(self.executor, first[:1], repeats=0, vocab=self.vocab, warmups=1)
         for entries in first:
             self._time(entries, list(range(self.executor.info.num_blocks)))
+        if self.steps and first[0] == [(1, DECODE_CONTEXT)]:
+            self.reference = (first[0], self.steps[0][1])
         log.info("%d step times measured in %.1fs before serving; %d more while idle",
                  len(self.steps), time.perf_counter() - t0, len(self.pending))
         return list(self.steps)
 
     def blocks_next(self) -> int:
-        """The KV blocks the next pending shape holds."""
-        return shape_blocks(self.pending[0], self.executor.info.block_size) if self.pending else 0
+        """The KV blocks the next pending shape (and the yardstick timed beside it) holds."""
+        if not self.pending:
+            return 0
+        bs = self.executor.info.block_size
+        return max(shape_blocks(e, bs) for e in [self.pending[0], *self.reference[:1]])
 
     def measure_next(self, blocks: list[int]) -> list[tuple[StepShape, float]]:
         """Time the next pending shape on the free KV blocks `blocks` (its own or skip it:
         too few blocks, or past the budget); the steps it added. The last one saves the
-        profile."""
+        profile. The shape's time is scaled by the yardstick's then over now: an idle
+        engine's machine may be busy with other work (a client's own), which must not
+        price every later start's steps."""
         if self.done:
             return []
         entries = self.pending[0]
         tokens = shape_tokens(entries)
         before = len(self.steps)
         if self.spent + self.largest[1] * tokens / self.largest[0] <= self.budget_s:
-            self._time(entries, blocks)
+            scale = 1.0
+            if self.reference is not None:
+                now = time_shape(self.executor, self.reference[0], blocks, self._rng,
+                                 self.vocab, repeats=5, warmups=0,
+                                 repeat_seconds=REPEAT_SECONDS)
+                scale = self.reference[1] / now[1] if now is not None else 1.0
+            self._time(entries, blocks, scale)
         else:
             self.pending.pop(0)  # one run of it would end past the budget
         if self.done:
@@ -254,14 +269,15 @@ class StepProfile:
             self.measure_next(list(range(self.executor.info.num_blocks)))
         return list(self.steps)
 
-    def _time(self, entries: list[tuple[int, int]], blocks: list[int]) -> None:
+    def _time(self, entries: list[tuple[int, int]], blocks: list[int],
+              scale: float = 1.0) -> None:
         self.pending.remove(entries)
         t0 = time.perf_counter()
         timed = time_shape(self.executor, entries, blocks, self._rng, self.vocab, repeats=3,
                            warmups=0, repeat_seconds=REPEAT_SECONDS)
         self.spent += time.perf_counter() - t0
         if timed is not None:
-            self.steps.append(timed)
+            self.steps.append((timed[0], timed[1] * scale))
             self.largest = max(self.largest, (shape_tokens(entries), timed[1]))
 
     def _save(self) -> None:

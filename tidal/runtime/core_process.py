@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tidal.core")
 
+# Seconds without work before the core times a shape of its step-time profile.
+PROFILE_AFTER_IDLE_S = 3.0
+
 
 class StatusLine:
     """One log line a second while the core has work: queues, KV, prefix hits, the decode
@@ -159,6 +162,7 @@ class _CoreLoop:
         # scheduler until it has: a large or slow grammar never stalls the step loop.
         self.compiling: dict[str, tuple[Future, m.Add]] = {}
         self.compiler = ThreadPoolExecutor(1, "tidal-compile")
+        self.busy_at = time.monotonic()  # when the core last had work
 
     def send(self, msg) -> None:
         self.outbox.send(m.encoder.encode(msg))
@@ -171,9 +175,20 @@ class _CoreLoop:
                 if sock not in self.polled:  # a link's peer monitors come and go
                     self.poller.register(sock, zmq.POLLIN)
                     self.polled.add(sock)
-            # Idle with step-time shapes left to time: time one per pass, messages between.
-            timing = core.profiling() and not core.has_work() and not self.compiling
-            wait = 0 if core.can_step() or timing else 5 if self.compiling else 200  # ms
+            # Idle for a while with step-time shapes left to time: one per pass, messages
+            # between (a client sending one request after another never waits for one).
+            now = time.monotonic()
+            if core.has_work() or self.compiling:
+                self.busy_at = now
+            timing = core.profiling() and now - self.busy_at >= PROFILE_AFTER_IDLE_S
+            if core.can_step() or timing:
+                wait = 0  # ms
+            elif self.compiling:
+                wait = 5
+            elif core.profiling():  # until idle long enough
+                wait = max(1, int(1000 * (self.busy_at + PROFILE_AFTER_IDLE_S - now)))
+            else:
+                wait = 200
             for sock, _ in self.poller.poll(wait):
                 if sock is self.inbox:
                     self._take_messages()
@@ -192,8 +207,7 @@ class _CoreLoop:
             if started is not None:
                 outputs += core.step()
                 status.maybe_log()
-            elif self.deadline is None and not self.compiling:
-                core.profile_idle()
+            timing = timing and started is None and not self.compiling and self.deadline is None
             if link is not None:
                 outputs = link.after_step(outputs)
             if outputs:
@@ -201,7 +215,7 @@ class _CoreLoop:
             if started is not None:
                 self.step_seconds += time.perf_counter() - started
             now = time.monotonic()
-            if now - self.last_stats >= 0.5:
+            if now - self.last_stats >= 0.5 or timing:  # a timed shape holds the loop a while
                 self.last_stats = now
                 self.send(m.Stats(self.index, self.adds_seen, core.scheduler.stats(),
                                   core.prompt_tokens, core.generation_tokens,
@@ -211,6 +225,8 @@ class _CoreLoop:
                 if os.getppid() != parent:  # the frontend died: do not linger as an orphan
                     log.warning("frontend process gone; engine core exiting")
                     return
+            if timing:
+                core.profile_idle()
 
     def _view(self) -> SchedulerView | None:
         """The scheduler's view with the steps since the last one, while dashboards watch."""
