@@ -45,7 +45,7 @@ def test_the_profile_is_measured_once_saved_and_read_back(folder, tmp_path, monk
     first = core(folder)
     saved = tmp_path / "cache" / "step-profiles"
     chunk = StepShape().add(1, 100, count=4).add(128, 0)
-    # serving starts on the shapes timed first: one decode row, four, a 64-token prompt
+    # serving starts on the shapes timed first: one decode row, four, a 256-token prompt
     assert len(first.profile.steps) == 3 and first.profiling() and not saved.exists()
     assert first.step_time.shape_time(chunk) > 0  # before any served step
     assert finish_profile(first) >= 3 and not first.profiling() and not first.profile_idle()

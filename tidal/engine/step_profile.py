@@ -173,10 +173,12 @@ def profile_path(key: dict) -> Path:
 
 
 def first_shape(entries: list[tuple[int, int]]) -> bool:
-    """A shape timed before the engine serves: one decode row, four, and a 64-token prompt,
-    so that the first steps are sized (a model that knows nothing would let one step take
-    a whole long prompt) and the CPU step target priced (`default_step_target`)."""
-    return entries in ([(1, DECODE_CONTEXT)], [(1, DECODE_CONTEXT)] * 4, [(64, 0)])
+    """A shape timed before the engine serves: one decode row, four, and the 256-token
+    prompt that the CPU step target prices (`default_step_target`; from a shorter prompt
+    the fit cannot tell its tokens' cost from their attention's, and overprices it by up
+    to 1.8x), so that the first steps are sized (a model that knows nothing would let one
+    step take a whole long prompt)."""
+    return entries in ([(1, DECODE_CONTEXT)], [(1, DECODE_CONTEXT)] * 4, [(256, 0)])
 
 
 class StepProfile:
