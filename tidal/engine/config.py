@@ -146,6 +146,16 @@ class ParallelConfig:
                            "request's TTFT deadline; for the slo policy).")
     dp_backend: str = knob("local", "Where the engine cores run: 'local' processes, or 'ray' "
                            "actors (joins RAY_ADDRESS's cluster, or starts a local one).")
+    tensor_parallel_size: int = knob(1, "Ranks each engine core splits the model across "
+                                     "(tensor parallelism: each holds 1/N of every layer's "
+                                     "heads and MLP rows, and of every KV block): processes "
+                                     "on this machine, joined by torch.distributed (gloo). "
+                                     "Dense weights on CPU for now (--quantization none); "
+                                     "threads per rank default to cores / N.")
+    distributed_timeout: float = knob(60.0, "Seconds a tensor-parallel rank waits in a "
+                                      "collective for the others before it fails the step "
+                                      "(a rank that died or hangs), so the core restarts "
+                                      "instead of hanging.")
     kv_host: str = knob("127.0.0.1", "Address a prefill or decode core's KV transfer "
                         "socket binds (P/D disaggregation; a port is picked).")
     kv_transfer_timeout: float = knob(300.0, "Seconds a decode core waits for a request's KV "
@@ -159,6 +169,10 @@ class ParallelConfig:
         if self.dp_routing not in ROUTING_POLICIES:
             raise ValueError(f"dp_routing must be one of {', '.join(ROUTING_POLICIES)}; "
                              f"got {self.dp_routing!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.distributed_timeout <= 0:
+            raise ValueError("distributed_timeout must be > 0")
         if self.dp_backend not in ("local", "ray"):
             raise ValueError(f"dp_backend must be local or ray; got {self.dp_backend!r}")
 
@@ -304,6 +318,13 @@ class EngineConfig:
         if self.lora.enable_lora and cpu_loras is not None and cpu_loras < self.scheduler.max_loras:
             raise ValueError(f"max_cpu_loras={cpu_loras} is under max_loras="
                              f"{self.scheduler.max_loras}: a step's adapters must all be loaded")
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1 and self.lora.enable_lora:
+            raise ValueError(f"--tensor-parallel-size {tp}: LoRA adapters do not split across "
+                             f"ranks yet; serve them with --tensor-parallel-size 1")
+        if tp > 1 and self.model.device not in ("auto", "cpu"):
+            raise ValueError(f"--tensor-parallel-size {tp}: ranks run on CPU for now "
+                             f"(--device cpu)")
         if method == "draft" and self.scheduler.role != "mixed":
             raise ValueError("a draft model needs the prompt's KV computed by the draft too; "
                              "a P/D pair speculates with ngram or suffix")

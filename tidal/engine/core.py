@@ -20,7 +20,7 @@ from tidal.core.snapshot import StepHistory
 from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
-from tidal.engine.executor import make_executor
+from tidal.engine.executor import ExecutorDead, make_executor
 from tidal.engine.step_profile import StepProfile
 from tidal.model.lora import LoRAError
 
@@ -216,6 +216,8 @@ class EngineCore:
         t0 = time.perf_counter()
         try:
             result = self.executor.execute(out)
+        except ExecutorDead:
+            raise  # no step can run any more: the core stops (a server restarts it)
         except Exception as exc:  # the step's requests fail; the engine serves the rest
             log.exception("model runner failed; ending the step's %d requests",
                           len(out.scheduled))
@@ -253,6 +255,7 @@ class EngineCore:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self.executor.close()
 
 
 def attach_row_data(outputs: list[RequestOutput], result: ModelOutput) -> None:

@@ -26,6 +26,10 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._counter = 0
 
+    def close(self) -> None:
+        """Stop what runs beside this process (a tensor-parallel group's other ranks)."""
+        self.core.close()
+
     @property
     def runner(self):
         """The in-process worker's model runner (what tests and benchmarks look inside)."""

@@ -4,7 +4,8 @@ transfers talk to an executor only, so workers on other processes or ranks (tens
 pipeline parallelism: each holds its shard of the model and of every KV block, under the
 same block tables) need no change above it.
 
-`LocalExecutor`: one worker, in this process.
+`LocalExecutor`: one worker, in this process; `TensorParallelExecutor` (tp_executor.py):
+one per rank of a tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from typing import Protocol
 from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
 from tidal.engine.config import EngineConfig
 from tidal.engine.worker import Worker, WorkerInfo
+
+
+class ExecutorDead(RuntimeError):
+    """The executor's workers can no longer run steps (a tensor-parallel rank died, hung or
+    failed mid-step): the engine core stops, and a server restarts it."""
 
 
 class Executor(Protocol):
@@ -52,6 +58,10 @@ class Executor(Protocol):
     def unregister_adapter(self, name: str) -> None: ...
 
     def load_adapter(self, name: str) -> None: ...
+
+    def close(self) -> None:
+        """Stop the workers that are not in this process."""
+        ...
 
 
 class LocalExecutor:
@@ -91,8 +101,16 @@ class LocalExecutor:
     def load_adapter(self, name: str) -> None:
         self.worker.load_adapter(name)
 
+    def close(self) -> None:
+        pass  # the worker is this process's
+
 
 def make_executor(config: EngineConfig, folder: str | Path) -> Executor:
-    """The executor of an engine's config: today one worker, in process."""
+    """The executor of an engine's config: one worker in this process, or the ranks of a
+    tensor-parallel group (`tensor_parallel_size`)."""
+    if config.parallel.tensor_parallel_size > 1:
+        from tidal.engine.tp_executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config, folder)
     return LocalExecutor(Worker(folder, config.model, config.cache.block_size,
                                 config.scheduler, config.speculative, config.lora))

@@ -43,6 +43,11 @@ class LLM:
         self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the processes beside this one (a tensor-parallel group's other ranks); they
+        also end with this process."""
+        self.engine.close()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,

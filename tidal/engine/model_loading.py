@@ -19,6 +19,7 @@ from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
 from tidal.model.quantized_model import load_gguf_model, load_int4_checkpoint
 from tidal.model.registry import gguf_source
+from tidal.model.tensor_parallel import FLAG as TP_FLAG, TPGroup, shard_model
 
 
 def pick_model_dtype(folder: str | Path, arch: ModelArch, config: ModelConfig,
@@ -32,8 +33,18 @@ def pick_model_dtype(folder: str | Path, arch: ModelArch, config: ModelConfig,
 
 def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, device: str,
                     dtype: torch.dtype, quantization: str, backend: AttentionBackend,
-                    ext) -> tuple[torch.nn.Module, object | None]:
-    """The model and (with the CPU extension `ext`) its C++ decoder."""
+                    ext, tp: TPGroup | None = None) -> tuple[torch.nn.Module, object | None]:
+    """The model and (with the CPU extension `ext`) its C++ decoder; with `tp`, this rank's
+    share of a dense model (tidal.model.tensor_parallel), decoded by PyTorch ops, whose
+    row-parallel projections meet the other ranks'."""
+    if tp is not None:
+        if quantization != "none":
+            raise ValueError(f"{TP_FLAG} {tp.size}: tensor parallelism splits dense weights "
+                             f"for now; add --quantization none (got {quantization!r})")
+        model = load_model(folder, dtype, device, backend, dummy=config.load_format == "dummy")
+        shard_model(model, arch, tp)
+        convert_layers(model, config, quantization, dtype, device, ext)
+        return model, None
     if quantization == "gguf":  # every projection is a CPU layer of the file's formats
         config_json = json.loads((Path(folder) / "config.json").read_text())
         model = load_gguf_model(gguf_source(folder), arch, dtype, backend, config=config_json)

@@ -27,6 +27,7 @@ from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel
                                  paged_prefill_kernel)
 from tidal.model.pooling import Pooling
 from tidal.model.sampler import on_device
+from tidal.model.tensor_parallel import TPGroup, shard_arch
 from tidal.spec.factory import make_guesser
 
 log = logging.getLogger("tidal.engine")
@@ -60,19 +61,27 @@ class Worker:
     def __init__(self, folder: str | Path, config: ModelConfig, block_size: int,
                  scheduler: SchedulerConfig | None = None,
                  speculative: SpeculativeConfig | None = None,
-                 lora: LoRAConfig | None = None) -> None:
+                 lora: LoRAConfig | None = None, tp: TPGroup | None = None) -> None:
+        """`tp`: this worker is one rank of a tensor-parallel group and holds its share of
+        the model, and of every KV block (its key/value heads)."""
         sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
         phases = Phases()  # where the start's seconds go, for the log
         self.device = device = pick_device(config.device)
         on_gpu = device.startswith("cuda")
-        self.arch = arch = ModelArch.from_folder(folder)
+        if tp is not None and on_gpu:
+            raise ValueError(f"--tensor-parallel-size {tp.size}: ranks run on CPU for now "
+                             f"(--device cpu)")
+        whole = ModelArch.from_folder(folder)
+        ranks = tp.size if tp is not None else 1
+        self.arch = arch = shard_arch(whole, ranks) if tp is not None else whole
         self.block_size = block_size
         quantization, self.dtype = pick_model_dtype(folder, arch, config, device)
         if on_gpu:
             if ":" in device:  # cuda:N: this process's current device too
                 torch.cuda.set_device(torch.device(device))
-        else:
-            torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        else:  # ranks on one machine share its cores
+            torch.set_num_threads(config.num_threads
+                                  or max(1, len(os.sched_getaffinity(0)) // ranks))
         max_model_len = min(sched.max_model_len, arch.context_length)
         ext = cpu_decode.extension() if config.cpu_decoder and device == "cpu" else None
         phases.done("C++ extension")
@@ -83,8 +92,8 @@ class Worker:
             paged_decode_kernel() if on_gpu else None)
         backend = TorchAttention.for_arch(arch, paged,
                                           paged_prefill_kernel() if on_gpu else None)
-        self.model, decoder = load_for_runner(folder, arch, config, device, self.dtype,
-                                              quantization, backend, ext)
+        self.model, decoder = load_for_runner(folder, whole, config, device, self.dtype,
+                                              quantization, backend, ext, tp)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
             lora, sched.max_loras, arch, self.model, self.dtype, device,
             lora_kernel() if on_gpu else cpp.lora_add if cpp else None, decoder)
@@ -102,8 +111,11 @@ class Worker:
         if guesser is not None:  # a block holds a draft's KV of its positions too
             per_block += guesser.block_bytes(block_size)
         step_tokens = min(sched.max_input_tokens_per_step, max_model_len)
-        num_blocks = kv_blocks(config, per_block, device,
+        # Ranks on one machine share its memory: each budgets for all of their shares.
+        num_blocks = kv_blocks(config, per_block * ranks, device,
                                lambda: self._peak_step(step_tokens, sched.max_num_seqs))
+        if tp is not None:
+            num_blocks = tp.min(num_blocks)  # every rank holds every block table's blocks
         self.kv = KVCache(arch, num_blocks, block_size, self.dtype, device)
         phases.done("KV cache")
         if guesser is not None:

@@ -1,0 +1,140 @@
+"""Tensor parallelism on CPU ranks over loopback (tidal/model/tensor_parallel.py,
+tidal/engine/tp_executor.py): two ranks give one process's greedy and seeded tokens, and
+its logprobs within float32 rounding, for Llama (GQA) and Qwen2 (q/k/v biases), with ngram
+speculation too; a served model answers, and a rank that dies fails its step and the core
+is restarted; sizes and options that do not split are refused at start, naming the flag."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from model_fixtures import small_folder
+from server_fixtures import Server, openai_client, pid_alive
+
+from tidal import LLM, SamplingParams
+from tidal.engine.tp_executor import RankFailed
+
+PROMPTS = [[5, 9, 33, 7, 100, 3], [17, 4, 200, 8], [60, 61, 62, 60, 61, 62, 60, 61]]
+# float32 sums in another order (one all-reduce per projection pair); in bfloat16 each
+# rank's partial sum is rounded before the all-reduce, which can flip a near-tie
+LOGPROB_BOUND = 1e-4
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    return {"llama": small_folder(tmp, "llama", "llama"),
+            "qwen2": small_folder(tmp, "qwen2", "qwen2", seed=1)}
+
+
+def run(folder: Path, tp: int, params: SamplingParams, **options):
+    llm = LLM(str(folder), tensor_parallel_size=tp, num_kv_blocks=64, num_threads=1,
+              dtype="float32", **options)
+    try:
+        return [r.outputs[0] for r in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params)]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_two_ranks_give_one_process_tokens_and_logprobs(folders, family, sampled):
+    params = SamplingParams(max_tokens=12, temperature=0.8 if sampled else 0.0,
+                            seed=7 if sampled else None, logprobs=2, ignore_eos=True)
+    one, two = (run(folders[family], tp, params) for tp in (1, 2))
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    for a, b in zip(one, two):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < LOGPROB_BOUND
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_two_ranks_speculate_the_same_tokens(folders):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = run(folders["llama"], 1, params)
+    guessed = run(folders["llama"], 2, params, speculative_method="ngram",
+                  num_speculative_tokens=3)
+    assert [o.token_ids for o in guessed] == [o.token_ids for o in plain]
+
+
+def test_a_rank_that_dies_fails_the_step_and_stops_the_engine(folders):
+    llm = LLM(str(folders["llama"]), tensor_parallel_size=2, num_kv_blocks=64,
+              num_threads=1, distributed_timeout=5)
+    try:
+        (rank,) = llm.engine.executor.procs
+        rank.kill()
+        rank.wait(5)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailed, match="rank 1"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4))
+        assert time.monotonic() - t0 < 15  # within the collectives' timeout, never a hang
+    finally:
+        llm.close()
+
+
+def test_sizes_and_options_that_do_not_split_are_refused_naming_the_flag(folders, tmp_path):
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3 does not divide"):
+        LLM(str(folders["llama"]), tensor_parallel_size=3, num_kv_blocks=16)
+    moe = small_folder(tmp_path, "moe", "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2: mixture-of-experts"):
+        LLM(str(moe), tensor_parallel_size=2, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2: LoRA"):
+        LLM(str(folders["llama"]), tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="--quantization none"):
+        LLM("smollm2-135m", tensor_parallel_size=3, num_kv_blocks=16, num_threads=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        LLM(str(folders["llama"]), tensor_parallel_size=0)
+
+
+def _tp_ranks(core_pid: int) -> list[int]:
+    """The core's tensor-parallel ranks (its child processes running them)."""
+    ranks = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == core_pid and b"tidal.engine.tp_executor" in cmdline:
+            ranks.append(int(proc.name))
+    return ranks
+
+
+def test_a_served_split_model_answers_and_a_dead_rank_restarts_its_core(folders):
+    want = run(folders["llama"], 1, SamplingParams(max_tokens=6, temperature=0.0,
+                                                   ignore_eos=True))[0].text
+    server = Server("--model", str(folders["llama"]), "--dtype", "float32",
+                    "--tensor-parallel-size", "2",
+                    "--distributed-timeout", "5", "--restart-core", "2")
+    try:
+        client = openai_client(server)
+
+        def complete():
+            return client.completions.create(model="llama", prompt=PROMPTS[0], max_tokens=6,
+                                             temperature=0, extra_body={"ignore_eos": True})
+
+        assert complete().choices[0].text == want
+        core = server.core_pid()
+        (rank,) = _tp_ranks(core)
+        os.kill(rank, signal.SIGKILL)
+        with pytest.raises(Exception):
+            complete()  # its step fails; the core stops
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # restarted, with a new group
+            if httpx.get(server.url + "/health", timeout=10).status_code == 200 \
+                    and server.core_pid() != core:
+                break
+            time.sleep(0.5)
+        assert server.core_pid() != core and not pid_alive(core)
+        assert complete().choices[0].text == want
+    finally:
+        server.stop()
