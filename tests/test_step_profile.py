@@ -90,6 +90,15 @@ def test_idle_timing_waits_for_requests_and_keeps_the_prefix_cache(folder):
     assert answer("b") == first and c.scheduler.prefix_hit_tokens - hits >= 48
 
 
+def test_a_context_too_short_for_the_timed_decodes_profiles_its_prompts(folder):
+    """No decode row of the grid fits 200 positions: no yardstick either, and the idle
+    timing still runs to its end."""
+    c = core(folder, max_model_len=200)
+    assert c.profile.reference is None and c.profiling()
+    assert finish_profile(c) >= 1 and not c.profiling()
+    assert all(s.seqs == 1 or s.tokens > s.seqs for s, _ in c.profile.steps)
+
+
 def test_another_machine_key_measures_anew_and_none_when_asked(folder, tmp_path):
     finish_profile(core(folder))
     finish_profile(core(folder, num_kv_blocks=40))  # a pool too small for some shapes

@@ -236,7 +236,8 @@ class StepProfile:
         if not self.pending:
             return 0
         bs = self.executor.info.block_size
-        return max(shape_blocks(e, bs) for e in [self.pending[0], *self.reference[:1]])
+        shapes = [self.pending[0]] + ([self.reference[0]] if self.reference else [])
+        return max(shape_blocks(e, bs) for e in shapes)
 
     def measure_next(self, blocks: list[int]) -> list[tuple[StepShape, float]]:
         """Time the next pending shape on the free KV blocks `blocks` (its own or skip it:

@@ -60,7 +60,7 @@ class TensorParallelExecutor:
                 self.worker = Worker(folder, config.model, config.cache.block_size,
                                      config.scheduler, config.speculative, config.lora,
                                      tp=self.group)
-                self._replies()
+                self._replies(patient=True)  # a load takes what it takes; a crash closes the pipe
             except BaseException:
                 self.close()
                 raise
@@ -82,14 +82,15 @@ class TensorParallelExecutor:
         self._replies(failure)
         return result
 
-    def _replies(self, failure: str | None = None) -> None:
-        """Wait for every other rank's reply (at most the collectives' timeout and a
-        margin); raise RankFailed with every failure, `failure` (rank 0's) first."""
+    def _replies(self, failure: str | None = None, patient: bool = False) -> None:
+        """Wait for every other rank's reply, at most the collectives' timeout and a margin
+        (`patient`: as long as it takes); raise RankFailed with every failure, `failure`
+        (rank 0's) first."""
+        wait = None if patient else self.timeout + 10
         failures = [failure] if failure else []
         for rank, conn in enumerate(self.conns, 1):
             try:
-                reply = (conn.recv() if conn.poll(self.timeout + 10) else
-                         f"no answer in {self.timeout + 10:g} s")
+                reply = conn.recv() if conn.poll(wait) else f"no answer in {wait:g} s"
             except (EOFError, OSError):
                 reply = "the process is gone"
             if reply is not None:
