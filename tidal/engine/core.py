@@ -154,7 +154,7 @@ class EngineCore:
     def profile_idle(self) -> bool:
         """Time the next shape of the step-time profile, on free KV blocks lent by the
         pool, if no request is in the engine; whether one was timed. A request that arrives
-        meanwhile waits for one shape's runs (tens to hundreds of milliseconds)."""
+        meanwhile waits for that shape's runs (up to a second or two on a small CPU)."""
         if not self.profiling() or self.has_work():
             return False
         pool, need = self.scheduler.kv.pool, self.profile.blocks_next()
