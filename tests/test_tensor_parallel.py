@@ -138,3 +138,41 @@ def test_a_served_split_model_answers_and_a_dead_rank_restarts_its_core(folders)
         assert complete().choices[0].text == want
     finally:
         server.stop()
+
+
+def test_the_shared_memory_sum_is_every_ranks_and_the_same_bits_on_each():
+    """Three ranks (threads here) sum tensors larger than a slot, in float32 and bfloat16,
+    call after call: each gets the sum in rank order, bit for bit the same; a rank that
+    never comes makes the others raise within the timeout."""
+    import threading
+
+    import torch
+
+    from tidal.model.shm_all_reduce import ShmAllReduce
+
+    first = ShmAllReduce(0, 3, timeout_s=2.0, slot_floats=100)
+    ranks = [first] + [ShmAllReduce(r, 3, 2.0, name=first.name, slot_floats=100)
+                       for r in (1, 2)]
+    gen = torch.Generator().manual_seed(0)
+    calls = [[torch.randn(7, 45, generator=gen, dtype=dtype) for _ in range(3)]
+             for dtype in (torch.float32, torch.bfloat16, torch.float32)]
+    got = [[None] * 3 for _ in calls]
+
+    def rank(r: int) -> None:
+        for i, parts in enumerate(calls):
+            got[i][r] = ranks[r].all_reduce(parts[r].clone())
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for parts, sums in zip(calls, got):
+        want = ((parts[0].float() + parts[1].float()) + parts[2].float()).to(parts[0].dtype)
+        assert all(torch.equal(s, want) for s in sums)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1, 2\] did not reach"):
+        first.all_reduce(torch.ones(3))
+    assert time.monotonic() - t0 < 10
+    for r in reversed(ranks):
+        r.close()

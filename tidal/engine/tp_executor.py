@@ -42,7 +42,7 @@ class TensorParallelExecutor:
         self.timeout = timeout = config.parallel.distributed_timeout
         address = f"127.0.0.1:{_free_port()}"
         authkey = secrets.token_bytes(16)
-        self.conns, self.procs = [], []
+        self.conns, self.procs, self.group = [], [], None
         with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
             # Plain child processes: an engine core is a daemonic process, which
             # multiprocessing forbids children of its own.
@@ -53,7 +53,7 @@ class TensorParallelExecutor:
                 proc.stdin.close()
                 self.procs.append(proc)
             try:
-                self.conns = _accept(listener, size - 1, timeout)
+                self.conns = _accept(listener, self.procs)
                 for rank, conn in enumerate(self.conns, 1):
                     conn.send((rank, size, address, config, str(folder)))
                 self.group = TPGroup.join(0, size, address, timeout)
@@ -145,19 +145,22 @@ class TensorParallelExecutor:
                 proc.kill()
                 proc.wait()
         self.conns, self.procs = [], []
-        TPGroup(0, 1).close()  # this process may start another group later (tests, LLM)
+        (self.group or TPGroup(0, 1)).close()  # this process may start another group later
 
 
-def _accept(listener: Listener, count: int, timeout: float) -> list[Connection]:
-    """The other ranks' connections, in the order they came (each is then told its rank)."""
+def _accept(listener: Listener, procs: list[subprocess.Popen]) -> list[Connection]:
+    """The other ranks' connections, in the order they came (each is then told its rank):
+    as long as their processes start, which may take a while on a busy machine; a process
+    that exits first fails the group."""
     conns: list[Connection] = []
     accepting = threading.Thread(target=lambda: conns.extend(
-        listener.accept() for _ in range(count)), daemon=True)
+        listener.accept() for _ in procs), daemon=True)
     accepting.start()
-    accepting.join(timeout)
-    if len(conns) < count:
-        raise RankFailed(f"tensor-parallel ranks: {len(conns)} of {count} connected in "
-                         f"{timeout:g} s")
+    while accepting.is_alive():
+        accepting.join(0.2)
+        if any(p.poll() is not None for p in procs):
+            raise RankFailed(f"tensor-parallel ranks: {len(conns)} of {len(procs)} connected "
+                             f"before a rank's process exited")
     return conns
 
 

@@ -15,28 +15,41 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tidal.model import shm_all_reduce
 from tidal.model.config import ModelArch
+from tidal.model.shm_all_reduce import ShmAllReduce
 
 FLAG = "--tensor-parallel-size"
 
 
 class TPGroup:
     """This process's place in a tensor-parallel group, over torch.distributed's default
-    process group (gloo: CPU tensors, over loopback or across machines)."""
+    process group (gloo: CPU tensors, over loopback or across machines), with the forward
+    pass's all-reduces through shared memory where the ranks share a machine (`shm`)."""
 
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, shm: ShmAllReduce | None = None) -> None:
+        self.rank, self.size, self.shm = rank, size, shm
 
     @classmethod
-    def join(cls, rank: int, size: int, address: str, timeout_s: float) -> "TPGroup":
+    def join(cls, rank: int, size: int, address: str, timeout_s: float,
+             same_machine: bool = True) -> "TPGroup":
         """Join the group at `address` (host:port, rank 0's); a collective that waits
         longer than `timeout_s` (a rank died or hangs) raises instead of hanging."""
         dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank,
                                 world_size=size, timeout=timedelta(seconds=timeout_s))
-        return cls(rank, size)
+        shm = None
+        if same_machine and size > 1 and shm_all_reduce.supported():
+            shm = ShmAllReduce(rank, size, timeout_s) if rank == 0 else None
+            name = [shm.name if shm else None]
+            dist.broadcast_object_list(name, src=0)
+            shm = shm or ShmAllReduce(rank, size, timeout_s, name=name[0])
+            dist.barrier()  # every rank attached: rank 0 may unlink it at close
+        return cls(rank, size, shm)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks (in float32 on the wire for other dtypes)."""
+        if self.shm is not None:
+            return self.shm.all_reduce(x)
         if x.dtype == torch.float32:
             dist.all_reduce(x)
             return x
@@ -51,6 +64,9 @@ class TPGroup:
         return int(t.item())
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
