@@ -20,11 +20,23 @@ from tidal.core.snapshot import StepHistory
 from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
-from tidal.engine.executor import ExecutorDead, make_executor
+from tidal.engine.executor import Executor, ExecutorDead, LocalExecutor
 from tidal.engine.step_profile import StepProfile
+from tidal.engine.worker import Worker
 from tidal.model.lora import LoRAError
 
 log = logging.getLogger("tidal.engine")
+
+
+def make_executor(config: EngineConfig, folder: str | Path) -> Executor:
+    """The executor of an engine's config: one worker in this process, or the ranks of a
+    tensor-parallel group (`tensor_parallel_size`)."""
+    if config.parallel.tensor_parallel_size > 1:
+        from tidal.engine.tp_executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config, folder)
+    return LocalExecutor(Worker(folder, config.model, config.cache.block_size,
+                                config.scheduler, config.speculative, config.lora))
 
 
 class EngineCore:

@@ -10,11 +10,9 @@ one per rank of a tensor-parallel group.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
-from tidal.engine.config import EngineConfig
 from tidal.engine.worker import Worker, WorkerInfo
 
 
@@ -103,14 +101,3 @@ class LocalExecutor:
 
     def close(self) -> None:
         pass  # the worker is this process's
-
-
-def make_executor(config: EngineConfig, folder: str | Path) -> Executor:
-    """The executor of an engine's config: one worker in this process, or the ranks of a
-    tensor-parallel group (`tensor_parallel_size`)."""
-    if config.parallel.tensor_parallel_size > 1:
-        from tidal.engine.tp_executor import TensorParallelExecutor
-
-        return TensorParallelExecutor(config, folder)
-    return LocalExecutor(Worker(folder, config.model, config.cache.block_size,
-                                config.scheduler, config.speculative, config.lora))

@@ -9,10 +9,12 @@ holds its heads' share of every KV block under the same block tables."""
 from __future__ import annotations
 
 import logging
+import os
 import secrets
-import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
@@ -40,7 +42,9 @@ class TensorParallelExecutor:
         size = config.parallel.tensor_parallel_size
         check_shardable(ModelArch.from_folder(folder), size)  # before any process starts
         self.timeout = timeout = config.parallel.distributed_timeout
-        address = f"127.0.0.1:{_free_port()}"
+        # The group meets at a file store (the ranks share this machine): no port to pick.
+        self._store = tempfile.mkdtemp(prefix="tidal-tp-")
+        store = os.path.join(self._store, "store")
         authkey = secrets.token_bytes(16)
         self.conns, self.procs, self.group = [], [], None
         with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
@@ -55,8 +59,8 @@ class TensorParallelExecutor:
             try:
                 self.conns = _accept(listener, self.procs)
                 for rank, conn in enumerate(self.conns, 1):
-                    conn.send((rank, size, address, config, str(folder)))
-                self.group = TPGroup.join(0, size, address, timeout)
+                    conn.send((rank, size, store, config, str(folder)))
+                self.group = TPGroup.join(0, size, store, timeout)
                 self.worker = Worker(folder, config.model, config.cache.block_size,
                                      config.scheduler, config.speculative, config.lora,
                                      tp=self.group)
@@ -146,6 +150,7 @@ class TensorParallelExecutor:
                 proc.wait()
         self.conns, self.procs = [], []
         (self.group or TPGroup(0, 1)).close()  # this process may start another group later
+        shutil.rmtree(self._store, ignore_errors=True)
 
 
 def _accept(listener: Listener, procs: list[subprocess.Popen]) -> list[Connection]:
@@ -170,10 +175,10 @@ def rank_main(host: str, port: int, authkey: bytes) -> None:
     wrong."""
     conn = Client((host, port), authkey=authkey)
     try:
-        rank, size, address, config, folder = conn.recv()
+        rank, size, store, config, folder = conn.recv()
         logging.basicConfig(level=logging.WARNING,
                             format=f"%(asctime)s tp-rank-{rank} %(name)s: %(message)s")
-        group = TPGroup.join(rank, size, address, config.parallel.distributed_timeout)
+        group = TPGroup.join(rank, size, store, config.parallel.distributed_timeout)
         worker = Worker(folder, config.model, config.cache.block_size, config.scheduler,
                         config.speculative, config.lora, tp=group)
         conn.send(None)
@@ -193,12 +198,6 @@ def rank_main(host: str, port: int, authkey: bytes) -> None:
             conn.send(None)
         except Exception as exc:
             conn.send(f"{type(exc).__name__}: {exc}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":  # a rank: `python -m tidal.engine.tp_executor HOST PORT`, key on stdin

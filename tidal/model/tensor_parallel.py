@@ -31,14 +31,14 @@ class TPGroup:
         self.rank, self.size, self.shm = rank, size, shm
 
     @classmethod
-    def join(cls, rank: int, size: int, address: str, timeout_s: float,
-             same_machine: bool = True) -> "TPGroup":
-        """Join the group at `address` (host:port, rank 0's); a collective that waits
-        longer than `timeout_s` (a rank died or hangs) raises instead of hanging."""
-        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank,
+    def join(cls, rank: int, size: int, store: str, timeout_s: float) -> "TPGroup":
+        """Join the group of ranks on this machine that meet at the file `store` (a path
+        none of them has used); a collective that waits longer than `timeout_s` (a rank died
+        or hangs) raises instead of hanging."""
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=size, timeout=timedelta(seconds=timeout_s))
         shm = None
-        if same_machine and size > 1 and shm_all_reduce.supported():
+        if size > 1 and shm_all_reduce.supported():
             shm = ShmAllReduce(rank, size, timeout_s) if rank == 0 else None
             name = [shm.name if shm else None]
             dist.broadcast_object_list(name, src=0)

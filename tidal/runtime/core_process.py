@@ -185,8 +185,8 @@ class _CoreLoop:
                 wait = 0  # ms
             elif self.compiling:
                 wait = 5
-            elif core.profiling():  # until idle long enough
-                wait = max(1, int(1000 * (self.busy_at + PROFILE_AFTER_IDLE_S - now)))
+            elif core.profiling():  # until idle long enough (stats go out meanwhile)
+                wait = min(200, max(1, int(1000 * (self.busy_at + PROFILE_AFTER_IDLE_S - now))))
             else:
                 wait = 200
             for sock, _ in self.poller.poll(wait):
