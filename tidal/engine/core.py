@@ -35,8 +35,7 @@ def make_executor(config: EngineConfig, folder: str | Path) -> Executor:
         from tidal.engine.tp_executor import TensorParallelExecutor
 
         return TensorParallelExecutor(config, folder)
-    return LocalExecutor(Worker(folder, config.model, config.cache.block_size,
-                                config.scheduler, config.speculative, config.lora))
+    return LocalExecutor(Worker.from_config(config, folder))
 
 
 class EngineCore:

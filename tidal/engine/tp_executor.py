@@ -48,22 +48,21 @@ class TensorParallelExecutor:
         authkey = secrets.token_bytes(16)
         self.conns, self.procs, self.group = [], [], None
         with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
-            # Plain child processes: an engine core is a daemonic process, which
-            # multiprocessing forbids children of its own.
-            for _ in range(1, size):
-                proc = subprocess.Popen([sys.executable, "-m", "tidal.engine.tp_executor",
-                                         *map(str, listener.address)], stdin=subprocess.PIPE)
-                proc.stdin.write(authkey)
-                proc.stdin.close()
-                self.procs.append(proc)
             try:
+                # Plain child processes: an engine core is a daemonic process, which
+                # multiprocessing forbids children of its own.
+                for _ in range(1, size):
+                    proc = subprocess.Popen([sys.executable, "-m", "tidal.engine.tp_executor",
+                                             *map(str, listener.address)],
+                                            stdin=subprocess.PIPE)
+                    self.procs.append(proc)
+                    proc.stdin.write(authkey)
+                    proc.stdin.close()
                 self.conns = _accept(listener, self.procs)
                 for rank, conn in enumerate(self.conns, 1):
                     conn.send((rank, size, store, config, str(folder)))
                 self.group = TPGroup.join(0, size, store, timeout)
-                self.worker = Worker(folder, config.model, config.cache.block_size,
-                                     config.scheduler, config.speculative, config.lora,
-                                     tp=self.group)
+                self.worker = Worker.from_config(config, folder, tp=self.group)
                 self._replies(patient=True)  # a load takes what it takes; a crash closes the pipe
             except BaseException:
                 self.close()
@@ -179,8 +178,7 @@ def rank_main(host: str, port: int, authkey: bytes) -> None:
         logging.basicConfig(level=logging.WARNING,
                             format=f"%(asctime)s tp-rank-{rank} %(name)s: %(message)s")
         group = TPGroup.join(rank, size, store, config.parallel.distributed_timeout)
-        worker = Worker(folder, config.model, config.cache.block_size, config.scheduler,
-                        config.speculative, config.lora, tp=group)
+        worker = Worker.from_config(config, folder, tp=group)
         conn.send(None)
     except Exception as exc:
         conn.send(f"{type(exc).__name__}: {exc}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tidal.core import ModelOutput, SamplingParams, SchedulerConfig, SchedulerOutput
-from tidal.engine.config import LoRAConfig, ModelConfig, SpeculativeConfig
+from tidal.engine.config import EngineConfig, LoRAConfig, ModelConfig, SpeculativeConfig
 from tidal.engine.decode_graphs import CudaGraphCapture
 from tidal.engine.device import pick_device
 from tidal.engine.kv_cache import KVCache, kv_blocks
@@ -130,6 +130,13 @@ class Worker:
         self.info = WorkerInfo(arch, device, self.dtype, quantization, num_blocks, block_size,
                                self.kv.nbytes, max_forward, decoder is not None,
                                pooling.matryoshka, phases)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, folder: str | Path,
+                    tp: TPGroup | None = None) -> "Worker":
+        """The worker an engine's config asks for (this rank's, with `tp`)."""
+        return cls(folder, config.model, config.cache.block_size, config.scheduler,
+                   config.speculative, config.lora, tp=tp)
 
     @torch.inference_mode()
     def _peak_step(self, tokens: int, rows: int) -> None:
