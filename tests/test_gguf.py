@@ -21,6 +21,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 
 from model_fixtures import hf_greedy, small_folder
 from tidal import LLM, SamplingParams
+from tidal.model.config import ModelArch
 from tidal.model.gguf_convert import ARCHITECTURES, convert_gguf
 
 LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
@@ -201,10 +202,14 @@ def test_tensors_and_config_round_trip(converted, name):
         assert got[key].dtype == np.float32 and got[key].shape == tensor.shape, key
         np.testing.assert_allclose(got[key], tensor, rtol=0, atol=1e-6, err_msg=key)
     hf_cfg = AutoConfig.from_pretrained(str(hf)).to_dict()
-    cfg = json.loads((out / "config.json").read_text())
+    # What the file leaves out, config.json leaves out: transformers reads its defaults
+    # back, and tidal reads the same architecture from either.
+    cfg = AutoConfig.from_pretrained(str(out)).to_dict()
     wrong = {k: (hf_cfg[k], cfg.get(k)) for k in CONFIG_KEYS
              if k in hf_cfg and hf_cfg[k] != cfg.get(k)}
-    assert not wrong and cfg["dtype"] == "float32"
+    raw = json.loads((out / "config.json").read_text())
+    assert not wrong and raw["dtype"] == "float32"
+    assert ModelArch.from_dict(raw) == ModelArch.from_dict(hf_cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     assert tokenizer.convert_ids_to_tokens(list(range(256))) == TOKENS
 

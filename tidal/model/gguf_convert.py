@@ -137,12 +137,14 @@ def _rope_scaling(reader, arch: str, theta: float) -> dict:
 
 def hf_config(reader) -> dict:
     """config.json for the GGUF's architecture: its metadata renamed as transformers' GGUF
-    loader renames it, over every default of that model_type's transformers config class.
+    loader renames it. A field the file leaves out is left out, as Hugging Face checkpoints
+    leave out their defaults: transformers' config class and `ModelArch` read the same
+    default (transformers' config classes import torch, seconds of a first start).
     ValueError for an architecture (or RoPE schedule) that does not convert."""
-    from transformers import AutoConfig
     from transformers.integrations.ggml import (GGUF_CONFIG_DEFAULTS_MAPPING,
                                                 GGUF_CONFIG_MAPPING)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from tidal.model.config import FAMILIES
 
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -161,6 +163,7 @@ def hf_config(reader) -> dict:
                 fields[hf_key] = value
     hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
     head_dim = fields.setdefault("head_dim", hidden // heads)
+    fields.setdefault("num_key_value_heads", heads)  # older files: no grouped queries
     tensors = {t.name: t for t in reader.tensors}
     fields["vocab_size"] = int(tensors["token_embd.weight"].shape[-1])  # rows actually stored
     fields["tie_word_embeddings"] = "output.weight" not in tensors
@@ -171,16 +174,22 @@ def hf_config(reader) -> dict:
     if key in _GEMMA_27B_LAYERS:  # the query scaling llama.cpp applies
         big = fields["num_hidden_layers"] == _GEMMA_27B_LAYERS[key]
         fields["query_pre_attn_scalar"] = hidden // heads if big else head_dim
-    rope = _rope_scaling(reader, arch, float(fields.get("rope_theta", 10000.0)))
+    theta = float(fields.get("rope_theta", 10000.0))
+    rope = _rope_scaling(reader, arch, theta)
     rotary = _field(reader, f"{arch}.rope.dimension_count")
     if rotary and rotary != head_dim:
         rope = {"rope_type": "default", **rope, "partial_rotary_factor": rotary / head_dim}
-    if rope:  # Gemma 3's scaling is its full-attention layers' (sliding ones keep their own)
-        fields["rope_parameters"] = {"full_attention": rope} if key == "gemma3" else rope
-    config = AutoConfig.for_model(model_type, **fields).to_dict()
-    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
-    config["dtype"] = "float32"
-    return config
+    if key == "gemma3":  # a schedule per layer type: sliding layers turn at their own base
+        local = fields.pop("rope_local_base_freq", 10000.0)
+        fields["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": theta, **rope},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    elif rope:
+        fields["rope_parameters"] = rope
+    if key == "phi3" and (original := _field(reader, "phi3.rope.scaling.original_context_length")):
+        fields["original_max_position_embeddings"] = original  # Phi-3 keeps it top-level
+    return {"model_type": model_type, "architectures": [FAMILIES[model_type].architecture],
+            **fields, "dtype": "float32"}
 
 
 def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
@@ -284,7 +293,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
         if weights:
             write_weights(reader, config, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        save_tokenizer(gguf_path, tmp)
+        save_tokenizer(reader, gguf_path, tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -294,13 +303,13 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     return out_dir
 
 
-def save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+def save_tokenizer(reader, gguf_path: Path, out_dir: Path) -> None:
     """The file's tokenizer as transformers builds it from a GGUF (tokenizer.json,
-    tokenizer_config.json, the chat template) into `out_dir`: straight from transformers'
-    GGUF tokenizer builder, without AutoTokenizer's detour (its imports and a second
-    reading of the file: two thirds of a new GGUF's conversion)."""
+    tokenizer_config.json, the chat template) into `out_dir`: transformers' GGUF tokenizer
+    builder over the metadata `reader` read (its own GGUF reader imports torch, a second
+    of a first start, and reads the file once more)."""
     try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # a transformers without them: the public way
         from transformers import AutoTokenizer
@@ -311,8 +320,16 @@ def save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent),
                                                       gguf_file=gguf_path.name)
     else:
-        arch, fields, config = get_gguf_tokenizer(str(gguf_path))
-        backend, extra = convert_gguf_tokenizer(arch, fields)
+        fields, config = ({name: value for key, name in renames.items()
+                           if (value := _field(reader, f"tokenizer.{key}")) is not None}
+                          for renames in (GGUF_TOKENIZER_MAPPING["tokenizer"],
+                                          GGUF_TOKENIZER_MAPPING["tokenizer_config"]))
+        if fields.get("tokenizer_type") == "llama":  # llama.cpp's default for sentencepiece
+            config.setdefault("add_bos_token", True)
+        for special in ("bos", "eos", "unk", "pad"):
+            token_id = fields.get(f"{special}_token_id")
+            config[f"{special}_token"] = None if token_id is None else fields["tokens"][token_id]
+        backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), fields)
         tokenizer = TokenizersBackend(tokenizer_object=backend, **config, **extra)
     tokenizer.save_pretrained(str(out_dir))
 
