@@ -46,3 +46,21 @@ print("TORCH", "torch" in sys.modules)
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "TORCH False" in proc.stdout, proc.stdout
+
+
+def test_a_new_ggufs_conversion_loads_no_torch(tmp_path):
+    """The frontend converts a GGUF met for the first time while the engine core imports
+    torch: the conversion (config.json and the tokenizer) imports none itself, which cost
+    a first start 2.4 s (transformers' config classes and its GGUF reader import it)."""
+    code = f"""
+import sys
+from tidal.model.gguf_convert import convert_gguf
+from tidal.model.registry import embedded_gguf
+convert_gguf(embedded_gguf("smollm2-135m"), {str(tmp_path / "out")!r}, weights=False)
+print("TORCH", "torch" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TORCH False" in proc.stdout, proc.stdout
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"config.json", "tokenizer.json"}
