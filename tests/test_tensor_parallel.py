@@ -13,12 +13,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 from model_fixtures import small_folder
 from server_fixtures import Server, openai_client, pid_alive
 
 from tidal import LLM, SamplingParams
 from tidal.engine.tp_executor import RankFailed
+from tidal.model.gguf_quants import GGUFLinear
 
 PROMPTS = [[5, 9, 33, 7, 100, 3], [17, 4, 200, 8], [60, 61, 62, 60, 61, 62, 60, 61]]
 # float32 sums in another order (one all-reduce per projection pair); in bfloat16 each
@@ -87,10 +89,74 @@ def test_sizes_and_options_that_do_not_split_are_refused_naming_the_flag(folders
         LLM(str(moe), tensor_parallel_size=2, num_kv_blocks=16)
     with pytest.raises(ValueError, match="--tensor-parallel-size 2: LoRA"):
         LLM(str(folders["llama"]), tensor_parallel_size=2, enable_lora=True)
-    with pytest.raises(ValueError, match="--quantization none"):
-        LLM("smollm2-135m", tensor_parallel_size=3, num_kv_blocks=16, num_threads=1)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2: .* --quantization int8"):
+        LLM(str(folders["llama"]), tensor_parallel_size=2, quantization="int8")
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         LLM(str(folders["llama"]), tensor_parallel_size=0)
+
+
+def _formats(name: str) -> QT:
+    """A Q4_K_M-like mix: v and down in Q6_K, the rest Q4_K; or Q8_0 and Q4_1 blocks."""
+    k_quants = "k" in os.environ.get("TIDAL_TEST_MIX", "k")
+    if "attn_v" in name or "ffn_down" in name:
+        return QT.Q6_K if k_quants else QT.Q8_0
+    return QT.Q4_K if k_quants else QT.Q4_1
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """Llama files whose split columns fall on 256 (the activations' rounding grid and a
+    K-quant block): K-quant blocks, and the planar formats' blocks of 32."""
+    import gguf
+
+    from test_gguf import write_gguf
+    from test_gguf_weights import random_blocks
+
+    tmp = tmp_path_factory.mktemp("tp-gguf")
+    os.environ.setdefault("TIDAL_CACHE", str(tmp / "cache"))
+    folder = small_folder(tmp, "wide", "llama", hidden_size=512, intermediate_size=1024,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    quantize, files = gguf.quants.quantize, {}
+    # gguf has no K-quant quantizer: random valid blocks (test_gguf_weights)
+    gguf.quants.quantize = lambda t, q: (random_blocks(t, q) if q in (QT.Q4_K, QT.Q6_K)
+                                         else quantize(t, q))
+    try:
+        for mix in ("k", "32"):
+            os.environ["TIDAL_TEST_MIX"] = mix
+            files[mix] = write_gguf(folder, "llama", tmp / f"{mix}.gguf", qtype=_formats)
+    finally:
+        gguf.quants.quantize = quantize
+        os.environ.pop("TIDAL_TEST_MIX", None)
+    return files
+
+
+@pytest.mark.parametrize("mix", ["k", "32"])
+def test_a_ggufs_own_formats_split_into_each_ranks_blocks(gguf_files, mix):
+    """Two ranks over a GGUF in its own bits give one process's tokens and logprobs, and
+    rank 0 holds half of each split projection's bytes, as the file stores them."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    # the file's own formats compute in float32 by default (an explicit float32: a float copy)
+    whole = LLM(str(gguf_files[mix]), num_kv_blocks=64, num_threads=1)
+    split = LLM(str(gguf_files[mix]), tensor_parallel_size=2, num_kv_blocks=64, num_threads=1)
+    try:
+        one, two = ([r.outputs[0] for r in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params)] for llm in (whole, split))
+        assert [o.token_ids for o in two] == [o.token_ids for o in one]
+        for a, b in zip(one, two):
+            for x, y in zip(a.logprobs, b.logprobs):
+                assert abs(x.logprob - y.logprob) < LOGPROB_BOUND
+        layer = (whole.engine.runner.model.layers[0],
+                 split.engine.executor.worker.model.layers[0])
+        for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                     "mlp.down_proj"):
+            full, part = (layer[i].get_submodule(path) for i in (0, 1))
+            part = getattr(part, "linear", part)  # a row-parallel projection's own
+            assert isinstance(part, GGUFLinear), path
+            assert [w.qtype for w in part.parts] == [w.qtype for w in full.parts]
+            assert part.nbytes * 2 == full.nbytes, path
+    finally:
+        whole.close()
+        split.close()
 
 
 def _tp_ranks(core_pid: int) -> list[int]:

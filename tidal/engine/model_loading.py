@@ -19,7 +19,8 @@ from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
 from tidal.model.quantized_model import load_gguf_model, load_int4_checkpoint
 from tidal.model.registry import gguf_source
-from tidal.model.tensor_parallel import FLAG as TP_FLAG, TPGroup, shard_model
+from tidal.model.tensor_parallel import FLAG as TP_FLAG
+from tidal.model.tensor_parallel import Shard, TPGroup, row_parallel, shard_arch
 
 
 def pick_model_dtype(folder: str | Path, arch: ModelArch, config: ModelConfig,
@@ -35,24 +36,27 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
                     dtype: torch.dtype, quantization: str, backend: AttentionBackend,
                     ext, tp: TPGroup | None = None) -> tuple[torch.nn.Module, object | None]:
     """The model and (with the CPU extension `ext`) its C++ decoder; with `tp`, this rank's
-    share of a dense model (tidal.model.tensor_parallel), decoded by PyTorch ops, whose
-    row-parallel projections meet the other ranks'."""
-    if tp is not None:
-        if quantization != "none":
-            raise ValueError(f"{TP_FLAG} {tp.size}: tensor parallelism splits dense weights "
-                             f"for now; add --quantization none (got {quantization!r})")
-        model = load_model(folder, dtype, device, backend, dummy=config.load_format == "dummy")
-        shard_model(model, arch, tp)
-        convert_layers(model, config, quantization, dtype, device, ext)
-        return model, None
+    part of a dense model or of a GGUF's own formats, cut as it is read
+    (tidal.model.tensor_parallel), decoded by PyTorch ops, whose row-parallel projections
+    meet the other ranks'."""
+    shard = None if tp is None else Shard(tp.rank, tp.size, arch)
+    if tp is not None and quantization not in ("none", "gguf"):
+        raise ValueError(f"{TP_FLAG} {tp.size}: tensor parallelism splits dense weights and "
+                         f"a GGUF's own formats for now (got --quantization {quantization})")
     if quantization == "gguf":  # every projection is a CPU layer of the file's formats
         config_json = json.loads((Path(folder) / "config.json").read_text())
-        model = load_gguf_model(gguf_source(folder), arch, dtype, backend, config=config_json)
+        part = arch if shard is None else shard_arch(arch, shard.size)
+        model = load_gguf_model(gguf_source(folder), part, dtype, backend,
+                                config=config_json, shard=shard)
     elif quantization in ("gptq", "awq"):
         model = load_int4_checkpoint(folder, arch, dtype, backend)
     else:
-        model = load_model(folder, dtype, device, backend, dummy=config.load_format == "dummy")
+        model = load_model(folder, dtype, device, backend,
+                           dummy=config.load_format == "dummy", shard=shard)
         convert_layers(model, config, quantization, dtype, device, ext)
+    if tp is not None:
+        row_parallel(model, tp)
+        return model, None
     # Decode-only steps run as one C++ call where the model allows (CPU).
     return model, cpu_decode.build_decoder(model) if ext else None
 

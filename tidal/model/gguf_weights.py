@@ -23,11 +23,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
 
 from tidal.model.gguf_convert import (HFTensor, _unpermute, expert_name, hf_config, hf_layout,
                                       is_flat_gate)
 from tidal.model.gguf_file import open_gguf
 from tidal.model.gguf_quants import FLOAT_TYPES, QuantizedWeight, _as_bytes
+from tidal.model.tensor_parallel import Shard
 from tidal.model.weight_arena import WeightArena
 
 Weight = Union[torch.Tensor, QuantizedWeight]
@@ -84,11 +86,12 @@ def drop_pages(mapped: np.memmap, start: int, end: int) -> int:
 
 def read_gguf(path: str | os.PathLike, planar: bool | None = None,
               use_extension: bool = True, config: dict | None = None,
-              in_place: bool = False) -> GGUFWeights:
+              in_place: bool = False, shard: Shard | None = None) -> GGUFWeights:
     """The weights of the GGUF file at `path` (see the module docstring); `planar` and
     `use_extension` go to each QuantizedWeight; `config`: the file's hf_config, when known
     (the cache folder's config.json), which spares reading the tokenizer's metadata;
-    `in_place`: quantized weights stay views of the map. ValueError naming the file for a
+    `in_place`: quantized weights stay views of the map; `shard`: one tensor-parallel rank's
+    part of each tensor, only its blocks copied. ValueError naming the file for a
     truncated file, an architecture that does not convert, or a tensor type tidal does not
     run."""
     path = Path(path)
@@ -98,7 +101,7 @@ def read_gguf(path: str | os.PathLike, planar: bool | None = None,
         config = config or hf_config(reader)
         weights: dict[str, Weight] = {}
         for item in hf_layout(reader, config):
-            read = dict(_weights(item, planar, use_extension, arena))
+            read = dict(_weights(item, planar, use_extension, arena, shard))
             weights.update(read)
             if arena is not None and all(isinstance(w, QuantizedWeight) for w in read.values()):
                 stored = np.asarray(item[0].data)  # copied: the map's pages go now, not at
@@ -110,14 +113,21 @@ def read_gguf(path: str | os.PathLike, planar: bool | None = None,
 
 
 def _weights(item: HFTensor, planar: bool | None, use_extension: bool,
-             arena: WeightArena | None) -> Iterator[tuple[str, Weight]]:
+             arena: WeightArena | None, shard: Shard | None) -> Iterator[tuple[str, Weight]]:
     """(HF name, weight) for one GGUF tensor: one pair, or one per expert."""
     t, name, heads, norm_offset = item
     shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost dim first
     if len(shape) == 1 or norm_offset:
-        yield name, _small_float(t, shape, norm_offset, is_flat_gate(name, len(shape)))
+        w = _small_float(t, shape, norm_offset, is_flat_gate(name, len(shape)))
+        yield name, w if shard is None else shard.take(name, w)
         return
     data = np.asarray(t.data)  # [..., rows, row bytes or values]: whole rows either way
+    if shard is not None:  # this rank's whole rows or whole blocks, before any copy
+        qtype = QT(t.tensor_type)
+        unit = 1 if qtype in FLOAT_TYPES else GGML_QUANT_SIZES[qtype][1]
+        cut = np.ascontiguousarray(shard.take(name, data, unit))
+        shape, data = (cut.shape[0], shape[1] * cut.shape[1] // data.shape[1]), cut
+        heads = None if heads is None else heads // shard.size  # q/k: permuted within a head
     if heads is not None:  # a copy of the stored rows, reordered as HF orders them
         data = np.ascontiguousarray(_unpermute(data, heads))
     if ".experts." in name:

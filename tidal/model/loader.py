@@ -13,6 +13,7 @@ from tidal.model.attention import AttentionBackend, TorchAttention
 from tidal.model.config import ModelArch
 from tidal.model.llama import LlamaModel, Rotary
 from tidal.model.registry import dense_weights, gguf_source
+from tidal.model.tensor_parallel import Shard, shard_arch
 
 log = logging.getLogger("tidal.model")
 
@@ -50,12 +51,16 @@ def _shard_sizes(arch: ModelArch, fused: str, rows: int) -> list[int]:
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
-               backend: AttentionBackend | None = None, dummy: bool = False) -> LlamaModel:
+               backend: AttentionBackend | None = None, dummy: bool = False,
+               shard: Shard | None = None) -> LlamaModel:
     """A model with the weights of `folder` (config.json + *.safetensors), in `dtype`.
     `dummy`: small random weights instead (needs only config.json), for timing models whose
-    weights are not here, as vLLM's `--load-format dummy`."""
+    weights are not here, as vLLM's `--load-format dummy`. `shard`: one tensor-parallel
+    rank's part of each tensor, cut as it is read."""
     folder = Path(folder)
     arch = ModelArch.from_folder(folder)
+    if shard is not None:
+        arch = shard_arch(arch, shard.size)
     backend = backend or TorchAttention.for_arch(arch)
     if dummy:
         default = torch.get_default_dtype()
@@ -77,13 +82,13 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
         dense_weights(folder)  # a GGUF run that asks for dense weights
     with torch.device("meta"):
         model = LlamaModel(arch, backend)
-    params = _read_safetensors(folder, arch, model, dtype)
+    params = _read_safetensors(folder, arch, model, dtype, shard)
     model.load_state_dict(params, assign=True, strict=False)
     return model.to(device).eval().requires_grad_(False)
 
 
-def _read_safetensors(folder: Path, arch: ModelArch, model: LlamaModel,
-                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_safetensors(folder: Path, arch: ModelArch, model: LlamaModel, dtype: torch.dtype,
+                      shard: Shard | None) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -96,20 +101,21 @@ def _read_safetensors(folder: Path, arch: ModelArch, model: LlamaModel,
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
-                target, shard = target_of(name)
+                target, part = target_of(name)
                 if target == "lm_head.weight" and arch.tie_word_embeddings:
                     continue
                 if target not in params:
                     raise KeyError(f"{path.name}: unexpected tensor {name!r}")
                 if target not in loaded:
                     loaded[target] = torch.empty(params[target].shape, dtype=dtype)
-                tensor = f.get_tensor(name).to(dtype)
-                if shard is None:
+                tensor = f.get_tensor(name)
+                tensor = (tensor if shard is None else shard.take(name, tensor)).to(dtype)
+                if part is None:
                     loaded[target].copy_(tensor)
                 else:
                     sizes = _shard_sizes(arch, target, params[target].shape[0])
-                    offset = sum(sizes[:shard])
-                    loaded[target][offset:offset + sizes[shard]].copy_(tensor)
+                    offset = sum(sizes[:part])
+                    loaded[target][offset:offset + sizes[part]].copy_(tensor)
     missing = sorted(set(params) - set(loaded))
     if missing == ["lm_head.weight"] and "embed_tokens.weight" in loaded:
         # a body without its head (an embedding model): the head is never read for its

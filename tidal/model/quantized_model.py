@@ -27,16 +27,18 @@ from tidal.model.int4_checkpoint import read_checkpoint
 from tidal.model.linear import PackedLinear, can_pack
 from tidal.model.llama import LlamaModel
 from tidal.model.loader import target_of
+from tidal.model.tensor_parallel import Shard
 
 
 def load_gguf_model(path: str | Path, arch: ModelArch, dtype: torch.dtype,
                     backend: AttentionBackend | None = None, use_extension: bool = True,
-                    config: dict | None = None) -> LlamaModel:
+                    config: dict | None = None, shard: Shard | None = None) -> LlamaModel:
     """The model of the GGUF file at `path` (`arch` from its config), computing in `dtype`
     (bfloat16 or float32) on the CPU; `use_extension`: the C++ kernels (False: the gguf
     package dequantizes tiles, for tests and machines without a compiler); `config`: the
-    file's config.json dict where the cache has it (read_gguf)."""
-    weights = read_gguf(path, use_extension=use_extension, config=config)
+    file's config.json dict where the cache has it (read_gguf); `shard`: one
+    tensor-parallel rank's part of it (`arch`: that part's shapes)."""
+    weights = read_gguf(path, use_extension=use_extension, config=config, shard=shard)
     model = build_model(weights, arch, dtype, backend, str(path))
     model.gguf = weights  # the memory map lives as long as the model
     live = [w.data for m in model.modules() if isinstance(m, GGUFLinear) for w in m.parts]

@@ -8,9 +8,10 @@ the same tokens: a rank's runner needs no word from the others beside the step's
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -104,39 +105,58 @@ def shard_arch(arch: ModelArch, size: int) -> ModelArch:
                    intermediate_size=arch.intermediate_size // size)
 
 
-def shard_model(model: nn.Module, arch: ModelArch, group: TPGroup) -> None:
-    """Keep this rank's share of a model loaded whole (`arch`: its whole shapes), in place:
-    the rest of each split weight is freed."""
-    r, n = group.rank, group.size
-    h, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+# Projections split by output rows (column-parallel): one part, or a fused checkpoint
+# tensor's parts (Phi-3 stores q/k/v and gate/up fused), each split alike.
+_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
+_COLUMN_SPLIT = ("o_proj", "down_proj")  # by input columns (row-parallel), then summed
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of each checkpoint tensor one rank keeps, cut as it is read, so a rank never
+    holds the whole model: rows of q/k/v and gate/up, columns of o and down (their bias on
+    rank 0 only), the rest whole. `arch`: the whole model's shapes."""
+
+    rank: int
+    size: int
+    arch: ModelArch
+
+    def take(self, name: str, t, unit: int = 1):
+        """This rank's part of checkpoint tensor `name` (a Hugging Face or tidal name; `t` a
+        numpy array or torch tensor, [out, in] or [out]; a GGUF's quantized rows as bytes,
+        `unit` bytes a block, which a split never cuts). ValueError naming the flag for a split that would cut a block."""
+        module, kind = name.split(".")[-2:]
+        if module in _COLUMN_SPLIT:
+            if kind == "bias":  # added once to the sum: by rank 0
+                return t if self.rank == 0 else t * 0
+            blocks = t.shape[1] // unit
+            if blocks % self.size:
+                raise ValueError(f"{FLAG} {self.size} would cut the blocks of {name} "
+                                 f"({blocks} blocks a row)")
+            step = t.shape[1] // self.size
+            return t[:, self.rank * step:(self.rank + 1) * step]
+        if module not in _ROW_SPLIT:
+            return t
+        a = self.arch
+        if module == "qkv_proj":
+            parts = [a.num_heads * a.head_dim] + [a.num_kv_heads * a.head_dim] * 2
+        elif module == "gate_up_proj":
+            parts = [t.shape[0] // 2] * 2
+        else:
+            parts = [t.shape[0]]
+        pieces, at = [], 0
+        for rows in parts:
+            step = rows // self.size
+            pieces.append(t[at + self.rank * step:at + (self.rank + 1) * step])
+            at += rows
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if isinstance(t, torch.Tensor) else np.concatenate(pieces)
+
+
+def row_parallel(model: nn.Module, group: TPGroup) -> None:
+    """Wrap each layer's o and down projections, built of this rank's columns, so their
+    partial outputs are summed over the group."""
     for layer in model.layers:
-        attn = layer.self_attn
-        parts = (h * d, hkv * d, hkv * d)  # q, k, v rows of the fused projection
-        attn.qkv_proj = _linear(*(None if t is None else torch.cat(
-            [p.chunk(n)[r] for p in t.split(parts)]) for t in _params(attn.qkv_proj)))
-        attn.h, attn.hkv = h // n, hkv // n
-        attn.o_proj = _row_parallel(attn.o_proj, group)
-        mlp = layer.mlp
-        mlp.gate_up_proj = _linear(*(None if t is None else torch.cat(
-            [p.chunk(n)[r] for p in t.chunk(2)]) for t in _params(mlp.gate_up_proj)))
-        mlp.down_proj = _row_parallel(mlp.down_proj, group)
-
-
-def _params(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return linear.weight.data, None if linear.bias is None else linear.bias.data
-
-
-def _row_parallel(linear: nn.Linear, group: TPGroup) -> RowParallel:
-    weight, bias = _params(linear)
-    return RowParallel(_linear(weight.chunk(group.size, dim=1)[group.rank],
-                               bias if group.rank == 0 else None), group)
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    """An nn.Linear holding copies of these (so the whole tensors they were cut from go)."""
-    with torch.device("meta"):
-        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    layer.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
-    if bias is not None:
-        layer.bias = nn.Parameter(bias.contiguous().clone(), requires_grad=False)
-    return layer
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
