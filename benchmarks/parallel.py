@@ -4,7 +4,11 @@ speed of a step does not depend on the values), greedy, ignore_eos. Prints outpu
 one request at a time and C at once, and the ratio N ranks / one process.
 
     python benchmarks/parallel.py [--tp 2] [--concurrency 1 8] [--max-tokens 32]
-        [--hidden 1024] [--layers 16] [--dtype float32]
+        [--hidden 1024] [--layers 16] [--dtype float32] [--q4km]
+
+`--q4km`: the same shape as a GGUF file in Q4_K_M's formats (q/k/o/gate/up Q4_K, v/down
+and the tied embedding Q6_K; random valid blocks), run in its own formats; `--hidden 2048
+--layers 16 --q4km` is a Llama-3.2-1B shape (with the embedded model's 49k vocabulary).
 
 The target of the issue: N = 2 ranks of one thread each >= 0.9x one process of two threads
 (the all-reduces, two a layer, must cost under 10%).
@@ -42,12 +46,70 @@ def model_folder(tmp: Path, hidden: int, layers: int) -> Path:
     return folder
 
 
-def throughput(folder: Path, tp: int, threads: int, concurrency: list[int], max_tokens: int,
+def q4km_file(tmp: Path, hidden: int, layers: int) -> Path:
+    """A GGUF of the Llama shape model_folder writes, in Q4_K_M's formats, with the
+    embedded model's tokenizer."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+
+    from gguf_kernels import random_blocks
+    from tidal.model.gguf_file import open_gguf
+    from tidal.model.registry import embedded_gguf
+
+    source = open_gguf(embedded_gguf("smollm2-135m"))
+    heads, inter, rng = hidden // 64, 4 * hidden, np.random.default_rng(0)
+    path = tmp / f"llama-{hidden}x{layers}-q4km.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads // 4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(500000.0)
+    w.add_rope_dimension_count(64)
+    for key, field in source.fields.items():  # the tokenizer, as the embedded file has it
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            w.add_key_value(key, value, field.types[0],
+                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
+                            else None)
+    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+
+    def matrix(name: str, qtype: QT, rows: int, cols: int) -> None:
+        w.add_tensor(name, random_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+
+    matrix("token_embd.weight", QT.Q6_K, vocab, hidden)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    kv = hidden // 4
+    for i in range(layers):
+        for name, qtype, rows, cols in (("attn_q", QT.Q4_K, hidden, hidden),
+                                        ("attn_k", QT.Q4_K, kv, hidden),
+                                        ("attn_v", QT.Q6_K, kv, hidden),
+                                        ("attn_output", QT.Q4_K, hidden, hidden),
+                                        ("ffn_gate", QT.Q4_K, inter, hidden),
+                                        ("ffn_up", QT.Q4_K, inter, hidden),
+                                        ("ffn_down", QT.Q6_K, hidden, inter)):
+            matrix(f"blk.{i}.{name}.weight", qtype, rows, cols)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def throughput(model: Path, tp: int, threads: int, concurrency: list[int], max_tokens: int,
                dtype: str) -> dict[int, float]:
     from tidal import LLM, SamplingParams
 
-    llm = LLM(str(folder), tensor_parallel_size=tp, num_threads=threads, dtype=dtype,
-              load_format="dummy", num_kv_blocks=512, max_model_len=1024)
+    options = ({} if model.suffix == ".gguf"  # its own formats, in float32 (--dtype auto)
+               else dict(dtype=dtype, load_format="dummy"))
+    llm = LLM(str(model), tensor_parallel_size=tp, num_threads=threads, num_kv_blocks=512,
+              max_model_len=1024, **options)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     try:
@@ -73,14 +135,18 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--q4km", action="store_true", help="a GGUF in Q4_K_M's formats")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
-        folder = model_folder(Path(tmp), args.hidden, args.layers)
-        one = throughput(folder, 1, cores, args.concurrency, args.max_tokens, args.dtype)
-        split = throughput(folder, args.tp, max(1, cores // args.tp), args.concurrency,
+        os.environ.setdefault("TIDAL_CACHE", str(Path(tmp) / "cache"))
+        model = (q4km_file(Path(tmp), args.hidden, args.layers) if args.q4km
+                 else model_folder(Path(tmp), args.hidden, args.layers))
+        one = throughput(model, 1, cores, args.concurrency, args.max_tokens, args.dtype)
+        split = throughput(model, args.tp, max(1, cores // args.tp), args.concurrency,
                            args.max_tokens, args.dtype)
-    print(f"\nLlama shape hidden {args.hidden} x {args.layers} layers, {args.dtype}, "
+    kind = "Q4_K_M formats" if args.q4km else args.dtype
+    print(f"\nLlama shape hidden {args.hidden} x {args.layers} layers, {kind}, "
           f"{cores} cores; output tok/s ({args.max_tokens} tokens a request)")
     print(f"| concurrent | 1 process, {cores} threads | TP={args.tp}, "
           f"{max(1, cores // args.tp)} thread(s) each | TP / 1 |")

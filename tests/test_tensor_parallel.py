@@ -132,8 +132,9 @@ def gguf_files(tmp_path_factory):
 
 @pytest.mark.parametrize("mix", ["k", "32"])
 def test_a_ggufs_own_formats_split_into_each_ranks_blocks(gguf_files, mix):
-    """Two ranks over a GGUF in its own bits give one process's tokens and logprobs, and
-    rank 0 holds half of each split projection's bytes, as the file stores them."""
+    """Two ranks over a GGUF in its own bits give one process's tokens and logprobs, decoding
+    through the C++ decoder as one process does, and rank 0 holds half of each split
+    projection's bytes, as the file stores them."""
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
     # the file's own formats compute in float32 by default (an explicit float32: a float copy)
     whole = LLM(str(gguf_files[mix]), num_kv_blocks=64, num_threads=1)
@@ -145,6 +146,7 @@ def test_a_ggufs_own_formats_split_into_each_ranks_blocks(gguf_files, mix):
         for a, b in zip(one, two):
             for x, y in zip(a.logprobs, b.logprobs):
                 assert abs(x.logprob - y.logprob) < LOGPROB_BOUND
+        assert whole.engine.executor.info.decoder and split.engine.executor.info.decoder
         layer = (whole.engine.runner.model.layers[0],
                  split.engine.executor.worker.model.layers[0])
         for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
@@ -206,26 +208,35 @@ def test_a_served_split_model_answers_and_a_dead_rank_restarts_its_core(folders)
         server.stop()
 
 
-def test_the_shared_memory_sum_is_every_ranks_and_the_same_bits_on_each():
+@pytest.mark.parametrize("mode", ["python", "native", "mixed"])
+def test_the_shared_memory_sum_is_every_ranks_and_the_same_bits_on_each(mode):
     """Three ranks (threads here) sum tensors larger than a slot, in float32 and bfloat16,
-    call after call: each gets the sum in rank order, bit for bit the same; a rank that
-    never comes makes the others raise within the timeout."""
+    call after call, through numpy, the C++ extension (the C++ decoder's sum), or each
+    rank taking turns between the two: each gets the sum in rank order, bit for bit the
+    same; a rank that never comes makes the others raise within the timeout."""
     import threading
 
     import torch
 
+    from tidal.model.cpu_extension import extension
     from tidal.model.shm_all_reduce import ShmAllReduce
 
+    ext = extension()
+    if mode != "python" and ext is None:
+        pytest.skip("the C++ extension is not built here")
     first = ShmAllReduce(0, 3, timeout_s=2.0, slot_floats=100)
     ranks = [first] + [ShmAllReduce(r, 3, 2.0, name=first.name, slot_floats=100)
                        for r in (1, 2)]
+    native = [r.use_extension(ext) if mode != "python" else None for r in ranks]
     gen = torch.Generator().manual_seed(0)
     calls = [[torch.randn(7, 45, generator=gen, dtype=dtype) for _ in range(3)]
-             for dtype in (torch.float32, torch.bfloat16, torch.float32)]
+             for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16)]
     got = [[None] * 3 for _ in calls]
 
     def rank(r: int) -> None:
         for i, parts in enumerate(calls):
+            if mode == "mixed":  # numpy and C++ by turns: the call numbers are the segment's
+                ranks[r].native = native[r] if (i + r) % 2 else None
             got[i][r] = ranks[r].all_reduce(parts[r].clone())
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
@@ -237,7 +248,7 @@ def test_the_shared_memory_sum_is_every_ranks_and_the_same_bits_on_each():
         want = ((parts[0].float() + parts[1].float()) + parts[2].float()).to(parts[0].dtype)
         assert all(torch.equal(s, want) for s in sums)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"ranks \[1, 2\] did not reach"):
+    with pytest.raises(RuntimeError, match=r"ranks? \[?1.* did not reach all-reduce"):
         first.all_reduce(torch.ones(3))
     assert time.monotonic() - t0 < 10
     for r in reversed(ranks):

@@ -37,8 +37,8 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
                     ext, tp: TPGroup | None = None) -> tuple[torch.nn.Module, object | None]:
     """The model and (with the CPU extension `ext`) its C++ decoder; with `tp`, this rank's
     part of a dense model or of a GGUF's own formats, cut as it is read
-    (tidal.model.tensor_parallel), decoded by PyTorch ops, whose row-parallel projections
-    meet the other ranks'."""
+    (tidal.model.tensor_parallel), whose row-parallel projections meet the other ranks' (in
+    the C++ decoder too where the ranks sum through shared memory)."""
     shard = None if tp is None else Shard(tp.rank, tp.size, arch)
     if tp is not None and quantization not in ("none", "gguf"):
         raise ValueError(f"{TP_FLAG} {tp.size}: tensor parallelism splits dense weights and "
@@ -56,7 +56,9 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
         convert_layers(model, config, quantization, dtype, device, ext)
     if tp is not None:
         row_parallel(model, tp)
-        return model, None
+        if ext is None or tp.shm is None:  # the decoder sums through the shared segment
+            return model, None
+        return model, cpu_decode.build_decoder(model, tp.shm.use_extension(ext))
     # Decode-only steps run as one C++ call where the model allows (CPU).
     return model, cpu_decode.build_decoder(model) if ext else None
 

@@ -18,6 +18,7 @@ from torch import nn
 from tidal.model.cpu_extension import extension
 from tidal.model.gguf_quants import GGUFEmbedding, GGUFLinear
 from tidal.model.linear import Int4Linear, PackedLinear
+from tidal.model.tensor_parallel import RowParallel
 
 __all__ = ["build_decoder", "extension", "supports"]
 
@@ -45,11 +46,15 @@ def supports(arch) -> bool:
     return not (arch.qk_norm or arch.moe or arch.gemma or arch.hidden_act != "silu")
 
 
-def build_decoder(model: nn.Module):
+def build_decoder(model: nn.Module, all_reduce=None):
     """A C++ `Decoder` sharing `model`'s weights, or None when this model or build cannot
     use one (an architecture it does not run, not bf16 or float32, int8 projections, or no
-    compiler)."""
+    compiler). A tensor-parallel rank's model (row-parallel o and down) needs `all_reduce`,
+    the extension's ShmReduce of its group."""
     arch = model.arch
+    split = isinstance(model.layers[0].self_attn.o_proj, RowParallel)
+    if split and all_reduce is None:
+        return None
     if model.norm.weight.dtype not in (torch.bfloat16, torch.float32):
         return None
     if not supports(arch):
@@ -64,8 +69,9 @@ def build_decoder(model: nn.Module):
                    else ext.Linear(0, model.embed_tokens.weight, None)]
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        projections += [_linear(ext, p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj,
-                                                   m.down_proj)]
+        projections += [_linear(ext, p.linear if split and p in (a.o_proj, m.down_proj)
+                                else p)
+                        for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
     if any(p is None for p in projections):
         return None
     embed = model.embed_tokens
@@ -78,6 +84,8 @@ def build_decoder(model: nn.Module):
                           model.rotary.cos, model.rotary.sin, arch.num_heads,
                           arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
                           arch.rms_norm_eps)
+    if split:
+        decoder.set_all_reduce(all_reduce)
     for i, layer in enumerate(model.layers):
         decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                           *projections[1 + 4 * i:5 + 4 * i], layer.self_attn.window)

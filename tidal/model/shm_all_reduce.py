@@ -47,33 +47,45 @@ class ShmAllReduce:
             self.flags[:] = 0
         self.slots = np.ndarray((2, size, slot_floats), np.float32, buffer=buf,
                                 offset=size * _FLAG_BYTES)
-        self.calls = 0
+        self.native = None  # the C++ extension's sum over this segment (`use_extension`)
 
     @property
     def name(self) -> str:
         return self.shm.name
 
+    def use_extension(self, ext) -> object:
+        """Sum through the C++ extension's ShmReduce from now on (the same bits; what the C++
+        decoder calls between its projections); returns it."""
+        self.native = ext.ShmReduce(self.flags.ctypes.data, self.rank, self.size,
+                                    self.slot_floats, self.timeout_s)
+        return self.native
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` over the ranks, in x's dtype (summed in float32)."""
+        """The sum of `x` over the ranks, in x's dtype (summed in float32; float32 and
+        bf16 in place where the extension sums)."""
+        if self.native is not None and x.dtype in (torch.float32, torch.bfloat16):
+            x = x.contiguous()
+            self.native(x)
+            return x
         flat = x.reshape(-1).float().numpy()
         out = np.empty_like(flat)
         for start in range(0, max(1, flat.size), self.slot_floats):
             piece = flat[start:start + self.slot_floats]
-            self.calls += 1
-            slots = self.slots[self.calls % 2]
+            call = int(self.flags[self.rank]) + 1  # the segment counts: C++ calls count too
+            slots = self.slots[call % 2]
             slots[self.rank, :piece.size] = piece
-            self.flags[self.rank] = self.calls
-            self._wait()
+            self.flags[self.rank] = call
+            self._wait(call)
             acc = out[start:start + piece.size]
             np.copyto(acc, slots[0, :piece.size])
             for r in range(1, self.size):
                 acc += slots[r, :piece.size]
         return torch.from_numpy(out).view(x.shape).to(x.dtype)
 
-    def _wait(self) -> None:
-        """Until every rank has published this call (spinning: the ranks run in lockstep,
+    def _wait(self, calls: int) -> None:
+        """Until every rank has published call `calls` (spinning: the ranks run in lockstep,
         each on cores of its own; yielding the CPU after a while)."""
-        flags, calls = self.flags, self.calls
+        flags = self.flags
         spins, deadline = 0, None
         while flags.min() < calls:
             spins += 1
@@ -88,7 +100,7 @@ class ShmAllReduce:
 
     def close(self) -> None:
         """Detach (and, on the creating rank, remove the segment)."""
-        self.flags = self.slots = None
+        self.flags = self.slots = self.native = None
         self.shm.close()
         if self.rank == 0:
             self.shm.unlink()

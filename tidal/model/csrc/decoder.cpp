@@ -104,6 +104,10 @@ class Decoder {
     layers_.push_back({norm1, norm2, qkv, o, gate_up, down, window, {}});
   }
 
+  // One rank of a tensor-parallel group: each layer's o and down projections hold its
+  // columns, and their outputs are summed over the ranks before the residual add.
+  void set_all_reduce(ShmReduce reduce) { reduce_ = std::make_shared<ShmReduce>(reduce); }
+
   // Layer `layer`'s LoRA slot weights (shared with Python, which writes adapters into them).
   void set_lora(int64_t layer, std::vector<Tensor> weights) {
     TORCH_CHECK(weights.size() == 12, "LoRA weights: A, B^T and bounds of four projections");
@@ -181,6 +185,7 @@ class Decoder {
                          L.window, attn.data_ptr<T>());
       y = L.o(attn).contiguous();
       if (lora) lora_add(attn, y, L.lora[3], L.lora[4], lora_rows, lora_ends, L.lora[5]);
+      if (reduce_) (*reduce_)(y);
       add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), L.norm2.data_ptr<T>(), x.data_ptr<T>(),
                       rows, hid, eps_);
       Tensor gate_up = L.gate_up(x).contiguous();
@@ -190,6 +195,7 @@ class Decoder {
                   gate_up.narrow(1, inter_, inter_));
       y = L.down(act).contiguous();
       if (lora) lora_add(act, y, L.lora[9], L.lora[10], lora_rows, lora_ends, L.lora[11]);
+      if (reduce_) (*reduce_)(y);
     }
     // The final norm of h + the last MLP output; the LM head only for the rows that sample.
     add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), final_norm_.data_ptr<T>(), x.data_ptr<T>(),
@@ -206,6 +212,7 @@ class Decoder {
   int64_t heads_, hkv_, d_, inter_;
   float eps_;
   std::vector<Layer> layers_;
+  std::shared_ptr<const ShmReduce> reduce_;  // set: a tensor-parallel rank's
 };
 
 }  // namespace tidal_cpu
@@ -264,6 +271,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }))
       .def("add_layer", &Decoder::add_layer)
       .def("set_lora", &Decoder::set_lora)
+      .def("set_all_reduce", &Decoder::set_all_reduce)
       .def("forward", [](Decoder& d, Tensor ids, Tensor positions, Tensor slots, Tensor tables,
                          Tensor lens, const std::vector<Tensor>& k_caches,
                          const std::vector<Tensor>& v_caches, Tensor logits_rows, double scale,
@@ -276,6 +284,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("lens"), py::arg("k_caches"), py::arg("v_caches"), py::arg("logits_rows"),
            py::arg("scale"), py::arg("block_size"), py::arg("lora_rows") = py::none(),
            py::arg("lora_ends") = py::none(), py::arg("tree") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<ShmReduce>(m, "ShmReduce", py::module_local())
+      .def(py::init([](int64_t address, int64_t rank, int64_t size, int64_t slot_floats,
+                       double timeout_s) {
+             return ShmReduce{reinterpret_cast<uint8_t*>(address), rank, size, slot_floats,
+                              timeout_s};
+           }), py::arg("address"), py::arg("rank"), py::arg("size"), py::arg("slot_floats"),
+           py::arg("timeout_s"))
+      .def("__call__", [](const ShmReduce& r, Tensor y) { r(y); },
            py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", [](Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
                                      Tensor lens, double scale, int64_t window,

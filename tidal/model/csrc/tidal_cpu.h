@@ -188,4 +188,20 @@ const int64_t* tree_rows(Tensor& tree, int64_t batch);
 Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
                               Tensor lens, double scale, int64_t window, Tensor tree);
 
+// ---------------------------------------------------------------- all-reduce (all_reduce.cpp)
+
+// The sum over the tensor-parallel ranks of one machine, through the shared segment at
+// `base` that tidal/model/shm_all_reduce.py creates and lays out: a 64-byte line per rank
+// whose first int64 is the last call that rank published, then two sets of `size` float32
+// slots of `slot_floats`. Bit for bit the Python path's sums (rank order, float32), and
+// the call numbers are the segment's, so the two paths may take turns.
+struct ShmReduce {
+  uint8_t* base = nullptr;
+  int64_t rank = 0, size = 1, slot_floats = 0;
+  double timeout_s = 60;
+
+  // y (float32 or bf16, contiguous) := its sum over the ranks, in place.
+  void operator()(Tensor& y) const;
+};
+
 }  // namespace tidal_cpu
