@@ -95,12 +95,14 @@ def test_sizes_and_options_that_do_not_split_are_refused_naming_the_flag(folders
         LLM(str(folders["llama"]), tensor_parallel_size=0)
 
 
-def _formats(name: str) -> QT:
-    """A Q4_K_M-like mix: v and down in Q6_K, the rest Q4_K; or Q8_0 and Q4_1 blocks."""
-    k_quants = "k" in os.environ.get("TIDAL_TEST_MIX", "k")
-    if "attn_v" in name or "ffn_down" in name:
-        return QT.Q6_K if k_quants else QT.Q8_0
-    return QT.Q4_K if k_quants else QT.Q4_1
+def _formats(k_quants: bool):
+    """Per-tensor formats: a Q4_K_M-like mix (v and down in Q6_K, the rest Q4_K), or the
+    same with Q8_0 and Q4_1's blocks of 32."""
+    def pick(name: str) -> QT:
+        if "attn_v" in name or "ffn_down" in name:
+            return QT.Q6_K if k_quants else QT.Q8_0
+        return QT.Q4_K if k_quants else QT.Q4_1
+    return pick
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +124,10 @@ def gguf_files(tmp_path_factory):
                                          else quantize(t, q))
     try:
         for mix in ("k", "32"):
-            os.environ["TIDAL_TEST_MIX"] = mix
-            files[mix] = write_gguf(folder, "llama", tmp / f"{mix}.gguf", qtype=_formats)
+            files[mix] = write_gguf(folder, "llama", tmp / f"{mix}.gguf",
+                                    qtype=_formats(mix == "k"))
     finally:
         gguf.quants.quantize = quantize
-        os.environ.pop("TIDAL_TEST_MIX", None)
     return files
 
 
