@@ -55,9 +55,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if ROLES[config.scheduler.role].transfers_kv and config.parallel.data_parallel_size > 1:
         raise SystemExit("a prefill or decode instance runs one engine core; run several "
                          "instances behind `tidal router` instead of --data-parallel-size")
+    if server.headless != (config.parallel.node_rank > 0):
+        raise SystemExit("tidal serve: error: --headless is for the nodes of --node-rank 1 "
+                         "and up (node 0 serves the API), and they take it")
     t0 = time.perf_counter()
     with flag_errors("serve"):
         files = locate_model(config.model.model)
+    if server.headless:  # this machine's ranks of node 0's group, and nothing else
+        from tidal.engine.tp_executor import serve_node
+
+        with flag_errors("serve"):
+            folder = write_model_files(files)
+        return serve_node(config.parallel, folder)
     client = None
     if pending(files):  # a new GGUF: the cores import the engine while this process converts
         client = CoreClient(config, str(files.folder), None, server.restart_policy())

@@ -156,6 +156,16 @@ class ParallelConfig:
                                       "collective for the others before it fails the step "
                                       "(a rank that died or hangs), so the core restarts "
                                       "instead of hanging.")
+    nnodes: int = knob(1, "Machines an engine core's tensor-parallel ranks span, "
+                       "tensor_parallel_size / nnodes on each: node 0 serves the API, the "
+                       "others run `tidal serve --headless --node-rank R` with the same flags.")
+    node_rank: int = knob(0, "This machine's place among the nnodes (0: the one that serves).")
+    master_addr: str = knob("127.0.0.1", "Node 0's address, where the other nodes' ranks "
+                            "connect (with nnodes > 1: one of node 0's own addresses, reachable "
+                            "from the others; the nodes' network must be trusted, as "
+                            "torch.distributed's).")
+    master_port: int = knob(29500, "Node 0's port the ranks meet at: this one for their "
+                            "connections to rank 0, the next for torch.distributed's store.")
     kv_host: str = knob("127.0.0.1", "Address a prefill or decode core's KV transfer "
                         "socket binds (P/D disaggregation; a port is picked).")
     kv_transfer_timeout: float = knob(300.0, "Seconds a decode core waits for a request's KV "
@@ -175,6 +185,22 @@ class ParallelConfig:
             raise ValueError("distributed_timeout must be > 0")
         if self.dp_backend not in ("local", "ray"):
             raise ValueError(f"dp_backend must be local or ray; got {self.dp_backend!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..nnodes-1 and nnodes at least 1; got "
+                             f"node_rank {self.node_rank} of {self.nnodes}")
+        if self.nnodes > 1 and self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} must divide --tensor-parallel-size "
+                             f"{self.tensor_parallel_size} (the ranks of each node)")
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ValueError("--nnodes spans one engine core's tensor-parallel ranks; "
+                             "--data-parallel-size must be 1")
+        if not 0 < self.master_port < 65535:
+            raise ValueError(f"master_port must be in 1..65534; got {self.master_port}")
+
+    @property
+    def local_ranks(self) -> int:
+        """Tensor-parallel ranks on each machine."""
+        return self.tensor_parallel_size // self.nnodes
 
 
 DEFAULT_SPECULATIVE_TOKENS = 4  # with a method given and no num_speculative_tokens

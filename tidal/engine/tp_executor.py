@@ -1,6 +1,8 @@
 """`TensorParallelExecutor`: the model split across `tensor_parallel_size` workers, each a
-torch.distributed rank on this machine (tidal.model.tensor_parallel). Rank 0 lives in the
-engine core's process; the others are child processes that mirror each of its calls:
+torch.distributed rank on this machine or, with --nnodes, on several
+(tidal.model.tensor_parallel). Rank 0 lives in the engine core's process; the others are
+child processes (of the core, or of `tidal serve --headless` on other machines:
+`serve_node`) that mirror each of its calls:
 the executor sends a call to every other rank, makes it on rank 0, then waits for their
 replies. Every rank runs every step (their all-reduces meet inside the forward pass) and
 samples the same tokens; rank 0's are the step's. The scheduler is unchanged: each rank
@@ -8,6 +10,7 @@ holds its heads' share of every KV block under the same block tables."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -16,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
@@ -35,40 +40,42 @@ class RankFailed(ExecutorDead):
 
 
 class TensorParallelExecutor:
-    """Workers on `config.parallel.tensor_parallel_size` ranks: rank 0 here, the others in
-    child processes, which exit when this process does (their connection closes)."""
+    """Workers on `config.parallel.tensor_parallel_size` ranks: rank 0 here, the others of
+    this machine in child processes, which exit when this process does (their connection
+    closes), and with --nnodes those of the other machines, started there by
+    `tidal serve --headless` (`serve_node`)."""
 
     def __init__(self, config: EngineConfig, folder: str | Path) -> None:
-        size = config.parallel.tensor_parallel_size
+        parallel = config.parallel
+        size = parallel.tensor_parallel_size
         check_shardable(ModelArch.from_folder(folder), size)  # before any process starts
-        self.timeout = timeout = config.parallel.distributed_timeout
-        # The group meets at a file store (the ranks share this machine): no port to pick.
+        self.timeout = timeout = parallel.distributed_timeout
         self._store = tempfile.mkdtemp(prefix="tidal-tp-")
-        store = os.path.join(self._store, "store")
-        authkey = secrets.token_bytes(16)
+        if parallel.nnodes > 1:  # rank 0's TCP store, and its socket on node 0's address
+            init = f"tcp://{parallel.master_addr}:{parallel.master_port + 1}"
+            address, authkey = (parallel.master_addr, parallel.master_port), node_key(parallel)
+        else:  # the ranks share this machine: a file store, no port to pick
+            init = "file://" + os.path.join(self._store, "store")
+            address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
         self.conns, self.procs, self.group = [], [], None
-        with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+        with Listener(address, authkey=authkey) as listener:
             try:
                 # Plain child processes: an engine core is a daemonic process, which
                 # multiprocessing forbids children of its own.
-                for _ in range(1, size):
-                    proc = subprocess.Popen([sys.executable, "-m", "tidal.engine.tp_executor",
-                                             *map(str, listener.address)],
-                                            stdin=subprocess.PIPE)
-                    self.procs.append(proc)
-                    proc.stdin.write(authkey)
-                    proc.stdin.close()
-                self.conns = _accept(listener, self.procs)
+                for _ in range(1, parallel.local_ranks):
+                    self.procs.append(_start_rank(listener.address, authkey))
+                self.conns = _accept(listener, self.procs, size - 1)
                 for rank, conn in enumerate(self.conns, 1):
-                    conn.send((rank, size, store, config, str(folder)))
-                self.group = TPGroup.join(0, size, store, timeout)
+                    conn.send((rank, size, init, config, str(folder)))
+                self.group = TPGroup.join(0, size, init, timeout, parallel.local_ranks)
                 self.worker = Worker.from_config(config, folder, tp=self.group)
                 self._replies(patient=True)  # a load takes what it takes; a crash closes the pipe
             except BaseException:
                 self.close()
                 raise
         self.info = self.worker.info
-        log.info("tensor parallel: %d ranks, %d KV blocks each", size, self.info.num_blocks)
+        log.info("tensor parallel: %d ranks on %d node(s), %d KV blocks each", size,
+                 parallel.nnodes, self.info.num_blocks)
 
     def _call(self, method: str, *args):
         """`method(*args)` on every rank's worker; rank 0's result."""
@@ -152,33 +159,85 @@ class TensorParallelExecutor:
         shutil.rmtree(self._store, ignore_errors=True)
 
 
-def _accept(listener: Listener, procs: list[subprocess.Popen]) -> list[Connection]:
-    """The other ranks' connections, in the order they came (each is then told its rank):
-    as long as their processes start, which may take a while on a busy machine; a process
-    that exits first fails the group."""
+def node_key(parallel) -> bytes:
+    """The key the ranks of a group spanning machines connect to rank 0 with: from the flags
+    every node is started with, so a node started for another group is refused. A check,
+    not a secret: the nodes' network must be trusted, as torch.distributed's store is."""
+    text = (f"tidal-tp:{parallel.master_addr}:{parallel.master_port}:"
+            f"{parallel.tensor_parallel_size}:{parallel.nnodes}")
+    return hashlib.sha256(text.encode()).digest()
+
+
+def _start_rank(address: tuple[str, int], authkey: bytes, folder: str | None = None,
+                patient: bool = False) -> subprocess.Popen:
+    """A rank's process, connecting to rank 0 at `address` (`folder`: this machine's copy
+    of the model; `patient`: until rank 0 listens)."""
+    argv = [sys.executable, "-m", "tidal.engine.tp_executor", *map(str, address)]
+    if folder is not None:
+        argv += ["--folder", folder]
+    if patient:
+        argv.append("--patient")
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+    proc.stdin.write(authkey)
+    proc.stdin.close()
+    return proc
+
+
+def _accept(listener: Listener, procs: list[subprocess.Popen],
+            count: int) -> list[Connection]:
+    """The other ranks' `count` connections, in the order they came (each is then told its
+    rank): as long as their processes start, which may take a while on a busy machine (and
+    on other machines, as long as they take to be started); a process of this machine that
+    exits first fails the group."""
     conns: list[Connection] = []
-    accepting = threading.Thread(target=lambda: conns.extend(
-        listener.accept() for _ in procs), daemon=True)
+
+    def accept() -> None:
+        while len(conns) < count:
+            try:
+                conns.append(listener.accept())
+            except AuthenticationError:  # a node started with other flags
+                log.warning("tensor parallel: a rank with other --nnodes, "
+                            "--tensor-parallel-size or --master-* flags was refused")
+    accepting = threading.Thread(target=accept, daemon=True)
     accepting.start()
+    waited = 0.0
     while accepting.is_alive():
         accepting.join(0.2)
+        waited += 0.2
         if any(p.poll() is not None for p in procs):
-            raise RankFailed(f"tensor-parallel ranks: {len(conns)} of {len(procs)} connected "
+            raise RankFailed(f"tensor-parallel ranks: {len(conns)} of {count} connected "
                              f"before a rank's process exited")
+        if count > len(procs) and waited % 30 < 0.2:  # other machines' ranks: say so
+            log.info("tensor parallel: %d of %d ranks connected; waiting for the other "
+                     "nodes' (tidal serve --headless)", len(conns), count)
     return conns
 
 
-def rank_main(host: str, port: int, authkey: bytes) -> None:
+def rank_main(host: str, port: int, authkey: bytes, folder: str | None = None,
+              patient: bool = False) -> None:
     """A rank's process: take its place from rank 0, build its worker, then make each call
     rank 0 sends until told to stop (None) or rank 0 is gone; reply None, or what went
-    wrong."""
-    conn = Client((host, port), authkey=authkey)
+    wrong. `folder`: this machine's copy of the model (else rank 0's path); `patient`:
+    retry until rank 0 listens."""
+    while True:
+        try:
+            conn = Client((host, port), authkey=authkey)
+            break
+        except AuthenticationError:
+            raise SystemExit(f"tensor-parallel rank: rank 0 at {host}:{port} refused this "
+                             f"node: start every node with the same --tensor-parallel-size, "
+                             f"--nnodes and --master-* flags") from None
+        except OSError:  # nobody listens yet (rank 0's machine is still starting)
+            if not patient:
+                raise
+            time.sleep(0.5)
     try:
-        rank, size, store, config, folder = conn.recv()
+        rank, size, init, config, rank0_folder = conn.recv()
         logging.basicConfig(level=logging.WARNING,
                             format=f"%(asctime)s tp-rank-{rank} %(name)s: %(message)s")
-        group = TPGroup.join(rank, size, store, config.parallel.distributed_timeout)
-        worker = Worker.from_config(config, folder, tp=group)
+        group = TPGroup.join(rank, size, init, config.parallel.distributed_timeout,
+                             config.parallel.local_ranks)
+        worker = Worker.from_config(config, folder or rank0_folder, tp=group)
         conn.send(None)
     except Exception as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
@@ -198,5 +257,29 @@ def rank_main(host: str, port: int, authkey: bytes) -> None:
             conn.send(f"{type(exc).__name__}: {exc}")
 
 
-if __name__ == "__main__":  # a rank: `python -m tidal.engine.tp_executor HOST PORT`, key on stdin
-    rank_main(sys.argv[1], int(sys.argv[2]), sys.stdin.buffer.read())
+def serve_node(parallel, folder: str | Path) -> None:
+    """`tidal serve --headless`: this machine's ranks of node 0's group, started again each
+    time they exit (node 0's engine core stopped or restarted: it forms a new group), until
+    this process is stopped."""
+    address = (parallel.master_addr, parallel.master_port)
+    log.info("node %d of %d: %d tensor-parallel ranks for %s:%d", parallel.node_rank,
+             parallel.nnodes, parallel.local_ranks, *address)
+    procs: list[subprocess.Popen] = []
+    try:
+        while True:
+            procs = [_start_rank(address, node_key(parallel), str(folder), patient=True)
+                     for _ in range(parallel.local_ranks)]
+            for proc in procs:
+                proc.wait()
+            log.info("node %d: the group ended; its ranks start again", parallel.node_rank)
+            time.sleep(1)  # a group that ends at once is not restarted in a tight loop
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+if __name__ == "__main__":  # a rank: `python -m tidal.engine.tp_executor HOST PORT
+    # [--folder F] [--patient]`, the key on stdin
+    rank_main(sys.argv[1], int(sys.argv[2]), sys.stdin.buffer.read(),
+              sys.argv[sys.argv.index("--folder") + 1] if "--folder" in sys.argv else None,
+              "--patient" in sys.argv)

@@ -72,8 +72,8 @@ class Worker:
             raise ValueError(f"--tensor-parallel-size {tp.size}: ranks run on CPU for now "
                              f"(--device cpu)")
         whole = ModelArch.from_folder(folder)
-        ranks = tp.size if tp is not None else 1
-        self.arch = arch = shard_arch(whole, ranks) if tp is not None else whole
+        ranks = tp.local if tp is not None else 1  # this machine's share of the group
+        self.arch = arch = shard_arch(whole, tp.size) if tp is not None else whole
         self.block_size = block_size
         quantization, self.dtype = pick_model_dtype(folder, arch, config, device)
         if on_gpu:

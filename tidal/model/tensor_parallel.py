@@ -8,6 +8,7 @@ the same tokens: a rank's runner needs no word from the others beside the step's
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -26,26 +27,37 @@ FLAG = "--tensor-parallel-size"
 class TPGroup:
     """This process's place in a tensor-parallel group, over torch.distributed's default
     process group (gloo: CPU tensors, over loopback or across machines), with the forward
-    pass's all-reduces through shared memory where the ranks share a machine (`shm`)."""
+    pass's all-reduces through shared memory where all ranks share a machine (`shm`);
+    `local`: the group's ranks on this machine."""
 
-    def __init__(self, rank: int, size: int, shm: ShmAllReduce | None = None) -> None:
+    def __init__(self, rank: int, size: int, shm: ShmAllReduce | None = None,
+                 local: int | None = None) -> None:
         self.rank, self.size, self.shm = rank, size, shm
+        self.local = size if local is None else local
 
     @classmethod
-    def join(cls, rank: int, size: int, store: str, timeout_s: float) -> "TPGroup":
-        """Join the group of ranks on this machine that meet at the file `store` (a path
-        none of them has used); a collective that waits longer than `timeout_s` (a rank died
-        or hangs) raises instead of hanging."""
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+    def join(cls, rank: int, size: int, init_method: str, timeout_s: float,
+             local: int | None = None) -> "TPGroup":
+        """Join the group of ranks that meet at `init_method` (a file store none of them has
+        used, `file://PATH`, where all share this machine; else rank 0's TCP store,
+        `tcp://ADDR:PORT`, with `local` ranks on each machine); a collective that waits
+        longer than `timeout_s` (a rank died or hangs) raises instead of hanging."""
+        local = size if local is None else local
+        if init_method.startswith("tcp://") and local < size:
+            # gloo's own pick is the address of the host's name, which may route nowhere
+            # near the other machines: the interface that reaches rank 0's instead
+            host = init_method.removeprefix("tcp://").rsplit(":", 1)[0]
+            os.environ["GLOO_SOCKET_IFNAME"] = interface_towards(host)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=size, timeout=timedelta(seconds=timeout_s))
         shm = None
-        if size > 1 and shm_all_reduce.supported():
+        if local == size > 1 and shm_all_reduce.supported():
             shm = ShmAllReduce(rank, size, timeout_s) if rank == 0 else None
             name = [shm.name if shm else None]
             dist.broadcast_object_list(name, src=0)
             shm = shm or ShmAllReduce(rank, size, timeout_s, name=name[0])
             dist.barrier()  # every rank attached: rank 0 may unlink it at close
-        return cls(rank, size, shm)
+        return cls(rank, size, shm, local)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks (in float32 on the wire for other dtypes)."""
@@ -82,6 +94,25 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.linear(x))
+
+
+def interface_towards(host: str) -> str:
+    """The name of this machine's network interface whose address reaches `host`."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # no packet is sent: the kernel only picks a route
+        mine = probe.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == mine:
+                return name
+    raise ValueError(f"no network interface of this machine reaches {host}")
 
 
 def check_shardable(arch: ModelArch, size: int) -> None:

@@ -115,6 +115,10 @@ class ServerConfig(HttpConfig):
                                  "the chat template).")
     reasoning_parser: str | None = knob(None, "'think' (also 'qwen3', 'deepseek_r1'): <think> "
                                         "blocks of replies go to reasoning_content.")
+    headless: bool = knob(False, "Run only this node's tensor-parallel ranks, for the engine "
+                          "core of node 0 (--nnodes, --node-rank > 0): no API, no engine "
+                          "core; the ranks are started again whenever node 0 forms a new "
+                          "group.")
     enable_lora_runtime_updates: bool = knob(False, "Allow POST /v1/load_lora_adapter and "
                                              "/v1/unload_lora_adapter (vLLM's), behind the "
                                              "API key if there is one.")

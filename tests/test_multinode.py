@@ -1,0 +1,191 @@
+"""Tensor parallelism across machines: two network namespaces joined by a veth pair stand
+for two nodes. Node 0 (`tidal serve --nnodes 2 --master-addr ...`) serves the API and holds
+rank 0; node 1 (`tidal serve --headless --node-rank 1`) holds rank 1 in the other namespace.
+The served model answers as one process does; a rank killed on node 1 fails its step, node
+0's engine core restarts and node 1's rank starts again, and the model answers again; a
+node started with other flags is refused by name; flags that cannot span nodes are refused
+before anything loads."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from model_fixtures import small_folder
+from server_fixtures import Server, openai_client
+
+from tidal import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None,
+    reason="network namespaces need root and iproute2")
+PROMPT = [5, 9, 33, 7, 100, 3]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def netns():
+    """(namespace name, node 0's address, node 1's address): a namespace joined to this
+    one by a veth pair on a subnet of its own."""
+    tag = f"{os.getpid() % 100000}{random.randrange(100)}"
+    name, here, there = f"tidal-n{tag}", f"tv{tag}a", f"tv{tag}b"
+    subnet = f"10.{random.randrange(64, 128)}.{random.randrange(256)}"
+    try:
+        _ip("netns", "add", name)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot create a network namespace here: {e.stderr.decode().strip()}")
+    try:
+        _ip("link", "add", here, "type", "veth", "peer", "name", there)
+        _ip("link", "set", there, "netns", name)
+        _ip("addr", "add", f"{subnet}.1/24", "dev", here)
+        _ip("link", "set", here, "up")
+        for cmd in (("addr", "add", f"{subnet}.2/24", "dev", there), ("link", "set", there, "up"),
+                    ("link", "set", "lo", "up")):
+            _ip("netns", "exec", name, "ip", *cmd)
+        yield name, f"{subnet}.1", f"{subnet}.2"
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return small_folder(tmp_path_factory.mktemp("multinode"), "llama", "llama")
+
+
+class Node:
+    """`tidal serve --headless` in namespace `ns`, its output in a file."""
+
+    def __init__(self, ns: str, *flags: str) -> None:
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "tidal.cli", "serve",
+             "--headless", "--num-threads", "1", *flags],
+            stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def ranks(self) -> list[int]:
+        """The node's rank processes (children of its serve process)."""
+        out = subprocess.run(["pgrep", "-f", "-s", str(self.proc.pid), "tidal.engine.tp_executor"],
+                             capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def stop(self) -> str:
+        with_group = os.getpgid(self.proc.pid) if self.proc.poll() is None else None
+        if with_group is not None:
+            os.killpg(with_group, signal.SIGKILL)
+        self.proc.wait()
+        self.log.seek(0)
+        return self.log.read()
+
+
+def group_flags(addr: str, port: int, size: int = 2) -> list[str]:
+    return ["--tensor-parallel-size", str(size), "--nnodes", "2", "--master-addr", addr,
+            "--master-port", str(port), "--distributed-timeout", "10"]
+
+
+def _free_port_pair() -> int:
+    import socket
+
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("", 0))
+                port = a.getsockname()[1]
+                b.bind(("", port + 1))
+                if port + 1 < 65535:
+                    return port
+            except OSError:
+                continue
+
+
+def test_two_nodes_serve_one_processs_tokens_and_survive_a_lost_rank(netns, folder):
+    ns, addr, _ = netns
+    port = _free_port_pair()
+    flags = ["--model", str(folder), "--dtype", "float32", *group_flags(addr, port)]
+    node1 = Node(ns, "--node-rank", "1", *flags)
+    server = None
+    try:
+        server = Server(*flags)
+        client = openai_client(server)
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, num_threads=1)
+        want = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+        want = want.outputs[0].text
+
+        def answer() -> str:
+            out = client.completions.create(model=folder.name, prompt=PROMPT, max_tokens=10,
+                                            temperature=0, extra_body={"ignore_eos": True})
+            return out.choices[0].text
+        assert answer() == want
+        (rank,) = node1.ranks()
+        here = os.readlink("/proc/self/ns/net")
+        assert os.readlink(f"/proc/{rank}/ns/net") != here  # it runs on the other "machine"
+        os.kill(rank, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # the step fails, node 0's core restarts, node 1's rank comes back
+            try:
+                if answer() == want:
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, server.output()[-3000:]
+            time.sleep(1)
+        assert node1.ranks() and node1.ranks() != [rank]
+        assert "restarting it" in server.output()
+    finally:
+        if server is not None:
+            server.stop()
+        node1.stop()
+
+
+def test_a_node_started_with_other_flags_is_refused_by_name(netns, folder):
+    ns, addr, _ = netns
+    port = _free_port_pair()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tidal.cli", "serve", "--model", str(folder), "--port",
+         str(_free_port_pair()), "--num-kv-blocks", "64", *group_flags(addr, port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    node1 = Node(ns, "--model", str(folder), "--node-rank", "1", *group_flags(addr, port, 4))
+    try:
+        deadline = time.monotonic() + 60
+        while "refused this node" not in (out := _peek(node1)):
+            assert time.monotonic() < deadline, out[-2000:]
+            time.sleep(0.5)
+        assert "--tensor-parallel-size, --nnodes and --master-* flags" in out
+    finally:
+        os.killpg(os.getpgid(server.pid), signal.SIGKILL)
+        server.wait()
+        node1.stop()
+
+
+def _peek(node: Node) -> str:
+    node.log.seek(0)
+    return node.log.read()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--headless"], "--headless is for the nodes of --node-rank 1"),
+    (["--nnodes", "2", "--node-rank", "1", "--tensor-parallel-size", "2"],
+     "--headless is for the nodes of --node-rank 1"),
+    (["--nnodes", "2", "--tensor-parallel-size", "3"], "--nnodes 2 must divide"),
+    (["--nnodes", "2", "--node-rank", "2", "--tensor-parallel-size", "2"],
+     "node_rank must be in 0..nnodes-1"),
+    (["--nnodes", "2", "--tensor-parallel-size", "2", "--data-parallel-size", "2"],
+     "--data-parallel-size must be 1"),
+])
+def test_flags_that_cannot_span_nodes_are_refused(folder, flags, message):
+    out = subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--model", str(folder),
+                          *flags], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
