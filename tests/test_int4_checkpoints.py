@@ -78,10 +78,13 @@ def quantize(w: np.ndarray, group: int, sym: bool, rng, v2: bool = False,
     return q.reshape(n, k).astype(np.uint8), scale, zero.astype(np.uint8)
 
 
-def checkpoint(tmp: Path, method: str, group: int, sym: bool) -> tuple[Path, Path]:
-    """(the quantized folder, the same model with its dequantized weights as a dense one)."""
-    base = small_folder(tmp, f"base-{method}-{group}-{sym}", "llama", hidden_size=128,
-                        intermediate_size=256, head_dim=32, tie_word_embeddings=False)
+def checkpoint(tmp: Path, method: str, group: int, sym: bool,
+               **shape) -> tuple[Path, Path]:
+    """(the quantized folder, the same model with its dequantized weights as a dense one);
+    `shape`: config fields over the small Llama's."""
+    shape = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32, **shape}
+    base = small_folder(tmp, f"base-{method}-{group}-{sym}", "llama",
+                        tie_word_embeddings=False, **shape)
     tensors = load_file(str(base / "model.safetensors"))
     rng = np.random.default_rng(group + sym)
     quantized, dense = {}, {}

@@ -150,7 +150,7 @@ class ParallelConfig:
                                      "(tensor parallelism: each holds 1/N of every layer's "
                                      "heads and MLP rows, and of every KV block): processes "
                                      "on this machine, joined by torch.distributed (gloo). "
-                                     "CPU ranks, dense weights or a GGUF's own formats; "
+                                     "CPU ranks; dense weights, GGUF, GPTQ or AWQ; "
                                      "threads per rank default to cores / N.")
     distributed_timeout: float = knob(60.0, "Seconds a tensor-parallel rank waits in a "
                                       "collective for the others before it fails the step "

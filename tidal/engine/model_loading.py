@@ -36,20 +36,20 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
                     dtype: torch.dtype, quantization: str, backend: AttentionBackend,
                     ext, tp: TPGroup | None = None) -> tuple[torch.nn.Module, object | None]:
     """The model and (with the CPU extension `ext`) its C++ decoder; with `tp`, this rank's
-    part of a dense model or of a GGUF's own formats, cut as it is read
+    part of a dense model or of a checkpoint's own formats (GGUF, GPTQ, AWQ), cut as read
     (tidal.model.tensor_parallel), whose row-parallel projections meet the other ranks' (in
     the C++ decoder too where the ranks sum through shared memory)."""
     shard = None if tp is None else Shard(tp.rank, tp.size, arch)
-    if tp is not None and quantization not in ("none", "gguf"):
+    if tp is not None and quantization in ("int8", "int4"):
         raise ValueError(f"{TP_FLAG} {tp.size}: tensor parallelism splits dense weights and "
-                         f"a GGUF's own formats for now (got --quantization {quantization})")
+                         f"a checkpoint's own formats, not --quantization {quantization}")
+    part = arch if shard is None else shard_arch(arch, shard.size)  # the shapes built
     if quantization == "gguf":  # every projection is a CPU layer of the file's formats
         config_json = json.loads((Path(folder) / "config.json").read_text())
-        part = arch if shard is None else shard_arch(arch, shard.size)
         model = load_gguf_model(gguf_source(folder), part, dtype, backend,
                                 config=config_json, shard=shard)
     elif quantization in ("gptq", "awq"):
-        model = load_int4_checkpoint(folder, arch, dtype, backend)
+        model = load_int4_checkpoint(folder, part, dtype, backend, shard)
     else:
         model = load_model(folder, dtype, device, backend,
                            dummy=config.load_format == "dummy", shard=shard)

@@ -125,8 +125,7 @@ def _weights(item: HFTensor, planar: bool | None, use_extension: bool,
     if shard is not None:  # this rank's whole rows or whole blocks, before any copy
         qtype = QT(t.tensor_type)
         unit = 1 if qtype in FLOAT_TYPES else GGML_QUANT_SIZES[qtype][1]
-        cut = np.ascontiguousarray(shard.take(name, data, unit))
-        shape, data = (cut.shape[0], shape[1] * cut.shape[1] // data.shape[1]), cut
+        data, shape = shard.take_matrix(name, data, shape, unit)
         heads = None if heads is None else heads // shard.size  # q/k: permuted within a head
     if heads is not None:  # a copy of the stored rows, reordered as HF orders them
         data = np.ascontiguousarray(_unpermute(data, heads))

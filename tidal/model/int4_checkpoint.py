@@ -22,17 +22,21 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
+from gguf.constants import GGML_QUANT_SIZES
 
 from tidal.model.gguf_quants import QuantizedWeight
 from tidal.model.gguf_weights import Weight
+from tidal.model.tensor_parallel import Shard
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
-def read_checkpoint(folder: Path, quantization_config: dict) -> dict[str, Weight]:
+def read_checkpoint(folder: Path, quantization_config: dict,
+                    shard: Shard | None = None) -> dict[str, Weight]:
     """HF name -> weight of a GPTQ/AWQ folder: each quantized projection a Q4_0/Q5_0
-    QuantizedWeight under `<module>.weight`, the rest torch tensors as stored."""
+    QuantizedWeight under `<module>.weight`, the rest torch tensors as stored; `shard`:
+    one tensor-parallel rank's part of each (whole blocks of 32)."""
     from safetensors import safe_open
 
     q = quantization_config
@@ -62,8 +66,12 @@ def read_checkpoint(folder: Path, quantization_config: dict) -> dict[str, Weight
             q4, zeros = unpack_awq(parts[".qweight"], parts[".qzeros"])
         scales = parts[".scales"].float().numpy().T  # [out, groups]
         blocks, qtype = gguf_blocks(q4, scales, zeros, group)
-        weights[module + ".weight"] = QuantizedWeight(module, blocks, qtype, q4.shape)
-    weights.update(raw)
+        shape = q4.shape
+        if shard is not None:
+            blocks, shape = shard.take_matrix(module + ".weight", blocks, shape,
+                                              GGML_QUANT_SIZES[qtype][1])
+        weights[module + ".weight"] = QuantizedWeight(module, blocks, qtype, shape)
+    weights.update(raw if shard is None else {n: shard.take(n, t) for n, t in raw.items()})
     return weights
 
 

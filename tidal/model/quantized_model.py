@@ -49,11 +49,13 @@ def load_gguf_model(path: str | Path, arch: ModelArch, dtype: torch.dtype,
 
 
 def load_int4_checkpoint(folder: str | Path, arch: ModelArch, dtype: torch.dtype,
-                         backend: AttentionBackend | None = None) -> LlamaModel:
+                         backend: AttentionBackend | None = None,
+                         shard: Shard | None = None) -> LlamaModel:
     """The model of a GPTQ or AWQ folder (tidal.model.int4_checkpoint), as load_gguf_model."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
-    return build_model(read_checkpoint(folder, config), arch, dtype, backend, str(folder))
+    return build_model(read_checkpoint(folder, config, shard), arch, dtype, backend,
+                       str(folder))
 
 
 def build_model(weights: Mapping[str, Weight], arch: ModelArch, dtype: torch.dtype,

@@ -185,6 +185,14 @@ class Shard:
         return torch.cat(pieces) if isinstance(t, torch.Tensor) else np.concatenate(pieces)
 
 
+    def take_matrix(self, name: str, data: np.ndarray, shape: tuple[int, int],
+                    unit: int) -> tuple[np.ndarray, tuple[int, int]]:
+        """`take` of an [out, in] matrix stored as rows of `unit`-byte blocks (1: of
+        values): this rank's copy, and its [out, in] shape."""
+        cut = np.ascontiguousarray(self.take(name, data, unit))
+        return cut, (cut.shape[0], shape[1] * cut.shape[1] // data.shape[1])
+
+
 def row_parallel(model: nn.Module, group: TPGroup) -> None:
     """Wrap each layer's o and down projections, built of this rank's columns, so their
     partial outputs are summed over the group."""
