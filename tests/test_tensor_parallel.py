@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU ranks over loopback (tidal/model/tensor_parallel.py,
 tidal/engine/tp_executor.py): two ranks give one process's greedy and seeded tokens, and
-its logprobs within float32 rounding, for Llama (GQA) and Qwen2 (q/k/v biases), with ngram
-speculation too; a served model answers, and a rank that dies fails its step and the core
+its logprobs within float32 rounding, for Llama (GQA), Qwen2 (q/k/v biases) and a model of
+one key/value head (replicated on each rank), with ngram speculation too; so do GGUF,
+GPTQ and AWQ files in their own formats; a served model answers, and a rank that dies fails its step and the core
 is restarted; sizes and options that do not split are refused at start, naming the flag."""
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ QUANTIZED_BOUND = 0.05
 def folders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     return {"llama": small_folder(tmp, "llama", "llama"),
-            "qwen2": small_folder(tmp, "qwen2", "qwen2", seed=1)}
+            "qwen2": small_folder(tmp, "qwen2", "qwen2", seed=1),
+            # one key/value head for four query heads: each rank holds it whole
+            "mqa": small_folder(tmp, "mqa", "llama", seed=2, num_key_value_heads=1)}
 
 
 def run(folder: Path, tp: int, params: SamplingParams, **options):
@@ -48,7 +51,7 @@ def run(folder: Path, tp: int, params: SamplingParams, **options):
         llm.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mqa"])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_two_ranks_give_one_process_tokens_and_logprobs(folders, family, sampled):
     params = SamplingParams(max_tokens=12, temperature=0.8 if sampled else 0.0,

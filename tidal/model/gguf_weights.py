@@ -126,7 +126,8 @@ def _weights(item: HFTensor, planar: bool | None, use_extension: bool,
         qtype = QT(t.tensor_type)
         unit = 1 if qtype in FLOAT_TYPES else GGML_QUANT_SIZES[qtype][1]
         data, shape = shard.take_matrix(name, data, shape, unit)
-        heads = None if heads is None else heads // shard.size  # q/k: permuted within a head
+        if heads is not None:  # q/k rows are permuted within a head: the rank's own heads
+            heads = max(1, heads // shard.size)
     if heads is not None:  # a copy of the stored rows, reordered as HF orders them
         data = np.ascontiguousarray(_unpermute(data, heads))
     if ".experts." in name:

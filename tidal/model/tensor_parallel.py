@@ -123,16 +123,20 @@ def check_shardable(arch: ModelArch, size: int) -> None:
         raise ValueError(f"{FLAG} {size}: mixture-of-experts models do not split across "
                          f"ranks yet")
     for what, count in (("attention heads", arch.num_heads),
-                        ("key/value heads", arch.num_kv_heads),
                         ("MLP intermediate size", arch.intermediate_size)):
         if count % size:
             raise ValueError(f"{FLAG} {size} does not divide the model's {count} {what}")
+    kv = arch.num_kv_heads  # fewer than the ranks: each is replicated on size / kv ranks
+    if (kv % size) if kv >= size else (size % kv):
+        raise ValueError(f"{FLAG} {size} neither divides the model's {kv} key/value heads "
+                         f"nor is a multiple of them")
 
 
 def shard_arch(arch: ModelArch, size: int) -> ModelArch:
-    """The shapes one rank of `size` computes with: its heads and intermediate rows."""
+    """The shapes one rank of `size` computes with: its heads (one key/value head where
+    the model has fewer than ranks) and intermediate rows."""
     return replace(arch, num_heads=arch.num_heads // size,
-                   num_kv_heads=arch.num_kv_heads // size,
+                   num_kv_heads=max(1, arch.num_kv_heads // size),
                    intermediate_size=arch.intermediate_size // size)
 
 
@@ -155,7 +159,8 @@ class Shard:
     def take(self, name: str, t, unit: int = 1):
         """This rank's part of checkpoint tensor `name` (a Hugging Face or tidal name; `t` a
         numpy array or torch tensor, [out, in] or [out]; a GGUF's quantized rows as bytes,
-        `unit` bytes a block, which a split never cuts). ValueError naming the flag for a split that would cut a block."""
+        `unit` bytes a block, which a split never cuts). ValueError naming the flag for a
+        split that would cut a block."""
         module, kind = name.split(".")[-2:]
         if module in _COLUMN_SPLIT:
             if kind == "bias":  # added once to the sum: by rank 0
@@ -169,21 +174,24 @@ class Shard:
         if module not in _ROW_SPLIT:
             return t
         a = self.arch
+        kv = a.num_kv_heads * a.head_dim
         if module == "qkv_proj":
-            parts = [a.num_heads * a.head_dim] + [a.num_kv_heads * a.head_dim] * 2
+            parts = [(a.num_heads * a.head_dim, False), (kv, True), (kv, True)]
         elif module == "gate_up_proj":
-            parts = [t.shape[0] // 2] * 2
+            parts = [(t.shape[0] // 2, False)] * 2
         else:
-            parts = [t.shape[0]]
+            parts = [(t.shape[0], module in ("k_proj", "v_proj"))]
         pieces, at = [], 0
-        for rows in parts:
-            step = rows // self.size
-            pieces.append(t[at + self.rank * step:at + (self.rank + 1) * step])
+        for rows, kv_heads in parts:
+            if kv_heads and a.num_kv_heads < self.size:  # replicated: a KV head for N/K ranks
+                step, index = a.head_dim, self.rank * a.num_kv_heads // self.size
+            else:
+                step, index = rows // self.size, self.rank
+            pieces.append(t[at + index * step:at + (index + 1) * step])
             at += rows
         if len(pieces) == 1:
             return pieces[0]
         return torch.cat(pieces) if isinstance(t, torch.Tensor) else np.concatenate(pieces)
-
 
     def take_matrix(self, name: str, data: np.ndarray, shape: tuple[int, int],
                     unit: int) -> tuple[np.ndarray, tuple[int, int]]:
