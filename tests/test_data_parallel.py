@@ -159,3 +159,17 @@ def test_ray_backend_places_the_cores_as_actors_behind_the_same_dispatcher():
     while any(pid_alive(p) for p in pids):
         assert time.monotonic() < deadline, "Ray actors outlived the server"
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize("tp, threads", [(1, 4), (2, 2), (4, 1)])
+def test_data_parallel_cores_and_their_ranks_share_the_machines_cores(tp, threads):
+    """Eight cores, two data-parallel engine cores: each core's tensor-parallel ranks get
+    8 / (2 x tp) threads each, unless the flag says otherwise."""
+    from tidal.engine.config import EngineConfig
+    from tidal.runtime.client import core_config
+
+    config = EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=tp)
+    assert core_config(config, 8).model.num_threads == threads
+    given = EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=tp,
+                                     num_threads=3)
+    assert core_config(given, 8).model.num_threads == 3

@@ -71,8 +71,9 @@ class ModelConfig:
                                "graphs captured at start-up for decode-only steps of each "
                                "batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, then "
                                "every 32 up to max_num_seqs).")
-    num_threads: int | None = knob(None, "Torch threads on CPU; defaults to the cores "
-                                   "available to this process.")
+    num_threads: int | None = knob(None, "Torch threads on CPU (of each tensor-parallel "
+                                   "rank); defaults to the cores available to this process, "
+                                   "shared among its data-parallel cores and their ranks.")
     omp_spin_count: int | None = knob(None, "GOMP_SPINCOUNT of a server's local engine-core "
                                       "processes (unless set in the environment): how long an "
                                       "idle OpenMP thread spins before it sleeps. A short spin "

@@ -39,6 +39,16 @@ class EngineDeadError(RuntimeError):
         self.retry_after = retry_after
 
 
+def core_config(config: EngineConfig, cores: int) -> EngineConfig:
+    """The config each engine core starts with: data-parallel cores on one CPU of `cores`
+    share them unless told otherwise, and so do the tensor-parallel ranks of each."""
+    dp = config.parallel.data_parallel_size
+    if dp > 1 and config.model.num_threads is None and config.model.device != "cuda":
+        threads = max(1, cores // (dp * config.parallel.local_ranks))
+        config = replace(config, model=replace(config.model, num_threads=threads))
+    return config  # frozen: a core that needs other values gets a new one
+
+
 class CoreClient:
     """Starts `data_parallel_size` cores and multiplexes their outputs onto one asyncio.Queue
     per request (StepUpdate items, or a Failure). With one core requests go straight to it;
@@ -126,13 +136,7 @@ class CoreClient:
         return handle
 
     def _core_config(self) -> EngineConfig:
-        """Data-parallel cores on one CPU share its cores unless told otherwise."""
-        config = self.config  # frozen: a core that needs other values gets a new one
-        if (self.num_cores > 1 and config.model.num_threads is None
-                and config.model.device != "cuda"):
-            threads = max(1, len(os.sched_getaffinity(0)) // self.num_cores)
-            config = replace(config, model=replace(config.model, num_threads=threads))
-        return config
+        return core_config(self.config, len(os.sched_getaffinity(0)))
 
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Let running requests finish for up to `drain_timeout` s, then stop the cores."""
