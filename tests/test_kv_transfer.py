@@ -30,10 +30,11 @@ def make_core(folder, role: str, blocks: int = 64, **kwargs) -> EngineCore:
 class Pair:
     """A prefill core and a decode core with their links, stepped by hand."""
 
-    def __init__(self, folder, decode_blocks: int = 64, **prefill_kwargs) -> None:
+    def __init__(self, folder, decode_blocks: int = 64, decode_kwargs: dict | None = None,
+                 **prefill_kwargs) -> None:
         self.ctx = zmq.Context()
         self.p = make_core(folder, "prefill", **prefill_kwargs)
-        self.d = make_core(folder, "decode", decode_blocks)
+        self.d = make_core(folder, "decode", decode_blocks, **(decode_kwargs or {}))
         self.pl = KVLink(self.p, self.ctx, "127.0.0.1")
         self.dl = KVLink(self.d, self.ctx, "127.0.0.1", timeout=30)
         self.sent: list = []  # every KVBlocks the prefill side sent, as the decode side got it
@@ -83,6 +84,8 @@ class Pair:
         self.pl.close()
         self.dl.close()
         self.ctx.term()
+        self.p.close()
+        self.d.close()
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +123,26 @@ def test_decode_blocks_hold_the_prefill_bytes_and_greedy_equals_a_mixed_engine(f
         assert [pair.tokens[f"r{i}"] for i in range(3)] == mixed_greedy(folder, PROMPTS)
         assert all(pair.finished[f"r{i}"].finish_reason == "length" for i in range(3))
         assert pair.d.scheduler.kv.pool.num_used == 0 and not pair.dl.prefill_of
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_kv_moves_between_instances_of_other_tensor_parallel_sizes(folder, prefill_tp,
+                                                                   decode_tp):
+    """A split instance sends its blocks as one process holds them (each rank's KV heads
+    side by side) and takes them so: greedy through the pair equals a mixed engine's, and
+    the decode side's blocks read back the bytes that landed."""
+    pair = Pair(folder, tensor_parallel_size=prefill_tp,
+                decode_kwargs=dict(tensor_parallel_size=decode_tp))
+    try:
+        for i, p in enumerate(PROMPTS):
+            pair.add(f"r{i}", p)
+        pair.run()
+        assert [pair.tokens[f"r{i}"] for i in range(3)] == mixed_greedy(folder, PROMPTS)
+        for msg in pair.sent:
+            assert msg.shape[4] == 2  # the model's two KV heads, whichever side is split
+            assert pair.landed[msg.request_id] == msg.data == pair.source[msg.request_id]
     finally:
         pair.close()
 

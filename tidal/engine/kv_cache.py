@@ -107,15 +107,23 @@ class KVCache:
                           for k, v in self.layers]).cpu()
         return kv.view(torch.uint8).numpy().tobytes(), list(kv.shape), str(self.dtype)
 
-    @torch.inference_mode()
-    def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
-                     dtype: str) -> None:
-        """Write KV read by another instance's `read_blocks` into these blocks."""
-        mine = [len(self.layers), 2, len(block_ids), *self.layers[0][0].shape[1:]]
+    def check_fits(self, shape: list[int], dtype: str, count: int,
+                   kv_heads: int | None = None) -> None:
+        """ValueError unless KV of `shape` and `dtype` fits `count` of these blocks
+        (`kv_heads`: a whole model's, where this cache holds a tensor-parallel rank's)."""
+        mine = [len(self.layers), 2, count, *self.layers[0][0].shape[1:]]
+        if kv_heads is not None:
+            mine[4] = kv_heads
         if shape != mine or dtype != str(self.dtype):
             raise ValueError(f"KV of shape {shape} ({dtype}) does not fit this instance's "
                              f"{mine} ({self.dtype}): prefill and decode must run the same "
                              f"model, dtype and block size")
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
+                     dtype: str) -> None:
+        """Write KV read by another instance's `read_blocks` into these blocks."""
+        self.check_fits(shape, dtype, len(block_ids))
         kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(shape)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for (k, v), layer in zip(self.layers, kv.to(self.device)):

@@ -24,6 +24,8 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
+import torch
+
 from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import ExecutorDead
@@ -47,8 +49,10 @@ class TensorParallelExecutor:
 
     def __init__(self, config: EngineConfig, folder: str | Path) -> None:
         parallel = config.parallel
-        size = parallel.tensor_parallel_size
-        check_shardable(ModelArch.from_folder(folder), size)  # before any process starts
+        self.size = size = parallel.tensor_parallel_size
+        arch = ModelArch.from_folder(folder)
+        check_shardable(arch, size)  # before any process starts
+        self.kv_heads = arch.num_kv_heads
         self.timeout = timeout = parallel.distributed_timeout
         self._store = tempfile.mkdtemp(prefix="tidal-tp-")
         if parallel.nnodes > 1:  # rank 0's TCP store, and its socket on node 0's address
@@ -79,34 +83,40 @@ class TensorParallelExecutor:
 
     def _call(self, method: str, *args):
         """`method(*args)` on every rank's worker; rank 0's result."""
+        return self._call_each(method, [args] * (len(self.conns) + 1))[0]
+
+    def _call_each(self, method: str, args: list[tuple]) -> list:
+        """`method(*args[r])` on each rank r's worker; every rank's result, by rank."""
         for rank, conn in enumerate(self.conns, 1):
             try:
-                conn.send((method, args))
+                conn.send((method, args[rank]))
             except OSError:  # a rank that died: the group cannot compute any more
                 raise RankFailed(f"tensor-parallel rank {rank}: the process is gone") from None
-        failure = None
+        failure, result = None, None
         try:
-            result = getattr(self.worker, method)(*args)
+            result = getattr(self.worker, method)(*args[0])
         except Exception as exc:
             failure = f"rank 0: {type(exc).__name__}: {exc}"
-        self._replies(failure)
-        return result
+        return [result, *self._replies(failure)]
 
-    def _replies(self, failure: str | None = None, patient: bool = False) -> None:
-        """Wait for every other rank's reply, at most the collectives' timeout and a margin
-        (`patient`: as long as it takes); raise RankFailed with every failure, `failure`
-        (rank 0's) first."""
+    def _replies(self, failure: str | None = None, patient: bool = False) -> list:
+        """Every other rank's result, waiting at most the collectives' timeout and a margin
+        (`patient`: as long as it takes); RankFailed with every failure, `failure` (rank
+        0's) first."""
         wait = None if patient else self.timeout + 10
-        failures = [failure] if failure else []
+        failures, results = [failure] if failure else [], []
         for rank, conn in enumerate(self.conns, 1):
             try:
-                reply = conn.recv() if conn.poll(wait) else f"no answer in {wait:g} s"
+                error, result = conn.recv() if conn.poll(wait) else (
+                    f"no answer in {wait:g} s", None)
             except (EOFError, OSError):
-                reply = "the process is gone"
-            if reply is not None:
-                failures.append(f"rank {rank}: {reply}")
+                error, result = "the process is gone", None
+            if error is not None:
+                failures.append(f"rank {rank}: {error}")
+            results.append(result)
         if failures:
             raise RankFailed("tensor-parallel " + "; ".join(failures))
+        return results
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         return self._call("execute", out)
@@ -120,11 +130,30 @@ class TensorParallelExecutor:
         self.worker.compile_constraint(params)
 
     def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]:
-        raise ValueError("P/D KV transfer does not run tensor-parallel ranks yet")
+        """The blocks' KV as one process holds it: the ranks' KV heads side by side (a head
+        replicated on several ranks once), so an instance of any rank count takes it."""
+        parts = self._call_each("read_blocks", [(block_ids,)] * self.size)
+        heads = {}
+        for rank, (data, shape, dtype) in enumerate(parts):
+            heads.setdefault(self._kv_heads_of(rank)[0], _kv_tensor(data, shape, dtype))
+        kv = torch.cat([heads[first] for first in sorted(heads)], dim=4)
+        return kv.view(torch.uint8).numpy().tobytes(), list(kv.shape), parts[0][2]
 
     def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
                      dtype: str) -> None:
-        raise ValueError("P/D KV transfer does not run tensor-parallel ranks yet")
+        """KV as one process holds it (`read_blocks`) into these blocks: each rank its heads."""
+        self.worker.kv.check_fits(shape, dtype, len(block_ids), self.kv_heads)
+        kv, args = _kv_tensor(data, shape, dtype), []
+        for rank in range(self.size):
+            part = kv.narrow(4, *self._kv_heads_of(rank)).contiguous()
+            args.append((block_ids, part.view(torch.uint8).numpy().tobytes(), list(part.shape),
+                         dtype))
+        self._call_each("write_blocks", args)
+
+    def _kv_heads_of(self, rank: int) -> tuple[int, int]:
+        """(first, count) of the model's KV heads that `rank` holds."""
+        kv, n = self.kv_heads, self.size
+        return rank * kv // n, max(1, kv // n)
 
     def touch_kv_cache(self, block_ids: list[int]) -> None:
         self._call("touch_kv_cache", block_ids)
@@ -166,6 +195,15 @@ def node_key(parallel) -> bytes:
     text = (f"tidal-tp:{parallel.master_addr}:{parallel.master_port}:"
             f"{parallel.tensor_parallel_size}:{parallel.nnodes}")
     return hashlib.sha256(text.encode()).digest()
+
+
+_RESULTS = ("read_blocks",)  # the calls whose every rank's result rank 0 reads
+
+
+def _kv_tensor(data: bytes, shape: list[int], dtype: str) -> torch.Tensor:
+    """KV blocks as read_blocks sends them, as a tensor."""
+    kind = getattr(torch, dtype.removeprefix("torch."))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).view(shape)
 
 
 def _start_rank(address: tuple[str, int], authkey: bytes, folder: str | None = None,
@@ -216,8 +254,8 @@ def _accept(listener: Listener, procs: list[subprocess.Popen],
 def rank_main(host: str, port: int, authkey: bytes, folder: str | None = None,
               patient: bool = False) -> None:
     """A rank's process: take its place from rank 0, build its worker, then make each call
-    rank 0 sends until told to stop (None) or rank 0 is gone; reply None, or what went
-    wrong. `folder`: this machine's copy of the model (else rank 0's path); `patient`:
+    rank 0 sends until told to stop (None) or rank 0 is gone; reply (None, the result), or
+    (what went wrong, None). `folder`: this machine's copy of the model (else rank 0's path); `patient`:
     retry until rank 0 listens."""
     while True:
         try:
@@ -238,9 +276,9 @@ def rank_main(host: str, port: int, authkey: bytes, folder: str | None = None,
         group = TPGroup.join(rank, size, init, config.parallel.distributed_timeout,
                              config.parallel.local_ranks)
         worker = Worker.from_config(config, folder or rank0_folder, tp=group)
-        conn.send(None)
+        conn.send((None, None))
     except Exception as exc:
-        conn.send(f"{type(exc).__name__}: {exc}")
+        conn.send((f"{type(exc).__name__}: {exc}", None))
         return
     while True:
         try:
@@ -251,10 +289,11 @@ def rank_main(host: str, port: int, authkey: bytes, folder: str | None = None,
             return
         method, args = call
         try:
-            getattr(worker, method)(*args)
-            conn.send(None)
+            result = getattr(worker, method)(*args)
         except Exception as exc:
-            conn.send(f"{type(exc).__name__}: {exc}")
+            conn.send((f"{type(exc).__name__}: {exc}", None))
+        else:  # a step's output is rank 0's: the others' would only cost pickling
+            conn.send((None, result if method in _RESULTS else None))
 
 
 def serve_node(parallel, folder: str | Path) -> None:
