@@ -12,15 +12,14 @@ from tidal.engine.config import ModelConfig, effective_quantization
 from tidal.engine.device import pick_dtype
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionBackend
-from tidal.model.config import ModelArch
+from tidal.model.config import TP_FLAG, ModelArch, shard_arch
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
                                 default_fp32_rows, replace_linears)
 from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
 from tidal.model.quantized_model import load_gguf_model, load_int4_checkpoint
 from tidal.model.registry import gguf_source
-from tidal.model.tensor_parallel import FLAG as TP_FLAG
-from tidal.model.tensor_parallel import Shard, TPGroup, row_parallel, shard_arch
+from tidal.model.tensor_parallel import Shard, TPGroup, row_parallel
 
 
 def pick_model_dtype(folder: str | Path, arch: ModelArch, config: ModelConfig,

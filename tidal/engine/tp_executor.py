@@ -30,8 +30,8 @@ from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import ExecutorDead
 from tidal.engine.worker import Worker
-from tidal.model.config import ModelArch
-from tidal.model.tensor_parallel import TPGroup, check_shardable
+from tidal.model.config import ModelArch, check_shardable
+from tidal.model.tensor_parallel import TPGroup
 
 log = logging.getLogger("tidal.engine")
 

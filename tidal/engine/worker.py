@@ -22,12 +22,12 @@ from tidal.engine.model_runner import ModelRunner
 from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
-from tidal.model.config import ModelArch
+from tidal.model.config import ModelArch, shard_arch
 from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel,
                                  paged_prefill_kernel)
 from tidal.model.pooling import Pooling
 from tidal.model.sampler import on_device
-from tidal.model.tensor_parallel import TPGroup, shard_arch
+from tidal.model.tensor_parallel import TPGroup
 from tidal.spec.factory import make_guesser
 
 log = logging.getLogger("tidal.engine")

@@ -338,3 +338,31 @@ class ModelArch:
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+TP_FLAG = "--tensor-parallel-size"
+
+
+def check_shardable(arch: ModelArch, size: int) -> None:
+    """ValueError naming the flag where `arch` does not split over `size` ranks."""
+    if size == 1:
+        return
+    if arch.moe is not None:
+        raise ValueError(f"{TP_FLAG} {size}: mixture-of-experts models do not split across "
+                         f"ranks yet")
+    for what, count in (("attention heads", arch.num_heads),
+                        ("MLP intermediate size", arch.intermediate_size)):
+        if count % size:
+            raise ValueError(f"{TP_FLAG} {size} does not divide the model's {count} {what}")
+    kv = arch.num_kv_heads  # fewer than the ranks: each is replicated on size / kv ranks
+    if (kv % size) if kv >= size else (size % kv):
+        raise ValueError(f"{TP_FLAG} {size} neither divides the model's {kv} key/value heads "
+                         f"nor is a multiple of them")
+
+
+def shard_arch(arch: ModelArch, size: int) -> ModelArch:
+    """The shapes one rank of `size` computes with: its heads (one key/value head where
+    the model has fewer than ranks) and intermediate rows."""
+    return replace(arch, num_heads=arch.num_heads // size,
+                   num_kv_heads=max(1, arch.num_kv_heads // size),
+                   intermediate_size=arch.intermediate_size // size)

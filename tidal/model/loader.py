@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from tidal.model.attention import AttentionBackend, TorchAttention
-from tidal.model.config import ModelArch
+from tidal.model.config import ModelArch, shard_arch
 from tidal.model.llama import LlamaModel, Rotary
 from tidal.model.registry import dense_weights, gguf_source
-from tidal.model.tensor_parallel import Shard, shard_arch
+from tidal.model.tensor_parallel import Shard
 
 log = logging.getLogger("tidal.model")
 

@@ -9,7 +9,7 @@ the same tokens: a rank's runner needs no word from the others beside the step's
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tidal.model import shm_all_reduce
+from tidal.model.config import TP_FLAG as FLAG
 from tidal.model.config import ModelArch
 from tidal.model.shm_all_reduce import ShmAllReduce
 
-FLAG = "--tensor-parallel-size"
 
 
 class TPGroup:
@@ -113,31 +113,6 @@ def interface_towards(host: str) -> str:
             if socket.inet_ntoa(raw[20:24]) == mine:
                 return name
     raise ValueError(f"no network interface of this machine reaches {host}")
-
-
-def check_shardable(arch: ModelArch, size: int) -> None:
-    """ValueError naming the flag where `arch` does not split over `size` ranks."""
-    if size == 1:
-        return
-    if arch.moe is not None:
-        raise ValueError(f"{FLAG} {size}: mixture-of-experts models do not split across "
-                         f"ranks yet")
-    for what, count in (("attention heads", arch.num_heads),
-                        ("MLP intermediate size", arch.intermediate_size)):
-        if count % size:
-            raise ValueError(f"{FLAG} {size} does not divide the model's {count} {what}")
-    kv = arch.num_kv_heads  # fewer than the ranks: each is replicated on size / kv ranks
-    if (kv % size) if kv >= size else (size % kv):
-        raise ValueError(f"{FLAG} {size} neither divides the model's {kv} key/value heads "
-                         f"nor is a multiple of them")
-
-
-def shard_arch(arch: ModelArch, size: int) -> ModelArch:
-    """The shapes one rank of `size` computes with: its heads (one key/value head where
-    the model has fewer than ranks) and intermediate rows."""
-    return replace(arch, num_heads=arch.num_heads // size,
-                   num_kv_heads=max(1, arch.num_kv_heads // size),
-                   intermediate_size=arch.intermediate_size // size)
 
 
 # Projections split by output rows (column-parallel): one part, or a fused checkpoint

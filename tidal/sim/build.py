@@ -10,7 +10,7 @@ from typing import Any
 from tidal.cluster.launch import parse_pd
 from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
-from tidal.model.config import ModelArch
+from tidal.model.config import ModelArch, check_shardable, shard_arch
 from tidal.sim.cost_model import CostModel
 from tidal.sim.profiles import Hardware, hardware, kv_blocks_for, model_arch
 from tidal.sim.simulator import ClusterSpec, Simulator
@@ -64,11 +64,14 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
         raise ValueError("num_speculative_tokens in a simulation needs spec_acceptance "
                          "(--spec-acceptance): the chance each guess is accepted")
     config = EngineConfig.from_kwargs(**knobs)  # routes each knob to the config owning it
+    tp = config.parallel.tensor_parallel_size
+    check_shardable(arch, tp)
+    rank = shard_arch(arch, tp)  # what each device of a replica holds and computes
     if config.model.num_kv_blocks is None:  # what fits beside the weights
-        blocks = kv_blocks_for(arch, hw, config.cache.block_size)
+        blocks = kv_blocks_for(rank, hw, config.cache.block_size)
         config = replace(config, model=replace(config.model, num_kv_blocks=blocks),
                          cache=replace(config.cache, num_blocks=blocks))
-    cost = CostModel(arch, hw)
+    cost = CostModel(rank, hw, tp)
     if config.scheduler.max_step_ms is None:  # as the engine derives it on that hardware
         target = (hw.max_step_ms if hw.max_step_ms is not None
                   else default_step_target(not hw.on_cpu, cost))

@@ -49,10 +49,11 @@ def add_simulate_parser(sub) -> None:
                    "--num-speculative-tokens guesses (default 4), each accepted with "
                    "chance P after the ones before it (0: no speculation)")
     add_workload_flags(p, max_model_len=None)
-    # The cache and scheduler options, each replica's KV pool and the data-parallel replicas
-    # (the hardware's memory sizes the pool when --num-kv-blocks is not given).
+    # The cache and scheduler options, each replica's KV pool, the data-parallel replicas and
+    # the devices each spans (the hardware's memory sizes the pool when --num-kv-blocks is not
+    # given).
     add_engine_flags(p, only=("cache", "scheduler"),
-                     extra=("num_kv_blocks", "data_parallel_size"))
+                     extra=("num_kv_blocks", "data_parallel_size", "tensor_parallel_size"))
     p.set_defaults(func=cmd_simulate)
 
 
@@ -91,7 +92,8 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     result.update(summarize(run.results, run.duration, slos))
     result["simulation"] = {
         "hardware": asdict(hw), "pd": args.pd, "prefill_path": args.prefill_path,
-        "data_parallel_size": config.parallel.data_parallel_size, "routing": args.routing,
+        "data_parallel_size": config.parallel.data_parallel_size,
+        "tensor_parallel_size": config.parallel.tensor_parallel_size, "routing": args.routing,
         "num_kv_blocks": config.cache.num_blocks, "scheduler": config.scheduler.as_kwargs(),
         "length_scale": spec.length_scale, "steps": run.steps,
         "busy_seconds": run.busy_seconds,

@@ -62,6 +62,10 @@ class Hardware:
     seq_overhead: float = 0.0  # seconds per scheduled sequence (input building, sampling)
     token_overhead: float = 0.0  # seconds per scheduled token
     context_overhead: float = 0.0  # seconds per cached token a step gathers to attend
+    # A tensor-parallel group's all-reduce (two a layer): seconds a call, and bytes of the
+    # summed tensor a second (0: its size costs nothing more).
+    all_reduce_latency: float = 0.0
+    all_reduce_bandwidth: float = 0.0
     # What serving adds before the runner (`tidal calibrate --serving-url`; that calibration
     # also folds the server's measured step times into the factors and step_overhead).
     request_latency: float = 0.0  # seconds from a request's send to its scheduler
@@ -96,14 +100,20 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     # H100 SXM datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 80 GB. The factors are
     # typical of a CUDA-graph engine (vLLM reaches ~80% of HBM bandwidth in decode).
+    # All-reduce over NVLink: ~10 us a call, ~300 GB/s of the summed tensor (NCCL's
+    # algorithm bandwidth for 2-8 GPUs, roughly).
     "h100": Hardware("h100", 989e12, 3.35e12, 80e9, step_overhead=1.5e-3,
-                     seq_overhead=5e-6),
+                     seq_overhead=5e-6, all_reduce_latency=10e-6, all_reduce_bandwidth=300e9),
     # A 2-core VM's rough roofline (~350 GFLOP/s matmul, ~43 GB/s copy), a starting point
     # only: `tidal calibrate` fits a machine's own profile (the shipped cpu-smollm2-135m.json
     # was fitted on a 2-core AVX2 AMD EPYC, float32: docs/simulator.md).
-    "cpu": Hardware("cpu", 350e9, 43e9, 24e9),
+    # Its all-reduce: tidal's shared-memory sum between two ranks, measured on a 2-core
+    # AMD EPYC: 6 us a call, ~0.9 GB/s of a 2 MB tensor.
+    "cpu": Hardware("cpu", 350e9, 43e9, 24e9, all_reduce_latency=6e-6,
+                    all_reduce_bandwidth=0.9e9),
     # H200: the same compute with 4.8 TB/s and 141 GB.
-    "h200": Hardware("h200", 989e12, 4.8e12, 141e9, step_overhead=1.5e-3, seq_overhead=5e-6),
+    "h200": Hardware("h200", 989e12, 4.8e12, 141e9, step_overhead=1.5e-3, seq_overhead=5e-6,
+                     all_reduce_latency=10e-6, all_reduce_bandwidth=300e9),
 }
 
 CALIBRATED_DIR = Path(__file__).resolve().parent / "calibrated"
@@ -127,13 +137,14 @@ def hardware(name: str) -> Hardware:
 
 
 def kv_blocks_for(arch: ModelArch, hw: Hardware, block_size: int) -> int:
-    """KV blocks that fit beside the weights in the usable memory, as the runner sizes it."""
+    """KV blocks that fit beside the weights in the usable memory, as the runner sizes it
+    (`arch`: what one device holds, a tensor-parallel rank's shapes)."""
     weights = weight_params(arch) * (hw.weight_bytes or hw.dtype_bytes)
     free = hw.memory_bytes * hw.memory_utilization - weights
     blocks = int(free // (arch.kv_bytes_per_token(hw.dtype_bytes) * block_size))
     if blocks < 1:
-        raise ValueError(f"{hw.name}: the model's {weights / 1e9:.1f} GB of weights leave no "
-                         f"room for a KV cache")
+        raise ValueError(f"{hw.name}: the {weights / 1e9:.1f} GB of weights a device holds "
+                         f"leave no room for a KV cache")
     return blocks
 
 
