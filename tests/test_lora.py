@@ -126,6 +126,35 @@ def test_adapters_mixed_in_one_batch_equal_their_merged_models(setup, cpu_decode
     assert llm.engine.scheduler.prefix_hit_tokens > hits
 
 
+@pytest.mark.parametrize("cpu_decoder", [True, False])
+def test_adapters_on_two_tensor_parallel_ranks_equal_their_merged_models(setup, cpu_decoder):
+    """Each rank holds its share of every adapter, cut as its base layers are (B's rows of
+    q/k/v and gate/up; A's columns of o and down, whose deltas join the partial sums): the
+    merged models' tokens and logprobs with adapters mixed in one batch, one of them loaded
+    on first use; an adapter that does not fit is refused by rank 0, as in one process,
+    and the ranks serve on."""
+    from tidal import LoRARequest
+
+    base, folders, refs = setup
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=96, block_size=4, max_loras=3,
+              tensor_parallel_size=2, num_threads=1, cpu_decoder=cpu_decoder,
+              lora_modules=[f"{n}={folders[n]}" for n in ("qv4", "all8")])
+    try:
+        assert llm.engine.executor.info.decoder == cpu_decoder
+        jobs = [(name, i) for i in range(3) for name in [None, "qv4", "all8"]]
+        assert run(llm, jobs) == [refs[name][i] for name, i in jobs]
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params,
+                            use_tqdm=False,
+                            lora_request=LoRARequest("mlp16", 3, str(folders["mlp16"])))
+        assert [o.outputs[0].token_ids for o in outs] == refs["mlp16"][:2]
+        with pytest.raises(LoRAError, match="already loaded"):
+            llm.engine.executor.register_adapter("qv4", str(folders["qv4"]))
+        assert run(llm, [("all8", 4)]) == [refs["all8"][4]]
+    finally:
+        llm.close()
+
+
 class ScriptedProposer:
     """Guesses the merged models' greedy continuation of a sequence (the first adapter's
     whose tokens so far agree), its second guess wrong at every other position: accepted

@@ -93,8 +93,6 @@ def test_sizes_and_options_that_do_not_split_are_refused_naming_the_flag(folders
     moe = small_folder(tmp_path, "moe", "mixtral", num_local_experts=4, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="--tensor-parallel-size 2: mixture-of-experts"):
         LLM(str(moe), tensor_parallel_size=2, num_kv_blocks=16)
-    with pytest.raises(ValueError, match="--tensor-parallel-size 2: LoRA"):
-        LLM(str(folders["llama"]), tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="--tensor-parallel-size 2: .* --quantization int8"):
         LLM(str(folders["llama"]), tensor_parallel_size=2, quantization="int8")
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):

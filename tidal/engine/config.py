@@ -346,9 +346,6 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras={cpu_loras} is under max_loras="
                              f"{self.scheduler.max_loras}: a step's adapters must all be loaded")
         tp = self.parallel.tensor_parallel_size
-        if tp > 1 and self.lora.enable_lora:
-            raise ValueError(f"--tensor-parallel-size {tp}: LoRA adapters do not split across "
-                             f"ranks yet; serve them with --tensor-parallel-size 1")
         if tp > 1 and self.model.device not in ("auto", "cpu"):
             raise ValueError(f"--tensor-parallel-size {tp}: ranks run on CPU for now "
                              f"(--device cpu)")

@@ -14,6 +14,7 @@ import torch
 from tidal.engine.config import LoRAConfig
 from tidal.model.lora import LoRAAdapter, LoRAError, load_adapter
 from tidal.model.lora_slots import SlotPool
+from tidal.model.tensor_parallel import Shard
 
 log = logging.getLogger("tidal.engine")
 
@@ -22,8 +23,10 @@ class LoRAManager:
     """Adapters by name for one model runner."""
 
     def __init__(self, config: LoRAConfig, max_loras: int, arch, model, dtype, device,
-                 kernel=None, decoder=None) -> None:
-        self.arch, self.max_rank = arch, config.max_lora_rank
+                 kernel=None, decoder=None, shard: Shard | None = None) -> None:
+        """`shard`: this runner is a tensor-parallel rank (`arch` its shapes): each adapter
+        is checked against the whole model and cut as its base layers are."""
+        self.arch, self.max_rank, self.shard = arch, config.max_lora_rank, shard
         modules = config.modules
         self.capacity = config.max_cpu_loras or max(max_loras, len(modules))
         if config.lora_dtype != "auto":
@@ -42,7 +45,7 @@ class LoRAManager:
         this model, or `name` is taken)."""
         if name in self.paths:
             raise LoRAError(f"LoRA adapter {name!r} is already loaded")
-        adapter = load_adapter(name, path, self.arch, self.max_rank)
+        adapter = self._read(name, path)
         self.paths[name] = adapter.path
         self._keep(adapter, ())
         log.info("LoRA adapter %r loaded from %s (rank %d, %.1f MiB)", name, adapter.path,
@@ -91,8 +94,18 @@ class LoRAManager:
             return adapter
         if name not in self.paths:
             raise LoRAError(f"LoRA adapter {name!r} was unloaded")
-        adapter = load_adapter(name, self.paths[name], self.arch, self.max_rank)
+        adapter = self._read(name, self.paths[name])
         self._keep(adapter, in_use)
+        return adapter
+
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        """The adapter in `path`, checked against the model (and cut to this rank's share)."""
+        if self.shard is None:
+            return load_adapter(name, path, self.arch, self.max_rank)
+        adapter = load_adapter(name, path, self.shard.arch, self.max_rank)
+        adapter.weights = {key: [(part, *self.shard.take_lora(key[1], part, a, b))
+                                 for part, a, b in pieces]
+                           for key, pieces in adapter.weights.items()}
         return adapter
 
     def _keep(self, adapter: LoRAAdapter, in_use: Iterable[str]) -> None:

@@ -87,17 +87,28 @@ class TensorParallelExecutor:
 
     def _call_each(self, method: str, args: list[tuple]) -> list:
         """`method(*args[r])` on each rank r's worker; every rank's result, by rank."""
-        for rank, conn in enumerate(self.conns, 1):
-            try:
-                conn.send((method, args[rank]))
-            except OSError:  # a rank that died: the group cannot compute any more
-                raise RankFailed(f"tensor-parallel rank {rank}: the process is gone") from None
+        self._send(method, args[1:])
         failure, result = None, None
         try:
             result = getattr(self.worker, method)(*args[0])
         except Exception as exc:
             failure = f"rank 0: {type(exc).__name__}: {exc}"
         return [result, *self._replies(failure)]
+
+    def _checked(self, method: str, *args) -> None:
+        """`method(*args)` on rank 0 first, so what it refuses (an adapter that does not fit
+        the model) fails this call alone, as in one process; then on the others."""
+        getattr(self.worker, method)(*args)
+        self._send(method, [args] * len(self.conns))
+        self._replies()
+
+    def _send(self, method: str, args: list[tuple]) -> None:
+        """The call to ranks 1.., `args[r - 1]` to rank r."""
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                conn.send((method, args[rank - 1]))
+            except OSError:  # a rank that died: the group cannot compute any more
+                raise RankFailed(f"tensor-parallel rank {rank}: the process is gone") from None
 
     def _replies(self, failure: str | None = None, patient: bool = False) -> list:
         """Every other rank's result, waiting at most the collectives' timeout and a margin
@@ -159,16 +170,18 @@ class TensorParallelExecutor:
         self._call("touch_kv_cache", block_ids)
 
     def adapters(self) -> dict[str, str] | None:
-        return None  # LoRA is refused with tensor parallelism (EngineConfig)
+        return self.worker.adapters()
 
+    # Each rank holds its share of every adapter (tidal.engine.lora_manager), read from the
+    # same path (on its own machine, across nodes).
     def register_adapter(self, name: str, path: str) -> None:
-        raise ValueError("LoRA adapters do not split across tensor-parallel ranks yet")
+        self._checked("register_adapter", name, path)
 
     def unregister_adapter(self, name: str) -> None:
-        raise ValueError("LoRA adapters do not split across tensor-parallel ranks yet")
+        self._checked("unregister_adapter", name)
 
     def load_adapter(self, name: str) -> None:
-        raise ValueError("LoRA adapters do not split across tensor-parallel ranks yet")
+        self._checked("load_adapter", name)
 
     def close(self) -> None:
         """Stop the other ranks (and leave the group)."""

@@ -27,7 +27,7 @@ from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel
                                  paged_prefill_kernel)
 from tidal.model.pooling import Pooling
 from tidal.model.sampler import on_device
-from tidal.model.tensor_parallel import TPGroup
+from tidal.model.tensor_parallel import Shard, TPGroup
 from tidal.spec.factory import make_guesser
 
 log = logging.getLogger("tidal.engine")
@@ -96,7 +96,8 @@ class Worker:
                                               quantization, backend, ext, tp)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
             lora, sched.max_loras, arch, self.model, self.dtype, device,
-            lora_kernel() if on_gpu else cpp.lora_add if cpp else None, decoder)
+            lora_kernel() if on_gpu else cpp.lora_add if cpp else None, decoder,
+            None if tp is None else Shard(tp.rank, tp.size, whole))
         method = speculative.speculative_method if speculative is not None else None
         guesses = sched.num_speculative_tokens if method else 0
         guesser = make_guesser(speculative, guesses, Path(folder), config, device,

@@ -22,6 +22,7 @@ from torch import nn
 
 from tidal.model.lora import PROJECTIONS, LoRAAdapter, projection_shapes
 from tidal.model.mlp import _each_expert
+from tidal.model.tensor_parallel import RowParallel
 
 
 class LoRABatch:
@@ -123,6 +124,9 @@ class SlotPool:
                     continue  # a layer of routed experts: adapters touch its attention only
                 k, outs = shapes[proj]
                 w = SlotWeights(num_slots, k, max_rank, outs, dtype, device)
+                base = getattr(owner, attr)
+                if isinstance(base, RowParallel):  # a rank's delta joins its partial sum
+                    owner, attr = base, "linear"
                 setattr(owner, attr, LoRAProjection(getattr(owner, attr), w, self.batch, kernel))
                 weights[proj] = w
             self.layers.append(weights)

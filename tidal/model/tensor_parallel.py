@@ -119,6 +119,10 @@ def interface_towards(host: str) -> str:
 # tensor's parts (Phi-3 stores q/k/v and gate/up fused), each split alike.
 _ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 _COLUMN_SPLIT = ("o_proj", "down_proj")  # by input columns (row-parallel), then summed
+# A LoRA adapter's (projection, part) -> the checkpoint module it adapts
+_LORA_MODULES = {("qkv", 0): "q_proj", ("qkv", 1): "k_proj", ("qkv", 2): "v_proj",
+                 ("o", 0): "o_proj", ("gate_up", 0): "gate_proj", ("gate_up", 1): "up_proj",
+                 ("down", 0): "down_proj"}
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,16 @@ class Shard:
         if len(pieces) == 1:
             return pieces[0]
         return torch.cat(pieces) if isinstance(t, torch.Tensor) else np.concatenate(pieces)
+
+    def take_lora(self, proj: str, part: int, a, b) -> tuple:
+        """This rank's share of a LoRA adapter's piece (A [r, in], B [out, r]) for part `part`
+        of projection `proj` (tidal.model.lora's names): B's rows where the projection's
+        rows are split, A's columns where its columns are (the rank's delta then joins its
+        partial sum before the all-reduce)."""
+        name = _LORA_MODULES[proj, part] + ".weight"
+        if proj in ("o", "down"):
+            return self.take(name, a), b
+        return a, self.take(name, b)
 
     def take_matrix(self, name: str, data: np.ndarray, shape: tuple[int, int],
                     unit: int) -> tuple[np.ndarray, tuple[int, int]]:
