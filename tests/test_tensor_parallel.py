@@ -64,6 +64,27 @@ def test_two_ranks_give_one_process_tokens_and_logprobs(folders, family, sampled
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
+def test_ranks_placed_as_ray_actors_give_one_processs_tokens(folders):
+    """--distributed-executor-backend ray: rank 1 is an actor of a Ray cluster (a local one
+    here), meeting rank 0 at this node's address; the same tokens and logprobs."""
+    pytest.importorskip("ray")
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    one = run(folders["llama"], 1, params)
+    llm = LLM(str(folders["llama"]), tensor_parallel_size=2, num_kv_blocks=64, num_threads=1,
+              dtype="float32", distributed_executor_backend="ray")
+    try:
+        (rank,) = llm.engine.executor.procs
+        assert type(rank).__name__ == "_RayRank" and rank.poll() is None
+        two = [r.outputs[0] for r in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params)]
+    finally:
+        llm.close()
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    for a, b in zip(one, two):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < LOGPROB_BOUND
+
+
 def test_two_ranks_speculate_the_same_tokens(folders):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = run(folders["llama"], 1, params)

@@ -99,6 +99,7 @@ def _serve_pd(args: argparse.Namespace, server) -> None:
 
     import uvicorn
 
+    from tidal.cluster.launch import free_port
     from tidal.model.registry import resolve_model
     from tidal.server.limits import uvicorn_limits
     from tidal.server.pd_router import PDRouter, build_router_app
@@ -108,7 +109,7 @@ def _serve_pd(args: argparse.Namespace, server) -> None:
     children, urls = [], {"prefill": [], "decode": []}
     for role, count in zip(("prefill", "decode"), server.pd_counts):
         for _ in range(count):
-            port = _free_port()
+            port = free_port()
             children.append(subprocess.Popen([sys.executable, "-m", "tidal.cli", *passed,
                                               "--role", role, "--port", str(port)]))
             urls[role].append(f"http://127.0.0.1:{port}")
@@ -140,14 +141,6 @@ def _strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
         elif not arg.startswith(tuple(f + "=" for f in flags)):
             out.append(arg)
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cmd_router(args: argparse.Namespace) -> None:

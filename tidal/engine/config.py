@@ -157,6 +157,10 @@ class ParallelConfig:
                                       "collective for the others before it fails the step "
                                       "(a rank that died or hangs), so the core restarts "
                                       "instead of hanging.")
+    distributed_executor_backend: str = knob(
+        "mp", "How an engine core's tensor-parallel ranks start: 'mp' (processes on this "
+        "machine, and with --nnodes those `tidal serve --headless` starts on the others) or "
+        "'ray' (actors placed by a Ray cluster: RAY_ADDRESS's, or a local one).")
     nnodes: int = knob(1, "Machines an engine core's tensor-parallel ranks span, "
                        "tensor_parallel_size / nnodes on each: node 0 serves the API, the "
                        "others run `tidal serve --headless --node-rank R` with the same flags.")
@@ -195,6 +199,12 @@ class ParallelConfig:
         if self.nnodes > 1 and self.data_parallel_size > 1:
             raise ValueError("--nnodes spans one engine core's tensor-parallel ranks; "
                              "--data-parallel-size must be 1")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray; got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError("--distributed-executor-backend ray places the ranks on the Ray "
+                             "cluster's nodes itself: leave --nnodes at 1")
         if not 0 < self.master_port < 65535:
             raise ValueError(f"master_port must be in 1..65534; got {self.master_port}")
 

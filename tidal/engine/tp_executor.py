@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from tidal.cluster.launch import free_port
 from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import ExecutorDead
@@ -55,23 +56,29 @@ class TensorParallelExecutor:
         self.kv_heads = arch.num_kv_heads
         self.timeout = timeout = parallel.distributed_timeout
         self._store = tempfile.mkdtemp(prefix="tidal-tp-")
+        ray = parallel.distributed_executor_backend == "ray"
         if parallel.nnodes > 1:  # rank 0's TCP store, and its socket on node 0's address
             init = f"tcp://{parallel.master_addr}:{parallel.master_port + 1}"
             address, authkey = (parallel.master_addr, parallel.master_port), node_key(parallel)
+        elif ray:  # the actors may land on any node: this node's address
+            host = _ray_node_address()
+            init = f"tcp://{host}:{free_port(host)}"
+            address, authkey = (host, 0), secrets.token_bytes(16)
         else:  # the ranks share this machine: a file store, no port to pick
             init = "file://" + os.path.join(self._store, "store")
             address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
         self.conns, self.procs, self.group = [], [], None
         with Listener(address, authkey=authkey) as listener:
             try:
-                # Plain child processes: an engine core is a daemonic process, which
-                # multiprocessing forbids children of its own.
-                for _ in range(1, parallel.local_ranks):
-                    self.procs.append(_start_rank(listener.address, authkey))
+                # Plain child processes (an engine core is a daemonic process, which
+                # multiprocessing forbids children of its own), or Ray actors.
+                for _ in range(1, size if ray else parallel.local_ranks):
+                    self.procs.append(_RayRank(listener.address, authkey) if ray
+                                      else _start_rank(listener.address, authkey))
                 self.conns = _accept(listener, self.procs, size - 1)
                 for rank, conn in enumerate(self.conns, 1):
                     conn.send((rank, size, init, config, str(folder)))
-                self.group = TPGroup.join(0, size, init, timeout, parallel.local_ranks)
+                self.group = TPGroup.join(0, size, init, timeout)
                 self.worker = Worker.from_config(config, folder, tp=self.group)
                 self._replies(patient=True)  # a load takes what it takes; a crash closes the pipe
             except BaseException:
@@ -210,6 +217,45 @@ def node_key(parallel) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
+class _RayRank:
+    """A rank as a Ray actor, behind the part of Popen's interface the executor uses."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
+        import ray
+
+        self._ray = ray
+        self._actor = ray.remote(num_cpus=1)(_RankActor).remote()
+        self._run = self._actor.run.remote(*address, authkey)
+
+    def poll(self) -> int | None:
+        done, _ = self._ray.wait([self._run], timeout=0)
+        return 0 if done else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        done, _ = self._ray.wait([self._run], timeout=timeout)
+        if not done:
+            raise subprocess.TimeoutExpired("tensor-parallel rank actor", timeout)
+
+    def kill(self) -> None:
+        self._ray.kill(self._actor, no_restart=True)
+
+
+class _RankActor:
+    """The Ray actor: `run` is a rank's process main."""
+
+    def run(self, host: str, port: int, authkey: bytes) -> None:
+        rank_main(host, port, authkey)
+
+
+def _ray_node_address() -> str:
+    """This node's address in the Ray cluster (RAY_ADDRESS's, or a local one started now)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(ignore_reinit_error=True, include_dashboard=False, configure_logging=False)
+    return ray.util.get_node_ip_address()
+
+
 _RESULTS = ("read_blocks",)  # the calls whose every rank's result rank 0 reads
 
 
@@ -286,8 +332,7 @@ def rank_main(host: str, port: int, authkey: bytes, folder: str | None = None,
         rank, size, init, config, rank0_folder = conn.recv()
         logging.basicConfig(level=logging.WARNING,
                             format=f"%(asctime)s tp-rank-{rank} %(name)s: %(message)s")
-        group = TPGroup.join(rank, size, init, config.parallel.distributed_timeout,
-                             config.parallel.local_ranks)
+        group = TPGroup.join(rank, size, init, config.parallel.distributed_timeout)
         worker = Worker.from_config(config, folder or rank0_folder, tp=group)
         conn.send((None, None))
     except Exception as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -36,21 +37,21 @@ class TPGroup:
         self.local = size if local is None else local
 
     @classmethod
-    def join(cls, rank: int, size: int, init_method: str, timeout_s: float,
-             local: int | None = None) -> "TPGroup":
+    def join(cls, rank: int, size: int, init_method: str, timeout_s: float) -> "TPGroup":
         """Join the group of ranks that meet at `init_method` (a file store none of them has
         used, `file://PATH`, where all share this machine; else rank 0's TCP store,
-        `tcp://ADDR:PORT`, with `local` ranks on each machine); a collective that waits
-        longer than `timeout_s` (a rank died or hangs) raises instead of hanging."""
-        local = size if local is None else local
-        if init_method.startswith("tcp://") and local < size:
+        `tcp://ADDR:PORT`); a collective that waits longer than `timeout_s` (a rank died or
+        hangs) raises instead of hanging."""
+        if init_method.startswith("tcp://"):
             # gloo's own pick is the address of the host's name, which may route nowhere
             # near the other machines: the interface that reaches rank 0's instead
             host = init_method.removeprefix("tcp://").rsplit(":", 1)[0]
             os.environ["GLOO_SOCKET_IFNAME"] = interface_towards(host)
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=size, timeout=timedelta(seconds=timeout_s))
-        shm = None
+        machines = [None] * size
+        dist.all_gather_object(machines, machine_id())
+        local, shm = machines.count(machines[rank]), None
         if local == size > 1 and shm_all_reduce.supported():
             shm = ShmAllReduce(rank, size, timeout_s) if rank == 0 else None
             name = [shm.name if shm else None]
@@ -94,6 +95,18 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.linear(x))
+
+
+def machine_id() -> str:
+    """What ranks that may share memory have in common: the kernel they run on (its boot
+    id) and their network namespace (the tests' nodes are namespaces of one kernel)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.readlink('/proc/self/ns/net')}"
+    except OSError:
+        import socket
+
+        return socket.gethostname()
 
 
 def interface_towards(host: str) -> str:
