@@ -297,16 +297,16 @@ def _accept(listener: Listener, procs: list[subprocess.Popen],
                             "--tensor-parallel-size or --master-* flags was refused")
     accepting = threading.Thread(target=accept, daemon=True)
     accepting.start()
-    waited = 0.0
+    say_at = time.monotonic() + 30
     while accepting.is_alive():
         accepting.join(0.2)
-        waited += 0.2
         if any(p.poll() is not None for p in procs):
             raise RankFailed(f"tensor-parallel ranks: {len(conns)} of {count} connected "
                              f"before a rank's process exited")
-        if count > len(procs) and waited % 30 < 0.2:  # other machines' ranks: say so
+        if count > len(procs) and time.monotonic() > say_at:  # other machines' ranks
             log.info("tensor parallel: %d of %d ranks connected; waiting for the other "
                      "nodes' (tidal serve --headless)", len(conns), count)
+            say_at += 30
     return conns
 
 
@@ -314,8 +314,8 @@ def rank_main(host: str, port: int, authkey: bytes, folder: str | None = None,
               patient: bool = False) -> None:
     """A rank's process: take its place from rank 0, build its worker, then make each call
     rank 0 sends until told to stop (None) or rank 0 is gone; reply (None, the result), or
-    (what went wrong, None). `folder`: this machine's copy of the model (else rank 0's path); `patient`:
-    retry until rank 0 listens."""
+    (what went wrong, None). `folder`: this machine's copy of the model (else rank 0's
+    path); `patient`: retry until rank 0 listens."""
     while True:
         try:
             conn = Client((host, port), authkey=authkey)
