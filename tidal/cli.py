@@ -99,7 +99,7 @@ def _serve_pd(args: argparse.Namespace, server) -> None:
 
     import uvicorn
 
-    from tidal.cluster.launch import free_port
+    from tidal.model.hosts import free_port
     from tidal.model.registry import resolve_model
     from tidal.server.limits import uvicorn_limits
     from tidal.server.pd_router import PDRouter, build_router_app

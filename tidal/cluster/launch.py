@@ -125,15 +125,6 @@ def frontend_host(backend: str) -> str | None:
     return ray.util.get_node_ip_address()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (another process may take it before it is bound)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def parse_pd(text: str) -> tuple[int, int]:
     """A P/D topology, "xPyD" (x prefill and y decode instances, each at least 1), as (x, y);
     ValueError otherwise."""

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from tidal.cluster.launch import free_port
 from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import ExecutorDead
 from tidal.engine.worker import Worker
 from tidal.model.config import ModelArch, check_shardable
+from tidal.model.hosts import free_port
 from tidal.model.tensor_parallel import TPGroup
 
 log = logging.getLogger("tidal.engine")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 from tidal.model import shm_all_reduce
 from tidal.model.config import TP_FLAG as FLAG
 from tidal.model.config import ModelArch
+from tidal.model.hosts import interface_towards, machine_id
 from tidal.model.shm_all_reduce import ShmAllReduce
 
 
@@ -95,37 +95,6 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.linear(x))
-
-
-def machine_id() -> str:
-    """What ranks that may share memory have in common: the kernel they run on (its boot
-    id) and their network namespace (the tests' nodes are namespaces of one kernel)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}:{os.readlink('/proc/self/ns/net')}"
-    except OSError:
-        import socket
-
-        return socket.gethostname()
-
-
-def interface_towards(host: str) -> str:
-    """The name of this machine's network interface whose address reaches `host`."""
-    import fcntl
-    import socket
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))  # no packet is sent: the kernel only picks a route
-        mine = probe.getsockname()[0]
-        for _, name in socket.if_nameindex():
-            try:  # SIOCGIFADDR: the interface's IPv4 address
-                raw = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue
-            if socket.inet_ntoa(raw[20:24]) == mine:
-                return name
-    raise ValueError(f"no network interface of this machine reaches {host}")
 
 
 # Projections split by output rows (column-parallel): one part, or a fused checkpoint
