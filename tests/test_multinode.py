@@ -2,7 +2,8 @@
 for two nodes. Node 0 (`tidal serve --nnodes 2 --master-addr ...`) serves the API and holds
 rank 0; node 1 (`tidal serve --headless --node-rank 1`) holds rank 1 in the other namespace.
 The served model answers as one process does; a rank killed on node 1 fails its step, node
-0's engine core restarts and node 1's rank starts again, and the model answers again; a
+0's engine core restarts and node 1's rank starts again, and the model answers again; node
+1 stopped takes its rank with it; a
 node started with other flags is refused by name; flags that cannot span nodes are refused
 before anything loads."""
 
@@ -143,6 +144,10 @@ def test_two_nodes_serve_one_processs_tokens_and_survive_a_lost_rank(netns, fold
             time.sleep(1)
         assert node1.ranks() and node1.ranks() != [rank]
         assert "restarting it" in server.output()
+        ranks = node1.ranks()
+        node1.proc.send_signal(signal.SIGTERM)  # a stopped node takes its ranks with it
+        node1.proc.wait(30)
+        assert not [r for r in ranks if os.path.exists(f"/proc/{r}")]
     finally:
         if server is not None:
             server.stop()

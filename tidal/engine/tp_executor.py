@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import secrets
+import signal
 import shutil
 import subprocess
 import sys
@@ -361,6 +362,8 @@ def serve_node(parallel, folder: str | Path) -> None:
     address = (parallel.master_addr, parallel.master_port)
     log.info("node %d of %d: %d tensor-parallel ranks for %s:%d", parallel.node_rank,
              parallel.nnodes, parallel.local_ranks, *address)
+    # stopped (SIGTERM, as a service manager stops it): its ranks go with it, not on
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     procs: list[subprocess.Popen] = []
     try:
         while True:
@@ -368,11 +371,13 @@ def serve_node(parallel, folder: str | Path) -> None:
                      for _ in range(parallel.local_ranks)]
             for proc in procs:
                 proc.wait()
-            log.info("node %d: the group ended; its ranks start again", parallel.node_rank)
+            log.info("node %d: the group ended (rank exit codes %s); its ranks start again",
+                     parallel.node_rank, [p.returncode for p in procs])
             time.sleep(1)  # a group that ends at once is not restarted in a tight loop
     finally:
         for proc in procs:
             proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":  # a rank: `python -m tidal.engine.tp_executor HOST PORT
