@@ -133,15 +133,30 @@ def test_kv_moves_between_instances_of_other_tensor_parallel_sizes(folder, prefi
     """A split instance sends its blocks as one process holds them (each rank's KV heads
     side by side) and takes them so: greedy through the pair equals a mixed engine's, and
     the decode side's blocks read back the bytes that landed."""
+    moved(folder, PROMPTS, prefill_tp, decode_tp, kv_heads=2)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_a_kv_head_replicated_on_the_ranks_moves_once(tmp_path, prefill_tp, decode_tp):
+    """One KV head for two ranks: each holds it whole; a split prefill side sends it once,
+    and a split decode side gives it to both of its ranks."""
+    from model_fixtures import small_folder
+
+    mqa = small_folder(tmp_path, "mqa", "llama", num_key_value_heads=1)
+    prompts = [[p % 250 + 3 for p in prompt] for prompt in PROMPTS]
+    moved(mqa, prompts, prefill_tp, decode_tp, kv_heads=1)
+
+
+def moved(folder, prompts, prefill_tp: int, decode_tp: int, kv_heads: int) -> None:
     pair = Pair(folder, tensor_parallel_size=prefill_tp,
                 decode_kwargs=dict(tensor_parallel_size=decode_tp))
     try:
-        for i, p in enumerate(PROMPTS):
+        for i, p in enumerate(prompts):
             pair.add(f"r{i}", p)
         pair.run()
-        assert [pair.tokens[f"r{i}"] for i in range(3)] == mixed_greedy(folder, PROMPTS)
+        assert [pair.tokens[f"r{i}"] for i in range(3)] == mixed_greedy(folder, prompts)
         for msg in pair.sent:
-            assert msg.shape[4] == 2  # the model's two KV heads, whichever side is split
+            assert msg.shape[4] == kv_heads  # the model's KV heads, whichever side is split
             assert pair.landed[msg.request_id] == msg.data == pair.source[msg.request_id]
     finally:
         pair.close()
