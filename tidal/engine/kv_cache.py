@@ -51,6 +51,16 @@ def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torc
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
+def kv_message(kv: torch.Tensor) -> tuple[bytes, list[int], str]:
+    """KV blocks as they travel between instances: bytes, shape and dtype."""
+    return kv.cpu().view(torch.uint8).numpy().tobytes(), list(kv.shape), str(kv.dtype)
+
+
+def kv_tensor(data: bytes, shape: list[int], dtype: str) -> torch.Tensor:
+    """KV blocks from `kv_message`'s bytes, shape and dtype."""
+    kind = getattr(torch, dtype.removeprefix("torch."))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).view(shape)
+
 class KVCache:
     """The K and V tensors of every layer, `num_blocks` blocks of `block_size` positions
     plus the null block."""
@@ -105,7 +115,7 @@ class KVCache:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         kv = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
                           for k, v in self.layers]).cpu()
-        return kv.view(torch.uint8).numpy().tobytes(), list(kv.shape), str(self.dtype)
+        return kv_message(kv)
 
     def check_fits(self, shape: list[int], dtype: str, count: int,
                    kv_heads: int | None = None) -> None:
@@ -124,7 +134,7 @@ class KVCache:
                      dtype: str) -> None:
         """Write KV read by another instance's `read_blocks` into these blocks."""
         self.check_fits(shape, dtype, len(block_ids))
-        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(shape)
+        kv = kv_tensor(data, shape, dtype)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for (k, v), layer in zip(self.layers, kv.to(self.device)):
             k.index_copy_(0, idx, layer[0])

@@ -30,6 +30,7 @@ import torch
 from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import ExecutorDead
+from tidal.engine.kv_cache import kv_message, kv_tensor
 from tidal.engine.worker import Worker
 from tidal.model.config import ModelArch, check_shardable
 from tidal.model.hosts import free_port
@@ -56,7 +57,7 @@ class TensorParallelExecutor:
         check_shardable(arch, size)  # before any process starts
         self.kv_heads = arch.num_kv_heads
         self.timeout = timeout = parallel.distributed_timeout
-        self._store = tempfile.mkdtemp(prefix="tidal-tp-")
+        self._store = None  # the file store's folder, where the ranks share this machine
         ray = parallel.distributed_executor_backend == "ray"
         if parallel.nnodes > 1:  # rank 0's TCP store, and its socket on node 0's address
             init = f"tcp://{parallel.master_addr}:{parallel.master_port + 1}"
@@ -66,6 +67,7 @@ class TensorParallelExecutor:
             init = f"tcp://{host}:{free_port(host)}"
             address, authkey = (host, 0), secrets.token_bytes(16)
         else:  # the ranks share this machine: a file store, no port to pick
+            self._store = tempfile.mkdtemp(prefix="tidal-tp-")
             init = "file://" + os.path.join(self._store, "store")
             address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
         self.conns, self.procs, self.group = [], [], None
@@ -154,19 +156,17 @@ class TensorParallelExecutor:
         parts = self._call_each("read_blocks", [(block_ids,)] * self.size)
         heads = {}
         for rank, (data, shape, dtype) in enumerate(parts):
-            heads.setdefault(self._kv_heads_of(rank)[0], _kv_tensor(data, shape, dtype))
-        kv = torch.cat([heads[first] for first in sorted(heads)], dim=4)
-        return kv.view(torch.uint8).numpy().tobytes(), list(kv.shape), parts[0][2]
+            heads.setdefault(self._kv_heads_of(rank)[0], kv_tensor(data, shape, dtype))
+        return kv_message(torch.cat([heads[first] for first in sorted(heads)], dim=4))
 
     def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
                      dtype: str) -> None:
         """KV as one process holds it (`read_blocks`) into these blocks: each rank its heads."""
         self.worker.kv.check_fits(shape, dtype, len(block_ids), self.kv_heads)
-        kv, args = _kv_tensor(data, shape, dtype), []
+        kv, args = kv_tensor(data, shape, dtype), []
         for rank in range(self.size):
-            part = kv.narrow(4, *self._kv_heads_of(rank)).contiguous()
-            args.append((block_ids, part.view(torch.uint8).numpy().tobytes(), list(part.shape),
-                         dtype))
+            args.append((block_ids, *kv_message(kv.narrow(4, *self._kv_heads_of(rank))
+                                                .contiguous())))
         self._call_each("write_blocks", args)
 
     def _kv_heads_of(self, rank: int) -> tuple[int, int]:
@@ -206,7 +206,8 @@ class TensorParallelExecutor:
                 proc.wait()
         self.conns, self.procs = [], []
         (self.group or TPGroup(0, 1)).close()  # this process may start another group later
-        shutil.rmtree(self._store, ignore_errors=True)
+        if self._store is not None:
+            shutil.rmtree(self._store, ignore_errors=True)
 
 
 def node_key(parallel) -> bytes:
@@ -258,12 +259,6 @@ def _ray_node_address() -> str:
 
 
 _RESULTS = ("read_blocks",)  # the calls whose every rank's result rank 0 reads
-
-
-def _kv_tensor(data: bytes, shape: list[int], dtype: str) -> torch.Tensor:
-    """KV blocks as read_blocks sends them, as a tensor."""
-    kind = getattr(torch, dtype.removeprefix("torch."))
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).view(shape)
 
 
 def _start_rank(address: tuple[str, int], authkey: bytes, folder: str | None = None,

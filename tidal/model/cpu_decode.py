@@ -69,9 +69,8 @@ def build_decoder(model: nn.Module, all_reduce=None):
                    else ext.Linear(0, model.embed_tokens.weight, None)]
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        projections += [_linear(ext, p.linear if split and p in (a.o_proj, m.down_proj)
-                                else p)
-                        for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+        o, down = (a.o_proj.linear, m.down_proj.linear) if split else (a.o_proj, m.down_proj)
+        projections += [_linear(ext, p) for p in (a.qkv_proj, o, m.gate_up_proj, down)]
     if any(p is None for p in projections):
         return None
     embed = model.embed_tokens
