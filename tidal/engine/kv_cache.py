@@ -114,7 +114,7 @@ class KVCache:
         what a prefill instance sends its decode instance."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         kv = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
-                          for k, v in self.layers]).cpu()
+                          for k, v in self.layers])
         return kv_message(kv)
 
     def check_fits(self, shape: list[int], dtype: str, count: int,
