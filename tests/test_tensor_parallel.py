@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU ranks over loopback (tidal/model/tensor_parallel.py,
 tidal/engine/tp_executor.py): two ranks give one process's greedy and seeded tokens, and
 its logprobs within float32 rounding, for Llama (GQA), Qwen2 (q/k/v biases) and a model of
-one key/value head (replicated on each rank), with ngram speculation too; so do GGUF,
+one key/value head (replicated on each rank) and a tied head over a vocabulary that does
+not divide, with ngram speculation too; so do GGUF,
 GPTQ and AWQ files in their own formats; a served model answers, and a rank that dies fails its step and the core
 is restarted; sizes and options that do not split are refused at start, naming the flag."""
 
@@ -37,8 +38,10 @@ def folders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     return {"llama": small_folder(tmp, "llama", "llama"),
             "qwen2": small_folder(tmp, "qwen2", "qwen2", seed=1),
-            # one key/value head for four query heads: each rank holds it whole
-            "mqa": small_folder(tmp, "mqa", "llama", seed=2, num_key_value_heads=1)}
+            # one key/value head for four query heads: each rank holds it whole; a tied
+            # head over a vocabulary that two ranks split unevenly (126 + 125 rows)
+            "mqa": small_folder(tmp, "mqa", "llama", seed=2, num_key_value_heads=1,
+                                vocab_size=251, tie_word_embeddings=True)}
 
 
 def run(folder: Path, tp: int, params: SamplingParams, **options):
@@ -182,6 +185,10 @@ def test_a_ggufs_own_formats_split_into_each_ranks_blocks(gguf_files, mix):
             assert isinstance(part, GGUFLinear), path
             assert [w.qtype for w in part.parts] == [w.qtype for w in full.parts]
             assert part.nbytes * 2 == full.nbytes, path
+        model = split.engine.executor.worker.model  # half the vocabulary's rows, in its bits
+        assert model.embed_tokens.inner.num_embeddings == 256 // 2
+        head = whole.engine.runner.model.lm_head
+        assert model.lm_head.head.nbytes * 2 == head.nbytes
     finally:
         whole.close()
         split.close()
@@ -256,7 +263,9 @@ def test_the_shared_memory_sum_is_every_ranks_and_the_same_bits_on_each(mode):
     """Three ranks (threads here) sum tensors larger than a slot, in float32 and bfloat16,
     call after call, through numpy, the C++ extension (the C++ decoder's sum), or each
     rank taking turns between the two: each gets the sum in rank order, bit for bit the
-    same; a rank that never comes makes the others raise within the timeout."""
+    same; gathers of rows larger than a slot between the sums give every rank each rank's
+    rows side by side; a rank that never comes makes the others raise within the
+    timeout."""
     import threading
 
     import torch
@@ -275,12 +284,15 @@ def test_the_shared_memory_sum_is_every_ranks_and_the_same_bits_on_each(mode):
     calls = [[torch.randn(7, 45, generator=gen, dtype=dtype) for _ in range(3)]
              for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16)]
     got = [[None] * 3 for _ in calls]
+    logits = [torch.randn(7, 30, generator=gen) for _ in range(3)]  # 3 rows a slot
+    gathered = [[None] * 3 for _ in calls]
 
     def rank(r: int) -> None:
         for i, parts in enumerate(calls):
             if mode == "mixed":  # numpy and C++ by turns: the call numbers are the segment's
                 ranks[r].native = native[r] if (i + r) % 2 else None
             got[i][r] = ranks[r].all_reduce(parts[r].clone())
+            gathered[i][r] = ranks[r].all_gather(logits[r] + i)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
     for t in threads:
@@ -290,6 +302,9 @@ def test_the_shared_memory_sum_is_every_ranks_and_the_same_bits_on_each(mode):
     for parts, sums in zip(calls, got):
         want = ((parts[0].float() + parts[1].float()) + parts[2].float()).to(parts[0].dtype)
         assert all(torch.equal(s, want) for s in sums)
+    for i, rows in enumerate(gathered):
+        want = torch.cat([part + i for part in logits], dim=1)
+        assert all(torch.equal(g, want) for g in rows)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"ranks? \[?1.* did not reach all-reduce"):
         first.all_reduce(torch.ones(3))

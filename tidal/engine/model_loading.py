@@ -12,14 +12,14 @@ from tidal.engine.config import ModelConfig, effective_quantization
 from tidal.engine.device import pick_dtype
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionBackend
-from tidal.model.config import TP_FLAG, ModelArch, shard_arch
+from tidal.model.config import TP_FLAG, ModelArch
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
                                 default_fp32_rows, replace_linears)
 from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
 from tidal.model.quantized_model import load_gguf_model, load_int4_checkpoint
 from tidal.model.registry import gguf_source
-from tidal.model.tensor_parallel import Shard, TPGroup, row_parallel
+from tidal.model.tensor_parallel import Shard, TPGroup, split_model
 
 
 def pick_model_dtype(folder: str | Path, arch: ModelArch, config: ModelConfig,
@@ -42,7 +42,7 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
     if tp is not None and quantization in ("int8", "int4"):
         raise ValueError(f"{TP_FLAG} {tp.size}: tensor parallelism splits dense weights and "
                          f"a checkpoint's own formats, not --quantization {quantization}")
-    part = arch if shard is None else shard_arch(arch, shard.size)  # the shapes built
+    part = arch if shard is None else shard.part  # the shapes built
     if quantization == "gguf":  # every projection is a CPU layer of the file's formats
         config_json = json.loads((Path(folder) / "config.json").read_text())
         model = load_gguf_model(gguf_source(folder), part, dtype, backend,
@@ -54,7 +54,7 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
                            dummy=config.load_format == "dummy", shard=shard)
         convert_layers(model, config, quantization, dtype, device, ext)
     if tp is not None:
-        row_parallel(model, tp)
+        split_model(model, tp, shard)
         if ext is None or tp.shm is None:  # the decoder sums through the shared segment
             return model, None
         return model, cpu_decode.build_decoder(model, tp.shm.use_extension(ext))

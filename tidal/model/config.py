@@ -366,3 +366,9 @@ def shard_arch(arch: ModelArch, size: int) -> ModelArch:
     return replace(arch, num_heads=arch.num_heads // size,
                    num_kv_heads=max(1, arch.num_kv_heads // size),
                    intermediate_size=arch.intermediate_size // size)
+
+
+def part_arch(arch: ModelArch, size: int) -> ModelArch:
+    """The shapes one rank of `size` builds: shard_arch's, with its rows of the embedding
+    and the LM head (the vocabulary split, rounded up; its logits are gathered whole)."""
+    return replace(shard_arch(arch, size), vocab_size=-(-arch.vocab_size // size))

@@ -18,7 +18,7 @@ from torch import nn
 from tidal.model.cpu_extension import extension
 from tidal.model.gguf_quants import GGUFEmbedding, GGUFLinear
 from tidal.model.linear import Int4Linear, PackedLinear
-from tidal.model.tensor_parallel import RowParallel
+from tidal.model.tensor_parallel import RowParallel, VocabParallelHead
 
 __all__ = ["build_decoder", "extension", "supports"]
 
@@ -46,11 +46,25 @@ def supports(arch) -> bool:
     return not (arch.qk_norm or arch.moe or arch.gemma or arch.hidden_act != "silu")
 
 
+class RankDecoder:
+    """A tensor-parallel rank's C++ decoder: its step returns the logits of the rank's
+    vocabulary rows, which `head` gathers into the whole vocabulary's."""
+
+    def __init__(self, decoder, head: VocabParallelHead) -> None:
+        self.decoder, self.head = decoder, head
+
+    def forward(self, *args) -> torch.Tensor:
+        return self.head.gather(self.decoder.forward(*args))
+
+    def __getattr__(self, name: str):  # set_lora and the rest: the decoder's own
+        return getattr(self.decoder, name)
+
+
 def build_decoder(model: nn.Module, all_reduce=None):
     """A C++ `Decoder` sharing `model`'s weights, or None when this model or build cannot
     use one (an architecture it does not run, not bf16 or float32, int8 projections, or no
-    compiler). A tensor-parallel rank's model (row-parallel o and down) needs `all_reduce`,
-    the extension's ShmReduce of its group."""
+    compiler). A tensor-parallel rank's model (tidal.model.tensor_parallel.split_model)
+    needs `all_reduce`, the extension's ShmReduce of its group, and gets a RankDecoder."""
     arch = model.arch
     split = isinstance(model.layers[0].self_attn.o_proj, RowParallel)
     if split and all_reduce is None:
@@ -64,16 +78,18 @@ def build_decoder(model: nn.Module, all_reduce=None):
     ext = extension()
     if ext is None:
         return None
+    head, embed = model.lm_head, model.embed_tokens
+    if split:  # this rank's rows of the vocabulary
+        head, embed = head.head, embed.inner
     # A tied head the runner did not convert is the embedding, as a plain linear.
-    projections = [_linear(ext, model.lm_head) if model.lm_head is not None
-                   else ext.Linear(0, model.embed_tokens.weight, None)]
+    projections = [_linear(ext, head) if head is not None
+                   else ext.Linear(0, embed.weight, None)]
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
         o, down = (a.o_proj.linear, m.down_proj.linear) if split else (a.o_proj, m.down_proj)
         projections += [_linear(ext, p) for p in (a.qkv_proj, o, m.gate_up_proj, down)]
     if any(p is None for p in projections):
         return None
-    embed = model.embed_tokens
     if isinstance(embed, GGUFEmbedding) and embed.quantized is not None:
         q = embed.quantized
         embed_args = (None, ext.GGUFPart(q.data, int(q.qtype), q.planar, q.rounds))
@@ -83,9 +99,10 @@ def build_decoder(model: nn.Module, all_reduce=None):
                           model.rotary.cos, model.rotary.sin, arch.num_heads,
                           arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
                           arch.rms_norm_eps)
-    if split:
-        decoder.set_all_reduce(all_reduce)
     for i, layer in enumerate(model.layers):
         decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                           *projections[1 + 4 * i:5 + 4 * i], layer.self_attn.window)
-    return decoder
+    if not split:
+        return decoder
+    decoder.set_all_reduce(all_reduce, model.embed_tokens.start)
+    return RankDecoder(decoder, model.lm_head)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tidal.model.attention import AttentionBackend, TorchAttention
-from tidal.model.config import ModelArch, shard_arch
+from tidal.model.config import ModelArch
 from tidal.model.llama import LlamaModel, Rotary
 from tidal.model.registry import dense_weights, gguf_source
 from tidal.model.tensor_parallel import Shard
@@ -60,7 +60,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
     folder = Path(folder)
     arch = ModelArch.from_folder(folder)
     if shard is not None:
-        arch = shard_arch(arch, shard.size)
+        arch = shard.part
     backend = backend or TorchAttention.for_arch(arch)
     if dummy:
         default = torch.get_default_dtype()

@@ -82,6 +82,29 @@ class ShmAllReduce:
                 acc += slots[r, :piece.size]
         return torch.from_numpy(out).view(x.shape).to(x.dtype)
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's float32 [rows, columns] side by side in rank order, [rows, size *
+        columns], through the same slots and call numbers as the sums (pieces of whole
+        rows)."""
+        rows, cols = x.shape
+        if cols > self.slot_floats:
+            raise ValueError(f"a gathered row of {cols} floats exceeds a slot's "
+                             f"{self.slot_floats}")
+        mine = x.numpy()
+        out = np.empty((rows, self.size * cols), np.float32)
+        step = self.slot_floats // cols
+        for start in range(0, max(1, rows), step):
+            n = min(step, rows - start)
+            call = int(self.flags[self.rank]) + 1
+            slots = self.slots[call % 2]
+            slots[self.rank, :n * cols] = mine[start:start + n].reshape(-1)
+            self.flags[self.rank] = call
+            self._wait(call)
+            for r in range(self.size):
+                out[start:start + n, r * cols:(r + 1) * cols] = \
+                    slots[r, :n * cols].reshape(n, cols)
+        return torch.from_numpy(out)
+
     def _wait(self, calls: int) -> None:
         """Until every rank has published call `calls` (spinning: the ranks run in lockstep,
         each on cores of its own; yielding the CPU after a while)."""

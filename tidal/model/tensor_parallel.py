@@ -2,9 +2,11 @@
 the attention heads (query and key/value alike) and of the MLP's intermediate rows. q/k/v
 and gate/up are split by output rows (column-parallel, no communication); o and down by
 input columns (row-parallel), and their partial outputs are summed over the ranks with one
-all-reduce each. Norms, embeddings and the LM head stay whole on every rank, so every rank
-holds the same hidden states after each all-reduce, computes the same logits and samples
-the same tokens: a rank's runner needs no word from the others beside the step's plan."""
+all-reduce each. The embedding and the LM head are split by vocabulary rows: a rank looks
+up the tokens it holds (zeros for the rest, then one all-reduce) and computes the logits of
+its rows, which an all-gather joins. Norms stay whole, so every rank holds the same hidden
+states after each all-reduce, the same logits after the gather, and samples the same
+tokens: a rank's runner needs no word from the others beside the step's plan."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from torch import nn
 
 from tidal.model import shm_all_reduce
 from tidal.model.config import TP_FLAG as FLAG
-from tidal.model.config import ModelArch
+from tidal.model.config import ModelArch, part_arch
 from tidal.model.hosts import interface_towards, machine_id
 from tidal.model.shm_all_reduce import ShmAllReduce
 
@@ -71,6 +73,16 @@ class TPGroup:
         dist.all_reduce(wide)
         return wide.to(x.dtype)
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's float32 [rows, columns] side by side, in rank order: [rows, size *
+        columns] (the logits of each rank's vocabulary rows)."""
+        x = x.float().contiguous()
+        if self.shm is not None:
+            return self.shm.all_gather(x)
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=1)
+
     def min(self, value: int) -> int:
         """The least of an integer over the ranks (the KV blocks every rank can hold)."""
         t = torch.tensor([value], dtype=torch.int64)
@@ -97,10 +109,48 @@ class RowParallel(nn.Module):
         return self.group.all_reduce(self.linear(x))
 
 
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding table, `start` its first token id: a token held
+    elsewhere looks up zeros, and the all-reduce brings every token's row to every rank
+    (exactly: one nonzero term each)."""
+
+    def __init__(self, inner: nn.Module, start: int, group: TPGroup) -> None:
+        super().__init__()
+        self.inner, self.start, self.group = inner, start, group
+        self.rows = inner.num_embeddings
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        h = self.inner(local.masked_fill(outside, 0))
+        return self.group.all_reduce(h.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head over this rank's vocabulary rows (`head` None: the tied embedding's
+    rows): each rank's logits gathered into the whole vocabulary's, the padding rows of an
+    uneven split cut off."""
+
+    def __init__(self, head: nn.Module | None, embedding: nn.Module, vocab: int,
+                 group: TPGroup) -> None:
+        super().__init__()
+        self.head, self.embedding, self.vocab, self.group = head, embedding, vocab, group
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        local = (self.head(h) if self.head is not None
+                 else torch.nn.functional.linear(h, self.embedding.weight))
+        return self.gather(local)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits from each rank's `local` [rows, vocab rows]."""
+        return self.group.all_gather(local)[:, :self.vocab]
+
+
 # Projections split by output rows (column-parallel): one part, or a fused checkpoint
 # tensor's parts (Phi-3 stores q/k/v and gate/up fused), each split alike.
 _ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 _COLUMN_SPLIT = ("o_proj", "down_proj")  # by input columns (row-parallel), then summed
+_VOCAB_SPLIT = ("embed_tokens", "lm_head")  # by vocabulary rows
 # A LoRA adapter's (projection, part) -> the checkpoint module it adapts
 _LORA_MODULES = {("qkv", 0): "q_proj", ("qkv", 1): "k_proj", ("qkv", 2): "v_proj",
                  ("o", 0): "o_proj", ("gate_up", 0): "gate_proj", ("gate_up", 1): "up_proj",
@@ -111,11 +161,27 @@ _LORA_MODULES = {("qkv", 0): "q_proj", ("qkv", 1): "k_proj", ("qkv", 2): "v_proj
 class Shard:
     """The part of each checkpoint tensor one rank keeps, cut as it is read, so a rank never
     holds the whole model: rows of q/k/v and gate/up, columns of o and down (their bias on
-    rank 0 only), the rest whole. `arch`: the whole model's shapes."""
+    rank 0 only), vocabulary rows of the embedding and the LM head, the rest whole. `arch`:
+    the whole model's shapes."""
 
     rank: int
     size: int
     arch: ModelArch
+
+    @property
+    def part(self) -> ModelArch:
+        """The shapes of the model this rank builds (part_arch)."""
+        return part_arch(self.arch, self.size)
+
+    @property
+    def vocab_rows(self) -> int:
+        """Each rank's vocabulary rows (the last rank's padded with zero rows when the
+        vocabulary does not divide)."""
+        return self.part.vocab_size
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_rows
 
     def take(self, name: str, t, unit: int = 1):
         """This rank's part of checkpoint tensor `name` (a Hugging Face or tidal name; `t` a
@@ -123,6 +189,8 @@ class Shard:
         `unit` bytes a block, which a split never cuts). ValueError naming the flag for a
         split that would cut a block."""
         module, kind = name.split(".")[-2:]
+        if module in _VOCAB_SPLIT:
+            return self._vocab_rows(t)
         if module in _COLUMN_SPLIT:
             if kind == "bias":  # added once to the sum: by rank 0
                 return t if self.rank == 0 else t * 0
@@ -154,6 +222,16 @@ class Shard:
             return pieces[0]
         return torch.cat(pieces) if isinstance(t, torch.Tensor) else np.concatenate(pieces)
 
+    def _vocab_rows(self, t):
+        piece = t[self.vocab_start:self.vocab_start + self.vocab_rows]
+        short = self.vocab_rows - piece.shape[0]
+        if not short:
+            return piece
+        # zero bytes are a zero row in every GGUF block format and float type alike
+        if isinstance(t, torch.Tensor):
+            return torch.cat([piece, piece.new_zeros((short, *piece.shape[1:]))])
+        return np.concatenate([piece, np.zeros((short, *piece.shape[1:]), piece.dtype)])
+
     def take_lora(self, proj: str, part: int, a, b) -> tuple:
         """This rank's share of a LoRA adapter's piece (A [r, in], B [out, r]) for part `part`
         of projection `proj` (tidal.model.lora's names): B's rows where the projection's
@@ -172,9 +250,13 @@ class Shard:
         return cut, (cut.shape[0], shape[1] * cut.shape[1] // data.shape[1])
 
 
-def row_parallel(model: nn.Module, group: TPGroup) -> None:
-    """Wrap each layer's o and down projections, built of this rank's columns, so their
-    partial outputs are summed over the group."""
+def split_model(model: nn.Module, group: TPGroup, shard: Shard) -> None:
+    """Wrap the modules built of this rank's part so that they meet the other ranks': each
+    layer's o and down projections (partial outputs summed), the embedding and the LM head
+    (vocabulary rows)."""
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+    embedding = model.embed_tokens
+    model.embed_tokens = VocabParallelEmbedding(embedding, shard.vocab_start, group)
+    model.lm_head = VocabParallelHead(model.lm_head, embedding, shard.arch.vocab_size, group)

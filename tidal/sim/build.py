@@ -10,7 +10,7 @@ from typing import Any
 from tidal.cluster.launch import parse_pd
 from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
-from tidal.model.config import ModelArch, check_shardable, shard_arch
+from tidal.model.config import ModelArch, check_shardable, part_arch
 from tidal.sim.cost_model import CostModel
 from tidal.sim.profiles import Hardware, hardware, kv_blocks_for, model_arch
 from tidal.sim.simulator import ClusterSpec, Simulator
@@ -66,7 +66,7 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
     config = EngineConfig.from_kwargs(**knobs)  # routes each knob to the config owning it
     tp = config.parallel.tensor_parallel_size
     check_shardable(arch, tp)
-    rank = shard_arch(arch, tp)  # what each device of a replica holds and computes
+    rank = part_arch(arch, tp)  # what each device of a replica holds and computes
     if config.model.num_kv_blocks is None:  # what fits beside the weights
         blocks = kv_blocks_for(rank, hw, config.cache.block_size)
         config = replace(config, model=replace(config.model, num_kv_blocks=blocks),

@@ -7,10 +7,12 @@ For a step's scheduled requests (each `n` new tokens after `c` cached ones):
                   KV bytes read and written                    over  bandwidth * bw_eff)
   step      = linear + attention + step_overhead + seq_overhead * seqs + token_overhead * tokens
               + context_overhead * cached tokens gathered (sequences with c > 0 read c + n)
-              + 2 * L * (all_reduce_latency + tokens * H * dtype bytes / all_reduce_bandwidth)
+              + (2 * L + 1) * (all_reduce_latency + tokens * H * dtype bytes / all_reduce_bandwidth)
+              + all_reduce_latency + sampled rows * V * 4 bytes / all_reduce_bandwidth
                                                   with tensor parallelism (tp > 1)
-Under tensor parallelism every term is one rank's: its heads and MLP rows (`arch` is the
-rank's shapes), the embedding and LM head whole, as tidal splits a model.
+Under tensor parallelism every term is one rank's: its heads, MLP rows and vocabulary rows
+(`arch` is the rank's shapes), as tidal splits a model; the group sums each layer's two
+partial outputs and the embedding's, and gathers the sampled rows' logits.
 or, for a profile holding a server's learned model (`step_time`), what that model predicts
 plus step_overhead.
 """
@@ -30,14 +32,16 @@ __all__ = ["CostModel", "StepShape"]
 
 class CostModel:
     """Step times of a model on a piece of hardware (a `tidal.core.StepTimeModel`); with
-    `tp` > 1, of one of its tensor-parallel ranks (`arch`: the rank's shapes, shard_arch's)
-    and the group's all-reduces."""
+    `tp` > 1, of one of its tensor-parallel ranks (`arch`: the rank's shapes, part_arch's)
+    and the group's all-reduces and logits gather."""
 
     def __init__(self, arch: ModelArch, hw: Hardware, tp: int = 1) -> None:
         self.arch, self.hw = arch, hw
-        # two all-reduces a layer, each a call and the step's hidden states
-        self.all_reduces = 2 * arch.num_layers if tp > 1 else 0
+        # two all-reduces a layer and the embedding's, each a call and the step's hidden
+        # states; one gather of the sampled rows' float32 logits
+        self.all_reduces = 2 * arch.num_layers + 1 if tp > 1 else 0
         self.reduce_bytes_per_token = arch.hidden_size * hw.dtype_bytes
+        self.gather_bytes_per_row = 4 * tp * arch.vocab_size
         dtype_bytes = hw.dtype_bytes
         per_weight = hw.weight_bytes or dtype_bytes
         self.linear_flops_per_token = 2 * linear_params(arch)
@@ -80,16 +84,18 @@ class CostModel:
             return self.learned.shape_time(shape) + hw.step_overhead
         return (self.roofline(shape) + hw.step_overhead + hw.seq_overhead * shape.seqs
                 + hw.token_overhead * shape.tokens + hw.context_overhead * shape.gathered
-                + self.all_reduce_time(shape.tokens))
+                + self.all_reduce_time(shape.tokens, shape.sampled))
 
-    def all_reduce_time(self, tokens: int) -> float:
-        """A step's all-reduces of `tokens` rows (none without tensor parallelism)."""
+    def all_reduce_time(self, tokens: int, sampled: int = 0) -> float:
+        """A step's all-reduces of `tokens` rows and gather of `sampled` rows' logits (none
+        without tensor parallelism)."""
         if not self.all_reduces:
             return 0.0
         hw = self.hw
-        wire = (tokens * self.reduce_bytes_per_token / hw.all_reduce_bandwidth
-                if hw.all_reduce_bandwidth else 0.0)
-        return self.all_reduces * (hw.all_reduce_latency + wire)
+        bandwidth = hw.all_reduce_bandwidth or float("inf")
+        reduces = self.all_reduces * (hw.all_reduce_latency
+                                      + tokens * self.reduce_bytes_per_token / bandwidth)
+        return reduces + hw.all_reduce_latency + sampled * self.gather_bytes_per_row / bandwidth
 
     def step_seconds(self, shape: StepShape, draw: Callable[[], float]) -> float:
         """How long a step of `shape` takes when it runs: what `shape_time` predicts, its

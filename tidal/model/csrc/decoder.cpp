@@ -105,8 +105,13 @@ class Decoder {
   }
 
   // One rank of a tensor-parallel group: each layer's o and down projections hold its
-  // columns, and their outputs are summed over the ranks before the residual add.
-  void set_all_reduce(ShmReduce reduce) { reduce_ = std::make_shared<ShmReduce>(reduce); }
+  // columns, and their outputs are summed over the ranks before the residual add; the
+  // embedding holds the vocabulary's rows from `vocab_start` (the others' tokens look up
+  // zeros, then a sum), and the logits returned are those of its rows (gathered by Python).
+  void set_all_reduce(ShmReduce reduce, int64_t vocab_start) {
+    reduce_ = std::make_shared<ShmReduce>(reduce);
+    vocab_start_ = vocab_start;
+  }
 
   // Layer `layer`'s LoRA slot weights (shared with Python, which writes adapters into them).
   void set_lora(int64_t layer, std::vector<Tensor> weights) {
@@ -152,12 +157,23 @@ class Decoder {
       TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < num_slots,
                   "slot ", slots.data_ptr<int64_t>()[r], " is not in the cache");
     const int64_t qkv_width = (heads_ + 2 * hkv_) * d_, kv_width = hkv_ * d_;
+    Tensor outside;  // a tensor-parallel rank's: the tokens whose rows others hold
+    if (reduce_) {
+      ids = ids - vocab_start_;
+      const int64_t held = embed_.defined() ? embed_.size(0) : embed_gguf_.data.size(0);
+      outside = (ids < 0).logical_or(ids >= held);
+      ids = ids.masked_fill(outside, 0);
+    }
     Tensor h;
     if (embed_.defined()) {
       h = embed_.index_select(0, ids).contiguous();
     } else {
       h = at::empty({rows, hid}, final_norm_.options());
       gguf_get_rows(embed_gguf_, ids, h);
+    }
+    if (reduce_) {
+      h.masked_fill_(outside.unsqueeze(1), 0);
+      (*reduce_)(h);
     }
     Tensor x = at::empty_like(h);
     Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
@@ -213,6 +229,7 @@ class Decoder {
   float eps_;
   std::vector<Layer> layers_;
   std::shared_ptr<const ShmReduce> reduce_;  // set: a tensor-parallel rank's
+  int64_t vocab_start_ = 0;
 };
 
 }  // namespace tidal_cpu
