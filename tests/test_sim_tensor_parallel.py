@@ -40,3 +40,32 @@ def test_tensor_parallel_ranks_split_the_weights_and_kv_and_pay_their_collective
     assert 0 < 10 * kv[0] < kv[1]  # two hold the weights (141 GB) and little else
     with pytest.raises(ValueError, match="--tensor-parallel-size 3 does not divide"):
         build_simulator("llama-3-8b", "h100", {"tensor_parallel_size": 3})
+
+
+def test_experts_split_by_rows_or_whole_cost_a_rank_alike_on_average(tmp_path):
+    """Mixtral-8x7B over two simulated ranks: experts split by rows (each rank all eight,
+    half their rows) or whole (four each) store the same bytes a rank and, a token's top
+    two landing on a rank's four experts one time in two, compute the same on average;
+    experts that do not divide are refused naming both flags."""
+    import json
+
+    from transformers import AutoConfig
+
+    from tidal.model.config import ModelArch
+
+    config = AutoConfig.for_model("mixtral").to_dict()
+    arch = ModelArch.from_dict(config)
+    free = Hardware("h100-free-links", 989e12, 3.35e12, 80e9)
+    one = CostModel(arch, free)
+    rows, whole = (CostModel(part_arch(arch, 2, ep), free, tp=2) for ep in (False, True))
+    assert rows.arch.moe.held == 8 and whole.arch.moe.held == 4
+    assert rows.expert_bytes == whole.expert_bytes == one.expert_bytes / 2
+    assert rows.weight_bytes == pytest.approx(whole.weight_bytes)
+    assert rows.linear_flops_per_token == pytest.approx(whole.linear_flops_per_token)
+    decode = StepShape([(1, 100, True)] * 8)
+    assert rows.roofline(decode) == pytest.approx(whole.roofline(decode))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 16 does not divide the "
+                                         r"model's 8 routed experts \(--enable-expert-parallel"):
+        build_simulator(str(tmp_path), "h100", {"tensor_parallel_size": 16,
+                                                "enable_expert_parallel": True})

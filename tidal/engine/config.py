@@ -149,10 +149,14 @@ class ParallelConfig:
                            "actors (joins RAY_ADDRESS's cluster, or starts a local one).")
     tensor_parallel_size: int = knob(1, "Ranks each engine core splits the model across "
                                      "(tensor parallelism: each holds 1/N of every layer's "
-                                     "heads and MLP rows, and of every KV block): processes "
-                                     "on this machine, joined by torch.distributed (gloo). "
+                                     "heads and MLP rows, of the vocabulary, and of every KV "
+                                     "block): processes joined by torch.distributed (gloo). "
                                      "CPU ranks; dense weights, GGUF, GPTQ or AWQ; "
                                      "threads per rank default to cores / N.")
+    enable_expert_parallel: bool = knob(False, "Split a mixture-of-experts model's routed "
+                                        "experts across the tensor-parallel ranks whole (1/N "
+                                        "of them each, tokens' outputs summed) instead of "
+                                        "splitting every expert's rows.")
     distributed_timeout: float = knob(60.0, "Seconds a tensor-parallel rank waits in a "
                                       "collective for the others before it fails the step "
                                       "(a rank that died or hangs), so the core restarts "

@@ -33,12 +33,12 @@ def pick_model_dtype(folder: str | Path, arch: ModelArch, config: ModelConfig,
 
 def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, device: str,
                     dtype: torch.dtype, quantization: str, backend: AttentionBackend,
-                    ext, tp: TPGroup | None = None) -> tuple[torch.nn.Module, object | None]:
-    """The model and (with the CPU extension `ext`) its C++ decoder; with `tp`, this rank's
-    part of a dense model or of a checkpoint's own formats (GGUF, GPTQ, AWQ), cut as read
-    (tidal.model.tensor_parallel), whose row-parallel projections meet the other ranks' (in
-    the C++ decoder too where the ranks sum through shared memory)."""
-    shard = None if tp is None else Shard(tp.rank, tp.size, arch)
+                    ext, tp: TPGroup | None = None, shard: Shard | None = None,
+                    ) -> tuple[torch.nn.Module, object | None]:
+    """The model and (with the CPU extension `ext`) its C++ decoder; with `tp` and `shard`,
+    this rank's part of a dense model or of a checkpoint's own formats (GGUF, GPTQ, AWQ),
+    cut as read (tidal.model.tensor_parallel), whose split modules meet the other ranks'
+    (in the C++ decoder too where the ranks sum through shared memory)."""
     if tp is not None and quantization in ("int8", "int4"):
         raise ValueError(f"{TP_FLAG} {tp.size}: tensor parallelism splits dense weights and "
                          f"a checkpoint's own formats, not --quantization {quantization}")

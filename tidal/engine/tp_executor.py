@@ -54,7 +54,7 @@ class TensorParallelExecutor:
         parallel = config.parallel
         self.size = size = parallel.tensor_parallel_size
         arch = ModelArch.from_folder(folder)
-        check_shardable(arch, size)  # before any process starts
+        check_shardable(arch, size, parallel.enable_expert_parallel)  # before any rank starts
         self.kv_heads = arch.num_kv_heads
         self.timeout = timeout = parallel.distributed_timeout
         self._store = None  # the file store's folder, where the ranks share this machine

@@ -61,9 +61,11 @@ class Worker:
     def __init__(self, folder: str | Path, config: ModelConfig, block_size: int,
                  scheduler: SchedulerConfig | None = None,
                  speculative: SpeculativeConfig | None = None,
-                 lora: LoRAConfig | None = None, tp: TPGroup | None = None) -> None:
+                 lora: LoRAConfig | None = None, tp: TPGroup | None = None,
+                 expert_parallel: bool = False) -> None:
         """`tp`: this worker is one rank of a tensor-parallel group and holds its share of
-        the model, and of every KV block (its key/value heads)."""
+        the model, and of every KV block (its key/value heads); `expert_parallel`: its
+        share of the routed experts is 1/N of them whole."""
         sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
         phases = Phases()  # where the start's seconds go, for the log
         self.device = device = pick_device(config.device)
@@ -73,7 +75,8 @@ class Worker:
                              f"(--device cpu)")
         whole = ModelArch.from_folder(folder)
         ranks = tp.local if tp is not None else 1  # this machine's share of the group
-        self.arch = arch = shard_arch(whole, tp.size) if tp is not None else whole
+        shard = None if tp is None else Shard(tp.rank, tp.size, whole, expert_parallel)
+        self.arch = arch = shard_arch(whole, tp.size, expert_parallel) if shard else whole
         self.block_size = block_size
         quantization, self.dtype = pick_model_dtype(folder, arch, config, device)
         if on_gpu:
@@ -93,11 +96,10 @@ class Worker:
         backend = TorchAttention.for_arch(arch, paged,
                                           paged_prefill_kernel() if on_gpu else None)
         self.model, decoder = load_for_runner(folder, whole, config, device, self.dtype,
-                                              quantization, backend, ext, tp)
+                                              quantization, backend, ext, tp, shard)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
             lora, sched.max_loras, arch, self.model, self.dtype, device,
-            lora_kernel() if on_gpu else cpp.lora_add if cpp else None, decoder,
-            None if tp is None else Shard(tp.rank, tp.size, whole))
+            lora_kernel() if on_gpu else cpp.lora_add if cpp else None, decoder, shard)
         method = speculative.speculative_method if speculative is not None else None
         guesses = sched.num_speculative_tokens if method else 0
         guesser = make_guesser(speculative, guesses, Path(folder), config, device,
@@ -137,7 +139,8 @@ class Worker:
                     tp: TPGroup | None = None) -> "Worker":
         """The worker an engine's config asks for (this rank's, with `tp`)."""
         return cls(folder, config.model, config.cache.block_size, config.scheduler,
-                   config.speculative, config.lora, tp=tp)
+                   config.speculative, config.lora, tp=tp,
+                   expert_parallel=config.parallel.enable_expert_parallel)
 
     @torch.inference_mode()
     def _peak_step(self, tokens: int, rows: int) -> None:

@@ -75,6 +75,12 @@ class MoESpec:
     renormalize: bool
     layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP (False)
     shared_intermediate_size: int = 0
+    held_experts: int = 0  # expert parallelism: the experts one rank holds (0: all)
+
+    @property
+    def held(self) -> int:
+        """The routed experts this model's blocks hold and run."""
+        return self.held_experts or self.num_experts
 
 
 class UnsupportedModelError(ValueError):
@@ -341,17 +347,23 @@ class ModelArch:
 
 
 TP_FLAG = "--tensor-parallel-size"
+EP_FLAG = "--enable-expert-parallel"
 
 
-def check_shardable(arch: ModelArch, size: int) -> None:
-    """ValueError naming the flag where `arch` does not split over `size` ranks."""
+def check_shardable(arch: ModelArch, size: int, expert_parallel: bool = False) -> None:
+    """ValueError naming the flag where `arch` does not split over `size` ranks (with
+    `expert_parallel`, its routed experts whole, E/size a rank)."""
     if size == 1:
         return
-    if arch.moe is not None:
-        raise ValueError(f"{TP_FLAG} {size}: mixture-of-experts models do not split across "
-                         f"ranks yet")
-    for what, count in (("attention heads", arch.num_heads),
-                        ("MLP intermediate size", arch.intermediate_size)):
+    counts = [("attention heads", arch.num_heads),
+              ("MLP intermediate size", arch.intermediate_size)]
+    moe = arch.moe
+    if moe is not None:
+        counts += ([(f"routed experts ({EP_FLAG})", moe.num_experts)] if expert_parallel
+                   else [(f"expert intermediate size (or split the experts whole: "
+                          f"{EP_FLAG})", moe.intermediate_size)])
+        counts += [("shared expert intermediate size", moe.shared_intermediate_size)]
+    for what, count in counts:
         if count % size:
             raise ValueError(f"{TP_FLAG} {size} does not divide the model's {count} {what}")
     kv = arch.num_kv_heads  # fewer than the ranks: each is replicated on size / kv ranks
@@ -360,15 +372,22 @@ def check_shardable(arch: ModelArch, size: int) -> None:
                          f"nor is a multiple of them")
 
 
-def shard_arch(arch: ModelArch, size: int) -> ModelArch:
+def shard_arch(arch: ModelArch, size: int, expert_parallel: bool = False) -> ModelArch:
     """The shapes one rank of `size` computes with: its heads (one key/value head where
-    the model has fewer than ranks) and intermediate rows."""
+    the model has fewer than ranks) and intermediate rows; routed experts' rows too, or
+    with `expert_parallel` 1/size of the experts whole."""
+    moe = arch.moe
+    if moe is not None:
+        moe = replace(moe, shared_intermediate_size=moe.shared_intermediate_size // size,
+                      **({"held_experts": moe.num_experts // size} if expert_parallel else
+                         {"intermediate_size": moe.intermediate_size // size}))
     return replace(arch, num_heads=arch.num_heads // size,
                    num_kv_heads=max(1, arch.num_kv_heads // size),
-                   intermediate_size=arch.intermediate_size // size)
+                   intermediate_size=arch.intermediate_size // size, moe=moe)
 
 
-def part_arch(arch: ModelArch, size: int) -> ModelArch:
+def part_arch(arch: ModelArch, size: int, expert_parallel: bool = False) -> ModelArch:
     """The shapes one rank of `size` builds: shard_arch's, with its rows of the embedding
     and the LM head (the vocabulary split, rounded up; its logits are gathered whole)."""
-    return replace(shard_arch(arch, size), vocab_size=-(-arch.vocab_size // size))
+    return replace(shard_arch(arch, size, expert_parallel),
+                   vocab_size=-(-arch.vocab_size // size))

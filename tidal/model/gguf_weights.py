@@ -122,21 +122,26 @@ def _weights(item: HFTensor, planar: bool | None, use_extension: bool,
         yield name, w if shard is None else shard.take(name, w)
         return
     data = np.asarray(t.data)  # [..., rows, row bytes or values]: whole rows either way
+    qtype = QT(t.tensor_type)
+    unit = 1 if qtype in FLOAT_TYPES else GGML_QUANT_SIZES[qtype][1]
+    if ".experts." in name:  # [experts, rows, ...]: each expert a matrix of its own
+        for e in range(shape[0]):
+            own, matrix, dims = expert_name(name, e), data[e], shape[1:]
+            if shard is not None:  # the rank's experts, or its whole blocks of each
+                own = shard.expert_name(own)
+                if own is None:
+                    continue
+                matrix, dims = shard.take_matrix(own, matrix, dims, unit)
+            yield own, _matrix(f"{t.name}[{e}]", matrix, t.tensor_type, dims, planar,
+                               use_extension, arena)
+        return
     if shard is not None:  # this rank's whole rows or whole blocks, before any copy
-        qtype = QT(t.tensor_type)
-        unit = 1 if qtype in FLOAT_TYPES else GGML_QUANT_SIZES[qtype][1]
         data, shape = shard.take_matrix(name, data, shape, unit)
         if heads is not None:  # q/k rows are permuted within a head: the rank's own heads
             heads = max(1, heads // shard.size)
     if heads is not None:  # a copy of the stored rows, reordered as HF orders them
         data = np.ascontiguousarray(_unpermute(data, heads))
-    if ".experts." in name:
-        for e in range(shape[0]):
-            yield (expert_name(name, e),
-                   _matrix(f"{t.name}[{e}]", data[e], t.tensor_type, shape[1:], planar,
-                           use_extension, arena))
-    else:
-        yield name, _matrix(t.name, data, t.tensor_type, shape, planar, use_extension, arena)
+    yield name, _matrix(t.name, data, t.tensor_type, shape, planar, use_extension, arena)
 
 
 def _small_float(t, shape: tuple[int, ...], norm_offset: bool, flat_gate: bool) -> torch.Tensor:

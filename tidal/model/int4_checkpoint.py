@@ -57,6 +57,9 @@ def read_checkpoint(folder: Path, quantization_config: dict,
     for name in packed:
         module = name.removesuffix(".qweight")
         parts = {p: raw.pop(module + p, None) for p in _PARTS}
+        module = module if shard is None else shard.expert_name(module)
+        if module is None:  # a routed expert another rank holds
+            continue
         if parts[".qzeros"] is None or parts[".scales"] is None:
             raise ValueError(f"{folder}: {module} has a qweight without qzeros and scales")
         if method == "gptq":
@@ -71,7 +74,10 @@ def read_checkpoint(folder: Path, quantization_config: dict,
             blocks, shape = shard.take_matrix(module + ".weight", blocks, shape,
                                               GGML_QUANT_SIZES[qtype][1])
         weights[module + ".weight"] = QuantizedWeight(module, blocks, qtype, shape)
-    weights.update(raw if shard is None else {n: shard.take(n, t) for n, t in raw.items()})
+    if shard is not None:
+        raw = {own: shard.take(n, t) for n, t in raw.items()  # not other ranks' experts
+               if (own := shard.expert_name(n)) is not None}
+    weights.update(raw)
     return weights
 
 

@@ -10,8 +10,9 @@ choice for unquantized models): each projection of every expert is then one call
 `torch._grouped_mm` or, with tidal's C++ extension, its `grouped_linear` over weights kept
 as 16-column panels at decode sizes (a step of 32 tokens over 8 experts gives each ~8 rows,
 where a GEMM call per expert costs more in fixed overhead than in arithmetic) and BLAS per
-expert at prefill sizes. The block takes hidden rows and returns hidden rows, so an
-expert-parallel split would replace only its expert part.
+expert at prefill sizes. Under expert parallelism a block holds a contiguous run of the
+experts (`first_expert` on) and runs only the (token, expert) pairs routed to them; its
+output is then that rank's partial sum.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class MLP(nn.Module):
 class SparseMoE(nn.Module):
     """Routed experts: the router's softmax picks each token's top-k experts, whose outputs
     are summed with those probabilities (renormalised over the k when the model says so);
-    Qwen2-MoE adds a shared expert scaled by sigmoid(x W_shared_gate)."""
+    Qwen2-MoE adds a shared expert scaled by sigmoid(x W_shared_gate). The block holds
+    `spec.held` of the experts, from `first_expert` (all of them, but under expert
+    parallelism)."""
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -55,8 +58,9 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(arch.hidden_size, spec.num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(
             MLP(arch.hidden_size, spec.intermediate_size, arch.hidden_act)
-            for _ in range(spec.num_experts))
-        self.num_experts = spec.num_experts
+            for _ in range(spec.held))
+        self.num_experts, self.routed = spec.held, spec.num_experts
+        self.first_expert = 0
         self.w_gate_up = self.w_down = None  # [E, hidden, 2 I] and [E, I, hidden], once grouped
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_intermediate_size:
@@ -93,19 +97,27 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # the (token, expert) pairs grouped by expert
-        # scatter_add, not bincount: CUDA's bincount reads the largest id on the host
-        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
-        ends = counts.cumsum(0).to(torch.int32)
-        rows = order // self.top_k
-        xs = x[rows]  # inputs in expert order
-        if self.w_gate_up is not None:  # in the compute dtype until the sum
-            ys = self._grouped(xs.to(self.compute_dtype), ends)
-        else:
-            ys = _each_expert(xs, ends, lambda part, e: self.experts[e](part))
-        ys *= weights.flatten()[order, None]
-        out = torch.zeros_like(x, dtype=ys.dtype).index_add_(0, rows, ys)
+        flat, weights = experts.flatten() - self.first_expert, weights.flatten()
+        rows = None  # each pair's token: pair // top_k, where the block holds every expert
+        if self.num_experts < self.routed:  # expert parallel: the pairs of the held experts
+            held = ((flat >= 0) & (flat < self.num_experts)).nonzero().squeeze(1)
+            flat, weights, rows = flat[held], weights[held], held // self.top_k
+        dtype = x.dtype if self.w_gate_up is None else self.compute_dtype
+        out = torch.zeros_like(x, dtype=dtype)
+        if flat.numel():
+            order = flat.argsort(stable=True)  # the (token, expert) pairs grouped by expert
+            # scatter_add, not bincount: CUDA's bincount reads the largest id on the host
+            counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat,
+                                                                   torch.ones_like(flat))
+            ends = counts.cumsum(0).to(torch.int32)
+            rows = order // self.top_k if rows is None else rows[order]
+            xs = x[rows]  # inputs in expert order
+            if self.w_gate_up is not None:  # in the compute dtype until the sum
+                ys = self._grouped(xs.to(self.compute_dtype), ends)
+            else:
+                ys = _each_expert(xs, ends, lambda part, e: self.experts[e](part))
+            ys *= weights[order, None]
+            out.index_add_(0, rows, ys)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.to(x.dtype)

@@ -11,6 +11,7 @@ tokens: a rank's runner needs no word from the others beside the step's plan."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +24,7 @@ from tidal.model import shm_all_reduce
 from tidal.model.config import TP_FLAG as FLAG
 from tidal.model.config import ModelArch, part_arch
 from tidal.model.hosts import interface_towards, machine_id
+from tidal.model.mlp import SparseMoE
 from tidal.model.shm_all_reduce import ShmAllReduce
 
 
@@ -99,7 +101,8 @@ class TPGroup:
 
 class RowParallel(nn.Module):
     """A row-parallel projection: this rank's columns of the weight over its share of the
-    input features, the partial outputs summed over the group (bias on rank 0 only)."""
+    input features, the partial outputs summed over the group (bias on rank 0 only); or
+    any module whose output is this rank's partial sum (a routed experts block)."""
 
     def __init__(self, linear: nn.Module, group: TPGroup) -> None:
         super().__init__()
@@ -147,9 +150,12 @@ class VocabParallelHead(nn.Module):
 
 
 # Projections split by output rows (column-parallel): one part, or a fused checkpoint
-# tensor's parts (Phi-3 stores q/k/v and gate/up fused), each split alike.
-_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
-_COLUMN_SPLIT = ("o_proj", "down_proj")  # by input columns (row-parallel), then summed
+# tensor's parts (Phi-3 stores q/k/v and gate/up fused), each split alike. w1/w3/w2 are
+# Mixtral's expert gate/up/down.
+_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj",
+              "w1", "w3")
+_COLUMN_SPLIT = ("o_proj", "down_proj", "w2")  # by input columns (row-parallel), then summed
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # one routed expert's tensor
 _VOCAB_SPLIT = ("embed_tokens", "lm_head")  # by vocabulary rows
 # A LoRA adapter's (projection, part) -> the checkpoint module it adapts
 _LORA_MODULES = {("qkv", 0): "q_proj", ("qkv", 1): "k_proj", ("qkv", 2): "v_proj",
@@ -161,17 +167,36 @@ _LORA_MODULES = {("qkv", 0): "q_proj", ("qkv", 1): "k_proj", ("qkv", 2): "v_proj
 class Shard:
     """The part of each checkpoint tensor one rank keeps, cut as it is read, so a rank never
     holds the whole model: rows of q/k/v and gate/up, columns of o and down (their bias on
-    rank 0 only), vocabulary rows of the embedding and the LM head, the rest whole. `arch`:
-    the whole model's shapes."""
+    rank 0 only), vocabulary rows of the embedding and the LM head, the rest whole. Routed
+    experts split as a dense MLP does, or with `expert_parallel` each rank keeps 1/size of
+    them whole. `arch`: the whole model's shapes."""
 
     rank: int
     size: int
     arch: ModelArch
+    expert_parallel: bool = False
 
     @property
     def part(self) -> ModelArch:
         """The shapes of the model this rank builds (part_arch)."""
-        return part_arch(self.arch, self.size)
+        return part_arch(self.arch, self.size, self.expert_parallel)
+
+    @property
+    def first_expert(self) -> int:
+        """The first routed expert this rank holds (its ids run on for the part's held)."""
+        moe = self.part.moe
+        return self.rank * moe.held if moe is not None and self.expert_parallel else 0
+
+    def expert_name(self, name: str) -> str | None:
+        """`name` with a routed expert's id made this rank's (under expert parallelism),
+        or None for an expert another rank holds, which this rank never reads."""
+        m = _EXPERT.search(name)
+        if m is None or not self.expert_parallel:
+            return name
+        local = int(m.group(1)) - self.first_expert
+        if not 0 <= local < self.part.moe.held:
+            return None
+        return f"{name[:m.start()]}.experts.{local}.{name[m.end():]}"
 
     @property
     def vocab_rows(self) -> int:
@@ -189,6 +214,8 @@ class Shard:
         `unit` bytes a block, which a split never cuts). ValueError naming the flag for a
         split that would cut a block."""
         module, kind = name.split(".")[-2:]
+        if self.expert_parallel and _EXPERT.search(name):  # a held expert stays whole
+            return t
         if module in _VOCAB_SPLIT:
             return self._vocab_rows(t)
         if module in _COLUMN_SPLIT:
@@ -253,10 +280,15 @@ class Shard:
 def split_model(model: nn.Module, group: TPGroup, shard: Shard) -> None:
     """Wrap the modules built of this rank's part so that they meet the other ranks': each
     layer's o and down projections (partial outputs summed), the embedding and the LM head
-    (vocabulary rows)."""
+    (vocabulary rows); a routed experts block's output, a partial sum either way (each
+    expert's share of its rows, or this rank's experts)."""
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.first_expert = shard.first_expert
+            layer.mlp = RowParallel(layer.mlp, group)
+        else:
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
     embedding = model.embed_tokens
     model.embed_tokens = VocabParallelEmbedding(embedding, shard.vocab_start, group)
     model.lm_head = VocabParallelHead(model.lm_head, embedding, shard.arch.vocab_size, group)

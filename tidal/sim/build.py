@@ -65,8 +65,9 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
                          "(--spec-acceptance): the chance each guess is accepted")
     config = EngineConfig.from_kwargs(**knobs)  # routes each knob to the config owning it
     tp = config.parallel.tensor_parallel_size
-    check_shardable(arch, tp)
-    rank = part_arch(arch, tp)  # what each device of a replica holds and computes
+    experts = config.parallel.enable_expert_parallel
+    check_shardable(arch, tp, experts)
+    rank = part_arch(arch, tp, experts)  # what each device of a replica holds and computes
     if config.model.num_kv_blocks is None:  # what fits beside the weights
         blocks = kv_blocks_for(rank, hw, config.cache.block_size)
         config = replace(config, model=replace(config.model, num_kv_blocks=blocks),

@@ -150,33 +150,39 @@ def kv_blocks_for(arch: ModelArch, hw: Hardware, block_size: int) -> int:
 
 def linear_params(arch: ModelArch) -> int:
     """Parameters of the projections one token goes through in every layer (q, k, v, o and
-    gate, up, down: the dense MLP's, or its top-k experts', shared expert and router's)."""
+    gate, up, down: the dense MLP's, or its top-k experts', shared expert and router's; of
+    experts split whole across ranks, the share of the top k a rank holds on average)."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     attention = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size
     dense = 3 * arch.hidden_size * arch.intermediate_size
     moe, total = arch.moe, 0
     for layer in range(arch.num_layers):
         if moe and moe.layers[layer]:
-            mlp = arch.hidden_size * (3 * moe.top_k * moe.intermediate_size + moe.num_experts
-                                      + 3 * moe.shared_intermediate_size)
+            mlp = arch.hidden_size * (3 * _picked(moe) * moe.intermediate_size
+                                      + moe.num_experts + 3 * moe.shared_intermediate_size)
         else:
             mlp = dense
         total += attention + mlp
-    return total
+    return int(total)
+
+
+def _picked(moe) -> float:
+    """The experts of a token's top k that the model (or rank) holds, on average."""
+    return moe.top_k * moe.held / moe.num_experts
 
 
 def expert_params(arch: ModelArch) -> int:
-    """Parameters of every routed expert of every layer (0 for a dense model)."""
+    """Parameters of every routed expert held, of every layer (0 for a dense model)."""
     moe = arch.moe
     if moe is None:
         return 0
-    return sum(moe.layers) * moe.num_experts * 3 * arch.hidden_size * moe.intermediate_size
+    return sum(moe.layers) * moe.held * 3 * arch.hidden_size * moe.intermediate_size
 
 
 def weight_params(arch: ModelArch) -> int:
     embed = arch.vocab_size * arch.hidden_size
     routed = expert_params(arch)
     if routed:  # all experts are stored; linear_params counted the top k of them
-        routed -= sum(arch.moe.layers) * arch.moe.top_k * 3 * arch.hidden_size \
+        routed -= sum(arch.moe.layers) * _picked(arch.moe) * 3 * arch.hidden_size \
             * arch.moe.intermediate_size
-    return linear_params(arch) + routed + embed * (1 if arch.tie_word_embeddings else 2)
+    return int(linear_params(arch) + routed) + embed * (1 if arch.tie_word_embeddings else 2)
