@@ -153,6 +153,10 @@ class ParallelConfig:
                                      "block): processes joined by torch.distributed (gloo). "
                                      "CPU ranks; dense weights, GGUF, GPTQ or AWQ; "
                                      "threads per rank default to cores / N.")
+    pipeline_parallel_size: int = knob(1, "Pipeline stages each engine core splits the "
+                                       "model's layers into (contiguous runs, each with its "
+                                       "layers' KV cache), each of tensor_parallel_size ranks; "
+                                       "a step runs the stages in turn.")
     enable_expert_parallel: bool = knob(False, "Split a mixture-of-experts model's routed "
                                         "experts across the tensor-parallel ranks whole (1/N "
                                         "of them each, tokens' outputs summed) instead of "
@@ -190,6 +194,8 @@ class ParallelConfig:
                              f"got {self.dp_routing!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size must be at least 1")
         if self.distributed_timeout <= 0:
             raise ValueError("distributed_timeout must be > 0")
         if self.dp_backend not in ("local", "ray"):
@@ -197,9 +203,9 @@ class ParallelConfig:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in 0..nnodes-1 and nnodes at least 1; got "
                              f"node_rank {self.node_rank} of {self.nnodes}")
-        if self.nnodes > 1 and self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"--nnodes {self.nnodes} must divide --tensor-parallel-size "
-                             f"{self.tensor_parallel_size} (the ranks of each node)")
+        if self.nnodes > 1 and self.world_size % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} must divide the {self.world_size} ranks "
+                             f"(--tensor-parallel-size x --pipeline-parallel-size)")
         if self.nnodes > 1 and self.data_parallel_size > 1:
             raise ValueError("--nnodes spans one engine core's tensor-parallel ranks; "
                              "--data-parallel-size must be 1")
@@ -213,9 +219,14 @@ class ParallelConfig:
             raise ValueError(f"master_port must be in 1..65534; got {self.master_port}")
 
     @property
+    def world_size(self) -> int:
+        """An engine core's ranks: tensor_parallel_size in each of the pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def local_ranks(self) -> int:
-        """Tensor-parallel ranks on each machine."""
-        return self.tensor_parallel_size // self.nnodes
+        """An engine core's ranks on each machine."""
+        return self.world_size // self.nnodes
 
 
 DEFAULT_SPECULATIVE_TOKENS = 4  # with a method given and no num_speculative_tokens
@@ -359,10 +370,17 @@ class EngineConfig:
         if self.lora.enable_lora and cpu_loras is not None and cpu_loras < self.scheduler.max_loras:
             raise ValueError(f"max_cpu_loras={cpu_loras} is under max_loras="
                              f"{self.scheduler.max_loras}: a step's adapters must all be loaded")
-        tp = self.parallel.tensor_parallel_size
-        if tp > 1 and self.model.device not in ("auto", "cpu"):
-            raise ValueError(f"--tensor-parallel-size {tp}: ranks run on CPU for now "
-                             f"(--device cpu)")
+        tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
+        if tp * pp > 1 and self.model.device not in ("auto", "cpu"):
+            raise ValueError(f"--tensor-parallel-size {tp} --pipeline-parallel-size {pp}: "
+                             f"ranks run on CPU for now (--device cpu)")
+        if pp > 1 and self.lora.enable_lora:
+            raise ValueError(f"--pipeline-parallel-size {pp}: LoRA adapters need every layer "
+                             f"in each rank for now (--enable-lora)")
+        if pp > 1 and self.scheduler.role != "mixed":
+            raise ValueError(f"--pipeline-parallel-size {pp}: a P/D instance moves every "
+                             f"layer's KV from one rank group for now (--role "
+                             f"{self.scheduler.role})")
         if method == "draft" and self.scheduler.role != "mixed":
             raise ValueError("a draft model needs the prompt's KV computed by the draft too; "
                              "a P/D pair speculates with ngram or suffix")

@@ -30,8 +30,8 @@ log = logging.getLogger("tidal.engine")
 
 def make_executor(config: EngineConfig, folder: str | Path) -> Executor:
     """The executor of an engine's config: one worker in this process, or the ranks of a
-    tensor-parallel group (`tensor_parallel_size`)."""
-    if config.parallel.tensor_parallel_size > 1:
+    tensor-parallel group (`tensor_parallel_size`) in each pipeline stage."""
+    if config.parallel.world_size > 1:
         from tidal.engine.tp_executor import TensorParallelExecutor
 
         return TensorParallelExecutor(config, folder)

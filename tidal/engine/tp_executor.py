@@ -32,7 +32,7 @@ from tidal.engine.config import EngineConfig
 from tidal.engine.executor import ExecutorDead
 from tidal.engine.kv_cache import kv_message, kv_tensor
 from tidal.engine.worker import Worker
-from tidal.model.config import ModelArch, check_shardable
+from tidal.model.config import ModelArch, check_shardable, stage_layers
 from tidal.model.hosts import free_port
 from tidal.model.tensor_parallel import TPGroup
 
@@ -53,8 +53,10 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, folder: str | Path) -> None:
         parallel = config.parallel
         self.size = size = parallel.tensor_parallel_size
+        stages, world = parallel.pipeline_parallel_size, parallel.world_size
         arch = ModelArch.from_folder(folder)
         check_shardable(arch, size, parallel.enable_expert_parallel)  # before any rank starts
+        stage_layers(arch.num_layers, stages, 0)
         self.kv_heads = arch.num_kv_heads
         self.timeout = timeout = parallel.distributed_timeout
         self._store = None  # the file store's folder, where the ranks share this machine
@@ -75,21 +77,21 @@ class TensorParallelExecutor:
             try:
                 # Plain child processes (an engine core is a daemonic process, which
                 # multiprocessing forbids children of its own), or Ray actors.
-                for _ in range(1, size if ray else parallel.local_ranks):
+                for _ in range(1, world if ray else parallel.local_ranks):
                     self.procs.append(_RayRank(listener.address, authkey) if ray
                                       else _start_rank(listener.address, authkey))
-                self.conns = _accept(listener, self.procs, size - 1)
+                self.conns = _accept(listener, self.procs, world - 1)
                 for rank, conn in enumerate(self.conns, 1):
                     conn.send((rank, size, init, config, str(folder)))
-                self.group = TPGroup.join(0, size, init, timeout)
+                self.group = TPGroup.join(0, size, init, timeout, stages)
                 self.worker = Worker.from_config(config, folder, tp=self.group)
                 self._replies(patient=True)  # a load takes what it takes; a crash closes the pipe
             except BaseException:
                 self.close()
                 raise
         self.info = self.worker.info
-        log.info("tensor parallel: %d ranks on %d node(s), %d KV blocks each", size,
-                 parallel.nnodes, self.info.num_blocks)
+        log.info("%d tensor-parallel rank(s) x %d pipeline stage(s) on %d node(s), %d KV "
+                 "blocks each", size, stages, parallel.nnodes, self.info.num_blocks)
 
     def _call(self, method: str, *args):
         """`method(*args)` on every rank's worker; rank 0's result."""
@@ -215,7 +217,8 @@ def node_key(parallel) -> bytes:
     every node is started with, so a node started for another group is refused. A check,
     not a secret: the nodes' network must be trusted, as torch.distributed's store is."""
     text = (f"tidal-tp:{parallel.master_addr}:{parallel.master_port}:"
-            f"{parallel.tensor_parallel_size}:{parallel.nnodes}")
+            f"{parallel.tensor_parallel_size}:{parallel.pipeline_parallel_size}:"
+            f"{parallel.nnodes}")
     return hashlib.sha256(text.encode()).digest()
 
 
@@ -328,26 +331,30 @@ def rank_main(host: str, port: int, authkey: bytes, folder: str | None = None,
         rank, size, init, config, rank0_folder = conn.recv()
         logging.basicConfig(level=logging.WARNING,
                             format=f"%(asctime)s tp-rank-{rank} %(name)s: %(message)s")
-        group = TPGroup.join(rank, size, init, config.parallel.distributed_timeout)
+        group = TPGroup.join(rank, size, init, config.parallel.distributed_timeout,
+                             config.parallel.pipeline_parallel_size)
         worker = Worker.from_config(config, folder or rank0_folder, tp=group)
         conn.send((None, None))
     except Exception as exc:
         conn.send((f"{type(exc).__name__}: {exc}", None))
         return
-    while True:
-        try:
-            call = conn.recv()
-        except (EOFError, OSError):
-            return  # rank 0's process is gone
-        if call is None:
-            return
-        method, args = call
-        try:
-            result = getattr(worker, method)(*args)
-        except Exception as exc:
-            conn.send((f"{type(exc).__name__}: {exc}", None))
-        else:  # a step's output is rank 0's: the others' would only cost pickling
-            conn.send((None, result if method in _RESULTS else None))
+    try:
+        while True:
+            try:
+                call = conn.recv()
+            except (EOFError, OSError):
+                return  # rank 0's process is gone
+            if call is None:
+                return
+            method, args = call
+            try:
+                result = getattr(worker, method)(*args)
+            except Exception as exc:
+                conn.send((f"{type(exc).__name__}: {exc}", None))
+            else:  # a step's output is rank 0's: the others' would only cost pickling
+                conn.send((None, result if method in _RESULTS else None))
+    finally:  # a later stage's first rank made its stage's shared segment: it removes it
+        group.close()
 
 
 def serve_node(parallel, folder: str | Path) -> None:

@@ -22,7 +22,7 @@ from tidal.engine.model_runner import ModelRunner
 from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
-from tidal.model.config import ModelArch, shard_arch
+from tidal.model.config import ModelArch, stage_layers
 from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel,
                                  paged_prefill_kernel)
 from tidal.model.pooling import Pooling
@@ -63,9 +63,10 @@ class Worker:
                  speculative: SpeculativeConfig | None = None,
                  lora: LoRAConfig | None = None, tp: TPGroup | None = None,
                  expert_parallel: bool = False) -> None:
-        """`tp`: this worker is one rank of a tensor-parallel group and holds its share of
-        the model, and of every KV block (its key/value heads); `expert_parallel`: its
-        share of the routed experts is 1/N of them whole."""
+        """`tp`: this worker is one rank of a tensor-parallel group (of a pipeline stage)
+        and holds its share of the model (of the stage's layers), and of every KV block
+        (its key/value heads, of those layers); `expert_parallel`: its share of the routed
+        experts is 1/N of them whole."""
         sched = scheduler or SchedulerConfig()  # the step sizes to plan memory and graphs for
         phases = Phases()  # where the start's seconds go, for the log
         self.device = device = pick_device(config.device)
@@ -75,8 +76,12 @@ class Worker:
                              f"(--device cpu)")
         whole = ModelArch.from_folder(folder)
         ranks = tp.local if tp is not None else 1  # this machine's share of the group
-        shard = None if tp is None else Shard(tp.rank, tp.size, whole, expert_parallel)
-        self.arch = arch = shard_arch(whole, tp.size, expert_parallel) if shard else whole
+        shard = None
+        if tp is not None:  # its part of each tensor, of its pipeline stage's layers
+            links = tp.links
+            layers = links and stage_layers(whole.num_layers, links.stages, links.stage)
+            shard = Shard(tp.rank, tp.size, whole, expert_parallel, layers)
+        self.arch = arch = shard.computed if shard else whole
         self.block_size = block_size
         quantization, self.dtype = pick_model_dtype(folder, arch, config, device)
         if on_gpu:

@@ -348,6 +348,7 @@ class ModelArch:
 
 TP_FLAG = "--tensor-parallel-size"
 EP_FLAG = "--enable-expert-parallel"
+PP_FLAG = "--pipeline-parallel-size"
 
 
 def check_shardable(arch: ModelArch, size: int, expert_parallel: bool = False) -> None:
@@ -391,3 +392,20 @@ def part_arch(arch: ModelArch, size: int, expert_parallel: bool = False) -> Mode
     and the LM head (the vocabulary split, rounded up; its logits are gathered whole)."""
     return replace(shard_arch(arch, size, expert_parallel),
                    vocab_size=-(-arch.vocab_size // size))
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """The contiguous layers pipeline stage `stage` of `stages` holds (the first stages
+    one more where they do not divide)."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"{PP_FLAG} {stages} must be in 1..{num_layers}, the model's layers")
+    per, extra = divmod(num_layers, stages)
+    start = stage * per + min(stage, extra)
+    return range(start, start + per + (stage < extra))
+
+
+def stage_arch(arch: ModelArch, layers: range) -> ModelArch:
+    """The shapes of a pipeline stage that holds `layers` of the model, numbered from 0."""
+    moe = arch.moe and replace(arch.moe, layers=arch.moe.layers[layers.start:layers.stop])
+    return replace(arch, num_layers=len(layers), moe=moe,
+                   layer_windows=arch.windows[layers.start:layers.stop])

@@ -66,6 +66,8 @@ def build_decoder(model: nn.Module, all_reduce=None):
     compiler). A tensor-parallel rank's model (tidal.model.tensor_parallel.split_model)
     needs `all_reduce`, the extension's ShmReduce of its group, and gets a RankDecoder."""
     arch = model.arch
+    if getattr(model, "stage", None) is not None:  # a pipeline stage's layers: PyTorch's
+        return None
     split = isinstance(model.layers[0].self_attn.o_proj, RowParallel)
     if split and all_reduce is None:
         return None

@@ -116,10 +116,13 @@ def _weights(item: HFTensor, planar: bool | None, use_extension: bool,
              arena: WeightArena | None, shard: Shard | None) -> Iterator[tuple[str, Weight]]:
     """(HF name, weight) for one GGUF tensor: one pair, or one per expert."""
     t, name, heads, norm_offset = item
+    own = name if shard is None or ".experts." in name else shard.local_name(name)
+    if own is None:  # a layer another pipeline stage holds: never read
+        return
     shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost dim first
     if len(shape) == 1 or norm_offset:
         w = _small_float(t, shape, norm_offset, is_flat_gate(name, len(shape)))
-        yield name, w if shard is None else shard.take(name, w)
+        yield own, w if shard is None else shard.take(name, w)
         return
     data = np.asarray(t.data)  # [..., rows, row bytes or values]: whole rows either way
     qtype = QT(t.tensor_type)
@@ -128,7 +131,7 @@ def _weights(item: HFTensor, planar: bool | None, use_extension: bool,
         for e in range(shape[0]):
             own, matrix, dims = expert_name(name, e), data[e], shape[1:]
             if shard is not None:  # the rank's experts, or its whole blocks of each
-                own = shard.expert_name(own)
+                own = shard.local_name(own)
                 if own is None:
                     continue
                 matrix, dims = shard.take_matrix(own, matrix, dims, unit)
@@ -141,7 +144,7 @@ def _weights(item: HFTensor, planar: bool | None, use_extension: bool,
             heads = max(1, heads // shard.size)
     if heads is not None:  # a copy of the stored rows, reordered as HF orders them
         data = np.ascontiguousarray(_unpermute(data, heads))
-    yield name, _matrix(t.name, data, t.tensor_type, shape, planar, use_extension, arena)
+    yield own, _matrix(t.name, data, t.tensor_type, shape, planar, use_extension, arena)
 
 
 def _small_float(t, shape: tuple[int, ...], norm_offset: bool, flat_gate: bool) -> torch.Tensor:

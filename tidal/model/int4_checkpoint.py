@@ -57,8 +57,8 @@ def read_checkpoint(folder: Path, quantization_config: dict,
     for name in packed:
         module = name.removesuffix(".qweight")
         parts = {p: raw.pop(module + p, None) for p in _PARTS}
-        module = module if shard is None else shard.expert_name(module)
-        if module is None:  # a routed expert another rank holds
+        module = module if shard is None else shard.local_name(module)
+        if module is None:  # a layer or routed expert another rank holds
             continue
         if parts[".qzeros"] is None or parts[".scales"] is None:
             raise ValueError(f"{folder}: {module} has a qweight without qzeros and scales")
@@ -75,8 +75,8 @@ def read_checkpoint(folder: Path, quantization_config: dict,
                                               GGML_QUANT_SIZES[qtype][1])
         weights[module + ".weight"] = QuantizedWeight(module, blocks, qtype, shape)
     if shard is not None:
-        raw = {own: shard.take(n, t) for n, t in raw.items()  # not other ranks' experts
-               if (own := shard.expert_name(n)) is not None}
+        raw = {own: shard.take(n, t) for n, t in raw.items()  # not other ranks. parts
+               if (own := shard.local_name(n)) is not None}
     weights.update(raw)
     return weights
 

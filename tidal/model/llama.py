@@ -167,6 +167,7 @@ class LlamaModel(nn.Module):
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
         self.rotary = Rotary(arch)
         self.kernels = None  # FusedKernels (GPU): norms, adds, RoPE and cache writes fused
+        self.stage = None  # a pipeline stage's StageLinks (tidal.model.pipeline_parallel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -175,9 +176,13 @@ class LlamaModel(nn.Module):
         """Logits (float32) of the rows in `logits_indices`. With `hidden_indices`, also the
         final (normed) hidden states of those rows, as (logits, hidden): the caller runs them
         through `logits()` in slices, so a long prompt never holds all its logits at once."""
-        h = self.embed_tokens(input_ids)
-        if self.arch.gemma:  # Gemma scales its embeddings by sqrt(hidden), in their dtype
-            h = h * torch.tensor(self.arch.hidden_size ** 0.5, dtype=h.dtype)
+        stage = self.stage
+        if stage is not None and not stage.first:  # the previous stage's hidden states
+            h = stage.receive(input_ids.shape[0], self.arch.hidden_size, self.norm.weight.dtype)
+        else:
+            h = self.embed_tokens(input_ids)
+            if self.arch.gemma:  # Gemma scales its embeddings by sqrt(hidden), in their dtype
+                h = h * torch.tensor(self.arch.hidden_size ** 0.5, dtype=h.dtype)
         ropes = self.rotary.tables(positions, h.dtype)
         if self.kernels is None:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -188,10 +193,16 @@ class LlamaModel(nn.Module):
                 h, residual = layer.fused_forward(h, residual, ropes, k_cache, v_cache, meta,
                                                   self.kernels)
             h = h + residual
-        logits = self.logits(self.norm(h[logits_indices]))
+        final = self.norm(h[logits_indices])
+        if stage is not None:  # the last stage's final states, on every stage
+            if not stage.last:
+                stage.send(h)
+            final = stage.from_last(final)
+        logits = self.logits(final)
         if hidden_indices is None:
             return logits
-        return logits, self.norm(h[hidden_indices])
+        hidden = self.norm(h[hidden_indices])
+        return logits, hidden if stage is None else stage.from_last(hidden)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head (and final soft cap) over normed hidden states, in float32."""

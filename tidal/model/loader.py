@@ -101,8 +101,8 @@ def _read_safetensors(folder: Path, arch: ModelArch, model: LlamaModel, dtype: t
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
-                local = name if shard is None else shard.expert_name(name)
-                if local is None:  # a routed expert another rank holds
+                local = name if shard is None else shard.local_name(name)
+                if local is None:  # a layer or routed expert another rank holds
                     continue
                 target, part = target_of(local)
                 if target == "lm_head.weight" and arch.tie_word_embeddings:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import numpy as np
@@ -22,57 +22,70 @@ from torch import nn
 
 from tidal.model import shm_all_reduce
 from tidal.model.config import TP_FLAG as FLAG
-from tidal.model.config import ModelArch, part_arch
+from tidal.model.config import ModelArch, part_arch, shard_arch, stage_arch
 from tidal.model.hosts import interface_towards, machine_id
 from tidal.model.mlp import SparseMoE
+from tidal.model.pipeline_parallel import StageLinks
 from tidal.model.shm_all_reduce import ShmAllReduce
 
 
 
 class TPGroup:
-    """This process's place in a tensor-parallel group, over torch.distributed's default
-    process group (gloo: CPU tensors, over loopback or across machines), with the forward
-    pass's all-reduces through shared memory where all ranks share a machine (`shm`);
-    `local`: the group's ranks on this machine."""
+    """This process's place in a tensor-parallel group, over torch.distributed (gloo: CPU
+    tensors, over loopback or across machines), with the forward pass's all-reduces
+    through shared memory where all its ranks share a machine (`shm`); `local`: the ranks
+    on this machine. With pipeline stages the group is one stage's ranks, `links` this
+    rank's StageLinks, and `tp` its torch.distributed subgroup (None: the whole world)."""
 
     def __init__(self, rank: int, size: int, shm: ShmAllReduce | None = None,
-                 local: int | None = None) -> None:
+                 local: int | None = None, tp=None, links: StageLinks | None = None) -> None:
         self.rank, self.size, self.shm = rank, size, shm
         self.local = size if local is None else local
+        self.tp, self.links = tp, links
 
     @classmethod
-    def join(cls, rank: int, size: int, init_method: str, timeout_s: float) -> "TPGroup":
-        """Join the group of ranks that meet at `init_method` (a file store none of them has
-        used, `file://PATH`, where all share this machine; else rank 0's TCP store,
-        `tcp://ADDR:PORT`); a collective that waits longer than `timeout_s` (a rank died or
-        hangs) raises instead of hanging."""
+    def join(cls, rank: int, size: int, init_method: str, timeout_s: float,
+             stages: int = 1) -> "TPGroup":
+        """Join the `stages` x `size` ranks that meet at `init_method` (a file store none of
+        them has used, `file://PATH`, where all share this machine; else rank 0's TCP
+        store, `tcp://ADDR:PORT`) as global rank `rank` (stage rank // size); a collective
+        that waits longer than `timeout_s` (a rank died or hangs) raises instead of
+        hanging."""
         if init_method.startswith("tcp://"):
             # gloo's own pick is the address of the host's name, which may route nowhere
             # near the other machines: the interface that reaches rank 0's instead
             host = init_method.removeprefix("tcp://").rsplit(":", 1)[0]
             os.environ["GLOO_SOCKET_IFNAME"] = interface_towards(host)
+        world = size * stages
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                world_size=size, timeout=timedelta(seconds=timeout_s))
-        machines = [None] * size
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        machines = [None] * world
         dist.all_gather_object(machines, machine_id())
-        local, shm = machines.count(machines[rank]), None
-        if local == size > 1 and shm_all_reduce.supported():
-            shm = ShmAllReduce(rank, size, timeout_s) if rank == 0 else None
+        stage, place = divmod(rank, size)
+        tp, links = None, None
+        if stages > 1:  # every rank makes every subgroup, in the same order
+            rows = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
+            columns = [dist.new_group(list(range(p, world, size))) for p in range(size)]
+            tp, links = rows[stage], StageLinks(rank, size, stages, columns[place])
+        mine = machines[stage * size:(stage + 1) * size]
+        shm = None
+        if mine.count(mine[0]) == size > 1 and shm_all_reduce.supported():
+            shm = ShmAllReduce(place, size, timeout_s) if place == 0 else None
             name = [shm.name if shm else None]
-            dist.broadcast_object_list(name, src=0)
-            shm = shm or ShmAllReduce(rank, size, timeout_s, name=name[0])
-            dist.barrier()  # every rank attached: rank 0 may unlink it at close
-        return cls(rank, size, shm, local)
+            dist.broadcast_object_list(name, src=stage * size, group=tp)
+            shm = shm or ShmAllReduce(place, size, timeout_s, name=name[0])
+            dist.barrier(group=tp)  # every rank attached: its creator may unlink it at close
+        return cls(place, size, shm, machines.count(machines[rank]), tp, links)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks (in float32 on the wire for other dtypes)."""
         if self.shm is not None:
             return self.shm.all_reduce(x)
         if x.dtype == torch.float32:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.tp)
             return x
         wide = x.float()
-        dist.all_reduce(wide)
+        dist.all_reduce(wide, group=self.tp)
         return wide.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,11 +95,12 @@ class TPGroup:
         if self.shm is not None:
             return self.shm.all_gather(x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x)
+        dist.all_gather(parts, x, group=self.tp)
         return torch.cat(parts, dim=1)
 
     def min(self, value: int) -> int:
-        """The least of an integer over the ranks (the KV blocks every rank can hold)."""
+        """The least of an integer over every rank of every stage (the KV blocks all can
+        hold)."""
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
@@ -156,6 +170,7 @@ _ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", 
               "w1", "w3")
 _COLUMN_SPLIT = ("o_proj", "down_proj", "w2")  # by input columns (row-parallel), then summed
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")  # one routed expert's tensor
+_LAYER = re.compile(r"(?<![^.])layers\.(\d+)\.")  # one decoder layer's
 _VOCAB_SPLIT = ("embed_tokens", "lm_head")  # by vocabulary rows
 # A LoRA adapter's (projection, part) -> the checkpoint module it adapts
 _LORA_MODULES = {("qkv", 0): "q_proj", ("qkv", 1): "k_proj", ("qkv", 2): "v_proj",
@@ -169,17 +184,26 @@ class Shard:
     holds the whole model: rows of q/k/v and gate/up, columns of o and down (their bias on
     rank 0 only), vocabulary rows of the embedding and the LM head, the rest whole. Routed
     experts split as a dense MLP does, or with `expert_parallel` each rank keeps 1/size of
-    them whole. `arch`: the whole model's shapes."""
+    them whole. A pipeline stage's rank keeps only its `layers` (None: all), numbered from
+    0. `arch`: the whole model's shapes."""
 
     rank: int
     size: int
     arch: ModelArch
     expert_parallel: bool = False
+    layers: range | None = None
+
+    @property
+    def computed(self) -> ModelArch:
+        """The shapes this rank computes with (shard_arch's, of its stage's layers)."""
+        arch = shard_arch(self.arch, self.size, self.expert_parallel)
+        return arch if self.layers is None else stage_arch(arch, self.layers)
 
     @property
     def part(self) -> ModelArch:
-        """The shapes of the model this rank builds (part_arch)."""
-        return part_arch(self.arch, self.size, self.expert_parallel)
+        """The shapes of the model this rank builds: `computed`, with its vocabulary rows
+        (part_arch's)."""
+        return replace(self.computed, vocab_size=part_arch(self.arch, self.size).vocab_size)
 
     @property
     def first_expert(self) -> int:
@@ -187,9 +211,16 @@ class Shard:
         moe = self.part.moe
         return self.rank * moe.held if moe is not None and self.expert_parallel else 0
 
-    def expert_name(self, name: str) -> str | None:
-        """`name` with a routed expert's id made this rank's (under expert parallelism),
-        or None for an expert another rank holds, which this rank never reads."""
+    def local_name(self, name: str) -> str | None:
+        """Checkpoint tensor `name` with its layer's index made its stage's and a routed
+        expert's id this rank's (under expert parallelism); None for a tensor of a layer
+        or an expert another rank holds, which this rank never reads."""
+        m = _LAYER.search(name)
+        if m is not None and self.layers is not None:
+            if int(m.group(1)) not in self.layers:
+                return None
+            name = f"{name[:m.start()]}layers.{int(m.group(1)) - self.layers.start}." \
+                   f"{name[m.end():]}"
         m = _EXPERT.search(name)
         if m is None or not self.expert_parallel:
             return name
@@ -281,7 +312,11 @@ def split_model(model: nn.Module, group: TPGroup, shard: Shard) -> None:
     """Wrap the modules built of this rank's part so that they meet the other ranks': each
     layer's o and down projections (partial outputs summed), the embedding and the LM head
     (vocabulary rows); a routed experts block's output, a partial sum either way (each
-    expert's share of its rows, or this rank's experts)."""
+    expert's share of its rows, or this rank's experts); and a pipeline stage's model
+    meets its neighbours (`StageLinks`)."""
+    model.stage = group.links
+    if group.size == 1:  # a pipeline stage of one rank: nothing to sum
+        return
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
         if isinstance(layer.mlp, SparseMoE):

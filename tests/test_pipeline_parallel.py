@@ -1,0 +1,129 @@
+"""Pipeline parallelism on CPU ranks over loopback (tidal/model/pipeline_parallel.py):
+each stage holds a contiguous run of the layers and their KV cache, the hidden states go
+stage to stage, and every stage samples from the last stage's final states. Two and three
+stages, and two stages of two tensor-parallel ranks, give one process's greedy and seeded
+tokens and its logprobs within float32 rounding, for Llama (layers that do not divide),
+Gemma 2 (its embedding scale on the first stage only, soft-capping on the last), Mixtral
+with its experts split whole, and a GGUF in its own bits; with prefix-cache hits, n > 1
+and ngram speculation too; a stage reads only its layers; what does not split is refused
+naming the flag."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from model_fixtures import small_folder
+
+from tidal import LLM, SamplingParams
+
+PROMPTS = [[5, 9, 33, 7, 100, 3], [17, 4, 200, 8], [60, 61, 62, 60, 61, 62, 60, 61]]
+LOGPROB_BOUND = 1e-4  # float32 sums in another order (tensor-parallel stages)
+QUANTIZED_BOUND = 0.05  # the int8 rounding of the activations (test_tensor_parallel.py)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp")
+    return {"llama": small_folder(tmp, "llama", "llama", num_hidden_layers=3),
+            "gemma2": small_folder(tmp, "gemma2", "gemma2", seed=1, num_hidden_layers=4,
+                                   sliding_window=4, final_logit_softcapping=30.0),
+            "mixtral": small_folder(tmp, "mixtral", "mixtral", seed=2, num_local_experts=4,
+                                    num_experts_per_tok=2)}
+
+
+def run(model: str, params: SamplingParams, prompts=PROMPTS, **options) -> list:
+    llm = LLM(model, num_kv_blocks=64, num_threads=1, **options)
+    try:
+        return [r.outputs for r in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                params)]
+    finally:
+        llm.close()
+
+
+def assert_same(one: list, other: list, bound: float) -> None:
+    assert [[o.token_ids for o in r] for r in other] == [[o.token_ids for o in r] for r in one]
+    for a, b in zip((o for r in one for o in r), (o for r in other for o in r)):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < bound
+
+
+@pytest.mark.parametrize("family, layout", [
+    ("llama", (1, 2)), ("llama", (1, 3)), ("llama", (2, 2)), ("gemma2", (1, 2)),
+    ("mixtral", (2, 2))])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_stages_give_one_process_tokens_and_logprobs(folders, family, layout, sampled):
+    tp, pp = layout
+    params = SamplingParams(max_tokens=10, temperature=0.8 if sampled else 0.0,
+                            seed=7 if sampled else None, logprobs=2, ignore_eos=True)
+    one = run(str(folders[family]), params, dtype="float32")
+    split = run(str(folders[family]), params, dtype="float32", tensor_parallel_size=tp,
+                pipeline_parallel_size=pp, enable_expert_parallel=family == "mixtral")
+    assert_same(one, split, LOGPROB_BOUND)
+
+
+def test_stages_hit_the_prefix_cache_sample_n_and_speculate_as_one_process(folders):
+    """A prompt that repeats an earlier one's prefix hits the cache, n = 3 siblings share
+    the prompt's blocks, and ngram guesses are verified, each stage over its own layers'
+    KV."""
+    base = [60, 61, 62, 60, 61, 62, 60, 61] * 3
+    params = SamplingParams(max_tokens=12, temperature=0.0, n=3, logprobs=1, ignore_eos=True)
+    options = dict(dtype="float32", speculative_method="ngram", num_speculative_tokens=3,
+                   enable_prefix_caching=True, num_kv_blocks=64, num_threads=1)
+    outs = []
+    for stages in (1, 2):
+        llm = LLM(str(folders["llama"]), pipeline_parallel_size=stages, **options)
+        try:
+            outs.append([r.outputs for prompts in ([base], [base + [7, 8], [17, 4, 200, 8]])
+                         for r in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                               params)])
+            assert llm.engine.scheduler.prefix_hit_tokens >= 16
+            if stages == 2:  # stage 0: layers 0-1 of 3, and their KV alone
+                worker = llm.engine.executor.worker
+                assert len(worker.model.layers) == len(worker.kv.layers) == 2
+        finally:
+            llm.close()
+    assert_same(*outs, LOGPROB_BOUND)
+
+
+def test_a_ggufs_stages_read_only_their_layers(tmp_path, folders):
+    """Two stages over a GGUF in its own bits (Q8_0) give one process's tokens; stage 0
+    holds layers 0-1 as the file stores them and never reads layer 2."""
+    from test_gguf import write_gguf
+
+    from tidal.model.gguf_quants import GGUFLinear
+
+    os.environ.setdefault("TIDAL_CACHE", str(tmp_path / "cache"))
+    path = str(write_gguf(folders["llama"], "llama", tmp_path / "llama.gguf", qtype=QT.Q8_0))
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+    one = LLM(path, num_kv_blocks=64, num_threads=1)
+    two = LLM(path, num_kv_blocks=64, num_threads=1, pipeline_parallel_size=2)
+    try:
+        outs = [[r.outputs for r in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                 params)] for llm in (one, two)]
+        assert_same(*outs, QUANTIZED_BOUND)
+        whole, stage = one.engine.runner.model, two.engine.executor.worker.model
+        assert len(stage.layers) == 2 and len(whole.layers) == 3
+        for mine, same in zip(stage.layers, whole.layers):  # layers 0 and 1, in the file's bits
+            part, full = mine.mlp.down_proj, same.mlp.down_proj
+            assert isinstance(part, GGUFLinear) and part.parts[0].qtype == QT.Q8_0
+            assert torch.equal(part.parts[0].data, full.parts[0].data)
+        # every tensor but the third layer's (stage 1's), which stage 0 never read
+        assert sorted(stage.gguf) == sorted(n for n in whole.gguf if ".layers.2." not in n)
+    finally:
+        one.close()
+        two.close()
+
+
+def test_stage_counts_and_options_that_do_not_split_are_refused_naming_the_flag(folders):
+    with pytest.raises(ValueError, match=r"--pipeline-parallel-size 4 must be in 1\.\.3"):
+        LLM(str(folders["llama"]), pipeline_parallel_size=4, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2: LoRA .*--enable-lora"):
+        LLM(str(folders["llama"]), pipeline_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2: a P/D instance"):
+        LLM(str(folders["llama"]), pipeline_parallel_size=2, role="prefill")
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):
+        LLM(str(folders["llama"]), pipeline_parallel_size=0)
