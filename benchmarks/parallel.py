@@ -1,17 +1,17 @@
-"""Tensor parallelism on this machine: one process with every core against N ranks sharing
-them, offline, on a Llama-shaped model with random weights (`--load-format dummy`; the
+"""Tensor and pipeline parallelism on this machine: one process with every core against N
+ranks sharing them (TP ranks in each of PP stages), offline, on a Llama-shaped model with random weights (`--load-format dummy`; the
 speed of a step does not depend on the values), greedy, ignore_eos. Prints output tok/s
 one request at a time and C at once, and the ratio N ranks / one process.
 
-    python benchmarks/parallel.py [--tp 2] [--concurrency 1 8] [--max-tokens 32]
+    python benchmarks/parallel.py [--tp 2] [--pp 1] [--concurrency 1 8] [--max-tokens 32]
         [--hidden 1024] [--layers 16] [--dtype float32] [--q4km]
 
 `--q4km`: the same shape as a GGUF file in Q4_K_M's formats (q/k/o/gate/up Q4_K, v/down
 and the tied embedding Q6_K; random valid blocks), run in its own formats; `--hidden 2048
 --layers 16 --q4km` is a Llama-3.2-1B shape (with the embedded model's 49k vocabulary).
 
-The target of the issue: N = 2 ranks of one thread each >= 0.9x one process of two threads
-(the all-reduces, two a layer, must cost under 10%).
+The targets: N = 2 ranks of one thread each >= 0.9x one process of two threads (the
+all-reduces, two a layer, must cost under 10%); two pipeline stages >= 0.9x at 8 concurrent.
 """
 
 from __future__ import annotations
@@ -102,14 +102,14 @@ def q4km_file(tmp: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def throughput(model: Path, tp: int, threads: int, concurrency: list[int], max_tokens: int,
-               dtype: str) -> dict[int, float]:
+def throughput(model: Path, tp: int, pp: int, threads: int, concurrency: list[int],
+               max_tokens: int, dtype: str) -> dict[int, float]:
     from tidal import LLM, SamplingParams
 
     options = ({} if model.suffix == ".gguf"  # its own formats, in float32 (--dtype auto)
                else dict(dtype=dtype, load_format="dummy"))
-    llm = LLM(str(model), tensor_parallel_size=tp, num_threads=threads, num_kv_blocks=512,
-              max_model_len=1024, **options)
+    llm = LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              num_threads=threads, num_kv_blocks=512, max_model_len=1024, **options)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     try:
@@ -130,6 +130,7 @@ def throughput(model: Path, tp: int, threads: int, concurrency: list[int], max_t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (of --tp ranks each)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -142,14 +143,15 @@ def main() -> None:
         os.environ.setdefault("TIDAL_CACHE", str(Path(tmp) / "cache"))
         model = (q4km_file(Path(tmp), args.hidden, args.layers) if args.q4km
                  else model_folder(Path(tmp), args.hidden, args.layers))
-        one = throughput(model, 1, cores, args.concurrency, args.max_tokens, args.dtype)
-        split = throughput(model, args.tp, max(1, cores // args.tp), args.concurrency,
+        ranks = args.tp * args.pp
+        one = throughput(model, 1, 1, cores, args.concurrency, args.max_tokens, args.dtype)
+        split = throughput(model, args.tp, args.pp, max(1, cores // ranks), args.concurrency,
                            args.max_tokens, args.dtype)
     kind = "Q4_K_M formats" if args.q4km else args.dtype
     print(f"\nLlama shape hidden {args.hidden} x {args.layers} layers, {kind}, "
           f"{cores} cores; output tok/s ({args.max_tokens} tokens a request)")
-    print(f"| concurrent | 1 process, {cores} threads | TP={args.tp}, "
-          f"{max(1, cores // args.tp)} thread(s) each | TP / 1 |")
+    print(f"| concurrent | 1 process, {cores} threads | TP={args.tp} x PP={args.pp}, "
+          f"{max(1, cores // ranks)} thread(s) each | split / 1 |")
     print("|---|---|---|---|")
     for c in args.concurrency:
         print(f"| {c} | {one[c]:.1f} | {split[c]:.1f} | {split[c] / one[c]:.2f}x |")

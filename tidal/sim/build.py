@@ -10,7 +10,8 @@ from typing import Any
 from tidal.cluster.launch import parse_pd
 from tidal.core.step_sizing import default_step_target
 from tidal.engine.config import EngineConfig
-from tidal.model.config import ModelArch, check_shardable, part_arch
+from tidal.model.config import (ModelArch, check_shardable, part_arch, stage_arch,
+                                stage_layers)
 from tidal.sim.cost_model import CostModel
 from tidal.sim.profiles import Hardware, hardware, kv_blocks_for, model_arch
 from tidal.sim.simulator import ClusterSpec, Simulator
@@ -64,15 +65,17 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
         raise ValueError("num_speculative_tokens in a simulation needs spec_acceptance "
                          "(--spec-acceptance): the chance each guess is accepted")
     config = EngineConfig.from_kwargs(**knobs)  # routes each knob to the config owning it
-    tp = config.parallel.tensor_parallel_size
+    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     experts = config.parallel.enable_expert_parallel
     check_shardable(arch, tp, experts)
     rank = part_arch(arch, tp, experts)  # what each device of a replica holds and computes
-    if config.model.num_kv_blocks is None:  # what fits beside the weights
-        blocks = kv_blocks_for(rank, hw, config.cache.block_size)
+    if config.model.num_kv_blocks is None:  # what fits beside the weights (the first stage
+        # holds the most layers)
+        stage = stage_arch(rank, stage_layers(arch.num_layers, pp, 0))
+        blocks = kv_blocks_for(stage, hw, config.cache.block_size)
         config = replace(config, model=replace(config.model, num_kv_blocks=blocks),
                          cache=replace(config.cache, num_blocks=blocks))
-    cost = CostModel(rank, hw, tp)
+    cost = CostModel(rank, hw, tp, pp)
     if config.scheduler.max_step_ms is None:  # as the engine derives it on that hardware
         target = (hw.max_step_ms if hw.max_step_ms is not None
                   else default_step_target(not hw.on_cpu, cost))

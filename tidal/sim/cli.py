@@ -53,7 +53,8 @@ def add_simulate_parser(sub) -> None:
     # the devices each spans (the hardware's memory sizes the pool when --num-kv-blocks is not
     # given).
     add_engine_flags(p, only=("cache", "scheduler"),
-                     extra=("num_kv_blocks", "data_parallel_size", "tensor_parallel_size"))
+                     extra=("num_kv_blocks", "data_parallel_size", "tensor_parallel_size",
+                            "pipeline_parallel_size", "enable_expert_parallel"))
     p.set_defaults(func=cmd_simulate)
 
 
@@ -93,7 +94,9 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     result["simulation"] = {
         "hardware": asdict(hw), "pd": args.pd, "prefill_path": args.prefill_path,
         "data_parallel_size": config.parallel.data_parallel_size,
-        "tensor_parallel_size": config.parallel.tensor_parallel_size, "routing": args.routing,
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+        "enable_expert_parallel": config.parallel.enable_expert_parallel, "routing": args.routing,
         "num_kv_blocks": config.cache.num_blocks, "scheduler": config.scheduler.as_kwargs(),
         "length_scale": spec.length_scale, "steps": run.steps,
         "busy_seconds": run.busy_seconds,

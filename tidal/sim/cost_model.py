@@ -10,9 +10,16 @@ For a step's scheduled requests (each `n` new tokens after `c` cached ones):
               + (2 * L + 1) * (all_reduce_latency + tokens * H * dtype bytes / all_reduce_bandwidth)
               + all_reduce_latency + sampled rows * V * 4 bytes / all_reduce_bandwidth
                                                   with tensor parallelism (tp > 1)
+              + (pp - 1) * (all_reduce_latency + tokens * H * 4 bytes / all_reduce_bandwidth)
+              + all_reduce_latency + sampled rows * H * 4 bytes / all_reduce_bandwidth
+                                                  with pipeline stages (pp > 1)
 Under tensor parallelism every term is one rank's: its heads, MLP rows and vocabulary rows
 (`arch` is the rank's shapes), as tidal splits a model; the group sums each layer's two
-partial outputs and the embedding's, and gathers the sampled rows' logits.
+partial outputs and the embedding's, and gathers the sampled rows' logits. Pipeline stages
+run a step one after another, so the layers' terms are every layer's as on one rank (each
+stage's memory holds only its layers, `kv_blocks_for` a stage's shapes), plus the hidden
+states sent from stage to stage and the last stage's final states sent back to all
+(over the same links as the all-reduces).
 or, for a profile holding a server's learned model (`step_time`), what that model predicts
 plus step_overhead.
 """
@@ -33,10 +40,10 @@ __all__ = ["CostModel", "StepShape"]
 class CostModel:
     """Step times of a model on a piece of hardware (a `tidal.core.StepTimeModel`); with
     `tp` > 1, of one of its tensor-parallel ranks (`arch`: the rank's shapes, part_arch's)
-    and the group's all-reduces and logits gather."""
+    and the group's all-reduces and logits gather; with `pp` > 1, of its stages in turn."""
 
-    def __init__(self, arch: ModelArch, hw: Hardware, tp: int = 1) -> None:
-        self.arch, self.hw = arch, hw
+    def __init__(self, arch: ModelArch, hw: Hardware, tp: int = 1, pp: int = 1) -> None:
+        self.arch, self.hw, self.stages = arch, hw, pp
         # two all-reduces a layer and the embedding's, each a call and the step's hidden
         # states; one gather of the sampled rows' float32 logits
         self.all_reduces = 2 * arch.num_layers + 1 if tp > 1 else 0
@@ -84,7 +91,18 @@ class CostModel:
             return self.learned.shape_time(shape) + hw.step_overhead
         return (self.roofline(shape) + hw.step_overhead + hw.seq_overhead * shape.seqs
                 + hw.token_overhead * shape.tokens + hw.context_overhead * shape.gathered
-                + self.all_reduce_time(shape.tokens, shape.sampled))
+                + self.all_reduce_time(shape.tokens, shape.sampled)
+                + self.stage_time(shape.tokens, shape.sampled))
+
+    def stage_time(self, tokens: int, sampled: int) -> float:
+        """A step's hand-offs between pipeline stages (none with one stage)."""
+        if self.stages == 1:
+            return 0.0
+        hw = self.hw
+        bandwidth = hw.all_reduce_bandwidth or float("inf")
+        row = 4 * self.arch.hidden_size  # float32 on the wire
+        return ((self.stages - 1) * (hw.all_reduce_latency + tokens * row / bandwidth)
+                + hw.all_reduce_latency + sampled * row / bandwidth)
 
     def all_reduce_time(self, tokens: int, sampled: int = 0) -> float:
         """A step's all-reduces of `tokens` rows and gather of `sampled` rows' logits (none

@@ -69,3 +69,23 @@ def test_experts_split_by_rows_or_whole_cost_a_rank_alike_on_average(tmp_path):
                                          r"model's 8 routed experts \(--enable-expert-parallel"):
         build_simulator(str(tmp_path), "h100", {"tensor_parallel_size": 16,
                                                 "enable_expert_parallel": True})
+
+
+def test_pipeline_stages_run_in_turn_hold_their_layers_and_pay_their_hand_offs():
+    """Llama-3-70B as four ranks in each of two stages: a step costs what the four ranks'
+    step over every layer costs plus one hand-off of the step's hidden states and one of
+    the sampled rows' final states back; each device holds half the layers, so the KV
+    pool holds more blocks than four ranks of every layer can, and eight stages of one
+    rank need no all-reduce at all."""
+    arch = model_arch("llama-3-70b")
+    slow = Hardware("h100-slow-links", 989e12, 3.35e12, 80e9, all_reduce_latency=1e-4,
+                    all_reduce_bandwidth=1e9)
+    decode = StepShape([(1, 100, True)] * 8)
+    four, staged = (CostModel(part_arch(arch, 4), slow, tp=4, pp=pp) for pp in (1, 2))
+    hand_offs = 2e-4 + 8 * arch.hidden_size * 4 / 1e9 * 2
+    assert staged.shape_time(decode) - four.shape_time(decode) == pytest.approx(hand_offs)
+    assert CostModel(arch, slow, pp=8).all_reduce_time(8, 8) == 0.0
+    blocks = [build_simulator("llama-3-70b", "h100", {"tensor_parallel_size": 4,
+                                                       "pipeline_parallel_size": pp})[3]
+              .cache.num_blocks for pp in (1, 2)]
+    assert blocks[1] > 2 * blocks[0]
