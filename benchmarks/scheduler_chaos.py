@@ -37,7 +37,7 @@ def random_driver(rng: random.Random) -> SchedulerDriver:
         ttft=rng.choice(SLO_TARGETS), tpot=rng.choice(SLO_TARGETS),
         overload=rng.choice(["defer", "reject"]), guesses=rng.choice([0, 0, 1, 3]),
         adaptive=rng.random() < 0.5, seed=rng.randint(0, 2**31),
-        max_step_ms=rng.choice([None, None, 3.0, 6.0]))
+        max_step_ms=rng.choice([None, None, 3.0, 6.0]), batches=rng.choice([1, 1, 2, 3]))
 
 
 def one_op(d: SchedulerDriver, rng: random.Random) -> str:

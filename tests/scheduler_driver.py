@@ -35,7 +35,8 @@ class SchedulerDriver:
                  max_num_seqs: int, clip: int, margin: float, ttft: float | None = None,
                  tpot: float | None = None, overload: str = "defer", guesses: int = 0,
                  adaptive: bool = True, seed: int = 0, max_loras: int = 1,
-                 lora_wait: int = 32, max_step_ms: float | None = None) -> None:
+                 lora_wait: int = 32, max_step_ms: float | None = None,
+                 batches: int = 1) -> None:
         options = {  # each policy takes only its own options
             "longest_prefix_match": dict(lpm_aging_steps=8),
             "slo": dict(ttft_slo_ms=ttft, tpot_slo_ms=tpot, slo_overload=overload,
@@ -46,11 +47,17 @@ class SchedulerDriver:
             batch_mode=batch_mode, policy=policy, role=role, async_scheduling=async_scheduling,
             max_num_seqs=max_num_seqs, clip_max_new_tokens=clip, safety_margin=margin,
             max_model_len=256, num_speculative_tokens=guesses, speculative_adaptive=adaptive,
-            max_loras=max_loras, lora_wait_steps=lora_wait, max_step_ms=max_step_ms, **options)
+            max_loras=max_loras, lora_wait_steps=lora_wait, max_step_ms=max_step_ms,
+            batches_in_flight=batches, **options)
         self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)),
                            step_time=LinearSteps(), clock=self.now)
         self.scheduled: set[str] = set()  # every request id a step ever computed for
         self.inflight: deque = deque()
+        # batches > 1: a pipeline's executor, which starts each step when planned (it must
+        # know every token the step reads then) and completes them in order; requests
+        # that finished while a step in flight held them are forgotten after it
+        self.batches = batches
+        self.forget_later: set[str] = set()
         self.known: dict[str, list[int]] = {}  # the executor's tokens, from plain data only
         self.num_samples: dict[str, int] = {}
         self.next_token = 10
@@ -78,11 +85,23 @@ class SchedulerDriver:
         self.work += n * (len(prompt) + max_tokens)
 
     def step(self, emit_eos: bool) -> None:
-        self.inflight.append(self.s.schedule())
+        out = self.s.schedule()
         self.s.check_invariants()
-        self._check_step_time(self.inflight[-1])
+        self._check_step_time(out)
         self.steps_taken += 1
-        if not self.s.config.async_scheduling or len(self.inflight) > 1:
+        if self.batches == 1:
+            self.inflight.append(out)
+            if not self.s.config.async_scheduling or len(self.inflight) > 1:
+                self._finish_oldest(emit_eos)
+            return
+        # as the engine core's pipelined loop: launch a plan with anything in it, complete
+        # the oldest once the pipeline is full or nothing new started
+        started = bool(out.scheduled or out.block_copies or out.new_requests
+                       or out.finished_ids or out.preempted_ids)
+        if started:
+            self.inflight.append(out)
+            self._launch(out)
+        if self.inflight and (not started or len(self.inflight) >= self.batches):
             self._finish_oldest(emit_eos)
 
     def abort(self, rid: str) -> None:
@@ -117,7 +136,10 @@ class SchedulerDriver:
             self._finish_oldest(False)
         s.check_invariants()
         assert s.kv.num_free == s.kv.num_blocks  # nothing leaked
-        self._execute(s.schedule(), False)  # the last finished ids reach the executor
+        last = s.schedule()  # the last finished ids reach the executor
+        if self.batches > 1:
+            self._launch(last)
+        self._execute(last, False)
         assert self.known == {}, "the executor was never told these requests finished"
         self.work = 0
 
@@ -125,6 +147,10 @@ class SchedulerDriver:
     def _finish_oldest(self, emit_eos: bool) -> None:
         out = self.inflight.popleft()
         self._execute(out, emit_eos)
+        held = {x.request_id for step in self.inflight for x in step.scheduled}
+        for rid in [r for r in self.forget_later if r not in held]:
+            self.forget_later.discard(rid)
+            self.known.pop(rid, None)
         for o in self.s.update(out, self.outputs):
             if o.finish_reason == "rejected":  # only before any compute, with no token
                 assert o.request_id not in self.scheduled and not o.new_token_ids
@@ -141,15 +167,35 @@ class SchedulerDriver:
                 f"step {out.step}: {prompt} prompt tokens, predicted {seconds * 1e3:.2f} ms "
                 f"over the {self.s.max_step * 1e3:g} ms target")
 
-    def _execute(self, out, emit_eos: bool) -> dict[str, list[int]]:
-        """What a model runner does with a plan: forget finished requests, learn new ones,
-        read each entry's tokens, sample, keep its own samples."""
-        s = self.s
+    def _launch(self, out) -> None:
+        """A model runner starting a plan: forget finished requests (after the steps in
+        flight that hold them), learn new ones; every token its entries read is known."""
+        held = {x.request_id for step in list(self.inflight)[:-1] for x in step.scheduled}
         for rid in out.finished_ids:
-            self.known.pop(rid, None)
+            if rid in held:
+                self.forget_later.add(rid)
+            else:
+                self.known.pop(rid, None)
         for new in out.new_requests:
             self.known[new.request_id] = new.prompt_token_ids + new.output_token_ids
             self.num_samples[new.request_id] = new.num_samples
+        for x in out.scheduled:  # a decode reads its last token, a chunk its prompt's
+            assert x.request_id in self.known, f"{x.request_id} started before it was known"
+            read = x.num_computed_tokens + (x.num_new_tokens if x.is_prefill else 1)
+            assert len(self.known[x.request_id]) >= read, (
+                f"{x.request_id} started before its previous token returned")
+
+    def _execute(self, out, emit_eos: bool) -> dict[str, list[int]]:
+        """What a model runner does with a plan: forget finished requests, learn new ones
+        (on starting it, for a pipeline's), read each entry's tokens, sample, keep its own
+        samples."""
+        s = self.s
+        if self.batches == 1:
+            for rid in out.finished_ids:
+                self.known.pop(rid, None)
+            for new in out.new_requests:
+                self.known[new.request_id] = new.prompt_token_ids + new.output_token_ids
+                self.num_samples[new.request_id] = new.num_samples
         sampled, drafted, proposed = {}, {}, {}
         for x in out.scheduled:
             rid, c, n = x.request_id, x.num_computed_tokens, x.num_new_tokens

@@ -1,12 +1,13 @@
 """Pipeline parallelism on CPU ranks over loopback (tidal/model/pipeline_parallel.py):
 each stage holds a contiguous run of the layers and their KV cache, the hidden states go
 stage to stage, and every stage samples from the last stage's final states. Two and three
-stages, and two stages of two tensor-parallel ranks, give one process's greedy and seeded
-tokens and its logprobs within float32 rounding, for Llama (layers that do not divide),
+stages, and two stages of two tensor-parallel ranks, with a step in flight per stage or one
+in all, give one process's greedy and seeded tokens and its logprobs within float32
+rounding, for Llama (layers that do not divide),
 Gemma 2 (its embedding scale on the first stage only, soft-capping on the last), Mixtral
 with its experts split whole, and a GGUF in its own bits; with prefix-cache hits, n > 1
-and ngram speculation too; a stage reads only its layers; what does not split is refused
-naming the flag."""
+and ngram speculation too; steps in flight share the decodes; a stage reads only its
+layers; what does not split is refused naming the flag."""
 
 from __future__ import annotations
 
@@ -51,18 +52,35 @@ def assert_same(one: list, other: list, bound: float) -> None:
             assert abs(x.logprob - y.logprob) < bound
 
 
-@pytest.mark.parametrize("family, layout", [
-    ("llama", (1, 2)), ("llama", (1, 3)), ("llama", (2, 2)), ("gemma2", (1, 2)),
-    ("mixtral", (2, 2))])
+@pytest.mark.parametrize("family, layout", [  # (TP, PP, steps in flight: the stages')
+    ("llama", (1, 2, 2)), ("llama", (1, 3, 3)), ("llama", (2, 2, 2)), ("llama", (1, 2, 1)),
+    ("gemma2", (1, 2, 2)), ("mixtral", (2, 2, 2))])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_stages_give_one_process_tokens_and_logprobs(folders, family, layout, sampled):
-    tp, pp = layout
+    tp, pp, batches = layout
     params = SamplingParams(max_tokens=10, temperature=0.8 if sampled else 0.0,
                             seed=7 if sampled else None, logprobs=2, ignore_eos=True)
     one = run(str(folders[family]), params, dtype="float32")
     split = run(str(folders[family]), params, dtype="float32", tensor_parallel_size=tp,
-                pipeline_parallel_size=pp, enable_expert_parallel=family == "mixtral")
+                pipeline_parallel_size=pp, batches_in_flight=batches,
+                enable_expert_parallel=family == "mixtral")
     assert_same(one, split, LOGPROB_BOUND)
+
+
+def test_two_stages_keep_two_steps_in_flight_of_half_the_decodes_each(folders):
+    """Four requests decoding over two stages: each step takes two of them (the other two
+    are in the other step in flight), through each stage's C++ decoder."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(folders["llama"]), num_kv_blocks=64, num_threads=1, dtype="float32",
+              pipeline_parallel_size=2)
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS + [[9, 8, 7]]], params)
+        decodes = [s.decode_tokens for s in llm.engine.core.history.steps
+                   if not s.prefill_tokens]
+        assert max(decodes) == 2 and decodes.count(2) >= 10
+        assert llm.engine.executor.info.decoder
+    finally:
+        llm.close()
 
 
 def test_stages_hit_the_prefix_cache_sample_n_and_speculate_as_one_process(folders):

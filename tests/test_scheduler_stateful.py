@@ -34,6 +34,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_loras=st.integers(1, 3),
         lora_wait=st.sampled_from([0, 2, 32]),
         max_step_ms=st.sampled_from([None, None, 3.0, 6.0]),  # 20 and 50 tokens a step
+        batches=st.sampled_from([1, 1, 2, 3]),  # steps in flight: pipeline stages
     )
     def setup(self, **config):
         self.d = SchedulerDriver(**config)

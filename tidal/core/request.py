@@ -284,9 +284,11 @@ class Request:
                 f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")
 
 
-def ready_to_decode(decoding: list[Request]) -> list[Request]:
-    """Those whose next position's token is known or in flight and that may still grow
-    (an executor one step ahead may already hold a request's last token)."""
+def ready_to_decode(decoding: list[Request], ahead: bool = True) -> list[Request]:
+    """Those whose next position's token is known or, where the executor runs one step
+    ahead (`ahead`: it may already hold a request's last token), in flight, and that may
+    still grow."""
     return [r for r in decoding
             if (g := len(r.output_token_ids) + r.num_in_flight) < r.out_limit
-            and r.num_computed_tokens < len(r.prompt_token_ids) + g]
+            and r.num_computed_tokens < len(r.prompt_token_ids) + (
+                g if ahead else len(r.output_token_ids))]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from tidal.core.config import CacheConfig, SchedulerConfig, knob
@@ -377,6 +377,12 @@ class EngineConfig:
         if pp > 1 and self.lora.enable_lora:
             raise ValueError(f"--pipeline-parallel-size {pp}: LoRA adapters need every layer "
                              f"in each rank for now (--enable-lora)")
+        if pp > 1 and self.scheduler.batches_in_flight == 1 and not self.scheduler.async_scheduling:
+            # a step in flight per stage (async_scheduling runs one step ahead instead)
+            object.__setattr__(self, "scheduler", replace(self.scheduler, batches_in_flight=pp))
+        if self.scheduler.batches_in_flight > pp:
+            raise ValueError(f"batches_in_flight={self.scheduler.batches_in_flight} needs as "
+                             f"many pipeline stages (--pipeline-parallel-size {pp})")
         if pp > 1 and self.scheduler.role != "mixed":
             raise ValueError(f"--pipeline-parallel-size {pp}: a P/D instance moves every "
                              f"layer's KV from one rank group for now (--role "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -85,8 +86,11 @@ class EngineCore:
         self.execute_seconds = 0.0  # wall time in the model runner since start
         self.history = StepHistory()  # recent steps, for the dashboard
         # Async scheduling: one worker thread runs the forward pass (torch releases the GIL).
-        self._pool = ThreadPoolExecutor(1, "tidal-step") if sched_cfg.async_scheduling else None
+        self._depth = sched_cfg.batches_in_flight  # steps the executor holds at once
+        self._pool = (ThreadPoolExecutor(1, "tidal-step")
+                      if sched_cfg.async_scheduling or self._depth > 1 else None)
         self._pending: tuple[SchedulerOutput, Future] | None = None
+        self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # launched steps
         phases.done("scheduler")
         log.info("model loaded in %.2fs (%s; %s, %s); KV cache: %d blocks x %d tokens = "
                  "%.1f MiB; step target %s", phases.total, phases, info.device,
@@ -156,7 +160,8 @@ class EngineCore:
         return [RequestOutput(request_id, [], True, "error", message)]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        return (self.scheduler.has_unfinished_requests() or self._pending is not None
+                or bool(self._in_flight))
 
     def profiling(self) -> bool:
         """Whether shapes of the step-time profile are left to time while idle."""
@@ -183,16 +188,48 @@ class EngineCore:
         """Whether a step would do anything: requests that only await their KV from a
         prefill instance (decode role) need none."""
         s = self.scheduler
-        return bool(s.running or s.waiting or s.preempted) or self._pending is not None
+        return (bool(s.running or s.waiting or s.preempted) or self._pending is not None
+                or bool(self._in_flight))
 
     def step(self) -> list[RequestOutput]:
         """One step: the requests' new tokens (and finishes), each with its tokens' logprobs
         and, on its first token, its prompt logprobs where it asked for them. With async
         scheduling these are the previous step's, and the next one is running."""
+        if self._depth > 1:
+            return self._step_pipelined()
         if self._pool is not None:
             return self._step_overlapped()
         out = self._schedule()
         return self._complete(out, self._execute(out))
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Several steps in the executor at once (pipeline stages, one each): plan a step
+        of requests no step in flight holds (the scheduler keeps them apart) and launch
+        it, then complete the oldest once the pipeline is full or nothing new could start.
+        Steps complete in launch order, so a preemption's ack, a finished request's
+        forgetting and a re-admission reach the runner after every step that held it."""
+        out = self._schedule() if self.scheduler.has_unfinished_requests() else None
+        started = out is not None and bool(out.scheduled or out.block_copies
+                                           or out.new_requests or out.finished_ids
+                                           or out.preempted_ids)
+        if started:
+            for s in out.scheduled:  # the runner reads them later: tables grow in place
+                s.block_ids = list(s.block_ids)
+            self._in_flight.append((out, time.perf_counter()))
+            self._pool.submit(self._launch, out).result()
+        if not self._in_flight or (started and len(self._in_flight) < self._depth):
+            return []
+        prev, t0 = self._in_flight.popleft()
+        return self._complete(prev, self._pool.submit(self._collect, prev, t0).result())
+
+    def _launch(self, out: SchedulerOutput) -> None:
+        self.prompt_tokens += _prefill_tokens(out)
+        self.executor.launch(out)
+
+    def _collect(self, out: SchedulerOutput, t0: float) -> ModelOutput:
+        result = self.executor.complete()
+        self._observe(out, result, time.perf_counter() - t0)
+        return result
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Plan step N+1 while step N runs on the worker thread, then wait for N, update,
@@ -222,8 +259,7 @@ class EngineCore:
     def _execute(self, out: SchedulerOutput) -> ModelOutput | Exception:
         if not (out.scheduled or out.block_copies or out.new_requests or out.finished_ids):
             return ModelOutput(preempted_ack=list(out.preempted_ids))
-        prefill = sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
-        self.prompt_tokens += prefill
+        self.prompt_tokens += _prefill_tokens(out)
         t0 = time.perf_counter()
         try:
             result = self.executor.execute(out)
@@ -235,7 +271,12 @@ class EngineCore:
             return exc
         finally:
             seconds = time.perf_counter() - t0
-            self.execute_seconds += seconds
+        self._observe(out, result, seconds)
+        return result
+
+    def _observe(self, out: SchedulerOutput, result: ModelOutput, seconds: float) -> None:
+        """A step's time (launch to output), for the step-time models and the history."""
+        self.execute_seconds += seconds
         predicted = 0.0
         if self._learners:
             sched = self.scheduler
@@ -246,8 +287,8 @@ class EngineCore:
             for model in self._learners:
                 model.observe(shape, seconds)
         accepted = sum(len(result.sampled[rid]) - 1 for rid in result.drafted)
-        self.history.record(out, seconds, time.time(), prefill, accepted, predicted)
-        return result
+        self.history.record(out, seconds, time.time(), _prefill_tokens(out), accepted,
+                            predicted)
 
     def _complete(self, out: SchedulerOutput, result: ModelOutput | Exception,
                   ) -> list[RequestOutput]:
@@ -267,6 +308,10 @@ class EngineCore:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.executor.close()
+
+
+def _prefill_tokens(out: SchedulerOutput) -> int:
+    return sum(s.num_new_tokens for s in out.scheduled if s.is_prefill)
 
 
 def attach_row_data(outputs: list[RequestOutput], result: ModelOutput) -> None:

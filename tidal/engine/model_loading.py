@@ -55,9 +55,9 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
         convert_layers(model, config, quantization, dtype, device, ext)
     if tp is not None:
         split_model(model, tp, shard)
-        if ext is None or tp.shm is None:  # the decoder sums through the shared segment
+        if ext is None or (tp.size > 1 and tp.shm is None):  # its sums need the segment
             return model, None
-        return model, cpu_decode.build_decoder(model, tp.shm.use_extension(ext))
+        return model, cpu_decode.build_decoder(model, tp.shm and tp.shm.use_extension(ext))
     # Decode-only steps run as one C++ call where the model allows (CPU).
     return model, cpu_decode.build_decoder(model) if ext else None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -22,12 +23,30 @@ from tidal.engine.step_inputs import StepInputs
 from tidal.engine.structured import Grammars, Matchers
 from tidal.model.attention import AttentionBackend
 from tidal.model.config import ModelArch
+from tidal.model.pipeline_parallel import Pending
 from tidal.model.pooling import Pooling
 from tidal.model.sampler import SampleRow, needs_penalty, sample
 from tidal.spec import Guesser
 from tidal.spec.tree import GuessTree
 
 log = logging.getLogger("tidal.engine")
+
+
+class _Launch:
+    """A step between `launch` and `complete`: its plan, failures found so far, guesses,
+    grammar masks in the making, each pass's batch and forward result, and requests that
+    finished meanwhile (forgotten once it completes)."""
+
+    __slots__ = ("out", "failed", "guesses", "masks", "passes", "finished", "rids")
+
+    def __init__(self, out: SchedulerOutput) -> None:
+        self.out = out
+        self.failed: dict[str, str] = {}  # requests that cannot go on, and why
+        self.guesses: dict[str, GuessTree] = {}
+        self.masks = None
+        self.passes: list[tuple[StepBatch, object]] = []
+        self.finished: list[str] = []
+        self.rids = {s.request_id for s in out.scheduled}
 
 
 class _Seq:
@@ -85,6 +104,7 @@ class ModelRunner:
         self.batches = BatchBuilder(kv.block_size, kv.null_block, self.device, backend,
                                     StepInputs(self.device), max_forward_tokens)
         self.graphs: DecodeGraphs | None = None
+        self.launched: deque[_Launch] = deque()  # steps started, not yet completed
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -128,10 +148,21 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
+        return self.complete(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> "_Launch":
+        """Start a step: its requests in, its guesses and grammar masks begun, its forward
+        passes run (a pipeline stage before the last leaves their ends `Pending`); its
+        output is `complete`'s, steps completing in the order they started."""
         guesser = self.guesser
-        failed: dict[str, str] = {}  # requests that cannot go on, and why
-        for rid in out.finished_ids:
-            self.forget(rid, finished=True)
+        launch = _Launch(out)
+        busy = {rid for earlier in self.launched for rid in earlier.rids}
+        for rid in out.finished_ids:  # one still in an earlier step goes when that one does
+            if rid in busy:
+                self.launched[-1].finished.append(rid)
+            else:
+                self.forget(rid, finished=True)
         for new in out.new_requests:  # a retracted request comes back with its tokens
             self.seqs[new.request_id] = _Seq(new)
             if guesser is not None:  # whatever it held was guessed after tokens now dropped
@@ -140,17 +171,26 @@ class ModelRunner:
                 why = self._matchers().add(new.request_id, *new.sampling_params.structured,
                                            list(new.output_token_ids))
                 if why is not None:
-                    failed[new.request_id] = why
-        if not out.scheduled:
-            return ModelOutput(preempted_ack=list(out.preempted_ids), failed=failed)
+                    launch.failed[new.request_id] = why
+        self.launched.append(launch)
+        if out.scheduled:
+            try:
+                self._run(launch)
+            except BaseException:
+                self.launched.remove(launch)  # the step failed: it never completes
+                raise
+        return launch
+
+    def _run(self, launch: "_Launch") -> None:
+        out = launch.out
         constrained = self.matchers is not None and bool(self.matchers.by_id)
         guesses = self._guesses(out.scheduled, constrained) if self.max_guesses else {}
         # Grammar masks are computed on a worker thread while the forward pass runs.
-        masks = self.matchers.start([(s.request_id, guesses[s.request_id].tokens
-                                      if s.request_id in guesses else [])
-                                     for s in out.scheduled if s.samples]) \
+        launch.masks = self.matchers.start([(s.request_id, guesses[s.request_id].tokens
+                                             if s.request_id in guesses else [])
+                                            for s in out.scheduled if s.samples]) \
             if constrained else None
-        parts, sample_ids = [], []
+        launch.guesses = guesses
         passes = self.batches.passes(out.scheduled)
         adapters = self._adapter_slots(out.scheduled) if self.lora is not None else {}
         for entries in passes:  # a graph's logits live until its next replay: one pass only
@@ -158,7 +198,29 @@ class ModelRunner:
                                        and not adapters else None, guesses)
             if adapters:
                 self._set_adapter_rows(batch, adapters)
-            logits, hidden = self._forward(batch)
+            launch.passes.append((batch, self._forward(batch)))
+
+    @torch.inference_mode()
+    def complete(self, launch: "_Launch") -> ModelOutput:
+        """The output of the oldest step launched (`launch`): its passes' logits, then the
+        tokens sampled, guesses verified and prompt outputs gathered."""
+        if not self.launched or self.launched[0] is not launch:
+            raise RuntimeError("steps complete in the order they were launched")
+        self.launched.popleft()
+        try:
+            return self._complete(launch)
+        finally:
+            for rid in launch.finished:
+                self.forget(rid, finished=True)
+
+    def _complete(self, launch: "_Launch") -> ModelOutput:
+        out, failed, guesses, masks = launch.out, launch.failed, launch.guesses, launch.masks
+        guesser = self.guesser
+        if not out.scheduled:
+            return ModelOutput(preempted_ack=list(out.preempted_ids), failed=failed)
+        parts, sample_ids = [], []
+        for batch, ran in launch.passes:
+            logits, hidden = ran.result() if isinstance(ran, Pending) else ran
             parts.append(logits)
             sample_ids += batch.sample_ids
             self.prompt_outputs.gather(batch, hidden, self.seqs)
@@ -280,6 +342,9 @@ class ModelRunner:
         finally:
             if lora is not None:
                 lora.clear()  # the next pass (or the draft's) sets its own rows
+        if isinstance(out, Pending):  # a pipeline stage's end, taken at completion
+            return out if batch.hidden_indices is not None else Pending(
+                lambda: (out.result(), None))
         return out if batch.hidden_indices is not None else (out, None)
 
     def _rows(self, sample_ids: list[str], guesses: dict[str, GuessTree]) -> list[SampleRow]:

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
@@ -73,6 +74,8 @@ class TensorParallelExecutor:
             init = "file://" + os.path.join(self._store, "store")
             address, authkey = ("127.0.0.1", 0), secrets.token_bytes(16)
         self.conns, self.procs, self.group = [], [], None
+        self._sent = self._read = 0  # calls sent to the ranks, and answers read
+        self._launched: deque[int] = deque()  # the call numbers of the steps in flight
         with Listener(address, authkey=authkey) as listener:
             try:
                 # Plain child processes (an engine core is a daemonic process, which
@@ -83,6 +86,7 @@ class TensorParallelExecutor:
                 self.conns = _accept(listener, self.procs, world - 1)
                 for rank, conn in enumerate(self.conns, 1):
                     conn.send((rank, size, init, config, str(folder)))
+                self._sent = 1  # each rank answers once it has loaded
                 self.group = TPGroup.join(0, size, init, timeout, stages)
                 self.worker = Worker.from_config(config, folder, tp=self.group)
                 self._replies(patient=True)  # a load takes what it takes; a crash closes the pipe
@@ -115,27 +119,35 @@ class TensorParallelExecutor:
         self._replies()
 
     def _send(self, method: str, args: list[tuple]) -> None:
-        """The call to ranks 1.., `args[r - 1]` to rank r."""
+        """The call to ranks 1.., `args[r - 1]` to rank r; each answers it in turn."""
         for rank, conn in enumerate(self.conns, 1):
             try:
                 conn.send((method, args[rank - 1]))
             except OSError:  # a rank that died: the group cannot compute any more
                 raise RankFailed(f"tensor-parallel rank {rank}: the process is gone") from None
+        self._sent += 1
 
-    def _replies(self, failure: str | None = None, patient: bool = False) -> list:
-        """Every other rank's result, waiting at most the collectives' timeout and a margin
-        (`patient`: as long as it takes); RankFailed with every failure, `failure` (rank
-        0's) first."""
+    def _replies(self, failure: str | None = None, patient: bool = False,
+                 upto: int | None = None) -> list:
+        """Every other rank's answers to the calls sent since the last read, up to call
+        number `upto` (None: the last sent), the last one's result of each, waiting at
+        most the collectives' timeout and a margin each (`patient`: as long as it takes);
+        RankFailed with every failure, `failure` (rank 0's) first."""
         wait = None if patient else self.timeout + 10
         failures, results = [failure] if failure else [], []
+        upto = self._sent if upto is None else upto
+        calls, self._read = upto - self._read, upto
         for rank, conn in enumerate(self.conns, 1):
-            try:
-                error, result = conn.recv() if conn.poll(wait) else (
-                    f"no answer in {wait:g} s", None)
-            except (EOFError, OSError):
-                error, result = "the process is gone", None
-            if error is not None:
-                failures.append(f"rank {rank}: {error}")
+            result = None
+            for _ in range(calls):
+                try:
+                    error, result = conn.recv() if conn.poll(wait) else (
+                        f"no answer in {wait:g} s", None)
+                except (EOFError, OSError):
+                    error, result = "the process is gone", None
+                if error is not None:
+                    failures.append(f"rank {rank}: {error}")
+                    break
             results.append(result)
         if failures:
             raise RankFailed("tensor-parallel " + "; ".join(failures))
@@ -143,6 +155,29 @@ class TensorParallelExecutor:
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         return self._call("execute", out)
+
+    # Several steps in flight (pipeline stages): a step is launched on every rank, and
+    # completed, oldest first, after later ones were launched.
+    def launch(self, out: SchedulerOutput) -> None:
+        self._send("launch", [(out,)] * len(self.conns))
+        self._launched.append(self._sent)
+        try:
+            self.worker.launch(out)
+        except Exception as exc:  # the ranks' collectives are out of step: none can go on
+            raise RankFailed(f"tensor-parallel rank 0: {type(exc).__name__}: {exc}") from exc
+
+    def complete(self) -> ModelOutput:
+        """Rank 0's output of the oldest step in flight. The others' answers are read up
+        to their launch of it: a later launch's answer may wait for this completion, and
+        their completion's comes with the next (its failure, if any, fails that one)."""
+        self._send("complete", [()] * len(self.conns))
+        failure, result = None, None
+        try:
+            result = self.worker.complete()
+        except Exception as exc:
+            failure = f"rank 0: {type(exc).__name__}: {exc}"
+        self._replies(failure, upto=self._launched.popleft())
+        return result
 
     def forget(self, rid: str, finished: bool = False) -> None:
         self._call("forget", rid, finished)

@@ -135,6 +135,8 @@ class Worker:
             self.runner.use_decode_graphs(CudaGraphCapture(), sched.max_num_seqs,
                                           max_model_len)
         phases.done("runner")
+        if tp is not None and tp.links is not None:  # warmed up: later steps may overlap
+            tp.links.pipelined = sched.batches_in_flight > 1
         self.info = WorkerInfo(arch, device, self.dtype, quantization, num_blocks, block_size,
                                self.kv.nbytes, max_forward, decoder is not None,
                                pooling.matryoshka, phases)
@@ -174,7 +176,13 @@ class Worker:
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        """Copy the step's blocks (copy-on-write of shared prefixes), then run it."""
+        """Run one step (`launch`, then `complete`)."""
+        self.launch(out)
+        return self.complete()
+
+    def launch(self, out: SchedulerOutput) -> None:
+        """Copy the step's blocks (copy-on-write of shared prefixes), then start it; its
+        output is a later `complete`'s, steps completing in the order they started."""
         if out.block_copies:
             dev = torch.device(self.device)  # staged without a sync, as the sampler's inputs
             src = on_device([s for s, _ in out.block_copies], torch.long, dev)
@@ -182,7 +190,11 @@ class Worker:
             self.kv.copy_blocks(src, dst)
             if self.guesser is not None:
                 self.guesser.copy_blocks(src, dst)
-        return self.runner.execute(out)
+        self.runner.launch(out)
+
+    def complete(self) -> ModelOutput:
+        """The output of the oldest step launched and not yet completed."""
+        return self.runner.complete(self.runner.launched[0])
 
     def forget(self, rid: str, finished: bool = False) -> None:
         self.runner.forget(rid, finished)

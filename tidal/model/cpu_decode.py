@@ -60,14 +60,34 @@ class RankDecoder:
         return getattr(self.decoder, name)
 
 
+class StageDecoder:
+    """A pipeline stage's C++ decoder over its layers: the previous stage's states in (or
+    the ids, on the first), the states on to the next, and the logits of the last stage's
+    final states (tidal.model.pipeline_parallel), through the model's head."""
+
+    def __init__(self, decoder, model: nn.Module) -> None:
+        self.decoder, self.model = decoder, model
+
+    def forward(self, ids: torch.Tensor, positions, slots, tables, lens, k_caches, v_caches,
+                logits_rows: torch.Tensor, *args, **kwargs):
+        model, stage = self.model, self.model.stage
+        states = stage.start(ids, model.arch.hidden_size, model.norm.weight.dtype)
+        out = self.decoder.forward(ids if states is None else states, positions, slots, tables,
+                                   lens, k_caches, v_caches, logits_rows, *args, **kwargs)
+        final = out if stage.last else out[logits_rows.long()]  # its shape, before the last's
+        return stage.finish(out, final, lambda f, _: model.logits(f))
+
+    def __getattr__(self, name: str):  # set_lora and the rest: the decoder's own
+        return getattr(self.decoder, name)
+
+
 def build_decoder(model: nn.Module, all_reduce=None):
     """A C++ `Decoder` sharing `model`'s weights, or None when this model or build cannot
     use one (an architecture it does not run, not bf16 or float32, int8 projections, or no
     compiler). A tensor-parallel rank's model (tidal.model.tensor_parallel.split_model)
-    needs `all_reduce`, the extension's ShmReduce of its group, and gets a RankDecoder."""
+    needs `all_reduce`, the extension's ShmReduce of its group, and gets a RankDecoder; a
+    pipeline stage's, a StageDecoder."""
     arch = model.arch
-    if getattr(model, "stage", None) is not None:  # a pipeline stage's layers: PyTorch's
-        return None
     split = isinstance(model.layers[0].self_attn.o_proj, RowParallel)
     if split and all_reduce is None:
         return None
@@ -104,7 +124,10 @@ def build_decoder(model: nn.Module, all_reduce=None):
     for i, layer in enumerate(model.layers):
         decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                           *projections[1 + 4 * i:5 + 4 * i], layer.self_attn.window)
-    if not split:
-        return decoder
-    decoder.set_all_reduce(all_reduce, model.embed_tokens.start)
-    return RankDecoder(decoder, model.lm_head)
+    if split:
+        decoder.set_all_reduce(all_reduce, model.embed_tokens.start)
+    stage = getattr(model, "stage", None)
+    if stage is not None:  # its layers, between the others'; the head is the model's
+        decoder.set_stage(stage.first, stage.last)
+        return StageDecoder(decoder, model)
+    return RankDecoder(decoder, model.lm_head) if split else decoder

@@ -175,11 +175,12 @@ class LlamaModel(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (float32) of the rows in `logits_indices`. With `hidden_indices`, also the
         final (normed) hidden states of those rows, as (logits, hidden): the caller runs them
-        through `logits()` in slices, so a long prompt never holds all its logits at once."""
+        through `logits()` in slices, so a long prompt never holds all its logits at once.
+        A pipeline stage that defers its end returns them as a `Pending`."""
         stage = self.stage
-        if stage is not None and not stage.first:  # the previous stage's hidden states
-            h = stage.receive(input_ids.shape[0], self.arch.hidden_size, self.norm.weight.dtype)
-        else:
+        h = None if stage is None else stage.start(input_ids, self.arch.hidden_size,
+                                                   self.norm.weight.dtype)
+        if h is None:
             h = self.embed_tokens(input_ids)
             if self.arch.gemma:  # Gemma scales its embeddings by sqrt(hidden), in their dtype
                 h = h * torch.tensor(self.arch.hidden_size ** 0.5, dtype=h.dtype)
@@ -194,15 +195,15 @@ class LlamaModel(nn.Module):
                                                   self.kernels)
             h = h + residual
         final = self.norm(h[logits_indices])
-        if stage is not None:  # the last stage's final states, on every stage
-            if not stage.last:
-                stage.send(h)
-            final = stage.from_last(final)
+        hidden = None if hidden_indices is None else self.norm(h[hidden_indices])
+        if stage is None:
+            return self._head(final, hidden)
+        return stage.finish(h, final, self._head, hidden)
+
+    def _head(self, final: torch.Tensor, hidden: torch.Tensor | None):
+        """forward's result from the final states: logits, or (logits, hidden)."""
         logits = self.logits(final)
-        if hidden_indices is None:
-            return logits
-        hidden = self.norm(h[hidden_indices])
-        return logits, hidden if stage is None else stage.from_last(hidden)
+        return logits if hidden is None else (logits, hidden)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head (and final soft cap) over normed hidden states, in float32."""

@@ -4,9 +4,12 @@ states come back to every stage, which computes the logits (every stage holds th
 embedding, the final norm and the LM head) and samples the same tokens, as tensor-parallel
 ranks do: a rank's runner needs no word from the others beside the step's plan.
 
-A step runs its stages one after another (one batch in flight). Each rank of a stage
-sends to the rank of the same tensor-parallel place in the next (each holds the whole
-hidden states after its all-reduces)."""
+Each rank of a stage sends to the rank of the same tensor-parallel place in the next (each
+holds the whole hidden states after its all-reduces). With one batch in flight a step runs
+its stages in turn. With several (`pipelined`), a stage before the last returns a `Pending`
+step after sending its states on, and takes the last stage's final states only when the
+step completes, after starting the next: so stage 0 computes step B while stage 1 computes
+step A (the scheduler keeps their requests apart)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,13 @@ class StageLinks:
         self.prev = rank - width if self.stage > 0 else None
         self.next = rank + width if self.stage < stages - 1 else None
         self.last_rank = (stages - 1) * width + place
+        self.pipelined = False  # several steps in flight: earlier stages defer their end
+        self._sends: list = []  # operations under way (their work and tensor kept alive)
+
+    @property
+    def defers(self) -> bool:
+        """Whether a step's end here waits for its completion (`Pending`)."""
+        return self.pipelined and not self.last
 
     @property
     def first(self) -> bool:
@@ -42,11 +52,51 @@ class StageLinks:
         return h.to(dtype)
 
     def send(self, h: torch.Tensor) -> None:
-        """This stage's hidden states to the next stage."""
-        dist.send(h.float().contiguous(), dst=self.next)
+        """This stage's hidden states to the next stage, without waiting for it to take
+        them: the next stage may still be finishing an earlier step."""
+        wire = h.float().contiguous()
+        self._keep(dist.isend(wire, dst=self.next), wire)
 
     def from_last(self, x: torch.Tensor) -> torch.Tensor:
-        """The last stage's `x` on every stage (this stage's `x` gives the shape)."""
+        """The last stage's `x` on every stage (this stage's `x` gives the shape). The last
+        stage does not wait for the others to take it: they take it when the step
+        completes, after launching later steps."""
         wide = x.float().contiguous()
+        if self.last:
+            self._keep(dist.broadcast(wide, src=self.last_rank, group=self.column,
+                                      async_op=True), wide)
+            return x
         dist.broadcast(wide, src=self.last_rank, group=self.column)
-        return x if self.last else wide.to(x.dtype)
+        return wide.to(x.dtype)
+
+    def start(self, ids: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A step's input here: the previous stage's states of its `ids`' rows, or None on
+        the first stage (which embeds the ids)."""
+        return None if self.first else self.receive(ids.shape[0], hidden, dtype)
+
+    def finish(self, states: torch.Tensor, final: torch.Tensor, head,
+               hidden: torch.Tensor | None = None):
+        """A step's end here: `states` (the residual stream) on to the next stage, then
+        `head(final states, hidden)` of the last stage's `final` (and `hidden`) states,
+        those of this stage giving the shapes; `Pending` where this stage defers."""
+        if not self.last:
+            self.send(states)
+        end = lambda: head(self.from_last(final),  # noqa: E731
+                           None if hidden is None else self.from_last(hidden))
+        return Pending(end) if self.defers else end()
+
+    def _keep(self, work, tensor: torch.Tensor) -> None:
+        """Hold an operation under way, and its tensor, until it is done."""
+        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        self._sends.append((work, tensor))
+
+
+class Pending:
+    """A forward pass whose end (the last stage's final states, and the logits from them)
+    is taken when its step completes: `result()` once."""
+
+    def __init__(self, finish) -> None:
+        self.finish = finish
+
+    def result(self):
+        return self.finish()

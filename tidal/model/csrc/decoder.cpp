@@ -20,6 +20,14 @@ namespace {
 // ---------------------------------------------------------------- elementwise
 
 // h += y (rounded like a bf16 add) when y is given; x = weight * bf16(h * rsqrt(mean h^2 + eps)).
+// h += y, rounded as add_rms_norm rounds its sum.
+template <typename T>
+void add_into(T* h, const T* y, int64_t n) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) h[i] = round_to<T>(f32(h[i]) + f32(y[i]));
+  });
+}
+
 template <typename T>
 void add_rms_norm(T* h, const T* y, const T* weight, T* x, int64_t rows, int64_t dim,
                   float eps) {
@@ -113,6 +121,16 @@ class Decoder {
     vocab_start_ = vocab_start;
   }
 
+  // A pipeline stage's decoder (its layers alone): without `embeds` a step's `ids` are the
+  // previous stage's hidden states [rows, hidden] in the model's dtype; a step returns the
+  // residual stream after its last layer, or with `ends` the final normed states of the
+  // logits rows (every stage's LM head is Python's).
+  void set_stage(bool embeds, bool ends) {
+    stage_ = true;
+    embeds_ = embeds;
+    ends_ = ends;
+  }
+
   // Layer `layer`'s LoRA slot weights (shared with Python, which writes adapters into them).
   void set_lora(int64_t layer, std::vector<Tensor> weights) {
     TORCH_CHECK(weights.size() == 12, "LoRA weights: A, B^T and bounds of four projections");
@@ -144,7 +162,16 @@ class Decoder {
     const bool lora = lora_rows.defined();
     TORCH_CHECK(!lora || (lora_ends.defined() && !layers_.empty() && !layers_[0].lora.empty()),
                 "LoRA rows given to a decoder without LoRA slots");
-    ids = ids.to(at::kLong).contiguous();
+    const bool embeds = !stage_ || embeds_;
+    Tensor received;  // a later pipeline stage's input: the previous stage's states
+    if (!embeds) {
+      TORCH_CHECK(ids.dim() == 2 && ids.size(1) == final_norm_.size(0) &&
+                      ids.scalar_type() == final_norm_.scalar_type(),
+                  "a later pipeline stage takes [rows, hidden] states in the model's dtype");
+      received = ids.contiguous().clone();  // the residual stream, updated in place
+    } else {
+      ids = ids.to(at::kLong).contiguous();
+    }
     positions = positions.to(at::kLong).contiguous();
     slots = slots.to(at::kLong).contiguous();
     tables = tables.to(at::kLong).contiguous();
@@ -158,20 +185,22 @@ class Decoder {
                   "slot ", slots.data_ptr<int64_t>()[r], " is not in the cache");
     const int64_t qkv_width = (heads_ + 2 * hkv_) * d_, kv_width = hkv_ * d_;
     Tensor outside;  // a tensor-parallel rank's: the tokens whose rows others hold
-    if (reduce_) {
+    if (reduce_ && embeds) {
       ids = ids - vocab_start_;
       const int64_t held = embed_.defined() ? embed_.size(0) : embed_gguf_.data.size(0);
       outside = (ids < 0).logical_or(ids >= held);
       ids = ids.masked_fill(outside, 0);
     }
     Tensor h;
-    if (embed_.defined()) {
+    if (!embeds) {
+      h = received;
+    } else if (embed_.defined()) {
       h = embed_.index_select(0, ids).contiguous();
     } else {
       h = at::empty({rows, hid}, final_norm_.options());
       gguf_get_rows(embed_gguf_, ids, h);
     }
-    if (reduce_) {
+    if (reduce_ && embeds) {
       h.masked_fill_(outside.unsqueeze(1), 0);
       (*reduce_)(h);
     }
@@ -213,10 +242,15 @@ class Decoder {
       if (lora) lora_add(act, y, L.lora[9], L.lora[10], lora_rows, lora_ends, L.lora[11]);
       if (reduce_) (*reduce_)(y);
     }
+    if (stage_ && !ends_) {  // a pipeline stage before the last: the residual stream
+      add_into<T>(h.data_ptr<T>(), y.data_ptr<T>(), rows * hid);
+      return h;
+    }
     // The final norm of h + the last MLP output; the LM head only for the rows that sample.
     add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), final_norm_.data_ptr<T>(), x.data_ptr<T>(),
                     rows, hid, eps_);
     if (logits_rows.size(0) != rows) x = x.index_select(0, logits_rows.to(at::kLong));
+    if (stage_) return x;  // the last stage's final states
     return lm_head_(x).to(at::kFloat);
   }
 
@@ -230,6 +264,7 @@ class Decoder {
   std::vector<Layer> layers_;
   std::shared_ptr<const ShmReduce> reduce_;  // set: a tensor-parallel rank's
   int64_t vocab_start_ = 0;
+  bool stage_ = false, embeds_ = true, ends_ = true;  // a pipeline stage's (set_stage)
 };
 
 }  // namespace tidal_cpu
@@ -289,6 +324,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &Decoder::add_layer)
       .def("set_lora", &Decoder::set_lora)
       .def("set_all_reduce", &Decoder::set_all_reduce)
+      .def("set_stage", &Decoder::set_stage)
       .def("forward", [](Decoder& d, Tensor ids, Tensor positions, Tensor slots, Tensor tables,
                          Tensor lens, const std::vector<Tensor>& k_caches,
                          const std::vector<Tensor>& v_caches, Tensor logits_rows, double scale,
