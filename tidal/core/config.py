@@ -115,6 +115,12 @@ class SchedulerConfig:
                                 "dataclass, or their values by name (unset: the defaults). "
                                 "Always the dataclass once built."})
 
+    @property
+    def executor_ahead(self) -> bool:
+        """Whether the executor holds steps planned after one not yet returned (async
+        scheduling, or several in flight): a preempted request waits for its ack."""
+        return self.async_scheduling or self.batches_in_flight > 1
+
     def __post_init__(self) -> None:
         check_choice("batch_mode", self.batch_mode, BATCH_MODES)
         check_choice("policy", self.policy, tuple(policies.POLICIES))  # tidal/core/policies

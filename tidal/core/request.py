@@ -284,11 +284,14 @@ class Request:
                 f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")
 
 
-def ready_to_decode(decoding: list[Request], ahead: bool = True) -> list[Request]:
-    """Those whose next position's token is known or, where the executor runs one step
-    ahead (`ahead`: it may already hold a request's last token), in flight, and that may
-    still grow."""
-    return [r for r in decoding
-            if (g := len(r.output_token_ids) + r.num_in_flight) < r.out_limit
-            and r.num_computed_tokens < len(r.prompt_token_ids) + (
-                g if ahead else len(r.output_token_ids))]
+def ready_to_decode(decoding: list[Request], in_flight: int = 1) -> list[Request]:
+    """Those that may still grow whose next position's token is known or in flight (an
+    executor one step ahead may already hold a request's last token). With `in_flight`
+    steps held by the executor at once (pipeline stages), the token must be known, and a
+    step takes its share of `decoding`, so that each step in flight has some."""
+    ahead = in_flight == 1
+    ready = [r for r in decoding
+             if (g := len(r.output_token_ids) + r.num_in_flight) < r.out_limit
+             and r.num_computed_tokens < len(r.prompt_token_ids) + (
+                 g if ahead else len(r.output_token_ids))]
+    return ready if ahead else ready[:-(-len(decoding) // in_flight)]

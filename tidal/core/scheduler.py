@@ -168,10 +168,7 @@ class Scheduler:
     def schedule_decodes(self, plan: StepPlan, decoding: list[Request]) -> None:
         """One token for every decoding request that can take one; retract some when
         blocks run short."""
-        depth = self.config.batches_in_flight
-        ready = ready_to_decode(decoding, ahead=depth == 1)
-        if depth > 1:  # the steps in flight share the decodes: each stage has work
-            ready = ready[:cdiv(len(decoding), depth)]
+        ready = ready_to_decode(decoding, self.config.batches_in_flight)
         if len(ready) > self.kv.num_free:  # someone may find no block: count with care
             ready = self._fit_decodes(plan, decoding, ready)
         # The hot path at large batch sizes: one pass of plain attribute reads.
@@ -378,8 +375,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
         """Apply one step's results: acknowledge preemptions, append sampled tokens, check
         stop conditions, fork n>1 requests, cache computed blocks. Returns what changed."""
-        ahead = self.config.async_scheduling or self.config.batches_in_flight > 1
-        acks = result.preempted_ack if ahead else out.preempted_ids
+        acks = result.preempted_ack if self.config.executor_ahead else out.preempted_ids
         for rid in acks:
             self._on_preempt_ack(rid)
         outputs, self._pending_outputs = self._pending_outputs, []

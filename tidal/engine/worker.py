@@ -176,13 +176,21 @@ class Worker:
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        """Run one step (`launch`, then `complete`)."""
-        self.launch(out)
-        return self.complete()
+        """Copy the step's blocks (copy-on-write of shared prefixes), then run it."""
+        self._copy_blocks(out)
+        return self.runner.execute(out)
 
     def launch(self, out: SchedulerOutput) -> None:
-        """Copy the step's blocks (copy-on-write of shared prefixes), then start it; its
-        output is a later `complete`'s, steps completing in the order they started."""
+        """`execute`'s start: its output is a later `complete`'s, steps completing in the
+        order they started (pipeline stages keep several in flight)."""
+        self._copy_blocks(out)
+        self.runner.launch(out)
+
+    def complete(self) -> ModelOutput:
+        """The output of the oldest step launched and not yet completed."""
+        return self.runner.complete(self.runner.launched[0])
+
+    def _copy_blocks(self, out: SchedulerOutput) -> None:
         if out.block_copies:
             dev = torch.device(self.device)  # staged without a sync, as the sampler's inputs
             src = on_device([s for s, _ in out.block_copies], torch.long, dev)
@@ -190,11 +198,6 @@ class Worker:
             self.kv.copy_blocks(src, dst)
             if self.guesser is not None:
                 self.guesser.copy_blocks(src, dst)
-        self.runner.launch(out)
-
-    def complete(self) -> ModelOutput:
-        """The output of the oldest step launched and not yet completed."""
-        return self.runner.complete(self.runner.launched[0])
 
     def forget(self, rid: str, finished: bool = False) -> None:
         self.runner.forget(rid, finished)
