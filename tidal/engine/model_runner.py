@@ -37,7 +37,7 @@ class _Launch:
     grammar masks in the making, each pass's batch and forward result, and requests that
     finished meanwhile (forgotten once it completes)."""
 
-    __slots__ = ("out", "failed", "guesses", "masks", "passes", "finished", "rids")
+    __slots__ = ("out", "failed", "guesses", "masks", "passes", "finished")
 
     def __init__(self, out: SchedulerOutput) -> None:
         self.out = out
@@ -46,7 +46,6 @@ class _Launch:
         self.masks = None
         self.passes: list[tuple[StepBatch, object]] = []
         self.finished: list[str] = []
-        self.rids = {s.request_id for s in out.scheduled}
 
 
 class _Seq:
@@ -157,7 +156,8 @@ class ModelRunner:
         output is `complete`'s, steps completing in the order they started."""
         guesser = self.guesser
         launch = _Launch(out)
-        busy = {rid for earlier in self.launched for rid in earlier.rids}
+        busy = {s.request_id for earlier in self.launched for s in earlier.out.scheduled
+                } if self.launched and out.finished_ids else ()
         for rid in out.finished_ids:  # one still in an earlier step goes when that one does
             if rid in busy:
                 self.launched[-1].finished.append(rid)

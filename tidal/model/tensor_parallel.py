@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 from datetime import timedelta
 
 import numpy as np
@@ -193,13 +194,13 @@ class Shard:
     expert_parallel: bool = False
     layers: range | None = None
 
-    @property
+    @cached_property  # read for every tensor of a load
     def computed(self) -> ModelArch:
         """The shapes this rank computes with (shard_arch's, of its stage's layers)."""
         arch = shard_arch(self.arch, self.size, self.expert_parallel)
         return arch if self.layers is None else stage_arch(arch, self.layers)
 
-    @property
+    @cached_property
     def part(self) -> ModelArch:
         """The shapes of the model this rank builds: `computed`, with its vocabulary rows
         (part_arch's)."""
