@@ -7,12 +7,16 @@ rounding, for Llama (layers that do not divide),
 Gemma 2 (its embedding scale on the first stage only, soft-capping on the last), Mixtral
 with its experts split whole, and a GGUF in its own bits; with prefix-cache hits, n > 1
 and ngram speculation too; steps in flight share the decodes; a stage reads only its
-layers; what does not split is refused naming the flag."""
+layers; served through the official client, a killed stage fails its request and the core
+restarts; what does not split is refused naming the flag."""
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 
+import httpx
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
@@ -134,6 +138,45 @@ def test_a_ggufs_stages_read_only_their_layers(tmp_path, folders):
     finally:
         one.close()
         two.close()
+
+
+def test_a_served_pipeline_answers_and_a_dead_stage_restarts_its_core(folders):
+    """Two stages behind the OpenAI API: the official client's completion matches one
+    process's; a stage killed with steps in flight fails the request with an error body,
+    the core restarts with a new group, and answers again."""
+    import openai
+
+    from server_fixtures import Server, openai_client, pid_alive
+    from test_tensor_parallel import _tp_ranks
+
+    want = run(str(folders["llama"]), SamplingParams(max_tokens=6, temperature=0.0,
+                                                     ignore_eos=True), dtype="float32")
+    server = Server("--model", str(folders["llama"]), "--dtype", "float32",
+                    "--pipeline-parallel-size", "2", "--distributed-timeout", "5",
+                    "--restart-core", "2")
+    try:
+        client = openai_client(server)
+
+        def complete():
+            return client.completions.create(model="llama", prompt=PROMPTS[0], max_tokens=6,
+                                             temperature=0, extra_body={"ignore_eos": True})
+
+        assert complete().choices[0].text == want[0][0].text
+        core = server.core_pid()
+        (stage,) = _tp_ranks(core)
+        os.kill(stage, signal.SIGKILL)
+        with pytest.raises(openai.APIError):
+            complete()  # its step fails; the core stops
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # restarted, with a new group
+            if httpx.get(server.url + "/health", timeout=10).status_code == 200 \
+                    and server.core_pid() != core:
+                break
+            time.sleep(0.5)
+        assert server.core_pid() != core and not pid_alive(core)
+        assert complete().choices[0].text == want[0][0].text
+    finally:
+        server.stop()
 
 
 def test_stage_counts_and_options_that_do_not_split_are_refused_naming_the_flag(folders):
