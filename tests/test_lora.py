@@ -155,6 +155,22 @@ def test_adapters_on_two_tensor_parallel_ranks_equal_their_merged_models(setup, 
         llm.close()
 
 
+def test_adapters_on_two_pipeline_stages_equal_their_merged_models(setup):
+    """Each stage holds every adapter's pieces of its own layer (one of two here): the
+    merged models' tokens and logprobs with adapters mixed in one batch, through each
+    stage's C++ decoder, a step in flight per stage."""
+    base, folders, refs = setup
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=96, block_size=4, max_loras=3,
+              pipeline_parallel_size=2, num_threads=1,
+              lora_modules=[f"{n}={p}" for n, p in folders.items()])
+    try:
+        assert llm.engine.executor.info.decoder
+        jobs = [(name, i) for i in range(3) for name in [None, *folders]]
+        assert run(llm, jobs) == [refs[name][i] for name, i in jobs]
+    finally:
+        llm.close()
+
+
 class ScriptedProposer:
     """Guesses the merged models' greedy continuation of a sequence (the first adapter's
     whose tokens so far agree), its second guess wrong at every other position: accepted

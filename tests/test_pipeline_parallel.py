@@ -182,8 +182,6 @@ def test_a_served_pipeline_answers_and_a_dead_stage_restarts_its_core(folders):
 def test_stage_counts_and_options_that_do_not_split_are_refused_naming_the_flag(folders):
     with pytest.raises(ValueError, match=r"--pipeline-parallel-size 4 must be in 1\.\.3"):
         LLM(str(folders["llama"]), pipeline_parallel_size=4, num_kv_blocks=16)
-    with pytest.raises(ValueError, match="--pipeline-parallel-size 2: LoRA .*--enable-lora"):
-        LLM(str(folders["llama"]), pipeline_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="--pipeline-parallel-size 2: a P/D instance"):
         LLM(str(folders["llama"]), pipeline_parallel_size=2, role="prefill")
     with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):

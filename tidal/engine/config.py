@@ -374,9 +374,6 @@ class EngineConfig:
         if tp * pp > 1 and self.model.device not in ("auto", "cpu"):
             raise ValueError(f"--tensor-parallel-size {tp} --pipeline-parallel-size {pp}: "
                              f"ranks run on CPU for now (--device cpu)")
-        if pp > 1 and self.lora.enable_lora:
-            raise ValueError(f"--pipeline-parallel-size {pp}: LoRA adapters need every layer "
-                             f"in each rank for now (--enable-lora)")
         if pp > 1 and self.scheduler.batches_in_flight == 1 and not self.scheduler.async_scheduling:
             # a step in flight per stage (async_scheduling runs one step ahead instead)
             object.__setattr__(self, "scheduler", replace(self.scheduler, batches_in_flight=pp))

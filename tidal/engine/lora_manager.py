@@ -99,13 +99,17 @@ class LoRAManager:
         return adapter
 
     def _read(self, name: str, path: str) -> LoRAAdapter:
-        """The adapter in `path`, checked against the model (and cut to this rank's share)."""
+        """The adapter in `path`, checked against the model (and cut to this rank's share:
+        its pipeline stage's layers, numbered as the stage numbers them)."""
         if self.shard is None:
             return load_adapter(name, path, self.arch, self.max_rank)
         adapter = load_adapter(name, path, self.shard.arch, self.max_rank)
-        adapter.weights = {key: [(part, *self.shard.take_lora(key[1], part, a, b))
-                                 for part, a, b in pieces]
-                           for key, pieces in adapter.weights.items()}
+        layers = self.shard.layers or range(self.shard.arch.num_layers)
+        adapter.weights = {(layer - layers.start, proj):
+                           [(part, *self.shard.take_lora(proj, part, a, b))
+                            for part, a, b in pieces]
+                           for (layer, proj), pieces in adapter.weights.items()
+                           if layer in layers}
         return adapter
 
     def _keep(self, adapter: LoRAAdapter, in_use: Iterable[str]) -> None:
