@@ -90,11 +90,11 @@ class SchedulerConfig:
     async_scheduling: bool = knob(
         False, "The executor runs one step ahead: preempted requests wait for its "
         "preempted_ack before they rejoin the waiting queue.")
-    batches_in_flight: int = knob(
-        1, "Steps the executor holds at once (pipeline stages: one each, set to the stage "
-        "count). Above 1 a request joins a step only once its previous one has returned, "
-        "each step takes an even share of the ready decodes, and preempted requests wait "
-        "for the executor's preempted_ack.")
+    batches_in_flight: int | None = knob(
+        None, "Steps the executor holds at once (unset: one per pipeline stage, else 1; "
+        "1 runs a pipeline's stages in turn). Above 1 a request joins a step only once its "
+        "previous one has returned, each step takes an even share of the ready decodes, "
+        "and preempted requests wait for the executor's preempted_ack.")
     num_speculative_tokens: int = knob(
         0, "Most tokens a decoding request may guess per step, verified in one forward pass "
         "(0: no speculation). Set with speculative_method, which proposes the guesses.")
@@ -119,7 +119,12 @@ class SchedulerConfig:
     def executor_ahead(self) -> bool:
         """Whether the executor holds steps planned after one not yet returned (async
         scheduling, or several in flight): a preempted request waits for its ack."""
-        return self.async_scheduling or self.batches_in_flight > 1
+        return self.async_scheduling or self.steps_in_flight > 1
+
+    @property
+    def steps_in_flight(self) -> int:
+        """batches_in_flight, 1 where unset."""
+        return self.batches_in_flight or 1
 
     def __post_init__(self) -> None:
         check_choice("batch_mode", self.batch_mode, BATCH_MODES)
@@ -127,7 +132,9 @@ class SchedulerConfig:
         check_choice("role", self.role, tuple(roles.ROLES))
         check_at_least_one(self, "chunked_prefill_size", "max_input_tokens_per_step",
                            "max_num_seqs", "max_model_len", "new_token_ratio_decay_steps",
-                           "clip_max_new_tokens", "max_loras", "batches_in_flight")
+                           "clip_max_new_tokens", "max_loras")
+        if self.batches_in_flight is not None and self.batches_in_flight < 1:
+            raise ValueError(f"batches_in_flight must be at least 1, got {self.batches_in_flight}")
         check_choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
         if not 0 <= self.init_new_token_ratio <= 1:
             raise ValueError("init_new_token_ratio must be in [0, 1]")

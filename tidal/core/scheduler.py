@@ -168,7 +168,7 @@ class Scheduler:
     def schedule_decodes(self, plan: StepPlan, decoding: list[Request]) -> None:
         """One token for every decoding request that can take one; retract some when
         blocks run short."""
-        ready = ready_to_decode(decoding, self.config.batches_in_flight)
+        ready = ready_to_decode(decoding, self.config.steps_in_flight)
         if len(ready) > self.kv.num_free:  # someone may find no block: count with care
             ready = self._fit_decodes(plan, decoding, ready)
         # The hot path at large batch sizes: one pass of plain attribute reads.

@@ -374,9 +374,11 @@ class EngineConfig:
         if tp * pp > 1 and self.model.device not in ("auto", "cpu"):
             raise ValueError(f"--tensor-parallel-size {tp} --pipeline-parallel-size {pp}: "
                              f"ranks run on CPU for now (--device cpu)")
-        if pp > 1 and self.scheduler.batches_in_flight == 1 and not self.scheduler.async_scheduling:
-            # a step in flight per stage (async_scheduling runs one step ahead instead)
-            object.__setattr__(self, "scheduler", replace(self.scheduler, batches_in_flight=pp))
+        if self.scheduler.batches_in_flight is None:  # a step in flight per stage, unless
+            # async_scheduling runs one step ahead instead
+            depth = pp if pp > 1 and not self.scheduler.async_scheduling else 1
+            object.__setattr__(self, "scheduler", replace(self.scheduler,
+                                                          batches_in_flight=depth))
         if self.scheduler.batches_in_flight > pp:
             raise ValueError(f"batches_in_flight={self.scheduler.batches_in_flight} needs as "
                              f"many pipeline stages (--pipeline-parallel-size {pp})")

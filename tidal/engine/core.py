@@ -86,7 +86,7 @@ class EngineCore:
         self.execute_seconds = 0.0  # wall time in the model runner since start
         self.history = StepHistory()  # recent steps, for the dashboard
         # Async scheduling: one worker thread runs the forward pass (torch releases the GIL).
-        self._depth = sched_cfg.batches_in_flight  # steps the executor holds at once
+        self._depth = sched_cfg.steps_in_flight  # steps the executor holds at once
         self._pool = (ThreadPoolExecutor(1, "tidal-step")
                       if sched_cfg.async_scheduling or self._depth > 1 else None)
         self._pending: tuple[SchedulerOutput, Future] | None = None

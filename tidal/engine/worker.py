@@ -136,7 +136,7 @@ class Worker:
                                           max_model_len)
         phases.done("runner")
         if tp is not None and tp.links is not None:  # warmed up: later steps may overlap
-            tp.links.pipelined = sched.batches_in_flight > 1
+            tp.links.pipelined = sched.steps_in_flight > 1
         self.info = WorkerInfo(arch, device, self.dtype, quantization, num_blocks, block_size,
                                self.kv.nbytes, max_forward, decoder is not None,
                                pooling.matryoshka, phases)
