@@ -101,6 +101,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def wait_for_new_core(server: "Server", core: int, timeout: float = 120) -> None:
+    """Until the server is healthy again with an engine core other than `core` (restarted
+    after it died), within `timeout` seconds; then that the old one is gone."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(server.url + "/health", timeout=10).status_code == 200 \
+                and server.core_pid() != core:
+            break
+        time.sleep(0.5)
+    assert server.core_pid() != core and not pid_alive(core)
+
+
 def _labels(text: str) -> dict[str, str]:
     return dict(re.findall(r'(\w+)="([^"]*)"', text))
 

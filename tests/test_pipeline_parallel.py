@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
-import httpx
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
@@ -146,7 +144,7 @@ def test_a_served_pipeline_answers_and_a_dead_stage_restarts_its_core(folders):
     the core restarts with a new group, and answers again."""
     import openai
 
-    from server_fixtures import Server, openai_client, pid_alive
+    from server_fixtures import Server, openai_client, wait_for_new_core
     from test_tensor_parallel import _tp_ranks
 
     want = run(str(folders["llama"]), SamplingParams(max_tokens=6, temperature=0.0,
@@ -167,13 +165,7 @@ def test_a_served_pipeline_answers_and_a_dead_stage_restarts_its_core(folders):
         os.kill(stage, signal.SIGKILL)
         with pytest.raises(openai.APIError):
             complete()  # its step fails; the core stops
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # restarted, with a new group
-            if httpx.get(server.url + "/health", timeout=10).status_code == 200 \
-                    and server.core_pid() != core:
-                break
-            time.sleep(0.5)
-        assert server.core_pid() != core and not pid_alive(core)
+        wait_for_new_core(server, core)  # restarted, with a new group
         assert complete().choices[0].text == want[0][0].text
     finally:
         server.stop()

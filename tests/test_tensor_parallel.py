@@ -13,12 +13,11 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from gguf import GGMLQuantizationType as QT
 
 from model_fixtures import small_folder
-from server_fixtures import Server, openai_client, pid_alive
+from server_fixtures import Server, openai_client, wait_for_new_core
 
 from tidal import LLM, SamplingParams
 from tidal.engine.tp_executor import RankFailed
@@ -243,13 +242,7 @@ def test_a_served_split_model_answers_and_a_dead_rank_restarts_its_core(folders)
         os.kill(rank, signal.SIGKILL)
         with pytest.raises(Exception):
             complete()  # its step fails; the core stops
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # restarted, with a new group
-            if httpx.get(server.url + "/health", timeout=10).status_code == 200 \
-                    and server.core_pid() != core:
-                break
-            time.sleep(0.5)
-        assert server.core_pid() != core and not pid_alive(core)
+        wait_for_new_core(server, core)  # restarted, with a new group
         assert complete().choices[0].text == want
     finally:
         server.stop()
