@@ -155,8 +155,8 @@ class ParallelConfig:
                                      "threads per rank default to cores / N.")
     pipeline_parallel_size: int = knob(1, "Pipeline stages each engine core splits the "
                                        "model's layers into (contiguous runs, each with its "
-                                       "layers' KV cache), each of tensor_parallel_size ranks; "
-                                       "a step runs the stages in turn.")
+                                       "layers' KV cache), each of tensor_parallel_size ranks, "
+                                       "a step in flight in each (batches_in_flight).")
     enable_expert_parallel: bool = knob(False, "Split a mixture-of-experts model's routed "
                                         "experts across the tensor-parallel ranks whole (1/N "
                                         "of them each, tokens' outputs summed) instead of "

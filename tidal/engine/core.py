@@ -88,7 +88,7 @@ class EngineCore:
         # Async scheduling: one worker thread runs the forward pass (torch releases the GIL).
         self._depth = sched_cfg.steps_in_flight  # steps the executor holds at once
         self._pool = (ThreadPoolExecutor(1, "tidal-step")
-                      if sched_cfg.async_scheduling or self._depth > 1 else None)
+                      if sched_cfg.async_scheduling and self._depth == 1 else None)
         self._pending: tuple[SchedulerOutput, Future] | None = None
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # launched steps
         phases.done("scheduler")
@@ -216,11 +216,11 @@ class EngineCore:
             for s in out.scheduled:  # the runner reads them later: tables grow in place
                 s.block_ids = list(s.block_ids)
             self._in_flight.append((out, time.perf_counter()))
-            self._pool.submit(self._launch, out).result()
+            self._launch(out)  # the stages overlap in their own processes: no thread here
         if not self._in_flight or (started and len(self._in_flight) < self._depth):
             return []
         prev, t0 = self._in_flight.popleft()
-        return self._complete(prev, self._pool.submit(self._collect, prev, t0).result())
+        return self._complete(prev, self._collect(prev, t0))
 
     def _launch(self, out: SchedulerOutput) -> None:
         self.prompt_tokens += _prefill_tokens(out)

@@ -57,7 +57,7 @@ class TensorParallelExecutor:
         stages, world = parallel.pipeline_parallel_size, parallel.world_size
         arch = ModelArch.from_folder(folder)
         check_shardable(arch, size, parallel.enable_expert_parallel)  # before any rank starts
-        stage_layers(arch.num_layers, stages, 0)
+        stage_layers(arch.num_layers, stages, 0)  # refuses more stages than layers
         self.kv_heads = arch.num_kv_heads
         self.timeout = timeout = parallel.distributed_timeout
         self._store = None  # the file store's folder, where the ranks share this machine
@@ -101,15 +101,16 @@ class TensorParallelExecutor:
         """`method(*args)` on every rank's worker; rank 0's result."""
         return self._call_each(method, [args] * (len(self.conns) + 1))[0]
 
-    def _call_each(self, method: str, args: list[tuple]) -> list:
-        """`method(*args[r])` on each rank r's worker; every rank's result, by rank."""
+    def _call_each(self, method: str, args: list[tuple], upto: int | None = None) -> list:
+        """`method(*args[r])` on each rank r's worker; every rank's result, by rank (the
+        others' answers read up to call `upto`, as `_replies`)."""
         self._send(method, args[1:])
         failure, result = None, None
         try:
             result = getattr(self.worker, method)(*args[0])
         except Exception as exc:
             failure = f"rank 0: {type(exc).__name__}: {exc}"
-        return [result, *self._replies(failure)]
+        return [result, *self._replies(failure, upto=upto)]
 
     def _checked(self, method: str, *args) -> None:
         """`method(*args)` on rank 0 first, so what it refuses (an adapter that does not fit
@@ -170,14 +171,8 @@ class TensorParallelExecutor:
         """Rank 0's output of the oldest step in flight. The others' answers are read up
         to their launch of it: a later launch's answer may wait for this completion, and
         their completion's comes with the next (its failure, if any, fails that one)."""
-        self._send("complete", [()] * len(self.conns))
-        failure, result = None, None
-        try:
-            result = self.worker.complete()
-        except Exception as exc:
-            failure = f"rank 0: {type(exc).__name__}: {exc}"
-        self._replies(failure, upto=self._launched.popleft())
-        return result
+        return self._call_each("complete", [()] * (len(self.conns) + 1),
+                               upto=self._launched.popleft())[0]
 
     def forget(self, rid: str, finished: bool = False) -> None:
         self._call("forget", rid, finished)

@@ -75,7 +75,7 @@ def read_checkpoint(folder: Path, quantization_config: dict,
                                               GGML_QUANT_SIZES[qtype][1])
         weights[module + ".weight"] = QuantizedWeight(module, blocks, qtype, shape)
     if shard is not None:
-        raw = {own: shard.take(n, t) for n, t in raw.items()  # not other ranks. parts
+        raw = {own: shard.take(n, t) for n, t in raw.items()  # not other ranks' layers or experts
                if (own := shard.local_name(n)) is not None}
     weights.update(raw)
     return weights
