@@ -161,11 +161,11 @@ class SchedulerDriver:
         predicted to keep within it (LinearSteps prices tokens alone: the sizer's estimate
         of a step is exact)."""
         prompt = sum(x.num_new_tokens for x in out.scheduled if x.is_prefill)
-        if self.s.max_step < math.inf and prompt > self.s.block_size:
+        if self.s.target.seconds < math.inf and prompt > self.s.block_size:
             seconds = LinearSteps().shape_time(StepShape.of(out))
-            assert seconds <= self.s.max_step + 1e-12, (
+            assert seconds <= self.s.target.seconds + 1e-12, (
                 f"step {out.step}: {prompt} prompt tokens, predicted {seconds * 1e3:.2f} ms "
-                f"over the {self.s.max_step * 1e3:g} ms target")
+                f"over the {self.s.target.seconds * 1e3:g} ms target")
 
     def _launch(self, out) -> None:
         """A model runner starting a plan: forget finished requests (after the steps in

@@ -11,6 +11,7 @@ import pytest
 from tidal.core import (CacheConfig, KVCacheManager, LearnedStepTime, ModelOutput, Request,
                         SamplingParams, Scheduler, SchedulerConfig, StepShape)
 from tidal.core.budget import StepBudget, StepPlan
+from tidal.core.step_sizing import StepTarget
 from tidal.core.speculation import (GUESS_FIXED_PENALTY, GuessPlanner, acceptance,
                                     expected_tokens, record_verification)
 
@@ -379,9 +380,9 @@ def test_adaptive_guesses_keep_tpot_targets():
 
 
 def test_adaptive_guesses_keep_the_step_within_its_target():
-    """Guesses that pay for their rows still stop where the step would pass `max_step`:
+    """Guesses that pay for their rows still stop where the step would pass its target:
     11 ms for the one row, 1 ms a guess, a 12.5 ms target: one guess."""
     cost = RowCost(fixed=0.010, per_row=0.001)
     entries = _decoding(1, alpha_hits=8.0)
     assert GuessPlanner(4, True, cost).choose(entries, budget=100) == [4]
-    assert GuessPlanner(4, True, cost, max_step=0.0125).choose(entries, budget=100) == [1]
+    assert GuessPlanner(4, True, cost, target=StepTarget(0.0125)).choose(entries, budget=100) == [1]

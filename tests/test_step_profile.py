@@ -5,11 +5,12 @@ step-time model and the step target; a different machine key measures anew."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from tidal.core import StepShape
-from tidal.core.step_sizing import CPU_MAX_STEP_MS
+from tidal.core.step_sizing import CPU_MAX_STEP_MS, EFFICIENT_CHUNK
 from tidal.engine.config import EngineConfig
 from tidal.engine.core import EngineCore
 from tidal.engine import step_profile
@@ -45,9 +46,13 @@ def test_the_profile_is_measured_once_saved_and_read_back(folder, tmp_path, monk
     first = core(folder)
     saved = tmp_path / "cache" / "step-profiles"
     chunk = StepShape().add(1, 100, count=4).add(128, 0)
-    # serving starts on the shapes timed first: one decode row, four, a 256-token prompt
-    assert len(first.profile.steps) == 3 and first.profiling() and not saved.exists()
+    # serving starts on the shapes timed first: one decode row and four; until a prompt is
+    # priced a step holds one chunk of prompt at most
+    assert len(first.profile.steps) == 2 and first.profiling() and not saved.exists()
     assert first.step_time.shape_time(chunk) > 0  # before any served step
+    assert first.scheduler.target.prompt_cap == EFFICIENT_CHUNK
+    assert first.profile_idle() and first.profile.steps[-1][0].tokens == EFFICIENT_CHUNK
+    assert first.step_time.prices_prompts and first.scheduler.target.prompt_cap == math.inf
     assert finish_profile(first) >= 3 and not first.profiling() and not first.profile_idle()
     (saved,) = saved.glob("*.json")
     steps = json.loads(saved.read_text())["steps"]
@@ -60,7 +65,7 @@ def test_the_profile_is_measured_once_saved_and_read_back(folder, tmp_path, monk
     second = core(folder)
     assert not measured and not second.profiling()  # read back, not measured again
     assert second.step_time.shape_time(chunk) == pytest.approx(predicted)
-    assert first.config.scheduler.max_step_ms == CPU_MAX_STEP_MS  # a tiny model is fast
+    assert first.step_target_ms() == CPU_MAX_STEP_MS  # a tiny model is fast
     assert first.step_errors.ratios == type(first.step_errors.ratios)()
 
 
@@ -105,7 +110,7 @@ def test_another_machine_key_measures_anew_and_none_when_asked(folder, tmp_path)
     assert len(list((tmp_path / "cache" / "step-profiles").glob("*.json"))) == 2
     off = core(folder, step_profile_seconds=0)
     assert off.step_time.shape_time(StepShape().add(64, 0)) == 0.0  # learns from steps
-    assert off.config.scheduler.max_step_ms == CPU_MAX_STEP_MS
+    assert off.step_target_ms() == CPU_MAX_STEP_MS
 
 
 def test_no_model_is_kept_where_nothing_sizes_steps(folder):

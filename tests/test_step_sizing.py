@@ -4,12 +4,15 @@ prediction error."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from tidal.core import (STEP_TIME_TERMS, LearnedStepTime, LinearStepTime, PredictionLog,
-                        SchedulerConfig, StepShape)
+from tidal.core import (STEP_TIME_TERMS, CacheConfig, KVCacheManager, LearnedStepTime,
+                        LinearStepTime, PredictionLog, Scheduler, SchedulerConfig, StepShape)
 from tidal.core.policies import POLICIES
-from tidal.core.step_sizing import CPU_MAX_STEP_MS, default_step_target
+from tidal.core.step_sizing import (CPU_MAX_STEP_MS, EFFICIENT_CHUNK, StepTarget,
+                                   default_step_target)
 
 from conftest import add, make_scheduler, step
 
@@ -198,6 +201,39 @@ def test_the_default_target_is_none_on_a_gpu_and_a_chunks_time_on_a_slow_cpu():
     assert default_step_target(False, MODEL) == CPU_MAX_STEP_MS  # 266 ms a chunk
     assert default_step_target(False, Linear(0.010, 0.002)) == 522
     assert default_step_target(False, None) == CPU_MAX_STEP_MS
+
+
+def test_a_target_that_follows_the_model_holds_a_chunk_until_it_prices_prompts():
+    """A server that timed only decodes before serving: its steps hold one 256-token chunk
+    of prompt while its model prices none (a 4k prompt would otherwise look free and take a
+    single step of seconds); once served prompt steps teach the model, the target is that
+    model's price of a chunk on this machine (twice `_truth`'s: 632 ms) and steps are
+    sized to it."""
+    def machine(shape: StepShape) -> float:
+        return 2 * _truth(shape)
+
+    decodes = [(shape, machine(shape)) for shape, _ in _profile() if shape.tokens == shape.seqs]
+    model = LearnedStepTime(prior=decodes)
+    target = StepTarget(model=model)
+    s = Scheduler(SchedulerConfig(), KVCacheManager(CacheConfig(num_blocks=4000,
+                                                                block_size=16)),
+                  step_time=model, step_target=target)
+    assert target.seconds == CPU_MAX_STEP_MS / 1000 and target.prompt_cap == EFFICIENT_CHUNK
+    add(s, "a", 4000, max_tokens=2)
+    chunks, unpriced = [], []
+    while not s.requests["a"].output_token_ids:
+        unpriced.append(not model.prices_prompts)
+        out, _ = step(s)
+        chunks.append(prompt_tokens(out))
+        model.observe(StepShape.of(out), machine(StepShape.of(out)))
+    learned = unpriced.index(False)
+    assert learned >= 8 and chunks[:learned] == [EFFICIENT_CHUNK] * learned
+    assert target.seconds == pytest.approx(machine(StepShape().add(EFFICIENT_CHUNK, 0)),
+                                           rel=0.05)
+    assert target.prompt_cap == math.inf
+    for n in chunks[learned:-1]:  # each chunk within the target, and not a block under it
+        assert machine(StepShape().add(n, 0)) <= target.seconds * 1.05
+        assert machine(StepShape().add(n + 16, 0)) > target.seconds * 0.95
 
 
 def test_the_simulator_sizes_steps_as_the_engine_would_on_that_hardware():

@@ -63,25 +63,29 @@ def test_a_burst_is_admitted_step_by_step_and_running_streams_keep_flowing():
         assert target >= 0.4  # derived on a CPU: at least 400 ms
         ttfts, gaps, seconds = asyncio.run(_burst(server.url))
         ratio_p50 = metric(server.url, 'tidal:step_time_prediction_ratio{quantile="0.5"}')
+        # the target follows the model as served steps teach it: read it again beside it
+        learned = metric(server.url, "tidal:max_step_seconds")
         profile = learned_profile(hardware("cpu"), server.url)  # its model, for the simulator
     finally:
         server.stop()
     ttfts.sort()
     p50, p99 = statistics.median(ttfts), ttfts[int(0.99 * len(ttfts))]
-    print(f"target {target * 1e3:.0f} ms; burst {seconds:.1f} s; TTFT min {ttfts[0]:.2f} "
+    print(f"target {target * 1e3:.0f} ms, {learned * 1e3:.0f} ms learned; burst {seconds:.1f} s; TTFT min {ttfts[0]:.2f} "
           f"p50 {p50:.2f} p99 {p99:.2f} s; running stream: {len(gaps)} gaps, max "
           f"{max(gaps):.2f} s; model p50 ratio {ratio_p50:.2f}")
     # First tokens come one after another, not all at once after the whole burst's prefill.
     assert p50 < 0.7 * p99 and ttfts[0] < 0.25 * p99
     # The running stream got tokens all along; no wait near the burst's prefill time.
     assert len(gaps) >= 10
+    target = max(target, learned)
     assert max(gaps) <= MAX_GAP_STEPS * target
     assert sorted(gaps)[int(0.9 * len(gaps))] <= P90_GAP_STEPS * target
     assert 0.5 < ratio_p50 < 2.0
     # The simulator, given the server's learned model, times steps as the server planned
     # them: a block of prompt beside a decode well within the target, a 4k prompt past it.
     cost = CostModel(model_arch("smollm2-135m"), profile)
-    assert profile.max_step_ms == target * 1000
+    # (the idle engine may refit between the two reads: its profile's shapes)
+    assert profile.max_step_ms == pytest.approx(learned * 1000, rel=0.25)
     assert cost.shape_time(StepShape().add(1, 300).add(16, 0)) < target / 2
     assert cost.shape_time(StepShape().add(1, 300).add(4096, 0)) > target
     # and draws step times from how the served ones scattered around the model: measured /

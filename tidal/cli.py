@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         return _serve_pd(args, server)
     from tidal.core.roles import ROLES
     from tidal.engine.config import EngineConfig
-    from tidal.model.registry import locate_model, pending, write_model_files
+    from tidal.model.registry import locate_model, write_model_files
     from tidal.model.tokenizer import Tokenizer
     from tidal.runtime.client import CoreClient
 
@@ -67,20 +67,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
         with flag_errors("serve"):
             folder = write_model_files(files)
         return serve_node(config.parallel, folder)
-    client = None
-    if pending(files):  # a new GGUF: the cores import the engine while this process converts
-        client = CoreClient(config, str(files.folder), None, server.restart_policy())
-        client.launch()
+    # The cores import the engine and load while this process converts a new GGUF, reads
+    # its tokenizer and builds the HTTP app (a GGUF's cores wait for the files if need be).
+    client = CoreClient(config, str(files.folder), None if files.gguf else Tokenizer(
+        files.folder), server.restart_policy())
+    client.launch()
     with flag_errors("serve"):
         folder = write_model_files(files)
     logging.getLogger("tidal.server").info("model files ready in %.2fs: %s",
                                            time.perf_counter() - t0, folder)
     if server.served_model_name is None:
         server = replace(server, served_model_name=files.name)
-    if client is None:
-        client = CoreClient(config, str(folder), Tokenizer(folder), server.restart_policy())
-        client.launch()  # the cores load while this process imports and builds the HTTP app
-    else:
+    if client.tokenizer is None:
         client.attach_tokenizer(Tokenizer(folder))
     import uvicorn
 

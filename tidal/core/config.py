@@ -54,8 +54,9 @@ class SchedulerConfig:
         None, "Most milliseconds a step should take, as the step-time model predicts it: a "
         "step's prefill tokens are capped so that running streams get their next token "
         "within it (at least one block of prefill per step). A server derives it when "
-        "unset: on CPU from the machine (docs/design/step-time.md), on GPU none (the token "
-        "budgets alone); offline `LLM` and 0: no time cap.")
+        "unset: on CPU the machine's, as its step-time model learns it (docs/design/"
+        "step-time.md), on GPU none (the token budgets alone); offline `LLM` and 0: no "
+        "time cap.")
     max_num_seqs: int = knob(256, "Most requests holding KV blocks at once.")
     max_model_len: int = knob(32768, "Longest sequence, prompt plus output.")
     batch_mode: str = knob(

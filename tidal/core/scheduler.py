@@ -23,6 +23,7 @@ from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, ready_to_decode
 from tidal.core.roles import ROLES
 from tidal.core.speculation import Speculation, guess_budget
+from tidal.core.step_sizing import StepTarget
 from tidal.core.step_time import StepTimeModel
 
 
@@ -33,13 +34,14 @@ class Scheduler:
 
     `step_time` predicts a step's seconds from its shape and `clock` reads the time
     requests' `arrival_time` is on (the simulator's virtual clock); every policy sizes
-    steps by `step_time` under `max_step_ms`, and the `slo` policy plans with both.
-    Adaptive speculation prices guesses with `guess_time` (default: `step_time`)."""
+    steps by `step_time` under `step_target` (default: `max_step_ms`), and the `slo` policy
+    plans with both. Adaptive speculation prices guesses with `guess_time` (or `step_time`)."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  step_time: StepTimeModel | None = None,
                  clock: Callable[[], float] = time.time,
-                 guess_time: StepTimeModel | None = None) -> None:
+                 guess_time: StepTimeModel | None = None,
+                 step_target: StepTarget | None = None) -> None:
         for name in ("chunked_prefill_size", "max_input_tokens_per_step"):
             if getattr(config, name) < kv.block_size:
                 raise ValueError(f"{name}={getattr(config, name)} is under block_size="
@@ -51,9 +53,9 @@ class Scheduler:
             if needs and step_time is None:
                 raise ValueError(f"{what} needs a step-time model")
         self.step_time, self.clock = step_time, clock
-        self.max_step = config.max_step_ms / 1000 if config.max_step_ms else math.inf
+        self.target = step_target or StepTarget.of_ms(config.max_step_ms)
         self.ratio = NewTokenRatio(config)
-        self.spec = Speculation(config, guess_time or step_time, self.policy.tpot)
+        self.spec = Speculation(config, guess_time or step_time, self.policy.tpot, self.target)
         self.loras = AdapterSlots(config.max_loras, config.lora_wait_steps)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []
@@ -61,10 +63,8 @@ class Scheduler:
         self.active_prefill: Request | None = None  # the one partially prefilled request
         self.preempted: dict[str, Request] = {}  # retracted, awaiting the executor's ack
         self.transferring: dict[str, Request] = {}  # hold blocks while their KV moves
-        self.step = 0
-        self.num_preemptions = 0
-        self.prefix_hit_tokens = 0
-        self.prefix_query_tokens = 0
+        self.step = self.num_preemptions = 0
+        self.prefix_hit_tokens = self.prefix_query_tokens = 0  # prompt tokens: hit, looked up
         self.last_output: SchedulerOutput | None = None
         self._finished_ids: list[str] = []
         self._pending_copies: list[tuple[int, int]] = []

@@ -11,11 +11,11 @@ proposers live with the executor, which reports how many it holds for each reque
 from __future__ import annotations
 
 import heapq
-import math
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from tidal.core.outputs import ModelOutput, RequestOutput, ScheduledRequest
 from tidal.core.request import Request, RequestStatus
+from tidal.core.step_sizing import StepTarget
 from tidal.core.step_time import StepShape, StepTimeModel
 
 if TYPE_CHECKING:
@@ -81,8 +81,7 @@ class GuessPlanner:
     Adaptive (with a step-time model that predicts): start from no guesses and add one at a
     time, the one most likely to be accepted first, while it raises expected tokens per
     second of step time (and, given a TPOT target per request, keeps each request's
-    expected time per token within it; given a step target `max_step`, keeps the step
-    within it). Each guess runs as one more decode row of context
+    expected time per token within it; given a step `target`, keeps the step within it). Each guess runs as one more decode row of context
     c + j, which is how the step-time model prices it. At a batch where one more row costs
     more than the tokens it is expected to add, no request guesses. Otherwise (or before the
     model predicts): every request guesses its cap, though without a prediction only every
@@ -93,12 +92,12 @@ class GuessPlanner:
     def __init__(self, max_guesses: int, adaptive: bool,
                  step_time: StepTimeModel | None,
                  tpot: Callable[[Request], float | None] | None = None,
-                 max_step: float = math.inf) -> None:
+                 target: StepTarget | None = None) -> None:
         self.max_guesses = max_guesses
         self.adaptive = adaptive
         self.step_time = step_time
         self.tpot = tpot  # a request's TPOT target in seconds, where the policy has one
-        self.max_step = max_step  # seconds a step should take (the scheduler's max_step_ms)
+        self.target = target or StepTarget()  # the scheduler's: seconds a step should take
         # every request's verifications, decayed, by how many tokens its proposer held
         # (hits, misses): the prior of a request whose proposer holds that many. A suffix
         # proposer holds more after a longer match, and its guesses pass more often (chat,
@@ -197,7 +196,7 @@ class GuessPlanner:
             trial = shape.copy().add(1, c + k + 1, adapter=r.lora is not None)
             t = self.step_time.shape_time(trial)
             gain = -neg_gain
-            if (tokens + gain) * seconds <= tokens * t or t > self.max_step:
+            if (tokens + gain) * seconds <= tokens * t or t > self.target.seconds:
                 break  # the likeliest guess left does not pay for its row (or fit): none will
             if not self._meets_targets(guesses, alphas, targets, i, t):
                 continue
@@ -250,10 +249,9 @@ class Speculation:
     planner's guesses and applies verifications; counts what was guessed and accepted."""
 
     def __init__(self, config: "SchedulerConfig", step_time: StepTimeModel | None,
-                 tpot: Callable[[Request], float | None]) -> None:
-        max_step = config.max_step_ms / 1000 if config.max_step_ms else math.inf
+                 tpot: Callable[[Request], float | None], target: StepTarget) -> None:
         self.planner = GuessPlanner(config.num_speculative_tokens, config.speculative_adaptive,
-                                    step_time, tpot, max_step)
+                                    step_time, tpot, target)
         self.drafted_tokens = 0  # guesses verified
         self.accepted_tokens = 0  # of those, accepted
         self.verifications = 0  # decode entries that verified at least one guess

@@ -5,11 +5,13 @@ model is the scheduler's."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from tidal.core.step_time import StepShape, StepTimeModel
 
 if TYPE_CHECKING:
+    from tidal.core.step_time import LearnedStepTime
     from tidal.core.budget import StepPlan
     from tidal.core.request import Request
     from tidal.core.scheduler import Scheduler
@@ -33,6 +35,38 @@ def default_step_target(on_gpu: bool, model: "StepTimeModel | None") -> float:
     return max(CPU_MAX_STEP_MS, round(chunk * 1000))
 
 
+class StepTarget:
+    """The seconds a step should take (`seconds`; inf: no target) and the prompt tokens a
+    step may hold whatever the model predicts (`prompt_cap`). Fixed (a given max_step_ms),
+    or, following `model` (a CPU server's when none is given), the machine's default
+    target as that model prices it now: it follows the model as it learns. Until the
+    model prices prompt tokens, a step holds at most EFFICIENT_CHUNK of them, so that a
+    server can serve before it has timed a prompt (a long prompt would otherwise look free
+    and take one step whole)."""
+
+    def __init__(self, seconds: float = math.inf,
+                 model: "LearnedStepTime | None" = None) -> None:
+        self._seconds, self.model = seconds, model
+        self._coef: list[float] | None = None  # the model's fit the target was priced by
+
+    @classmethod
+    def of_ms(cls, ms: float | None) -> "StepTarget":
+        """A fixed target of `ms` milliseconds (None or 0: none)."""
+        return cls(ms / 1000 if ms else math.inf)
+
+    @property
+    def seconds(self) -> float:
+        if self.model is not None and self.model.coef is not self._coef:
+            self._coef = self.model.coef  # a new fit: price the chunk again (once a fit)
+            self._seconds = default_step_target(False, self.model) / 1000
+        return self._seconds
+
+    @property
+    def prompt_cap(self) -> float:
+        unpriced = self.model is not None and not self.model.prices_prompts
+        return EFFICIENT_CHUNK if unpriced else math.inf
+
+
 def decode_shape(decoding: Iterable["Request"]) -> StepShape:
     """The shape of one decode row for each of `decoding`, at its current context (through
     its LoRA adapter, if it has one)."""
@@ -48,7 +82,7 @@ def cap_prefill(sched: "Scheduler", plan: "StepPlan", decode: StepShape,
     budget, bs = plan.budget, sched.block_size
     # the input budget, not the chunk budget: whole prompts that need no chunk take the
     # input budget alone, so a chunk budget of a block must not leave them uncapped
-    room = budget.rem_input_tokens
+    room = min(budget.rem_input_tokens, max(bs, sched.target.prompt_cap))
     if room <= bs:
         return room
     step = prompt_step(sched, decode)

@@ -243,6 +243,11 @@ class LearnedStepTime:
             return 0.0
         return sum(c * x for c, x in zip(self.coef, self._features(shape)))
 
+    @property
+    def prices_prompts(self) -> bool:
+        """Whether the fit prices a prompt's tokens (or their attention) yet."""
+        return self.coef[1] > 0 or self.coef[3] > 0
+
     def coefficients(self) -> list[float]:
         """The fit's seconds per unit of each of STEP_TIME_TERMS (a `LinearStepTime`'s)."""
         return [c * s for c, s in zip(self.coef, self._SCALES)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +20,7 @@ from tidal.core import (ERROR_QUANTILES, POLICIES, KVCacheManager, LearnedStepTi
                         SamplingParams, Scheduler, SchedulerOutput, StepShape)
 from tidal.core.snapshot import StepHistory
 from tidal.core.speculation import GUESS_FIXED_PENALTY
-from tidal.core.step_sizing import default_step_target
+from tidal.core.step_sizing import StepTarget
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import Executor, ExecutorDead, LocalExecutor
 from tidal.engine.step_profile import StepProfile
@@ -64,10 +65,11 @@ class EngineCore:
             self.step_time = LearnedStepTime(prior=prior)
             phases.done("step profile")
         # What the model and the memory allow: the context is at most the model's, and the
-        # pool is what the worker allocated; the step target is the machine's unless given.
-        sched_cfg = replace(config.scheduler, max_model_len=max_len, max_step_ms=(
-            given if given is not None else default_step_target(info.on_gpu,
-                                                                self.step_time)))
+        # pool is what the worker allocated; the step target is the machine's unless given,
+        # on a CPU the one its step-time model prices now (it follows the model).
+        follow = given is None and not info.on_gpu
+        sched_cfg = replace(config.scheduler, max_model_len=max_len,
+                            max_step_ms=given if given is not None or follow else 0.0)
         cache_cfg = replace(config.cache, num_blocks=info.num_blocks)
         self.config = replace(config, scheduler=sched_cfg, cache=cache_cfg)
         adaptive = sched_cfg.num_speculative_tokens and sched_cfg.speculative_adaptive
@@ -75,7 +77,8 @@ class EngineCore:
         self.guess_time = LearnedStepTime(fixed_penalty=GUESS_FIXED_PENALTY) if adaptive else None
         self._learners = [m for m in (self.step_time, self.guess_time) if m is not None]
         self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg), self.step_time,
-                                   guess_time=self.guess_time)
+                                   guess_time=self.guess_time, step_target=(
+                                       StepTarget(model=self.step_time) if follow else None))
         self.eos_token_id = (eos_token_id if eos_token_id is not None
                              else (arch.eos_token_ids or (None,))[0])
         self.vocab_size = arch.vocab_size
@@ -96,9 +99,14 @@ class EngineCore:
                  "%.1f MiB; step target %s", phases.total, phases, info.device,
                  str(info.dtype).split(".")[-1], info.num_blocks,
                  cache_cfg.block_size, info.kv_cache_bytes / 2**20,
-                 f"{sched_cfg.max_step_ms:g} ms" if sched_cfg.max_step_ms else "none")
+                 f"{self.step_target_ms():g} ms" if self.step_target_ms() else "none")
         gc.collect()
         gc.freeze()  # the model and the block pool are long-lived: keep them out of GC passes
+
+    def step_target_ms(self) -> float:
+        """The milliseconds steps are sized to now (0: none)."""
+        seconds = self.scheduler.target.seconds
+        return round(seconds * 1000, 1) if seconds < math.inf else 0.0
 
     def step_time_error(self) -> list[float]:
         """The step-time model's predicted / measured seconds over recent steps at each of

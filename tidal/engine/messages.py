@@ -61,7 +61,6 @@ class Ready(msgspec.Struct, tag=True):
     incarnation: int = 0  # which start of this core (a restart is a new one)
     embedding_size: int = 0  # the model's hidden size: an embedding's dimensions
     matryoshka: bool = False  # an embedding's leading dimensions are one too
-    max_step_ms: float = 0.0  # the step-time target steps are sized to (0: none)
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):
@@ -102,6 +101,7 @@ class Stats(msgspec.Struct, tag=True):
     step_time_error: list[float] = msgspec.field(default_factory=list)
     # Its coefficients, seconds per unit of each of tidal.core.STEP_TIME_TERMS (empty: none).
     step_time_coef: list[float] = msgspec.field(default_factory=list)
+    max_step_ms: float = 0.0  # the step-time target steps are sized to now (0: none)
 
 
 class Failed(msgspec.Struct, tag=True):

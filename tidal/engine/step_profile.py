@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from tidal.core import NewRequest, SamplingParams, ScheduledRequest, SchedulerOutput, StepShape
 from tidal.core.kv_cache_manager import cdiv
+from tidal.core.step_sizing import EFFICIENT_CHUNK
 from tidal.model.registry import cache_root
 
 if TYPE_CHECKING:
@@ -173,12 +174,19 @@ def profile_path(key: dict) -> Path:
 
 
 def first_shape(entries: list[tuple[int, int]]) -> bool:
-    """A shape timed before the engine serves: one decode row, four, and the 256-token
-    prompt that the CPU step target prices (`default_step_target`; from a shorter prompt
-    the fit cannot tell its tokens' cost from their attention's, and overprices it by up
-    to 1.8x), so that the first steps are sized (a model that knows nothing would let one
-    step take a whole long prompt)."""
-    return entries in ([(1, DECODE_CONTEXT)], [(1, DECODE_CONTEXT)] * 4, [(256, 0)])
+    """A shape timed before the engine serves: one decode row and four. No prompt: a 1B
+    model's prompt chunk takes seconds on two cores, and until the model prices prompts
+    the step target caps a step's prompt tokens at its chunk (`StepTarget.prompt_cap`)."""
+    return entries in ([(1, DECODE_CONTEXT)], [(1, DECODE_CONTEXT)] * 4)
+
+
+def idle_order(grid: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    """The shapes timed while idle: the prompt chunk that prices the CPU step target
+    (`default_step_target`) first, as it is what the model prices next; from a shorter
+    prompt alone the fit cannot tell its tokens' cost from their attention's and misprices
+    the chunk by up to 1.8x."""
+    chunk = [(EFFICIENT_CHUNK, 0)]
+    return sorted(grid, key=lambda entries: entries != chunk)  # stable: the rest in order
 
 
 class StepProfile:
@@ -194,7 +202,7 @@ class StepProfile:
         self.key = machine_key(executor.info, folder, max_len)
         self.path = profile_path(self.key)
         self.steps: list[tuple[StepShape, float]] = self._load()
-        self.pending = [] if self.steps else worker_grid(executor.info, max_len)
+        self.pending = [] if self.steps else idle_order(worker_grid(executor.info, max_len))
         self.spent = 0.0  # seconds of timing so far
         self.largest = (1, 0.0)  # the measured shape of most tokens: (tokens, seconds)
         self._rng = random.Random(0)

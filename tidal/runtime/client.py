@@ -128,7 +128,7 @@ class CoreClient:
             if handle is not None:
                 handle.kill()  # reaps the dead process (or frees its Ray actor)
             handle = self._new_handle(index)
-        # No tokenizer yet: the core waits for the files and reads its end token itself.
+        # No tokenizer yet: the core waits for the files and reads its end token from them.
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         handle.start(run_core, (self._core_config(), str(self.folder), eos,
                                 self.sockets.in_addrs[index], self.sockets.out_addr, index,

@@ -64,8 +64,9 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     """The process's main: build the core, say Ready, then serve until Shutdown or until the
     frontend process is gone. `index` names this core among data-parallel ones;
     `incarnation` which start of it this is (every message says so). `files_pending`: the
-    frontend is still converting the GGUF into `folder`; import the engine meanwhile, wait
-    for the files, and take the end-of-sequence id from their tokenizer."""
+    frontend may still be converting the GGUF into `folder`; import the engine meanwhile,
+    wait for the files, and take the end-of-sequence id from their config (a GGUF's
+    tokenizer and config take it from one field)."""
     # The engine (torch, the model) is imported here, in the core's own process: the
     # frontend that hands this function to it never loads torch.
     from tidal.engine.core import EngineCore
@@ -75,7 +76,6 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     parent = os.getppid()
     if files_pending:
         from tidal.model.registry import files_written
-        from tidal.model.tokenizer import Tokenizer
 
         waited = time.perf_counter()
         while not files_written(folder):
@@ -84,7 +84,6 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
             time.sleep(0.02)
         log.info("engine imported; waited %.2fs for the model files",
                  time.perf_counter() - waited)
-        eos_token_id = Tokenizer(folder).eos_token_id
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(in_addr)
@@ -106,13 +105,13 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
         return
     # Stats before Ready: the frontend's gauges exist from its first scrape on.
     outbox.send(m.encoder.encode(m.Stats(index, 0, core.scheduler.stats(), 0, 0,
-                                         incarnation=incarnation)))
+                                         incarnation=incarnation,
+                                         max_step_ms=core.step_target_ms())))
     outbox.send(m.encoder.encode(m.Ready(index, core.max_model_len, core.vocab_size,
                                          core.executor.info.num_blocks, config.cache.block_size,
                                          link.address if link else "", incarnation,
                                          core.executor.info.arch.hidden_size,
-                                         core.executor.info.matryoshka,
-                                         core.config.scheduler.max_step_ms or 0.0)))
+                                         core.executor.info.matryoshka)))
     stop = threading.Event()
     threading.Thread(target=_heartbeat, args=(ctx, out_addr, index, incarnation, stop),
                      name="tidal-heartbeat", daemon=True).start()
@@ -221,7 +220,8 @@ class _CoreLoop:
                                   core.prompt_tokens, core.generation_tokens,
                                   core.execute_seconds, self.step_seconds, self.incarnation,
                                   self._view(), core.step_time_error(),
-                                  core.step_time.coefficients() if core.step_time else []))
+                                  core.step_time.coefficients() if core.step_time else [],
+                                  core.step_target_ms()))
                 if os.getppid() != parent:  # the frontend died: do not linger as an orphan
                     log.warning("frontend process gone; engine core exiting")
                     return

@@ -49,4 +49,5 @@ def merge_stats(stats: list[m.Stats]) -> m.Stats:
     return m.Stats(-1, sum(s.adds_seen for s in stats), SchedulerStats(**total),
                    sum(s.prompt_tokens for s in stats), sum(s.generation_tokens for s in stats),
                    sum(s.execute_seconds for s in stats), sum(s.step_seconds for s in stats),
-                   step_time_error=worst, step_time_coef=mean)
+                   step_time_error=worst, step_time_coef=mean,
+                   max_step_ms=max(s.max_step_ms for s in stats))

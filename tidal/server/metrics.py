@@ -49,10 +49,8 @@ class _CoreCollector:
             ("tidal:spec_decode_acceptance_rate", "Share of guessed tokens accepted (0-1).",
              s.spec_accepted_tokens / max(1, s.spec_draft_tokens)),
         ]
-        ready = getattr(self.client, "ready", None)
-        if ready is not None:
-            gauges.append(("tidal:max_step_seconds", "The step-time target steps are sized "
-                           "to (max_step_ms; 0: none).", ready.max_step_ms / 1000))
+        gauges.append(("tidal:max_step_seconds", "The step-time target steps are sized to "
+                       "now (max_step_ms; 0: none).", stats.max_step_ms / 1000))
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
         if stats.step_time_error:

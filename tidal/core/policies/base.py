@@ -65,9 +65,10 @@ class Policy:
 
     def size_step(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
         """Before the step is composed, when prompts are to compute: cap its prefill tokens
-        so that it is predicted to take at most the scheduler's `max_step_ms`."""
-        if sched.max_step < math.inf:
-            cap_prefill(sched, plan, decode_shape(decoding), sched.max_step)
+        so that it is predicted to take at most the scheduler's step target."""
+        target = sched.target.seconds
+        if target < math.inf:
+            cap_prefill(sched, plan, decode_shape(decoding), target)
 
     def compose(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
         """`mixed` batches: decodes take their blocks first, then prefill chunks fill the

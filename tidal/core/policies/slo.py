@@ -122,7 +122,7 @@ class SloPolicy(Policy):
         mean = decode.kv_tokens // max(1, decode.seqs)  # about the mean context
         if model.shape_time(StepShape().add(1, mean).add(bs, 0)) > tpot:
             tpot = math.inf  # not even one decode beside a block meets it: no use capping
-        target = min(tpot, sched.max_step)
+        target = min(tpot, sched.target.seconds)
         if target < math.inf:
             tokens = cap_prefill(sched, plan, decode, target)
         if tpot < math.inf and room > bs:
