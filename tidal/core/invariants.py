@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 from tidal.core.request import RequestStatus
 
 if TYPE_CHECKING:
+    from tidal.core.kv_tiers import KVTiers
     from tidal.core.scheduler import Scheduler
 
 
@@ -46,6 +47,13 @@ class SchedulerStats:
     max_loras: int = 0  # adapter slots (summed over data-parallel cores)
     running_loras: list[str] = field(default_factory=list)  # adapters of requests holding blocks
     waiting_loras: list[str] = field(default_factory=list)  # adapters of waiting requests
+    # the disk tier below the pool: blocks it holds, blocks loaded whole, stored and failed
+    # to load (missing or corrupt) since start, and the mean milliseconds a block loads in
+    tier_blocks: int = 0
+    tier_hit_blocks: int = 0
+    tier_stored_blocks: int = 0
+    tier_failed_blocks: int = 0
+    tier_load_ms: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -83,7 +91,34 @@ def collect_stats(s: "Scheduler") -> SchedulerStats:
         max_loras=s.config.max_loras,
         running_loras=sorted(s.loras.adapters_of(chain(s.running, s.transferring.values()))),
         waiting_loras=sorted(s.loras.adapters_of(chain(s.waiting, s.preempted.values()))),
+        **(tier_stats(s.kv.tiers) if s.kv.tiers else {}),
     )
+
+
+def tier_stats(tiers: "KVTiers") -> dict:
+    return dict(tier_blocks=len(tiers.index), tier_hit_blocks=tiers.hit_blocks,
+                tier_stored_blocks=tiers.stored_blocks, tier_failed_blocks=tiers.failed_blocks,
+                tier_load_ms=tiers.load_seconds * 1000)
+
+
+def _check_tier(s: "Scheduler") -> None:
+    """The tier below the pool (docs/design/kv-tiers.md): its index within its capacity; a
+    request's blocks that are loading held by it alone, never free nor published, and no
+    step computes a loading request (nothing reads its blocks before they are loaded)."""
+    kv, pool = s.kv, s.kv.pool
+    _require(len(kv.tiers.index) <= kv.tiers.index.capacity, "the tier holds too many blocks")
+    loading = {rid for rid, r in s.transferring.items() if r.tier_loading}
+    for rid in loading:
+        table, keys = kv.tables[rid], s.requests[rid].tier_loading
+        for b in table[len(table) - len(keys):]:
+            block = pool.blocks[b]
+            _require(block.ref_cnt == 1 and block.block_hash is None,
+                     lambda: f"{rid}: block {b} is loading but shared, free or published")
+    out = s.last_output
+    _require(out is None or not any(x.request_id in loading for x in out.scheduled),
+             "a step computes a request whose blocks are still loading")
+    for r in chain(s.running, s.waiting, s.preempted.values()):
+        _require(not r.tier_loading, lambda: f"{r}: loading blocks but not waiting for them")
 
 
 def _require(ok: bool, message: str | Callable[[], str]) -> None:
@@ -143,6 +178,8 @@ def check_invariants(s: "Scheduler") -> None:
     for r in s.waiting:
         _require(r.num_computed_tokens == 0 and r.request_id not in kv.tables,
                  lambda: f"{r}: waiting with computed tokens or blocks")
+    if kv.tiers is not None:
+        _check_tier(s)
     adapters = {r.lora for r in chain(s.running, s.transferring.values()) if r.lora is not None}
     _require(len(adapters) <= s.config.max_loras,
              lambda: f"{len(adapters)} LoRA adapters hold blocks; max_loras is "

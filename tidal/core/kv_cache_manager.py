@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tidal.core.block_pool import Block, BlockPool, hash_block
 from tidal.core.config import CacheConfig
+from tidal.core.kv_tiers import KVTiers
 from tidal.core.request import Request
 
 
@@ -16,10 +17,11 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     """Owns every request's block table (a list of block ids). All changes to block
-    ownership go through here."""
+    ownership go through here. With `tiers`, every block published to the prefix cache is
+    stored in the tier below the pool too, and `match_tier` finds a prefix there."""
 
-    def __init__(self, config: CacheConfig) -> None:
-        self.config = config
+    def __init__(self, config: CacheConfig, tiers: KVTiers | None = None) -> None:
+        self.config, self.tiers = config, tiers
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.tables: dict[str, list[int]] = {}
@@ -79,6 +81,20 @@ class KVCacheManager:
             hit.append(block)
             parent = hashes[i]
         return hit
+
+    def match_tier(self, request: Request, hit: int) -> list[bytes]:
+        """Keys of the blocks after the pool's `hit` blocks that the tier below holds, in a
+        run, capped so at least one token is left to compute; empty where the request may
+        not read the cache or loaded once already."""
+        tiers = self.tiers
+        if (tiers is None or request.tier_loading is not None
+                or not (self.pool.enable_prefix_caching and request.reads_prefix_cache)):
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if hit >= max_blocks:
+            return []
+        self._hashes(request, max_blocks)  # the blocks' tokens
+        return tiers.run(request, hit, max_blocks)
 
     # ------------------------------------------------------------------ allocation
     def blocks_needed(self, request: Request, num_tokens: int, hit: list[Block] = ()) -> int:
@@ -151,11 +167,14 @@ class KVCacheManager:
             return
         hashes, tokens = self._hashes(request, full), request.block_tokens
         blocks, cache, extra = self.pool.blocks, self.pool.cache, request.extra_key
+        keys = self.tiers.keys(request, full) if self.tiers else None
         parent = hashes[done - 1] if done else None
         for i in range(done, full):
             if not cache(blocks[table[i]], hashes[i], tokens[i], (parent, extra)):
                 full = _CHAIN_BROKEN  # a collision: nothing after it may be published
                 break
+            if keys is not None:
+                self.tiers.stored(table[i], keys[i])
             parent = hashes[i]
         self._num_cached[rid] = full
 

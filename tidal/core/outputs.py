@@ -42,6 +42,15 @@ def new_request(r: Request) -> NewRequest:
                       sorted(r.stop_ids), p.n if r.fork_pending else 1)
 
 
+class KVLoad(msgspec.Struct, array_like=True, gc=False):
+    """Blocks of one request to read from the tier below the pool, in order, before the
+    step's result is returned (no forward pass of the step reads them)."""
+
+    request_id: str
+    block_ids: list[int]
+    keys: list[bytes]
+
+
 class SchedulerOutput(msgspec.Struct):
     """The plan of one step. An executor forgets `finished_ids`, then learns
     `new_requests`, then runs `scheduled` (an id may end and be reused in one plan)."""
@@ -54,6 +63,10 @@ class SchedulerOutput(msgspec.Struct):
     finished_ids: list[str] = msgspec.field(default_factory=list)  # since the last plan
     block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (src, dst)
     transfer_ids: list[str] = msgspec.field(default_factory=list)  # KV moves after this step
+    # the tier below the pool: blocks to copy out before this step's forward pass (block id,
+    # key), and blocks to read in during it
+    kv_stores: list[tuple[int, bytes]] = msgspec.field(default_factory=list)
+    kv_loads: list[KVLoad] = msgspec.field(default_factory=list)
     # speculative decoding: report the proposers' guesses for the requests this step
     # samples (the planner may use them next step)
     propose: bool = False
@@ -107,6 +120,10 @@ class ModelOutput(msgspec.Struct):
     # Requests the executor cannot go on with (e.g. an output constraint that failed while
     # decoding), and why: they end with `error` before this step's tokens reach them.
     failed: dict[str, str] = msgspec.field(default_factory=dict)
+    # The step's loads from the tier below the pool: each request's leading blocks that
+    # loaded whole (the next one failed, if fewer than asked), and the seconds they took.
+    kv_loaded: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_load_seconds: float = 0.0
 
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False):

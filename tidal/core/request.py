@@ -171,6 +171,7 @@ class Request:
         "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "block_tokens",
         "parent_id", "index", "enqueue_step", "remote_prefill", "fork_pending", "stop_ids",
         "out_limit", "max_tokens", "admitted", "num_guesses", "num_proposed", "spec_counts",
+        "tier_keys", "tier_loading",
     )
 
     def __init__(
@@ -201,6 +202,9 @@ class Request:
         self.finish_message: str | None = None
         self.block_hashes: list[int] = []  # chain hashes of full blocks, grown lazily
         self.block_tokens: list[tuple[int, ...]] = []  # those blocks' token ids, hashed once
+        self.tier_keys: list[bytes] = []  # their keys in the tier below the pool, grown lazily
+        # the keys it loads from that tier now; None: it never did, [] once it has (once only)
+        self.tier_loading: list[bytes] | None = None
         self.parent_id: str | None = None
         self.index = 0  # which of an n>1 request's sequences: set by fork()
         self.enqueue_step = 0

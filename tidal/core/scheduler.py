@@ -13,8 +13,10 @@ from typing import Callable, Iterable
 
 from tidal.core.budget import Admission, StepPlan
 from tidal.core.config import SchedulerConfig
+from tidal.core.forks import fork_siblings
 from tidal.core.invariants import SchedulerStats, check_invariants, collect_stats
 from tidal.core.kv_cache_manager import KVCacheManager, cdiv
+from tidal.core.kv_tiers import admit_load, loads_done
 from tidal.core.lora import AdapterSlots
 from tidal.core.outputs import (ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput,
                                 new_request)
@@ -145,7 +147,8 @@ class Scheduler:
             self.ratio.reset()
         out = SchedulerOutput(step=self.step, kind="idle", finished_ids=self._finished_ids,
                               block_copies=self._pending_copies,
-                              propose=bool(self.spec.planner.max_guesses))
+                              propose=bool(self.spec.planner.max_guesses),
+                              kv_stores=self.kv.tiers.take_stores() if self.kv.tiers else [])
         self._finished_ids, self._pending_copies = [], []
         if self._pending_new:
             out.new_requests = [new_request(r) for r in self._pending_new
@@ -304,6 +307,8 @@ class Scheduler:
             own = self.ratio.reserved_tokens((r,))
         reserved = plan.reserved_tokens + own
         margin = int(self.config.safety_margin * self.kv.num_blocks) if fresh and others else 0
+        if fresh and self.kv.tiers and admit_load(self, plan, r, hit, reserved, margin):
+            return Admission.ADMITTED  # its prefix loads from the tier below the pool first
         if not self._allocate(r, self.role.blocks_for(num_new, remaining), hit, reserved,
                               margin):
             return Admission.NO_MEMORY
@@ -378,6 +383,8 @@ class Scheduler:
         acks = result.preempted_ack if self.config.executor_ahead else out.preempted_ids
         for rid in acks:
             self._on_preempt_ack(rid)
+        if result.kv_loaded:
+            loads_done(self, result)
         outputs, self._pending_outputs = self._pending_outputs, []
         requests, sampled, proposed, bs = (self.requests, result.sampled, result.proposed,
                                            self.block_size)
@@ -407,7 +414,7 @@ class Scheduler:
             if not samples:
                 continue
             if r.fork_pending:
-                outputs.extend(self._fork(r, tokens[1:]))
+                outputs.extend(fork_siblings(self, r, tokens[1:]))
             if speculating:  # guesses held for its next step (none: not asked for)
                 r.num_proposed = proposed.get(rid, 0)
             outputs.append(append(r, tokens[0]))
@@ -446,27 +453,6 @@ class Scheduler:
         self.running.remove(r)
         r.status = RequestStatus.TRANSFERRING
         self.transferring[r.request_id] = r
-
-    def _fork(self, parent: Request, tokens: list[int]) -> list[RequestOutput]:
-        """n>1: siblings share the prompt's full blocks and copy its partial last block.
-        A sibling that finds no free block recomputes its prompt from the waiting queue."""
-        parent.fork_pending = False
-        outputs = []
-        for index, token in enumerate(tokens, start=1):
-            child = parent.fork(index)
-            self.requests[child.request_id] = child
-            copies = self.kv.fork(parent, child, parent.prefill_target)
-            if copies is None:
-                child.enqueue_step = self.step
-                self.waiting.append(child)
-            else:
-                self._pending_copies.extend(copies)
-                child.num_computed_tokens = child.prefill_target = parent.prefill_target
-                child.status = RequestStatus.RUNNING
-                self.running.append(child)
-                self._pending_new.append(child)  # its first step is a decode
-            outputs.append(self._append(child, token))
-        return outputs
 
     def _end_now(self, r: Request, status: RequestStatus, message: str) -> None:
         """Finish a request inside schedule(); the next update() reports it."""

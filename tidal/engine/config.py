@@ -62,6 +62,13 @@ class ModelConfig:
     kv_cache_memory: int | None = knob(None, "Bytes for the KV cache (overrides the fraction).")
     kv_cache_fraction: float = knob(0.10, "On CPU: the share of free RAM the KV cache "
                                     "takes when no size is given.")
+    kv_cache_dir: str | None = knob(None, "A folder for the disk tier of the prefix cache: "
+                                    "every cached KV block is written there too, and a "
+                                    "prefix found there is loaded instead of computed, "
+                                    "after evictions and restarts (docs/design/kv-tiers.md). "
+                                    "Unset: no disk tier.")
+    kv_disk_size: float = knob(16.0, "GiB the disk tier's folder may hold (least recently "
+                               "written blocks go first).")
     gpu_memory_utilization: float = knob(0.9, "On GPU: the share of the device's memory "
                                          "tidal may use; the KV cache takes what the weights, "
                                          "the largest step's activations (measured by a "
@@ -129,6 +136,8 @@ class ModelConfig:
             raise ValueError("step_profile_seconds must be >= 0")
         if not 0 < self.kv_cache_fraction < 1:
             raise ValueError("kv_cache_fraction must be in (0, 1)")
+        if self.kv_disk_size <= 0:
+            raise ValueError(f"kv_disk_size must be > 0 GiB, got {self.kv_disk_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
@@ -386,6 +395,10 @@ class EngineConfig:
             raise ValueError(f"--pipeline-parallel-size {pp}: a P/D instance moves every "
                              f"layer's KV from one rank group for now (--role "
                              f"{self.scheduler.role})")
+        if self.model.kv_cache_dir is not None and (tp * pp > 1 or method == "draft"):
+            raise ValueError("--kv-cache-dir: the disk tier stores one process's whole KV "
+                             "for now (not with --tensor-parallel-size, "
+                             "--pipeline-parallel-size or a draft model's KV)")
         if method == "draft" and self.scheduler.role != "mixed":
             raise ValueError("a draft model needs the prompt's KV computed by the draft too; "
                              "a P/D pair speculates with ngram or suffix")

@@ -18,6 +18,7 @@ from pathlib import Path
 from tidal.core import (ERROR_QUANTILES, POLICIES, KVCacheManager, LearnedStepTime,
                         ModelOutput, PredictionLog, Request, RequestOutput, RequestStatus,
                         SamplingParams, Scheduler, SchedulerOutput, StepShape)
+from tidal.core.kv_tiers import KVTiers
 from tidal.core.snapshot import StepHistory
 from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.core.step_sizing import StepTarget
@@ -76,7 +77,8 @@ class EngineCore:
         self.step_errors = PredictionLog()  # the step-time model's, on the steps it sized
         self.guess_time = LearnedStepTime(fixed_penalty=GUESS_FIXED_PENALTY) if adaptive else None
         self._learners = [m for m in (self.step_time, self.guess_time) if m is not None]
-        self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg), self.step_time,
+        tiers = KVTiers(info.tier_capacity, info.tier_keys) if info.tier_capacity else None
+        self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg, tiers), self.step_time,
                                    guess_time=self.guess_time, step_target=(
                                        StepTarget(model=self.step_time) if follow else None))
         self.eos_token_id = (eos_token_id if eos_token_id is not None
@@ -168,8 +170,12 @@ class EngineCore:
         return [RequestOutput(request_id, [], True, "error", message)]
 
     def has_work(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or self._pending is not None
-                or bool(self._in_flight))
+        return self._to_plan() or self._pending is not None or bool(self._in_flight)
+
+    def _to_plan(self) -> bool:
+        """Whether the next step has anything to plan: requests, or blocks to store."""
+        tiers = self.scheduler.kv.tiers
+        return self.scheduler.has_unfinished_requests() or (tiers is not None and tiers.pending)
 
     def profiling(self) -> bool:
         """Whether shapes of the step-time profile are left to time while idle."""
@@ -197,7 +203,7 @@ class EngineCore:
         prefill instance (decode role) need none."""
         s = self.scheduler
         return (bool(s.running or s.waiting or s.preempted) or self._pending is not None
-                or bool(self._in_flight))
+                or bool(self._in_flight) or (s.kv.tiers is not None and s.kv.tiers.pending))
 
     def step(self) -> list[RequestOutput]:
         """One step: the requests' new tokens (and finishes), each with its tokens' logprobs
@@ -216,7 +222,7 @@ class EngineCore:
         it, then complete the oldest once the pipeline is full or nothing new could start.
         Steps complete in launch order, so a preemption's ack, a finished request's
         forgetting and a re-admission reach the runner after every step that held it."""
-        out = self._schedule() if self.scheduler.has_unfinished_requests() else None
+        out = self._schedule() if self._to_plan() else None
         started = out is not None and bool(out.scheduled or out.block_copies
                                            or out.new_requests or out.finished_ids
                                            or out.preempted_ids)
@@ -243,7 +249,7 @@ class EngineCore:
         """Plan step N+1 while step N runs on the worker thread, then wait for N, update,
         and start N+1. The runner reads only the plan's plain data; its block tables are
         snapshotted, as tables grow in place."""
-        out = self._schedule() if self.scheduler.has_unfinished_requests() else None
+        out = self._schedule() if self._to_plan() else None
         done: list[RequestOutput] = []
         if self._pending is not None:
             prev, future = self._pending
@@ -265,7 +271,8 @@ class EngineCore:
         return out
 
     def _execute(self, out: SchedulerOutput) -> ModelOutput | Exception:
-        if not (out.scheduled or out.block_copies or out.new_requests or out.finished_ids):
+        if not (out.scheduled or out.block_copies or out.new_requests or out.finished_ids
+                or out.kv_stores or out.kv_loads):
             return ModelOutput(preempted_ack=list(out.preempted_ids))
         self.prompt_tokens += _prefill_tokens(out)
         t0 = time.perf_counter()
@@ -315,6 +322,10 @@ class EngineCore:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        tiers = self.scheduler.kv.tiers
+        if tiers is not None and tiers.pending:  # blocks published by the last steps
+            self.executor.execute(SchedulerOutput(step=-1, kind="idle",
+                                                  kv_stores=tiers.take_stores()))
         self.executor.close()
 
 

@@ -100,4 +100,4 @@ class LocalExecutor:
         self.worker.load_adapter(name)
 
     def close(self) -> None:
-        pass  # the worker is this process's
+        self.worker.close()  # this process's: its disk tier's writes finish

@@ -139,3 +139,28 @@ class KVCache:
         for (k, v), layer in zip(self.layers, kv.to(self.device)):
             k.index_copy_(0, idx, layer[0])
             v.index_copy_(0, idx, layer[1])
+
+    @property
+    def block_nbytes(self) -> int:
+        """The bytes of one block's KV over every layer (K and V)."""
+        k = self.layers[0][0]
+        return 2 * len(self.layers) * k[0].numel() * k.element_size()
+
+    @torch.inference_mode()
+    def block_bytes(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's KV as bytes (each layer's K then V): what the disk tier stores."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        kv = torch.stack([torch.stack([c.index_select(0, idx) for c in caches])
+                          for caches in (self.k_caches, self.v_caches)])  # [2, L, n, ...]
+        kv = kv.transpose(0, 2).contiguous().cpu()  # [n, L, 2, ...]: one block a row
+        return [row.view(torch.uint8).numpy().tobytes() for row in kv]
+
+    @torch.inference_mode()
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Write one block's KV from `block_bytes`' bytes."""
+        k0 = self.layers[0][0]
+        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(
+            len(self.layers), 2, *k0.shape[1:]).to(self.device)
+        for (k, v), layer in zip(self.layers, kv):
+            k[block_id].copy_(layer[0])
+            v[block_id].copy_(layer[1])

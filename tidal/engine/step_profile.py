@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tidal.core import NewRequest, SamplingParams, ScheduledRequest, SchedulerOutput, StepShape
 from tidal.core.kv_cache_manager import cdiv
 from tidal.core.step_sizing import EFFICIENT_CHUNK
-from tidal.model.registry import cache_root
+from tidal.model.registry import cache_root, model_files
 
 if TYPE_CHECKING:
     from tidal.engine.worker import WorkerInfo
@@ -138,12 +138,7 @@ def machine_key(info: "WorkerInfo", folder: Path, max_len: int) -> dict:
     what hardware."""
     import torch
 
-    model = {}
-    for name in ("config.json", "model.gguf", "model.safetensors"):
-        path = Path(folder) / name
-        if path.exists():
-            st = path.stat()
-            model[name] = [str(path.resolve()), st.st_size, int(st.st_mtime)]
+    model = model_files(folder)
     if info.on_gpu:
         hardware = torch.cuda.get_device_name(torch.device(info.device))
     else:

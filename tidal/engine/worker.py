@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tidal.core import ModelOutput, SamplingParams, SchedulerConfig, SchedulerOutput
+from tidal.core.outputs import KVLoad
 from tidal.engine.config import EngineConfig, LoRAConfig, ModelConfig, SpeculativeConfig
 from tidal.engine.decode_graphs import CudaGraphCapture
 from tidal.engine.device import pick_device
 from tidal.engine.kv_cache import KVCache, kv_blocks
+from tidal.engine.kv_disk import DiskKVTier, tier_folder
 from tidal.engine.lora_manager import LoRAManager
 from tidal.engine.model_loading import load_for_runner, pick_model_dtype
 from tidal.engine.model_runner import ModelRunner
@@ -26,6 +30,7 @@ from tidal.model.config import ModelArch, stage_layers
 from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel,
                                  paged_prefill_kernel)
 from tidal.model.pooling import Pooling
+from tidal.model.registry import model_files
 from tidal.model.sampler import on_device
 from tidal.model.tensor_parallel import Shard, TPGroup
 from tidal.spec.factory import make_guesser
@@ -48,6 +53,8 @@ class WorkerInfo:
     decoder: bool  # decode steps run through the C++ decoder
     matryoshka: bool  # an embedding's leading dimensions are one too (`dimensions` works)
     phases: Phases  # where its start's seconds went
+    tier_capacity: int = 0  # blocks the disk tier holds at most (0: no disk tier)
+    tier_keys: tuple[bytes, ...] = ()  # the blocks on disk at start, oldest first
 
     @property
     def on_gpu(self) -> bool:
@@ -125,6 +132,13 @@ class Worker:
         if tp is not None:
             num_blocks = tp.min(num_blocks)  # every rank holds every block table's blocks
         self.kv = KVCache(arch, num_blocks, block_size, self.dtype, device)
+        self.tier = None if config.kv_cache_dir is None else DiskKVTier(
+            tier_folder(config.kv_cache_dir, {
+                "model": model_files(folder), "dtype": str(self.dtype), "quantization":
+                quantization, "block": [len(self.kv.layers), *self.kv.layers[0][0].shape[1:]]}),
+            self.kv.block_nbytes, int(config.kv_disk_size * 2**30))
+        # loads from it run beside the step's forward pass, which reads none of their blocks
+        self._loader = ThreadPoolExecutor(1, "tidal-kv-load") if self.tier else None
         phases.done("KV cache")
         if guesser is not None:
             guesser.allocate(num_blocks + 1, block_size)
@@ -139,7 +153,9 @@ class Worker:
             tp.links.pipelined = sched.steps_in_flight > 1
         self.info = WorkerInfo(arch, device, self.dtype, quantization, num_blocks, block_size,
                                self.kv.nbytes, max_forward, decoder is not None,
-                               pooling.matryoshka, phases)
+                               pooling.matryoshka, phases,
+                               self.tier.capacity if self.tier else 0,
+                               tuple(self.tier.keys()) if self.tier else ())
 
     @classmethod
     def from_config(cls, config: EngineConfig, folder: str | Path,
@@ -176,9 +192,39 @@ class Worker:
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        """Copy the step's blocks (copy-on-write of shared prefixes), then run it."""
+        """Store the step's blocks to the disk tier, copy its blocks (copy-on-write of
+        shared prefixes), then run it, loading its blocks from the disk tier meanwhile."""
+        if out.kv_stores:  # before any copy or forward pass can overwrite them
+            for (_, key), data in zip(out.kv_stores, self.kv.block_bytes(
+                    [b for b, _ in out.kv_stores])):
+                self.tier.store(key, data)
         self._copy_blocks(out)
-        return self.runner.execute(out)
+        loading = self._loader.submit(self._load_blocks, out.kv_loads) if out.kv_loads else None
+        result = self.runner.execute(out)
+        if loading is not None:
+            result.kv_loaded, result.kv_load_seconds = loading.result()
+        return result
+
+    def _load_blocks(self, loads: list[KVLoad]) -> tuple[dict[str, int], float]:
+        """Each load's blocks read from the disk tier in order, up to the first missing or
+        corrupt one: how many loaded whole per request, and the seconds it all took."""
+        t0, loaded = time.perf_counter(), {}
+        for load in loads:
+            whole = 0
+            for block_id, key in zip(load.block_ids, load.keys):
+                data = self.tier.load(key)
+                if data is None:
+                    break
+                self.kv.write_block(block_id, data)
+                whole += 1
+            loaded[load.request_id] = whole
+        return loaded, time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Write the disk tier's pending blocks out."""
+        if self.tier is not None:
+            self.tier.close()
+            self._loader.shutdown()
 
     def launch(self, out: SchedulerOutput) -> None:
         """`execute`'s start: its output is a later `complete`'s, steps completing in the

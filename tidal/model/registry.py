@@ -150,3 +150,15 @@ def _checked(folder: Path, check: bool) -> Path:
 
         ModelArch.from_folder(folder)
     return folder
+
+
+def model_files(folder: str | os.PathLike) -> dict[str, list]:
+    """What identifies a model folder's weights on this machine: each of its config and
+    weight files' resolved path, size and modification time."""
+    files = {}
+    for name in ("config.json", "model.gguf", "model.safetensors"):
+        path = Path(folder) / name
+        if path.exists():
+            st = path.stat()
+            files[name] = [str(path.resolve()), st.st_size, int(st.st_mtime)]
+    return files

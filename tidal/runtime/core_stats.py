@@ -39,6 +39,7 @@ def merge_stats(stats: list[m.Stats]) -> m.Stats:
     total["kv_usage"] = total["used_blocks"] / max(1, total["num_blocks"])
     total["prefix_hit_rate"] = total["prefix_hit_tokens"] / max(1, total["prefix_query_tokens"])
     total["new_token_ratio"] /= len(stats)
+    total["tier_load_ms"] /= len(stats)
     total["num_steps"] = max(s.scheduler.num_steps for s in stats)
     errors = [s.step_time_error for s in stats if s.step_time_error]
     # the widest spread of the cores' errors: the lowest low quantiles, the highest high ones

@@ -1,0 +1,210 @@
+"""The disk tier below the prefix cache: the scheduler's protocol (pure core: stores after
+publishing, a load admitted in place of computing, a failed load computed instead, an abort
+while loading), and on a real tiny model the same greedy tokens and logprobs after an
+eviction, after a restart, and from a truncated file (ignored); a full tier evicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Scheduler, SchedulerConfig,
+                        SamplingParams)
+from tidal.core.kv_tiers import KVTiers, TierIndex, tier_key
+
+from conftest import add, sampled_for
+
+BS = 4
+
+
+def test_a_key_is_its_blocks_tokens_its_prefix_and_its_salt():
+    a = tier_key(None, (1, 2, 3, 4), None)
+    assert a == tier_key(None, (1, 2, 3, 4), None)  # no per-process salt, unlike hash()
+    assert a != tier_key(None, (1, 2, 3, 5), None)
+    assert tier_key(a, (5, 6, 7, 8), None) != tier_key(None, (5, 6, 7, 8), None)
+    assert tier_key(None, (1, 2, 3, 4), (None, "lora", "x")) != a  # an adapter's KV differs
+
+
+def test_the_index_forgets_the_least_recently_used_past_its_capacity():
+    index = TierIndex(2, [b"a", b"b"])
+    index.touch(b"a")
+    index.add(b"c")
+    assert b"a" in index and b"c" in index and b"b" not in index and index.evicted == 1
+
+
+def tiered(num_blocks: int = 12) -> Scheduler:
+    kv = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=BS), KVTiers(64))
+    return Scheduler(SchedulerConfig(max_model_len=64), kv)
+
+
+def run(s: Scheduler, loaded: dict[str, int] | None = None):
+    """One step; loads come back as `loaded` says (default: whole)."""
+    out = s.schedule()
+    s.check_invariants()
+    whole = {x.request_id: len(x.keys) for x in out.kv_loads}
+    whole.update(loaded or {})
+    s.update(out, ModelOutput(sampled=sampled_for(s, out, 7), kv_loaded=whole))
+    s.check_invariants()
+    return out
+
+
+def drain(s: Scheduler) -> list:
+    outs = []
+    while s.requests or s.kv.tiers.pending:
+        outs.append(run(s))
+    return outs
+
+
+def evict_all(s: Scheduler) -> None:
+    """Other prompts through the whole pool, twice: every cached block is evicted."""
+    for i in range(2):
+        add(s, f"other{i}", list(range(200 + 100 * i, 244 + 100 * i)), max_tokens=1)
+        drain(s)
+
+
+def test_a_published_block_is_stored_by_the_next_step_and_loaded_after_its_eviction():
+    s = tiered()
+    prompt = list(range(100, 113))  # 13 tokens: 3 full blocks
+    add(s, "a", prompt, max_tokens=1)
+    outs = drain(s)
+    stored = [key for out in outs for _, key in out.kv_stores]
+    assert len(stored) == 3 and s.kv.tiers.stored_blocks == 3
+    evict_all(s)
+    assert s.kv.match_prefix(add(s, "c", prompt, max_tokens=2)) == []
+    out = run(s, {})
+    (load,) = out.kv_loads
+    assert load.request_id == "c" and load.keys == stored and not out.scheduled
+    assert s.requests["c"].tier_loading == []  # loaded: back at the head of the queue
+    out = run(s)
+    (entry,) = out.scheduled
+    assert entry.num_computed_tokens == 12 and entry.num_new_tokens == 1  # a prefix hit
+    assert s.requests["c"].num_cached_tokens == 12 and s.kv.tiers.hit_blocks == 3
+
+
+def test_a_block_that_fails_to_load_is_computed_instead():
+    s = tiered()
+    prompt = list(range(100, 113))
+    add(s, "a", prompt, max_tokens=1)
+    drain(s)
+    evict_all(s)
+    add(s, "c", prompt, max_tokens=1)
+    out = run(s, {"c": 1})  # the second block's file was corrupt
+    (load,) = out.kv_loads
+    assert load.keys[1] not in s.kv.tiers.index and s.kv.tiers.failed_blocks == 1
+    out = run(s)
+    (entry,) = out.scheduled
+    assert entry.num_computed_tokens == 4 and entry.num_new_tokens == 9
+    drain(s)  # c publishes its blocks again: the failed one is stored anew
+    assert load.keys[1] in s.kv.tiers.index
+
+
+def test_an_abort_while_loading_gives_the_blocks_back_and_the_late_result_is_ignored():
+    s = tiered()
+    prompt = list(range(100, 113))
+    add(s, "a", prompt, max_tokens=1)
+    drain(s)
+    evict_all(s)
+    add(s, "c", prompt, max_tokens=1)
+    out = s.schedule()
+    assert out.kv_loads and "c" in s.transferring
+    s.abort("c")
+    s.check_invariants()
+    assert s.kv.pool.num_free == s.kv.num_blocks
+    s.update(out, ModelOutput(kv_loaded={"c": 3}))  # the step carrying the load ends
+    s.check_invariants()
+    assert s.kv.tiers.hit_blocks == 0 and not s.requests
+
+
+def test_loading_is_skipped_where_computing_is_predicted_faster():
+    class Fast:  # computing a block's tokens costs nothing next to a slow disk
+        def shape_time(self, shape):
+            return 1e-6 * shape.tokens
+
+    kv = KVCacheManager(CacheConfig(num_blocks=12, block_size=BS), KVTiers(64))
+    s = Scheduler(SchedulerConfig(max_model_len=64), kv, step_time=Fast())
+    kv.tiers.load_seconds = 0.01  # measured: 10 ms a block
+    prompt = list(range(100, 113))
+    add(s, "a", prompt, max_tokens=1)
+    drain(s)
+    evict_all(s)
+    add(s, "c", prompt, max_tokens=1)
+    out = run(s)
+    assert not out.kv_loads and out.scheduled[0].num_new_tokens == 13
+
+
+# ---------------------------------------------------------------- on a real tiny model
+
+
+@pytest.fixture()
+def folder(tmp_path, monkeypatch):
+    from model_fixtures import small_folder
+
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
+    return small_folder(tmp_path, "tiny", "llama", max_position_embeddings=512)
+
+
+PROMPT = {"prompt_token_ids": [(7 * i) % 200 + 3 for i in range(70)]}  # 4 full blocks of 16
+OTHERS = [{"prompt_token_ids": [(11 * i + j) % 200 + 3 for i in range(70)]} for j in range(4)]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+
+
+def engine(folder, cache_dir, **kwargs):
+    from tidal.engine.llm import LLM
+
+    return LLM(str(folder), num_kv_blocks=12, num_threads=1, kv_cache_dir=str(cache_dir),
+               **kwargs)
+
+
+def answer(llm) -> tuple[list[int], list[float]]:
+    (out,) = llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    (seq,) = out.outputs
+    return seq.token_ids, [lp.logprob for lp in seq.logprobs]
+
+
+def tiers(llm) -> KVTiers:
+    return llm.engine.core.scheduler.kv.tiers
+
+
+def test_an_evicted_prefix_loads_from_disk_with_the_same_tokens_and_logprobs(folder, tmp_path):
+    from tidal.engine.llm import LLM
+
+    plain = LLM(str(folder), num_kv_blocks=12, num_threads=1)
+    want = answer(plain)
+    plain.close()
+    llm = engine(folder, tmp_path / "kv")
+    assert answer(llm) == want and tiers(llm).hit_blocks == 0
+    llm.generate(OTHERS, GREEDY, use_tqdm=False)  # 4 x 5 blocks through a pool of 12
+    tokens, logprobs = answer(llm)
+    assert tiers(llm).hit_blocks == 4 and tokens == want[0]
+    assert logprobs == pytest.approx(want[1], abs=1e-5)
+    llm.close()
+    # a restart: the first request of the prompt is a hit, loaded from the files
+    again = engine(folder, tmp_path / "kv")
+    tokens, logprobs = answer(again)
+    assert tiers(again).hit_blocks == 4 and tokens == want[0]
+    assert logprobs == pytest.approx(want[1], abs=1e-5)
+    again.close()
+
+
+def test_a_truncated_block_file_is_ignored_and_the_answer_is_still_right(folder, tmp_path):
+    llm = engine(folder, tmp_path / "kv")
+    want = answer(llm)
+    llm.close()
+    files = sorted((tmp_path / "kv").glob("*/*.kv"))
+    assert len(files) >= 4
+    for path in files:
+        path.write_bytes(path.read_bytes()[:-100])
+    again = engine(folder, tmp_path / "kv")
+    tokens, logprobs = answer(again)
+    assert tokens == want[0] and logprobs == pytest.approx(want[1], abs=1e-5)
+    assert tiers(again).hit_blocks == 0 and tiers(again).failed_blocks == 1
+    again.close()
+
+
+def test_a_full_disk_tier_evicts_and_never_errors(folder, tmp_path):
+    block = engine(folder, tmp_path / "probe")
+    block_bytes = block.engine.core.executor.worker.kv.block_nbytes
+    block.close()
+    llm = engine(folder, tmp_path / "kv", kv_disk_size=3.5 * block_bytes / 2**30)
+    llm.generate(OTHERS, GREEDY, use_tqdm=False)
+    llm.close()
+    assert len(list((tmp_path / "kv").glob("*/*.kv"))) == 3

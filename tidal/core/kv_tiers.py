@@ -1,0 +1,194 @@
+"""The tier below the pool's prefix cache, as the scheduler sees it: block keys that are the
+same in every process, the index of the blocks the tier holds (least recently used first,
+bounded), the stores to plan, and what loading costs.
+
+The protocol (docs/design/kv-tiers.md): a block published to the prefix cache is stored
+too (its KV copied by the runner at the start of the next step, before any forward pass
+can overwrite it, and written out by a thread). A waiting request whose prefix continues
+in the tier past the pool's hit is admitted as a load: it takes fresh blocks for those
+blocks and waits in `transferring`, computing nothing, while the runner reads them in the
+step that carries the load (which no forward pass of that step reads). The step's result
+says how many leading blocks loaded whole; the request then publishes them, gives its
+blocks back and rejoins the head of the waiting queue, where the one admission path finds
+them as an ordinary prefix hit. A block that failed to load is computed instead."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Hashable, Iterable
+
+from tidal.core.outputs import KVLoad
+from tidal.core.request import RequestStatus
+from tidal.core.step_time import StepShape
+
+if TYPE_CHECKING:
+    from tidal.core.budget import StepPlan
+    from tidal.core.outputs import ModelOutput
+    from tidal.core.request import Request
+    from tidal.core.scheduler import Scheduler
+
+
+def tier_key(parent: bytes | None, token_ids: tuple[int, ...], extra_key: Hashable) -> bytes:
+    """A full block's key in the tier: a digest of its tokens, the key of the block before
+    it and the request's extra key (its LoRA adapter, its salt), equal in every process
+    (Python's `hash` of a string is not)."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    digest.update(repr(extra_key).encode())
+    return digest.digest()
+
+
+class TierIndex:
+    """The keys of the blocks a tier holds, least recently used first, at most `capacity`:
+    adding one past it forgets the oldest (the tier deletes its bytes in the same order)."""
+
+    def __init__(self, capacity: int, keys: Iterable[bytes] = ()) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self.evicted = 0  # keys forgotten to stay within capacity
+        for key in keys:
+            self.add(key)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: bytes) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+            self.evicted += 1
+
+    def touch(self, key: bytes) -> None:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+
+    def discard(self, key: bytes) -> None:
+        self._keys.pop(key, None)
+
+
+class KVTiers:
+    """The scheduler's side of the tier below its pool (one per KV cache manager): which
+    blocks it holds (`index`), the stores the next step carries (`take_stores`), and the
+    counters the metrics report. `load_seconds` is the measured seconds a block takes to
+    load (learned from the steps' results; 0 until one loaded: loading is tried)."""
+
+    def __init__(self, capacity: int, keys: Iterable[bytes] = ()) -> None:
+        self.index = TierIndex(capacity, keys)
+        self._stores: list[tuple[int, bytes]] = []  # (block id, key), for the next step
+        self.load_seconds = 0.0
+        self.hit_blocks = 0  # blocks loaded whole
+        self.failed_blocks = 0  # loads that failed (missing or corrupt): computed instead
+        self.stored_blocks = 0  # blocks planned to store
+
+    def keys(self, request: "Request", num_blocks: int) -> list[bytes]:
+        """Tier keys of the request's first `num_blocks` full blocks, memoised in
+        `request.tier_keys` (their tokens are `request.block_tokens`: the caller hashed them
+        first)."""
+        keys = request.tier_keys
+        for tokens in request.block_tokens[len(keys):num_blocks]:
+            keys.append(tier_key(keys[-1] if keys else None, tokens, request.extra_key))
+        return keys
+
+    def stored(self, block_id: int, key: bytes) -> None:
+        """A block just published to the prefix cache: store it unless the tier holds it."""
+        if key in self.index:
+            self.index.touch(key)
+            return
+        self.index.add(key)  # readable once written; a load before that finds it pending
+        self._stores.append((block_id, key))
+        self.stored_blocks += 1
+
+    @property
+    def pending(self) -> bool:
+        """Whether stores wait for a step to carry them."""
+        return bool(self._stores)
+
+    def take_stores(self) -> list[tuple[int, bytes]]:
+        stores, self._stores = self._stores, []
+        return stores
+
+    def run(self, request: "Request", start: int, stop: int) -> list[bytes]:
+        """The keys of the request's blocks from `start` that the tier holds, up to `stop`
+        or the first it lacks (keys computed only that far)."""
+        out: list[bytes] = []
+        for i in range(start, stop):
+            key = self.keys(request, i + 1)[i]
+            if key not in self.index:
+                break
+            out.append(key)
+        return out
+
+    def worth_loading(self, blocks: int, recompute_seconds: float) -> bool:
+        """Whether loading `blocks` is predicted faster than computing them (no price for
+        computing, 0: load)."""
+        return not recompute_seconds or blocks * self.load_seconds < recompute_seconds
+
+    def loaded(self, keys: list[bytes], whole: int) -> None:
+        """A load's outcome: its first `whole` blocks loaded; the block after them (if any)
+        failed and leaves the index."""
+        self.hit_blocks += whole
+        for key in keys[:whole]:
+            self.index.touch(key)
+        if whole < len(keys):
+            self.failed_blocks += 1
+            self.index.discard(keys[whole])
+
+    def timed(self, blocks: int, seconds: float) -> None:
+        """A step loaded `blocks` in `seconds`: a moving average, as the disk's speed drifts
+        with the page cache."""
+        if blocks:
+            per_block = seconds / blocks
+            self.load_seconds = (per_block if not self.load_seconds
+                                 else 0.8 * self.load_seconds + 0.2 * per_block)
+
+
+def admit_load(sched: "Scheduler", plan: "StepPlan", r: "Request", hit: list,
+               reserved: float, margin: int) -> bool:
+    """Admit a fresh request as a load, if the tier below the pool holds its prefix past
+    the pool's `hit` and loading it is predicted faster than computing it: fresh blocks for
+    those blocks (within the reservation and margin an admission keeps), a `KVLoad` in the
+    plan, and the request waits in `transferring`, computing nothing, until `loads_done`."""
+    kv, bs = sched.kv, sched.block_size
+    keys = kv.match_tier(r, len(hit))
+    if not keys:
+        return False
+    model = sched.step_time
+    recompute = (model.shape_time(StepShape().add(len(keys) * bs, len(hit) * bs))
+                 if model is not None else 0.0)
+    if not kv.tiers.worth_loading(len(keys), recompute):
+        return False
+    if not sched._allocate(r, len(keys) * bs, hit, reserved, margin):
+        return False
+    r.tier_loading = keys
+    r.status = RequestStatus.TRANSFERRING
+    sched.transferring[r.request_id] = r
+    plan.out.kv_loads.append(KVLoad(r.request_id, kv.block_ids(r.request_id)[len(hit):],
+                                    keys))
+    return True
+
+
+def loads_done(sched: "Scheduler", result: "ModelOutput") -> None:
+    """A step's loads came back: each loading request publishes the blocks that loaded
+    whole, gives its blocks back (the failed one and any after it were never published)
+    and rejoins the head of the waiting queue, where the one admission path finds the
+    loaded blocks as a prefix hit and computes the rest. It never loads again."""
+    tiers = sched.kv.tiers
+    tiers.timed(sum(result.kv_loaded.values()), result.kv_load_seconds)
+    for rid, whole in result.kv_loaded.items():
+        r = sched.transferring.get(rid)
+        if r is None or not r.tier_loading:
+            continue  # aborted meanwhile: its blocks went back then
+        keys, r.tier_loading = r.tier_loading, []
+        tiers.loaded(keys, whole)
+        del sched.transferring[rid]
+        held = len(sched.kv.block_ids(rid)) - len(keys) + whole
+        sched.kv.cache_computed(r, held * sched.block_size)
+        sched.kv.free(r)
+        r.status = RequestStatus.WAITING
+        sched.waiting.insert(0, r)

@@ -1,0 +1,140 @@
+"""The disk tier of the prefix cache: one file per KV block, named by the block's tier key
+(`tidal.core.kv_tiers.tier_key`) in a folder of its own per model, dtype and block layout,
+so a restarted server and the other engine cores of this machine find them. Files are
+written by a thread, atomically (a temporary name, then rename), and each carries a
+checksum: a truncated or corrupt file is found on reading, deleted and never served. The
+folder keeps within its size, least recently written first."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+log = logging.getLogger("tidal.engine")
+
+MAGIC = b"TKV1"
+KEY_BYTES, SUM_BYTES = 16, 16
+HEADER = len(MAGIC) + KEY_BYTES + 8 + SUM_BYTES  # magic, key, payload length, checksum
+
+
+def tier_folder(root: str | os.PathLike, identity: dict) -> Path:
+    """The folder of one model's blocks under `root`: a digest of what makes its KV bytes
+    (the model's files, dtype, block shape)."""
+    digest = hashlib.sha256(repr(sorted(identity.items())).encode()).hexdigest()[:20]
+    return Path(root).expanduser() / digest
+
+
+def _checksum(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=SUM_BYTES).digest()
+
+
+class DiskKVTier:
+    """Block files of `block_bytes` each under `folder`, at most `capacity_bytes` of them
+    (files and headers). `store` returns at once (a thread writes); `load` reads a block
+    back, or None for one missing, truncated or corrupt (that file is deleted)."""
+
+    def __init__(self, folder: Path, block_bytes: int, capacity_bytes: int) -> None:
+        self.folder, self.block_bytes = folder, block_bytes
+        self.capacity = max(0, capacity_bytes // (block_bytes + HEADER))  # blocks
+        folder.mkdir(parents=True, exist_ok=True)
+        found = sorted(folder.glob("*.kv"), key=_mtime)  # oldest first
+        self._files: OrderedDict[bytes, None] = OrderedDict()
+        for path in found:
+            try:
+                self._files[bytes.fromhex(path.stem)] = None
+            except ValueError:
+                continue  # not one of ours
+        self._trim()
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, bytes] = {}  # stored, not yet written: loads read these
+        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self.written = self.load_failures = 0
+        self._writer = threading.Thread(target=self._write_loop, name="tidal-kv-disk",
+                                        daemon=True)
+        self._writer.start()
+        log.info("KV disk tier: %d blocks of %.1f KiB found in %s (room for %d)",
+                 len(self._files), block_bytes / 1024, folder, self.capacity)
+
+    def keys(self) -> list[bytes]:
+        """The blocks on disk, least recently written first."""
+        return list(self._files)
+
+    def store(self, key: bytes, data: bytes) -> None:
+        with self._lock:
+            self._pending[key] = data
+        self._queue.put(key)
+
+    def load(self, key: bytes) -> bytes | None:
+        with self._lock:
+            data = self._pending.get(key)
+        if data is not None:
+            return data
+        path = self._path(key)
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return None
+        payload = memoryview(raw)[HEADER:]
+        head = raw[:HEADER]
+        if (len(raw) != HEADER + self.block_bytes or head[:4] != MAGIC
+                or head[4:4 + KEY_BYTES] != key
+                or int.from_bytes(head[4 + KEY_BYTES:12 + KEY_BYTES], "little")
+                != self.block_bytes
+                or head[12 + KEY_BYTES:] != _checksum(payload)):
+            self.load_failures += 1
+            log.warning("KV disk tier: %s is truncated or corrupt; deleted", path.name)
+            path.unlink(missing_ok=True)
+            return None
+        return bytes(payload)
+
+    def close(self) -> None:
+        """Write what is pending, then stop the writer."""
+        self._queue.put(None)
+        self._writer.join()
+
+    def _path(self, key: bytes) -> Path:
+        return self.folder / f"{key.hex()}.kv"
+
+    def _write_loop(self) -> None:
+        while (key := self._queue.get()) is not None:
+            with self._lock:
+                data = self._pending.get(key)
+            if data is None:
+                continue
+            try:
+                self._write(key, data)
+            except OSError as e:  # a full disk: this block stays uncached, serving goes on
+                log.warning("KV disk tier: could not write a block: %s", e)
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def _write(self, key: bytes, data: bytes) -> None:
+        if len(data) != self.block_bytes:
+            raise OSError(f"a block of {len(data)} bytes, not {self.block_bytes}")
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + key + len(data).to_bytes(8, "little") + _checksum(data))
+            f.write(data)
+        tmp.replace(path)  # whole or absent: a reader never sees half a file
+        self._files[key] = None
+        self._files.move_to_end(key)
+        self.written += 1
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._files) > self.capacity:
+            old, _ = self._files.popitem(last=False)
+            self._path(old).unlink(missing_ok=True)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
