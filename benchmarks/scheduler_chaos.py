@@ -37,7 +37,8 @@ def random_driver(rng: random.Random) -> SchedulerDriver:
         ttft=rng.choice(SLO_TARGETS), tpot=rng.choice(SLO_TARGETS),
         overload=rng.choice(["defer", "reject"]), guesses=rng.choice([0, 0, 1, 3]),
         adaptive=rng.random() < 0.5, seed=rng.randint(0, 2**31),
-        max_step_ms=rng.choice([None, None, 3.0, 6.0]), batches=rng.choice([1, 1, 2, 3]))
+        max_step_ms=rng.choice([None, None, 3.0, 6.0]), batches=rng.choice([1, 1, 2, 3]),
+        tier=rng.choice([0, 0, 4, 64]))
 
 
 def one_op(d: SchedulerDriver, rng: random.Random) -> str:
@@ -52,8 +53,8 @@ def one_op(d: SchedulerDriver, rng: random.Random) -> str:
     if x < 0.20 and s.requests:
         d.abort(rng.choice(sorted(s.requests)))
         return "abort"
-    if x < 0.28 and s.transferring:
-        d.deliver(rng.choice(sorted(s.transferring)))
+    if x < 0.28 and d.transfers():
+        d.deliver(rng.choice(d.transfers()))
         return "kv_handoff"
     d.step(emit_eos=rng.random() < 0.1)
     return "step"
@@ -76,6 +77,9 @@ def run(seed: int, ops: int, drain_every: int) -> dict:
         d.drain()
         counts["drain"] += 1
         retractions += d.s.stats().num_preemptions
+        if d.s.kv.tiers is not None:
+            counts["tier_loaded_blocks"] += d.s.kv.tiers.hit_blocks
+            counts["tier_failed_loads"] += d.s.kv.tiers.failed_blocks
         steps, tokens = steps + d.steps_taken, tokens + d.tokens
     return {"ops": done, "counts": counts, "retractions": retractions, "steps": steps,
             "tokens": tokens, "schedulers": schedulers}

@@ -12,6 +12,7 @@ from collections import deque
 
 from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Request, SamplingParams,
                         Scheduler, SchedulerConfig, StepShape)
+from tidal.core.kv_tiers import KVTiers
 
 EOS = 2
 POLICIES = ["fcfs", "prefill_first", "priority", "longest_prefix_match", "slo"]
@@ -36,7 +37,7 @@ class SchedulerDriver:
                  tpot: float | None = None, overload: str = "defer", guesses: int = 0,
                  adaptive: bool = True, seed: int = 0, max_loras: int = 1,
                  lora_wait: int = 32, max_step_ms: float | None = None,
-                 batches: int = 1) -> None:
+                 batches: int = 1, tier: int = 0) -> None:
         options = {  # each policy takes only its own options
             "longest_prefix_match": dict(lpm_aging_steps=8),
             "slo": dict(ttft_slo_ms=ttft, tpot_slo_ms=tpot, slo_overload=overload,
@@ -49,8 +50,12 @@ class SchedulerDriver:
             max_model_len=256, num_speculative_tokens=guesses, speculative_adaptive=adaptive,
             max_loras=max_loras, lora_wait_steps=lora_wait, max_step_ms=max_step_ms,
             batches_in_flight=batches, **options)
-        self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size)),
+        # tier: a disk tier of that many blocks below the pool (one step in flight only,
+        # as the engine allows), whose loads the executor fails now and then
+        tiers = KVTiers(tier) if tier and batches == 1 else None
+        self.s = Scheduler(cfg, KVCacheManager(CacheConfig(num_blocks, block_size), tiers),
                            step_time=LinearSteps(), clock=self.now)
+        self.disk: set[bytes] = set()  # the keys the executor's tier stored
         self.scheduled: set[str] = set()  # every request id a step ever computed for
         self.inflight: deque = deque()
         # batches > 1: a pipeline's executor, which starts each step when planned (it must
@@ -108,6 +113,10 @@ class SchedulerDriver:
         assert self.s.abort(rid)
         assert rid not in self.s.requests and rid not in self.s.kv.tables
 
+    def transfers(self) -> list[str]:
+        """The requests awaiting a P/D transfer (not a load from the tier)."""
+        return sorted(rid for rid, r in self.s.transferring.items() if not r.tier_loading)
+
     def deliver(self, rid: str) -> None:
         """The KV transfer of `rid` completed (sent on a prefill role, arrived on decode)."""
         if self.s.config.role == "prefill":
@@ -127,7 +136,7 @@ class SchedulerDriver:
         bound = 100 + 4 * self.work
         steps = 0
         while s.has_unfinished_requests():
-            for rid in sorted(s.transferring):
+            for rid in self.transfers():
                 self.deliver(rid)
             self.step(emit_eos=False)
             steps += 1
@@ -221,8 +230,23 @@ class SchedulerDriver:
             if out.propose:
                 proposed[rid] = self.rng.randint(0, s.config.num_speculative_tokens)
         self.outputs = ModelOutput(sampled=sampled, drafted=drafted, proposed=proposed,
-                                   preempted_ack=list(out.preempted_ids))
+                                   preempted_ack=list(out.preempted_ids),
+                                   kv_loaded=self._tier_io(out))
         return sampled
+
+    def _tier_io(self, out) -> dict[str, int]:
+        """The tier's stores, then its loads: a block loads whole only if stored before
+        (and not failing now and then), and no forward pass of the step reads one."""
+        self.disk.update(key for _, key in out.kv_stores)
+        read = {b for x in out.scheduled for b in x.block_ids}
+        loaded = {}
+        for load in out.kv_loads:
+            assert not read & set(load.block_ids), "a step reads blocks it is loading"
+            whole = next((i for i, key in enumerate(load.keys) if key not in self.disk),
+                         len(load.keys))
+            loaded[load.request_id] = min(whole, self.rng.choice(
+                [whole, whole, self.rng.randint(0, whole)]))
+        return loaded
 
     def _token(self, emit_eos: bool) -> int:
         if emit_eos:

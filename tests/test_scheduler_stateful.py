@@ -35,6 +35,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         lora_wait=st.sampled_from([0, 2, 32]),
         max_step_ms=st.sampled_from([None, None, 3.0, 6.0]),  # 20 and 50 tokens a step
         batches=st.sampled_from([1, 1, 2, 3]),  # steps in flight: pipeline stages
+        tier=st.sampled_from([0, 0, 4, 64]),  # blocks of the disk tier below the pool
     )
     def setup(self, **config):
         self.d = SchedulerDriver(**config)
@@ -56,10 +57,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort(self, data):
         self.d.abort(data.draw(st.sampled_from(sorted(self.d.s.requests))))
 
-    @precondition(lambda self: bool(self.d.s.transferring))
+    @precondition(lambda self: bool(self.d.transfers()))
     @rule(data=st.data())
     def kv_transfer_done(self, data):
-        self.d.deliver(data.draw(st.sampled_from(sorted(self.d.s.transferring))))
+        self.d.deliver(data.draw(st.sampled_from(self.d.transfers())))
 
     @precondition(lambda self: hasattr(self, "d"))
     @invariant()
