@@ -5,6 +5,8 @@ eviction, after a restart, and from a truncated file (ignored); a full tier evic
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tidal.core import (CacheConfig, KVCacheManager, ModelOutput, Scheduler, SchedulerConfig,
@@ -208,3 +210,29 @@ def test_a_full_disk_tier_evicts_and_never_errors(folder, tmp_path):
     llm.generate(OTHERS, GREEDY, use_tqdm=False)
     llm.close()
     assert len(list((tmp_path / "kv").glob("*/*.kv"))) == 3
+
+
+def test_a_restarted_server_answers_a_known_prompt_from_the_disk_tier(tmp_path):
+    """The served path: a prompt, a restart, the same prompt: its first request after the
+    restart is a prefix hit (the tier's loaded blocks, and the prompt tokens computed, in
+    /metrics) with the same answer."""
+    from server_fixtures import Server, metric, openai_client
+
+    prompt = " ".join(f"word{i}" for i in range(120))  # a few hundred tokens: many blocks
+    flags = ("--kv-cache-dir", str(tmp_path / "kv"))
+    answers = []
+    for _ in range(2):
+        server = Server(*flags)
+        try:
+            done = openai_client(server).completions.create(
+                model="smollm2-135m", prompt=prompt, max_tokens=8, temperature=0.0)
+            time.sleep(1.0)  # the core's stats reach /metrics twice a second
+            loaded = metric(server.url, "tidal:kv_disk_loaded_blocks_total")
+            computed = metric(server.url, "tidal:prompt_tokens_total")
+        finally:
+            server.stop()
+        answers.append((done.choices[0].text, loaded, computed, done.usage.prompt_tokens))
+    (first, cold, _, tokens), (second, warm, computed, _) = answers
+    assert second == first and cold == 0
+    full = (tokens - 1) // 16  # blocks a hit may cover: one token is always computed
+    assert warm == full and computed == tokens - 16 * full

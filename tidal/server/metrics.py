@@ -90,9 +90,23 @@ class _CoreCollector:
              "accepted guesses and the model's own token after them.",
              s.spec_accepted_tokens + s.spec_drafts),
         ]
+        config = getattr(self.client, "config", None)
+        if config is not None and config.model.kv_cache_dir is not None:  # the disk tier
+            gauges = [("tidal:kv_disk_blocks", "KV blocks the disk tier holds.", s.tier_blocks),
+                      ("tidal:kv_disk_load_seconds_per_block", "Seconds a block takes to load "
+                       "from the disk tier (a moving average).", s.tier_load_ms / 1000)]
+            for name, doc, value in gauges:
+                yield self._family(GaugeMetricFamily, name, doc, value)
+            counters += [
+                ("tidal:kv_disk_loaded_blocks", "KV blocks loaded whole from the disk tier "
+                 "(prefix hits it served).", s.tier_hit_blocks),
+                ("tidal:kv_disk_stored_blocks", "KV blocks stored to the disk tier.",
+                 s.tier_stored_blocks),
+                ("tidal:kv_disk_failed_loads", "Loads from the disk tier that found a block "
+                 "missing or corrupt (computed instead).", s.tier_failed_blocks)]
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
-        lora = getattr(getattr(self.client, "config", None), "lora", None)
+        lora = getattr(config, "lora", None)
         if lora is not None and lora.enable_lora:  # vLLM's: the value is the time of the info
             info = self._family(GaugeMetricFamily, "tidal:lora_requests_info",
                                 "LoRA adapters of running and waiting requests.",
