@@ -33,9 +33,9 @@ def test_the_index_forgets_the_least_recently_used_past_its_capacity():
     assert b"a" in index and b"c" in index and b"b" not in index and index.evicted == 1
 
 
-def tiered(num_blocks: int = 12) -> Scheduler:
+def tiered(num_blocks: int = 12, **config) -> Scheduler:
     kv = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=BS), KVTiers(64))
-    return Scheduler(SchedulerConfig(max_model_len=64), kv)
+    return Scheduler(SchedulerConfig(max_model_len=64, **config), kv)
 
 
 def run(s: Scheduler, loaded: dict[str, int] | None = None):
@@ -57,8 +57,8 @@ def drain(s: Scheduler) -> list:
 
 
 def evict_all(s: Scheduler) -> None:
-    """Other prompts through the whole pool, twice: every cached block is evicted."""
-    for i in range(2):
+    """Other prompts through the whole pool, four times: every cached block is evicted."""
+    for i in range(4):
         add(s, f"other{i}", list(range(200 + 100 * i, 244 + 100 * i)), max_tokens=1)
         drain(s)
 
@@ -80,6 +80,26 @@ def test_a_published_block_is_stored_by_the_next_step_and_loaded_after_its_evict
     (entry,) = out.scheduled
     assert entry.num_computed_tokens == 12 and entry.num_new_tokens == 1  # a prefix hit
     assert s.requests["c"].num_cached_tokens == 12 and s.kv.tiers.hit_blocks == 3
+
+
+def test_the_head_of_the_queue_loads_while_it_waits_for_room():
+    """A step whose token budget another prompt takes still starts the next request's
+    load: once admitted, it is a prefix hit from its first step."""
+    s = tiered(num_blocks=16, max_input_tokens_per_step=8, chunked_prefill_size=8)
+    prompt = list(range(100, 113))
+    add(s, "a", prompt, max_tokens=1)
+    drain(s)
+    evict_all(s)
+    add(s, "x", list(range(900, 920)), max_tokens=1)  # 20 tokens: chunks of 8
+    add(s, "c", prompt, max_tokens=1)
+    out = run(s)
+    assert [x.request_id for x in out.scheduled] == ["x"]
+    assert [load.request_id for load in out.kv_loads] == ["c"]
+    assert s.waiting[0].request_id == "c" and s.requests["c"].tier_loading == []
+    while not any(x.request_id == "c" for x in out.scheduled):
+        out = run(s)
+    (entry,) = [x for x in out.scheduled if x.request_id == "c"]
+    assert entry.num_computed_tokens == 12 and s.kv.tiers.hit_blocks == 3
 
 
 def test_a_block_that_fails_to_load_is_computed_instead():

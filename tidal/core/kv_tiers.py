@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from itertools import chain
 from typing import TYPE_CHECKING, Hashable, Iterable
 
 from tidal.core.outputs import KVLoad
@@ -173,6 +174,22 @@ def admit_load(sched: "Scheduler", plan: "StepPlan", r: "Request", hit: list,
     return True
 
 
+def prefetch(sched: "Scheduler", plan: "StepPlan") -> None:
+    """Start loading the prefix of the request at the head of the waiting queue (in policy
+    order) that this step did not admit, so that it loads while it waits for room and is a
+    prefix hit once admitted; under the same conditions as a load at admission (a seat, its
+    adapter's slot held already, the blocks within the reservation and margin)."""
+    if not sched.waiting or len(sched.running) + len(sched.transferring) >= plan.max_seqs:
+        return
+    r = sched.policy.order(sched.waiting, sched.step, sched._prefix_tokens)[0]
+    held = sched.loras.adapters_of(chain(sched.running, sched.transferring.values()))
+    if r.tier_loading is not None or (r.lora is not None and r.lora not in held):
+        return
+    margin = int(sched.config.safety_margin * sched.kv.num_blocks)
+    if admit_load(sched, plan, r, sched.kv.match_prefix(r), plan.reserved_tokens, margin):
+        sched.waiting.remove(r)
+
+
 def loads_done(sched: "Scheduler", result: "ModelOutput") -> None:
     """A step's loads came back: each loading request publishes the blocks that loaded
     whole, gives its blocks back (the failed one and any after it were never published)
@@ -180,6 +197,7 @@ def loads_done(sched: "Scheduler", result: "ModelOutput") -> None:
     loaded blocks as a prefix hit and computes the rest. It never loads again."""
     tiers = sched.kv.tiers
     tiers.timed(sum(result.kv_loaded.values()), result.kv_load_seconds)
+    rejoined = []
     for rid, whole in result.kv_loaded.items():
         r = sched.transferring.get(rid)
         if r is None or not r.tier_loading:
@@ -191,4 +209,5 @@ def loads_done(sched: "Scheduler", result: "ModelOutput") -> None:
         sched.kv.cache_computed(r, held * sched.block_size)
         sched.kv.free(r)
         r.status = RequestStatus.WAITING
-        sched.waiting.insert(0, r)
+        rejoined.append(r)
+    sched.waiting[:0] = rejoined  # in the order they were admitted to load

@@ -16,7 +16,7 @@ from tidal.core.config import SchedulerConfig
 from tidal.core.forks import fork_siblings
 from tidal.core.invariants import SchedulerStats, check_invariants, collect_stats
 from tidal.core.kv_cache_manager import KVCacheManager, cdiv
-from tidal.core.kv_tiers import admit_load, loads_done
+from tidal.core.kv_tiers import admit_load, loads_done, prefetch
 from tidal.core.lora import AdapterSlots
 from tidal.core.outputs import (ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput,
                                 new_request)
@@ -160,6 +160,8 @@ class Scheduler:
         if self.waiting or self.active_prefill is not None or self.role.concurrent_prefills:
             self.policy.size_step(self, plan, decoding)
         self.policy.compose(self, plan, decoding)
+        if self.kv.tiers is not None:
+            prefetch(self, plan)  # the head of the queue loads while it waits
         out.kind = plan.kind()
         if (out.kind == "decode" and not plan.preempted and not self.waiting
                 and self.active_prefill is None):

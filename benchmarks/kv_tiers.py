@@ -1,0 +1,181 @@
+"""The disk tier under the prefix cache on the served path: multi-turn conversations (real
+ShareGPT turns, each prompt the whole history so far) through `tidal serve` with a KV pool
+a quarter of the working set, with the disk tier (`--kv-cache-dir`) against without; then a
+restart: the last turn of conversations seen before, sent to the restarted tiered server
+one at a time, against a cold server without the tier.
+
+usage: .venv/bin/python benchmarks/kv_tiers.py [--conversations 32] [--turns 4]
+  [--concurrency 8] [--message-chars 600] [--max-tokens 16] [--restart-prompts 8]
+
+Targets (issue 57): TTFT p50 >= 3x better and throughput >= 1.5x with the tier; after a
+restart, TTFT >= 3x better than cold; no request whose prefix loaded slower than computing
+it (per request, restart phase: tiered TTFT <= cold TTFT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from server_fixtures import Server, metric  # noqa: E402
+from tidal.bench.dataset import iter_json_records, sharegpt_path  # noqa: E402
+
+BLOCK = 16
+
+
+def conversations(count: int, turns: int, chars: int) -> list[list[str]]:
+    """`count` ShareGPT conversations of at least `turns` exchanges: for each, the prompt of
+    every turn (the history of earlier turns with their recorded replies, then the next
+    user message), messages cut to `chars` characters."""
+    out = []
+    for record in iter_json_records(sharegpt_path().read_text()):
+        msgs = record.get("conversations") or []
+        pairs = list(zip(msgs[0::2], msgs[1::2]))
+        if len(pairs) < turns or any(h.get("from") != "human" or g.get("from") != "gpt"
+                                     for h, g in pairs[:turns]):
+            continue
+        history, prompts = "", []
+        for human, gpt in pairs[:turns]:
+            prompts.append(f"{history}User: {human['value'][:chars]}\nAssistant:")
+            history = f"{prompts[-1]} {gpt['value'][:chars]}\n"
+        out.append(prompts)
+        if len(out) == count:
+            break
+    return out
+
+
+async def _ttft(client, prompt: str, max_tokens: int) -> float:
+    t0 = time.perf_counter()
+    stream = await client.completions.create(model="smollm2-135m", prompt=prompt,
+                                             max_tokens=max_tokens, temperature=0.0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    first = None
+    async for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter() - t0
+    return first if first is not None else time.perf_counter() - t0
+
+
+def _client(url: str):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                              timeout=900)
+
+
+async def multi_turn(url: str, convs: list[list[str]], concurrency: int,
+                     max_tokens: int) -> tuple[list[float], float]:
+    """Every conversation's turns in order, `concurrency` conversations at a time; the
+    TTFTs and the wall seconds."""
+    queue, ttfts = list(convs), []
+    async with _client(url) as client:
+        async def worker():
+            while queue:
+                for prompt in queue.pop(0):
+                    ttfts.append(await _ttft(client, prompt, max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return ttfts, time.perf_counter() - t0
+
+
+async def one_by_one(url: str, prompts: list[str], max_tokens: int) -> list[float]:
+    async with _client(url) as client:
+        return [await _ttft(client, p, max_tokens) for p in prompts]
+
+
+def save_profile(blocks: int) -> None:
+    """A server of this pool left idle until its step-time profile is saved, so that every
+    measured server reads it back instead of timing shapes between the requests."""
+    server = Server("--num-kv-blocks", str(blocks), "--num-threads", str(os.cpu_count() or 1))
+    try:
+        deadline = time.monotonic() + 180
+        # none measured before serving: an earlier start's profile was read back
+        while ("before serving" in server.output() and "saved to" not in server.output()
+               and time.monotonic() < deadline):
+            time.sleep(1)
+    finally:
+        server.stop()
+
+
+def serve(blocks: int, tier: Path | None) -> Server:
+    flags = ["--num-kv-blocks", str(blocks), "--num-threads", str(os.cpu_count() or 1)]
+    if tier is not None:
+        flags += ["--kv-cache-dir", str(tier)]
+    server = Server(*flags)
+    warm = [f"User: warm-up {i} " + "lorem ipsum " * 40 + "\nAssistant:" for i in range(4)]
+    asyncio.run(one_by_one(server.url, warm, 4))  # warmed up alike, prompts unlike the rest
+    return server
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--message-chars", type=int, default=600)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--restart-prompts", type=int, default=8)
+    args = p.parse_args()
+    convs = conversations(args.conversations, args.turns, args.message_chars)
+    # the working set: every conversation's longest prompt, in blocks (about 4 characters
+    # a token), plus its reply; the pool holds a quarter of it
+    working = sum((len(c[-1]) // 4 + args.max_tokens) // BLOCK + 1 for c in convs)
+    blocks = max(64, working // 4)
+    print(f"{len(convs)} conversations x {args.turns} turns, working set ~{working} blocks, "
+          f"pool {blocks} blocks")
+    save_profile(blocks)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tier = Path(tmp) / "kv"
+        for name, folder in (("off", None), ("disk tier", tier)):
+            server = serve(blocks, folder)
+            try:
+                ttfts, seconds = asyncio.run(multi_turn(server.url, convs, args.concurrency,
+                                                        args.max_tokens))
+                time.sleep(1)  # the core's stats reach /metrics twice a second
+                loaded = (metric(server.url, "tidal:kv_disk_loaded_blocks_total")
+                          if folder else 0)
+                load_ms = (metric(server.url, "tidal:kv_disk_load_seconds_per_block") * 1000
+                           if folder else 0)
+                computed = metric(server.url, "tidal:prompt_tokens_total")
+            finally:
+                server.stop()
+            results[name] = (statistics.median(ttfts), len(ttfts) / seconds, loaded,
+                             load_ms, computed)
+        last = [c[-1] for c in convs[:args.restart_prompts]]
+        restarted = serve(blocks, tier)  # the folder the tiered run left
+        try:
+            warm = asyncio.run(one_by_one(restarted.url, last, args.max_tokens))
+        finally:
+            restarted.stop()
+        cold_server = serve(blocks, None)
+        try:
+            cold = asyncio.run(one_by_one(cold_server.url, last, args.max_tokens))
+        finally:
+            cold_server.stop()
+    (off_p50, off_rate, *_), (on_p50, on_rate, *_) = results["off"], results["disk tier"]
+    print("\n| run | TTFT p50 | requests/s | blocks loaded | ms a block | prompt tokens "
+          "computed |\n|---|---|---|---|---|---|")
+    for name, (p50, rate, count, load_ms, computed) in results.items():
+        print(f"| {name} | {p50 * 1000:.0f} ms | {rate:.2f} | {count:.0f} | {load_ms:.2f} | "
+              f"{computed:.0f} |")
+    print(f"| tier / off | {off_p50 / on_p50:.2f}x better | {on_rate / off_rate:.2f}x | | | |")
+    ratios = [c / w for c, w in zip(cold, warm)]
+    print(f"\nrestart, the last turn of {len(last)} conversations one at a time: TTFT p50 "
+          f"{statistics.median(warm) * 1000:.0f} ms restarted with the tier, "
+          f"{statistics.median(cold) * 1000:.0f} ms cold: {statistics.median(cold) / statistics.median(warm):.2f}x; "
+          f"per request {min(ratios):.2f}-{max(ratios):.2f}x "
+          f"({sum(r < 1 for r in ratios)} slower than computing)")
+
+
+if __name__ == "__main__":
+    main()
