@@ -1,6 +1,6 @@
 """The disk tier under the prefix cache on the served path: multi-turn conversations (real
-ShareGPT turns, each prompt the whole history so far) through `tidal serve` with a KV pool
-a quarter of the working set, with the disk tier (`--kv-cache-dir`) against without; then a
+ShareGPT turns, each prompt the whole history so far, every conversation's turn t before any
+turn t + 1) through `tidal serve` with a KV pool a quarter of the working set, with the disk tier (`--kv-cache-dir`) against without; then a
 restart: the last turn of conversations seen before, sent to the restarted tiered server
 one at a time, against a cold server without the tier.
 
@@ -73,17 +73,21 @@ def _client(url: str):
 
 async def multi_turn(url: str, convs: list[list[str]], concurrency: int,
                      max_tokens: int) -> tuple[list[float], float]:
-    """Every conversation's turns in order, `concurrency` conversations at a time; the
-    TTFTs and the wall seconds."""
-    queue, ttfts = list(convs), []
+    """Turn by turn, every conversation's next turn, `concurrency` requests at a time (as
+    users who come back after the others spoke: a conversation's history is evicted from
+    a pool a quarter of the working set before its next turn); the TTFTs and the wall
+    seconds."""
+    ttfts: list[float] = []
     async with _client(url) as client:
-        async def worker():
-            while queue:
-                for prompt in queue.pop(0):
-                    ttfts.append(await _ttft(client, prompt, max_tokens))
-
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        for turn in range(len(convs[0])):
+            queue = [c[turn] for c in convs]
+
+            async def worker():
+                while queue:
+                    ttfts.append(await _ttft(client, queue.pop(0), max_tokens))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
         return ttfts, time.perf_counter() - t0
 
 

@@ -238,7 +238,9 @@ class SchedulerDriver:
         """The tier's stores, then its loads: a block loads whole only if stored before
         (and not failing now and then), and no forward pass of the step reads one."""
         self.disk.update(key for _, key in out.kv_stores)
-        read = {b for x in out.scheduled for b in x.block_ids}
+        bs = self.s.kv.block_size  # tables grow in place: a step's share is their head
+        read = {b for x in out.scheduled
+                for b in x.block_ids[:-(-(x.num_computed_tokens + x.num_new_tokens) // bs)]}
         loaded = {}
         for load in out.kv_loads:
             assert not read & set(load.block_ids), "a step reads blocks it is loading"

@@ -186,13 +186,16 @@ def tiers(llm) -> KVTiers:
     return llm.engine.core.scheduler.kv.tiers
 
 
-def test_an_evicted_prefix_loads_from_disk_with_the_same_tokens_and_logprobs(folder, tmp_path):
+@pytest.mark.parametrize("spec", [{}, {"speculative_method": "ngram",
+                                      "num_speculative_tokens": 2}], ids=["plain", "ngram"])
+def test_an_evicted_prefix_loads_from_disk_with_the_same_tokens_and_logprobs(folder, tmp_path,
+                                                                             spec):
     from tidal.engine.llm import LLM
 
     plain = LLM(str(folder), num_kv_blocks=12, num_threads=1)
     want = answer(plain)
     plain.close()
-    llm = engine(folder, tmp_path / "kv")
+    llm = engine(folder, tmp_path / "kv", **spec)
     assert answer(llm) == want and tiers(llm).hit_blocks == 0
     llm.generate(OTHERS, GREEDY, use_tqdm=False)  # 4 x 5 blocks through a pool of 12
     tokens, logprobs = answer(llm)
@@ -200,7 +203,7 @@ def test_an_evicted_prefix_loads_from_disk_with_the_same_tokens_and_logprobs(fol
     assert logprobs == pytest.approx(want[1], abs=1e-5)
     llm.close()
     # a restart: the first request of the prompt is a hit, loaded from the files
-    again = engine(folder, tmp_path / "kv")
+    again = engine(folder, tmp_path / "kv", **spec)
     tokens, logprobs = answer(again)
     assert tiers(again).hit_blocks == 4 and tokens == want[0]
     assert logprobs == pytest.approx(want[1], abs=1e-5)

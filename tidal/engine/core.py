@@ -174,8 +174,11 @@ class EngineCore:
 
     def _to_plan(self) -> bool:
         """Whether the next step has anything to plan: requests, or blocks to store."""
+        return self.scheduler.has_unfinished_requests() or self._stores_pending()
+
+    def _stores_pending(self) -> bool:
         tiers = self.scheduler.kv.tiers
-        return self.scheduler.has_unfinished_requests() or (tiers is not None and tiers.pending)
+        return tiers is not None and tiers.pending
 
     def profiling(self) -> bool:
         """Whether shapes of the step-time profile are left to time while idle."""
@@ -203,7 +206,7 @@ class EngineCore:
         prefill instance (decode role) need none."""
         s = self.scheduler
         return (bool(s.running or s.waiting or s.preempted) or self._pending is not None
-                or bool(self._in_flight) or (s.kv.tiers is not None and s.kv.tiers.pending))
+                or bool(self._in_flight) or self._stores_pending())
 
     def step(self) -> list[RequestOutput]:
         """One step: the requests' new tokens (and finishes), each with its tokens' logprobs
@@ -322,10 +325,9 @@ class EngineCore:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        tiers = self.scheduler.kv.tiers
-        if tiers is not None and tiers.pending:  # blocks published by the last steps
-            self.executor.execute(SchedulerOutput(step=-1, kind="idle",
-                                                  kv_stores=tiers.take_stores()))
+        if self._stores_pending():  # blocks published by the last steps
+            self.executor.execute(SchedulerOutput(
+                step=-1, kind="idle", kv_stores=self.scheduler.kv.tiers.take_stores()))
         self.executor.close()
 
 
