@@ -63,6 +63,13 @@ def evict_all(s: Scheduler) -> None:
         drain(s)
 
 
+def stored_then_evicted(s: Scheduler, prompt: list[int]) -> None:
+    """`prompt` computed (its blocks stored), then evicted from the pool."""
+    add(s, "a", prompt, max_tokens=1)
+    drain(s)
+    evict_all(s)
+
+
 def test_a_published_block_is_stored_by_the_next_step_and_loaded_after_its_eviction():
     s = tiered()
     prompt = list(range(100, 113))  # 13 tokens: 3 full blocks
@@ -87,9 +94,7 @@ def test_the_head_of_the_queue_loads_while_it_waits_for_room():
     load: once admitted, it is a prefix hit from its first step."""
     s = tiered(num_blocks=16, max_input_tokens_per_step=8, chunked_prefill_size=8)
     prompt = list(range(100, 113))
-    add(s, "a", prompt, max_tokens=1)
-    drain(s)
-    evict_all(s)
+    stored_then_evicted(s, prompt)
     add(s, "x", list(range(900, 920)), max_tokens=1)  # 20 tokens: chunks of 8
     add(s, "c", prompt, max_tokens=1)
     out = run(s)
@@ -105,9 +110,7 @@ def test_the_head_of_the_queue_loads_while_it_waits_for_room():
 def test_a_block_that_fails_to_load_is_computed_instead():
     s = tiered()
     prompt = list(range(100, 113))
-    add(s, "a", prompt, max_tokens=1)
-    drain(s)
-    evict_all(s)
+    stored_then_evicted(s, prompt)
     add(s, "c", prompt, max_tokens=1)
     out = run(s, {"c": 1})  # the second block's file was corrupt
     (load,) = out.kv_loads
@@ -122,9 +125,7 @@ def test_a_block_that_fails_to_load_is_computed_instead():
 def test_an_abort_while_loading_gives_the_blocks_back_and_the_late_result_is_ignored():
     s = tiered()
     prompt = list(range(100, 113))
-    add(s, "a", prompt, max_tokens=1)
-    drain(s)
-    evict_all(s)
+    stored_then_evicted(s, prompt)
     add(s, "c", prompt, max_tokens=1)
     out = s.schedule()
     assert out.kv_loads and "c" in s.transferring
@@ -145,9 +146,7 @@ def test_loading_is_skipped_where_computing_is_predicted_faster():
     s = Scheduler(SchedulerConfig(max_model_len=64), kv, step_time=Fast())
     kv.tiers.load_seconds = 0.01  # measured: 10 ms a block
     prompt = list(range(100, 113))
-    add(s, "a", prompt, max_tokens=1)
-    drain(s)
-    evict_all(s)
+    stored_then_evicted(s, prompt)
     add(s, "c", prompt, max_tokens=1)
     out = run(s)
     assert not out.kv_loads and out.scheduled[0].num_new_tokens == 13

@@ -78,12 +78,13 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
         from tidal.model.registry import files_written
 
         waited = time.perf_counter()
-        while not files_written(folder):
-            if os.getppid() != parent:
-                return  # the conversion failed and the frontend exited
-            time.sleep(0.02)
-        log.info("engine imported; waited %.2fs for the model files",
-                 time.perf_counter() - waited)
+        if not files_written(folder):  # a first start: the frontend converts the file
+            while not files_written(folder):
+                if os.getppid() != parent:
+                    return  # the conversion failed and the frontend exited
+                time.sleep(0.02)
+            log.info("engine imported; waited %.2fs for the model files",
+                     time.perf_counter() - waited)
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(in_addr)
