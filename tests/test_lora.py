@@ -126,6 +126,25 @@ def test_adapters_mixed_in_one_batch_equal_their_merged_models(setup, cpu_decode
     assert llm.engine.scheduler.prefix_hit_tokens > hits
 
 
+def test_adapters_load_their_own_prefixes_from_the_disk_tier(setup, tmp_path):
+    """A restart on a disk tier (docs/design/kv-tiers.md): every prompt loads its blocks
+    from disk, each adapter's own (keys are salted by the adapter), and each answer still
+    equals its merged model's."""
+    base, folders, refs = setup
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in [None, *folders]]
+    kwargs = dict(dtype="float32", num_kv_blocks=96, block_size=4, max_loras=3,
+                  lora_modules=[f"{n}={p}" for n, p in folders.items()],
+                  kv_cache_dir=str(tmp_path / "kv"))
+    first = LLM(str(base), **kwargs)
+    assert run(first, jobs) == [refs[name][i] for name, i in jobs]
+    first.close()
+    again = LLM(str(base), **kwargs)
+    assert run(again, jobs) == [refs[name][i] for name, i in jobs]
+    tiers = again.engine.scheduler.kv.tiers
+    assert tiers.hit_blocks == sum((len(PROMPTS[i]) - 1) // 4 for _, i in jobs)
+    again.close()
+
+
 @pytest.mark.parametrize("cpu_decoder", [True, False])
 def test_adapters_on_two_tensor_parallel_ranks_equal_their_merged_models(setup, cpu_decoder):
     """Each rank holds its share of every adapter, cut as its base layers are (B's rows of
