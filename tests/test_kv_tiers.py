@@ -224,6 +224,12 @@ def test_a_truncated_block_file_is_ignored_and_the_answer_is_still_right(folder,
     again.close()
 
 
+def test_a_folder_that_cannot_be_made_is_refused_by_its_flag(folder, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ValueError, match="--kv-cache-dir: cannot make"):
+        engine(folder, tmp_path / "file" / "kv")
+
+
 def test_a_full_disk_tier_evicts_and_never_errors(folder, tmp_path):
     block = engine(folder, tmp_path / "probe")
     block_bytes = block.engine.core.executor.worker.kv.block_nbytes

@@ -41,7 +41,11 @@ class DiskKVTier:
     def __init__(self, folder: Path, block_bytes: int, capacity_bytes: int) -> None:
         self.folder, self.block_bytes = folder, block_bytes
         self.capacity = max(0, capacity_bytes // (block_bytes + HEADER))  # blocks
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--kv-cache-dir: cannot make the disk tier's folder "
+                             f"{folder}: {e.strerror or e}") from None
         found = sorted(folder.glob("*.kv"), key=_mtime)  # oldest first
         self._files: OrderedDict[bytes, None] = OrderedDict()
         for path in found:
