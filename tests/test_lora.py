@@ -1,7 +1,8 @@
 """Multi-LoRA against PEFT: greedy tokens equal each adapter's merged model
 (`merge_and_unload`), with three adapters of different ranks and targets mixed in one batch
 with base-model requests, chunked prefill and prefix hits, on the C++ decoder and on the
-PyTorch path; loading refuses what tidal cannot serve, by name."""
+PyTorch path; loading refuses what tidal cannot serve, by name. Across processes and
+restarts: test_lora_parallel.py."""
 
 from __future__ import annotations
 
@@ -14,100 +15,14 @@ from tidal import LLM, SamplingParams
 from tidal.model.lora import LoRAError
 from tidal.spec import GuessTree
 
+from lora_fixtures import (MAX_TOKENS, PROMPTS, lora_setup, make_adapter, merged_model, run,
+                           token_logprobs)
 from model_fixtures import hf_greedy, small_folder
-
-MAX_TOKENS = 8
-PROMPTS = [[5, 9, 33, 2 + i, 17, 101, 64, 12, 7, 200, 3 + i, 88, 41][:6 + i] for i in range(6)]
-# (name, rank, alpha, targets, rsLoRA)
-ADAPTERS = [
-    ("qv4", 4, 8, ["q_proj", "v_proj"], False),
-    ("all8", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                     "down_proj"], True),
-    ("mlp16", 16, 8, ["o_proj", "gate_proj", "up_proj", "down_proj"], False),
-]
-
-
-def make_adapter(base_folder, out, rank, alpha, targets, rslora, seed):
-    """A PEFT adapter of random A and B (B is zero at PEFT's default init: no delta)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(base_folder), dtype=torch.float32)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                     init_lora_weights=False)
-    peft = get_peft_model(model, cfg)
-    with torch.no_grad():  # deltas large enough that each adapter changes the tokens
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.mul_(3.0)
-    peft.save_pretrained(str(out))
-    return out
-
-
-def merged_model(base, folder=None, bf16: bool = False):
-    """The float32 base model, with the adapter in `folder` merged in (PEFT's
-    merge_and_unload); `bf16`: its weights first rounded as bfloat16 slots hold them (A, and
-    B with the scale folded in)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    if folder is None:
-        return model.eval()
-    model = PeftModel.from_pretrained(model, str(folder))
-    lora = [m for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
-    with torch.no_grad():
-        for module in lora if bf16 else []:
-            scale = module.scaling["default"]
-            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
-            a.copy_(a.bfloat16().float())
-            b.copy_((b * scale).bfloat16().float() / scale)
-    return model.merge_and_unload().eval()
-
-
-def token_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Each position's log-probabilities after `prompt` + `tokens` (teacher-forced): one row
-    per token."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
-    return logits.log_softmax(-1)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """The base model, three adapters, and each one's merged-model greedy tokens."""
-    tmp = tmp_path_factory.mktemp("lora")
-    base = small_folder(tmp, "base", "llama", tie_word_embeddings=False)
-    folders, refs = {}, {}
-    for i, (name, rank, alpha, targets, rs) in enumerate(ADAPTERS):
-        folders[name] = make_adapter(base, tmp / name, rank, alpha, targets, rs, seed=i + 1)
-    for name in [None] + list(folders):
-        model = merged_model(base, folders.get(name))
-        refs[name] = [hf_greedy(model, p, MAX_TOKENS, None) for p in PROMPTS]
-        for p, tokens in zip(PROMPTS, refs[name]):  # each greedy token's log-probability
-            lp = token_logprobs(model, p, tokens)
-            LOGPROBS[(name, tuple(p))] = (tokens, lp[range(len(tokens)), tokens])
-    assert len({str(r) for r in refs.values()}) == len(refs), "an adapter changes nothing"
-    return base, folders, refs
-
-
-LOGPROBS: dict = {}  # (adapter, prompt) -> the merged model's greedy tokens and their logprobs
-
-
-def run(llm, jobs):
-    """Greedy tokens of (adapter, prompt index) jobs in one batch; each token's logprob
-    within 1e-4 of the merged model's."""
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, lora=name,
-                             logprobs=0) for name, _ in jobs]
-    outs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for _, i in jobs], params,
-                        use_tqdm=False)
-    for (name, i), o in zip(jobs, outs):
-        tokens, want = LOGPROBS[(name, tuple(PROMPTS[i]))]
-        if o.outputs[0].token_ids == tokens:  # (else the caller's comparison fails)
-            got = torch.tensor([lp.logprob for lp in o.outputs[0].logprobs])
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    return [o.outputs[0].token_ids for o in outs]
+    return lora_setup(tmp_path_factory.mktemp("lora"))
 
 
 @pytest.mark.parametrize("cpu_decoder", [True, False])
@@ -124,70 +39,6 @@ def test_adapters_mixed_in_one_batch_equal_their_merged_models(setup, cpu_decode
     hits = llm.engine.scheduler.prefix_hit_tokens
     assert run(llm, jobs[::-1]) == [refs[name][i] for name, i in jobs[::-1]]
     assert llm.engine.scheduler.prefix_hit_tokens > hits
-
-
-def test_adapters_load_their_own_prefixes_from_the_disk_tier(setup, tmp_path):
-    """A restart on a disk tier (docs/design/kv-tiers.md): every prompt loads its blocks
-    from disk, each adapter's own (keys are salted by the adapter), and each answer still
-    equals its merged model's."""
-    base, folders, refs = setup
-    jobs = [(name, i) for i in range(len(PROMPTS)) for name in [None, *folders]]
-    kwargs = dict(dtype="float32", num_kv_blocks=96, block_size=4, max_loras=3,
-                  lora_modules=[f"{n}={p}" for n, p in folders.items()],
-                  kv_cache_dir=str(tmp_path / "kv"))
-    first = LLM(str(base), **kwargs)
-    assert run(first, jobs) == [refs[name][i] for name, i in jobs]
-    first.close()
-    again = LLM(str(base), **kwargs)
-    assert run(again, jobs) == [refs[name][i] for name, i in jobs]
-    tiers = again.engine.scheduler.kv.tiers
-    assert tiers.hit_blocks == sum((len(PROMPTS[i]) - 1) // 4 for _, i in jobs)
-    again.close()
-
-
-@pytest.mark.parametrize("cpu_decoder", [True, False])
-def test_adapters_on_two_tensor_parallel_ranks_equal_their_merged_models(setup, cpu_decoder):
-    """Each rank holds its share of every adapter, cut as its base layers are (B's rows of
-    q/k/v and gate/up; A's columns of o and down, whose deltas join the partial sums): the
-    merged models' tokens and logprobs with adapters mixed in one batch, one of them loaded
-    on first use; an adapter that does not fit is refused by rank 0, as in one process,
-    and the ranks serve on."""
-    from tidal import LoRARequest
-
-    base, folders, refs = setup
-    llm = LLM(str(base), dtype="float32", num_kv_blocks=96, block_size=4, max_loras=3,
-              tensor_parallel_size=2, num_threads=1, cpu_decoder=cpu_decoder,
-              lora_modules=[f"{n}={folders[n]}" for n in ("qv4", "all8")])
-    try:
-        assert llm.engine.executor.info.decoder == cpu_decoder
-        jobs = [(name, i) for i in range(3) for name in [None, "qv4", "all8"]]
-        assert run(llm, jobs) == [refs[name][i] for name, i in jobs]
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params,
-                            use_tqdm=False,
-                            lora_request=LoRARequest("mlp16", 3, str(folders["mlp16"])))
-        assert [o.outputs[0].token_ids for o in outs] == refs["mlp16"][:2]
-        with pytest.raises(LoRAError, match="already loaded"):
-            llm.engine.executor.register_adapter("qv4", str(folders["qv4"]))
-        assert run(llm, [("all8", 4)]) == [refs["all8"][4]]
-    finally:
-        llm.close()
-
-
-def test_adapters_on_two_pipeline_stages_equal_their_merged_models(setup):
-    """Each stage holds every adapter's pieces of its own layer (one of two here): the
-    merged models' tokens and logprobs with adapters mixed in one batch, through each
-    stage's C++ decoder, a step in flight per stage."""
-    base, folders, refs = setup
-    llm = LLM(str(base), dtype="float32", num_kv_blocks=96, block_size=4, max_loras=3,
-              pipeline_parallel_size=2, num_threads=1,
-              lora_modules=[f"{n}={p}" for n, p in folders.items()])
-    try:
-        assert llm.engine.executor.info.decoder
-        jobs = [(name, i) for i in range(3) for name in [None, *folders]]
-        assert run(llm, jobs) == [refs[name][i] for name, i in jobs]
-    finally:
-        llm.close()
 
 
 class ScriptedProposer:
@@ -412,28 +263,6 @@ def test_offline_lora_request_loads_an_adapter_on_first_use(setup):
     assert [o.outputs[0].token_ids for o in outs] == [refs["mlp16"][0], refs[None][1]]
     with pytest.raises(ValueError, match="2 LoRA requests for 1 prompts"):
         llm.generate(prompts[:1], params, lora_request=["mlp16", None])
-
-
-def test_a_prefill_decode_pair_serves_adapters(setup):
-    """1P1D: both instances hold the adapters; the prefill side computes the prompt under
-    the adapter, the decode side continues under it."""
-    from tokenizers import Tokenizer
-
-    from server_fixtures import Server, openai_client
-
-    base, folders, refs = setup
-    text = Tokenizer.from_file(str(base / "tokenizer.json")).decode
-    pd = Server("--pd", "1P1D", "--model", str(base), "--dtype", "float32", "--max-loras", "2",
-                "--lora-modules", f"qv4={folders['qv4']}", f"all8={folders['all8']}")
-    try:
-        client = openai_client(pd)
-        for name, i in (("qv4", 0), ("all8", 1), ("base", 2), ("all8", 3)):
-            out = client.completions.create(model=name, prompt=PROMPTS[i], temperature=0,
-                                            max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
-            assert out.choices[0].text == text(refs[None if name == "base" else name][i])
-    finally:
-        log = pd.stop()
-    assert "Traceback" not in log, log
 
 
 def equals_merged(base, folder):

@@ -179,7 +179,8 @@ def prefetch(sched: "Scheduler", plan: "StepPlan") -> None:
     order) that this step did not admit, so that it loads while it waits for room and is a
     prefix hit once admitted; under the same conditions as a load at admission (a seat, its
     adapter's slot held already, the blocks within the reservation and margin)."""
-    if not sched.waiting or len(sched.running) + len(sched.transferring) >= plan.max_seqs:
+    if (not sched.waiting or not len(sched.kv.tiers.index)  # nothing to load: no order
+            or len(sched.running) + len(sched.transferring) >= plan.max_seqs):
         return
     r = sched.policy.order(sched.waiting, sched.step, sched._prefix_tokens)[0]
     held = sched.loras.adapters_of(chain(sched.running, sched.transferring.values()))
