@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         return _serve_pd(args, server)
     from tidal.core.roles import ROLES
     from tidal.engine.config import EngineConfig
-    from tidal.model.registry import locate_model, write_model_files
+    from tidal.model.registry import locate_model, pending, write_model_files
     from tidal.model.tokenizer import Tokenizer
     from tidal.runtime.client import CoreClient
 
@@ -70,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # The cores import the engine and load while this process converts a new GGUF, reads
     # its tokenizer and builds the HTTP app (a GGUF's cores wait for the files if need be).
     client = CoreClient(config, str(files.folder), None if files.gguf else Tokenizer(
-        files.folder), server.restart_policy())
+        files.folder), server.restart_policy(), files_pending=pending(files))
     client.launch()
     with flag_errors("serve"):
         folder = write_model_files(files)

@@ -54,7 +54,7 @@ class ModelFiles(NamedTuple):
 
     folder: Path
     name: str  # the served model name
-    gguf: Path | None  # the GGUF file, whose folder may be still to write
+    gguf: Path | None  # the GGUF file; `pending`: its folder is still to write
 
 
 def locate_model(model: str) -> ModelFiles:
@@ -72,6 +72,11 @@ def locate_model(model: str) -> ModelFiles:
                 f"GGUF file, nor a folder with config.json and safetensors")
         return ModelFiles(folder, folder.name, None)
     return ModelFiles(cache_root() / f"{served}-{gguf_fingerprint(gguf)}", served, gguf)
+
+
+def pending(files: ModelFiles) -> bool:
+    """Whether the folder is still to write (a GGUF converted for the first time)."""
+    return files.gguf is not None and not files_written(files.folder)
 
 
 def write_model_files(files: ModelFiles, check: bool = True) -> Path:

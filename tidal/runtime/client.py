@@ -56,10 +56,12 @@ class CoreClient:
     requests it held; the others keep serving, and it is restarted under `restart`."""
 
     def __init__(self, config: EngineConfig, folder: str, tokenizer: Tokenizer | None,
-                 restart: RestartPolicy | None = None) -> None:
-        """`tokenizer` None: `folder` is a GGUF's, still being written; the cores launched
-        meanwhile wait for it, and `attach_tokenizer` comes before `start`."""
+                 restart: RestartPolicy | None = None, files_pending: bool = False) -> None:
+        """`tokenizer` None: `folder` is a GGUF's, whose tokenizer this process reads while
+        the cores load (`attach_tokenizer` comes before `start`); `files_pending`: its files
+        are still being written, and the cores launched meanwhile wait for them."""
         self.config, self.folder, self.tokenizer = config, folder, None
+        self.files_pending = files_pending
         self.num_cores = config.parallel.data_parallel_size
         if tokenizer is not None:
             self.attach_tokenizer(tokenizer)
@@ -128,11 +130,11 @@ class CoreClient:
             if handle is not None:
                 handle.kill()  # reaps the dead process (or frees its Ray actor)
             handle = self._new_handle(index)
-        # No tokenizer yet: the core waits for the files and reads its end token from them.
+        # No tokenizer yet: the core reads its end token from the model's config.
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         handle.start(run_core, (self._core_config(), str(self.folder), eos,
                                 self.sockets.in_addrs[index], self.sockets.out_addr, index,
-                                incarnation, self.tokenizer is None))
+                                incarnation, self.files_pending and self.tokenizer is None))
         return handle
 
     def _core_config(self) -> EngineConfig:

@@ -64,8 +64,8 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     """The process's main: build the core, say Ready, then serve until Shutdown or until the
     frontend process is gone. `index` names this core among data-parallel ones;
     `incarnation` which start of it this is (every message says so). `files_pending`: the
-    frontend may still be converting the GGUF into `folder`; import the engine meanwhile,
-    wait for the files, and take the end-of-sequence id from their config (a GGUF's
+    frontend is still converting the GGUF into `folder`; import the engine meanwhile and
+    wait for the files. `eos_token_id` None: take it from the model's config (a GGUF's
     tokenizer and config take it from one field)."""
     # The engine (torch, the model) is imported here, in the core's own process: the
     # frontend that hands this function to it never loads torch.
@@ -78,13 +78,12 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
         from tidal.model.registry import files_written
 
         waited = time.perf_counter()
-        if not files_written(folder):  # a first start: the frontend converts the file
-            while not files_written(folder):
-                if os.getppid() != parent:
-                    return  # the conversion failed and the frontend exited
-                time.sleep(0.02)
-            log.info("engine imported; waited %.2fs for the model files",
-                     time.perf_counter() - waited)
+        while not files_written(folder):
+            if os.getppid() != parent:
+                return  # the conversion failed and the frontend exited
+            time.sleep(0.02)
+        log.info("engine imported; waited %.2fs for the model files",
+                 time.perf_counter() - waited)
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(in_addr)
