@@ -223,7 +223,7 @@ def test_a_dead_decode_side_makes_the_prefill_side_drop_its_requests(folder):
 def test_kv_from_a_different_model_shape_is_refused_clearly(folder):
     core = make_core(folder, "decode")
     data, shape, dtype = core.executor.read_blocks([0, 1])
-    with pytest.raises(ValueError, match="same model, dtype and block size"):
+    with pytest.raises(ValueError, match="same model, dtype, block size"):
         core.executor.write_blocks([0], data, shape, dtype)
     with pytest.raises(ValueError, match="same model"):
         core.executor.write_blocks([0, 1], data, shape, "torch.bfloat16")

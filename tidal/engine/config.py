@@ -19,6 +19,7 @@ from tidal.spec import METHODS
 
 # How the data-parallel dispatcher (and the simulator's router) picks an engine core; the
 # policies themselves are in tidal/cluster/routing.py.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # tidal.model.kv_quant's formats
 QUANTIZATIONS = ("auto", "gguf", "gptq", "awq", "none", "int8", "int4")
 ROUTING_POLICIES = ("round_robin", "least_tokens", "prefix_aware", "slack")
 
@@ -69,6 +70,11 @@ class ModelConfig:
                                     "Unset: no disk tier.")
     kv_disk_size: float = knob(16.0, "GiB the disk tier's folder may hold (least recently "
                                "written blocks go first).")
+    kv_cache_dtype: str = knob("auto", "The KV cache's elements: 'auto' the model's dtype; "
+                               "'int8' or 'fp8_e4m3' one byte a value with a float32 scale "
+                               "per token and KV head (about half the bytes of bf16, a "
+                               "quarter of float32: that many more tokens in the same "
+                               "memory; docs/design/kv-tiers.md).")
     gpu_memory_utilization: float = knob(0.9, "On GPU: the share of the device's memory "
                                          "tidal may use; the KV cache takes what the weights, "
                                          "the largest step's activations (measured by a "
@@ -124,6 +130,9 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy; got {self.load_format!r}")
         if self.fp32_gemm_rows is not None and self.fp32_gemm_rows < 0:

@@ -3,6 +3,8 @@ and the block I/O that P/D transfers (and lower cache tiers) go through.
 
 Every layer holds one K and one V tensor of `num_blocks + 1` blocks: block `num_blocks` is
 the null block, which padded rows read and write. The scheduler's block ids index them.
+Their elements are the model's dtype or quantized rows (tidal.model.kv_quant); block I/O
+moves the bytes as they are, so P/D and the tiers carry codes and scales alike.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import torch
 
 from tidal.engine.config import ModelConfig
 from tidal.engine.device import free_ram, gpu_kv_budget
-from tidal.model.attention import kv_cache_shape
 from tidal.model.config import ModelArch
+from tidal.model.kv_quant import AUTO, KVFormat
 
 
 def kv_blocks(config: ModelConfig, per_block: int, device: str,
@@ -63,15 +65,18 @@ def kv_tensor(data: bytes, shape: list[int], dtype: str) -> torch.Tensor:
 
 class KVCache:
     """The K and V tensors of every layer, `num_blocks` blocks of `block_size` positions
-    plus the null block."""
+    plus the null block, in `fmt` for a model computing in `dtype` (`self.dtype` is the
+    tensors' own: int8 or float8_e4m3fn when quantized)."""
 
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str) -> None:
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+                 dtype: torch.dtype, device: str, fmt: KVFormat = AUTO) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.format, self.dtype = fmt, fmt.storage(dtype)
         self.device = device
         self.null_block = num_blocks
-        shape = kv_cache_shape(num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim)
-        self.layers = [(cache_zeros(shape, dtype, device), cache_zeros(shape, dtype, device))
+        shape = fmt.cache_shape(num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim)
+        self.layers = [(cache_zeros(shape, self.dtype, device),
+                        cache_zeros(shape, self.dtype, device))
                        for _ in range(arch.num_layers)]
         self.k_caches = [k for k, _ in self.layers]
         self.v_caches = [v for _, v in self.layers]
@@ -104,8 +109,8 @@ class KVCache:
         s = torch.tensor(src, dtype=torch.long, device=self.device)
         d = torch.tensor(dst, dtype=torch.long, device=self.device)
         for k, v in self.layers:
-            for cache in (k, v):
-                flat = cache.view(-1, *cache.shape[2:])
+            for cache in (k, v):  # as bytes: index_copy_ has no float8 kernel
+                flat = cache.view(torch.uint8).view(-1, *cache.shape[2:])
                 flat.index_copy_(0, d, flat.index_select(0, s))
 
     @torch.inference_mode()
@@ -127,18 +132,18 @@ class KVCache:
         if shape != mine or dtype != str(self.dtype):
             raise ValueError(f"KV of shape {shape} ({dtype}) does not fit this instance's "
                              f"{mine} ({self.dtype}): prefill and decode must run the same "
-                             f"model, dtype and block size")
+                             f"model, dtype, block size and --kv-cache-dtype")
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
                      dtype: str) -> None:
         """Write KV read by another instance's `read_blocks` into these blocks."""
         self.check_fits(shape, dtype, len(block_ids))
-        kv = kv_tensor(data, shape, dtype)
+        kv = kv_tensor(data, shape, dtype).view(torch.uint8)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for (k, v), layer in zip(self.layers, kv.to(self.device)):
-            k.index_copy_(0, idx, layer[0])
-            v.index_copy_(0, idx, layer[1])
+            k.view(torch.uint8).index_copy_(0, idx, layer[0])
+            v.view(torch.uint8).index_copy_(0, idx, layer[1])
 
     @property
     def block_nbytes(self) -> int:

@@ -25,10 +25,11 @@ from tidal.engine.model_loading import load_for_runner, pick_model_dtype
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
-from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention, kv_cache_shape
+from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention
 from tidal.model.config import ModelArch, stage_layers
 from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel,
                                  paged_prefill_kernel)
+from tidal.model.kv_quant import KVFormat
 from tidal.model.pooling import Pooling
 from tidal.model.registry import model_files
 from tidal.model.sampler import on_device
@@ -103,10 +104,12 @@ class Worker:
         # the C++ paged attention and lora_add run float32 and bfloat16; float16 rows on CPU
         # take PyTorch's attention and matmuls
         cpp = ext if ext is not None and self.dtype != torch.float16 else None
+        self.kv_format = kv_format = KVFormat(config.kv_cache_dtype)
+        triton = on_gpu and not kv_format.quantized  # Triton's kernels read the model's dtype
         paged = cpp.paged_decode_attention if cpp else (
-            paged_decode_kernel() if on_gpu else None)
+            paged_decode_kernel() if triton else None)
         backend = TorchAttention.for_arch(arch, paged,
-                                          paged_prefill_kernel() if on_gpu else None)
+                                          paged_prefill_kernel() if triton else None, kv_format)
         self.model, decoder = load_for_runner(folder, whole, config, device, self.dtype,
                                               quantization, backend, ext, tp, shard)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
@@ -118,11 +121,12 @@ class Worker:
                                ext) if guesses else None
         pooling = Pooling.from_folder(folder)
         phases.done("weights")
-        if on_gpu and not arch.gemma:  # Gemma's offset norms keep the eager ops
+        if on_gpu and not arch.gemma and not kv_format.quantized:  # Gemma's offset norms
+            # keep the eager ops; the fused RoPE writes the model's dtype to the cache
             self._use_fused_kernels()
         max_forward = (config.max_forward_tokens if config.max_forward_tokens is not None
                        else 1024 if device == "cpu" else 0)
-        per_block = arch.kv_bytes_per_token(self.dtype.itemsize) * block_size
+        per_block = kv_format.bytes_per_token(arch, self.dtype) * block_size
         if guesser is not None:  # a block holds a draft's KV of its positions too
             per_block += guesser.block_bytes(block_size)
         step_tokens = min(sched.max_input_tokens_per_step, max_model_len)
@@ -131,11 +135,12 @@ class Worker:
                                lambda: self._peak_step(step_tokens, sched.max_num_seqs))
         if tp is not None:
             num_blocks = tp.min(num_blocks)  # every rank holds every block table's blocks
-        self.kv = KVCache(arch, num_blocks, block_size, self.dtype, device)
+        self.kv = KVCache(arch, num_blocks, block_size, self.dtype, device, kv_format)
         self.tier = None if config.kv_cache_dir is None else DiskKVTier(
             tier_folder(config.kv_cache_dir, {
                 "model": model_files(folder), "dtype": str(self.dtype), "quantization":
-                quantization, "block": [len(self.kv.layers), *self.kv.layers[0][0].shape[1:]]}),
+                quantization, "kv_cache_dtype": kv_format.name,
+                "block": [len(self.kv.layers), *self.kv.layers[0][0].shape[1:]]}),
             self.kv.block_nbytes, int(config.kv_disk_size * 2**30))
         # loads from it run beside the step's forward pass, which reads none of their blocks
         self._loader = ThreadPoolExecutor(1, "tidal-kv-load") if self.tier else None
@@ -170,8 +175,9 @@ class Worker:
         """The largest step's forward pass (one prefill of `tokens`, `rows` logits rows) over
         a one-block cache: its peak memory is what the KV cache must leave free."""
         arch = self.arch
-        shape = kv_cache_shape(1, self.block_size, arch.num_kv_heads, arch.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
+        fmt = self.kv_format
+        shape = fmt.cache_shape(1, self.block_size, arch.num_kv_heads, arch.head_dim)
+        caches = [(torch.zeros(shape, dtype=fmt.storage(self.dtype), device=self.device),) * 2
                   for _ in range(arch.num_layers)]
         zeros = torch.zeros(tokens, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(zeros, [PrefillSeq(0, tokens, 0)], tokens)

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from tidal.model.kv_quant import AUTO, KVFormat
+
 log = logging.getLogger("tidal.model")
 
 
@@ -69,7 +71,7 @@ def prefix_causal_mask(cached: int, length: int, device) -> torch.Tensor:
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                    head_dim: int) -> tuple[int, int, int, int]:
-    return (num_blocks, block_size, num_kv_heads, head_dim)
+    return AUTO.cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
 
 class AttentionBackend:
@@ -105,8 +107,9 @@ class TorchAttention(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  paged_kernel=None, scale: float = 0.0, softcap: float = 0.0,
-                 prefill_kernel=None) -> None:
+                 prefill_kernel=None, kv: KVFormat = AUTO) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.kv = kv  # the cache's element format: rows are decoded as they are read
         self.scale = scale or head_dim ** -0.5
         self.softcap = softcap
         self.groups = num_heads // num_kv_heads
@@ -123,10 +126,11 @@ class TorchAttention(AttentionBackend):
         self.kernel_for_fresh_prefills = False
 
     @classmethod
-    def for_arch(cls, arch, paged_kernel=None, prefill_kernel=None) -> "TorchAttention":
+    def for_arch(cls, arch, paged_kernel=None, prefill_kernel=None,
+                 kv: KVFormat = AUTO) -> "TorchAttention":
         """The backend of a `ModelArch`: its heads, query scale and soft-cap."""
         return cls(arch.num_heads, arch.num_kv_heads, arch.head_dim, paged_kernel,
-                   arch.attn_scale, arch.attn_softcap, prefill_kernel)
+                   arch.attn_scale, arch.attn_softcap, prefill_kernel, kv)
 
     def _attend(self, q, ks, vs, mask=None, causal=False) -> torch.Tensor:
         """[Lq, H, D] queries over [Lk, Hkv, D] keys/values: SDPA, or eager attention with
@@ -167,10 +171,9 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta, window=0, written=False):
         # q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
-        hkv, d = self.num_kv_heads, self.head_dim
         if not written:
-            k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+            self.kv.write(k_cache, meta.slot_mapping, k)
+            self.kv.write(v_cache, meta.slot_mapping, v)
         if not meta.prefills:  # a decode-only step: no runs to stitch together
             return self._decode(q, k_cache, v_cache, meta, window)
         out, p = torch.empty_like(q), meta.num_prefill_tokens
@@ -209,8 +212,8 @@ class TorchAttention(AttentionBackend):
                 ks, vs = k[seq.start:end], v[seq.start:end]
             else:  # tables and masks are built here only when a kernel was to run
                 table = seq.table if seq.table is not None else meta.prefill_tables[i]
-                ks = self._gather(k_cache, table)[:seq.cached + seq.length]
-                vs = self._gather(v_cache, table)[:seq.cached + seq.length]
+                ks = self._gather(k_cache, table, q.dtype)[:seq.cached + seq.length]
+                vs = self._gather(v_cache, table, q.dtype)[:seq.cached + seq.length]
                 if mask is None:
                     mask = prefix_causal_mask(seq.cached, seq.length, q.device)
             if window and seq.cached + seq.length > window:  # some keys fall out of the window
@@ -241,10 +244,10 @@ class TorchAttention(AttentionBackend):
                 old.reshape(b, 1, -1), float("-inf"))
         return meta.window_masks[key]
 
-    @staticmethod
-    def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def _gather(self, cache: torch.Tensor, table: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
         """[len(table) * block_size, Hkv, D]: one sequence's context in order."""
-        return cache.index_select(0, table).flatten(0, 1)
+        return self.kv.decode(cache.index_select(0, table).flatten(0, 1), dtype)
 
     def _decode(self, q, k_cache, v_cache, meta, window=0) -> torch.Tensor:
         tables = meta.decode_block_tables
@@ -262,12 +265,12 @@ class TorchAttention(AttentionBackend):
         if tables.shape[0] == 1:  # no padding to mask: attend over the exact context
             n = meta.decode_max_len
             first = max(0, n - window) if window else 0
-            ks = self._gather(k_cache, tables[0])[first:n]
-            vs = self._gather(v_cache, tables[0])[first:n]
+            ks = self._gather(k_cache, tables[0], q.dtype)[first:n]
+            vs = self._gather(v_cache, tables[0], q.dtype)[first:n]
             return self._attend(q, ks, vs)  # q [1, H, D]: the one decode token
         b, flat = tables.shape[0], tables.view(-1)
-        ks = k_cache.index_select(0, flat).view(b, -1, self.head_dim)  # [B, L * Hkv, D]
-        vs = v_cache.index_select(0, flat).view(b, -1, self.head_dim)
+        ks = self.kv.decode(k_cache.index_select(0, flat), q.dtype).view(b, -1, self.head_dim)
+        vs = self.kv.decode(v_cache.index_select(0, flat), q.dtype).view(b, -1, self.head_dim)
         bias = self._decode_window_bias(meta, window) if window else meta.decode_bias
         scores = torch.bmm(q, ks.transpose(1, 2)).float() * self.scale
         if self.softcap:

@@ -12,7 +12,7 @@
 
 #include <torch/extension.h>
 
-#include "tidal_cpu.h"
+#include "kv_rows.h"
 
 namespace tidal_cpu {
 namespace {
@@ -144,15 +144,20 @@ class Decoder {
                  const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
                  Tensor logits_rows, double scale, int64_t block_size, Tensor lora_rows,
                  Tensor lora_ends, Tensor tree) {
-    if (final_norm_.scalar_type() == at::kFloat)
-      return step<float>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
-                         scale, block_size, lora_rows, lora_ends, tree);
-    return step<BFloat16>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
+    TORCH_CHECK(!k_caches.empty(), "one K and one V cache per layer");
+    const auto run = [&]<typename T>() {
+      return with_cache_type<T>(k_caches[0].scalar_type(), [&]<typename C>() {
+        return step<T, C>(ids, positions, slots, tables, lens, k_caches, v_caches, logits_rows,
                           scale, block_size, lora_rows, lora_ends, tree);
+      });
+    };
+    if (final_norm_.scalar_type() == at::kFloat) return run.template operator()<float>();
+    return run.template operator()<BFloat16>();
   }
 
  private:
-  template <typename T>
+  // T: the model's dtype; C: its caches' elements (kv_rows.h).
+  template <typename T, typename C>
   Tensor step(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
               const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
               Tensor logits_rows, double scale, int64_t block_size, Tensor lora_rows,
@@ -183,7 +188,7 @@ class Decoder {
     for (int64_t r = 0; r < rows; ++r)  // write_kv writes by raw offset too
       TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < num_slots,
                   "slot ", slots.data_ptr<int64_t>()[r], " is not in the cache");
-    const int64_t qkv_width = (heads_ + 2 * hkv_) * d_, kv_width = hkv_ * d_;
+    const int64_t qkv_width = (heads_ + 2 * hkv_) * d_;
     Tensor outside;  // a tensor-parallel rank's: the tokens whose rows others hold
     if (reduce_ && embeds) {
       ids = ids - vocab_start_;
@@ -211,8 +216,11 @@ class Decoder {
     Tensor y;  // the last projection's output, added to h by the next norm
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
-      check_cache(k_caches[l], h.scalar_type());
-      check_cache(v_caches[l], h.scalar_type());
+      check_cache(k_caches[l], h.scalar_type(), d_);
+      check_cache(v_caches[l], h.scalar_type(), d_);
+      TORCH_CHECK(k_caches[l].scalar_type() == k_caches[0].scalar_type() &&
+                      v_caches[l].scalar_type() == k_caches[0].scalar_type(),
+                  "every layer's caches of one dtype");
       add_rms_norm<T>(h.data_ptr<T>(), y.defined() ? y.data_ptr<T>() : nullptr,
                       L.norm1.data_ptr<T>(), x.data_ptr<T>(), rows, hid, eps_);
       Tensor qkv = L.qkv(x).contiguous();
@@ -220,14 +228,14 @@ class Decoder {
       T* qp = qkv.data_ptr<T>();
       rope<T>(qp, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, heads_ + hkv_,
               d_, cos_.size(1));
-      write_kv<T>(qp, qkv_width, heads_ * d_, slots.data_ptr<int64_t>(), rows, kv_width,
-                  k_caches[l].data_ptr<T>());
-      write_kv<T>(qp, qkv_width, (heads_ + hkv_) * d_, slots.data_ptr<int64_t>(), rows,
-                  kv_width, v_caches[l].data_ptr<T>());
-      paged_attention<T>(qp, qkv_width, k_caches[l].data_ptr<T>(), v_caches[l].data_ptr<T>(),
-                         tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
-                         tree_data, rows, heads_, hkv_, d_, block_size, static_cast<float>(scale),
-                         L.window, attn.data_ptr<T>());
+      write_kv<T, C>(qp, qkv_width, heads_ * d_, slots.data_ptr<int64_t>(), rows, hkv_, d_,
+                     k_caches[l].data_ptr<C>());
+      write_kv<T, C>(qp, qkv_width, (heads_ + hkv_) * d_, slots.data_ptr<int64_t>(), rows, hkv_,
+                     d_, v_caches[l].data_ptr<C>());
+      paged_attention<T, C>(qp, qkv_width, k_caches[l].data_ptr<C>(), v_caches[l].data_ptr<C>(),
+                            tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
+                            tree_data, rows, heads_, hkv_, d_, block_size, static_cast<float>(scale),
+                            L.window, attn.data_ptr<T>());
       y = L.o(attn).contiguous();
       if (lora) lora_add(attn, y, L.lora[3], L.lora[4], lora_rows, lora_ends, L.lora[5]);
       if (reduce_) (*reduce_)(y);

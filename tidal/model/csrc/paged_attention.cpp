@@ -1,6 +1,7 @@
-// Paged decode attention: reads K and V from the paged cache in place (no gather); the KV write.
+// Paged decode attention: reads K and V from the paged cache in place (no gather), of the
+// model's dtype or quantized rows (kv_rows.h).
 
-#include "tidal_cpu.h"
+#include "kv_rows.h"
 
 #include <limits>
 #include <type_traits>
@@ -42,6 +43,8 @@ constexpr int kLanes = 8, kRegisters = 16;
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
 typedef uint32_t vu32 __attribute__((vector_size(4 * kLanes)));
+typedef int8_t vi8 __attribute__((vector_size(kLanes)));
+typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
 
 inline vf loadv(const float* p) {
   vf v;
@@ -62,7 +65,20 @@ inline vf loadv(const BFloat16* p) {  // bf16 is the top half of a float's bits
 #endif
 }
 
-// A sequence's context in a [blocks, block_size, hkv, d] cache, for one KV head: `each`
+// A quantized row's codes, unscaled.
+inline vf loadv(const int8_t* p) {
+  vi8 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vf);
+}
+inline vf loadv(const F8* p) {  // e4m3's exponent and mantissa moved into a float's, rebiased
+  vu8 b;
+  std::memcpy(&b, p, sizeof b);
+  const vu32 u = __builtin_convertvector(b, vu32);
+  return reinterpret_cast<vf>(((u & 0x7fu) << 20) | ((u & 0x80u) << 24)) * 0x1p120f;
+}
+
+// A sequence's context in a [blocks, block_size, hkv, width] cache, for one KV head: `each`
 // walks its n tokens from position `first` on (a sliding window's start; 0 otherwise) block
 // by block (no division per token), calling f(index from 0, offset in the cache).
 struct Paged {
@@ -214,6 +230,10 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
   ctx.each(n, [&](int64_t, int64_t off) {
     const T* k = k_cache + off;
     for (int64_t c = 0; c < nv; ++c) row[c] = loadv(k + kLanes * c);
+    if constexpr (kCoded<T>) {
+      const float s = row_scale(k, d);
+      for (int64_t c = 0; c < nv; ++c) row[c] *= s;
+    }
     for (int64_t j = 0; j < groups; ++j) {
       vf sum = qvec(j, 0) * row[0];
       for (int64_t c = 1; c < nv; ++c) sum += qvec(j, c) * row[c];
@@ -235,8 +255,9 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
           if (c >= cols) break;
           row[c] = loadv(v + kLanes * c);
         }
+        const float s = row_scale(v_cache + off, d);
         for (int j = 0; j < G; ++j) {
-          const float p = scores[j * n + t];
+          const float p = scores[j * n + t] * s;
           for (int c = 0; c < kCols; ++c) {
             if (c >= cols) break;
             o[j * kCols + c] += p * row[c];
@@ -253,8 +274,9 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
     ctx.each(n, [&](int64_t t, int64_t off) {
       const T* v = v_cache + off;
       for (int64_t c = 0; c < nv; ++c) row[c] = loadv(v + kLanes * c);
+      const float s = row_scale(v, d);
       for (int64_t j = 0; j < groups; ++j) {
-        const float p = scores[j * n + t];
+        const float p = scores[j * n + t] * s;
         for (int64_t c = 0; c < nv; ++c) out[j * nv + c] += p * row[c];
       }
     });
@@ -289,14 +311,17 @@ void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Pa
                    int64_t n, int64_t groups, int64_t d, const TreeMask& mask, float* scores,
                    float* acc) {
   ctx.each(n, [&](int64_t t, int64_t off) {
-    for (int64_t j = 0; j < groups; ++j) scores[j * n + t] = dot(qf + j * d, k_cache + off, d);
+    const float s = row_scale(k_cache + off, d);
+    for (int64_t j = 0; j < groups; ++j)
+      scores[j * n + t] = dot(qf + j * d, k_cache + off, d) * s;
   });
   mask.softmax(scores, groups, n);
   std::fill(acc, acc + groups * d, 0.f);
   ctx.each(n, [&](int64_t t, int64_t off) {
     const T* v = v_cache + off;
+    const float s = row_scale(v, d);
     for (int64_t j = 0; j < groups; ++j) {
-      const float p = scores[j * n + t];
+      const float p = scores[j * n + t] * s;
       for (int64_t i = 0; i < d; ++i) acc[j * d + i] += p * f32(v[i]);
     }
   });
@@ -304,17 +329,19 @@ void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Pa
 
 }  // namespace
 
-// q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, d];
-// tables [B, W] int64; lens [B]. One task per (sequence, KV head) reads that head's context
-// straight from its blocks and serves every query head of its group. window > 0: only the
-// last `window` positions of each context (a sliding-window layer). tree: see tidal_cpu.h.
-template <typename T>
-void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+// q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, row width]
+// of C (kv_rows.h); tables [B, W] int64; lens [B]. One task per (sequence, KV head) reads
+// that head's context straight from its blocks and serves every query head of its group.
+// window > 0: only the last `window` positions of each context (a sliding-window layer).
+// tree: see tidal_cpu.h.
+template <typename T, typename C>
+void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,
                      const int64_t* tables, int64_t table_width, const int64_t* lens,
                      const int64_t* tree, int64_t batch, int64_t heads, int64_t hkv, int64_t d,
                      int64_t block_size, float scale, int64_t window, T* out) {
-  const int64_t groups = heads / hkv;
-  constexpr bool vectorisable = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
+  const int64_t groups = heads / hkv, w = row_width<C>(d);
+  constexpr bool vectorisable = std::is_same_v<C, float> || std::is_same_v<C, BFloat16> ||
+                                kCoded<C>;
   const bool vec = vectorisable && d % kLanes == 0 && d <= kMaxHeadDim &&
                    groups * d <= kMaxGroupWidth;
   at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
@@ -324,7 +351,7 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
       const int64_t b = task / hkv, g = task % hkv;
       const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
       const int64_t n = lens[b] - first;
-      const Paged ctx{tables + b * table_width, block_size, hkv * d, g * d, first};
+      const Paged ctx{tables + b * table_width, block_size, hkv * w, g * w, first};
       const TreeMask mask = tree ? TreeMask{tree[2 * b] - first,
                                             static_cast<uint64_t>(tree[2 * b + 1])}
                                  : TreeMask{n, 0};
@@ -337,19 +364,19 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
       float *qp = qf.data(), *sp = scores.data(), *ap = acc.data();
       if constexpr (vectorisable) {
         if (vec && d == 64) {
-          attend_nv<T, 64 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
+          attend_nv<C, 64 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
                                     parts.data());
         } else if (vec && d == 128) {
-          attend_nv<T, 128 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
+          attend_nv<C, 128 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
                                     parts.data());
         } else if (vec) {
-          attend_vec<T, 0, 0>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
+          attend_vec<C, 0, 0>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
                               parts.data());
         } else {
-          attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap);
+          attend_scalar<C>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap);
         }
       } else {
-        attend_scalar<T>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap);
+        attend_scalar<C>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap);
       }
       for (int64_t j = 0; j < groups; ++j)
         for (int64_t i = 0; i < d; ++i)
@@ -358,17 +385,13 @@ void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_
   });
 }
 
-template <typename T>
-void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* slots,
-              int64_t rows, int64_t width, T* cache) {
-  for (int64_t r = 0; r < rows; ++r)
-    std::copy_n(qkv + r * row_stride + offset, width, cache + slots[r] * width);
-}
-
-void check_cache(const Tensor& t, at::ScalarType dtype) {
-  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype && t.dim() == 4,
+void check_cache(const Tensor& t, at::ScalarType dtype, int64_t d) {
+  const bool coded = t.scalar_type() == at::kChar || t.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(t.is_contiguous() && t.dim() == 4 && (coded || t.scalar_type() == dtype) &&
+                  t.size(3) == (coded ? d + 4 : d),
               "KV cache must be a contiguous [blocks, block_size, kv_heads, head_dim] tensor "
-              "of the model's dtype");
+              "of the model's dtype, or of int8 / float8_e4m3fn rows of head_dim codes and "
+              "a 4-byte scale");
 }
 
 // The kernel reads blocks by raw offset: a context longer than its table or a block id out
@@ -394,41 +417,44 @@ const int64_t* tree_rows(Tensor& tree, int64_t batch) {
   return tree.data_ptr<int64_t>();
 }
 
-// The dtypes of the decoder's models (decoder.cpp calls these two).
-template void paged_attention<float>(const float*, int64_t, const float*, const float*,
-                                     const int64_t*, int64_t, const int64_t*, const int64_t*,
-                                     int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
-                                     float*);
-template void paged_attention<BFloat16>(const BFloat16*, int64_t, const BFloat16*,
-                                        const BFloat16*, const int64_t*, int64_t,
-                                        const int64_t*, const int64_t*, int64_t, int64_t,
-                                        int64_t, int64_t, int64_t, float, int64_t, BFloat16*);
-template void write_kv<float>(const float*, int64_t, int64_t, const int64_t*, int64_t, int64_t,
-                              float*);
-template void write_kv<BFloat16>(const BFloat16*, int64_t, int64_t, const int64_t*, int64_t,
-                                 int64_t, BFloat16*);
+// The dtypes of the decoder's models, each over caches of its dtype or quantized rows
+// (decoder.cpp calls these).
+#define TIDAL_PAGED(T, C)                                                                   \
+  template void paged_attention<T, C>(const T*, int64_t, const C*, const C*, const int64_t*, \
+                                      int64_t, const int64_t*, const int64_t*, int64_t,      \
+                                      int64_t, int64_t, int64_t, int64_t, float, int64_t, T*);
+TIDAL_PAGED(float, float)
+TIDAL_PAGED(float, int8_t)
+TIDAL_PAGED(float, F8)
+TIDAL_PAGED(BFloat16, BFloat16)
+TIDAL_PAGED(BFloat16, int8_t)
+TIDAL_PAGED(BFloat16, F8)
+#undef TIDAL_PAGED
 
 // Paged decode attention on its own: the PyTorch path's decode attention on CPU.
 Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
                               Tensor lens, double scale, int64_t window, Tensor tree) {
   TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim]");
-  check_cache(k_cache, q.scalar_type());
-  check_cache(v_cache, q.scalar_type());
+  check_cache(k_cache, q.scalar_type(), q.size(2));
+  check_cache(v_cache, k_cache.scalar_type(), q.size(2));
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches of one dtype");
   q = q.contiguous();
   tables = tables.to(at::kLong).contiguous();
   lens = lens.to(at::kLong).contiguous();
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  TORCH_CHECK(heads % k_cache.size(2) == 0 && d == k_cache.size(3),
-              "q's heads must be a multiple of the cache's KV heads, with the same head_dim");
+  TORCH_CHECK(heads % k_cache.size(2) == 0,
+              "q's heads must be a multiple of the cache's KV heads");
   check_tables(tables, lens, batch, k_cache.size(0), k_cache.size(1));
   const int64_t* rows = tree_rows(tree, batch);
   Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
-    paged_attention<scalar_t>(q.data_ptr<scalar_t>(), heads * d, k_cache.data_ptr<scalar_t>(),
-                              v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
-                              tables.size(1), lens.data_ptr<int64_t>(), rows, batch, heads,
-                              k_cache.size(2), d, k_cache.size(1), static_cast<float>(scale),
-                              window, out.data_ptr<scalar_t>());
+    with_cache_type<scalar_t>(k_cache.scalar_type(), [&]<typename C>() {
+      paged_attention<scalar_t, C>(q.data_ptr<scalar_t>(), heads * d, k_cache.data_ptr<C>(),
+                                   v_cache.data_ptr<C>(), tables.data_ptr<int64_t>(),
+                                   tables.size(1), lens.data_ptr<int64_t>(), rows, batch, heads,
+                                   k_cache.size(2), d, k_cache.size(1),
+                                   static_cast<float>(scale), window, out.data_ptr<scalar_t>());
+    });
   });
   return out;
 }

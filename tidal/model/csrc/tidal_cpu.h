@@ -161,24 +161,21 @@ void gguf_get_rows(const GGUFPart& w, const Tensor& ids, Tensor out);
 bool gguf_nibble_rounds();
 
 // ---------------------------------------------------------------- paged attention
-// (paged_attention.cpp; instantiated for float and BFloat16)
+// (paged_attention.cpp; T float or BFloat16, each over caches of C = T, int8_t or F8: the
+// rows of kv_rows.h, which also holds the KV write)
 
-// q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, d];
+// q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, row width];
 // tables [B, W] int64; lens [B]. window > 0: only the last `window` positions of each
 // context (a sliding-window layer). tree (nullptr: none) [B, 2] int64: a speculation tree's
 // (start, bits): of the positions from start on, a row sees those whose bit is set.
-template <typename T>
-void paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+template <typename T, typename C>
+void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,
                      const int64_t* tables, int64_t table_width, const int64_t* lens,
                      const int64_t* tree, int64_t batch, int64_t heads, int64_t hkv, int64_t d,
                      int64_t block_size, float scale, int64_t window, T* out);
 
-// Copies `width` values at `offset` of each qkv row into the cache at that row's slot.
-template <typename T>
-void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* slots,
-              int64_t rows, int64_t width, T* cache);
-
-void check_cache(const Tensor& t, at::ScalarType dtype);
+// A cache of the model's `dtype`, or of quantized rows, for heads of `d` values.
+void check_cache(const Tensor& t, at::ScalarType dtype, int64_t d);
 void check_tables(const Tensor& tables, const Tensor& lens, int64_t batch, int64_t num_blocks,
                   int64_t block_size);
 // The tree rows' (start, bits) as a [B, 2] int64 tensor's data (nullptr: undefined).

@@ -1,0 +1,78 @@
+// The KV cache's rows (one token's one KV head): `d` values of the model's dtype, or, with
+// --kv-cache-dtype int8 / fp8_e4m3, d one-byte codes followed by the row's float32 scale
+// (tidal/model/kv_quant.py, whose writes these equal bit for bit).
+
+#pragma once
+
+#include <c10/util/Float8_e4m3fn.h>
+
+#include "tidal_cpu.h"
+
+namespace tidal_cpu {
+
+using F8 = c10::Float8_e4m3fn;
+
+// Whether cache element type C is a quantized row's code (else the model's dtype itself).
+template <typename C>
+constexpr bool kCoded = std::is_same_v<C, int8_t> || std::is_same_v<C, F8>;
+
+// Elements of one row in the cache: the codes and the scale's 4 bytes.
+template <typename C>
+constexpr int64_t row_width(int64_t d) { return kCoded<C> ? d + 4 : d; }
+
+// The row's scale (1 for rows of the model's dtype).
+template <typename C>
+inline float row_scale(const C* row, int64_t d) {
+  if constexpr (!kCoded<C>) {
+    return 1.f;
+  } else {
+    float s;
+    std::memcpy(&s, row + d, sizeof s);
+    return s;
+  }
+}
+
+// The codes' largest magnitude: x ~= code * scale, scale = max|x| / kCodeMax.
+template <typename C>
+constexpr float kCodeMax = std::is_same_v<C, int8_t> ? 127.f : 448.f;
+
+// Writes the `hkv` heads of `d` values at `offset` of each qkv row to that row's slot:
+// copied, or coded as kv_quant.py codes them (x / scale in float32, clamped, then rounded
+// half to even or to e4m3 by c10).
+template <typename T, typename C>
+void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* slots,
+              int64_t rows, int64_t hkv, int64_t d, C* cache) {
+  const int64_t w = row_width<C>(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = qkv + r * row_stride + offset;
+    C* dst = cache + slots[r] * hkv * w;
+    if constexpr (!kCoded<C>) {
+      std::copy_n(src, hkv * d, dst);
+    } else {
+      for (int64_t h = 0; h < hkv; ++h, src += d, dst += w) {
+        float amax = 0.f;
+        for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::abs(f32(src[i])));
+        const float scale = amax / kCodeMax<C>, div = scale > 0.f ? scale : 1.f;
+        for (int64_t i = 0; i < d; ++i) {
+          const float v = std::min(kCodeMax<C>, std::max(-kCodeMax<C>, f32(src[i]) / div));
+          if constexpr (std::is_same_v<C, int8_t>)
+            dst[i] = static_cast<int8_t>(std::nearbyint(v));
+          else
+            dst[i] = F8(v);
+        }
+        std::memcpy(dst + d, &scale, sizeof scale);
+      }
+    }
+  }
+}
+
+// Calls f.template operator()<C>() with C the element type of a cache of dtype `s` whose
+// model computes in T: the codes' type where quantized, else T.
+template <typename T, typename F>
+auto with_cache_type(at::ScalarType s, F&& f) {
+  if (s == at::kChar) return f.template operator()<int8_t>();
+  if (s == at::kFloat8_e4m3fn) return f.template operator()<F8>();
+  return f.template operator()<T>();
+}
+
+}  // namespace tidal_cpu

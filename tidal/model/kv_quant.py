@@ -1,0 +1,94 @@
+"""The KV cache's element format: the model's dtype, or 8-bit codes with a scale per token
+and KV head (`--kv-cache-dtype int8|fp8_e4m3`).
+
+A quantized cache row (one token's one KV head) is `head_dim` one-byte codes followed by
+the row's float32 scale: x ~= code * scale, scale = max|x| / the code's largest value (127,
+or 448 for e4m3). A scale per row, not per block: each write is then independent of what
+the block already holds (no block is re-quantized when a larger value arrives), as
+llama.cpp's q8_0 KV scales each 32 values. The scale sits inside the row, so every byte
+copy of blocks (copy-on-write, P/D transfer, the disk tier, speculation's slot moves) moves
+codes and scales together, and a cache is still one tensor per layer for K and one for V.
+
+The C++ kernels (paged_attention.cpp) read and write the same rows bit for bit: codes are
+round-half-even of x / scale in float32 (int8) or c10's e4m3 rounding of it, clamped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCALE_BYTES = 4  # the float32 scale after each row's codes
+CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}  # the formats' code dtypes
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How a KV cache stores each token's K and V heads: `name` is 'auto' (the model's
+    dtype, no scale) or a key of CODES (the engine config's --kv-cache-dtype)."""
+
+    name: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.name != "auto" and self.name not in CODES:
+            raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(CODES)}; "
+                             f"got {self.name!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.name != "auto"
+
+    @property
+    def qmax(self) -> float:
+        """The largest code's magnitude."""
+        return 127.0 if self.name == "int8" else 448.0
+
+    def storage(self, dtype: torch.dtype) -> torch.dtype:
+        """The cache tensor's dtype for a model computing in `dtype`."""
+        return CODES.get(self.name, dtype)
+
+    def row_width(self, head_dim: int) -> int:
+        """Elements of one (token, KV head) row in the cache tensor."""
+        return head_dim + SCALE_BYTES if self.quantized else head_dim
+
+    def bytes_per_token(self, arch, dtype: torch.dtype) -> int:
+        """A token's K and V over every layer, in bytes."""
+        return (2 * arch.num_layers * arch.num_kv_heads * self.row_width(arch.head_dim)
+                * self.storage(dtype).itemsize)
+
+    def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                    head_dim: int) -> tuple[int, int, int, int]:
+        return (num_blocks, block_size, num_kv_heads, self.row_width(head_dim))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows [..., d] of any float dtype as quantized rows [..., d + 4] of bytes."""
+        x = x.float()
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        scale = amax / self.qmax
+        codes = (x / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(
+            -self.qmax, self.qmax)
+        codes = codes.round_().to(torch.int8) if self.name == "int8" else codes.to(
+            torch.float8_e4m3fn)
+        return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cache rows [..., width] as values [..., d] in `dtype`."""
+        if not self.quantized:
+            return rows
+        raw = rows.view(torch.uint8)
+        d = raw.shape[-1] - SCALE_BYTES
+        codes = raw[..., :d].view(self.storage(dtype)).float()
+        scale = raw[..., d:].contiguous().view(torch.float32)
+        return (codes * scale).to(dtype)
+
+    def write(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Write rows x [T, Hkv, d] at `slots` of `cache` [blocks, block_size, Hkv, width]."""
+        if not self.quantized:
+            cache.view(-1, *x.shape[1:]).index_copy_(0, slots, x)
+            return
+        flat = cache.view(torch.uint8).view(-1, x.shape[1], cache.shape[-1])
+        flat.index_copy_(0, slots, self.encode(x))
+
+
+AUTO = KVFormat()
