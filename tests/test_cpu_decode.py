@@ -1,6 +1,7 @@
 """tidal's C++ CPU decode path: paged attention equals attention over the gathered context
-(or its sliding window), and a decode step through `Decoder` equals the PyTorch path's step
-(logits and KV written), sliding windows and partial rotary included."""
+(or its sliding window), over caches of the model's dtype or of quantized rows, and a decode
+step through `Decoder` equals the PyTorch path's step (logits and KV written), sliding
+windows, partial rotary and quantized KV included."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.model import cpu_decode
+from tidal.model.kv_quant import KVFormat
 
 ext = cpu_decode.extension()
 # Where a compiler exists the build must work: a broken build would only show as slowness.
@@ -39,15 +41,21 @@ def gathered_attention(q, k_cache, v_cache, tables, lens, scale, window=0):
                                                                        (8, 1)]),
        head_dim=st.sampled_from([8, 16, 24, 64, 128]), block_size=st.sampled_from([1, 4, 16]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       window=st.sampled_from([0, 0, 1, 3, 8, 17]))
+       window=st.sampled_from([0, 0, 1, 3, 8, 17]),
+       kv=st.sampled_from(["auto", "auto", "int8", "fp8_e4m3"]))
 def test_paged_attention_equals_attention_over_the_gathered_context(data, batch, heads,
                                                                     head_dim, block_size,
-                                                                    dtype, window):
+                                                                    dtype, window, kv):
     h, hkv = heads
     num_blocks = 24
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
+    fmt = KVFormat(kv)
+    # scales differ from row to row: each quantized row has its own
+    k, v = (torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
+            * torch.rand(num_blocks, block_size, hkv, 1, generator=gen).to(dtype)
+            for _ in range(2))
+    k_cache, v_cache = (fmt.encode(x).view(fmt.storage(dtype)) if fmt.quantized else x
+                        for x in (k, v))
     lens = [data.draw(st.integers(1, 40)) for _ in range(batch)]
     width = max(-(-n // block_size) for n in lens)
     # Tables in any order, sharing blocks across sequences (prefix caching), padded with 0.
@@ -57,7 +65,8 @@ def test_paged_attention_equals_attention_over_the_gathered_context(data, batch,
     lens_t = torch.tensor(lens)
     scale = head_dim ** -0.5
     got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, scale, window)
-    want = gathered_attention(q, k_cache, v_cache, tables, lens_t, scale, window)
+    want = gathered_attention(q, fmt.decode(k_cache, torch.float32),
+                              fmt.decode(v_cache, torch.float32), tables, lens_t, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
@@ -71,8 +80,14 @@ def test_paged_attention_refuses_what_would_read_outside_the_cache():
         ext.paged_decode_attention(q, cache, cache, table, torch.tensor([5]), 1.0)
     with pytest.raises(RuntimeError, match="block id 4 is not in the cache"):
         ext.paged_decode_attention(q, cache, cache, table + 4, one, 1.0)
-    with pytest.raises(RuntimeError, match="multiple of the cache's KV heads"):
+    with pytest.raises(RuntimeError, match="4-byte scale"):  # int8 rows without their scale
+        ext.paged_decode_attention(q, cache.to(torch.int8), cache.to(torch.int8), table, one,
+                                   1.0)
+    with pytest.raises(RuntimeError, match="head_dim"):
         ext.paged_decode_attention(torch.zeros(1, 2, 4), cache, cache, table, one, 1.0)
+    pairs = torch.zeros(4, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="multiple of the cache's KV heads"):
+        ext.paged_decode_attention(torch.zeros(1, 3, 8), pairs, pairs, table, one, 1.0)
 
 
 class _Checked:
@@ -101,20 +116,23 @@ class _Checked:
         return got
 
 
-@pytest.mark.parametrize("family,quantization,fp32_rows,dtype", [
-    ("llama", "none", 0, "bfloat16"), ("llama", "int4", 0, "bfloat16"),
-    ("qwen2", "none", 0, "bfloat16"), ("qwen2", "int4", 0, "bfloat16"),
-    ("llama", "unpacked", 0, "bfloat16"), ("llama", "none", 2, "bfloat16"),
-    ("qwen2", "int4", 2, "bfloat16"), ("llama", "none", 0, "float32"),
-    ("qwen2", "none", 0, "float32"), ("mistral", "none", 0, "bfloat16"),
-    ("phi3", "none", 0, "bfloat16"), ("phi3", "none", 0, "float32")])
+@pytest.mark.parametrize("family,quantization,fp32_rows,dtype,kv", [
+    ("llama", "none", 0, "bfloat16", "auto"), ("llama", "int4", 0, "bfloat16", "auto"),
+    ("qwen2", "none", 0, "bfloat16", "auto"), ("qwen2", "int4", 0, "bfloat16", "auto"),
+    ("llama", "unpacked", 0, "bfloat16", "auto"), ("llama", "none", 2, "bfloat16", "auto"),
+    ("qwen2", "int4", 2, "bfloat16", "auto"), ("llama", "none", 0, "float32", "auto"),
+    ("qwen2", "none", 0, "float32", "auto"), ("mistral", "none", 0, "bfloat16", "auto"),
+    ("phi3", "none", 0, "bfloat16", "auto"), ("phi3", "none", 0, "float32", "auto"),
+    ("llama", "none", 0, "bfloat16", "int8"), ("mistral", "none", 0, "bfloat16", "fp8_e4m3"),
+    ("qwen2", "none", 0, "float32", "int8"), ("phi3", "none", 0, "float32", "fp8_e4m3")])
 def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, monkeypatch,
                                                                    family, quantization,
-                                                                   fp32_rows, dtype):
+                                                                   fp32_rows, dtype, kv):
     """Packed bf16 or float32, int4 and (where oneDNN is missing) plain nn.Linear projections
     with the tied embedding as head; q/k/v with a bias and an untied head (qwen2); batches
     multiplied in float32 (fp32_gemm_rows); 6-token sliding windows shorter than the contexts
-    (mistral, phi3) and half-head rotary (phi3); 19 rows, which oneDNN sees padded to 20."""
+    (mistral, phi3) and half-head rotary (phi3); 19 rows, which oneDNN sees padded to 20;
+    caches of int8 or e4m3 rows, which the decoder writes as the PyTorch path does."""
     from model_fixtures import tiny_folder
     from tidal import LLM, SamplingParams
 
@@ -123,7 +141,7 @@ def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, mon
     folder = tiny_folder(tmp_path, family)
     llm = LLM(str(folder), dtype=dtype, num_kv_blocks=256, block_size=4,
               quantization="none" if quantization == "unpacked" else quantization,
-              fp32_gemm_rows=fp32_rows)
+              fp32_gemm_rows=fp32_rows, kv_cache_dtype=kv)
     runner = llm.engine.runner
     assert runner.decoder is not None
     head = runner.model.lm_head
@@ -139,12 +157,23 @@ def test_a_decode_step_through_the_decoder_equals_the_pytorch_path(tmp_path, mon
     # step; in float32 the RMSNorm sums' order shows in the last bits (which is also why no
     # float32 case runs int4: its int8 rounding of activations would magnify them).
     tol = dict(rtol=0, atol=0) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-4)
+    fmt = runner.kv.format
+    # Quantized caches give other values, of which a few round once differently after
+    # attention (queries and attention outputs equal bit for bit): a bf16 step then
+    # differs in a logit's last bit.
+    logits_tol = dict(rtol=0, atol=0.07) if fmt.quantized and dtype == "bfloat16" else tol
     for ref, got, written, again, _ in checked.steps:
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got, ref, **tol)
+        torch.testing.assert_close(got, ref, **logits_tol)
         for a, w in zip(again, written):
-            assert w.any()
-            torch.testing.assert_close(a, w, **tol)
+            assert w.view(torch.uint8).any()
+            if fmt.quantized and dtype == "bfloat16":  # the same codes and scales
+                assert torch.equal(a.view(torch.uint8), w.view(torch.uint8))
+            want = fmt.decode(w, torch.float32)
+            # float32 inputs differ in their last bits, so a code may differ by one step
+            # (up to a fourteenth of the largest value in e4m3)
+            torch.testing.assert_close(fmt.decode(a, torch.float32), want, **(
+                dict(rtol=0, atol=want.abs().max().item() / 10) if fmt.quantized else tol))
 
 
 def test_models_the_decoder_does_not_run_keep_the_pytorch_path(tmp_path):

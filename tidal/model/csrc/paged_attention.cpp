@@ -71,11 +71,17 @@ inline vf loadv(const int8_t* p) {
   std::memcpy(&b, p, sizeof b);
   return __builtin_convertvector(b, vf);
 }
-inline vf loadv(const F8* p) {  // e4m3's exponent and mantissa moved into a float's, rebiased
+// e4m3: a normal code's exponent and mantissa move into a float's, rebiased by 120; a
+// subnormal one is its mantissa times 2^-9 (no denormal float on the way, which a thread
+// with denormals-are-zero would read as 0).
+inline vf loadv(const F8* p) {
   vu8 b;
   std::memcpy(&b, p, sizeof b);
   const vu32 u = __builtin_convertvector(b, vu32);
-  return reinterpret_cast<vf>(((u & 0x7fu) << 20) | ((u & 0x80u) << 24)) * 0x1p120f;
+  const vu32 normal = ((u & 0x7fu) << 20) + (120u << 23);
+  const vf subnormal = __builtin_convertvector(u & 7u, vf) * 0x1p-9f;
+  const vu32 bits = (u & 0x78u) == 0 ? reinterpret_cast<vu32>(subnormal) : normal;
+  return reinterpret_cast<vf>(bits | ((u & 0x80u) << 24));
 }
 
 // A sequence's context in a [blocks, block_size, hkv, width] cache, for one KV head: `each`
