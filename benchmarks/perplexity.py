@@ -10,63 +10,23 @@ perplexity is exp of the mean negative log-likelihood over every scored token.
     .venv/bin/python benchmarks/perplexity.py [--model smollm2-135m | FILE.gguf]
         [--ctx 512] [--chunks 8] [--llama-cpp /tmp/peers/llama.cpp]
 
-Each --paths entry is dtype/quantization (`auto/auto` is the default path). The llama.cpp
-tree is the one benchmarks/peers/llama_server.sh builds.
+Each --paths entry is dtype/quantization[/kv-cache-dtype] (`auto/auto` is the default path;
+`auto/auto/int8` the same with int8 KV). --chunk N prefills each chunk N tokens a step, so
+that later tokens attend over the KV the cache holds (quantized or not) rather than the
+step's own. The llama.cpp tree is the one benchmarks/peers/llama_server.sh builds.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from tidal.bench.dataset import iter_json_records, sharegpt_path
+from tidal.bench.perplexity import chunks, sharegpt_text, tidal_perplexity
 
 PATHS = ("auto/auto", "bfloat16/gguf", "bfloat16/none", "float32/none")
-
-
-def sharegpt_text(min_chars: int) -> str:
-    """Assistant replies of plain ASCII prose, in file order, until `min_chars` of text."""
-    replies, size = [], 0
-    for record in iter_json_records(sharegpt_path().read_text()):
-        for turn in record.get("conversations") or []:
-            value = turn.get("value", "")
-            if turn.get("from") == "gpt" and len(value) > 400 and value.isascii() \
-                    and "```" not in value:
-                replies.append(value.strip())
-                size += len(value)
-        if size >= min_chars:
-            return "\n\n".join(replies)
-    raise ValueError("the ShareGPT file holds too little text")
-
-
-def chunks(tokenizer, text: str, ctx: int, n: int) -> list[list[int]]:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) < ctx * n:
-        raise ValueError(f"{len(ids)} tokens of text, {ctx * n} needed")
-    added = tokenizer.encode("", add_special_tokens=True)  # [BOS] where it adds one
-    bos = added[0] if len(added) == 1 else None
-    out = [ids[i * ctx:(i + 1) * ctx] for i in range(n)]
-    return [[bos] + c[1:] if bos is not None else c for c in out]
-
-
-def tidal_perplexity(model: str, dtype: str, quantization: str, prompts: list[list[int]],
-                     ctx: int) -> tuple[float, float]:
-    """(perplexity, seconds) of the chunks' second halves, each given its first half."""
-    from tidal import LLM, SamplingParams
-
-    llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=ctx + 8)
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    nll = [-o.prompt_logprobs[i].logprob for o in outs
-           for i in range(ctx // 2 + 1, ctx)]
-    return math.exp(sum(nll) / len(nll)), seconds
 
 
 def llama_perplexity(llama_cpp: Path, gguf: Path, text: str, ctx: int, n: int) -> float:
@@ -87,7 +47,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="an embedded name or a .gguf")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--paths", nargs="+", default=list(PATHS), help="dtype/quantization")
+    ap.add_argument("--paths", nargs="+", default=list(PATHS),
+                    help="dtype/quantization[/kv-cache-dtype]")
+    ap.add_argument("--chunk", type=int, default=None, help="prefill tokens a step")
     ap.add_argument("--llama-cpp", type=Path, default=None)
     args = ap.parse_args()
 
@@ -101,8 +63,9 @@ def main() -> None:
     print(f"{args.model}: {args.chunks} chunks of {args.ctx} tokens of ShareGPT replies")
     print("| path | perplexity | seconds |\n|---|---|---|")
     for path in args.paths:
-        dtype, quantization = path.split("/")
-        ppl, seconds = tidal_perplexity(args.model, dtype, quantization, prompts, args.ctx)
+        dtype, quantization, *kv = path.split("/")
+        ppl, seconds = tidal_perplexity(args.model, dtype, quantization, prompts, args.ctx,
+                                        *kv, chunk=args.chunk)
         print(f"| tidal {path} | {ppl:.4f} | {seconds:.1f} |", flush=True)
     gguf = gguf_source(folder)
     if args.llama_cpp is not None and gguf is not None:

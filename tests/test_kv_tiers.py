@@ -186,16 +186,20 @@ def tiers(llm) -> KVTiers:
 
 
 @pytest.mark.parametrize("spec", [{}, {"speculative_method": "ngram",
-                                      "num_speculative_tokens": 2}], ids=["plain", "ngram"])
+                                      "num_speculative_tokens": 2},
+                                  {"kv_cache_dtype": "int8"}], ids=["plain", "ngram", "int8"])
 def test_an_evicted_prefix_loads_from_disk_with_the_same_tokens_and_logprobs(folder, tmp_path,
                                                                              spec):
     from tidal.engine.llm import LLM
 
-    plain = LLM(str(folder), num_kv_blocks=12, num_threads=1)
-    want = answer(plain)
+    kv = {k: v for k, v in spec.items() if k == "kv_cache_dtype"}
+    plain = LLM(str(folder), num_kv_blocks=12, num_threads=1, **kv)
+    fresh = answer(plain)
+    want = answer(plain)  # a hit in the pool: quantized KV is read where float KV was not
+    assert plain.engine.core.scheduler.prefix_hit_tokens == 64
     plain.close()
     llm = engine(folder, tmp_path / "kv", **spec)
-    assert answer(llm) == want and tiers(llm).hit_blocks == 0
+    assert answer(llm) == fresh and tiers(llm).hit_blocks == 0
     llm.generate(OTHERS, GREEDY, use_tqdm=False)  # 4 x 5 blocks through a pool of 12
     tokens, logprobs = answer(llm)
     assert tiers(llm).hit_blocks == 4 and tokens == want[0]
@@ -207,6 +211,14 @@ def test_an_evicted_prefix_loads_from_disk_with_the_same_tokens_and_logprobs(fol
     assert tiers(again).hit_blocks == 4 and tokens == want[0]
     assert logprobs == pytest.approx(want[1], abs=1e-5)
     again.close()
+
+
+def test_a_disk_tier_serves_only_engines_of_its_kv_dtype(folder, tmp_path):
+    for kv, hits in (("int8", 0), ("auto", 0), ("fp8_e4m3", 0), ("int8", 4)):
+        llm = engine(folder, tmp_path / "kv", kv_cache_dtype=kv)
+        answer(llm)
+        assert tiers(llm).hit_blocks == hits, kv
+        llm.close()
 
 
 def test_a_truncated_block_file_is_ignored_and_the_answer_is_still_right(folder, tmp_path):
