@@ -15,6 +15,7 @@ from test_cpu_decode import gathered_attention
 from test_spec_trees import random_tree_rows, tree_attention
 from tidal.model.kernels.paged_attention import (MIN_SPLIT_TOKENS, num_splits,
                                                  paged_decode_attention)
+from tidal.model.kv_quant import KVFormat
 
 
 @settings(max_examples=25, deadline=None)
@@ -22,20 +23,25 @@ from tidal.model.kernels.paged_attention import (MIN_SPLIT_TOKENS, num_splits,
        heads=st.sampled_from([(2, 2), (6, 2), (8, 2), (16, 2)]),  # GQA 1, 3, 4, 8
        head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       long=st.booleans(), window=st.sampled_from([0, 0, 0, 7, 100]))
+       long=st.booleans(), window=st.sampled_from([0, 0, 0, 7, 100]),
+       kv=st.sampled_from(["auto", "auto", "int8", "fp8_e4m3"]))
 def test_paged_decode_attention_equals_the_gathered_context(data, batch, heads, head_dim,
-                                                            block_size, dtype, long, window):
+                                                            block_size, dtype, long, window,
+                                                            kv):
     """Ragged lengths (1 to a few thousand: several splits), shuffled block tables sharing
-    blocks, GQA, windows."""
+    blocks, GQA, windows, quantized rows."""
     h, hkv = heads
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     top = 3000 if long else 80
     lens = [data.draw(st.integers(1, top)) for _ in range(batch)]
-    k_cache, v_cache, tables = random_cache(gen, lens, block_size, hkv, head_dim, dtype)
+    k_cache, v_cache, tables = random_cache(gen, lens, block_size, hkv, head_dim, dtype, kv)
     q = torch.randn(batch, h, head_dim, generator=gen).to(dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim ** -0.5
-    want = gathered_attention(q, k_cache, v_cache, tables.long(), lens_t, scale, window)
+    fmt = KVFormat(kv)
+    want = gathered_attention(q, fmt.decode(k_cache, torch.float32),
+                              fmt.decode(v_cache, torch.float32), tables.long(), lens_t, scale,
+                              window)
     got = paged_decode_attention(*(x.to(DEVICE) for x in (q, k_cache, v_cache, tables,
                                                            lens_t)), scale, window)
     assert got.dtype == dtype and got.shape == q.shape
@@ -82,9 +88,10 @@ def test_refuses_heads_that_do_not_share_kv_heads():
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's stand-in for the GPU path: "
                     "test_gpu.py runs the real one")
-def test_a_model_decodes_the_same_through_the_kernel(tmp_path):
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8_e4m3"])
+def test_a_model_decodes_the_same_through_the_kernel(tmp_path, kv):
     """A tiny Llama's greedy tokens with the Triton kernel under its decodes equal the
-    PyTorch path's (the runner uses it on CUDA)."""
+    PyTorch path's (the runner uses it on CUDA), over caches of float32 or quantized rows."""
     from model_fixtures import PROMPTS, tiny_folder
     from tidal import LLM, SamplingParams
 
@@ -92,7 +99,8 @@ def test_a_model_decodes_the_same_through_the_kernel(tmp_path):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
     def tokens(kernel) -> list[list[int]]:
-        llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=16)
+        llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=16,
+                  kv_cache_dtype=kv)
         llm.engine.runner.decoder = None  # every decode through the attention backend
         llm.engine.runner.model.backend.paged_kernel = kernel
         prompts = [{"prompt_token_ids": llm.engine.tokenize(p)} for p in PROMPTS[:3]]

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from triton_setup import DEVICE, random_cache  # first: sets Triton's interpreter up without CUDA
 
 from tidal.model.kernels.prefill_attention import paged_prefill_attention
+from tidal.model.kv_quant import KVFormat
 
 
 def gathered_prefill(q, k_cache, v_cache, tables, starts, lens, scale, window=0):
@@ -47,9 +48,11 @@ def run_kernel(q, k_cache, v_cache, tables, new, lens, scale, window=0):
        heads=st.sampled_from([(2, 2), (6, 2), (8, 2), (16, 2)]),  # GQA 1, 3, 4, 8
        head_dim=st.sampled_from([64, 128]), block_size=st.sampled_from([16, 32]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       long=st.sampled_from([False, False, True]), window=st.sampled_from([0, 0, 7, 100]))
+       long=st.sampled_from([False, False, True]), window=st.sampled_from([0, 0, 7, 100]),
+       kv=st.sampled_from(["auto", "auto", "int8", "fp8_e4m3"]))
 def test_paged_prefill_attention_equals_the_gathered_context(data, batch, heads, head_dim,
-                                                             block_size, dtype, long, window):
+                                                             block_size, dtype, long, window,
+                                                             kv):
     """Ragged cached prefixes (sometimes long: many key tiles) and new-token runs (several
     query tiles), shuffled block tables sharing blocks across sequences, GQA, windows; the
     interpreter takes seconds for the longest, hence the rarer `long`."""
@@ -59,11 +62,14 @@ def test_paged_prefill_attention_equals_the_gathered_context(data, batch, heads,
     prefix = [data.draw(st.integers(0, top)) for _ in range(batch)]
     new = [data.draw(st.integers(1, 100)) for _ in range(batch)]
     lens = [p + n for p, n in zip(prefix, new)]
-    k_cache, v_cache, tables = random_cache(gen, lens, block_size, hkv, head_dim, dtype)
+    k_cache, v_cache, tables = random_cache(gen, lens, block_size, hkv, head_dim, dtype, kv)
     q = torch.randn(sum(new), h, head_dim, generator=gen).to(dtype)
     scale = head_dim ** -0.5
     got, starts, lens_t = run_kernel(q, k_cache, v_cache, tables, new, lens, scale, window)
-    want = gathered_prefill(q, k_cache, v_cache, tables, starts, lens_t, scale, window)
+    fmt = KVFormat(kv)
+    want = gathered_prefill(q, fmt.decode(k_cache, torch.float32),
+                            fmt.decode(v_cache, torch.float32), tables, starts, lens_t, scale,
+                            window)
     assert got.dtype == dtype and got.shape == q.shape
     tol = 2e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

@@ -105,11 +105,10 @@ class Worker:
         # take PyTorch's attention and matmuls
         cpp = ext if ext is not None and self.dtype != torch.float16 else None
         self.kv_format = kv_format = KVFormat(config.kv_cache_dtype)
-        triton = on_gpu and not kv_format.quantized  # Triton's kernels read the model's dtype
         paged = cpp.paged_decode_attention if cpp else (
-            paged_decode_kernel() if triton else None)
+            paged_decode_kernel() if on_gpu else None)
         backend = TorchAttention.for_arch(arch, paged,
-                                          paged_prefill_kernel() if triton else None, kv_format)
+                                          paged_prefill_kernel() if on_gpu else None, kv_format)
         self.model, decoder = load_for_runner(folder, whole, config, device, self.dtype,
                                               quantization, backend, ext, tp, shard)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(

@@ -3,7 +3,9 @@ in place from the paged KV cache, split along the context (flash-decoding) so th
 batch still fills the GPU.
 
 `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window=0)` has the C++ CPU
-kernel's signature and layouts: q [B, H, D]; caches [num_blocks, block_size, Hkv, D];
+kernel's signature and layouts: q [B, H, D]; caches [num_blocks, block_size, Hkv, D], or of
+int8 / float8_e4m3fn rows of D codes and a float32 scale (tidal.model.kv_quant: each tile's
+scores take their keys' scales after the product, its weights their values' before);
 tables [B, max_blocks] block ids; lens [B] context lengths (the new token's included);
 `window` > 0 attends to the last `window` tokens only; `tree` [B, 2] int64 (optional): a
 speculation tree row's (start, bits), of the positions from start on only those whose bit is
@@ -24,9 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.model.kv_quant import CODES
+
 MIN_SPLIT_TOKENS = 64  # a split's length while few sequences run
 PROGRAMS_PER_MIN_SPLIT = 32  # past this many (sequence, KV head) programs, splits double
 MERGE_CHUNK = 16  # splits merged per step of the merge kernel's loop
+CODED_DTYPES = tuple(CODES.values())  # caches of quantized rows
 
 
 @triton.jit
@@ -36,7 +41,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, tree_ptr, out_ptr, 
                   sl_b, sl_h,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  FP32_DOT: tl.constexpr, TREE: tl.constexpr):
+                  FP32_DOT: tl.constexpr, TREE: tl.constexpr, CODED: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(lens_ptr + b)
     if TREE:
@@ -49,7 +54,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, tree_ptr, out_ptr, 
     d = tl.arange(0, DIM_PAD)
     heads = kvh * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    dot_type = tl.float32 if FP32_DOT else k_ptr.dtype.element_ty
+    dot_type = tl.float32 if FP32_DOT else q_ptr.dtype.element_ty  # codes convert exactly
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=q_mask,
                 other=0.0).to(dot_type)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -67,20 +72,27 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, tree_ptr, out_ptr, 
                        other=0).to(tl.int64)
         slot = t % BLOCK_SIZE
         kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptr + page[:, None] * sk_n + slot[:, None] * sk_t + kvh * sk_h
-                    + d[None, :], mask=kv_mask, other=0.0).to(dot_type)
-        v = tl.load(v_ptr + page[:, None] * sv_n + slot[:, None] * sv_t + kvh * sv_h
-                    + d[None, :], mask=kv_mask, other=0.0).to(dot_type)
+        k_row = k_ptr + page * sk_n + slot * sk_t + kvh * sk_h
+        v_row = v_ptr + page * sv_n + slot * sv_t + kvh * sv_h
+        k = tl.load(k_row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(dot_type)
+        v = tl.load(v_row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(dot_type)
         if FP32_DOT:  # no TF32 rounding
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
+        if CODED:  # each row's scale: the float32 after its codes
+            f32 = tl.pointer_type(tl.float32)
+            k_scale = tl.load((k_row + HEAD_DIM).to(f32, bitcast=True), mask=valid, other=0.0)
+            v_scale = tl.load((v_row + HEAD_DIM).to(f32, bitcast=True), mask=valid, other=0.0)
+            scores = scores * k_scale[None, :]
         scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # [GROUP_PAD, TILE]
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split with no token yet
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         s = s * alpha + tl.sum(p, axis=1)
+        if CODED:
+            p = p * v_scale[None, :]
         if FP32_DOT:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -169,9 +181,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
         TILE=max(16, min(64, 8192 // dim_pad)),  # K and V tiles of at most 16 KB in bf16
-        # float32 caches, and Triton's interpreter (CPU tensors), whose dot misreads bfloat16
-        FP32_DOT=k_cache.dtype == torch.float32 or q.device.type == "cpu",
-        TREE=tree is not None)
+        # float32 models, and Triton's interpreter (CPU tensors), whose dot misreads bfloat16
+        FP32_DOT=q.dtype == torch.float32 or q.device.type == "cpu",
+        TREE=tree is not None, CODED=k_cache.dtype in CODED_DTYPES)
     if splits > 1:
         _merge_kernel[(batch, heads)](
             part, lse, lens, result, window, per, *part.stride()[:3], lse.stride(0),

@@ -7,7 +7,8 @@ its keys once: the rows themselves give the GPU enough programs.
 `paged_prefill_attention(q, k_cache, v_cache, block_tables, query_starts, context_lens, scale,
 max_query_len, window=0)`: q [T, H, D], sequence s owning rows query_starts[s]:
 query_starts[s + 1]; caches [num_blocks, block_size, Hkv, D] already holding the new tokens'
-K/V; context_lens [S] the lengths with the new tokens included, so the i-th of a sequence's
+K/V (or their int8 / float8_e4m3fn rows of D codes and a float32 scale, tidal.model.kv_quant:
+scores take the keys' scales after the product, weights the values' before); context_lens [S] the lengths with the new tokens included, so the i-th of a sequence's
 n new rows sits at position context_lens[s] - n + i and sees the keys at or before it (the last
 `window` of them, itself included, when window > 0). A program's tile is BLOCK_Q consecutive
 tokens times the query heads of one KV head's GQA group (TILE_ROWS rows), so the group shares
@@ -22,9 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.model.kv_quant import CODES
+
 TILE_ROWS = 64  # query rows (tokens x heads of a group) a program holds, at least 16 for dot
 BLOCK_N = 64  # keys a step of a program's loop takes, gathered from whichever blocks hold them
 _DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+CODED_DTYPES = tuple(CODES.values())  # caches of quantized rows
 
 
 @triton.jit
@@ -33,7 +37,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr, out_p
                     sq_t, sq_h, sk_n, sk_t, sk_h, sv_n, sv_t, sv_h, st_s, so_t, so_h,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    DIM_PAD: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr):
+                    DIM_PAD: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr,
+                    CODED: tl.constexpr):
     tile, seq, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(starts_ptr + seq)
     n_new = tl.load(starts_ptr + seq + 1) - q_start
@@ -72,13 +77,24 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr, out_p
         v = tl.load(v_base + (page * sv_n + slot * sv_t)[:, None],
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_TYPE)
         scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # log2 units
+        if CODED:  # each row's scale: the float32 after its codes
+            f32 = tl.pointer_type(tl.float32)
+            k_row = k_ptr + kvh * sk_h + page * sk_n + slot * sk_t + HEAD_DIM
+            v_row = v_ptr + kvh * sv_h + page * sv_n + slot * sv_t + HEAD_DIM
+            scores = scores * tl.load(k_row.to(f32, bitcast=True), mask=t_ok,
+                                      other=0.0)[None, :]
+            v_scale = tl.load(v_row.to(f32, bitcast=True), mask=t_ok, other=0.0)
         seen = (t[None, :] <= pos) & (t[None, :] > pos_lo)
         scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.math.exp2(scores - m_new[:, None])
         alpha = tl.math.exp2(m - m_new)
         s = s * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TYPE), v, input_precision=PRECISION)
+        if CODED:
+            p_v = p * v_scale[None, :]
+        else:
+            p_v = p
+        acc = acc * alpha[:, None] + tl.dot(p_v.to(DOT_TYPE), v, input_precision=PRECISION)
         m = m_new
     out = acc / tl.where(s > 0, s, 1.0)[:, None]  # padded rows saw nothing and store nothing
     io_off = (q_start + tok).to(tl.int64)[:, None] * so_t + head[:, None] * so_h + d[None, :]
@@ -118,5 +134,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, HEAD_DIM=dim, DIM_PAD=max(16, triton.next_power_of_2(dim)),
-        DOT_TYPE=dot_type, PRECISION="ieee" if dot_type == tl.float32 else "tf32")
+        DOT_TYPE=dot_type, PRECISION="ieee" if dot_type == tl.float32 else "tf32",
+        CODED=k_cache.dtype in CODED_DTYPES)
     return out
