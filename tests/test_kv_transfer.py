@@ -93,8 +93,8 @@ def folder(tmp_path_factory):
     return tiny_folder(tmp_path_factory.mktemp("pd"), "llama")
 
 
-def mixed_greedy(folder, prompts):
-    core = make_core(folder, "mixed")
+def mixed_greedy(folder, prompts, **kwargs):
+    core = make_core(folder, "mixed", **kwargs)
     for i, p in enumerate(prompts):
         core.add(f"r{i}", p, GREEDY)
     tokens: dict[str, list[int]] = {}
@@ -123,6 +123,22 @@ def test_decode_blocks_hold_the_prefill_bytes_and_greedy_equals_a_mixed_engine(f
         assert [pair.tokens[f"r{i}"] for i in range(3)] == mixed_greedy(folder, PROMPTS)
         assert all(pair.finished[f"r{i}"].finish_reason == "length" for i in range(3))
         assert pair.d.scheduler.kv.pool.num_used == 0 and not pair.dl.prefill_of
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantized_kv_moves_as_its_codes_and_scales(folder, kv):
+    pair = Pair(folder, decode_kwargs={"kv_cache_dtype": kv}, kv_cache_dtype=kv)
+    try:
+        for i, p in enumerate(PROMPTS):
+            pair.add(f"r{i}", p)
+        pair.run()
+        for msg in pair.sent:  # one byte a value and 4 for each row's scale
+            assert msg.dtype == str(pair.d.executor.worker.kv.dtype) and msg.shape[-1] == 20
+            assert pair.landed[msg.request_id] == msg.data == pair.source[msg.request_id]
+        want = mixed_greedy(folder, PROMPTS, kv_cache_dtype=kv)
+        assert [pair.tokens[f"r{i}"] for i in range(3)] == want
     finally:
         pair.close()
 

@@ -89,6 +89,20 @@ def test_kv_blocks_fill_what_the_weights_leave():
         2 * CostModel(ARCH, hardware("h100")).roofline(decode))
 
 
+def test_a_quantized_kv_cache_holds_twice_the_tokens_and_reads_half_the_bytes():
+    from tidal.sim.build import build_simulator
+
+    hw = hardware("h100")
+    bf16 = kv_blocks_for(ARCH, hw, 16)
+    # 128 one-byte values and a 4-byte scale a row, against 256 bytes of bf16
+    assert kv_blocks_for(ARCH, hw, 16, "int8") == pytest.approx(bf16 * 256 / 132, rel=0.01)
+    long_decode = StepShape([(1, 30000, True)])
+    assert CostModel(ARCH, hw, kv_cache_dtype="fp8_e4m3").roofline(long_decode) < \
+        CostModel(ARCH, hw).roofline(long_decode)
+    sim, *_, config = build_simulator("llama-3-8b", "h100", {"kv_cache_dtype": "int8"})
+    assert config.cache.num_blocks == kv_blocks_for(ARCH, hw, 16, "int8")
+
+
 def test_one_request_takes_one_step_per_token():
     """Prompt of 100 (one prefill step, which samples the first token) then 4 decode steps,
     1 ms each: TTFT 1 ms, ITL 1 ms, end to end 5 ms."""

@@ -48,7 +48,7 @@ class KVBlocks(msgspec.Struct, tag=True):
     first_token: int
     src_block_ids: list[int]
     dst_block_ids: list[int]
-    shape: list[int]  # [layers, 2 (K, V), blocks, block_size, kv heads, head dim]
+    shape: list[int]  # [layers, 2 (K, V), blocks, block_size, kv heads, row width]
     dtype: str
     data: bytes
     logprobs: list[TokenLogprob] | None = None

@@ -74,7 +74,7 @@ class ModelConfig:
                                "'int8' or 'fp8_e4m3' one byte a value with a float32 scale "
                                "per token and KV head (about half the bytes of bf16, a "
                                "quarter of float32: that many more tokens in the same "
-                               "memory; docs/design/kv-tiers.md).")
+                               "memory; docs/design/kv-quantization.md).")
     gpu_memory_utilization: float = knob(0.9, "On GPU: the share of the device's memory "
                                          "tidal may use; the KV cache takes what the weights, "
                                          "the largest step's activations (measured by a "

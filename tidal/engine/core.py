@@ -98,9 +98,10 @@ class EngineCore:
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # launched steps
         phases.done("scheduler")
         log.info("model loaded in %.2fs (%s; %s, %s); KV cache: %d blocks x %d tokens = "
-                 "%.1f MiB; step target %s", phases.total, phases, info.device,
+                 "%.1f MiB%s; step target %s", phases.total, phases, info.device,
                  str(info.dtype).split(".")[-1], info.num_blocks,
                  cache_cfg.block_size, info.kv_cache_bytes / 2**20,
+                 "" if info.kv_cache_dtype == "auto" else f" of {info.kv_cache_dtype} rows",
                  f"{self.step_target_ms():g} ms" if self.step_target_ms() else "none")
         gc.collect()
         gc.freeze()  # the model and the block pool are long-lived: keep them out of GC passes

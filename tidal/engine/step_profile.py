@@ -148,7 +148,7 @@ def machine_key(info: "WorkerInfo", folder: Path, max_len: int) -> dict:
                for entries in worker_grid(info, max_len))
     return {"version": PROFILE_VERSION, "model": model, "hardware": hardware, "fits": fits,
             "device": info.device, "dtype": str(info.dtype), "torch": torch.__version__,
-            "quantization": info.quantization,
+            "quantization": info.quantization, "kv_cache_dtype": info.kv_cache_dtype,
             "block_size": info.block_size, "forward_tokens": info.max_forward_tokens,
             "decoder": info.decoder, "machine": platform.node()}
 

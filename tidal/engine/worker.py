@@ -56,6 +56,7 @@ class WorkerInfo:
     phases: Phases  # where its start's seconds went
     tier_capacity: int = 0  # blocks the disk tier holds at most (0: no disk tier)
     tier_keys: tuple[bytes, ...] = ()  # the blocks on disk at start, oldest first
+    kv_cache_dtype: str = "auto"  # the KV rows' format (tidal.model.kv_quant)
 
     @property
     def on_gpu(self) -> bool:
@@ -159,7 +160,7 @@ class Worker:
                                self.kv.nbytes, max_forward, decoder is not None,
                                pooling.matryoshka, phases,
                                self.tier.capacity if self.tier else 0,
-                               tuple(self.tier.keys()) if self.tier else ())
+                               tuple(self.tier.keys()) if self.tier else (), kv_format.name)
 
     @classmethod
     def from_config(cls, config: EngineConfig, folder: str | Path,

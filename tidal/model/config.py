@@ -342,8 +342,11 @@ class ModelArch:
         """The RoPE schedule of one layer (sliding layers may keep their own)."""
         return self.local_rope if self.local_rope and self.windows[layer] else self.rope
 
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+    def kv_bytes_per_token(self, itemsize: int, scale_bytes: int = 0) -> int:
+        """A token's K and V over every layer: `itemsize` bytes a value, plus `scale_bytes`
+        a row (a quantized row's scale, tidal.model.kv_quant)."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * itemsize
+                                                          + scale_bytes)
 
 
 TP_FLAG = "--tensor-parallel-size"

@@ -54,8 +54,8 @@ class KVFormat:
 
     def bytes_per_token(self, arch, dtype: torch.dtype) -> int:
         """A token's K and V over every layer, in bytes."""
-        return (2 * arch.num_layers * arch.num_kv_heads * self.row_width(arch.head_dim)
-                * self.storage(dtype).itemsize)
+        return arch.kv_bytes_per_token(self.storage(dtype).itemsize,
+                                       SCALE_BYTES if self.quantized else 0)
 
     def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                     head_dim: int) -> tuple[int, int, int, int]:

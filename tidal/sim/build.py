@@ -75,10 +75,10 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
     if config.model.num_kv_blocks is None:  # what fits beside the weights (the first stage
         # holds the most layers)
         stage = stage_arch(rank, stage_layers(arch.num_layers, pp, 0))
-        blocks = kv_blocks_for(stage, hw, config.cache.block_size)
+        blocks = kv_blocks_for(stage, hw, config.cache.block_size, config.model.kv_cache_dtype)
         config = replace(config, model=replace(config.model, num_kv_blocks=blocks),
                          cache=replace(config.cache, num_blocks=blocks))
-    cost = CostModel(rank, hw, tp, pp)
+    cost = CostModel(rank, hw, tp, pp, config.model.kv_cache_dtype)
     if config.scheduler.max_step_ms is None:  # as the engine derives it on that hardware
         target = (hw.max_step_ms if hw.max_step_ms is not None
                   else default_step_target(not hw.on_cpu, cost))

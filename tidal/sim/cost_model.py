@@ -32,7 +32,7 @@ from typing import Callable
 
 from tidal.core.step_time import ERROR_QUANTILES, LinearStepTime, StepShape
 from tidal.model.config import ModelArch
-from tidal.sim.profiles import Hardware, expert_params, linear_params
+from tidal.sim.profiles import Hardware, expert_params, kv_token_bytes, linear_params
 
 
 __all__ = ["CostModel", "StepShape"]
@@ -43,7 +43,8 @@ class CostModel:
     `tp` > 1, of one of its tensor-parallel ranks (`arch`: the rank's shapes, part_arch's)
     and the group's all-reduces and logits gather; with `pp` > 1, of its stages in turn."""
 
-    def __init__(self, arch: ModelArch, hw: Hardware, tp: int = 1, pp: int = 1) -> None:
+    def __init__(self, arch: ModelArch, hw: Hardware, tp: int = 1, pp: int = 1,
+                 kv_cache_dtype: str = "auto") -> None:
         self.arch, self.hw, self.stages = arch, hw, pp
         # two all-reduces a layer and the embedding's, each a call and the step's hidden
         # states; one gather of the sampled rows' float32 logits
@@ -61,7 +62,7 @@ class CostModel:
         self.weight_bytes = (linear_params(arch) + embed) * per_weight - active
         self.idle_odds = 1 - arch.moe.top_k / arch.moe.num_experts if arch.moe else 0.0
         self.attn_flops_per_pair = 4 * arch.num_layers * arch.num_heads * arch.head_dim
-        self.kv_bytes_per_token = arch.kv_bytes_per_token(dtype_bytes)
+        self.kv_bytes_per_token = kv_token_bytes(arch, hw, kv_cache_dtype)
         # A server's own learned model, where the profile carries one (`tidal calibrate
         # --learned-from`): steps take what it predicts, plus the serving overhead.
         self.learned = LinearStepTime(hw.step_time) if hw.step_time else None

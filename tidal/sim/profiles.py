@@ -136,12 +136,21 @@ def hardware(name: str) -> Hardware:
     return Hardware(**{k: v for k, v in data.items() if k in names})
 
 
-def kv_blocks_for(arch: ModelArch, hw: Hardware, block_size: int) -> int:
+def kv_token_bytes(arch: ModelArch, hw: Hardware, kv_cache_dtype: str = "auto") -> int:
+    """A token's KV bytes on `hw`: its dtype's, or one byte a value and a 4-byte scale a row
+    with a quantized --kv-cache-dtype (tidal.model.kv_quant)."""
+    if kv_cache_dtype == "auto":
+        return arch.kv_bytes_per_token(hw.dtype_bytes)
+    return arch.kv_bytes_per_token(1, 4)
+
+
+def kv_blocks_for(arch: ModelArch, hw: Hardware, block_size: int,
+                  kv_cache_dtype: str = "auto") -> int:
     """KV blocks that fit beside the weights in the usable memory, as the runner sizes it
     (`arch`: what one device holds, a tensor-parallel rank's shapes)."""
     weights = weight_params(arch) * (hw.weight_bytes or hw.dtype_bytes)
     free = hw.memory_bytes * hw.memory_utilization - weights
-    blocks = int(free // (arch.kv_bytes_per_token(hw.dtype_bytes) * block_size))
+    blocks = int(free // (kv_token_bytes(arch, hw, kv_cache_dtype) * block_size))
     if blocks < 1:
         raise ValueError(f"{hw.name}: the {weights / 1e9:.1f} GB of weights a device holds "
                          f"leave no room for a KV cache")

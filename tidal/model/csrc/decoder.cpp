@@ -234,8 +234,8 @@ class Decoder {
                      d_, v_caches[l].data_ptr<C>());
       paged_attention<T, C>(qp, qkv_width, k_caches[l].data_ptr<C>(), v_caches[l].data_ptr<C>(),
                             tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
-                            tree_data, rows, heads_, hkv_, d_, block_size, static_cast<float>(scale),
-                            L.window, attn.data_ptr<T>());
+                            tree_data, rows, heads_, hkv_, d_, block_size,
+                            static_cast<float>(scale), L.window, attn.data_ptr<T>());
       y = L.o(attn).contiguous();
       if (lora) lora_add(attn, y, L.lora[3], L.lora[4], lora_rows, lora_ends, L.lora[5]);
       if (reduce_) (*reduce_)(y);

@@ -1,0 +1,92 @@
+"""Quantized KV on the served path: `tidal serve --kv-cache-dtype auto|int8|fp8_e4m3` with
+the same KV memory (the pool holds as many blocks as those bytes allow in each format),
+then `tidal bench serve` (random prompts, fixed output lengths) against each, warmed up
+alike. A small budget shows what the extra tokens buy (more requests decode at once, fewer
+wait); a large one what reading codes costs or saves per token.
+
+usage: .venv/bin/python benchmarks/kv_quant.py [--model smollm2-135m] [--kv-mib 96]
+  [--input-len 1000] [--output-len 128] [--num-prompts 32] [--concurrency 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from server_fixtures import Server  # noqa: E402
+
+FORMATS = ("auto", "int8", "fp8_e4m3")
+BLOCK = 16
+
+
+def blocks_for(model: str, kv: str, mib: float) -> tuple[int, int]:
+    """(blocks, bytes a token) of `mib` MiB of KV in format `kv` for the model's default
+    dtype on this CPU."""
+    from tidal.engine.config import ModelConfig
+    from tidal.engine.model_loading import pick_model_dtype
+    from tidal.model.config import ModelArch
+    from tidal.model.kv_quant import KVFormat
+    from tidal.model.registry import resolve_model
+
+    folder = resolve_model(model)[0]
+    arch = ModelArch.from_folder(folder)
+    _, dtype = pick_model_dtype(folder, arch, ModelConfig(model=model), "cpu")
+    per_token = KVFormat(kv).bytes_per_token(arch, dtype)
+    return int(mib * 2**20) // (per_token * BLOCK), per_token
+
+
+def bench(url: str, args, out: str, num_prompts: int, seed: int) -> dict:
+    subprocess.run([sys.executable, "-m", "tidal.cli", "bench", "serve", "--base-url", url,
+                    "--dataset", "random", "--random-input-len", str(args.input_len),
+                    "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
+                    "--num-prompts", str(num_prompts), "--max-concurrency",
+                    str(args.concurrency), "--ignore-eos", "--seed", str(seed),
+                    "--disable-tqdm", "--save-result", "--result-file", out],
+                   check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--kv-mib", type=float, default=96)
+    p.add_argument("--input-len", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS))
+    args = p.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kv in args.formats:
+            blocks, per_token = blocks_for(args.model, kv, args.kv_mib)
+            server = Server("--model", args.model, "--kv-cache-dtype", kv, "--num-kv-blocks",
+                            str(blocks), "--num-threads", str(os.cpu_count() or 1))
+            try:
+                bench(server.url, args, f"{tmp}/warm.json", 4, seed=1)  # other prompts
+                r = bench(server.url, args, f"{tmp}/{kv}.json", args.num_prompts, seed=0)
+            finally:
+                server.stop()
+            rows[kv] = (blocks * BLOCK, per_token, r)
+            print(f"{kv}: {blocks * BLOCK} tokens, {r['output_throughput']:.1f} tok/s",
+                  flush=True)
+    base = rows.get("auto", next(iter(rows.values())))[2]["output_throughput"]
+    print(f"\n{args.model}, {args.kv_mib:g} MiB of KV; {args.num_prompts} requests of "
+          f"{args.input_len} + {args.output_len} tokens, {args.concurrency} at a time\n")
+    print("| --kv-cache-dtype | bytes a token | pool tokens | output tok/s | TTFT p50 | "
+          "TPOT p50 | / auto |\n|---|---|---|---|---|---|---|")
+    for kv, (tokens, per_token, r) in rows.items():
+        print(f"| {kv} | {per_token:,} | {tokens:,} | {r['output_throughput']:.1f} | "
+              f"{r['median_ttft_ms']:.0f} ms | {r['median_tpot_ms']:.1f} ms | "
+              f"{r['output_throughput'] / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
