@@ -74,8 +74,9 @@ def test_view_agrees_with_the_scheduler_stats(requests, steps, max_cells):
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--data-parallel-size", "2", "--api-key", KEY)
+def server(tmp_path_factory):
+    s = Server("--data-parallel-size", "2", "--api-key", KEY,
+               "--kv-cache-dir", str(tmp_path_factory.mktemp("kv")))  # the tier's chart too
     yield s
     s.stop()
 
@@ -279,12 +280,15 @@ def test_a_browser_renders_a_panel_per_core_from_the_stream(server):
             # the charts' legends show the latest values (uPlot's own show "--" off the cursor)
             legend = page.evaluate("() => [...document.querySelectorAll('.core .u-legend "
                                    ".u-value')].map(e => e.textContent)")
+            titles = page.evaluate("() => [...document.querySelectorAll('.core')].map(p => "
+                                   "[...p.querySelectorAll('.u-title')].map(e => e.textContent))")
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)
             browser.close()
     finally:
         load.stop()
     assert legend and "--" not in legend
+    assert all("Disk tier" in core for core in titles)  # --kv-cache-dir: each core's tier
     assert sum(v not in ("-", "0") for v in legend) >= 4  # ratios, usage, rates: numbers
     assert [p["index"] for p in shown] == [0, 1]  # one panel per core, in order
     for p in shown:

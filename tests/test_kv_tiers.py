@@ -256,7 +256,12 @@ def test_a_restarted_server_answers_a_known_prompt_from_the_disk_tier(tmp_path):
     """The served path: a prompt, a restart, the same prompt: its first request after the
     restart is a prefix hit (the tier's loaded blocks, and the prompt tokens computed, in
     /metrics) with the same answer."""
+    import torch
+
     from server_fixtures import Server, metric, openai_client
+    from tidal.model.config import ModelArch
+    from tidal.model.kv_quant import KVFormat
+    from tidal.model.registry import resolve_model
 
     prompt = " ".join(f"word{i}" for i in range(120))  # a few hundred tokens: many blocks
     flags = ("--kv-cache-dir", str(tmp_path / "kv"))
@@ -269,6 +274,12 @@ def test_a_restarted_server_answers_a_known_prompt_from_the_disk_tier(tmp_path):
             time.sleep(1.0)  # the core's stats reach /metrics twice a second
             loaded = metric(server.url, "tidal:kv_disk_loaded_blocks_total")
             computed = metric(server.url, "tidal:prompt_tokens_total")
+            held = metric(server.url, "tidal:kv_disk_blocks")
+            # bytes: the embedded model's float32 K and V of 16 tokens a block
+            block = 16 * KVFormat().bytes_per_token(
+                ModelArch.from_folder(resolve_model("smollm2-135m")[0]), torch.float32)
+            assert metric(server.url, "tidal:kv_cache_bytes") == 256 * block
+            assert held > 0 and metric(server.url, "tidal:kv_disk_bytes") == held * block
         finally:
             server.stop()
         answers.append((done.choices[0].text, loaded, computed, done.usage.prompt_tokens))

@@ -47,8 +47,10 @@ class SchedulerStats:
     max_loras: int = 0  # adapter slots (summed over data-parallel cores)
     running_loras: list[str] = field(default_factory=list)  # adapters of requests holding blocks
     waiting_loras: list[str] = field(default_factory=list)  # adapters of waiting requests
-    # the disk tier below the pool: blocks it holds, blocks loaded whole, stored and failed
-    # to load (missing or corrupt) since start, and the mean milliseconds a block loads in
+    # the disk tier below the pool: blocks it may hold (0: no tier) and holds, blocks loaded
+    # whole, stored and failed to load (missing or corrupt) since start, and the mean
+    # milliseconds a block loads in
+    tier_capacity: int = 0
     tier_blocks: int = 0
     tier_hit_blocks: int = 0
     tier_stored_blocks: int = 0
@@ -96,7 +98,8 @@ def collect_stats(s: "Scheduler") -> SchedulerStats:
 
 
 def tier_stats(tiers: "KVTiers") -> dict:
-    return dict(tier_blocks=len(tiers.index), tier_hit_blocks=tiers.hit_blocks,
+    return dict(tier_capacity=tiers.index.capacity, tier_blocks=len(tiers.index),
+                tier_hit_blocks=tiers.hit_blocks,
                 tier_stored_blocks=tiers.stored_blocks, tier_failed_blocks=tiers.failed_blocks,
                 tier_load_ms=tiers.load_seconds * 1000)
 

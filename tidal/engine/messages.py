@@ -61,6 +61,7 @@ class Ready(msgspec.Struct, tag=True):
     incarnation: int = 0  # which start of this core (a restart is a new one)
     embedding_size: int = 0  # the model's hidden size: an embedding's dimensions
     matryoshka: bool = False  # an embedding's leading dimensions are one too
+    block_bytes: int = 0  # one KV block's bytes, every layer's K and V (rank 0's share)
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):

@@ -91,8 +91,15 @@ class _CoreCollector:
              s.spec_accepted_tokens + s.spec_drafts),
         ]
         config = getattr(self.client, "config", None)
+        ready = getattr(self.client, "ready", None)
+        block = ready.block_bytes if ready is not None else 0
+        if block:  # every core's pool, in its --kv-cache-dtype
+            yield self._family(GaugeMetricFamily, "tidal:kv_cache_bytes", "Bytes of the KV "
+                               "pools' blocks (every layer's K and V).", block * s.num_blocks)
         if config is not None and config.model.kv_cache_dir is not None:  # the disk tier
             gauges = [("tidal:kv_disk_blocks", "KV blocks the disk tier holds.", s.tier_blocks),
+                      ("tidal:kv_disk_bytes", "Bytes of KV the disk tier holds (its files' "
+                       "headers aside).", s.tier_blocks * block),
                       ("tidal:kv_disk_load_seconds_per_block", "Seconds a block takes to load "
                        "from the disk tier (a moving average).", s.tier_load_ms / 1000)]
             for name, doc, value in gauges:

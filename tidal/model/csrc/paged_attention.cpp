@@ -44,6 +44,7 @@ typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
 typedef uint32_t vu32 __attribute__((vector_size(4 * kLanes)));
 typedef int8_t vi8 __attribute__((vector_size(kLanes)));
+typedef int32_t vi32 __attribute__((vector_size(4 * kLanes)));
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
 
 inline vf loadv(const float* p) {
@@ -65,19 +66,36 @@ inline vf loadv(const BFloat16* p) {  // bf16 is the top half of a float's bits
 #endif
 }
 
+// kLanes bytes widened to 32-bit lanes, sign-extended or not. Intrinsics where the ISA has
+// them: GCC's generic conversion of a byte vector goes lane by lane.
+inline vu32 widen(const void* p, bool is_signed) {
+#ifdef __AVX512F__
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return reinterpret_cast<vu32>(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  return reinterpret_cast<vu32>(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+  if (is_signed) {
+    vi8 b;
+    std::memcpy(&b, p, sizeof b);
+    return reinterpret_cast<vu32>(__builtin_convertvector(b, vi32));
+  }
+  vu8 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vu32);
+#endif
+}
+
 // A quantized row's codes, unscaled.
 inline vf loadv(const int8_t* p) {
-  vi8 b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, vf);
+  return __builtin_convertvector(reinterpret_cast<vi32>(widen(p, true)), vf);
 }
 // e4m3: a normal code's exponent and mantissa move into a float's, rebiased by 120; a
 // subnormal one is its mantissa times 2^-9 (no denormal float on the way, which a thread
 // with denormals-are-zero would read as 0).
 inline vf loadv(const F8* p) {
-  vu8 b;
-  std::memcpy(&b, p, sizeof b);
-  const vu32 u = __builtin_convertvector(b, vu32);
+  const vu32 u = widen(p, false);
   const vu32 normal = ((u & 0x7fu) << 20) + (120u << 23);
   const vf subnormal = __builtin_convertvector(u & 7u, vf) * 0x1p-9f;
   const vu32 bits = (u & 0x78u) == 0 ? reinterpret_cast<vu32>(subnormal) : normal;

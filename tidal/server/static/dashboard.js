@@ -80,7 +80,8 @@ function corePanel(index, label) {
   return {
     panel, canvas, tbody: table.querySelector("tbody"), last: null,
     rate: {x: [], prompt: [], gen: []}, steps: {x: [], prefill: [], decode: [], accepted: [], ms: [], predicted: []},
-    state: {x: [], ratio: [], usage: []},
+    state: {x: [], ratio: [], usage: []}, tier: {x: [], held: [], loaded: [], stored: []},
+    slot,
     charts: {
       rate: chart(slot(), "Throughput", "tokens/s", [["prompt", "#f0a030"], ["generated", "#2f8fdc"]]),
       steps: chart(slot(), "Step composition", "tokens/step", [["prefill", "#f0a030", true], ["decode", "#2f8fdc"], ["accepted guesses", "#30a050"]]),
@@ -151,11 +152,21 @@ function render(frame) {
     c.steps.predicted.push(step.predicted ? step.predicted * 1000 : null);  // none: no model
   }
   c.state.x.push(t); c.state.ratio.push(s.new_token_ratio); c.state.usage.push(s.kv_usage);
-  for (const series of [c.rate, c.steps, c.state]) trim(series, t);
+  if (s.tier_capacity > 0) {  // the disk tier below the pool (--kv-cache-dir)
+    c.charts.tier ??= chart(c.slot(), "Disk tier", "blocks, blocks/s",
+      [["held", "#555"], ["loaded/s", "#30a050"], ["stored/s", "#f0a030"]]);
+    const dt = c.lastTier && t > c.lastTier.t ? t - c.lastTier.t : null;
+    c.tier.x.push(t); c.tier.held.push(s.tier_blocks);
+    c.tier.loaded.push(dt ? (s.tier_hit_blocks - c.lastTier.loaded) / dt : 0);
+    c.tier.stored.push(dt ? (s.tier_stored_blocks - c.lastTier.stored) / dt : 0);
+    c.lastTier = {t, loaded: s.tier_hit_blocks, stored: s.tier_stored_blocks};
+  }
+  for (const series of [c.rate, c.steps, c.state, c.tier]) trim(series, t);
   draw(c.charts.rate, [c.rate.x, c.rate.prompt, c.rate.gen]);
   draw(c.charts.steps, [c.steps.x, c.steps.prefill, c.steps.decode, c.steps.accepted]);
   draw(c.charts.ms, [c.steps.x, c.steps.ms, c.steps.predicted]);
   draw(c.charts.state, [c.state.x, c.state.ratio, c.state.usage]);
+  if (c.charts.tier) draw(c.charts.tier, [c.tier.x, c.tier.held, c.tier.loaded, c.tier.stored]);
   c.panel.dataset.steps = s.num_steps;
   addLatency(frame);
 }
