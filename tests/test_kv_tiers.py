@@ -155,12 +155,17 @@ def test_loading_is_skipped_where_computing_is_predicted_faster():
 # ---------------------------------------------------------------- on a real tiny model
 
 
-@pytest.fixture()
-def folder(tmp_path, monkeypatch):
+def tiny_model(tmp_path, monkeypatch):
+    """A tiny random Llama, with a cache folder of the test's own."""
     from model_fixtures import small_folder
 
     monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
     return small_folder(tmp_path, "tiny", "llama", max_position_embeddings=512)
+
+
+@pytest.fixture()
+def folder(tmp_path, monkeypatch):
+    return tiny_model(tmp_path, monkeypatch)
 
 
 PROMPT = {"prompt_token_ids": [(7 * i) % 200 + 3 for i in range(70)]}  # 4 full blocks of 16

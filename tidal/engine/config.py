@@ -70,6 +70,12 @@ class ModelConfig:
                                     "Unset: no disk tier.")
     kv_disk_size: float = knob(16.0, "GiB the disk tier's folder may hold (least recently "
                                "written blocks go first).")
+    kv_host_memory: float = knob(0.0, "GiB of host memory for a tier of the prefix cache "
+                                 "below the pool (pinned when the pool is on a GPU): "
+                                 "cached blocks are kept there too, least recently used "
+                                 "first out, and a prefix found there is loaded instead "
+                                 "of computed. Above the disk tier when --kv-cache-dir "
+                                 "is set too (docs/design/kv-tiers.md). 0: none.")
     kv_cache_dtype: str = knob("auto", "The KV cache's elements: 'auto' the model's dtype; "
                                "'int8' or 'fp8_e4m3' one byte a value with a float32 scale "
                                "per token and KV head (about half the bytes of bf16, a "
@@ -147,6 +153,8 @@ class ModelConfig:
             raise ValueError("kv_cache_fraction must be in (0, 1)")
         if self.kv_disk_size <= 0:
             raise ValueError(f"kv_disk_size must be > 0 GiB, got {self.kv_disk_size}")
+        if self.kv_host_memory < 0:
+            raise ValueError(f"kv_host_memory must be >= 0 GiB, got {self.kv_host_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
@@ -404,10 +412,13 @@ class EngineConfig:
             raise ValueError(f"--pipeline-parallel-size {pp}: a P/D instance moves every "
                              f"layer's KV from one rank group for now (--role "
                              f"{self.scheduler.role})")
-        if self.model.kv_cache_dir is not None and (tp * pp > 1 or method == "draft"):
-            raise ValueError("--kv-cache-dir: the disk tier stores one process's whole KV "
-                             "for now (not with --tensor-parallel-size, "
-                             "--pipeline-parallel-size or a draft model's KV)")
+        tiered = self.model.kv_cache_dir is not None or self.model.kv_host_memory > 0
+        if tiered and (tp * pp > 1 or method == "draft"):
+            flag = "--kv-cache-dir" if self.model.kv_cache_dir is not None else \
+                "--kv-host-memory"
+            raise ValueError(f"{flag}: the tiers below the pool store one process's whole "
+                             f"KV for now (not with --tensor-parallel-size, "
+                             f"--pipeline-parallel-size or a draft model's KV)")
         if method == "draft" and self.scheduler.role != "mixed":
             raise ValueError("a draft model needs the prompt's KV computed by the draft too; "
                              "a P/D pair speculates with ngram or suffix")

@@ -161,11 +161,13 @@ class KVCache:
         return [row.view(torch.uint8).numpy().tobytes() for row in kv]
 
     @torch.inference_mode()
-    def write_block(self, block_id: int, data: bytes) -> None:
-        """Write one block's KV from `block_bytes`' bytes."""
+    def write_block(self, block_id: int, data: bytes | torch.Tensor) -> None:
+        """Write one block's KV from `block_bytes`' bytes (or a uint8 tensor of them: a
+        host tier's pinned row, copied to a GPU by DMA)."""
         k0 = self.layers[0][0]
-        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(
-            len(self.layers), 2, *k0.shape[1:]).to(self.device)
+        raw = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data),
+                                                                          dtype=torch.uint8)
+        kv = raw.view(self.dtype).view(len(self.layers), 2, *k0.shape[1:]).to(self.device)
         for (k, v), layer in zip(self.layers, kv):
             k[block_id].copy_(layer[0])
             v[block_id].copy_(layer[1])

@@ -20,6 +20,7 @@ from tidal.engine.decode_graphs import CudaGraphCapture
 from tidal.engine.device import pick_device
 from tidal.engine.kv_cache import KVCache, kv_blocks
 from tidal.engine.kv_disk import DiskKVTier, tier_folder
+from tidal.engine.kv_host import HostKVTier
 from tidal.engine.lora_manager import LoRAManager
 from tidal.engine.model_loading import load_for_runner, pick_model_dtype
 from tidal.engine.model_runner import ModelRunner
@@ -54,8 +55,8 @@ class WorkerInfo:
     decoder: bool  # decode steps run through the C++ decoder
     matryoshka: bool  # an embedding's leading dimensions are one too (`dimensions` works)
     phases: Phases  # where its start's seconds went
-    tier_capacity: int = 0  # blocks the disk tier holds at most (0: no disk tier)
-    tier_keys: tuple[bytes, ...] = ()  # the blocks on disk at start, oldest first
+    tier_capacity: int = 0  # blocks the tiers below the pool hold at most (0: no tier)
+    tier_keys: tuple[bytes, ...] = ()  # the blocks they hold at start, oldest first
     kv_cache_dtype: str = "auto"  # the KV rows' format (tidal.model.kv_quant)
 
     @property
@@ -136,12 +137,15 @@ class Worker:
         if tp is not None:
             num_blocks = tp.min(num_blocks)  # every rank holds every block table's blocks
         self.kv = KVCache(arch, num_blocks, block_size, self.dtype, device, kv_format)
-        self.tier = None if config.kv_cache_dir is None else DiskKVTier(
+        self.tier = disk = None if config.kv_cache_dir is None else DiskKVTier(
             tier_folder(config.kv_cache_dir, {
                 "model": model_files(folder), "dtype": str(self.dtype), "quantization":
                 quantization, "kv_cache_dtype": kv_format.name,
                 "block": [len(self.kv.layers), *self.kv.layers[0][0].shape[1:]]}),
             self.kv.block_nbytes, int(config.kv_disk_size * 2**30))
+        if config.kv_host_memory:  # above the disk tier: its hot blocks in host memory
+            self.tier = HostKVTier(self.kv.block_nbytes, int(config.kv_host_memory * 2**30),
+                                   pinned=on_gpu, below=disk)
         # loads from it run beside the step's forward pass, which reads none of their blocks
         self._loader = ThreadPoolExecutor(1, "tidal-kv-load") if self.tier else None
         phases.done("KV cache")
@@ -198,8 +202,9 @@ class Worker:
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        """Store the step's blocks to the disk tier, copy its blocks (copy-on-write of
-        shared prefixes), then run it, loading its blocks from the disk tier meanwhile."""
+        """Store the step's blocks to the tiers below the pool, copy its blocks
+        (copy-on-write of shared prefixes), then run it, loading its blocks from the tiers
+        meanwhile."""
         if out.kv_stores:  # before any copy or forward pass can overwrite them
             for (_, key), data in zip(out.kv_stores, self.kv.block_bytes(
                     [b for b, _ in out.kv_stores])):
@@ -212,7 +217,7 @@ class Worker:
         return result
 
     def _load_blocks(self, loads: list[KVLoad]) -> tuple[dict[str, int], float]:
-        """Each load's blocks read from the disk tier in order, up to the first missing or
+        """Each load's blocks read from the tiers in order, up to the first missing or
         corrupt one: how many loaded whole per request, and the seconds it all took."""
         t0, loaded = time.perf_counter(), {}
         for load in loads:
@@ -227,7 +232,7 @@ class Worker:
         return loaded, time.perf_counter() - t0
 
     def close(self) -> None:
-        """Write the disk tier's pending blocks out."""
+        """Write the disk tier's pending blocks out."""  # the host tier's die with it
         if self.tier is not None:
             self.tier.close()
             self._loader.shutdown()

@@ -78,9 +78,11 @@ class KVFormat:
             return rows
         raw = rows.view(torch.uint8)
         d = raw.shape[-1] - SCALE_BYTES
-        codes = raw[..., :d].view(self.storage(dtype)).float()
+        codes = raw[..., :d].view(self.storage(dtype))
         scale = raw[..., d:].contiguous().view(torch.float32)
-        return (codes * scale).to(dtype)
+        if self.name == "int8":  # one pass: int8 times float32 promotes in the kernel
+            return torch.mul(codes, scale).to(dtype)
+        return codes.float().mul_(scale).to(dtype)  # torch promotes no float8
 
     def write(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Write rows x [T, Hkv, d] at `slots` of `cache` [blocks, block_size, Hkv, width]."""

@@ -96,20 +96,27 @@ class _CoreCollector:
         if block:  # every core's pool, in its --kv-cache-dtype
             yield self._family(GaugeMetricFamily, "tidal:kv_cache_bytes", "Bytes of the KV "
                                "pools' blocks (every layer's K and V).", block * s.num_blocks)
-        if config is not None and config.model.kv_cache_dir is not None:  # the disk tier
-            gauges = [("tidal:kv_disk_blocks", "KV blocks the disk tier holds.", s.tier_blocks),
-                      ("tidal:kv_disk_bytes", "Bytes of KV the disk tier holds (its files' "
-                       "headers aside).", s.tier_blocks * block),
-                      ("tidal:kv_disk_load_seconds_per_block", "Seconds a block takes to load "
-                       "from the disk tier (a moving average).", s.tier_load_ms / 1000)]
+        # the tiers below the pool, named by the lowest: the disk (host memory above it is
+        # its cache), or host memory alone
+        tier = (None if config is None else "disk" if config.model.kv_cache_dir is not None
+                else "host" if config.model.kv_host_memory else None)
+        if tier is not None:
+            where = f"the {tier} tier" + (" (and host memory above it)"
+                                          if tier == "disk" and config.model.kv_host_memory
+                                          else "")
+            gauges = [(f"tidal:kv_{tier}_blocks", f"KV blocks {where} holds.", s.tier_blocks),
+                      (f"tidal:kv_{tier}_bytes", f"Bytes of KV {where} holds (file headers "
+                       "aside).", s.tier_blocks * block),
+                      (f"tidal:kv_{tier}_load_seconds_per_block", "Seconds a block takes to "
+                       f"load from {where} (a moving average).", s.tier_load_ms / 1000)]
             for name, doc, value in gauges:
                 yield self._family(GaugeMetricFamily, name, doc, value)
             counters += [
-                ("tidal:kv_disk_loaded_blocks", "KV blocks loaded whole from the disk tier "
+                (f"tidal:kv_{tier}_loaded_blocks", f"KV blocks loaded whole from {where} "
                  "(prefix hits it served).", s.tier_hit_blocks),
-                ("tidal:kv_disk_stored_blocks", "KV blocks stored to the disk tier.",
+                (f"tidal:kv_{tier}_stored_blocks", f"KV blocks stored to {where}.",
                  s.tier_stored_blocks),
-                ("tidal:kv_disk_failed_loads", "Loads from the disk tier that found a block "
+                (f"tidal:kv_{tier}_failed_loads", f"Loads from {where} that found a block "
                  "missing or corrupt (computed instead).", s.tier_failed_blocks)]
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)

@@ -1,0 +1,96 @@
+"""The host-memory tier below the pool (`--kv-host-memory`): least recently used blocks
+leave it first; alone it serves evicted prefixes until a restart; above the disk tier it
+keeps what the disk serves for the next hit, and the disk keeps everything across restarts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_kv_tiers import GREEDY, OTHERS, answer, tiers, tiny_model
+from tidal.engine.kv_disk import HEADER, DiskKVTier
+from tidal.engine.kv_host import HostKVTier
+
+
+@pytest.fixture()
+def folder(tmp_path, monkeypatch):
+    return tiny_model(tmp_path, monkeypatch)
+
+
+def as_bytes(data) -> bytes:
+    return data.numpy().tobytes() if isinstance(data, torch.Tensor) else data
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def test_host_memory_keeps_the_recently_used_and_the_disk_keeps_them_all(tmp_path):
+    disk = DiskKVTier(tmp_path / "kv", 8, 10 * (8 + HEADER))
+    host = HostKVTier(8, 16, pinned=False, below=disk)  # room for two blocks of 8 bytes
+    assert host.capacity == 10  # the scheduler's index: what the disk holds
+    for i in range(3):
+        host.store(key(i), bytes([i]) * 8)
+    assert host.held == 2 and list(host._slots) == [key(1), key(2)]
+    assert as_bytes(host.load(key(0))) == bytes([0]) * 8  # from the disk, held again
+    assert list(host._slots) == [key(2), key(0)]  # key 1, least recently used, left
+    assert as_bytes(host.load(key(1))) == bytes([1]) * 8
+    host.close()
+    assert sorted(disk.keys()) == [key(0), key(1), key(2)]
+    alone = HostKVTier(8, 16, pinned=False)
+    alone.store(key(5), b"short")  # not a whole block: never kept
+    assert alone.load(key(5)) is None and alone.capacity == 2
+
+
+def llm_with(folder, **tiers_kwargs):
+    from tidal.engine.llm import LLM
+
+    return LLM(str(folder), num_kv_blocks=12, num_threads=1, **tiers_kwargs)
+
+
+def host_gib(folder, blocks: int) -> float:
+    probe = llm_with(folder)
+    block = probe.engine.core.executor.worker.kv.block_nbytes
+    probe.close()
+    return blocks * block / 2**30
+
+
+def test_host_memory_alone_serves_evicted_prefixes_until_a_restart(folder):
+    gib = host_gib(folder, 64)
+    plain = llm_with(folder)
+    want = answer(plain)
+    plain.close()
+    llm = llm_with(folder, kv_host_memory=gib)
+    assert answer(llm) == want and tiers(llm).hit_blocks == 0
+    llm.generate(OTHERS, GREEDY, use_tqdm=False)  # evicts the prompt's blocks from the pool
+    tokens, logprobs = answer(llm)
+    assert tiers(llm).hit_blocks == 4 and tokens == want[0]
+    assert logprobs == pytest.approx(want[1], abs=1e-5)
+    llm.close()
+    again = llm_with(folder, kv_host_memory=gib)  # host memory does not outlive its process
+    assert answer(again)[0] == want[0] and tiers(again).hit_blocks == 0
+    again.close()
+
+
+def test_above_the_disk_host_memory_keeps_what_the_disk_served(folder, tmp_path):
+    kw = dict(kv_host_memory=host_gib(folder, 64), kv_cache_dir=str(tmp_path / "kv"))
+    llm = llm_with(folder, **kw)
+    want = answer(llm)
+    llm.close()
+    again = llm_with(folder, **kw)  # a restart: the disk serves the prefix
+    assert answer(again) == want and tiers(again).hit_blocks == 4
+    host = again.engine.core.executor.worker.tier
+    assert host.held == 4  # what the disk served, kept in memory
+    again.generate(OTHERS, GREEDY, use_tqdm=False)
+    assert answer(again)[0] == want[0] and tiers(again).hit_blocks == 8
+    again.close()
+
+
+def test_the_flag_is_checked(folder):
+    from tidal.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_host_memory must be >= 0"):
+        llm_with(folder, kv_host_memory=-1)
+    with pytest.raises(ValueError, match="--kv-host-memory: the tiers below the pool"):
+        EngineConfig.from_kwargs(model=str(folder), kv_host_memory=1.0,
+                                 tensor_parallel_size=2)
