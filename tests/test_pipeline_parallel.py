@@ -69,6 +69,18 @@ def test_stages_give_one_process_tokens_and_logprobs(folders, family, layout, sa
     assert_same(one, split, LOGPROB_BOUND)
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_ranks_and_stages_over_quantized_kv_rows_give_one_process_tokens(folders, kv):
+    """TP=2 x PP=2: each rank codes the rows of its own heads and layers as one process
+    does; a float32 sum in another order can move a value across a code's rounding
+    boundary, hence a looser bound than float KV's."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+    one = run(str(folders["llama"]), params, dtype="float32", kv_cache_dtype=kv)
+    split = run(str(folders["llama"]), params, dtype="float32", kv_cache_dtype=kv,
+                tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert_same(one, split, 0.05)
+
+
 def test_two_stages_keep_two_steps_in_flight_of_half_the_decodes_each(folders):
     """Four requests decoding over two stages: each step takes two of them (the other two
     are in the other step in flight), through each stage's C++ decoder."""
