@@ -124,14 +124,15 @@ def test_block_io_moves_codes_and_scales_and_keeps_formats_apart():
     for other in ("auto", "fp8_e4m3"):  # same shape as int8 for fp8: refused by dtype
         with pytest.raises(ValueError, match="kv-cache-dtype"):
             caches[other].write_blocks([0, 1], *message)
-    e4m3 = caches["fp8_e4m3"]  # the disk tier's bytes, and a speculation tree's slot moves
-    data = e4m3.block_bytes([2])[0]
-    assert len(data) == e4m3.block_nbytes
-    e4m3.write_block(4, data)
-    e4m3.move_slots([8, 9], [0, 1])
-    for k, _ in e4m3.layers:
-        assert torch.equal(k[4].view(torch.uint8), k[2].view(torch.uint8))
-        assert torch.equal(k[0, :2].view(torch.uint8), k[2, :2].view(torch.uint8))
+    for cache in caches.values():  # the disk tier's bytes, a speculation tree's slot moves
+        data = cache.block_bytes([2])[0]
+        assert len(data) == cache.block_nbytes
+        cache.write_block(4, data)
+        cache.move_slots([8, 9, 21], [0, 1, 6])  # slot 21: block 5, position 1
+        for k, _ in cache.layers:
+            assert torch.equal(k[4].view(torch.uint8), k[2].view(torch.uint8))
+            assert torch.equal(k[0, :2].view(torch.uint8), k[2, :2].view(torch.uint8))
+            assert torch.equal(k[1, 2].view(torch.uint8), k[5, 1].view(torch.uint8))
 
 
 def test_perplexity_on_real_text_stays_within_one_percent_of_float_kv():

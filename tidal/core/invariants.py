@@ -47,9 +47,9 @@ class SchedulerStats:
     max_loras: int = 0  # adapter slots (summed over data-parallel cores)
     running_loras: list[str] = field(default_factory=list)  # adapters of requests holding blocks
     waiting_loras: list[str] = field(default_factory=list)  # adapters of waiting requests
-    # the disk tier below the pool: blocks it may hold (0: no tier) and holds, blocks loaded
-    # whole, stored and failed to load (missing or corrupt) since start, and the mean
-    # milliseconds a block loads in
+    # the tiers below the pool (host memory, disk): blocks they may hold (0: none) and hold,
+    # blocks loaded whole, stored and failed to load (missing or corrupt) since start, and
+    # the mean milliseconds a block loads in
     tier_capacity: int = 0
     tier_blocks: int = 0
     tier_hit_blocks: int = 0

@@ -110,7 +110,7 @@ class KVCache:
         d = torch.tensor(dst, dtype=torch.long, device=self.device)
         for k, v in self.layers:
             for cache in (k, v):  # as bytes: index_copy_ has no float8 kernel
-                flat = cache.view(torch.uint8).view(-1, *cache.shape[2:])
+                flat = cache.view(-1, *cache.shape[2:]).view(torch.uint8)
                 flat.index_copy_(0, d, flat.index_select(0, s))
 
     @torch.inference_mode()

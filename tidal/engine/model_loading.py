@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.engine.config import ModelConfig, effective_quantization
+from tidal.engine.config import ModelConfig
 from tidal.engine.device import pick_dtype
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionBackend
@@ -20,6 +20,34 @@ from tidal.model.mlp import group_experts
 from tidal.model.quantized_model import load_gguf_model, load_int4_checkpoint
 from tidal.model.registry import gguf_source
 from tidal.model.tensor_parallel import Shard, TPGroup, split_model
+
+
+def effective_quantization(config: ModelConfig, source: str, device: str) -> str:
+    """What `config.quantization` means for a model whose checkpoint is `source` ('gguf',
+    'gptq', 'awq', or '' for dense safetensors) on `device`: 'auto' resolved, and a
+    combination that cannot run refused by name."""
+    q = config.quantization
+    if source in ("gptq", "awq") and q not in ("auto", source):
+        raise ValueError(f"{config.model!r} is a {source} checkpoint: it runs in its own "
+                         f"format (quantization auto or {source}), not {q!r}")
+    if q == "auto":
+        if source in ("gptq", "awq"):
+            q = source
+        else:
+            dense_dtype = config.dtype in ("float32", "float16")
+            use = source == "gguf" and device == "cpu" and not dense_dtype \
+                and config.load_format == "auto"
+            return "gguf" if use else "none"
+    if q in ("gguf", "gptq", "awq"):
+        if source != q:
+            raise ValueError(f"quantization={q!r} runs {q} checkpoints; {config.model!r} is "
+                             "not one")
+        if device != "cpu":
+            raise ValueError(f"quantization={q!r} runs on CPU; on GPU use a dense checkpoint"
+                             + (" or quantization 'none'" if q == "gguf" else ""))
+        if config.dtype == "float16":
+            raise ValueError(f"quantization={q!r} computes in bfloat16 or float32, not float16")
+    return q
 
 
 def pick_model_dtype(folder: str | Path, arch: ModelArch, config: ModelConfig,
