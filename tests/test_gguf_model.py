@@ -20,7 +20,8 @@ from gguf import GGMLQuantizationType as QT
 
 from test_gguf import CASES, hf_folder, write_gguf
 from tidal import LLM, SamplingParams
-from tidal.engine.config import ModelConfig, effective_quantization
+from tidal.engine.config import ModelConfig
+from tidal.engine.model_loading import effective_quantization
 from tidal.model.gguf_quants import GGUFEmbedding, GGUFLinear
 
 PROMPTS = [[3, 17, 99, 4, 5], [200, 100, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 250, 251, 252, 253]]
