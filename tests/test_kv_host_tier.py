@@ -94,3 +94,23 @@ def test_the_flag_is_checked(folder):
     with pytest.raises(ValueError, match="--kv-host-memory: the tiers below the pool"):
         EngineConfig.from_kwargs(model=str(folder), kv_host_memory=1.0,
                                  tensor_parallel_size=2)
+
+
+def test_a_server_with_host_memory_alone_names_its_metrics_so():
+    import time
+
+    import httpx
+
+    from server_fixtures import Server, metric, openai_client
+
+    server = Server("--kv-host-memory", "0.05")
+    try:
+        openai_client(server).completions.create(
+            model="smollm2-135m", prompt=" ".join(f"word{i}" for i in range(60)),
+            max_tokens=4, temperature=0.0)
+        time.sleep(1.5)  # an idle step stores the published blocks; stats twice a second
+        text = httpx.get(server.url + "/metrics").text
+        assert "tidal:kv_host_blocks" in text and "tidal:kv_disk_blocks" not in text
+        assert metric(server.url, "tidal:kv_host_stored_blocks_total") > 0
+    finally:
+        server.stop()
