@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-SCALE_BYTES = 4  # the float32 scale after each row's codes
+from tidal.model.config import KV_SCALE_BYTES
+
+SCALE_BYTES = KV_SCALE_BYTES  # the float32 scale after each row's codes
 CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}  # the formats' code dtypes
 
 

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from tidal.model.config import ModelArch
+from tidal.model.config import KV_SCALE_BYTES, ModelArch
 
 # config.json fields of the built-in model profiles (the models' published configs).
 MODEL_CONFIGS: dict[str, dict] = {
@@ -141,7 +141,7 @@ def kv_token_bytes(arch: ModelArch, hw: Hardware, kv_cache_dtype: str = "auto") 
     with a quantized --kv-cache-dtype (tidal.model.kv_quant)."""
     if kv_cache_dtype == "auto":
         return arch.kv_bytes_per_token(hw.dtype_bytes)
-    return arch.kv_bytes_per_token(1, 4)
+    return arch.kv_bytes_per_token(1, KV_SCALE_BYTES)
 
 
 def kv_blocks_for(arch: ModelArch, hw: Hardware, block_size: int,

@@ -66,13 +66,16 @@ void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* s
   }
 }
 
+// Whether a cache of dtype `s` holds quantized rows.
+inline bool coded(at::ScalarType s) { return s == at::kChar || s == at::kFloat8_e4m3fn; }
+
 // Calls f.template operator()<C>() with C the element type of a cache of dtype `s` whose
 // model computes in T: the codes' type where quantized, else T.
 template <typename T, typename F>
 auto with_cache_type(at::ScalarType s, F&& f) {
+  if (!coded(s)) return f.template operator()<T>();
   if (s == at::kChar) return f.template operator()<int8_t>();
-  if (s == at::kFloat8_e4m3fn) return f.template operator()<F8>();
-  return f.template operator()<T>();
+  return f.template operator()<F8>();
 }
 
 }  // namespace tidal_cpu

@@ -410,9 +410,9 @@ void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_
 }
 
 void check_cache(const Tensor& t, at::ScalarType dtype, int64_t d) {
-  const bool coded = t.scalar_type() == at::kChar || t.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(t.is_contiguous() && t.dim() == 4 && (coded || t.scalar_type() == dtype) &&
-                  t.size(3) == (coded ? d + 4 : d),
+  const bool rows = coded(t.scalar_type());
+  TORCH_CHECK(t.is_contiguous() && t.dim() == 4 && (rows || t.scalar_type() == dtype) &&
+                  t.size(3) == (rows ? d + 4 : d),
               "KV cache must be a contiguous [blocks, block_size, kv_heads, head_dim] tensor "
               "of the model's dtype, or of int8 / float8_e4m3fn rows of head_dim codes and "
               "a 4-byte scale");
