@@ -1,11 +1,14 @@
 """The disk tier under the prefix cache on the served path: multi-turn conversations (real
 ShareGPT turns, each prompt the whole history so far, every conversation's turn t before any
-turn t + 1) through `tidal serve` with a KV pool a quarter of the working set, with the disk tier (`--kv-cache-dir`) against without; then a
+turn t + 1), or shared-prefix groups (`--shared-prefix CHARS`: each group a document of
+ShareGPT replies, then one ShareGPT question a turn), through `tidal serve` with a KV pool a
+quarter of the working set, with the disk tier (`--kv-cache-dir`) against without; then a
 restart: the last turn of conversations seen before, sent to the restarted tiered server
 one at a time, against a cold server without the tier.
 
 usage: .venv/bin/python benchmarks/kv_tiers.py [--conversations 32] [--turns 4]
   [--concurrency 8] [--message-chars 600] [--max-tokens 16] [--restart-prompts 8]
+  [--shared-prefix 0]
 
 Targets (issue 57): TTFT p50 >= 3x better and throughput >= 1.5x with the tier; after a
 restart, TTFT >= 3x better than cold; no request whose prefix loaded slower than computing
@@ -50,6 +53,22 @@ def conversations(count: int, turns: int, chars: int) -> list[list[str]]:
         if len(out) == count:
             break
     return out
+
+
+def shared_prefix_groups(count: int, turns: int, chars: int,
+                         question_chars: int) -> list[list[str]]:
+    """`count` groups of `turns` prompts: a document of `chars` characters (ShareGPT
+    replies, a group's own), then one ShareGPT question each (cut to `question_chars`)."""
+    replies, questions = [], []
+    for record in iter_json_records(sharegpt_path().read_text()):
+        for msg in record.get("conversations") or []:
+            (questions if msg.get("from") == "human" else replies).append(msg.get("value", ""))
+        if len(questions) >= count * turns and sum(map(len, replies)) >= count * chars:
+            break
+    text = "\n".join(replies)
+    return [[f"Document:\n{text[g * chars:(g + 1) * chars]}\n\nUser: "
+             f"{questions[g * turns + t][:question_chars]}\nAssistant:" for t in range(turns)]
+            for g in range(count)]
 
 
 async def _ttft(client, prompt: str, max_tokens: int) -> float:
@@ -128,13 +147,18 @@ def main() -> None:
     p.add_argument("--message-chars", type=int, default=600)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--restart-prompts", type=int, default=8)
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="characters of each group's document (0: conversations)")
     args = p.parse_args()
-    convs = conversations(args.conversations, args.turns, args.message_chars)
+    convs = (shared_prefix_groups(args.conversations, args.turns, args.shared_prefix,
+                                  args.message_chars) if args.shared_prefix else
+             conversations(args.conversations, args.turns, args.message_chars))
     # the working set: every conversation's longest prompt, in blocks (about 4 characters
     # a token), plus its reply; the pool holds a quarter of it
     working = sum((len(c[-1]) // 4 + args.max_tokens) // BLOCK + 1 for c in convs)
     blocks = max(64, working // 4)
-    print(f"{len(convs)} conversations x {args.turns} turns, working set ~{working} blocks, "
+    kind = "shared-prefix groups" if args.shared_prefix else "conversations"
+    print(f"{len(convs)} {kind} x {args.turns} turns, working set ~{working} blocks, "
           f"pool {blocks} blocks")
     save_profile(blocks)
     results = {}

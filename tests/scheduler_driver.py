@@ -206,8 +206,13 @@ class SchedulerDriver:
                 self.known[new.request_id] = new.prompt_token_ids + new.output_token_ids
                 self.num_samples[new.request_id] = new.num_samples
         sampled, drafted, proposed = {}, {}, {}
+        loaded = self._tier_io(out)
+        failed = {x.request_id for x in out.kv_loads  # left out of the forward pass
+                  if x.inline and loaded[x.request_id] < len(x.keys)}
         for x in out.scheduled:
             rid, c, n = x.request_id, x.num_computed_tokens, x.num_new_tokens
+            if rid in failed:
+                continue
             assert len(x.block_ids) * s.kv.block_size >= c + n
             assert rid in self.known, f"{rid} scheduled before the executor was told of it"
             assert x.is_prefill or n - 1 <= s.config.num_speculative_tokens
@@ -230,20 +235,24 @@ class SchedulerDriver:
             if out.propose:
                 proposed[rid] = self.rng.randint(0, s.config.num_speculative_tokens)
         self.outputs = ModelOutput(sampled=sampled, drafted=drafted, proposed=proposed,
-                                   preempted_ack=list(out.preempted_ids),
-                                   kv_loaded=self._tier_io(out))
+                                   preempted_ack=list(out.preempted_ids), kv_loaded=loaded)
         return sampled
 
     def _tier_io(self, out) -> dict[str, int]:
         """The tier's stores, then its loads: a block loads whole only if stored before
-        (and not failing now and then), and no forward pass of the step reads one."""
+        (and not failing now and then); no forward pass of the step reads a block loading
+        beside it, and one loading inline is read by its own request alone."""
         self.disk.update(key for _, key in out.kv_stores)
         bs = self.s.kv.block_size  # tables grow in place: a step's share is their head
-        read = {b for x in out.scheduled
-                for b in x.block_ids[:-(-(x.num_computed_tokens + x.num_new_tokens) // bs)]}
+        reads = {x.request_id: set(x.block_ids[:-(-(x.num_computed_tokens + x.num_new_tokens)
+                                                  // bs)]) for x in out.scheduled}
         loaded = {}
         for load in out.kv_loads:
-            assert not read & set(load.block_ids), "a step reads blocks it is loading"
+            readers = {rid for rid, read in reads.items() if read & set(load.block_ids)}
+            assert readers <= ({load.request_id} if load.inline else set()), \
+                "a step reads blocks it is loading beside it, or another's inline load"
+            if load.inline:
+                assert load.request_id in readers, "an inline load its request does not read"
             whole = next((i for i, key in enumerate(load.keys) if key not in self.disk),
                          len(load.keys))
             loaded[load.request_id] = min(whole, self.rng.choice(

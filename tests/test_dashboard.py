@@ -290,7 +290,7 @@ def test_a_browser_renders_a_panel_per_core_from_the_stream(server):
     finally:
         load.stop()
     assert legend and "--" not in legend
-    assert all("Disk tier" in core for core in titles)  # --kv-cache-dir: each core's tier
+    assert all("KV tier" in core for core in titles)  # --kv-cache-dir: each core's tier
     assert sum(v not in ("-", "0") for v in legend) >= 4  # ratios, usage, rates: numbers
     assert [p["index"] for p in shown] == [0, 1]  # one panel per core, in order
     for p in shown:

@@ -81,8 +81,11 @@ def test_above_the_disk_host_memory_keeps_what_the_disk_served(folder, tmp_path)
     assert answer(again) == want and tiers(again).hit_blocks == 4
     host = again.engine.core.executor.worker.tier
     assert host.held == 4  # what the disk served, kept in memory
+    assert tiers(again).memory_hit_blocks == 0  # the report: the disk served them
     again.generate(OTHERS, GREEDY, use_tqdm=False)
     assert answer(again)[0] == want[0] and tiers(again).hit_blocks == 8
+    # the worker's report before each plan: memory served the second hit, and holds all
+    assert tiers(again).memory_hit_blocks == 4 and tiers(again).memory_blocks == host.held
     again.close()
 
 
@@ -96,21 +99,29 @@ def test_the_flag_is_checked(folder):
                                  tensor_parallel_size=2)
 
 
-def test_a_server_with_host_memory_alone_names_its_metrics_so():
+@pytest.mark.parametrize("disk", [False, True], ids=["alone", "above-disk"])
+def test_a_server_names_host_memory_metrics_alone_and_above_the_disk(tmp_path, disk):
     import time
 
     import httpx
 
     from server_fixtures import Server, metric, openai_client
 
-    server = Server("--kv-host-memory", "0.05")
+    server = Server("--kv-host-memory", "0.05",
+                    *(("--kv-cache-dir", str(tmp_path / "kv")) if disk else ()))
     try:
         openai_client(server).completions.create(
             model="smollm2-135m", prompt=" ".join(f"word{i}" for i in range(60)),
             max_tokens=4, temperature=0.0)
         time.sleep(1.5)  # an idle step stores the published blocks; stats twice a second
         text = httpx.get(server.url + "/metrics").text
-        assert "tidal:kv_host_blocks" in text and "tidal:kv_disk_blocks" not in text
-        assert metric(server.url, "tidal:kv_host_stored_blocks_total") > 0
+        assert "tidal:kv_host_blocks" in text
+        assert ("tidal:kv_disk_blocks" in text) == disk
+        stored = "disk" if disk else "host"  # with the disk, every block is stored there
+        assert metric(server.url, f"tidal:kv_{stored}_stored_blocks_total") > 0
+        if disk:  # memory above the disk holds what was stored, as the disk does
+            held = metric(server.url, "tidal:kv_host_blocks")
+            assert held == metric(server.url, "tidal:kv_disk_blocks") > 0
+            assert metric(server.url, "tidal:kv_host_loaded_blocks_total") == 0
     finally:
         server.stop()

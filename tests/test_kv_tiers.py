@@ -1,6 +1,7 @@
 """The disk tier below the prefix cache: the scheduler's protocol (pure core: stores after
-publishing, a load admitted in place of computing, a failed load computed instead, an abort
-while loading), and on a real tiny model the same greedy tokens and logprobs after an
+publishing, a load inline before the step that computes the rest, a load beside a step with
+async scheduling or while waiting for room, a failed load computed instead, an abort while
+loading), and on a real tiny model the same greedy tokens and logprobs after an
 eviction, after a restart, and from a truncated file (ignored); a full tier evicts."""
 
 from __future__ import annotations
@@ -39,12 +40,17 @@ def tiered(num_blocks: int = 12, **config) -> Scheduler:
 
 
 def run(s: Scheduler, loaded: dict[str, int] | None = None):
-    """One step; loads come back as `loaded` says (default: whole)."""
+    """One step; loads come back as `loaded` says (default: whole), and a request whose
+    inline load failed samples nothing (it was left out of the forward pass)."""
     out = s.schedule()
     s.check_invariants()
     whole = {x.request_id: len(x.keys) for x in out.kv_loads}
     whole.update(loaded or {})
-    s.update(out, ModelOutput(sampled=sampled_for(s, out, 7), kv_loaded=whole))
+    sampled = sampled_for(s, out, 7)
+    for x in out.kv_loads:
+        if x.inline and whole[x.request_id] < len(x.keys):
+            sampled.pop(x.request_id, None)
+    s.update(out, ModelOutput(sampled=sampled, kv_loaded=whole))
     s.check_invariants()
     return out
 
@@ -81,12 +87,30 @@ def test_a_published_block_is_stored_by_the_next_step_and_loaded_after_its_evict
     assert s.kv.match_prefix(add(s, "c", prompt, max_tokens=2)) == []
     out = run(s, {})
     (load,) = out.kv_loads
-    assert load.request_id == "c" and load.keys == stored and not out.scheduled
-    assert s.requests["c"].tier_loading == []  # loaded: back at the head of the queue
+    assert load.request_id == "c" and load.keys == stored and load.inline
+    (entry,) = out.scheduled  # the same step computes the rest of the prompt
+    assert entry.num_computed_tokens == 12 and entry.num_new_tokens == 1
+    assert entry.block_ids[:3] == load.block_ids
+    assert s.requests["c"].num_cached_tokens == 12 and s.kv.tiers.hit_blocks == 3
+    assert s.requests["c"].tier_loading == [] and s.requests["c"].output_token_ids == [7]
+    add(s, "d", prompt, max_tokens=1)  # published once loaded: a pool hit now
+    assert len(s.kv.match_prefix(s.requests["d"])) == 3
+
+
+def test_with_async_scheduling_an_admitted_load_waits_beside_the_step_then_rejoins():
+    """The step after is planned before this one's loads are known: the request loads
+    beside a step, computing nothing, and is a prefix hit once back in the queue."""
+    s = tiered(async_scheduling=True)
+    prompt = list(range(100, 113))
+    stored_then_evicted(s, prompt)
+    add(s, "c", prompt, max_tokens=1)
+    out = run(s)
+    (load,) = out.kv_loads
+    assert not load.inline and not out.scheduled
+    assert s.waiting[0].request_id == "c" and s.requests["c"].tier_loading == []
     out = run(s)
     (entry,) = out.scheduled
     assert entry.num_computed_tokens == 12 and entry.num_new_tokens == 1  # a prefix hit
-    assert s.requests["c"].num_cached_tokens == 12 and s.kv.tiers.hit_blocks == 3
 
 
 def test_the_head_of_the_queue_loads_while_it_waits_for_room():
@@ -114,7 +138,9 @@ def test_a_block_that_fails_to_load_is_computed_instead():
     add(s, "c", prompt, max_tokens=1)
     out = run(s, {"c": 1})  # the second block's file was corrupt
     (load,) = out.kv_loads
+    assert load.inline and [x.request_id for x in out.scheduled] == ["c"]
     assert load.keys[1] not in s.kv.tiers.index and s.kv.tiers.failed_blocks == 1
+    assert s.waiting[0].request_id == "c" and not s.requests["c"].output_token_ids
     out = run(s)
     (entry,) = out.scheduled
     assert entry.num_computed_tokens == 4 and entry.num_new_tokens == 9
@@ -123,7 +149,7 @@ def test_a_block_that_fails_to_load_is_computed_instead():
 
 
 def test_an_abort_while_loading_gives_the_blocks_back_and_the_late_result_is_ignored():
-    s = tiered()
+    s = tiered(async_scheduling=True)  # loads beside a step: an abort can come meanwhile
     prompt = list(range(100, 113))
     stored_then_evicted(s, prompt)
     add(s, "c", prompt, max_tokens=1)
@@ -239,6 +265,53 @@ def test_a_truncated_block_file_is_ignored_and_the_answer_is_still_right(folder,
     assert tokens == want[0] and logprobs == pytest.approx(want[1], abs=1e-5)
     assert tiers(again).hit_blocks == 0 and tiers(again).failed_blocks == 1
     again.close()
+
+
+def wait_for(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_disk_tier_learns_the_blocks_another_process_writes_and_deletes(tmp_path):
+    """Two tiers on one folder, as two engine cores of a machine: what one writes after
+    the other started becomes the other's news (and loads there); a file deleted behind
+    its back leaves it as news too."""
+    from tidal.engine.kv_disk import DiskKVTier
+
+    a, b = (DiskKVTier(tmp_path, 64, 1 << 20) for _ in range(2))
+    try:
+        keys = [bytes([i]) * 16 for i in range(3)]
+        for i, key in enumerate(keys):
+            a.store(key, bytes([i]) * 64)
+        wait_for(lambda: all(b.knows(k) for k in keys))
+        assert b.report().news == dict.fromkeys(keys, True) and b.report().news == {}
+        assert b.load(keys[1]) == bytes([1]) * 64
+        assert a.report().news == {}  # its own writes are no news
+        (tmp_path / f"{keys[0].hex()}.kv").unlink()  # another core's eviction
+        wait_for(lambda: not b.knows(keys[0]))
+        assert b.report().news == {keys[0]: False}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_another_engine_core_hits_what_one_stored_after_it_started(folder, tmp_path):
+    """Two engines on one disk tier, the second started before the first computed the
+    prompt: the second's first request of it loads the first's blocks, same answer."""
+    later = engine(folder, tmp_path / "kv")
+    first = engine(folder, tmp_path / "kv")
+    want = answer(first)
+    first.close()  # its blocks written out
+    written = [bytes.fromhex(path.stem) for path in (tmp_path / "kv").glob("*/*.kv")]
+    assert len(written) == 4
+    disk = later.engine.core.executor.worker.tier
+    wait_for(lambda: all(map(disk.knows, written)))
+    tokens, logprobs = answer(later)
+    assert tiers(later).hit_blocks == 4 and tokens == want[0]
+    assert logprobs == pytest.approx(want[1], abs=1e-5)
+    later.close()
 
 
 def test_a_folder_that_cannot_be_made_is_refused_by_its_flag(folder, tmp_path):

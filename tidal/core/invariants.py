@@ -56,6 +56,10 @@ class SchedulerStats:
     tier_stored_blocks: int = 0
     tier_failed_blocks: int = 0
     tier_load_ms: float = 0.0
+    # with host memory above the disk: the blocks of tier_blocks it holds, and of
+    # tier_hit_blocks those it served
+    tier_memory_blocks: int = 0
+    tier_memory_hit_blocks: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -101,26 +105,30 @@ def tier_stats(tiers: "KVTiers") -> dict:
     return dict(tier_capacity=tiers.index.capacity, tier_blocks=len(tiers.index),
                 tier_hit_blocks=tiers.hit_blocks,
                 tier_stored_blocks=tiers.stored_blocks, tier_failed_blocks=tiers.failed_blocks,
-                tier_load_ms=tiers.load_seconds * 1000)
+                tier_load_ms=tiers.load_seconds * 1000, tier_memory_blocks=tiers.memory_blocks,
+                tier_memory_hit_blocks=tiers.memory_hit_blocks)
 
 
 def _check_tier(s: "Scheduler") -> None:
     """The tier below the pool (docs/design/kv-tiers.md): its index within its capacity; a
-    request's blocks that are loading held by it alone, never free nor published, and no
-    step computes a loading request (nothing reads its blocks before they are loaded)."""
-    kv, pool = s.kv, s.kv.pool
+    request's blocks that are loading held by it alone, never free nor published; a
+    request loading inline is running and loads in the last plan, and no step computes a
+    request loading beside it (nothing reads its blocks before they are loaded)."""
+    kv, pool, out = s.kv, s.kv.pool, s.last_output
     _require(len(kv.tiers.index) <= kv.tiers.index.capacity, "the tier holds too many blocks")
-    loading = {rid for rid, r in s.transferring.items() if r.tier_loading}
-    for rid in loading:
+    inline = {x.request_id: x.block_ids for x in out.kv_loads if x.inline} if out else {}
+    beside = {rid for rid, r in s.transferring.items() if r.tier_loading}
+    for rid in beside | {r.request_id for r in s.running if r.tier_loading}:
         table, keys = kv.tables[rid], s.requests[rid].tier_loading
-        for b in table[len(table) - len(keys):]:
+        _require(rid in beside or rid in inline,
+                 lambda: f"{rid}: running while loading, not inline in the last plan")
+        for b in inline.get(rid) or table[len(table) - len(keys):]:
             block = pool.blocks[b]
             _require(block.ref_cnt == 1 and block.block_hash is None,
                      lambda: f"{rid}: block {b} is loading but shared, free or published")
-    out = s.last_output
-    _require(out is None or not any(x.request_id in loading for x in out.scheduled),
-             "a step computes a request whose blocks are still loading")
-    for r in chain(s.running, s.waiting, s.preempted.values()):
+    _require(out is None or not any(x.request_id in beside for x in out.scheduled),
+             "a step computes a request whose blocks are still loading beside it")
+    for r in chain(s.waiting, s.preempted.values()):
         _require(not r.tier_loading, lambda: f"{r}: loading blocks but not waiting for them")
 
 
@@ -211,9 +219,12 @@ def check_invariants(s: "Scheduler") -> None:
         _require(len(set(x.request_id for x in out.scheduled)) == len(out.scheduled),
                  f"step {out.step} scheduled a request twice")
     if out is not None:
+        # a request whose inline load failed was left out of its step: it waits again
+        left_out = {x.request_id for x in out.kv_loads if x.inline}
         for x in out.scheduled:  # its blocks must not have been given away in the same plan
             _require(x.is_prefill or x.num_new_tokens - 1 <= s.config.num_speculative_tokens,
                      lambda: f"step {out.step}: a decode of {x.num_new_tokens} positions")
             r = s.requests.get(x.request_id)
-            _require(r is None or r.status in (RequestStatus.RUNNING, RequestStatus.TRANSFERRING),
+            _require(r is None or r.status in (RequestStatus.RUNNING, RequestStatus.TRANSFERRING)
+                     or (x.request_id in left_out and r.status is RequestStatus.WAITING),
                      lambda: f"step {out.step} scheduled {r}, which no longer holds its blocks")

@@ -5,18 +5,23 @@ bounded), the stores to plan, and what loading costs.
 The protocol (docs/design/kv-tiers.md): a block published to the prefix cache is stored
 too (its KV copied by the runner at the start of the next step, before any forward pass
 can overwrite it, and written out by a thread). A waiting request whose prefix continues
-in the tier past the pool's hit is admitted as a load: it takes fresh blocks for those
-blocks and waits in `transferring`, computing nothing, while the runner reads them in the
-step that carries the load (which no forward pass of that step reads). The step's result
-says how many leading blocks loaded whole; the request then publishes them, gives its
-blocks back and rejoins the head of the waiting queue, where the one admission path finds
-them as an ordinary prefix hit. A block that failed to load is computed instead."""
+in the tier past the pool's hit, where loading is predicted faster than computing, loads:
+- inline, when it is admitted: its step reads those blocks before its forward pass, which
+  computes the rest of the prompt (they are published only once the step returns). A
+  request whose load fails is left out of that pass and rejoins the waiting queue.
+- beside a step, when it waits for room (the head of the queue) or the executor runs a
+  step ahead: it takes fresh blocks and waits in `transferring`, computing nothing, while
+  the runner reads them beside a step that reads none of them.
+The step's result says how many leading blocks loaded whole; those are published, and a
+request that rejoins the queue finds them as an ordinary prefix hit. A block that failed
+to load is computed instead; a request loads at most once."""
 
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING, Hashable, Iterable
 
@@ -26,7 +31,7 @@ from tidal.core.step_time import StepShape
 
 if TYPE_CHECKING:
     from tidal.core.budget import StepPlan
-    from tidal.core.outputs import ModelOutput
+    from tidal.core.outputs import ModelOutput, SchedulerOutput
     from tidal.core.request import Request
     from tidal.core.scheduler import Scheduler
 
@@ -73,6 +78,17 @@ class TierIndex:
         self._keys.pop(key, None)
 
 
+@dataclass
+class TierReport:
+    """What the tiers below the pool tell the scheduler before each plan and after each
+    step: blocks another process wrote to the disk tier (True) or deleted from it (False),
+    and, with host memory above the disk, the blocks it holds and the loads it served."""
+
+    news: dict[bytes, bool] = field(default_factory=dict)
+    memory_blocks: int = 0
+    memory_hits: int = 0
+
+
 class KVTiers:
     """The scheduler's side of the tier below its pool (one per KV cache manager): which
     blocks it holds (`index`), the stores the next step carries (`take_stores`), and the
@@ -86,6 +102,8 @@ class KVTiers:
         self.hit_blocks = 0  # blocks loaded whole
         self.failed_blocks = 0  # loads that failed (missing or corrupt): computed instead
         self.stored_blocks = 0  # blocks planned to store
+        self.memory_blocks = 0  # of which host memory above the disk holds (TierReport)
+        self.memory_hit_blocks = 0  # of the blocks loaded, those host memory served
 
     def keys(self, request: "Request", num_blocks: int) -> list[bytes]:
         """Tier keys of the request's first `num_blocks` full blocks, memoised in
@@ -109,6 +127,16 @@ class KVTiers:
     def pending(self) -> bool:
         """Whether stores wait for a step to carry them."""
         return bool(self._stores)
+
+    def learn(self, report: TierReport) -> None:
+        """The tiers' report: blocks another process wrote to the tier (held now, most
+        recent) or deleted from it, and host memory's figures."""
+        for key, held in report.news.items():
+            if held:
+                self.index.add(key)
+            else:
+                self.index.discard(key)
+        self.memory_blocks, self.memory_hit_blocks = report.memory_blocks, report.memory_hits
 
     def take_stores(self) -> list[tuple[int, bytes]]:
         stores, self._stores = self._stores, []
@@ -149,27 +177,45 @@ class KVTiers:
                                  else 0.8 * self.load_seconds + 0.2 * per_block)
 
 
-def admit_load(sched: "Scheduler", plan: "StepPlan", r: "Request", hit: list,
-               reserved: float, margin: int) -> bool:
-    """Admit a fresh request as a load, if the tier below the pool holds its prefix past
-    the pool's `hit` and loading it is predicted faster than computing it: fresh blocks for
-    those blocks (within the reservation and margin an admission keeps), a `KVLoad` in the
-    plan, and the request waits in `transferring`, computing nothing, until `loads_done`."""
+def tier_run(sched: "Scheduler", r: "Request", hit: list) -> list[bytes]:
+    """Keys of the request's blocks past the pool's `hit` that the tier holds, where
+    loading them is predicted faster than computing them (else none)."""
     kv, bs = sched.kv, sched.block_size
     keys = kv.match_tier(r, len(hit))
     if not keys:
-        return False
+        return []
     model = sched.step_time
     recompute = (model.shape_time(StepShape().add(len(keys) * bs, len(hit) * bs))
                  if model is not None else 0.0)
-    if not kv.tiers.worth_loading(len(keys), recompute):
-        return False
-    if not sched._allocate(r, len(keys) * bs, hit, reserved, margin):
+    return keys if kv.tiers.worth_loading(len(keys), recompute) else []
+
+
+def loads_inline(sched: "Scheduler", r: "Request") -> bool:
+    """Whether an admitted request loads inline: not where the executor runs a step ahead
+    (that step was planned before this one's loads are known), nor for a prompt whose KV
+    arrives from a prefill instance."""
+    return not sched.config.executor_ahead and not r.remote_prefill
+
+
+def load_inline(plan: "StepPlan", r: "Request", block_ids: list[int],
+                keys: list[bytes]) -> None:
+    """An admitted request's tier blocks (`block_ids`, just allocated after its pool hit)
+    load before its step's forward pass."""
+    r.tier_loading = keys
+    plan.out.kv_loads.append(KVLoad(r.request_id, block_ids, keys, inline=True))
+
+
+def admit_load(sched: "Scheduler", plan: "StepPlan", r: "Request", hit: list,
+               keys: list[bytes], reserved: float, margin: int) -> bool:
+    """Admit a fresh request as a load beside the step, if fresh blocks for `keys` fit
+    within the reservation and margin an admission keeps: a `KVLoad` in the plan, and the
+    request waits in `transferring`, computing nothing, until `loads_done`."""
+    if not sched._allocate(r, len(keys) * sched.block_size, hit, reserved, margin):
         return False
     r.tier_loading = keys
     r.status = RequestStatus.TRANSFERRING
     sched.transferring[r.request_id] = r
-    plan.out.kv_loads.append(KVLoad(r.request_id, kv.block_ids(r.request_id)[len(hit):],
+    plan.out.kv_loads.append(KVLoad(r.request_id, sched.kv.block_ids(r.request_id)[len(hit):],
                                     keys))
     return True
 
@@ -187,28 +233,41 @@ def prefetch(sched: "Scheduler", plan: "StepPlan") -> None:
     if r.tier_loading is not None or (r.lora is not None and r.lora not in held):
         return
     margin = int(sched.config.safety_margin * sched.kv.num_blocks)
-    if admit_load(sched, plan, r, sched.kv.match_prefix(r), plan.reserved_tokens, margin):
+    hit = sched.kv.match_prefix(r)
+    keys = tier_run(sched, r, hit)
+    if keys and admit_load(sched, plan, r, hit, keys, plan.reserved_tokens, margin):
         sched.waiting.remove(r)
 
 
-def loads_done(sched: "Scheduler", result: "ModelOutput") -> None:
-    """A step's loads came back: each loading request publishes the blocks that loaded
-    whole, gives its blocks back (the failed one and any after it were never published)
-    and rejoins the head of the waiting queue, where the one admission path finds the
-    loaded blocks as a prefix hit and computes the rest. It never loads again."""
-    tiers = sched.kv.tiers
+def loads_done(sched: "Scheduler", out: "SchedulerOutput", result: "ModelOutput") -> None:
+    """A step's loads came back (one the result lacks failed at its first block): the
+    blocks that loaded whole are the tier's hit and are published. A request whose inline
+    load loaded whole goes on running; any other gives its blocks back and rejoins the
+    head of the waiting queue, where the one admission path finds the loaded blocks as a
+    prefix hit and computes the rest. It never loads again."""
+    tiers, kv = sched.kv.tiers, sched.kv
     tiers.timed(sum(result.kv_loaded.values()), result.kv_load_seconds)
     rejoined = []
-    for rid, whole in result.kv_loaded.items():
-        r = sched.transferring.get(rid)
+    for load in out.kv_loads:
+        rid = load.request_id
+        r = sched.requests.get(rid)
         if r is None or not r.tier_loading:
-            continue  # aborted meanwhile: its blocks went back then
+            continue  # finished or aborted meanwhile: its blocks went back then
+        whole = result.kv_loaded.get(rid, 0)
         keys, r.tier_loading = r.tier_loading, []
         tiers.loaded(keys, whole)
-        del sched.transferring[rid]
-        held = len(sched.kv.block_ids(rid)) - len(keys) + whole
-        sched.kv.cache_computed(r, held * sched.block_size)
-        sched.kv.free(r)
+        kv.cache_computed(r, (kv.block_ids(rid).index(load.block_ids[0]) + whole)
+                          * sched.block_size)
+        if r.status is RequestStatus.RUNNING:
+            if whole == len(keys):
+                continue  # its step computed the rest of its prompt
+            sched.running.remove(r)  # left out of its step's forward pass
+            if sched.active_prefill is r:
+                sched.active_prefill = None
+            r.num_computed_tokens = r.prefill_target = 0
+        else:
+            del sched.transferring[rid]
+        kv.free(r)
         r.status = RequestStatus.WAITING
         rejoined.append(r)
     sched.waiting[:0] = rejoined  # in the order they were admitted to load

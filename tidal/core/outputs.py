@@ -43,12 +43,15 @@ def new_request(r: Request) -> NewRequest:
 
 
 class KVLoad(msgspec.Struct, array_like=True, gc=False):
-    """Blocks of one request to read from the tier below the pool, in order, before the
-    step's result is returned (no forward pass of the step reads them)."""
+    """Blocks of one request to read from the tier below the pool, in order. `inline`: read
+    before the step's forward pass, which computes the rest of the request's prompt (a
+    request whose load fails is left out of that pass); otherwise read beside the step,
+    before its result is returned (no forward pass of the step reads them)."""
 
     request_id: str
     block_ids: list[int]
     keys: list[bytes]
+    inline: bool = False
 
 
 class SchedulerOutput(msgspec.Struct):

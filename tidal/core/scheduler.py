@@ -16,7 +16,8 @@ from tidal.core.config import SchedulerConfig
 from tidal.core.forks import fork_siblings
 from tidal.core.invariants import SchedulerStats, check_invariants, collect_stats
 from tidal.core.kv_cache_manager import KVCacheManager, cdiv
-from tidal.core.kv_tiers import admit_load, loads_done, prefetch
+from tidal.core.kv_tiers import (admit_load, load_inline, loads_done, loads_inline,
+                                  prefetch, tier_run)
 from tidal.core.lora import AdapterSlots
 from tidal.core.outputs import (ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput,
                                 new_request)
@@ -295,7 +296,10 @@ class Scheduler:
         if fresh and not self.loras.claim(plan.adapters, r):
             return Admission.NO_ADAPTER_SLOT  # (a claim that fails below ends the loop)
         hit = self.kv.match_prefix(r) if fresh else []
-        computed = len(hit) * self.block_size if fresh else r.num_computed_tokens
+        keys = tier_run(self, r, hit) if fresh and self.kv.tiers else []
+        inline = bool(keys) and loads_inline(self, r)  # its tier blocks count as computed
+        computed = ((len(hit) + len(keys) * inline) * self.block_size if fresh
+                    else r.num_computed_tokens)
         remaining = (r.num_tokens if fresh else r.prefill_target) - computed
         num_new = self._chunk_size(plan, r, computed, remaining)
         if num_new == 0:
@@ -309,14 +313,18 @@ class Scheduler:
             own = self.ratio.reserved_tokens((r,))
         reserved = plan.reserved_tokens + own
         margin = int(self.config.safety_margin * self.kv.num_blocks) if fresh and others else 0
-        if fresh and self.kv.tiers and admit_load(self, plan, r, hit, reserved, margin):
-            return Admission.ADMITTED  # its prefix loads from the tier below the pool first
-        if not self._allocate(r, self.role.blocks_for(num_new, remaining), hit, reserved,
-                              margin):
+        if keys and not inline and admit_load(self, plan, r, hit, keys, reserved, margin):
+            return Admission.ADMITTED  # its prefix loads beside the step, then it rejoins
+        loading = len(keys) * inline * self.block_size
+        if not self._allocate(r, loading + self.role.blocks_for(num_new, remaining), hit,
+                              reserved, margin):
             return Admission.NO_MEMORY
         plan.reserved_tokens = reserved
         if fresh:
             self._start(r, computed)
+            if inline:
+                table = self.kv.block_ids(r.request_id)
+                load_inline(plan, r, table[len(hit):len(hit) + len(keys)], keys)
         self._commit(plan, r, computed, num_new, chunked, fresh)
         return Admission.ADMITTED
 
@@ -385,8 +393,8 @@ class Scheduler:
         acks = result.preempted_ack if self.config.executor_ahead else out.preempted_ids
         for rid in acks:
             self._on_preempt_ack(rid)
-        if result.kv_loaded:
-            loads_done(self, result)
+        if out.kv_loads:
+            loads_done(self, out, result)
         outputs, self._pending_outputs = self._pending_outputs, []
         requests, sampled, proposed, bs = (self.requests, result.sampled, result.proposed,
                                            self.block_size)

@@ -269,7 +269,15 @@ class EngineCore:
             self._pending = (out, self._pool.submit(self._execute, out))
         return done
 
+    def _learn_tiers(self) -> None:
+        """The tiers' report: before each plan (what other cores of this machine wrote to
+        the disk tier), and after each step (host memory's figures, for the stats)."""
+        tiers = self.scheduler.kv.tiers
+        if tiers is not None:
+            tiers.learn(self.executor.tier_report())
+
     def _schedule(self) -> SchedulerOutput:
+        self._learn_tiers()
         out = self.scheduler.schedule()
         self.new_transfers.extend(out.transfer_ids)
         return out
@@ -319,6 +327,7 @@ class EngineCore:
         failed = [o for rid, why in result.failed.items() for o in self.fail(rid, why)]
         self.generation_tokens += sum(len(t) for t in result.sampled.values())
         outputs = failed + self.scheduler.update(out, result)
+        self._learn_tiers()
         if result.logprobs or result.prompt_logprobs or result.embeddings:
             attach_row_data(outputs, result)  # a step without them pays nothing
         return outputs

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
+from tidal.core.kv_tiers import TierReport
 from tidal.engine.worker import Worker, WorkerInfo
 
 
@@ -47,6 +48,11 @@ class Executor(Protocol):
     def touch_kv_cache(self, block_ids: list[int]) -> None:
         """Write the pages of the workers' KV blocks `block_ids` (the step-time profile times
         steps over contexts nobody wrote: `KVCache.touch`)."""
+        ...
+
+    def tier_report(self) -> TierReport:
+        """Blocks other engine cores wrote to the disk tier or deleted since the last call;
+        host memory's figures (`KVTiers.learn`)."""
         ...
 
     def adapters(self) -> dict[str, str] | None: ...
@@ -86,6 +92,9 @@ class LocalExecutor:
 
     def touch_kv_cache(self, block_ids: list[int]) -> None:
         self.worker.touch_kv_cache(block_ids)
+
+    def tier_report(self) -> TierReport:
+        return self.worker.tier_report()
 
     def adapters(self) -> dict[str, str] | None:
         return self.worker.adapters()

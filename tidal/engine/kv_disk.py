@@ -3,7 +3,9 @@
 so a restarted server and the other engine cores of this machine find them. Files are
 written by a thread, atomically (a temporary name, then rename), and each carries a
 checksum: a truncated or corrupt file is found on reading, deleted and never served. The
-folder keeps within its size, least recently written first."""
+folder keeps within its size, least recently written first. The writer thread rescans the
+folder when it changed (at most once a second), so blocks another engine core of this
+machine wrote, or deleted, since this one started reach this core's index (`news`)."""
 
 from __future__ import annotations
 
@@ -12,14 +14,18 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
+
+from tidal.core.kv_tiers import TierReport
 
 log = logging.getLogger("tidal.engine")
 
 MAGIC = b"TKV1"
 KEY_BYTES, SUM_BYTES = 16, 16
 HEADER = len(MAGIC) + KEY_BYTES + 8 + SUM_BYTES  # magic, key, payload length, checksum
+RESCAN_SECONDS = 1.0  # a listing of the folder costs ~1 ms per 1,000 blocks
 
 
 def tier_folder(root: str | os.PathLike, identity: dict) -> Path:
@@ -46,16 +52,18 @@ class DiskKVTier:
         except OSError as e:
             raise ValueError(f"--kv-cache-dir: cannot make the disk tier's folder "
                              f"{folder}: {e.strerror or e}") from None
+        self._listed = _mtime(folder)  # the folder's change time at its last listing
         found = sorted(folder.glob("*.kv"), key=_mtime)  # oldest first
-        self._files: OrderedDict[bytes, None] = OrderedDict()
+        self._files: OrderedDict[bytes, None] = OrderedDict()  # only the writer changes it
         for path in found:
-            try:
-                self._files[bytes.fromhex(path.stem)] = None
-            except ValueError:
-                continue  # not one of ours
+            key = _key(path.name)
+            if key is not None:
+                self._files[key] = None
         self._trim()
         self._lock = threading.Lock()
         self._pending: dict[bytes, bytes] = {}  # stored, not yet written: loads read these
+        self._news: dict[bytes, bool] = {}  # others' blocks found (True) or gone (False)
+        self._next_scan = time.monotonic() + RESCAN_SECONDS
         self._queue: queue.Queue[bytes | None] = queue.Queue()
         self.written = self.load_failures = 0
         self._writer = threading.Thread(target=self._write_loop, name="tidal-kv-disk",
@@ -67,6 +75,17 @@ class DiskKVTier:
     def keys(self) -> list[bytes]:
         """The blocks on disk, least recently written first."""
         return list(self._files)
+
+    def knows(self, key: bytes) -> bool:
+        """Whether the block is on disk, as of this tier's last write or listing."""
+        return key in self._files
+
+    def report(self) -> TierReport:
+        """Blocks other processes wrote (True) or deleted (False) on this folder since the
+        last call, found by the writer thread's listings."""
+        with self._lock:
+            news, self._news = self._news, {}
+        return TierReport(news)
 
     def store(self, key: bytes, data: bytes) -> None:
         with self._lock:
@@ -105,7 +124,15 @@ class DiskKVTier:
         return self.folder / f"{key.hex()}.kv"
 
     def _write_loop(self) -> None:
-        while (key := self._queue.get()) is not None:
+        while True:
+            try:
+                key = self._queue.get(timeout=RESCAN_SECONDS)
+            except queue.Empty:
+                key = b""  # idle: a listing may be due
+            if key is None:
+                return
+            if time.monotonic() >= self._next_scan:
+                self._rescan()
             with self._lock:
                 data = self._pending.get(key)
             if data is None:
@@ -116,6 +143,30 @@ class DiskKVTier:
                 log.warning("KV disk tier: could not write a block: %s", e)
             with self._lock:
                 self._pending.pop(key, None)
+
+    def _rescan(self) -> None:
+        """List the folder if it changed since the last listing: blocks other processes
+        wrote join this tier (newest), those they deleted leave it, and both are news."""
+        self._next_scan = time.monotonic() + RESCAN_SECONDS
+        changed = _mtime(self.folder)  # read before listing: a later change shows next time
+        if changed == self._listed:
+            return
+        self._listed = changed
+        try:
+            on_disk = {k for e in os.scandir(self.folder) if (k := _key(e.name)) is not None}
+        except OSError:
+            return
+        news = {k: False for k in self._files if k not in on_disk}
+        for key in news:
+            del self._files[key]
+        for key in on_disk.difference(self._files):
+            self._files[key] = None
+            news[key] = True
+        for key in self._trim():
+            news[key] = False
+        if news:
+            with self._lock:
+                self._news.update(news)
 
     def _write(self, key: bytes, data: bytes) -> None:
         if len(data) != self.block_bytes:
@@ -131,14 +182,29 @@ class DiskKVTier:
         self.written += 1
         self._trim()
 
-    def _trim(self) -> None:
+    def _trim(self) -> list[bytes]:
+        """Delete the least recently written blocks past the capacity; their keys."""
+        gone = []
         while len(self._files) > self.capacity:
             old, _ = self._files.popitem(last=False)
             self._path(old).unlink(missing_ok=True)
+            gone.append(old)
+        return gone
 
 
-def _mtime(path: Path) -> float:
+def _key(name: str) -> bytes | None:
+    """The key of a block file's name (None: a temporary file, or not one of ours)."""
+    if name.startswith(".") or not name.endswith(".kv"):
+        return None
     try:
-        return path.stat().st_mtime
+        key = bytes.fromhex(name[:-3])
+    except ValueError:
+        return None
+    return key if len(key) == KEY_BYTES else None
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
     except OSError:
-        return 0.0
+        return 0

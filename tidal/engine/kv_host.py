@@ -11,6 +11,8 @@ from collections import OrderedDict
 
 import torch
 
+from tidal.core.kv_tiers import TierReport
+
 log = logging.getLogger("tidal.engine")
 
 
@@ -27,6 +29,7 @@ class HostKVTier:
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # key -> arena row, LRU first
         self._free = list(range(slots))
         self._lock = threading.Lock()  # stores on the step's thread, loads on the loader's
+        self.hits = 0  # loads served from memory
         self.capacity = max(slots, below.capacity if below is not None else 0)  # the index's
         log.info("KV host tier: room for %d blocks of %.1f KiB (%.2f GiB%s)", slots,
                  block_bytes / 1024, slots * block_bytes / 2**30, ", pinned" if pinned else "")
@@ -54,11 +57,20 @@ class HostKVTier:
             slot = self._slots.get(key)
             if slot is not None:
                 self._slots.move_to_end(key)
+                self.hits += 1
                 return self.arena[slot]
         data = self.below.load(key) if self.below is not None else None
         if data is not None:
             self._keep(key, data)  # the next hit of this block is served from memory
         return data
+
+    def report(self) -> TierReport:
+        """The disk's news (but for blocks this tier still holds), the blocks held here
+        and the loads served from here."""
+        news = self.below.report().news if self.below is not None else {}
+        with self._lock:
+            return TierReport({k: v for k, v in news.items() if v or k not in self._slots},
+                              len(self._slots), self.hits)
 
     def close(self) -> None:
         if self.below is not None:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
+from tidal.core.kv_tiers import TierReport
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import ExecutorDead
 from tidal.engine.kv_cache import kv_message, kv_tensor
@@ -208,6 +209,9 @@ class TensorParallelExecutor:
 
     def touch_kv_cache(self, block_ids: list[int]) -> None:
         self._call("touch_kv_cache", block_ids)
+
+    def tier_report(self) -> TierReport:
+        return TierReport()  # the tiers below the pool are refused with ranks (EngineConfig)
 
     def adapters(self) -> dict[str, str] | None:
         return self.worker.adapters()

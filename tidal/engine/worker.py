@@ -11,9 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 from tidal.core import ModelOutput, SamplingParams, SchedulerConfig, SchedulerOutput
+from tidal.core.kv_tiers import TierReport
 from tidal.core.outputs import KVLoad
 from tidal.engine.config import EngineConfig, LoRAConfig, ModelConfig, SpeculativeConfig
 from tidal.engine.decode_graphs import CudaGraphCapture
@@ -203,17 +205,27 @@ class Worker:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         """Store the step's blocks to the tiers below the pool, copy its blocks
-        (copy-on-write of shared prefixes), then run it, loading its blocks from the tiers
-        meanwhile."""
+        (copy-on-write of shared prefixes), load its inline blocks from the tiers, then run
+        it (without a request whose inline load failed), loading its other blocks from the
+        tiers meanwhile."""
         if out.kv_stores:  # before any copy or forward pass can overwrite them
             for (_, key), data in zip(out.kv_stores, self.kv.block_bytes(
                     [b for b, _ in out.kv_stores])):
                 self.tier.store(key, data)
         self._copy_blocks(out)
-        loading = self._loader.submit(self._load_blocks, out.kv_loads) if out.kv_loads else None
-        result = self.runner.execute(out)
+        loaded, seconds = self._load_blocks([x for x in out.kv_loads if x.inline])
+        failed = {x.request_id for x in out.kv_loads if x.inline
+                  and loaded[x.request_id] < len(x.keys)}
+        beside = [x for x in out.kv_loads if not x.inline]
+        loading = self._loader.submit(self._load_blocks, beside) if beside else None
+        result = self.runner.execute(msgspec.structs.replace(out, scheduled=[
+            x for x in out.scheduled if x.request_id not in failed]) if failed else out)
         if loading is not None:
-            result.kv_loaded, result.kv_load_seconds = loading.result()
+            more, more_seconds = loading.result()
+            loaded.update(more)
+            seconds += more_seconds
+        if out.kv_loads:
+            result.kv_loaded, result.kv_load_seconds = loaded, seconds
         return result
 
     def _load_blocks(self, loads: list[KVLoad]) -> tuple[dict[str, int], float]:
@@ -230,6 +242,11 @@ class Worker:
                 whole += 1
             loaded[load.request_id] = whole
         return loaded, time.perf_counter() - t0
+
+    def tier_report(self) -> TierReport:
+        """Blocks other engine cores wrote to the disk tier's folder or deleted since the
+        last call; host memory's figures."""
+        return self.tier.report() if self.tier is not None else TierReport()
 
     def close(self) -> None:
         """Write the disk tier's pending blocks out."""  # the host tier's die with it

@@ -96,24 +96,30 @@ class _CoreCollector:
         if block:  # every core's pool, in its --kv-cache-dtype
             yield self._family(GaugeMetricFamily, "tidal:kv_cache_bytes", "Bytes of the KV "
                                "pools' blocks (every layer's K and V).", block * s.num_blocks)
-        # the tiers below the pool, named by the lowest: the disk (host memory above it is
-        # its cache), or host memory alone
+        # the tiers below the pool, named by the lowest: the disk (host memory above it
+        # caches it: every block is on disk too), or host memory alone
         tier = (None if config is None else "disk" if config.model.kv_cache_dir is not None
                 else "host" if config.model.kv_host_memory else None)
         if tier is not None:
-            where = f"the {tier} tier" + (" (and host memory above it)"
-                                          if tier == "disk" and config.model.kv_host_memory
-                                          else "")
+            where = f"the {tier} tier"
+            above = tier == "disk" and config.model.kv_host_memory
             gauges = [(f"tidal:kv_{tier}_blocks", f"KV blocks {where} holds.", s.tier_blocks),
                       (f"tidal:kv_{tier}_bytes", f"Bytes of KV {where} holds (file headers "
                        "aside).", s.tier_blocks * block),
                       (f"tidal:kv_{tier}_load_seconds_per_block", "Seconds a block takes to "
-                       f"load from {where} (a moving average).", s.tier_load_ms / 1000)]
+                       "load from the tiers (a moving average).", s.tier_load_ms / 1000)]
+            if above:
+                gauges += [("tidal:kv_host_blocks", "KV blocks host memory above the disk "
+                            "holds.", s.tier_memory_blocks),
+                           ("tidal:kv_host_bytes", "Bytes of KV host memory above the disk "
+                            "holds.", s.tier_memory_blocks * block)]
+                counters.append(("tidal:kv_host_loaded_blocks", "KV blocks loaded whole "
+                                 "from host memory above the disk.", s.tier_memory_hit_blocks))
             for name, doc, value in gauges:
                 yield self._family(GaugeMetricFamily, name, doc, value)
             counters += [
                 (f"tidal:kv_{tier}_loaded_blocks", f"KV blocks loaded whole from {where} "
-                 "(prefix hits it served).", s.tier_hit_blocks),
+                 "(prefix hits it served).", s.tier_hit_blocks - s.tier_memory_hit_blocks),
                 (f"tidal:kv_{tier}_stored_blocks", f"KV blocks stored to {where}.",
                  s.tier_stored_blocks),
                 (f"tidal:kv_{tier}_failed_loads", f"Loads from {where} that found a block "

@@ -80,7 +80,7 @@ function corePanel(index, label) {
   return {
     panel, canvas, tbody: table.querySelector("tbody"), last: null,
     rate: {x: [], prompt: [], gen: []}, steps: {x: [], prefill: [], decode: [], accepted: [], ms: [], predicted: []},
-    state: {x: [], ratio: [], usage: []}, tier: {x: [], held: [], loaded: [], stored: []},
+    state: {x: [], ratio: [], usage: []}, tier: {x: [], held: [], loaded: [], stored: [], ms: []},
     slot,
     charts: {
       rate: chart(slot(), "Throughput", "tokens/s", [["prompt", "#f0a030"], ["generated", "#2f8fdc"]]),
@@ -152,13 +152,15 @@ function render(frame) {
     c.steps.predicted.push(step.predicted ? step.predicted * 1000 : null);  // none: no model
   }
   c.state.x.push(t); c.state.ratio.push(s.new_token_ratio); c.state.usage.push(s.kv_usage);
-  if (s.tier_capacity > 0) {  // the disk tier below the pool (--kv-cache-dir)
-    c.charts.tier ??= chart(c.slot(), "Disk tier", "blocks, blocks/s",
-      [["held", "#555"], ["loaded/s", "#30a050"], ["stored/s", "#f0a030"]]);
+  if (s.tier_capacity > 0) {  // the tiers below the pool (--kv-cache-dir, --kv-host-memory)
+    c.charts.tier ??= chart(c.slot(), "KV tier", "blocks, blocks/s, ms",
+      [["held", "#555"], ["loaded/s", "#30a050"], ["stored/s", "#f0a030"],
+       ["load ms a block", "#8a5cd0"]]);
     const dt = c.lastTier && t > c.lastTier.t ? t - c.lastTier.t : null;
     c.tier.x.push(t); c.tier.held.push(s.tier_blocks);
     c.tier.loaded.push(dt ? (s.tier_hit_blocks - c.lastTier.loaded) / dt : 0);
     c.tier.stored.push(dt ? (s.tier_stored_blocks - c.lastTier.stored) / dt : 0);
+    c.tier.ms.push(s.tier_load_ms);
     c.lastTier = {t, loaded: s.tier_hit_blocks, stored: s.tier_stored_blocks};
   }
   for (const series of [c.rate, c.steps, c.state, c.tier]) trim(series, t);
@@ -166,7 +168,9 @@ function render(frame) {
   draw(c.charts.steps, [c.steps.x, c.steps.prefill, c.steps.decode, c.steps.accepted]);
   draw(c.charts.ms, [c.steps.x, c.steps.ms, c.steps.predicted]);
   draw(c.charts.state, [c.state.x, c.state.ratio, c.state.usage]);
-  if (c.charts.tier) draw(c.charts.tier, [c.tier.x, c.tier.held, c.tier.loaded, c.tier.stored]);
+  if (c.charts.tier) {
+    draw(c.charts.tier, [c.tier.x, c.tier.held, c.tier.loaded, c.tier.stored, c.tier.ms]);
+  }
   c.panel.dataset.steps = s.num_steps;
   addLatency(frame);
 }
