@@ -94,9 +94,10 @@ def test_the_flag_is_checked(folder):
 
     with pytest.raises(ValueError, match="kv_host_memory must be >= 0"):
         llm_with(folder, kv_host_memory=-1)
-    with pytest.raises(ValueError, match="--kv-host-memory: the tiers below the pool"):
-        EngineConfig.from_kwargs(model=str(folder), kv_host_memory=1.0,
-                                 tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--kv-host-memory: the tiers below the pool store "
+                       "the model's KV, not a draft"):
+        EngineConfig.from_kwargs(model=str(folder), kv_host_memory=1.0, num_speculative_tokens=2,
+                                 speculative_method="draft", speculative_model=str(folder))
 
 
 @pytest.mark.parametrize("disk", [False, True], ids=["alone", "above-disk"])

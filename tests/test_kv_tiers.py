@@ -244,6 +244,41 @@ def test_an_evicted_prefix_loads_from_disk_with_the_same_tokens_and_logprobs(fol
     again.close()
 
 
+@pytest.mark.parametrize("layout", [
+    {"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "async_scheduling": True},
+    {"pipeline_parallel_size": 2}], ids=["tp2-inline", "tp2-beside", "pp2-in-flight"])
+def test_ranks_and_stages_store_and_load_their_share_of_every_block(folder, tmp_path,
+                                                                    layout):
+    """Each rank (its KV heads) and stage (its layers) keeps its share of every block in a
+    folder of its own: an evicted prefix and a restart load on every rank, with one
+    process's tokens; a block one rank lacks is computed by all."""
+    from tidal.engine.llm import LLM
+
+    plain = LLM(str(folder), num_kv_blocks=12, num_threads=1, dtype="float32")
+    answer(plain)
+    want = answer(plain)  # a pool hit
+    plain.close()
+    layout = {**layout, "dtype": "float32"}  # sums split across ranks: float32 rounding
+    llm = engine(folder, tmp_path / "kv", **layout)
+    answer(llm)
+    llm.generate(OTHERS, GREEDY, use_tqdm=False)  # the prompt's blocks evicted
+    tokens, logprobs = answer(llm)
+    assert tiers(llm).hit_blocks == 4 and tokens == want[0]
+    assert logprobs == pytest.approx(want[1], abs=1e-4)
+    llm.close()
+    shares = sorted((tmp_path / "kv").iterdir())
+    assert len(shares) == 2  # a folder per rank or stage
+    # one rank's copy of the prompt's second block is lost: every rank computes it on
+    first = tier_key(None, tuple(PROMPT["prompt_token_ids"][:16]), None)
+    (shares[1] / f"{tier_key(first, tuple(PROMPT['prompt_token_ids'][16:32]), None).hex()}"
+                  ".kv").unlink()
+    again = engine(folder, tmp_path / "kv", **layout)
+    tokens, logprobs = answer(again)
+    assert tokens == want[0] and logprobs == pytest.approx(want[1], abs=1e-4)
+    assert tiers(again).failed_blocks == 1 and tiers(again).hit_blocks == 1
+    again.close()
+
+
 def test_a_disk_tier_serves_only_engines_of_its_kv_dtype(folder, tmp_path):
     for kv, hits in (("int8", 0), ("auto", 0), ("fp8_e4m3", 0), ("int8", 4)):
         llm = engine(folder, tmp_path / "kv", kv_cache_dtype=kv)

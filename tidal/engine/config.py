@@ -413,12 +413,11 @@ class EngineConfig:
                              f"layer's KV from one rank group for now (--role "
                              f"{self.scheduler.role})")
         tiered = self.model.kv_cache_dir is not None or self.model.kv_host_memory > 0
-        if tiered and (tp * pp > 1 or method == "draft"):
+        if tiered and method == "draft":
             flag = "--kv-cache-dir" if self.model.kv_cache_dir is not None else \
                 "--kv-host-memory"
-            raise ValueError(f"{flag}: the tiers below the pool store one process's whole "
-                             f"KV for now (not with --tensor-parallel-size, "
-                             f"--pipeline-parallel-size or a draft model's KV)")
+            raise ValueError(f"{flag}: the tiers below the pool store the model's KV, not "
+                             f"a draft model's (speculate with ngram or suffix)")
         if method == "draft" and self.scheduler.role != "mixed":
             raise ValueError("a draft model needs the prompt's KV computed by the draft too; "
                              "a P/D pair speculates with ngram or suffix")

@@ -229,7 +229,8 @@ class EngineCore:
         out = self._schedule() if self._to_plan() else None
         started = out is not None and bool(out.scheduled or out.block_copies
                                            or out.new_requests or out.finished_ids
-                                           or out.preempted_ids)
+                                           or out.preempted_ids or out.kv_stores
+                                           or out.kv_loads)
         if started:
             for s in out.scheduled:  # the runner reads them later: tables grow in place
                 s.block_ids = list(s.block_ids)

@@ -156,7 +156,16 @@ class TensorParallelExecutor:
         return results
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        return self._call("execute", out)
+        """Rank 0's output. A step that loads from the tiers below the pool (each rank its
+        share of every block) loads whole only what every rank read: inline loads are
+        read on every rank first (`prepare`), so that all leave the same requests out."""
+        if not out.kv_loads:
+            return self._call("execute", out)
+        agreed = None
+        if any(x.inline for x in out.kv_loads):
+            counts = self._call_each("prepare", [(out,)] * (len(self.conns) + 1))
+            agreed = {rid: min(c.get(rid, 0) for c in counts) for rid in counts[0]}
+        return _all_loaded(self._call_each("execute", [(out, agreed)] * (len(self.conns) + 1)))
 
     # Several steps in flight (pipeline stages): a step is launched on every rank, and
     # completed, oldest first, after later ones were launched.
@@ -172,8 +181,8 @@ class TensorParallelExecutor:
         """Rank 0's output of the oldest step in flight. The others' answers are read up
         to their launch of it: a later launch's answer may wait for this completion, and
         their completion's comes with the next (its failure, if any, fails that one)."""
-        return self._call_each("complete", [()] * (len(self.conns) + 1),
-                               upto=self._launched.popleft())[0]
+        return _all_loaded(self._call_each("complete", [()] * (len(self.conns) + 1),
+                                           upto=self._launched.popleft()))
 
     def forget(self, rid: str, finished: bool = False) -> None:
         self._call("forget", rid, finished)
@@ -211,7 +220,7 @@ class TensorParallelExecutor:
         self._call("touch_kv_cache", block_ids)
 
     def tier_report(self) -> TierReport:
-        return TierReport()  # the tiers below the pool are refused with ranks (EngineConfig)
+        return self.worker.tier_report()  # rank 0's listing stands for every rank's
 
     def adapters(self) -> dict[str, str] | None:
         return self.worker.adapters()
@@ -295,7 +304,19 @@ def _ray_node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
-_RESULTS = ("read_blocks",)  # the calls whose every rank's result rank 0 reads
+# the calls whose every rank's result rank 0 reads (a launch's: the blocks it loaded)
+_RESULTS = ("read_blocks", "prepare", "launch")
+
+
+def _all_loaded(results: list) -> ModelOutput:
+    """Rank 0's output of a step, its loads whole only as far as every rank's (the others
+    answer its execution, or its launch, with their counts alone)."""
+    result = results[0]
+    if result.kv_loaded:
+        result.kv_loaded = {rid: min([whole, *((other or {}).get(rid, 0)
+                                               for other in results[1:])])
+                            for rid, whole in result.kv_loaded.items()}
+    return result
 
 
 def _start_rank(address: tuple[str, int], authkey: bytes, folder: str | None = None,
@@ -385,9 +406,13 @@ def rank_main(host: str, port: int, authkey: bytes, folder: str | None = None,
                 result = getattr(worker, method)(*args)
             except Exception as exc:
                 conn.send((f"{type(exc).__name__}: {exc}", None))
-            else:  # a step's output is rank 0's: the others' would only cost pickling
-                conn.send((None, result if method in _RESULTS else None))
+            else:  # a step's output is rank 0's: the others' would only cost pickling,
+                # but for the blocks each loaded (a load is whole only where all read it)
+                conn.send((None, result if method in _RESULTS else
+                           result.kv_loaded or None if isinstance(result, ModelOutput)
+                           else None))
     finally:  # a later stage's first rank made its stage's shared segment: it removes it
+        worker.close()  # its disk tier's pending blocks written
         group.close()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,13 +144,17 @@ class Worker:
             tier_folder(config.kv_cache_dir, {
                 "model": model_files(folder), "dtype": str(self.dtype), "quantization":
                 quantization, "kv_cache_dtype": kv_format.name,
-                "block": [len(self.kv.layers), *self.kv.layers[0][0].shape[1:]]}),
+                "block": [len(self.kv.layers), *self.kv.layers[0][0].shape[1:]],
+                "shard": None if shard is None else [shard.rank, shard.size, repr(
+                    shard.layers)]}),  # a rank's or stage's share of every block
             self.kv.block_nbytes, int(config.kv_disk_size * 2**30))
         if config.kv_host_memory:  # above the disk tier: its hot blocks in host memory
             self.tier = HostKVTier(self.kv.block_nbytes, int(config.kv_host_memory * 2**30),
                                    pinned=on_gpu, below=disk)
         # loads from it run beside the step's forward pass, which reads none of their blocks
         self._loader = ThreadPoolExecutor(1, "tidal-kv-load") if self.tier else None
+        self._inline_seconds = 0.0  # the last `prepare`'s loads
+        self._loaded: deque = deque()  # launched steps' loads (counts, seconds), oldest first
         phases.done("KV cache")
         if guesser is not None:
             guesser.allocate(num_blocks + 1, block_size)
@@ -203,17 +208,29 @@ class Worker:
 
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
-        """Store the step's blocks to the tiers below the pool, copy its blocks
-        (copy-on-write of shared prefixes), load its inline blocks from the tiers, then run
-        it (without a request whose inline load failed), loading its other blocks from the
-        tiers meanwhile."""
-        if out.kv_stores:  # before any copy or forward pass can overwrite them
+    def prepare(self, out: SchedulerOutput) -> dict[str, int]:
+        """A step's moves before its forward pass: store its blocks to the tiers below the
+        pool (before any copy or forward pass can overwrite them), copy its blocks
+        (copy-on-write of shared prefixes), then load its inline blocks from the tiers; how
+        many leading blocks each inline load read whole."""
+        if out.kv_stores:
             for (_, key), data in zip(out.kv_stores, self.kv.block_bytes(
                     [b for b, _ in out.kv_stores])):
                 self.tier.store(key, data)
         self._copy_blocks(out)
-        loaded, seconds = self._load_blocks([x for x in out.kv_loads if x.inline])
+        loaded, self._inline_seconds = self._load_blocks([x for x in out.kv_loads
+                                                          if x.inline])
+        return loaded
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, loaded: dict[str, int] | None = None
+                ) -> ModelOutput:
+        """`prepare` the step (unless an executor did, on every rank, and passes the inline
+        loads' counts its ranks agree on), then run it without a request whose inline load
+        failed, loading its other blocks from the tiers meanwhile."""
+        if loaded is None:
+            loaded = self.prepare(out)
+        seconds = self._inline_seconds
         failed = {x.request_id for x in out.kv_loads if x.inline
                   and loaded[x.request_id] < len(x.keys)}
         beside = [x for x in out.kv_loads if not x.inline]
@@ -222,7 +239,7 @@ class Worker:
             x for x in out.scheduled if x.request_id not in failed]) if failed else out)
         if loading is not None:
             more, more_seconds = loading.result()
-            loaded.update(more)
+            loaded = {**loaded, **more}
             seconds += more_seconds
         if out.kv_loads:
             result.kv_loaded, result.kv_load_seconds = loaded, seconds
@@ -254,15 +271,28 @@ class Worker:
             self.tier.close()
             self._loader.shutdown()
 
-    def launch(self, out: SchedulerOutput) -> None:
+    def launch(self, out: SchedulerOutput) -> dict[str, int] | None:
         """`execute`'s start: its output is a later `complete`'s, steps completing in the
-        order they started (pipeline stages keep several in flight)."""
-        self._copy_blocks(out)
-        self.runner.launch(out)
+        order they started (pipeline stages keep several in flight). Its loads are all
+        beside it (a step ahead plans none inline), read while this rank's forward pass
+        runs: how many blocks each loaded whole (for rank 0, before the completion)."""
+        self.prepare(out)
+        loading = (self._loader.submit(self._load_blocks, out.kv_loads) if out.kv_loads
+                   else None)
+        try:
+            self.runner.launch(out)
+        finally:
+            loaded = loading.result() if loading is not None else None
+        self._loaded.append(loaded)
+        return loaded[0] if loaded is not None else None
 
     def complete(self) -> ModelOutput:
         """The output of the oldest step launched and not yet completed."""
-        return self.runner.complete(self.runner.launched[0])
+        loaded = self._loaded.popleft()
+        result = self.runner.complete(self.runner.launched[0])
+        if loaded is not None:
+            result.kv_loaded, result.kv_load_seconds = loaded
+        return result
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
         if out.block_copies:
