@@ -21,6 +21,7 @@ class IncrementalDetokenizer:
         self.read = 0  # ids already turned into text
         self.emitted = 0  # chars of text already returned
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string the text was cut at
         self._hold = max((len(s) for s in stop), default=1) - 1  # chars a stop may still span
 
     def add(self, token_ids: list[int]) -> str:
@@ -44,9 +45,10 @@ class IncrementalDetokenizer:
         return new
 
     def _cut_at_stop(self, start: int) -> None:
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, self.stop_string = min(hits, key=lambda h: h[0])
+            self.text = self.text[:at]
             self.stopped = True
 
     def flush(self) -> str:

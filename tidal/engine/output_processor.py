@@ -74,5 +74,6 @@ class OutputProcessor:
                 self._ended(o.request_id, root)
             updates.append(StepUpdate(o.request_id, root, index, o.new_token_ids, text,
                                       finished, reason, message, o.logprobs,
-                                      o.prompt_logprobs, o.embedding))
+                                      o.prompt_logprobs, o.embedding,
+                                      detok.stop_string if finished else None))
         return updates, stopped

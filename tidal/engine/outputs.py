@@ -24,6 +24,7 @@ class StepUpdate:
     # which has no context.
     prompt_logprobs: list[PromptLogprob | None] | None = None
     embedding: list[float] | None = None  # SamplingParams.embed: with the first token
+    stop_string: str | None = None  # with finish_reason "stop": the stop string met, if one
 
 
 @dataclass

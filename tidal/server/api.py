@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tidal import __version__
 from tidal.runtime.client import CoreClient
 from tidal.server.config import ServerConfig
+from tidal.server.anthropic.routes import routes as anthropic_routes
 from tidal.server.dashboard import routes as dashboard_routes
 from tidal.server.errors import authorized, install_docs, install_error_handlers
 from tidal.server.frontend import Frontend, FrontendDep, unavailable
@@ -108,6 +109,7 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     app.include_router(routes)
     app.include_router(generation_routes)
     app.include_router(responses_routes)
+    app.include_router(anthropic_routes)
     app.include_router(lora_routes)
     app.include_router(dashboard_routes)
     lora = client.config.lora  # the names `model` takes (any, where adapters come and go)

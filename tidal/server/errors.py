@@ -17,19 +17,22 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from tidal.server.anthropic.protocol import body_for
 from tidal.server.config import HttpConfig
 from tidal.server.limits import RequestLimits
 from tidal.server.openai.protocol import APIError
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    """An OpenAI-style error body with the error's status (and Retry-After on a 429)."""
+def error_response(exc: APIError, request: Request | None = None) -> JSONResponse:
+    """An OpenAI-style error body (Anthropic's on its Messages routes) with the error's
+    status (and Retry-After on a 429)."""
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    body = body_for(exc, request.url.path) if request is not None else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc, request)
 
 
 def _is_union_member(part) -> bool:
@@ -41,12 +44,12 @@ def _is_union_member(part) -> bool:
                                       or part[:1].isupper())
 
 
-async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":  # its loc is a character position, not a field
         why = (first.get("ctx") or {}).get("error", "invalid")
-        return error_response(APIError(f"the body is not valid JSON: {why}"))
+        return error_response(APIError(f"the body is not valid JSON: {why}"), request)
     # a union field fails once per member: the member that got furthest says most, and
     # of those one whose type matched (a list too short, not "should be a valid string")
     same = [e for e in errors if e["loc"][:2] == first.get("loc", ())[:2]]
@@ -56,14 +59,14 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
     ctx = first.get("ctx") or {}
     if first.get("type") == "refused":  # protocol.refuse: its own words, naming the field
         where = ".".join([*loc, ctx["param"]])
-        return error_response(APIError(first["msg"], param=where))
+        return error_response(APIError(first["msg"], param=where), request)
     where = ".".join(loc) or None
     return error_response(APIError(f"{where or 'body'}: {first.get('msg', 'invalid')}",
-                                   param=where))
+                                   param=where), request)
 
 
 async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    response = error_response(APIError(str(exc.detail), exc.status_code))
+    response = error_response(APIError(str(exc.detail), exc.status_code), request)
     response.headers.update(exc.headers or {})
     if exc.status_code == 405:  # Starlette's Allow names the first route of the path only
         response.headers["Allow"] = ", ".join(
@@ -97,7 +100,7 @@ def install_error_handlers(app: FastAPI, http: HttpConfig) -> None:
         if api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize") or page):
             if not authorized(request, expected, page):
                 return error_response(APIError("invalid or missing API key", 401,
-                                               "authentication_error"))
+                                               "authentication_error"), request)
         return await call_next(request)
 
 
@@ -128,9 +131,12 @@ DOC_PAGES = ("/openapi.json", "/docs", "/redoc")
 
 
 def authorized(request: Request, expected: bytes, page: bool = False) -> bool:
-    """Whether the request carries the key (`expected`: b"Bearer KEY"); a page may carry it
-    as ?api_key=, since a browser cannot add headers to a page or an EventSource."""
+    """Whether the request carries the key (`expected`: b"Bearer KEY") as a bearer token or
+    as `x-api-key` (Anthropic's clients); a page may carry it as ?api_key=, since a browser
+    cannot add headers to a page or an EventSource."""
     sent = request.headers.get("authorization", "").encode()
+    if not sent and "x-api-key" in request.headers:
+        sent = f"Bearer {request.headers['x-api-key']}".encode()
     if page and not sent:
         sent = f"Bearer {request.query_params.get('api_key', '')}".encode()
     return hmac.compare_digest(sent, expected)  # constant time: no timing oracle

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tidal.server.config import HttpConfig
+from tidal.server.anthropic.protocol import body_for
 from tidal.server.openai.protocol import APIError
 
 
@@ -23,8 +24,8 @@ class _TooLarge(HTTPException):
     reading the body, and the app's handler answers them with an OpenAI error body."""
 
 
-def _refusal(message: str, status: int) -> JSONResponse:
-    return JSONResponse(APIError(message, status).body(), status)
+def _refusal(message: str, status: int, path: str) -> JSONResponse:
+    return JSONResponse(body_for(APIError(message, status), path), status)
 
 
 class RequestLimits:
@@ -46,12 +47,13 @@ class RequestLimits:
         head += sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + 2  # "k: v\r\n", "\r\n"
         if head > self.max_header:
             await _refusal(f"the request line and headers are over this server's limit of "
-                           f"{self.max_header} bytes", 431)(scope, receive, send)
+                           f"{self.max_header} bytes", 431, scope["path"])(scope, receive,
+                                                                          send)
             return
         message = f"the request body is over this server's limit of {self.max_body} bytes"
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body:
-            await _refusal(message, 413)(scope, receive, send)
+            await _refusal(message, 413, scope["path"])(scope, receive, send)
             return
         seen, started = 0, False
 
@@ -74,7 +76,7 @@ class RequestLimits:
         except _TooLarge:  # read outside a route (a middleware): answer here
             if started:
                 raise
-            await _refusal(message, 413)(scope, receive, send)
+            await _refusal(message, 413, scope["path"])(scope, receive, send)
 
 
 class IdleH11Protocol(H11Protocol):

@@ -36,6 +36,7 @@ class Choice:
     logprobs: list[Entry] = field(default_factory=list)
     finish_reason: str | None = None
     message: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 def token_entries(u: StepUpdate) -> list[Entry]:
@@ -148,6 +149,7 @@ class GenerationResponse:
             ch.logprobs.extend(token_entries(u))
             if u.finished:
                 ch.finish_reason, ch.message = u.finish_reason, u.finish_message
+                ch.stop_string = u.stop_string
         for ch in self.choices:
             if ch.finish_reason == "error":
                 raise APIError(ch.message or "generation failed", 500, "internal_error")
