@@ -1,8 +1,8 @@
 """Schema fuzzing of the HTTP API: schemathesis generates bodies from the server's own OpenAPI
-schema (/openapi.json) for /v1/completions, /v1/chat/completions, /tokenize and /detokenize,
-both valid ones and ones that break the schema, and sends each to a real `tidal serve`. No
-answer may be a 5xx or take longer than a timeout; every 4xx carries an OpenAI error body;
-a stream holds no error event; afterwards no request is left running or waiting and every KV
+schema (/openapi.json) for /v1/completions, /v1/chat/completions, /v1/messages, /tokenize and
+/detokenize, both valid ones and ones that break the schema, and sends each to a real `tidal
+serve`. No answer may be a 5xx or take longer than a timeout; every 4xx carries an OpenAI
+error body (Anthropic's on /v1/messages); a stream holds no error event; afterwards no request is left running or waiting and every KV
 block is free, and the engine core is the one the server started with.
 
 TIDAL_FUZZ_EXAMPLES sets the examples per endpoint (default 100, derandomized); set, each run
@@ -25,7 +25,7 @@ from schemathesis import GenerationMode
 
 from server_fixtures import Server, metric
 
-PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/tokenize", "/detokenize"]
 EXAMPLES = int(os.environ.get("TIDAL_FUZZ_EXAMPLES", "100"))
 TIMEOUT = 60.0  # seconds one request may take: no generation here runs near it
 MAX_OUT = 4  # --max-total-tokens: what any one prompt may generate (cheap on 2 cores)
@@ -84,6 +84,12 @@ def narrowed(raw: dict) -> dict:
                                                    messages=null)
     models["TokenizeRequest"]["required"] = ["prompt"]
     models["DetokenizeRequest"]["properties"].update(model={"enum": [MODEL]}, tokens=ids)
+    models["MessagesRequest"]["properties"].update(
+        model={"enum": [MODEL]}, max_tokens=out, stop_sequences=generation["stop"],
+        messages={"type": "array", "minItems": 1, "maxItems": 4, "items": {
+            "type": "object", "required": ["role", "content"], "additionalProperties": False,
+            "properties": {"role": {"enum": ["user", "assistant"]}, "content": text}}})
+    models["MessagesRequest"]["required"] = ["messages", "max_tokens"]
     return raw
 
 
@@ -109,6 +115,8 @@ def strict_json(text: str):
 
 def check(path: str, r: httpx.Response) -> None:
     assert r.status_code < 500, r.text
+    if path == "/v1/messages":
+        return check_anthropic(path, r)
     if r.status_code >= 400:
         error = strict_json(r.text)["error"]
         sent[path, r.status_code, error.get("param")] += 1
@@ -125,6 +133,26 @@ def check(path: str, r: httpx.Response) -> None:
     assert events and events[-1] == "[DONE]", r.text
     for event in events[:-1]:
         assert "error" not in strict_json(event), event
+
+
+def check_anthropic(path: str, r: httpx.Response) -> None:
+    """Anthropic's error shape, and its stream: no error event, `message_stop` last."""
+    body = None if r.headers["content-type"].startswith("text/event-stream") else \
+        strict_json(r.text)
+    if r.status_code >= 400:
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert body["error"]["message"], body
+        sent[path, r.status_code, body["error"]["type"]] += 1
+        return
+    assert r.status_code == 200, r.text
+    sent[path, 200, None] += 1
+    if body is None:
+        events = [strict_json(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ")]
+        assert events and events[-1]["type"] == "message_stop", r.text
+        assert all(e["type"] != "error" for e in events), r.text
+    else:
+        assert body["type"] == "message", body
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -1,6 +1,6 @@
 """The OpenAPI schema as the server answers: FastAPI's generated one, corrected where the
 server differs from FastAPI's defaults. Invalid bodies are 400s with an OpenAI error body
-(never 422), generation may answer 429 and 503 and stream as SSE, /metrics is Prometheus
+(Anthropic's on its Messages routes; never 422), generation may answer 429 and 503 and stream as SSE, /metrics is Prometheus
 text, a request field sent as null counts as absent, and the served model (and its LoRA
 adapters) the only `model` accepted."""
 
@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from tidal.server.anthropic.protocol import PREFIX as ANTHROPIC_PREFIX
+
 _ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
 _ERROR_SCHEMA = {
     "type": "object", "required": ["error"], "title": "ErrorResponse",
@@ -19,6 +21,12 @@ _ERROR_SCHEMA = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]},
                        "code": {"type": ["string", "null"]}}}}}
+_ANTHROPIC_ERROR = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
+_ANTHROPIC_ERROR_SCHEMA = {  # the Messages routes' (tidal/server/anthropic/protocol.py)
+    "type": "object", "required": ["type", "error"], "title": "AnthropicErrorResponse",
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
 _ERRORS = {  # status -> when, for the routes each applies to
     "400": "the body is invalid: the message names the field (`param`)",
     "401": "the API key is missing or wrong (a server started with --api-key)",
@@ -33,7 +41,7 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
     "/dashboard": ("text/html", {"type": "string"}),
     "/dashboard/stream": ("text/event-stream", _ANY),  # each event's data: a JSON report
 }
-_GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+_GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 _QUEUED = _GENERATION + ("/v1/embeddings",)  # may answer 429 and 503
 _KEYED = ("/v1/", "/tokenize", "/detokenize", "/dashboard")
 
@@ -59,6 +67,7 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     schemas["ErrorResponse"] = _ERROR_SCHEMA
+    schemas["AnthropicErrorResponse"] = _ANTHROPIC_ERROR_SCHEMA
     for path, operations in raw.get("paths", {}).items():
         for op in operations.values():
             responses = op.setdefault("responses", {})
@@ -67,9 +76,10 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
                 ["401"] if keyed and path.startswith(_KEYED) else []) + (
                 ["429", "503"] if path in _QUEUED else []) + (
                 ["404"] if path.startswith(("/v1/models/", "/v1/responses")) else [])
+            shape = _ANTHROPIC_ERROR if path.startswith(ANTHROPIC_PREFIX) else _ERROR
             for status in errors:
                 responses[status] = {"description": _ERRORS[status],
-                                     "content": {"application/json": {"schema": _ERROR}}}
+                                     "content": {"application/json": {"schema": shape}}}
             ok = responses.get("200", {})
             if path in _TEXT:
                 media, body = _TEXT[path]
