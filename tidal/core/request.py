@@ -81,6 +81,10 @@ class SamplingParams:
     """Return the prompt's embedding (the model's pooling of its final hidden states) with
     the first token: its first `embed` dimensions, or all of them with 0. Such a request
     reads no cached prefix blocks, as with prompt logprobs."""
+    score: bool = False
+    """With `embed`: return the model's relevance score of the prompt (its score head over
+    the pooled final hidden state; tidal.model.score_head) instead of the embedding, as a
+    one-value vector."""
     min_tokens: int = 0
     """Stop tokens (EOS, stop_token_ids) cannot be sampled before this many output tokens."""
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -118,6 +122,7 @@ class SamplingParams:
              "prompt_logprobs must be >= 0"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.embed is None or self.embed >= 0, "embed must be >= 0"),
+            (not self.score or self.embed is not None, "score needs embed"),
             (self.ttft_slo_ms is None or self.ttft_slo_ms > 0, "ttft_slo_ms must be > 0"),
             (self.lora is None or (isinstance(self.lora, str) and self.lora != ""),
              "lora must be an adapter's name"),

@@ -76,6 +76,11 @@ class ModelConfig:
                                  "first out, and a prefix found there is loaded instead "
                                  "of computed. Above the disk tier when --kv-cache-dir "
                                  "is set too (docs/design/kv-tiers.md). 0: none.")
+    score_tokens: str | None = knob(None, "An LLM reranker's answer tokens, false then true "
+                                    "(e.g. 'no,yes', Qwen3-Reranker's): /v1/score and "
+                                    "/v1/rerank score a pair by their logits (config.json's "
+                                    "classifier_from_token does the same). Unset: a "
+                                    "*ForSequenceClassification checkpoint's head, if any.")
     kv_cache_dtype: str = knob("auto", "The KV cache's elements: 'auto' the model's dtype; "
                                "'int8' or 'fp8_e4m3' one byte a value with a float32 scale "
                                "per token and KV head (about half the bytes of bf16, a "

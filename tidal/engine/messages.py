@@ -62,6 +62,7 @@ class Ready(msgspec.Struct, tag=True):
     embedding_size: int = 0  # the model's hidden size: an embedding's dimensions
     matryoshka: bool = False  # an embedding's leading dimensions are one too
     block_bytes: int = 0  # one KV block's bytes, every layer's K and V (rank 0's share)
+    scorer: str = ""  # its score head (score_head.py): "classifier", "answer_tokens" or none
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):

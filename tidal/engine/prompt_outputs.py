@@ -32,7 +32,8 @@ class PromptOutputs:
             result.prompt_logprobs[rid] = q.prompt_entries
             q.prompt_k, q.prompt_entries = None, []
         if q.embed is not None:
-            result.embeddings[rid] = self.pooling.finish(q.pooled, q.embed)
+            result.embeddings[rid] = (self.pooling.score(q.pooled) if q.params.score else
+                                      self.pooling.finish(q.pooled, q.embed))
             q.embed, q.pooled = None, None
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor, seqs: dict) -> None:

@@ -9,7 +9,7 @@ import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
@@ -35,9 +35,11 @@ from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel
                                  paged_prefill_kernel)
 from tidal.model.kv_quant import KVFormat
 from tidal.model.pooling import Pooling
+from tidal.model.score_head import ScoreHead
 from tidal.model.registry import model_files
 from tidal.model.sampler import on_device
 from tidal.model.tensor_parallel import Shard, TPGroup
+from tidal.model.tokenizer import Tokenizer
 from tidal.spec.factory import make_guesser
 
 log = logging.getLogger("tidal.engine")
@@ -61,6 +63,7 @@ class WorkerInfo:
     tier_capacity: int = 0  # blocks the tiers below the pool hold at most (0: no tier)
     tier_keys: tuple[bytes, ...] = ()  # the blocks they hold at start, oldest first
     kv_cache_dtype: str = "auto"  # the KV rows' format (tidal.model.kv_quant)
+    scorer: str = ""  # the model's score head, by kind (tidal.model.score_head); "": none
 
     @property
     def on_gpu(self) -> bool:
@@ -124,6 +127,11 @@ class Worker:
         guesser = make_guesser(speculative, guesses, Path(folder), config, device,
                                ext) if guesses else None
         pooling = Pooling.from_folder(folder)
+        head = ScoreHead.of(folder, self.model, self.dtype,
+                            lambda text: Tokenizer(folder).encode(text, False),
+                            config.score_tokens)
+        if head is not None:
+            pooling = replace(pooling, head=head)
         phases.done("weights")
         if on_gpu and not arch.gemma and not kv_format.quantized:  # Gemma's offset norms
             # keep the eager ops; the fused RoPE writes the model's dtype to the cache
@@ -171,7 +179,8 @@ class Worker:
                                self.kv.nbytes, max_forward, decoder is not None,
                                pooling.matryoshka, phases,
                                self.tier.capacity if self.tier else 0,
-                               tuple(self.tier.keys()) if self.tier else (), kv_format.name)
+                               tuple(self.tier.keys()) if self.tier else (), kv_format.name,
+                               head.kind if head is not None else "")
 
     @classmethod
     def from_config(cls, config: EngineConfig, folder: str | Path,

@@ -101,7 +101,9 @@ def _problems(cfg: dict, model_type: str) -> list[str]:
                 f"{', '.join(f.architecture for f in FAMILIES.values())})"] + moe
     out = moe
     body = family.architecture.replace("ForCausalLM", "Model")  # an embedding model's
-    wrong = [a for a in cfg.get("architectures") or [] if a not in (family.architecture, body)]
+    scorer = family.architecture.replace("ForCausalLM", "ForSequenceClassification")
+    wrong = [a for a in cfg.get("architectures") or []
+             if a not in (family.architecture, body, scorer)]
     if wrong:
         out.append(f"architecture {wrong[0]} is not supported for model_type {model_type!r} "
                    f"(tidal runs {family.architecture})")

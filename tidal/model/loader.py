@@ -105,7 +105,8 @@ def _read_safetensors(folder: Path, arch: ModelArch, model: LlamaModel, dtype: t
                 if local is None:  # a layer or routed expert another rank holds
                     continue
                 target, part = target_of(local)
-                if target == "lm_head.weight" and arch.tie_word_embeddings:
+                if (target == "lm_head.weight" and arch.tie_word_embeddings) or \
+                        target.startswith("score."):  # a classifier's head: score_head.py's
                     continue
                 if target not in params:
                     raise KeyError(f"{path.name}: unexpected tensor {name!r}")

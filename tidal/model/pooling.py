@@ -8,7 +8,7 @@ each chunk into the request's state, `finish` makes the vector."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ class Pooling:
     mode: str = "last"
     normalize: bool = True
     matryoshka: bool = False
+    head: object = field(default=None, compare=False)  # a ScoreHead: what `score` reads
 
     @classmethod
     def from_folder(cls, folder: str | Path | None) -> "Pooling":
@@ -66,6 +67,11 @@ class Pooling:
         if self.mode == "last" and first + rows == prompt_len:
             return hidden[-1].float(), 1
         return state
+
+    def score(self, state: tuple[torch.Tensor, int]) -> list[float]:
+        """The relevance score of the pooled state (`head`: tidal.model.score_head), as a
+        one-value vector."""
+        return [self.head.score(state[0] / state[1])]
 
     def finish(self, state: tuple[torch.Tensor, int], dimensions: int = 0) -> list[float]:
         """The embedding: its first `dimensions` (0: all), then scaled to unit length."""

@@ -25,6 +25,7 @@ from tidal.server.lora_routes import routes as lora_routes
 from tidal.server.openai.protocol import APIError
 from tidal.server.openapi import install_schema
 from tidal.server.responses.routes import routes as responses_routes
+from tidal.server.score_routes import routes as score_routes
 
 routes = APIRouter()
 
@@ -110,6 +111,7 @@ def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
     app.include_router(generation_routes)
     app.include_router(responses_routes)
     app.include_router(anthropic_routes)
+    app.include_router(score_routes)
     app.include_router(lora_routes)
     app.include_router(dashboard_routes)
     lora = client.config.lora  # the names `model` takes (any, where adapters come and go)

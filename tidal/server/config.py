@@ -122,10 +122,11 @@ class ServerConfig(HttpConfig):
     enable_lora_runtime_updates: bool = knob(False, "Allow POST /v1/load_lora_adapter and "
                                              "/v1/unload_lora_adapter (vLLM's), behind the "
                                              "API key if there is one.")
-    task: str = knob("auto", "What the server answers: 'auto' generation and embeddings, "
-                     "'generate' generation only, 'embed' embeddings only (an embedding "
-                     "model, whose generated text means nothing); the other endpoints "
-                     "answer 400.")
+    task: str = knob("auto", "What the server answers: 'auto' generation, embeddings and "
+                     "(with a score head) scores, 'generate' generation only, 'embed' "
+                     "embeddings only (an embedding model, whose generated text means "
+                     "nothing), 'score' /v1/score and /v1/rerank only (a reranker); the "
+                     "other endpoints answer 400.")
     response_store_bytes: int = knob(256 * 1024 * 1024, "Memory for responses created with "
                                      "`store: true` (the Responses API), the oldest dropped "
                                      "first; 0 keeps none.")
@@ -152,7 +153,7 @@ class ServerConfig(HttpConfig):
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be at least 1, got {self.max_total_tokens}")
         check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
-        check_choice("task", self.task, ("auto", "generate", "embed"))
+        check_choice("task", self.task, ("auto", "generate", "embed", "score"))
         if self.core_hang_timeout < 0:
             raise ValueError(f"core_hang_timeout must be >= 0, got {self.core_hang_timeout}")
         if self.reasoning_parser is not None:

@@ -78,10 +78,10 @@ async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI, http: HttpConfig) -> None:
     """Answer APIError, invalid bodies (400, not FastAPI's 422) and HTTP errors with OpenAI
-    error bodies; with an API key (`http.key`), refuse /v1, /tokenize, /detokenize,
-    /dashboard and the docs requests that do not carry it (401; pages may carry it as
-    `?api_key=`, which the access log redacts); refuse
-    headers over `max_header_bytes` (431) and bodies over `max_body_bytes` (413)."""
+    error bodies (Anthropic's on its routes); with an API key (`http.key`), refuse /v1, /v2,
+    the `UNVERSIONED` routes, /dashboard and the docs requests that do not carry it (401;
+    pages may carry it as `?api_key=`, which the access log redacts); refuse headers over
+    `max_header_bytes` (431) and bodies over `max_body_bytes` (413)."""
     app.add_middleware(RequestLimits, max_body_bytes=http.max_body_bytes,
                        max_header_bytes=http.max_header_bytes)
     app.add_middleware(RequestIds)
@@ -97,7 +97,7 @@ def install_error_handlers(app: FastAPI, http: HttpConfig) -> None:
     async def _auth(request: Request, call_next):
         path = request.url.path
         page = path.startswith("/dashboard") or path in DOC_PAGES
-        if api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize") or page):
+        if api_key and (path.startswith(("/v1", "/v2")) or path in UNVERSIONED or page):
             if not authorized(request, expected, page):
                 return error_response(APIError("invalid or missing API key", 401,
                                                "authentication_error"), request)
@@ -125,6 +125,8 @@ class RequestIds:
         await self.app(scope, receive, with_id)
 
 
+# API routes outside /v1 (vLLM's, llama.cpp's): behind the key as /v1 is
+UNVERSIONED = ("/tokenize", "/detokenize", "/score", "/rerank")
 # The API's schema and its two documentation pages: behind the key when there is one (they
 # list every route and field), and, as pages, with the key also as ?api_key=.
 DOC_PAGES = ("/openapi.json", "/docs", "/redoc")

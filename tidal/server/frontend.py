@@ -59,7 +59,8 @@ class Frontend:
     def check_task(self, task: str) -> None:
         """A 400 for an endpoint of the task this server was not started for (--task)."""
         if self.config.task not in ("auto", task):
-            serves = "embeddings" if self.config.task == "embed" else "generation"
+            serves = {"embed": "embeddings", "score": "scores and reranking"}.get(
+                self.config.task, "generation")
             raise APIError(f"this server serves {serves} only (--task {self.config.task})",
                            code="unsupported_task")
 

@@ -42,8 +42,8 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
     "/dashboard/stream": ("text/event-stream", _ANY),  # each event's data: a JSON report
 }
 _GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
-_QUEUED = _GENERATION + ("/v1/embeddings",)  # may answer 429 and 503
-_KEYED = ("/v1/", "/tokenize", "/detokenize", "/dashboard")
+_QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank")  # may answer 429, 503
+_KEYED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/dashboard")
 
 
 def install_schema(app: FastAPI, served_model: list[str] | str | None, keyed: bool) -> None:

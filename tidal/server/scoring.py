@@ -1,0 +1,154 @@
+"""`/v1/score` (vLLM's) and `/v1/rerank` (the Cohere and Jina shape vLLM and llama.cpp
+serve) bodies: each (query, document) pair is one prompt, run as a request that stops after
+its prompt with SamplingParams.score set, so scores batch with generation on the same
+engine core. The model's score head (tidal.model.score_head) reads the prompt's last
+token; how a pair becomes a prompt depends on the head:
+
+- a classifier (a `*ForSequenceClassification` checkpoint): the tokenizer's pair encoding;
+- answer tokens (an LLM reranker, `--score-tokens no,yes`): a judging prompt through the
+  model's chat template, Qwen3-Reranker's recipe (a system line, then `<Instruct>`,
+  `<Query>` and `<Document>`), thinking off."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+
+from pydantic import Field, model_validator
+
+from tidal.core import SamplingParams
+from tidal.server.openai.protocol import APIError, StrictModel, refuse
+
+if TYPE_CHECKING:
+    from tidal.server.config import ServerConfig
+
+JUDGE = ('Judge whether the Document meets the requirements based on the Query and the '
+         'Instruct provided. Note that the answer can only be "yes" or "no".')
+INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+Texts = Annotated[list[str], Field(min_length=1)]
+
+
+def pair_ids(tokenizer, scorer: str, query: str, document: str, instruction: str | None
+             ) -> list[int]:
+    """The prompt that scores `document` against `query` for a head of kind `scorer`."""
+    if scorer == "answer_tokens":
+        user = (f"<Instruct>: {instruction or INSTRUCTION}\n<Query>: {query}\n"
+                f"<Document>: {document}")
+        if tokenizer.chat_template is None:  # no template to wrap it: the lines alone
+            return tokenizer.encode(f"{JUDGE}\n{user}\n")
+        text = tokenizer.apply_chat_template(
+            [{"role": "system", "content": JUDGE}, {"role": "user", "content": user}],
+            add_generation_prompt=True, enable_thinking=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode_pair(query, document)
+
+
+class _Scoring(StrictModel):
+    """What both bodies share: they answer the frontend's submission as an embedding
+    request does (one prompt-only request per pair, no constraint, no logprobs)."""
+
+    prompt_field: ClassVar[str] = "documents"
+    n: ClassVar[int] = 1
+    ttft_slo_ms: ClassVar[None] = None
+    tpot_slo_ms: ClassVar[None] = None
+    kv_transfer_params: ClassVar[None] = None
+    stream: ClassVar[bool] = False
+
+    model: str | None = None
+    instruction: str | None = None  # tidal's: an LLM reranker's <Instruct> line
+
+    def pairs(self) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+    def prompt_ids(self, tokenizer, scorer: str) -> list[list[int]]:
+        return [pair_ids(tokenizer, scorer, q, d, self.instruction) for q, d in self.pairs()]
+
+    def to_sampling_params(self, limits: ServerConfig, prompt_len: int, max_model_len: int,
+                           vocab_size: int) -> SamplingParams:
+        if prompt_len >= max_model_len:
+            raise APIError(f"a pair has {prompt_len} tokens; this model takes at most "
+                           f"{max_model_len - 1}", param=self.prompt_field)
+        return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=0,
+                              score=True)
+
+    def output_constraint(self) -> None:
+        return None
+
+    def num_logprobs(self) -> None:
+        return None
+
+
+class ScoreRequest(_Scoring):
+    """vLLM's /v1/score: `text_1` against each of `text_2` (one text_1), or pair by pair
+    (lists of one length)."""
+
+    prompt_field: ClassVar[str] = "text_2"
+
+    text_1: str | Texts
+    text_2: str | Texts
+    encoding_format: str | None = None  # harmless: scores are floats either way
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "ScoreRequest":
+        if isinstance(self.text_1, list) and isinstance(self.text_2, list) and \
+                len(self.text_1) not in (1, len(self.text_2)):
+            raise refuse("text_1", f"text_1 holds {len(self.text_1)} texts and text_2 "
+                                   f"{len(self.text_2)}: one, or as many as text_2")
+        if isinstance(self.text_1, list) and isinstance(self.text_2, str) and \
+                len(self.text_1) != 1:
+            raise refuse("text_1", "text_1 holds several texts for one text_2")
+        return self
+
+    def pairs(self) -> list[tuple[str, str]]:
+        firsts = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        seconds = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        return list(zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds))
+
+    def body(self, vectors: list[list[float]], prompts: list[list[int]], model: str) -> dict:
+        """vLLM's answer: a score per pair, in the pairs' order."""
+        scores, tokens = [v[0] for v in vectors], sum(map(len, prompts))
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list",
+                "created": int(time.time()), "model": model,
+                "data": [{"index": i, "object": "score", "score": s}
+                         for i, s in enumerate(scores)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+class RerankRequest(_Scoring):
+    """The rerank body Cohere, Jina, vLLM and llama.cpp take: `query`, `documents` (texts,
+    or objects with a `text`), `top_n`, `return_documents`."""
+
+    query: str
+    documents: Annotated[list[str | dict[str, Any]], Field(min_length=1)]
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = True
+    max_chunks_per_doc: int | None = None  # harmless (Cohere v1): documents are not chunked
+    rank_fields: list[str] | None = None  # harmless unless a document is an object
+
+    @model_validator(mode="after")
+    def _documents(self) -> "RerankRequest":
+        for i, d in enumerate(self.documents):
+            if isinstance(d, dict) and not isinstance(d.get("text"), str):
+                raise refuse(f"documents.{i}", "a document is a text or an object with a "
+                                               "text")
+        return self
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d["text"] for d in self.documents]
+
+    def pairs(self) -> list[tuple[str, str]]:
+        return [(self.query, d) for d in self.texts()]
+
+    def body(self, vectors: list[list[float]], prompts: list[list[int]], model: str) -> dict:
+        """The documents by relevance, most relevant first, `top_n` of them."""
+        scores = [v[0] for v in vectors]
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:self.top_n]
+        texts = self.texts()
+        results = [{"index": i, "relevance_score": scores[i],
+                    **({"document": {"text": texts[i]}} if self.return_documents else {})}
+                   for i in order]
+        tokens = sum(map(len, prompts))
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
