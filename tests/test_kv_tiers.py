@@ -260,23 +260,29 @@ def test_ranks_and_stages_store_and_load_their_share_of_every_block(folder, tmp_
     plain.close()
     layout = {**layout, "dtype": "float32"}  # sums split across ranks: float32 rounding
     llm = engine(folder, tmp_path / "kv", **layout)
-    answer(llm)
-    llm.generate(OTHERS, GREEDY, use_tqdm=False)  # the prompt's blocks evicted
-    tokens, logprobs = answer(llm)
-    assert tiers(llm).hit_blocks == 4 and tokens == want[0]
-    assert logprobs == pytest.approx(want[1], abs=1e-4)
-    llm.close()
+    try:  # closed whatever happens: a group left open fails the next one's start
+        answer(llm)
+        llm.generate(OTHERS, GREEDY, use_tqdm=False)  # the prompt's blocks evicted
+        tokens, logprobs = answer(llm)
+        assert tiers(llm).hit_blocks == 4 and tokens == want[0]
+        assert logprobs == pytest.approx(want[1], abs=1e-4)
+        rank0 = llm.engine.core.executor.worker.tier.folder  # whose listing is the index
+    finally:
+        llm.close()
     shares = sorted((tmp_path / "kv").iterdir())
-    assert len(shares) == 2  # a folder per rank or stage
-    # one rank's copy of the prompt's second block is lost: every rank computes it on
+    assert len(shares) == 2 and rank0 in shares  # a folder per rank or stage
+    # the other rank's copy of the prompt's second block is lost: every rank computes it
     first = tier_key(None, tuple(PROMPT["prompt_token_ids"][:16]), None)
-    (shares[1] / f"{tier_key(first, tuple(PROMPT['prompt_token_ids'][16:32]), None).hex()}"
-                  ".kv").unlink()
+    other = next(s for s in shares if s != rank0)
+    (other / f"{tier_key(first, tuple(PROMPT['prompt_token_ids'][16:32]), None).hex()}"
+             ".kv").unlink()
     again = engine(folder, tmp_path / "kv", **layout)
-    tokens, logprobs = answer(again)
-    assert tokens == want[0] and logprobs == pytest.approx(want[1], abs=1e-4)
-    assert tiers(again).failed_blocks == 1 and tiers(again).hit_blocks == 1
-    again.close()
+    try:
+        tokens, logprobs = answer(again)
+        assert tokens == want[0] and logprobs == pytest.approx(want[1], abs=1e-4)
+        assert tiers(again).failed_blocks == 1 and tiers(again).hit_blocks == 1
+    finally:
+        again.close()
 
 
 def test_a_disk_tier_serves_only_engines_of_its_kv_dtype(folder, tmp_path):
