@@ -144,3 +144,6 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     logprobs: list[TokenLogprob] | None = None  # one per new token; None: not asked for
     prompt_logprobs: list[PromptLogprob | None] | None = None  # whole, with the first token
     embedding: list[float] | None = None  # with the first token, where asked for
+    # SamplingParams.trace: the scheduler's events since its last output, each (name, unix
+    # seconds, attributes)
+    events: list[tuple[str, float, dict[str, int]]] | None = None

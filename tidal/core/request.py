@@ -85,6 +85,10 @@ class SamplingParams:
     """With `embed`: return the model's relevance score of the prompt (its score head over
     the pooled final hidden state; tidal.model.score_head) instead of the embedding, as a
     one-value vector."""
+    trace: bool = False
+    """Record the request's scheduler events with their wall times (queued, admitted, each
+    prefill chunk, preempted) and hand them over with its outputs (`RequestOutput.events`),
+    for a trace span."""
     min_tokens: int = 0
     """Stop tokens (EOS, stop_token_ids) cannot be sampled before this many output tokens."""
     logit_bias: dict[int, float] = field(default_factory=dict)

@@ -24,6 +24,7 @@ from tidal.core.speculation import GUESS_FIXED_PENALTY
 from tidal.core.step_sizing import StepTarget
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import Executor, ExecutorDead, LocalExecutor
+from tidal.engine.request_events import RequestEvents
 from tidal.engine.step_profile import StepProfile
 from tidal.engine.worker import Worker
 from tidal.model.lora import LoRAError
@@ -90,6 +91,7 @@ class EngineCore:
         self.generation_tokens = 0  # tokens sampled since start
         self.execute_seconds = 0.0  # wall time in the model runner since start
         self.history = StepHistory()  # recent steps, for the dashboard
+        self.events = RequestEvents()  # traced requests' scheduler events (SamplingParams.trace)
         # Async scheduling: one worker thread runs the forward pass (torch releases the GIL).
         self._depth = sched_cfg.steps_in_flight  # steps the executor holds at once
         self._pool = (ThreadPoolExecutor(1, "tidal-step")
@@ -134,10 +136,11 @@ class EngineCore:
                                  f"{params.lora!r}" + ("" if adapters is not None else
                                                        " (LoRA is not enabled: enable_lora)"))
             self.executor.load_adapter(params.lora)  # from its folder now: not in a step
-        self.scheduler.add_request(Request(
-            request_id, prompt_token_ids, params,
-            arrival_time=time.time() if arrival_time is None else arrival_time,
-            eos_token_id=self.eos_token_id))
+        arrival = time.time() if arrival_time is None else arrival_time
+        self.scheduler.add_request(Request(request_id, prompt_token_ids, params,
+                                           arrival_time=arrival, eos_token_id=self.eos_token_id))
+        if params.trace:
+            self.events.add(request_id, arrival)
 
     def set_adapters(self, adapters: dict[str, str]) -> None:
         """Serve exactly these LoRA adapters (name -> folder): load the new ones, forget
@@ -158,10 +161,12 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         """End a request and its n>1 siblings, from any state; their blocks return now."""
         self.scheduler.abort(request_id)
+        self.events.forget(request_id)
 
     def finish(self, seq_id: str) -> None:
         """End one sequence that met a stop string (found by the detokenizer)."""
         self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_STOPPED)
+        self.events.forget(seq_id)
 
     def fail(self, request_id: str, message: str) -> list[RequestOutput]:
         """End a request with `error`, freeing its blocks; its final output (none if it
@@ -280,6 +285,8 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         self._learn_tiers()
         out = self.scheduler.schedule()
+        if self.events:  # traced requests: what this plan does to them
+            self.events.planned(out, time.time())
         self.new_transfers.extend(out.transfer_ids)
         return out
 
@@ -329,6 +336,8 @@ class EngineCore:
         self.generation_tokens += sum(len(t) for t in result.sampled.values())
         outputs = failed + self.scheduler.update(out, result)
         self._learn_tiers()
+        if self.events:
+            self.events.attach(outputs)
         if result.logprobs or result.prompt_logprobs or result.embeddings:
             attach_row_data(outputs, result)  # a step without them pays nothing
         return outputs

@@ -75,5 +75,5 @@ class OutputProcessor:
             updates.append(StepUpdate(o.request_id, root, index, o.new_token_ids, text,
                                       finished, reason, message, o.logprobs,
                                       o.prompt_logprobs, o.embedding,
-                                      detok.stop_string if finished else None))
+                                      detok.stop_string if finished else None, o.events))
         return updates, stopped

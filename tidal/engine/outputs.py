@@ -25,6 +25,7 @@ class StepUpdate:
     prompt_logprobs: list[PromptLogprob | None] | None = None
     embedding: list[float] | None = None  # SamplingParams.embed: with the first token
     stop_string: str | None = None  # with finish_reason "stop": the stop string met, if one
+    events: list | None = None  # SamplingParams.trace: the scheduler's events (request_events)
 
 
 @dataclass

@@ -98,6 +98,8 @@ async def _lifespan(app: FastAPI):
     await frontend.client.start()
     yield
     await frontend.client.shutdown(frontend.config.drain_timeout)
+    if frontend.tracing is not None:  # the spans not yet exported
+        frontend.tracing.shutdown()
 
 
 def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:

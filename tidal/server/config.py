@@ -127,6 +127,11 @@ class ServerConfig(HttpConfig):
                      "embeddings only (an embedding model, whose generated text means "
                      "nothing), 'score' /v1/score and /v1/rerank only (a reranker); the "
                      "other endpoints answer 400.")
+    otlp_traces_endpoint: str | None = knob(
+        None, "An OTLP/HTTP traces URL (e.g. http://localhost:4318/v1/traces): one span per "
+        "request, with the GenAI conventions' attributes and the scheduler's events, "
+        "continuing a client's traceparent (the opentelemetry SDK: pip install "
+        "'tidal[otel]'). Unset: no traces.")
     response_store_bytes: int = knob(256 * 1024 * 1024, "Memory for responses created with "
                                      "`store: true` (the Responses API), the oldest dropped "
                                      "first; 0 keeps none.")

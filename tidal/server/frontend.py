@@ -8,7 +8,7 @@ import asyncio
 import time
 import uuid
 from functools import partial
-from typing import Annotated, Any, AsyncGenerator, Awaitable, Callable
+from typing import Annotated, Any, AsyncGenerator, Awaitable, Callable, Mapping
 
 from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
@@ -30,6 +30,7 @@ from tidal.server.openai.reasoning import prompt_opens_thinking
 from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
                                               parser_for_template)
 from tidal.server.responses.store import ResponseStore
+from tidal.server.tracing import RequestSpan, Tracing, operation_of
 
 
 class Frontend:
@@ -44,6 +45,8 @@ class Frontend:
         self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
         self.reserved = 0  # sequences of requests being checked and sent (see _submit)
         self.responses = ResponseStore(config.response_store_bytes, config.response_ttl)
+        self.tracing = (Tracing(config.otlp_traces_endpoint)
+                        if config.otlp_traces_endpoint else None)
         self.adapters = Adapters(client, config.served_model_name,
                                  config.enable_lora_runtime_updates)
         parser = config.tool_call_parser
@@ -83,7 +86,7 @@ class Frontend:
                        **options):
         """Submit the prompts, then answer with the whole body or an SSE stream; `options`
         go to the response (a chat's ChatOutputOptions)."""
-        sub = await self._submit(prompts, body)
+        sub = await self._submit(prompts, body, request.headers)
         stream = None  # once made, its background task ends the submission
         try:
             response = response_cls(self.tokenizer, self.config.served_model_name, sub.rids[0],
@@ -113,7 +116,7 @@ class Frontend:
     async def embed(self, body: EmbeddingRequest, prompts: list[list[int]],
                     request: Request) -> Response | dict:
         """Submit each input for its embedding; the body once all are back."""
-        sub = await self._submit(prompts, body)
+        sub = await self._submit(prompts, body, request.headers)
         vectors: list = [None] * len(prompts)
 
         async def collect() -> None:
@@ -131,7 +134,8 @@ class Frontend:
             raise APIError("an input's embedding did not come back", 500, "internal_error")
         return body.body(vectors, prompts, self.config.served_model_name)
 
-    async def _submit(self, prompts: list[list[int]], body: GenerationRequest) -> Submission:
+    async def _submit(self, prompts: list[list[int]], body: GenerationRequest,
+                      headers: Mapping[str, str]) -> Submission:
         """Check every prompt and its sampling parameters, then send them all to the cores
         on one queue. Its sequences (prompts times n) count against --max-pending from the
         first check on."""
@@ -149,12 +153,12 @@ class Frontend:
             raise APIError("too many requests in flight; retry later", 429, "rate_limit_error")
         self.reserved += sequences
         try:
-            return await self._checked_submit(prompts, body)
+            return await self._checked_submit(prompts, body, headers)
         finally:  # sent, the requests count themselves (client.num_outstanding)
             self.reserved -= sequences
 
-    async def _checked_submit(self, prompts: list[list[int]], body: GenerationRequest
-                              ) -> Submission:
+    async def _checked_submit(self, prompts: list[list[int]], body: GenerationRequest,
+                              headers: Mapping[str, str]) -> Submission:
         client, config = self.client, self.config
         adapter = self.adapters.resolve(body.model)
         params = []
@@ -165,6 +169,7 @@ class Frontend:
             params.append(body.to_sampling_params(config, len(ids), client.ready.max_model_len,
                                                   client.ready.vocab_size))
             params[-1].lora = adapter
+            params[-1].trace = self.tracing is not None  # its scheduler events, for the span
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             if getattr(body, name) is not None and \
                     not client.config.scheduler.policy_class.takes_latency_targets:
@@ -178,6 +183,13 @@ class Frontend:
         prefill = (body.kv_transfer_params or {}).get("prefill_address")
         if prefill is not None:
             body.check_disaggregated()
+        span = None  # opened before the cores take the requests: their arrival is in it
+        if self.tracing is not None:
+            p = params[0]
+            span = self.tracing.start(
+                headers, operation_of(body), config.served_model_name,
+                {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+                 "choice.count": p.n}, sum(map(len, prompts)))
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex[:16]
         rids = [f"{base}-{i}" for i in range(len(prompts))]
@@ -187,9 +199,12 @@ class Frontend:
                 await client.add(rid, ids, p, queue, prefill)
                 sent += 1
         except EngineDeadError as exc:  # those already sent are aborted
+            if span is not None:
+                span.end()
             await Submission(client, self.metrics, rids[:sent], params[0].n).end()
             raise unavailable(exc) from exc
         sub = Submission(client, self.metrics, rids, params[0].n, queue)
+        sub.span = span
         if adapter is not None:  # in use until the answer ends
             self.metrics.lora_request(adapter)
             in_flight = self.adapters.in_flight
@@ -233,6 +248,9 @@ class Frontend:
                 raise APIError(item.message, 503 if item.dead else 400,
                                "service_unavailable" if item.dead else "invalid_request_error")
             u: StepUpdate = item
+            if sub.span is not None:
+                sub.span.update(u.events, len(u.new_token_ids),
+                                u.finish_reason if u.finished else None)
             now = time.perf_counter()
             if u.new_token_ids:
                 if first is None:
@@ -265,8 +283,11 @@ class Submission:
         self.client, self.metrics, self.rids, self.n, self.queue = client, metrics, rids, n, queue
         self.left = len(rids) * n  # sequences not finished
         self.on_end: Callable[[], None] | None = None
+        self.span: RequestSpan | None = None  # --otlp-traces-endpoint: this request's
 
     async def end(self) -> None:
+        if self.span is not None:
+            self.span.end()
         if self.on_end is not None:
             self.on_end()
             self.on_end = None
