@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 from tidal.server.anthropic.protocol import error_body
 from tidal.server.openai import schemas as s
-from tidal.server.openai.chat_output import ChoiceOutput, Piece
+from tidal.server.openai.chat_output import ChoiceOutput, PieceEvents
 from tidal.server.openai.generation_bodies import ChatResponse, Choice, Updates
 from tidal.server.openai.protocol import APIError
 
@@ -28,7 +28,7 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-class ContentBlocks:
+class ContentBlocks(PieceEvents):
     """The message's content blocks as pieces arrive; `add` and `close` return the stream
     events they make. A text block opens only at its first non-blank text (the blank text
     around tool calls makes no block)."""
@@ -36,28 +36,18 @@ class ContentBlocks:
     def __init__(self) -> None:
         self.blocks: list[dict] = []
         self._open: dict | None = None
-        self._arguments = ""  # the open tool_use block's JSON so far
+        self._json = ""  # the open tool_use block's JSON so far
         self._blank = ""  # leading whitespace, held until text follows it
 
-    def add(self, piece: Piece) -> list[dict]:
-        """A piece's events: arguments that continue the open call, then its reasoning and
-        text, then new calls (a call's arguments hold no text)."""
-        events = []
-        going_on = 0
-        while going_on < len(piece.calls) and piece.calls[going_on].id is None:
-            events += self._more_arguments(piece.calls[going_on])
-            going_on += 1
-        if piece.reasoning:
-            events += self._text("thinking", piece.reasoning)
-        if piece.content:
-            events += self._text("text", piece.content)
-        for call in piece.calls[going_on:]:
-            if call.id is not None:  # a new call
-                events += self.close()
-                events += self._start({"type": "tool_use", "id": call.id,
-                                       "name": call.function.name, "input": {}})
-            events += self._more_arguments(call)
-        return events
+    def _reasoning(self, text: str) -> list[dict]:
+        return self._text("thinking", text)
+
+    def _content(self, text: str, logprobs: list) -> list[dict]:
+        return self._text("text", text)
+
+    def _new_call(self, call) -> list[dict]:
+        return self._start({"type": "tool_use", "id": call.id, "name": call.function.name,
+                            "input": {}})
 
     def close(self) -> list[dict]:
         """The events that end the open block, if any."""
@@ -66,22 +56,22 @@ class ContentBlocks:
             return []
         index, events = len(self.blocks) - 1, []
         if block["type"] == "tool_use":
-            block["input"] = _input(self._arguments)
+            block["input"] = _input(self._json)
         elif block["type"] == "thinking":  # no signature: nothing here signs reasoning
             events.append({"type": "content_block_delta", "index": index,
                            "delta": {"type": "signature_delta", "signature": ""}})
         return events + [{"type": "content_block_stop", "index": index}]
 
-    def _more_arguments(self, call) -> list[dict]:
+    def _arguments(self, call) -> list[dict]:
         text = call.function.arguments if call.function is not None else None
         if not text or self._open is None or self._open["type"] != "tool_use":
             return []
-        self._arguments += text
+        self._json += text
         return [{"type": "content_block_delta", "index": len(self.blocks) - 1,
                  "delta": {"type": "input_json_delta", "partial_json": text}}]
 
     def _start(self, block: dict) -> list[dict]:
-        self._open, self._blank, self._arguments = block, "", ""
+        self._open, self._blank, self._json = block, "", ""
         self.blocks.append(block)
         start = dict(block)
         if block["type"] != "tool_use":  # the block starts empty; deltas fill it

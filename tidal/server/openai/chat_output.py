@@ -98,3 +98,45 @@ class ChoiceOutput:
             self.calls[-1].function.arguments += event[1]
             piece.calls.append(ToolCallDelta(len(self.calls) - 1,
                                              function=FunctionDelta(arguments=event[1])))
+
+
+class PieceEvents:
+    """What turns a choice's pieces into an API's stream events (the Responses API's output
+    items, Anthropic's content blocks), in the order a stream shows them: the arguments
+    that continue the open call, then reasoning, then text, then new calls (a call's
+    arguments hold no text). A subclass makes each kind of event and closes its open
+    item."""
+
+    def add(self, piece: Piece, logprobs: list | None = None) -> list[dict]:
+        """A piece's events, in that order."""
+        events: list[dict] = []
+        going_on = 0
+        while going_on < len(piece.calls) and piece.calls[going_on].id is None:
+            events += self._arguments(piece.calls[going_on])
+            going_on += 1
+        if piece.reasoning:
+            events += self._reasoning(piece.reasoning)
+        if piece.content:
+            events += self._content(piece.content, logprobs or [])
+        for call in piece.calls[going_on:]:
+            if call.id is not None:  # a new call
+                events += self.close()
+                events += self._new_call(call)
+            events += self._arguments(call)
+        return events
+
+    def close(self) -> list[dict]:
+        """The events that end the open item, if any."""
+        raise NotImplementedError
+
+    def _arguments(self, call: ToolCallDelta) -> list[dict]:
+        raise NotImplementedError
+
+    def _reasoning(self, text: str) -> list[dict]:
+        raise NotImplementedError
+
+    def _content(self, text: str, logprobs: list) -> list[dict]:
+        raise NotImplementedError
+
+    def _new_call(self, call: ToolCallDelta) -> list[dict]:
+        raise NotImplementedError

@@ -10,7 +10,7 @@ import uuid
 from typing import AsyncIterator, Callable
 
 from tidal.server.openai import schemas as s
-from tidal.server.openai.chat_output import ChoiceOutput, Piece
+from tidal.server.openai.chat_output import ChoiceOutput, PieceEvents
 from tidal.server.openai.protocol import APIError
 from tidal.server.openai.generation_bodies import ChatResponse, Choice, Updates, token_entries
 from tidal.server.responses.request import ResponsesRequest
@@ -22,7 +22,7 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class OutputItems:
+class OutputItems(PieceEvents):
     """The response's output items as pieces arrive; `add` and `close` return the stream
     events they make. A message opens only at its first non-blank text (the blank text
     around tool calls makes no item)."""
@@ -32,26 +32,16 @@ class OutputItems:
         self._open: dict | None = None
         self._blank = ""  # leading whitespace, held until text follows it
 
-    def add(self, piece: Piece, logprobs: list | None = None) -> list[dict]:
-        """A piece's events. Its text came after the arguments that continue the open call
-        and before any new call (a call's arguments hold no text), so they go in that order."""
-        events = []
-        going_on = 0
-        while going_on < len(piece.calls) and piece.calls[going_on].id is None:
-            events += self._arguments(piece.calls[going_on])
-            going_on += 1
-        if piece.reasoning:
-            events += self._text("reasoning", piece.reasoning, [])
-        if piece.content:
-            events += self._text("message", piece.content, logprobs or [])
-        for call in piece.calls[going_on:]:
-            if call.id is not None:  # a new call
-                events += self.close()
-                events += self._start({"type": "function_call", "id": _id("fc"),
-                                       "call_id": call.id, "name": call.function.name,
-                                       "arguments": "", "status": "in_progress"})
-            events += self._arguments(call)
-        return events
+    def _reasoning(self, text: str) -> list[dict]:
+        return self._text("reasoning", text, [])
+
+    def _content(self, text: str, logprobs: list) -> list[dict]:
+        return self._text("message", text, logprobs)
+
+    def _new_call(self, call) -> list[dict]:
+        return self._start({"type": "function_call", "id": _id("fc"), "call_id": call.id,
+                            "name": call.function.name, "arguments": "",
+                            "status": "in_progress"})
 
     def _arguments(self, call) -> list[dict]:
         text = call.function.arguments if call.function is not None else None
