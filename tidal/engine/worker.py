@@ -227,6 +227,9 @@ class Worker:
                     [b for b, _ in out.kv_stores])):
                 self.tier.store(key, data)
         self._copy_blocks(out)
+        if not out.kv_loads:  # most steps
+            self._inline_seconds = 0.0
+            return {}
         loaded, self._inline_seconds = self._load_blocks([x for x in out.kv_loads
                                                           if x.inline])
         return loaded
