@@ -1,10 +1,12 @@
 """The `tidal` command. `tidal generate PROMPT...` runs the offline engine, `tidal serve` the
-OpenAI-compatible server; every engine option (docs/configuration.md) is a flag: --dtype,
+OpenAI-compatible server, `tidal run-batch -i IN -o OUT` a Batch API file through that
+server's app in process; every engine option (docs/configuration.md) is a flag: --dtype,
 --num-kv-blocks, --policy, ... (made by tidal/engine/flags.py)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import time
@@ -44,42 +46,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         server = config_from_args(ServerConfig, args)
     if server.pd is not None:
         return _serve_pd(args, server)
-    from tidal.core.roles import ROLES
-    from tidal.engine.config import EngineConfig
-    from tidal.model.registry import locate_model, pending, write_model_files
-    from tidal.model.tokenizer import Tokenizer
-    from tidal.runtime.client import CoreClient
-
-    with flag_errors("serve"):
-        config = EngineConfig.from_kwargs(**engine_kwargs(args))
-    if ROLES[config.scheduler.role].transfers_kv and config.parallel.data_parallel_size > 1:
-        raise SystemExit("a prefill or decode instance runs one engine core; run several "
-                         "instances behind `tidal router` instead of --data-parallel-size")
-    if server.headless != (config.parallel.node_rank > 0):
-        raise SystemExit("tidal serve: error: --headless is for the nodes of --node-rank 1 "
-                         "and up (node 0 serves the API), and they take it")
-    t0 = time.perf_counter()
-    with flag_errors("serve"):
-        files = locate_model(config.model.model)
-    if server.headless:  # this machine's ranks of node 0's group, and nothing else
-        from tidal.engine.tp_executor import serve_node
-
-        with flag_errors("serve"):
-            folder = write_model_files(files)
-        return serve_node(config.parallel, folder)
-    # The cores import the engine and load while this process converts a new GGUF, reads
-    # its tokenizer and builds the HTTP app (a GGUF's cores wait for the files if need be).
-    client = CoreClient(config, str(files.folder), None if files.gguf else Tokenizer(
-        files.folder), server.restart_policy(), files_pending=pending(files))
-    client.launch()
-    with flag_errors("serve"):
-        folder = write_model_files(files)
-    logging.getLogger("tidal.server").info("model files ready in %.2fs: %s",
-                                           time.perf_counter() - t0, folder)
-    if server.served_model_name is None:
-        server = replace(server, served_model_name=files.name)
-    if client.tokenizer is None:
-        client.attach_tokenizer(Tokenizer(folder))
+    started = _start_cores(args, server, "serve")
+    if started is None:
+        return
+    client, server = started
     import uvicorn
 
     from tidal.server.api import build_app
@@ -88,6 +58,64 @@ def cmd_serve(args: argparse.Namespace) -> None:
     uvicorn.run(build_app(client, server), host=server.host, port=server.port,
                 log_level="info", timeout_graceful_shutdown=int(server.drain_timeout),
                 **uvicorn_limits(server))
+
+
+def cmd_run_batch(args: argparse.Namespace) -> None:
+    """vLLM's run-batch: OpenAI Batch API lines from a JSONL file through the same app that
+    `serve` answers with, in process; their answers to another JSONL file."""
+    with flag_errors("run-batch"):
+        server = config_from_args(ServerConfig, args)
+    client, server = _start_cores(args, server, "run-batch")
+    from tidal.server.api import build_app
+    from tidal.server.run_batch import run_batch
+
+    counts = asyncio.run(run_batch(build_app(client, server), args.input, args.output,
+                                   server.max_pending))
+    print(f"{counts['lines']} requests: {counts['ok']} answered, {counts['failed']} failed; "
+          f"written to {args.output}")
+
+
+def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
+    """The engine cores for `serve` and `run-batch`, launched, with the server config that
+    names the served model; None on a headless node (its ranks served until stopped)."""
+    from tidal.core.roles import ROLES
+    from tidal.engine.config import EngineConfig
+    from tidal.model.registry import locate_model, pending, write_model_files
+    from tidal.model.tokenizer import Tokenizer
+    from tidal.runtime.client import CoreClient
+
+    with flag_errors(command):
+        config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    if ROLES[config.scheduler.role].transfers_kv and config.parallel.data_parallel_size > 1:
+        raise SystemExit("a prefill or decode instance runs one engine core; run several "
+                         "instances behind `tidal router` instead of --data-parallel-size")
+    if server.headless != (config.parallel.node_rank > 0):
+        raise SystemExit("tidal serve: error: --headless is for the nodes of --node-rank 1 "
+                         "and up (node 0 serves the API), and they take it")
+    t0 = time.perf_counter()
+    with flag_errors(command):
+        files = locate_model(config.model.model)
+    if server.headless:  # this machine's ranks of node 0's group, and nothing else
+        from tidal.engine.tp_executor import serve_node
+
+        with flag_errors(command):
+            folder = write_model_files(files)
+        serve_node(config.parallel, folder)
+        return None
+    # The cores import the engine and load while this process converts a new GGUF, reads
+    # its tokenizer and builds the HTTP app (a GGUF's cores wait for the files if need be).
+    client = CoreClient(config, str(files.folder), None if files.gguf else Tokenizer(
+        files.folder), server.restart_policy(), files_pending=pending(files))
+    client.launch()
+    with flag_errors(command):
+        folder = write_model_files(files)
+    logging.getLogger("tidal.server").info("model files ready in %.2fs: %s",
+                                           time.perf_counter() - t0, folder)
+    if server.served_model_name is None:
+        server = replace(server, served_model_name=files.name)
+    if client.tokenizer is None:
+        client.attach_tokenizer(Tokenizer(folder))
+    return client, server
 
 
 def _serve_pd(args: argparse.Namespace, server) -> None:
@@ -203,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(srv, ServerConfig, "server options")
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
+    batch = sub.add_parser("run-batch", help="answer an OpenAI Batch API JSONL file offline")
+    batch.add_argument("-i", "--input", required=True, help="the requests: one JSON object "
+                       "a line (custom_id, method, url, body)")
+    batch.add_argument("-o", "--output", required=True, help="the answers, one a line, in "
+                       "the input's order")
+    add_config_flags(batch, ServerConfig, "server options")
+    add_engine_flags(batch)
+    batch.set_defaults(func=cmd_run_batch)
     rtr = sub.add_parser("router", help="route requests over running prefill and decode "
                                         "instances (P/D disaggregation)")
     rtr.add_argument("--prefill", nargs="+", required=True, metavar="URL",
