@@ -65,6 +65,9 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     `serve` answers with, in process; their answers to another JSONL file."""
     with flag_errors("run-batch"):
         server = config_from_args(ServerConfig, args)
+    if server.headless or server.pd is not None:
+        raise SystemExit("tidal run-batch: error: it answers in one process: --headless and "
+                         "--pd are for tidal serve")
     client, server = _start_cores(args, server, "run-batch")
     from tidal.server.api import build_app
     from tidal.server.run_batch import run_batch
