@@ -232,10 +232,7 @@ class EngineCore:
         Steps complete in launch order, so a preemption's ack, a finished request's
         forgetting and a re-admission reach the runner after every step that held it."""
         out = self._schedule() if self._to_plan() else None
-        started = out is not None and bool(out.scheduled or out.block_copies
-                                           or out.new_requests or out.finished_ids
-                                           or out.preempted_ids or out.kv_stores
-                                           or out.kv_loads)
+        started = out is not None and (_moves(out) or bool(out.preempted_ids))
         if started:
             for s in out.scheduled:  # the runner reads them later: tables grow in place
                 s.block_ids = list(s.block_ids)
@@ -291,8 +288,7 @@ class EngineCore:
         return out
 
     def _execute(self, out: SchedulerOutput) -> ModelOutput | Exception:
-        if not (out.scheduled or out.block_copies or out.new_requests or out.finished_ids
-                or out.kv_stores or out.kv_loads):
+        if not _moves(out):
             return ModelOutput(preempted_ack=list(out.preempted_ids))
         self.prompt_tokens += _prefill_tokens(out)
         t0 = time.perf_counter()
@@ -349,6 +345,13 @@ class EngineCore:
             self.executor.execute(SchedulerOutput(
                 step=-1, kind="idle", kv_stores=self.scheduler.kv.tiers.take_stores()))
         self.executor.close()
+
+
+def _moves(out: SchedulerOutput) -> bool:
+    """Whether a plan has the executor do anything: compute, copy or move blocks, or learn
+    of requests that start or end."""
+    return bool(out.scheduled or out.block_copies or out.new_requests or out.finished_ids
+                or out.kv_stores or out.kv_loads)
 
 
 def _prefill_tokens(out: SchedulerOutput) -> int:

@@ -161,10 +161,11 @@ class TensorParallelExecutor:
         read on every rank first (`prepare`), so that all leave the same requests out."""
         if not out.kv_loads:
             return self._call("execute", out)
-        agreed = None
+        agreed = None  # (counts every rank read, rank 0's seconds)
         if any(x.inline for x in out.kv_loads):
-            counts = self._call_each("prepare", [(out,)] * (len(self.conns) + 1))
-            agreed = {rid: min(c.get(rid, 0) for c in counts) for rid in counts[0]}
+            prepared = self._call_each("prepare", [(out,)] * (len(self.conns) + 1))
+            agreed = ({rid: min(counts.get(rid, 0) for counts, _ in prepared)
+                       for rid in prepared[0][0]}, prepared[0][1])
         return _all_loaded(self._call_each("execute", [(out, agreed)] * (len(self.conns) + 1)))
 
     # Several steps in flight (pipeline stages): a step is launched on every rank, and

@@ -161,7 +161,6 @@ class Worker:
                                    pinned=on_gpu, below=disk)
         # loads from it run beside the step's forward pass, which reads none of their blocks
         self._loader = ThreadPoolExecutor(1, "tidal-kv-load") if self.tier else None
-        self._inline_seconds = 0.0  # the last `prepare`'s loads
         self._loaded: deque = deque()  # launched steps' loads (counts, seconds), oldest first
         phases.done("KV cache")
         if guesser is not None:
@@ -217,32 +216,29 @@ class Worker:
 
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
-    def prepare(self, out: SchedulerOutput) -> dict[str, int]:
+    def prepare(self, out: SchedulerOutput) -> tuple[dict[str, int], float]:
         """A step's moves before its forward pass: store its blocks to the tiers below the
         pool (before any copy or forward pass can overwrite them), copy its blocks
         (copy-on-write of shared prefixes), then load its inline blocks from the tiers; how
-        many leading blocks each inline load read whole."""
+        many leading blocks each inline load read whole, and the seconds they took."""
         if out.kv_stores:
             for (_, key), data in zip(out.kv_stores, self.kv.block_bytes(
                     [b for b, _ in out.kv_stores])):
                 self.tier.store(key, data)
         self._copy_blocks(out)
         if not out.kv_loads:  # most steps
-            self._inline_seconds = 0.0
-            return {}
-        loaded, self._inline_seconds = self._load_blocks([x for x in out.kv_loads
-                                                          if x.inline])
-        return loaded
+            return {}, 0.0
+        return self._load_blocks([x for x in out.kv_loads if x.inline])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, loaded: dict[str, int] | None = None
-                ) -> ModelOutput:
+    def execute(self, out: SchedulerOutput,
+                prepared: tuple[dict[str, int], float] | None = None) -> ModelOutput:
         """`prepare` the step (unless an executor did, on every rank, and passes the inline
         loads' counts its ranks agree on), then run it without a request whose inline load
         failed, loading its other blocks from the tiers meanwhile."""
-        if loaded is None:
-            loaded = self.prepare(out)
-        seconds = self._inline_seconds
+        loaded, seconds = self.prepare(out) if prepared is None else prepared
+        if not out.kv_loads:  # most steps
+            return self.runner.execute(out)
         failed = {x.request_id for x in out.kv_loads if x.inline
                   and loaded[x.request_id] < len(x.keys)}
         beside = [x for x in out.kv_loads if not x.inline]
@@ -253,8 +249,7 @@ class Worker:
             more, more_seconds = loading.result()
             loaded = {**loaded, **more}
             seconds += more_seconds
-        if out.kv_loads:
-            result.kv_loaded, result.kv_load_seconds = loaded, seconds
+        result.kv_loaded, result.kv_load_seconds = loaded, seconds
         return result
 
     def _load_blocks(self, loads: list[KVLoad]) -> tuple[dict[str, int], float]:

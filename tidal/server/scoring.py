@@ -53,7 +53,6 @@ class _Scoring(StrictModel):
     ttft_slo_ms: ClassVar[None] = None
     tpot_slo_ms: ClassVar[None] = None
     kv_transfer_params: ClassVar[None] = None
-    stream: ClassVar[bool] = False
 
     model: str | None = None
     instruction: str | None = None  # tidal's: an LLM reranker's <Instruct> line
