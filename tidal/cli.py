@@ -70,10 +70,10 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
                          "--pd are for tidal serve")
     client, server = _start_cores(args, server, "run-batch")
     from tidal.server.api import build_app
-    from tidal.server.run_batch import run_batch
+    from tidal.server.batches.offline import run_batch
 
-    counts = asyncio.run(run_batch(build_app(client, server), args.input, args.output,
-                                   server.max_pending))
+    app = build_app(client, server, batches=False)  # no online batches: this one file
+    counts = asyncio.run(run_batch(app, args.input, args.output, server.max_pending))
     print(f"{counts['lines']} requests: {counts['ok']} answered, {counts['failed']} failed; "
           f"written to {args.output}")
 

@@ -1,11 +1,13 @@
 """The FastAPI app in front of the engine-core process: health, version, metrics and models
 here; the generation routes (completions, chat, embeddings, tokenize) in
 `generation_routes.py`, the Responses API in `responses/`, LoRA adapters in
-`lora_routes.py`, the live dashboard in `dashboard.py`. Every route works through the one
-`Frontend` (`frontend.py`); the server's options are in `config.py`."""
+`lora_routes.py`, the Batch API in `batches/`, the live dashboard in `dashboard.py`. Every
+route works through the one `Frontend` (`frontend.py`); the server's options are in
+`config.py`."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 
@@ -17,6 +19,8 @@ from tidal import __version__
 from tidal.runtime.client import CoreClient
 from tidal.server.config import ServerConfig
 from tidal.server.anthropic.routes import routes as anthropic_routes
+from tidal.server.batches.routes import routes as batch_routes
+from tidal.server.batches.runner import BatchRunner
 from tidal.server.dashboard import routes as dashboard_routes
 from tidal.server.errors import authorized, install_docs, install_error_handlers
 from tidal.server.frontend import Frontend, FrontendDep, unavailable
@@ -96,24 +100,33 @@ def _model_cards(f: Frontend) -> list[dict]:
 async def _lifespan(app: FastAPI):
     frontend: Frontend = app.state.frontend
     await frontend.client.start()
+    batches = frontend.batches and asyncio.create_task(frontend.batches.run())
     yield
+    if batches:  # its lines in flight are aborted; a restart answers them
+        batches.cancel()
+        await asyncio.gather(batches, return_exceptions=True)
     await frontend.client.shutdown(frontend.config.drain_timeout)
     if frontend.tracing is not None:  # the spans not yet exported
         frontend.tracing.shutdown()
 
 
-def build_app(client: CoreClient, config: ServerConfig) -> FastAPI:
-    """The server's app over `client`'s engine cores (started and stopped with the app)."""
+def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) -> FastAPI:
+    """The server's app over `client`'s engine cores (started and stopped with the app);
+    with `batches`, the Batch API's files and batches, worked through while it runs."""
     app = FastAPI(title="tidal", version=__version__, lifespan=_lifespan, docs_url=None,
                   redoc_url=None)
-    app.state.frontend = Frontend(client, config)
-    install_error_handlers(app, config)
+    frontend = app.state.frontend = Frontend(client, config)
+    if batches:
+        frontend.batches = BatchRunner(frontend, app, config.batch_store_path(),
+                                       config.batch_concurrency)
+    install_error_handlers(app, config, {"/v1/files": config.max_file_bytes})
     install_docs(app)
     app.include_router(routes)
     app.include_router(generation_routes)
     app.include_router(responses_routes)
     app.include_router(anthropic_routes)
     app.include_router(score_routes)
+    app.include_router(batch_routes)
     app.include_router(lora_routes)
     app.include_router(dashboard_routes)
     lora = client.config.lora  # the names `model` takes (any, where adapters come and go)

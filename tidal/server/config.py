@@ -6,8 +6,10 @@ docs/configuration.md come from the same words."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 from dataclasses import dataclass
+from pathlib import Path
 
 from tidal.cluster.launch import parse_pd
 from tidal.core.knobs import check_at_least_one, check_choice, knob
@@ -136,6 +138,14 @@ class ServerConfig(HttpConfig):
                                      "`store: true` (the Responses API), the oldest dropped "
                                      "first; 0 keeps none.")
     response_ttl: float = knob(3600.0, "Seconds a stored response is kept.")
+    batch_store: str | None = knob(None, "The SQLite file of the Batch API's files and "
+                                   "batches (/v1/files, /v1/batches), made on first use; a "
+                                   "restart resumes its batches (unset: "
+                                   "~/.cache/tidal/batches/<served model name>.sqlite).")
+    batch_concurrency: int = knob(8, "Batch API lines in flight at once while no live "
+                                  "request is (one while any is).")
+    max_file_bytes: int = knob(200 * 1024 * 1024, "Largest upload to /v1/files (OpenAI's "
+                               "batch input limit); other bodies keep max_body_bytes.")
     restart_core: int = knob(3, "Restart a dead engine core up to this many times in a row "
                              "(0: never); its in-flight requests fail, new ones get 503 until "
                              "it is back.")
@@ -154,7 +164,8 @@ class ServerConfig(HttpConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_at_least_one(self, "max_pending", "max_sequences_per_request", "max_n",
-                           "max_constraint_bytes", "max_stop_strings", "max_stop_length")
+                           "max_constraint_bytes", "max_stop_strings", "max_stop_length",
+                           "batch_concurrency", "max_file_bytes")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be at least 1, got {self.max_total_tokens}")
         check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
@@ -171,6 +182,13 @@ class ServerConfig(HttpConfig):
         self.restart_policy()  # its own checks
         if self.pd is not None:
             parse_pd(self.pd)
+
+    def batch_store_path(self) -> Path:
+        """--batch-store, or the served model's store under ~/.cache/tidal/batches."""
+        if self.batch_store is not None:
+            return Path(self.batch_store).expanduser()
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", self.served_model_name or "model")
+        return Path.home() / ".cache" / "tidal" / "batches" / f"{name}.sqlite"
 
     def restart_policy(self) -> RestartPolicy:
         """How the client restarts a dead engine core."""

@@ -76,14 +76,16 @@ async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return response
 
 
-def install_error_handlers(app: FastAPI, http: HttpConfig) -> None:
+def install_error_handlers(app: FastAPI, http: HttpConfig,
+                           uploads: dict[str, int] | None = None) -> None:
     """Answer APIError, invalid bodies (400, not FastAPI's 422) and HTTP errors with OpenAI
     error bodies (Anthropic's on its routes); with an API key (`http.key`), refuse /v1, /v2,
     the `UNVERSIONED` routes, /dashboard and the docs requests that do not carry it (401;
     pages may carry it as `?api_key=`, which the access log redacts); refuse headers over
-    `max_header_bytes` (431) and bodies over `max_body_bytes` (413)."""
+    `max_header_bytes` (431) and bodies over `max_body_bytes` (413), or over their own
+    limit on the `uploads` paths."""
     app.add_middleware(RequestLimits, max_body_bytes=http.max_body_bytes,
-                       max_header_bytes=http.max_header_bytes)
+                       max_header_bytes=http.max_header_bytes, uploads=uploads or {})
     app.add_middleware(RequestIds)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)

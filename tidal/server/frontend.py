@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 from tidal.engine.outputs import StepUpdate
 from tidal.engine.structured import Grammars
 from tidal.runtime.client import CoreClient, EngineDeadError, Failure
+from tidal.server.batches.runner import BACKGROUND_HEADER, BatchRunner
 from tidal.server.config import ServerConfig
 from tidal.server.dashboard import DashboardHub
 from tidal.server.lora_routes import Adapters
@@ -25,12 +26,17 @@ from tidal.server.openai.chat import ChatRequest
 from tidal.server.openai.chat_output import ChatOutputOptions
 from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.generation_bodies import GenerationResponse, Updates
-from tidal.server.openai.protocol import APIError, GenerationRequest, check_token_ids
+from tidal.server.openai.protocol import (_INT64_MAX, APIError, GenerationRequest,
+                                          check_token_ids)
 from tidal.server.openai.reasoning import prompt_opens_thinking
 from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
                                               parser_for_template)
 from tidal.server.responses.store import ResponseStore
 from tidal.server.tracing import RequestSpan, Tracing, operation_of
+
+
+BACKGROUND_PRIORITY = 1 << 32
+"""Added to a Batch API line's priority: lower runs first under the `priority` policy."""
 
 
 class Frontend:
@@ -44,6 +50,8 @@ class Frontend:
         self.dashboard = DashboardHub(client, self.metrics, config.served_model_name)
         self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
         self.reserved = 0  # sequences of requests being checked and sent (see _submit)
+        self.background = 0  # sequences of Batch API lines among them and those in flight
+        self.batches: BatchRunner | None = None  # the online Batch API's worker
         self.responses = ResponseStore(config.response_store_bytes, config.response_ttl)
         self.tracing = (Tracing(config.otlp_traces_endpoint)
                         if config.otlp_traces_endpoint else None)
@@ -54,6 +62,10 @@ class Frontend:
             template = getattr(self.tokenizer, "chat_template", None)
             parser = parser_for_template(getattr(template, "source", None))
         self.tool_parser = AUTO_PARSERS[parser]
+
+    def live_sequences(self) -> int:
+        """Sequences in flight or being sent that are not Batch API lines."""
+        return self.client.num_outstanding + self.reserved - self.background
 
     def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter `name` is (None: the base model); a 400 if it is neither."""
@@ -151,14 +163,26 @@ class Frontend:
         # checked and reserved with no await between: concurrent requests cannot overshoot
         if client.num_outstanding + self.reserved + sequences > config.max_pending:
             raise APIError("too many requests in flight; retry later", 429, "rate_limit_error")
+        background = self.batches is not None and \
+            headers.get(BACKGROUND_HEADER) == self.batches.token
         self.reserved += sequences
+        self.background += sequences if background else 0
         try:
-            return await self._checked_submit(prompts, body, headers)
+            sub = await self._checked_submit(prompts, body, headers, background)
+        except BaseException:
+            self.background -= sequences if background else 0
+            raise
         finally:  # sent, the requests count themselves (client.num_outstanding)
             self.reserved -= sequences
+        if background:
+            sub.on_end.append(partial(self._background_ended, sequences))
+        return sub
+
+    def _background_ended(self, sequences: int) -> None:
+        self.background -= sequences
 
     async def _checked_submit(self, prompts: list[list[int]], body: GenerationRequest,
-                              headers: Mapping[str, str]) -> Submission:
+                              headers: Mapping[str, str], background: bool) -> Submission:
         client, config = self.client, self.config
         adapter = self.adapters.resolve(body.model)
         params = []
@@ -170,6 +194,9 @@ class Frontend:
                                                   client.ready.vocab_size))
             params[-1].lora = adapter
             params[-1].trace = self.tracing is not None  # its scheduler events, for the span
+            if background:  # a Batch API line: after live requests under --policy priority
+                params[-1].priority = min(params[-1].priority + BACKGROUND_PRIORITY,
+                                          _INT64_MAX)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             if getattr(body, name) is not None and \
                     not client.config.scheduler.policy_class.takes_latency_targets:
@@ -209,7 +236,7 @@ class Frontend:
             self.metrics.lora_request(adapter)
             in_flight = self.adapters.in_flight
             in_flight[adapter] += 1
-            sub.on_end = lambda: in_flight.subtract([adapter])
+            sub.on_end.append(lambda: in_flight.subtract([adapter]))
         return sub
 
     async def _load_grammars(self) -> Grammars:
@@ -282,15 +309,14 @@ class Submission:
                  queue: asyncio.Queue | None = None) -> None:
         self.client, self.metrics, self.rids, self.n, self.queue = client, metrics, rids, n, queue
         self.left = len(rids) * n  # sequences not finished
-        self.on_end: Callable[[], None] | None = None
+        self.on_end: list[Callable[[], None]] = []  # each called once, at the end
         self.span: RequestSpan | None = None  # --otlp-traces-endpoint: this request's
 
     async def end(self) -> None:
         if self.span is not None:
             self.span.end()
-        if self.on_end is not None:
-            self.on_end()
-            self.on_end = None
+        while self.on_end:
+            self.on_end.pop()()
         if self.left:  # their unfinished sequences end as aborted
             self.metrics.finished("abort").inc(self.left)
         for rid in self.rids:

@@ -31,11 +31,13 @@ def _refusal(message: str, status: int, path: str) -> JSONResponse:
 class RequestLimits:
     """ASGI middleware: 431 for a request line plus headers over `max_header_bytes` (h11
     refuses them too, but only while they are still arriving); 413 for a body over
-    `max_body_bytes`, by its Content-Length before anything is read, or counted as a
-    chunked body arrives."""
+    `max_body_bytes` (`uploads`: path -> its own limit), by its Content-Length before
+    anything is read, or counted as a chunked body arrives."""
 
-    def __init__(self, app, max_body_bytes: int, max_header_bytes: int) -> None:
+    def __init__(self, app, max_body_bytes: int, max_header_bytes: int,
+                 uploads: dict[str, int] | None = None) -> None:
         self.app, self.max_body, self.max_header = app, max_body_bytes, max_header_bytes
+        self.uploads = uploads or {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -50,9 +52,10 @@ class RequestLimits:
                            f"{self.max_header} bytes", 431, scope["path"])(scope, receive,
                                                                           send)
             return
-        message = f"the request body is over this server's limit of {self.max_body} bytes"
+        most = self.uploads.get(scope["path"], self.max_body)
+        message = f"the request body is over this server's limit of {most} bytes"
         length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_body:
+        if length.isdigit() and int(length) > most:
             await _refusal(message, 413, scope["path"])(scope, receive, send)
             return
         seen, started = 0, False
@@ -62,7 +65,7 @@ class RequestLimits:
             event = await receive()
             if event["type"] == "http.request":
                 seen += len(event.get("body", b""))
-                if seen > self.max_body:
+                if seen > most:
                     raise _TooLarge(413, message)
             return event
 

@@ -1,0 +1,156 @@
+"""OpenAI's Files and Batches routes: `/v1/files` (upload, list, retrieve, content, delete)
+and `/v1/batches` (create, retrieve, list, cancel) over the server's `BatchStore`, made on
+first use at --batch-store; the `BatchRunner` works through the batches."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Form, Query, Request, UploadFile
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.server.batches.lines import URLS
+from tidal.server.batches.runner import BatchRunner
+from tidal.server.batches.store import LIST_LIMIT
+from tidal.server.openai.protocol import APIError
+
+routes = APIRouter()
+
+PURPOSES = ("batch", "user_data", "assistants", "fine-tune", "vision", "evals")
+"""What an uploaded file may be for (`batch_output` is the server's own)."""
+MAX_LINES = 50_000  # OpenAI's limit on one batch's requests
+WINDOWS = {"24h": 24 * 3600}
+
+
+class BatchCreate(BaseModel):
+    """POST /v1/batches."""
+
+    model_config = ConfigDict(extra="forbid")
+    input_file_id: str
+    endpoint: Literal[URLS]  # type: ignore[valid-type]
+    completion_window: Literal["24h"] = "24h"
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+def _runner(request: Request) -> BatchRunner:
+    runner = request.app.state.frontend.batches
+    if runner is None:
+        raise APIError("this server keeps no files or batches (tidal run-batch answers a "
+                       "batch file offline)", 404, code="not_found")
+    return runner
+
+
+async def _call(request: Request, method: str, *args):
+    """A store method, in a thread: the event loop goes on serving."""
+    runner = _runner(request)
+    return await asyncio.to_thread(lambda: getattr(runner.store(), method)(*args))
+
+
+def _missing(kind: str, key: str, param: str | None = None) -> APIError:
+    return APIError(f"no {kind} with id {key!r}", 404, param=param, code="not_found")
+
+
+def _listing(page: list[dict], more: bool) -> dict:
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": more}
+
+
+@routes.post("/v1/files")
+async def upload_file(request: Request, file: UploadFile,
+                      purpose: Annotated[str, Form()]):
+    """Keep an uploaded file (multipart: `file` and `purpose`)."""
+    if purpose not in PURPOSES:
+        raise APIError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}",
+                       param="purpose")
+    content = await file.read()
+    return await _call(request, "add_file", content, file.filename or "upload", purpose)
+
+
+@routes.get("/v1/files")
+async def list_files(request: Request, purpose: str | None = None,
+                     limit: Annotated[int, Query(ge=1, le=LIST_LIMIT)] = LIST_LIMIT,
+                     after: str | None = None, order: Literal["asc", "desc"] = "desc"):
+    return _listing(*await _call(request, "files", purpose, limit, after, order == "desc"))
+
+
+@routes.get("/v1/files/{file_id}")
+async def retrieve_file(file_id: str, request: Request):
+    found = await _call(request, "file", file_id)
+    if found is None:
+        raise _missing("file", file_id)
+    return found
+
+
+@routes.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str, request: Request):
+    content = await _call(request, "content", file_id)
+    if content is None:
+        raise _missing("file", file_id)
+    return Response(content, media_type="application/octet-stream")
+
+
+@routes.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, request: Request):
+    if not await _call(request, "delete_file", file_id):
+        raise _missing("file", file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+@routes.post("/v1/batches")
+async def create_batch(body: BatchCreate, request: Request):
+    """A batch over an uploaded `batch` file's lines; each line's url must be `endpoint`."""
+    found = await _call(request, "file", body.input_file_id)
+    if found is None:
+        raise _missing("file", body.input_file_id, "input_file_id")
+    if found["purpose"] != "batch":
+        raise APIError(f"the input file's purpose is {found['purpose']!r}; a batch reads a "
+                       f"file uploaded with purpose 'batch'", param="input_file_id")
+    content = await _call(request, "content", body.input_file_id)
+    try:
+        lines = [line for line in content.decode("utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as exc:
+        raise APIError(f"the input file is not UTF-8 text: {exc}",
+                       param="input_file_id") from exc
+    if not 0 < len(lines) <= MAX_LINES:
+        raise APIError(f"the input file holds {len(lines)} requests; a batch takes 1 to "
+                       f"{MAX_LINES}", param="input_file_id")
+    batch = await _call(request, "add_batch", {
+        "endpoint": body.endpoint, "input_file_id": body.input_file_id,
+        "completion_window": body.completion_window, "metadata": body.metadata},
+        lines, WINDOWS[body.completion_window])
+    _runner(request).changed()
+    return batch
+
+
+@routes.get("/v1/batches/{batch_id}")
+async def retrieve_batch(batch_id: str, request: Request):
+    found = await _call(request, "batch", batch_id)
+    if found is None:
+        raise _missing("batch", batch_id)
+    return found
+
+
+@routes.get("/v1/batches")
+async def list_batches(request: Request, after: str | None = None,
+                       limit: Annotated[int, Query(ge=1, le=100)] = 20):
+    return _listing(*await _call(request, "batches", limit, after))
+
+
+@routes.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, request: Request):
+    """Stop a batch: `cancelling` until its lines in flight are stopped, then `cancelled`
+    with the answers it has."""
+    moved = await _call(request, "set_status", batch_id, "cancelling",
+                        ("validating", "in_progress"))
+    if moved is not None:
+        _runner(request).changed()
+        return moved
+    found = await _call(request, "batch", batch_id)
+    if found is None:
+        raise _missing("batch", batch_id)
+    if found["status"] in ("cancelling", "cancelled"):
+        return found
+    raise APIError(f"the batch is {found['status']}: only a validating or in-progress batch "
+                   f"can be cancelled", 409, code="batch_not_cancellable")
