@@ -1,0 +1,168 @@
+"""Live traffic beside a running batch: `tidal serve` (the embedded model, this machine)
+answers a live stream (Poisson arrivals of fresh ShareGPT questions, streamed) three ways:
+alone; while a Batch API batch runs (`/v1/batches`: the server paces its lines, one in
+flight while live requests are); and while the same lines are sent as ordinary requests,
+--naive-concurrency at a time (what a client without the Batch API does). Each phase has
+its own prompts (no prefix-cache carry-over); the server is warmed up first.
+
+usage: .venv/bin/python benchmarks/batch_priority.py [--live 50] [--rate 0.5]
+  [--live-tokens 32] [--batch-lines 64] [--batch-tokens 128] [--naive-concurrency 8]
+
+Target (issue 58): live TTFT p99 beside the batch within 1.2x of the live stream alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from server_fixtures import Server  # noqa: E402
+from tidal.bench.dataset import iter_json_records, sharegpt_path  # noqa: E402
+
+
+def questions(count: int, chars: int = 600) -> list[str]:
+    out = []
+    for record in iter_json_records(sharegpt_path().read_text()):
+        msgs = record.get("conversations") or []
+        if msgs and msgs[0].get("from") == "human" and len(msgs[0]["value"]) > 40:
+            out.append(msgs[0]["value"][:chars])
+        if len(out) == count:
+            return out
+    raise SystemExit(f"the dataset holds fewer than {count} questions")
+
+
+def _client(url: str):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                              timeout=900)
+
+
+async def live(url: str, prompts: list[str], rate: float, tokens: int) -> list[float]:
+    """Each prompt streamed at Poisson arrivals of `rate` a second; their TTFTs."""
+    rng = random.Random(0)
+    async with _client(url) as client:
+        async def one(delay: float, prompt: str) -> float:
+            await asyncio.sleep(delay)
+            t0 = time.perf_counter()
+            stream = await client.chat.completions.create(
+                model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
+                max_tokens=tokens, temperature=0, stream=True)
+            first = None
+            async for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - t0
+            return first if first is not None else time.perf_counter() - t0
+
+        at, delays = 0.0, []
+        for _ in prompts:
+            at += rng.expovariate(rate)
+            delays.append(at)
+        return await asyncio.gather(*(one(d, p) for d, p in zip(delays, prompts)))
+
+
+def batch_body(prompt: str, tokens: int) -> dict:
+    return {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
+
+
+async def naive(url: str, prompts: list[str], tokens: int, concurrency: int,
+                stop: asyncio.Event) -> int:
+    """The batch's lines as ordinary requests, `concurrency` at a time, until `stop`."""
+    queue, done = list(prompts), 0
+    async with _client(url) as client:
+        async def worker():
+            nonlocal done
+            while queue and not stop.is_set():
+                await client.chat.completions.create(**batch_body(queue.pop(0), tokens))
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done
+
+
+async def beside_batch(url: str, lines: list[str], args, prompts: list[str]):
+    async with _client(url) as client:
+        text = "\n".join(json.dumps({"custom_id": f"l{i}", "method": "POST",
+                                     "url": "/v1/chat/completions",
+                                     "body": batch_body(p, args.batch_tokens)})
+                         for i, p in enumerate(lines))
+        upload = await client.files.create(file=("b.jsonl", text.encode()), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, completion_window="24h",
+                                            endpoint="/v1/chat/completions")
+        while (await client.batches.retrieve(batch.id)).request_counts.completed < 1:
+            await asyncio.sleep(0.2)  # under way: lines in flight
+        ttfts = await live(url, prompts, args.rate, args.live_tokens)
+        done = (await client.batches.retrieve(batch.id)).request_counts.completed
+        await client.batches.cancel(batch.id)
+        return ttfts, done
+
+
+async def beside_naive(url: str, lines: list[str], args, prompts: list[str]):
+    stop = asyncio.Event()
+    flood = asyncio.create_task(naive(url, lines, args.batch_tokens,
+                                      args.naive_concurrency, stop))
+    await asyncio.sleep(2.0)  # under way
+    ttfts = await live(url, prompts, args.rate, args.live_tokens)
+    stop.set()
+    return ttfts, await flood
+
+
+def summary(name: str, ttfts: list[float], base: list[float] | None, lines: str) -> str:
+    q = statistics.quantiles(ttfts, n=100)
+    p50, p99 = statistics.median(ttfts) * 1000, q[98] * 1000
+    ratio = ""
+    if base is not None:
+        b = statistics.quantiles(base, n=100)
+        ratio = f"{p50 / (statistics.median(base) * 1000):.2f}x | {p99 / (b[98] * 1000):.2f}x"
+    return f"| {name} | {p50:,.0f} | {p99:,.0f} | {ratio or '1.00x | 1.00x'} | {lines} |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--live", type=int, default=50, help="live requests per phase")
+    ap.add_argument("--rate", type=float, default=0.5, help="live requests a second")
+    ap.add_argument("--live-tokens", type=int, default=32)
+    ap.add_argument("--batch-lines", type=int, default=64)
+    ap.add_argument("--batch-tokens", type=int, default=128)
+    ap.add_argument("--naive-concurrency", type=int, default=8)
+    args = ap.parse_args()
+    need = 3 * args.live + 2 * args.batch_lines + 4
+    pool = questions(need)
+    take = iter(range(need))
+    chunk = lambda n: [pool[next(take)] for _ in range(n)]  # noqa: E731
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server("--num-threads", str(os.cpu_count() or 1),
+                        "--num-kv-blocks", "4096", "--batch-store", f"{tmp}/b.sqlite")
+        try:
+            asyncio.run(live(server.url, chunk(4), 100.0, 8))  # warm-up
+            alone = asyncio.run(live(server.url, chunk(args.live), args.rate,
+                                     args.live_tokens))
+            paced, paced_done = asyncio.run(beside_batch(
+                server.url, chunk(args.batch_lines), args, chunk(args.live)))
+            flooded, flood_done = asyncio.run(beside_naive(
+                server.url, chunk(args.batch_lines), args, chunk(args.live)))
+        finally:
+            server.stop()
+    print(f"\n{args.live} live requests at {args.rate}/s ({args.live_tokens} tokens each); "
+          f"batch lines of {args.batch_tokens} tokens\n")
+    print("| live stream | TTFT p50 ms | TTFT p99 ms | p50 vs alone | p99 vs alone | "
+          "batch lines done meanwhile |")
+    print("|---|---|---|---|---|---|")
+    print(summary("alone", alone, None, "-"))
+    print(summary("beside a Batch API batch", paced, alone, str(paced_done)))
+    print(summary(f"beside the lines sent {args.naive_concurrency} at a time", flooded,
+                  alone, str(flood_done)))
+
+
+if __name__ == "__main__":
+    main()
