@@ -6,7 +6,7 @@ flight while live requests are); and while the same lines are sent as ordinary r
 its own prompts (no prefix-cache carry-over); the server is warmed up first.
 
 usage: .venv/bin/python benchmarks/batch_priority.py [--live 50] [--rate 0.5]
-  [--live-tokens 32] [--batch-lines 64] [--batch-tokens 128] [--naive-concurrency 8]
+  [--live-tokens 32] [--batch-lines 256] [--batch-tokens 128] [--naive-concurrency 8]
 
 Target (issue 58): live TTFT p99 beside the batch within 1.2x of the live stream alone.
 """
@@ -83,7 +83,9 @@ async def naive(url: str, prompts: list[str], tokens: int, concurrency: int,
         async def worker():
             nonlocal done
             while queue and not stop.is_set():
-                await client.chat.completions.create(**batch_body(queue.pop(0), tokens))
+                body = batch_body(queue.pop(0), tokens)
+                extra = {"ignore_eos": body.pop("ignore_eos")}
+                await client.chat.completions.create(**body, extra_body=extra)
                 done += 1
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -102,9 +104,12 @@ async def beside_batch(url: str, lines: list[str], args, prompts: list[str]):
         while (await client.batches.retrieve(batch.id)).request_counts.completed < 1:
             await asyncio.sleep(0.2)  # under way: lines in flight
         ttfts = await live(url, prompts, args.rate, args.live_tokens)
-        done = (await client.batches.retrieve(batch.id)).request_counts.completed
-        await client.batches.cancel(batch.id)
-        return ttfts, done
+        now = await client.batches.retrieve(batch.id)
+        if now.status != "in_progress":
+            print(f"the batch ended ({now.status}) before the live stream: raise --batch-lines")
+        else:
+            await client.batches.cancel(batch.id)
+        return ttfts, now.request_counts.completed
 
 
 async def beside_naive(url: str, lines: list[str], args, prompts: list[str]):
@@ -113,6 +118,8 @@ async def beside_naive(url: str, lines: list[str], args, prompts: list[str]):
                                       args.naive_concurrency, stop))
     await asyncio.sleep(2.0)  # under way
     ttfts = await live(url, prompts, args.rate, args.live_tokens)
+    if flood.done():
+        print("the lines ran out before the live stream: raise --batch-lines")
     stop.set()
     return ttfts, await flood
 
@@ -132,7 +139,7 @@ def main() -> None:
     ap.add_argument("--live", type=int, default=50, help="live requests per phase")
     ap.add_argument("--rate", type=float, default=0.5, help="live requests a second")
     ap.add_argument("--live-tokens", type=int, default=32)
-    ap.add_argument("--batch-lines", type=int, default=64)
+    ap.add_argument("--batch-lines", type=int, default=256)
     ap.add_argument("--batch-tokens", type=int, default=128)
     ap.add_argument("--naive-concurrency", type=int, default=8)
     args = ap.parse_args()
@@ -145,23 +152,24 @@ def main() -> None:
                         "--num-kv-blocks", "4096", "--batch-store", f"{tmp}/b.sqlite")
         try:
             asyncio.run(live(server.url, chunk(4), 100.0, 8))  # warm-up
+            print(f"\n{args.live} live requests at {args.rate}/s ({args.live_tokens} tokens "
+                  f"each); batch lines of {args.batch_tokens} tokens\n")
+            print("| live stream | TTFT p50 ms | TTFT p99 ms | p50 vs alone | p99 vs alone | "
+                  "batch lines done meanwhile |")
+            print("|---|---|---|---|---|---|")
             alone = asyncio.run(live(server.url, chunk(args.live), args.rate,
                                      args.live_tokens))
+            print(summary("alone", alone, None, "-"), flush=True)
             paced, paced_done = asyncio.run(beside_batch(
                 server.url, chunk(args.batch_lines), args, chunk(args.live)))
+            print(summary("beside a Batch API batch", paced, alone, str(paced_done)),
+                  flush=True)
             flooded, flood_done = asyncio.run(beside_naive(
                 server.url, chunk(args.batch_lines), args, chunk(args.live)))
+            print(summary(f"beside the lines sent {args.naive_concurrency} at a time",
+                          flooded, alone, str(flood_done)))
         finally:
             server.stop()
-    print(f"\n{args.live} live requests at {args.rate}/s ({args.live_tokens} tokens each); "
-          f"batch lines of {args.batch_tokens} tokens\n")
-    print("| live stream | TTFT p50 ms | TTFT p99 ms | p50 vs alone | p99 vs alone | "
-          "batch lines done meanwhile |")
-    print("|---|---|---|---|---|---|")
-    print(summary("alone", alone, None, "-"))
-    print(summary("beside a Batch API batch", paced, alone, str(paced_done)))
-    print(summary(f"beside the lines sent {args.naive_concurrency} at a time", flooded,
-                  alone, str(flood_done)))
 
 
 if __name__ == "__main__":

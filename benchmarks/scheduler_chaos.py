@@ -48,7 +48,8 @@ def one_op(d: SchedulerDriver, rng: random.Random) -> str:
         # few distinct tokens, so prompts share prefixes and the prefix cache works
         prompt = [rng.randint(3, 5) for _ in range(rng.randint(1, d.max_prompt))]
         d.add(prompt, n=rng.randint(1, 3), max_tokens=rng.randint(1, 12),
-              ignore_eos=rng.random() < 0.5, priority=rng.randint(-2, 2))
+              ignore_eos=rng.random() < 0.5, priority=rng.randint(-2, 2),
+              background=rng.random() < 0.3)
         return "add"
     if x < 0.20 and s.requests:
         d.abort(rng.choice(sorted(s.requests)))

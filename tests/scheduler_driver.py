@@ -80,10 +80,10 @@ class SchedulerDriver:
 
     # ------------------------------------------------------------------ operations
     def add(self, prompt: list[int], n: int, max_tokens: int, ignore_eos: bool,
-            priority: int, lora: str | None = None) -> None:
+            priority: int, lora: str | None = None, background: bool = False) -> None:
         n = 1 if self.s.config.role == "decode" else n  # a decode instance forks nothing
         params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=ignore_eos,
-                                priority=priority, lora=lora)
+                                priority=priority, lora=lora, background=background)
         self.added += 1
         self.s.add_request(Request(f"r{self.added}", prompt, params, arrival_time=self.now(),
                                    eos_token_id=EOS))

@@ -236,3 +236,35 @@ def test_a_request_owing_prompt_logprobs_never_admits_with_cached_tokens(
             if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
                 assert computed.get(new.request_id, 0) == 0
     assert not s.has_unfinished_requests()
+
+
+def test_background_requests_wait_behind_live_ones_in_every_policy():
+    for policy in ("fcfs", "priority", "longest_prefix_match"):
+        s = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, policy=policy)
+        add(s, "batch", 3, max_tokens=1, background=True)
+        add(s, "live", 3, max_tokens=1, priority=5)
+        out, _ = step(s)
+        assert set(scheduled(out)) == {"live"}, policy
+
+
+def test_background_decodes_sit_out_the_steps_that_prefill_a_live_prompt():
+    s = make_scheduler(num_blocks=64, block_size=4, chunked_prefill_size=4,
+                       clip_max_new_tokens=1)
+    add(s, "batch", 3, max_tokens=20, background=True)
+    add(s, "chat", 3, max_tokens=20)
+    step(s)
+    add(s, "live", 10, max_tokens=2)  # three chunks of 4 tokens
+    steps = [scheduled(step(s)[0]) for _ in range(4)]
+    assert [set(x) for x in steps[:3]] == [{"chat", "live"}] * 3  # the batch line waits
+    assert set(steps[3]) == {"chat", "live", "batch"}  # the prompt is in: it decodes again
+    assert steps[3]["batch"][1] == steps[0]["chat"][1]  # and lost nothing meanwhile
+
+
+def test_background_decodes_go_on_when_the_live_prompt_cannot_be_admitted():
+    """A live prompt that does not fit is no reason to stop the decodes that free memory."""
+    s = make_scheduler(num_blocks=6, block_size=4, clip_max_new_tokens=1)
+    add(s, "batch", 8, max_tokens=4, background=True)
+    step(s)
+    add(s, "live", 20, max_tokens=2)  # 5 blocks + growth: waits for the batch line's
+    ran = [scheduled(step(s)[0]) for _ in range(4)]
+    assert ran == [{"batch": (1, 8)}, {"batch": (1, 9)}, {"batch": (1, 10)}, {"live": (20, 0)}]

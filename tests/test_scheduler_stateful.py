@@ -46,7 +46,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         d.add(prompt=data.draw(st.lists(st.integers(3, 5), min_size=1, max_size=d.max_prompt)),
               n=data.draw(st.integers(1, 3)), max_tokens=data.draw(st.integers(1, 12)),
               ignore_eos=data.draw(st.booleans()), priority=data.draw(st.integers(-2, 2)),
-              lora=data.draw(st.sampled_from([None, None, "a", "b", "c", "d"])))
+              lora=data.draw(st.sampled_from([None, None, "a", "b", "c", "d"])),
+              background=data.draw(st.booleans()))
 
     @rule(eos=st.integers(0, 9))
     def step(self, eos):

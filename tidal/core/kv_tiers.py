@@ -26,6 +26,7 @@ from itertools import chain
 from typing import TYPE_CHECKING, Hashable, Iterable
 
 from tidal.core.outputs import KVLoad
+from tidal.core.policies.base import foreground_first
 from tidal.core.request import RequestStatus
 from tidal.core.step_time import StepShape
 
@@ -228,7 +229,8 @@ def prefetch(sched: "Scheduler", plan: "StepPlan") -> None:
     if (not sched.waiting or not len(sched.kv.tiers.index)  # nothing to load: no order
             or len(sched.running) + len(sched.transferring) >= plan.max_seqs):
         return
-    r = sched.policy.order(sched.waiting, sched.step, sched._prefix_tokens)[0]
+    r = foreground_first(sched.policy.order(sched.waiting, sched.step,
+                                            sched._prefix_tokens))[0]
     held = sched.loras.adapters_of(chain(sched.running, sched.transferring.values()))
     if r.tier_loading is not None or (r.lora is not None and r.lora not in held):
         return

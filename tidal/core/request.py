@@ -67,6 +67,10 @@ class SamplingParams:
     they are not included in the text."""
     priority: int = 0
     """Lower runs first under the `priority` policy."""
+    background: bool = False
+    """Work that yields to the rest (a Batch API line): admitted after every other waiting
+    request, and while another's prompt waits or prefills, its decodes sit out the steps
+    that prefill one."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -22,6 +22,7 @@ from tidal.core.lora import AdapterSlots
 from tidal.core.outputs import (ModelOutput, RequestOutput, ScheduledRequest, SchedulerOutput,
                                 new_request)
 from tidal.core.policies import make_policy
+from tidal.core.policies.base import foreground_first
 from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, ready_to_decode
 from tidal.core.roles import ROLES
@@ -273,7 +274,8 @@ class Scheduler:
             return
         plan.adapters = self.loras.adapters_of(chain(self.running, self.transferring.values()))
         admitted = []
-        for r in self.policy.order(self.waiting, self.step, self._prefix_tokens):
+        for r in foreground_first(self.policy.order(self.waiting, self.step,
+                                                    self._prefix_tokens)):
             result = self._admit(plan, r)
             if result is Admission.ADMITTED:
                 admitted.append(r)

@@ -26,17 +26,12 @@ from tidal.server.openai.chat import ChatRequest
 from tidal.server.openai.chat_output import ChatOutputOptions
 from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.generation_bodies import GenerationResponse, Updates
-from tidal.server.openai.protocol import (_INT64_MAX, APIError, GenerationRequest,
-                                          check_token_ids)
+from tidal.server.openai.protocol import APIError, GenerationRequest, check_token_ids
 from tidal.server.openai.reasoning import prompt_opens_thinking
 from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
                                               parser_for_template)
 from tidal.server.responses.store import ResponseStore
 from tidal.server.tracing import RequestSpan, Tracing, operation_of
-
-
-BACKGROUND_PRIORITY = 1 << 32
-"""Added to a Batch API line's priority: lower runs first under the `priority` policy."""
 
 
 class Frontend:
@@ -194,9 +189,7 @@ class Frontend:
                                                   client.ready.vocab_size))
             params[-1].lora = adapter
             params[-1].trace = self.tracing is not None  # its scheduler events, for the span
-            if background:  # a Batch API line: after live requests under --policy priority
-                params[-1].priority = min(params[-1].priority + BACKGROUND_PRIORITY,
-                                          _INT64_MAX)
+            params[-1].background = background  # a Batch API line yields to the rest
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             if getattr(body, name) is not None and \
                     not client.config.scheduler.policy_class.takes_latency_targets:

@@ -73,8 +73,15 @@ class Policy:
     def compose(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
         """`mixed` batches: decodes take their blocks first, then prefill chunks fill the
         budget, unless the decodes had to retract someone (memory is short: admit no one).
+        While a live request's prompt waits or prefills beside background decodes, prefills
+        come first and the background decodes sit out a step that holds one.
         `separate` batches: prefills, and decodes only in a step that holds no prefill."""
-        if self.batch_mode == "mixed":
+        if self.batch_mode == "mixed" and _yielding(sched, decoding):
+            # a live prompt first; background decodes sit out a step that prefills
+            sched.schedule_prefills(plan, decoding)
+            sched.schedule_decodes(plan, [r for r in decoding if not r.sampling_params.background]
+                                   if plan.num_prefills else decoding)
+        elif self.batch_mode == "mixed":
             sched.schedule_decodes(plan, decoding)
             if not plan.preempted:
                 sched.schedule_prefills(plan, decoding)
@@ -82,3 +89,16 @@ class Policy:
             sched.schedule_prefills(plan, decoding)
             if not plan.out.scheduled:
                 sched.schedule_decodes(plan, decoding)
+
+
+def foreground_first(ordered: Sequence[Request]) -> list[Request]:
+    """A policy's admission order with background requests after the rest."""
+    return sorted(ordered, key=lambda r: r.sampling_params.background)  # stable
+
+
+def _yielding(sched: "Scheduler", decoding: list[Request]) -> bool:
+    """Whether background decodes run while a live request's prompt waits or prefills."""
+    return (any(r.sampling_params.background for r in decoding)
+            and (any(not r.sampling_params.background for r in sched.waiting)
+                 or any(not r.sampling_params.background and r.is_prefilling
+                        for r in sched.running)))

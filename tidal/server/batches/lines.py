@@ -46,6 +46,14 @@ def output(custom_id, status: int, request_id: str | None, body) -> dict:
             "error": error}
 
 
+def custom_id_of(text: str):
+    """A line's custom_id (None for a line that is no JSON object)."""
+    try:
+        return json.loads(text).get("custom_id")
+    except (ValueError, AttributeError):
+        return None
+
+
 def refused(custom_id, number: int, code: str, why: str) -> dict:
     """The answer of a line that was never sent."""
     return output(custom_id, 400, None, {"error": {"code": code,
@@ -68,4 +76,8 @@ async def answer(http: httpx.AsyncClient, text: str, number: int,
     while r.status_code == 429:  # over --max-pending (n > 1 lines): when room is made
         await asyncio.sleep(float(r.headers.get("retry-after", 1)))
         r = await http.post(line["url"], json=line["body"])
-    return output(custom_id, r.status_code, r.headers.get("x-request-id"), r.json())
+    try:
+        body = r.json()
+    except ValueError:  # e.g. a 500 of plain text
+        body = {"error": {"code": "error", "message": r.text or f"HTTP {r.status_code}"}}
+    return output(custom_id, r.status_code, r.headers.get("x-request-id"), body)

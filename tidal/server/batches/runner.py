@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from tidal.server.batches.lines import answer
+from tidal.server.batches.lines import answer, custom_id_of, output
 from tidal.server.batches.store import BatchStore
 
 log = logging.getLogger("tidal.batches")
@@ -104,7 +104,11 @@ class BatchRunner:
         running: set[asyncio.Task] = set()
 
         async def one(number: int, text: str) -> None:
-            out = await answer(http, text, number, urls)
+            try:
+                out = await answer(http, text, number, urls)
+            except Exception as exc:  # noqa: BLE001 - the line's answer says what failed
+                out = output(custom_id_of(text), 500, None, {"error": {
+                    "code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}})
             await asyncio.to_thread(store.answer, batch_id, number, out)
 
         ending = None
@@ -123,6 +127,8 @@ class BatchRunner:
             for task in running:  # cancelled or expired, or the server is stopping
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+        if ending is None and await asyncio.to_thread(store.unanswered, batch_id):
+            return  # a line's answer was not kept: the next pass sends it again
         status = ending or "completed"
         await asyncio.to_thread(store.finish, batch_id, status,
                                 EXPIRED if status == "expired" else None)

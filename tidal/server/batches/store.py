@@ -14,7 +14,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from tidal.server.batches.lines import refused
+from tidal.server.batches.lines import custom_id_of, refused
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, created_at INTEGER, purpose TEXT,
@@ -216,10 +216,6 @@ def _page(items: list[dict], limit: int, after: str | None) -> tuple[list[dict],
 
 def _unanswered(text: str, number: int, error: dict) -> dict:
     """The error-file line of a line the batch ended without answering."""
-    try:
-        custom_id = json.loads(text).get("custom_id")
-    except (ValueError, AttributeError):
-        custom_id = None
-    out = refused(custom_id, number, error["code"], error["message"])
+    out = refused(custom_id_of(text), number, error["code"], error["message"])
     out["response"] = None
     return out
