@@ -28,9 +28,11 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")  # a pipe could fill up and stall the server
+        self.files = tempfile.TemporaryDirectory()  # its Batch API store, unless flags name one
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tidal.cli", "serve", "--port", str(self.port),
-             "--num-kv-blocks", "256", "--num-threads", "1", *flags],
+             "--num-kv-blocks", "256", "--num-threads", "1",
+             "--batch-store", f"{self.files.name}/batches.sqlite", *flags],
             stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         deadline = time.monotonic() + 180
         while True:

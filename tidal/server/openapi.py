@@ -1,8 +1,8 @@
 """The OpenAPI schema as the server answers: FastAPI's generated one, corrected where the
 server differs from FastAPI's defaults. Invalid bodies are 400s with an OpenAI error body
-(Anthropic's on its Messages routes; never 422), generation may answer 429 and 503 and stream as SSE, /metrics is Prometheus
-text, a request field sent as null counts as absent, and the served model (and its LoRA
-adapters) the only `model` accepted."""
+(Anthropic's on its Messages routes; never 422), generation may answer 429 and 503 and
+stream as SSE, lookups by id 404, /metrics is Prometheus text, a request field sent as null
+counts as absent, and the served model (and its LoRA adapters) the only `model` accepted."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ _ANTHROPIC_ERROR_SCHEMA = {  # the Messages routes' (tidal/server/anthropic/prot
 _ERRORS = {  # status -> when, for the routes each applies to
     "400": "the body is invalid: the message names the field (`param`)",
     "401": "the API key is missing or wrong (a server started with --api-key)",
-    "404": "no such model (this server serves one), or no such stored response",
+    "404": "no such model (this server serves one), stored response, file or batch",
+    "409": "the batch has ended: it can no longer be cancelled",
     "413": "the body is over --max-body-bytes",
     "429": "too many requests in flight (--max-pending); retry after Retry-After",
     "503": "the engine core is restarting (with Retry-After) or gone",
@@ -40,9 +41,12 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
     "/metrics": ("text/plain", {"type": "string"}),
     "/dashboard": ("text/html", {"type": "string"}),
     "/dashboard/stream": ("text/event-stream", _ANY),  # each event's data: a JSON report
+    "/v1/files/{file_id}/content": ("application/octet-stream",
+                                    {"type": "string", "format": "binary"}),
 }
 _GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 _QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank")  # may answer 429, 503
+_LOOKED_UP = ("/v1/models/", "/v1/responses", "/v1/files", "/v1/batches")  # may answer 404
 _KEYED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/dashboard")
 
 
@@ -75,7 +79,8 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
             errors = (["400", "413"] if has_body else []) + (
                 ["401"] if keyed and path.startswith(_KEYED) else []) + (
                 ["429", "503"] if path in _QUEUED else []) + (
-                ["404"] if path.startswith(("/v1/models/", "/v1/responses")) else [])
+                ["404"] if path.startswith(_LOOKED_UP) else []) + (
+                ["409"] if path.endswith("/cancel") else [])
             shape = _ANTHROPIC_ERROR if path.startswith(ANTHROPIC_PREFIX) else _ERROR
             for status in errors:
                 responses[status] = {"description": _ERRORS[status],

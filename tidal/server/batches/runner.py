@@ -1,8 +1,8 @@
 """The online Batch API's worker: it takes the store's oldest batch with work left and sends
 its unanswered lines to the server's own app in this process, at low priority: up to
 --batch-concurrency lines at once while no live request is in flight, one while any is
-(the batch still moves, and a live request never queues behind more than one line), each
-marked so that the `priority` policy orders it after live requests. Each answer is kept as
+(the batch still moves), each marked as a background request, which the scheduler admits
+after live ones and pauses while it prefills a live prompt. Each answer is kept as
 it comes back; a batch ends when every line has one (or when cancelled or expired). One
 server at a time works through a store (an exclusive lock on a file beside it)."""
 
@@ -25,7 +25,8 @@ from tidal.server.batches.store import BatchStore
 log = logging.getLogger("tidal.batches")
 
 BACKGROUND_HEADER = "x-tidal-background"
-"""Carries the runner's token: the frontend counts such requests apart from live ones."""
+"""Carries the runner's token: the frontend sends such requests as background ones and
+counts them apart from live ones."""
 EXPIRED = {"code": "batch_expired", "message": "the batch expired before this line was answered"}
 
 
