@@ -361,16 +361,3 @@ def test_a_profile_with_the_servers_scatter_draws_step_times_from_it():
     hw.step_scatter = [1.0, 2.0]
     with pytest.raises(ValueError, match="step_scatter holds 7 values"):
         CostModel(model_arch("smollm2-135m"), hw)
-
-
-def test_background_prompts_alone_take_a_share_of_the_step_target():
-    """A quarter of 100 ms at 10 ms + 1 ms a token holds 15 tokens: chunks of a block while
-    only a background prompt computes; the full 80 once a live prompt waits too, so that
-    the background chunk (one prompt chunks at a time) is out of its way sooner."""
-    s = sized("fcfs", background_step_share=0.25)
-    add(s, "batch", 200, background=True)
-    assert prompt_tokens(step(s)[0]) == 16
-    add(s, "live", 200)
-    out, _ = step(s)
-    assert prompt_tokens(out) == 80
-    assert {x.request_id for x in out.scheduled if x.is_prefill} == {"batch"}  # its chunk goes on

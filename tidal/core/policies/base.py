@@ -65,12 +65,9 @@ class Policy:
 
     def size_step(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
         """Before the step is composed, when prompts are to compute: cap its prefill tokens
-        so that it is predicted to take at most the scheduler's step target (a share of it
-        when every prompt to compute is a background request's)."""
+        so that it is predicted to take at most the scheduler's step target."""
         target = sched.target.seconds
         if target < math.inf:
-            if not _live_prompt(sched):  # background prompts only
-                target *= sched.config.background_step_share
             cap_prefill(sched, plan, decode_shape(decoding), target)
 
     def compose(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
@@ -99,13 +96,9 @@ def foreground_first(ordered: Sequence[Request]) -> list[Request]:
     return sorted(ordered, key=lambda r: r.sampling_params.background)  # stable
 
 
-def _live_prompt(sched: "Scheduler") -> bool:
-    """Whether a request that is not background waits or prefills."""
-    return (any(not r.sampling_params.background for r in sched.waiting)
-            or any(not r.sampling_params.background and r.is_prefilling
-                   for r in sched.running))
-
-
 def _yielding(sched: "Scheduler", decoding: list[Request]) -> bool:
     """Whether background decodes run while a live request's prompt waits or prefills."""
-    return any(r.sampling_params.background for r in decoding) and _live_prompt(sched)
+    return (any(r.sampling_params.background for r in decoding)
+            and (any(not r.sampling_params.background for r in sched.waiting)
+                 or any(not r.sampling_params.background and r.is_prefilling
+                        for r in sched.running)))
