@@ -208,3 +208,15 @@ def test_two_servers_on_one_store_run_a_batch_once(tmp_path):
     finally:
         for s in servers:
             s.stop()
+
+
+def test_an_embeddings_batch_answers_as_the_live_api(client):
+    texts = ["The tide comes in.", "The tide goes out."]
+    batch = _submit(client, [_line(f"e{i}", {"input": t}, "/v1/embeddings")
+                             for i, t in enumerate(texts)], "/v1/embeddings")
+    done = _wait(client, batch.id)
+    assert done.request_counts.completed == 2
+    out = _jsonl(client, done.output_file_id)
+    live = client.embeddings.create(model="smollm2-135m", input=texts[1])
+    vector = out[1]["response"]["body"]["data"][0]["embedding"]
+    assert vector == pytest.approx(live.data[0].embedding, abs=1e-5)
