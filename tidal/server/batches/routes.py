@@ -48,8 +48,13 @@ async def _call(request: Request, method: str, *args):
     return await asyncio.to_thread(lambda: getattr(runner.store(), method)(*args))
 
 
-def _missing(kind: str, key: str, param: str | None = None) -> APIError:
-    return APIError(f"no {kind} with id {key!r}", 404, param=param, code="not_found")
+async def _found(request: Request, method: str, key: str, param: str | None = None):
+    """The store's `method` for `key` (a file or a batch), or a 404 naming it."""
+    found = await _call(request, method, key)
+    if found is None:
+        kind = "batch" if method == "batch" else "file"
+        raise APIError(f"no {kind} with id {key!r}", 404, param=param, code="not_found")
+    return found
 
 
 def _listing(page: list[dict], more: bool) -> dict:
@@ -77,33 +82,26 @@ async def list_files(request: Request, purpose: str | None = None,
 
 @routes.get("/v1/files/{file_id}")
 async def retrieve_file(file_id: str, request: Request):
-    found = await _call(request, "file", file_id)
-    if found is None:
-        raise _missing("file", file_id)
-    return found
+    return await _found(request, "file", file_id)
 
 
 @routes.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, request: Request):
-    content = await _call(request, "content", file_id)
-    if content is None:
-        raise _missing("file", file_id)
+    content = await _found(request, "content", file_id)
     return Response(content, media_type="application/octet-stream")
 
 
 @routes.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request):
     if not await _call(request, "delete_file", file_id):
-        raise _missing("file", file_id)
+        raise APIError(f"no file with id {file_id!r}", 404, code="not_found")
     return {"id": file_id, "object": "file", "deleted": True}
 
 
 @routes.post("/v1/batches")
 async def create_batch(body: BatchCreate, request: Request):
     """A batch over an uploaded `batch` file's lines; each line's url must be `endpoint`."""
-    found = await _call(request, "file", body.input_file_id)
-    if found is None:
-        raise _missing("file", body.input_file_id, "input_file_id")
+    found = await _found(request, "file", body.input_file_id, "input_file_id")
     if found["purpose"] != "batch":
         raise APIError(f"the input file's purpose is {found['purpose']!r}; a batch reads a "
                        f"file uploaded with purpose 'batch'", param="input_file_id")
@@ -126,10 +124,7 @@ async def create_batch(body: BatchCreate, request: Request):
 
 @routes.get("/v1/batches/{batch_id}")
 async def retrieve_batch(batch_id: str, request: Request):
-    found = await _call(request, "batch", batch_id)
-    if found is None:
-        raise _missing("batch", batch_id)
-    return found
+    return await _found(request, "batch", batch_id)
 
 
 @routes.get("/v1/batches")
@@ -147,9 +142,7 @@ async def cancel_batch(batch_id: str, request: Request):
     if moved is not None:
         _runner(request).changed()
         return moved
-    found = await _call(request, "batch", batch_id)
-    if found is None:
-        raise _missing("batch", batch_id)
+    found = await _found(request, "batch", batch_id)
     if found["status"] in ("cancelling", "cancelled"):
         return found
     raise APIError(f"the batch is {found['status']}: only a validating or in-progress batch "
