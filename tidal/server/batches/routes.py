@@ -105,9 +105,10 @@ async def create_batch(body: BatchCreate, request: Request):
     if found["purpose"] != "batch":
         raise APIError(f"the input file's purpose is {found['purpose']!r}; a batch reads a "
                        f"file uploaded with purpose 'batch'", param="input_file_id")
-    content = await _call(request, "content", body.input_file_id)
-    try:
-        lines = [line for line in content.decode("utf-8").splitlines() if line.strip()]
+    content = await _found(request, "content", body.input_file_id, "input_file_id")
+    try:  # up to --max-file-bytes: in a thread, as the store's calls
+        lines = await asyncio.to_thread(
+            lambda: [line for line in content.decode("utf-8").splitlines() if line.strip()])
     except UnicodeDecodeError as exc:
         raise APIError(f"the input file is not UTF-8 text: {exc}",
                        param="input_file_id") from exc
