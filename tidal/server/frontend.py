@@ -160,17 +160,18 @@ class Frontend:
             raise APIError("too many requests in flight; retry later", 429, "rate_limit_error")
         background = self.batches is not None and \
             headers.get(BACKGROUND_HEADER) == self.batches.token
+        counted = sequences if background else 0  # as background, until the answer ends
         self.reserved += sequences
-        self.background += sequences if background else 0
+        self.background += counted
         try:
             sub = await self._checked_submit(prompts, body, headers, background)
         except BaseException:
-            self.background -= sequences if background else 0
+            self.background -= counted
             raise
         finally:  # sent, the requests count themselves (client.num_outstanding)
             self.reserved -= sequences
-        if background:
-            sub.on_end.append(partial(self._background_ended, sequences))
+        if counted:
+            sub.on_end.append(partial(self._background_ended, counted))
         return sub
 
     def _background_ended(self, sequences: int) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import uuid
+
 import httpx
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per batch line

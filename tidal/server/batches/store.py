@@ -16,11 +16,11 @@ from pathlib import Path
 
 from tidal.server.batches.lines import custom_id_of, refused
 
+# a batch's object is its `body`; `status` repeats the body's, for the query of next_active
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, created_at INTEGER, purpose TEXT,
     filename TEXT, bytes INTEGER, content BLOB);
-CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, created_at INTEGER, status TEXT,
-    body TEXT);
+CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, status TEXT, body TEXT);
 CREATE TABLE IF NOT EXISTS lines (batch_id TEXT, number INTEGER, text TEXT, output TEXT,
     failed INTEGER, PRIMARY KEY (batch_id, number));
 """
@@ -66,10 +66,8 @@ class BatchStore:
     # ------------------------------------------------------------------ files
     def add_file(self, content: bytes, filename: str, purpose: str) -> dict:
         """Keep a file; its OpenAI file object."""
-        file_id, now = f"file-{uuid.uuid4().hex[:24]}", int(time.time())
-        self._run("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
-                  (file_id, now, purpose, filename, len(content), content))
-        return _file(file_id, now, purpose, filename, len(content))
+        with self._lock:
+            return _insert_file(self._db, content, filename, purpose)
 
     def file(self, file_id: str) -> dict | None:
         rows = self._run("SELECT id, created_at, purpose, filename, bytes FROM files "
@@ -105,8 +103,8 @@ class BatchStore:
                  "completed_at": None, "failed_at": None, "expired_at": None,
                  "cancelling_at": None, "cancelled_at": None}
         with self._transaction() as db:
-            db.execute("INSERT INTO batches VALUES (?, ?, ?, ?)",
-                       (batch["id"], now, "validating", json.dumps(batch)))
+            db.execute("INSERT INTO batches VALUES (?, ?, ?)",
+                       (batch["id"], "validating", json.dumps(batch)))
             db.executemany("INSERT INTO lines VALUES (?, ?, ?, NULL, 0)",
                            [(batch["id"], n, text) for n, text in enumerate(lines, 1)])
         return self._counted(batch)
@@ -177,18 +175,12 @@ class BatchStore:
                 for key, kept, name in (("output_file_id", ok, "output"),
                                         ("error_file_id", bad, "error")):
                     if kept:
-                        batch[key] = self._add_output(batch_id, name, kept)
+                        batch[key] = _insert_file(db, ("\n".join(kept) + "\n").encode(),
+                                                  f"{batch_id}_{name}.jsonl",
+                                                  "batch_output")["id"]
                 db.execute("UPDATE batches SET body = ? WHERE id = ?",
                            (json.dumps(batch), batch_id))
         return None if batch is None else self._counted(batch)
-
-    def _add_output(self, batch_id: str, name: str, lines: list[str]) -> str:
-        content = ("\n".join(lines) + "\n").encode()
-        file_id = f"file-{uuid.uuid4().hex[:24]}"
-        self._db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
-                         (file_id, int(time.time()), "batch_output",
-                          f"{batch_id}_{name}.jsonl", len(content), content))
-        return file_id
 
     def _counted(self, batch: dict) -> dict:
         """The batch object with its request counts as they stand."""
@@ -198,6 +190,14 @@ class BatchStore:
         batch["request_counts"] = {"total": total, "completed": done - failed,
                                    "failed": failed}
         return batch
+
+
+def _insert_file(db: sqlite3.Connection, content: bytes, filename: str, purpose: str) -> dict:
+    """Keep a file (under the caller's lock); its OpenAI file object."""
+    file_id, now = f"file-{uuid.uuid4().hex[:24]}", int(time.time())
+    db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
+               (file_id, now, purpose, filename, len(content), content))
+    return _file(file_id, now, purpose, filename, len(content))
 
 
 def _file(file_id: str, created: int, purpose: str, filename: str, size: int) -> dict:
