@@ -7,7 +7,7 @@ its own prompts (no prefix-cache carry-over); the server is warmed up first.
 
 usage: .venv/bin/python benchmarks/batch_priority.py [--live 50] [--rate 0.5]
   [--live-tokens 32] [--batch-lines 256] [--batch-tokens 128] [--naive-concurrency 8]
-  [--server-log FILE]
+  [--server-log FILE] [--skip-naive]
 
 Target (issue 58): live TTFT p99 beside the batch within 1.2x of the live stream alone.
 """
@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -126,6 +127,17 @@ async def beside_naive(url: str, lines: list[str], args, prompts: list[str]):
     return ttfts, await flood
 
 
+def wait_profiled(server: Server, timeout: float = 120.0) -> None:
+    """Until the engine has timed its step-time profile (a fresh machine times it while
+    idle, which would delay the first phase's requests)."""
+    deadline = time.monotonic() + timeout
+    while (re.search(r"; [1-9]\d* more while idle", log := server.output())
+           and "saved to" not in log):
+        if time.monotonic() > deadline:
+            raise SystemExit("the step-time profile was not done in time")
+        time.sleep(1.0)
+
+
 def summary(name: str, ttfts: list[float], base: list[float] | None, lines: str) -> str:
     """A table row: TTFT p50, p90, p99 (ms) and their ratios to `base`'s."""
     def pct(xs: list[float]) -> list[float]:
@@ -147,6 +159,8 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=128)
     ap.add_argument("--naive-concurrency", type=int, default=8)
     ap.add_argument("--server-log", help="write the server's log to this file")
+    ap.add_argument("--skip-naive", action="store_true",
+                    help="leave out the phase of lines sent as ordinary requests")
     args = ap.parse_args()
     need = 3 * args.live + 2 * args.batch_lines + 4
     pool = questions(need)
@@ -157,6 +171,7 @@ def main() -> None:
                         "--num-kv-blocks", "4096", "--batch-store", f"{tmp}/b.sqlite")
         try:
             asyncio.run(live(server.url, chunk(4), 100.0, 8))  # warm-up
+            wait_profiled(server)
             print(f"\n{args.live} live requests at {args.rate}/s ({args.live_tokens} tokens "
                   f"each); batch lines of {args.batch_tokens} tokens\n")
             print("| live stream | TTFT p50 ms | p90 ms | p99 ms | p50 vs alone | p90 vs alone "
@@ -169,6 +184,8 @@ def main() -> None:
                 server.url, chunk(args.batch_lines), args, chunk(args.live)))
             print(summary("beside a Batch API batch", paced, alone, str(paced_done)),
                   flush=True)
+            if args.skip_naive:
+                return
             flooded, flood_done = asyncio.run(beside_naive(
                 server.url, chunk(args.batch_lines), args, chunk(args.live)))
             print(summary(f"beside the lines sent {args.naive_concurrency} at a time",

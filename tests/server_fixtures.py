@@ -63,8 +63,12 @@ class Server:
         return self.output()
 
     def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
+        """The server's log so far (read without moving the offset the server writes at)."""
+        fd, chunks, at = self.log.fileno(), [], 0
+        while chunk := os.pread(fd, 1 << 20, at):
+            chunks.append(chunk)
+            at += len(chunk)
+        return b"".join(chunks).decode(errors="replace")
 
 
 def openai_client(server: "Server", key: str = "none"):

@@ -1,9 +1,11 @@
 """Schema fuzzing of the HTTP API: schemathesis generates bodies from the server's own OpenAPI
-schema (/openapi.json) for /v1/completions, /v1/chat/completions, /v1/messages, /tokenize and
-/detokenize, both valid ones and ones that break the schema, and sends each to a real `tidal
-serve`. No answer may be a 5xx or take longer than a timeout; every 4xx carries an OpenAI
-error body (Anthropic's on /v1/messages); a stream holds no error event; afterwards no request is left running or waiting and every KV
-block is free, and the engine core is the one the server started with.
+schema (/openapi.json) for /v1/completions, /v1/chat/completions, /v1/messages, /v1/batches,
+/tokenize and /detokenize, both valid ones and ones that break the schema, and sends each to
+a real `tidal serve`. No answer may be a 5xx or take longer than a timeout; every 4xx
+carries an OpenAI error body (Anthropic's on /v1/messages); a stream holds no error event;
+afterwards every batch has ended with each of its lines answered, no request is left
+running or waiting and every KV block is free, and the engine core is the one the server
+started with.
 
 TIDAL_FUZZ_EXAMPLES sets the examples per endpoint (default 100, derandomized); set, each run
 draws new ones (docs/testing.md)."""
@@ -25,7 +27,8 @@ from schemathesis import GenerationMode
 
 from server_fixtures import Server, metric
 
-PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/tokenize", "/detokenize"]
+PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/batches", "/tokenize",
+         "/detokenize"]
 EXAMPLES = int(os.environ.get("TIDAL_FUZZ_EXAMPLES", "100"))
 TIMEOUT = 60.0  # seconds one request may take: no generation here runs near it
 MAX_OUT = 4  # --max-total-tokens: what any one prompt may generate (cheap on 2 cores)
@@ -38,18 +41,35 @@ def server():
     s = Server("--max-model-len", "512", "--max-total-tokens", str(MAX_OUT),
                "--max-pending", "16")
     s.first_core = s.core_pid()
+    s.batch_files = [upload(s, "batch", [{"messages": [{"role": "user", "content": "hi"}]},
+                                         {"messages": []}]),  # the second line is refused
+                     upload(s, "batch", [{"prompt": "hi"}], "/v1/completions"),
+                     upload(s, "user_data", [{"prompt": "hi"}], "/v1/completions")]
     yield s
     s.stop()
+
+
+def upload(server: Server, purpose: str, bodies: list[dict],
+           url: str = "/v1/chat/completions") -> str:
+    """A file of batch lines (`bodies`, each with the served model and 2 tokens); its id."""
+    text = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": url,
+                                 "body": {"model": MODEL, "max_tokens": 2, **body}})
+                      for i, body in enumerate(bodies))
+    r = httpx.post(server.url + "/v1/files", data={"purpose": purpose},
+                   files={"file": ("in.jsonl", text.encode())})
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
 
 
 @pytest.fixture(scope="module")
 def schemas(server):
     """The server's schema as it is, and narrowed to what the server accepts."""
     raw = httpx.get(server.url + "/openapi.json").json()
-    return schemathesis.openapi.from_dict(raw), schemathesis.openapi.from_dict(narrowed(raw))
+    return (schemathesis.openapi.from_dict(raw),
+            schemathesis.openapi.from_dict(narrowed(raw, server.batch_files)))
 
 
-def narrowed(raw: dict) -> dict:
+def narrowed(raw: dict, files: list[str]) -> dict:
     """The schema with the checks it cannot express (the vocabulary, the served model, no
     empty prompt, stream_options only with stream, ...) written in, so that its bodies mostly
     generate: sampling parameters, stop strings, logit_bias and streams get exercised."""
@@ -90,6 +110,7 @@ def narrowed(raw: dict) -> dict:
             "type": "object", "required": ["role", "content"], "additionalProperties": False,
             "properties": {"role": {"enum": ["user", "assistant"]}, "content": text}}})
     models["MessagesRequest"]["required"] = ["messages", "max_tokens"]
+    models["BatchCreate"]["properties"]["input_file_id"] = {"enum": files}
     return raw
 
 
@@ -217,8 +238,19 @@ def test_what_fuzzing_found(server, path, body, status, param):
 
 
 def test_nothing_is_left_behind(server):
-    """Every generated request finished or was refused: nothing running, waiting or holding
-    blocks, and the engine core never died."""
+    """Every generated request finished or was refused: every batch ended with each line
+    answered once, nothing running, waiting or holding blocks, and the engine core never
+    died."""
+    deadline = time.monotonic() + 120  # the batches' lines run one after another
+    while any(b["status"] in ("validating", "in_progress", "finalizing")
+              for b in all_batches(server)):
+        assert time.monotonic() < deadline, all_batches(server)
+        time.sleep(0.5)
+    batches = all_batches(server)
+    for b in batches:
+        counts = b["request_counts"]
+        assert b["status"] == "completed", b
+        assert counts["completed"] + counts["failed"] == counts["total"] > 0, b
     deadline = time.monotonic() + 15  # the core reports stats twice a second
     names = ("tidal:kv_cache_used_blocks", "tidal:num_requests_running",
              "tidal:num_requests_waiting")
@@ -226,6 +258,18 @@ def test_nothing_is_left_behind(server):
         assert time.monotonic() < deadline, {n: metric(server.url, n) for n in names}
         time.sleep(0.2)
     assert server.core_pid() == server.first_core
-    print("\nfuzzed requests by (path, status, error param):")
+    print(f"\n{len(batches)} batches; fuzzed requests by (path, status, error param):")
     for key, count in sorted(sent.items(), key=str):
         print(f"  {count:5d} {key}")
+
+
+def all_batches(server: Server) -> list[dict]:
+    """Every batch on the server, through the listing's pages."""
+    found, after = [], None
+    while True:
+        page = httpx.get(server.url + "/v1/batches",
+                         params={"limit": 100, **({"after": after} if after else {})}).json()
+        found += page["data"]
+        if not page["has_more"]:
+            return found
+        after = page["last_id"]

@@ -251,13 +251,36 @@ def test_background_decodes_sit_out_the_steps_that_prefill_a_live_prompt():
     s = make_scheduler(num_blocks=64, block_size=4, chunked_prefill_size=4,
                        clip_max_new_tokens=1)
     add(s, "batch", 3, max_tokens=20, background=True)
-    add(s, "chat", 3, max_tokens=20)
     step(s)
+    add(s, "chat", 3, max_tokens=20)
+    assert set(scheduled(step(s)[0])) == {"chat"}  # the batch line sits out already
     add(s, "live", 10, max_tokens=2)  # three chunks of 4 tokens
     steps = [scheduled(step(s)[0]) for _ in range(4)]
     assert [set(x) for x in steps[:3]] == [{"chat", "live"}] * 3  # the batch line waits
     assert set(steps[3]) == {"chat", "live", "batch"}  # the prompt is in: it decodes again
     assert steps[3]["batch"][1] == steps[0]["chat"][1]  # and lost nothing meanwhile
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_background_partial_prefill_gives_way_to_a_live_prompt(prefix_caching):
+    """The live prompt needs the one chunked-prefill slot: the background prompt, retracted,
+    resumes from its cached blocks once the live prompt is in; without a prefix cache it
+    would start over, so it keeps the slot instead."""
+    s = make_scheduler(num_blocks=64, block_size=4, chunked_prefill_size=4,
+                       max_input_tokens_per_step=4)
+    s.kv.pool.enable_prefix_caching = prefix_caching
+    add(s, "batch", 14, max_tokens=2, background=True)
+    assert scheduled(step(s)[0]) == {"batch": (4, 0)}
+    add(s, "live", 10, max_tokens=2)
+    ran = [scheduled(step(s)[0]) for _ in range(5)]
+    if prefix_caching:
+        assert ran[:3] == [{"live": (4, 0)}, {"live": (4, 4)}, {"live": (2, 8)}]
+        assert ran[4] == {"batch": (4, 4)}  # its first 4 tokens are cached: resumed
+        assert s.num_preemptions == 1
+    else:
+        assert ran[:3] == [{"batch": (4, 4)}, {"batch": (4, 8)}, {"batch": (2, 12)}]
+        assert s.num_preemptions == 0
+    s.check_invariants()
 
 
 def test_background_decodes_go_on_when_the_live_prompt_cannot_be_admitted():

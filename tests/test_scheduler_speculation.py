@@ -159,7 +159,7 @@ def test_a_retraction_during_a_verification_drops_its_tokens_and_guesses():
     assert out.scheduled[0].num_new_tokens == 5 and r.num_guesses == 4
     later = s.schedule()  # planned while the verification runs: it retracts the request
     assert later.scheduled == []
-    s._preempt(StepPlan(later, StepBudget(16, 16, 4), 8), r)
+    s.retract(StepPlan(later, StepBudget(16, 16, 4), 8), r)
     s.check_invariants()
     assert r.num_guesses == 0 and "a" not in s.kv.tables
     s.update(out, ModelOutput(sampled={"a": [101, 102]}, preempted_ack=["a"]))

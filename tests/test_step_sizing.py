@@ -14,7 +14,7 @@ from tidal.core.policies import POLICIES
 from tidal.core.step_sizing import (CPU_MAX_STEP_MS, EFFICIENT_CHUNK, StepTarget,
                                    default_step_target)
 
-from conftest import add, make_scheduler, step
+from conftest import add, make_scheduler, scheduled, step
 
 
 class Linear:
@@ -361,3 +361,21 @@ def test_a_profile_with_the_servers_scatter_draws_step_times_from_it():
     hw.step_scatter = [1.0, 2.0]
     with pytest.raises(ValueError, match="step_scatter holds 7 values"):
         CostModel(model_arch("smollm2-135m"), hw)
+
+
+def test_background_prompts_alone_take_a_share_of_the_step_target():
+    """A quarter of 100 ms at 10 ms + 1 ms a token holds 15 tokens: chunks of a block while
+    only background prompts compute. Once a live prompt waits, the background prompt's
+    partial prefill gives way and the live prompt's steps, which hold no background work,
+    take the full 80; then the retracted prompt resumes from its cached block."""
+    s = sized("fcfs", background_step_share=0.25)
+    add(s, "batch", 200, background=True)
+    assert scheduled(step(s)[0]) == {"batch": (16, 0)}
+    add(s, "live", 200)
+    add(s, "batch2", 20, background=True)  # would fit beside the live prompt: stays out
+    ran = [step(s)[0] for _ in range(6)]
+    assert ran[0].preempted_ids == ["batch"]
+    assert [scheduled(out) for out in ran] == [
+        {"live": (80, 0)}, {"live": (80, 80)}, {"live": (40, 160)},
+        {"live": (1, 200), "batch2": (16, 0)}, {"live": (1, 201), "batch2": (4, 16)},
+        {"live": (1, 202), "batch2": (1, 20), "batch": (16, 16)}]

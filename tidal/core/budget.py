@@ -57,7 +57,7 @@ class StepPlan:
     """The step being planned: its output, its budgets, and what it holds so far."""
 
     __slots__ = ("out", "budget", "reserved_tokens", "preempted", "num_decodes", "num_prefills",
-                 "max_seqs", "adapters")
+                 "max_seqs", "adapters", "live_only")
 
     def __init__(self, out: SchedulerOutput, budget: StepBudget, max_seqs: int) -> None:
         self.out = out
@@ -68,6 +68,7 @@ class StepPlan:
         self.num_decodes = 0
         self.num_prefills = 0
         self.adapters: set[str] = set()  # LoRA adapters of the requests holding blocks
+        self.live_only = False  # no background request is admitted (a live prompt's step)
 
     def kind(self) -> str:
         if self.num_prefills:

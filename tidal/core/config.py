@@ -86,6 +86,10 @@ class SchedulerConfig:
         "shortest_output", "Retraction victims: 'shortest_output' (fewest generated tokens, "
         "then longest prompt: SGLang's and FastDeploy's) or 'newest' (last admitted first, "
         "as vLLM v1).")
+    background_step_share: float = knob(
+        0.25, "A step whose prompts are all background requests' (Batch API lines) is sized "
+        "to this share of the step target (max_step_ms): a live request arriving meanwhile "
+        "waits for the step in progress. 1: sized as any step.")
     safety_margin: float = knob(
         0.0, "Stop admitting new prefills while free blocks are under this share of the pool.")
     async_scheduling: bool = knob(
@@ -141,6 +145,9 @@ class SchedulerConfig:
             raise ValueError("init_new_token_ratio must be in [0, 1]")
         if not 0 <= self.min_new_token_ratio_factor <= 1:
             raise ValueError("min_new_token_ratio_factor must be in [0, 1]")
+        if not 0 < self.background_step_share <= 1:
+            raise ValueError(f"background_step_share must be in (0, 1], got "
+                             f"{self.background_step_share}")
         if not 0 <= self.safety_margin < 1:
             raise ValueError("safety_margin must be in [0, 1)")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

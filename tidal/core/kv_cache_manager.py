@@ -62,11 +62,16 @@ class KVCacheManager:
             request.block_tokens += blocks
         return hashes
 
+    def keeps_prefix(self, request: Request) -> bool:
+        """Whether the request's computed full blocks are cached and read back: retracted,
+        it resumes from them."""
+        return self.pool.enable_prefix_caching and request.reads_prefix_cache
+
     def match_prefix(self, request: Request) -> list[Block]:
         """Cached blocks holding a prefix of the request's tokens, capped so at least one
         token is left to compute, and empty for a request that may not read the cache (it
         owes prompt logprobs). Takes no reference."""
-        if not (self.pool.enable_prefix_caching and request.reads_prefix_cache):
+        if not self.keeps_prefix(request):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks == 0:
@@ -88,7 +93,7 @@ class KVCacheManager:
         not read the cache or loaded once already."""
         tiers = self.tiers
         if (tiers is None or request.tier_loading is not None
-                or not (self.pool.enable_prefix_caching and request.reads_prefix_cache)):
+                or not self.keeps_prefix(request)):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         if hit >= max_blocks:

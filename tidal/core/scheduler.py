@@ -226,9 +226,9 @@ class Scheduler:
             if id(victim) in ready_ids:
                 need -= self.kv.blocks_needed(victim, 1)
                 ready_ids.discard(id(victim))
-            self._preempt(plan, victim)
+            self.retract(plan, victim)
         if need > self.kv.num_free and self.active_prefill is not None:
-            self._preempt(plan, self.active_prefill)
+            self.retract(plan, self.active_prefill)
         remaining = [r for r in ready if id(r) in ready_ids]
         if need > self.kv.num_free and not self.transferring:
             for r in remaining:
@@ -240,7 +240,8 @@ class Scheduler:
             self.ratio.after_retract(r for r in self.running if not r.is_prefilling)
         return remaining
 
-    def _preempt(self, plan: StepPlan, r: Request) -> None:
+    def retract(self, plan: StepPlan, r: Request) -> None:
+        """Free a running request's blocks; it rejoins the queue once the executor acks."""
         self.kv.free(r)
         self.running.remove(r)
         if self.active_prefill is r:
@@ -275,7 +276,7 @@ class Scheduler:
         plan.adapters = self.loras.adapters_of(chain(self.running, self.transferring.values()))
         admitted = []
         for r in foreground_first(self.policy.order(self.waiting, self.step,
-                                                    self._prefix_tokens)):
+                                                    self._prefix_tokens), plan.live_only):
             result = self._admit(plan, r)
             if result is Admission.ADMITTED:
                 admitted.append(r)

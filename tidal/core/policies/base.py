@@ -65,19 +65,26 @@ class Policy:
 
     def size_step(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
         """Before the step is composed, when prompts are to compute: cap its prefill tokens
-        so that it is predicted to take at most the scheduler's step target."""
+        so that it is predicted to take at most the scheduler's step target (a share of it
+        when every prompt to compute is a background request's: a live request arriving
+        meanwhile waits for the step in progress)."""
         target = sched.target.seconds
         if target < math.inf:
+            if not _live_prompt(sched):  # background prompts only
+                target *= sched.config.background_step_share
             cap_prefill(sched, plan, decode_shape(decoding), target)
 
     def compose(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
         """`mixed` batches: decodes take their blocks first, then prefill chunks fill the
         budget, unless the decodes had to retract someone (memory is short: admit no one).
-        While a live request's prompt waits or prefills beside background decodes, prefills
-        come first and the background decodes sit out a step that holds one.
+        While a live request's prompt waits or prefills beside background work, prefills
+        come first and only live prompts join the step: a background prompt's partial
+        prefill gives way to a waiting live one (`yield_to_live`), and background decodes
+        sit out a step that holds a prefill.
         `separate` batches: prefills, and decodes only in a step that holds no prefill."""
         if self.batch_mode == "mixed" and _yielding(sched, decoding):
-            # a live prompt first; background decodes sit out a step that prefills
+            yield_to_live(sched, plan)
+            plan.live_only = True
             sched.schedule_prefills(plan, decoding)
             sched.schedule_decodes(plan, [r for r in decoding if not r.sampling_params.background]
                                    if plan.num_prefills else decoding)
@@ -91,14 +98,35 @@ class Policy:
                 sched.schedule_decodes(plan, decoding)
 
 
-def foreground_first(ordered: Sequence[Request]) -> list[Request]:
-    """A policy's admission order with background requests after the rest."""
-    return sorted(ordered, key=lambda r: r.sampling_params.background)  # stable
+def foreground_first(ordered: Sequence[Request], live_only: bool = False) -> list[Request]:
+    """A policy's admission order with background requests after the rest (or left out)."""
+    live = [r for r in ordered if not r.sampling_params.background]
+    return live if live_only else live + [r for r in ordered if r.sampling_params.background]
+
+
+def yield_to_live(sched: "Scheduler", plan: "StepPlan") -> None:
+    """Retract a background request's partial prefill while a live request waits, so that
+    the live prompt may take the step's budget and the one chunked-prefill slot. Only where
+    the prefix cache keeps the background request's computed blocks (it resumes from them,
+    recomputing at most its last partial block), so that it always moves forward."""
+    r = sched.active_prefill
+    if (r is not None and r.sampling_params.background and sched.kv.keeps_prefix(r)
+            and any(not w.sampling_params.background for w in sched.waiting)):
+        sched.retract(plan, r)
+
+
+def _live_prompt(sched: "Scheduler") -> bool:
+    """Whether a request that is not background waits or prefills."""
+    return (any(not r.sampling_params.background for r in sched.waiting)
+            or any(not r.sampling_params.background and r.is_prefilling
+                   for r in sched.running))
 
 
 def _yielding(sched: "Scheduler", decoding: list[Request]) -> bool:
-    """Whether background decodes run while a live request's prompt waits or prefills."""
-    return (any(r.sampling_params.background for r in decoding)
-            and (any(not r.sampling_params.background for r in sched.waiting)
-                 or any(not r.sampling_params.background and r.is_prefilling
-                        for r in sched.running)))
+    """Whether background work (decodes, a partial prefill, waiting prompts) is there while
+    a live request's prompt waits or prefills."""
+    return ((any(r.sampling_params.background for r in decoding)
+             or any(r.sampling_params.background for r in sched.waiting)
+             or (sched.active_prefill is not None
+                 and sched.active_prefill.sampling_params.background))
+            and _live_prompt(sched))
