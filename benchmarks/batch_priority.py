@@ -2,8 +2,10 @@
 answers a live stream (Poisson arrivals of fresh ShareGPT questions, streamed) three ways:
 alone; while a Batch API batch runs (`/v1/batches`: the server paces its lines, one in
 flight while live requests are); and while the same lines are sent as ordinary requests,
---naive-concurrency at a time (what a client without the Batch API does). Each phase has
-its own prompts (no prefix-cache carry-over); the server is warmed up first.
+--naive-concurrency at a time (what a client without the Batch API does). Every phase
+sends the same questions at the same times, each behind a tag of its phase ("[2] ..."), so
+that the phases compare prompts of the same lengths with nothing carried over in the
+prefix cache; the batch lines are questions of their own. The server is warmed up first.
 
 usage: .venv/bin/python benchmarks/batch_priority.py [--live 50] [--rate 0.5]
   [--live-tokens 32] [--batch-lines 256] [--batch-tokens 128] [--naive-concurrency 8]
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -28,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from server_fixtures import Server  # noqa: E402
+from server_fixtures import Server, metric  # noqa: E402
 from tidal.bench.dataset import iter_json_records, sharegpt_path  # noqa: E402
 
 
@@ -138,8 +141,18 @@ def wait_profiled(server: Server, timeout: float = 120.0) -> None:
         time.sleep(1.0)
 
 
-def summary(name: str, ttfts: list[float], base: list[float] | None, lines: str) -> str:
-    """A table row: TTFT p50, p90, p99 (ms) and their ratios to `base`'s."""
+def slowdown(server: Server) -> float:
+    """Measured over predicted step time (median of the server's last 512 steps): well
+    above 1, the machine ran slower than the profile it timed, and the phase's figures do
+    not compare with the others'."""
+    ratio = metric(server.url, 'tidal:step_time_prediction_ratio{quantile="0.5"}')
+    return 1 / ratio if ratio else math.nan
+
+
+def summary(name: str, ttfts: list[float], base: list[float] | None, lines: str,
+            server: Server) -> str:
+    """A table row: TTFT p50, p90, p99 (ms), their ratios to `base`'s, the batch lines
+    done and the machine's slowdown."""
     def pct(xs: list[float]) -> list[float]:
         q = statistics.quantiles(xs, n=100)
         return [statistics.median(xs) * 1000, q[89] * 1000, q[98] * 1000]
@@ -147,7 +160,8 @@ def summary(name: str, ttfts: list[float], base: list[float] | None, lines: str)
     ms = pct(ttfts)
     ratios = [m / b for m, b in zip(ms, pct(base))] if base is not None else [1.0] * 3
     return (f"| {name} | " + " | ".join(f"{m:,.0f}" for m in ms) + " | "
-            + " | ".join(f"{r:.2f}x" for r in ratios) + f" | {lines} |")
+            + " | ".join(f"{r:.2f}x" for r in ratios)
+            + f" | {lines} | {slowdown(server):.2f} |")
 
 
 def main() -> None:
@@ -162,10 +176,12 @@ def main() -> None:
     ap.add_argument("--skip-naive", action="store_true",
                     help="leave out the phase of lines sent as ordinary requests")
     args = ap.parse_args()
-    need = 3 * args.live + 2 * args.batch_lines + 4
+    need = args.live + 2 * args.batch_lines + 4
     pool = questions(need)
     take = iter(range(need))
     chunk = lambda n: [pool[next(take)] for _ in range(n)]  # noqa: E731
+    asked = chunk(args.live)
+    tagged = lambda phase: [f"[{phase}] {q}" for q in asked]  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         server = Server("--num-threads", str(os.cpu_count() or 1),
                         "--num-kv-blocks", "4096", "--batch-store", f"{tmp}/b.sqlite")
@@ -175,21 +191,21 @@ def main() -> None:
             print(f"\n{args.live} live requests at {args.rate}/s ({args.live_tokens} tokens "
                   f"each); batch lines of {args.batch_tokens} tokens\n")
             print("| live stream | TTFT p50 ms | p90 ms | p99 ms | p50 vs alone | p90 vs alone "
-                  "| p99 vs alone | batch lines done meanwhile |")
-            print("|---|---|---|---|---|---|---|---|")
-            alone = asyncio.run(live(server.url, chunk(args.live), args.rate,
+                  "| p99 vs alone | batch lines done meanwhile | steps measured / predicted |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            alone = asyncio.run(live(server.url, tagged(1), args.rate,
                                      args.live_tokens))
-            print(summary("alone", alone, None, "-"), flush=True)
+            print(summary("alone", alone, None, "-", server), flush=True)
             paced, paced_done = asyncio.run(beside_batch(
-                server.url, chunk(args.batch_lines), args, chunk(args.live)))
-            print(summary("beside a Batch API batch", paced, alone, str(paced_done)),
+                server.url, chunk(args.batch_lines), args, tagged(2)))
+            print(summary("beside a Batch API batch", paced, alone, str(paced_done), server),
                   flush=True)
             if args.skip_naive:
                 return
             flooded, flood_done = asyncio.run(beside_naive(
-                server.url, chunk(args.batch_lines), args, chunk(args.live)))
+                server.url, chunk(args.batch_lines), args, tagged(3)))
             print(summary(f"beside the lines sent {args.naive_concurrency} at a time",
-                          flooded, alone, str(flood_done)))
+                          flooded, alone, str(flood_done), server))
         finally:
             log = server.stop()
             if args.server_log:

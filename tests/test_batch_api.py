@@ -94,6 +94,23 @@ def test_files_are_kept_listed_read_and_deleted(client, server):
     assert r.status_code == 413  # other bodies keep --max-body-bytes
 
 
+def test_files_expire_as_asked(client, server):
+    batch_file = client.files.create(file=("in.jsonl", b"{}"), purpose="batch")
+    assert batch_file.expires_at - batch_file.created_at == 30 * 86400  # --batch-file-days
+    hour = client.files.create(file=("in.jsonl", b"{}"), purpose="user_data",
+                               expires_after={"anchor": "created_at", "seconds": 3600})
+    assert hour.expires_at - hour.created_at == 3600
+    for bad, param in (({"anchor": "created_at", "seconds": 60}, "expires_after.seconds"),
+                       ({"anchor": "last_used", "seconds": 3600}, "expires_after.anchor")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.files.create(file=("in.jsonl", b"{}"), purpose="batch", expires_after=bad)
+        assert refused.value.body["param"] == param
+    batch = _submit(client, [_line("chat", CHAT)],
+                    output_expires_after={"anchor": "created_at", "seconds": 7200})
+    out = client.files.retrieve(_wait(client, batch.id).output_file_id)
+    assert out.expires_at - out.created_at == 7200
+
+
 def test_a_batch_answers_good_lines_as_the_live_api_and_bad_ones_in_the_error_file(client):
     lines = [_line("chat", CHAT),
              _line("chat-2", {**CHAT, "max_tokens": 3}),
@@ -117,7 +134,9 @@ def test_a_batch_answers_good_lines_as_the_live_api_and_bad_ones_in_the_error_fi
     assert "messages" in bad[0]["error"]["message"]
     assert "url must be /v1/chat/completions" in bad[1]["error"]["message"]
     assert bad[2]["error"]["message"].startswith("line 5: not JSON")
-    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    out = client.files.retrieve(done.output_file_id)
+    assert out.purpose == "batch_output"
+    assert out.expires_at - out.created_at == 30 * 86400  # --batch-file-days
     assert batch.id in [b.id for b in client.batches.list()]
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(batch.id)

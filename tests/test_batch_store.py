@@ -1,12 +1,14 @@
 """The Batch API's store and its runner's pacing, without a server: a line is answered once;
 a batch ends with its output and error files in the input's order (an expired one with its
-unanswered lines as errors); pages of a listing; and the runner starts at most one line
-while live requests are in flight."""
+unanswered lines as errors) and drops its lines; files expire; pages of a listing; and the
+runner starts at most one line while live requests are in flight."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
+import time
 from pathlib import Path
 
 from hypothesis import given, strategies as st
@@ -16,11 +18,12 @@ from tidal.server.batches.runner import EXPIRED, BatchRunner
 from tidal.server.batches.store import BatchStore, _page
 
 
-def _batch(store: BatchStore, n: int, window: int = 3600) -> dict:
+def _batch(store: BatchStore, n: int, window: int = 3600, **body) -> dict:
     lines = [json.dumps({"custom_id": f"c{i}", "url": "/v1/completions", "body": {}})
              for i in range(1, n + 1)]
     return store.add_batch({"endpoint": "/v1/completions", "input_file_id": "file-x",
-                            "completion_window": "24h", "metadata": None}, lines, window)
+                            "completion_window": "24h", "metadata": None, **body}, lines,
+                           window)
 
 
 def _content(store: BatchStore, file_id: str) -> list[dict]:
@@ -115,3 +118,43 @@ def test_the_runner_starts_one_line_at_a_time_while_live_requests_run(tmp_path):
         assert await runner._room(batch, {1, 2}) == "cancelled"
 
     asyncio.run(main())
+
+
+def test_an_expired_file_is_gone_and_purged(tmp_path, monkeypatch):
+    store = BatchStore(tmp_path / "s.sqlite")
+    now = time.time()
+    kept = store.add_file(b"keep", "k.jsonl", "batch", int(now) + 3600)
+    gone = store.add_file(b"gone", "g.jsonl", "batch", int(now) - 1)
+    forever = store.add_file(b"ever", "e.jsonl", "user_data")
+    assert kept["expires_at"] == int(now) + 3600 and forever["expires_at"] is None
+    assert store.file(gone["id"]) is None and store.content(gone["id"]) is None
+    assert not store.delete_file(gone["id"])
+    assert [f["id"] for f in store.files(None, 10, None, False)[0]] == [kept["id"],
+                                                                      forever["id"]]
+    assert store.purge() == 1  # the row itself is deleted
+    assert store._run("SELECT COUNT(*) FROM files")[0][0] == 2
+
+
+def test_a_finished_batch_drops_its_lines_and_keeps_its_counts(tmp_path):
+    store = BatchStore(tmp_path / "s.sqlite")
+    batch = _batch(store, 3, output_expires_after={"anchor": "created_at", "seconds": 7200})
+    store.answer(batch["id"], 1, output("c1", 200, None, {}))
+    store.answer(batch["id"], 2, output("c2", 500, None, {}))
+    done = store.finish(batch["id"], "cancelled")
+    counts = {"total": 3, "completed": 1, "failed": 1}
+    assert done["request_counts"] == counts == store.batch(batch["id"])["request_counts"]
+    assert store._run("SELECT COUNT(*) FROM lines")[0][0] == 0
+    out = store.file(done["output_file_id"])
+    assert out["expires_at"] - out["created_at"] == 7200
+
+
+def test_a_store_made_before_files_expired_is_opened(tmp_path):
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("CREATE TABLE files (id TEXT PRIMARY KEY, created_at INTEGER, "
+                     "purpose TEXT, filename TEXT, bytes INTEGER, content BLOB);"
+                     "INSERT INTO files VALUES ('file-old', 1, 'batch', 'a', 3, X'616263');")
+    db.close()
+    store = BatchStore(path)
+    assert store.file("file-old")["expires_at"] is None
+    assert store.content("file-old") == b"abc"

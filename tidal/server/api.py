@@ -118,7 +118,7 @@ def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) ->
     frontend = app.state.frontend = Frontend(client, config)
     if batches:
         frontend.batches = BatchRunner(frontend, app, config.batch_store_path(),
-                                       config.batch_concurrency)
+                                       config.batch_concurrency, config.batch_file_days)
     install_error_handlers(app, config, {"/v1/files": config.max_file_bytes})
     install_docs(app)
     app.include_router(routes)

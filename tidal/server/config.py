@@ -144,6 +144,11 @@ class ServerConfig(HttpConfig):
                                    "~/.cache/tidal/batches/<served model name>.sqlite).")
     batch_concurrency: int = knob(8, "Batch API lines in flight at once while no live "
                                   "request is (one while any is).")
+    batch_file_days: float = knob(30.0, "Days a file uploaded for a batch, and a batch's "
+                                  "output and error files, are kept unless the request "
+                                  "sets their expiry (OpenAI's expires_after, "
+                                  "output_expires_after); then they are deleted. Other "
+                                  "files are kept until deleted. 0: all kept.")
     max_file_bytes: int = knob(200 * 1024 * 1024, "Largest upload to /v1/files (OpenAI's "
                                "batch input limit); other bodies keep max_body_bytes.")
     restart_core: int = knob(3, "Restart a dead engine core up to this many times in a row "
@@ -166,6 +171,8 @@ class ServerConfig(HttpConfig):
         check_at_least_one(self, "max_pending", "max_sequences_per_request", "max_n",
                            "max_constraint_bytes", "max_stop_strings", "max_stop_length",
                            "batch_concurrency", "max_file_bytes")
+        if self.batch_file_days < 0:
+            raise ValueError(f"batch_file_days must be >= 0, got {self.batch_file_days}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be at least 1, got {self.max_total_tokens}")
         check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)

@@ -5,6 +5,7 @@ first use at --batch-store; the `BatchRunner` works through the batches."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Form, Query, Request, UploadFile
@@ -24,6 +25,17 @@ MAX_LINES = 50_000  # OpenAI's limit on one batch's requests
 WINDOWS = {"24h": 24 * 3600}
 
 
+MIN_EXPIRY, MAX_EXPIRY = 3600, 30 * 24 * 3600  # OpenAI's range for a file's expiry
+
+
+class ExpiresAfter(BaseModel):
+    """When a file expires: `seconds` after it is made (OpenAI's expiration policy)."""
+
+    model_config = ConfigDict(extra="forbid")
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_EXPIRY, le=MAX_EXPIRY)
+
+
 class BatchCreate(BaseModel):
     """POST /v1/batches."""
 
@@ -32,6 +44,7 @@ class BatchCreate(BaseModel):
     endpoint: Literal[URLS]  # type: ignore[valid-type]
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = Field(None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None  # unset: the server's batch_file_days
 
 
 def _runner(request: Request) -> BatchRunner:
@@ -63,14 +76,29 @@ def _listing(page: list[dict], more: bool) -> dict:
 
 
 @routes.post("/v1/files")
-async def upload_file(request: Request, file: UploadFile,
-                      purpose: Annotated[str, Form()]):
-    """Keep an uploaded file (multipart: `file` and `purpose`)."""
+async def upload_file(
+        request: Request, file: UploadFile, purpose: Annotated[str, Form()],
+        anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+        seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None):
+    """Keep an uploaded file (multipart: `file`, `purpose`, and optionally
+    `expires_after[anchor]` and `expires_after[seconds]`). A `batch` file expires after the
+    server's batch_file_days unless it says otherwise; others are kept until deleted."""
     if purpose not in PURPOSES:
         raise APIError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}",
                        param="purpose")
+    if anchor is not None or seconds is not None:
+        if anchor != "created_at":
+            raise APIError(f"expires_after[anchor] must be 'created_at', got {anchor!r}",
+                           param="expires_after.anchor")
+        if seconds is None or not MIN_EXPIRY <= seconds <= MAX_EXPIRY:
+            raise APIError(f"expires_after[seconds] must be {MIN_EXPIRY} to {MAX_EXPIRY}, "
+                           f"got {seconds}", param="expires_after.seconds")
+    else:
+        seconds = _runner(request).file_seconds if purpose == "batch" else None
     content = await file.read()
-    return await _call(request, "add_file", content, file.filename or "upload", purpose)
+    expires = int(time.time()) + seconds if seconds else None
+    return await _call(request, "add_file", content, file.filename or "upload", purpose,
+                       expires)
 
 
 @routes.get("/v1/files")
@@ -115,9 +143,13 @@ async def create_batch(body: BatchCreate, request: Request):
     if not 0 < len(lines) <= MAX_LINES:
         raise APIError(f"the input file holds {len(lines)} requests; a batch takes 1 to "
                        f"{MAX_LINES}", param="input_file_id")
+    keep = _runner(request).file_seconds
+    expiry = body.output_expires_after or (
+        ExpiresAfter(anchor="created_at", seconds=keep) if keep else None)
     batch = await _call(request, "add_batch", {
         "endpoint": body.endpoint, "input_file_id": body.input_file_id,
-        "completion_window": body.completion_window, "metadata": body.metadata},
+        "completion_window": body.completion_window, "metadata": body.metadata,
+        "output_expires_after": expiry and expiry.model_dump()},
         lines, WINDOWS[body.completion_window])
     _runner(request).changed()
     return batch

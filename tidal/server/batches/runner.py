@@ -2,9 +2,10 @@
 its unanswered lines to the server's own app in this process, at low priority: up to
 --batch-concurrency lines at once while no live request is in flight, one while any is
 (the batch still moves), each marked as a background request, which the scheduler admits
-after live ones and pauses while it prefills a live prompt. Each answer is kept as
-it comes back; a batch ends when every line has one (or when cancelled or expired). One
-server at a time works through a store (an exclusive lock on a file beside it)."""
+after live ones and keeps out of the steps that prefill a live prompt. Each answer is kept
+as it comes back; a batch ends when every line has one (or when cancelled or expired). One
+server at a time works through a store (an exclusive lock on a file beside it), and
+deletes its expired files."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ log = logging.getLogger("tidal.batches")
 BACKGROUND_HEADER = "x-tidal-background"
 """Carries the runner's token: the frontend sends such requests as background ones and
 counts them apart from live ones."""
+PURGE_EVERY = 60.0  # seconds between deletions of expired files, by the store's worker
 EXPIRED = {"code": "batch_expired", "message": "the batch expired before this line was answered"}
 
 
@@ -34,9 +36,12 @@ class BatchRunner:
     """The store at `path` (opened when first asked for, or found there) and the work
     through its batches for as long as the server runs (`run`)."""
 
-    def __init__(self, frontend, app, path: Path, concurrency: int, poll: float = 1.0) -> None:
+    def __init__(self, frontend, app, path: Path, concurrency: int, file_days: float = 0.0,
+                 poll: float = 1.0) -> None:
         self.frontend, self.app, self.path = frontend, app, path
         self.concurrency, self.poll = concurrency, poll
+        self.file_seconds = round(file_days * 86400)  # batch files' expiry (0: never)
+        self._purged = 0.0  # when expired files were last deleted
         self.token = uuid.uuid4().hex
         self.wake = asyncio.Event()  # a batch was created or cancelled here
         self._store: BatchStore | None = None
@@ -95,6 +100,10 @@ class BatchRunner:
                 os.close(fd)
                 return None
             self._lock_file = fd
+        if time.monotonic() - self._purged > PURGE_EVERY:
+            self._purged = time.monotonic()
+            if count := self.store().purge():
+                log.info("%d expired files deleted", count)
         return self.store().next_active()
 
     async def _work(self, http: httpx.AsyncClient, batch: dict) -> None:

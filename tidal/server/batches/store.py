@@ -2,7 +2,9 @@
 and batches, each batch with its input lines and each line's answer once it has one, in one
 SQLite file. A line's answer is written when it comes back, so a server killed mid-batch
 resumes with the lines that have none; a batch's output files are written in the same
-transaction that finishes it. Every method is blocking: the routes call them in a thread."""
+transaction that finishes it, which also drops its lines (the counts stay in its object).
+A file may expire (`expires_at`): it is gone from then on, and `purge` deletes it. Every
+method is blocking: the routes call them in a thread."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from tidal.server.batches.lines import custom_id_of, refused
 # a batch's object is its `body`; `status` repeats the body's, for the query of next_active
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, created_at INTEGER, purpose TEXT,
-    filename TEXT, bytes INTEGER, content BLOB);
+    filename TEXT, bytes INTEGER, content BLOB, expires_at INTEGER);
 CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, status TEXT, body TEXT);
 CREATE TABLE IF NOT EXISTS lines (batch_id TEXT, number INTEGER, text TEXT, output TEXT,
     failed INTEGER, PRIMARY KEY (batch_id, number));
@@ -27,6 +29,9 @@ CREATE TABLE IF NOT EXISTS lines (batch_id TEXT, number INTEGER, text TEXT, outp
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 """Statuses of a batch the runner still has work for."""
 LIST_LIMIT = 10000
+FILE_COLUMNS = "id, created_at, purpose, filename, bytes, expires_at"
+LIVE = "(expires_at IS NULL OR expires_at > CAST(strftime('%s', 'now') AS INTEGER))"
+"""The files that have not expired."""
 
 
 class BatchStore:
@@ -42,6 +47,9 @@ class BatchStore:
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(SCHEMA)
+            columns = [row[1] for row in self._db.execute("PRAGMA table_info(files)")]
+            if "expires_at" not in columns:  # a store made before files could expire
+                self._db.execute("ALTER TABLE files ADD COLUMN expires_at INTEGER")
 
     def close(self) -> None:
         with self._lock:
@@ -64,31 +72,39 @@ class BatchStore:
             self._db.execute("COMMIT")
 
     # ------------------------------------------------------------------ files
-    def add_file(self, content: bytes, filename: str, purpose: str) -> dict:
-        """Keep a file; its OpenAI file object."""
+    def add_file(self, content: bytes, filename: str, purpose: str,
+                 expires_at: int | None = None) -> dict:
+        """Keep a file (until `expires_at`, a Unix time; None: until deleted); its OpenAI
+        file object."""
         with self._lock:
-            return _insert_file(self._db, content, filename, purpose)
+            return _insert_file(self._db, content, filename, purpose, expires_at)
 
     def file(self, file_id: str) -> dict | None:
-        rows = self._run("SELECT id, created_at, purpose, filename, bytes FROM files "
-                         "WHERE id = ?", (file_id,))
+        rows = self._run(f"SELECT {FILE_COLUMNS} FROM files WHERE id = ? AND {LIVE}",
+                         (file_id,))
         return _file(*rows[0]) if rows else None
 
     def files(self, purpose: str | None, limit: int, after: str | None,
               newest_first: bool) -> tuple[list[dict], bool]:
         """A page of file objects, and whether more follow it."""
-        rows = self._run("SELECT id, created_at, purpose, filename, bytes FROM files "
-                         "WHERE (? IS NULL OR purpose = ?) ORDER BY rowid "
-                         + ("DESC" if newest_first else "ASC"), (purpose, purpose))
+        rows = self._run(f"SELECT {FILE_COLUMNS} FROM files WHERE (? IS NULL OR purpose = ?) "
+                         f"AND {LIVE} ORDER BY rowid " + ("DESC" if newest_first else "ASC"),
+                         (purpose, purpose))
         return _page([_file(*r) for r in rows], limit, after)
 
     def content(self, file_id: str) -> bytes | None:
-        rows = self._run("SELECT content FROM files WHERE id = ?", (file_id,))
+        rows = self._run(f"SELECT content FROM files WHERE id = ? AND {LIVE}", (file_id,))
         return bytes(rows[0][0]) if rows else None
 
     def delete_file(self, file_id: str) -> bool:
         with self._lock:
-            return self._db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
+            return self._db.execute(f"DELETE FROM files WHERE id = ? AND {LIVE}",
+                                    (file_id,)).rowcount > 0
+
+    def purge(self) -> int:
+        """Delete the files that have expired; how many."""
+        with self._lock:
+            return self._db.execute(f"DELETE FROM files WHERE NOT {LIVE}").rowcount
 
     # ---------------------------------------------------------------- batches
     def add_batch(self, body: dict, lines: list[str], window: int) -> dict:
@@ -160,7 +176,8 @@ class BatchStore:
     def finish(self, batch_id: str, status: str, unanswered: dict | None = None) -> dict | None:
         """End a batch in `status` (completed, cancelled or expired) with its output file
         (the answered lines) and error file (the failed ones, and with `unanswered` (an
-        error) the lines without an answer), in the input's order, in one transaction."""
+        error) the lines without an answer), in the input's order, in one transaction that
+        also drops its lines. The files expire after the batch's `output_expires_after`."""
         with self._transaction() as db:
             rows = db.execute("SELECT number, text, output, failed FROM lines WHERE "
                               "batch_id = ? ORDER BY number", (batch_id,)).fetchall()
@@ -172,19 +189,27 @@ class BatchStore:
                     bad.append(json.dumps(_unanswered(text, number, unanswered)))
             batch = self._move(batch_id, status, ACTIVE)
             if batch is not None:
+                keep = (batch.get("output_expires_after") or {}).get("seconds")
+                expires = int(time.time()) + keep if keep else None
                 for key, kept, name in (("output_file_id", ok, "output"),
                                         ("error_file_id", bad, "error")):
                     if kept:
                         batch[key] = _insert_file(db, ("\n".join(kept) + "\n").encode(),
                                                   f"{batch_id}_{name}.jsonl",
-                                                  "batch_output")["id"]
+                                                  "batch_output", expires)["id"]
+                batch = self._counted(batch, db)  # the counts stay; the lines go
                 db.execute("UPDATE batches SET body = ? WHERE id = ?",
                            (json.dumps(batch), batch_id))
-        return None if batch is None else self._counted(batch)
+                db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+        return batch
 
-    def _counted(self, batch: dict) -> dict:
-        """The batch object with its request counts as they stand."""
-        total, done, failed = self._run(
+    def _counted(self, batch: dict, db: sqlite3.Connection | None = None) -> dict:
+        """The batch object with its request counts as they stand (a finished batch's are
+        in its object)."""
+        if batch["status"] not in ACTIVE and "request_counts" in batch:
+            return batch
+        run = self._run if db is None else lambda *a: db.execute(*a).fetchall()
+        total, done, failed = run(
             "SELECT COUNT(*), COUNT(output), COALESCE(SUM(failed), 0) FROM lines "
             "WHERE batch_id = ?", (batch["id"],))[0]
         batch["request_counts"] = {"total": total, "completed": done - failed,
@@ -192,18 +217,20 @@ class BatchStore:
         return batch
 
 
-def _insert_file(db: sqlite3.Connection, content: bytes, filename: str, purpose: str) -> dict:
+def _insert_file(db: sqlite3.Connection, content: bytes, filename: str, purpose: str,
+                 expires_at: int | None) -> dict:
     """Keep a file (under the caller's lock); its OpenAI file object."""
     file_id, now = f"file-{uuid.uuid4().hex[:24]}", int(time.time())
-    db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
-               (file_id, now, purpose, filename, len(content), content))
-    return _file(file_id, now, purpose, filename, len(content))
+    db.execute(f"INSERT INTO files ({FILE_COLUMNS}, content) VALUES (?, ?, ?, ?, ?, ?, ?)",
+               (file_id, now, purpose, filename, len(content), expires_at, content))
+    return _file(file_id, now, purpose, filename, len(content), expires_at)
 
 
-def _file(file_id: str, created: int, purpose: str, filename: str, size: int) -> dict:
+def _file(file_id: str, created: int, purpose: str, filename: str, size: int,
+          expires_at: int | None) -> dict:
     return {"id": file_id, "object": "file", "bytes": size, "created_at": created,
             "filename": filename, "purpose": purpose, "status": "processed",
-            "expires_at": None}
+            "expires_at": expires_at}
 
 
 def _page(items: list[dict], limit: int, after: str | None) -> tuple[list[dict], bool]:
