@@ -1,5 +1,6 @@
 """End to end: `tidal serve --pd 1P1D` (a prefill instance, a decode instance and the router,
-one engine thread each) driven by the official `openai` client, and the failure cases."""
+one engine thread each) driven by the official `openai` and `anthropic` clients, and the
+failure cases."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import threading
 import time
 
+import anthropic
 import httpx
 import openai
 
@@ -49,6 +51,14 @@ def answers(url: str) -> list[str]:
     stream = client.completions.create(model="smollm2-135m", prompt=PROMPTS[1], max_tokens=16,
                                        temperature=0, stream=True)
     out.append("".join(c.choices[0].text for c in stream if c.choices))
+    claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)  # x-api-key
+    ask = {"model": "smollm2-135m", "max_tokens": 16, "temperature": 0, "messages": CHAT}
+    reply = claude.messages.create(**ask)
+    out.append(reply.content[0].text)
+    with claude.messages.stream(**ask) as stream:
+        out.append("".join(stream.text_stream))
+    assert claude.messages.count_tokens(model="smollm2-135m", messages=CHAT).input_tokens \
+        == reply.usage.input_tokens
     return out
 
 
@@ -120,6 +130,14 @@ def test_the_router_refuses_a_bad_request_with_the_servers_own_error():
             direct = httpx.post(decode + path, json=body, headers=auth, timeout=60)
             assert via_router.status_code == direct.status_code == 400, (path, body)
             assert via_router.json() == direct.json(), (path, body)
+        for body in ({"messages": [], "max_tokens": 4},  # Anthropic's shape, its key header
+                     {"messages": [{"role": "system", "content": "hi"}], "max_tokens": 4},
+                     {"messages": [{"role": "user", "content": "hi"}], "top_k": -1}):
+            via_router = httpx.post(pd.url + "/v1/messages", json=body,
+                                    headers={"x-api-key": key})
+            direct = httpx.post(decode + "/v1/messages", json=body, headers={"x-api-key": key})
+            assert via_router.status_code == direct.status_code == 400, body
+            assert via_router.json() == direct.json() and direct.json()["type"] == "error"
         raw_headers = {**auth, "content-type": "application/json"}
         for raw in (b"{not json", b'{"prompt": "\xff\xfe"}', b"[1, 2]",
                     b'{"prompt": "hi", "n": 0}'):

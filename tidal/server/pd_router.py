@@ -1,6 +1,6 @@
 """`tidal router`: the HTTP front of prefill/decode disaggregation.
 
-For each OpenAI request it picks a decode instance (fewest requests in flight) and a prefill
+For each OpenAI or Anthropic Messages request it picks a decode instance (fewest requests in flight) and a prefill
 instance (round robin), and forwards the request to the decode instance with
 `kv_transfer_params.prefill_address` set to the prefill core's KV socket. The decode instance
 allocates the blocks, asks that prefill core for the prompt's KV, decodes, and streams back
@@ -34,8 +34,9 @@ from tidal.server.dashboard import favicon, page_html
 from tidal.server.errors import install_docs, install_error_handlers
 from tidal.server.openapi import install_schema
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
-from tidal.server.openai.protocol import (APIError, CompletionRequest, DetokenizeRequest,
-                                          GenerationRequest)
+from tidal.server.anthropic.protocol import body_for
+from tidal.server.anthropic.request import MessagesRequest
+from tidal.server.openai.protocol import APIError, CompletionRequest, DetokenizeRequest
 
 log = logging.getLogger("tidal.router")
 
@@ -121,10 +122,9 @@ class PDRouter:
                                                       for i in self.prefill])]
         return p, d
 
-    async def forward(self, path: str, body: GenerationRequest, request: Request) -> Response:
+    async def forward(self, path: str, stream: bool, request: Request) -> Response:
         """Send a request the server's own models accepted to a decode instance, naming the
         prefill core; relay its answer (streamed or not) as it comes."""
-        body.check_disaggregated()
         raw = await request.json()  # as the client sent it (FastAPI parsed and kept it)
         p, d = self.pick()
         raw["kv_transfer_params"] = {"prefill_address": p.kv_address}
@@ -142,7 +142,7 @@ class PDRouter:
                            "service_unavailable") from exc
         if upstream.status_code >= 500:  # an instance's core died or restarts: look again
             self._recheck.set()
-        if not body.stream or upstream.status_code != 200:
+        if not stream or upstream.status_code != 200:
             try:
                 content = await upstream.aread()
             except httpx.HTTPError as exc:
@@ -164,7 +164,9 @@ class PDRouter:
                 self._recheck.set()
                 err = APIError(f"decode instance {d.url} failed mid-stream: {exc}", 503,
                                "service_unavailable")
-                yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
+                body = json.dumps(body_for(err, path))
+                yield (f"event: error\ndata: {body}\n\n" if path == "/v1/messages"
+                       else f"data: {body}\n\ndata: [DONE]\n\n").encode()
             finally:
                 d.in_flight -= 1
                 await upstream.aclose()  # a client that left closes the decode side too
@@ -227,9 +229,11 @@ class PDRouter:
 
 
 def _auth_header(request: Request) -> dict[str, str]:
-    """The client's Authorization header (or a dashboard's ?api_key=), for the instance a
-    request is passed to."""
+    """The client's Authorization header (or Anthropic's x-api-key, or a dashboard's
+    ?api_key=), for the instance a request is passed to."""
     key = request.headers.get("authorization")
+    if key is None and "x-api-key" in request.headers:
+        key = f"Bearer {request.headers['x-api-key']}"
     if key is None and "api_key" in request.query_params:
         key = f"Bearer {request.query_params['api_key']}"
     return {"authorization": key} if key is not None else {}
@@ -247,12 +251,24 @@ routes = APIRouter()
 # refused here with the same 400, before it costs a prefill.
 @routes.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, router: RouterDep):
-    return await router.forward("/v1/completions", body, request)
+    body.check_disaggregated()
+    return await router.forward("/v1/completions", body.stream, request)
 
 
 @routes.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request, router: RouterDep):
-    return await router.forward("/v1/chat/completions", body, request)
+    body.check_disaggregated()
+    return await router.forward("/v1/chat/completions", body.stream, request)
+
+
+@routes.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request, router: RouterDep):
+    return await router.forward("/v1/messages", body.stream, request)
+
+
+@routes.post("/v1/messages/count_tokens")
+async def count_tokens(body: MessagesRequest, request: Request, router: RouterDep):
+    return await router.relay("/v1/messages/count_tokens", request)
 
 
 @routes.get("/v1/models")

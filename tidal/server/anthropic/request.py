@@ -126,6 +126,7 @@ class MessagesRequest(StrictModel):
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     stream: bool = False
+    kv_transfer_params: dict | None = None  # P/D: {"prefill_address": ...}, set by the router
     # Harmless: they concern Anthropic's accounts, caching, regions and capacity, not the
     # output (docs/serving.md).
     metadata: dict[str, Any] | None = None
@@ -184,6 +185,8 @@ class MessagesRequest(StrictModel):
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "stop": self.stop_sequences, "stream": self.stream if stream is None else stream}
+        if self.kv_transfer_params is not None:
+            chat["kv_transfer_params"] = self.kv_transfer_params
         if self.messages[-1]["role"] == "assistant":  # Anthropic's prefill: go on from it
             chat.update(add_generation_prompt=False, continue_final_message=True)
         if self.tools:

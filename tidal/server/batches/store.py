@@ -49,7 +49,12 @@ class BatchStore:
             self._db.executescript(SCHEMA)
             columns = [row[1] for row in self._db.execute("PRAGMA table_info(files)")]
             if "expires_at" not in columns:  # a store made before files could expire
-                self._db.execute("ALTER TABLE files ADD COLUMN expires_at INTEGER")
+                try:
+                    self._db.execute("ALTER TABLE files ADD COLUMN expires_at INTEGER")
+                except sqlite3.OperationalError:  # unless another server added it first
+                    if "expires_at" not in [row[1] for row in
+                                            self._db.execute("PRAGMA table_info(files)")]:
+                        raise
 
     def close(self) -> None:
         with self._lock:
