@@ -52,7 +52,8 @@ def answers(url: str) -> list[str]:
                                        temperature=0, stream=True)
     out.append("".join(c.choices[0].text for c in stream if c.choices))
     claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)  # x-api-key
-    ask = {"model": "smollm2-135m", "max_tokens": 16, "temperature": 0, "messages": CHAT}
+    ask = {"model": "smollm2-135m", "max_tokens": 16, "messages": CHAT,
+           "extra_body": {"temperature": 0}}  # the SDK's create() names no sampling field
     reply = claude.messages.create(**ask)
     out.append(reply.content[0].text)
     with claude.messages.stream(**ask) as stream:
