@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Form, Query, Request, UploadFile
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tidal.server.batches.lines import URLS
 from tidal.server.batches.runner import BatchRunner
@@ -87,12 +87,13 @@ async def upload_file(
         raise APIError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}",
                        param="purpose")
     if anchor is not None or seconds is not None:
-        if anchor != "created_at":
-            raise APIError(f"expires_after[anchor] must be 'created_at', got {anchor!r}",
-                           param="expires_after.anchor")
-        if seconds is None or not MIN_EXPIRY <= seconds <= MAX_EXPIRY:
-            raise APIError(f"expires_after[seconds] must be {MIN_EXPIRY} to {MAX_EXPIRY}, "
-                           f"got {seconds}", param="expires_after.seconds")
+        try:  # the one statement of the policy's checks, as output_expires_after's
+            seconds = ExpiresAfter(anchor=anchor, seconds=seconds).seconds
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = first["loc"][0]
+            raise APIError(f"expires_after[{field}]: {first['msg']}",
+                           param=f"expires_after.{field}") from exc
     else:
         seconds = _runner(request).file_seconds if purpose == "batch" else None
     content = await file.read()
