@@ -1,8 +1,8 @@
 """Models served from a GGUF file's own bits (quantization 'gguf'): tiny Llama (tied head)
 and Qwen2 (q/k/v biases) files whose fused projections mix formats (q/k in Q5_0 beside v in
 Q8_0, as Q4_K_M files mix Q4_K and Q6_K) generate the greedy tokens of the same file run
-dense in float32 (its weights dequantized), with logprobs within the int8 rounding of the
-activations; the projections, embedding and head hold the file's bytes, not floats; the C++
+dense in float32 (its weights dequantized), up to near-ties, with logprobs within the int8
+rounding of the activations (the prompt's, rounded twice, within float rounding); the projections, embedding and head hold the file's bytes, not floats; the C++
 decoder runs them; a file of ~50 MB loads within the RSS bound; and 'auto' picks the file's
 own formats unless the run asks for a float copy."""
 
@@ -44,7 +44,7 @@ def files(tmp_path_factory):
 
 def run(path: Path, quantization: str, dtype: str):
     llm = LLM(str(path), quantization=quantization, dtype=dtype, num_kv_blocks=64, block_size=4)
-    params = SamplingParams(max_tokens=10, temperature=0, logprobs=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     return llm, [o.outputs[0] for o in outs]
 
@@ -54,9 +54,16 @@ def test_own_formats_generate_the_dense_files_tokens(files, name):
     llm, got = run(files[name], "gguf", "float32")
     _, want = run(files[name], "none", "float32")
     for g, w in zip(got, want):
-        assert g.token_ids == w.token_ids
-        diffs = [abs(a.logprob - b.logprob) for a, b in zip(g.logprobs, w.logprobs)]
-        assert max(diffs) < 0.05, diffs  # int8 activations: ~0.5% of each projection
+        # the same tokens up to the first where the dense file's top two lie within the
+        # rounding's reach (there either may win; after it the contexts differ)
+        tie = next((i for i, e in enumerate(w.logprobs) if e.top[0][1] - e.top[1][1] < 0.02),
+                   len(w.logprobs) - 1)
+        assert g.token_ids[:tie] == w.token_ids[:tie]
+        diffs = [abs(a.logprob - b.logprob) for a, b in zip(g.logprobs, w.logprobs)][:tie + 1]
+        assert max(diffs) < 0.05, diffs  # generated tokens' int8 activations: ~0.5% a projection
+        # the prompt's rows are rounded twice (PromptRows): its next token's logprobs are
+        # the dense file's to float rounding, not to int8's
+        assert abs(g.logprobs[0].logprob - w.logprobs[0].logprob) < 1e-3, diffs
     runner = llm.engine.runner
     model = runner.model
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp

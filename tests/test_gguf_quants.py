@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.model import cpu_decode
-from tidal.model.gguf_quants import (BLOCK_FIELDS, NIBBLES, GGUFLinear, QuantizedWeight,
-                                     _from_planes, _to_planes)
+from tidal.model.gguf_quants import (BLOCK_FIELDS, NIBBLES, GGUFLinear, PromptRows,
+                                     QuantizedWeight, _from_planes, _to_planes)
 
 EXT = cpu_decode.extension()
 needs_ext = pytest.mark.skipif(EXT is None, reason="needs tidal's C++ extension")
@@ -120,6 +120,38 @@ def test_a_row_is_computed_alike_at_any_number_of_rows(qtype, planar):
     for rows in (2, 3, 8, 9, 16):
         together = torch.cat([layer(x[i:i + rows]) for i in range(0, 16, rows)])
         assert torch.equal(together, alone), (rows, (together - alone).abs().max().item())
+
+
+@needs_ext
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_prompt_rows_are_rounded_twice(qtype):
+    """Rows PromptRows names (a prompt's tokens) are rounded to int8 and their residual once
+    more: ~127x nearer x @ W^T than once-rounded rows, alike on the integer kernels and the
+    tiles, beside any rows; the other rows of the step stay exactly as rounded once."""
+    rng = np.random.default_rng(int(qtype) + 11)
+    n, k = 45, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
+    raw = weight_bytes(qtype, n, k, rng)
+    w = dequantized(raw, qtype)
+    layers = [GGUFLinear(QuantizedWeight("w", raw, qtype, (n, k)), max_rows=m) for m in (64, 0)]
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    twice = [1, 4, 5, 8]
+    got = []
+    for layer in layers:  # the integer kernels, then the tiles
+        once = run(layer, x, torch.float32)
+        layer.prompt_rows = PromptRows()
+        layer.prompt_rows.set(torch.tensor(twice), len(x), None, 0)
+        y = run(layer, x, torch.float32)
+        rest = [i for i in range(len(x)) if i not in twice]
+        assert np.array_equal(y[rest], once[rest])
+        ref = x @ w.T
+        rms_once, _ = relative_errors(once[twice], ref[twice])
+        rms, err = relative_errors(y[twice], ref[twice])
+        assert rms < 2e-4 and err < 1e-3 and rms < rms_once / 30, (rms, err, rms_once)
+        layer.prompt_rows.set(torch.tensor([0]), 1, None, 0)  # a row alone: the same sums
+        alone = np.concatenate([run(layer, x[i:i + 1], torch.float32) for i in twice])
+        np.testing.assert_allclose(alone, y[twice], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        got.append(y)
+    np.testing.assert_allclose(got[0], got[1], rtol=1e-5, atol=1e-5 * np.abs(got[0]).max())
 
 
 def relative_errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:

@@ -19,7 +19,6 @@ import openai
 import pytest
 
 from server_fixtures import BAD, Server, finished, metric, pid_alive
-from tidal.model.linear import cpu_flags
 
 KEY = "test-key"
 
@@ -45,10 +44,6 @@ def post(server, path, body, key=KEY, headers=None, **kw):
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.mark.xfail(not {"avx512f", "avx512bw"} <= cpu_flags(), strict=False,
-                   reason="on AVX2-only CPUs the embedded Q4_1 model's int8-rounded "
-                          "activations still flip the first token's near-tie to "
-                          "\"L'Étoile, ...\" (issue 55, item 1; docs/models.md)")
 def test_the_readmes_first_request_names_paris(server):
     """The README's curl body, read from the README itself, on a server with the default
     model, dtype and quantization: a newcomer's first answer is right."""

@@ -69,6 +69,8 @@ class BatchBuilder:
         batch.logits_indices = put("rows", batch.logits_rows)
         if batch.prompt_rows or batch.pool_rows:
             batch.hidden_indices = put("hidden", batch.prompt_rows + batch.pool_rows)
+        if batch.twice_rows:
+            batch.twice = (put("twice", batch.twice_rows), put("twice_head", batch.twice_head))
         self.inputs.end()
         return batch
 
@@ -95,6 +97,8 @@ class BatchBuilder:
                 batch.pool_spans.append((s.request_id, c, len(batch.pool_rows), n))
                 batch.pool_rows.extend(range(start, start + n))
             batch.spans.append((s.request_id, start, n))
+            prompt = max(0, min(c + n, len(q.prompt)) - c)  # a preemption's recompute: fewer
+            batch.twice_rows.extend(range(start, start + prompt))
             pos = range(c, c + n)
             batch.pos.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
@@ -107,6 +111,8 @@ class BatchBuilder:
                 batch.prefills.append(PrefillSeq(start, n, c, torch.tensor(table, device=dev),
                                                  prefix_causal_mask(c, n, dev)))
             if s.samples:
+                if prompt == n:
+                    batch.twice_head.append(len(batch.logits_rows))
                 batch.logits_rows.append(start + n - 1)
                 batch.sample_ids.append(s.request_id)
         batch.num_prefill_tokens = len(ids)
@@ -188,6 +194,9 @@ def forward(model, decoder, batch: "StepBatch", kv_caches: list, k_caches: list,
     `v_caches` the same tensors as two lists (what the decoder takes). `lora`: the pass's
     LoRABatch (the PyTorch model's LoRA projections read it themselves)."""
     meta = batch.meta
+    if model.prompt_rows is not None:  # the GGUF layers round these rows twice
+        rows, head = batch.twice
+        model.prompt_rows.set(rows, len(batch.ids), head, len(batch.logits_rows))
     if decoder is not None and not meta.prefills:
         rows = lora.rows if lora is not None else None
         adapters = () if rows is None else (rows, lora.ends)  # the rows that carry one
@@ -218,6 +227,9 @@ class StepBatch:
         # (request, first position, its first row in pool_rows, rows)
         self.pool_spans: list[tuple[str, int, int, int]] = []
         self.hidden_indices = None
+        self.twice_rows: list[int] = []  # rows of prompt tokens (PromptRows)
+        self.twice_head: list[int] = []  # the logits rows among them
+        self.twice = (None, None)  # both on the device, when there are any
         self.tables = self.bias = self.lens = None  # decode-only fields
         self.tree: list[tuple[int, int]] | None = None  # (start, bits) per decode row
         self.max_len = self.width = 0

@@ -40,13 +40,15 @@ class PromptOutputs:
         """Each chunk's prompt logprobs, appended to its request's: row p of a chunk gives
         position p + 1's entry (the next chunk's first token is known: it is the prompt)."""
         offset = 0
+        rows = self.model.prompt_rows  # each row is a prompt token's
+        logits_of = self.model.logits if rows is None else rows.every_row(self.model.logits)
         for rid, c, count in batch.prompt_spans:
             q = seqs[rid]
             if c == 0:
                 q.prompt_entries.append(None)  # position 0 has no context to predict it
             if count:
                 q.prompt_entries += target_logprobs(
-                    self.model.logits, hidden[offset:offset + count],
+                    logits_of, hidden[offset:offset + count],
                     q.prompt[c + 1:c + 1 + count], q.prompt_k)
                 offset += count
 

@@ -206,6 +206,57 @@ def _copy_rounds(field: torch.Tensor, plane: torch.Tensor, nb: int, to_plane: bo
         field[:, whole:].copy_(plane[:, whole:])
 
 
+class PromptRows:
+    """The rows of the current forward pass that hold prompt tokens, which the GGUF
+    projections round twice (int8, plus the int8 rounding of what that left: ~15 bits a
+    value, so a prompt reads about as from the dequantized weights) while generated tokens'
+    rows are rounded once, as ggml rounds them, keeping decoding as fast. Whether a row is
+    rounded twice follows from its token alone, so a token never depends on what else its
+    step holds. `rows` index the pass's rows and `head` the LM head's (logits) rows; None:
+    none. Set by `tidal.engine.batch.forward` before each pass; `attach` shares one among a
+    model's GGUFLinear layers."""
+
+    __slots__ = ("rows", "num_rows", "head", "num_head")
+
+    def __init__(self) -> None:
+        self.set(None, 0, None, 0)
+
+    def set(self, rows: torch.Tensor | None, num_rows: int, head: torch.Tensor | None,
+            num_head: int) -> None:
+        self.rows, self.num_rows, self.head, self.num_head = rows, num_rows, head, num_head
+
+    def of(self, is_head: bool, n: int) -> torch.Tensor | None:
+        """The rows to round twice of a projection's n input rows; None for a projection over
+        other rows than the pass's (or the head's) own."""
+        rows, count = (self.head, self.num_head) if is_head else (self.rows, self.num_rows)
+        return rows if count == n else None
+
+    def every_row(self, logits_of):
+        """`logits_of` (the model's head) over rows that all hold prompt tokens: a prompt's
+        logprobs are read from the rows its prefill computed."""
+        def run(h: torch.Tensor) -> torch.Tensor:
+            saved = self.head, self.num_head
+            self.head, self.num_head = torch.arange(h.shape[0], device=h.device), h.shape[0]
+            try:
+                return logits_of(h)
+            finally:
+                self.head, self.num_head = saved
+        return run
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> "PromptRows | None":
+        """One PromptRows shared by `model`'s GGUFLinear layers (the LM head's marked as
+        such), as `model.prompt_rows`; None when the model has none."""
+        layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+        if not layers:
+            return None
+        shared = cls()
+        for m in layers:
+            m.prompt_rows, m.is_head = shared, m is getattr(model, "lm_head", None)
+        model.prompt_rows = shared
+        return shared
+
+
 class GGUFLinear(nn.Module):
     """y = x @ [W_0; W_1; ...]^T (+ bias) for QuantizedWeights W_i of block formats and one
     in_features: the parts' outputs side by side, so a fused q/k/v or gate/up keeps each
@@ -216,7 +267,8 @@ class GGUFLinear(nn.Module):
     sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
     (of float32 inputs too) on CPUs with AMX, whose bf16 GEMMs run several times faster (serving
     the embedded model to 64 clients: 1.7x the float32 tiles' tokens/s), ~0.3% apart.
-    Without the extension every step multiplies tiles dequantized by the gguf package."""
+    Without the extension every step multiplies tiles dequantized by the gguf package.
+    The rows of prompt tokens `prompt_rows` names are rounded twice (see PromptRows)."""
 
     def __init__(self, weights: QuantizedWeight | list[QuantizedWeight],
                  bias: torch.Tensor | None = None, max_rows: int | None = None,
@@ -237,6 +289,8 @@ class GGUFLinear(nn.Module):
             nibbles = all(w.qtype in NIBBLES and w.planar for w in self.parts)
             max_rows = NIBBLE_MAX_ROWS if nibbles else MAX_ROWS
         self.max_rows = max_rows if ext is not None else 0
+        self.prompt_rows: PromptRows | None = None  # shared by the model's layers (attach)
+        self.is_head = False
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar, w.rounds) for w in self.parts],
             self.bias, self.max_rows, self.tile_rows, "amx_bf16" in cpu_flags())
@@ -249,7 +303,9 @@ class GGUFLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.projection is not None and x.dtype in (torch.float32, torch.bfloat16):
-            y = self.projection(x2)
+            twice = (None if self.prompt_rows is None
+                     else self.prompt_rows.of(self.is_head, x2.shape[0]))
+            y = self.projection(x2, twice)
         else:
             y = self._tiled(x2)
         return y.view(*lead, self.out_features)

@@ -168,6 +168,7 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(arch)
         self.kernels = None  # FusedKernels (GPU): norms, adds, RoPE and cache writes fused
         self.stage = None  # a pipeline stage's StageLinks (tidal.model.pipeline_parallel)
+        self.prompt_rows = None  # GGUF layers' PromptRows (tidal.model.gguf_quants), if any
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,

@@ -321,7 +321,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                      max_rows, tile_rows, tile_bf16);
            }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"), py::arg("tile_rows"),
            py::arg("tile_bf16") = false)
-      .def("__call__", &GGUFProjection::operator(), py::call_guard<py::gil_scoped_release>());
+      .def("__call__", [](const GGUFProjection& g, const Tensor& x, c10::optional<Tensor> twice) {
+             return g(x, twice.value_or(Tensor()));
+           }, py::arg("x"), py::arg("twice") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
   py::class_<Decoder>(m, "Decoder", py::module_local())
       .def(py::init([](c10::optional<Tensor> embed, c10::optional<GGUFPart> embed_gguf,
                        Tensor final_norm, Linear lm_head, Tensor cos, Tensor sin, int64_t heads,

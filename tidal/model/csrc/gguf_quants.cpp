@@ -274,19 +274,14 @@ void rows_into(const GGUFPart& p, int64_t start, const Tensor& ids, Tensor& out)
   });
 }
 
-// Steps of many rows: tiles of dequantized weight rows that oneDNN multiplies (the extra
-// memory stays one tile however large the weight; the rows bucketed as every CPU GEMM's)
-// by x rounded to the int8 grid the integer kernels use. In float32 both paths compute the
-// same sums up to float32 rounding, so a sequence's tokens do not depend on whether its
-// prompt ran in one step, in chunks or partly from the prefix cache; with tile_bf16 (CPUs
-// with AMX, where bf16 GEMMs run several times faster) x and the tile are rounded to bf16
-// too, ~0.3% apart, whatever x's dtype.
-Tensor tiled(const Tensor& x, const GGUFProjection& g) {
+// x ([rows, k], float or bf16) as the integer kernels see it, in float32: each group of 32
+// d * q.
+Tensor rounded(const Tensor& x) {
   const int64_t rows = x.size(0), k = x.size(1);
   Tensor xs = at::empty({rows, k}, x.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_tiled", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_rounded", [&] {
     const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k, false, 0);
-    float* out = xs.data_ptr<float>();  // x as the integer kernels see it, group by group
+    float* out = xs.data_ptr<float>();
     at::parallel_for(0, rows * k / kGroup, 256, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         const float d = a.d[g];
@@ -295,9 +290,27 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g) {
       }
     });
   });
+  return xs;
+}
+
+// What rounding leaves of rows x (float32): rounded once more, it carries x's next 7 bits.
+Tensor residual(const Tensor& x) { return x - rounded(x); }
+
+// Steps of many rows: tiles of dequantized weight rows that oneDNN multiplies (the extra
+// memory stays one tile however large the weight; the rows bucketed as every CPU GEMM's)
+// by x rounded to the int8 grid the integer kernels use, the rows `twice` with their
+// residual's rounding added. In float32 both paths compute the same sums up to float32
+// rounding, so a sequence's tokens do not depend on whether its prompt ran in one step, in
+// chunks or partly from the prefix cache; with tile_bf16 (CPUs with AMX, where bf16 GEMMs
+// run several times faster) x and the tile are rounded to bf16 too, ~0.3% apart, whatever
+// x's dtype.
+Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
+  Tensor xs = rounded(x);
+  if (twice.numel() > 0)
+    xs.index_add_(0, twice, rounded(residual(x.index_select(0, twice).to(at::kFloat))));
   if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs, y back
-  Tensor y = at::empty({rows, g.out_features}, xs.options());
-  Tensor tile = at::empty({g.tile_rows, k}, xs.options());
+  Tensor y = at::empty({xs.size(0), g.out_features}, xs.options());
+  Tensor tile = at::empty({g.tile_rows, xs.size(1)}, xs.options());
   int64_t col = 0;
   for (const GGUFPart& p : g.parts) {
     for (int64_t a = 0; a < p.data.size(0); a += g.tile_rows) {
@@ -336,21 +349,16 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
   TORCH_CHECK(!bias.defined() || bias.numel() == out_features, "bias must be [out_features]");
 }
 
-Tensor GGUFProjection::operator()(const Tensor& x_in) const {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "a GGUF projection takes [rows, ",
-              in_features, "] inputs");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
-              "GGUF projections take float32 or bfloat16 inputs");
-  const Tensor x = x_in.contiguous();
+// rows x [rows, in_features] through the integer kernels, plus the bias when `bias`.
+Tensor GGUFProjection::integer(const Tensor& x, bool with_bias) const {
   const int64_t rows = x.size(0);
-  if (rows > max_rows) return tiled(x, *this);
   Tensor y = at::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
     const Activations a =
         quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, k_quants,
                            runs && rows >= kRunRows ? kRun : 0);
-    const Tensor b = bias.defined() ? bias.to(x.scalar_type()) : Tensor();
+    const Tensor b = with_bias && bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     int64_t col = 0;
     for (const GGUFPart& p : parts) {
       with_format(p.type, [&](auto format) {
@@ -362,6 +370,31 @@ Tensor GGUFProjection::operator()(const Tensor& x_in) const {
     }
   });
   return y;
+}
+
+Tensor GGUFProjection::operator()(const Tensor& x_in, const Tensor& twice_in) const {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "a GGUF projection takes [rows, ",
+              in_features, "] inputs");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "GGUF projections take float32 or bfloat16 inputs");
+  const Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0);
+  Tensor twice;
+  if (twice_in.defined() && twice_in.numel() > 0) {
+    twice = twice_in.to(at::kLong).contiguous();
+    TORCH_CHECK(twice.dim() == 1 && twice.min().item<int64_t>() >= 0 &&
+                    twice.max().item<int64_t>() < rows,
+                "rows to round twice must be [n] indices of x's rows");
+  }
+  const int64_t n = twice.defined() ? twice.size(0) : 0;
+  if (rows + n > max_rows) return tiled(x, *this, twice.defined() ? twice : at::empty({0}, at::kLong));
+  if (n == 0) return integer(x, true);
+  // each row to round twice as two: x rounded, then what that rounding left, rounded
+  const Tensor xf = x.to(at::kFloat);
+  const Tensor y = integer(at::cat({xf, residual(xf.index_select(0, twice))}), false);
+  Tensor out = y.narrow(0, 0, rows).index_add(0, twice, y.narrow(0, rows, n));
+  if (bias.defined()) out.add_(bias.to(at::kFloat));
+  return out.to(x.scalar_type());
 }
 
 Tensor gguf_linear(const Tensor& x, const GGUFPart& w, const Tensor& bias) {

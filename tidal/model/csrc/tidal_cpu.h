@@ -147,7 +147,10 @@ struct GGUFProjection {
   GGUFProjection() = default;
   GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows, int64_t tile_rows,
                  bool tile_bf16);
-  Tensor operator()(const Tensor& x) const;
+  // y = x W^T (+ bias). Rows `twice` (indices into x's rows, or undefined) are rounded
+  // twice: x's int8 rounding plus its residual's, ~15 bits a value instead of ~8.
+  Tensor operator()(const Tensor& x, const Tensor& twice = Tensor()) const;
+  Tensor integer(const Tensor& x, bool with_bias) const;  // every row by the integer kernels
 };
 
 // One weight, all rows through the integer kernel.
