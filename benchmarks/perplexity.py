@@ -10,8 +10,10 @@ perplexity is exp of the mean negative log-likelihood over every scored token.
     .venv/bin/python benchmarks/perplexity.py [--model smollm2-135m | FILE.gguf]
         [--ctx 512] [--chunks 8] [--llama-cpp /tmp/peers/llama.cpp]
 
-Each --paths entry is dtype/quantization[/kv-cache-dtype] (`auto/auto` is the default path;
-`auto/auto/int8` the same with int8 KV). --chunk N prefills each chunk N tokens a step, so
+Each --paths entry is dtype/quantization[/kv-cache-dtype][/field=value ...] (`auto/auto` is
+the default path; `auto/auto/int8` the same with int8 KV; `auto/auto/prompt_rounding=once`
+with every token's inputs rounded once, as a generated token's are: the prompt's scores then
+say what generation computes). --chunk N prefills each chunk N tokens a step, so
 that later tokens attend over the KV the cache holds (quantized or not) rather than the
 step's own. The llama.cpp tree is the one benchmarks/peers/llama_server.sh builds.
 """
@@ -26,7 +28,8 @@ from pathlib import Path
 
 from tidal.bench.perplexity import chunks, sharegpt_text, tidal_perplexity
 
-PATHS = ("auto/auto", "bfloat16/gguf", "bfloat16/none", "float32/none")
+PATHS = ("auto/auto", "auto/auto/prompt_rounding=once", "bfloat16/gguf", "bfloat16/none",
+         "float32/none")
 
 
 def llama_perplexity(llama_cpp: Path, gguf: Path, text: str, ctx: int, n: int) -> float:
@@ -63,9 +66,11 @@ def main() -> None:
     print(f"{args.model}: {args.chunks} chunks of {args.ctx} tokens of ShareGPT replies")
     print("| path | perplexity | seconds |\n|---|---|---|")
     for path in args.paths:
-        dtype, quantization, *kv = path.split("/")
+        dtype, quantization, *rest = path.split("/")
+        kv = [p for p in rest if "=" not in p]
+        options = dict(p.split("=", 1) for p in rest if "=" in p)
         ppl, seconds = tidal_perplexity(args.model, dtype, quantization, prompts, args.ctx,
-                                        *kv, chunk=args.chunk)
+                                        *kv, chunk=args.chunk, **options)
         print(f"| tidal {path} | {ppl:.4f} | {seconds:.1f} |", flush=True)
     gguf = gguf_source(folder)
     if args.llama_cpp is not None and gguf is not None:

@@ -98,3 +98,11 @@ def hf_greedy(model, prompt_ids: list[int], max_tokens: int, eos: int | None) ->
             if token == eos:
                 break
     return out
+
+
+def first_near_tie(out, margin: float = 0.02) -> int:
+    """The first position of a generation (with logprobs of its top two) where they lie
+    within `margin`, else its last: up to there two paths that round apart must pick the
+    same tokens; there either may win, and past it their contexts differ."""
+    return next((i for i, e in enumerate(out.logprobs) if e.top[0][1] - e.top[1][1] < margin),
+                len(out.logprobs) - 1)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from model_fixtures import first_near_tie
 from test_gguf import CASES, hf_folder, write_gguf
 from tidal import LLM, SamplingParams
 from tidal.engine.config import ModelConfig
@@ -42,11 +43,24 @@ def files(tmp_path_factory):
                              qtype=mixed) for name in ("llama3", "qwen2")}
 
 
-def run(path: Path, quantization: str, dtype: str):
-    llm = LLM(str(path), quantization=quantization, dtype=dtype, num_kv_blocks=64, block_size=4)
+def run(path: Path, quantization: str, dtype: str, **options):
+    llm = LLM(str(path), quantization=quantization, dtype=dtype, num_kv_blocks=64, block_size=4,
+              **options)
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     return llm, [o.outputs[0] for o in outs]
+
+
+def test_prompt_rounding_once_rounds_a_prompt_as_ggml_does(files):
+    """--prompt-rounding once: a prompt's rows are rounded to int8 once, as a generated
+    token's; the first token's logprobs then miss the dense file's by int8's error."""
+    llm, got = run(files["llama3"], "gguf", "float32", prompt_rounding="once")
+    assert llm.engine.runner.model.prompt_rows is None
+    _, want = run(files["llama3"], "none", "float32")
+    first = [abs(g.logprobs[0].logprob - w.logprobs[0].logprob) for g, w in zip(got, want)]
+    assert 1e-3 < max(first) < 0.05, first
+    with pytest.raises(ValueError, match="prompt_rounding must be twice or once"):
+        LLM(str(files["llama3"]), prompt_rounding="thrice")
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2"])
@@ -54,10 +68,8 @@ def test_own_formats_generate_the_dense_files_tokens(files, name):
     llm, got = run(files[name], "gguf", "float32")
     _, want = run(files[name], "none", "float32")
     for g, w in zip(got, want):
-        # the same tokens up to the first where the dense file's top two lie within the
-        # rounding's reach (there either may win; after it the contexts differ)
-        tie = next((i for i, e in enumerate(w.logprobs) if e.top[0][1] - e.top[1][1] < 0.02),
-                   len(w.logprobs) - 1)
+        # the same tokens up to the first where the dense file's top two lie within reach
+        tie = first_near_tie(w)
         assert g.token_ids[:tie] == w.token_ids[:tie]
         diffs = [abs(a.logprob - b.logprob) for a, b in zip(g.logprobs, w.logprobs)][:tie + 1]
         assert max(diffs) < 0.05, diffs  # generated tokens' int8 activations: ~0.5% a projection

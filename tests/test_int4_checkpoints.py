@@ -23,7 +23,7 @@ from model_fixtures import small_folder
 from tidal import LLM, SamplingParams
 from tidal.model.config import ModelArch, UnsupportedModelError
 from tidal.model import gguf_quants
-from tidal.model.gguf_quants import MAX_ROWS, GGUFLinear
+from tidal.model.gguf_quants import MAX_ROWS, GGUFLinear, PromptRows
 from tidal.model.int4_checkpoint import unpack_awq, unpack_gptq
 
 # AutoAWQ's pack order: nibble i of a word holds output channel 8c + AWQ_ORDER[i] (written
@@ -143,15 +143,33 @@ def int8_rounded(module, args):
     return ((q * d[..., None]).reshape(x.shape).to(x.dtype),)
 
 
+def twice_rounded(prompt_rows: PromptRows):
+    """A pre-hook rounding a projection's input as GGUFLinear rounds it: the rows of prompt
+    tokens twice (int8, then the residual to int8 once more), the others once."""
+    def hook(module, args):
+        x = args[0]
+        once = int8_rounded(module, args)[0]
+        twice = prompt_rows.of(False, x.shape[0])
+        if twice is None or not len(twice):
+            return (once,)
+        out = once.clone()
+        out[twice] += int8_rounded(module, (x[twice] - once[twice],))[0]
+        return (out,)
+    return hook
+
+
 def generate(folder: Path, rounded: bool = False):
     """(the LLM, each prompt's first 8 greedy tokens, LONG's prompt logprobs). `rounded`:
-    every projection but the head sees int8-rounded inputs (PyTorch ops, no C++ decoder)."""
+    every projection but the head sees its inputs rounded as the kernels round them
+    (PyTorch ops, no C++ decoder)."""
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4,
               cpu_decoder=not rounded)
     if rounded:
-        for name, module in llm.engine.runner.model.named_modules():
+        model = llm.engine.runner.model
+        model.prompt_rows = PromptRows()  # each pass's prompt rows, as the GGUF model's
+        for name, module in model.named_modules():
             if name.endswith("_proj"):
-                module.register_forward_pre_hook(int8_rounded)
+                module.register_forward_pre_hook(twice_rounded(model.prompt_rows))
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     scored = llm.generate([{"prompt_token_ids": LONG}], SamplingParams(
@@ -164,7 +182,7 @@ def generate(folder: Path, rounded: bool = False):
                                               ("awq", 128, True)])
 def test_checkpoint_runs_as_its_dequantized_model(tmp_path, monkeypatch, method, group, sym):
     """The checkpoint computes what its dequantized weights compute densely from the inputs
-    the kernels see (int8-rounded per 32): the same greedy tokens (C++ decoder, integer
+    the kernels see (int8-rounded per 32, a prompt's rows twice): the same greedy tokens (C++ decoder, integer
     kernels) and the same logprobs over a prompt longer than MAX_ROWS (tiles; also for its
     Q4_0 / Q5_0, whose integer kernels may otherwise take more rows).
     Wrong unpacking misses by whole units."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from model_fixtures import small_folder
+from model_fixtures import first_near_tie, small_folder
 from server_fixtures import Server, openai_client, wait_for_new_core
 
 from tidal import LLM, SamplingParams
@@ -201,9 +201,10 @@ def test_a_gptq_or_awq_checkpoint_splits_into_each_ranks_blocks(tmp_path, method
                            num_key_value_heads=2, head_dim=128)
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
     one, two = (run(folder, tp, params, dtype="auto") for tp in (1, 2))
-    assert [o.token_ids for o in two] == [o.token_ids for o in one]
-    for a, b in zip(one, two):
-        for x, y in zip(a.logprobs, b.logprobs):
+    for a, b in zip(one, two):  # a rank's partial sums add in another order: ties may part
+        tie = first_near_tie(a, 2 * QUANTIZED_BOUND)
+        assert b.token_ids[:tie] == a.token_ids[:tie]
+        for x, y in zip(a.logprobs[:tie + 1], b.logprobs[:tie + 1]):
             assert abs(x.logprob - y.logprob) < QUANTIZED_BOUND
 
 

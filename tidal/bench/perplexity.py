@@ -38,15 +38,16 @@ def chunks(tokenizer, text: str, ctx: int, n: int) -> list[list[int]]:
 
 
 def tidal_perplexity(model: str, dtype: str, quantization: str, prompts: list[list[int]],
-                     ctx: int, kv: str = "auto", chunk: int | None = None) -> tuple[float, float]:
+                     ctx: int, kv: str = "auto", chunk: int | None = None,
+                     **options) -> tuple[float, float]:
     """(perplexity, seconds) of the chunks' second halves, each given its first half, with
-    KV of `kv` and prefill steps of at most `chunk` tokens."""
+    KV of `kv`, prefill steps of at most `chunk` tokens and other LLM `options`."""
     from tidal import LLM, SamplingParams
 
     steps = {} if chunk is None else dict(chunked_prefill_size=chunk,
                                           max_input_tokens_per_step=chunk)
     llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=ctx + 8,
-              kv_cache_dtype=kv, **steps)
+              kv_cache_dtype=kv, **steps, **options)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

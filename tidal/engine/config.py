@@ -51,6 +51,14 @@ class ModelConfig:
                              "projections (per-channel absmax); 'int4': weight-only int4 in "
                              "groups of 32 for steps of a few tokens, dense for larger ones; "
                              "both of dense checkpoints, CPU only.")
+    prompt_rounding: str = knob("twice", "How the integer kernels of weights in their own "
+                                "formats (gguf, gptq, awq) round a prompt token's inputs: "
+                                "'twice' (to int8, then what that left to int8 again: ~15 "
+                                "bits a value, a prompt read about as from the dequantized "
+                                "weights; costs up to ~1.5x a short prompt's prefill on AVX2 "
+                                "CPUs without AVX-512) or 'once' (int8 per 32, as ggml "
+                                "rounds every token). Generated tokens are rounded once "
+                                "either way.")
     load_format: str = knob("auto", "'auto' reads the weights; 'dummy' makes small random "
                             "ones (only config.json is needed): for timing, as `tidal "
                             "calibrate` does for models whose weights are not here.")
@@ -144,6 +152,8 @@ class ModelConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                              f"got {self.kv_cache_dtype!r}")
+        if self.prompt_rounding not in ("twice", "once"):
+            raise ValueError(f"prompt_rounding must be twice or once; got {self.prompt_rounding!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy; got {self.load_format!r}")
         if self.fp32_gemm_rows is not None and self.fp32_gemm_rows < 0:

@@ -17,6 +17,7 @@ from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
                                 default_fp32_rows, replace_linears)
 from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
+from tidal.model.gguf_quants import PromptRows
 from tidal.model.quantized_model import load_gguf_model, load_int4_checkpoint
 from tidal.model.registry import gguf_source
 from tidal.model.tensor_parallel import Shard, TPGroup, split_model
@@ -81,6 +82,8 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
         model = load_model(folder, dtype, device, backend,
                            dummy=config.load_format == "dummy", shard=shard)
         convert_layers(model, config, quantization, dtype, device, ext)
+    if config.prompt_rounding == "twice":  # the layers of the kernels' formats, if any
+        PromptRows.attach(model)
     if tp is not None:
         split_model(model, tp, shard)
         if ext is None or (tp.size > 1 and tp.shm is None):  # its sums need the segment

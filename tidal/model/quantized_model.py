@@ -21,8 +21,7 @@ from torch import nn
 
 from tidal.model.attention import AttentionBackend, TorchAttention
 from tidal.model.config import ModelArch
-from tidal.model.gguf_quants import (BLOCK_FIELDS, GGUFEmbedding, GGUFLinear, PromptRows,
-                                     QuantizedWeight)
+from tidal.model.gguf_quants import BLOCK_FIELDS, GGUFEmbedding, GGUFLinear, QuantizedWeight
 from tidal.model.gguf_weights import Weight, read_gguf
 from tidal.model.int4_checkpoint import read_checkpoint
 from tidal.model.linear import PackedLinear, can_pack
@@ -91,7 +90,6 @@ def build_model(weights: Mapping[str, Weight], arch: ModelArch, dtype: torch.dty
     unused = sorted(set(rest) - {name for name, _ in model.named_parameters()})
     if missing or unused:
         raise ValueError(f"{source}: missing weights {missing[:5]}, unexpected {unused[:5]}")
-    PromptRows.attach(model)
     return model.eval().requires_grad_(False)
 
 
