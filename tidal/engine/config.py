@@ -51,14 +51,10 @@ class ModelConfig:
                              "projections (per-channel absmax); 'int4': weight-only int4 in "
                              "groups of 32 for steps of a few tokens, dense for larger ones; "
                              "both of dense checkpoints, CPU only.")
-    prompt_rounding: str = knob("twice", "How the integer kernels of weights in their own "
-                                "formats (gguf, gptq, awq) round a prompt token's inputs: "
-                                "'twice' (to int8, then what that left to int8 again: ~15 "
-                                "bits a value, a prompt read about as from the dequantized "
-                                "weights; costs up to ~1.5x a short prompt's prefill on AVX2 "
-                                "CPUs without AVX-512) or 'once' (int8 per 32, as ggml "
-                                "rounds every token). Generated tokens are rounded once "
-                                "either way.")
+    prompt_rounding: str = knob("twice", "How gguf/gptq/awq kernels round a prompt token's "
+                                "inputs: 'twice' (int8, then what that left to int8: ~15 bits; "
+                                "up to ~1.5x a short prefill on AVX2-only CPUs) or 'once' (int8 "
+                                "per 32, as ggml). Generated tokens: once either way.")
     load_format: str = knob("auto", "'auto' reads the weights; 'dummy' makes small random "
                             "ones (only config.json is needed): for timing, as `tidal "
                             "calibrate` does for models whose weights are not here.")
