@@ -310,7 +310,7 @@ Tensor residual(const Tensor& x) { return x - rounded(x); }
 // x's dtype.
 Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
   Tensor xs = rounded(x);
-  if (twice.numel() > 0)
+  if (twice.defined())
     xs.index_add_(0, twice, rounded(residual(x.index_select(0, twice).to(at::kFloat))));
   if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs, y back
   Tensor y = at::empty({xs.size(0), g.out_features}, xs.options());
@@ -383,16 +383,14 @@ Tensor GGUFProjection::operator()(const Tensor& x_in, const Tensor& twice_in) co
               "GGUF projections take float32 or bfloat16 inputs");
   const Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0);
-  Tensor twice;
+  Tensor twice;  // index_select and index_add check its values against x's rows
   if (twice_in.defined() && twice_in.numel() > 0) {
-    twice = twice_in.to(at::kLong).contiguous();
-    TORCH_CHECK(twice.dim() == 1 && twice.min().item<int64_t>() >= 0 &&
-                    twice.max().item<int64_t>() < rows,
-                "rows to round twice must be [n] indices of x's rows");
+    TORCH_CHECK(twice_in.dim() == 1, "rows to round twice must be [n] indices of x's rows");
+    twice = twice_in.to(at::kLong);
   }
   const int64_t n = twice.defined() ? twice.size(0) : 0;
   if (rows + n > (n > 0 ? std::min(max_rows, kTwiceMaxRows) : max_rows))
-    return tiled(x, *this, twice.defined() ? twice : at::empty({0}, at::kLong));
+    return tiled(x, *this, twice);
   if (n == 0) return integer(x, true);
   // each row to round twice as two: x rounded, then what that rounding left, rounded
   const Tensor xf = x.to(at::kFloat);
