@@ -31,9 +31,9 @@ class ModelConfig:
     model: str = knob("smollm2-135m", "An embedded model name, a Hugging Face folder "
                       "(config.json + safetensors) or a GGUF file.")
     dtype: str = knob("auto", "'auto': float32 for weights in their own formats on CPU "
-                      "(gguf, gptq, awq: their integer kernels round activations as ggml "
-                      "does, and the rest of the model computes in float32 as llama.cpp's "
-                      "does); else bfloat16 on GPU, on a CPU with avx512_bf16 or amx, or "
+                      "(gguf, gptq, awq: their integer kernels round activations to int8, "
+                      "a prompt's twice (prompt_rounding), and the rest of the model "
+                      "computes in float32 as llama.cpp's does); else bfloat16 on GPU, on a CPU with avx512_bf16 or amx, or "
                       "with int8/int4; else float32. 'bfloat16', 'float16' or 'float32'.")
     device: str = knob("auto", "'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'. "
                        "Data-parallel cores on a machine with several GPUs run on GPU "
