@@ -13,11 +13,11 @@ from tidal.engine.device import pick_dtype
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionBackend
 from tidal.model.config import TP_FLAG, ModelArch
+from tidal.model.gguf_quants import PromptRows
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
                                 default_fp32_rows, replace_linears)
 from tidal.model.loader import load_model
 from tidal.model.mlp import group_experts
-from tidal.model.gguf_quants import PromptRows
 from tidal.model.quantized_model import load_gguf_model, load_int4_checkpoint
 from tidal.model.registry import gguf_source
 from tidal.model.tensor_parallel import Shard, TPGroup, split_model
