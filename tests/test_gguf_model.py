@@ -2,9 +2,10 @@
 and Qwen2 (q/k/v biases) files whose fused projections mix formats (q/k in Q5_0 beside v in
 Q8_0, as Q4_K_M files mix Q4_K and Q6_K) generate the greedy tokens of the same file run
 dense in float32 (its weights dequantized), up to near-ties, with logprobs within the int8
-rounding of the activations (the prompt's, rounded twice, within float rounding); the projections, embedding and head hold the file's bytes, not floats; the C++
-decoder runs them; a file of ~50 MB loads within the RSS bound; and 'auto' picks the file's
-own formats unless the run asks for a float copy."""
+rounding of the activations (the prompt's, rounded twice, within float rounding); the
+projections, embedding and head hold the file's bytes, not floats; the C++ decoder runs them;
+a file of ~50 MB loads within the RSS bound; and 'auto' picks the file's own formats unless
+the run asks for a float copy."""
 
 from __future__ import annotations
 

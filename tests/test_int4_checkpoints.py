@@ -182,9 +182,9 @@ def generate(folder: Path, rounded: bool = False):
                                               ("awq", 128, True)])
 def test_checkpoint_runs_as_its_dequantized_model(tmp_path, monkeypatch, method, group, sym):
     """The checkpoint computes what its dequantized weights compute densely from the inputs
-    the kernels see (int8-rounded per 32, a prompt's rows twice): the same greedy tokens (C++ decoder, integer
-    kernels) and the same logprobs over a prompt longer than MAX_ROWS (tiles; also for its
-    Q4_0 / Q5_0, whose integer kernels may otherwise take more rows).
+    the kernels see (int8-rounded per 32, a prompt's rows twice): the same greedy tokens
+    (C++ decoder, integer kernels) and the same logprobs over a prompt longer than MAX_ROWS
+    (tiles; also for its Q4_0 / Q5_0, whose integer kernels may otherwise take more rows).
     Wrong unpacking misses by whole units."""
     monkeypatch.setattr(gguf_quants, "NIBBLE_MAX_ROWS", MAX_ROWS)
     folder, dense = checkpoint(tmp_path, method, group, sym)

@@ -33,8 +33,9 @@ class ModelConfig:
     dtype: str = knob("auto", "'auto': float32 for weights in their own formats on CPU "
                       "(gguf, gptq, awq: their integer kernels round activations to int8, "
                       "a prompt's twice (prompt_rounding), and the rest of the model "
-                      "computes in float32 as llama.cpp's does); else bfloat16 on GPU, on a CPU with avx512_bf16 or amx, or "
-                      "with int8/int4; else float32. 'bfloat16', 'float16' or 'float32'.")
+                      "computes in float32 as llama.cpp's does); else bfloat16 on GPU, on a "
+                      "CPU with avx512_bf16 or amx, or with int8/int4; else float32. "
+                      "'bfloat16', 'float16' or 'float32'.")
     device: str = knob("auto", "'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'. "
                        "Data-parallel cores on a machine with several GPUs run on GPU "
                        "i modulo their number (auto or cuda).")

@@ -310,8 +310,9 @@ Tensor residual(const Tensor& x) { return x - rounded(x); }
 // x's dtype.
 Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
   Tensor xs = rounded(x);
-  if (twice.defined())
-    xs.index_add_(0, twice, rounded(residual(x.index_select(0, twice).to(at::kFloat))));
+  if (twice.defined())  // what xs left of those rows, rounded
+    xs.index_add_(0, twice, rounded(x.index_select(0, twice).to(at::kFloat) -
+                                    xs.index_select(0, twice)));
   if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs, y back
   Tensor y = at::empty({xs.size(0), g.out_features}, xs.options());
   Tensor tile = at::empty({g.tile_rows, xs.size(1)}, xs.options());
