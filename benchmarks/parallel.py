@@ -10,8 +10,10 @@ one request at a time and C at once, and the ratio N ranks / one process.
 and the tied embedding Q6_K; random valid blocks), run in its own formats; `--hidden 2048
 --layers 16 --q4km` is a Llama-3.2-1B shape (with the embedded model's 49k vocabulary).
 
-The targets: N = 2 ranks of one thread each >= 0.9x one process of two threads (the
-all-reduces, two a layer, must cost under 10%); two pipeline stages >= 0.9x at 8 concurrent.
+The split runs with the engine's default threads: a rank's share of the cores its stage
+computes with (pipeline stages on one machine take turns). The targets: N = 2 ranks of one
+thread each >= 0.9x one process of two threads (the all-reduces, two a layer, must cost
+under 10%); two pipeline stages >= 0.9x at 8 concurrent.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def q4km_file(tmp: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def throughput(model: Path, tp: int, pp: int, threads: int, concurrency: list[int],
+def throughput(model: Path, tp: int, pp: int, threads: int | None, concurrency: list[int],
                max_tokens: int, dtype: str) -> dict[int, float]:
     from tidal import LLM, SamplingParams
 
@@ -145,13 +147,14 @@ def main() -> None:
                  else model_folder(Path(tmp), args.hidden, args.layers))
         ranks = args.tp * args.pp
         one = throughput(model, 1, 1, cores, args.concurrency, args.max_tokens, args.dtype)
-        split = throughput(model, args.tp, args.pp, max(1, cores // ranks), args.concurrency,
+        split = throughput(model, args.tp, args.pp, None, args.concurrency,  # the defaults
                            args.max_tokens, args.dtype)
     kind = "Q4_K_M formats" if args.q4km else args.dtype
     print(f"\nLlama shape hidden {args.hidden} x {args.layers} layers, {kind}, "
           f"{cores} cores; output tok/s ({args.max_tokens} tokens a request)")
+    busy = args.tp if args.pp > 1 else ranks  # stages on one machine take turns
     print(f"| concurrent | 1 process, {cores} threads | TP={args.tp} x PP={args.pp}, "
-          f"{max(1, cores // ranks)} thread(s) each | split / 1 |")
+          f"{max(1, cores // busy)} thread(s) each | split / 1 |")
     print("|---|---|---|---|")
     for c in args.concurrency:
         print(f"| {c} | {one[c]:.1f} | {split[c]:.1f} | {split[c] / one[c]:.2f}x |")

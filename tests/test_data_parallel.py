@@ -161,15 +161,22 @@ def test_ray_backend_places_the_cores_as_actors_behind_the_same_dispatcher():
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("tp, threads", [(1, 4), (2, 2), (4, 1)])
-def test_data_parallel_cores_and_their_ranks_share_the_machines_cores(tp, threads):
-    """Eight cores, two data-parallel engine cores: each core's tensor-parallel ranks get
-    8 / (2 x tp) threads each, unless the flag says otherwise."""
+@pytest.mark.parametrize("tp, pp, in_flight, threads", [
+    (1, 1, None, 4), (2, 1, None, 2), (4, 1, None, 1), (1, 2, None, 4), (2, 2, None, 2),
+    (1, 2, 2, 2), (2, 2, 2, 1)])
+def test_data_parallel_cores_and_their_ranks_share_the_machines_cores(tp, pp, in_flight,
+                                                                       threads):
+    """Eight cores, two data-parallel engine cores: the ranks of each core that compute at
+    once get 8 / (2 x ranks) threads each, unless the flag says otherwise. Pipeline
+    stages on one machine take turns (one step in flight), so a stage's tp ranks compute
+    at once; with a step in flight per stage, all of them do."""
     from tidal.engine.config import EngineConfig
     from tidal.runtime.client import core_config
 
-    config = EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=tp)
+    options = dict(data_parallel_size=2, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                   batches_in_flight=in_flight)
+    config = EngineConfig.from_kwargs(**options)
+    assert config.scheduler.steps_in_flight == (in_flight or 1)
     assert core_config(config, 8).model.num_threads == threads
-    given = EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=tp,
-                                     num_threads=3)
+    given = EngineConfig.from_kwargs(**options, num_threads=3)
     assert core_config(given, 8).model.num_threads == 3

@@ -1,6 +1,7 @@
 """Pipeline parallelism on CPU ranks over loopback (tidal/model/pipeline_parallel.py):
 each stage holds a contiguous run of the layers and their KV cache, the hidden states go
-stage to stage, and every stage samples from the last stage's final states. Two and three
+stage to stage, and every stage samples from the last stage's logits (sent where the stages
+share a machine, computed from its final states elsewhere). Two and three
 stages, and two stages of two tensor-parallel ranks, with a step in flight per stage or one
 in all, give one process's greedy and seeded tokens and its logprobs within float32
 rounding, for Llama (layers that do not divide),
@@ -8,10 +9,12 @@ Gemma 2 (its embedding scale on the first stage only, soft-capping on the last),
 with its experts split whole, and a GGUF in its own bits; with prefix-cache hits, n > 1
 and ngram speculation too; steps in flight share the decodes; a stage reads only its
 layers; served through the official client, a killed stage fails its request and the core
-restarts; what does not split is refused naming the flag."""
+restarts; what does not split is refused naming the flag; on one machine the stages take
+turns, each rank with all the cores of its stage."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 
@@ -81,12 +84,60 @@ def test_ranks_and_stages_over_quantized_kv_rows_give_one_process_tokens(folders
     assert_same(one, split, 0.05)
 
 
+def _stage_end(rank: int, store: str, local: bool, results) -> None:
+    """Stage `rank` of two, one rank each: stage 0's states go to stage 1, whose layers
+    scale them by 10; its final states' head, and its hidden rows, are each stage's end."""
+    import torch.distributed as dist
+
+    from tidal.model.pipeline_parallel import StageLinks
+
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
+    try:
+        links = StageLinks(rank, 1, 2, dist.new_group([0, 1]), local)
+        links.vocab = 5
+        weight = torch.arange(15.0).reshape(5, 3)
+        heads = []
+
+        def head(final, hidden):
+            heads.append(final.clone())
+            logits = final @ weight.T
+            return logits if hidden is None else (logits, hidden)
+
+        h = links.start(torch.zeros(4, dtype=torch.long), 3, torch.float32)
+        h = torch.arange(12.0).reshape(4, 3) if h is None else h * 10
+        logits, hidden = links.finish(h, h[[1, 3]] + 1, head, h[[0]] * 2)
+        results.put((rank, logits.tolist(), hidden.tolist(), len(heads)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_every_stage_ends_a_step_with_the_last_stages_logits(tmp_path, local):
+    """On one machine the last stage alone runs the head and sends its logits; across
+    machines it sends its final states and each stage runs the head on them."""
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    ranks = [spawn.Process(target=_stage_end, args=(r, f"file://{tmp_path}/store", local,
+                                                    results)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    got = {r: rest for r, *rest in (results.get(timeout=120) for _ in ranks)}
+    for p in ranks:
+        p.join(30)
+    last = torch.arange(12.0).reshape(4, 3) * 10
+    want = ((last[[1, 3]] + 1) @ torch.arange(15.0).reshape(5, 3).T).tolist()
+    for rank in (0, 1):
+        logits, hidden, heads = got[rank]
+        assert logits == want and hidden == (last[[0]] * 2).tolist()
+        assert heads == (1 if rank == 1 or not local else 0)
+
+
 def test_two_stages_keep_two_steps_in_flight_of_half_the_decodes_each(folders):
-    """Four requests decoding over two stages: each step takes two of them (the other two
-    are in the other step in flight), through each stage's C++ decoder."""
+    """Four requests decoding over two stages with two steps in flight: each step takes
+    two of them (the other two are in the other step), through each stage's C++ decoder."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     llm = LLM(str(folders["llama"]), num_kv_blocks=64, num_threads=1, dtype="float32",
-              pipeline_parallel_size=2)
+              pipeline_parallel_size=2, batches_in_flight=2)
     try:
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS + [[9, 8, 7]]], params)
         decodes = [s.decode_tokens for s in llm.engine.core.history.steps
@@ -190,3 +241,20 @@ def test_stage_counts_and_options_that_do_not_split_are_refused_naming_the_flag(
         LLM(str(folders["llama"]), pipeline_parallel_size=2, role="prefill")
     with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):
         LLM(str(folders["llama"]), pipeline_parallel_size=0)
+
+
+@pytest.mark.parametrize("where, in_flight", [
+    ({}, 1), (dict(nnodes=2), 2), (dict(distributed_executor_backend="ray"), 2),
+    (dict(async_scheduling=True, nnodes=2), 1)])
+def test_stages_on_one_machine_take_turns_and_across_machines_overlap(where, in_flight):
+    """Unset, batches_in_flight is one per stage only where the stages may have cores of
+    their own: on one machine, overlapped steps would split the cores each stage takes in
+    turn (async scheduling runs one step ahead instead). Stages taking turns spin briefly
+    when idle, unless told otherwise."""
+    from tidal.engine.config import STAGE_SPIN_COUNT, EngineConfig
+
+    config = EngineConfig.from_kwargs(pipeline_parallel_size=2, **where)
+    assert config.scheduler.batches_in_flight == in_flight
+    assert config.model.omp_spin_count == (STAGE_SPIN_COUNT if in_flight == 1 else None)
+    told = EngineConfig.from_kwargs(pipeline_parallel_size=2, omp_spin_count=0, **where)
+    assert told.model.omp_spin_count == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.engine.config import ROUTING_POLICIES  # the names are configuration (dp_routing)
+from tidal.engine.parallel_config import ROUTING_POLICIES  # the names are configuration (dp_routing)
 
 
 @dataclass

@@ -15,13 +15,12 @@ from typing import Any
 
 from tidal.core.config import CacheConfig, SchedulerConfig, knob
 from tidal.core.policies import POLICIES, option_fields
+from tidal.engine.parallel_config import ParallelConfig
 from tidal.spec import METHODS
 
-# How the data-parallel dispatcher (and the simulator's router) picks an engine core; the
-# policies themselves are in tidal/cluster/routing.py.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # tidal.model.kv_quant's formats
 QUANTIZATIONS = ("auto", "gguf", "gptq", "awq", "none", "int8", "int4")
-ROUTING_POLICIES = ("round_robin", "least_tokens", "prefix_aware", "slack")
+STAGE_SPIN_COUNT = 10000  # omp_spin_count of pipeline stages that take turns
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,10 @@ class ModelConfig:
                                       "(e.g. 10000) gives the CPU back to other processes "
                                       "sharing its cores, which helps when several engine "
                                       "cores or other busy processes share one CPU, and costs "
-                                      "some speed on small batches. Unset: libgomp's default.")
+                                      "some speed on small batches. Unset: libgomp's "
+                                      "default, except pipeline stages taking turns (one "
+                                      "step in flight) and their ranks: 10000, so that a "
+                                      "waiting stage gives its cores to the computing one.")
     fp32_gemm_rows: int | None = knob(None, "On CPU in bf16: steps of at least this many "
                                       "tokens multiply float32 copies of the projection "
                                       "weights (the same bf16 values). For CPUs without AMX, "
@@ -169,102 +171,6 @@ class ModelConfig:
             raise ValueError(f"kv_host_memory must be >= 0 GiB, got {self.kv_host_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How many engine cores serve the model, where they run, how requests reach them."""
-
-    data_parallel_size: int = knob(1, "Engine cores behind one data-parallel dispatcher.")
-    dp_batch_timeout: float = knob(0.1, "Seconds the dispatcher gathers requests into a "
-                                   "batch before routing them (data parallel only).")
-    dp_routing: str = knob("least_tokens", "How the dispatcher picks a core: 'round_robin', "
-                           "'least_tokens' (fewest outstanding tokens) or 'prefix_aware' "
-                           "(longest prompt prefix sent there before, else least tokens) or "
-                           "'slack' (fewest prompt tokens queued: the most slack to a "
-                           "request's TTFT deadline; for the slo policy).")
-    dp_backend: str = knob("local", "Where the engine cores run: 'local' processes, or 'ray' "
-                           "actors (joins RAY_ADDRESS's cluster, or starts a local one).")
-    tensor_parallel_size: int = knob(1, "Ranks each engine core splits the model across "
-                                     "(tensor parallelism: each holds 1/N of every layer's "
-                                     "heads and MLP rows, of the vocabulary, and of every KV "
-                                     "block): processes joined by torch.distributed (gloo). "
-                                     "CPU ranks; dense weights, GGUF, GPTQ or AWQ; "
-                                     "threads per rank default to cores / N.")
-    pipeline_parallel_size: int = knob(1, "Pipeline stages each engine core splits the "
-                                       "model's layers into (contiguous runs, each with its "
-                                       "layers' KV cache), each of tensor_parallel_size ranks, "
-                                       "a step in flight in each (batches_in_flight).")
-    enable_expert_parallel: bool = knob(False, "Split a mixture-of-experts model's routed "
-                                        "experts across the tensor-parallel ranks whole (1/N "
-                                        "of them each, tokens' outputs summed) instead of "
-                                        "splitting every expert's rows.")
-    distributed_timeout: float = knob(60.0, "Seconds a tensor-parallel rank waits in a "
-                                      "collective for the others before it fails the step "
-                                      "(a rank that died or hangs), so the core restarts "
-                                      "instead of hanging.")
-    distributed_executor_backend: str = knob(
-        "mp", "How an engine core's tensor-parallel ranks start: 'mp' (processes on this "
-        "machine, and with --nnodes those `tidal serve --headless` starts on the others) or "
-        "'ray' (actors placed by a Ray cluster: RAY_ADDRESS's, or a local one).")
-    nnodes: int = knob(1, "Machines an engine core's tensor-parallel ranks span, "
-                       "tensor_parallel_size / nnodes on each: node 0 serves the API, the "
-                       "others run `tidal serve --headless --node-rank R` with the same flags.")
-    node_rank: int = knob(0, "This machine's place among the nnodes (0: the one that serves).")
-    master_addr: str = knob("127.0.0.1", "Node 0's address, where the other nodes' ranks "
-                            "connect (with nnodes > 1: one of node 0's own addresses, reachable "
-                            "from the others; the nodes' network must be trusted, as "
-                            "torch.distributed's).")
-    master_port: int = knob(29500, "Node 0's port the ranks meet at: this one for their "
-                            "connections to rank 0, the next for torch.distributed's store.")
-    kv_host: str = knob("127.0.0.1", "Address a prefill or decode core's KV transfer "
-                        "socket binds (P/D disaggregation; a port is picked).")
-    kv_transfer_timeout: float = knob(300.0, "Seconds a decode core waits for a request's KV "
-                                      "from its prefill instance before failing it.")
-
-    def __post_init__(self) -> None:
-        if self.data_parallel_size < 1:
-            raise ValueError("data_parallel_size must be at least 1")
-        if self.dp_batch_timeout < 0:
-            raise ValueError("dp_batch_timeout must be >= 0")
-        if self.dp_routing not in ROUTING_POLICIES:
-            raise ValueError(f"dp_routing must be one of {', '.join(ROUTING_POLICIES)}; "
-                             f"got {self.dp_routing!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be at least 1")
-        if self.pipeline_parallel_size < 1:
-            raise ValueError("pipeline_parallel_size must be at least 1")
-        if self.distributed_timeout <= 0:
-            raise ValueError("distributed_timeout must be > 0")
-        if self.dp_backend not in ("local", "ray"):
-            raise ValueError(f"dp_backend must be local or ray; got {self.dp_backend!r}")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in 0..nnodes-1 and nnodes at least 1; got "
-                             f"node_rank {self.node_rank} of {self.nnodes}")
-        if self.nnodes > 1 and self.world_size % self.nnodes:
-            raise ValueError(f"--nnodes {self.nnodes} must divide the {self.world_size} ranks "
-                             f"(--tensor-parallel-size x --pipeline-parallel-size)")
-        if self.nnodes > 1 and self.data_parallel_size > 1:
-            raise ValueError("--nnodes spans one engine core's tensor-parallel ranks; "
-                             "--data-parallel-size must be 1")
-        if self.distributed_executor_backend not in ("mp", "ray"):
-            raise ValueError(f"distributed_executor_backend must be mp or ray; got "
-                             f"{self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
-            raise ValueError("--distributed-executor-backend ray places the ranks on the Ray "
-                             "cluster's nodes itself: leave --nnodes at 1")
-        if not 0 < self.master_port < 65535:
-            raise ValueError(f"master_port must be in 1..65534; got {self.master_port}")
-
-    @property
-    def world_size(self) -> int:
-        """An engine core's ranks: tensor_parallel_size in each of the pipeline stages."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def local_ranks(self) -> int:
-        """An engine core's ranks on each machine."""
-        return self.world_size // self.nnodes
 
 
 DEFAULT_SPECULATIVE_TOKENS = 4  # with a method given and no num_speculative_tokens
@@ -413,10 +319,17 @@ class EngineConfig:
             raise ValueError(f"--tensor-parallel-size {tp} --pipeline-parallel-size {pp}: "
                              f"ranks run on CPU for now (--device cpu)")
         if self.scheduler.batches_in_flight is None:  # a step in flight per stage, unless
-            # async_scheduling runs one step ahead instead
-            depth = pp if pp > 1 and not self.scheduler.async_scheduling else 1
+            # async_scheduling runs one step ahead instead, or the stages share one
+            # machine's cores: overlapped, they would split the cores a stage in turn has
+            overlap = pp > 1 and not self.parallel.one_machine
+            depth = pp if overlap and not self.scheduler.async_scheduling else 1
             object.__setattr__(self, "scheduler", replace(self.scheduler,
                                                           batches_in_flight=depth))
+        if pp > 1 and self.scheduler.steps_in_flight == 1 and self.model.omp_spin_count is None:
+            # stages taking turns: a waiting stage's idle threads would spin on the cores
+            # the computing stage needs
+            object.__setattr__(self, "model", replace(self.model,
+                                                      omp_spin_count=STAGE_SPIN_COUNT))
         if self.scheduler.batches_in_flight > pp:
             raise ValueError(f"batches_in_flight={self.scheduler.batches_in_flight} needs as "
                              f"many pipeline stages (--pipeline-parallel-size {pp})")

@@ -83,7 +83,8 @@ class TensorParallelExecutor:
                 # multiprocessing forbids children of its own), or Ray actors.
                 for _ in range(1, world if ray else parallel.local_ranks):
                     self.procs.append(_RayRank(listener.address, authkey) if ray
-                                      else _start_rank(listener.address, authkey))
+                                      else _start_rank(listener.address, authkey,
+                                                       spin=config.model.omp_spin_count))
                 self.conns = _accept(listener, self.procs, world - 1)
                 for rank, conn in enumerate(self.conns, 1):
                     conn.send((rank, size, init, config, str(folder)))
@@ -321,15 +322,17 @@ def _all_loaded(results: list) -> ModelOutput:
 
 
 def _start_rank(address: tuple[str, int], authkey: bytes, folder: str | None = None,
-                patient: bool = False) -> subprocess.Popen:
+                patient: bool = False, spin: int | None = None) -> subprocess.Popen:
     """A rank's process, connecting to rank 0 at `address` (`folder`: this machine's copy
-    of the model; `patient`: until rank 0 listens)."""
+    of the model; `patient`: until rank 0 listens; `spin`: its GOMP_SPINCOUNT, unless the
+    environment sets one)."""
     argv = [sys.executable, "-m", "tidal.engine.tp_executor", *map(str, address)]
     if folder is not None:
         argv += ["--folder", folder]
     if patient:
         argv.append("--patient")
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+    env = None if spin is None else {"GOMP_SPINCOUNT": str(spin), **os.environ}
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
     proc.stdin.write(authkey)
     proc.stdin.close()
     return proc

@@ -27,6 +27,7 @@ from tidal.engine.kv_host import HostKVTier
 from tidal.engine.lora_manager import LoRAManager
 from tidal.engine.model_loading import load_for_runner, pick_model_dtype
 from tidal.engine.model_runner import ModelRunner
+from tidal.engine.parallel_config import busy_ranks
 from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention
@@ -96,6 +97,8 @@ class Worker:
         if tp is not None:  # its part of each tensor, of its pipeline stage's layers
             links = tp.links
             layers = links and stage_layers(whole.num_layers, links.stages, links.stage)
+            if links:
+                links.vocab = whole.vocab_size  # the width of the logits it may be sent
             shard = Shard(tp.rank, tp.size, whole, expert_parallel, layers)
         self.arch = arch = shard.computed if shard else whole
         self.block_size = block_size
@@ -103,9 +106,11 @@ class Worker:
         if on_gpu:
             if ":" in device:  # cuda:N: this process's current device too
                 torch.cuda.set_device(torch.device(device))
-        else:  # ranks on one machine share its cores
+        else:  # the ranks computing at once on one machine share its cores (stages taking
+            # turns leave theirs idle)
+            busy = 1 if tp is None else busy_ranks(tp.local, tp.size, sched.steps_in_flight)
             torch.set_num_threads(config.num_threads
-                                  or max(1, len(os.sched_getaffinity(0)) // ranks))
+                                  or max(1, len(os.sched_getaffinity(0)) // busy))
         max_model_len = min(sched.max_model_len, arch.context_length)
         ext = cpu_decode.extension() if config.cpu_decoder and device == "cpu" else None
         phases.done("C++ extension")

@@ -1,8 +1,10 @@
 """Pipeline parallelism: each stage holds a contiguous run of the layers (and their KV
-cache), the step's hidden states go from stage to stage, and the last stage's final
-states come back to every stage, which computes the logits (every stage holds the
-embedding, the final norm and the LM head) and samples the same tokens, as tensor-parallel
-ranks do: a rank's runner needs no word from the others beside the step's plan.
+cache), the step's hidden states go from stage to stage, and every stage samples the same
+tokens from the same logits, as tensor-parallel ranks do: a rank's runner needs no word
+from the others beside the step's plan. Where the stages share a machine, the last stage
+computes the logits and sends them to the others (the head once, not on every stage of
+the same cores); across machines it sends its final states, and each stage computes the
+logits itself (every stage holds the embedding, the final norm and the LM head).
 
 Each rank of a stage sends to the rank of the same tensor-parallel place in the next (each
 holds the whole hidden states after its all-reduces). With one batch in flight a step runs
@@ -23,9 +25,12 @@ class StageLinks:
     and go to, and its group with the same place in every stage (`column`), over which
     the last stage's final states are broadcast."""
 
-    def __init__(self, rank: int, width: int, stages: int, column) -> None:
+    def __init__(self, rank: int, width: int, stages: int, column, local: bool = False,
+                 ) -> None:
+        """`local`: the column's ranks share one machine (the last stage sends logits)."""
         self.stage, place = divmod(rank, width)
-        self.stages, self.column = stages, column
+        self.stages, self.column, self.local = stages, column, local
+        self.vocab = 0  # the logits' width (the whole vocabulary's), set with the model
         self.prev = rank - width if self.stage > 0 else None
         self.next = rank + width if self.stage < stages - 1 else None
         self.last_rank = (stages - 1) * width + place
@@ -81,9 +86,28 @@ class StageLinks:
         those of this stage giving the shapes; `Pending` where this stage defers."""
         if not self.last:
             self.send(states)
-        end = lambda: head(self.from_last(final),  # noqa: E731
-                           None if hidden is None else self.from_last(hidden))
+        if self.local:
+            end = lambda: self._logits_from_last(final, head, hidden)  # noqa: E731
+        else:
+            end = lambda: head(self.from_last(final),  # noqa: E731
+                               None if hidden is None else self.from_last(hidden))
         return Pending(end) if self.defers else end()
+
+    def _logits_from_last(self, final: torch.Tensor, head, hidden: torch.Tensor | None):
+        """`head`'s result as the last stage computes it, on every stage: its logits
+        broadcast (and its `hidden` states, which the caller heads in slices)."""
+        if self.last:
+            out = head(final, hidden)
+            logits = out if hidden is None else out[0]
+            wire = logits.clone()  # the sampler may scale its logits in place meanwhile
+            self._keep(dist.broadcast(wire, src=self.last_rank, group=self.column,
+                                      async_op=True), wire)
+            if hidden is not None:
+                self.from_last(hidden)
+            return out
+        logits = torch.empty(final.shape[0], self.vocab, dtype=torch.float32)
+        dist.broadcast(logits, src=self.last_rank, group=self.column)
+        return logits if hidden is None else (logits, self.from_last(hidden))
 
     def _keep(self, work, tensor: torch.Tensor) -> None:
         """Hold an operation under way, and its tensor, until it is done."""

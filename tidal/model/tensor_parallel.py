@@ -67,7 +67,9 @@ class TPGroup:
         if stages > 1:  # every rank makes every subgroup, in the same order
             rows = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
             columns = [dist.new_group(list(range(p, world, size))) for p in range(size)]
-            tp, links = rows[stage], StageLinks(rank, size, stages, columns[place])
+            column = machines[place::size]
+            tp, links = rows[stage], StageLinks(rank, size, stages, columns[place],
+                                                column.count(column[0]) == stages)
         mine = machines[stage * size:(stage + 1) * size]
         shm = None
         if mine.count(mine[0]) == size > 1 and shm_all_reduce.supported():

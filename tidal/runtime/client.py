@@ -19,6 +19,7 @@ from tidal.cluster.routing import Router
 from tidal.core import SamplingParams
 from tidal.engine import messages as m
 from tidal.engine.config import EngineConfig
+from tidal.engine.parallel_config import busy_ranks
 from tidal.model.tokenizer import Tokenizer
 from tidal.runtime.core_process import run_core
 from tidal.runtime.core_stats import CoreStatsBoard
@@ -44,7 +45,10 @@ def core_config(config: EngineConfig, cores: int) -> EngineConfig:
     share them unless told otherwise, and so do the tensor-parallel ranks of each."""
     dp = config.parallel.data_parallel_size
     if dp > 1 and config.model.num_threads is None and config.model.device != "cuda":
-        threads = max(1, cores // (dp * config.parallel.local_ranks))
+        parallel = config.parallel
+        busy = busy_ranks(parallel.local_ranks, parallel.tensor_parallel_size,
+                          config.scheduler.steps_in_flight)
+        threads = max(1, cores // (dp * busy))
         config = replace(config, model=replace(config.model, num_threads=threads))
     return config  # frozen: a core that needs other values gets a new one
 
