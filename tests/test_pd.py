@@ -1,6 +1,7 @@
 """End to end: `tidal serve --pd 1P1D` (a prefill instance, a decode instance and the router,
-one engine thread each) driven by the official `openai` and `anthropic` clients, and the
-failure cases."""
+one engine thread each) driven by the official `openai` and `anthropic` clients: generation,
+Responses (continued on the decode instance that stored them), embeddings and scores (on
+the prefill instance), and the failure cases."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
 import openai
+import pytest
 
 from server_fixtures import BAD, Server, metric
 
@@ -106,6 +109,71 @@ def test_greedy_through_1p1d_equals_a_mixed_engine():
         assert metric(decode, "tidal:spec_decode_num_accepted_tokens_total") > 0
     finally:
         spec.stop()
+
+
+def other_answers(url: str) -> tuple[list[str], list[list[float]], list[float]]:
+    """Responses (one, its continuation, a stream; retrieved and deleted), embeddings, and
+    rerank scores, through the official client where it has the call."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    ask = dict(model="smollm2-135m", max_output_tokens=12, temperature=0)
+    first = client.responses.create(input="What is the capital of France?", **ask)
+    then = client.responses.create(input="And of Italy?", previous_response_id=first.id, **ask)
+    streamed = "".join(e.delta for e in client.responses.create(
+        input="Name a colour.", stream=True, **ask) if e.type == "response.output_text.delta")
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(then.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(then.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.create(input="More?", previous_response_id=then.id, **ask)
+    assert gone.value.body["param"] == "previous_response_id"
+    vectors = [d.embedding for d in client.embeddings.create(
+        model="smollm2-135m", input=["the sea", "a mountain"]).data]
+    rerank = httpx.post(url + "/v1/rerank", json={
+        "query": "Where is Paris?", "documents": ["Paris is in France.", "Cats purr."]}).json()
+    scores = [r["relevance_score"] for r in sorted(rerank["results"], key=lambda r: r["index"])]
+    return [first.output_text, then.output_text, streamed], vectors, scores
+
+
+def test_responses_embeddings_and_scores_through_the_router_equal_a_mixed_engine():
+    """Over two decode instances a continuation, a retrieval and a deletion find the one
+    that stored the response; embeddings and scores are computed by the prefill instance
+    (a decode one refuses them)."""
+    flags = ("--dtype", "float32", "--score-tokens", "no,yes")
+    pd = Server("--pd", "1P2D", *flags)
+    try:
+        prefill, decode = instances(pd.url)
+        prompts = metric(prefill, "tidal:prompt_tokens_total")
+        texts, vectors, scores = other_answers(pd.url)
+        assert metric(prefill, "tidal:prompt_tokens_total") > prompts
+        assert metric(decode, "tidal:prompt_tokens_total") == 0
+        direct = httpx.post(decode + "/v1/embeddings", json={"input": "the sea"})
+        assert direct.status_code == 400 and "prefill" in direct.json()["error"]["message"]
+        # two at once land on both decode instances; each continuation finds its own
+        client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", max_retries=0)
+        ask = dict(model="smollm2-135m", max_output_tokens=12, temperature=0)
+        with ThreadPoolExecutor(2) as pool:
+            pair = list(pool.map(lambda q: client.responses.create(input=q, **ask),
+                                 ["Hi!", "Hello!"]))
+        decodes = httpx.get(pd.url + "/health").json()["decode"]
+        holders = [[httpx.get(f"{d}/v1/responses/{r.id}").status_code == 200 for d in decodes]
+                   for r in pair]
+        assert sorted(holders) == [[False, True], [True, False]]
+        for r in pair:
+            client.responses.create(input="Go on.", previous_response_id=r.id, **ask)
+        with pytest.raises(openai.NotFoundError, match="does not serve the Batch API"):
+            client.batches.list()
+    finally:
+        pd.stop()
+    mixed = Server(*flags)
+    try:
+        want_texts, want_vectors, want_scores = other_answers(mixed.url)
+    finally:
+        mixed.stop()
+    assert texts == want_texts and all(texts)
+    for got, want in zip(vectors, want_vectors):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert scores == pytest.approx(want_scores, abs=1e-5)
 
 
 def copy_answer(url: str) -> str:

@@ -91,6 +91,7 @@ class KVLink:
         self.prefill_of: dict[str, tuple[str, float | None]] = {}
         # prefill role: request -> (its decode core, its blocks there, blocks it skips)
         self.tasks: dict[str, tuple[str, list[int], int]] = {}
+        self.own: set[str] = set()  # prefill role: its frontend's (prompt-only) requests
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -132,10 +133,16 @@ class KVLink:
 
     # ------------------------------------------------------------------ the core's loop
     def on_add(self, request_id: str, prefill_address: str | None) -> None:
-        """decode role: remember which prefill core computes this request's prompt."""
-        self.prefill_of[request_id] = (prefill_address or "", None)
+        """A request from this core's frontend. decode role: remember which prefill core
+        computes its prompt; prefill role: its outputs go to the frontend (an embedding or
+        a score, which ends at its prompt)."""
+        if self.receives:
+            self.prefill_of[request_id] = (prefill_address or "", None)
+        else:
+            self.own.add(request_id)
 
     def on_abort(self, request_id: str) -> None:
+        self.own.discard(request_id)
         entry = self.prefill_of.pop(request_id, None)
         if entry is not None and entry[1] is not None:  # its prompt is being computed
             self._send(entry[0], AbortPrefill(request_id))
@@ -169,11 +176,16 @@ class KVLink:
         decode core that asked; a decode core sends out new tasks and expires old ones."""
         if self.receives:
             return self._send_tasks() + outputs + self._expire()
-        for o in outputs:  # prefill role: every output belongs to a decode core's request
+        own = []
+        for o in outputs:  # prefill role: a decode core's request, or its frontend's own
             task = self.tasks.pop(o.request_id, None)
             if task is not None:
                 self._hand_over(o, *task)
-        return []
+            elif o.request_id in self.own:
+                own.append(o)
+                if o.finished:
+                    self.own.discard(o.request_id)
+        return own
 
     # ------------------------------------------------------------------ decode side
     def _send_tasks(self) -> list[RequestOutput]:

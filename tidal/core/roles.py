@@ -42,8 +42,9 @@ class Role:
         A request retracted here (it has output already) recomputes its prompt locally."""
         return self.receives_kv and not request.output_token_ids
 
-    def refusal(self, prefill_address: str | None) -> str | None:
-        """Why a request from this core's own frontend cannot start here (None: it can)."""
+    def refusal(self, prefill_address: str | None, prompt_only: bool = False) -> str | None:
+        """Why a request from this core's own frontend cannot start here (None: it can);
+        `prompt_only`: it ends at its prompt (an embedding or a score), nothing to decode."""
         return None
 
 
@@ -64,7 +65,9 @@ class PrefillRole(Role):
     def blocks_for(self, num_new, num_remaining):
         return num_remaining
 
-    def refusal(self, prefill_address):
+    def refusal(self, prefill_address, prompt_only=False):
+        if prompt_only:  # computing prompts is this role's work: no KV moves
+            return None
         return ("this is a prefill instance: requests come through `tidal router`, which "
                 "sends them to a decode instance")
 
@@ -76,9 +79,12 @@ class DecodeRole(Role):
     name = "decode"
     receives_kv = True
 
-    def refusal(self, prefill_address):
-        if prefill_address:
+    def refusal(self, prefill_address, prompt_only=False):
+        if prefill_address and not prompt_only:
             return None
+        if prompt_only:
+            return ("this is a decode instance: embeddings and scores are computed by the "
+                    "prefill instances (through `tidal router`)")
         return ("this is a decode instance: requests come through `tidal router` "
                 "(kv_transfer_params.prefill_address)")
 

@@ -286,7 +286,8 @@ class _CoreLoop:
                 self.send(m.Rejected(rid, str(error)))
 
     def _admit(self, msg: m.Add) -> None:
-        refusal = self.core.scheduler.role.refusal(msg.prefill_address)
+        refusal = self.core.scheduler.role.refusal(msg.prefill_address,
+                                                   msg.params.embed is not None)
         try:
             if refusal is not None:
                 raise ValueError(refusal)

@@ -1,11 +1,14 @@
 """`tidal router`: the HTTP front of prefill/decode disaggregation.
 
-For each OpenAI or Anthropic Messages request it picks a decode instance (fewest requests in flight) and a prefill
-instance (round robin), and forwards the request to the decode instance with
+For each generation request (OpenAI's completions, chat and Responses, Anthropic's Messages)
+it picks a decode instance (fewest requests in flight) and a prefill instance (round robin),
+and forwards the request to the decode instance with
 `kv_transfer_params.prefill_address` set to the prefill core's KV socket. The decode instance
 allocates the blocks, asks that prefill core for the prompt's KV, decodes, and streams back
 through here. Backpressure lives in the decode instance's admission queue: a request with no
-room waits there, and its prompt is not computed until it has blocks.
+room waits there, and its prompt is not computed until it has blocks. A Responses request
+that continues a stored one goes to the decode instance that stored it (each keeps its
+own). Embeddings and scores end at their prompts: a prefill instance computes them.
 
 The router re-reads every instance's /health each `health_interval` seconds, and at once
 after a failed forward: an instance that fails it leaves the rotation until it passes again,
@@ -36,7 +39,10 @@ from tidal.server.openapi import install_schema
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.anthropic.protocol import body_for
 from tidal.server.anthropic.request import MessagesRequest
+from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.protocol import APIError, CompletionRequest, DetokenizeRequest
+from tidal.server.responses.request import ResponsesRequest
+from tidal.server.scoring import RerankRequest, ScoreRequest
 
 log = logging.getLogger("tidal.router")
 
@@ -122,11 +128,14 @@ class PDRouter:
                                                       for i in self.prefill])]
         return p, d
 
-    async def forward(self, path: str, stream: bool, request: Request) -> Response:
-        """Send a request the server's own models accepted to a decode instance, naming the
-        prefill core; relay its answer (streamed or not) as it comes."""
+    async def forward(self, path: str, stream: bool, request: Request,
+                      decode: Instance | None = None) -> Response:
+        """Send a request the server's own models accepted to a decode instance (`decode`,
+        else the least busy), naming the prefill core; relay its answer (streamed or not)
+        as it comes."""
         raw = await request.json()  # as the client sent it (FastAPI parsed and kept it)
         p, d = self.pick()
+        d = decode or d
         raw["kv_transfer_params"] = {"prefill_address": p.kv_address}
         headers = _auth_header(request)  # httpx writes the JSON content type
         d.in_flight += 1
@@ -173,18 +182,36 @@ class PDRouter:
 
         return StreamingResponse(relay(), media_type="text/event-stream")
 
-    async def relay(self, path: str, request: Request) -> Response:
-        """A decode instance's answer to a request that needs no prefill (/v1/models,
-        /tokenize, /detokenize: every instance serves the same model and tokenizer)."""
-        inst = next((d for d in self.decode if d.healthy), self.decode[0])
+    async def relay(self, path: str, request: Request, inst: Instance | None = None,
+                    ) -> Response:
+        """`inst`'s answer (default: a healthy decode instance's) to a request that needs no
+        KV moved (/v1/models, /tokenize, /detokenize: every instance serves the same model
+        and tokenizer)."""
+        inst = inst or next((d for d in self.decode if d.healthy), self.decode[0])
         headers = {**_auth_header(request), "content-type": "application/json"}
         try:
             r = await self.http.request(request.method, inst.url + path, headers=headers,
                                         content=await request.body())
         except httpx.HTTPError as exc:
-            raise APIError(f"decode instance unreachable: {exc}", 503,
+            raise APIError(f"{inst.role} instance unreachable: {exc}", 503,
                            "service_unavailable") from exc
         return Response(r.content, r.status_code, media_type="application/json")
+
+    async def to_prefill(self, path: str, request: Request) -> Response:
+        """A prefill instance's answer (round robin) to a request that ends at its prompt:
+        embeddings and scores are computed where prompts are, beside no decode."""
+        p, _ = self.pick()
+        return await self.relay(path, request, p)
+
+    async def holder(self, response_id: str, request: Request) -> Instance | None:
+        """The decode instance whose store holds a response (each keeps those it made)."""
+        for inst in (d for d in self.decode if d.healthy):
+            with contextlib.suppress(httpx.HTTPError):
+                r = await self.http.get(f"{inst.url}/v1/responses/{quote(response_id)}",
+                                        headers=_auth_header(request))
+                if r.status_code == 200:
+                    return inst
+        return None
 
     async def dashboard_events(self, auth: dict[str, str]) -> AsyncIterator[str]:
         """The instances' dashboard streams as one: the i-th instance (prefill ones first)
@@ -269,6 +296,57 @@ async def messages(body: MessagesRequest, request: Request, router: RouterDep):
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(body: MessagesRequest, request: Request, router: RouterDep):
     return await router.relay("/v1/messages/count_tokens", request)
+
+
+@routes.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request, router: RouterDep):
+    """A continuation goes to the decode instance that stored its predecessor."""
+    holder = None
+    if body.previous_response_id is not None:
+        holder = await router.holder(body.previous_response_id, request)
+        if holder is None:
+            raise APIError(f"no stored response with id {body.previous_response_id!r} "
+                           f"(unknown, deleted, or expired)", 404,
+                           param="previous_response_id", code="response_not_found")
+    return await router.forward("/v1/responses", body.stream, request, holder)
+
+
+@routes.get("/v1/responses/{response_id}")
+@routes.delete("/v1/responses/{response_id}")
+async def stored_response(response_id: str, request: Request, router: RouterDep):
+    holder = await router.holder(response_id, request)
+    if holder is None:
+        raise APIError(f"no stored response with id {response_id!r} (unknown, deleted, or "
+                       f"expired)", 404, code="response_not_found")
+    return await router.relay(f"/v1/responses/{quote(response_id, safe='')}", request, holder)
+
+
+@routes.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request, router: RouterDep):
+    return await router.to_prefill("/v1/embeddings", request)
+
+
+@routes.post("/v1/score")
+@routes.post("/score", include_in_schema=False)
+async def score(body: ScoreRequest, request: Request, router: RouterDep):
+    return await router.to_prefill("/v1/score", request)
+
+
+@routes.post("/v1/rerank")
+@routes.post("/rerank", include_in_schema=False)
+@routes.post("/v2/rerank", include_in_schema=False)
+async def rerank(body: RerankRequest, request: Request, router: RouterDep):
+    return await router.to_prefill("/v1/rerank", request)
+
+
+@routes.api_route("/v1/files{rest:path}", methods=["GET", "POST", "DELETE"],
+                  include_in_schema=False)
+@routes.api_route("/v1/batches{rest:path}", methods=["GET", "POST"], include_in_schema=False)
+async def batch_api(rest: str):
+    """A batch's lines would need the router's own runner and store: not here."""
+    raise APIError("the P/D router does not serve the Batch API (/v1/files, /v1/batches): "
+                   "run batches on a `tidal serve` without --role, or offline with "
+                   "`tidal run-batch`", 404, code="unsupported_endpoint")
 
 
 @routes.get("/v1/models")

@@ -129,6 +129,7 @@ class ResponsesRequest(StrictModel):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict | None = None
     stream_options: dict[str, bool] | None = None
+    kv_transfer_params: dict | None = None  # P/D: {"prefill_address": ...}, set by the router
 
     @model_validator(mode="after")
     def _checks(self) -> "ResponsesRequest":
@@ -171,6 +172,8 @@ class ResponsesRequest(StrictModel):
             "top_p": self.top_p, "stream": self.stream,
             "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": self._response_format()}
+        if self.kv_transfer_params is not None:
+            chat["kv_transfer_params"] = self.kv_transfer_params
         if LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs:
             chat.update(logprobs=True, top_logprobs=self.top_logprobs)
         if self.tools:
