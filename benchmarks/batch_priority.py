@@ -9,7 +9,11 @@ prefix cache; the batch lines are questions of their own. The server is warmed u
 
 usage: .venv/bin/python benchmarks/batch_priority.py [--live 50] [--rate 0.5]
   [--live-tokens 32] [--batch-lines 256] [--batch-tokens 128] [--naive-concurrency 8]
-  [--server-log FILE] [--skip-naive]
+  [--repeats 1] [--server-log FILE] [--skip-naive]
+
+--repeats R alternates the first two phases R times (alone, beside a batch, alone, ...),
+each with its own tag and batch, and adds a row of each kind's TTFTs pooled over the
+repeats: a p99 of 50 requests is their second-worst, which one slow step moves.
 
 Target (issue 58): live TTFT p99 beside the batch within 1.2x of the live stream alone.
 """
@@ -175,8 +179,10 @@ def main() -> None:
     ap.add_argument("--server-log", help="write the server's log to this file")
     ap.add_argument("--skip-naive", action="store_true",
                     help="leave out the phase of lines sent as ordinary requests")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="times the alone and beside-a-batch phases alternate")
     args = ap.parse_args()
-    need = args.live + 2 * args.batch_lines + 4
+    need = args.live + (args.repeats + 1) * args.batch_lines + 4
     pool = questions(need)
     take = iter(range(need))
     chunk = lambda n: [pool[next(take)] for _ in range(n)]  # noqa: E731
@@ -193,17 +199,26 @@ def main() -> None:
             print("| live stream | TTFT p50 ms | p90 ms | p99 ms | p50 vs alone | p90 vs alone "
                   "| p99 vs alone | batch lines done meanwhile | steps measured / predicted |")
             print("|---|---|---|---|---|---|---|---|---|")
-            alone = asyncio.run(live(server.url, tagged(1), args.rate,
-                                     args.live_tokens))
-            print(summary("alone", alone, None, "-", server), flush=True)
-            paced, paced_done = asyncio.run(beside_batch(
-                server.url, chunk(args.batch_lines), args, tagged(2)))
-            print(summary("beside a Batch API batch", paced, alone, str(paced_done), server),
-                  flush=True)
+            alone, paced, paced_done = [], [], 0
+            for r in range(1, args.repeats + 1):
+                mark = f" ({r} of {args.repeats})" if args.repeats > 1 else ""
+                ttfts = asyncio.run(live(server.url, tagged(f"a{r}"), args.rate,
+                                         args.live_tokens))
+                print(summary("alone" + mark, ttfts, alone[:args.live] or None, "-", server),
+                      flush=True)
+                alone += ttfts
+                ttfts, done = asyncio.run(beside_batch(
+                    server.url, chunk(args.batch_lines), args, tagged(f"b{r}")))
+                print(summary("beside a Batch API batch" + mark, ttfts, alone[-args.live:],
+                              str(done), server), flush=True)
+                paced, paced_done = paced + ttfts, paced_done + done
+            if args.repeats > 1:
+                print(summary(f"beside a batch, pooled over {args.repeats}", paced, alone,
+                              str(paced_done), server), flush=True)
             if args.skip_naive:
                 return
             flooded, flood_done = asyncio.run(beside_naive(
-                server.url, chunk(args.batch_lines), args, tagged(3)))
+                server.url, chunk(args.batch_lines), args, tagged("n")))
             print(summary(f"beside the lines sent {args.naive_concurrency} at a time",
                           flooded, alone, str(flood_done), server))
         finally:

@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism on this machine: one process with every core against N
-ranks sharing them (TP ranks in each of PP stages), offline, on a Llama-shaped model with random weights (`--load-format dummy`; the
-speed of a step does not depend on the values), greedy, ignore_eos. Prints output tok/s
+ranks sharing them (TP ranks in each of PP stages), offline, on a Llama-shaped model with
+random weights (`--load-format dummy`; the speed of a step does not depend on the values),
+greedy, ignore_eos. Prints output tok/s
 one request at a time and C at once, and the ratio N ranks / one process.
 
     python benchmarks/parallel.py [--tp 2] [--pp 1] [--concurrency 1 8] [--max-tokens 32]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.engine.parallel_config import ROUTING_POLICIES  # the names are configuration (dp_routing)
+# the names are configuration (dp_routing)
+from tidal.engine.parallel_config import ROUTING_POLICIES
 
 
 @dataclass
