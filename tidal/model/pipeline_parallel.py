@@ -23,7 +23,7 @@ class StageLinks:
     """Rank `rank`'s place in a pipeline of `stages` stages of `width` ranks each (global
     rank = stage * width + tensor-parallel rank): the ranks its hidden states come from
     and go to, and its group with the same place in every stage (`column`), over which
-    the last stage's final states are broadcast."""
+    the last stage broadcasts a step's end (its logits, or its final states)."""
 
     def __init__(self, rank: int, width: int, stages: int, column, local: bool = False,
                  ) -> None:
