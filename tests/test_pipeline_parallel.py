@@ -258,3 +258,19 @@ def test_stages_on_one_machine_take_turns_and_across_machines_overlap(where, in_
     assert config.model.omp_spin_count == (STAGE_SPIN_COUNT if in_flight == 1 else None)
     told = EngineConfig.from_kwargs(pipeline_parallel_size=2, omp_spin_count=0, **where)
     assert told.model.omp_spin_count == 0
+
+
+def test_a_stage_taking_turns_computes_with_its_machines_cores(folders):
+    """Rank 0 (this process) of two stages: all the cores while the stages take turns,
+    half of them with a step in flight in each (both stages compute at once)."""
+    cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    try:
+        for in_flight, threads in ((None, cores), (2, max(1, cores // 2))):
+            llm = LLM(str(folders["llama"]), num_kv_blocks=64, dtype="float32",
+                      pipeline_parallel_size=2, batches_in_flight=in_flight)
+            try:
+                assert torch.get_num_threads() == threads
+            finally:
+                llm.close()
+    finally:
+        torch.set_num_threads(before)
