@@ -80,11 +80,11 @@ class DecodeRole(Role):
     receives_kv = True
 
     def refusal(self, prefill_address, prompt_only=False):
-        if prefill_address and not prompt_only:
-            return None
         if prompt_only:
             return ("this is a decode instance: embeddings and scores are computed by the "
                     "prefill instances (through `tidal router`)")
+        if prefill_address:
+            return None
         return ("this is a decode instance: requests come through `tidal router` "
                 "(kv_transfer_params.prefill_address)")
 

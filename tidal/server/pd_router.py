@@ -42,6 +42,7 @@ from tidal.server.anthropic.request import MessagesRequest
 from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.protocol import APIError, CompletionRequest, DetokenizeRequest
 from tidal.server.responses.request import ResponsesRequest
+from tidal.server.responses.routes import not_stored
 from tidal.server.scoring import RerankRequest, ScoreRequest
 
 log = logging.getLogger("tidal.router")
@@ -116,17 +117,16 @@ class PDRouter:
             self._recheck.clear()
             await asyncio.gather(*(self.check(i) for i in self.prefill + self.decode))
 
-    def pick(self) -> tuple[Instance, Instance]:
-        """A decode instance (fewest in flight) and a prefill one (round robin), both healthy."""
-        for role, group in (("prefill", self.prefill), ("decode", self.decode)):
-            if not any(i.healthy for i in group):
-                raise APIError(f"no {role} instance is healthy; retry later", 503,
-                               "service_unavailable", retry_after=1)
-        d = self.decode[self._decode_router.choose([CoreLoad(i.in_flight, available=i.healthy)
-                                                    for i in self.decode])]
-        p = self.prefill[self._prefill_router.choose([CoreLoad(available=i.healthy)
-                                                      for i in self.prefill])]
-        return p, d
+    def pick(self, role: str) -> Instance:
+        """A healthy instance of `role`: a decode one with the fewest requests in flight, a
+        prefill one round robin."""
+        group, router = ((self.decode, self._decode_router) if role == "decode"
+                         else (self.prefill, self._prefill_router))
+        if not any(i.healthy for i in group):
+            raise APIError(f"no {role} instance is healthy; retry later", 503,
+                           "service_unavailable", retry_after=1)
+        return group[router.choose([CoreLoad(i.in_flight, available=i.healthy)
+                                    for i in group])]
 
     async def forward(self, path: str, stream: bool, request: Request,
                       decode: Instance | None = None) -> Response:
@@ -134,8 +134,8 @@ class PDRouter:
         else the least busy), naming the prefill core; relay its answer (streamed or not)
         as it comes."""
         raw = await request.json()  # as the client sent it (FastAPI parsed and kept it)
-        p, d = self.pick()
-        d = decode or d
+        p = self.pick("prefill")
+        d = decode or self.pick("decode")
         raw["kv_transfer_params"] = {"prefill_address": p.kv_address}
         headers = _auth_header(request)  # httpx writes the JSON content type
         d.in_flight += 1
@@ -200,14 +200,13 @@ class PDRouter:
     async def to_prefill(self, path: str, request: Request) -> Response:
         """A prefill instance's answer (round robin) to a request that ends at its prompt:
         embeddings and scores are computed where prompts are, beside no decode."""
-        p, _ = self.pick()
-        return await self.relay(path, request, p)
+        return await self.relay(path, request, self.pick("prefill"))
 
     async def holder(self, response_id: str, request: Request) -> Instance | None:
         """The decode instance whose store holds a response (each keeps those it made)."""
         for inst in (d for d in self.decode if d.healthy):
             with contextlib.suppress(httpx.HTTPError):
-                r = await self.http.get(f"{inst.url}/v1/responses/{quote(response_id)}",
+                r = await self.http.get(f"{inst.url}/v1/responses/{quote(response_id, safe='')}",
                                         headers=_auth_header(request))
                 if r.status_code == 200:
                     return inst
@@ -305,9 +304,7 @@ async def responses(body: ResponsesRequest, request: Request, router: RouterDep)
     if body.previous_response_id is not None:
         holder = await router.holder(body.previous_response_id, request)
         if holder is None:
-            raise APIError(f"no stored response with id {body.previous_response_id!r} "
-                           f"(unknown, deleted, or expired)", 404,
-                           param="previous_response_id", code="response_not_found")
+            raise not_stored(body.previous_response_id, "previous_response_id")
     return await router.forward("/v1/responses", body.stream, request, holder)
 
 
@@ -316,8 +313,7 @@ async def responses(body: ResponsesRequest, request: Request, router: RouterDep)
 async def stored_response(response_id: str, request: Request, router: RouterDep):
     holder = await router.holder(response_id, request)
     if holder is None:
-        raise APIError(f"no stored response with id {response_id!r} (unknown, deleted, or "
-                       f"expired)", 404, code="response_not_found")
+        raise not_stored(response_id)
     return await router.relay(f"/v1/responses/{quote(response_id, safe='')}", request, holder)
 
 

@@ -18,11 +18,16 @@ from tidal.server.responses.request import ResponsesRequest
 routes = APIRouter()
 
 
+def not_stored(response_id: str, param: str | None = None) -> APIError:
+    """The 404 for a response id no store holds (here, or behind the P/D router)."""
+    return APIError(f"no stored response with id {response_id!r} (unknown, deleted, or "
+                    f"expired)", 404, param=param, code="response_not_found")
+
+
 def _stored(request: Request, response_id: str, param: str | None = None):
     entry = request.app.state.frontend.responses.get(response_id)
     if entry is None:
-        raise APIError(f"no stored response with id {response_id!r} (unknown, deleted, or "
-                       f"expired)", 404, param=param, code="response_not_found")
+        raise not_stored(response_id, param)
     return entry
 
 
