@@ -69,6 +69,7 @@ class SchedulerDriver:
         self.added = 0
         self.work = 0  # prompt + output tokens asked for: bounds the steps to drain
         self.steps_taken = self.tokens = 0
+        self.cut = False  # cut the step run now short, where it is cuttable
         self.rng = random.Random(seed)  # how many guesses a proposer holds, and how many pass
 
     def now(self) -> float:
@@ -89,7 +90,10 @@ class SchedulerDriver:
                                    eos_token_id=EOS))
         self.work += n * (len(prompt) + max_tokens)
 
-    def step(self, emit_eos: bool) -> None:
+    def step(self, emit_eos: bool, cut: bool = False) -> None:
+        """Plan a step and run it (or the oldest in flight); `cut`: the executor cuts the
+        step it runs short if it may (a live request arrived)."""
+        self.cut = cut
         out = self.s.schedule()
         self.s.check_invariants()
         self._check_step_time(out)
@@ -131,14 +135,15 @@ class SchedulerDriver:
             assert body == sorted(set(body)), f"{r}: a token was appended twice"
 
     def drain(self) -> None:
-        """Step until every request finished (within a bound), then check nothing leaked."""
+        """Step until every request finished (within a bound; a quarter of the steps that
+        may be cut short are), then check nothing leaked."""
         s = self.s
         bound = 100 + 4 * self.work
         steps = 0
         while s.has_unfinished_requests():
             for rid in self.transfers():
                 self.deliver(rid)
-            self.step(emit_eos=False)
+            self.step(emit_eos=False, cut=self.rng.random() < 0.25)
             steps += 1
             assert steps <= bound, f"no progress after {steps} steps: {s.stats()}"
         while self.inflight:
@@ -205,6 +210,9 @@ class SchedulerDriver:
             for new in out.new_requests:
                 self.known[new.request_id] = new.prompt_token_ids + new.output_token_ids
                 self.num_samples[new.request_id] = new.num_samples
+        if self.cut and out.cuttable and self.batches == 1 and not s.config.async_scheduling:
+            self.outputs = ModelOutput(preempted_ack=list(out.preempted_ids), cut=True)
+            return {}  # stopped between layers, as the engine may: nothing sampled
         sampled, drafted, proposed = {}, {}, {}
         loaded = self._tier_io(out)
         failed = {x.request_id for x in out.kv_loads  # left out of the forward pass

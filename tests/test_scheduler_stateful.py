@@ -1,8 +1,9 @@
 """Hypothesis state machine: random arrivals, steps, aborts, forks and KV hand-offs on tiny
 pools, in every role, batch mode, policy and executor mode, with requests of several LoRA
-adapters. After every rule the invariants hold; at the end every request finishes within a
-bounded number of steps. The executor sees only the plans' plain data, as the model runner
-does: it must always know the tokens a step computes (`scheduler_driver.py`)."""
+adapters and steps of background work cut short now and then. After every rule the
+invariants hold; at the end every request finishes within a bounded number of steps. The
+executor sees only the plans' plain data, as the model runner does: it must always know the
+tokens a step computes (`scheduler_driver.py`)."""
 
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ class SchedulerMachine(RuleBasedStateMachine):
               lora=data.draw(st.sampled_from([None, None, "a", "b", "c", "d"])),
               background=data.draw(st.booleans()))
 
-    @rule(eos=st.integers(0, 9))
-    def step(self, eos):
-        self.d.step(emit_eos=eos == 0)
+    @rule(eos=st.integers(0, 9), cut=st.booleans())
+    def step(self, eos, cut):
+        self.d.step(emit_eos=eos == 0, cut=cut)
 
     @precondition(lambda self: bool(self.d.s.requests))
     @rule(data=st.data())

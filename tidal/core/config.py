@@ -89,7 +89,11 @@ class SchedulerConfig:
     background_step_share: float = knob(
         0.25, "A step whose prompts are all background requests' (Batch API lines) is sized "
         "to this share of the step target (max_step_ms): a live request arriving meanwhile "
-        "waits for the step in progress. 1: sized as any step.")
+        "waits for the step in progress, where it cannot be cut short. 1: sized as any step.")
+    cut_background_steps: bool = knob(
+        True, "A step that computes a background request's prompt chunk stops between two "
+        "layers when a live request arrives, and runs again after the live prompt's (one "
+        "worker in the engine core's process, one step at a time).")
     safety_margin: float = knob(
         0.0, "Stop admitting new prefills while free blocks are under this share of the pool.")
     async_scheduling: bool = knob(

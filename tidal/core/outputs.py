@@ -73,6 +73,9 @@ class SchedulerOutput(msgspec.Struct):
     # speculative decoding: report the proposers' guesses for the requests this step
     # samples (the planner may use them next step)
     propose: bool = False
+    # a step of background work the executor may stop between layers once a live request
+    # arrives (tidal/core/step_cut.py)
+    cuttable: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +130,8 @@ class ModelOutput(msgspec.Struct):
     # loaded whole (the next one failed, if fewer than asked), and the seconds they took.
     kv_loaded: dict[str, int] = msgspec.field(default_factory=dict)
     kv_load_seconds: float = 0.0
+    # the step was cut short (a `cuttable` plan, a live request arrived): nothing sampled
+    cut: bool = False
 
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False):

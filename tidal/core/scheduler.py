@@ -27,6 +27,7 @@ from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, ready_to_decode
 from tidal.core.roles import ROLES
 from tidal.core.speculation import Speculation, guess_budget
+from tidal.core.step_cut import cuttable, undo_step
 from tidal.core.step_sizing import StepTarget
 from tidal.core.step_time import StepTimeModel
 
@@ -99,9 +100,8 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Cancel a request (and its n>1 siblings) from any state; frees its blocks now."""
         siblings = [r.request_id for r in self.requests.values() if r.parent_id == request_id]
-        found = [self.finish_request(rid, RequestStatus.FINISHED_ABORTED, "aborted")
-                 for rid in siblings + [request_id]]
-        return any(found)
+        return any([self.finish_request(rid, RequestStatus.FINISHED_ABORTED, "aborted")
+                    for rid in siblings + [request_id]])
 
     def finish_request(self, request_id: str, status: RequestStatus,
                        message: str | None = None) -> bool:
@@ -112,8 +112,7 @@ class Scheduler:
         return request is not None
 
     def reject(self, request: Request, message: str) -> None:
-        """End a waiting request before any compute (a policy's overload decision); its
-        output comes with the next update()."""
+        """End a waiting request unrun (a policy's overload decision), output next update."""
         self._end_now(request, RequestStatus.FINISHED_REJECTED, message)
 
     def has_unfinished_requests(self) -> bool:
@@ -165,6 +164,7 @@ class Scheduler:
         if self.kv.tiers is not None:
             prefetch(self, plan)  # the head of the queue loads while it waits
         out.kind = plan.kind()
+        out.cuttable = cuttable(self, out)
         if (out.kind == "decode" and not plan.preempted and not self.waiting
                 and self.active_prefill is None):
             self.ratio.decay()
@@ -201,9 +201,7 @@ class Scheduler:
         """The ready decodes that can run this step, retracting others when blocks are
         short (a decode needs a block only when its last one is full)."""
         need = sum(self.kv.blocks_needed(r, 1) for r in ready)
-        if need > self.kv.num_free:
-            ready = self._retract(plan, decoding, ready, need)
-        return ready
+        return self._retract(plan, decoding, ready, need) if need > self.kv.num_free else ready
 
     def _retract(self, plan: StepPlan, decoding: list[Request], ready: list[Request],
                  need: int) -> list[Request]:
@@ -399,6 +397,9 @@ class Scheduler:
         if out.kv_loads:
             loads_done(self, out, result)
         outputs, self._pending_outputs = self._pending_outputs, []
+        if result.cut:
+            undo_step(self, out)
+            return outputs
         requests, sampled, proposed, bs = (self.requests, result.sampled, result.proposed,
                                            self.block_size)
         speculating = bool(self.spec.planner.max_guesses)

@@ -14,6 +14,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from tidal.core import (ERROR_QUANTILES, POLICIES, KVCacheManager, LearnedStepTime,
                         ModelOutput, PredictionLog, Request, RequestOutput, RequestStatus,
@@ -207,6 +208,12 @@ class EngineCore:
         self.step_time.add_prior(steps)
         return True
 
+    def cut_steps_when(self, live_waiting: Callable[[], bool]) -> bool:
+        """Let a step that computes a background prompt's chunk stop between layers once
+        `live_waiting()` (tidal/core/step_cut.py), where steps run one at a time on workers
+        that can stop (the executor's `cut_when`); whether they may."""
+        return self._pool is None and self._depth == 1 and self.executor.cut_when(live_waiting)
+
     def can_step(self) -> bool:
         """Whether a step would do anything: requests that only await their KV from a
         prefill instance (decode role) need none."""
@@ -302,6 +309,10 @@ class EngineCore:
             return exc
         finally:
             seconds = time.perf_counter() - t0
+        if result.cut:  # its tokens count when it runs again; its time is no step's to learn
+            self.prompt_tokens -= _prefill_tokens(out)
+            self.execute_seconds += seconds
+            return result
         self._observe(out, result, seconds)
         return result
 

@@ -10,7 +10,7 @@ one per rank of a tensor-parallel group.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
 from tidal.core.kv_tiers import TierReport
@@ -33,6 +33,12 @@ class Executor(Protocol):
 
     def forget(self, rid: str, finished: bool = False) -> None:
         """Drop a request the engine ran outside its plans (the step-time profile's)."""
+        ...
+
+    def cut_when(self, check: Callable[[], bool]) -> bool:
+        """Let the workers stop a `cuttable` step between layers once `check()` (asked
+        before each layer); whether they can (ranks in other processes could not stop at
+        the same layer)."""
         ...
 
     def compile_constraint(self, params: SamplingParams) -> None:
@@ -79,6 +85,10 @@ class LocalExecutor:
 
     def forget(self, rid: str, finished: bool = False) -> None:
         self.worker.forget(rid, finished)
+
+    def cut_when(self, check: Callable[[], bool]) -> bool:
+        self.worker.runner.cut_check = check
+        return True
 
     def compile_constraint(self, params: SamplingParams) -> None:
         self.worker.compile_constraint(params)

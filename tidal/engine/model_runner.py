@@ -8,6 +8,7 @@ import logging
 import threading
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -23,6 +24,7 @@ from tidal.engine.step_inputs import StepInputs
 from tidal.engine.structured import Grammars, Matchers
 from tidal.model.attention import AttentionBackend
 from tidal.model.config import ModelArch
+from tidal.model.llama import StepCut
 from tidal.model.pipeline_parallel import Pending
 from tidal.model.pooling import Pooling
 from tidal.model.sampler import SampleRow, needs_penalty, sample
@@ -104,6 +106,8 @@ class ModelRunner:
                                     StepInputs(self.device), max_forward_tokens)
         self.graphs: DecodeGraphs | None = None
         self.launched: deque[_Launch] = deque()  # steps started, not yet completed
+        # whether a live request waits (the engine core's, where it may cut steps short)
+        self.cut_check: Callable[[], bool] | None = None
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -147,7 +151,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        return self.complete(self.launch(out))
+        try:
+            launch = self.launch(out)
+        except StepCut:  # nothing sampled: the scheduler undoes the plan
+            return ModelOutput(preempted_ack=list(out.preempted_ids), cut=True)
+        return self.complete(launch)
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> "_Launch":
@@ -193,12 +201,17 @@ class ModelRunner:
         launch.guesses = guesses
         passes = self.batches.passes(out.scheduled)
         adapters = self._adapter_slots(out.scheduled) if self.lora is not None else {}
-        for entries in passes:  # a graph's logits live until its next replay: one pass only
-            batch = self.batches.build(entries, self.seqs, self.graphs if len(passes) == 1
-                                       and not adapters else None, guesses)
-            if adapters:
-                self._set_adapter_rows(batch, adapters)
-            launch.passes.append((batch, self._forward(batch)))
+        plain = out.cuttable and not (constrained or guesses or adapters)
+        self.model.between_layers = self.cut_check if plain else None
+        try:
+            for entries in passes:  # a graph's logits live until its next replay: one pass
+                batch = self.batches.build(entries, self.seqs, self.graphs if len(passes) == 1
+                                           and not adapters else None, guesses)
+                if adapters:
+                    self._set_adapter_rows(batch, adapters)
+                launch.passes.append((batch, self._forward(batch)))
+        finally:
+            self.model.between_layers = None
 
     @torch.inference_mode()
     def complete(self, launch: "_Launch") -> ModelOutput:

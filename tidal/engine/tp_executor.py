@@ -189,6 +189,9 @@ class TensorParallelExecutor:
     def forget(self, rid: str, finished: bool = False) -> None:
         self._call("forget", rid, finished)
 
+    def cut_when(self, check) -> bool:
+        return False  # the ranks would have to agree on a layer to stop at
+
     def compile_constraint(self, params: SamplingParams) -> None:
         # From the compiler thread: rank 0 only (the pipes belong to the step loop); the
         # other ranks compile a constraint when its request first reaches them.

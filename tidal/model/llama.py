@@ -10,6 +10,8 @@ attention backend; logits are computed only for the rows that sample.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -150,6 +152,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class StepCut(Exception):
+    """A forward pass stopped between layers at its `between_layers` hook's word."""
+
+
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers, final norm and the LM head (tied or not)."""
 
@@ -169,6 +175,9 @@ class LlamaModel(nn.Module):
         self.kernels = None  # FusedKernels (GPU): norms, adds, RoPE and cache writes fused
         self.stage = None  # a pipeline stage's StageLinks (tidal.model.pipeline_parallel)
         self.prompt_rows = None  # GGUF layers' PromptRows (tidal.model.gguf_quants), if any
+        # asked before each layer: True stops the forward pass with StepCut (a step its
+        # runner may cut short, tidal/core/step_cut.py)
+        self.between_layers: Callable[[], bool] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -186,12 +195,17 @@ class LlamaModel(nn.Module):
             if self.arch.gemma:  # Gemma scales its embeddings by sqrt(hidden), in their dtype
                 h = h * torch.tensor(self.arch.hidden_size ** 0.5, dtype=h.dtype)
         ropes = self.rotary.tables(positions, h.dtype)
+        between = self.between_layers
         if self.kernels is None:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                if between is not None and between():
+                    raise StepCut
                 h = layer(h, ropes, k_cache, v_cache, meta)
         else:
             residual = None
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                if between is not None and between():
+                    raise StepCut
                 h, residual = layer.fused_forward(h, residual, ropes, k_cache, v_cache, meta,
                                                   self.kernels)
             h = h + residual

@@ -165,6 +165,9 @@ class _CoreLoop:
         self.compiling: dict[str, tuple[Future, m.Add]] = {}
         self.compiler = ThreadPoolExecutor(1, "tidal-compile")
         self.busy_at = time.monotonic()  # when the core last had work
+        # messages taken during a step (`_live_waiting`), handled before the inbox's next
+        self.held: list = []
+        core.cut_steps_when(self._live_waiting)
 
     def send(self, msg) -> None:
         self.outbox.send(m.encoder.encode(msg))
@@ -191,6 +194,8 @@ class _CoreLoop:
                 wait = min(200, max(1, int(1000 * (self.busy_at + PROFILE_AFTER_IDLE_S - now))))
             else:
                 wait = 200
+            if self.held:
+                self._take_messages()
             for sock, _ in self.poller.poll(wait):
                 if sock is self.inbox:
                     self._take_messages()
@@ -239,13 +244,29 @@ class _CoreLoop:
         self.last_view = view.steps[-1].time if view.steps else self.last_view
         return view
 
-    def _take_messages(self) -> None:
-        core, link = self.core, self.link
+    def _live_waiting(self) -> bool:
+        """Asked between the layers of a step of background work: whether a live request
+        has arrived. The inbox's messages are taken (and held for the loop) to see."""
         while True:
             try:
-                msg = m.to_core.decode(self.inbox.recv(zmq.NOBLOCK))
+                self.held.append(m.to_core.decode(self.inbox.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                break
+        return any(isinstance(msg, m.Add) and not msg.params.background for msg in self.held)
+
+    def _messages(self):
+        """The held messages, then the inbox's, in the order they came."""
+        while self.held:
+            yield self.held.pop(0)
+        while True:
+            try:
+                yield m.to_core.decode(self.inbox.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
+
+    def _take_messages(self) -> None:
+        core, link = self.core, self.link
+        for msg in self._messages():
             if isinstance(msg, m.Add):
                 self.adds_seen += 1
                 self.last_stats = 0.0  # report the new load after this step
