@@ -9,11 +9,16 @@ prefix cache; the batch lines are questions of their own. The server is warmed u
 
 usage: .venv/bin/python benchmarks/batch_priority.py [--live 50] [--rate 0.5]
   [--live-tokens 32] [--batch-lines 256] [--batch-tokens 128] [--naive-concurrency 8]
-  [--repeats 1] [--server-log FILE] [--skip-naive]
+  [--repeats 1] [--server-log FILE] [--skip-naive] [--trace] [--server-flags '...']
 
 --repeats R alternates the first two phases R times (alone, beside a batch, alone, ...),
 each with its own tag and batch, and adds a row of each kind's TTFTs pooled over the
 repeats: a p99 of 50 requests is their second-worst, which one slow step moves.
+
+--trace has the server export its request spans (`--otlp-traces-endpoint`, to a collector
+in this process; needs the `otel` extra) and splits each kind's TTFTs: from the engine
+core's queue to the step that admits the request (the wait for the step in progress),
+and from there to the first token (its prompt's steps).
 
 Target (issue 58): live TTFT p99 beside the batch within 1.2x of the live stream alone.
 """
@@ -22,15 +27,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import os
 import random
 import re
+import shlex
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -57,16 +66,49 @@ def _client(url: str):
                               timeout=900)
 
 
-async def live(url: str, prompts: list[str], rate: float, tokens: int) -> list[float]:
-    """Each prompt streamed at Poisson arrivals of `rate` a second; their TTFTs."""
+def trace_id(prompt: str) -> str:
+    """The trace a live prompt's request is sent in (--trace)."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[:32]
+
+
+class Spans(BaseHTTPRequestHandler):
+    """An OTLP/HTTP collector (--trace): each span's first event of each name, by trace."""
+
+    events: dict[str, dict[str, float]] = {}
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest)
+
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(self.rfile.read(int(self.headers["content-length"])))
+        for resource in request.resource_spans:
+            for scope in resource.scope_spans:
+                for span in scope.spans:
+                    events = Spans.events.setdefault(span.trace_id.hex(), {})
+                    for e in span.events:
+                        events.setdefault(e.name, e.time_unix_nano / 1e9)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+async def live(url: str, prompts: list[str], rate: float, tokens: int,
+               trace: bool = False) -> list[float]:
+    """Each prompt streamed at Poisson arrivals of `rate` a second (each in its own trace
+    if `trace`); their TTFTs."""
     rng = random.Random(0)
     async with _client(url) as client:
         async def one(delay: float, prompt: str) -> float:
             await asyncio.sleep(delay)
             t0 = time.perf_counter()
+            headers = {"traceparent": f"00-{trace_id(prompt)}-00f067aa0ba902b7-01"} \
+                if trace else None
             stream = await client.chat.completions.create(
                 model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
-                max_tokens=tokens, temperature=0, stream=True)
+                max_tokens=tokens, temperature=0, stream=True, extra_headers=headers)
             first = None
             async for chunk in stream:
                 if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -113,7 +155,7 @@ async def beside_batch(url: str, lines: list[str], args, prompts: list[str]):
                                             endpoint="/v1/chat/completions")
         while (await client.batches.retrieve(batch.id)).request_counts.completed < 1:
             await asyncio.sleep(0.2)  # under way: lines in flight
-        ttfts = await live(url, prompts, args.rate, args.live_tokens)
+        ttfts = await live(url, prompts, args.rate, args.live_tokens, args.trace)
         now = await client.batches.retrieve(batch.id)
         if now.status != "in_progress":
             print(f"the batch ended ({now.status}) before the live stream: raise --batch-lines")
@@ -127,7 +169,7 @@ async def beside_naive(url: str, lines: list[str], args, prompts: list[str]):
     flood = asyncio.create_task(naive(url, lines, args.batch_tokens,
                                       args.naive_concurrency, stop))
     await asyncio.sleep(2.0)  # under way
-    ttfts = await live(url, prompts, args.rate, args.live_tokens)
+    ttfts = await live(url, prompts, args.rate, args.live_tokens, args.trace)
     if flood.done():
         print("the lines ran out before the live stream: raise --batch-lines")
     stop.set()
@@ -168,6 +210,18 @@ def summary(name: str, ttfts: list[float], base: list[float] | None, lines: str,
             + f" | {lines} | {slowdown(server):.2f} |")
 
 
+def split(name: str, prompts: list[str]) -> str:
+    """A table row (--trace): the p50, p90 and mean ms of the wait from the engine core's
+    queue to admission, and from admission to the first token, of `prompts`' requests."""
+    cells = []
+    for first, last in (("queued", "admitted"), ("admitted", "first_token")):
+        ms = [1000 * (e[last] - e[first]) for p in prompts
+              if first in (e := Spans.events.get(trace_id(p), {})) and last in e]
+        q = statistics.quantiles(ms, n=10)
+        cells += [statistics.median(ms), q[8], statistics.mean(ms)]
+    return f"| {name} | " + " | ".join(f"{c:,.0f}" for c in cells) + " |"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--live", type=int, default=50, help="live requests per phase")
@@ -181,6 +235,10 @@ def main() -> None:
                     help="leave out the phase of lines sent as ordinary requests")
     ap.add_argument("--repeats", type=int, default=1,
                     help="times the alone and beside-a-batch phases alternate")
+    ap.add_argument("--trace", action="store_true",
+                    help="split the TTFTs by the server's request spans")
+    ap.add_argument("--server-flags", default="",
+                    help="more `tidal serve` flags, e.g. '--cut-background-steps false'")
     args = ap.parse_args()
     need = args.live + (args.repeats + 1) * args.batch_lines + 4
     pool = questions(need)
@@ -188,9 +246,15 @@ def main() -> None:
     chunk = lambda n: [pool[next(take)] for _ in range(n)]  # noqa: E731
     asked = chunk(args.live)
     tagged = lambda phase: [f"[{phase}] {q}" for q in asked]  # noqa: E731
+    flags = shlex.split(args.server_flags)
+    if args.trace:
+        collector = HTTPServer(("127.0.0.1", 0), Spans)
+        threading.Thread(target=collector.serve_forever, daemon=True).start()
+        flags += ["--otlp-traces-endpoint",
+                  f"http://127.0.0.1:{collector.server_address[1]}/v1/traces"]
     with tempfile.TemporaryDirectory() as tmp:
-        server = Server("--num-threads", str(os.cpu_count() or 1),
-                        "--num-kv-blocks", "4096", "--batch-store", f"{tmp}/b.sqlite")
+        server = Server("--num-threads", str(os.cpu_count() or 1), "--num-kv-blocks", "4096",
+                        "--batch-store", f"{tmp}/b.sqlite", *flags)
         try:
             asyncio.run(live(server.url, chunk(4), 100.0, 8))  # warm-up
             wait_profiled(server)
@@ -203,7 +267,7 @@ def main() -> None:
             for r in range(1, args.repeats + 1):
                 mark = f" ({r} of {args.repeats})" if args.repeats > 1 else ""
                 ttfts = asyncio.run(live(server.url, tagged(f"a{r}"), args.rate,
-                                         args.live_tokens))
+                                         args.live_tokens, args.trace))
                 print(summary("alone" + mark, ttfts, alone[:args.live] or None, "-", server),
                       flush=True)
                 alone += ttfts
@@ -215,12 +279,23 @@ def main() -> None:
             if args.repeats > 1:
                 print(summary(f"beside a batch, pooled over {args.repeats}", paced, alone,
                               str(paced_done), server), flush=True)
-            if args.skip_naive:
-                return
-            flooded, flood_done = asyncio.run(beside_naive(
-                server.url, chunk(args.batch_lines), args, tagged("n")))
-            print(summary(f"beside the lines sent {args.naive_concurrency} at a time",
-                          flooded, alone, str(flood_done), server))
+            kinds = [("alone", [q for r in range(1, args.repeats + 1)
+                                for q in tagged(f"a{r}")]),
+                     ("beside a Batch API batch", [q for r in range(1, args.repeats + 1)
+                                                   for q in tagged(f"b{r}")])]
+            if not args.skip_naive:
+                flooded, flood_done = asyncio.run(beside_naive(
+                    server.url, chunk(args.batch_lines), args, tagged("n")))
+                print(summary(f"beside the lines sent {args.naive_concurrency} at a time",
+                              flooded, alone, str(flood_done), server))
+                kinds.append(("beside the lines sent as requests", tagged("n")))
+            if args.trace:
+                time.sleep(3.0)  # the server exports its spans once a second
+                print("\n| live stream | queued to admitted p50 ms | p90 ms | mean ms "
+                      "| admitted to first token p50 ms | p90 ms | mean ms |")
+                print("|---|---|---|---|---|---|---|")
+                for name, prompts in kinds:
+                    print(split(name, prompts))
         finally:
             log = server.stop()
             if args.server_log:
