@@ -5,6 +5,8 @@ The Hypothesis state machine (test_scheduler_stateful.py) cuts steps at random t
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tidal.core import ModelOutput, SamplingParams
@@ -134,3 +136,73 @@ def test_the_engine_core_cuts_a_background_step_and_answers_as_uncut(folder):
     assert all(len(t) == 8 for t in whole.values()) and asked >= 4
     cut_short, _, more = answers(folder, {1, 5})
     assert cut_short == whole and more == steps + 2
+
+
+class _Core:
+    """What the engine-core loop asks of its core while it takes messages."""
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.scheduler = type("S", (), {"role": type("R", (), {
+            "refusal": staticmethod(lambda address, prompt_only: None)})()})()
+
+    def cut_steps_when(self, check) -> bool:
+        self.check = check
+        return True
+
+    def add(self, rid, prompt, params, arrival) -> None:
+        self.added.append(rid)
+
+    def abort(self, rid) -> None:
+        self.aborted.append(rid)
+
+
+def test_the_core_loop_says_a_live_request_waits_and_keeps_the_messages_in_order():
+    """Asked between layers, the loop takes the inbox's messages: background lines and an
+    abort do not cut the step, a live request does; after the step every message held is
+    handled in arrival order, before those that came later."""
+    import zmq
+
+    from tidal.engine import messages as m
+    from tidal.runtime.core_process import _CoreLoop
+
+    ctx = zmq.Context.instance()
+    inbox, sender = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind("inproc://step-cut-test")
+    sender.connect("inproc://step-cut-test")
+    core = _Core()
+    loop = _CoreLoop(core, inbox, None, None, 0)
+
+    def send(msg) -> None:
+        sender.send(m.encoder.encode(msg))
+
+    def add(rid: str, background: bool) -> m.Add:
+        return m.Add(rid, [1, 2, 3], SamplingParams(max_tokens=4, background=background), 0.0)
+
+    try:
+        send(add("b1", True))
+        send(m.Abort("gone"))
+        assert _eventually(lambda: len(loop.held) == 2, core.check) is False
+        send(add("live", False))
+        assert _eventually(lambda: len(loop.held) == 3, core.check) is True
+        assert core.added == [] and core.aborted == []  # nothing reaches the core mid-step
+        send(add("b2", True))
+        time.sleep(0.05)
+        loop._take_messages()
+        assert core.added == ["b1", "live", "b2"] and core.aborted == ["gone"]
+        assert loop.held == []
+    finally:
+        loop.compiler.shutdown()
+        inbox.close(0)
+        sender.close(0)
+
+
+def _eventually(done, check) -> bool:
+    """`check()` until `done()` (inproc delivery is quick, not instant); its last answer."""
+    deadline = time.monotonic() + 5
+    answer = check()
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+        answer = check()
+    return answer

@@ -176,6 +176,8 @@ class _CoreLoop:
         core, link, status = self.core, self.link, StatusLine(self.core)
         while True:
             outputs: list[RequestOutput] = []
+            if self.held:  # taken during the last step: before the wait is chosen
+                self._take_messages()
             for sock in [self.inbox, *(link.sockets if link else ())]:
                 if sock not in self.polled:  # a link's peer monitors come and go
                     self.poller.register(sock, zmq.POLLIN)
@@ -194,8 +196,6 @@ class _CoreLoop:
                 wait = min(200, max(1, int(1000 * (self.busy_at + PROFILE_AFTER_IDLE_S - now))))
             else:
                 wait = 200
-            if self.held:
-                self._take_messages()
             for sock, _ in self.poller.poll(wait):
                 if sock is self.inbox:
                     self._take_messages()
