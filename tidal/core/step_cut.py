@@ -24,9 +24,9 @@ def cuttable(sched: "Scheduler", out: SchedulerOutput) -> bool:
     prompt chunk, a background request's (a step of decodes alone is short; a live prompt
     is what a cut makes room for), its other rows are one-token decodes, and it moves no
     blocks (copies and tier loads happen once)."""
-    if (not sched.config.cut_background_steps or out.block_copies or out.kv_loads
-            or out.kv_stores or out.transfer_ids):
-        return False
+    if (out.kind not in ("prefill", "mixed") or not sched.config.cut_background_steps
+            or out.block_copies or out.kv_loads or out.kv_stores or out.transfer_ids):
+        return False  # decodes alone (the hot path at large batches) end here
     prefills = 0
     for s in out.scheduled:
         if s.is_prefill:
