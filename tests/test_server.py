@@ -136,6 +136,7 @@ def test_models_version_metrics(server, client):
     text = httpx.get(server.url + "/metrics").text
     for name in ("tidal:num_requests_running", "tidal:kv_cache_usage_perc",
                  "tidal:prefix_cache_hit_rate", "tidal:num_preemptions_total",
+                 "tidal:num_steps_cut_total",
                  "tidal:prompt_tokens_total", "tidal:generation_tokens_total",
                  "tidal:time_to_first_token_seconds_bucket",
                  "tidal:inter_token_latency_seconds_bucket",

@@ -124,6 +124,7 @@ def answers(folder, cut_at: set[int]) -> tuple[dict[str, list[int]], int, int]:
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         steps += 1
         check_invariants(core.scheduler)
+    assert core.scheduler.stats().num_steps_cut == len(cut_at)
     core.close()
     return tokens, len(calls), steps
 

@@ -44,6 +44,7 @@ class SchedulerStats:
     spec_drafts: int = 0  # verifications of at least one guess, since start
     spec_draft_tokens: int = 0  # guesses verified
     spec_accepted_tokens: int = 0  # guesses accepted
+    num_steps_cut: int = 0  # steps cut short for a live request, since start (step_cut.py)
     max_loras: int = 0  # adapter slots (summed over data-parallel cores)
     running_loras: list[str] = field(default_factory=list)  # adapters of requests holding blocks
     waiting_loras: list[str] = field(default_factory=list)  # adapters of waiting requests
@@ -84,6 +85,7 @@ def collect_stats(s: "Scheduler") -> SchedulerStats:
         kv_usage=pool.num_used / pool.num_blocks,
         new_token_ratio=s.ratio.value,
         num_preemptions=s.num_preemptions,
+        num_steps_cut=s.num_steps_cut,
         prefix_hit_tokens=s.prefix_hit_tokens,
         prefix_query_tokens=s.prefix_query_tokens,
         prefix_hit_rate=s.prefix_hit_tokens / max(1, s.prefix_query_tokens),

@@ -68,7 +68,7 @@ class Scheduler:
         self.active_prefill: Request | None = None  # the one partially prefilled request
         self.preempted: dict[str, Request] = {}  # retracted, awaiting the executor's ack
         self.transferring: dict[str, Request] = {}  # hold blocks while their KV moves
-        self.step = self.num_preemptions = 0
+        self.step = self.num_preemptions = self.num_steps_cut = 0
         self.prefix_hit_tokens = self.prefix_query_tokens = 0  # prompt tokens: hit, looked up
         self.last_output: SchedulerOutput | None = None
         self._finished_ids: list[str] = []

@@ -43,6 +43,7 @@ def undo_step(sched: "Scheduler", out: SchedulerOutput) -> None:
     """After a cut: each request's tokens of the step are to compute again. Blocks the
     plan allocated stay with their requests; the one prompt chunk's request is the partial
     prefill again (its chunk may have ended its prompt, or its whole prompt fit)."""
+    sched.num_steps_cut += 1
     for s in out.scheduled:
         r = sched.requests.get(s.request_id)
         if r is None:

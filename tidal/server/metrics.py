@@ -72,6 +72,8 @@ class _CoreCollector:
             yield coef
         counters = [
             ("tidal:num_preemptions", "Retractions since start.", s.num_preemptions),
+            ("tidal:num_steps_cut", "Steps of background work cut short for a live request "
+             "since start.", s.num_steps_cut),
             ("tidal:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
              stats.prompt_tokens),
             ("tidal:generation_tokens", "Tokens generated.", stats.generation_tokens),
