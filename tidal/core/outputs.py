@@ -73,8 +73,8 @@ class SchedulerOutput(msgspec.Struct):
     # speculative decoding: report the proposers' guesses for the requests this step
     # samples (the planner may use them next step)
     propose: bool = False
-    # a step of background work the executor may stop between layers once a live request
-    # arrives (tidal/core/step_cut.py)
+    # a step computing a background request's prompt chunk, which the executor may stop
+    # between layers once a live request arrives (tidal/core/step_cut.py)
     cuttable: bool = False
 
     @property
