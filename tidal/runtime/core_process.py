@@ -244,29 +244,25 @@ class _CoreLoop:
         self.last_view = view.steps[-1].time if view.steps else self.last_view
         return view
 
-    def _live_waiting(self) -> bool:
-        """Asked between the layers of a step of background work: whether a live request
-        has arrived. The inbox's messages are taken (and held for the loop) to see."""
+    def _receive(self) -> None:
+        """Move the inbox's waiting messages to `held`, in the order they came."""
         while True:
             try:
                 self.held.append(m.to_core.decode(self.inbox.recv(zmq.NOBLOCK)))
             except zmq.Again:
-                break
-        return any(isinstance(msg, m.Add) and not msg.params.background for msg in self.held)
-
-    def _messages(self):
-        """The held messages, then the inbox's, in the order they came."""
-        while self.held:
-            yield self.held.pop(0)
-        while True:
-            try:
-                yield m.to_core.decode(self.inbox.recv(zmq.NOBLOCK))
-            except zmq.Again:
                 return
+
+    def _live_waiting(self) -> bool:
+        """Asked between the layers of a step of background work: whether a live request
+        has arrived. The inbox's messages are taken (and held for the loop) to see."""
+        self._receive()
+        return any(isinstance(msg, m.Add) and not msg.params.background for msg in self.held)
 
     def _take_messages(self) -> None:
         core, link = self.core, self.link
-        for msg in self._messages():
+        self._receive()
+        held, self.held = self.held, []
+        for msg in held:
             if isinstance(msg, m.Add):
                 self.adds_seen += 1
                 self.last_stats = 0.0  # report the new load after this step
