@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tidal.engine")
 
-PROFILE_VERSION = 3  # bump when the grid or the runner's timing changes meaning
+PROFILE_VERSION = 4  # bump when the grid or the runner's timing changes meaning
 DECODE_CONTEXT = 256  # cached tokens behind each timed decode row
 REPEAT_SECONDS = 0.15  # a shape is timed up to 3 times while its runs take less in all
 

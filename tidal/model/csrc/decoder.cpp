@@ -316,11 +316,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<GGUFProjection, std::shared_ptr<GGUFProjection>>(m, "GGUFProjection",
                                                           py::module_local())
       .def(py::init([](std::vector<GGUFPart> parts, c10::optional<Tensor> bias, int64_t max_rows,
-                       int64_t tile_rows, bool tile_bf16) {
+                       int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16) {
              return std::make_shared<GGUFProjection>(std::move(parts), bias.value_or(Tensor()),
-                                                     max_rows, tile_rows, tile_bf16);
-           }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"), py::arg("tile_rows"),
-           py::arg("tile_bf16") = false)
+                                                     max_rows, twice_max_rows, tile_rows,
+                                                     tile_bf16);
+           }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"),
+           py::arg("twice_max_rows"), py::arg("tile_rows"), py::arg("tile_bf16") = false)
       .def("__call__", [](const GGUFProjection& g, const Tensor& x, c10::optional<Tensor> twice) {
              return g(x, twice.value_or(Tensor()));
            }, py::arg("x"), py::arg("twice") = py::none(),

@@ -19,10 +19,6 @@ namespace {
 using namespace gguf;
 
 constexpr int kMaxRows = 16;          // activation rows sharing each decoded weight group
-// The most rows (x's and residuals) a step with rows to round twice gives the integer
-// kernels: the tiles take a residual for free, so they win sooner (SmolLM2's layers on a
-// Zen 3 EPYC: 32 rows twice, 3.7 ms on the kernels against 3.3 on tiles; 16, 1.7 to 2.3).
-constexpr int64_t kTwiceMaxRows = 48;
 // x interleaved in runs of kRun groups, for steps of at least kRunRows rows
 #if defined(TIDAL_GGUF_DOT32)
 constexpr int kRun = 16, kRunRows = 2;
@@ -335,9 +331,9 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
 }  // namespace
 
 GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64_t max_rows_,
-                               int64_t tile_rows_, bool tile_bf16_)
-    : parts(std::move(parts_)), bias(bias_), max_rows(max_rows_), tile_rows(tile_rows_),
-      tile_bf16(tile_bf16_) {
+                               int64_t twice_max_rows_, int64_t tile_rows_, bool tile_bf16_)
+    : parts(std::move(parts_)), bias(bias_), max_rows(max_rows_),
+      twice_max_rows(twice_max_rows_), tile_rows(tile_rows_), tile_bf16(tile_bf16_) {
   TORCH_CHECK(!parts.empty() && tile_rows > 0, "a GGUF projection needs parts and tile_rows > 0");
   for (const GGUFPart& p : parts) {
     with_format(p.type, [&](auto format) {
@@ -390,7 +386,7 @@ Tensor GGUFProjection::operator()(const Tensor& x_in, const Tensor& twice_in) co
     twice = twice_in.to(at::kLong);
   }
   const int64_t n = twice.defined() ? twice.size(0) : 0;
-  if (rows + n > (n > 0 ? std::min(max_rows, kTwiceMaxRows) : max_rows))
+  if (rows + n > (n > 0 ? twice_max_rows : max_rows))
     return tiled(x, *this, twice);
   if (n == 0) return integer(x, true);
   // each row to round twice as two: x rounded, then what that rounding left, rounded
@@ -405,7 +401,7 @@ Tensor gguf_linear(const Tensor& x, const GGUFPart& w, const Tensor& bias) {
   TORCH_CHECK(x.dim() == 2, "gguf_linear takes [rows, k] inputs");
   TORCH_CHECK(!bias.defined() || bias.scalar_type() == x.scalar_type(),
               "bias must be in x's dtype");
-  const GGUFProjection g({w}, bias, x.size(0), 1, false);
+  const GGUFProjection g({w}, bias, x.size(0), 0, 1, false);
   return g(x);
 }
 

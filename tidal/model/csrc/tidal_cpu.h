@@ -135,18 +135,20 @@ struct GGUFPart {
 // gate/up whose parts differ in format): [rows, in_features] -> [rows, out_features] in x's
 // dtype (float32 or bf16). Steps of at most max_rows rows: x rounded to int8 per 32 and
 // integer products; larger ones multiply tiles of tile_rows dequantized rows by x rounded
-// the same way, in float32 (or, with tile_bf16 and a bf16 x, in bf16).
+// the same way, in float32 (or, with tile_bf16 and a bf16 x, in bf16). A step with rows to
+// round twice takes the integer kernels while its rows and their residuals number at most
+// twice_max_rows.
 struct GGUFProjection {
   std::vector<GGUFPart> parts;
   Tensor bias;
-  int64_t max_rows = 0, tile_rows = 0, in_features = 0, out_features = 0;
+  int64_t max_rows = 0, twice_max_rows = 0, tile_rows = 0, in_features = 0, out_features = 0;
   bool tile_bf16 = false;
   bool k_quants = false;  // whether some part is a K-quant
   bool runs = false;      // whether some part's kernel reads x interleaved (Activations::qi)
 
   GGUFProjection() = default;
-  GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows, int64_t tile_rows,
-                 bool tile_bf16);
+  GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows,
+                 int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16);
   // y = x W^T (+ bias). Rows `twice` (indices into x's rows, or undefined) are rounded
   // twice: x's int8 rounding plus its residual's, ~15 bits a value instead of ~8.
   Tensor operator()(const Tensor& x, const Tensor& twice = Tensor()) const;
