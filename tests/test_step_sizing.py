@@ -254,14 +254,33 @@ def test_a_learned_models_coefficients_predict_as_it_does():
     for shape in (StepShape().add(300, 0), StepShape().add(1, 500, count=32).add(64, 128)):
         assert fixed.shape_time(shape) == pytest.approx(learned.shape_time(shape))
     assert fixed.shape_time(StepShape()) == 0.0
-    with pytest.raises(ValueError, match="7 coefficients"):
+    with pytest.raises(ValueError, match="8 coefficients"):
         LinearStepTime([1.0, 2.0])
-    # a model of the first five terms (a profile from before the adapter terms) prices
-    # adapters at nothing
+    # a model of the first five or seven terms (a profile from before the adapter terms,
+    # or before the prompt step's) prices the terms it lacks at nothing
     five = LinearStepTime(learned.coefficients()[:5])
     lora = StepShape().add(1, 500, count=8, adapter=True)
     lora.adapters = 2
     assert five.shape_time(lora) == pytest.approx(learned.shape_time(lora))
+    seven = LinearStepTime(learned.coefficients()[:7] + [0.5])
+    prompt = StepShape().add(300, 0)
+    assert seven.shape_time(prompt) - LinearStepTime(learned.coefficients()[:7]).shape_time(
+        prompt) == pytest.approx(0.5)
+
+
+def test_a_prompts_step_cost_is_learned_apart_from_its_tokens():
+    """A machine whose steps with a prompt pay 60 ms once (dequantized weights, another
+    kernel path) beside their tokens: the profile's fit prices a 32-token prompt, which it
+    did not time, within 10%, and decodes stay as cheap as they are."""
+    def truth(shape: StepShape) -> float:
+        return _truth(shape) + 0.060 * (shape.tokens > shape.seqs)
+
+    model = LearnedStepTime(prior=[(s, truth(s)) for s, _ in _profile()])
+    for shape in (StepShape().add(32, 0), StepShape().add(1, 256, count=8),
+                  StepShape().add(48, 0).add(1, 256, count=4)):
+        assert model.shape_time(shape) == pytest.approx(truth(shape), rel=0.1)
+    assert dict(zip(STEP_TIME_TERMS, model.coefficients()))["prompt_step"] == pytest.approx(
+        0.060, rel=0.1)
 
 
 # ---------------------------------------------------------------- LoRA in the same budget

@@ -20,7 +20,7 @@ class StepShape:
     """The totals of one step that a step-time model needs."""
 
     __slots__ = ("tokens", "seqs", "sampled", "pairs", "kv_tokens", "gathered", "adapters",
-                 "adapter_tokens")
+                 "adapter_tokens", "prompt")
 
     def __init__(self, entries: Iterable[tuple[int, int, bool]] = ()) -> None:
         """entries: (new tokens, cached tokens before them, samples a token)."""
@@ -28,6 +28,7 @@ class StepShape:
         self.gathered = 0
         self.adapters = 0  # distinct LoRA adapters the step runs (their weights are read)
         self.adapter_tokens = 0  # tokens whose rows run through an adapter
+        self.prompt = 0  # 1 when some entry computes more than one position: a prompt chunk
         for n, c, samples in entries:
             self.add(n, c, samples)
 
@@ -39,6 +40,8 @@ class StepShape:
         if adapter:
             self.adapter_tokens += n * count
         self.seqs += count
+        if n > 1:
+            self.prompt = 1
         self.sampled += samples * count
         self.pairs += (n * c + n * (n + 1) // 2) * count  # (query, key) pairs, causal mask
         self.kv_tokens += (c + 2 * n) * count  # context read, new tokens written and read
@@ -92,7 +95,7 @@ class StepShape:
         shape.tokens = shape.seqs = shape.sampled = seqs
         shape.pairs = shape.gathered = context + seqs
         shape.kv_tokens = context + 2 * seqs
-        shape.adapters = shape.adapter_tokens = 0
+        shape.adapters = shape.adapter_tokens = shape.prompt = 0
         return shape
 
 
@@ -106,26 +109,31 @@ class StepTimeModel(Protocol):
 
 
 # The linear step-time models' terms: seconds per step, new token, sequence, attention
-# pair, KV token, LoRA adapter run and token through an adapter.
-STEP_TIME_TERMS = ("step", "token", "seq", "pair", "kv_token", "adapter", "adapter_token")
+# pair, KV token, LoRA adapter run, token through an adapter, and step with a prompt (a
+# prompt's step pays once for its path: on CPU the tiles' dequantized weights, or twice
+# rounded rows; on GPU eager kernels where decode steps replay graphs).
+STEP_TIME_TERMS = ("step", "token", "seq", "pair", "kv_token", "adapter", "adapter_token",
+                   "prompt_step")
 _BASE_TERMS = 5  # a model of the first five terms prices adapters at nothing
+# The lengths a list of coefficients may have: the first five, seven (before prompt_step) or all
+_KNOWN_LENGTHS = (_BASE_TERMS, 7, len(STEP_TIME_TERMS))
 
 
 def _terms(shape: StepShape) -> tuple[int, ...]:
     """The shape's count of each of STEP_TIME_TERMS."""
     return (1, shape.tokens, shape.seqs, shape.pairs, shape.kv_tokens, shape.adapters,
-            shape.adapter_tokens)
+            shape.adapter_tokens, shape.prompt)
 
 
 class LinearStepTime:
     """A fixed linear step-time model: seconds = the sum of each of `STEP_TIME_TERMS` times
     its coefficient, e.g. the one a server learned (`LearnedStepTime.coefficients()`), for
-    the simulator to time steps as that server plans them. Five coefficients (a profile
-    without the adapter terms) price adapters at nothing."""
+    the simulator to time steps as that server plans them. Fewer coefficients (a profile of
+    an earlier version) price the terms they lack at nothing."""
 
     def __init__(self, coefficients: Iterable[float]) -> None:
         coef = list(coefficients)
-        if len(coef) not in (_BASE_TERMS, len(STEP_TIME_TERMS)):
+        if len(coef) not in _KNOWN_LENGTHS:
             raise ValueError(f"a linear step-time model has {len(STEP_TIME_TERMS)} "
                              f"coefficients ({', '.join(STEP_TIME_TERMS)}), got {len(coef)}")
         self.coef = tuple(coef + [0.0] * (len(STEP_TIME_TERMS) - len(coef)))
@@ -133,9 +141,9 @@ class LinearStepTime:
     def shape_time(self, shape: StepShape) -> float:
         if shape.seqs == 0:
             return 0.0
-        a, b, c, d, e, f, g = self.coef  # spelled out: the simulator asks this every step
+        a, b, c, d, e, f, g, h = self.coef  # spelled out: the simulator asks this every step
         return (a + b * shape.tokens + c * shape.seqs + d * shape.pairs + e * shape.kv_tokens
-                + f * shape.adapters + g * shape.adapter_tokens)
+                + f * shape.adapters + g * shape.adapter_tokens + h * shape.prompt)
 
 
 # The quantiles of predicted / measured step seconds an engine reports (its metrics, and
@@ -164,8 +172,8 @@ class PredictionLog:
 
 class LearnedStepTime:
     """A step-time model learned from the engine's own steps: seconds = a + b * tokens +
-    c * seqs + d * attention pairs + e * KV tokens (+ f * LoRA adapters + g * tokens through
-    them, once steps with adapters are seen), fitted by least squares over the last
+    c * seqs + d * attention pairs + e * KV tokens + h * (the step computes a prompt) (+ f *
+    LoRA adapters + g * tokens through them, once steps with adapters are seen), fitted by least squares over the last
     `window` steps with weights that halve every `half_life` steps (so it follows a machine
     whose speed drifts), every coefficient >= 0. It predicts 0 until it has seen `min_steps`
     steps. Until `min_steps` of them computed prompts (more tokens than sequences), the
@@ -189,7 +197,7 @@ class LearnedStepTime:
     `prior`: (shape, seconds) of steps timed before serving, kept in every fit."""
 
     # Feature scales keep the normal equations well conditioned (coefficients near 1e-3).
-    _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4, 1.0, 1e-3)
+    _SCALES = (1.0, 1e-3, 1e-2, 1e-6, 1e-4, 1.0, 1e-3, 1.0)
     # constant, seqs, KV tokens and the adapter terms: what decode steps pin down
     _DECODE_FEATURES = [0, 2, 4, 5, 6]
 
@@ -283,8 +291,8 @@ class LearnedStepTime:
             samples, weights = [samples[i] for i in kept], [weights[i] for i in kept]
             if not samples:
                 return self.coef
-        # the adapter terms only once steps with adapters are seen (a fit without LoRA costs
-        # what it did before them)
+        # the adapter and prompt-step terms only once steps with them are seen (a fit without
+        # LoRA costs what it did before them)
         active = [i for i in active if i < _BASE_TERMS or any(x[i] for x, _ in samples)]
         while active:
             coef = _solve_weighted(samples, weights, active, self.fixed_penalty)
