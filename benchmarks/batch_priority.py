@@ -13,7 +13,9 @@ usage: .venv/bin/python benchmarks/batch_priority.py [--live 50] [--rate 0.5]
 
 --repeats R alternates the first two phases R times (alone, beside a batch, alone, ...),
 each with its own tag and batch, and adds a row of each kind's TTFTs pooled over the
-repeats: a p99 of 50 requests is their second-worst, which one slow step moves.
+repeats: a p99 of 50 requests is their second-worst, which one slow step moves. On a
+shared VM whose speed drifts over minutes, shorter phases alternated more often (`--repeats
+4 --live 25`) let the drift fall on both kinds alike.
 
 --trace has the server export its request spans (`--otlp-traces-endpoint`, to a collector
 in this process; needs the `otel` extra) and splits each kind's TTFTs: from the engine
