@@ -173,12 +173,12 @@ class PredictionLog:
 class LearnedStepTime:
     """A step-time model learned from the engine's own steps: seconds = a + b * tokens +
     c * seqs + d * attention pairs + e * KV tokens + h * (the step computes a prompt) (+ f *
-    LoRA adapters + g * tokens through them, once steps with adapters are seen), fitted by least squares over the last
-    `window` steps with weights that halve every `half_life` steps (so it follows a machine
-    whose speed drifts), every coefficient >= 0. It predicts 0 until it has seen `min_steps`
-    steps. Until `min_steps` of them computed prompts (more tokens than sequences), the
-    per-token and attention terms stay out of the fit: a slope from a few small steps would
-    extrapolate wildly to long prompts, and an overestimate makes the slo policy reject
+    LoRA adapters + g * tokens through them, once steps with adapters are seen), fitted by
+    least squares over the last `window` steps with weights that halve every `half_life`
+    steps (so it follows a machine whose speed drifts), every coefficient >= 0. It predicts
+    0 until it has seen `min_steps` steps. Until `min_steps` of them computed prompts (more
+    tokens than sequences), the per-token and attention terms stay out of the fit: a slope
+    from a few small steps would extrapolate wildly to long prompts, and an overestimate makes the slo policy reject
     requests it could serve (and then never see the steps that would correct it), whereas
     an underestimate only admits a little too much until the fit learns.
 
