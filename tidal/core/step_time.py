@@ -178,9 +178,10 @@ class LearnedStepTime:
     steps (so it follows a machine whose speed drifts), every coefficient >= 0. It predicts
     0 until it has seen `min_steps` steps. Until `min_steps` of them computed prompts (more
     tokens than sequences), the per-token and attention terms stay out of the fit: a slope
-    from a few small steps would extrapolate wildly to long prompts, and an overestimate makes the slo policy reject
-    requests it could serve (and then never see the steps that would correct it), whereas
-    an underestimate only admits a little too much until the fit learns.
+    from a few small steps would extrapolate wildly to long prompts, and an overestimate
+    makes the slo policy reject requests it could serve (and then never see the steps that
+    would correct it), whereas an underestimate only admits a little too much until the fit
+    learns.
 
     `fixed_penalty` makes the fit prefer a small constant: a pseudo-step of the constant
     alone, due zero seconds, weighs that fraction of the steps. Steps that cannot tell a
