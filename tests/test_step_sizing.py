@@ -283,6 +283,20 @@ def test_a_prompts_step_cost_is_learned_apart_from_its_tokens():
         0.060, rel=0.1)
 
 
+def test_one_prompt_size_is_priced_by_its_tokens_until_a_second_splits_its_step():
+    """Serving starts with one prompt chunk timed: one size cannot tell a prompt's step from
+    its tokens, so its tokens carry its cost (a prompt twice as long costs about twice as
+    much, and the step sizer never takes prompt tokens for free)."""
+    def truth(shape: StepShape) -> float:
+        return _truth(shape) + 0.060 * (shape.tokens > shape.seqs)
+
+    decodes = [StepShape().add(1, 100), StepShape().add(1, 100, count=4)]
+    one = LearnedStepTime(prior=[(s, truth(s)) for s in decodes + [StepShape().add(128, 0)]])
+    short, long = one.shape_time(StepShape().add(128, 0)), one.shape_time(StepShape().add(256, 0))
+    assert long > 1.7 * short and one.prices_prompts
+    assert dict(zip(STEP_TIME_TERMS, one.coefficients()))["prompt_step"] == 0
+
+
 # ---------------------------------------------------------------- LoRA in the same budget
 
 ADAPTER, ADAPTER_TOKEN = 0.004, 0.0005  # reading an adapter's weights; a row through one

@@ -117,6 +117,7 @@ STEP_TIME_TERMS = ("step", "token", "seq", "pair", "kv_token", "adapter", "adapt
 _BASE_TERMS = 5  # a model of the first five terms prices adapters at nothing
 # The lengths a list of coefficients may have: the first five, seven (before prompt_step) or all
 _KNOWN_LENGTHS = (_BASE_TERMS, 7, len(STEP_TIME_TERMS))
+_PROMPT_STEP = STEP_TIME_TERMS.index("prompt_step")
 
 
 def _terms(shape: StepShape) -> tuple[int, ...]:
@@ -295,6 +296,8 @@ class LearnedStepTime:
         # the adapter and prompt-step terms only once steps with them are seen (a fit without
         # LoRA costs what it did before them)
         active = [i for i in active if i < _BASE_TERMS or any(x[i] for x, _ in samples)]
+        if _PROMPT_STEP in active and len({x[1] for x, _ in samples if x[_PROMPT_STEP]}) < 2:
+            active.remove(_PROMPT_STEP)  # one prompt size can't split its step from its tokens
         while active:
             coef = _solve_weighted(samples, weights, active, self.fixed_penalty)
             if coef is None:
