@@ -149,7 +149,23 @@ def test_kv_moves_between_instances_of_other_tensor_parallel_sizes(folder, prefi
     """A split instance sends its blocks as one process holds them (each rank's KV heads
     side by side) and takes them so: greedy through the pair equals a mixed engine's, and
     the decode side's blocks read back the bytes that landed."""
-    moved(folder, PROMPTS, prefill_tp, decode_tp, kv_heads=2)
+    moved(folder, PROMPTS, dict(tensor_parallel_size=prefill_tp),
+          dict(tensor_parallel_size=decode_tp), kv_heads=2)
+
+
+@pytest.mark.parametrize("prefill, decode", [
+    (dict(pipeline_parallel_size=2), {}),
+    ({}, dict(pipeline_parallel_size=2)),
+    (dict(tensor_parallel_size=2, pipeline_parallel_size=2), {}),
+    (dict(async_scheduling=True), {}),
+    (dict(tensor_parallel_size=2, async_scheduling=True), {})])
+def test_kv_moves_between_instances_split_into_pipeline_stages(folder, prefill, decode):
+    """Each stage holds its layers' share of a block: a split prefill side sends every
+    layer (a stage's after the one before, each with all of its heads) and a split decode
+    side gives each stage its layers. A prefill side planning a step ahead plans no decode
+    of a prompt it computed (its blocks stay as sent), and with ranks reads their blocks
+    between its worker thread's calls."""
+    moved(folder, PROMPTS, prefill, decode, kv_heads=2)
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
@@ -160,19 +176,21 @@ def test_a_kv_head_replicated_on_the_ranks_moves_once(tmp_path, prefill_tp, deco
 
     mqa = small_folder(tmp_path, "mqa", "llama", num_key_value_heads=1)
     prompts = [[p % 250 + 3 for p in prompt] for prompt in PROMPTS]
-    moved(mqa, prompts, prefill_tp, decode_tp, kv_heads=1)
+    moved(mqa, prompts, dict(tensor_parallel_size=prefill_tp),
+          dict(tensor_parallel_size=decode_tp), kv_heads=1)
 
 
-def moved(folder, prompts, prefill_tp: int, decode_tp: int, kv_heads: int) -> None:
-    pair = Pair(folder, tensor_parallel_size=prefill_tp,
-                decode_kwargs=dict(tensor_parallel_size=decode_tp))
+def moved(folder, prompts, prefill: dict, decode: dict, kv_heads: int) -> None:
+    pair = Pair(folder, decode_kwargs=decode, **prefill)
     try:
         for i, p in enumerate(prompts):
             pair.add(f"r{i}", p)
         pair.run()
         assert [pair.tokens[f"r{i}"] for i in range(3)] == mixed_greedy(folder, prompts)
+        assert len(pair.sent) == len(prompts)
         for msg in pair.sent:
-            assert msg.shape[4] == kv_heads  # the model's KV heads, whichever side is split
+            # the model's layers and KV heads, whichever side is split
+            assert msg.shape[0] == 2 and msg.shape[4] == kv_heads
             assert pair.landed[msg.request_id] == msg.data == pair.source[msg.request_id]
     finally:
         pair.close()

@@ -102,8 +102,9 @@ def test_greedy_through_1p1d_equals_a_mixed_engine():
         copied = copy_answer(mixed.url)
     finally:
         mixed.stop()
-    spec = Server("--pd", "1P1D", "--dtype", "float32", "--speculative-method", "ngram")
-    try:  # the decode instance speculates: the same tokens
+    spec = Server("--pd", "1P1D", "--dtype", "float32", "--speculative-method", "ngram",
+                  "--pipeline-parallel-size", "2")
+    try:  # both instances split into two stages, the decode one speculates: the same tokens
         assert answers(spec.url) == got and copy_answer(spec.url) == copied
         _, decode = instances(spec.url)
         assert metric(decode, "tidal:spec_decode_num_accepted_tokens_total") > 0

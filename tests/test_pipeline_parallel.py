@@ -237,15 +237,16 @@ def test_a_served_pipeline_answers_and_a_dead_stage_restarts_its_core(folders):
 def test_stage_counts_and_options_that_do_not_split_are_refused_naming_the_flag(folders):
     with pytest.raises(ValueError, match=r"--pipeline-parallel-size 4 must be in 1\.\.3"):
         LLM(str(folders["llama"]), pipeline_parallel_size=4, num_kv_blocks=16)
-    with pytest.raises(ValueError, match="--pipeline-parallel-size 2: a P/D instance"):
-        LLM(str(folders["llama"]), pipeline_parallel_size=2, role="prefill")
+    with pytest.raises(ValueError, match="--batches-in-flight 2: a P/D instance"):
+        LLM(str(folders["llama"]), pipeline_parallel_size=2, role="prefill",
+            batches_in_flight=2)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):
         LLM(str(folders["llama"]), pipeline_parallel_size=0)
 
 
 @pytest.mark.parametrize("where, in_flight", [
     ({}, 1), (dict(nnodes=2), 2), (dict(distributed_executor_backend="ray"), 2),
-    (dict(async_scheduling=True, nnodes=2), 1)])
+    (dict(async_scheduling=True, nnodes=2), 1), (dict(nnodes=2, role="decode"), 1)])
 def test_stages_on_one_machine_take_turns_and_across_machines_overlap(where, in_flight):
     """Unset, batches_in_flight is one per stage only where the stages may have cores of
     their own: on one machine, overlapped steps would split the cores each stage takes in

@@ -101,9 +101,10 @@ class SchedulerConfig:
         "preempted_ack before they rejoin the waiting queue.")
     batches_in_flight: int | None = knob(
         None, "Steps the executor holds at once (unset: one per pipeline stage where the "
-        "stages span machines (--nnodes, Ray), else 1). 1 runs a pipeline's stages in turn, "
-        "each rank with the cores of its machine's tensor-parallel group. Above 1 a request "
-        "joins a step only once its previous one has returned, each step takes an even share of the ready decodes, "
+        "stages span machines (--nnodes, Ray), else 1; always 1 for a P/D role, which moves "
+        "KV between steps). 1 runs a pipeline's stages in turn, each rank with the cores of "
+        "its machine's tensor-parallel group. Above 1 a request joins a step only once its "
+        "previous one has returned, each step takes an even share of the ready decodes, "
         "and preempted requests wait for the executor's preempted_ack.")
     num_speculative_tokens: int = knob(
         0, "Most tokens a decoding request may guess per step, verified in one forward pass "

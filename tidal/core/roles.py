@@ -37,6 +37,10 @@ class Role:
         """Prompt tokens admission allocates blocks for: this step's chunk."""
         return num_new
 
+    def decoding(self, running: list["Request"]) -> list["Request"]:
+        """The running requests a step may decode: those past their prompt."""
+        return [r for r in running if r.num_computed_tokens >= r.prefill_target]
+
     def kv_arrives(self, request: "Request") -> bool:
         """Whether the request's prompt KV is computed elsewhere: it takes blocks, no tokens.
         A request retracted here (it has output already) recomputes its prompt locally."""
@@ -64,6 +68,11 @@ class PrefillRole(Role):
 
     def blocks_for(self, num_new, num_remaining):
         return num_remaining
+
+    def decoding(self, running):
+        # a request leaves at its first token, also when a step ahead was planned before
+        # that token came back: its blocks are read for the transfer, nothing writes them
+        return []
 
     def refusal(self, prefill_address, prompt_only=False):
         if prompt_only:  # computing prompts is this role's work: no KV moves

@@ -155,7 +155,7 @@ class Scheduler:
             out.new_requests = [new_request(r) for r in self._pending_new
                                 if self.requests.get(r.request_id) is r]
             self._pending_new = []
-        decoding = [r for r in self.running if r.num_computed_tokens >= r.prefill_target]
+        decoding = self.role.decoding(self.running)
         plan = StepPlan(out, self.role.step_budget(self.config, len(decoding), self.block_size),
                         self.config.max_num_seqs)
         if self.waiting or self.active_prefill is not None or self.role.concurrent_prefills:

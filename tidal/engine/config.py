@@ -320,8 +320,10 @@ class EngineConfig:
                              f"ranks run on CPU for now (--device cpu)")
         if self.scheduler.batches_in_flight is None:  # a step in flight per stage, unless
             # async_scheduling runs one step ahead instead, or the stages share one
-            # machine's cores: overlapped, they would split the cores a stage in turn has
-            overlap = pp > 1 and not self.parallel.one_machine
+            # machine's cores (overlapped, they would split the cores a stage in turn has),
+            # or it is a P/D instance (it moves KV between its steps)
+            overlap = (pp > 1 and not self.parallel.one_machine
+                       and self.scheduler.role == "mixed")
             depth = pp if overlap and not self.scheduler.async_scheduling else 1
             object.__setattr__(self, "scheduler", replace(self.scheduler,
                                                           batches_in_flight=depth))
@@ -333,10 +335,10 @@ class EngineConfig:
         if self.scheduler.batches_in_flight > pp:
             raise ValueError(f"batches_in_flight={self.scheduler.batches_in_flight} needs as "
                              f"many pipeline stages (--pipeline-parallel-size {pp})")
-        if pp > 1 and self.scheduler.role != "mixed":
-            raise ValueError(f"--pipeline-parallel-size {pp}: a P/D instance moves every "
-                             f"layer's KV from one rank group for now (--role "
-                             f"{self.scheduler.role})")
+        if self.scheduler.batches_in_flight > 1 and self.scheduler.role != "mixed":
+            raise ValueError(f"--batches-in-flight {self.scheduler.batches_in_flight}: a "
+                             f"P/D instance (--role {self.scheduler.role}) reads and writes "
+                             f"KV on every rank between its steps, so it runs one at a time")
         tiered = self.model.kv_cache_dir is not None or self.model.kv_host_memory > 0
         if tiered and method == "draft":
             flag = "--kv-cache-dir" if self.model.kv_cache_dir is not None else \

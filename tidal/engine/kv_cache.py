@@ -123,10 +123,10 @@ class KVCache:
         return kv_message(kv)
 
     def check_fits(self, shape: list[int], dtype: str, count: int,
-                   kv_heads: int | None = None) -> None:
+                   kv_heads: int | None = None, layers: int | None = None) -> None:
         """ValueError unless KV of `shape` and `dtype` fits `count` of these blocks
-        (`kv_heads`: a whole model's, where this cache holds a tensor-parallel rank's)."""
-        mine = [len(self.layers), 2, count, *self.layers[0][0].shape[1:]]
+        (`kv_heads`, `layers`: a whole model's, where this cache holds a rank's share)."""
+        mine = [layers or len(self.layers), 2, count, *self.layers[0][0].shape[1:]]
         if kv_heads is not None:
             mine[4] = kv_heads
         if shape != mine or dtype != str(self.dtype):

@@ -26,13 +26,12 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
-import torch
-
 from tidal.core import ModelOutput, SamplingParams, SchedulerOutput
 from tidal.core.kv_tiers import TierReport
 from tidal.engine.config import EngineConfig
 from tidal.engine.executor import ExecutorDead
 from tidal.engine.kv_cache import kv_message, kv_tensor
+from tidal.engine.kv_shards import KVShards
 from tidal.engine.worker import Worker
 from tidal.model.config import ModelArch, check_shardable, stage_layers
 from tidal.model.hosts import free_port
@@ -59,7 +58,7 @@ class TensorParallelExecutor:
         arch = ModelArch.from_folder(folder)
         check_shardable(arch, size, parallel.enable_expert_parallel)  # before any rank starts
         stage_layers(arch.num_layers, stages, 0)  # refuses more stages than layers
-        self.kv_heads = arch.num_kv_heads
+        self.shards = KVShards(size, stages, arch.num_layers, arch.num_kv_heads)
         self.timeout = timeout = parallel.distributed_timeout
         self._store = None  # the file store's folder, where the ranks share this machine
         ray = parallel.distributed_executor_backend == "ray"
@@ -77,6 +76,9 @@ class TensorParallelExecutor:
         self.conns, self.procs, self.group = [], [], None
         self._sent = self._read = 0  # calls sent to the ranks, and answers read
         self._launched: deque[int] = deque()  # the call numbers of the steps in flight
+        # one call at a time: with async scheduling a step runs on the core's worker thread
+        # while its loop moves a P/D transfer's blocks
+        self._lock = threading.RLock()
         with Listener(address, authkey=authkey) as listener:
             try:
                 # Plain child processes (an engine core is a daemonic process, which
@@ -106,20 +108,22 @@ class TensorParallelExecutor:
     def _call_each(self, method: str, args: list[tuple], upto: int | None = None) -> list:
         """`method(*args[r])` on each rank r's worker; every rank's result, by rank (the
         others' answers read up to call `upto`, as `_replies`)."""
-        self._send(method, args[1:])
-        failure, result = None, None
-        try:
-            result = getattr(self.worker, method)(*args[0])
-        except Exception as exc:
-            failure = f"rank 0: {type(exc).__name__}: {exc}"
-        return [result, *self._replies(failure, upto=upto)]
+        with self._lock:
+            self._send(method, args[1:])
+            failure, result = None, None
+            try:
+                result = getattr(self.worker, method)(*args[0])
+            except Exception as exc:
+                failure = f"rank 0: {type(exc).__name__}: {exc}"
+            return [result, *self._replies(failure, upto=upto)]
 
     def _checked(self, method: str, *args) -> None:
         """`method(*args)` on rank 0 first, so what it refuses (an adapter that does not fit
         the model) fails this call alone, as in one process; then on the others."""
-        getattr(self.worker, method)(*args)
-        self._send(method, [args] * len(self.conns))
-        self._replies()
+        with self._lock:
+            getattr(self.worker, method)(*args)
+            self._send(method, [args] * len(self.conns))
+            self._replies()
 
     def _send(self, method: str, args: list[tuple]) -> None:
         """The call to ranks 1.., `args[r - 1]` to rank r; each answers it in turn."""
@@ -198,28 +202,19 @@ class TensorParallelExecutor:
         self.worker.compile_constraint(params)
 
     def read_blocks(self, block_ids: list[int]) -> tuple[bytes, list[int], str]:
-        """The blocks' KV as one process holds it: the ranks' KV heads side by side (a head
-        replicated on several ranks once), so an instance of any rank count takes it."""
-        parts = self._call_each("read_blocks", [(block_ids,)] * self.size)
-        heads = {}
-        for rank, (data, shape, dtype) in enumerate(parts):
-            heads.setdefault(self._kv_heads_of(rank)[0], kv_tensor(data, shape, dtype))
-        return kv_message(torch.cat([heads[first] for first in sorted(heads)], dim=4))
+        """The blocks' KV as one process holds it (`KVShards.join`), so an instance of any
+        split takes it."""
+        parts = self._call_each("read_blocks", [(block_ids,)] * (len(self.conns) + 1))
+        return kv_message(self.shards.join([kv_tensor(*part) for part in parts]))
 
     def write_blocks(self, block_ids: list[int], data: bytes, shape: list[int],
                      dtype: str) -> None:
-        """KV as one process holds it (`read_blocks`) into these blocks: each rank its heads."""
-        self.worker.kv.check_fits(shape, dtype, len(block_ids), self.kv_heads)
-        kv, args = kv_tensor(data, shape, dtype), []
-        for rank in range(self.size):
-            args.append((block_ids, *kv_message(kv.narrow(4, *self._kv_heads_of(rank))
-                                                .contiguous())))
-        self._call_each("write_blocks", args)
-
-    def _kv_heads_of(self, rank: int) -> tuple[int, int]:
-        """(first, count) of the model's KV heads that `rank` holds."""
-        kv, n = self.kv_heads, self.size
-        return rank * kv // n, max(1, kv // n)
+        """KV as one process holds it (`read_blocks`) into these blocks: each rank its share
+        (its stage's layers, its heads)."""
+        self.worker.kv.check_fits(shape, dtype, len(block_ids), self.shards.kv_heads,
+                                  self.shards.num_layers)
+        parts = self.shards.split(kv_tensor(data, shape, dtype))
+        self._call_each("write_blocks", [(block_ids, *kv_message(p)) for p in parts])
 
     def touch_kv_cache(self, block_ids: list[int]) -> None:
         self._call("touch_kv_cache", block_ids)
