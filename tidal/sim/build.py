@@ -64,9 +64,8 @@ def build_simulator(model_config: str = "llama-3-8b", hw: str | Hardware = "h100
     elif knobs.get("num_speculative_tokens"):
         raise ValueError("num_speculative_tokens in a simulation needs spec_acceptance "
                          "(--spec-acceptance): the chance each guess is accepted")
-    if knobs.setdefault("batches_in_flight", 1) != 1:  # as its cost model prices steps
-        raise ValueError("the simulator runs a replica's steps one at a time "
-                         "(--batches-in-flight 1)")
+    # a step in flight per stage: each stage on devices of its own (1: stages in turn)
+    knobs.setdefault("batches_in_flight", knobs.get("pipeline_parallel_size", 1))
     config = EngineConfig.from_kwargs(**knobs)  # routes each knob to the config owning it
     tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     experts = config.parallel.enable_expert_parallel

@@ -15,12 +15,12 @@ For a step's scheduled requests (each `n` new tokens after `c` cached ones):
                                                   with pipeline stages (pp > 1)
 Under tensor parallelism every term is one rank's: its heads, MLP rows and vocabulary rows
 (`arch` is the rank's shapes), as tidal splits a model; the group sums each layer's two
-partial outputs and the embedding's, and gathers the sampled rows' logits. Pipeline stages
-run a step one after another (the engine's --batches-in-flight 1; the overlap of a step in
-flight per stage is not modelled), so the layers' terms are every layer's as on one rank (each
-stage's memory holds only its layers, `kv_blocks_for` a stage's shapes), plus the hidden
-states sent from stage to stage and the last stage's final states sent back to all
-(over the same links as the all-reduces).
+partial outputs and the embedding's, and gathers the sampled rows' logits. With pipeline
+stages a step's time is every layer's as on one rank (each stage's memory holds only its
+layers, `kv_blocks_for` a stage's shapes), plus the hidden states sent from stage to stage
+and the last stage's final states sent back to all (over the same links as the
+all-reduces); the replica (tidal/sim/replica.py) spreads it over the stages in equal shares
+and overlaps the steps in flight.
 or, for a profile holding a server's learned model (`step_time`), what that model predicts
 plus step_overhead.
 """

@@ -4,6 +4,7 @@ model, on a virtual clock. It also keeps each request's token times for the repo
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import replace
 from itertools import compress
 from operator import attrgetter
@@ -41,7 +42,11 @@ class TokenClock:
 
 class SimReplica:
     """An engine core whose forward pass is `cost.shape_time`. `start(now)` plans a step and
-    returns when it ends; `finish()` applies it, as the real core's update does."""
+    returns when it ends; `finish()` applies the oldest step in flight, as the real core's
+    update does. With pipeline stages and `batches_in_flight` > 1 (a P/D role holds one),
+    steps overlap as stages of equal shares of each step: a step enters the first stage
+    once it is free and each later one once the step left the stage before and the stage
+    is free, so steps end in the order they started."""
 
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, cost: CostModel,
                  role: str = "mixed", spec_acceptance: float = 0.0, seed: int = 0) -> None:
@@ -53,13 +58,16 @@ class SimReplica:
         self.rng = random.Random(seed)
         self.now = 0.0  # the virtual clock, as of the step being planned
         # the roofline is the slo policy's step-time model: an oracle of this executor
-        self.scheduler = Scheduler(replace(sched, role=role), KVCacheManager(cache),
-                                   step_time=cost, clock=lambda: self.now)
-        self.plan: SchedulerOutput | None = None  # the step in flight (None: not busy)
+        self.depth = sched.steps_in_flight if role == "mixed" else 1
+        self.scheduler = Scheduler(replace(sched, role=role, batches_in_flight=self.depth),
+                                   KVCacheManager(cache), step_time=cost,
+                                   clock=lambda: self.now)
+        # the steps in flight, oldest first: (plan, its tokens, when it ends)
+        self.flight: deque[tuple[SchedulerOutput, int, float]] = deque()
+        self.stage_free = [0.0] * cost.stages  # when each pipeline stage is next free
         self.steps = 0
         self.busy_seconds = 0.0  # summed step times
         self.outstanding = 0  # prompt + output tokens of the requests it holds (routing)
-        self.planned_tokens = 0
         self.pending_transfers: list[str] = []  # decode role: admitted, prefill not yet sent
         self.early: list[RequestOutput] = []  # finished by a step that computed nothing
         self.history: StepHistory | None = None  # steps, kept while a dashboard records
@@ -69,9 +77,13 @@ class SimReplica:
         self.scheduler.add_request(request)
         self.outstanding += request.num_tokens + request.max_tokens
 
+    def ready(self, now: float) -> bool:
+        """Whether a step may start now: room in flight and the first stage free."""
+        return len(self.flight) < self.depth and self.stage_free[0] <= now
+
     def start(self, now: float) -> float | None:
         """Plan the next step; its end time, or None when there is nothing to compute now
-        (a later arrival or KV transfer wakes the replica)."""
+        (a later arrival, KV transfer or step's end wakes the replica)."""
         sched = self.scheduler
         self.now = now
         for _ in range(3):  # a step that only retracts or admits KV transfers computes nothing
@@ -81,26 +93,37 @@ class SimReplica:
             if out.transfer_ids:
                 self.pending_transfers += out.transfer_ids
             if out.scheduled:
-                self.plan = out
                 shape = StepShape.of(out, sched.requests if sched.loras.seen else None)
-                self.planned_tokens = shape.tokens
                 self.steps += 1
                 took = self.cost.step_seconds(shape, self.rng.random)
                 self.busy_seconds += took
+                end = self._through_stages(now, took)
+                self.flight.append((out, shape.tokens, end))
                 if self.history is not None:
-                    self.history.record(out, took, now + took,
-                                        predicted=self.cost.shape_time(shape))
-                return now + took
+                    self.history.record(out, took, end, predicted=self.cost.shape_time(shape))
+                return end
+            if out.preempted_ids and self.flight:  # acknowledged after the steps before it
+                end = max(now, self.flight[-1][2])
+                self.flight.append((out, 0, end))
+                return end
             self.early += sched.update(out, ModelOutput(preempted_ack=out.preempted_ids))
             if not (out.preempted_ids or out.transfer_ids):
                 return None
         return None
 
+    def _through_stages(self, now: float, took: float) -> float:
+        """When a step of `took` seconds started now leaves the last stage."""
+        share, end = took / len(self.stage_free), now
+        for stage, free in enumerate(self.stage_free):
+            end = (end if end > free else free) + share
+            self.stage_free[stage] = end
+        return end
+
     def finish(self) -> list[RequestOutput]:
-        """Apply the planned step: every sampling request gets SIM_TOKEN."""
-        out, self.plan = self.plan, None
+        """Apply the oldest step in flight: every sampling request gets SIM_TOKEN."""
+        out, tokens, _ = self.flight.popleft()
         # approximate: recomputed tokens count twice
-        self.outstanding = max(0, self.outstanding - self.planned_tokens)
+        self.outstanding = max(0, self.outstanding - tokens)
         token = [SIM_TOKEN]  # one list for all: update() only reads it
         steps = out.scheduled
         if out.kind == "decode":  # every decode samples

@@ -22,7 +22,7 @@ from tidal.sim.cost_model import CostModel
 from tidal.sim.dashboard import DashboardRecorder
 from tidal.sim.replica import SimReplica, TokenClock
 
-_SEND, _ARRIVAL, _STEP_END, _TRANSFER_END = 0, 1, 2, 3
+_SEND, _ARRIVAL, _STEP_END, _TRANSFER_END, _WAKE = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -153,14 +153,20 @@ class Simulator:
                     next_sample = now + self.spec.sample_interval
                 if self.recorder is not None:
                     self.recorder.maybe_record(now, self.replicas)
+            elif kind == _WAKE:  # a pipeline's first stage is free for the next step
+                dirty.add(payload)
             else:
                 self._transfer_end(payload, now, clocks, done, dirty)
             while dirty:
                 replica = dirty.pop()
-                if replica.plan is None:  # not busy
+                if len(replica.flight) < replica.depth and replica.stage_free[0] > now:
+                    self._push(replica.stage_free[0], _WAKE, replica)  # its first stage's turn
+                elif replica.ready(now):
                     end = replica.start(now)
                     if end is not None:
                         self._push(end, _STEP_END, replica)
+                        if len(replica.flight) < replica.depth:  # the next step's turn
+                            self._push(replica.stage_free[0], _WAKE, replica)
                     if replica.early:  # rejected before any compute: answered now
                         early, replica.early = replica.early, []
                         self._outputs(replica, early, now, clocks, done, dirty)
