@@ -2,6 +2,7 @@
 
 For a step's scheduled requests (each `n` new tokens after `c` cached ones):
   linear    = max(2 * P * tokens + 2 * V * H * sampled rows   over  peak * compute_eff,
+                  (+ the busiest rank's expert picks above the average's, experts split whole)
                   weight bytes                                 over  bandwidth * bw_eff)
   attention = max(4 * L * Hq * D * sum(n*c + n(n+1)/2)         over  peak * attention_eff,
                   KV bytes read and written                    over  bandwidth * bw_eff)
@@ -27,12 +28,14 @@ plus step_overhead.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from typing import Callable
 
 from tidal.core.step_time import ERROR_QUANTILES, LinearStepTime, StepShape
 from tidal.model.config import ModelArch
-from tidal.sim.profiles import Hardware, expert_params, kv_token_bytes, linear_params
+from tidal.sim.profiles import (Hardware, expert_params, kv_token_bytes, linear_params,
+                                picked_expert_params)
 
 
 __all__ = ["CostModel", "StepShape"]
@@ -61,6 +64,10 @@ class CostModel:
         active = arch.moe.top_k * self.expert_bytes // arch.moe.num_experts if arch.moe else 0
         self.weight_bytes = (linear_params(arch) + embed) * per_weight - active
         self.idle_odds = 1 - arch.moe.top_k / arch.moe.num_experts if arch.moe else 0.0
+        # Experts split whole (expert parallelism): a step waits for the rank whose experts
+        # its tokens picked most; rows split (or one rank) share every pick evenly.
+        self.expert_ranks = arch.moe.num_experts // arch.moe.held if arch.moe else 1
+        self.picked_flops_per_token = 2 * picked_expert_params(arch)
         self.attn_flops_per_pair = 4 * arch.num_layers * arch.num_heads * arch.head_dim
         self.kv_bytes_per_token = kv_token_bytes(arch, hw, kv_cache_dtype)
         # A server's own learned model, where the profile carries one (`tidal calibrate
@@ -74,6 +81,9 @@ class CostModel:
     def roofline(self, shape: StepShape) -> float:
         hw = self.hw
         flops = self.linear_flops_per_token * shape.tokens + self.head_flops_per_row * shape.sampled
+        if self.expert_ranks > 1:  # the busiest rank's picks above the average rank's
+            flops += (self.picked_flops_per_token * shape.tokens
+                      * (self.expert_imbalance(shape.tokens) - 1))
         bandwidth = hw.mem_bandwidth * hw.bandwidth_efficiency
         compute = flops / (hw.peak_flops * hw.compute_efficiency)
         weight_bytes = self.weight_bytes
@@ -84,6 +94,17 @@ class CostModel:
         compute = self.attn_flops_per_pair * shape.pairs / (hw.peak_flops * hw.attention_efficiency)
         memory = self.kv_bytes_per_token * shape.kv_tokens / bandwidth
         return linear + (compute if compute > memory else memory)
+
+    def expert_imbalance(self, tokens: int) -> float:
+        """The expected most picks on one rank over the average rank's, for a step of
+        `tokens` whose top-k picks land on the experts uniformly at random (m picks on N
+        ranks: mean m/N, deviation sqrt(m (1/N)(1 - 1/N)), the largest of N about
+        sqrt(2 ln N) deviations above the mean, at most all of them on one rank)."""
+        n = self.expert_ranks
+        if n == 1 or tokens == 0:
+            return 1.0
+        picks = tokens * self.arch.moe.top_k
+        return min(n, 1 + math.sqrt(2 * math.log(n) * (n - 1) / picks))
 
     def shape_time(self, shape: StepShape) -> float:
         hw = self.hw

@@ -180,6 +180,15 @@ def _picked(moe) -> float:
     return moe.top_k * moe.held / moe.num_experts
 
 
+def picked_expert_params(arch: ModelArch) -> float:
+    """Parameters of the routed experts one token goes through on this rank, on average,
+    over every layer (0 for a dense model)."""
+    moe = arch.moe
+    if moe is None:
+        return 0.0
+    return sum(moe.layers) * _picked(moe) * 3 * arch.hidden_size * moe.intermediate_size
+
+
 def expert_params(arch: ModelArch) -> int:
     """Parameters of every routed expert held, of every layer (0 for a dense model)."""
     moe = arch.moe
@@ -192,6 +201,5 @@ def weight_params(arch: ModelArch) -> int:
     embed = arch.vocab_size * arch.hidden_size
     routed = expert_params(arch)
     if routed:  # all experts are stored; linear_params counted the top k of them
-        routed -= sum(arch.moe.layers) * _picked(arch.moe) * 3 * arch.hidden_size \
-            * arch.moe.intermediate_size
+        routed -= picked_expert_params(arch)
     return int(linear_params(arch) + routed) + embed * (1 if arch.tie_word_embeddings else 2)
