@@ -100,9 +100,10 @@ class EngineCore:
         self._pending: tuple[SchedulerOutput, Future] | None = None
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # launched steps
         phases.done("scheduler")
-        log.info("model loaded in %.2fs (%s; %s, %s); KV cache: %d blocks x %d tokens = "
-                 "%.1f MiB%s; step target %s", phases.total, phases, info.device,
-                 str(info.dtype).split(".")[-1], info.num_blocks,
+        log.info("model loaded in %.2fs (%s; %s, %s, decode steps %s); KV cache: %d blocks "
+                 "x %d tokens = %.1f MiB%s; step target %s", phases.total, phases, info.device,
+                 str(info.dtype).split(".")[-1],
+                 "through the C++ decoder" if info.decoder else "in PyTorch", info.num_blocks,
                  cache_cfg.block_size, info.kv_cache_bytes / 2**20,
                  "" if info.kv_cache_dtype == "auto" else f" of {info.kv_cache_dtype} rows",
                  f"{self.step_target_ms():g} ms" if self.step_target_ms() else "none")

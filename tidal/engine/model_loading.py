@@ -67,7 +67,7 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
     """The model and (with the CPU extension `ext`) its C++ decoder; with `tp` and `shard`,
     this rank's part of a dense model or of a checkpoint's own formats (GGUF, GPTQ, AWQ),
     cut as read (tidal.model.tensor_parallel), whose split modules meet the other ranks'
-    (in the C++ decoder too where the ranks sum through shared memory)."""
+    (in the C++ decoder too: through shared memory on one machine, else torch.distributed)."""
     if tp is not None and quantization in ("int8", "int4"):
         raise ValueError(f"{TP_FLAG} {tp.size}: tensor parallelism splits dense weights and "
                          f"a checkpoint's own formats, not --quantization {quantization}")
@@ -86,9 +86,10 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
         PromptRows.attach(model)
     if tp is not None:
         split_model(model, tp, shard)
-        if ext is None or (tp.size > 1 and tp.shm is None):  # its sums need the segment
+        if ext is None:
             return model, None
-        return model, cpu_decode.build_decoder(model, tp.shm and tp.shm.use_extension(ext))
+        reduce = tp.shm.use_extension(ext) if tp.shm is not None else tp.sum_in_place
+        return model, cpu_decode.build_decoder(model, reduce)
     # Decode-only steps run as one C++ call where the model allows (CPU).
     return model, cpu_decode.build_decoder(model) if ext else None
 

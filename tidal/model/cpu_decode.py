@@ -85,7 +85,8 @@ def build_decoder(model: nn.Module, all_reduce=None):
     """A C++ `Decoder` sharing `model`'s weights, or None when this model or build cannot
     use one (an architecture it does not run, not bf16 or float32, int8 projections, or no
     compiler). A tensor-parallel rank's model (tidal.model.tensor_parallel.split_model)
-    needs `all_reduce`, the extension's ShmReduce of its group, and gets a RankDecoder; a
+    needs `all_reduce`, the extension's ShmReduce of its group (on one machine) or a
+    callable summing a tensor over the ranks in place, and gets a RankDecoder; a
     pipeline stage's, a StageDecoder."""
     arch = model.arch
     split = isinstance(model.layers[0].self_attn.o_proj, RowParallel)

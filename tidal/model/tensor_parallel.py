@@ -91,6 +91,12 @@ class TPGroup:
         dist.all_reduce(wide, group=self.tp)
         return wide.to(x.dtype)
 
+    def sum_in_place(self, x: torch.Tensor) -> None:
+        """`x` := its sum over the ranks (the C++ decoder's sums where ranks span machines)."""
+        total = self.all_reduce(x)
+        if total is not x:
+            x.copy_(total)
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's float32 [rows, columns] side by side, in rank order: [rows, size *
         columns] (the logits of each rank's vocabulary rows)."""

@@ -12,6 +12,8 @@
 
 #include <torch/extension.h>
 
+#include <functional>
+
 #include "kv_rows.h"
 
 namespace tidal_cpu {
@@ -116,8 +118,10 @@ class Decoder {
   // columns, and their outputs are summed over the ranks before the residual add; the
   // embedding holds the vocabulary's rows from `vocab_start` (the others' tokens look up
   // zeros, then a sum), and the logits returned are those of its rows (gathered by Python).
-  void set_all_reduce(ShmReduce reduce, int64_t vocab_start) {
-    reduce_ = std::make_shared<ShmReduce>(reduce);
+  // `reduce` sums y over the ranks in place: the shared segment's on one machine, or a
+  // Python callable (torch.distributed's gloo) where the ranks span machines.
+  void set_all_reduce(std::function<void(Tensor&)> reduce, int64_t vocab_start) {
+    reduce_ = std::move(reduce);
     vocab_start_ = vocab_start;
   }
 
@@ -207,7 +211,7 @@ class Decoder {
     }
     if (reduce_ && embeds) {
       h.masked_fill_(outside.unsqueeze(1), 0);
-      (*reduce_)(h);
+      reduce_(h);
     }
     Tensor x = at::empty_like(h);
     Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
@@ -238,7 +242,7 @@ class Decoder {
                             static_cast<float>(scale), L.window, attn.data_ptr<T>());
       y = L.o(attn).contiguous();
       if (lora) lora_add(attn, y, L.lora[3], L.lora[4], lora_rows, lora_ends, L.lora[5]);
-      if (reduce_) (*reduce_)(y);
+      if (reduce_) reduce_(y);
       add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), L.norm2.data_ptr<T>(), x.data_ptr<T>(),
                       rows, hid, eps_);
       Tensor gate_up = L.gate_up(x).contiguous();
@@ -248,7 +252,7 @@ class Decoder {
                   gate_up.narrow(1, inter_, inter_));
       y = L.down(act).contiguous();
       if (lora) lora_add(act, y, L.lora[9], L.lora[10], lora_rows, lora_ends, L.lora[11]);
-      if (reduce_) (*reduce_)(y);
+      if (reduce_) reduce_(y);
     }
     if (stage_ && !ends_) {  // a pipeline stage before the last: the residual stream
       add_into<T>(h.data_ptr<T>(), y.data_ptr<T>(), rows * hid);
@@ -270,7 +274,7 @@ class Decoder {
   int64_t heads_, hkv_, d_, inter_;
   float eps_;
   std::vector<Layer> layers_;
-  std::shared_ptr<const ShmReduce> reduce_;  // set: a tensor-parallel rank's
+  std::function<void(Tensor&)> reduce_;  // set: a tensor-parallel rank's
   int64_t vocab_start_ = 0;
   bool stage_ = false, embeds_ = true, ends_ = true;  // a pipeline stage's (set_stage)
 };
@@ -335,7 +339,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }))
       .def("add_layer", &Decoder::add_layer)
       .def("set_lora", &Decoder::set_lora)
-      .def("set_all_reduce", &Decoder::set_all_reduce)
+      .def("set_all_reduce", [](Decoder& d, ShmReduce reduce, int64_t vocab_start) {
+             d.set_all_reduce([reduce](Tensor& y) { reduce(y); }, vocab_start);
+           })
+      .def("set_all_reduce", [](Decoder& d, py::function reduce, int64_t vocab_start) {
+             // called from a step that released the GIL; the callable lives as long as the
+             // decoder, dropped with the GIL held (its deleter takes it)
+             auto held = std::shared_ptr<py::function>(
+                 new py::function(std::move(reduce)), [](py::function* f) {
+                   py::gil_scoped_acquire gil;
+                   delete f;
+                 });
+             d.set_all_reduce([held](Tensor& y) {
+               py::gil_scoped_acquire gil;
+               (*held)(y);
+             }, vocab_start);
+           })
       .def("set_stage", &Decoder::set_stage)
       .def("forward", [](Decoder& d, Tensor ids, Tensor positions, Tensor slots, Tensor tables,
                          Tensor lens, const std::vector<Tensor>& k_caches,
