@@ -8,7 +8,11 @@ one at a time, against a cold server without the tier.
 
 usage: .venv/bin/python benchmarks/kv_tiers.py [--conversations 32] [--turns 4]
   [--concurrency 8] [--message-chars 600] [--max-tokens 16] [--restart-prompts 8]
-  [--shared-prefix 0]
+  [--shared-prefix 0] [--own-replies]
+
+`--own-replies`: each turn's prompt is the conversation so far with the server's own
+replies (as a chat client sends it back, and as SGLang's multi-turn benchmark builds it):
+a returning user's prompt then starts with KV the server computed, replies included.
 
 Targets (issue 57): TTFT p50 >= 3x better and throughput >= 1.5x with the tier; after a
 restart, TTFT >= 3x better than cold; no request whose prefix loaded slower than computing
@@ -34,10 +38,11 @@ from tidal.bench.dataset import iter_json_records, sharegpt_path  # noqa: E402
 BLOCK = 16
 
 
-def conversations(count: int, turns: int, chars: int) -> list[list[str]]:
+def conversations(count: int, turns: int, chars: int, own: bool = False) -> list[list[str]]:
     """`count` ShareGPT conversations of at least `turns` exchanges: for each, the prompt of
     every turn (the history of earlier turns with their recorded replies, then the next
-    user message), messages cut to `chars` characters."""
+    user message; `own`: the user message alone, the history to come from the server's
+    replies), messages cut to `chars` characters."""
     out = []
     for record in iter_json_records(sharegpt_path().read_text()):
         msgs = record.get("conversations") or []
@@ -47,7 +52,8 @@ def conversations(count: int, turns: int, chars: int) -> list[list[str]]:
             continue
         history, prompts = "", []
         for human, gpt in pairs[:turns]:
-            prompts.append(f"{history}User: {human['value'][:chars]}\nAssistant:")
+            question = f"User: {human['value'][:chars]}\nAssistant:"
+            prompts.append(question if own else f"{history}{question}")
             history = f"{prompts[-1]} {gpt['value'][:chars]}\n"
         out.append(prompts)
         if len(out) == count:
@@ -71,16 +77,19 @@ def shared_prefix_groups(count: int, turns: int, chars: int,
             for g in range(count)]
 
 
-async def _ttft(client, prompt: str, max_tokens: int) -> float:
+async def _ttft(client, prompt: str, max_tokens: int) -> tuple[float, str]:
+    """The request's TTFT and its text."""
     t0 = time.perf_counter()
     stream = await client.completions.create(model="smollm2-135m", prompt=prompt,
                                              max_tokens=max_tokens, temperature=0.0,
                                              stream=True, extra_body={"ignore_eos": True})
-    first = None
+    first, text = None, []
     async for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].text:
-            first = time.perf_counter() - t0
-    return first if first is not None else time.perf_counter() - t0
+        if chunk.choices and chunk.choices[0].text:
+            if first is None:
+                first = time.perf_counter() - t0
+            text.append(chunk.choices[0].text)
+    return (first if first is not None else time.perf_counter() - t0), "".join(text)
 
 
 def _client(url: str):
@@ -91,20 +100,30 @@ def _client(url: str):
 
 
 async def multi_turn(url: str, convs: list[list[str]], concurrency: int,
-                     max_tokens: int) -> tuple[list[float], float]:
+                     max_tokens: int, own: bool = False) -> tuple[list[float], float]:
     """Turn by turn, every conversation's next turn, `concurrency` requests at a time (as
     users who come back after the others spoke: a conversation's history is evicted from
     a pool a quarter of the working set before its next turn); the TTFTs and the wall
-    seconds."""
+    seconds. `own`: `convs` holds each turn's question alone ("User: ...\nAssistant:"),
+    and a turn's prompt is the conversation so far with the server's own replies (as a chat
+    client sends it); the prompts sent are written back into `convs`, so that another
+    server can be sent the very same ones."""
     ttfts: list[float] = []
+    history = [""] * len(convs)
     async with _client(url) as client:
         t0 = time.perf_counter()
         for turn in range(len(convs[0])):
-            queue = [c[turn] for c in convs]
+            if own:
+                for i, c in enumerate(convs):
+                    c[turn] = history[i] + c[turn]
+            queue = list(range(len(convs)))
 
             async def worker():
                 while queue:
-                    ttfts.append(await _ttft(client, queue.pop(0), max_tokens))
+                    i = queue.pop(0)
+                    ttft, text = await _ttft(client, convs[i][turn], max_tokens)
+                    ttfts.append(ttft)
+                    history[i] = f"{convs[i][turn]}{text}\n"
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         return ttfts, time.perf_counter() - t0
@@ -112,7 +131,7 @@ async def multi_turn(url: str, convs: list[list[str]], concurrency: int,
 
 async def one_by_one(url: str, prompts: list[str], max_tokens: int) -> list[float]:
     async with _client(url) as client:
-        return [await _ttft(client, p, max_tokens) for p in prompts]
+        return [(await _ttft(client, p, max_tokens))[0] for p in prompts]
 
 
 def save_profile(blocks: int) -> None:
@@ -149,13 +168,18 @@ def main() -> None:
     p.add_argument("--restart-prompts", type=int, default=8)
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="characters of each group's document (0: conversations)")
+    p.add_argument("--own-replies", action="store_true",
+                   help="conversations whose history holds the server's own replies (of "
+                   "--max-tokens), as a chat client sends it, not ShareGPT's recorded ones")
     args = p.parse_args()
+    own = args.own_replies and not args.shared_prefix
     convs = (shared_prefix_groups(args.conversations, args.turns, args.shared_prefix,
                                   args.message_chars) if args.shared_prefix else
-             conversations(args.conversations, args.turns, args.message_chars))
+             conversations(args.conversations, args.turns, args.message_chars, own))
     # the working set: every conversation's longest prompt, in blocks (about 4 characters
     # a token), plus its reply; the pool holds a quarter of it
-    working = sum((len(c[-1]) // 4 + args.max_tokens) // BLOCK + 1 for c in convs)
+    working = sum(((sum(map(len, c)) if own else len(c[-1])) // 4
+                   + args.max_tokens * (len(c) if own else 1)) // BLOCK + 1 for c in convs)
     blocks = max(64, working // 4)
     kind = "shared-prefix groups" if args.shared_prefix else "conversations"
     print(f"{len(convs)} {kind} x {args.turns} turns, working set ~{working} blocks, "
@@ -166,9 +190,10 @@ def main() -> None:
         tier = Path(tmp) / "kv"
         for name, folder in (("off", None), ("disk tier", tier)):
             server = serve(blocks, folder)
-            try:
+            try:  # own replies: the first server's prompts, replayed to the second
                 ttfts, seconds = asyncio.run(multi_turn(server.url, convs, args.concurrency,
-                                                        args.max_tokens))
+                                                        args.max_tokens, own))
+                own = False
                 time.sleep(1)  # the core's stats reach /metrics twice a second
                 loaded = (metric(server.url, "tidal:kv_disk_loaded_blocks_total")
                           if folder else 0)
