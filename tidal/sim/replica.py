@@ -77,10 +77,6 @@ class SimReplica:
         self.scheduler.add_request(request)
         self.outstanding += request.num_tokens + request.max_tokens
 
-    def ready(self, now: float) -> bool:
-        """Whether a step may start now: room in flight and the first stage free."""
-        return len(self.flight) < self.depth and self.stage_free[0] <= now
-
     def start(self, now: float) -> float | None:
         """Plan the next step; its end time, or None when there is nothing to compute now
         (a later arrival, KV transfer or step's end wakes the replica)."""

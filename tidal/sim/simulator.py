@@ -159,9 +159,10 @@ class Simulator:
                 self._transfer_end(payload, now, clocks, done, dirty)
             while dirty:
                 replica = dirty.pop()
-                if len(replica.flight) < replica.depth and replica.stage_free[0] > now:
+                room = len(replica.flight) < replica.depth
+                if room and replica.stage_free[0] > now:
                     self._push(replica.stage_free[0], _WAKE, replica)  # its first stage's turn
-                elif replica.ready(now):
+                elif room:
                     end = replica.start(now)
                     if end is not None:
                         self._push(end, _STEP_END, replica)
