@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.model.config import stage_layers
+from tidal.model.config import kv_heads_held, stage_layers
 
 
 class KVShards:
@@ -24,7 +24,7 @@ class KVShards:
     def heads_of(self, place: int) -> tuple[int, int]:
         """(first, count) of the KV heads the rank at `place` of its stage's group holds (a
         head replicated on several ranks where the model has fewer than the group)."""
-        return place * self.kv_heads // self.tp, max(1, self.kv_heads // self.tp)
+        return kv_heads_held(place, self.tp, self.kv_heads)
 
     def layers_of(self, stage: int) -> range:
         return stage_layers(self.num_layers, self.stages, stage)

@@ -379,6 +379,12 @@ def check_shardable(arch: ModelArch, size: int, expert_parallel: bool = False) -
                          f"nor is a multiple of them")
 
 
+def kv_heads_held(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
+    """(first, count) of the KV heads tensor-parallel rank `rank` of `size` holds: its
+    share, or one head replicated on size / num_kv_heads ranks where there are fewer."""
+    return rank * num_kv_heads // size, max(1, num_kv_heads // size)
+
+
 def shard_arch(arch: ModelArch, size: int, expert_parallel: bool = False) -> ModelArch:
     """The shapes one rank of `size` computes with: its heads (one key/value head where
     the model has fewer than ranks) and intermediate rows; routed experts' rows too, or
@@ -389,7 +395,7 @@ def shard_arch(arch: ModelArch, size: int, expert_parallel: bool = False) -> Mod
                       **({"held_experts": moe.num_experts // size} if expert_parallel else
                          {"intermediate_size": moe.intermediate_size // size}))
     return replace(arch, num_heads=arch.num_heads // size,
-                   num_kv_heads=max(1, arch.num_kv_heads // size),
+                   num_kv_heads=kv_heads_held(0, size, arch.num_kv_heads)[1],
                    intermediate_size=arch.intermediate_size // size, moe=moe)
 
 

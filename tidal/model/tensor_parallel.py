@@ -23,7 +23,7 @@ from torch import nn
 
 from tidal.model import shm_all_reduce
 from tidal.model.config import TP_FLAG as FLAG
-from tidal.model.config import ModelArch, part_arch, shard_arch, stage_arch
+from tidal.model.config import ModelArch, kv_heads_held, part_arch, shard_arch, stage_arch
 from tidal.model.hosts import interface_towards, machine_id
 from tidal.model.mlp import SparseMoE
 from tidal.model.pipeline_parallel import StageLinks
@@ -279,11 +279,14 @@ class Shard:
             parts = [(t.shape[0], module in ("k_proj", "v_proj"))]
         pieces, at = [], 0
         for rows, kv_heads in parts:
-            if kv_heads and a.num_kv_heads < self.size:  # replicated: a KV head for N/K ranks
-                step, index = a.head_dim, self.rank * a.num_kv_heads // self.size
+            if kv_heads:  # its KV heads (one replicated on N/K ranks where K < N)
+                first, count = kv_heads_held(self.rank, self.size, a.num_kv_heads)
+                head = rows // a.num_kv_heads
+                lo, hi = first * head, (first + count) * head
             else:
-                step, index = rows // self.size, self.rank
-            pieces.append(t[at + index * step:at + (index + 1) * step])
+                step = rows // self.size
+                lo, hi = self.rank * step, (self.rank + 1) * step
+            pieces.append(t[at + lo:at + hi])
             at += rows
         if len(pieces) == 1:
             return pieces[0]
