@@ -75,17 +75,20 @@ def k_for(qtype: QT, blocks: int) -> int:
 @settings(max_examples=15, deadline=None)
 @given(qtype=st.sampled_from(FORMATS), n=st.integers(1, 70), blocks=st.integers(1, 4),
        rows=st.sampled_from(ROWS), bf16=st.booleans(), planar=st.sampled_from([None, True, False]),
-       random=st.booleans(), seed=st.integers(0, 2**32 - 1))
+       random=st.booleans(), tile_bf16=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_equals_gguf_dequantize_with_exact_activations(qtype, n, blocks, rows, bf16, planar,
-                                                       random, seed):
+                                                       random, tile_bf16, seed):
     rng = np.random.default_rng(seed)
     k = k_for(qtype, blocks if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 5 * blocks)
     raw = weight_bytes(qtype, n, k, rng, random)
     w, x = dequantized(raw, qtype), exact_x(rows, k, rng)
-    layer = GGUFLinear(QuantizedWeight("blk.0.ffn_up.weight", raw, qtype, (n, k), planar=planar))
+    layer = GGUFLinear(QuantizedWeight("blk.0.ffn_up.weight", raw, qtype, (n, k), planar=planar),
+                       tile_bf16=tile_bf16)
     got = run(layer, x, torch.bfloat16 if bf16 else torch.float32)
     bound = np.abs(x) @ np.abs(w).T
-    assert np.all(np.abs(got - x @ w.T) <= (2.0 ** -8 if bf16 else 1e-5) * bound + 1e-30)
+    bf16_tiles = tile_bf16 and rows > layer.max_rows  # the weights rounded to bf16 too
+    assert np.all(np.abs(got - x @ w.T) <= (2.0 ** -8 if bf16 or bf16_tiles else 1e-5) * bound
+                  + 1e-30)
 
 
 @needs_ext
@@ -132,7 +135,8 @@ def test_prompt_rows_are_rounded_twice(qtype):
     n, k = 45, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
     raw = weight_bytes(qtype, n, k, rng)
     w = dequantized(raw, qtype)
-    layers = [GGUFLinear(QuantizedWeight("w", raw, qtype, (n, k)), max_rows=m) for m in (64, 0)]
+    layers = [GGUFLinear(QuantizedWeight("w", raw, qtype, (n, k)), max_rows=m, tile_bf16=False)
+              for m in (64, 0)]  # the integer kernels, then float32 tiles
     x = rng.standard_normal((9, k)).astype(np.float32)
     twice = [1, 4, 5, 8]
     got = []
@@ -226,7 +230,8 @@ def test_bias_and_leading_dimensions(rows):
     n, k = 45, 256
     raw = weight_bytes(QT.Q6_K, n, k, rng)
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
-    layer = GGUFLinear(QuantizedWeight("w", raw, QT.Q6_K, (n, k)), bias, tile_rows=32)
+    layer = GGUFLinear(QuantizedWeight("w", raw, QT.Q6_K, (n, k)), bias, tile_rows=32,
+                       tile_bf16=False)
     x = torch.from_numpy(exact_x(2 * rows, k, rng)).view(2, rows, k)
     w = torch.from_numpy(dequantized(raw, QT.Q6_K))
     want, bound = F.linear(x.double(), w, bias.double()), F.linear(x.double().abs(), w.abs())

@@ -64,6 +64,11 @@ NIBBLE_MAX_ROWS = 256 if DOT8 else MAX_ROWS
 TWICE_MAX_ROWS = 96
 NIBBLE_ROUNDS = DOT8
 NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
+# CPUs with AMX: planar 32-weight formats (PLANAR) multiply steps of at least AMX_ROWS rows
+# in AMX int8 tiles (csrc/gguf_amx.h: the VNNI kernels' sums bit for bit), and keep them up
+# to AMX_MAX_ROWS rows, past which dequantized tiles take over.
+AMX_ROWS = 8
+AMX_MAX_ROWS = 4096
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)
 TILE_BYTES = 16 << 20
@@ -271,13 +276,15 @@ class GGUFLinear(nn.Module):
     by the activations rounded as the integer kernels round them: float32 tiles, the same
     sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
     (of float32 inputs too) on CPUs with AMX, whose bf16 GEMMs run several times faster (serving
-    the embedded model to 64 clients: 1.7x the float32 tiles' tokens/s), ~0.3% apart.
+    the embedded model to 64 clients: 1.7x the float32 tiles' tokens/s), ~0.3% apart
+    (`tile_bf16`; None: where the CPU has AMX).
     Without the extension every step multiplies tiles dequantized by the gguf package.
     The rows of prompt tokens `prompt_rows` names are rounded twice (see PromptRows)."""
 
     def __init__(self, weights: QuantizedWeight | list[QuantizedWeight],
                  bias: torch.Tensor | None = None, max_rows: int | None = None,
-                 tile_rows: int | None = None) -> None:
+                 tile_rows: int | None = None, tile_bf16: bool | None = None,
+                 amx_rows: int | None = None) -> None:
         super().__init__()
         self.parts = [weights] if isinstance(weights, QuantizedWeight) else list(weights)
         if any(w.qtype not in BLOCK_FIELDS for w in self.parts):
@@ -290,9 +297,13 @@ class GGUFLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self.tile_rows = tile_rows or min(2048, max(256, TILE_BYTES // (4 * k) // 16 * 16))
         ext = self.parts[0].ext
+        amx = ext is not None and ext.gguf_amx and all(
+            w.qtype in PLANAR and w.planar for w in self.parts)
+        self.amx_rows = (AMX_ROWS if amx_rows is None else amx_rows) if amx else 0
         if max_rows is None:  # the crossover of the parts' kernels
             nibbles = all(w.qtype in NIBBLES and w.planar for w in self.parts)
-            max_rows = NIBBLE_MAX_ROWS if nibbles else MAX_ROWS
+            max_rows = (AMX_MAX_ROWS if self.amx_rows else NIBBLE_MAX_ROWS if nibbles
+                        else MAX_ROWS)
         self.max_rows = max_rows if ext is not None else 0
         self.twice_max_rows = min(self.max_rows, TWICE_MAX_ROWS)
         self.prompt_rows: PromptRows | None = None  # shared by the model's layers (attach)
@@ -300,7 +311,7 @@ class GGUFLinear(nn.Module):
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar, w.rounds) for w in self.parts],
             self.bias, self.max_rows, self.twice_max_rows, self.tile_rows,
-            "amx_bf16" in cpu_flags())
+            "amx_bf16" in cpu_flags() if tile_bf16 is None else tile_bf16, self.amx_rows)
 
     @property
     def nbytes(self) -> int:

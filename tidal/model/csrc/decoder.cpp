@@ -320,12 +320,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<GGUFProjection, std::shared_ptr<GGUFProjection>>(m, "GGUFProjection",
                                                           py::module_local())
       .def(py::init([](std::vector<GGUFPart> parts, c10::optional<Tensor> bias, int64_t max_rows,
-                       int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16) {
+                       int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16,
+                       int64_t amx_rows) {
              return std::make_shared<GGUFProjection>(std::move(parts), bias.value_or(Tensor()),
                                                      max_rows, twice_max_rows, tile_rows,
-                                                     tile_bf16);
+                                                     tile_bf16, amx_rows);
            }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"),
-           py::arg("twice_max_rows"), py::arg("tile_rows"), py::arg("tile_bf16") = false)
+           py::arg("twice_max_rows"), py::arg("tile_rows"), py::arg("tile_bf16") = false,
+           py::arg("amx_rows") = 0)
       .def("__call__", [](const GGUFProjection& g, const Tensor& x, c10::optional<Tensor> twice) {
              return g(x, twice.value_or(Tensor()));
            }, py::arg("x"), py::arg("twice") = py::none(),
@@ -407,4 +409,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, py::arg("w"), py::arg("type"), py::arg("planar"), py::arg("ids"), py::arg("out"),
         py::arg("rounds") = false, py::call_guard<py::gil_scoped_release>());
   m.attr("gguf_nibble_rounds") = gguf_nibble_rounds();
+  m.attr("gguf_amx") = gguf_amx();
 }

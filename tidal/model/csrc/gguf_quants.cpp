@@ -6,6 +6,7 @@
 
 #include "tidal_cpu.h"
 #include "gguf_formats.h"
+#include "gguf_amx.h"
 #include "gguf_dot32.h"
 #include "gguf_dot8.h"
 #include "gguf_kdot.h"
@@ -162,11 +163,20 @@ auto row_kernel(int64_t nr, std::integer_sequence<int, N...>) {
 // y[:, :w.size(0)] of a [rows, ld] output for one weight, over activations already quantized.
 template <typename F, typename T>
 void linear(const Activations& a, int64_t rows, int64_t k, const Tensor& w, bool planar,
-            const T* b, T* yp, int64_t ld) {
+            bool amx, const T* b, T* yp, int64_t ld) {
   const int64_t n = w.size(0), row_bytes = w.size(1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  int64_t first = 0;  // the first weight row the VNNI kernels take
+#ifdef TIDAL_GGUF_AMX
+  if constexpr (F::kBlock == kGroup) {
+    if (planar && amx) {
+      first = n / 16 * 16;
+      amx_linear<F, T>(a, rows, wp, row_bytes, b, 0, first, yp, ld);
+    }
+  }
+#endif
   const int64_t tile = std::max<int64_t>(8, kTileBytes / row_bytes);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(first, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o0 = begin; o0 < end; o0 += tile) {  // a tile's weights stay cached
       const int64_t o1 = std::min(end, o0 + tile);
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
@@ -331,9 +341,11 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
 }  // namespace
 
 GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64_t max_rows_,
-                               int64_t twice_max_rows_, int64_t tile_rows_, bool tile_bf16_)
+                               int64_t twice_max_rows_, int64_t tile_rows_, bool tile_bf16_,
+                               int64_t amx_rows_)
     : parts(std::move(parts_)), bias(bias_), max_rows(max_rows_),
-      twice_max_rows(twice_max_rows_), tile_rows(tile_rows_), tile_bf16(tile_bf16_) {
+      twice_max_rows(twice_max_rows_), tile_rows(tile_rows_),
+      amx_rows(gguf_amx() ? amx_rows_ : 0), tile_bf16(tile_bf16_) {
   TORCH_CHECK(!parts.empty() && tile_rows > 0, "a GGUF projection needs parts and tile_rows > 0");
   for (const GGUFPart& p : parts) {
     with_format(p.type, [&](auto format) {
@@ -364,6 +376,7 @@ Tensor GGUFProjection::integer(const Tensor& x, bool with_bias) const {
     for (const GGUFPart& p : parts) {
       with_format(p.type, [&](auto format) {
         linear<decltype(format), scalar_t>(a, rows, in_features, p.data, p.planar,
+                                           amx_rows > 0 && rows >= amx_rows,
                                            b.defined() ? b.data_ptr<scalar_t>() + col : nullptr,
                                            y.data_ptr<scalar_t>() + col, out_features);
       });
@@ -410,5 +423,13 @@ void gguf_get_rows(const GGUFPart& w, const Tensor& ids, Tensor out) {
 }
 
 bool gguf_nibble_rounds() { return kNibbleRounds; }
+
+bool gguf_amx() {
+#ifdef TIDAL_GGUF_AMX
+  return amx_allowed();
+#else
+  return false;
+#endif
+}
 
 }  // namespace tidal_cpu

@@ -142,13 +142,15 @@ struct GGUFProjection {
   std::vector<GGUFPart> parts;
   Tensor bias;
   int64_t max_rows = 0, twice_max_rows = 0, tile_rows = 0, in_features = 0, out_features = 0;
+  int64_t amx_rows = 0;  // steps of at least this many rows take AMX int8 tiles (0: never)
   bool tile_bf16 = false;
   bool k_quants = false;  // whether some part is a K-quant
   bool runs = false;      // whether some part's kernel reads x interleaved (Activations::qi)
 
   GGUFProjection() = default;
   GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows,
-                 int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16);
+                 int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16,
+                 int64_t amx_rows = 0);
   // y = x W^T (+ bias). Rows `twice` (indices into x's rows, or undefined) are rounded
   // twice: x's int8 rounding plus its residual's, ~15 bits a value instead of ~8.
   Tensor operator()(const Tensor& x, const Tensor& twice = Tensor()) const;
@@ -164,6 +166,7 @@ void gguf_get_rows(const GGUFPart& w, const Tensor& ids, Tensor out);
 
 // Whether this build reads planar nibble quants in rounds (GGUFPart::rounds).
 bool gguf_nibble_rounds();
+bool gguf_amx();  // whether planar 32-weight GGUF formats take AMX int8 tiles here
 
 // ---------------------------------------------------------------- paged attention
 // (paged_attention.cpp; T float or BFloat16, each over caches of C = T, int8_t or F8: the
