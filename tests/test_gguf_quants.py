@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.model import cpu_decode
-from tidal.model.gguf_quants import (BLOCK_FIELDS, NIBBLES, GGUFLinear, PromptRows,
+from tidal.model.gguf_quants import (BLOCK_FIELDS, NIBBLES, PLANAR, GGUFLinear, PromptRows,
                                      QuantizedWeight, _from_planes, _to_planes)
 
 EXT = cpu_decode.extension()
@@ -123,6 +123,29 @@ def test_a_row_is_computed_alike_at_any_number_of_rows(qtype, planar):
     for rows in (2, 3, 8, 9, 16):
         together = torch.cat([layer(x[i:i + rows]) for i in range(0, 16, rows)])
         assert torch.equal(together, alone), (rows, (together - alone).abs().max().item())
+
+
+@pytest.mark.skipif(EXT is None or not EXT.gguf_amx, reason="needs AMX int8 tiles")
+@pytest.mark.parametrize("qtype", sorted(PLANAR), ids=lambda t: t.name)
+def test_amx_tiles_give_the_vnni_kernels_sums(qtype):
+    """The AMX tiles against the VNNI kernels at the same rows: bit for bit where a row is
+    whole rounds of 16 blocks; with a row's last nb % 16 blocks (which the VNNI kernel sums in
+    partial sums) within float32 rounding. 45 weight rows: two panels of 16 and 13 rows the
+    VNNI kernel takes."""
+    rng = np.random.default_rng(int(qtype) + 3)
+    for blocks in (32, 37):
+        k = 32 * blocks
+        raw = weight_bytes(qtype, 45, k, rng, random=True)
+        w = QuantizedWeight("w", raw, qtype, (45, k))
+        amx, vnni = (GGUFLinear(w, max_rows=300, amx_rows=m) for m in (1, 0))
+        bound = 2.0 ** -22 * blocks * np.abs(dequantized(raw, qtype)).T  # ~4 ulp a block
+        for rows in (1, 7, 16, 17, 40, 300):
+            x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+            got, want = amx(x), vnni(x)
+            if blocks % 16 == 0:
+                assert torch.equal(got, want), (rows, (got - want).abs().max().item())
+            else:
+                assert np.all(np.abs((got - want).numpy()) <= np.abs(x.numpy()) @ bound), rows
 
 
 @needs_ext

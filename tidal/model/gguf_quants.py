@@ -64,11 +64,13 @@ NIBBLE_MAX_ROWS = 256 if DOT8 else MAX_ROWS
 TWICE_MAX_ROWS = 96
 NIBBLE_ROUNDS = DOT8
 NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
-# CPUs with AMX: planar 32-weight formats (PLANAR) multiply steps of at least AMX_ROWS rows
-# in AMX int8 tiles (csrc/gguf_amx.h: the VNNI kernels' sums bit for bit), and keep them up
-# to AMX_MAX_ROWS rows, past which dequantized tiles take over.
-AMX_ROWS = 8
-AMX_MAX_ROWS = 4096
+# CPUs with AMX: planar 32-weight formats (PLANAR) multiply steps of AMX_ROWS rows or more in
+# AMX int8 tiles (csrc/gguf_amx.h: the VNNI kernels' integer sums, their float operations too
+# where in_features is a multiple of 512) up to AMX_MAX_ROWS rows, past which dequantized
+# tiles take over. Up to 16 rows (one request verifying 15 guesses) stay on the VNNI kernels,
+# so a row's result does not depend on the rows beside it there.
+AMX_ROWS = 17
+AMX_MAX_ROWS = 96
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)
 TILE_BYTES = 16 << 20

@@ -2,9 +2,11 @@
 // 16 weight rows at a time, each block's 16 x 32 unsigned bytes (gguf_dot32.h's Unsigned32)
 // transposed into a tile in AMX's 4-byte-interleaved layout, then one TDPBSUD per block and
 // 16 activation rows gives the 16 x 16 integer dot products that dot32 sums with VNNI. Each is
-// scaled by the same float operations dot32 applies to it, in a lane of its own (block b in
-// lane b % 16) and the lanes summed in _mm512_reduce_add_ps's order: every output equals
-// dot32's bit for bit, so a token does not depend on which path its step took.
+// scaled by the float operations dot32 applies to it, block b in lane b % 16, and the lanes
+// are summed in _mm512_reduce_add_ps's order: where a row holds whole rounds of 16 blocks
+// (in_features a multiple of 512) every output equals dot32's bit for bit. dot32 sums its
+// last nb % 16 blocks in partial sums of 4 weights (cheaper for a few blocks than whole ones);
+// here each is one sum, so such rows differ from dot32's in float32 rounding alone.
 
 #pragma once
 

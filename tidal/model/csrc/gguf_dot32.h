@@ -99,9 +99,8 @@ inline __m512i reduce16(const __m512i* S) {
 // 512 weights in int32 and one conversion and multiply-add scale them. One row (x not
 // interleaved) takes two blocks a dot product and sums each block's lanes (reduce16), so a
 // block's integer, and every float operation after it, are the same at any number of rows:
-// a token does not depend on how many rows its step verifies. The last blocks (nb % 16) take
-// the one-row walk at any number of rows. The AMX tiles (gguf_amx.h) repeat these float
-// operations block for block, so their rows equal these bit for bit.
+// a token does not depend on how many rows its step verifies. The last blocks (nb % 16) go
+// eight a round: two blocks a dot product, converted and scaled at once.
 template <typename F, int NR>
 inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
                   int64_t nb, float* out) {
@@ -141,32 +140,35 @@ inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefet
                                _mm512_fmadd_ps(off, _mm512_loadu_ps(&a.sum32[g]), acc[r]));
     }
   }
-  if (b0 < nb) {  // the last nb % 16 blocks, block b0 + l in lane l as in the rounds above
-    const int n = static_cast<int>(nb - b0);
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  alignas(64) static const int32_t kPairLanes[4][16] = {
+      {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+      {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}};
+  for (; b0 < nb; b0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, nb - b0));
+    const __mmask8 valid = static_cast<__mmask8>((1u << n) - 1);
     const auto halves = [&](int field) {  // n float16 fields of blocks b0.. as floats
-      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, f[field].at(b0)));
+      return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(valid, f[field].at(b0)));
     };
-    const __m512 d = halves(0);
-    const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(U::kCentre), d,
-                                        F::kMin ? halves(1) : _mm512_setzero_ps());
-    __m512i pairs[8], u[8];
-    for (int t = 0; t < 8; ++t) {
-      if (2 * t < n) {
-        pf.block(b0 + 2 * t);
-        pf.block(b0 + 2 * t + 1);
-      }
-      pairs[t] = 2 * t < n ? U::pair(f, b0 + 2 * t, 2 * t + 1 < n) : zero;
+    const __m256 d = halves(0);
+    const __m256 off = _mm256_fnmadd_ps(_mm256_set1_ps(U::kCentre), d,
+                                        F::kMin ? halves(1) : _mm256_setzero_ps());
+    __m512i u[4];
+    for (int t = 0; 2 * t < n; ++t) {
+      pf.block(b0 + 2 * t);
+      pf.block(b0 + 2 * t + 1);
+      u[t] = U::pair(f, b0 + 2 * t, 2 * t + 1 < n);
     }
     for (int r = 0; r < NR; ++r) {
-      const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + n - 1 (one more readable)
-      for (int t = 0; t < 8; ++t)
-        u[t] = 2 * t < n ? _mm512_dpbusd_epi32(zero, pairs[t],
-                                               _mm512_loadu_si512(&a.q[(g + 2 * t) * kGroup]))
-                         : zero;
+      const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + 7 (readable past the end)
+      const __m512 dd = _mm512_zextps256_ps512(_mm256_mul_ps(d, _mm256_maskz_loadu_ps(valid, &a.d[g])));
       acc[r] = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(reduce16(u)), _mm512_mul_ps(d, _mm512_maskz_loadu_ps(valid, &a.d[g])),
-          _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(valid, &a.sum32[g]), acc[r]));
+          _mm512_zextps256_ps512(off),
+          _mm512_zextps256_ps512(_mm256_maskz_loadu_ps(valid, &a.sum32[g])), acc[r]);
+      for (int t = 0; 2 * t < n; ++t) {
+        const __m512i i = _mm512_dpbusd_epi32(zero, u[t], _mm512_loadu_si512(&a.q[(g + 2 * t) * kGroup]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i),
+                                 _mm512_permutexvar_ps(_mm512_load_si512(kPairLanes[t]), dd), acc[r]);
+      }
     }
   }
   for (int r = 0; r < NR; ++r) out[r] += _mm512_reduce_add_ps(acc[r]);
