@@ -16,7 +16,9 @@ CONCURRENCY=${CONCURRENCY:-"1 16 64"}
 NUM_PROMPTS=${NUM_PROMPTS:-64}
 engines=${*:-tidal tidal-dense vllm llama}
 mkdir -p "$OUTDIR"
-model_dir=$($PY -c "from tidal.model.registry import resolve_model; print(resolve_model('smollm2-135m')[0])")
+# vLLM reads safetensors: the GGUF's cache folder gets its float32 copy (once)
+model_dir=$($PY -c "from tidal.model.registry import dense_weights, resolve_model
+folder = resolve_model('smollm2-135m')[0]; dense_weights(folder); print(folder)")
 gguf=$($PY -c "from tidal.model.registry import embedded_gguf; print(embedded_gguf('smollm2-135m'))")
 
 wait_healthy() {  # port pid

@@ -161,6 +161,7 @@ auto row_kernel(int64_t nr, std::integer_sequence<int, N...>) {
 }
 
 // y[:, :w.size(0)] of a [rows, ld] output for one weight, over activations already quantized.
+// amx: the planar 32-weight formats' whole panels of 16 weight rows through AMX tiles.
 template <typename F, typename T>
 void linear(const Activations& a, int64_t rows, int64_t k, const Tensor& w, bool planar,
             bool amx, const T* b, T* yp, int64_t ld) {
@@ -346,6 +347,7 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
     : parts(std::move(parts_)), bias(bias_), max_rows(max_rows_),
       twice_max_rows(twice_max_rows_), tile_rows(tile_rows_),
       amx_rows(gguf_amx() ? amx_rows_ : 0), tile_bf16(tile_bf16_) {
+  bool amx = true;  // whether every part is a planar 32-weight format, which the tiles take
   TORCH_CHECK(!parts.empty() && tile_rows > 0, "a GGUF projection needs parts and tile_rows > 0");
   for (const GGUFPart& p : parts) {
     with_format(p.type, [&](auto format) {
@@ -356,10 +358,12 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
       TORCH_CHECK(k == in_features, "GGUF parts of one projection must share in_features");
       k_quants = k_quants || F::kBlock != kGroup;
       runs = runs || reads_runs<F>(p.planar);
+      amx = amx && p.planar && F::kBlock == kGroup;
     });
     out_features += p.data.size(0);
   }
   TORCH_CHECK(!bias.defined() || bias.numel() == out_features, "bias must be [out_features]");
+  if (!amx) amx_rows = 0;
 }
 
 // rows x [rows, in_features] through the integer kernels, plus the bias when `bias`.
