@@ -274,7 +274,10 @@ class GGUFLinear(nn.Module):
     in_features: the parts' outputs side by side, so a fused q/k/v or gate/up keeps each
     part in the file's format (a Q4_K_M file has Q6_K v beside Q4_K q and k). With the C++
     extension (`projection`, which the C++ decoder shares) steps of at most `max_rows` rows
-    (None: the parts' kernels' crossover, MAX_ROWS or NIBBLE_MAX_ROWS) run the integer kernels and larger ones multiply tiles of `tile_rows` dequantized rows
+    (None: the parts' kernels' crossover, MAX_ROWS, NIBBLE_MAX_ROWS or AMX_MAX_ROWS) run the
+    integer kernels, from `amx_rows` rows (None: AMX_ROWS where the CPU grants AMX and every
+    part is a planar 32-weight format; 0: never) in AMX int8 tiles with the same sums, and
+    larger ones multiply tiles of `tile_rows` dequantized rows
     by the activations rounded as the integer kernels round them: float32 tiles, the same
     sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
     (of float32 inputs too) on CPUs with AMX, whose bf16 GEMMs run several times faster (serving
@@ -345,7 +348,7 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         kinds = "+".join(w.qtype.name for w in self.parts)
         return (f"{kinds}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"max_rows={self.max_rows}")
+                f"max_rows={self.max_rows}, amx_rows={self.amx_rows}")
 
 
 class GGUFEmbedding(nn.Module):
