@@ -67,9 +67,10 @@ struct Panel {
       for (int j = 0; j < 16; ++j)
         for (int field = 0; field < (F::kMin ? 2 : 1); ++field)
           std::memcpy(&h[field][j], f[j][field].at(b), 2);
-      const __m512 dj = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h[0])));
-      const __m512 mj = F::kMin ? _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h[1])))
-                                : _mm512_setzero_ps();
+      const auto halves = [&](int field) {  // the 16 rows' float16 field as floats
+        return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h[field])));
+      };
+      const __m512 dj = halves(0), mj = F::kMin ? halves(1) : _mm512_setzero_ps();
       _mm512_storeu_ps(&d[b * 16], dj);
       _mm512_storeu_ps(&off[b * 16], _mm512_fnmadd_ps(_mm512_set1_ps(U::kCentre), dj, mj));
     }
@@ -112,7 +113,8 @@ inline void amx_rows(const Activations& a, int64_t r0, int nr, const Panel& p, i
   }
   for (int r = 0; r < nr; ++r) {  // _mm512_reduce_add_ps's tree: lanes i + 8, i + 4, i + 2, i + 1
     __m512 s[8];
-    for (int i = 0; i < 8; ++i) s[i] = _mm512_add_ps(_mm512_load_ps(acc[i + 8][r]), _mm512_load_ps(acc[i][r]));
+    for (int i = 0; i < 8; ++i)
+      s[i] = _mm512_add_ps(_mm512_load_ps(acc[i + 8][r]), _mm512_load_ps(acc[i][r]));
     for (int i = 0; i < 4; ++i) s[i] = _mm512_add_ps(s[i + 4], s[i]);
     for (int i = 0; i < 2; ++i) s[i] = _mm512_add_ps(s[i + 2], s[i]);
     _mm512_storeu_ps(out + 16 * r, _mm512_add_ps(s[0], s[1]));
