@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
-from model_fixtures import small_folder
+from model_fixtures import first_near_tie, small_folder
 from tidal import LLM, SamplingParams
 from tidal.model.config import ModelArch, UnsupportedModelError
 from tidal.model import gguf_quants
@@ -159,7 +159,7 @@ def twice_rounded(prompt_rows: PromptRows):
 
 
 def generate(folder: Path, rounded: bool = False):
-    """(the LLM, each prompt's first 8 greedy tokens, LONG's prompt logprobs). `rounded`:
+    """(the LLM, each prompt's first 8 greedy outputs, LONG's prompt logprobs). `rounded`:
     every projection but the head sees its inputs rounded as the kernels round them
     (PyTorch ops, no C++ decoder)."""
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4,
@@ -170,11 +170,11 @@ def generate(folder: Path, rounded: bool = False):
         for name, module in model.named_modules():
             if name.endswith("_proj"):
                 module.register_forward_pre_hook(twice_rounded(model.prompt_rows))
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     scored = llm.generate([{"prompt_token_ids": LONG}], SamplingParams(
         max_tokens=1, prompt_logprobs=1, temperature=0), use_tqdm=False)[0]
-    return llm, [o.outputs[0].token_ids for o in outs], scored.prompt_logprobs[1:]
+    return llm, [o.outputs[0] for o in outs], scored.prompt_logprobs[1:]
 
 
 @pytest.mark.parametrize("method,group,sym", [("gptq", 128, True), ("gptq", 32, False),
@@ -182,15 +182,21 @@ def generate(folder: Path, rounded: bool = False):
                                               ("awq", 128, True)])
 def test_checkpoint_runs_as_its_dequantized_model(tmp_path, monkeypatch, method, group, sym):
     """The checkpoint computes what its dequantized weights compute densely from the inputs
-    the kernels see (int8-rounded per 32, a prompt's rows twice): the same greedy tokens
-    (C++ decoder, integer kernels) and the same logprobs over a prompt longer than MAX_ROWS
-    (tiles; also for its Q4_0 / Q5_0, whose integer kernels may otherwise take more rows).
+    the kernels see (int8-rounded per 32, a prompt's rows twice): the same greedy tokens up
+    to a near-tie (C++ decoder, integer kernels) and the same logprobs over a prompt longer
+    than MAX_ROWS (float32 tiles; also for its Q4_0 / Q5_0, whose integer kernels may
+    otherwise take more rows).
     Wrong unpacking misses by whole units."""
     monkeypatch.setattr(gguf_quants, "NIBBLE_MAX_ROWS", MAX_ROWS)
+    monkeypatch.setattr(gguf_quants, "TILE_BF16", False)  # float32 tiles on AMX CPUs too
     folder, dense = checkpoint(tmp_path, method, group, sym)
-    llm, got_tokens, got = generate(folder)
-    _, want_tokens, want = generate(dense, rounded=True)
-    assert got_tokens == want_tokens
+    llm, got_outs, got = generate(folder)
+    _, want_outs, want = generate(dense, rounded=True)
+    # up to a near-tie: an activation on an int8 rounding boundary that the reference's
+    # float32 sums put one step apart moves a logprob by up to ~0.1 (0.09 on an AMX Xeon)
+    for a, b in zip(got_outs, want_outs):
+        tie = first_near_tie(a, 0.15)
+        assert a.token_ids[:tie] == b.token_ids[:tie]
     diffs = np.array([abs(a.logprob - b.logprob) for a, b in zip(got, want)])
     # float32 rounding; now and then an activation on a rounding boundary of the int8 grid
     # lands one step apart (the dense reference's GEMM sums in another order than the

@@ -28,8 +28,9 @@ PROMPTS = [[5, 9, 33, 7, 100, 3], [17, 4, 200, 8], [60, 61, 62, 60, 61, 62, 60, 
 # rank's partial sum is rounded before the all-reduce, which can flip a near-tie
 LOGPROB_BOUND = 1e-4
 # a checkpoint's own formats round the activations to int8: a sum in another order can
-# move a value across a rounding boundary (a step of ~1% of its group's largest)
-QUANTIZED_BOUND = 0.05
+# move a value across a rounding boundary (a step of ~1% of its group's largest), which
+# moves a logprob of these small models by up to ~0.1 (0.07 seen on an AMX Xeon)
+QUANTIZED_BOUND = 0.1
 
 
 @pytest.fixture(scope="module")

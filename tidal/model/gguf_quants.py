@@ -71,6 +71,9 @@ NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # so a row's result does not depend on the rows beside it there.
 AMX_ROWS = 17
 AMX_MAX_ROWS = 96
+# Dequantized tiles in bf16 (the default of GGUFLinear's `tile_bf16`): on CPUs with AMX, whose
+# bf16 GEMMs run several times faster than float32 ones.
+TILE_BF16 = "amx_bf16" in cpu_flags()
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)
 TILE_BYTES = 16 << 20
@@ -282,7 +285,7 @@ class GGUFLinear(nn.Module):
     sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
     (of float32 inputs too) on CPUs with AMX, whose bf16 GEMMs run several times faster (serving
     the embedded model to 64 clients: 1.7x the float32 tiles' tokens/s), ~0.3% apart
-    (`tile_bf16`; None: where the CPU has AMX).
+    (`tile_bf16`; None: TILE_BF16, where the CPU has AMX).
     Without the extension every step multiplies tiles dequantized by the gguf package.
     The rows of prompt tokens `prompt_rows` names are rounded twice (see PromptRows)."""
 
@@ -316,7 +319,7 @@ class GGUFLinear(nn.Module):
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar, w.rounds) for w in self.parts],
             self.bias, self.max_rows, self.twice_max_rows, self.tile_rows,
-            "amx_bf16" in cpu_flags() if tile_bf16 is None else tile_bf16, self.amx_rows)
+            TILE_BF16 if tile_bf16 is None else tile_bf16, self.amx_rows)
 
     @property
     def nbytes(self) -> int:
