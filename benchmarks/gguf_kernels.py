@@ -5,7 +5,7 @@ GGUFLinear's max_rows should sit).
 
 usage: .venv/bin/python benchmarks/gguf_kernels.py [--threads 2] [--rows 1,4,8,16]
        [--formats Q4_K,Q6_K] [--layout default|planar|file|both] [--crossover 8,16,24,32]
-       [--crossover-dtype bfloat16|float32]
+       [--crossover-dtype bfloat16|float32] [--crossover-shapes 1536x576,2048x2048]
 The crossover's activations default to bfloat16, the dtype `--dtype auto` serves a GGUF
 file in: its dequantized tiles are then bf16 GEMMs on CPUs with AMX (float32 ones
 elsewhere, as for float32 activations), which cross the integer kernel at other row
@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--crossover", default="8,16,24,32")
     parser.add_argument("--crossover-dtype", choices=("bfloat16", "float32"),
                         default="bfloat16")
+    parser.add_argument("--crossover-shapes", default="x".join(map(str, SHAPES[0])),
+                        help="out x in features, comma-separated, e.g. 1536x576,2048x2048")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -94,18 +96,22 @@ def main() -> None:
                                           " planar" if planar else " file")
                     print(row(label, timed(layer, x), layer.nbytes))
     crossover = [int(r) for r in args.crossover.split(",")]
-    n, k = SHAPES[0]
     dtype = args.crossover_dtype
-    print(f"--- {n}x{k}: integer kernel / dequantized tiles, ms, by rows {crossover}, "
-          f"{dtype} activations")
-    for qtype in formats:
-        weight = QuantizedWeight("w", random_blocks(qtype, n, k, rng), qtype, (n, k))
-        kernel, tiles = GGUFLinear(weight, max_rows=10**9), GGUFLinear(weight, max_rows=0)
-        cells = []
-        for r in crossover:
-            x = torch.randn(r, k).to(getattr(torch, dtype))
-            cells.append(f"{timed(kernel, x) * 1e3:.2f}/{timed(tiles, x) * 1e3:.2f}")
-        print(f"{qtype.name:>6} " + "  ".join(cells))
+    for shape in args.crossover_shapes.split(","):
+        n, k = (int(d) for d in shape.split("x"))
+        print(f"--- {n}x{k}: integer kernel (AMX tiles from their rows, where the CPU has "
+              f"them) / VNNI or AVX2 kernel / dequantized tiles, ms, by rows {crossover}, "
+              f"{dtype} activations")
+        for qtype in formats:
+            weight = QuantizedWeight("w", random_blocks(qtype, n, k, rng), qtype, (n, k))
+            layers = [GGUFLinear(weight, max_rows=10**9),
+                      GGUFLinear(weight, max_rows=10**9, amx_rows=0),
+                      GGUFLinear(weight, max_rows=0)]
+            cells = []
+            for r in crossover:
+                x = torch.randn(r, k).to(getattr(torch, dtype))
+                cells.append("/".join(f"{timed(layer, x) * 1e3:.3f}" for layer in layers))
+            print(f"{qtype.name:>6} " + "  ".join(cells))
 
 
 if __name__ == "__main__":
