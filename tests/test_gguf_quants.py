@@ -131,12 +131,12 @@ def test_amx_tiles_give_the_vnni_kernels_sums(qtype):
     """The AMX tiles against the VNNI kernels at the same rows: bit for bit where a row is
     whole rounds of 16 blocks; with a row's last nb % 16 blocks (which the VNNI kernel sums in
     partial sums) within float32 rounding. 45 weight rows: two panels of 16 and 13 rows the
-    VNNI kernel takes."""
+    VNNI kernel takes; 48: three panels, the tiles alone."""
     rng = np.random.default_rng(int(qtype) + 3)
-    for blocks in (32, 37):
+    for n, blocks in ((45, 32), (45, 37), (48, 32), (48, 37)):
         k = 32 * blocks
-        raw = weight_bytes(qtype, 45, k, rng, random=True)
-        w = QuantizedWeight("w", raw, qtype, (45, k))
+        raw = weight_bytes(qtype, n, k, rng, random=True)
+        w = QuantizedWeight("w", raw, qtype, (n, k))
         amx, vnni = (GGUFLinear(w, max_rows=300, amx_rows=m) for m in (1, 0))
         bound = 2.0 ** -22 * blocks * np.abs(dequantized(raw, qtype)).T  # ~4 ulp a block
         for rows in (1, 7, 16, 17, 40, 300):

@@ -360,6 +360,7 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
       runs = runs || reads_runs<F>(p.planar);
       amx = amx && p.planar && F::kBlock == kGroup;
     });
+    panels = panels && p.data.size(0) % 16 == 0;
     out_features += p.data.size(0);
   }
   TORCH_CHECK(!bias.defined() || bias.numel() == out_features, "bias must be [out_features]");
@@ -371,16 +372,17 @@ Tensor GGUFProjection::integer(const Tensor& x, bool with_bias) const {
   const int64_t rows = x.size(0);
   Tensor y = at::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
+  const bool amx = amx_rows > 0 && rows >= amx_rows;
+  // x interleaved only for the VNNI kernel's rows: none when the tiles take every panel
+  const bool interleave = runs && rows >= kRunRows && !(amx && panels);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
-    const Activations a =
-        quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features, k_quants,
-                           runs && rows >= kRunRows ? kRun : 0);
+    const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features,
+                                             k_quants, interleave ? kRun : 0);
     const Tensor b = with_bias && bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     int64_t col = 0;
     for (const GGUFPart& p : parts) {
       with_format(p.type, [&](auto format) {
-        linear<decltype(format), scalar_t>(a, rows, in_features, p.data, p.planar,
-                                           amx_rows > 0 && rows >= amx_rows,
+        linear<decltype(format), scalar_t>(a, rows, in_features, p.data, p.planar, amx,
                                            b.defined() ? b.data_ptr<scalar_t>() + col : nullptr,
                                            y.data_ptr<scalar_t>() + col, out_features);
       });

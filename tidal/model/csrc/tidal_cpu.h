@@ -146,6 +146,7 @@ struct GGUFProjection {
   bool tile_bf16 = false;
   bool k_quants = false;  // whether some part is a K-quant
   bool runs = false;      // whether some part's kernel reads x interleaved (Activations::qi)
+  bool panels = true;     // whether every part's rows are whole panels of 16 (AMX takes all)
 
   GGUFProjection() = default;
   GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows,
