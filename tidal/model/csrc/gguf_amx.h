@@ -31,16 +31,17 @@ inline bool amx_allowed() {
   return allowed;
 }
 
-// Tiles 0-2 for 16 activation rows (C, A, B), 3-4 for a last tile of `rest` rows (C, A).
+// Tiles 0-2 and 3-5: two sets of C (sums), A (activation rows) and B (weights), for alternate
+// blocks, shaped for `rows` activation rows.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-  explicit TileConfig(int rest) {
-    const int shape[5][2] = {{16, 64}, {16, 32}, {8, 64}, {rest, 64}, {rest, 32}};
-    for (int t = 0; t < 5; ++t) {
-      rows[t] = static_cast<uint8_t>(shape[t][0]);
-      colsb[t] = static_cast<uint16_t>(shape[t][0] ? shape[t][1] : 0);
+  explicit TileConfig(int n) {
+    const int shape[3][2] = {{n, 64}, {n, 32}, {8, 64}};
+    for (int t = 0; t < 6; ++t) {
+      rows[t] = static_cast<uint8_t>(shape[t % 3][0]);
+      colsb[t] = static_cast<uint16_t>(shape[t % 3][1]);
     }
   }
 };
@@ -77,39 +78,81 @@ struct Panel {
   }
 };
 
-// rows r0 .. r0 + nr against a panel: out[r] (16 floats, the panel's rows) = dot32's sums.
-// 16 rows take tiles 0 and 1 (C, A), fewer (`Last`) tiles 3 and 4, shaped for them.
-template <bool Last>
-inline void amx_rows(const Activations& a, int64_t r0, int nr, const Panel& p, int64_t nb,
-                     float* out) {
-  alignas(64) int32_t c[16][16];
-  alignas(64) float acc[16][16][16];  // [lane][row][weight row], dot32's accumulators
+// Lane l's blocks (l, l + 16, l + 32, ...) one after another: dot32 sums block b in lane b % 16,
+// so taking a lane's blocks together keeps its accumulators in registers, in dot32's order.
+inline std::vector<int32_t> lane_order(int64_t nb) {
+  std::vector<int32_t> order;
   for (int l = 0; l < 16; ++l)
-    for (int r = 0; r < nr; ++r) _mm512_store_ps(acc[l][r], _mm512_setzero_ps());
+    for (int64_t b = l; b < nb; b += 16) order.push_back(static_cast<int32_t>(b));
+  return order;
+}
+
+// The activations' scales d and sums sum32 by tile of 16 rows and block: [tile][block][16],
+// read a row at a time as broadcasts; a last tile's missing rows are 0.
+struct RowScales {
+  std::vector<float> d, sum32;
+  RowScales(const Activations& a, int64_t rows) {
+    const int64_t nb = a.k / kGroup, tiles = (rows + 15) / 16;
+    d.assign(tiles * nb * 16, 0.f);
+    sum32.assign(tiles * nb * 16, 0.f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t at = ((r / 16) * nb + b) * 16 + r % 16;
+        d[at] = a.d[r * nb + b];
+        sum32[at] = a.sum32[r * nb + b];
+      }
+  }
+};
+
+// rows r0 .. r0 + nr against a panel: out[r] (16 floats, the panel's rows) = dot32's sums.
+// The tiles are configured for nr rows; NR >= nr
+// rows are summed in registers (the rows past nr repeat row nr - 1 and are not stored). A
+// block's tile product is issued kAhead blocks before the float work that reads its sums, so
+// that the tile store has landed in memory by then.
+template <int NR>
+inline void amx_rows(const Activations& a, const RowScales& rs, int64_t r0, int nr,
+                     const Panel& p, int64_t nb, const int32_t* order, float* out) {
+  constexpr int kAhead = 2;
+  alignas(64) int32_t c[kAhead + 1][16][16];
+  alignas(64) float acc[16][NR][16];  // [lane][row][weight row], dot32's accumulators
+  if (nr < 16) std::memset(c, 0, sizeof(c));  // the rows the tiles leave unwritten
   const int64_t k = a.k;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* x = &a.q[r0 * k + b * kGroup];
-    _tile_loadd(2, &p.tiles[b * 512], 64);
-    if constexpr (Last) {  // the tile intrinsics take their tile's number as a literal
-      _tile_zero(3);
-      _tile_loadd(4, x, k);
-      _tile_dpbsud(3, 4, 2);
-      _tile_stored(3, c, 64);
-    } else {
+  const float* dx = &rs.d[r0 * nb];  // [block][16 rows]
+  const float* sx = &rs.sum32[r0 * nb];
+  const int8_t* x = &a.q[r0 * k];
+  const auto issue = [&](int64_t i) {
+    const int64_t b = order[i];
+    void* sums = c[i % (kAhead + 1)];
+    if (i % 2 == 0) {  // the tile intrinsics take their tile's number as a literal
+      _tile_loadd(2, &p.tiles[b * 512], 64);
       _tile_zero(0);
-      _tile_loadd(1, x, k);
+      _tile_loadd(1, x + b * kGroup, k);
       _tile_dpbsud(0, 1, 2);
-      _tile_stored(0, c, 64);
+      _tile_stored(0, sums, 64);
+    } else {
+      _tile_loadd(5, &p.tiles[b * 512], 64);
+      _tile_zero(3);
+      _tile_loadd(4, x + b * kGroup, k);
+      _tile_dpbsud(3, 4, 5);
+      _tile_stored(3, sums, 64);
     }
-    const __m512 d = _mm512_loadu_ps(&p.d[b * 16]), off = _mm512_loadu_ps(&p.off[b * 16]);
-    float(*lane)[16] = acc[b % 16];
-    for (int r = 0; r < nr; ++r) {
-      const int64_t g = (r0 + r) * nb + b;
-      const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(c[r]));
-      _mm512_store_ps(lane[r], _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(a.d[g])),
-                                               _mm512_fmadd_ps(off, _mm512_set1_ps(a.sum32[g]),
-                                                               _mm512_load_ps(lane[r]))));
+  };
+  for (int64_t i = 0; i < std::min<int64_t>(kAhead, nb); ++i) issue(i);
+  int64_t i = 0;
+  for (int l = 0; l < 16; ++l) {
+    __m512 s[NR];
+    for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
+    for (int64_t b = l; b < nb; b += 16, ++i) {
+      if (i + kAhead < nb) issue(i + kAhead);
+      const int32_t(*sums)[16] = c[i % (kAhead + 1)];
+      const __m512 d = _mm512_loadu_ps(&p.d[b * 16]), off = _mm512_loadu_ps(&p.off[b * 16]);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]));
+        s[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(dx[16 * b + r])),
+                               _mm512_fmadd_ps(off, _mm512_set1_ps(sx[16 * b + r]), s[r]));
+      }
     }
+    for (int r = 0; r < NR; ++r) _mm512_store_ps(acc[l][r], s[r]);
   }
   for (int r = 0; r < nr; ++r) {  // _mm512_reduce_add_ps's tree: lanes i + 8, i + 4, i + 2, i + 1
     __m512 s[8];
@@ -121,15 +164,54 @@ inline void amx_rows(const Activations& a, int64_t r0, int nr, const Panel& p, i
   }
 }
 
+// A last tile of nr (1 .. 15) rows, summed as the next multiple of 4.
+inline void amx_last_rows(const Activations& a, const RowScales& rs, int64_t r0, int nr,
+                          const Panel& p, int64_t nb, const int32_t* order, float* out) {
+  switch ((nr + 3) / 4) {
+    case 1: return amx_rows<4>(a, rs, r0, nr, p, nb, order, out);
+    case 2: return amx_rows<8>(a, rs, r0, nr, p, nb, order, out);
+    case 3: return amx_rows<12>(a, rs, r0, nr, p, nb, order, out);
+    default: return amx_rows<16>(a, rs, r0, nr, p, nb, order, out);
+  }
+}
+
+// 16 values of T as floats, and back as round_to rounds them (bf16: to nearest even, NaN 0x7fc0).
+template <typename T>
+inline __m512 load16(const T* p) {
+  alignas(64) float v[16];
+  for (int j = 0; j < 16; ++j) v[j] = f32(p[j]);
+  return _mm512_load_ps(v);
+}
+template <typename T>
+inline void store16(T* p, __m512 v) {
+  alignas(64) float f[16];
+  _mm512_store_ps(f, v);
+  for (int j = 0; j < 16; ++j) p[j] = round_to<T>(f[j]);
+}
+template <>
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+template <>
+inline void store16(BFloat16* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+  const __m512i even = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i bits = _mm512_mask_blend_epi32(nan, even, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
+
 // y[:, o0 .. o1) of rows activation rows (o1 - o0 a multiple of 16) for one planar weight.
 template <typename F, typename T>
 void amx_linear(const Activations& a, int64_t rows, const uint8_t* w, int64_t row_bytes,
                 const T* bias, int64_t o0, int64_t o1, T* y, int64_t ld) {
   const int64_t nb = a.k / kGroup;
+  const RowScales scales(a, rows);
   at::parallel_for(o0 / 16, o1 / 16, 1, [&](int64_t p0, int64_t p1) {
-    const TileConfig config(static_cast<int>(rows % 16));
-    _tile_loadconfig(&config);
+    int configured = 0;  // the activation rows the tiles are shaped for
     Panel panel(nb);
+    const std::vector<int32_t> order = lane_order(nb);
     Field f[16][F::kFields];
     std::vector<float> out(16 * 16);
     for (int64_t p = p0; p < p1; ++p) {
@@ -137,15 +219,16 @@ void amx_linear(const Activations& a, int64_t rows, const uint8_t* w, int64_t ro
       panel.unpack<F>(f, nb);
       for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int nr = static_cast<int>(std::min<int64_t>(16, rows - r0));
-        if (nr == 16) amx_rows<false>(a, r0, nr, panel, nb, out.data());
-        else amx_rows<true>(a, r0, nr, panel, nb, out.data());
-        for (int r = 0; r < nr; ++r)
-          for (int j = 0; j < 16; ++j) {
-            const int64_t o = 16 * p + j;
-            float v = 0.f;
-            v += out[16 * r + j];  // as dot_rows: 0 + the sum, then the bias
-            y[(r0 + r) * ld + o] = round_to<T>(v + (bias != nullptr ? f32(bias[o]) : 0.f));
-          }
+        if (nr != configured) {
+          const TileConfig config(configured = nr);
+          _tile_loadconfig(&config);
+        }
+        if (nr == 16) amx_rows<16>(a, scales, r0, nr, panel, nb, order.data(), out.data());
+        else amx_last_rows(a, scales, r0, nr, panel, nb, order.data(), out.data());
+        const __m512 b = bias != nullptr ? load16(bias + 16 * p) : _mm512_setzero_ps();
+        for (int r = 0; r < nr; ++r)  // as dot_rows: 0 + the sum, then the bias
+          store16(y + (r0 + r) * ld + 16 * p,
+                  _mm512_add_ps(_mm512_add_ps(_mm512_setzero_ps(), _mm512_loadu_ps(&out[16 * r])), b));
       }
     }
     _tile_release();
