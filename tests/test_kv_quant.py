@@ -1,7 +1,8 @@
-"""Quantized KV (`--kv-cache-dtype int8|fp8_e4m3`): rows decode within half a code step;
-the ten architectures' logprobs drift within stated bounds of float KV; the pool holds the
-tokens the bytes allow; block I/O keeps formats apart; the embedded model's perplexity on
-real text stays within 1% of float KV."""
+"""Quantized and bf16 KV (`--kv-cache-dtype int8|fp8_e4m3|bfloat16`): rows decode within
+half a code step (bf16: torch's rounding, from the C++ decoder too); the ten architectures'
+logprobs drift within stated bounds of float KV; the pool holds the tokens the bytes allow;
+block I/O keeps formats apart; the embedded model's perplexity on real text stays within 1%
+of float KV."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from tidal import LLM, SamplingParams
 from tidal.engine.config import KV_CACHE_DTYPES
 from tidal.engine.kv_cache import KVCache
 from tidal.model.config import ModelArch
-from tidal.model.kv_quant import CODES, KVFormat
+from tidal.model.kv_quant import CODES, FLOATS, KVFormat
 
 
 def test_the_config_offers_the_formats_the_cache_has():
-    assert set(KV_CACHE_DTYPES) == {"auto", *CODES}
+    assert set(KV_CACHE_DTYPES) == {"auto", *FLOATS, *CODES}
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM("smollm2-135m", kv_cache_dtype="int4")
 
@@ -46,6 +47,28 @@ def test_a_row_decodes_within_half_a_code_step(seed, rows, d, magnitude, name, d
     assert (back[0, 0] == 0).all()
 
 
+@pytest.mark.parametrize("cpu_decoder", [True, False])
+def test_bf16_rows_are_torchs_rounding_of_the_float32_rows(tmp_path, cpu_decoder):
+    """A float32 model's first layer writes the same K and V under either format (nothing
+    before it reads the cache): the bf16 rows, written by the C++ decoder or by PyTorch,
+    are torch's round-to-nearest-even of the float32 ones, bit for bit."""
+    folder = small_folder(tmp_path, "llama", "llama")
+    layer0 = {}
+    for kv in ("auto", "bfloat16"):
+        llm = LLM(str(folder), dtype="float32", num_kv_blocks=16, block_size=4,
+                  kv_cache_dtype=kv, cpu_decoder=cpu_decoder)
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                     SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+        assert llm.engine.runner.decoder is not None or not cpu_decoder
+        layer0[kv] = [c.clone() for c in llm.engine.runner.kv.layers[0]]
+        llm.close()
+    for want, got in zip(*layer0.values()):
+        assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
+        assert want.abs().sum() > 0  # rows were written
+        assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+
+
 # One case of each family, float32 weights; each prompt's greedy continuation under float
 # KV is scored again, token by token through 8-token chunks that read the cache, under each
 # format. Bounds: the mean drift of those tokens' logprobs, and the share of positions whose
@@ -53,7 +76,8 @@ def test_a_row_decodes_within_half_a_code_step(seed, rows, d, magnitude, name, d
 # near-ties: real models drift less, see the perplexity test).
 FAMILIES = ["llama", "mistral-window", "qwen2", "qwen3", "phi3-partial-window", "gemma2",
             "gemma3", "mixtral", "qwen3-moe", "qwen2-moe-shared"]
-BOUNDS = {"int8": (0.05, 0.9), "fp8_e4m3": (0.25, 0.7)}  # mean |d logprob|, top-1 agreement
+BOUNDS = {"int8": (0.05, 0.9), "fp8_e4m3": (0.25, 0.7),  # mean |d logprob|, top-1 agreement
+          "bfloat16": (0.03, 0.93)}
 
 
 def scored(folder, kv: str, seqs: list[list[int]]):
@@ -94,10 +118,13 @@ def test_the_pool_holds_the_tokens_its_bytes_allow(tmp_path):
         llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory=2**22, block_size=16,
                   kv_cache_dtype=kv)
         blocks[kv] = llm.engine.runner.kv.num_blocks
-        # bf16 rows of 16 values: 32 bytes; coded: 16 codes and a 4-byte scale
+        # bf16 rows of 16 values: 32 bytes; coded: 16 codes and a 4-byte scale; float32: 64
         assert KVFormat(kv).bytes_per_token(arch, torch.bfloat16) == (
-            2 * arch.num_layers * arch.num_kv_heads * (32 if kv == "auto" else 20))
+            2 * arch.num_layers * arch.num_kv_heads * (20 if kv in CODES else 32))
+        assert KVFormat(kv).bytes_per_token(arch, torch.float32) == (
+            2 * arch.num_layers * arch.num_kv_heads * {"auto": 64, "bfloat16": 32}.get(kv, 20))
         llm.close()
+    assert blocks["bfloat16"] == blocks["auto"]  # a bf16 model's own dtype
     for kv in CODES:  # head_dim 16: 32 / 20 = 1.6x; the embedded model's 64: 128 / 68
         assert blocks[kv] >= 1.55 * blocks["auto"]
 
@@ -121,7 +148,7 @@ def test_block_io_moves_codes_and_scales_and_keeps_formats_apart():
     twin.write_blocks([0, 5], *message)
     for (k, _), (k2, _) in zip(src.layers, twin.layers):
         assert torch.equal(k[1], k2[0]) and torch.equal(k[3], k2[5])
-    for other in ("auto", "fp8_e4m3"):  # same shape as int8 for fp8: refused by dtype
+    for other in ("auto", "bfloat16", "fp8_e4m3"):  # fp8: int8's shape, refused by dtype
         with pytest.raises(ValueError, match="kv-cache-dtype"):
             caches[other].write_blocks([0, 1], *message)
     for cache in caches.values():  # the disk tier's bytes, a speculation tree's slot moves
@@ -151,5 +178,5 @@ def test_perplexity_on_real_text_stays_within_one_percent_of_float_kv():
     ppl = {kv: tidal_perplexity("smollm2-135m", "auto", "auto", prompts, 512, kv, chunk=64)[0]
            for kv in KV_CACHE_DTYPES}
     assert all(math.isfinite(p) and 2 < p < 50 for p in ppl.values())
-    for kv in CODES:
+    for kv in KV_CACHE_DTYPES:
         assert abs(ppl[kv] / ppl["auto"] - 1) <= 0.01, ppl

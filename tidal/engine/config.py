@@ -18,7 +18,7 @@ from tidal.core.policies import POLICIES, option_fields
 from tidal.engine.parallel_config import ParallelConfig
 from tidal.spec import METHODS
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # tidal.model.kv_quant's formats
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")  # tidal.model.kv_quant's formats
 QUANTIZATIONS = ("auto", "gguf", "gptq", "awq", "none", "int8", "int4")
 STAGE_SPIN_COUNT = 10000  # omp_spin_count of pipeline stages that take turns
 
@@ -86,6 +86,8 @@ class ModelConfig:
                                     "classifier_from_token does the same). Unset: a "
                                     "*ForSequenceClassification checkpoint's head, if any.")
     kv_cache_dtype: str = knob("auto", "The KV cache's elements: 'auto' the model's dtype; "
+                               "'bfloat16' half of float32's bytes under a float32 model "
+                               "(values rounded to nearest even); "
                                "'int8' or 'fp8_e4m3' one byte a value with a float32 scale "
                                "per token and KV head (about half the bytes of bf16, a "
                                "quarter of float32: that many more tokens in the same "
@@ -141,7 +143,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32; got {self.dtype!r}")
+            raise ValueError("dtype must be auto, bfloat16, float16 or float32; "
+                             f"got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not (
                 self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")

@@ -138,8 +138,9 @@ class Worker:
         if head is not None:
             pooling = replace(pooling, head=head)
         phases.done("weights")
-        if on_gpu and not arch.gemma and not kv_format.quantized:  # Gemma's offset norms
-            # keep the eager ops; the fused RoPE writes the model's dtype to the cache
+        if on_gpu and not arch.gemma and kv_format.storage(self.dtype) == self.dtype:
+            # Gemma's offset norms keep the eager ops; the fused RoPE writes the model's
+            # dtype to the cache
             self._use_fused_kernels()
         max_forward = (config.max_forward_tokens if config.max_forward_tokens is not None
                        else 1024 if device == "cpu" else 0)

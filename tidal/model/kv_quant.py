@@ -1,5 +1,7 @@
-"""The KV cache's element format: the model's dtype, or 8-bit codes with a scale per token
-and KV head (`--kv-cache-dtype int8|fp8_e4m3`).
+"""The KV cache's element format: the model's dtype, bfloat16 under a float32 model
+(`--kv-cache-dtype bfloat16`: half the bytes, each value rounded to nearest even as torch
+rounds it), or 8-bit codes with a scale per token and KV head (`--kv-cache-dtype
+int8|fp8_e4m3`).
 
 A quantized cache row (one token's one KV head) is `head_dim` one-byte codes followed by
 the row's float32 scale: x ~= code * scale, scale = max|x| / the code's largest value (127,
@@ -23,23 +25,26 @@ from tidal.model.config import KV_SCALE_BYTES
 
 SCALE_BYTES = KV_SCALE_BYTES  # the float32 scale after each row's codes
 CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}  # the formats' code dtypes
+FLOATS = {"bfloat16": torch.bfloat16}  # formats of rounded values, without a scale
 
 
 @dataclass(frozen=True)
 class KVFormat:
     """How a KV cache stores each token's K and V heads: `name` is 'auto' (the model's
-    dtype, no scale) or a key of CODES (the engine config's --kv-cache-dtype)."""
+    dtype, no scale), a key of FLOATS (that dtype, no scale) or of CODES (the engine
+    config's --kv-cache-dtype)."""
 
     name: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.name != "auto" and self.name not in CODES:
-            raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(CODES)}; "
-                             f"got {self.name!r}")
+        if self.name != "auto" and self.name not in CODES and self.name not in FLOATS:
+            raise ValueError(f"kv_cache_dtype must be auto or one of "
+                             f"{', '.join([*FLOATS, *CODES])}; got {self.name!r}")
 
     @property
     def quantized(self) -> bool:
-        return self.name != "auto"
+        """Whether rows are codes with a scale."""
+        return self.name in CODES
 
     @property
     def qmax(self) -> float:
@@ -48,7 +53,7 @@ class KVFormat:
 
     def storage(self, dtype: torch.dtype) -> torch.dtype:
         """The cache tensor's dtype for a model computing in `dtype`."""
-        return CODES.get(self.name, dtype)
+        return CODES.get(self.name) or FLOATS.get(self.name, dtype)
 
     def row_width(self, head_dim: int) -> int:
         """Elements of one (token, KV head) row in the cache tensor."""
@@ -77,7 +82,7 @@ class KVFormat:
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Cache rows [..., width] as values [..., d] in `dtype`."""
         if not self.quantized:
-            return rows
+            return rows.to(dtype)
         raw = rows.view(torch.uint8)
         d = raw.shape[-1] - SCALE_BYTES
         codes = raw[..., :d].view(self.storage(dtype))
@@ -89,7 +94,7 @@ class KVFormat:
     def write(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Write rows x [T, Hkv, d] at `slots` of `cache` [blocks, block_size, Hkv, width]."""
         if not self.quantized:
-            cache.view(-1, *x.shape[1:]).index_copy_(0, slots, x)
+            cache.view(-1, *x.shape[1:]).index_copy_(0, slots, x.to(cache.dtype))
             return
         flat = cache.view(torch.uint8).view(-1, x.shape[1], cache.shape[-1])
         flat.index_copy_(0, slots, self.encode(x))

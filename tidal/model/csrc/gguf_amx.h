@@ -236,9 +236,10 @@ void amx_linear(const Activations& a, int64_t rows, const uint8_t* w, int64_t ro
         if (nr == 16) amx_rows<16>(a, scales, r0, nr, panel, nb, order.data(), out.data());
         else amx_last_rows(a, scales, r0, nr, panel, nb, order.data(), out.data());
         const __m512 b = bias != nullptr ? load16(bias + 16 * p) : _mm512_setzero_ps();
-        for (int r = 0; r < nr; ++r)  // as dot_rows: 0 + the sum, then the bias
-          store16(y + (r0 + r) * ld + 16 * p,
-                  _mm512_add_ps(_mm512_add_ps(_mm512_setzero_ps(), _mm512_loadu_ps(&out[16 * r])), b));
+        for (int r = 0; r < nr; ++r) {  // as dot_rows: 0 + the sum, then the bias
+          const __m512 sum = _mm512_add_ps(_mm512_setzero_ps(), _mm512_loadu_ps(&out[16 * r]));
+          store16(y + (r0 + r) * ld + 16 * p, _mm512_add_ps(sum, b));
+        }
       }
     }
     _tile_release();

@@ -1,6 +1,7 @@
 // The KV cache's rows (one token's one KV head): `d` values of the model's dtype, or, with
 // --kv-cache-dtype int8 / fp8_e4m3, d one-byte codes followed by the row's float32 scale
-// (tidal/model/kv_quant.py, whose writes these equal bit for bit).
+// (tidal/model/kv_quant.py, whose writes these equal bit for bit), or bf16 values under a
+// float32 model, rounded to nearest even as c10::BFloat16 (and torch) round them.
 
 #pragma once
 
@@ -70,9 +71,12 @@ void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* s
 inline bool coded(at::ScalarType s) { return s == at::kChar || s == at::kFloat8_e4m3fn; }
 
 // Calls f.template operator()<C>() with C the element type of a cache of dtype `s` whose
-// model computes in T: the codes' type where quantized, else T.
+// model computes in T: the codes' type where quantized, BFloat16 for a bf16 cache under a
+// float32 model (--kv-cache-dtype bfloat16), else T.
 template <typename T, typename F>
 auto with_cache_type(at::ScalarType s, F&& f) {
+  if constexpr (!std::is_same_v<T, BFloat16>)
+    if (s == at::kBFloat16) return f.template operator()<BFloat16>();
   if (!coded(s)) return f.template operator()<T>();
   if (s == at::kChar) return f.template operator()<int8_t>();
   return f.template operator()<F8>();

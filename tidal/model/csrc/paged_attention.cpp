@@ -411,11 +411,12 @@ void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_
 
 void check_cache(const Tensor& t, at::ScalarType dtype, int64_t d) {
   const bool rows = coded(t.scalar_type());
-  TORCH_CHECK(t.is_contiguous() && t.dim() == 4 && (rows || t.scalar_type() == dtype) &&
+  const bool values = t.scalar_type() == dtype || t.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(t.is_contiguous() && t.dim() == 4 && (rows || values) &&
                   t.size(3) == (rows ? d + 4 : d),
               "KV cache must be a contiguous [blocks, block_size, kv_heads, head_dim] tensor "
-              "of the model's dtype, or of int8 / float8_e4m3fn rows of head_dim codes and "
-              "a 4-byte scale");
+              "of the model's dtype or bfloat16, or of int8 / float8_e4m3fn rows of head_dim "
+              "codes and a 4-byte scale");
 }
 
 // The kernel reads blocks by raw offset: a context longer than its table or a block id out
@@ -448,6 +449,7 @@ const int64_t* tree_rows(Tensor& tree, int64_t batch) {
                                       int64_t, const int64_t*, const int64_t*, int64_t,      \
                                       int64_t, int64_t, int64_t, int64_t, float, int64_t, T*);
 TIDAL_PAGED(float, float)
+TIDAL_PAGED(float, BFloat16)
 TIDAL_PAGED(float, int8_t)
 TIDAL_PAGED(float, F8)
 TIDAL_PAGED(BFloat16, BFloat16)
