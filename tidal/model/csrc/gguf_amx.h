@@ -164,15 +164,15 @@ inline void amx_rows(const Activations& a, const RowScales& rs, int64_t r0, int 
   }
 }
 
-// A last tile of nr (1 .. 15) rows, summed as the next multiple of 4.
+// A last tile of nr (1 .. 15) rows, summed as 1, 2, 4, 8, 12 or 16.
 inline void amx_last_rows(const Activations& a, const RowScales& rs, int64_t r0, int nr,
                           const Panel& p, int64_t nb, const int32_t* order, float* out) {
-  switch ((nr + 3) / 4) {
-    case 1: return amx_rows<4>(a, rs, r0, nr, p, nb, order, out);
-    case 2: return amx_rows<8>(a, rs, r0, nr, p, nb, order, out);
-    case 3: return amx_rows<12>(a, rs, r0, nr, p, nb, order, out);
-    default: return amx_rows<16>(a, rs, r0, nr, p, nb, order, out);
-  }
+  if (nr <= 1) return amx_rows<1>(a, rs, r0, nr, p, nb, order, out);
+  if (nr <= 2) return amx_rows<2>(a, rs, r0, nr, p, nb, order, out);
+  if (nr <= 4) return amx_rows<4>(a, rs, r0, nr, p, nb, order, out);
+  if (nr <= 8) return amx_rows<8>(a, rs, r0, nr, p, nb, order, out);
+  if (nr <= 12) return amx_rows<12>(a, rs, r0, nr, p, nb, order, out);
+  return amx_rows<16>(a, rs, r0, nr, p, nb, order, out);
 }
 
 // 16 values of T as floats, and back as round_to rounds them (bf16: to nearest even, NaN 0x7fc0).
