@@ -139,7 +139,7 @@ def test_amx_tiles_give_the_vnni_kernels_sums(qtype):
         w = QuantizedWeight("w", raw, qtype, (n, k))
         amx, vnni = (GGUFLinear(w, max_rows=300, amx_rows=m) for m in (1, 0))
         bound = 2.0 ** -22 * blocks * np.abs(dequantized(raw, qtype)).T  # ~4 ulp a block
-        for rows in (1, 7, 16, 17, 40, 300):
+        for rows in (1, 2, 7, 16, 17, 35, 40, 300):  # last tiles: 1, 2, 7, 16, 1, 3, 8, 12
             x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
             got, want = amx(x), vnni(x)
             if blocks % 16 == 0:
