@@ -66,7 +66,7 @@ def kv_tensor(data: bytes, shape: list[int], dtype: str) -> torch.Tensor:
 class KVCache:
     """The K and V tensors of every layer, `num_blocks` blocks of `block_size` positions
     plus the null block, in `fmt` for a model computing in `dtype` (`self.dtype` is the
-    tensors' own: int8 or float8_e4m3fn when quantized)."""
+    tensors' own: int8 or float8_e4m3fn when quantized, bfloat16 with that format)."""
 
     def __init__(self, arch: ModelArch, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str, fmt: KVFormat = AUTO) -> None:

@@ -38,7 +38,7 @@ class KVFormat:
 
     def __post_init__(self) -> None:
         if self.name != "auto" and self.name not in CODES and self.name not in FLOATS:
-            raise ValueError(f"kv_cache_dtype must be auto or one of "
+            raise ValueError("kv_cache_dtype must be auto or one of "
                              f"{', '.join([*FLOATS, *CODES])}; got {self.name!r}")
 
     @property

@@ -105,10 +105,9 @@ struct RowScales {
 };
 
 // rows r0 .. r0 + nr against a panel: out[r] (16 floats, the panel's rows) = dot32's sums.
-// The tiles are configured for nr rows; NR >= nr
-// rows are summed in registers (the rows past nr repeat row nr - 1 and are not stored). A
-// block's tile product is issued kAhead blocks before the float work that reads its sums, so
-// that the tile store has landed in memory by then.
+// The tiles are configured for nr rows; NR >= nr rows are summed in registers (those past nr
+// have zero scales and are not stored). A block's tile product is issued kAhead blocks
+// before the float work that reads its sums, so that the tile store has landed by then.
 template <int NR>
 inline void amx_rows(const Activations& a, const RowScales& rs, int64_t r0, int nr,
                      const Panel& p, int64_t nb, const int32_t* order, float* out) {
