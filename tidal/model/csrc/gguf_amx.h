@@ -31,17 +31,16 @@ inline bool amx_allowed() {
   return allowed;
 }
 
-// Tiles 0-2 and 3-5: two sets of C (sums), A (activation rows) and B (weights), for alternate
-// blocks, shaped for `rows` activation rows.
+// Tiles 0-2: C (sums), A (activation rows) and B (weights), shaped for `n` activation rows.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
   explicit TileConfig(int n) {
     const int shape[3][2] = {{n, 64}, {n, 32}, {8, 64}};
-    for (int t = 0; t < 6; ++t) {
-      rows[t] = static_cast<uint8_t>(shape[t % 3][0]);
-      colsb[t] = static_cast<uint16_t>(shape[t % 3][1]);
+    for (int t = 0; t < 3; ++t) {
+      rows[t] = static_cast<uint8_t>(shape[t][0]);
+      colsb[t] = static_cast<uint16_t>(shape[t][1]);
     }
   }
 };
@@ -121,20 +120,11 @@ inline void amx_rows(const Activations& a, const RowScales& rs, int64_t r0, int 
   const int8_t* x = &a.q[r0 * k];
   const auto issue = [&](int64_t i) {
     const int64_t b = order[i];
-    void* sums = c[i % (kAhead + 1)];
-    if (i % 2 == 0) {  // the tile intrinsics take their tile's number as a literal
-      _tile_loadd(2, &p.tiles[b * 512], 64);
-      _tile_zero(0);
-      _tile_loadd(1, x + b * kGroup, k);
-      _tile_dpbsud(0, 1, 2);
-      _tile_stored(0, sums, 64);
-    } else {
-      _tile_loadd(5, &p.tiles[b * 512], 64);
-      _tile_zero(3);
-      _tile_loadd(4, x + b * kGroup, k);
-      _tile_dpbsud(3, 4, 5);
-      _tile_stored(3, sums, 64);
-    }
+    _tile_loadd(2, &p.tiles[b * 512], 64);
+    _tile_zero(0);
+    _tile_loadd(1, x + b * kGroup, k);
+    _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, c[i % (kAhead + 1)], 64);
   };
   for (int64_t i = 0; i < std::min<int64_t>(kAhead, nb); ++i) issue(i);
   int64_t i = 0;
