@@ -164,7 +164,7 @@ inline void amx_last_rows(const Activations& a, const RowScales& rs, int64_t r0,
   return amx_rows<16>(a, rs, r0, nr, p, nb, order, out);
 }
 
-// 16 values of T as floats, and back as round_to rounds them (bf16: to nearest even, NaN 0x7fc0).
+// 16 values of T as floats, and back as round_to rounds them.
 template <typename T>
 inline __m512 load16(const T* p) {
   alignas(64) float v[16];
@@ -179,17 +179,6 @@ inline void store16(T* p, __m512 v) {
 }
 template <>
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-template <>
-inline void store16(BFloat16* p, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-  const __m512i even = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  const __m512i bits = _mm512_mask_blend_epi32(nan, even, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
-}
 
 // A panel's 16 weight rows into L2, fetched while the panel before it runs: its rows (and
 // their scale planes) are 16 streams at once, more than the hardware prefetchers follow.
@@ -211,7 +200,6 @@ void amx_linear(const Activations& a, int64_t rows, const uint8_t* w, int64_t ro
     const std::vector<int32_t> order = lane_order(nb);
     Field f[16][F::kFields];
     std::vector<float> out(16 * 16);
-    if (p0 < p1) prefetch_panel(w + 16 * p0 * row_bytes, row_bytes);
     for (int64_t p = p0; p < p1; ++p) {
       if (p + 1 < p1) prefetch_panel(w + 16 * (p + 1) * row_bytes, row_bytes);
       for (int j = 0; j < 16; ++j) fields<F>(w + (16 * p + j) * row_bytes, nb, true, f[j]);
