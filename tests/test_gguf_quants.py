@@ -144,6 +144,7 @@ def test_amx_tiles_give_the_vnni_kernels_sums(qtype):
             got, want = amx(x), vnni(x)
             if blocks % 16 == 0:
                 assert torch.equal(got, want), (rows, (got - want).abs().max().item())
+                assert torch.equal(amx(x.bfloat16()), vnni(x.bfloat16())), rows  # bf16 outputs
             else:
                 assert np.all(np.abs((got - want).numpy()) <= np.abs(x.numpy()) @ bound), rows
 
