@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.model import cpu_decode
-from tidal.model.gguf_quants import (BLOCK_FIELDS, NIBBLES, PLANAR, GGUFLinear, PromptRows,
-                                     QuantizedWeight, _from_planes, _to_planes)
+from tidal.model.gguf_quants import (BLOCK_FIELDS, K_QUANTS, NIBBLES, PLANAR, GGUFLinear,
+                                     PromptRows, QuantizedWeight, _from_planes, _to_planes)
 
 EXT = cpu_decode.extension()
 needs_ext = pytest.mark.skipif(EXT is None, reason="needs tidal's C++ extension")
@@ -126,23 +126,26 @@ def test_a_row_is_computed_alike_at_any_number_of_rows(qtype, planar):
 
 
 @pytest.mark.skipif(EXT is None or not EXT.gguf_amx, reason="needs AMX int8 tiles")
-@pytest.mark.parametrize("qtype", sorted(PLANAR), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", sorted(PLANAR | K_QUANTS), ids=lambda t: t.name)
 def test_amx_tiles_give_the_vnni_kernels_sums(qtype):
-    """The AMX tiles against the VNNI kernels at the same rows: bit for bit where a row is
-    whole rounds of 16 blocks; with a row's last nb % 16 blocks (which the VNNI kernel sums in
-    partial sums) within float32 rounding. 45 weight rows: two panels of 16 and 13 rows the
-    VNNI kernel takes; 48: three panels, the tiles alone."""
+    """The AMX tiles against the VNNI kernels at the same rows. The 32-weight formats: bit for
+    bit where a row is whole rounds of 16 blocks; with a row's last nb % 16 blocks (which the
+    VNNI kernel sums in partial sums) within float32 rounding. The K-quants (either layout),
+    which the VNNI kernel sums in integers to a block's end: within float32 rounding. 45
+    weight rows: two panels of 16 and 13 rows the VNNI kernel takes; 48: three panels, the
+    tiles alone."""
     rng = np.random.default_rng(int(qtype) + 3)
-    for n, blocks in ((45, 32), (45, 37), (48, 32), (48, 37)):
-        k = 32 * blocks
+    block = GGML_QUANT_SIZES[qtype][0]
+    for n, groups, planar in ((45, 32, None), (45, 40, True), (48, 32, None), (48, 40, None)):
+        k = 32 * groups + (32 * 5 if block == 32 and groups == 40 else 0)  # 37 blocks of 32
         raw = weight_bytes(qtype, n, k, rng, random=True)
-        w = QuantizedWeight("w", raw, qtype, (n, k))
+        w = QuantizedWeight("w", raw, qtype, (n, k), planar=planar if block == 256 else None)
         amx, vnni = (GGUFLinear(w, max_rows=300, amx_rows=m) for m in (1, 0))
-        bound = 2.0 ** -22 * blocks * np.abs(dequantized(raw, qtype)).T  # ~4 ulp a block
+        bound = 2.0 ** -22 * (k // 32) * np.abs(dequantized(raw, qtype)).T  # ~4 ulp a group
         for rows in (1, 2, 7, 16, 17, 35, 40, 300):  # last tiles: 1, 2, 7, 16, 1, 3, 8, 12
             x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
             got, want = amx(x), vnni(x)
-            if blocks % 16 == 0:
+            if block == 32 and k % 512 == 0:
                 assert torch.equal(got, want), (rows, (got - want).abs().max().item())
                 assert torch.equal(amx(x.bfloat16()), vnni(x.bfloat16())), rows  # bf16 outputs
             else:

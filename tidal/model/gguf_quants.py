@@ -64,11 +64,13 @@ NIBBLE_MAX_ROWS = 256 if DOT8 else MAX_ROWS
 TWICE_MAX_ROWS = 96
 NIBBLE_ROUNDS = DOT8
 NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
-# CPUs with AMX: planar 32-weight formats (PLANAR) multiply steps of AMX_ROWS rows or more in
-# AMX int8 tiles (csrc/gguf_amx.h: the VNNI kernels' integer sums, their float operations too
-# where in_features is a multiple of 512) up to AMX_MAX_ROWS rows, past which dequantized
-# tiles take over. Up to 16 rows (one request verifying 15 guesses) stay on the VNNI kernels,
-# so a row's result does not depend on the rows beside it there.
+# CPUs with AMX: planar 32-weight formats (PLANAR) and the K-quants (K_QUANTS) multiply steps
+# of AMX_ROWS rows or more in AMX int8 tiles (csrc/gguf_amx.h: the VNNI kernels' integer sums,
+# for PLANAR their float operations too where in_features is a multiple of 512) up to
+# AMX_MAX_ROWS rows, past which dequantized tiles take over. Up to 16 rows (one request
+# verifying 15 guesses) stay on the VNNI kernels, so a row's result does not depend on the
+# rows beside it there.
+K_QUANTS = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
 AMX_ROWS = 17
 AMX_MAX_ROWS = 96
 # Dequantized tiles in bf16 (the default of GGUFLinear's `tile_bf16`): on CPUs with AMX, whose
@@ -279,8 +281,8 @@ class GGUFLinear(nn.Module):
     extension (`projection`, which the C++ decoder shares) steps of at most `max_rows` rows
     (None: the parts' kernels' crossover, MAX_ROWS, NIBBLE_MAX_ROWS or AMX_MAX_ROWS) run the
     integer kernels, from `amx_rows` rows (None: AMX_ROWS where the CPU grants AMX and every
-    part is a planar 32-weight format; 0: never) in AMX int8 tiles with the same sums, and
-    larger ones multiply tiles of `tile_rows` dequantized rows
+    part is a planar 32-weight format or a K-quant; 0: never) in AMX int8 tiles with the same
+    integer sums, and larger ones multiply tiles of `tile_rows` dequantized rows
     by the activations rounded as the integer kernels round them: float32 tiles, the same
     sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
     (of float32 inputs too) on CPUs with AMX, whose bf16 GEMMs run several times faster (serving
@@ -306,7 +308,7 @@ class GGUFLinear(nn.Module):
         self.tile_rows = tile_rows or min(2048, max(256, TILE_BYTES // (4 * k) // 16 * 16))
         ext = self.parts[0].ext
         amx = ext is not None and ext.gguf_amx and all(
-            w.qtype in PLANAR and w.planar for w in self.parts)
+            w.qtype in K_QUANTS or (w.qtype in PLANAR and w.planar) for w in self.parts)
         self.amx_rows = (AMX_ROWS if amx_rows is None else amx_rows) if amx else 0
         if max_rows is None:  # the crossover of the parts' kernels
             nibbles = all(w.qtype in NIBBLES and w.planar for w in self.parts)

@@ -1,16 +1,21 @@
-// The 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), planar, through AMX int8 tiles: for
-// 16 weight rows at a time, each block's 16 x 32 unsigned bytes (gguf_dot32.h's Unsigned32)
-// transposed into a tile in AMX's 4-byte-interleaved layout, then one TDPBSUD per block and
-// 16 activation rows gives the 16 x 16 integer dot products that dot32 sums with VNNI. Each is
-// scaled by the float operations dot32 applies to it, block b in lane b % 16, and the lanes
-// are summed in _mm512_reduce_add_ps's order: where a row holds whole rounds of 16 blocks
-// (in_features a multiple of 512) every output equals dot32's bit for bit. dot32 sums its
-// last nb % 16 blocks in partial sums of 4 weights (cheaper for a few blocks than whole ones);
-// here each is one sum, so such rows differ from dot32's in float32 rounding alone.
+// GGUF formats through AMX int8 tiles, for 16 weight rows at a time: each unit of a row's
+// weights (a 32-weight block; a K-quant's sub-block of 32, or Q6_K's of 16) unpacked as bytes
+// and transposed into a tile in AMX's 4-byte-interleaved layout, then one TDPBSUD (TDPBSSD
+// for Q6_K's signed q - 32) per unit and 16 activation rows gives 16 x 16 integer dot
+// products, each scaled by its unit's d (and offset times the rounded x's sum) as the VNNI
+// kernels scale them, unit u in lane u % 16, the lanes summed in _mm512_reduce_add_ps's order.
+// The 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, planar) take gguf_dot32.h's unsigned
+// bytes: where a row holds whole rounds of 16 blocks (in_features a multiple of 512) every
+// output equals dot32's bit for bit. dot32 sums its last nb % 16 blocks in partial sums of 4
+// weights (cheaper for a few blocks than whole ones); here each is one sum, so such rows
+// differ from dot32's in float32 rounding alone. The K-quants (Q4_K, Q5_K, Q6_K, in the
+// file's layout) scale each sub-block's sum in float, where gguf_kdot.h sums a block's
+// sub-blocks in integers first: the same products, apart by float32 rounding alone.
 
 #pragma once
 
 #include "gguf_dot32.h"
+#include "gguf_kdot.h"
 
 #ifdef TIDAL_GGUF_DOT32
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -18,6 +23,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace tidal_cpu {
@@ -31,13 +37,23 @@ inline bool amx_allowed() {
   return allowed;
 }
 
-// Tiles 0-2: C (sums), A (activation rows) and B (weights), shaped for `n` activation rows.
+// How format F's weights enter the tiles: units of kWidth weights, each with one scale d per
+// weight row, unsigned bytes with an offset (the 32-weight formats, Q4_K, Q5_K: the mins)
+// or, kSigned, signed ones without (Q6_K).
+template <typename F>
+struct Units {
+  static constexpr bool kSigned = std::is_same_v<F, Q6_K>;
+  static constexpr int kWidth = kSigned ? 16 : 32;
+};
+
+// Tiles 0-2: C (sums), A (activation rows) and B (weights), shaped for `n` activation rows
+// and units of `width` weights.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-  explicit TileConfig(int n) {
-    const int shape[3][2] = {{n, 64}, {n, 32}, {8, 64}};
+  TileConfig(int n, int width) {
+    const int shape[3][2] = {{n, 64}, {n, width}, {width / 4, 64}};
     for (int t = 0; t < 3; ++t) {
       rows[t] = static_cast<uint8_t>(shape[t][0]);
       colsb[t] = static_cast<uint16_t>(shape[t][1]);
@@ -45,100 +61,142 @@ struct alignas(64) TileConfig {
   }
 };
 
-// One panel of 16 weight rows, unpacked once a step for every activation tile: block b's
-// tile (8 rows of 16 x 4 bytes), its 16 scales d and offsets m - c d (dot32's).
+// One panel of 16 weight rows, unpacked once a step for every activation tile: unit u's
+// tile (width / 4 rows of 16 x 4 bytes), its 16 scales d and offsets.
 struct Panel {
-  std::vector<uint8_t> tiles;  // [nb][8][64]
-  std::vector<float> d, off;   // [nb][16]
-  explicit Panel(int64_t nb) : tiles(nb * 512), d(nb * 16), off(nb * 16) {}
+  int width;
+  std::vector<uint8_t> tiles;  // [units][width / 4][64]
+  std::vector<float> d, off;   // [units][16]
+  Panel(int64_t units, int width_)
+      : width(width_), tiles(units * width_ * 16), d(units * 16), off(units * 16) {}
 
+  // A panel row's nb blocks of format F: the 32-weight formats' as dot32's unsigned bytes and
+  // offsets m - c d, the K-quants' sub-blocks as F::vec gives them.
   template <typename F>
   void unpack(const Field (*f)[F::kFields], int64_t nb) {
-    using U = Unsigned32<F>;
-    alignas(64) uint16_t h[2][16];
+    if constexpr (F::kBlock != kGroup) {
+      unpack_k<F>(f, nb);
+    } else {
+      using U = Unsigned32<F>;
+      alignas(64) uint16_t h[2][16];
+      for (int64_t b = 0; b < nb; ++b) {
+        __m512i rows[8];  // rows 2t and 2t + 1's block b, side by side
+        for (int t = 0; t < 8; ++t)
+          rows[t] = _mm512_inserti64x4(U::pair(f[2 * t], b, false),
+                                       _mm512_castsi512_si256(U::pair(f[2 * t + 1], b, false)), 1);
+        store_tile(rows, b);
+        for (int j = 0; j < 16; ++j)
+          for (int field = 0; field < (F::kMin ? 2 : 1); ++field)
+            std::memcpy(&h[field][j], f[j][field].at(b), 2);
+        const auto halves = [&](int field) {  // the 16 rows' float16 field as floats
+          return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h[field])));
+        };
+        const __m512 dj = halves(0), mj = F::kMin ? halves(1) : _mm512_setzero_ps();
+        _mm512_storeu_ps(&d[b * 16], dj);
+        _mm512_storeu_ps(&off[b * 16], _mm512_fnmadd_ps(_mm512_set1_ps(U::kCentre), dj, mj));
+      }
+    }
+  }
+
+ private:
+  // 16 rows' 32 weights (rows 2t and 2t + 1 in rows[t]) as the tile(s) of 32 weights at unit
+  // group g: row i, lane j: weights 4i .. 4i + 3 of weight row j (two 16-weight units: the
+  // first 4 rows, then the next 4).
+  void store_tile(const __m512i* rows, int64_t g) {
+    __m512i tile[8];
+    transpose16(rows, tile);
+    for (int i = 0; i < 8; ++i) _mm512_storeu_si512(&tiles[g * 512 + 64 * i], tile[i]);
+  }
+
+  // K-quant blocks: sub-block j's weights as F::vec gives them, scale s (and min m) a unit.
+  template <typename F>
+  void unpack_k(const Field (*f)[F::kFields], int64_t nb) {
+    constexpr int kHalves = 32 / Units<F>::kWidth;  // units a sub-block of 32
+    float s[16][F::kGroups][2], m[16][F::kGroups];
     for (int64_t b = 0; b < nb; ++b) {
-      __m512i rows[8];  // rows 2t and 2t + 1's block b, side by side
-      for (int t = 0; t < 8; ++t)
-        rows[t] = _mm512_inserti64x4(U::pair(f[2 * t], b, false),
-                                     _mm512_castsi512_si256(U::pair(f[2 * t + 1], b, false)), 1);
-      __m512i tile[8];  // row i, lane j: weights 4i .. 4i + 3 of weight row j
-      transpose16(rows, tile);
-      for (int i = 0; i < 8; ++i) _mm512_storeu_si512(&tiles[b * 512 + 64 * i], tile[i]);
-      for (int j = 0; j < 16; ++j)
-        for (int field = 0; field < (F::kMin ? 2 : 1); ++field)
-          std::memcpy(&h[field][j], f[j][field].at(b), 2);
-      const auto halves = [&](int field) {  // the 16 rows' float16 field as floats
-        return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h[field])));
-      };
-      const __m512 dj = halves(0), mj = F::kMin ? halves(1) : _mm512_setzero_ps();
-      _mm512_storeu_ps(&d[b * 16], dj);
-      _mm512_storeu_ps(&off[b * 16], _mm512_fnmadd_ps(_mm512_set1_ps(U::kCentre), dj, mj));
+      for (int j = 0; j < 16; ++j) F::scales(f[j], b, s[j], m[j]);
+      for (int g = 0; g < F::kGroups; ++g) {
+        __m512i rows[8];
+        for (int t = 0; t < 8; ++t)
+          rows[t] = _mm512_inserti64x4(_mm512_castsi256_si512(F::vec(f[2 * t], b, g)),
+                                       F::vec(f[2 * t + 1], b, g), 1);
+        const int64_t at = b * F::kGroups + g;
+        store_tile(rows, at);
+        for (int h = 0; h < kHalves; ++h)
+          for (int j = 0; j < 16; ++j) {
+            d[(at * kHalves + h) * 16 + j] = s[j][g][h];
+            off[(at * kHalves + h) * 16 + j] = m[j][g];
+          }
+      }
     }
   }
 };
 
-// Lane l's blocks (l, l + 16, l + 32, ...) one after another: dot32 sums block b in lane b % 16,
-// so taking a lane's blocks together keeps its accumulators in registers, in dot32's order.
-inline std::vector<int32_t> lane_order(int64_t nb) {
+// Lane l's units (l, l + 16, l + 32, ...) one after another: dot32 sums block b in lane b % 16,
+// so taking a lane's units together keeps its accumulators in registers, in dot32's order.
+inline std::vector<int32_t> lane_order(int64_t nu) {
   std::vector<int32_t> order;
   for (int l = 0; l < 16; ++l)
-    for (int64_t b = l; b < nb; b += 16) order.push_back(static_cast<int32_t>(b));
+    for (int64_t u = l; u < nu; u += 16) order.push_back(static_cast<int32_t>(u));
   return order;
 }
 
-// The activations' scales d and sums sum32 by tile of 16 rows and block: [tile][block][16],
-// read a row at a time as broadcasts; a last tile's missing rows are 0.
+// The activations' scales d and sums sum32 by tile of 16 rows and unit of `width` weights:
+// [tile][unit][16], read a row at a time as broadcasts; a last tile's missing rows are 0, and
+// units of 16 (signed, without offsets) need no sums.
 struct RowScales {
   std::vector<float> d, sum32;
-  RowScales(const Activations& a, int64_t rows) {
-    const int64_t nb = a.k / kGroup, tiles = (rows + 15) / 16;
-    d.assign(tiles * nb * 16, 0.f);
-    sum32.assign(tiles * nb * 16, 0.f);
+  RowScales(const Activations& a, int64_t rows, int width) {
+    const int64_t ng = a.k / kGroup, nu = a.k / width, tiles = (rows + 15) / 16;
+    d.assign(tiles * nu * 16, 0.f);
+    sum32.assign(width == kGroup ? tiles * nu * 16 : 0, 0.f);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t at = ((r / 16) * nb + b) * 16 + r % 16;
-        d[at] = a.d[r * nb + b];
-        sum32[at] = a.sum32[r * nb + b];
+      for (int64_t u = 0; u < nu; ++u) {
+        const int64_t at = ((r / 16) * nu + u) * 16 + r % 16, g = r * ng + u * width / kGroup;
+        d[at] = a.d[g];
+        if (width == kGroup) sum32[at] = a.sum32[g];
       }
   }
 };
 
-// rows r0 .. r0 + nr against a panel: out[r] (16 floats, the panel's rows) = dot32's sums.
+// rows r0 .. r0 + nr against a panel of nu units: out[r] (16 floats, the panel's rows).
 // The tiles are configured for nr rows; NR >= nr rows are summed in registers (those past nr
 // have zero scales and are not stored). A block's tile product is issued kAhead blocks
 // before the float work that reads its sums, so that the tile store has landed by then.
-template <int NR>
+template <int NR, bool kSigned>
 inline void amx_rows(const Activations& a, const RowScales& rs, int64_t r0, int nr,
-                     const Panel& p, int64_t nb, const int32_t* order, float* out) {
+                     const Panel& p, int64_t nu, const int32_t* order, float* out) {
   constexpr int kAhead = 2;
   alignas(64) int32_t c[kAhead + 1][16][16];
   alignas(64) float acc[16][NR][16];  // [lane][row][weight row], dot32's accumulators
   if (nr < 16) std::memset(c, 0, sizeof(c));  // the rows the tiles leave unwritten
-  const int64_t k = a.k;
-  const float* dx = &rs.d[r0 * nb];  // [block][16 rows]
-  const float* sx = &rs.sum32[r0 * nb];
+  const int64_t k = a.k, width = p.width;
+  const float* dx = &rs.d[r0 * nu];  // [unit][16 rows]
+  const float* sx = kSigned ? nullptr : &rs.sum32[r0 * nu];
   const int8_t* x = &a.q[r0 * k];
   const auto issue = [&](int64_t i) {
-    const int64_t b = order[i];
-    _tile_loadd(2, &p.tiles[b * 512], 64);
+    const int64_t u = order[i];
+    _tile_loadd(2, &p.tiles[u * width * 16], 64);
     _tile_zero(0);
-    _tile_loadd(1, x + b * kGroup, k);
-    _tile_dpbsud(0, 1, 2);
+    _tile_loadd(1, x + u * width, k);
+    if constexpr (kSigned) _tile_dpbssd(0, 1, 2);
+    else _tile_dpbsud(0, 1, 2);
     _tile_stored(0, c[i % (kAhead + 1)], 64);
   };
-  for (int64_t i = 0; i < std::min<int64_t>(kAhead, nb); ++i) issue(i);
+  for (int64_t i = 0; i < std::min<int64_t>(kAhead, nu); ++i) issue(i);
   int64_t i = 0;
   for (int l = 0; l < 16; ++l) {
     __m512 s[NR];
     for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
-    for (int64_t b = l; b < nb; b += 16, ++i) {
-      if (i + kAhead < nb) issue(i + kAhead);
+    for (int64_t u = l; u < nu; u += 16, ++i) {
+      if (i + kAhead < nu) issue(i + kAhead);
       const int32_t(*sums)[16] = c[i % (kAhead + 1)];
-      const __m512 d = _mm512_loadu_ps(&p.d[b * 16]), off = _mm512_loadu_ps(&p.off[b * 16]);
+      const __m512 d = _mm512_loadu_ps(&p.d[u * 16]), off = _mm512_loadu_ps(&p.off[u * 16]);
       for (int r = 0; r < NR; ++r) {
         const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]));
-        s[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(dx[16 * b + r])),
-                               _mm512_fmadd_ps(off, _mm512_set1_ps(sx[16 * b + r]), s[r]));
+        const __m512 with_off =
+            kSigned ? s[r] : _mm512_fmadd_ps(off, _mm512_set1_ps(sx[16 * u + r]), s[r]);
+        s[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(dx[16 * u + r])), with_off);
       }
     }
     for (int r = 0; r < NR; ++r) _mm512_store_ps(acc[l][r], s[r]);
@@ -153,15 +211,17 @@ inline void amx_rows(const Activations& a, const RowScales& rs, int64_t r0, int 
   }
 }
 
-// A last tile of nr (1 .. 15) rows, summed as 1, 2, 4, 8, 12 or 16.
-inline void amx_last_rows(const Activations& a, const RowScales& rs, int64_t r0, int nr,
-                          const Panel& p, int64_t nb, const int32_t* order, float* out) {
-  if (nr <= 1) return amx_rows<1>(a, rs, r0, nr, p, nb, order, out);
-  if (nr <= 2) return amx_rows<2>(a, rs, r0, nr, p, nb, order, out);
-  if (nr <= 4) return amx_rows<4>(a, rs, r0, nr, p, nb, order, out);
-  if (nr <= 8) return amx_rows<8>(a, rs, r0, nr, p, nb, order, out);
-  if (nr <= 12) return amx_rows<12>(a, rs, r0, nr, p, nb, order, out);
-  return amx_rows<16>(a, rs, r0, nr, p, nb, order, out);
+// A tile of nr (1 .. 16) rows, summed as 1, 2, 4, 8, 12 or 16.
+template <bool kSigned>
+inline void amx_tile_rows(const Activations& a, const RowScales& rs, int64_t r0, int nr,
+                          const Panel& p, int64_t nu, const int32_t* order, float* out) {
+  if (nr == 16) return amx_rows<16, kSigned>(a, rs, r0, nr, p, nu, order, out);
+  if (nr <= 1) return amx_rows<1, kSigned>(a, rs, r0, nr, p, nu, order, out);
+  if (nr <= 2) return amx_rows<2, kSigned>(a, rs, r0, nr, p, nu, order, out);
+  if (nr <= 4) return amx_rows<4, kSigned>(a, rs, r0, nr, p, nu, order, out);
+  if (nr <= 8) return amx_rows<8, kSigned>(a, rs, r0, nr, p, nu, order, out);
+  if (nr <= 12) return amx_rows<12, kSigned>(a, rs, r0, nr, p, nu, order, out);
+  return amx_rows<16, kSigned>(a, rs, r0, nr, p, nu, order, out);
 }
 
 // 16 values of T as floats, and back as round_to rounds them.
@@ -188,30 +248,31 @@ inline void prefetch_panel(const uint8_t* w, int64_t row_bytes) {
       _mm_prefetch(reinterpret_cast<const char*>(w + j * row_bytes + at), _MM_HINT_T1);
 }
 
-// y[:, o0 .. o1) of rows activation rows (o1 - o0 a multiple of 16) for one planar weight.
+// y[:, o0 .. o1) of rows activation rows (o1 - o0 a multiple of 16) for one weight of format
+// F (the 32-weight formats planar; the K-quants in either layout).
 template <typename F, typename T>
 void amx_linear(const Activations& a, int64_t rows, const uint8_t* w, int64_t row_bytes,
-                const T* bias, int64_t o0, int64_t o1, T* y, int64_t ld) {
-  const int64_t nb = a.k / kGroup;
-  const RowScales scales(a, rows);
+                bool planar, const T* bias, int64_t o0, int64_t o1, T* y, int64_t ld) {
+  using U = Units<F>;
+  const int64_t nb = a.k / F::kBlock, nu = a.k / U::kWidth;
+  const RowScales scales(a, rows, U::kWidth);
   at::parallel_for(o0 / 16, o1 / 16, 1, [&](int64_t p0, int64_t p1) {
     int configured = 0;  // the activation rows the tiles are shaped for
-    Panel panel(nb);
-    const std::vector<int32_t> order = lane_order(nb);
+    Panel panel(nu, U::kWidth);
+    const std::vector<int32_t> order = lane_order(nu);
     Field f[16][F::kFields];
     std::vector<float> out(16 * 16);
     for (int64_t p = p0; p < p1; ++p) {
       if (p + 1 < p1) prefetch_panel(w + 16 * (p + 1) * row_bytes, row_bytes);
-      for (int j = 0; j < 16; ++j) fields<F>(w + (16 * p + j) * row_bytes, nb, true, f[j]);
+      for (int j = 0; j < 16; ++j) fields<F>(w + (16 * p + j) * row_bytes, nb, planar, f[j]);
       panel.unpack<F>(f, nb);
       for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int nr = static_cast<int>(std::min<int64_t>(16, rows - r0));
         if (nr != configured) {
-          const TileConfig config(configured = nr);
+          const TileConfig config(configured = nr, U::kWidth);
           _tile_loadconfig(&config);
         }
-        if (nr == 16) amx_rows<16>(a, scales, r0, nr, panel, nb, order.data(), out.data());
-        else amx_last_rows(a, scales, r0, nr, panel, nb, order.data(), out.data());
+        amx_tile_rows<U::kSigned>(a, scales, r0, nr, panel, nu, order.data(), out.data());
         const __m512 b = bias != nullptr ? load16(bias + 16 * p) : _mm512_setzero_ps();
         for (int r = 0; r < nr; ++r) {  // as dot_rows: 0 + the sum, then the bias
           const __m512 sum = _mm512_add_ps(_mm512_setzero_ps(), _mm512_loadu_ps(&out[16 * r]));

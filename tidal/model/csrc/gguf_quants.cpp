@@ -41,6 +41,13 @@ constexpr bool reads_runs(bool planar) {
 #endif
 }
 
+// Whether AMX tiles take a part of format F (gguf_amx.h): the 32-weight formats planar, the
+// K-quants in either layout.
+template <typename F>
+constexpr bool amx_takes(bool planar) {
+  return planar || F::kBlock != kGroup;
+}
+
 // A part's quants must lie as this build's kernels read them (gguf_formats.h).
 template <typename F>
 void check_layout(const GGUFPart& p) {
@@ -161,7 +168,7 @@ auto row_kernel(int64_t nr, std::integer_sequence<int, N...>) {
 }
 
 // y[:, :w.size(0)] of a [rows, ld] output for one weight, over activations already quantized.
-// amx: the planar 32-weight formats' whole panels of 16 weight rows through AMX tiles.
+// amx: whole panels of 16 weight rows through AMX tiles (amx_takes).
 template <typename F, typename T>
 void linear(const Activations& a, int64_t rows, int64_t k, const Tensor& w, bool planar,
             bool amx, const T* b, T* yp, int64_t ld) {
@@ -169,11 +176,9 @@ void linear(const Activations& a, int64_t rows, int64_t k, const Tensor& w, bool
   const uint8_t* wp = w.data_ptr<uint8_t>();
   int64_t first = 0;  // the first weight row the VNNI kernels take
 #ifdef TIDAL_GGUF_AMX
-  if constexpr (F::kBlock == kGroup) {
-    if (planar && amx) {
-      first = n / 16 * 16;
-      amx_linear<F, T>(a, rows, wp, row_bytes, b, 0, first, yp, ld);
-    }
+  if (amx && amx_takes<F>(planar)) {
+    first = n / 16 * 16;
+    amx_linear<F, T>(a, rows, wp, row_bytes, planar, b, 0, first, yp, ld);
   }
 #endif
   const int64_t tile = std::max<int64_t>(8, kTileBytes / row_bytes);
@@ -347,7 +352,7 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
     : parts(std::move(parts_)), bias(bias_), max_rows(max_rows_),
       twice_max_rows(twice_max_rows_), tile_rows(tile_rows_),
       amx_rows(gguf_amx() ? amx_rows_ : 0), tile_bf16(tile_bf16_) {
-  bool amx = true;  // whether every part is a planar 32-weight format, which the tiles take
+  bool amx = true;  // whether the tiles take every part
   TORCH_CHECK(!parts.empty() && tile_rows > 0, "a GGUF projection needs parts and tile_rows > 0");
   for (const GGUFPart& p : parts) {
     with_format(p.type, [&](auto format) {
@@ -358,7 +363,7 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
       TORCH_CHECK(k == in_features, "GGUF parts of one projection must share in_features");
       k_quants = k_quants || F::kBlock != kGroup;
       runs = runs || reads_runs<F>(p.planar);
-      amx = amx && p.planar && F::kBlock == kGroup;
+      amx = amx && amx_takes<F>(p.planar);
     });
     panels = panels && p.data.size(0) % 16 == 0;
     out_features += p.data.size(0);
