@@ -2,15 +2,19 @@
 
 A Llama-3.2-1B-shaped model with random weights (transformers, seeded; the embedded
 model's tokenizer) goes through llama.cpp's `convert_hf_to_gguf.py` and `llama-quantize`
-(Q4_K_M by default). llama-server (2 threads, 8 slots, 8k context) and `tidal serve` (a
-KV cache of the same bytes) then serve the same file one after the other; each is started
-twice (tidal's first start with an empty cache) and timed from start to ready, the second
-start serves the run, its RSS read while serving, and driven by `tidal bench serve` (random 128-token prompts, 64 output
-tokens, ignore_eos) one request at a time and 8 at once. Agreement: the perplexity of a
-fixed text, scored as `llama-perplexity` scores one chunk (the second half of its tokens,
-given the first), from llama.cpp's tool and from tidal's prompt logprobs (`echo`).
+(Q4_K_M by default). llama-server (2 threads, a slot for each of the most concurrent
+requests, one KV cache for all of them) and `tidal serve` (a KV cache of the same bytes)
+then serve the same file one after the other; each is started twice (tidal's first start
+with an empty cache) and timed from start to ready, the second start serves the run, its RSS
+read while serving, and driven by `tidal bench serve`: random 128-token prompts, 64 output
+tokens, ignore_eos, at each `--concurrency` (1, 8 and 64 by default), then one
+`--prefill-len`-token prompt at a time (its median TTFT: the prefill). Agreement: the
+perplexity of a fixed text, scored as `llama-perplexity` scores one chunk (the second half
+of its tokens, given the first), from llama.cpp's tool and from tidal's prompt logprobs
+(`echo`).
 
 usage: .venv/bin/python benchmarks/quantized.py [--llama-cpp DIR] [--work DIR] [--type Q4_K_M]
+    [--concurrency 1 8 64] [--prefill-len 2000] [--engines llama tidal]
 The llama.cpp tree is the one benchmarks/peers/llama_server.sh builds ($PEERS_DIR/llama.cpp);
 convert_hf_to_gguf.py needs `sentencepiece` in this Python.
 """
@@ -94,11 +98,13 @@ def start(cmd: list[str], port: int, log: Path, env: dict | None = None,
     raise TimeoutError(f"{cmd[0]} not ready after 900 s")
 
 
-def bench(port: int, backend: str, concurrency: int, prompts: int, out: Path) -> dict:
+def bench(port: int, backend: str, concurrency: int, prompts: int, out: Path,
+          input_len: int = 128, output_len: int = 64) -> dict:
     subprocess.run([PY, "-m", "tidal.cli", "bench", "serve", "--base-url",
                     f"http://127.0.0.1:{port}", "--backend", backend, "--endpoint",
-                    "/v1/completions", "--dataset", "random", "--random-input-len", "128",
-                    "--random-output-len", "64", "--num-prompts", str(prompts),
+                    "/v1/completions", "--dataset", "random", "--random-input-len",
+                    str(input_len), "--random-output-len", str(output_len),
+                    "--random-range-ratio", "0", "--num-prompts", str(prompts),
                     "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
                     "--disable-tqdm", "--save-result", "--result-file", str(out)],
                    check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
@@ -134,21 +140,30 @@ def main() -> None:
     ap.add_argument("--type", default="Q4_K_M", help="llama-quantize's type name")
     ap.add_argument("--prompts", type=int, default=16, help="requests at each concurrency")
     ap.add_argument("--ppl-ctx", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prefill-len", type=int, default=2000,
+                    help="tokens of the prompts whose prefill is timed (0: none)")
+    ap.add_argument("--engines", nargs="+", default=["llama", "tidal"],
+                    choices=["llama", "tidal"])
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     gguf = make_gguf(args.work, args.llama_cpp, args.type)
     size = gguf.stat().st_size
     print(f"{gguf.name}: {size / 2**20:.0f} MiB")
-    # tidal's KV cache gets what llama-server's 8192 tokens of f16 K and V take
-    c = LLAMA_1B
-    kv_bytes = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2 * 8192
+    # one KV cache for all slots: the most concurrent requests' tokens, or the longest prompt
+    slots = max(args.concurrency)
+    tokens = max(slots * 256, 2 * (args.prefill_len + 64), 8192)
+    c = LLAMA_1B  # tidal's KV cache gets the bytes of llama-server's f16 K and V
+    kv_bytes = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2 * tokens
     engines = {
         "llama": ([str(args.llama_cpp / "build/bin/llama-server"), "-m", str(gguf), "-t", "2",
-                   "-np", "8", "-cb", "-c", "8192", "--host", "127.0.0.1", "--port", "8102"],
-                  8102),
+                   "-np", str(slots), "-cb", "-c", str(tokens), "--kv-unified",
+                   "--host", "127.0.0.1", "--port", "8102"], 8102),
         "tidal": ([str(ROOT / ".venv/bin/tidal"), "serve", "--model", str(gguf), "--port",
-                   "8100", "--max-num-seqs", "8", "--kv-cache-memory", str(kv_bytes)], 8100),
+                   "8100", "--max-num-seqs", str(slots), "--kv-cache-memory", str(kv_bytes)],
+                  8100),
     }
+    engines = {name: engines[name] for name in args.engines}
     rows: dict[str, dict] = {}
     cache = args.work / "tidal-cache"  # tidal's first start converts and profiles anew
     shutil.rmtree(cache, ignore_errors=True)
@@ -160,11 +175,16 @@ def main() -> None:
         proc, ready = start(cmd, port, args.work / f"{name}.log", env)
         try:
             row = {"first_ready_s": first, "ready_s": ready}
-            for c in (1, 8):
-                r = bench(port, name, c, args.prompts if c > 1 else max(4, args.prompts // 4),
-                          args.work / f"{name}-c{c}.json")
+            bench(port, name, 8, 8, args.work / f"{name}-warm.json")  # warmed up alike
+            for c in args.concurrency:
+                r = bench(port, name, c, max(args.prompts, c) if c > 1 else
+                          max(4, args.prompts // 4), args.work / f"{name}-c{c}.json")
                 row[f"tok_s_c{c}"] = r["output_throughput"]
                 row[f"tpot_ms_c{c}"] = r["median_tpot_ms"]
+            if args.prefill_len:
+                r = bench(port, name, 1, 3, args.work / f"{name}-prefill.json",
+                          args.prefill_len, 1)
+                row["prefill_s"] = r["median_ttft_ms"] / 1e3
             row["rss_mib"] = rss(proc.pid) / 2**20
             row["ppl"] = (tidal_perplexity(port, args.ppl_ctx) if name == "tidal" else
                           llama_perplexity(args.llama_cpp, gguf, TEXT, args.ppl_ctx, 1))
@@ -172,19 +192,26 @@ def main() -> None:
         finally:
             os.killpg(proc.pid, 15)
             proc.wait()
-    t, ll = rows["tidal"], rows["llama"]
-    print(f"\n| {args.type}, {size / 2**20:.0f} MiB file | llama-server | tidal | tidal / llama |")
-    print("|---|---|---|---|")
-    for key, label in [("first_ready_s", "first start: ready after (s)"),
-                       ("ready_s", "second start: ready after (s)"),
-                       ("rss_mib", "RSS serving (MiB)"),
-                       ("tok_s_c1", "one request: output tok/s"),
-                       ("tpot_ms_c1", "one request: median TPOT (ms)"),
-                       ("tok_s_c8", "8 concurrent: output tok/s"),
-                       ("tpot_ms_c8", "8 concurrent: median TPOT (ms)"),
-                       ("ppl", f"perplexity, {args.ppl_ctx}-token chunk")]:
-        print(f"| {label} | {ll[key]:.4g} | {t[key]:.4g} | {t[key] / ll[key]:.3f}x |")
-
+    labels = [("first_ready_s", "first start: ready after (s)"),
+              ("ready_s", "second start: ready after (s)"), ("rss_mib", "RSS serving (MiB)")]
+    for c in args.concurrency:
+        what = "one request" if c == 1 else f"{c} concurrent"
+        labels += [(f"tok_s_c{c}", f"{what}: output tok/s"),
+                   (f"tpot_ms_c{c}", f"{what}: median TPOT (ms)")]
+    if args.prefill_len:
+        labels.append(("prefill_s", f"a {args.prefill_len}-token prompt: TTFT (s)"))
+    labels.append(("ppl", f"perplexity, {args.ppl_ctx}-token chunk"))
+    names = list(rows)
+    ratio = len(names) == 2
+    print(f"\n| {args.type}, {size / 2**20:.0f} MiB file | "
+          + " | ".join({"llama": "llama-server"}.get(n, n) for n in names)
+          + (" | tidal / llama |" if ratio else " |"))
+    print("|---" * (len(names) + 1 + ratio) + "|")
+    for key, label in labels:
+        cells = [f"{rows[n][key]:.4g}" for n in names]
+        if ratio:
+            cells.append(f"{rows['tidal'][key] / rows['llama'][key]:.3f}x")
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()

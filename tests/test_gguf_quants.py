@@ -185,6 +185,39 @@ def test_prompt_rows_are_rounded_twice(qtype):
     np.testing.assert_allclose(got[0], got[1], rtol=1e-5, atol=1e-5 * np.abs(got[0]).max())
 
 
+@needs_ext
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_prompt_rows_on_bf16_tiles_are_x_itself(qtype):
+    """On bf16 tiles (CPUs with AMX) a prompt row is x itself, rounded to bf16 alone: bf16
+    keeps fewer bits of a value than rounding twice would. Such rows come out as
+    bf16(x) @ bf16(W)^T (to the bf16 rounding of the output), nearer x @ W^T than rows rounded
+    once; the other rows stay exactly as rounded once, and a step of prompt rows alone gives
+    its rows as a step beside other rows does."""
+    rng = np.random.default_rng(int(qtype) + 13)
+    n, k = 45, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
+    raw = weight_bytes(qtype, n, k, rng)
+    w = dequantized(raw, qtype)
+    layer = GGUFLinear(QuantizedWeight("w", raw, qtype, (n, k)), max_rows=0, tile_bf16=True)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    twice = [1, 4, 5, 8]
+    rest = [i for i in range(len(x)) if i not in twice]
+    once = run(layer, x, torch.float32)
+    layer.prompt_rows = PromptRows()
+    layer.prompt_rows.set(torch.tensor(twice), len(x), None, 0)
+    y = run(layer, x, torch.float32)
+    assert np.array_equal(y[rest], once[rest])
+
+    def bf16(a: np.ndarray) -> np.ndarray:
+        return torch.from_numpy(a).to(torch.bfloat16).double().numpy()
+    near = bf16(x[twice]) @ bf16(w).T
+    np.testing.assert_allclose(y[twice], near, rtol=2 ** -7, atol=1e-4 * np.abs(near).max())
+    ref = x[twice] @ w.T
+    assert relative_errors(y[twice], ref)[0] < relative_errors(once[twice], ref)[0] / 1.5
+    layer.prompt_rows.set(torch.arange(len(twice)), len(twice), None, 0)  # prompt rows alone
+    alone = run(layer, x[twice], torch.float32)
+    np.testing.assert_allclose(alone, y[twice], rtol=2 ** -7, atol=1e-4 * np.abs(near).max())
+
+
 def relative_errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     """(rms, max) of got - ref over the rms of ref."""
     scale = np.sqrt(np.mean(ref ** 2))

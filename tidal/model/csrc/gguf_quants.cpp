@@ -319,12 +319,20 @@ Tensor residual(const Tensor& x) { return x - rounded(x); }
 // rounding, so a sequence's tokens do not depend on whether its prompt ran in one step, in
 // chunks or partly from the prefix cache; with tile_bf16 (CPUs with AMX, where bf16 GEMMs
 // run several times faster) x and the tile are rounded to bf16 too, ~0.3% apart, whatever
-// x's dtype.
+// x's dtype. bf16 keeps 8 bits of a value, fewer than the twice-rounded rows' ~15, so those
+// rows are x itself there (and a step of prompt rows alone is x, rounded once to bf16).
 Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
-  Tensor xs = rounded(x);
-  if (twice.defined())  // what xs left of those rows, rounded
-    xs.index_add_(0, twice, rounded(x.index_select(0, twice).to(at::kFloat) -
-                                    xs.index_select(0, twice)));
+  Tensor xs;
+  if (g.tile_bf16 && twice.defined() && twice.size(0) == x.size(0)) {
+    xs = x.to(at::kBFloat16);  // every row twice (the rows a pass's prompt tokens, unique)
+  } else {
+    xs = rounded(x);
+    if (twice.defined() && g.tile_bf16)
+      xs.index_copy_(0, twice, x.index_select(0, twice).to(at::kFloat));
+    else if (twice.defined())  // what xs left of those rows, rounded
+      xs.index_add_(0, twice, rounded(x.index_select(0, twice).to(at::kFloat) -
+                                      xs.index_select(0, twice)));
+  }
   if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs, y back
   Tensor y = at::empty({xs.size(0), g.out_features}, xs.options());
   Tensor tile = at::empty({g.tile_rows, xs.size(1)}, xs.options());
