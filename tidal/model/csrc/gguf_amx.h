@@ -99,34 +99,114 @@ struct Panel {
   }
 
  private:
-  // 16 rows' 32 weights (rows 2t and 2t + 1 in rows[t]) as the tile(s) of 32 weights at unit
-  // group g: row i, lane j: weights 4i .. 4i + 3 of weight row j (two 16-weight units: the
-  // first 4 rows, then the next 4).
+  // A tile of 32 weights (two of 16: the first 4 rows, then the next 4) at unit group g.
+  void store(const __m512i* tile, int64_t g) {
+    for (int i = 0; i < 8; ++i) _mm512_storeu_si512(&tiles[g * 512 + 64 * i], tile[i]);
+  }
+  // 16 rows' 32 weights (rows 2t and 2t + 1 in rows[t]) as the tile at unit group g: row i,
+  // lane j: weights 4i .. 4i + 3 of weight row j.
   void store_tile(const __m512i* rows, int64_t g) {
     __m512i tile[8];
     transpose16(rows, tile);
-    for (int i = 0; i < 8; ++i) _mm512_storeu_si512(&tiles[g * 512 + 64 * i], tile[i]);
+    store(tile, g);
   }
 
-  // K-quant blocks: sub-block j's weights as F::vec gives them, scale s (and min m) a unit.
+  // K-quant blocks: each 32 bytes of the 16 rows' quants transposed once, every sub-block's
+  // tile cut from them by bytewise shifts and masks (which commute with the transposition).
   template <typename F>
   void unpack_k(const Field (*f)[F::kFields], int64_t nb) {
-    constexpr int kHalves = 32 / Units<F>::kWidth;  // units a sub-block of 32
-    float s[16][F::kGroups][2], m[16][F::kGroups];
+    __m512i tile[8];
     for (int64_t b = 0; b < nb; ++b) {
-      for (int j = 0; j < 16; ++j) F::scales(f[j], b, s[j], m[j]);
-      for (int g = 0; g < F::kGroups; ++g) {
-        __m512i rows[8];
-        for (int t = 0; t < 8; ++t)
-          rows[t] = _mm512_inserti64x4(_mm512_castsi256_si512(F::vec(f[2 * t], b, g)),
-                                       F::vec(f[2 * t + 1], b, g), 1);
-        const int64_t at = b * F::kGroups + g;
-        store_tile(rows, at);
-        for (int h = 0; h < kHalves; ++h)
-          for (int j = 0; j < 16; ++j) {
-            d[(at * kHalves + h) * 16 + j] = s[j][g][h];
-            off[(at * kHalves + h) * 16 + j] = m[j][g];
+      k_scales<F>(f, b);
+      if constexpr (std::is_same_v<F, Q6_K>) {  // group 4h + t: ql chunk 2h + t % 2, qh h
+        __m512i ql[4][8], qh[2][8];
+        for (int c = 0; c < 4; ++c) transposed<F>(f, 0, b, 32 * c, ql[c]);
+        for (int h = 0; h < 2; ++h) transposed<F>(f, 1, b, 32 * h, qh[h]);
+        for (int g = 0; g < 8; ++g) {
+          const int h = g / 4, t = g % 4;
+          for (int i = 0; i < 8; ++i)
+            tile[i] = _mm512_sub_epi8(
+                _mm512_or_si512(bits(ql[2 * h + t % 2][i], 4 * (t / 2), 15),
+                                _mm512_slli_epi16(bits(qh[h][i], 2 * t, 3), 4)),
+                _mm512_set1_epi8(32));
+          store(tile, b * 8 + g);
+        }
+      } else {  // groups 2c and 2c + 1: qs chunk c's low and high nibbles; Q5_K: qh bit g
+        constexpr bool kFive = F::kFields == 5;
+        __m512i qh[8], qs[8];
+        if constexpr (kFive) transposed<F>(f, 3, b, 0, qh);
+        for (int c = 0; c < 4; ++c) {
+          transposed<F>(f, F::kFields - 1, b, 32 * c, qs);
+          for (int n = 0; n < 2; ++n) {
+            const int g = 2 * c + n;
+            for (int i = 0; i < 8; ++i) {
+              tile[i] = bits(qs[i], 4 * n, 15);
+              if constexpr (kFive)
+                tile[i] = _mm512_or_si512(tile[i], _mm512_slli_epi16(bits(qh[i], g, 1), 4));
+            }
+            store(tile, b * 8 + g);
           }
+        }
+      }
+    }
+  }
+
+  // The 32 bytes at `at` of field `field` of the 16 rows' block b, transposed as tiles are.
+  template <typename F>
+  static void transposed(const Field (*f)[F::kFields], int field, int64_t b, int at,
+                         __m512i* out) {
+    const auto load = [&](int j) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f[j][field].at(b) + at));
+    };
+    __m512i rows[8];
+    for (int t = 0; t < 8; ++t)
+      rows[t] = _mm512_inserti64x4(_mm512_castsi256_si512(load(2 * t)), load(2 * t + 1), 1);
+    transpose16(rows, out);
+  }
+
+  // Each byte's bits from `shift` on, under `mask`.
+  static __m512i bits(__m512i v, int shift, int mask) {
+    return _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(shift)),
+                            _mm512_set1_epi8(static_cast<char>(mask)));
+  }
+
+  // Block b's unit scales d (d times each sub-block's integer scale, as F::scales computes
+  // them) and Q4_K/Q5_K's offsets (-dmin times its min), 16 rows at a time.
+  template <typename F>
+  void k_scales(const Field (*f)[F::kFields], int64_t b) {
+    constexpr bool kQ6 = std::is_same_v<F, Q6_K>;
+    constexpr int kUnits = kQ6 ? 16 : 8;  // a block's units
+    alignas(64) int8_t sc[kUnits][16];    // [unit][row]: 6-bit or int8 scales
+    alignas(64) uint8_t mn[8][16];
+    alignas(64) uint16_t h[2][16];        // the rows' float16 d (and dmin)
+    for (int j = 0; j < 16; ++j) {
+      if constexpr (kQ6) {
+        const int8_t* s = reinterpret_cast<const int8_t*>(f[j][2].at(b));
+        for (int u = 0; u < kUnits; ++u) sc[u][j] = s[u];
+        std::memcpy(&h[0][j], f[j][3].at(b), 2);
+      } else {
+        uint64_t s8, m8;
+        k_scales_mins(f[j][2].at(b), s8, m8);
+        for (int u = 0; u < kUnits; ++u) {
+          sc[u][j] = static_cast<int8_t>(s8 >> (8 * u));
+          mn[u][j] = static_cast<uint8_t>(m8 >> (8 * u));
+        }
+        std::memcpy(&h[0][j], f[j][0].at(b), 2);
+        std::memcpy(&h[1][j], f[j][1].at(b), 2);
+      }
+    }
+    const auto halves = [&](int i) {
+      return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h[i])));
+    };
+    const __m512 dj = halves(0), dmin = kQ6 ? _mm512_setzero_ps() : halves(1);
+    for (int u = 0; u < kUnits; ++u) {
+      const int64_t at = (b * kUnits + u) * 16;
+      const __m128i s = _mm_load_si128(reinterpret_cast<const __m128i*>(sc[u]));
+      _mm512_storeu_ps(&d[at], _mm512_mul_ps(dj, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s))));
+      if constexpr (!kQ6) {
+        const __m128i m = _mm_load_si128(reinterpret_cast<const __m128i*>(mn[u]));
+        _mm512_storeu_ps(&off[at], _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin),
+                                                 _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m))));
       }
     }
   }
