@@ -21,6 +21,7 @@ from tidal.core.outputs import KVLoad
 from tidal.engine.config import EngineConfig, LoRAConfig, ModelConfig, SpeculativeConfig
 from tidal.engine.decode_graphs import CudaGraphCapture
 from tidal.engine.device import pick_device
+from tidal.engine.host_memory import keep_freed_memory
 from tidal.engine.kv_cache import KVCache, kv_blocks
 from tidal.engine.kv_disk import DiskKVTier, tier_folder
 from tidal.engine.kv_host import HostKVTier
@@ -111,6 +112,8 @@ class Worker:
             busy = 1 if tp is None else busy_ranks(tp.local, tp.size, sched.steps_in_flight)
             torch.set_num_threads(config.num_threads
                                   or max(1, len(os.sched_getaffinity(0)) // busy))
+            if config.reuse_host_memory:
+                keep_freed_memory()
         max_model_len = min(sched.max_model_len, arch.context_length)
         ext = cpu_decode.extension() if config.cpu_decoder and device == "cpu" else None
         phases.done("C++ extension")
