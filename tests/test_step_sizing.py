@@ -42,8 +42,9 @@ def prompt_tokens(out) -> int:
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_long_prompt_is_cut_to_the_chunks_that_fit_the_step_target(policy):
-    """100 ms at 10 ms + 1 ms a token holds 90 tokens: block-aligned chunks of 80."""
-    s = sized(policy)
+    """100 ms at 10 ms + 1 ms a token holds 90 tokens: block-aligned chunks of 80 (a prompt
+    alone held to the target, too)."""
+    s = sized(policy, lone_prompt_fixed_share=0.0)
     add(s, "a", 1000)
     chunks = []
     while "a" in s.requests and not s.requests["a"].output_token_ids:
@@ -51,6 +52,30 @@ def test_a_long_prompt_is_cut_to_the_chunks_that_fit_the_step_target(policy):
         chunks.append(prompt_tokens(out))
         assert MODEL.shape_time(StepShape.of(out)) <= 0.100
     assert chunks == [80] * 12 + [40]
+
+
+def test_a_prompt_alone_takes_steps_that_pay_their_fixed_cost_once_a_tenth():
+    """At 50 ms + 1 ms a token, a one-token prompt's step takes 51 ms: alone, a prompt's
+    steps may take 510 ms (chunks of 448 tokens, past the 100 ms target), as nothing waits
+    on them. A second prompt, or a stream decoding, brings the step back to the target."""
+    model = Linear(fixed=0.050, per_token=0.001)
+    s = make_scheduler(num_blocks=4000, block_size=16, step_time=model, max_step_ms=100.0)
+    add(s, "a", 1000)
+    out, _ = step(s)
+    assert prompt_tokens(out) == 448 and model.shape_time(StepShape.of(out)) <= 0.510
+    add(s, "b", 1000)  # a second prompt: whoever comes first gets the earlier first token
+    out, _ = step(s)
+    assert prompt_tokens(out) == 48
+    while s.requests["a"].is_prefilling or not s.requests["a"].output_token_ids:
+        step(s)
+    out, _ = step(s)  # "a" decodes: "b" alone to prefill, but a stream waits on the step
+    assert sum(1 for x in out.scheduled if not x.is_prefill) == 1
+    assert prompt_tokens(out) == 48
+    background = make_scheduler(num_blocks=4000, block_size=16, step_time=model,
+                                max_step_ms=400.0)
+    add(background, "c", 1000, background=True)  # a batch line alone: a share of the target
+    out, _ = step(background)
+    assert prompt_tokens(out) == 48
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "slo"])

@@ -90,6 +90,13 @@ class SchedulerConfig:
         0.25, "A step whose prompts are all background requests' (Batch API lines) is sized "
         "to this share of the step target (max_step_ms): a live request arriving meanwhile "
         "waits for the step in progress, where it cannot be cut short. 1: sized as any step.")
+    lone_prompt_fixed_share: float = knob(
+        0.1, "A live prompt alone (nothing decoding, no other prompt to compute) keeps no "
+        "stream waiting: its steps may exceed the step target (max_step_ms) until a step's "
+        "fixed costs (the step's and the prompt's own, as the step-time model prices a "
+        "one-token prompt) are at most this share of it, rather than paying them again on "
+        "every target-sized chunk (on CPU, dequantizing every weight tile). 0: target-sized "
+        "chunks too.")
     cut_background_steps: bool = knob(
         True, "A step that computes a background request's prompt chunk stops between two "
         "layers when a live request arrives, and runs again after the live prompt's (one "
@@ -154,6 +161,9 @@ class SchedulerConfig:
         if not 0 < self.background_step_share <= 1:
             raise ValueError(f"background_step_share must be in (0, 1], got "
                              f"{self.background_step_share}")
+        if not 0 <= self.lone_prompt_fixed_share < 1:
+            raise ValueError(f"lone_prompt_fixed_share must be in [0, 1), got "
+                             f"{self.lone_prompt_fixed_share}")
         if not 0 <= self.safety_margin < 1:
             raise ValueError("safety_margin must be in [0, 1)")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

@@ -67,6 +67,18 @@ class StepTarget:
         return EFFICIENT_CHUNK if unpriced else math.inf
 
 
+def lone_prompt_target(sched: "Scheduler", decoding: list["Request"], target: float) -> float:
+    """The target of a step whose only work is one prompt (nothing decoding, no other prompt
+    waiting or prefilling): at least the time at which the step's fixed costs, those of a
+    one-token prompt, are `lone_prompt_fixed_share` of it. Chunking a prompt alone gives no
+    one an earlier token; each chunk pays those costs again."""
+    share = sched.config.lone_prompt_fixed_share
+    prompts = sum(1 for r in sched.running if r.is_prefilling) + len(sched.waiting)
+    if decoding or prompts != 1 or share <= 0 or sched.step_time is None:
+        return target
+    return max(target, sched.step_time.shape_time(StepShape().add(1, 0)) / share)
+
+
 def decode_shape(decoding: Iterable["Request"]) -> StepShape:
     """The shape of one decode row for each of `decoding`, at its current context (through
     its LoRA adapter, if it has one)."""

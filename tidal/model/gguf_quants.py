@@ -226,8 +226,9 @@ def _copy_rounds(field: torch.Tensor, plane: torch.Tensor, nb: int, to_plane: bo
 class PromptRows:
     """The rows of the current forward pass that hold prompt tokens, which the GGUF
     projections round twice (int8, plus the int8 rounding of what that left: ~15 bits a
-    value, so a prompt reads about as from the dequantized weights) while generated tokens'
-    rows are rounded once, as ggml rounds them, keeping decoding as fast. Whether a row is
+    value, so a prompt reads about as from the dequantized weights; on bf16 tiles x itself,
+    which bf16 keeps fewer bits of) while generated tokens' rows are rounded once, as ggml
+    rounds them, keeping decoding as fast. Whether a row is
     rounded twice follows from its token alone, so a token never depends on what else its
     step holds. `rows` index the pass's rows and `head` the LM head's (logits) rows; None:
     none. Set by `tidal.engine.batch.forward` before each pass; `attach` shares one among a

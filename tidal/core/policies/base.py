@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence
 
 from tidal.core.request import Request
-from tidal.core.step_sizing import cap_prefill, decode_shape
+from tidal.core.step_sizing import cap_prefill, decode_shape, lone_prompt_target
 
 if TYPE_CHECKING:
     from tidal.core.config import SchedulerConfig
@@ -67,11 +67,14 @@ class Policy:
         """Before the step is composed, when prompts are to compute: cap its prefill tokens
         so that it is predicted to take at most the scheduler's step target (a share of it
         when every prompt to compute is a background request's: a live request arriving
-        meanwhile waits for the step in progress)."""
+        meanwhile waits for the step in progress; more for a live prompt alone, whose chunks
+        keep no one waiting: `lone_prompt_target`)."""
         target = sched.target.seconds
         if target < math.inf:
             if not _live_prompt(sched):  # background prompts only
                 target *= sched.config.background_step_share
+            else:
+                target = lone_prompt_target(sched, decoding, target)
             cap_prefill(sched, plan, decode_shape(decoding), target)
 
     def compose(self, sched: "Scheduler", plan: "StepPlan", decoding: list[Request]) -> None:
