@@ -73,8 +73,7 @@ def lone_prompt_target(sched: "Scheduler", decoding: list["Request"], target: fl
     one-token prompt, are `lone_prompt_fixed_share` of it. Chunking a prompt alone gives no
     one an earlier token; each chunk pays those costs again."""
     share = sched.config.lone_prompt_fixed_share
-    prompts = sum(1 for r in sched.running if r.is_prefilling) + len(sched.waiting)
-    if decoding or prompts != 1 or share <= 0 or sched.step_time is None:
+    if decoding or prompts_to_compute(sched) != 1 or share <= 0 or sched.step_time is None:
         return target
     return max(target, sched.step_time.shape_time(StepShape().add(1, 0)) / share)
 
@@ -119,8 +118,12 @@ def prompt_length(sched: "Scheduler") -> int:
     step's prefill tokens come as pieces of about that length, which is what its attention
     cost depends on (one 8k-token sequence costs far more than 64 of 128)."""
     total = sched.prefill_backlog(sched.waiting)
-    count = sum(1 for r in sched.running if r.is_prefilling) + len(sched.waiting)
-    return max(1, total // max(1, count))
+    return max(1, total // max(1, prompts_to_compute(sched)))
+
+
+def prompts_to_compute(sched: "Scheduler") -> int:
+    """The running prefills and the waiting requests."""
+    return sum(1 for r in sched.running if r.is_prefilling) + len(sched.waiting)
 
 
 def with_prompts(decode: StepShape, tokens: int, first: tuple[int, int],

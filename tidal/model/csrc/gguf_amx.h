@@ -71,7 +71,7 @@ struct Panel {
       : width(width_), tiles(units * width_ * 16), d(units * 16), off(units * 16) {}
 
   // A panel row's nb blocks of format F: the 32-weight formats' as dot32's unsigned bytes and
-  // offsets m - c d, the K-quants' sub-blocks as F::vec gives them.
+  // offsets m - c d, the K-quants' sub-blocks as F::vec gives them (unpack_k).
   template <typename F>
   void unpack(const Field (*f)[F::kFields], int64_t nb) {
     if constexpr (F::kBlock != kGroup) {
