@@ -55,11 +55,13 @@ def test_a_long_prompt_is_cut_to_the_chunks_that_fit_the_step_target(policy):
 
 
 def test_a_prompt_alone_takes_steps_that_pay_their_fixed_cost_once_a_tenth():
-    """At 50 ms + 1 ms a token, a one-token prompt's step takes 51 ms: alone, a prompt's
-    steps may take 510 ms (chunks of 448 tokens, past the 100 ms target), as nothing waits
-    on them. A second prompt, or a stream decoding, brings the step back to the target."""
+    """At 50 ms + 1 ms a token, a one-token prompt's step takes 51 ms: alone, with a fixed
+    share of a tenth, a prompt's steps may take 510 ms (chunks of 448 tokens, past the 100 ms
+    target), as nothing waits on them. A second prompt, or a stream decoding, brings the
+    step back to the target."""
     model = Linear(fixed=0.050, per_token=0.001)
-    s = make_scheduler(num_blocks=4000, block_size=16, step_time=model, max_step_ms=100.0)
+    s = make_scheduler(num_blocks=4000, block_size=16, step_time=model, max_step_ms=100.0,
+                       lone_prompt_fixed_share=0.1)
     add(s, "a", 1000)
     out, _ = step(s)
     assert prompt_tokens(out) == 448 and model.shape_time(StepShape.of(out)) <= 0.510
@@ -72,7 +74,7 @@ def test_a_prompt_alone_takes_steps_that_pay_their_fixed_cost_once_a_tenth():
     assert sum(1 for x in out.scheduled if not x.is_prefill) == 1
     assert prompt_tokens(out) == 48
     background = make_scheduler(num_blocks=4000, block_size=16, step_time=model,
-                                max_step_ms=400.0)
+                                max_step_ms=400.0, lone_prompt_fixed_share=0.1)
     add(background, "c", 1000, background=True)  # a batch line alone: a share of the target
     out, _ = step(background)
     assert prompt_tokens(out) == 48
@@ -233,15 +235,15 @@ def test_a_target_that_follows_the_model_holds_a_chunk_until_it_prices_prompts()
     of prompt while its model prices none (a 4k prompt would otherwise look free and take a
     single step of seconds); once served prompt steps teach the model, the target is that
     model's price of a chunk on this machine (twice `_truth`'s: 632 ms) and steps are
-    sized to it."""
+    sized to it (the prompt alone held to the target too)."""
     def machine(shape: StepShape) -> float:
         return 2 * _truth(shape)
 
     decodes = [(shape, machine(shape)) for shape, _ in _profile() if shape.tokens == shape.seqs]
     model = LearnedStepTime(prior=decodes)
     target = StepTarget(model=model)
-    s = Scheduler(SchedulerConfig(), KVCacheManager(CacheConfig(num_blocks=4000,
-                                                                block_size=16)),
+    s = Scheduler(SchedulerConfig(lone_prompt_fixed_share=0.0),
+                  KVCacheManager(CacheConfig(num_blocks=4000, block_size=16)),
                   step_time=model, step_target=target)
     assert target.seconds == CPU_MAX_STEP_MS / 1000 and target.prompt_cap == EFFICIENT_CHUNK
     add(s, "a", 4000, max_tokens=2)

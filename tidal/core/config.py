@@ -91,7 +91,7 @@ class SchedulerConfig:
         "to this share of the step target (max_step_ms): a live request arriving meanwhile "
         "waits for the step in progress, where it cannot be cut short. 1: sized as any step.")
     lone_prompt_fixed_share: float = knob(
-        0.1, "A live prompt alone (nothing decoding, no other prompt to compute) keeps no "
+        0.02, "A live prompt alone (nothing decoding, no other prompt to compute) keeps no "
         "stream waiting: its steps may exceed the step target (max_step_ms) until a step's "
         "fixed costs (the step's and the prompt's own, as the step-time model prices a "
         "one-token prompt) are at most this share of it, rather than paying them again on "
