@@ -82,6 +82,11 @@ def start(cmd: list[str], port: int, log: Path, env: dict | None = None,
           ) -> tuple[subprocess.Popen, float]:
     import urllib.request
 
+    try:  # a server already there would answer for the one started here
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+            raise RuntimeError(f"port {port} is already serving; stop that server first")
+    except OSError:
+        pass
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, **(env or {})})
