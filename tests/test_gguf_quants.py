@@ -136,8 +136,9 @@ def test_amx_tiles_give_the_vnni_kernels_sums(qtype):
     tiles alone."""
     rng = np.random.default_rng(int(qtype) + 3)
     block = GGML_QUANT_SIZES[qtype][0]
-    for n, groups, planar in ((45, 32, None), (45, 40, True), (48, 32, None), (48, 40, None)):
-        k = 32 * groups + (32 * 5 if block == 32 and groups == 40 else 0)  # 37 blocks of 32
+    odd = 37 if block == 32 else 40  # groups of 32: not whole rounds of 16 blocks
+    for n, groups, planar in ((45, 32, None), (45, odd, True), (48, 32, None), (48, odd, None)):
+        k = 32 * groups
         raw = weight_bytes(qtype, n, k, rng, random=True)
         w = QuantizedWeight("w", raw, qtype, (n, k), planar=planar if block == 256 else None)
         amx, vnni = (GGUFLinear(w, max_rows=300, amx_rows=m) for m in (1, 0))

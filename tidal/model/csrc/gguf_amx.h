@@ -112,7 +112,8 @@ struct Panel {
   }
 
   // K-quant blocks: each 32 bytes of the 16 rows' quants transposed once, every sub-block's
-  // tile cut from them by bytewise shifts and masks (which commute with the transposition).
+  // tile cut from them by bytewise shifts and masks (which commute with the transposition):
+  // the bits F::vec (gguf_formats.h) takes of one row, here of 16 at once.
   template <typename F>
   void unpack_k(const Field (*f)[F::kFields], int64_t nb) {
     __m512i tile[8];
@@ -241,7 +242,7 @@ struct RowScales {
 
 // rows r0 .. r0 + nr against a panel of nu units: out[r] (16 floats, the panel's rows).
 // The tiles are configured for nr rows; NR >= nr rows are summed in registers (those past nr
-// have zero scales and are not stored). A block's tile product is issued kAhead blocks
+// have zero scales and are not stored). A unit's tile product is issued kAhead units
 // before the float work that reads its sums, so that the tile store has landed by then.
 template <int NR, bool kSigned>
 inline void amx_rows(const Activations& a, const RowScales& rs, int64_t r0, int nr,
@@ -295,7 +296,6 @@ inline void amx_rows(const Activations& a, const RowScales& rs, int64_t r0, int 
 template <bool kSigned>
 inline void amx_tile_rows(const Activations& a, const RowScales& rs, int64_t r0, int nr,
                           const Panel& p, int64_t nu, const int32_t* order, float* out) {
-  if (nr == 16) return amx_rows<16, kSigned>(a, rs, r0, nr, p, nu, order, out);
   if (nr <= 1) return amx_rows<1, kSigned>(a, rs, r0, nr, p, nu, order, out);
   if (nr <= 2) return amx_rows<2, kSigned>(a, rs, r0, nr, p, nu, order, out);
   if (nr <= 4) return amx_rows<4, kSigned>(a, rs, r0, nr, p, nu, order, out);
