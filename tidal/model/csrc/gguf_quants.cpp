@@ -333,8 +333,9 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
       xs.index_add_(0, twice, rounded(x.index_select(0, twice).to(at::kFloat) -
                                       xs.index_select(0, twice)));
   }
-  if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs, y back
-  Tensor y = at::empty({xs.size(0), g.out_features}, xs.options());
+  if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs
+  // y in x's dtype: each product is converted by the copy that places it
+  Tensor y = at::empty({xs.size(0), g.out_features}, x.options());
   Tensor tile = at::empty({g.tile_rows, xs.size(1)}, xs.options());
   int64_t col = 0;
   for (const GGUFPart& p : g.parts) {
@@ -342,14 +343,14 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
       const int64_t n = std::min(g.tile_rows, p.data.size(0) - a);
       Tensor t = tile.narrow(0, 0, n);
       rows_into(p, a, Tensor(), t);
-      y.narrow(1, col + a, n).copy_(bucketed(xs, [&](const Tensor& in) {
+      bucketed_into(xs, y.narrow(1, col + a, n), [&](const Tensor& in) {
         return at::linear(in, t);
-      }));
+      });
     }
     col += p.data.size(0);
   }
   if (g.bias.defined()) y.add_(g.bias.to(y.scalar_type()));
-  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  return y;
 }
 
 }  // namespace

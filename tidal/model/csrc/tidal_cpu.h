@@ -79,6 +79,16 @@ Tensor bucketed(const Tensor& x, Gemm&& gemm) {
   return padded == rows ? y : y.narrow(0, 0, rows);
 }
 
+// bucketed(x, gemm) written into out (x's rows; a strided view, or another dtype, which the
+// copy converts to), each chunk's product as it comes: no concatenation of the chunks.
+template <typename Gemm>
+void bucketed_into(const Tensor& x, Tensor out, Gemm&& gemm) {
+  for (int64_t r0 = 0; r0 < x.size(0); r0 += kRowChunk) {
+    const int64_t rows = std::min(kRowChunk, x.size(0) - r0);
+    out.narrow(0, r0, rows).copy_(bucketed(x.narrow(0, r0, rows), gemm));
+  }
+}
+
 // ---------------------------------------------------------------- experts (experts.cpp)
 
 // Per expert e, xs[ends[e-1]:ends[e]] @ w[e]: float32 xs [rows, k] grouped by expert, ends
