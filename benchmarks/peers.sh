@@ -2,7 +2,9 @@
 # tidal against its peers on this machine: tidal, vLLM's CPU build and llama.cpp's
 # llama-server serve the embedded SmolLM2-135M one at a time; each gets the same workload
 # (64 chat requests x 64 output tokens, ignore_eos, temperature 0) at concurrency 1, 16 and
-# 64, driven by `tidal bench serve`; one table prints tidal's ratio to each peer.
+# 64, driven by `tidal bench serve`; one table prints tidal's ratio to each peer. Every
+# engine is warmed up alike (64 requests at 64) and each concurrency gets prompts of its own
+# seed: no run is served from the prefix cache an earlier one filled.
 # usage: benchmarks/peers.sh [ENGINES...]   (default: tidal tidal-dense vllm llama)
 # tidal serves the GGUF's Q4_1 weights in their own format, as llama-server does;
 # tidal-dense serves a bf16 copy of them (--quantization none).
@@ -42,13 +44,17 @@ for engine in $engines; do
   pid=$!
   trap 'kill -- -$pid 2>/dev/null || true' EXIT
   wait_healthy $port $pid
-  for c in $CONCURRENCY; do
-    echo "== $engine, concurrency $c"
+  bench() {  # concurrency seed [more arguments]
     $PY -m tidal.cli bench serve --base-url "http://127.0.0.1:$port" --backend "$engine" \
       --endpoint /v1/chat/completions --dataset random --random-input-len 64 \
-      --random-output-len 64 --num-prompts "$NUM_PROMPTS" --max-concurrency "$c" \
-      --ignore-eos --temperature 0 --disable-tqdm --save-result \
-      --result-file "$OUTDIR/$engine-c$c.json" | grep -E "throughput|Median (TTFT|TPOT)"
+      --random-output-len 64 --num-prompts "$NUM_PROMPTS" --max-concurrency "$1" \
+      --seed "$2" --ignore-eos --temperature 0 --disable-tqdm "${@:3}"
+  }
+  bench 64 1000 >/dev/null  # the warm-up: prompts no run below sends
+  for c in $CONCURRENCY; do
+    echo "== $engine, concurrency $c"
+    bench "$c" "$c" --save-result --result-file "$OUTDIR/$engine-c$c.json" |
+      grep -E "throughput|Median (TTFT|TPOT)"
   done
   kill -- -$pid 2>/dev/null || true
   wait $pid 2>/dev/null || true

@@ -103,14 +103,17 @@ def start(cmd: list[str], port: int, log: Path, env: dict | None = None,
     raise TimeoutError(f"{cmd[0]} not ready after 900 s")
 
 
-def bench(port: int, backend: str, concurrency: int, prompts: int, out: Path,
+def bench(port: int, backend: str, concurrency: int, prompts: int, out: Path, seed: int,
           input_len: int = 128, output_len: int = 64) -> dict:
+    """`tidal bench serve` against the server at `port`; each run's prompts of its own
+    `seed`, so that none is served from the prefix cache an earlier run filled."""
     subprocess.run([PY, "-m", "tidal.cli", "bench", "serve", "--base-url",
                     f"http://127.0.0.1:{port}", "--backend", backend, "--endpoint",
                     "/v1/completions", "--dataset", "random", "--random-input-len",
                     str(input_len), "--random-output-len", str(output_len),
                     "--random-range-ratio", "0", "--num-prompts", str(prompts),
-                    "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
+                    "--max-concurrency", str(concurrency), "--seed", str(seed),
+                    "--ignore-eos", "--temperature", "0",
                     "--disable-tqdm", "--save-result", "--result-file", str(out)],
                    check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     return json.loads(out.read_text())
@@ -180,14 +183,14 @@ def main() -> None:
         proc, ready = start(cmd, port, args.work / f"{name}.log", env)
         try:
             row = {"first_ready_s": first, "ready_s": ready}
-            bench(port, name, 8, 8, args.work / f"{name}-warm.json")  # warmed up alike
+            bench(port, name, 8, 8, args.work / f"{name}-warm.json", 1000)  # warmed up alike
             for c in args.concurrency:
                 r = bench(port, name, c, max(args.prompts, c) if c > 1 else
-                          max(4, args.prompts // 4), args.work / f"{name}-c{c}.json")
+                          max(4, args.prompts // 4), args.work / f"{name}-c{c}.json", c)
                 row[f"tok_s_c{c}"] = r["output_throughput"]
                 row[f"tpot_ms_c{c}"] = r["median_tpot_ms"]
             if args.prefill_len:
-                r = bench(port, name, 1, 3, args.work / f"{name}-prefill.json",
+                r = bench(port, name, 1, 3, args.work / f"{name}-prefill.json", 2000,
                           args.prefill_len, 1)
                 row["prefill_s"] = r["median_ttft_ms"] / 1e3
             row["rss_mib"] = rss(proc.pid) / 2**20
