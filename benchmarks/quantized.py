@@ -106,7 +106,8 @@ def start(cmd: list[str], port: int, log: Path, env: dict | None = None,
 def bench(port: int, backend: str, concurrency: int, prompts: int, out: Path, seed: int,
           input_len: int = 128, output_len: int = 64) -> dict:
     """`tidal bench serve` against the server at `port`; each run's prompts of its own
-    `seed`, so that none is served from the prefix cache an earlier run filled."""
+    `seed`, so that none is served from the prefix cache an earlier run filled (one seed
+    gives runs of one prompt count the same prompts)."""
     subprocess.run([PY, "-m", "tidal.cli", "bench", "serve", "--base-url",
                     f"http://127.0.0.1:{port}", "--backend", backend, "--endpoint",
                     "/v1/completions", "--dataset", "random", "--random-input-len",
