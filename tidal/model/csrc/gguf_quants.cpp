@@ -323,13 +323,16 @@ Tensor residual(const Tensor& x) { return x - rounded(x); }
 // rows are x itself there (and a step of prompt rows alone is x, rounded once to bf16).
 Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
   Tensor xs;
-  if (g.tile_bf16 && twice.defined() && twice.size(0) == x.size(0)) {
-    xs = x.to(at::kBFloat16);  // every row twice (the rows a pass's prompt tokens, unique)
+  if (g.tile_bf16 && twice.defined()) {  // the rows twice (a pass's prompt rows, unique): x
+    xs = x.to(at::kBFloat16);
+    if (twice.size(0) < x.size(0)) {  // the others (decode rows) on the int8 grid
+      const Tensor others = at::ones({x.size(0)}, x.options().dtype(at::kBool))
+                                .index_fill_(0, twice, false).nonzero().view(-1);
+      xs.index_copy_(0, others, rounded(x.index_select(0, others)).to(at::kBFloat16));
+    }
   } else {
     xs = rounded(x);
-    if (twice.defined() && g.tile_bf16)
-      xs.index_copy_(0, twice, x.index_select(0, twice).to(at::kFloat));
-    else if (twice.defined())  // what xs left of those rows, rounded
+    if (twice.defined())  // what xs left of those rows, rounded
       xs.index_add_(0, twice, rounded(x.index_select(0, twice).to(at::kFloat) -
                                       xs.index_select(0, twice)));
   }
