@@ -335,8 +335,8 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
     if (twice.defined())  // what xs left of those rows, rounded
       xs.index_add_(0, twice, rounded(x.index_select(0, twice).to(at::kFloat) -
                                       xs.index_select(0, twice)));
+    if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs
   }
-  if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs
   // y in x's dtype: each product is converted by the copy that places it
   Tensor y = at::empty({xs.size(0), g.out_features}, x.options());
   Tensor tile = at::empty({g.tile_rows, xs.size(1)}, xs.options());
