@@ -16,24 +16,7 @@ from triton_setup import DEVICE  # first: sets Triton's interpreter up without C
 from tidal.model.kernels.norm import fused_add_rms_norm, rms_norm
 from tidal.model.kernels.rope_cache import rope_and_cache
 from tidal.model.llama import RMSNorm, apply_rope
-
-
-def assert_close_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int = 1,
-                      tol: float = 1e-6) -> None:
-    """bf16: at most `ulps` representable steps apart (bit-for-bit with 0); float32: within
-    `tol`, absolute and relative."""
-    got = got.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape
-    if want.dtype != torch.bfloat16:
-        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-        return
-
-    def ordered(x: torch.Tensor) -> torch.Tensor:  # sign-magnitude bits to a monotonic int
-        i = x.view(torch.int16).int()
-        return torch.where(i < 0, -32768 - i, i)
-
-    steps = (ordered(got) - ordered(want)).abs()
-    assert steps.max().item() <= ulps, f"{steps.max().item()} bf16 steps apart"
+from ulps import assert_close_ulps
 
 
 def reference_norm(hidden: int, eps: float, weight: torch.Tensor) -> RMSNorm:

@@ -219,6 +219,27 @@ def test_prompt_rows_on_bf16_tiles_are_x_itself(qtype):
     np.testing.assert_allclose(alone, y[twice], rtol=2 ** -7, atol=1e-4 * np.abs(near).max())
 
 
+@needs_ext
+def test_bf16_out_gives_the_tiles_products_unconverted():
+    """bf16_out (MLP.fused's gate/up): a step on bf16 tiles comes back in bf16 holding the
+    very values the float32 output holds; steps the integer kernels take, and projections
+    with a bias (added in x's dtype), come back in x's dtype."""
+    rng = np.random.default_rng(5)
+    qtype, n, k = QT.Q8_0, 48, k_for(QT.Q8_0, 4)
+    raw = weight_bytes(qtype, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((20, k)).astype(np.float32))
+    tiles = GGUFLinear(QuantizedWeight("w", raw, qtype, (n, k)), max_rows=4, tile_bf16=True)
+    tiles.prompt_rows = PromptRows()
+    tiles.prompt_rows.set(torch.arange(3, 17), len(x), None, 0)
+    got = tiles(x, bf16_out=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), tiles(x))
+    assert tiles(x[:4], bf16_out=True).dtype == torch.float32  # the integer kernels'
+    bias = torch.randn(n)
+    biased = GGUFLinear(QuantizedWeight("w", raw, qtype, (n, k)), bias, max_rows=4,
+                        tile_bf16=True)
+    assert torch.equal(biased(x, bf16_out=True), biased(x))
+
+
 def relative_errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     """(rms, max) of got - ref over the rms of ref."""
     scale = np.sqrt(np.mean(ref ** 2))

@@ -143,8 +143,9 @@ class ModelConfig:
                                        "none; the model learns from served steps alone.")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 or float32 models "
                              "without q/k norms (Llama, Mistral, Qwen2, Phi-3) as one call "
-                             "into tidal's C++ decoder, and every decode "
-                             "attention over the paged cache in place. The extension is "
+                             "into tidal's C++ decoder, every decode attention over the "
+                             "paged cache in place, and the other steps' norms, RoPE, KV "
+                             "writes and SiLU x up as its fused loops. The extension is "
                              "compiled once, on first use (that start takes longer); without "
                              "a compiler, PyTorch ops run instead. false: always PyTorch ops.")
 

@@ -33,8 +33,8 @@ from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention
 from tidal.model.config import ModelArch, stage_layers
-from tidal.model.kernels import (fused_kernels, lora_kernel, paged_decode_kernel,
-                                 paged_prefill_kernel)
+from tidal.model.kernels import (FusedKernels, cpu_fused_kernels, fused_kernels, lora_kernel,
+                                 paged_decode_kernel, paged_prefill_kernel)
 from tidal.model.kv_quant import KVFormat
 from tidal.model.pooling import Pooling
 from tidal.model.score_head import ScoreHead
@@ -141,10 +141,13 @@ class Worker:
         if head is not None:
             pooling = replace(pooling, head=head)
         phases.done("weights")
-        if on_gpu and not arch.gemma and kv_format.storage(self.dtype) == self.dtype:
-            # Gemma's offset norms keep the eager ops; the fused RoPE writes the model's
-            # dtype to the cache
-            self._use_fused_kernels()
+        if arch.gemma:  # Gemma's offset norms keep the eager ops
+            pass
+        elif on_gpu and kv_format.storage(self.dtype) == self.dtype:
+            # (the Triton RoPE writes the model's dtype to the cache)
+            self._use_fused_kernels(fused_kernels())
+        elif cpp is not None:
+            self._use_fused_kernels(cpu_fused_kernels(cpp))
         max_forward = (config.max_forward_tokens if config.max_forward_tokens is not None
                        else 1024 if device == "cpu" else 0)
         per_block = kv_format.bytes_per_token(arch, self.dtype) * block_size
@@ -212,10 +215,10 @@ class Worker:
         rows_t = torch.arange(tokens - min(rows, tokens), tokens, device=self.device)
         self.model(zeros, torch.arange(tokens, device=self.device), caches, meta, rows_t)
 
-    def _use_fused_kernels(self) -> None:
-        """Triton's norm and RoPE kernels, kept if a tiny forward pass runs with them (they
-        compile for this device)."""
-        self.model.kernels = fused_kernels()
+    def _use_fused_kernels(self, kernels: FusedKernels | None) -> None:
+        """Fused norm and RoPE kernels (Triton's, or the C++ extension's on CPU), kept if a
+        tiny forward pass runs with them (they compile for this device)."""
+        self.model.kernels = kernels
         if self.model.kernels is not None:
             try:
                 self._peak_step(2, 1)

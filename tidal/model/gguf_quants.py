@@ -328,13 +328,17 @@ class GGUFLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self.parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_bf16_out = True  # forward's bf16_out (MLP.fused asks for it)
+
+    def forward(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+        """y = x W^T (+ bias) in x's dtype; with `bf16_out`, in bf16 where bf16 tiles
+        computed it and no bias is added (their products, unconverted)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.projection is not None and x.dtype in (torch.float32, torch.bfloat16):
             twice = (None if self.prompt_rows is None
                      else self.prompt_rows.of(self.is_head, x2.shape[0]))
-            y = self.projection(x2, twice)
+            y = self.projection(x2, twice, bf16_out)
         else:
             y = self._tiled(x2)
         return y.view(*lead, self.out_features)

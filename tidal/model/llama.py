@@ -149,7 +149,10 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(x, ropes[self.rope_index], k_cache, v_cache, meta,
                            kernels.rope_and_cache)
         x, residual = kernels.add_rms_norm(a, residual, post.weight, post.eps)
-        return self.mlp(x), residual
+        mlp = self.mlp
+        if kernels.silu_mul is not None and getattr(mlp, "silu", False):
+            return mlp.fused(x, kernels.silu_mul), residual
+        return mlp(x), residual
 
 
 class StepCut(Exception):
@@ -172,7 +175,7 @@ class LlamaModel(nn.Module):
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
         self.rotary = Rotary(arch)
-        self.kernels = None  # FusedKernels (GPU): norms, adds, RoPE and cache writes fused
+        self.kernels = None  # FusedKernels (Triton or C++): norms, adds, RoPE, cache writes
         self.stage = None  # a pipeline stage's StageLinks (tidal.model.pipeline_parallel)
         self.prompt_rows = None  # GGUF layers' PromptRows (tidal.model.gguf_quants), if any
         # asked before each layer: True stops the forward pass with StepCut (a step its

@@ -38,10 +38,20 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.silu = act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+    def fused(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
+        """forward with SiLU(gate) * up as one kernel (`silu_mul(gate_up, dtype)`), which
+        reads gate_up as the projection leaves it: a GGUF projection's bf16 tiles' products
+        stay bf16 (no float32 copy of them is written and read back)."""
+        proj = self.gate_up_proj
+        y = proj(x, bf16_out=True) if getattr(proj, "takes_bf16_out", False) else proj(x)
+        return self.down_proj(silu_mul(y.view(-1, y.shape[-1]), x.dtype).view(
+            *x.shape[:-1], -1))
 
 
 class SparseMoE(nn.Module):

@@ -8,75 +8,17 @@
 // path calls the same attention kernel, so only the RMSNorm sum's order differs (the tests
 // find the two bit-identical). Attention reads the paged cache in place: no gather.
 //
-// This file holds the decoder (RMSNorm, RoPE, the layer loop) and the Python bindings.
+// This file holds the decoder (the layer loop; its elementwise loops are elementwise.h) and
+// the Python bindings.
 
 #include <torch/extension.h>
 
 #include <functional>
 
+#include "elementwise.h"
 #include "kv_rows.h"
 
 namespace tidal_cpu {
-namespace {
-
-// ---------------------------------------------------------------- elementwise
-
-// h += y (rounded like a bf16 add) when y is given; x = weight * bf16(h * rsqrt(mean h^2 + eps)).
-// h += y, rounded as add_rms_norm rounds its sum.
-template <typename T>
-void add_into(T* h, const T* y, int64_t n) {
-  at::parallel_for(0, n, 1 << 14, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) h[i] = round_to<T>(f32(h[i]) + f32(y[i]));
-  });
-}
-
-template <typename T>
-void add_rms_norm(T* h, const T* y, const T* weight, T* x, int64_t rows, int64_t dim,
-                  float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      T* hr = h + r * dim;
-      if (y != nullptr) {
-        const T* yr = y + r * dim;
-        for (int64_t i = 0; i < dim; ++i) hr[i] = round_to<T>(f32(hr[i]) + f32(yr[i]));
-      }
-      const float ss = dot(hr, hr, dim);
-      const float inv = 1.f / std::sqrt(ss / dim + eps);
-      T* xr = x + r * dim;
-      for (int64_t i = 0; i < dim; ++i)
-        xr[i] = round_to<T>(f32(weight[i]) * f32(round_to<T>(f32(hr[i]) * inv)));
-    }
-  });
-}
-
-// In place on the first `heads` heads of each row: x*cos + rotate_half(x)*sin, the half-split
-// pairing of HF checkpoints; the tables hold the signed sine already. Only the first `rd`
-// dims of a head rotate (partial rotary); the others pass unchanged.
-template <typename T>
-void rope(T* qkv, int64_t row_stride, const float* cos, const float* sin, int64_t rows,
-          int64_t heads, int64_t d, int64_t rd) {
-  const int64_t half = rd / 2;
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> c(rd), s(rd), x0(rd);
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t i = 0; i < rd; ++i) {  // the tables are cast to the model's dtype first
-        c[i] = f32(round_to<T>(cos[r * rd + i]));
-        s[i] = f32(round_to<T>(sin[r * rd + i]));
-      }
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        T* x = qkv + r * row_stride + hh * d;
-        for (int64_t i = 0; i < rd; ++i) x0[i] = f32(x[i]);
-        auto rot = [&](int64_t i, float rolled) {
-          x[i] = round_to<T>(f32(round_to<T>(x0[i] * c[i])) + f32(round_to<T>(rolled * s[i])));
-        };
-        for (int64_t i = 0; i < half; ++i) rot(i, x0[i + half]);
-        for (int64_t i = half; i < rd; ++i) rot(i, x0[i - half]);
-      }
-    }
-  });
-}
-
-}  // namespace
 
 // ---------------------------------------------------------------- the decoder
 
@@ -225,7 +167,7 @@ class Decoder {
       TORCH_CHECK(k_caches[l].scalar_type() == k_caches[0].scalar_type() &&
                       v_caches[l].scalar_type() == k_caches[0].scalar_type(),
                   "every layer's caches of one dtype");
-      add_rms_norm<T>(h.data_ptr<T>(), y.defined() ? y.data_ptr<T>() : nullptr,
+      add_rms_norm<T>(h.data_ptr<T>(), y.defined() ? y.data_ptr<T>() : nullptr, h.data_ptr<T>(),
                       L.norm1.data_ptr<T>(), x.data_ptr<T>(), rows, hid, eps_);
       Tensor qkv = L.qkv(x).contiguous();
       if (lora) lora_add(x, qkv, L.lora[0], L.lora[1], lora_rows, lora_ends, L.lora[2]);
@@ -243,8 +185,8 @@ class Decoder {
       y = L.o(attn).contiguous();
       if (lora) lora_add(attn, y, L.lora[3], L.lora[4], lora_rows, lora_ends, L.lora[5]);
       if (reduce_) reduce_(y);
-      add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), L.norm2.data_ptr<T>(), x.data_ptr<T>(),
-                      rows, hid, eps_);
+      add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), h.data_ptr<T>(), L.norm2.data_ptr<T>(),
+                      x.data_ptr<T>(), rows, hid, eps_);
       Tensor gate_up = L.gate_up(x).contiguous();
       if (lora) lora_add(x, gate_up, L.lora[6], L.lora[7], lora_rows, lora_ends, L.lora[8]);
       // ATen's vectorised SiLU: its exp rounds as the PyTorch path's does.
@@ -259,8 +201,8 @@ class Decoder {
       return h;
     }
     // The final norm of h + the last MLP output; the LM head only for the rows that sample.
-    add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), final_norm_.data_ptr<T>(), x.data_ptr<T>(),
-                    rows, hid, eps_);
+    add_rms_norm<T>(h.data_ptr<T>(), y.data_ptr<T>(), h.data_ptr<T>(), final_norm_.data_ptr<T>(),
+                    x.data_ptr<T>(), rows, hid, eps_);
     if (logits_rows.size(0) != rows) x = x.index_select(0, logits_rows.to(at::kLong));
     if (stage_) return x;  // the last stage's final states
     return lm_head_(x).to(at::kFloat);
@@ -328,9 +270,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"),
            py::arg("twice_max_rows"), py::arg("tile_rows"), py::arg("tile_bf16") = false,
            py::arg("amx_rows") = 0)
-      .def("__call__", [](const GGUFProjection& g, const Tensor& x, c10::optional<Tensor> twice) {
-             return g(x, twice.value_or(Tensor()));
-           }, py::arg("x"), py::arg("twice") = py::none(),
+      .def("__call__", [](const GGUFProjection& g, const Tensor& x, c10::optional<Tensor> twice,
+                          bool bf16_out) {
+             return g(x, twice.value_or(Tensor()), bf16_out);
+           }, py::arg("x"), py::arg("twice") = py::none(), py::arg("bf16_out") = false,
            py::call_guard<py::gil_scoped_release>());
   py::class_<Decoder>(m, "Decoder", py::module_local())
       .def(py::init([](c10::optional<Tensor> embed, c10::optional<GGUFPart> embed_gguf,
@@ -408,6 +351,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     gguf_get_rows(GGUFPart{w, type, planar, rounds}, ids, out);
   }, py::arg("w"), py::arg("type"), py::arg("planar"), py::arg("ids"), py::arg("out"),
         py::arg("rounds") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, py::arg("x"), py::arg("residual"),
+        py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("rope_and_cache", &rope_and_cache, py::arg("qk"), py::arg("v"), py::arg("cos"),
+        py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::arg("num_q_heads"), py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, py::arg("gate_up"), py::arg("dtype"),
+        py::call_guard<py::gil_scoped_release>());
   m.attr("gguf_nibble_rounds") = gguf_nibble_rounds();
   m.attr("gguf_amx") = gguf_amx();
 }

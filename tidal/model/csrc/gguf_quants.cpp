@@ -321,7 +321,7 @@ Tensor residual(const Tensor& x) { return x - rounded(x); }
 // run several times faster) x and the tile are rounded to bf16 too, ~0.3% apart, whatever
 // x's dtype. bf16 keeps 8 bits of a value, fewer than the twice-rounded rows' ~15, so those
 // rows are x itself there (and a step of prompt rows alone is x, rounded once to bf16).
-Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
+Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice, bool bf16_out) {
   Tensor xs;
   if (g.tile_bf16 && twice.defined()) {  // the rows twice (a pass's prompt rows, unique): x
     xs = x.to(at::kBFloat16);
@@ -337,8 +337,11 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice) {
                                       xs.index_select(0, twice)));
     if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs
   }
-  // y in x's dtype: each product is converted by the copy that places it
-  Tensor y = at::empty({xs.size(0), g.out_features}, x.options());
+  // y in x's dtype (each product converted by the copy that places it), or in bf16, the
+  // products' own, where the caller takes it and no bias is added
+  const bool bf16 = bf16_out && g.tile_bf16 && !g.bias.defined();
+  Tensor y = at::empty({xs.size(0), g.out_features},
+                       x.options().dtype(bf16 ? at::kBFloat16 : x.scalar_type()));
   Tensor tile = at::empty({g.tile_rows, xs.size(1)}, xs.options());
   int64_t col = 0;
   for (const GGUFPart& p : g.parts) {
@@ -409,7 +412,8 @@ Tensor GGUFProjection::integer(const Tensor& x, bool with_bias) const {
   return y;
 }
 
-Tensor GGUFProjection::operator()(const Tensor& x_in, const Tensor& twice_in) const {
+Tensor GGUFProjection::operator()(const Tensor& x_in, const Tensor& twice_in,
+                                  bool bf16_out) const {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "a GGUF projection takes [rows, ",
               in_features, "] inputs");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
@@ -423,7 +427,7 @@ Tensor GGUFProjection::operator()(const Tensor& x_in, const Tensor& twice_in) co
   }
   const int64_t n = twice.defined() ? twice.size(0) : 0;
   if (rows + n > (n > 0 ? twice_max_rows : max_rows))
-    return tiled(x, *this, twice);
+    return tiled(x, *this, twice, bf16_out);
   if (n == 0) return integer(x, true);
   // each row to round twice as two: x rounded, then what that rounding left, rounded
   const Tensor xf = x.to(at::kFloat);

@@ -37,14 +37,15 @@ inline float row_scale(const C* row, int64_t d) {
 template <typename C>
 constexpr float kCodeMax = std::is_same_v<C, int8_t> ? 127.f : 448.f;
 
-// Writes the `hkv` heads of `d` values at `offset` of each qkv row to that row's slot:
-// copied, or coded as kv_quant.py codes them (x / scale in float32, clamped, then rounded
-// half to even or to e4m3 by c10).
+// Writes the `hkv` heads of `d` values at `offset` of each qkv row to that row's slot
+// (a negative slot, padding: nothing): copied, or coded as kv_quant.py codes them (x / scale
+// in float32, clamped, then rounded half to even or to e4m3 by c10).
 template <typename T, typename C>
 void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* slots,
               int64_t rows, int64_t hkv, int64_t d, C* cache) {
   const int64_t w = row_width<C>(d);
   for (int64_t r = 0; r < rows; ++r) {
+    if (slots[r] < 0) continue;
     const T* src = qkv + r * row_stride + offset;
     C* dst = cache + slots[r] * hkv * w;
     if constexpr (!kCoded<C>) {

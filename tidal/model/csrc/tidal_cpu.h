@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 using at::Tensor;
@@ -163,8 +164,10 @@ struct GGUFProjection {
                  int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16,
                  int64_t amx_rows = 0);
   // y = x W^T (+ bias). Rows `twice` (indices into x's rows, or undefined) are rounded
-  // twice: x's int8 rounding plus its residual's, ~15 bits a value instead of ~8.
-  Tensor operator()(const Tensor& x, const Tensor& twice = Tensor()) const;
+  // twice: x's int8 rounding plus its residual's, ~15 bits a value instead of ~8. With
+  // `bf16_out`, y is bf16 where bf16 tiles computed it (the same values, unconverted).
+  Tensor operator()(const Tensor& x, const Tensor& twice = Tensor(),
+                    bool bf16_out = false) const;
   Tensor integer(const Tensor& x, bool with_bias) const;  // every row by the integer kernels
 };
 
@@ -203,6 +206,24 @@ const int64_t* tree_rows(Tensor& tree, int64_t batch);
 // Paged decode attention on its own: the PyTorch path's decode attention on CPU.
 Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
                               Tensor lens, double scale, int64_t window, Tensor tree);
+
+// ---------------------------------------------------------------- fused ops (fused_ops.cpp)
+
+// The PyTorch path's RMSNorm, residual add + RMSNorm and RoPE + KV write on float32 or bf16
+// rows, with the Triton kernels' arguments (tidal/model/kernels): new tensors (normed,
+// and x + residual), except that rope_and_cache rotates qk in place and returns its q and
+// k heads, after writing k and v at `slots` of the caches (of the model's dtype, bf16, or
+// quantized rows: kv_rows.h).
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
+std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& residual,
+                                              const Tensor& weight, double eps);
+std::tuple<Tensor, Tensor> rope_and_cache(Tensor qk, Tensor v, Tensor cos, Tensor sin,
+                                          const Tensor& k_cache, const Tensor& v_cache,
+                                          Tensor slots, int64_t num_q_heads);
+
+// act = silu(gate) * up from gate_up [rows, 2 * inter] (float32 or bf16) in `dtype`, rounded
+// as the eager ops round (ATen's SiLU on the gate converted to dtype, then the product).
+Tensor silu_mul(const Tensor& gate_up, at::ScalarType dtype);
 
 // ---------------------------------------------------------------- all-reduce (all_reduce.cpp)
 
