@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tidal.model import cpu_decode
 from tidal.model.kv_quant import KVFormat
+from tidal.model.linear import products
 from tidal.model.llama import RMSNorm, apply_rope
 from ulps import assert_close_ulps
 
@@ -25,20 +26,23 @@ pytestmark = pytest.mark.skipif(ext is None and shutil.which("c++") is None,
 @given(seed=st.integers(0, 2**16), tokens=st.integers(0, 40),
        hidden=st.sampled_from([64, 96, 576]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       scale=st.sampled_from([0.01, 1.0, 30.0]), residual=st.booleans())
-def test_norms_equal_llamas_rms_norm(seed, tokens, hidden, dtype, scale, residual):
+       scale=st.sampled_from([0.01, 1.0, 30.0]), residual=st.booleans(),
+       bf16_x=st.booleans())
+def test_norms_equal_llamas_rms_norm(seed, tokens, hidden, dtype, scale, residual, bf16_x):
     """The sum is the eager add's, bit for bit; the norm of it within a bf16 step (the sum
-    of squares runs in another order), and the inputs are left as they were."""
+    of squares runs in another order), and the inputs are left as they were. x may be bf16
+    (a projection's products) under a float32 residual: added as its float32 copy."""
     gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(tokens, hidden, generator=gen) * scale).to(dtype)
+    x = (torch.randn(tokens, hidden, generator=gen) * scale).to(
+        torch.bfloat16 if bf16_x and residual else dtype)
     res = (torch.randn(tokens, hidden, generator=gen) * scale).to(dtype)
     norm = RMSNorm(hidden, 1e-5).to(dtype)
     norm.weight.data.copy_(1 + 0.3 * torch.randn(hidden, generator=gen))
     x0, res0 = x.clone(), res.clone()
     if residual:
         got, got_sum = ext.fused_add_rms_norm(x, res, norm.weight.data, 1e-5)
-        assert torch.equal(got_sum, x + res)
-        assert_close_ulps(got, norm(x + res), tol=1e-5)
+        assert torch.equal(got_sum, x.to(dtype) + res)
+        assert_close_ulps(got, norm(x.to(dtype) + res), tol=1e-5)
     else:
         assert_close_ulps(ext.rms_norm(x, norm.weight.data, 1e-5), norm(x), tol=1e-5)
     assert torch.equal(x, x0) and torch.equal(res, res0)
@@ -123,8 +127,8 @@ def test_the_ops_refuse_what_does_not_fit():
     with pytest.raises(ValueError, match="slot 8 is not in the cache"):
         ext.rope_and_cache(qk, v, cos, cos, cache, cache, slots + 8, 4)
     assert not cache.any()  # refused before anything was written
-    with pytest.raises(ValueError, match="does not match x"):
-        ext.fused_add_rms_norm(qk, qk.bfloat16(), torch.ones(16), 1e-6)
+    with pytest.raises(ValueError, match="does not match x"):  # bf16 x under float32 only
+        ext.fused_add_rms_norm(qk, qk.bfloat16(), torch.ones(16, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(ValueError, match="RMSNorm weight"):
         ext.rms_norm(qk, torch.ones(16, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(ValueError, match="gate_up must be"):
@@ -160,5 +164,46 @@ def test_prompts_with_the_fused_ops_equal_prompts_without(tmp_path, family, dtyp
         got = [e.logprob for e in fused.prompt_logprobs[1:]]
         want = [e.logprob for e in eager.prompt_logprobs[1:]]
         assert got == pytest.approx(want, abs=tol)
+        n = min(first_near_tie(fused.outputs[0]), first_near_tie(eager.outputs[0])) + 1
+        assert fused.outputs[0].token_ids[:n] == eager.outputs[0].token_ids[:n]
+
+
+def test_a_gguf_files_bf16_products_give_the_eager_ops_logprobs(tmp_path, monkeypatch):
+    """Every step on bf16 tiles (as a CPU with AMX multiplies long prompts): the fused ops
+    read gate/up's, down's and o's products in bf16 as the eager ops read their float32
+    copy (a mixed file of Q5_0 and Q8_0 projections, a q/k/v bias)."""
+    import gguf
+
+    from model_fixtures import first_near_tie
+    from test_gguf import CASES, hf_folder, write_gguf
+    from tidal import LLM, SamplingParams
+
+    for name in ("MAX_ROWS", "NIBBLE_MAX_ROWS", "AMX_MAX_ROWS"):
+        monkeypatch.setattr(f"tidal.model.gguf_quants.{name}", 0)
+    monkeypatch.setattr("tidal.model.gguf_quants.TILE_BF16", True)
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
+    qtype = lambda name: gguf.GGMLQuantizationType.Q8_0 if "ffn" in name else \
+        gguf.GGMLQuantizationType.Q5_0  # noqa: E731
+    path = write_gguf(hf_folder(tmp_path, "qwen2"), CASES["qwen2"][0], tmp_path / "q.gguf",
+                      qtype=qtype)
+    prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 250 for j in range(5 + 4 * i)]}
+               for i in range(4)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, prompt_logprobs=1,
+                            logprobs=2)
+    runs = []
+    for fused in (True, False):
+        llm = LLM(str(path), quantization="gguf", dtype="float32", num_kv_blocks=64,
+                  block_size=4)
+        model = llm.engine.runner.model
+        mlp = model.layers[0].mlp
+        assert model.kernels is not None and mlp.gate_up_proj.max_rows == 0
+        assert products(mlp.down_proj, torch.ones(3, mlp.down_proj.in_features)).dtype == \
+            torch.bfloat16  # what the fused norm after it reads
+        if not fused:
+            model.kernels = None
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
+    for fused, eager in zip(*runs):
+        got = [e.logprob for e in fused.prompt_logprobs[1:]]
+        assert got == pytest.approx([e.logprob for e in eager.prompt_logprobs[1:]], abs=1e-4)
         n = min(first_near_tie(fused.outputs[0]), first_near_tie(eager.outputs[0])) + 1
         assert fused.outputs[0].token_ids[:n] == eager.outputs[0].token_ids[:n]

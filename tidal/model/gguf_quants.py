@@ -328,7 +328,7 @@ class GGUFLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self.parts)
 
-    takes_bf16_out = True  # forward's bf16_out (MLP.fused asks for it)
+    takes_bf16_out = True  # forward's bf16_out (linear.products asks for it)
 
     def forward(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
         """y = x W^T (+ bias) in x's dtype; with `bf16_out`, in bf16 where bf16 tiles

@@ -181,3 +181,9 @@ def replace_linears(model: nn.Module, kind: type[nn.Module], **options: Any) -> 
     if getattr(model, "lm_head", False) is None and hasattr(model, "embed_tokens"):
         model.lm_head = kind(model.embed_tokens.weight, **options)
     return model
+
+
+def products(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """proj(x), left in bf16 where a GGUF projection's bf16 tiles computed it (GGUFLinear's
+    bf16_out): for the fused ops, which read bf16 products as they read their float32 copy."""
+    return proj(x, bf16_out=True) if getattr(proj, "takes_bf16_out", False) else proj(x)

@@ -18,6 +18,7 @@ from torch import nn
 
 from tidal.model.attention import AttentionBackend, AttentionMetadata
 from tidal.model.config import ModelArch
+from tidal.model.linear import products
 from tidal.model.mlp import MLP, SparseMoE
 from tidal.model.rope import rope_tables
 
@@ -93,7 +94,8 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, rope_and_cache=None):
         """`rope_and_cache` (a fused kernel, tidal.model.kernels): rotates q and k and writes
-        k and v to the cache in one launch, so the backend only attends."""
+        k and v to the cache in one launch, so the backend only attends; the fused norm after
+        it then reads o_proj's products as they leave it (linear.products)."""
         t, h = x.shape[0], self.h
         qkv = self.qkv_proj(x).view(t, h + 2 * self.hkv, self.d)
         qk, v = qkv[:, :h + self.hkv], qkv[:, h + self.hkv:]
@@ -102,10 +104,9 @@ class Attention(nn.Module):
         if rope_and_cache is not None:
             q, k = rope_and_cache(qk, v, *rope, k_cache, v_cache, meta.slot_mapping, h)
             o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.window, written=True)
-        else:
-            qk = apply_rope(qk, rope)  # q and k heads in one go
-            o = self.backend.forward(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta,
-                                     self.window)
+            return products(self.o_proj, o.view(t, h * self.d))
+        qk = apply_rope(qk, rope)  # q and k heads in one go
+        o = self.backend.forward(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta, self.window)
         return self.o_proj(o.view(t, h * self.d))
 
 

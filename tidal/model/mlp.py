@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.model.config import ModelArch
+from tidal.model.linear import products
 
 
 def activation(name: str):
@@ -45,13 +46,13 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
     def fused(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
-        """forward with SiLU(gate) * up as one kernel (`silu_mul(gate_up, dtype)`), which
-        reads gate_up as the projection leaves it: a GGUF projection's bf16 tiles' products
-        stay bf16 (no float32 copy of them is written and read back)."""
-        proj = self.gate_up_proj
-        y = proj(x, bf16_out=True) if getattr(proj, "takes_bf16_out", False) else proj(x)
-        return self.down_proj(silu_mul(y.view(-1, y.shape[-1]), x.dtype).view(
-            *x.shape[:-1], -1))
+        """forward with SiLU(gate) * up as one kernel (`silu_mul(gate_up, dtype)`) for the
+        fused ops, which read the projections' products as they leave them: a GGUF
+        projection's bf16 tiles' products stay bf16 (no float32 copy of them is written and
+        read back), gate/up's and, for the next fused norm, down's."""
+        y = products(self.gate_up_proj, x)
+        act = silu_mul(y.view(-1, y.shape[-1]), x.dtype).view(*x.shape[:-1], -1)
+        return products(self.down_proj, act)
 
 
 class SparseMoE(nn.Module):

@@ -17,16 +17,17 @@ void add_into(T* h, const T* y, int64_t n) {
 }
 
 // sum = h + y (rounded like a bf16 add; y null: sum = h), then
-// x = weight * T(sum * rsqrt(mean sum^2 + eps)). `sum` may be h itself (in place).
-template <typename T>
-void add_rms_norm(const T* h, const T* y, T* sum, const T* weight, T* x, int64_t rows,
+// x = weight * T(sum * rsqrt(mean sum^2 + eps)). `sum` may be h itself (in place); y may be
+// bf16 under a float32 h (a projection's bf16 products, added as their float32 copy would be).
+template <typename T, typename Y = T>
+void add_rms_norm(const T* h, const Y* y, T* sum, const T* weight, T* x, int64_t rows,
                   int64_t dim, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* hr = h + r * dim;
       T* sr = sum + r * dim;
       if (y != nullptr) {
-        const T* yr = y + r * dim;
+        const Y* yr = y + r * dim;
         for (int64_t i = 0; i < dim; ++i) sr[i] = round_to<T>(f32(hr[i]) + f32(yr[i]));
       } else if (sr != hr) {
         std::copy_n(hr, dim, sr);

@@ -1,8 +1,8 @@
 // The PyTorch path's fused ops on CPU (tidal.model.kernels.cpu_fused_kernels): the steps the
 // C++ decoder does not take (prompts, mixed steps) run their norms, residual adds, RoPE,
 // KV writes and SiLU * up through the decoder's own loops instead of chains of eager ops,
-// each of which streams a step's whole [tokens, width] activations through memory. They take the
-// arguments of the Triton kernels (tidal/model/kernels/norm.py, rope_cache.py) and round
+// each of which streams a step's whole [tokens, width] activations through memory. They
+// take the Triton kernels' arguments (tidal/model/kernels/norm.py, rope_cache.py) and round
 // as the eager ops do (bf16 after each op; float32 differs only in the RMSNorm sum's order).
 
 #include "elementwise.h"
@@ -20,24 +20,38 @@ auto with_model_type(const Tensor& x, F&& f) {
   return f.template operator()<BFloat16>();
 }
 
+// RMSNorm of x, or with `residual` of x + residual (x of residual's dtype, or bf16 products
+// under a float32 residual): (normed, sum) in the residual's dtype.
 std::tuple<Tensor, Tensor> norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
                                 double eps) {
   const int64_t hidden = x.size(-1);
-  TORCH_CHECK_VALUE(
-      weight.dim() == 1 && weight.size(0) == hidden && weight.scalar_type() == x.scalar_type(),
-      "RMSNorm weight must be [", hidden, "] of the rows' dtype");
-  TORCH_CHECK_VALUE(!residual.defined() || (residual.sizes() == x.sizes() &&
-                                            residual.scalar_type() == x.scalar_type()),
+  const Tensor& stream = residual.defined() ? residual : x;  // of the model's dtype
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == hidden &&
+                        weight.scalar_type() == stream.scalar_type(),
+                    "RMSNorm weight must be [", hidden, "] of the rows' dtype");
+  TORCH_CHECK_VALUE(!residual.defined() ||
+                        (residual.sizes() == x.sizes() &&
+                         (x.scalar_type() == residual.scalar_type() ||
+                          (x.scalar_type() == at::kBFloat16 &&
+                           residual.scalar_type() == at::kFloat))),
                     "the residual does not match x's shape and dtype");
   const Tensor xc = x.contiguous(), w = weight.contiguous();
   const Tensor rc = residual.defined() ? residual.contiguous() : Tensor();
-  Tensor out = at::empty_like(xc), sum = residual.defined() ? at::empty_like(xc) : Tensor();
+  Tensor out = at::empty_like(stream, at::MemoryFormat::Contiguous);
+  Tensor sum = residual.defined() ? at::empty_like(out) : Tensor();
   const int64_t rows = hidden == 0 ? 0 : xc.numel() / hidden;
-  with_model_type(xc, [&]<typename T>() {
-    // residual given: sum = x + residual; else the norm of x itself (sum is x, unwritten)
-    add_rms_norm<T>(xc.data_ptr<T>(), rc.defined() ? rc.data_ptr<T>() : nullptr,
-                    rc.defined() ? sum.data_ptr<T>() : const_cast<T*>(xc.data_ptr<T>()),
-                    w.data_ptr<T>(), out.data_ptr<T>(), rows, hidden, static_cast<float>(eps));
+  const float e = static_cast<float>(eps);
+  with_model_type(stream, [&]<typename T>() {
+    if (!rc.defined()) {  // the norm of x itself (sum is x, unwritten)
+      T* x_itself = const_cast<T*>(xc.data_ptr<T>());
+      add_rms_norm<T>(x_itself, static_cast<const T*>(nullptr), x_itself, w.data_ptr<T>(),
+                      out.data_ptr<T>(), rows, hidden, e);
+      return;
+    }
+    with_model_type(xc, [&]<typename Y>() {  // residual + x, as x + residual rounds
+      add_rms_norm<T, Y>(rc.data_ptr<T>(), xc.data_ptr<Y>(), sum.data_ptr<T>(),
+                         w.data_ptr<T>(), out.data_ptr<T>(), rows, hidden, e);
+    });
   });
   return {out, sum};
 }

@@ -211,9 +211,10 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor t
 
 // The PyTorch path's RMSNorm, residual add + RMSNorm and RoPE + KV write on float32 or bf16
 // rows, with the Triton kernels' arguments (tidal/model/kernels): new tensors (normed,
-// and x + residual), except that rope_and_cache rotates qk in place and returns its q and
-// k heads, after writing k and v at `slots` of the caches (of the model's dtype, bf16, or
-// quantized rows: kv_rows.h).
+// and x + residual, in the residual's dtype: x may be bf16 under a float32 residual),
+// except that rope_and_cache rotates qk in place and returns its q and k heads, after
+// writing k and v at `slots` of the caches (of the model's dtype, bf16, or quantized rows:
+// kv_rows.h).
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& residual,
                                               const Tensor& weight, double eps);
