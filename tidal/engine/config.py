@@ -85,7 +85,10 @@ class ModelConfig:
                                     "/v1/rerank score a pair by their logits (config.json's "
                                     "classifier_from_token does the same). Unset: a "
                                     "*ForSequenceClassification checkpoint's head, if any.")
-    kv_cache_dtype: str = knob("auto", "The KV cache's elements: 'auto' the model's dtype; "
+    kv_cache_dtype: str = knob("auto", "The KV cache's elements: 'auto' the model's dtype, "
+                               "but bfloat16 for weights in their own formats (float32 "
+                               "activations) on a CPU with AMX, where reading K and V is a "
+                               "third of a many-row decode step; "
                                "'bfloat16' half of float32's bytes under a float32 model "
                                "(values rounded to nearest even); "
                                "'int8' or 'fp8_e4m3' one byte a value with a float32 scale "

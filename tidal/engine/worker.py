@@ -20,7 +20,7 @@ from tidal.core.kv_tiers import TierReport
 from tidal.core.outputs import KVLoad
 from tidal.engine.config import EngineConfig, LoRAConfig, ModelConfig, SpeculativeConfig
 from tidal.engine.decode_graphs import CudaGraphCapture
-from tidal.engine.device import pick_device
+from tidal.engine.device import pick_device, pick_kv_cache_dtype
 from tidal.engine.host_memory import keep_freed_memory
 from tidal.engine.kv_cache import KVCache, kv_blocks
 from tidal.engine.kv_disk import DiskKVTier, tier_folder
@@ -120,7 +120,8 @@ class Worker:
         # the C++ paged attention and lora_add run float32 and bfloat16; float16 rows on CPU
         # take PyTorch's attention and matmuls
         cpp = ext if ext is not None and self.dtype != torch.float16 else None
-        self.kv_format = kv_format = KVFormat(config.kv_cache_dtype)
+        self.kv_format = kv_format = KVFormat(
+            pick_kv_cache_dtype(config.kv_cache_dtype, device, quantization, self.dtype))
         paged = cpp.paged_decode_attention if cpp else (
             paged_decode_kernel() if on_gpu else None)
         backend = TorchAttention.for_arch(arch, paged,
