@@ -163,7 +163,7 @@ def generate(folder: Path, rounded: bool = False):
     every projection but the head sees its inputs rounded as the kernels round them
     (PyTorch ops, no C++ decoder)."""
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4,
-              cpu_decoder=not rounded)
+              cpu_decoder=not rounded, kv_cache_dtype="float32")  # both: the reference's KV
     if rounded:
         model = llm.engine.runner.model
         model.prompt_rows = PromptRows()  # each pass's prompt rows, as the GGUF model's

@@ -1,6 +1,7 @@
-"""Quantized and bf16 KV (`--kv-cache-dtype int8|fp8_e4m3|bfloat16`): rows decode within
-half a code step (bf16: torch's rounding, from the C++ decoder too); the ten architectures'
-logprobs drift within stated bounds of float KV; the pool holds the tokens the bytes allow;
+"""Quantized and bf16 KV (`--kv-cache-dtype int8|fp8_e4m3|bfloat16`, and `auto`'s bf16 rows
+for own formats on AMX): rows decode within half a code step (bf16: torch's rounding, from
+the C++ decoder too); the ten architectures' logprobs drift within stated bounds of float
+KV; the pool holds the tokens the bytes allow (float32 rows refused under a bf16 model);
 block I/O keeps formats apart; the embedded model's perplexity on real text stays within 1%
 of float KV."""
 
@@ -110,19 +111,40 @@ def test_logprobs_drift_within_bounds_on_each_family(tmp_path, name):
         assert 0 < mean <= drift and same >= agreement, (kv, mean, same)
 
 
+def test_auto_is_bf16_rows_for_own_formats_on_amx(monkeypatch):
+    """`auto` resolves to bf16 rows for weights in their own formats (float32 activations)
+    on a CPU with AMX, and to the model's dtype otherwise; an explicit format stays."""
+    from tidal.engine import device
+
+    f32 = torch.float32
+    for flags, quantization, dtype, want in [
+            ({"amx_bf16"}, "gguf", f32, "bfloat16"), ({"amx_bf16"}, "awq", f32, "bfloat16"),
+            ({"avx512_bf16"}, "gguf", f32, "auto"), ({"amx_bf16"}, "none", f32, "auto"),
+            ({"amx_bf16"}, "gguf", torch.bfloat16, "auto")]:
+        monkeypatch.setattr(device, "cpu_flags", lambda: flags)
+        assert device.pick_kv_cache_dtype("auto", "cpu", quantization, dtype) == want
+    assert device.pick_kv_cache_dtype("auto", "cuda", "gguf", f32) == "auto"
+    assert device.pick_kv_cache_dtype("float32", "cpu", "gguf", f32) == "float32"
+
+
 def test_the_pool_holds_the_tokens_its_bytes_allow(tmp_path):
     folder = small_folder(tmp_path, "llama", "llama")
     arch = ModelArch.from_folder(folder)
     blocks = {}
+    row_bytes = {"auto": 64, "bfloat16": 32, "float32": 64}  # rows of 16 values, float32 model
     for kv in KV_CACHE_DTYPES:
+        # bf16 rows of 16 values: 32 bytes; coded: 16 codes and a 4-byte scale; float32: 64
+        assert KVFormat(kv).bytes_per_token(arch, torch.float32) == (
+            2 * arch.num_layers * arch.num_kv_heads * row_bytes.get(kv, 20))
+        if kv == "float32":  # more than a bf16 model's values hold: refused
+            with pytest.raises(ValueError, match="--kv-cache-dtype float32 holds more"):
+                LLM(str(folder), dtype="bfloat16", kv_cache_dtype=kv)
+            continue
         llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory=2**22, block_size=16,
                   kv_cache_dtype=kv)
         blocks[kv] = llm.engine.runner.kv.num_blocks
-        # bf16 rows of 16 values: 32 bytes; coded: 16 codes and a 4-byte scale; float32: 64
         assert KVFormat(kv).bytes_per_token(arch, torch.bfloat16) == (
             2 * arch.num_layers * arch.num_kv_heads * (20 if kv in CODES else 32))
-        assert KVFormat(kv).bytes_per_token(arch, torch.float32) == (
-            2 * arch.num_layers * arch.num_kv_heads * {"auto": 64, "bfloat16": 32}.get(kv, 20))
         llm.close()
     assert blocks["bfloat16"] == blocks["auto"]  # a bf16 model's own dtype
     for kv in CODES:  # head_dim 16: 32 / 20 = 1.6x; the embedded model's 64: 128 / 68

@@ -378,6 +378,7 @@ def test_a_restarted_server_answers_a_known_prompt_from_the_disk_tier(tmp_path):
     import torch
 
     from server_fixtures import Server, metric, openai_client
+    from tidal.engine.device import pick_kv_cache_dtype
     from tidal.model.config import ModelArch
     from tidal.model.kv_quant import KVFormat
     from tidal.model.registry import resolve_model
@@ -394,8 +395,10 @@ def test_a_restarted_server_answers_a_known_prompt_from_the_disk_tier(tmp_path):
             loaded = metric(server.url, "tidal:kv_disk_loaded_blocks_total")
             computed = metric(server.url, "tidal:prompt_tokens_total")
             held = metric(server.url, "tidal:kv_disk_blocks")
-            # bytes: the embedded model's float32 K and V of 16 tokens a block
-            block = 16 * KVFormat().bytes_per_token(
+            # bytes: the embedded model's K and V of 16 tokens a block, in the default's
+            # format (float32, or bf16 rows on a CPU with AMX)
+            kv = KVFormat(pick_kv_cache_dtype("auto", "cpu", "gguf", torch.float32))
+            block = 16 * kv.bytes_per_token(
                 ModelArch.from_folder(resolve_model("smollm2-135m")[0]), torch.float32)
             assert metric(server.url, "tidal:kv_cache_bytes") == 256 * block
             assert held > 0 and metric(server.url, "tidal:kv_disk_bytes") == held * block

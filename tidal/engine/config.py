@@ -18,7 +18,7 @@ from tidal.core.policies import POLICIES, option_fields
 from tidal.engine.parallel_config import ParallelConfig
 from tidal.spec import METHODS
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")  # tidal.model.kv_quant's formats
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")  # kv_quant's formats
 QUANTIZATIONS = ("auto", "gguf", "gptq", "awq", "none", "int8", "int4")
 STAGE_SPIN_COUNT = 10000  # omp_spin_count of pipeline stages that take turns
 
@@ -88,7 +88,8 @@ class ModelConfig:
     kv_cache_dtype: str = knob("auto", "The KV cache's elements: 'auto' the model's dtype, "
                                "but bfloat16 for weights in their own formats (float32 "
                                "activations) on a CPU with AMX, where reading K and V is a "
-                               "third of a many-row decode step; "
+                               "third of a many-row decode step; 'float32' a float32 "
+                               "model's own (its 'auto' elsewhere); "
                                "'bfloat16' half of float32's bytes under a float32 model "
                                "(values rounded to nearest even); "
                                "'int8' or 'fp8_e4m3' one byte a value with a float32 scale "

@@ -122,6 +122,10 @@ class Worker:
         cpp = ext if ext is not None and self.dtype != torch.float16 else None
         self.kv_format = kv_format = KVFormat(
             pick_kv_cache_dtype(config.kv_cache_dtype, device, quantization, self.dtype))
+        if kv_format.storage(self.dtype).itemsize > self.dtype.itemsize:
+            raise ValueError(f"--kv-cache-dtype {kv_format.name} holds more than the model's "
+                             f"{str(self.dtype).split('.')[-1]} values: use it with --dtype "
+                             "float32")
         paged = cpp.paged_decode_attention if cpp else (
             paged_decode_kernel() if on_gpu else None)
         backend = TorchAttention.for_arch(arch, paged,

@@ -1,7 +1,8 @@
 """The KV cache's element format: the model's dtype, bfloat16 under a float32 model
 (`--kv-cache-dtype bfloat16`: half the bytes, each value rounded to nearest even as torch
-rounds it), or 8-bit codes with a scale per token and KV head (`--kv-cache-dtype
-int8|fp8_e4m3`).
+rounds it; `auto` for own formats on AMX, tidal.engine.device.pick_kv_cache_dtype), float32
+(a float32 model's own, where `auto` is bf16), or 8-bit codes with a scale per token and KV
+head (`--kv-cache-dtype int8|fp8_e4m3`).
 
 A quantized cache row (one token's one KV head) is `head_dim` one-byte codes followed by
 the row's float32 scale: x ~= code * scale, scale = max|x| / the code's largest value (127,
@@ -25,7 +26,8 @@ from tidal.model.config import KV_SCALE_BYTES
 
 SCALE_BYTES = KV_SCALE_BYTES  # the float32 scale after each row's codes
 CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}  # the formats' code dtypes
-FLOATS = {"bfloat16": torch.bfloat16}  # formats of rounded values, without a scale
+# formats of values without a scale (float32: a float32 model's own, where `auto` is bf16)
+FLOATS = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)

@@ -137,12 +137,13 @@ def hardware(name: str) -> Hardware:
 
 
 def kv_token_bytes(arch: ModelArch, hw: Hardware, kv_cache_dtype: str = "auto") -> int:
-    """A token's KV bytes on `hw`: its dtype's, bf16's, or one byte a value and a 4-byte
+    """A token's KV bytes on `hw`: its dtype's, bf16's, float32's, or one byte a value and a 4-byte
     scale a row with a quantized --kv-cache-dtype (tidal.model.kv_quant)."""
     if kv_cache_dtype == "auto":
         return arch.kv_bytes_per_token(hw.dtype_bytes)
-    if kv_cache_dtype == "bfloat16":
-        return arch.kv_bytes_per_token(2)
+    floats = {"bfloat16": 2, "float32": 4}
+    if kv_cache_dtype in floats:
+        return arch.kv_bytes_per_token(floats[kv_cache_dtype])
     return arch.kv_bytes_per_token(1, KV_SCALE_BYTES)
 
 
