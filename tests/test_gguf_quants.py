@@ -186,6 +186,31 @@ def test_prompt_rows_are_rounded_twice(qtype):
     np.testing.assert_allclose(got[0], got[1], rtol=1e-5, atol=1e-5 * np.abs(got[0]).max())
 
 
+@pytest.mark.skipif(EXT is None or not EXT.gguf_amx_bf16, reason="needs AMX bf16 tiles")
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_amx_bf16_tiles_give_the_dequantized_tiles_products(qtype):
+    """Steps past the int8 tiles, in whole panels of 16 weight rows, take the AMX bf16 tiles:
+    each output is bf16(x) @ bf16(W)^T summed in float32 and rounded to bf16 (in float32 and
+    bf16 outputs alike), at row counts that fill the tiles or leave a last one partly empty,
+    two parts side by side (a fused q/k/v's) each into its own columns."""
+    rng = np.random.default_rng(int(qtype) + 29)
+    n, other, k = 48, 32, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
+    raw, raw2 = weight_bytes(qtype, n, k, rng), weight_bytes(QT.Q8_0, other, k, rng)
+    layer = GGUFLinear([QuantizedWeight("w", raw, qtype, (n, k)),
+                        QuantizedWeight("v", raw2, QT.Q8_0, (other, k))], max_rows=0)
+
+    def bf16(a):
+        return torch.from_numpy(np.asarray(a, np.float32)).to(torch.bfloat16).double().numpy()
+    w = bf16(np.concatenate([dequantized(raw, qtype), dequantized(raw2, QT.Q8_0)]))
+    for rows in (17, 64, 100, 300):
+        x = exact_x(rows, k, rng)  # as the int8 grid and bf16 hold it
+        got = layer(torch.from_numpy(x)).double().numpy()
+        assert np.array_equal(got, bf16(got))  # products rounded to bf16
+        assert np.array_equal(layer(torch.from_numpy(x), bf16_out=True).double().numpy(), got)
+        ref = x.astype(np.float64) @ w.T
+        np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-5 * np.abs(ref).max())
+
+
 @needs_ext
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 def test_prompt_rows_on_bf16_tiles_are_x_itself(qtype):

@@ -67,12 +67,17 @@ NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # CPUs with AMX: planar 32-weight formats (PLANAR) and the K-quants (K_QUANTS) multiply steps
 # of AMX_ROWS rows or more in AMX int8 tiles (csrc/gguf_amx.h: the VNNI kernels' integer sums,
 # for PLANAR their float operations too where in_features is a multiple of 512) up to
-# AMX_MAX_ROWS rows, past which dequantized tiles take over. Up to 16 rows (one request
+# AMX_MAX_ROWS rows (K_AMX_MAX_ROWS with a K-quant part), past which bf16 tiles take over:
+# AMX bf16 tiles of each panel's weights (csrc/gguf_amx_bf16.h), whose sums need no float
+# work a block (2048x2048 at 64 rows: Q4_1 0.61 ms against the int8 tiles' 0.82, Q6_K 0.58
+# against 0.94; at 32 rows K-quants 0.43-0.45 against 0.46-0.54, Q4_1 ties), oneDNN's GEMMs
+# over dequantized tiles for steps of more than ~1.5 MB of x. Up to 16 rows (one request
 # verifying 15 guesses) stay on the VNNI kernels, so a row's result does not depend on the
 # rows beside it there.
 K_QUANTS = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
 AMX_ROWS = 17
-AMX_MAX_ROWS = 96
+AMX_MAX_ROWS = 48
+K_AMX_MAX_ROWS = 32
 # Dequantized tiles in bf16 (the default of GGUFLinear's `tile_bf16`): on CPUs with AMX, whose
 # bf16 GEMMs run several times faster than float32 ones.
 TILE_BF16 = "amx_bf16" in cpu_flags()
@@ -313,7 +318,9 @@ class GGUFLinear(nn.Module):
         self.amx_rows = (AMX_ROWS if amx_rows is None else amx_rows) if amx else 0
         if max_rows is None:  # the crossover of the parts' kernels
             nibbles = all(w.qtype in NIBBLES and w.planar for w in self.parts)
-            max_rows = (AMX_MAX_ROWS if self.amx_rows else NIBBLE_MAX_ROWS if nibbles
+            amx_max = (K_AMX_MAX_ROWS if any(w.qtype in K_QUANTS for w in self.parts)
+                       else AMX_MAX_ROWS)
+            max_rows = (amx_max if self.amx_rows else NIBBLE_MAX_ROWS if nibbles
                         else MAX_ROWS)
         self.max_rows = max_rows if ext is not None else 0
         self.twice_max_rows = min(self.max_rows, TWICE_MAX_ROWS)

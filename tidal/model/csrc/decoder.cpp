@@ -362,4 +362,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.attr("gguf_nibble_rounds") = gguf_nibble_rounds();
   m.attr("gguf_amx") = gguf_amx();
+  m.attr("gguf_amx_bf16") = gguf_amx_bf16();
 }

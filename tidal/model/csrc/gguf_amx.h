@@ -319,6 +319,21 @@ inline void store16(T* p, __m512 v) {
 }
 template <>
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// 16 floats rounded to bf16 as round_to rounds them (to nearest even; NaN as 0x7fc0), as
+// the bf16 bits in each lane's low half.
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+}
+template <>
+inline void store16(BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
 
 // A panel's 16 weight rows into L2, fetched while the panel before it runs: its rows (and
 // their scale planes) are 16 streams at once, more than the hardware prefetchers follow.

@@ -7,6 +7,7 @@
 #include "tidal_cpu.h"
 #include "gguf_formats.h"
 #include "gguf_amx.h"
+#include "gguf_amx_bf16.h"
 #include "gguf_dot32.h"
 #include "gguf_dot8.h"
 #include "gguf_kdot.h"
@@ -290,27 +291,63 @@ void rows_into(const GGUFPart& p, int64_t start, const Tensor& ids, Tensor& out)
   });
 }
 
-// x ([rows, k], float or bf16) as the integer kernels see it, in float32: each group of 32
-// d * q.
-Tensor rounded(const Tensor& x) {
+// x ([rows, k], float or bf16) as the integer kernels see it, each group of 32 d * q, in
+// `dtype` (float32 or bf16); `out_rows` (>= rows) pads the result with rows of zeros.
+Tensor rounded(const Tensor& x, at::ScalarType dtype = at::kFloat, int64_t out_rows = 0) {
   const int64_t rows = x.size(0), k = x.size(1);
-  Tensor xs = at::empty({rows, k}, x.options().dtype(at::kFloat));
+  Tensor xs = at::empty({std::max(rows, out_rows), k}, x.options().dtype(dtype));
+  if (out_rows > rows) xs.narrow(0, rows, out_rows - rows).zero_();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_rounded", [&] {
     const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k, false, 0);
-    float* out = xs.data_ptr<float>();
-    at::parallel_for(0, rows * k / kGroup, 256, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const float d = a.d[g];
-        for (int64_t i = 0; i < kGroup; ++i)
-          out[g * kGroup + i] = d * static_cast<float>(a.q[g * kGroup + i]);
-      }
-    });
+    const auto fill = [&](auto* out) {
+      at::parallel_for(0, rows * k / kGroup, 256, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) {
+          const float d = a.d[g];
+          for (int64_t i = 0; i < kGroup; ++i)
+            out[g * kGroup + i] = d * static_cast<float>(a.q[g * kGroup + i]);
+        }
+      });
+    };
+    if (dtype == at::kFloat) fill(xs.data_ptr<float>());
+    else fill(xs.data_ptr<at::BFloat16>());
   });
   return xs;
 }
 
 // What rounding leaves of rows x (float32): rounded once more, it carries x's next 7 bits.
 Tensor residual(const Tensor& x) { return x - rounded(x); }
+
+#ifdef TIDAL_GGUF_AMX_BF16
+// The most bytes of x (bf16) the AMX bf16 tiles take (gguf_amx_bf16.h, which reads x again
+// for each panel: from L2 up to about this); past it oneDNN's GEMMs over dequantized tiles.
+constexpr int64_t kBf16TileBytes = 3 << 19;
+
+bool bf16_tiles_take(const Tensor& x, const GGUFProjection& g) {
+  return g.tile_bf16 && g.amx_rows > 0 && g.panels && 2 * x.numel() <= kBf16TileBytes;
+}
+
+// y = xs W^T through the AMX bf16 tiles, every part in whole panels; xs: bf16, its rows
+// padded to a multiple of 16 (the rows past y's any values).
+void bf16_tiles(const Tensor& xs, const GGUFProjection& g, Tensor& y) {
+  TORCH_CHECK(xs.is_contiguous() && xs.size(0) % 16 == 0 && xs.size(0) >= y.size(0));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  int64_t col = 0;
+  for (const GGUFPart& p : g.parts) {
+    with_format(p.type, [&](auto format) {
+      using F = decltype(format);
+      const auto run = [&](auto* out) {
+        amx_bf16_linear<F>(xp, y.size(0), g.in_features, p.data.data_ptr<uint8_t>(),
+                           p.data.size(1), p.planar, 0, p.data.size(0), out + col, y.size(1));
+      };
+      if (y.scalar_type() == at::kFloat) run(y.data_ptr<float>());
+      else run(y.data_ptr<at::BFloat16>());
+    });
+    col += p.data.size(0);
+  }
+}
+#else
+bool bf16_tiles_take(const Tensor&, const GGUFProjection&) { return false; }
+#endif
 
 // Steps of many rows: tiles of dequantized weight rows that oneDNN multiplies (the extra
 // memory stays one tile however large the weight; the rows bucketed as every CPU GEMM's)
@@ -322,26 +359,37 @@ Tensor residual(const Tensor& x) { return x - rounded(x); }
 // x's dtype. bf16 keeps 8 bits of a value, fewer than the twice-rounded rows' ~15, so those
 // rows are x itself there (and a step of prompt rows alone is x, rounded once to bf16).
 Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice, bool bf16_out) {
+  const bool amx = bf16_tiles_take(x, g);  // x's rows then padded to whole tiles of 16
+  const int64_t padded = amx ? (x.size(0) + 15) / 16 * 16 : x.size(0);
   Tensor xs;
   if (g.tile_bf16 && twice.defined()) {  // the rows twice (a pass's prompt rows, unique): x
     xs = x.to(at::kBFloat16);
+    if (padded > x.size(0)) xs = at::constant_pad_nd(xs, {0, 0, 0, padded - x.size(0)});
     if (twice.size(0) < x.size(0)) {  // the others (decode rows) on the int8 grid
       const Tensor others = at::ones({x.size(0)}, x.options().dtype(at::kBool))
                                 .index_fill_(0, twice, false).nonzero().view(-1);
       xs.index_copy_(0, others, rounded(x.index_select(0, others)).to(at::kBFloat16));
     }
+  } else if (g.tile_bf16) {  // float32 inputs too: AMX's GEMMs
+    xs = rounded(x, at::kBFloat16, padded);
   } else {
     xs = rounded(x);
     if (twice.defined())  // what xs left of those rows, rounded
       xs.index_add_(0, twice, rounded(x.index_select(0, twice).to(at::kFloat) -
                                       xs.index_select(0, twice)));
-    if (g.tile_bf16) xs = xs.to(at::kBFloat16);  // float32 inputs too: AMX's GEMMs
   }
   // y in x's dtype (each product converted by the copy that places it), or in bf16, the
   // products' own, where the caller takes it and no bias is added
   const bool bf16 = bf16_out && g.tile_bf16 && !g.bias.defined();
-  Tensor y = at::empty({xs.size(0), g.out_features},
+  Tensor y = at::empty({x.size(0), g.out_features},
                        x.options().dtype(bf16 ? at::kBFloat16 : x.scalar_type()));
+#ifdef TIDAL_GGUF_AMX_BF16
+  if (amx) {
+    bf16_tiles(xs, g, y);
+    if (g.bias.defined()) y.add_(g.bias.to(y.scalar_type()));
+    return y;
+  }
+#endif
   Tensor tile = at::empty({g.tile_rows, xs.size(1)}, xs.options());
   int64_t col = 0;
   for (const GGUFPart& p : g.parts) {
@@ -450,6 +498,14 @@ void gguf_get_rows(const GGUFPart& w, const Tensor& ids, Tensor out) {
 }
 
 bool gguf_nibble_rounds() { return kNibbleRounds; }
+
+bool gguf_amx_bf16() {
+#ifdef TIDAL_GGUF_AMX_BF16
+  return amx_allowed();
+#else
+  return false;
+#endif
+}
 
 bool gguf_amx() {
 #ifdef TIDAL_GGUF_AMX

@@ -181,6 +181,7 @@ void gguf_get_rows(const GGUFPart& w, const Tensor& ids, Tensor out);
 // Whether this build reads planar nibble quants in rounds (GGUFPart::rounds).
 bool gguf_nibble_rounds();
 bool gguf_amx();  // whether GGUF projections may take AMX int8 tiles here
+bool gguf_amx_bf16();  // ... and AMX bf16 tiles for steps of many rows
 
 // ---------------------------------------------------------------- paged attention
 // (paged_attention.cpp; T float or BFloat16, each over caches of C = T, int8_t or F8: the

@@ -1,0 +1,151 @@
+// GGUF weights through AMX bf16 tiles, for steps of many rows: each panel of 16 weight rows is
+// unpacked once (gguf_amx.h's Panel: its units' bytes, scales d and offsets), its weights
+// d q + offset rounded to bf16 as `dequantize` rounds them and laid out as TDPBF16PS's B
+// tiles, then multiplied by x in bf16 with the products summed in the tiles' float32 over
+// all of k and rounded to bf16. No float work a block and row (the int8 tiles' cost), and no
+// dequantized copy of the weight in memory (the oneDNN tiles' cost): the products are the
+// dequantized tiles' up to float32 rounding of the sums.
+
+#pragma once
+
+#include "gguf_amx.h"
+
+#if defined(TIDAL_GGUF_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TIDAL_GGUF_AMX_BF16 1
+
+namespace tidal_cpu {
+namespace gguf {
+
+// A panel's 16 weight rows in bf16 as B tiles: tile t (weights 32t .. 32t + 31) row i, lane
+// j: weights 32t + 2i and 32t + 2i + 1 of weight row j.
+struct Bf16Panel {
+  std::vector<__m512i> rows;  // [k / 32][16]
+  explicit Bf16Panel(int64_t k) : rows(k / 2) {}
+
+  // The weights of an unpacked panel of nu units: unit u's tile row i holds weights 4i ..
+  // 4i + 3 of each weight row as bytes (kSigned: signed, no offset), each d q + offset.
+  template <bool kSigned>
+  void from(const Panel& p, int64_t nu) {
+    alignas(64) static const int16_t kInterleave[32] = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_load_si512(kInterleave);
+    const int n = p.width / 4;  // a unit's tile rows
+    for (int64_t u = 0; u < nu; ++u) {
+      const __m512 d = _mm512_loadu_ps(&p.d[u * 16]), off = _mm512_loadu_ps(&p.off[u * 16]);
+      __m512i* out = &rows[u * 2 * n];
+      for (int i = 0; i < n; ++i) {
+        const __m512i v = _mm512_loadu_si512(&p.tiles[(u * n + i) * 64]);
+        __m512 w[4];
+        for (int b = 0; b < 4; ++b) {
+          const __m512i q =
+              kSigned ? _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24)
+                      : _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(255));
+          w[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, off);
+        }
+        // cvtne2ps gives [w0's 16 | w1's 16] in bf16; the permute pairs lane j's two
+        out[2 * i] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+        out[2 * i + 1] =
+            _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]));
+      }
+    }
+  }
+};
+
+// Tiles 0-3: the sums of up to four tiles of 16 rows; 4 and 6: x's rows; 5 and 7: weights.
+struct alignas(64) Bf16TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  Bf16TileConfig() {
+    for (int t = 0; t < 8; ++t) rows[t] = 16, colsb[t] = 64;
+  }
+};
+
+// N (1-4) tiles of 16 rows of x (bf16, row stride k) against one panel: c[i] = their sums.
+// x's tiles alternate between two registers, and the weights' between two, so that a load
+// need not wait for the product reading the register before it.
+template <int N>
+inline void bf16_rows(const uint16_t* x, int64_t k, const Bf16Panel& p, float (*c)[16][16]) {
+  const int64_t stride = 2 * k;
+  _tile_zero(0);
+  if constexpr (N > 1) _tile_zero(1);
+  if constexpr (N > 2) _tile_zero(2);
+  if constexpr (N > 3) _tile_zero(3);
+  // GCC's tile intrinsics take register numbers as literals (they paste them into asm)
+#define TIDAL_BF16_STEP(t, B)                           \
+  do {                                                  \
+    _tile_loadd(B, &p.rows[16 * (t)], 64);              \
+    _tile_loadd(4, x + 32 * (t), stride);               \
+    _tile_dpbf16ps(0, 4, B);                            \
+    if constexpr (N > 1) {                              \
+      _tile_loadd(6, x + 16 * k + 32 * (t), stride);    \
+      _tile_dpbf16ps(1, 6, B);                          \
+    }                                                   \
+    if constexpr (N > 2) {                              \
+      _tile_loadd(4, x + 32 * k + 32 * (t), stride);    \
+      _tile_dpbf16ps(2, 4, B);                          \
+    }                                                   \
+    if constexpr (N > 3) {                              \
+      _tile_loadd(6, x + 48 * k + 32 * (t), stride);    \
+      _tile_dpbf16ps(3, 6, B);                          \
+    }                                                   \
+  } while (0)
+  const int64_t nt = k / 32;
+  int64_t t = 0;
+  for (; t + 1 < nt; t += 2) {
+    TIDAL_BF16_STEP(t, 5);
+    TIDAL_BF16_STEP(t + 1, 7);
+  }
+  if (t < nt) TIDAL_BF16_STEP(t, 5);
+#undef TIDAL_BF16_STEP
+  _tile_stored(0, c[0], 64);
+  if constexpr (N > 1) _tile_stored(1, c[1], 64);
+  if constexpr (N > 2) _tile_stored(2, c[2], 64);
+  if constexpr (N > 3) _tile_stored(3, c[3], 64);
+}
+
+// v rounded to bf16, as float32: the tiles' products in bf16, as oneDNN's bf16 GEMMs give
+// them, so an output in float32 holds the very values one in bf16 does.
+inline __m512 as_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+
+// y[:, o0 .. o1) (o1 - o0 a multiple of 16) of `rows` rows of x ([rows rounded up to 16, k]
+// bf16, the rows past `rows` any values) for one weight of format F (the 32-weight formats
+// planar; the K-quants in either layout).
+template <typename F, typename T>
+void amx_bf16_linear(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* w,
+                     int64_t row_bytes, bool planar, int64_t o0, int64_t o1, T* y, int64_t ld) {
+  using U = Units<F>;
+  const int64_t nb = k / F::kBlock, nu = k / U::kWidth, tiles = (rows + 15) / 16;
+  at::parallel_for(o0 / 16, o1 / 16, 1, [&](int64_t p0, int64_t p1) {
+    const Bf16TileConfig config;
+    _tile_loadconfig(&config);
+    Panel panel(nu, U::kWidth);
+    Bf16Panel weights(k);
+    Field f[16][F::kFields];
+    alignas(64) float c[4][16][16];
+    for (int64_t p = p0; p < p1; ++p) {
+      if (p + 1 < p1) prefetch_panel(w + 16 * (p + 1) * row_bytes, row_bytes);
+      for (int j = 0; j < 16; ++j) fields<F>(w + (16 * p + j) * row_bytes, nb, planar, f[j]);
+      panel.unpack<F>(f, nb);
+      weights.from<U::kSigned>(panel, nu);
+      for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+        const int n = static_cast<int>(std::min<int64_t>(4, tiles - t0));
+        const uint16_t* xt = x + 16 * t0 * k;
+        if (n == 4) bf16_rows<4>(xt, k, weights, c);
+        else if (n == 3) bf16_rows<3>(xt, k, weights, c);
+        else if (n == 2) bf16_rows<2>(xt, k, weights, c);
+        else bf16_rows<1>(xt, k, weights, c);
+        for (int64_t r = 16 * t0; r < std::min(rows, 16 * (t0 + n)); ++r)
+          store16(y + r * ld + 16 * p, as_bf16(_mm512_load_ps(c[(r / 16) - t0][r % 16])));
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace gguf
+}  // namespace tidal_cpu
+#endif
