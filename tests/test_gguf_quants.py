@@ -192,7 +192,8 @@ def test_amx_bf16_tiles_give_the_dequantized_tiles_products(qtype):
     """Steps past the int8 tiles, in whole panels of 16 weight rows, take the AMX bf16 tiles:
     each output is bf16(x) @ bf16(W)^T summed in float32 and rounded to bf16 (in float32 and
     bf16 outputs alike), at row counts that fill the tiles or leave a last one partly empty,
-    two parts side by side (a fused q/k/v's) each into its own columns."""
+    two parts side by side (a fused q/k/v's) each into its own columns, and steps taken in
+    passes of rows (1,100 rows of 768 values: a pass holds 1,024)."""
     rng = np.random.default_rng(int(qtype) + 29)
     n, other, k = 48, 32, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
     raw, raw2 = weight_bytes(qtype, n, k, rng), weight_bytes(QT.Q8_0, other, k, rng)
@@ -202,7 +203,7 @@ def test_amx_bf16_tiles_give_the_dequantized_tiles_products(qtype):
     def bf16(a):
         return torch.from_numpy(np.asarray(a, np.float32)).to(torch.bfloat16).double().numpy()
     w = bf16(np.concatenate([dequantized(raw, qtype), dequantized(raw2, QT.Q8_0)]))
-    for rows in (17, 64, 100, 300):
+    for rows in (17, 64, 100, 300, 1100):
         x = exact_x(rows, k, rng)  # as the int8 grid and bf16 hold it
         got = layer(torch.from_numpy(x)).double().numpy()
         assert np.array_equal(got, bf16(got))  # products rounded to bf16

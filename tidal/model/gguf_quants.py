@@ -287,8 +287,9 @@ class GGUFLinear(nn.Module):
     extension (`projection`, which the C++ decoder shares) steps of at most `max_rows` rows
     (None: the parts' kernels' crossover, MAX_ROWS, NIBBLE_MAX_ROWS or AMX_MAX_ROWS) run the
     integer kernels, from `amx_rows` rows (None: AMX_ROWS where the CPU grants AMX and every
-    part is a planar 32-weight format or a K-quant; 0: never) in AMX int8 tiles with the same
-    integer sums, and larger ones multiply tiles of `tile_rows` dequantized rows
+    part is a planar 32-weight format or a K-quant; 0: never, nor AMX bf16 tiles) in AMX int8
+    tiles with the same integer sums, and larger ones multiply dequantized weights (AMX bf16
+    tiles of each panel's, or oneDNN over tiles of `tile_rows` rows)
     by the activations rounded as the integer kernels round them: float32 tiles, the same
     sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
     (of float32 inputs too) on CPUs with AMX, whose bf16 GEMMs run several times faster (serving
