@@ -127,7 +127,6 @@ void amx_bf16_linear(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* 
     Field f[16][F::kFields];
     alignas(64) float c[4][16][16];
     for (int64_t p = p0; p < p1; ++p) {
-      if (p + 1 < p1) prefetch_panel(w + 16 * (p + 1) * row_bytes, row_bytes);
       for (int j = 0; j < 16; ++j) fields<F>(w + (16 * p + j) * row_bytes, nb, planar, f[j]);
       panel.unpack<F>(f, nb);
       weights.from<U::kSigned>(panel, nu);
