@@ -99,14 +99,19 @@ def main() -> None:
     dtype = args.crossover_dtype
     for shape in args.crossover_shapes.split(","):
         n, k = (int(d) for d in shape.split("x"))
-        print(f"--- {n}x{k}: integer kernel (AMX tiles from their rows, where the CPU has "
-              f"them) / VNNI or AVX2 kernel / dequantized tiles, ms, by rows {crossover}, "
+        print(f"--- {n}x{k}: integer kernel (AMX int8 tiles from their rows, where the CPU "
+              f"has them) / VNNI or AVX2 kernel / tiles (AMX bf16 tiles of each panel where "
+              f"the CPU has them) / oneDNN over dequantized tiles, ms, by rows {crossover}, "
               f"{dtype} activations")
         for qtype in formats:
+            if k % GGML_QUANT_SIZES[qtype][0]:
+                print(f"{qtype.name:>6} - (in_features {k}: not whole blocks of this format)")
+                continue
             weight = QuantizedWeight("w", random_blocks(qtype, n, k, rng), qtype, (n, k))
             layers = [GGUFLinear(weight, max_rows=10**9),
                       GGUFLinear(weight, max_rows=10**9, amx_rows=0),
-                      GGUFLinear(weight, max_rows=0)]
+                      GGUFLinear(weight, max_rows=0),
+                      GGUFLinear(weight, max_rows=0, amx_rows=0)]
             cells = []
             for r in crossover:
                 x = torch.randn(r, k).to(getattr(torch, dtype))

@@ -285,7 +285,7 @@ class GGUFLinear(nn.Module):
     in_features: the parts' outputs side by side, so a fused q/k/v or gate/up keeps each
     part in the file's format (a Q4_K_M file has Q6_K v beside Q4_K q and k). With the C++
     extension (`projection`, which the C++ decoder shares) steps of at most `max_rows` rows
-    (None: the parts' kernels' crossover, MAX_ROWS, NIBBLE_MAX_ROWS or AMX_MAX_ROWS) run the
+    (None: the parts' kernels' crossover: MAX_ROWS, NIBBLE_MAX_ROWS, (K_)AMX_MAX_ROWS) run the
     integer kernels, from `amx_rows` rows (None: AMX_ROWS where the CPU grants AMX and every
     part is a planar 32-weight format or a K-quant; 0: never, nor AMX bf16 tiles) in AMX int8
     tiles with the same integer sums, and larger ones multiply dequantized weights (AMX bf16

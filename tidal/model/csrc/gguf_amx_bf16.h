@@ -8,6 +8,7 @@
 
 #pragma once
 
+#include "tidal_cpu.h"
 #include "gguf_amx.h"
 
 #if defined(TIDAL_GGUF_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -145,6 +146,50 @@ void amx_bf16_linear(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* 
   });
 }
 
+// The bytes of x (bf16) a pass of the AMX bf16 tiles over a weight's panels takes: each
+// panel reads them again, from L2 up to about this.
+constexpr int64_t kBf16TileBytes = 3 << 19;
+
+// Whether the AMX bf16 tiles take rows x: in one pass, or in passes of at least 512 rows
+// (in_features up to 1,536). Passes of fewer unpack each panel for too few rows: past one
+// pass at 2,048-8,192 in_features oneDNN's GEMMs over dequantized tiles ran 5-40% faster.
+inline bool bf16_tiles_take(const at::Tensor& x, const GGUFProjection& g) {
+  return g.tile_bf16 && g.amx_rows > 0 && g.panels &&
+         (2 * x.numel() <= kBf16TileBytes || 2 * 512 * g.in_features <= kBf16TileBytes);
+}
+
+// y = xs W^T through the AMX bf16 tiles, every part in whole panels, in passes of rows whose
+// x stays in L2; xs: bf16, its rows padded to a multiple of 16 (the rows past y's any values).
+inline void bf16_tiles(const at::Tensor& xs, const GGUFProjection& g, at::Tensor& y) {
+  TORCH_CHECK(xs.is_contiguous() && xs.size(0) % 16 == 0 && xs.size(0) >= y.size(0));
+  const int64_t k = g.in_features, rows = y.size(0), ld = y.size(1);
+  const int64_t pass = std::max<int64_t>(16, kBf16TileBytes / (2 * k) / 16 * 16);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  for (int64_t r0 = 0; r0 < rows; r0 += pass) {
+    const int64_t n = std::min(pass, rows - r0);
+    int64_t col = 0;
+    for (const GGUFPart& p : g.parts) {
+      with_format(p.type, [&](auto format) {
+        using F = decltype(format);
+        const auto run = [&](auto* out) {
+          amx_bf16_linear<F>(xp + r0 * k, n, k, p.data.data_ptr<uint8_t>(), p.data.size(1),
+                             p.planar, 0, p.data.size(0), out + r0 * ld + col, ld);
+        };
+        if (y.scalar_type() == at::kFloat) run(y.data_ptr<float>());
+        else run(y.data_ptr<at::BFloat16>());
+      });
+      col += p.data.size(0);
+    }
+  }
+}
+}  // namespace gguf
+}  // namespace tidal_cpu
+#endif
+
+#ifndef TIDAL_GGUF_AMX_BF16
+namespace tidal_cpu {
+namespace gguf {
+inline bool bf16_tiles_take(const at::Tensor&, const GGUFProjection&) { return false; }
 }  // namespace gguf
 }  // namespace tidal_cpu
 #endif

@@ -285,5 +285,21 @@ struct Q6_K {
 #endif
 };
 
+// Calls fn.template operator()<Format>() for a ggml type id.
+template <typename Fn>
+void with_format(int64_t type, Fn&& fn) {
+  switch (type) {
+    case 2: return fn(Q4_0{});
+    case 3: return fn(Q4_1{});
+    case 6: return fn(Q5_0{});
+    case 7: return fn(Q5_1{});
+    case 8: return fn(Q8_0{});
+    case 12: return fn(Q4_K{});
+    case 13: return fn(Q5_K{});
+    case 14: return fn(Q6_K{});
+    default: TORCH_CHECK(false, "no GGUF kernel for ggml type ", type);
+  }
+}
+
 }  // namespace gguf
 }  // namespace tidal_cpu

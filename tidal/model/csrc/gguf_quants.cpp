@@ -242,22 +242,6 @@ void dequantize(const Tensor& w, bool planar, int64_t start, const int64_t* ids,
   });
 }
 
-// Calls fn.template operator()<Format>() for a ggml type id.
-template <typename Fn>
-void with_format(int64_t type, Fn&& fn) {
-  switch (type) {
-    case 2: return fn(Q4_0{});
-    case 3: return fn(Q4_1{});
-    case 6: return fn(Q5_0{});
-    case 7: return fn(Q5_1{});
-    case 8: return fn(Q8_0{});
-    case 12: return fn(Q4_K{});
-    case 13: return fn(Q5_K{});
-    case 14: return fn(Q6_K{});
-    default: TORCH_CHECK(false, "no GGUF kernel for ggml type ", type);
-  }
-}
-
 // k of a [n, row_bytes] weight of format F, checked against the row's bytes.
 template <typename F>
 int64_t row_length(const Tensor& w) {
@@ -317,47 +301,6 @@ Tensor rounded(const Tensor& x, at::ScalarType dtype = at::kFloat, int64_t out_r
 
 // What rounding leaves of rows x (float32): rounded once more, it carries x's next 7 bits.
 Tensor residual(const Tensor& x) { return x - rounded(x); }
-
-#ifdef TIDAL_GGUF_AMX_BF16
-// The bytes of x (bf16) a pass of the AMX bf16 tiles over a weight's panels takes: each
-// panel reads them again, from L2 up to about this.
-constexpr int64_t kBf16TileBytes = 3 << 19;
-
-// Whether the AMX bf16 tiles take rows x: in one pass, or in passes of at least 512 rows
-// (in_features up to 1,536). Passes of fewer unpack each panel for too few rows: past one
-// pass at 2,048 in_features oneDNN's GEMMs over dequantized tiles ran 5-40% faster.
-bool bf16_tiles_take(const Tensor& x, const GGUFProjection& g) {
-  return g.tile_bf16 && g.amx_rows > 0 && g.panels &&
-         (2 * x.numel() <= kBf16TileBytes || 2 * 512 * g.in_features <= kBf16TileBytes);
-}
-
-// y = xs W^T through the AMX bf16 tiles, every part in whole panels, in passes of rows whose
-// x stays in L2; xs: bf16, its rows padded to a multiple of 16 (the rows past y's any values).
-void bf16_tiles(const Tensor& xs, const GGUFProjection& g, Tensor& y) {
-  TORCH_CHECK(xs.is_contiguous() && xs.size(0) % 16 == 0 && xs.size(0) >= y.size(0));
-  const int64_t k = g.in_features, rows = y.size(0), ld = y.size(1);
-  const int64_t pass = std::max<int64_t>(16, kBf16TileBytes / (2 * k) / 16 * 16);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
-  for (int64_t r0 = 0; r0 < rows; r0 += pass) {
-    const int64_t n = std::min(pass, rows - r0);
-    int64_t col = 0;
-    for (const GGUFPart& p : g.parts) {
-      with_format(p.type, [&](auto format) {
-        using F = decltype(format);
-        const auto run = [&](auto* out) {
-          amx_bf16_linear<F>(xp + r0 * k, n, k, p.data.data_ptr<uint8_t>(), p.data.size(1),
-                             p.planar, 0, p.data.size(0), out + r0 * ld + col, ld);
-        };
-        if (y.scalar_type() == at::kFloat) run(y.data_ptr<float>());
-        else run(y.data_ptr<at::BFloat16>());
-      });
-      col += p.data.size(0);
-    }
-  }
-}
-#else
-bool bf16_tiles_take(const Tensor&, const GGUFProjection&) { return false; }
-#endif
 
 // Steps of many rows: tiles of dequantized weight rows that oneDNN multiplies (the extra
 // memory stays one tile however large the weight; the rows bucketed as every CPU GEMM's)
