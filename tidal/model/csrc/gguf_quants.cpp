@@ -303,8 +303,9 @@ Tensor rounded(const Tensor& x, at::ScalarType dtype = at::kFloat, int64_t out_r
 Tensor residual(const Tensor& x) { return x - rounded(x); }
 
 // Steps of many rows: tiles of dequantized weight rows that oneDNN multiplies (the extra
-// memory stays one tile however large the weight; the rows bucketed as every CPU GEMM's)
-// by x rounded to the int8 grid the integer kernels use, the rows `twice` with their
+// memory stays one tile however large the weight; the rows bucketed as every CPU GEMM's),
+// or on AMX the bf16 tiles of each panel's weights (bf16_tiles: the same products), by x
+// rounded to the int8 grid the integer kernels use, the rows `twice` with their
 // residual's rounding added. In float32 both paths compute the same sums up to float32
 // rounding, so a sequence's tokens do not depend on whether its prompt ran in one step, in
 // chunks or partly from the prefix cache; with tile_bf16 (CPUs with AMX, where bf16 GEMMs
