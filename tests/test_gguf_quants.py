@@ -186,6 +186,25 @@ def test_prompt_rows_are_rounded_twice(qtype):
     np.testing.assert_allclose(got[0], got[1], rtol=1e-5, atol=1e-5 * np.abs(got[0]).max())
 
 
+@pytest.mark.skipif(EXT is None or not EXT.gguf_amx, reason="needs AMX int8 tiles")
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
+def test_short_prompts_keep_their_twice_rounding_past_the_tiles_crossover(qtype):
+    """At the default crossover on AMX, a step of up to 48 prompt tokens (96 rows with their
+    residuals) stays on the integer kernels, rounded twice, where steps without prompt rows
+    of that size take bf16 tiles: a prompt row comes out as the integer kernels give it at
+    a row count they take anyway, not as bf16 x would."""
+    rng = np.random.default_rng(int(qtype) + 31)
+    n, k = 32, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
+    weight = QuantizedWeight("w", weight_bytes(qtype, n, k, rng), qtype, (n, k))
+    default, integer = GGUFLinear(weight), GGUFLinear(weight, max_rows=10**9)
+    assert default.max_rows < 2 * 40 <= default.twice_max_rows  # past tiles, yet integer
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    for layer in (default, integer):
+        layer.prompt_rows = PromptRows()
+        layer.prompt_rows.set(torch.arange(40), 40, None, 0)
+    assert np.array_equal(run(default, x, torch.float32), run(integer, x, torch.float32))
+
+
 @pytest.mark.skipif(EXT is None or not EXT.gguf_amx_bf16, reason="needs AMX bf16 tiles")
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_amx_bf16_tiles_give_the_dequantized_tiles_products(qtype):

@@ -58,7 +58,10 @@ DOT8 = {"avx2", "fma", "f16c"} <= cpu_flags() and not VNNI
 MAX_ROWS = 48 if VNNI else 32 if DOT8 else 16
 NIBBLE_MAX_ROWS = 256 if DOT8 else MAX_ROWS
 # The most rows, x's and their residuals together, for which a step with prompt rows to round
-# twice takes the integer kernels (at most max_rows); the tiles take a residual for free. The
+# twice takes the integer kernels (at most max_rows, except on AMX at the default crossover,
+# whose int8 tiles take any count: prompts of up to 48 tokens keep their ~15 bits a value
+# there, as they did before bf16 tiles took steps past 48 rows); the tiles take a residual
+# for free. The
 # embedded model's prefill on a 2-core Zen 3 (min of 4): 32 tokens 141 ms on the kernels
 # against 175 on tiles, 48 tokens 198 against 199, 64 tokens 244 against 226.
 TWICE_MAX_ROWS = 96
@@ -317,6 +320,7 @@ class GGUFLinear(nn.Module):
         amx = ext is not None and ext.gguf_amx and all(
             w.qtype in K_QUANTS or (w.qtype in PLANAR and w.planar) for w in self.parts)
         self.amx_rows = (AMX_ROWS if amx_rows is None else amx_rows) if amx else 0
+        default_max = max_rows is None
         if max_rows is None:  # the crossover of the parts' kernels
             nibbles = all(w.qtype in NIBBLES and w.planar for w in self.parts)
             amx_max = (K_AMX_MAX_ROWS if any(w.qtype in K_QUANTS for w in self.parts)
@@ -324,7 +328,9 @@ class GGUFLinear(nn.Module):
             max_rows = (amx_max if self.amx_rows else NIBBLE_MAX_ROWS if nibbles
                         else MAX_ROWS)
         self.max_rows = max_rows if ext is not None else 0
-        self.twice_max_rows = min(self.max_rows, TWICE_MAX_ROWS)
+        # the int8 tiles take any count: a default crossover keeps short prompts there
+        self.twice_max_rows = min(TWICE_MAX_ROWS if self.amx_rows and default_max
+                                  and self.max_rows else self.max_rows, TWICE_MAX_ROWS)
         self.prompt_rows: PromptRows | None = None  # shared by the model's layers (attach)
         self.is_head = False
         self.projection = None if ext is None else ext.GGUFProjection(
