@@ -46,18 +46,22 @@ struct Units {
   static constexpr int kWidth = kSigned ? 16 : 32;
 };
 
-// Tiles 0-2: C (sums), A (activation rows) and B (weights), shaped for `n` activation rows
-// and units of `width` weights.
+// The tiles' shapes, as LDTILECFG reads them: tile t of rows[t] rows of colsb[t] bytes.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
+  TileConfig() = default;
+  // Tiles 0-2: C (sums), A (activation rows) and B (weights), shaped for `n` activation rows
+  // and units of `width` weights.
   TileConfig(int n, int width) {
-    const int shape[3][2] = {{n, 64}, {n, width}, {width / 4, 64}};
-    for (int t = 0; t < 3; ++t) {
-      rows[t] = static_cast<uint8_t>(shape[t][0]);
-      colsb[t] = static_cast<uint16_t>(shape[t][1]);
-    }
+    shape(0, n, 64);
+    shape(1, n, width);
+    shape(2, width / 4, 64);
+  }
+  void shape(int t, int n, int bytes) {
+    rows[t] = static_cast<uint8_t>(n);
+    colsb[t] = static_cast<uint16_t>(bytes);
   }
 };
 

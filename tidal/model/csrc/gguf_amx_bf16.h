@@ -53,16 +53,6 @@ struct Bf16Panel {
   }
 };
 
-// Tiles 0-3: the sums of up to four tiles of 16 rows; 4 and 6: x's rows; 5 and 7: weights.
-struct alignas(64) Bf16TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  Bf16TileConfig() {
-    for (int t = 0; t < 8; ++t) rows[t] = 16, colsb[t] = 64;
-  }
-};
-
 // N (1-4) tiles of 16 rows of x (bf16, row stride k) against one panel: c[i] = their sums.
 // x's tiles alternate between two registers, and the weights' between two, so that a load
 // need not wait for the product reading the register before it.
@@ -121,7 +111,8 @@ void amx_bf16_linear(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* 
   using U = Units<F>;
   const int64_t nb = k / F::kBlock, nu = k / U::kWidth, tiles = (rows + 15) / 16;
   at::parallel_for(o0 / 16, o1 / 16, 1, [&](int64_t p0, int64_t p1) {
-    const Bf16TileConfig config;
+    TileConfig config;  // 0-3: sums of four tiles of 16 rows; 4, 6: x's rows; 5, 7: weights
+    for (int t = 0; t < 8; ++t) config.shape(t, 16, 64);
     _tile_loadconfig(&config);
     Panel panel(nu, U::kWidth);
     Bf16Panel weights(k);
@@ -138,8 +129,10 @@ void amx_bf16_linear(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* 
         else if (n == 3) bf16_rows<3>(xt, k, weights, c);
         else if (n == 2) bf16_rows<2>(xt, k, weights, c);
         else bf16_rows<1>(xt, k, weights, c);
-        for (int64_t r = 16 * t0; r < std::min(rows, 16 * (t0 + n)); ++r)
-          store16(y + r * ld + 16 * p, as_bf16(_mm512_load_ps(c[(r / 16) - t0][r % 16])));
+        for (int64_t r = 16 * t0; r < std::min(rows, 16 * (t0 + n)); ++r) {
+          const __m512 sum = _mm512_load_ps(c[(r / 16) - t0][r % 16]);
+          store16(y + r * ld + 16 * p, std::is_same_v<T, float> ? as_bf16(sum) : sum);
+        }
       }
     }
     _tile_release();
