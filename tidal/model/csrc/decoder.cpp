@@ -130,10 +130,7 @@ class Decoder {
     const int64_t rows = ids.size(0), hid = final_norm_.size(0);
     check_tables(tables, lens, rows, k_caches[0].size(0), block_size);
     const int64_t* tree_data = tree_rows(tree, rows);
-    const int64_t num_slots = k_caches[0].size(0) * block_size;
-    for (int64_t r = 0; r < rows; ++r)  // write_kv writes by raw offset too
-      TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < num_slots,
-                  "slot ", slots.data_ptr<int64_t>()[r], " is not in the cache");
+    check_slots(slots, rows, k_caches[0].size(0) * block_size, 0);
     const int64_t qkv_width = (heads_ + 2 * hkv_) * d_;
     Tensor outside;  // a tensor-parallel rank's: the tokens whose rows others hold
     if (reduce_ && embeds) {

@@ -95,12 +95,8 @@ std::tuple<Tensor, Tensor> rope_and_cache(Tensor qk, Tensor v, Tensor cos, Tenso
   cos = cos.reshape({tokens, rd}).to(at::kFloat).contiguous();
   sin = sin.reshape({tokens, rd}).to(at::kFloat).contiguous();
   slots = slots.to(at::kLong).contiguous();
-  TORCH_CHECK_VALUE(slots.numel() == tokens, "one slot a token");
+  check_slots(slots, tokens, k_cache.size(0) * k_cache.size(1), -1);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < tokens; ++t)  // write_kv writes by raw offset (-1: padding)
-    TORCH_CHECK_VALUE(slot[t] >= -1 && slot[t] < num_slots, "slot ", slot[t],
-                      " is not in the cache");
   with_model_type(qk, [&]<typename T>() {
     T* x = qk.data_ptr<T>();
     rope<T>(x, qk.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens,

@@ -37,6 +37,17 @@ inline float row_scale(const C* row, int64_t d) {
 template <typename C>
 constexpr float kCodeMax = std::is_same_v<C, int8_t> ? 127.f : 448.f;
 
+// Refuses slots (int64, contiguous) other than one a row of `rows`, or a slot outside the
+// cache's num_slots rows (or below `lowest`: -1 lets padding through), before anything is
+// written: write_kv writes by raw offset.
+inline void check_slots(const Tensor& slots, int64_t rows, int64_t num_slots, int64_t lowest) {
+  TORCH_CHECK_VALUE(slots.numel() == rows, "one slot a token");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK_VALUE(slot[t] >= lowest && slot[t] < num_slots, "slot ", slot[t],
+                      " is not in the cache");
+}
+
 // Writes the `hkv` heads of `d` values at `offset` of each qkv row to that row's slot
 // (a negative slot, padding: nothing): copied, or coded as kv_quant.py codes them (x / scale
 // in float32, clamped, then rounded half to even or to e4m3 by c10).
