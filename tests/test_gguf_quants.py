@@ -211,10 +211,12 @@ def test_amx_bf16_tiles_give_the_dequantized_tiles_products(qtype):
     """Steps past the int8 tiles, in whole panels of 16 weight rows, take the AMX bf16 tiles:
     each output is bf16(x) @ bf16(W)^T summed in float32 and rounded to bf16 (in float32 and
     bf16 outputs alike), at row counts that fill the tiles or leave a last one partly empty,
-    two parts side by side (a fused q/k/v's) each into its own columns, and steps taken in
-    passes of rows (1,100 rows of 768 values: a pass holds 1,024)."""
+    two parts side by side (a fused q/k/v's) each into its own columns, an odd count of
+    panels (taken two by two: the last alone) and more than a thread's group of them (20
+    of 768 values), and steps taken in passes of rows (1,100 rows of 768: a pass holds
+    1,024)."""
     rng = np.random.default_rng(int(qtype) + 29)
-    n, other, k = 48, 32, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
+    n, other, k = 688, 32, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
     raw, raw2 = weight_bytes(qtype, n, k, rng), weight_bytes(QT.Q8_0, other, k, rng)
     layer = GGUFLinear([QuantizedWeight("w", raw, qtype, (n, k)),
                         QuantizedWeight("v", raw2, QT.Q8_0, (other, k))], max_rows=0)

@@ -53,48 +53,42 @@ struct Bf16Panel {
   }
 };
 
-// N (1-4) tiles of 16 rows of x (bf16, row stride k) against one panel: c[i] = their sums.
-// x's tiles alternate between two registers, and the weights' between two, so that a load
-// need not wait for the product reading the register before it.
-template <int N>
-inline void bf16_rows(const uint16_t* x, int64_t k, const Bf16Panel& p, float (*c)[16][16]) {
+// M (1 or 2) tiles of 16 rows of x (bf16, row stride k) against two panels: c[m][j] = the
+// sums of x's tile m and panel j. Each tile of x is loaded once for both panels and each
+// tile of weights once for both tiles of x: half the loads of one tile of each a product.
+template <int M>
+inline void bf16_2x2(const uint16_t* x, int64_t k, const Bf16Panel& w0, const Bf16Panel& w1,
+                     float (*c)[2][16][16]) {
   const int64_t stride = 2 * k;
   _tile_zero(0);
-  if constexpr (N > 1) _tile_zero(1);
-  if constexpr (N > 2) _tile_zero(2);
-  if constexpr (N > 3) _tile_zero(3);
-  // GCC's tile intrinsics take register numbers as literals (they paste them into asm)
-#define TIDAL_BF16_STEP(t, B)                           \
-  do {                                                  \
-    _tile_loadd(B, &p.rows[16 * (t)], 64);              \
-    _tile_loadd(4, x + 32 * (t), stride);               \
-    _tile_dpbf16ps(0, 4, B);                            \
-    if constexpr (N > 1) {                              \
-      _tile_loadd(6, x + 16 * k + 32 * (t), stride);    \
-      _tile_dpbf16ps(1, 6, B);                          \
-    }                                                   \
-    if constexpr (N > 2) {                              \
-      _tile_loadd(4, x + 32 * k + 32 * (t), stride);    \
-      _tile_dpbf16ps(2, 4, B);                          \
-    }                                                   \
-    if constexpr (N > 3) {                              \
-      _tile_loadd(6, x + 48 * k + 32 * (t), stride);    \
-      _tile_dpbf16ps(3, 6, B);                          \
-    }                                                   \
-  } while (0)
-  const int64_t nt = k / 32;
-  int64_t t = 0;
-  for (; t + 1 < nt; t += 2) {
-    TIDAL_BF16_STEP(t, 5);
-    TIDAL_BF16_STEP(t + 1, 7);
+  _tile_zero(1);
+  if constexpr (M > 1) {
+    _tile_zero(2);
+    _tile_zero(3);
   }
-  if (t < nt) TIDAL_BF16_STEP(t, 5);
-#undef TIDAL_BF16_STEP
-  _tile_stored(0, c[0], 64);
-  if constexpr (N > 1) _tile_stored(1, c[1], 64);
-  if constexpr (N > 2) _tile_stored(2, c[2], 64);
-  if constexpr (N > 3) _tile_stored(3, c[3], 64);
+  const int64_t nt = k / 32;
+  for (int64_t t = 0; t < nt; ++t) {  // GCC's tile intrinsics take literal register numbers
+    _tile_loadd(4, x + 32 * t, stride);
+    _tile_loadd(6, &w0.rows[16 * t], 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, &w1.rows[16 * t], 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (M > 1) {
+      _tile_loadd(5, x + 16 * k + 32 * t, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0][0], 64);
+  _tile_stored(1, c[0][1], 64);
+  if constexpr (M > 1) {
+    _tile_stored(2, c[1][0], 64);
+    _tile_stored(3, c[1][1], 64);
+  }
 }
+
+// The bytes of bf16 weight tiles a thread keeps at once (a group of panels), for L2.
+constexpr int64_t kBf16GroupBytes = 1 << 19;
 
 // v rounded to bf16, as float32: the tiles' products in bf16, as oneDNN's bf16 GEMMs give
 // them, so an output in float32 holds the very values one in bf16 does.
@@ -110,28 +104,41 @@ void amx_bf16_linear(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* 
                      int64_t row_bytes, bool planar, int64_t o0, int64_t o1, T* y, int64_t ld) {
   using U = Units<F>;
   const int64_t nb = k / F::kBlock, nu = k / U::kWidth, tiles = (rows + 15) / 16;
-  at::parallel_for(o0 / 16, o1 / 16, 1, [&](int64_t p0, int64_t p1) {
-    TileConfig config;  // 0-3: sums of four tiles of 16 rows; 4, 6: x's rows; 5, 7: weights
+  const int64_t first = o0 / 16, panels = (o1 - o0) / 16;
+  // groups of panels whose bf16 tiles stay in L2, each multiplied by every pair of x's tiles
+  // in turn: the pair's 32 rows stay in L1 across the group, the weights stream from L2
+  const int64_t group = std::max<int64_t>(2, kBf16GroupBytes / (32 * k) / 2 * 2);
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
+    TileConfig config;  // 0-3: sums (x's tile, panel); 4, 5: x's rows; 6, 7: weights
     for (int t = 0; t < 8; ++t) config.shape(t, 16, 64);
     _tile_loadconfig(&config);
     Panel panel(nu, U::kWidth);
-    Bf16Panel weights(k);
+    std::vector<Bf16Panel> weights(std::min(group, 2 * (q1 - q0)), Bf16Panel(k));
     Field f[16][F::kFields];
-    alignas(64) float c[4][16][16];
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int j = 0; j < 16; ++j) fields<F>(w + (16 * p + j) * row_bytes, nb, planar, f[j]);
-      panel.unpack<F>(f, nb);
-      weights.from<U::kSigned>(panel, nu);
-      for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
-        const int n = static_cast<int>(std::min<int64_t>(4, tiles - t0));
+    alignas(64) float c[2][2][16][16];
+    for (int64_t g0 = first + 2 * q0; g0 < std::min(first + panels, first + 2 * q1);
+         g0 += group) {
+      const int64_t ng = std::min({group, first + panels - g0, first + 2 * q1 - g0});
+      for (int64_t i = 0; i < ng; ++i) {
+        for (int j = 0; j < 16; ++j)
+          fields<F>(w + (16 * (g0 + i) + j) * row_bytes, nb, planar, f[j]);
+        panel.unpack<F>(f, nb);
+        weights[i].from<U::kSigned>(panel, nu);
+      }
+      for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
         const uint16_t* xt = x + 16 * t0 * k;
-        if (n == 4) bf16_rows<4>(xt, k, weights, c);
-        else if (n == 3) bf16_rows<3>(xt, k, weights, c);
-        else if (n == 2) bf16_rows<2>(xt, k, weights, c);
-        else bf16_rows<1>(xt, k, weights, c);
-        for (int64_t r = 16 * t0; r < std::min(rows, 16 * (t0 + n)); ++r) {
-          const __m512 sum = _mm512_load_ps(c[(r / 16) - t0][r % 16]);
-          store16(y + r * ld + 16 * p, std::is_same_v<T, float> ? as_bf16(sum) : sum);
+        for (int64_t i0 = 0; i0 < ng; i0 += 2) {
+          const int np = static_cast<int>(std::min<int64_t>(2, ng - i0));
+          // a lone last panel is multiplied twice: its second products are not stored
+          const Bf16Panel& second = weights[i0 + np - 1];
+          if (tiles - t0 > 1) bf16_2x2<2>(xt, k, weights[i0], second, c);
+          else bf16_2x2<1>(xt, k, weights[i0], second, c);
+          for (int64_t r = 16 * t0; r < std::min(rows, 16 * (t0 + 2)); ++r)
+            for (int i = 0; i < np; ++i) {
+              const __m512 sum = _mm512_load_ps(c[(r / 16) - t0][i][r % 16]);
+              store16(y + r * ld + 16 * (g0 + i0 + i),
+                      std::is_same_v<T, float> ? as_bf16(sum) : sum);
+            }
         }
       }
     }
@@ -140,7 +147,7 @@ void amx_bf16_linear(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* 
 }
 
 // The bytes of x (bf16) a pass of the AMX bf16 tiles over a weight's panels takes: each
-// panel reads them again, from L2 up to about this.
+// group of panels reads them again, from L2 up to about this.
 constexpr int64_t kBf16TileBytes = 3 << 19;
 
 // Whether the AMX bf16 tiles take rows x: in one pass, or in passes of at least 512 rows
