@@ -20,8 +20,7 @@ namespace gguf {
 // A panel's 16 weight rows in bf16 as B tiles: tile t (weights 32t .. 32t + 31) row i, lane
 // j: weights 32t + 2i and 32t + 2i + 1 of weight row j.
 struct Bf16Panel {
-  std::vector<__m512i> rows;  // [k / 32][16]
-  explicit Bf16Panel(int64_t k) : rows(k / 2) {}
+  __m512i* rows;  // [k / 32][16], in a thread's scratch (group_scratch)
 
   // The weights of an unpacked panel of nu units: unit u's tile row i holds weights 4i ..
   // 4i + 3 of each weight row as bytes (kSigned: signed, no offset), each d q + offset.
@@ -90,6 +89,15 @@ inline void bf16_2x2(const uint16_t* x, int64_t k, const Bf16Panel& w0, const Bf
 // The bytes of bf16 weight tiles a thread keeps at once (a group of panels), for L2.
 constexpr int64_t kBf16GroupBytes = 1 << 19;
 
+// A thread's room for at least n vectors of bf16 weight tiles, kept from call to call: a
+// group allocated afresh each call came back from the allocator as new pages to fault in
+// (7% of a prompt burst's time).
+inline __m512i* group_scratch(int64_t n) {
+  thread_local std::vector<__m512i> scratch;
+  if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(n);
+  return scratch.data();
+}
+
 // v rounded to bf16, as float32: the tiles' products in bf16, as oneDNN's bf16 GEMMs give
 // them, so an output in float32 holds the very values one in bf16 does.
 inline __m512 as_bf16(__m512 v) {
@@ -113,7 +121,10 @@ void amx_bf16_linear(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* 
     for (int t = 0; t < 8; ++t) config.shape(t, 16, 64);
     _tile_loadconfig(&config);
     Panel panel(nu, U::kWidth);
-    std::vector<Bf16Panel> weights(std::min(group, 2 * (q1 - q0)), Bf16Panel(k));
+    __m512i* scratch = group_scratch(std::min(group, 2 * (q1 - q0)) * k / 2);
+    std::vector<Bf16Panel> weights;
+    for (int64_t i = 0; i < std::min(group, 2 * (q1 - q0)); ++i)
+      weights.push_back({scratch + i * k / 2});
     Field f[16][F::kFields];
     alignas(64) float c[2][2][16][16];
     for (int64_t g0 = first + 2 * q0; g0 < std::min(first + panels, first + 2 * q1);
