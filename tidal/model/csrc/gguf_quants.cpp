@@ -317,8 +317,13 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice, bool
   const int64_t padded = amx ? (x.size(0) + 15) / 16 * 16 : x.size(0);
   Tensor xs;
   if (g.tile_bf16 && twice.defined()) {  // the rows twice (a pass's prompt rows, unique): x
-    xs = x.to(at::kBFloat16);
-    if (padded > x.size(0)) xs = at::constant_pad_nd(xs, {0, 0, 0, padded - x.size(0)});
+    if (padded > x.size(0)) {  // one copy into the padded rows
+      xs = at::empty({padded, x.size(1)}, x.options().dtype(at::kBFloat16));
+      xs.narrow(0, 0, x.size(0)).copy_(x);
+      xs.narrow(0, x.size(0), padded - x.size(0)).zero_();
+    } else {
+      xs = x.to(at::kBFloat16);
+    }
     if (twice.size(0) < x.size(0)) {  // the others (decode rows) on the int8 grid
       const Tensor others = at::ones({x.size(0)}, x.options().dtype(at::kBool))
                                 .index_fill_(0, twice, false).nonzero().view(-1);
