@@ -24,6 +24,11 @@ from tidal.model.kv_quant import AUTO, KVFormat
 
 log = logging.getLogger("tidal.model")
 
+# A float32 model's prompt run of at least this many tokens over a bf16 KV cache attends in
+# bf16: K and V as the cache holds them, the queries rounded alike. bf16 attention ran 2.5x
+# float32's at 256-2,000 tokens on AMX; shorter runs, where it gains little, keep float32.
+BF16_PROMPT_ROWS = 256
+
 
 class PrefillSeq(NamedTuple):
     """One prefill sequence of a step: its query run and, when a prefix is already cached,
@@ -204,21 +209,25 @@ class TorchAttention(AttentionBackend):
             return None
 
     def _prefill_each(self, q, k, v, k_cache, v_cache, meta, window, out) -> None:
-        """One SDPA per prefill (over its cached prefix too, when it has one)."""
+        """One SDPA per prefill (over its cached prefix too, when it has one); in bf16 for
+        a long run of a float32 model over a bf16 cache (BF16_PROMPT_ROWS)."""
+        low = (q.dtype == torch.float32 and self.kv.name == "bfloat16"
+               and not self.softcap)
         for i, seq in enumerate(meta.prefills):
             end = seq.start + seq.length
+            dtype = torch.bfloat16 if low and seq.length >= BF16_PROMPT_ROWS else q.dtype
             mask, causal = seq.mask, seq.cached == 0
             if seq.cached == 0:
-                ks, vs = k[seq.start:end], v[seq.start:end]
+                ks, vs = k[seq.start:end].to(dtype), v[seq.start:end].to(dtype)
             else:  # tables and masks are built here only when a kernel was to run
                 table = seq.table if seq.table is not None else meta.prefill_tables[i]
-                ks = self._gather(k_cache, table, q.dtype)[:seq.cached + seq.length]
-                vs = self._gather(v_cache, table, q.dtype)[:seq.cached + seq.length]
+                ks = self._gather(k_cache, table, dtype)[:seq.cached + seq.length]
+                vs = self._gather(v_cache, table, dtype)[:seq.cached + seq.length]
                 if mask is None:
                     mask = prefix_causal_mask(seq.cached, seq.length, q.device)
             if window and seq.cached + seq.length > window:  # some keys fall out of the window
                 mask, causal = self._window_mask(seq, window, meta), False
-            out[seq.start:end] = self._attend(q[seq.start:end], ks, vs, mask, causal)
+            out[seq.start:end] = self._attend(q[seq.start:end].to(dtype), ks, vs, mask, causal)
 
     @staticmethod
     def _window_mask(seq: PrefillSeq, window: int, meta: AttentionMetadata) -> torch.Tensor:
