@@ -54,7 +54,7 @@ struct Bf16Panel {
 
 // M (1 or 2) tiles of 16 rows of x (bf16, row stride k) against two panels: c[m][j] = the
 // sums of x's tile m and panel j. Each tile of x is loaded once for both panels and each
-// tile of weights once for both tiles of x: half the loads of one tile of each a product.
+// tile of weights once for both tiles of x: half the loads of one product at a time.
 template <int M>
 inline void bf16_2x2(const uint16_t* x, int64_t k, const Bf16Panel& w0, const Bf16Panel& w1,
                      float (*c)[2][16][16]) {
