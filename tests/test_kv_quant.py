@@ -204,49 +204,47 @@ def test_perplexity_on_real_text_stays_within_one_percent_of_float_kv():
         assert abs(ppl[kv] / ppl["auto"] - 1) <= 0.01, ppl
 
 
-@pytest.mark.parametrize("cached", [0, 40])
-def test_long_prompt_runs_over_bf16_rows_attend_in_bf16(cached):
-    """A float32 model's prompt run of BF16_PROMPT_ROWS tokens or more over a bf16 KV cache
-    attends in bf16: K and V as the cache holds them (its own and a cached prefix's), the
-    queries rounded alike. A shorter run, and any run over a float32 cache, attends in
-    float32: over its own float32 K and V, or, after a cached prefix, over the context as
-    the cache holds it."""
+@pytest.mark.parametrize("cached, length, name, low", [
+    (0, 256, "bfloat16", True), (0, 255, "bfloat16", False), (0, 256, "float32", False),
+    (40, 256, "bfloat16", True), (2016, 32, "bfloat16", True), (2016, 31, "bfloat16", False)])
+def test_large_prompt_runs_over_bf16_rows_attend_in_bf16(cached, length, name, low):
+    """A float32 model's prompt run whose attention takes BF16_ATTENTION_SCORES scores a head
+    or more (its tokens times its context) over a bf16 KV cache attends in bf16: K and V as
+    the cache holds them (its own and a cached prefix's), the queries rounded alike. A
+    smaller run, and any run over a float32 cache, attends in float32: over its own float32
+    K and V, or, after a cached prefix, over the context as the cache holds it."""
     import torch.nn.functional as F
 
-    from tidal.model.attention import (BF16_PROMPT_ROWS, AttentionMetadata, PrefillSeq,
+    from tidal.model.attention import (BF16_ATTENTION_SCORES, AttentionMetadata, PrefillSeq,
                                        TorchAttention, prefix_causal_mask)
+    assert (length * (cached + length) >= BF16_ATTENTION_SCORES) == low or name == "float32"
     h, hkv, d, bs = 4, 2, 16, 16
-    gen = torch.Generator().manual_seed(cached)
-    for length, name in ((BF16_PROMPT_ROWS, "bfloat16"), (BF16_PROMPT_ROWS - 1, "bfloat16"),
-                         (BF16_PROMPT_ROWS, "float32")):
-        kv = KVFormat(name)
-        total = cached + length
-        blocks = math.ceil(total / bs)
-        k_cache, v_cache = (torch.zeros(kv.cache_shape(blocks, bs, hkv, d),
-                                        dtype=kv.storage(torch.float32)) for _ in range(2))
-        q = torch.randn(length, h, d, generator=gen)
-        k_all, v_all = (torch.randn(total, hkv, d, generator=gen) for _ in range(2))
-        prefix = torch.arange(cached)
-        kv.write(k_cache, prefix, k_all[:cached])
-        kv.write(v_cache, prefix, v_all[:cached])
-        table = torch.arange(blocks)
-        seq = (PrefillSeq(0, length, 0) if not cached else
-               PrefillSeq(0, length, cached, table, prefix_causal_mask(cached, length, "cpu")))
-        meta = AttentionMetadata(torch.arange(cached, total), [seq], length)
-        backend = TorchAttention(h, hkv, d, kv=kv)
-        got = backend.forward(q, k_all[cached:], v_all[cached:], k_cache, v_cache, meta)
-        dtype = torch.bfloat16 if name == "bfloat16" and length >= BF16_PROMPT_ROWS else (
-            torch.float32)
-        stored = cached or dtype == torch.bfloat16  # K and V as the cache holds them
+    gen = torch.Generator().manual_seed(cached + length)
+    kv = KVFormat(name)
+    total = cached + length
+    blocks = math.ceil(total / bs)
+    k_cache, v_cache = (torch.zeros(kv.cache_shape(blocks, bs, hkv, d),
+                                    dtype=kv.storage(torch.float32)) for _ in range(2))
+    q = torch.randn(length, h, d, generator=gen)
+    k_all, v_all = (torch.randn(total, hkv, d, generator=gen) for _ in range(2))
+    prefix = torch.arange(cached)
+    kv.write(k_cache, prefix, k_all[:cached])
+    kv.write(v_cache, prefix, v_all[:cached])
+    seq = (PrefillSeq(0, length, 0) if not cached else
+           PrefillSeq(0, length, cached, torch.arange(blocks),
+                      prefix_causal_mask(cached, length, "cpu")))
+    meta = AttentionMetadata(torch.arange(cached, total), [seq], length)
+    got = TorchAttention(h, hkv, d, kv=kv).forward(q, k_all[cached:], v_all[cached:],
+                                                   k_cache, v_cache, meta)
+
+    def sdpa(dtype, stored):  # stored: K and V as the cache holds them
         ks, vs = ((t.to(kv.storage(torch.float32)) if stored else t).to(dtype).transpose(0, 1)
                   for t in (k_all, v_all))
-        want = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q.to(dtype).transpose(0, 1)[None], ks[None], vs[None],
             attn_mask=None if not cached else seq.mask, is_causal=not cached,
             enable_gqa=True)[0].transpose(0, 1).float()
-        assert got.dtype == torch.float32 and torch.equal(got, want), (length, name)
-        if dtype == torch.bfloat16:  # bf16 attention is observably not float32's
-            assert not torch.equal(got, F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], ks.float()[None], vs.float()[None],
-                attn_mask=None if not cached else seq.mask, is_causal=not cached,
-                enable_gqa=True)[0].transpose(0, 1))
+    want = sdpa(torch.bfloat16, True) if low else sdpa(torch.float32, bool(cached))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    if low:  # bf16 attention is observably not float32's
+        assert not torch.equal(got, sdpa(torch.float32, True))

@@ -24,10 +24,12 @@ from tidal.model.kv_quant import AUTO, KVFormat
 
 log = logging.getLogger("tidal.model")
 
-# A float32 model's prompt run of at least this many tokens over a bf16 KV cache attends in
-# bf16: K and V as the cache holds them, the queries rounded alike. bf16 attention ran 2.5x
-# float32's at 256-2,000 tokens on AMX; shorter runs, where it gains little, keep float32.
-BF16_PROMPT_ROWS = 256
+# A float32 model's prompt run whose attention takes at least this many scores a head (its
+# tokens times its context: a fresh run of 256 tokens, 32 after 2,016 cached) over a bf16 KV
+# cache attends in bf16: K and V as the cache holds them, the queries rounded alike. bf16
+# attention ran 2.5x float32's from 256 x 256 to 976 x 2,000 on AMX; smaller runs, where it
+# gains little, keep float32.
+BF16_ATTENTION_SCORES = 256 * 256
 
 
 class PrefillSeq(NamedTuple):
@@ -210,12 +212,13 @@ class TorchAttention(AttentionBackend):
 
     def _prefill_each(self, q, k, v, k_cache, v_cache, meta, window, out) -> None:
         """One SDPA per prefill (over its cached prefix too, when it has one); in bf16 for
-        a long run of a float32 model over a bf16 cache (BF16_PROMPT_ROWS)."""
+        a large run of a float32 model over a bf16 cache (BF16_ATTENTION_SCORES)."""
         low = (q.dtype == torch.float32 and self.kv.name == "bfloat16"
                and not self.softcap)
         for i, seq in enumerate(meta.prefills):
             end = seq.start + seq.length
-            dtype = torch.bfloat16 if low and seq.length >= BF16_PROMPT_ROWS else q.dtype
+            scores = seq.length * (seq.cached + seq.length)
+            dtype = torch.bfloat16 if low and scores >= BF16_ATTENTION_SCORES else q.dtype
             mask, causal = seq.mask, seq.cached == 0
             if seq.cached == 0:
                 ks, vs = k[seq.start:end].to(dtype), v[seq.start:end].to(dtype)
