@@ -122,9 +122,7 @@ void amx_bf16_linear(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* 
     _tile_loadconfig(&config);
     Panel panel(nu, U::kWidth);
     __m512i* scratch = group_scratch(std::min(group, 2 * (q1 - q0)) * k / 2);
-    std::vector<Bf16Panel> weights;
-    for (int64_t i = 0; i < std::min(group, 2 * (q1 - q0)); ++i)
-      weights.push_back({scratch + i * k / 2});
+    const auto weights = [&](int64_t i) { return Bf16Panel{scratch + i * k / 2}; };
     Field f[16][F::kFields];
     alignas(64) float c[2][2][16][16];
     for (int64_t g0 = first + 2 * q0; g0 < std::min(first + panels, first + 2 * q1);
@@ -134,16 +132,16 @@ void amx_bf16_linear(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* 
         for (int j = 0; j < 16; ++j)
           fields<F>(w + (16 * (g0 + i) + j) * row_bytes, nb, planar, f[j]);
         panel.unpack<F>(f, nb);
-        weights[i].from<U::kSigned>(panel, nu);
+        weights(i).template from<U::kSigned>(panel, nu);
       }
       for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
         const uint16_t* xt = x + 16 * t0 * k;
         for (int64_t i0 = 0; i0 < ng; i0 += 2) {
           const int np = static_cast<int>(std::min<int64_t>(2, ng - i0));
           // a lone last panel is multiplied twice: its second products are not stored
-          const Bf16Panel& second = weights[i0 + np - 1];
-          if (tiles - t0 > 1) bf16_2x2<2>(xt, k, weights[i0], second, c);
-          else bf16_2x2<1>(xt, k, weights[i0], second, c);
+          const Bf16Panel w0 = weights(i0), w1 = weights(i0 + np - 1);
+          if (tiles - t0 > 1) bf16_2x2<2>(xt, k, w0, w1, c);
+          else bf16_2x2<1>(xt, k, w0, w1, c);
           for (int64_t r = 16 * t0; r < std::min(rows, 16 * (t0 + 2)); ++r)
             for (int i = 0; i < np; ++i) {
               const __m512 sum = _mm512_load_ps(c[(r / 16) - t0][i][r % 16]);
