@@ -267,6 +267,24 @@ def test_prompt_rows_on_bf16_tiles_are_x_itself(qtype):
 
 
 @needs_ext
+@pytest.mark.parametrize("rows", [16, 9])
+def test_a_bf16_step_with_prompt_rows_leaves_x_as_it_was(rows):
+    """Rounding a step's decode rows for the bf16 tiles happens in a copy of x: a bf16 x
+    (a bf16 model's, also read after the projection, e.g. by LoRA) of whole tiles of rows or
+    not comes back unchanged."""
+    rng = np.random.default_rng(rows)
+    raw = weight_bytes(QT.Q4_1, 32, 256, rng)
+    layer = GGUFLinear(QuantizedWeight("w", raw, QT.Q4_1, (32, 256)), max_rows=0,
+                       tile_bf16=True)
+    layer.prompt_rows = PromptRows()
+    layer.prompt_rows.set(torch.tensor([0, 2]), rows, None, 0)
+    x = torch.from_numpy(rng.standard_normal((rows, 256)).astype(np.float32)).bfloat16()
+    before = x.clone()
+    layer(x)
+    assert torch.equal(x, before)
+
+
+@needs_ext
 def test_bf16_out_gives_the_tiles_products_unconverted():
     """bf16_out (MLP.fused's gate/up): a step on bf16 tiles comes back in bf16 holding the
     very values the float32 output holds; steps the integer kernels take, and projections

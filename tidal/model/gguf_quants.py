@@ -329,8 +329,8 @@ class GGUFLinear(nn.Module):
                         else MAX_ROWS)
         self.max_rows = max_rows if ext is not None else 0
         # the int8 tiles take any count: a default crossover keeps short prompts there
-        self.twice_max_rows = min(TWICE_MAX_ROWS if self.amx_rows and default_max
-                                  and self.max_rows else self.max_rows, TWICE_MAX_ROWS)
+        self.twice_max_rows = (TWICE_MAX_ROWS if self.amx_rows and default_max and self.max_rows
+                               else min(self.max_rows, TWICE_MAX_ROWS))
         self.prompt_rows: PromptRows | None = None  # shared by the model's layers (attach)
         self.is_head = False
         self.projection = None if ext is None else ext.GGUFProjection(

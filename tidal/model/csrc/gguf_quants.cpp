@@ -276,12 +276,19 @@ void rows_into(const GGUFPart& p, int64_t start, const Tensor& ids, Tensor& out)
   });
 }
 
+// A new [max(rows, out_rows), k] tensor of `dtype` for x's rows, the rows past them zeros.
+Tensor padded_like(const Tensor& x, at::ScalarType dtype, int64_t out_rows) {
+  const int64_t rows = x.size(0);
+  Tensor xs = at::empty({std::max(rows, out_rows), x.size(1)}, x.options().dtype(dtype));
+  if (out_rows > rows) xs.narrow(0, rows, out_rows - rows).zero_();
+  return xs;
+}
+
 // x ([rows, k], float or bf16) as the integer kernels see it, each group of 32 d * q, in
 // `dtype` (float32 or bf16); `out_rows` (>= rows) pads the result with rows of zeros.
 Tensor rounded(const Tensor& x, at::ScalarType dtype = at::kFloat, int64_t out_rows = 0) {
   const int64_t rows = x.size(0), k = x.size(1);
-  Tensor xs = at::empty({std::max(rows, out_rows), k}, x.options().dtype(dtype));
-  if (out_rows > rows) xs.narrow(0, rows, out_rows - rows).zero_();
+  Tensor xs = padded_like(x, dtype, out_rows);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_rounded", [&] {
     const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, k, false, 0);
     const auto fill = [&](auto* out) {
@@ -317,13 +324,9 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice, bool
   const int64_t padded = amx ? (x.size(0) + 15) / 16 * 16 : x.size(0);
   Tensor xs;
   if (g.tile_bf16 && twice.defined()) {  // the rows twice (a pass's prompt rows, unique): x
-    if (padded > x.size(0)) {  // one copy into the padded rows
-      xs = at::empty({padded, x.size(1)}, x.options().dtype(at::kBFloat16));
-      xs.narrow(0, 0, x.size(0)).copy_(x);
-      xs.narrow(0, x.size(0), padded - x.size(0)).zero_();
-    } else {
-      xs = x.to(at::kBFloat16);
-    }
+    // always a copy: the decode rows below are rounded in it, never in the caller's x
+    xs = padded_like(x, at::kBFloat16, padded);
+    xs.narrow(0, 0, x.size(0)).copy_(x);
     if (twice.size(0) < x.size(0)) {  // the others (decode rows) on the int8 grid
       const Tensor others = at::ones({x.size(0)}, x.options().dtype(at::kBool))
                                 .index_fill_(0, twice, false).nonzero().view(-1);
