@@ -129,16 +129,15 @@ def test_a_row_is_computed_alike_at_any_number_of_rows(qtype, planar):
 @pytest.mark.parametrize("qtype", sorted(PLANAR | K_QUANTS), ids=lambda t: t.name)
 def test_amx_tiles_give_the_vnni_kernels_sums(qtype):
     """The AMX tiles against the VNNI kernels at the same rows. The 32-weight formats: bit for
-    bit, with rows of whole rounds of 16 blocks or not (a last round of 5 or 15 blocks, which
-    the VNNI kernel sums whole as the tiles do). The K-quants (either layout), which the VNNI
-    kernel sums in integers to a block's end: within float32 rounding. 45 weight rows: two
-    panels of 16 and 13 rows the VNNI kernel takes; 48: three panels, the tiles alone."""
+    bit where a row is whole rounds of 16 blocks; with a row's last nb % 16 blocks (which the
+    VNNI kernel sums in partial sums) within float32 rounding. The K-quants (either layout),
+    which the VNNI kernel sums in integers to a block's end: within float32 rounding. 45
+    weight rows: two panels of 16 and 13 rows the VNNI kernel takes; 48: three panels, the
+    tiles alone."""
     rng = np.random.default_rng(int(qtype) + 3)
     block = GGML_QUANT_SIZES[qtype][0]
-    odd = (37, 47) if block == 32 else (40,)  # groups of 32: not whole rounds of 16 blocks
-    cases = [(45, 32, None), (48, 32, None)]
-    cases += [(n, groups, planar) for groups in odd for n, planar in ((45, True), (48, None))]
-    for n, groups, planar in cases:
+    odd = 37 if block == 32 else 40  # groups of 32: not whole rounds of 16 blocks
+    for n, groups, planar in ((45, 32, None), (45, odd, True), (48, 32, None), (48, odd, None)):
         k = 32 * groups
         raw = weight_bytes(qtype, n, k, rng, random=True)
         w = QuantizedWeight("w", raw, qtype, (n, k), planar=planar if block == 256 else None)
@@ -147,7 +146,7 @@ def test_amx_tiles_give_the_vnni_kernels_sums(qtype):
         for rows in (1, 2, 7, 16, 17, 35, 40, 300):  # last tiles: 1, 2, 7, 16, 1, 3, 8, 12
             x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
             got, want = amx(x), vnni(x)
-            if block == 32:
+            if block == 32 and k % 512 == 0:
                 assert torch.equal(got, want), (rows, (got - want).abs().max().item())
                 assert torch.equal(amx(x.bfloat16()), vnni(x.bfloat16())), rows  # bf16 outputs
             else:

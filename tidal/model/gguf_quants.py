@@ -69,22 +69,16 @@ NIBBLE_ROUNDS = DOT8
 NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # CPUs with AMX: planar 32-weight formats (PLANAR) and the K-quants (K_QUANTS) multiply steps
 # of AMX_ROWS rows or more in AMX int8 tiles (csrc/gguf_amx.h: the VNNI kernels' integer sums,
-# and for PLANAR their float operations too, so the same outputs bit for bit) up to
+# for PLANAR their float operations too where in_features is a multiple of 512) up to
 # AMX_MAX_ROWS rows (K_AMX_MAX_ROWS with a K-quant part), past which bf16 tiles take over:
 # AMX bf16 tiles of each panel's weights (csrc/gguf_amx_bf16.h), whose sums need no float
 # work a block (2048x2048 at 64 rows: Q4_1 0.61 ms against the int8 tiles' 0.82, Q6_K 0.58
 # against 0.94; at 32 rows K-quants 0.43-0.45 against 0.46-0.54, Q4_1 ties), oneDNN's GEMMs
-# over dequantized tiles for steps of more than ~1.5 MB of x. The K-quants' VNNI kernel sums
-# a block in integers where the tiles scale each sub-block in float, so up to 16 rows (one
-# request verifying 15 guesses) stay on it, where a row's result does not depend on the rows
-# beside it. PLANAR projections whose rows end in a round of fewer than 16 blocks
-# (in_features not a multiple of 512), where the VNNI kernel sums those blocks whole, take
-# the tiles from AMX_PARTIAL_ROWS rows (SmolLM2's 1536x576 Q4_1 at 8 rows: 0.072-0.075 ms
-# against 0.089-0.090, at 6 0.071-0.074 against 0.078-0.082; its 49152x576 Q8_0 LM head at 8
-# rows 2.20-2.32 against 2.36-2.51, at 6 2.16-2.26 against 2.02).
+# over dequantized tiles for steps of more than ~1.5 MB of x. Up to 16 rows (one request
+# verifying 15 guesses) stay on the VNNI kernels, so a row's result does not depend on the
+# rows beside it there.
 K_QUANTS = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
 AMX_ROWS = 17
-AMX_PARTIAL_ROWS = 8
 AMX_MAX_ROWS = 48
 K_AMX_MAX_ROWS = 32
 # Dequantized tiles in bf16 (the default of GGUFLinear's `tile_bf16`): on CPUs with AMX, whose
@@ -295,11 +289,10 @@ class GGUFLinear(nn.Module):
     part in the file's format (a Q4_K_M file has Q6_K v beside Q4_K q and k). With the C++
     extension (`projection`, which the C++ decoder shares) steps of at most `max_rows` rows
     (None: the parts' kernels' crossover: MAX_ROWS, NIBBLE_MAX_ROWS, (K_)AMX_MAX_ROWS) run the
-    integer kernels, from `amx_rows` rows (None: AMX_ROWS or AMX_PARTIAL_ROWS where the CPU
-    grants AMX and every part is a planar 32-weight format or a K-quant; 0: never, nor AMX
-    bf16 tiles) in AMX int8 tiles with the same integer sums, and larger ones multiply
-    dequantized weights (AMX bf16 tiles of each panel's, or oneDNN over tiles of `tile_rows`
-    rows)
+    integer kernels, from `amx_rows` rows (None: AMX_ROWS where the CPU grants AMX and every
+    part is a planar 32-weight format or a K-quant; 0: never, nor AMX bf16 tiles) in AMX int8
+    tiles with the same integer sums, and larger ones multiply dequantized weights (AMX bf16
+    tiles of each panel's, or oneDNN over tiles of `tile_rows` rows)
     by the activations rounded as the integer kernels round them: float32 tiles, the same
     sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
     (of float32 inputs too) on CPUs with AMX, whose bf16 GEMMs run several times faster (serving
@@ -326,10 +319,7 @@ class GGUFLinear(nn.Module):
         ext = self.parts[0].ext
         amx = ext is not None and ext.gguf_amx and all(
             w.qtype in K_QUANTS or (w.qtype in PLANAR and w.planar) for w in self.parts)
-        if amx_rows is None:
-            partial = k % 512 and not any(w.qtype in K_QUANTS for w in self.parts)
-            amx_rows = AMX_PARTIAL_ROWS if partial else AMX_ROWS
-        self.amx_rows = amx_rows if amx else 0
+        self.amx_rows = (AMX_ROWS if amx_rows is None else amx_rows) if amx else 0
         default_max = max_rows is None
         if max_rows is None:  # the crossover of the parts' kernels
             nibbles = all(w.qtype in NIBBLES and w.planar for w in self.parts)

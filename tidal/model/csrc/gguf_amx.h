@@ -5,7 +5,10 @@
 // products, each scaled by its unit's d (and offset times the rounded x's sum) as the VNNI
 // kernels scale them, unit u in lane u % 16, the lanes summed in _mm512_reduce_add_ps's order.
 // The 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, planar) take gguf_dot32.h's unsigned
-// bytes, and every output equals dot32's bit for bit. The K-quants (Q4_K, Q5_K, Q6_K, in the
+// bytes: where a row holds whole rounds of 16 blocks (in_features a multiple of 512) every
+// output equals dot32's bit for bit. dot32 sums its last nb % 16 blocks in partial sums of 4
+// weights (cheaper for a few blocks than whole ones); here each is one sum, so such rows
+// differ from dot32's in float32 rounding alone. The K-quants (Q4_K, Q5_K, Q6_K, in the
 // file's layout) scale each sub-block's sum in float, where gguf_kdot.h sums a block's
 // sub-blocks in integers first: the same products, apart by float32 rounding alone.
 

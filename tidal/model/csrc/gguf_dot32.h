@@ -83,26 +83,14 @@ inline void transpose16(const __m512i* P, __m512i* C) {
 // The same walk summing instead of keeping: from S[t] (blocks 2t and 2t + 1, eight int32
 // partial sums each) to one register whose lane l is block l's whole sum, the integer that
 // the transposed path's lane l holds, so one row and many sum a block alike.
-inline __m512i reduce16(const __m512i* S, int pairs = 8) {
+inline __m512i reduce16(const __m512i* S) {
   const auto both = [](__m512i x, int round, __m512i y) {
     return _mm512_add_epi32(gather(x, round, 0, y), gather(x, round, 1, y));
   };
-  const __m512i zero = _mm512_setzero_si512();
-  __m512i four[4], eight[2];  // 4 blocks x 4 partials; 8 blocks x 2 (zero past `pairs`)
-  for (int s = 0; s < 4; ++s) four[s] = 2 * s < pairs ? both(S[2 * s], 0, S[2 * s + 1]) : zero;
-  for (int h = 0; h < 2; ++h)
-    eight[h] = 4 * h < pairs ? both(four[2 * h], 1, four[2 * h + 1]) : zero;
+  __m512i four[4], eight[2];  // 4 blocks x 4 partials; 8 blocks x 2
+  for (int s = 0; s < 4; ++s) four[s] = both(S[2 * s], 0, S[2 * s + 1]);
+  for (int h = 0; h < 2; ++h) eight[h] = both(four[2 * h], 1, four[2 * h + 1]);
   return both(eight[0], 2, eight[1]);
-}
-
-// One register's two blocks (eight partial sums each) summed, into lanes 0 and 1: reduce16's
-// integers for one pair, in fewer shuffles.
-inline __m512i sum_halves(__m512i s) {
-  s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_BADC));
-  s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB));
-  s = _mm512_add_epi32(s, _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
-  const __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 0);
-  return _mm512_maskz_permutexvar_epi32(0x3, first, s);
 }
 
 // One planar row's blocks against NR activation rows; adds each dot product to out[r].
@@ -112,9 +100,7 @@ inline __m512i sum_halves(__m512i s) {
 // interleaved) takes two blocks a dot product and sums each block's lanes (reduce16), so a
 // block's integer, and every float operation after it, are the same at any number of rows:
 // a token does not depend on how many rows its step verifies. The last blocks (nb % 16) go
-// two a dot product, each block summed whole (reduce16 over rows and pairs) into lane
-// b % 16 as a round's, so that AMX tiles (gguf_amx.h), which sum whole blocks, give every
-// output bit for bit at any in_features.
+// eight a round: two blocks a dot product, converted and scaled at once.
 template <typename F, int NR>
 inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
                   int64_t nb, float* out) {
@@ -154,50 +140,35 @@ inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefet
                                _mm512_fmadd_ps(off, _mm512_loadu_ps(&a.sum32[g]), acc[r]));
     }
   }
-  if (b0 < nb) {  // the last nb % 16 blocks: a round's lanes, those past the row's end zero
-    const int n = static_cast<int>(nb - b0), pairs = (n + 1) / 2;
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  alignas(64) static const int32_t kPairLanes[4][16] = {
+      {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+      {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}};
+  for (; b0 < nb; b0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, nb - b0));
+    const __mmask8 valid = static_cast<__mmask8>((1u << n) - 1);
     const auto halves = [&](int field) {  // n float16 fields of blocks b0.. as floats
-      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, f[field].at(b0)));
+      return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(valid, f[field].at(b0)));
     };
-    const __m512 d = halves(0);
-    const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(U::kCentre), d,
-                                        F::kMin ? halves(1) : _mm512_setzero_ps());
-    __m512i u[8];
-    for (int t = 0; t < pairs; ++t) {
+    const __m256 d = halves(0);
+    const __m256 off = _mm256_fnmadd_ps(_mm256_set1_ps(U::kCentre), d,
+                                        F::kMin ? halves(1) : _mm256_setzero_ps());
+    __m512i u[4];
+    for (int t = 0; 2 * t < n; ++t) {
       pf.block(b0 + 2 * t);
       pf.block(b0 + 2 * t + 1);
       u[t] = U::pair(f, b0 + 2 * t, 2 * t + 1 < n);
     }
-    // each row's pairs' products (partial sums of four weights), eight at a time over rows
-    // and pairs alike, summed to whole blocks: lane 2 (r * pairs + t) + h of the chunks laid
-    // end to end is row r's block b0 + 2t + h, so each row's n blocks lie together
-    const int products = NR * pairs;
-    __m512i chunk[NR + 1];
-    for (int c = 0, r = 0, t = 0; 8 * c < products; ++c) {
-      __m512i s[8];
-      for (int i = 0; i < 8; ++i) {
-        if (8 * c + i >= products) {
-          s[i] = zero;
-          continue;
-        }
-        const int8_t* x = &a.q[((r0 + r) * nb + b0 + 2 * t) * kGroup];
-        s[i] = _mm512_dpbusd_epi32(zero, u[t], _mm512_loadu_si512(x));
-        if (++t == pairs) t = 0, ++r;
-      }
-      chunk[c] = products == 1 ? sum_halves(s[0]) : reduce16(s, std::min(8, products - 8 * c));
-      chunk[c + 1] = zero;
-    }
-    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int r = 0; r < NR; ++r) {
-      const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + n - 1
-      const int at = 2 * pairs * r;           // row r's first lane, in chunk at / 16
-      const __m512i sum = _mm512_maskz_permutex2var_epi32(
-          valid, chunk[at / 16], _mm512_add_epi32(lanes, _mm512_set1_epi32(at % 16)),
-          chunk[at / 16 + 1]);
-      const __m512 with_off = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(valid, &a.sum32[g]), acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
-                               _mm512_mul_ps(d, _mm512_maskz_loadu_ps(valid, &a.d[g])), with_off);
+      const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + 7 (readable past the end)
+      const __m512 dd = _mm512_zextps256_ps512(_mm256_mul_ps(d, _mm256_maskz_loadu_ps(valid, &a.d[g])));
+      acc[r] = _mm512_fmadd_ps(
+          _mm512_zextps256_ps512(off),
+          _mm512_zextps256_ps512(_mm256_maskz_loadu_ps(valid, &a.sum32[g])), acc[r]);
+      for (int t = 0; 2 * t < n; ++t) {
+        const __m512i i = _mm512_dpbusd_epi32(zero, u[t], _mm512_loadu_si512(&a.q[(g + 2 * t) * kGroup]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i),
+                                 _mm512_permutexvar_ps(_mm512_load_si512(kPairLanes[t]), dd), acc[r]);
+      }
     }
   }
   for (int r = 0; r < NR; ++r) out[r] += _mm512_reduce_add_ps(acc[r]);
