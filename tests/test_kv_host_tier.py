@@ -17,8 +17,10 @@ def folder(tmp_path, monkeypatch):
     return tiny_model(tmp_path, monkeypatch)
 
 
-def as_bytes(data) -> bytes:
-    return data.numpy().tobytes() if isinstance(data, torch.Tensor) else data
+def loaded(tier, key: bytes, size: int = 8) -> bytes | None:
+    """What `load_into` reads of the block, or None for one it does not hold."""
+    out = torch.empty(size, dtype=torch.uint8)
+    return out.numpy().tobytes() if tier.load_into(key, out) else None
 
 
 def key(i: int) -> bytes:
@@ -32,14 +34,14 @@ def test_host_memory_keeps_the_recently_used_and_the_disk_keeps_them_all(tmp_pat
     for i in range(3):
         host.store(key(i), bytes([i]) * 8)
     assert host.held == 2 and list(host._slots) == [key(1), key(2)]
-    assert as_bytes(host.load(key(0))) == bytes([0]) * 8  # from the disk, held again
+    assert loaded(host, key(0)) == bytes([0]) * 8  # from the disk, held again
     assert list(host._slots) == [key(2), key(0)]  # key 1, least recently used, left
-    assert as_bytes(host.load(key(1))) == bytes([1]) * 8
+    assert loaded(host, key(1)) == bytes([1]) * 8
     host.close()
     assert sorted(disk.keys()) == [key(0), key(1), key(2)]
     alone = HostKVTier(8, 16, pinned=False)
     alone.store(key(5), b"short")  # not a whole block: never kept
-    assert alone.load(key(5)) is None and alone.capacity == 2
+    assert loaded(alone, key(5)) is None and alone.capacity == 2
 
 
 def llm_with(folder, **tiers_kwargs):
@@ -126,3 +128,20 @@ def test_a_server_names_host_memory_metrics_alone_and_above_the_disk(tmp_path, d
             assert metric(server.url, "tidal:kv_host_loaded_blocks_total") == 0
     finally:
         server.stop()
+
+
+def test_a_disk_block_with_a_flipped_byte_is_refused_and_deleted(tmp_path):
+    """Same length, one payload byte changed: the checksum finds it; the block reads as
+    missing, its file is gone and the failure counted, and an intact block still reads."""
+    disk = DiskKVTier(tmp_path, 64, 1 << 20)
+    for i in (1, 2):
+        disk.store(key(i), bytes([i]) * 64)
+    disk.close()  # written out
+    path = tmp_path / f"{key(1).hex()}.kv"
+    raw = bytearray(path.read_bytes())
+    raw[HEADER + 10] ^= 1
+    path.write_bytes(raw)
+    disk = DiskKVTier(tmp_path, 64, 1 << 20)
+    assert loaded(disk, key(1), 64) is None and not path.exists() and disk.load_failures == 1
+    assert loaded(disk, key(2), 64) == bytes([2]) * 64
+    disk.close()

@@ -176,7 +176,7 @@ def test_block_io_moves_codes_and_scales_and_keeps_formats_apart():
     for cache in caches.values():  # the disk tier's bytes, a speculation tree's slot moves
         data = cache.block_bytes([2])[0]
         assert len(data) == cache.block_nbytes
-        cache.write_block(4, data)
+        cache.write_rows([4], torch.frombuffer(bytearray(data), dtype=torch.uint8)[None])
         cache.move_slots([8, 9, 21], [0, 1, 6])  # slot 21: block 5, position 1
         for k, _ in cache.layers:
             assert torch.equal(k[4].view(torch.uint8), k[2].view(torch.uint8))

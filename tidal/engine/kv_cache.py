@@ -161,13 +161,13 @@ class KVCache:
         return [row.view(torch.uint8).numpy().tobytes() for row in kv]
 
     @torch.inference_mode()
-    def write_block(self, block_id: int, data: bytes | torch.Tensor) -> None:
-        """Write one block's KV from `block_bytes`' bytes (or a uint8 tensor of them: a
-        host tier's pinned row, copied to a GPU by DMA)."""
-        k0 = self.layers[0][0]
-        raw = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data),
-                                                                          dtype=torch.uint8)
-        kv = raw.view(self.dtype).view(len(self.layers), 2, *k0.shape[1:]).to(self.device)
-        for (k, v), layer in zip(self.layers, kv):
-            k[block_id].copy_(layer[0])
-            v[block_id].copy_(layer[1])
+    def write_rows(self, block_ids: list[int], rows: torch.Tensor) -> None:
+        """Write blocks' KV from rows of `block_bytes`' bytes ([n, block_nbytes] uint8 in
+        host memory): one copy per layer and K or V for all of them."""
+        shape = self.layers[0][0].view(torch.uint8).shape[1:]  # as bytes: float8 has no index_copy_
+        kv = rows.view(len(block_ids), len(self.layers), 2, *shape)
+        kv = kv.to(self.device, non_blocking=rows.is_pinned())
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for i, (k, v) in enumerate(self.layers):
+            k.view(torch.uint8).index_copy_(0, idx, kv[:, i, 0])
+            v.view(torch.uint8).index_copy_(0, idx, kv[:, i, 1])

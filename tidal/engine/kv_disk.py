@@ -2,7 +2,7 @@
 (`tidal.core.kv_tiers.tier_key`) in a folder of its own per model, dtype and block layout,
 so a restarted server and the other engine cores of this machine find them. Files are
 written by a thread, atomically (a temporary name, then rename), and each carries a
-checksum: a truncated or corrupt file is found on reading, deleted and never served. The
+CRC-32 of its KV: a truncated or corrupt file is found on reading, deleted and never served. The
 folder keeps within its size, least recently written first. The writer thread rescans the
 folder when it changed (at most once a second), so blocks another engine core of this
 machine wrote, or deleted, since this one started reach this core's index (`news`)."""
@@ -15,15 +15,18 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from pathlib import Path
+
+import torch
 
 from tidal.core.kv_tiers import TierReport
 
 log = logging.getLogger("tidal.engine")
 
-MAGIC = b"TKV1"
-KEY_BYTES, SUM_BYTES = 16, 16
+MAGIC = b"TKV2"  # TKV1's files (a BLAKE2b checksum) read as corrupt: deleted, recomputed
+KEY_BYTES, SUM_BYTES = 16, 4
 HEADER = len(MAGIC) + KEY_BYTES + 8 + SUM_BYTES  # magic, key, payload length, checksum
 RESCAN_SECONDS = 1.0  # a listing of the folder costs ~1 ms per 1,000 blocks
 
@@ -35,14 +38,17 @@ def tier_folder(root: str | os.PathLike, identity: dict) -> Path:
     return Path(root).expanduser() / digest
 
 
-def _checksum(data: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(data, digest_size=SUM_BYTES).digest()
+def _checksum(data) -> bytes:
+    """A CRC-32 of a block's bytes (5x faster than BLAKE2b here, ~0.07 ms for 360 KiB): it
+    finds truncation and corruption, which is all it is for."""
+    return zlib.crc32(data).to_bytes(SUM_BYTES, "little")
 
 
 class DiskKVTier:
     """Block files of `block_bytes` each under `folder`, at most `capacity_bytes` of them
-    (files and headers). `store` returns at once (a thread writes); `load` reads a block
-    back, or None for one missing, truncated or corrupt (that file is deleted)."""
+    (files and headers). `store` returns at once (a thread writes); `load_into` reads a
+    block back into a row of memory, or reports it missing, truncated or corrupt (that file
+    is deleted)."""
 
     def __init__(self, folder: Path, block_bytes: int, capacity_bytes: int) -> None:
         self.folder, self.block_bytes = folder, block_bytes
@@ -92,28 +98,31 @@ class DiskKVTier:
             self._pending[key] = data
         self._queue.put(key)
 
-    def load(self, key: bytes) -> bytes | None:
+    def load_into(self, key: bytes, out: torch.Tensor) -> bool:
+        """Read the block into `out` (block_bytes of uint8 in host memory, contiguous): the
+        file's payload straight into it, no copy between. False if it is missing,
+        truncated or corrupt (`out` then holds anything)."""
         with self._lock:
             data = self._pending.get(key)
         if data is not None:
-            return data
-        path = self._path(key)
+            out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            return True
+        path, view = self._path(key), out.numpy()
         try:
-            raw = path.read_bytes()
+            with open(path, "rb", buffering=0) as f:
+                head, got, extra = f.read(HEADER), f.readinto(view), f.read(1)
         except OSError:
-            return None
-        payload = memoryview(raw)[HEADER:]
-        head = raw[:HEADER]
-        if (len(raw) != HEADER + self.block_bytes or head[:4] != MAGIC
+            return False
+        if (len(head) != HEADER or got != self.block_bytes or extra or head[:4] != MAGIC
                 or head[4:4 + KEY_BYTES] != key
                 or int.from_bytes(head[4 + KEY_BYTES:12 + KEY_BYTES], "little")
                 != self.block_bytes
-                or head[12 + KEY_BYTES:] != _checksum(payload)):
+                or head[12 + KEY_BYTES:] != _checksum(view)):
             self.load_failures += 1
             log.warning("KV disk tier: %s is truncated or corrupt; deleted", path.name)
             path.unlink(missing_ok=True)
-            return None
-        return bytes(payload)
+            return False
+        return True
 
     def close(self) -> None:
         """Write what is pending, then stop the writer."""

@@ -19,7 +19,7 @@ log = logging.getLogger("tidal.engine")
 class HostKVTier:
     """At most `capacity_bytes // block_bytes` blocks in host memory; `below` (the disk
     tier, or None) takes every store and serves what this tier no longer holds. The same
-    `store` / `load` / `keys` / `close` as `DiskKVTier`."""
+    `store` / `load_into` / `keys` / `close` as `DiskKVTier`."""
 
     def __init__(self, block_bytes: int, capacity_bytes: int, pinned: bool,
                  below=None) -> None:
@@ -50,19 +50,20 @@ class HostKVTier:
         if self.below is not None:
             self.below.store(key, data)
 
-    def load(self, key: bytes) -> bytes | torch.Tensor | None:
-        """The block's bytes: its arena row (valid until the next store or load here: the
-        worker writes it to the pool first), or what the tier below read."""
+    def load_into(self, key: bytes, out: torch.Tensor) -> bool:
+        """The block copied into `out` (block_bytes of uint8) from its arena row, or read
+        by the tier below (and kept here for the next hit); False if neither holds it."""
         with self._lock:
             slot = self._slots.get(key)
             if slot is not None:
                 self._slots.move_to_end(key)
                 self.hits += 1
-                return self.arena[slot]
-        data = self.below.load(key) if self.below is not None else None
-        if data is not None:
-            self._keep(key, data)  # the next hit of this block is served from memory
-        return data
+                out.copy_(self.arena[slot])
+                return True
+        if self.below is None or not self.below.load_into(key, out):
+            return False
+        self._keep(key, out)
+        return True
 
     def report(self) -> TierReport:
         """The disk's news (but for blocks this tier still holds), the blocks held here
@@ -76,7 +77,7 @@ class HostKVTier:
         if self.below is not None:
             self.below.close()
 
-    def _keep(self, key: bytes, data: bytes) -> None:
+    def _keep(self, key: bytes, data: bytes | torch.Tensor) -> None:
         if len(data) != self.block_bytes or not len(self.arena):
             return
         with self._lock:
@@ -85,5 +86,6 @@ class HostKVTier:
                 if not self._free:  # the least recently used block makes room
                     self._free.append(self._slots.popitem(last=False)[1])
                 slot = self._free.pop()
-            self.arena[slot] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            self.arena[slot] = (data if isinstance(data, torch.Tensor)
+                                else torch.frombuffer(bytearray(data), dtype=torch.uint8))
             self._slots[key] = slot

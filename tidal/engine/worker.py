@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,8 @@ from tidal.model.tokenizer import Tokenizer
 from tidal.spec.factory import make_guesser
 
 log = logging.getLogger("tidal.engine")
+# Host memory a thread keeps for reading tier blocks into (a load of more reads in rows of it)
+STAGING_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,7 @@ class Worker:
                                    pinned=on_gpu, below=disk)
         # loads from it run beside the step's forward pass, which reads none of their blocks
         self._loader = ThreadPoolExecutor(1, "tidal-kv-load") if self.tier else None
+        self._staged = threading.local()  # inline loads read on this thread, others there
         self._loaded: deque = deque()  # launched steps' loads (counts, seconds), oldest first
         phases.done("KV cache")
         if guesser is not None:
@@ -273,16 +277,33 @@ class Worker:
         """Each load's blocks read from the tiers in order, up to the first missing or
         corrupt one: how many loaded whole per request, and the seconds it all took."""
         t0, loaded = time.perf_counter(), {}
+        rows = self._staging()
         for load in loads:
-            whole = 0
-            for block_id, key in zip(load.block_ids, load.keys):
-                data = self.tier.load(key)
-                if data is None:
+            whole = 0  # read rows of them, each row then written to the pool a layer at a time
+            while whole < len(load.keys):
+                n = 0
+                while (n < len(rows) and whole + n < len(load.keys)
+                       and self.tier.load_into(load.keys[whole + n], rows[n])):
+                    n += 1
+                if n:
+                    self.kv.write_rows(load.block_ids[whole:whole + n], rows[:n])
+                whole += n
+                if n < len(rows):  # the load's end, or a missing or corrupt block
                     break
-                self.kv.write_block(block_id, data)
-                whole += 1
             loaded[load.request_id] = whole
         return loaded, time.perf_counter() - t0
+
+    def _staging(self) -> torch.Tensor:
+        """This thread's rows of host memory that blocks are read into (pinned for a GPU
+        pool: one DMA), STAGING_BYTES of them (at least one block), kept from load to
+        load: fresh pages would fault in on every read, as much time as the read."""
+        rows = getattr(self._staged, "rows", None)
+        if rows is None:
+            count = max(1, STAGING_BYTES // self.kv.block_nbytes)
+            rows = self._staged.rows = torch.empty(
+                (count, self.kv.block_nbytes), dtype=torch.uint8,
+                pin_memory=str(self.kv.device).startswith("cuda"))
+        return rows
 
     def tier_report(self) -> TierReport:
         """Blocks other engine cores wrote to the disk tier's folder or deleted since the
