@@ -27,8 +27,10 @@ BLOCK = 16
 
 def blocks_for(model: str, kv: str, mib: float) -> tuple[int, int]:
     """(blocks, bytes a token) of `mib` MiB of KV in format `kv` for the model's default
-    dtype on this CPU."""
+    dtype on this CPU, `auto` as the server resolves it (bf16 rows for a float32 model of
+    its own formats on AMX)."""
     from tidal.engine.config import ModelConfig
+    from tidal.engine.device import pick_kv_cache_dtype
     from tidal.engine.model_loading import pick_model_dtype
     from tidal.model.config import ModelArch
     from tidal.model.kv_quant import KVFormat
@@ -36,8 +38,9 @@ def blocks_for(model: str, kv: str, mib: float) -> tuple[int, int]:
 
     folder = resolve_model(model)[0]
     arch = ModelArch.from_folder(folder)
-    _, dtype = pick_model_dtype(folder, arch, ModelConfig(model=model), "cpu")
-    per_token = KVFormat(kv).bytes_per_token(arch, dtype)
+    quantization, dtype = pick_model_dtype(folder, arch, ModelConfig(model=model), "cpu")
+    per_token = KVFormat(pick_kv_cache_dtype(kv, "cpu", quantization, dtype)).bytes_per_token(
+        arch, dtype)
     return int(mib * 2**20) // (per_token * BLOCK), per_token
 
 

@@ -206,18 +206,22 @@ def test_perplexity_on_real_text_stays_within_one_percent_of_float_kv():
 
 @pytest.mark.parametrize("cached, length, name, low", [
     (0, 256, "bfloat16", True), (0, 255, "bfloat16", False), (0, 256, "float32", False),
-    (40, 256, "bfloat16", True), (2016, 32, "bfloat16", True), (2016, 31, "bfloat16", False)])
+    (40, 256, "bfloat16", True), (2016, 32, "bfloat16", True), (2016, 31, "bfloat16", False),
+    (0, 256, "int8", True), (2016, 32, "int8", True), (2016, 31, "fp8_e4m3", False)])
 def test_large_prompt_runs_over_bf16_rows_attend_in_bf16(cached, length, name, low):
     """A float32 model's prompt run whose attention takes BF16_ATTENTION_SCORES scores a head
-    or more (its tokens times its context) over a bf16 KV cache attends in bf16: K and V as
-    the cache holds them (its own and a cached prefix's), the queries rounded alike. A
-    smaller run, and any run over a float32 cache, attends in float32: over its own float32
-    K and V, or, after a cached prefix, over the context as the cache holds it."""
+    or more (its tokens times its context) over a bf16 KV cache, or a quantized one on a CPU
+    with AMX, attends in bf16: K and V as the cache holds them (a cached prefix's, and its
+    own after one; a fresh run's own rounded to bf16), the queries rounded alike. A smaller
+    run, and any run over a float32 cache, attends in float32: over its own float32 K and
+    V, or, after a cached prefix, over the context as the cache holds it."""
     import torch.nn.functional as F
 
-    from tidal.model.attention import (BF16_ATTENTION_SCORES, AttentionMetadata, PrefillSeq,
-                                       TorchAttention, prefix_causal_mask)
+    from tidal.model.attention import (BF16_ATTENTION_SCORES, BF16_OVER_CODES,
+                                       AttentionMetadata, PrefillSeq, TorchAttention,
+                                       prefix_causal_mask)
     assert (length * (cached + length) >= BF16_ATTENTION_SCORES) == low or name == "float32"
+    low = low and (name == "bfloat16" or BF16_OVER_CODES)
     h, hkv, d, bs = 4, 2, 16, 16
     gen = torch.Generator().manual_seed(cached + length)
     kv = KVFormat(name)
@@ -237,14 +241,17 @@ def test_large_prompt_runs_over_bf16_rows_attend_in_bf16(cached, length, name, l
     got = TorchAttention(h, hkv, d, kv=kv).forward(q, k_all[cached:], v_all[cached:],
                                                    k_cache, v_cache, meta)
 
-    def sdpa(dtype, stored):  # stored: K and V as the cache holds them
-        ks, vs = ((t.to(kv.storage(torch.float32)) if stored else t).to(dtype).transpose(0, 1)
-                  for t in (k_all, v_all))
+    def held(t):  # K or V as the cache holds it
+        return kv.decode(kv.encode(t), torch.float32) if kv.quantized else t.to(
+            kv.storage(torch.float32))
+
+    def sdpa(dtype, stored):
+        ks, vs = ((held(t) if stored else t).to(dtype).transpose(0, 1) for t in (k_all, v_all))
         return F.scaled_dot_product_attention(
             q.to(dtype).transpose(0, 1)[None], ks[None], vs[None],
             attn_mask=None if not cached else seq.mask, is_causal=not cached,
             enable_gqa=True)[0].transpose(0, 1).float()
-    want = sdpa(torch.bfloat16, True) if low else sdpa(torch.float32, bool(cached))
+    want = sdpa(torch.bfloat16 if low else torch.float32, bool(cached))
     assert got.dtype == torch.float32 and torch.equal(got, want)
     if low:  # bf16 attention is observably not float32's
-        assert not torch.equal(got, sdpa(torch.float32, True))
+        assert not torch.equal(got, sdpa(torch.float32, bool(cached)))
