@@ -165,8 +165,8 @@ class KVCache:
         """Write blocks' KV from rows of `block_bytes`' bytes ([n, block_nbytes] uint8 in
         host memory): one copy per layer and K or V for all of them."""
         shape = self.layers[0][0].view(torch.uint8).shape[1:]  # as bytes: float8 has no index_copy_
-        kv = rows.view(len(block_ids), len(self.layers), 2, *shape)
-        kv = kv.to(self.device, non_blocking=rows.is_pinned())
+        # a blocking copy: the rows are read into again as soon as this returns
+        kv = rows.view(len(block_ids), len(self.layers), 2, *shape).to(self.device)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for i, (k, v) in enumerate(self.layers):
             k.view(torch.uint8).index_copy_(0, idx, kv[:, i, 0])

@@ -280,15 +280,14 @@ class Worker:
         rows = self._staging()
         for load in loads:
             whole = 0  # read rows of them, each row then written to the pool a layer at a time
-            while whole < len(load.keys):
-                n = 0
-                while (n < len(rows) and whole + n < len(load.keys)
-                       and self.tier.load_into(load.keys[whole + n], rows[n])):
+            for start in range(0, len(load.keys), len(rows)):
+                keys, n = load.keys[start:start + len(rows)], 0
+                while n < len(keys) and self.tier.load_into(keys[n], rows[n]):
                     n += 1
                 if n:
-                    self.kv.write_rows(load.block_ids[whole:whole + n], rows[:n])
+                    self.kv.write_rows(load.block_ids[start:start + n], rows[:n])
                 whole += n
-                if n < len(rows):  # the load's end, or a missing or corrupt block
+                if n < len(keys):  # a missing or corrupt block ends the load
                     break
             loaded[load.request_id] = whole
         return loaded, time.perf_counter() - t0
