@@ -105,7 +105,7 @@ class DiskKVTier:
         with self._lock:
             data = self._pending.get(key)
         if data is not None:
-            out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            out.numpy()[:] = memoryview(data)  # one copy
             return True
         path, view = self._path(key), out.numpy()
         try:

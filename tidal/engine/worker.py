@@ -276,6 +276,8 @@ class Worker:
     def _load_blocks(self, loads: list[KVLoad]) -> tuple[dict[str, int], float]:
         """Each load's blocks read from the tiers in order, up to the first missing or
         corrupt one: how many loaded whole per request, and the seconds it all took."""
+        if not loads:  # a step whose loads all run beside it: no rows on this thread
+            return {}, 0.0
         t0, loaded = time.perf_counter(), {}
         rows = self._staging()
         for load in loads:
