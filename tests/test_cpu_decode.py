@@ -80,7 +80,7 @@ def test_paged_attention_refuses_what_would_read_outside_the_cache():
         ext.paged_decode_attention(q, cache, cache, table, torch.tensor([5]), 1.0)
     with pytest.raises(RuntimeError, match="block id 4 is not in the cache"):
         ext.paged_decode_attention(q, cache, cache, table + 4, one, 1.0)
-    with pytest.raises(RuntimeError, match="4-byte scale"):  # int8 rows without their scale
+    with pytest.raises(RuntimeError, match="2-byte scale"):  # int8 rows without their scale
         ext.paged_decode_attention(q, cache.to(torch.int8), cache.to(torch.int8), table, one,
                                    1.0)
     with pytest.raises(RuntimeError, match="head_dim"):

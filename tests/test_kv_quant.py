@@ -20,7 +20,7 @@ from tidal import LLM, SamplingParams
 from tidal.engine.config import KV_CACHE_DTYPES
 from tidal.engine.kv_cache import KVCache
 from tidal.model.config import ModelArch
-from tidal.model.kv_quant import CODES, FLOATS, KVFormat
+from tidal.model.kv_quant import CODES, FLOATS, SCALE_STEPS, KVFormat
 
 
 def test_the_config_offers_the_formats_the_cache_has():
@@ -38,12 +38,22 @@ def test_a_row_decodes_within_half_a_code_step(seed, rows, d, magnitude, name, d
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, 2, d, generator=gen) * magnitude).to(dtype)
     x[0, 0] = 0  # an all-zero row: scale 0, decoded exactly
-    back = fmt.decode(fmt.encode(x), torch.float32)
+    coded = fmt.encode(x)
+    back = fmt.decode(coded, torch.float32)
     amax = x.float().abs().amax(-1, keepdim=True)
-    if name == "int8":  # uniform steps of amax / 127
-        bound = amax / 127 / 2 * 1.001
+    step = coded[..., d:].contiguous().view(torch.float16).float() / SCALE_STEPS  # as stored
+    exact = amax / fmt.qmax
+    # float16's 11 significant bits where the stored count is normal (max|x| above ~3e-5 for
+    # int8), its absolute step below that
+    normal = exact * SCALE_STEPS >= 2.0 ** -14
+    assert ((step - exact).abs() <= exact * 2.0 ** -11)[normal].all()
+    assert ((step - exact).abs() <= 2.0 ** -25 / SCALE_STEPS)[~normal].all()
+    clamped = (amax - fmt.qmax * step).clamp(min=0)  # a scale rounded down clamps the largest
+    if name == "int8":  # uniform steps of the stored scale
+        bound = torch.maximum(step / 2, clamped) * 1.001
     else:  # 3 mantissa bits: half a step is 1/16 of the value, or of e4m3's subnormal step
-        bound = torch.maximum(x.float().abs() / 16, amax / 448 * 2.0 ** -10) * 1.001
+        bound = torch.maximum(torch.maximum(x.float().abs() / 16, step * 2.0 ** -10),
+                              clamped) * 1.001
     assert ((back - x.float()).abs() <= bound).all()
     assert (back[0, 0] == 0).all()
 
@@ -133,9 +143,9 @@ def test_the_pool_holds_the_tokens_its_bytes_allow(tmp_path):
     blocks = {}
     row_bytes = {"auto": 64, "bfloat16": 32, "float32": 64}  # rows of 16 values, float32 model
     for kv in KV_CACHE_DTYPES:
-        # bf16 rows of 16 values: 32 bytes; coded: 16 codes and a 4-byte scale; float32: 64
+        # bf16 rows of 16 values: 32 bytes; coded: 16 codes and a 2-byte scale; float32: 64
         assert KVFormat(kv).bytes_per_token(arch, torch.float32) == (
-            2 * arch.num_layers * arch.num_kv_heads * row_bytes.get(kv, 20))
+            2 * arch.num_layers * arch.num_kv_heads * row_bytes.get(kv, 18))
         if kv == "float32":  # more than a bf16 model's values hold: refused
             with pytest.raises(ValueError, match="--kv-cache-dtype float32 holds more"):
                 LLM(str(folder), dtype="bfloat16", kv_cache_dtype=kv)
@@ -144,11 +154,11 @@ def test_the_pool_holds_the_tokens_its_bytes_allow(tmp_path):
                   kv_cache_dtype=kv)
         blocks[kv] = llm.engine.runner.kv.num_blocks
         assert KVFormat(kv).bytes_per_token(arch, torch.bfloat16) == (
-            2 * arch.num_layers * arch.num_kv_heads * (20 if kv in CODES else 32))
+            2 * arch.num_layers * arch.num_kv_heads * (18 if kv in CODES else 32))
         llm.close()
     assert blocks["bfloat16"] == blocks["auto"]  # a bf16 model's own dtype
-    for kv in CODES:  # head_dim 16: 32 / 20 = 1.6x; the embedded model's 64: 128 / 68
-        assert blocks[kv] >= 1.55 * blocks["auto"]
+    for kv in CODES:  # head_dim 16: 32 / 18 = 1.78x; the embedded model's 64: 128 / 66
+        assert blocks[kv] >= 1.75 * blocks["auto"]
 
 
 def test_block_io_moves_codes_and_scales_and_keeps_formats_apart():

@@ -92,7 +92,7 @@ class ModelConfig:
                                "model's own (its 'auto' elsewhere); "
                                "'bfloat16' half of float32's bytes under a float32 model "
                                "(values rounded to nearest even); "
-                               "'int8' or 'fp8_e4m3' one byte a value with a float32 scale "
+                               "'int8' or 'fp8_e4m3' one byte a value with a float16 scale "
                                "per token and KV head (about half the bytes of bf16, a "
                                "quarter of float32: that many more tokens in the same "
                                "memory; docs/design/kv-quantization.md).")

@@ -351,7 +351,7 @@ class ModelArch:
                                                           + scale_bytes)
 
 
-KV_SCALE_BYTES = 4  # a quantized KV row's float32 scale, after its codes (kv_quant.py)
+KV_SCALE_BYTES = 2  # a quantized KV row's float16 scale, after its codes (kv_quant.py)
 TP_FLAG = "--tensor-parallel-size"
 EP_FLAG = "--enable-expert-parallel"
 PP_FLAG = "--pipeline-parallel-size"

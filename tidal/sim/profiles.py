@@ -138,7 +138,7 @@ def hardware(name: str) -> Hardware:
 
 def kv_token_bytes(arch: ModelArch, hw: Hardware, kv_cache_dtype: str = "auto") -> int:
     """A token's KV bytes on `hw`: its dtype's, bf16's, float32's, or one byte a value and a
-    4-byte scale a row with a quantized --kv-cache-dtype (tidal.model.kv_quant)."""
+    2-byte scale a row with a quantized --kv-cache-dtype (tidal.model.kv_quant)."""
     if kv_cache_dtype == "auto":
         return arch.kv_bytes_per_token(hw.dtype_bytes)
     floats = {"bfloat16": 2, "float32": 4}

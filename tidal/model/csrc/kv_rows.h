@@ -1,11 +1,12 @@
 // The KV cache's rows (one token's one KV head): `d` values of the model's dtype, or, with
-// --kv-cache-dtype int8 / fp8_e4m3, d one-byte codes followed by the row's float32 scale
-// (tidal/model/kv_quant.py, whose writes these equal bit for bit), or bf16 values under a
+// --kv-cache-dtype int8 / fp8_e4m3, d one-byte codes followed by the row's scale as a float16
+// count of 2^-8 units (tidal/model/kv_quant.py, whose writes these equal bit for bit), or bf16 values under a
 // float32 model, rounded to nearest even as c10::BFloat16 (and torch) round them.
 
 #pragma once
 
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 
 #include "tidal_cpu.h"
 
@@ -17,9 +18,14 @@ using F8 = c10::Float8_e4m3fn;
 template <typename C>
 constexpr bool kCoded = std::is_same_v<C, int8_t> || std::is_same_v<C, F8>;
 
-// Elements of one row in the cache: the codes and the scale's 4 bytes.
+// A coded row's scale: float16, counting steps of 1 / kScaleSteps (float16's normal range
+// moved down to K's and V's), saturating at float16's largest finite value.
+constexpr int64_t kScaleBytes = 2;
+constexpr float kScaleSteps = 256.f, kScaleMax = 65504.f;
+
+// Elements of one row in the cache: the codes and the scale's 2 bytes.
 template <typename C>
-constexpr int64_t row_width(int64_t d) { return kCoded<C> ? d + 4 : d; }
+constexpr int64_t row_width(int64_t d) { return kCoded<C> ? d + kScaleBytes : d; }
 
 // The row's scale (1 for rows of the model's dtype).
 template <typename C>
@@ -27,9 +33,9 @@ inline float row_scale(const C* row, int64_t d) {
   if constexpr (!kCoded<C>) {
     return 1.f;
   } else {
-    float s;
+    c10::Half s;
     std::memcpy(&s, row + d, sizeof s);
-    return s;
+    return static_cast<float>(s) / kScaleSteps;  // exact: a power of two
   }
 }
 
@@ -65,7 +71,9 @@ void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* s
       for (int64_t h = 0; h < hkv; ++h, src += d, dst += w) {
         float amax = 0.f;
         for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::abs(f32(src[i])));
-        const float scale = amax / kCodeMax<C>, div = scale > 0.f ? scale : 1.f;
+        const c10::Half stored(std::min(amax / kCodeMax<C> * kScaleSteps, kScaleMax));
+        const float scale = static_cast<float>(stored) / kScaleSteps;
+        const float div = scale > 0.f ? scale : 1.f;
         for (int64_t i = 0; i < d; ++i) {
           const float v = std::min(kCodeMax<C>, std::max(-kCodeMax<C>, f32(src[i]) / div));
           if constexpr (std::is_same_v<C, int8_t>)
@@ -73,7 +81,7 @@ void write_kv(const T* qkv, int64_t row_stride, int64_t offset, const int64_t* s
           else
             dst[i] = F8(v);
         }
-        std::memcpy(dst + d, &scale, sizeof scale);
+        std::memcpy(dst + d, &stored, sizeof stored);
       }
     }
   }

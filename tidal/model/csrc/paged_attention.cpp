@@ -413,10 +413,10 @@ void check_cache(const Tensor& t, at::ScalarType dtype, int64_t d) {
   const bool rows = coded(t.scalar_type());
   const bool values = t.scalar_type() == dtype || t.scalar_type() == at::kBFloat16;
   TORCH_CHECK(t.is_contiguous() && t.dim() == 4 && (rows || values) &&
-                  t.size(3) == (rows ? d + 4 : d),
+                  t.size(3) == (rows ? d + kScaleBytes : d),
               "KV cache must be a contiguous [blocks, block_size, kv_heads, head_dim] tensor "
               "of the model's dtype or bfloat16, or of int8 / float8_e4m3fn rows of head_dim "
-              "codes and a 4-byte scale");
+              "codes and a 2-byte scale");
 }
 
 // The kernel reads blocks by raw offset: a context longer than its table or a block id out

@@ -4,7 +4,7 @@ batch still fills the GPU.
 
 `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window=0)` has the C++ CPU
 kernel's signature and layouts: q [B, H, D]; caches [num_blocks, block_size, Hkv, D], or of
-int8 / float8_e4m3fn rows of D codes and a float32 scale (tidal.model.kv_quant: each tile's
+int8 / float8_e4m3fn rows of D codes and a float16 scale (tidal.model.kv_quant: each tile's
 scores take their keys' scales after the product, its weights their values' before);
 tables [B, max_blocks] block ids; lens [B] context lengths (the new token's included);
 `window` > 0 attends to the last `window` tokens only; `tree` [B, 2] int64 (optional): a
@@ -26,12 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.model.kv_quant import CODES
+from tidal.model.kv_quant import CODES, SCALE_STEPS as STEPS
 
 MIN_SPLIT_TOKENS = 64  # a split's length while few sequences run
 PROGRAMS_PER_MIN_SPLIT = 32  # past this many (sequence, KV head) programs, splits double
 MERGE_CHUNK = 16  # splits merged per step of the merge kernel's loop
 CODED_DTYPES = tuple(CODES.values())  # caches of quantized rows
+SCALE_STEPS = tl.constexpr(STEPS)  # a row's float16 scale counts 1 / SCALE_STEPS units
 
 
 @triton.jit
@@ -80,10 +81,12 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, tree_ptr, out_ptr, 
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        if CODED:  # each row's scale: the float32 after its codes
-            f32 = tl.pointer_type(tl.float32)
-            k_scale = tl.load((k_row + HEAD_DIM).to(f32, bitcast=True), mask=valid, other=0.0)
-            v_scale = tl.load((v_row + HEAD_DIM).to(f32, bitcast=True), mask=valid, other=0.0)
+        if CODED:  # each row's scale: the float16 count of 1 / SCALE_STEPS after its codes
+            f16 = tl.pointer_type(tl.float16)
+            k_scale = tl.load((k_row + HEAD_DIM).to(f16, bitcast=True), mask=valid,
+                              other=0.0).to(tl.float32) / SCALE_STEPS
+            v_scale = tl.load((v_row + HEAD_DIM).to(f16, bitcast=True), mask=valid,
+                              other=0.0).to(tl.float32) / SCALE_STEPS
             scores = scores * k_scale[None, :]
         scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # [GROUP_PAD, TILE]
         m_new = tl.maximum(m, tl.max(scores, axis=1))

@@ -7,9 +7,10 @@ its keys once: the rows themselves give the GPU enough programs.
 `paged_prefill_attention(q, k_cache, v_cache, block_tables, query_starts, context_lens, scale,
 max_query_len, window=0)`: q [T, H, D], sequence s owning rows query_starts[s]:
 query_starts[s + 1]; caches [num_blocks, block_size, Hkv, D] already holding the new tokens'
-K/V (or their int8 / float8_e4m3fn rows of D codes and a float32 scale, tidal.model.kv_quant:
-scores take the keys' scales after the product, weights the values' before); context_lens [S] the lengths with the new tokens included, so the i-th of a sequence's
-n new rows sits at position context_lens[s] - n + i and sees the keys at or before it (the last
+K/V (or their int8 / float8_e4m3fn rows of D codes and a float16 scale, tidal.model.kv_quant:
+scores take the keys' scales after the product, weights the values' before); context_lens [S]
+the lengths with the new tokens included, so the i-th of a sequence's n new rows sits at
+position context_lens[s] - n + i and sees the keys at or before it (the last
 `window` of them, itself included, when window > 0). A program's tile is BLOCK_Q consecutive
 tokens times the query heads of one KV head's GQA group (TILE_ROWS rows), so the group shares
 its K/V loads; it takes BLOCK_N keys a step, each gathered through the block table (any block
@@ -23,12 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.model.kv_quant import CODES
+from tidal.model.kv_quant import CODES, SCALE_STEPS as STEPS
 
 TILE_ROWS = 64  # query rows (tokens x heads of a group) a program holds, at least 16 for dot
 BLOCK_N = 64  # keys a step of a program's loop takes, gathered from whichever blocks hold them
 _DOT_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 CODED_DTYPES = tuple(CODES.values())  # caches of quantized rows
+SCALE_STEPS = tl.constexpr(STEPS)  # a row's float16 scale counts 1 / SCALE_STEPS units
 
 
 @triton.jit
@@ -77,13 +79,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, starts_ptr, lens_ptr, out_p
         v = tl.load(v_base + (page * sv_n + slot * sv_t)[:, None],
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_TYPE)
         scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # log2 units
-        if CODED:  # each row's scale: the float32 after its codes
-            f32 = tl.pointer_type(tl.float32)
+        if CODED:  # each row's scale: the float16 count of 1 / SCALE_STEPS after its codes
+            f16 = tl.pointer_type(tl.float16)
             k_row = k_ptr + kvh * sk_h + page * sk_n + slot * sk_t + HEAD_DIM
             v_row = v_ptr + kvh * sv_h + page * sv_n + slot * sv_t + HEAD_DIM
-            scores = scores * tl.load(k_row.to(f32, bitcast=True), mask=t_ok,
-                                      other=0.0)[None, :]
-            v_scale = tl.load(v_row.to(f32, bitcast=True), mask=t_ok, other=0.0)
+            k_scale = tl.load(k_row.to(f16, bitcast=True), mask=t_ok, other=0.0)
+            scores = scores * (k_scale.to(tl.float32) / SCALE_STEPS)[None, :]
+            v_scale = tl.load(v_row.to(f16, bitcast=True), mask=t_ok,
+                              other=0.0).to(tl.float32) / SCALE_STEPS
         seen = (t[None, :] <= pos) & (t[None, :] > pos_lo)
         scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
