@@ -2,7 +2,8 @@
 the same KV memory (the pool holds as many blocks as those bytes allow in each format),
 then `tidal bench serve` (random prompts, fixed output lengths) against each, warmed up
 alike. A small budget shows what the extra tokens buy (more requests decode at once, fewer
-wait); a large one what reading codes costs or saves per token.
+wait; "largest batch" is the most requests /metrics counted decoding at once, polled
+through the measured run); a large one what reading codes costs or saves per token.
 
 usage: .venv/bin/python benchmarks/kv_quant.py [--model smollm2-135m] [--kv-mib 96]
   [--input-len 1000] [--output-len 128] [--num-prompts 32] [--concurrency 16]
@@ -11,15 +12,19 @@ usage: .venv/bin/python benchmarks/kv_quant.py [--model smollm2-135m] [--kv-mib 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
+
+import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from server_fixtures import Server  # noqa: E402
+from server_fixtures import Server, metric  # noqa: E402
 
 FORMATS = ("auto", "int8", "fp8_e4m3")
 BLOCK = 16
@@ -56,6 +61,29 @@ def bench(url: str, args, out: str, num_prompts: int, seed: int) -> dict:
         return json.load(f)
 
 
+class PeakDecoding:
+    """The most requests the server at `url` reports decoding, polled on a thread while the
+    `with` block runs."""
+
+    def __init__(self, url: str, every: float = 0.2) -> None:
+        self.url, self.every, self.peak = url, every, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._done.wait(self.every):
+            with contextlib.suppress(httpx.HTTPError):  # a missed poll is not a failed run
+                self.peak = max(self.peak, int(metric(self.url, "tidal:num_requests_decoding")))
+
+    def __enter__(self) -> "PeakDecoding":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -74,19 +102,21 @@ def main() -> None:
                             str(blocks), "--num-threads", str(os.cpu_count() or 1))
             try:
                 bench(server.url, args, f"{tmp}/warm.json", 4, seed=1)  # other prompts
-                r = bench(server.url, args, f"{tmp}/{kv}.json", args.num_prompts, seed=0)
+                with PeakDecoding(server.url) as decoding:
+                    r = bench(server.url, args, f"{tmp}/{kv}.json", args.num_prompts, seed=0)
             finally:
                 server.stop()
-            rows[kv] = (blocks * BLOCK, per_token, r)
+            rows[kv] = (blocks * BLOCK, per_token, r, decoding.peak)
             print(f"{kv}: {blocks * BLOCK} tokens, {r['output_throughput']:.1f} tok/s",
                   flush=True)
     base = rows.get("auto", next(iter(rows.values())))[2]["output_throughput"]
+    base_kv = "auto" if "auto" in rows else next(iter(rows))
     print(f"\n{args.model}, {args.kv_mib:g} MiB of KV; {args.num_prompts} requests of "
           f"{args.input_len} + {args.output_len} tokens, {args.concurrency} at a time\n")
-    print("| --kv-cache-dtype | bytes a token | pool tokens | output tok/s | TTFT p50 | "
-          "TPOT p50 | / auto |\n|---|---|---|---|---|---|---|")
-    for kv, (tokens, per_token, r) in rows.items():
-        print(f"| {kv} | {per_token:,} | {tokens:,} | {r['output_throughput']:.1f} | "
+    print("| --kv-cache-dtype | bytes a token | pool tokens | largest batch | output tok/s | "
+          f"TTFT p50 | TPOT p50 | / {base_kv} |\n|---|---|---|---|---|---|---|---|")
+    for kv, (tokens, per_token, r, peak) in rows.items():
+        print(f"| {kv} | {per_token:,} | {tokens:,} | {peak} | {r['output_throughput']:.1f} | "
               f"{r['median_ttft_ms']:.0f} ms | {r['median_tpot_ms']:.1f} ms | "
               f"{r['output_throughput'] / base:.2f}x |")
 

@@ -134,7 +134,8 @@ def test_models_version_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
     assert httpx.get(server.url + "/version").json()["version"]
     text = httpx.get(server.url + "/metrics").text
-    for name in ("tidal:num_requests_running", "tidal:kv_cache_usage_perc",
+    for name in ("tidal:num_requests_running", "tidal:num_requests_decoding",
+                 "tidal:kv_cache_usage_perc",
                  "tidal:prefix_cache_hit_rate", "tidal:num_preemptions_total",
                  "tidal:num_steps_cut_total",
                  "tidal:prompt_tokens_total", "tidal:generation_tokens_total",
@@ -209,7 +210,8 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
         deadline = time.monotonic() + 10  # the core reports stats twice a second
-        while metric(server.url, "tidal:kv_cache_used_blocks") == 0:
+        while metric(server.url, "tidal:kv_cache_used_blocks") == 0 or \
+                metric(server.url, "tidal:num_requests_decoding") != 1:
             assert time.monotonic() < deadline, "the running request holds no blocks"
             time.sleep(0.1)
     deadline = time.monotonic() + 10
@@ -217,6 +219,7 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
         assert time.monotonic() < deadline, "blocks not freed after the disconnect"
         time.sleep(0.1)
     assert metric(server.url, "tidal:num_requests_running") == 0
+    assert metric(server.url, "tidal:num_requests_decoding") == 0
 
 
 def test_a_non_streaming_client_that_leaves_frees_the_blocks(server):

@@ -37,6 +37,8 @@ class _CoreCollector:
         gauges = [
             ("tidal:num_requests_running", "Requests prefilling or decoding.",
              s.running_decode + s.running_prefill),
+            ("tidal:num_requests_decoding", "Requests past their prompts, decoding.",
+             s.running_decode),
             ("tidal:num_requests_waiting", "Requests queued for admission.", s.waiting),
             ("tidal:num_requests_preempted", "Retracted requests awaiting re-admission.",
              s.preempted),
