@@ -2,8 +2,8 @@
 the same KV memory (the pool holds as many blocks as those bytes allow in each format),
 then `tidal bench serve` (random prompts, fixed output lengths) against each, warmed up
 alike. A small budget shows what the extra tokens buy (more requests decode at once, fewer
-wait; "largest batch" is the most requests /metrics counted decoding at once, polled
-through the measured run); a large one what reading codes costs or saves per token.
+wait; "holds" is how many requests of input + output tokens the pool fits whole, "largest
+batch" the most /metrics counted decoding at once, polled through the measured run); a large one what reading codes costs or saves per token.
 
 usage: .venv/bin/python benchmarks/kv_quant.py [--model smollm2-135m] [--kv-mib 96]
   [--input-len 1000] [--output-len 128] [--num-prompts 32] [--concurrency 16]
@@ -53,6 +53,7 @@ def bench(url: str, args, out: str, num_prompts: int, seed: int) -> dict:
     subprocess.run([sys.executable, "-m", "tidal.cli", "bench", "serve", "--base-url", url,
                     "--dataset", "random", "--random-input-len", str(args.input_len),
                     "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
+                    "--max-model-len", str(args.input_len + args.output_len),  # no clipping
                     "--num-prompts", str(num_prompts), "--max-concurrency",
                     str(args.concurrency), "--ignore-eos", "--seed", str(seed),
                     "--disable-tqdm", "--save-result", "--result-file", out],
@@ -113,10 +114,13 @@ def main() -> None:
     base_kv = "auto" if "auto" in rows else next(iter(rows))
     print(f"\n{args.model}, {args.kv_mib:g} MiB of KV; {args.num_prompts} requests of "
           f"{args.input_len} + {args.output_len} tokens, {args.concurrency} at a time\n")
-    print("| --kv-cache-dtype | bytes a token | pool tokens | largest batch | output tok/s | "
-          f"TTFT p50 | TPOT p50 | / {base_kv} |\n|---|---|---|---|---|---|---|---|")
+    blocks_each = -(-(args.input_len + args.output_len) // BLOCK)
+    print("| --kv-cache-dtype | bytes a token | pool tokens | holds | largest batch | "
+          f"output tok/s | TTFT p50 | TPOT p50 | / {base_kv} |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for kv, (tokens, per_token, r, peak) in rows.items():
-        print(f"| {kv} | {per_token:,} | {tokens:,} | {peak} | {r['output_throughput']:.1f} | "
+        print(f"| {kv} | {per_token:,} | {tokens:,} | {tokens // BLOCK // blocks_each} | "
+              f"{peak} | {r['output_throughput']:.1f} | "
               f"{r['median_ttft_ms']:.0f} ms | {r['median_tpot_ms']:.1f} ms | "
               f"{r['output_throughput'] / base:.2f}x |")
 

@@ -5,7 +5,7 @@ greedy, ignore_eos. Prints output tok/s
 one request at a time and C at once, and the ratio N ranks / one process.
 
     python benchmarks/parallel.py [--tp 2] [--pp 1] [--concurrency 1 8] [--max-tokens 32]
-        [--hidden 1024] [--layers 16] [--dtype float32] [--q4km]
+        [--hidden 1024] [--layers 16] [--dtype float32] [--q4km] [--memory]
 
 `--q4km`: the same shape as a GGUF file in Q4_K_M's formats (q/k/o/gate/up Q4_K, v/down
 and the tied embedding Q6_K; random valid blocks), run in its own formats; `--hidden 2048
@@ -15,6 +15,13 @@ The split runs with the engine's default threads: a rank's share of the cores it
 computes with (pipeline stages on one machine take turns). The targets: N = 2 ranks of one
 thread each >= 0.9x one process of two threads (the all-reduces, two a layer, must cost
 under 10%); two pipeline stages >= 0.9x at 8 concurrent.
+
+`--memory`: each process's PSS (/proc/PID/smaps_rollup: pages shared between processes,
+such as torch's libraries, counted in shares) after the timed runs' short requests, and
+again after prompts that fill the KV pool, against one process's; the target: each rank
+<= 0.6x of one process. After short requests the pool's few written blocks still fault in
+whole huge pages in every layer (2 MiB each for K and V, split or not), so the filled pool
+is the fair measure of a split pool; the model's share shows in both.
 """
 
 from __future__ import annotations
@@ -105,8 +112,18 @@ def q4km_file(tmp: Path, hidden: int, layers: int) -> Path:
     return path
 
 
+def pss_mib() -> list[float]:
+    """PSS in MiB of this process and then of each process it started (ranks)."""
+    import psutil
+
+    me = psutil.Process()
+    return [p.memory_full_info().pss / 2**20 for p in [me, *me.children(recursive=True)]]
+
+
 def throughput(model: Path, tp: int, pp: int, threads: int | None, concurrency: list[int],
-               max_tokens: int, dtype: str) -> dict[int, float]:
+               max_tokens: int, dtype: str, memory: dict | None = None) -> dict[int, float]:
+    """Output tok/s at each concurrency; with `memory` (a dict), also each process's PSS
+    after those runs ("short") and after prompts that fill the pool ("full")."""
     from tidal import LLM, SamplingParams
 
     options = ({} if model.suffix == ".gguf"  # its own formats, in float32 (--dtype auto)
@@ -125,6 +142,13 @@ def throughput(model: Path, tp: int, pp: int, threads: int | None, concurrency: 
             t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             out[c] = c * max_tokens / (time.perf_counter() - t0)
+        if memory is not None:
+            memory["short"] = pss_mib()
+            # 8 x 1,000 tokens: every block of the 512 x 16 written, as a busy server's are
+            fill = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(1000)]}
+                    for _ in range(8)]
+            llm.generate(fill, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+            memory["full"] = pss_mib()
         return out
     finally:
         llm.close()
@@ -140,6 +164,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--q4km", action="store_true", help="a GGUF in Q4_K_M's formats")
+    ap.add_argument("--memory", action="store_true", help="each process's PSS, after short "
+                    "requests and with the KV pool filled")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,9 +173,11 @@ def main() -> None:
         model = (q4km_file(Path(tmp), args.hidden, args.layers) if args.q4km
                  else model_folder(Path(tmp), args.hidden, args.layers))
         ranks = args.tp * args.pp
-        one = throughput(model, 1, 1, cores, args.concurrency, args.max_tokens, args.dtype)
+        mem_one, mem_split = ({}, {}) if args.memory else (None, None)
+        one = throughput(model, 1, 1, cores, args.concurrency, args.max_tokens, args.dtype,
+                         mem_one)
         split = throughput(model, args.tp, args.pp, None, args.concurrency,  # the defaults
-                           args.max_tokens, args.dtype)
+                           args.max_tokens, args.dtype, mem_split)
     kind = "Q4_K_M formats" if args.q4km else args.dtype
     print(f"\nLlama shape hidden {args.hidden} x {args.layers} layers, {kind}, "
           f"{cores} cores; output tok/s ({args.max_tokens} tokens a request)")
@@ -159,6 +187,14 @@ def main() -> None:
     print("|---|---|---|---|")
     for c in args.concurrency:
         print(f"| {c} | {one[c]:.1f} | {split[c]:.1f} | {split[c] / one[c]:.2f}x |")
+    if args.memory:
+        print("\nPSS, MiB (rank 0 is this process)\n| KV pool | 1 process | "
+              + " | ".join(f"rank {r}" for r in range(ranks))
+              + " | largest rank / 1 |\n|---|---|" + "---|" * ranks + "---|")
+        for when, label in (("short", "after short requests"), ("full", "filled")):
+            one_mib, mibs = mem_one[when][0], mem_split[when]
+            print(f"| {label} | {one_mib:,.0f} | " + " | ".join(f"{m:,.0f}" for m in mibs)
+                  + f" | {max(mibs) / one_mib:.2f}x |")
 
 
 if __name__ == "__main__":

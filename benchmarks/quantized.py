@@ -112,6 +112,7 @@ def bench(port: int, backend: str, concurrency: int, prompts: int, out: Path, se
                     f"http://127.0.0.1:{port}", "--backend", backend, "--endpoint",
                     "/v1/completions", "--dataset", "random", "--random-input-len",
                     str(input_len), "--random-output-len", str(output_len),
+                    "--max-model-len", str(input_len + output_len),  # no clipping
                     "--random-range-ratio", "0", "--num-prompts", str(prompts),
                     "--max-concurrency", str(concurrency), "--seed", str(seed),
                     "--ignore-eos", "--temperature", "0",

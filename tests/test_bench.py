@@ -34,10 +34,14 @@ def test_random_lengths_stay_in_their_range_and_prompts_share_no_prefix():
     assert len({tuple(r.prompt_ids[:2]) for r in reqs}) == 200  # unique leading ids
 
 
-def test_lengths_are_clipped_to_the_context():
+def test_lengths_are_clipped_to_the_context_and_the_clip_is_told(caplog):
     reqs = load_dataset(DatasetSpec(num_prompts=5, input_len=3000, output_len=3000,
                                     max_model_len=1024))
     assert all(r.prompt_len + r.output_len <= 1024 for r in reqs)
+    assert "5 of 5 random requests clipped to --max-model-len 1024" in caplog.text
+    caplog.clear()
+    load_dataset(DatasetSpec(num_prompts=5, input_len=1000, output_len=24, max_model_len=1024))
+    assert "clipped" not in caplog.text  # exactly the context: nothing to tell
 
 
 def test_shared_prefix_groups_share_exactly_their_system_prompt():

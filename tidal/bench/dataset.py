@@ -13,12 +13,15 @@ import csv
 import gzip
 import importlib.util
 import json
+import logging
 import lzma
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger("tidal.bench")
 
 DATASETS = ("random", "shared-prefix", "azure-conv", "mooncake", "sharegpt")
 DATA_DIR = Path(__file__).resolve().parent / "data"  # the traces shipped with the package
@@ -97,10 +100,14 @@ def load_random(spec: DatasetSpec) -> list[BenchRequest]:
     corpus = _Corpus(spec.vocab_size, spec.seed)
     ins = _lengths(spec.input_len, spec.range_ratio, spec.num_prompts, corpus.rng)
     outs = _lengths(spec.output_len, spec.range_ratio, spec.num_prompts, corpus.rng)
-    reqs = []
+    reqs, clipped = [], 0
     for i, (n_in, n_out) in enumerate(zip(ins, outs)):
-        n_in, n_out = _clip(int(n_in), int(n_out), spec.max_model_len)
-        reqs.append(BenchRequest(corpus.prompt(i, n_in), n_out))
+        prompt_len, output_len = _clip(int(n_in), int(n_out), spec.max_model_len)
+        clipped += prompt_len + output_len < n_in + n_out
+        reqs.append(BenchRequest(corpus.prompt(i, prompt_len), output_len))
+    if clipped:  # lengths asked for explicitly: a silent clip would mislabel the run
+        log.warning("%d of %d random requests clipped to --max-model-len %d (prompt + "
+                    "output tokens)", clipped, len(reqs), spec.max_model_len)
     return reqs
 
 
