@@ -113,17 +113,28 @@ def q4km_file(tmp: Path, hidden: int, layers: int) -> Path:
 
 
 def pss_mib() -> list[float]:
-    """PSS in MiB of this process and then of each process it started (ranks)."""
+    """PSS in MiB of this process (rank 0) and then of each rank it started."""
     import psutil
 
     me = psutil.Process()
-    return [p.memory_full_info().pss / 2**20 for p in [me, *me.children(recursive=True)]]
+    ranks = [p for p in me.children(recursive=True)
+             if "tidal.engine.tp_executor" in " ".join(p.cmdline())]
+    return [p.memory_full_info().pss / 2**20 for p in [me, *ranks]]
+
+
+def fresh(fn, *args):
+    """fn(*args) in a new process: rank 0's memory then holds one layout's alone."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def throughput(model: Path, tp: int, pp: int, threads: int | None, concurrency: list[int],
-               max_tokens: int, dtype: str, memory: dict | None = None) -> dict[int, float]:
-    """Output tok/s at each concurrency; with `memory` (a dict), also each process's PSS
-    after those runs ("short") and after prompts that fill the pool ("full")."""
+               max_tokens: int, dtype: str, memory: bool = False) -> tuple[dict, dict]:
+    """Output tok/s at each concurrency; with `memory`, also each process's PSS after
+    those runs ("short") and after prompts that fill the pool ("full")."""
     from tidal import LLM, SamplingParams
 
     options = ({} if model.suffix == ".gguf"  # its own formats, in float32 (--dtype auto)
@@ -135,21 +146,21 @@ def throughput(model: Path, tp: int, pp: int, threads: int | None, concurrency: 
     try:
         warm = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(64)]}]
         llm.generate(warm, params, use_tqdm=False)
-        out = {}
+        out, mem = {}, {}
         for c in concurrency:
             prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(64)]}
                        for _ in range(c)]
             t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             out[c] = c * max_tokens / (time.perf_counter() - t0)
-        if memory is not None:
-            memory["short"] = pss_mib()
+        if memory:
+            mem["short"] = pss_mib()
             # 8 x 1,000 tokens: every block of the 512 x 16 written, as a busy server's are
             fill = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(1000)]}
                     for _ in range(8)]
             llm.generate(fill, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-            memory["full"] = pss_mib()
-        return out
+            mem["full"] = pss_mib()
+        return out, mem
     finally:
         llm.close()
 
@@ -173,11 +184,10 @@ def main() -> None:
         model = (q4km_file(Path(tmp), args.hidden, args.layers) if args.q4km
                  else model_folder(Path(tmp), args.hidden, args.layers))
         ranks = args.tp * args.pp
-        mem_one, mem_split = ({}, {}) if args.memory else (None, None)
-        one = throughput(model, 1, 1, cores, args.concurrency, args.max_tokens, args.dtype,
-                         mem_one)
-        split = throughput(model, args.tp, args.pp, None, args.concurrency,  # the defaults
-                           args.max_tokens, args.dtype, mem_split)
+        one, mem_one = fresh(throughput, model, 1, 1, cores, args.concurrency,
+                             args.max_tokens, args.dtype, args.memory)
+        split, mem_split = fresh(throughput, model, args.tp, args.pp, None,  # the defaults
+                                 args.concurrency, args.max_tokens, args.dtype, args.memory)
     kind = "Q4_K_M formats" if args.q4km else args.dtype
     print(f"\nLlama shape hidden {args.hidden} x {args.layers} layers, {kind}, "
           f"{cores} cores; output tok/s ({args.max_tokens} tokens a request)")
