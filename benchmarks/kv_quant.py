@@ -3,7 +3,8 @@ the same KV memory (the pool holds as many blocks as those bytes allow in each f
 then `tidal bench serve` (random prompts, fixed output lengths) against each, warmed up
 alike. A small budget shows what the extra tokens buy (more requests decode at once, fewer
 wait; "holds" is how many requests of input + output tokens the pool fits whole, "largest
-batch" the most /metrics counted decoding at once, polled through the measured run); a large one what reading codes costs or saves per token.
+batch" the most /metrics counted decoding at once, polled through the measured run); a
+large one what reading codes costs or saves per token.
 
 usage: .venv/bin/python benchmarks/kv_quant.py [--model smollm2-135m] [--kv-mib 96]
   [--input-len 1000] [--output-len 128] [--num-prompts 32] [--concurrency 16]

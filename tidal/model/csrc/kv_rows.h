@@ -1,7 +1,8 @@
 // The KV cache's rows (one token's one KV head): `d` values of the model's dtype, or, with
 // --kv-cache-dtype int8 / fp8_e4m3, d one-byte codes followed by the row's scale as a float16
-// count of 2^-8 units (tidal/model/kv_quant.py, whose writes these equal bit for bit), or bf16 values under a
-// float32 model, rounded to nearest even as c10::BFloat16 (and torch) round them.
+// count of 2^-8 units (tidal/model/kv_quant.py, whose writes these equal bit for bit), or bf16
+// values under a float32 model, rounded to nearest even as c10::BFloat16 (and torch) round
+// them.
 
 #pragma once
 
