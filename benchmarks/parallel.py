@@ -18,10 +18,8 @@ under 10%); two pipeline stages >= 0.9x at 8 concurrent.
 
 `--memory`: each process's PSS (/proc/PID/smaps_rollup: pages shared between processes,
 such as torch's libraries, counted in shares) after the timed runs' short requests, and
-again after prompts that fill the KV pool, against one process's; the target: each rank
-<= 0.6x of one process. After short requests the pool's few written blocks still fault in
-whole huge pages in every layer (2 MiB each for K and V, split or not), so the filled pool
-is the fair measure of a split pool; the model's share shows in both.
+again after prompts that write the whole KV pool, against one process's; the target: each
+rank <= 0.6x of one process. Each layout runs in a fresh process.
 """
 
 from __future__ import annotations
@@ -198,7 +196,7 @@ def main() -> None:
     for c in args.concurrency:
         print(f"| {c} | {one[c]:.1f} | {split[c]:.1f} | {split[c] / one[c]:.2f}x |")
     if args.memory:
-        print("\nPSS, MiB (rank 0 is this process)\n| KV pool | 1 process | "
+        print("\nPSS, MiB (rank 0 runs the engine)\n| KV pool | 1 process | "
               + " | ".join(f"rank {r}" for r in range(ranks))
               + " | largest rank / 1 |\n|---|---|" + "---|" * ranks + "---|")
         for when, label in (("short", "after short requests"), ("full", "filled")):
