@@ -111,8 +111,8 @@ def main() -> None:
             rows[kv] = (blocks * BLOCK, per_token, r, decoding.peak)
             print(f"{kv}: {blocks * BLOCK} tokens, {r['output_throughput']:.1f} tok/s",
                   flush=True)
-    base = rows.get("auto", next(iter(rows.values())))[2]["output_throughput"]
     base_kv = "auto" if "auto" in rows else next(iter(rows))
+    base = rows[base_kv][2]["output_throughput"]
     print(f"\n{args.model}, {args.kv_mib:g} MiB of KV; {args.num_prompts} requests of "
           f"{args.input_len} + {args.output_len} tokens, {args.concurrency} at a time\n")
     blocks_each = -(-(args.input_len + args.output_len) // BLOCK)

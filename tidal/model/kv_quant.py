@@ -96,7 +96,7 @@ class KVFormat:
         raw = rows.view(torch.uint8)
         d = raw.shape[-1] - SCALE_BYTES
         codes = raw[..., :d].view(self.storage(dtype))
-        scale = raw[..., d:].contiguous().view(torch.float16).float() / SCALE_STEPS
+        scale = raw[..., d:].contiguous().view(torch.float16).float().div_(SCALE_STEPS)
         if self.name == "int8":  # one pass: int8 times float32 promotes in the kernel
             return torch.mul(codes, scale).to(dtype)
         return codes.float().mul_(scale).to(dtype)  # torch promotes no float8
