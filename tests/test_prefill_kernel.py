@@ -6,31 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triton_setup import DEVICE, random_cache  # first: sets Triton's interpreter up without CUDA
 
+from paged_reference import gathered_prefill
+
 from tidal.model.kernels.prefill_attention import paged_prefill_attention
 from tidal.model.kv_quant import KVFormat
-
-
-def gathered_prefill(q, k_cache, v_cache, tables, starts, lens, scale, window=0):
-    """Each sequence's context copied out of its blocks, then float32 attention of its new
-    rows (the last ones of the context) under a causal, optionally windowed, mask."""
-    out = torch.empty(q.shape, dtype=torch.float32)
-    for s, ctx in enumerate(lens.tolist()):
-        a, b = starts[s].item(), starts[s + 1].item()
-        k = k_cache[tables[s].long()].flatten(0, 1)[:ctx].float().transpose(0, 1)  # [Hkv, ctx, D]
-        v = v_cache[tables[s].long()].flatten(0, 1)[:ctx].float().transpose(0, 1)
-        pos = torch.arange(ctx - (b - a), ctx)[:, None]
-        keys = torch.arange(ctx)[None, :]
-        mask = (keys <= pos) & ((keys > pos - window) if window else True)
-        o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), k, v,
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        out[a:b] = o.transpose(0, 1)
-    return out
 
 
 def run_kernel(q, k_cache, v_cache, tables, new, lens, scale, window=0):

@@ -32,7 +32,8 @@ from tidal.engine.model_runner import ModelRunner
 from tidal.engine.parallel_config import busy_ranks
 from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
-from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention
+from tidal.model.attention import (BF16_OVER_CODES, AttentionMetadata, PrefillSeq,
+                                  TorchAttention)
 from tidal.model.config import ModelArch, stage_layers
 from tidal.model.kernels import (FusedKernels, cpu_fused_kernels, fused_kernels, lora_kernel,
                                  paged_decode_kernel, paged_prefill_kernel)
@@ -131,8 +132,13 @@ class Worker:
                              "float32")
         paged = cpp.paged_decode_attention if cpp else (
             paged_decode_kernel() if on_gpu else None)
-        backend = TorchAttention.for_arch(arch, paged,
-                                          paged_prefill_kernel() if on_gpu else None, kv_format)
+        # chunks after a cached prefix over quantized rows: the C++ kernel reads the codes in
+        # place (PyTorch decodes a gathered copy); not on CPUs with AMX, whose bf16 SDPA
+        # runs them (BF16_OVER_CODES)
+        prefill = paged_prefill_kernel() if on_gpu else (
+            cpp.paged_prefill_attention if cpp and kv_format.quantized and not BF16_OVER_CODES
+            else None)
+        backend = TorchAttention.for_arch(arch, paged, prefill, kv_format)
         self.model, decoder = load_for_runner(folder, whole, config, device, self.dtype,
                                               quantization, backend, ext, tp, shard)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(

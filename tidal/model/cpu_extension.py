@@ -17,7 +17,8 @@ import torch
 log = logging.getLogger("tidal.model")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name)  # + the headers they include
-            for name in ("linear.cpp", "paged_attention.cpp", "experts.cpp", "gguf_quants.cpp",
+            for name in ("linear.cpp", "paged_attention.cpp", "prefill_attention.cpp",
+                         "experts.cpp", "gguf_quants.cpp",
                          "lora.cpp", "all_reduce.cpp", "fused_ops.cpp", "decoder.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _built: list[ModuleType | None] = []  # [] until the first build attempt

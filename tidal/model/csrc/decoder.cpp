@@ -328,6 +328,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"),
         py::arg("scale"), py::arg("window") = 0, py::arg("tree") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("tables"), py::arg("starts"), py::arg("lens"),
+        py::arg("scale"), py::arg("max_query_len"), py::arg("window") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("lora_add", &lora_add, py::arg("x"), py::arg("y"), py::arg("a"), py::arg("b"),
         py::arg("rows"), py::arg("ends"), py::arg("bounds"),
         py::call_guard<py::gil_scoped_release>());

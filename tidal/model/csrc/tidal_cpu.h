@@ -207,6 +207,11 @@ const int64_t* tree_rows(Tensor& tree, int64_t batch);
 // Paged decode attention on its own: the PyTorch path's decode attention on CPU.
 Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
                               Tensor lens, double scale, int64_t window, Tensor tree);
+// Causal attention of each sequence's new query rows over its paged context (prefill chunks
+// after a cached prefix): the Triton kernel's arguments (tidal/model/kernels).
+Tensor paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
+                               Tensor starts, Tensor lens, double scale, int64_t max_query_len,
+                               int64_t window);
 
 // ---------------------------------------------------------------- fused ops (fused_ops.cpp)
 

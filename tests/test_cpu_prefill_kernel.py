@@ -1,0 +1,163 @@
+"""tidal's C++ paged prefill attention (csrc/prefill_attention.cpp) against attention over
+each sequence's gathered context, and the CPU runner's steps through it against the PyTorch
+path's."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_reference import gathered_prefill, random_cache
+from tidal.model import cpu_decode
+from tidal.model.kv_quant import KVFormat
+
+ext = cpu_decode.extension()
+pytestmark = pytest.mark.skipif(ext is None and shutil.which("c++") is None,
+                                reason="no C++ compiler here")
+
+
+def run_kernel(q, k_cache, v_cache, tables, new, lens, scale, window=0):
+    """The kernel from per-sequence new-token counts; also the starts and lengths it took."""
+    starts = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    got = ext.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens_t, scale,
+                                      max(new), window)
+    return got, starts, lens_t
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 4),
+       heads=st.sampled_from([(2, 2), (6, 2), (9, 3), (10, 2), (16, 2)]),  # GQA 1, 3, 5, 8
+       head_dim=st.sampled_from([64, 128, 80, 12]), block_size=st.sampled_from([16, 12]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       window=st.sampled_from([0, 0, 7, 100]),
+       kv=st.sampled_from(["auto", "auto", "bfloat16", "int8", "fp8_e4m3"]))
+def test_paged_prefill_attention_equals_the_gathered_context(data, batch, heads, head_dim,
+                                                             block_size, dtype, window, kv):
+    """Ragged cached prefixes and new-token runs (up to 300: a KV head's rows in several
+    panels, a panel ending inside a token's heads where the group is odd), shuffled block
+    tables sharing blocks, GQA, head dims off the vector width, windows, every cache
+    format (bf16 rows under a float32 model too)."""
+    h, hkv = heads
+    if kv == "bfloat16" and dtype == torch.bfloat16:
+        kv = "auto"
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    prefix = [data.draw(st.integers(0, data.draw(st.sampled_from([40, 700]))))
+              for _ in range(batch)]
+    new = [data.draw(st.integers(1, 300)) for _ in range(batch)]
+    lens = [p + n for p, n in zip(prefix, new)]
+    fmt = KVFormat(kv)
+    k_cache, v_cache, tables = random_cache(gen, lens, block_size, hkv, head_dim, dtype,
+                                            "auto" if kv == "bfloat16" else kv)
+    if kv == "bfloat16":
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    q = torch.randn(sum(new), h, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    got, starts, lens_t = run_kernel(q, k_cache, v_cache, tables, new, lens, scale, window)
+    want = gathered_prefill(q, fmt.decode(k_cache, torch.float32),
+                            fmt.decode(v_cache, torch.float32), tables, starts, lens_t, scale,
+                            window)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 2e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_chunks_equal_the_rows_of_a_whole_prefill(window):
+    """A sequence prefilled in chunks (each over the cached prefix before it) gives the rows
+    of one whole-sequence prefill, beside another sequence in the same call."""
+    gen = torch.Generator().manual_seed(0)
+    block_size, hkv, h, dim, total = 16, 2, 8, 64, 190
+    k_cache = torch.randn(30, block_size, hkv, dim, generator=gen)
+    v_cache = torch.randn(30, block_size, hkv, dim, generator=gen)
+    tables = torch.stack([torch.randperm(30, generator=gen)[:12] for _ in range(2)])
+    q = torch.randn(total, h, dim, generator=gen)
+    other = torch.randn(20, h, dim, generator=gen)  # the second sequence: 20 new of 50
+    whole, _, _ = run_kernel(torch.cat([q, other]), k_cache, v_cache, tables, [total, 20],
+                             [total, 50], dim ** -0.5, window)
+    done = 0
+    for chunk in (37, 140, 13):  # a prefix, a chunk in the middle, the tail
+        got, _, _ = run_kernel(torch.cat([q[done:done + chunk], other]), k_cache, v_cache,
+                               tables, [chunk, 20], [done + chunk, 50], dim ** -0.5, window)
+        torch.testing.assert_close(got[:chunk], whole[done:done + chunk], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got[chunk:], whole[total:], atol=2e-5, rtol=2e-5)
+        done += chunk
+
+
+def test_reads_nothing_past_the_context():
+    """NaN in the slots past each context and in the block the tables are padded with leave
+    the rows finite."""
+    gen = torch.Generator().manual_seed(1)
+    block_size, hkv, h, dim = 12, 1, 3, 80
+    k_cache = torch.randn(7, block_size, hkv, dim, generator=gen)
+    v_cache = torch.randn(7, block_size, hkv, dim, generator=gen)
+    tables = torch.tensor([[3, 1, 0, 0], [4, 2, 5, 6]], dtype=torch.int32)
+    lens, new = [20, 40], [20, 9]
+    for cache in (k_cache, v_cache):
+        cache[0] = float("nan")  # the padding block
+        cache[1, 20 - 12:] = float("nan")  # sequence 0's last block past its 20 tokens
+        cache[6, 40 - 36:] = float("nan")
+    q = torch.randn(sum(new), h, dim, generator=gen)
+    got, starts, lens_t = run_kernel(q, k_cache, v_cache, tables, new, lens, 0.1)
+    assert got.isfinite().all()
+    want = gathered_prefill(q, k_cache, v_cache, tables, starts, lens_t, 0.1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_refuses_what_would_read_outside_the_cache():
+    cache = torch.zeros(2, 16, 3, 64)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of the cache's 3 KV heads"):
+        ext.paged_prefill_attention(torch.zeros(1, 4, 64), cache, cache, table, starts,
+                                    torch.ones(1, dtype=torch.int32), 1.0, 1)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        ext.paged_prefill_attention(torch.zeros(1, 3, 64), cache, cache, table, starts,
+                                    torch.tensor([17], dtype=torch.int32), 1.0, 1)
+    with pytest.raises(RuntimeError, match="not in the cache"):
+        ext.paged_prefill_attention(torch.zeros(1, 3, 64), cache, cache, table + 2, starts,
+                                    torch.ones(1, dtype=torch.int32), 1.0, 1)
+    with pytest.raises(RuntimeError, match="at most its context"):
+        ext.paged_prefill_attention(torch.zeros(3, 3, 64), cache, cache, table,
+                                    torch.tensor([0, 3], dtype=torch.int32),
+                                    torch.tensor([2], dtype=torch.int32), 1.0, 3)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_the_runner_computes_chunks_after_a_prefix_through_it(tmp_path, kv):
+    """Chunked prompts and a prefix-cache hit on the CPU runner: every layer of every step
+    with a chunk after cached tokens calls the kernel, and the greedy tokens equal those of
+    the PyTorch path (gathered context, SDPA)."""
+    from model_fixtures import PROMPTS, tiny_folder
+    from tidal import LLM, SamplingParams
+
+    folder = tiny_folder(tmp_path, "llama")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    calls: list[int] = []
+
+    def runs(kernel: bool) -> list[list[list[int]]]:
+        llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4,
+                  chunked_prefill_size=8, max_num_seqs=4, kv_cache_dtype=kv)
+        backend = llm.engine.runner.model.backend
+        if kernel:
+            backend.prefill_kernel = \
+                lambda *a: calls.append(a[0].shape[0]) or ext.paged_prefill_attention(*a)
+        else:
+            backend.prefill_kernel = None
+        shared = llm.engine.tokenize(PROMPTS[0] + PROMPTS[1])
+        batches = [[shared], [shared + llm.engine.tokenize(PROMPTS[2])] +
+                   [llm.engine.tokenize(p) for p in PROMPTS[3:5]]]
+        out = [[o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+            for prompts in batches]
+        assert llm.engine.scheduler.stats().prefix_hit_rate > 0  # the second batch hit
+        llm.close()
+        return out
+
+    assert runs(True) == runs(False)
+    layers = 2  # tiny_folder's
+    assert len(calls) >= layers * 4  # every layer of several steps

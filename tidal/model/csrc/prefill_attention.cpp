@@ -1,0 +1,278 @@
+// Paged prefill attention: each sequence's new query rows attend causally (and within a
+// sliding window) over their whole context, K and V read from the paged cache in place (no
+// gathered copy, no mask tensor), in float32, with an online softmax (flash attention).
+//
+// A task is a panel of kTileRows query rows of one (sequence, KV head): the rows of its new
+// tokens times the query heads that share the KV head, token-major. Everything a panel
+// computes keeps the query rows along a vector's lanes: the queries transposed ([d][rows]),
+// the scores ([keys][rows]), the output ([d][rows]). A score tile is then four keys' values
+// broadcast against the rows' vectors (FMAs, no horizontal sums), the softmax's max and sum
+// run lane by lane across keys, and rescaling the output is one multiply per vector.
+
+#include "kv_vectors.h"
+
+#include <atomic>
+
+namespace tidal_cpu {
+namespace {
+
+constexpr int kRowVecs = kRegisters == 32 ? 6 : 3;  // 4 x kRowVecs accumulators fit
+constexpr int kTileRows = kRowVecs * kLanes;        // 96 query rows (AVX-512), 24 (AVX2)
+constexpr int64_t kKeys = 64;                       // keys a step of the online softmax
+constexpr float kNone = -1e30f;  // a masked score: finite, so a row that sees nothing yet
+                                 // rescales by e^0 instead of NaN
+
+// exp_approx on every lane (the same steps: round to nearest even, Cephes' polynomial).
+inline vf exp_vec(vf x) {
+  x = x < 88.0f ? x : vf{} + 88.0f;
+  x = x > -87.0f ? x : vf{} - 87.0f;
+  const vf big = vf{} + 12582912.f;  // 1.5 x 2^23: adding it rounds to an integer
+  const vf n = (x * 1.44269504088896341f + big) - big;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
+  return p * reinterpret_cast<vf>(bits);
+}
+
+// One row of the cache (codes scaled) as d floats.
+template <typename C>
+inline void decode_row(const C* row, int64_t d, float* out) {
+  const float s = row_scale(row, d);
+  int64_t c = 0;
+  if constexpr (std::is_same_v<C, float> || std::is_same_v<C, BFloat16> || kCoded<C>)
+    for (; c + kLanes <= d; c += kLanes) {
+      const vf v = loadv(row + c) * s;
+      std::memcpy(out + c, &v, sizeof v);
+    }
+  for (; c < d; ++c) out[c] = f32(row[c]) * s;
+}
+
+// A panel's working set, one per thread.
+struct Panel {
+  std::vector<float> qt, ot, keys, values, scores;  // [d][rows], [d][rows], [kKeys][d] x 2,
+                                                    // [kKeys][rows]
+  vf m[kRowVecs], l[kRowVecs], pos[kRowVecs];       // running max, sum; each row's position
+  explicit Panel(int64_t d)
+      : qt(d * kTileRows), ot(d * kTileRows), keys(kKeys * d), values(kKeys * d),
+        scores(kKeys * kTileRows) {}
+};
+
+// scores[t][rows] = keys[t] . q[rows] for t < n (n rounded up to 4: keys is zero-padded), the
+// first RV vectors of rows.
+template <int RV>
+inline void score_tile(const Panel& p, int64_t n, int64_t d, float* scores) {
+  for (int64_t t = 0; t < n; t += 4) {
+    vf acc[4][RV] = {};
+    const float* k = p.keys.data() + t * d;
+    for (int64_t c = 0; c < d; ++c) {
+      vf q[RV];
+      for (int v = 0; v < RV; ++v) q[v] = loadv(p.qt.data() + c * kTileRows + v * kLanes);
+      for (int i = 0; i < 4; ++i) {
+        const float kc = k[i * d + c];
+        for (int v = 0; v < RV; ++v) acc[i][v] += kc * q[v];
+      }
+    }
+    for (int i = 0; i < 4; ++i)
+      std::memcpy(scores + (t + i) * kTileRows, acc[i], sizeof acc[i]);
+  }
+}
+
+// ot[c][rows] += sum over t < n of values[t][c] * probs[t][rows], NC columns at a time.
+template <int NC, int RV>
+inline void value_tile(Panel& p, int64_t n, int64_t d, int64_t c0) {
+  vf acc[NC][RV];
+  for (int i = 0; i < NC; ++i)
+    for (int v = 0; v < RV; ++v)
+      acc[i][v] = loadv(p.ot.data() + (c0 + i) * kTileRows + v * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    vf w[RV];
+    for (int v = 0; v < RV; ++v) w[v] = loadv(p.scores.data() + t * kTileRows + v * kLanes);
+    const float* val = p.values.data() + t * d + c0;
+    for (int i = 0; i < NC; ++i)
+      for (int v = 0; v < RV; ++v) acc[i][v] += val[i] * w[v];
+  }
+  for (int i = 0; i < NC; ++i)
+    std::memcpy(p.ot.data() + (c0 + i) * kTileRows, acc[i], sizeof acc[i]);
+}
+
+// Keys [k0, k0 + n) of a panel whose rows sit at positions [lo, hi]: scores, the mask where
+// some row may not see some key, the online softmax's update, then the values; RV vectors
+// of rows.
+template <int RV>
+inline void attend_keys(Panel& p, int64_t k0, int64_t n, int64_t d, int64_t lo, int64_t hi,
+                        int64_t window) {
+  float* s = p.scores.data();
+  score_tile<RV>(p, (n + 3) / 4 * 4, d, s);
+  const bool masked = k0 + n - 1 > lo || (window > 0 && k0 <= hi - window);
+  const float span = static_cast<float>(window);
+  for (int v = 0; v < RV; ++v) {
+    vf mx = p.m[v];
+    for (int64_t t = 0; t < n; ++t) {
+      vf x = loadv(s + t * kTileRows + v * kLanes);
+      if (masked) {
+        const float key = static_cast<float>(k0 + t);
+        const auto seen = window > 0 ? (key <= p.pos[v]) & (key > p.pos[v] - span)
+                                     : key <= p.pos[v];
+        x = seen ? x : vf{} + kNone;
+        std::memcpy(s + t * kTileRows + v * kLanes, &x, sizeof x);
+      }
+      mx = x > mx ? x : mx;
+    }
+    const vf alpha = exp_vec(p.m[v] - mx);
+    vf sum{};
+    for (int64_t t = 0; t < n; ++t) {
+      const vf x = loadv(s + t * kTileRows + v * kLanes);
+      vf e = exp_vec(x - mx);
+      e = x > kNone ? e : vf{};  // a masked key weighs exactly 0
+      sum += e;
+      std::memcpy(s + t * kTileRows + v * kLanes, &e, sizeof e);
+    }
+    p.l[v] = p.l[v] * alpha + sum;
+    p.m[v] = mx;
+    for (int64_t c = 0; c < d; ++c) {
+      float* o = p.ot.data() + c * kTileRows + v * kLanes;
+      const vf r = loadv(o) * alpha;
+      std::memcpy(o, &r, sizeof r);
+    }
+  }
+  int64_t c = 0;
+  for (; c + 4 <= d; c += 4) value_tile<4, RV>(p, n, d, c);
+  for (; c < d; ++c) value_tile<1, RV>(p, n, d, c);
+}
+
+struct Task {
+  int64_t seq, head, first_row, rows, keys;  // keys: how many it reads (heaviest go first)
+};
+
+// attend_keys<RV> for a panel of `rows` rows: RV their vectors.
+template <int RV = 1>
+inline void attend_rows(Panel& p, int64_t rows, int64_t k0, int64_t n, int64_t d, int64_t lo,
+                        int64_t hi, int64_t window) {
+  if constexpr (RV < kRowVecs)
+    if (rows > RV * kLanes) return attend_rows<RV + 1>(p, rows, k0, n, d, lo, hi, window);
+  attend_keys<RV>(p, k0, n, d, lo, hi, window);
+}
+
+}  // namespace
+
+// q, out: [tokens, heads, d]; caches [blocks, block_size, hkv, row width of C]; tables
+// [seqs, width]; starts [seqs + 1] (each sequence's first new row; the last: tokens); lens
+// [seqs] (context lengths, the new rows the last of them).
+template <typename T, typename C>
+void paged_prefill(const T* q, const C* k_cache, const C* v_cache, const int64_t* tables,
+                   int64_t table_width, const int64_t* starts, const int64_t* lens, int64_t seqs,
+                   int64_t heads, int64_t hkv, int64_t d, int64_t block_size, float scale,
+                   int64_t window, T* out) {
+  const int64_t groups = heads / hkv, w = row_width<C>(d), token_stride = hkv * w;
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t rows = (starts[s + 1] - starts[s]) * groups, cached = lens[s] - rows / groups;
+    // panels as even as whole vectors allow: 111 rows are 64 + 47, not 96 + 15
+    const int64_t panels = (rows + kTileRows - 1) / kTileRows;
+    const int64_t size = ((rows + panels - 1) / panels + kLanes - 1) / kLanes * kLanes;
+    for (int64_t r0 = 0; r0 < rows; r0 += size) {
+      const int64_t n_rows = std::min(size, rows - r0);
+      const int64_t lo = cached + r0 / groups, hi = cached + (r0 + n_rows - 1) / groups;
+      const int64_t from = window > 0 ? std::max<int64_t>(0, lo - window + 1) : 0;
+      for (int64_t g = 0; g < hkv; ++g) tasks.push_back({s, g, r0, n_rows, hi + 1 - from});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.keys > b.keys; });
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  std::atomic<int64_t> next{0};  // tasks taken in order as threads come free (causal rows
+                                 // differ in cost: a fixed split of them would not balance)
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Panel p(d);
+    for (int64_t i = next++; i < count; i = next++) {
+      const Task& task = tasks[i];
+      const int64_t s = task.seq, g = task.head, r0 = task.first_row;
+      const int64_t new_rows = starts[s + 1] - starts[s], cached = lens[s] - new_rows;
+      const int64_t n_rows = task.rows;
+      const int64_t lo = cached + r0 / groups, hi = cached + (r0 + n_rows - 1) / groups;
+      float pos[kTileRows];
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        const int64_t row = r0 + std::min<int64_t>(r, n_rows - 1);  // padding: the last row
+        const int64_t token = starts[s] + row / groups, head = g * groups + row % groups;
+        pos[r] = static_cast<float>(cached + row / groups);
+        const T* qr = q + (token * heads + head) * d;
+        for (int64_t c = 0; c < d; ++c) p.qt[c * kTileRows + r] = f32(qr[c]) * scale;
+      }
+      for (int v = 0; v < kRowVecs; ++v) {
+        p.pos[v] = loadv(pos + v * kLanes);
+        p.m[v] = vf{} + kNone;
+        p.l[v] = vf{};
+      }
+      std::fill(p.ot.begin(), p.ot.end(), 0.f);
+      const int64_t* table = tables + s * table_width;
+      for (int64_t k0 = hi + 1 - task.keys; k0 <= hi; k0 += kKeys) {
+        const int64_t n = std::min(kKeys, hi + 1 - k0);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t key = k0 + t;
+          const int64_t off = table[key / block_size] * block_size * token_stride +
+                              key % block_size * token_stride + g * w;
+          decode_row(k_cache + off, d, p.keys.data() + t * d);
+          decode_row(v_cache + off, d, p.values.data() + t * d);
+        }
+        std::fill(p.keys.begin() + n * d, p.keys.begin() + (n + 3) / 4 * 4 * d, 0.f);
+        attend_rows(p, n_rows, k0, n, d, lo, hi, window);
+      }
+      float inv[kTileRows];
+      for (int v = 0; v < kRowVecs; ++v) {
+        const vf r = 1.f / p.l[v];
+        std::memcpy(inv + v * kLanes, &r, sizeof r);
+      }
+      for (int64_t r = 0; r < n_rows; ++r) {
+        const int64_t row = r0 + r;
+        T* o = out + ((starts[s] + row / groups) * heads + g * groups + row % groups) * d;
+        for (int64_t c = 0; c < d; ++c) o[c] = round_to<T>(p.ot[c * kTileRows + r] * inv[r]);
+      }
+    }
+  });
+}
+
+Tensor paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
+                               Tensor starts, Tensor lens, double scale, int64_t max_query_len,
+                               int64_t window) {
+  TORCH_CHECK(q.dim() == 3, "q must be [tokens, heads, head_dim]");
+  check_cache(k_cache, q.scalar_type(), q.size(2));
+  check_cache(v_cache, k_cache.scalar_type(), q.size(2));
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches of one dtype");
+  const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2), hkv = k_cache.size(2);
+  TORCH_CHECK_VALUE(heads % hkv == 0, heads, " query heads are not a multiple of the cache's ",
+                    hkv, " KV heads");
+  q = q.contiguous();
+  tables = tables.to(at::kLong).contiguous();
+  starts = starts.to(at::kLong).contiguous();
+  lens = lens.to(at::kLong).contiguous();
+  const int64_t seqs = lens.numel();
+  TORCH_CHECK(starts.numel() == seqs + 1, "one query start per sequence, then the row count");
+  check_tables(tables, lens, seqs, k_cache.size(0), k_cache.size(1));
+  const int64_t* first = starts.data_ptr<int64_t>();
+  const int64_t* n = lens.data_ptr<int64_t>();
+  TORCH_CHECK(first[0] == 0 && first[seqs] == tokens, "query starts must run from 0 to q's rows");
+  for (int64_t s = 0; s < seqs; ++s)
+    TORCH_CHECK(first[s + 1] > first[s] && first[s + 1] - first[s] <= n[s],
+                "a sequence's new rows must be at least one and at most its context");
+  (void)max_query_len;  // the Triton kernel's grid size; the tasks here come from starts
+  Tensor out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_prefill_attention", [&] {
+    with_cache_type<scalar_t>(k_cache.scalar_type(), [&]<typename C>() {
+      paged_prefill<scalar_t, C>(q.data_ptr<scalar_t>(), k_cache.data_ptr<C>(),
+                                 v_cache.data_ptr<C>(), tables.data_ptr<int64_t>(),
+                                 tables.size(1), first, n, seqs, heads, hkv, d,
+                                 k_cache.size(1), static_cast<float>(scale), window,
+                                 out.data_ptr<scalar_t>());
+    });
+  });
+  return out;
+}
+
+}  // namespace tidal_cpu
