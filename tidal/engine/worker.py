@@ -32,8 +32,7 @@ from tidal.engine.model_runner import ModelRunner
 from tidal.engine.parallel_config import busy_ranks
 from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
-from tidal.model.attention import (BF16_OVER_CODES, AttentionMetadata, PrefillSeq,
-                                  TorchAttention)
+from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention
 from tidal.model.config import ModelArch, stage_layers
 from tidal.model.kernels import (FusedKernels, cpu_fused_kernels, fused_kernels, lora_kernel,
                                  paged_decode_kernel, paged_prefill_kernel)
@@ -132,13 +131,15 @@ class Worker:
                              "float32")
         paged = cpp.paged_decode_attention if cpp else (
             paged_decode_kernel() if on_gpu else None)
-        # chunks after a cached prefix over quantized rows: the C++ kernel reads the codes in
-        # place (PyTorch decodes a gathered copy); not on CPUs with AMX, whose bf16 SDPA
-        # runs them (BF16_OVER_CODES)
-        prefill = paged_prefill_kernel() if on_gpu else (
-            cpp.paged_prefill_attention if cpp and kv_format.quantized and not BF16_OVER_CODES
-            else None)
+        cache = kv_format.storage(self.dtype)
+        prefill = (paged_prefill_kernel() if on_gpu
+                   else cpu_decode.prefill_kernel(cpp, cache))
         backend = TorchAttention.for_arch(arch, paged, prefill, kv_format)
+        # over bf16 rows with bf16 products the C++ kernel beats SDPA on fresh prompts too
+        # (2-2.8x), which attend in bf16 either way; a fresh prompt over quantized rows
+        # attends over its own K/V before they are rounded (docs/design/kv-quantization.md)
+        backend.kernel_for_fresh_prefills = (not on_gpu and prefill is not None
+                                             and cache == torch.bfloat16)
         self.model, decoder = load_for_runner(folder, whole, config, device, self.dtype,
                                               quantization, backend, ext, tp, shard)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(

@@ -5,7 +5,8 @@ A decode step of a small model on CPU is bound by per-op dispatch (~60 eager ops
 so `Decoder` runs a whole decode-only step in one call: the projections stay ATen kernels,
 everything between them is fused loops, and attention reads the paged cache in place.
 `paged_decode_attention` is that attention on its own, for the PyTorch path's decodes
-on CPU. Both are optional: without a C++ compiler tidal runs the PyTorch ops.
+on CPU, and `paged_prefill_attention` its counterpart for prompt runs (`prefill_kernel`
+says where it runs). All are optional: without a C++ compiler tidal runs the PyTorch ops.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from tidal.model.attention import BF16_OVER_CODES
 from tidal.model.cpu_extension import extension
 from tidal.model.gguf_quants import GGUFEmbedding, GGUFLinear
 from tidal.model.linear import Int4Linear, PackedLinear
 from tidal.model.tensor_parallel import RowParallel, VocabParallelHead
 
-__all__ = ["build_decoder", "extension", "supports"]
+__all__ = ["build_decoder", "extension", "prefill_kernel", "supports"]
 
 
 def _linear(ext: ModuleType, module: nn.Module):
@@ -37,6 +39,21 @@ def _linear(ext: ModuleType, module: nn.Module):
                           bias32=module.bias32, fp32_rows=module.fp32_rows)
     if type(module) is nn.Linear:
         return ext.Linear(0, module.weight, module.bias)
+    return None
+
+
+def prefill_kernel(ext: ModuleType | None, cache: torch.dtype):
+    """The C++ paged prefill attention for a cache of element dtype `cache`, or None where
+    PyTorch's path (gathered context, SDPA) is as fast: over quantized rows it reads the
+    codes in place (1.1-1.3x on a 2-core Zen 4 in float32 products, about 2x with AVX512-BF16
+    products), over bf16 rows only with bf16 products (1.7-2.8x; float32 ones tie SDPA), over
+    float32 rows never (it ties SDPA), and never on CPUs with AMX, whose bf16 SDPA runs on
+    AMX tiles (BF16_OVER_CODES). docs/design/cpu-runner.md has the figures."""
+    if ext is None or BF16_OVER_CODES:
+        return None
+    coded = cache in (torch.int8, torch.float8_e4m3fn)
+    if coded or (cache == torch.bfloat16 and ext.prefill_bf16_dots):
+        return ext.paged_prefill_attention
     return None
 
 

@@ -364,4 +364,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("gguf_nibble_rounds") = gguf_nibble_rounds();
   m.attr("gguf_amx") = gguf_amx();
   m.attr("gguf_amx_bf16") = gguf_amx_bf16();
+  m.attr("prefill_bf16_dots") = prefill_bf16_dots();
 }

@@ -53,15 +53,110 @@ inline void decode_row(const C* row, int64_t d, float* out) {
   for (; c < d; ++c) out[c] = f32(row[c]) * s;
 }
 
-// A panel's working set, one per thread.
+// A panel's working set, one per thread. With bf16 dot products, also the queries, keys,
+// values and probabilities as the bf16 pairs each product reads (queries by head dim,
+// values and probabilities by key).
 struct Panel {
   std::vector<float> qt, ot, keys, values, scores;  // [d][rows], [d][rows], [kKeys][d] x 2,
                                                     // [kKeys][rows]
-  vf m[kRowVecs], l[kRowVecs], pos[kRowVecs];       // running max, sum; each row's position
+  std::vector<uint32_t> qp, kp, vp, pp;  // [d/2][rows], [kKeys][d/2], [kKeys/2][d],
+                                         // [kKeys/2][rows]
+  vf m[kRowVecs], l[kRowVecs], pos[kRowVecs];  // running max, sum; each row's position
   explicit Panel(int64_t d)
       : qt(d * kTileRows), ot(d * kTileRows), keys(kKeys * d), values(kKeys * d),
-        scores(kKeys * kTileRows) {}
+        scores(kKeys * kTileRows), qp(d / 2 * kTileRows), kp(kKeys * d / 2),
+        vp(kKeys / 2 * d), pp(kKeys / 2 * kTileRows) {}
 };
+
+#ifdef __AVX512BF16__
+constexpr bool kBf16Dots = true;
+
+// a[i] and b[i] rounded to bf16 (to nearest even) as lane i's low and high halves: the pair
+// vdpbf16ps multiplies with another lane's pair and adds to lane i.
+inline __m512i pair_bf16(__m512 a, __m512 b) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+// The panel's queries, keys [0, n4) and values [0, n) as bf16 pairs (keys past n are zero;
+// so is a last odd value's partner).
+inline void pair_queries(Panel& p, int64_t d) {
+  for (int64_t c = 0; c < d; c += 2)
+    for (int v = 0; v < kRowVecs; ++v)
+      _mm512_storeu_si512(p.qp.data() + c / 2 * kTileRows + v * kLanes,
+                          pair_bf16(_mm512_loadu_ps(p.qt.data() + c * kTileRows + v * kLanes),
+                                    _mm512_loadu_ps(p.qt.data() + (c + 1) * kTileRows +
+                                                    v * kLanes)));
+}
+
+inline void pair_keys(Panel& p, int64_t n4, int64_t d) {
+  auto* out = reinterpret_cast<uint16_t*>(p.kp.data());  // a key's bf16 values in order are
+                                                         // its pairs along d
+  for (int64_t t = 0; t < n4; ++t)
+    for (int64_t c = 0; c < d; c += kLanes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * d + c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p.keys.data() + t * d + c)));
+}
+
+inline void pair_values(Panel& p, int64_t n, int64_t d) {
+  for (int64_t t = 0; t < n; t += 2)
+    for (int64_t c = 0; c < d; c += kLanes) {
+      const __m512 a = _mm512_loadu_ps(p.values.data() + t * d + c);
+      const __m512 b = t + 1 < n ? _mm512_loadu_ps(p.values.data() + (t + 1) * d + c)
+                                 : _mm512_setzero_ps();
+      _mm512_storeu_si512(p.vp.data() + t / 2 * d + c, pair_bf16(a, b));
+    }
+}
+
+// score_tile's products as bf16 pairs: half the instructions.
+template <int RV>
+inline void score_tile_bf16(const Panel& p, int64_t n4, int64_t d, float* scores) {
+  const int64_t half = d / 2;
+  for (int64_t t = 0; t < n4; t += 4) {
+    __m512 acc[4][RV];
+    for (int i = 0; i < 4; ++i)
+      for (int v = 0; v < RV; ++v) acc[i][v] = _mm512_setzero_ps();
+    const uint32_t* k = p.kp.data() + t * half;
+    for (int64_t c = 0; c < half; ++c) {
+      __m512bh q[RV];
+      for (int v = 0; v < RV; ++v)
+        q[v] = (__m512bh)_mm512_loadu_si512(p.qp.data() + c * kTileRows + v * kLanes);
+      for (int i = 0; i < 4; ++i) {
+        const __m512bh kc = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[i * half + c]));
+        for (int v = 0; v < RV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], q[v], kc);
+      }
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int v = 0; v < RV; ++v)
+        _mm512_storeu_ps(scores + (t + i) * kTileRows + v * kLanes, acc[i][v]);
+  }
+}
+
+// value_tile's products as bf16 pairs of keys (probabilities in pp, values in vp).
+template <int NC, int RV>
+inline void value_tile_bf16(Panel& p, int64_t n, int64_t d, int64_t c0) {
+  __m512 acc[NC][RV];
+  for (int i = 0; i < NC; ++i)
+    for (int v = 0; v < RV; ++v)
+      acc[i][v] = _mm512_loadu_ps(p.ot.data() + (c0 + i) * kTileRows + v * kLanes);
+  for (int64_t t = 0; t < (n + 1) / 2; ++t) {
+    __m512bh w[RV];
+    for (int v = 0; v < RV; ++v)
+      w[v] = (__m512bh)_mm512_loadu_si512(p.pp.data() + t * kTileRows + v * kLanes);
+    const uint32_t* val = p.vp.data() + t * d + c0;
+    for (int i = 0; i < NC; ++i) {
+      const __m512bh vc = (__m512bh)_mm512_set1_epi32(static_cast<int>(val[i]));
+      for (int v = 0; v < RV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], w[v], vc);
+    }
+  }
+  for (int i = 0; i < NC; ++i)
+    for (int v = 0; v < RV; ++v)
+      _mm512_storeu_ps(p.ot.data() + (c0 + i) * kTileRows + v * kLanes, acc[i][v]);
+}
+#else
+constexpr bool kBf16Dots = false;
+#endif
 
 // scores[t][rows] = keys[t] . q[rows] for t < n (n rounded up to 4: keys is zero-padded), the
 // first RV vectors of rows.
@@ -104,11 +199,15 @@ inline void value_tile(Panel& p, int64_t n, int64_t d, int64_t c0) {
 // Keys [k0, k0 + n) of a panel whose rows sit at positions [lo, hi]: scores, the mask where
 // some row may not see some key, the online softmax's update, then the values; RV vectors
 // of rows.
-template <int RV>
+template <int RV, bool Dots>
 inline void attend_keys(Panel& p, int64_t k0, int64_t n, int64_t d, int64_t lo, int64_t hi,
                         int64_t window) {
   float* s = p.scores.data();
-  score_tile<RV>(p, (n + 3) / 4 * 4, d, s);
+#ifdef __AVX512BF16__
+  if constexpr (Dots) score_tile_bf16<RV>(p, (n + 3) / 4 * 4, d, s);
+  else
+#endif
+    score_tile<RV>(p, (n + 3) / 4 * 4, d, s);
   const bool masked = k0 + n - 1 > lo || (window > 0 && k0 <= hi - window);
   const float span = static_cast<float>(window);
   for (int v = 0; v < RV; ++v) {
@@ -142,6 +241,20 @@ inline void attend_keys(Panel& p, int64_t k0, int64_t n, int64_t d, int64_t lo, 
     }
   }
   int64_t c = 0;
+#ifdef __AVX512BF16__
+  if constexpr (Dots) {
+    for (int64_t t = 0; t < n; t += 2)
+      for (int v = 0; v < RV; ++v) {
+        const float* e = s + t * kTileRows + v * kLanes;
+        _mm512_storeu_si512(p.pp.data() + t / 2 * kTileRows + v * kLanes,
+                            pair_bf16(_mm512_loadu_ps(e), t + 1 < n
+                                      ? _mm512_loadu_ps(e + kTileRows) : _mm512_setzero_ps()));
+      }
+    for (; c + 4 <= d; c += 4) value_tile_bf16<4, RV>(p, n, d, c);
+    for (; c < d; ++c) value_tile_bf16<1, RV>(p, n, d, c);
+    return;
+  }
+#endif
   for (; c + 4 <= d; c += 4) value_tile<4, RV>(p, n, d, c);
   for (; c < d; ++c) value_tile<1, RV>(p, n, d, c);
 }
@@ -151,12 +264,13 @@ struct Task {
 };
 
 // attend_keys<RV> for a panel of `rows` rows: RV their vectors.
-template <int RV = 1>
+template <bool Dots, int RV = 1>
 inline void attend_rows(Panel& p, int64_t rows, int64_t k0, int64_t n, int64_t d, int64_t lo,
                         int64_t hi, int64_t window) {
   if constexpr (RV < kRowVecs)
-    if (rows > RV * kLanes) return attend_rows<RV + 1>(p, rows, k0, n, d, lo, hi, window);
-  attend_keys<RV>(p, k0, n, d, lo, hi, window);
+    if (rows > RV * kLanes)
+      return attend_rows<Dots, RV + 1>(p, rows, k0, n, d, lo, hi, window);
+  attend_keys<RV, Dots>(p, k0, n, d, lo, hi, window);
 }
 
 }  // namespace
@@ -170,6 +284,10 @@ void paged_prefill(const T* q, const C* k_cache, const C* v_cache, const int64_t
                    int64_t heads, int64_t hkv, int64_t d, int64_t block_size, float scale,
                    int64_t window, T* out) {
   const int64_t groups = heads / hkv, w = row_width<C>(d), token_stride = hkv * w;
+  // bf16 products over bf16 or quantized rows (values no finer than bf16's, or coarser
+  // codes), as PyTorch's path attends over them in bf16 (attention.py); float32 rows keep
+  // float32 products
+  const bool dots = kBf16Dots && !std::is_same_v<C, float> && d % kLanes == 0;
   std::vector<Task> tasks;
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t rows = (starts[s + 1] - starts[s]) * groups, cached = lens[s] - rows / groups;
@@ -205,6 +323,9 @@ void paged_prefill(const T* q, const C* k_cache, const C* v_cache, const int64_t
         const T* qr = q + (token * heads + head) * d;
         for (int64_t c = 0; c < d; ++c) p.qt[c * kTileRows + r] = f32(qr[c]) * scale;
       }
+#ifdef __AVX512BF16__
+      if (dots) pair_queries(p, d);
+#endif
       for (int v = 0; v < kRowVecs; ++v) {
         p.pos[v] = loadv(pos + v * kLanes);
         p.m[v] = vf{} + kNone;
@@ -222,7 +343,15 @@ void paged_prefill(const T* q, const C* k_cache, const C* v_cache, const int64_t
           decode_row(v_cache + off, d, p.values.data() + t * d);
         }
         std::fill(p.keys.begin() + n * d, p.keys.begin() + (n + 3) / 4 * 4 * d, 0.f);
-        attend_rows(p, n_rows, k0, n, d, lo, hi, window);
+#ifdef __AVX512BF16__
+        if (dots) {
+          pair_keys(p, (n + 3) / 4 * 4, d);
+          pair_values(p, n, d);
+          attend_rows<true>(p, n_rows, k0, n, d, lo, hi, window);
+          continue;
+        }
+#endif
+        attend_rows<false>(p, n_rows, k0, n, d, lo, hi, window);
       }
       float inv[kTileRows];
       for (int v = 0; v < kRowVecs; ++v) {
@@ -237,6 +366,8 @@ void paged_prefill(const T* q, const C* k_cache, const C* v_cache, const int64_t
     }
   });
 }
+
+bool prefill_bf16_dots() { return kBf16Dots; }
 
 Tensor paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
                                Tensor starts, Tensor lens, double scale, int64_t max_query_len,

@@ -212,6 +212,8 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor t
 Tensor paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables,
                                Tensor starts, Tensor lens, double scale, int64_t max_query_len,
                                int64_t window);
+// Whether it multiplies bf16 pairs (AVX512-BF16) over bf16 and quantized caches.
+bool prefill_bf16_dots();
 
 // ---------------------------------------------------------------- fused ops (fused_ops.cpp)
 
