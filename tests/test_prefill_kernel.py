@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from triton_setup import DEVICE, random_cache  # first: sets Triton's interpreter up without CUDA
 
-from paged_reference import gathered_prefill
+from paged_reference import (check_chunks_equal_a_whole_prefill,
+                             check_reads_nothing_past_the_context, gathered_prefill)
 
 from tidal.model.kernels.prefill_attention import paged_prefill_attention
 from tidal.model.kv_quant import KVFormat
@@ -61,45 +62,12 @@ def test_paged_prefill_attention_equals_the_gathered_context(data, batch, heads,
 
 @pytest.mark.parametrize("window", [0, 7])
 def test_chunks_in_the_middle_equal_the_rows_of_a_whole_prefill(window):
-    """A sequence prefilled in chunks (each over the cached prefix before it) gives the rows
-    of one whole-sequence prefill, beside another sequence in the same batch."""
-    gen = torch.Generator().manual_seed(0)
-    block_size, hkv, h, dim, total = 16, 2, 8, 64, 90
-    k_cache = torch.randn(12, block_size, hkv, dim, generator=gen)
-    v_cache = torch.randn(12, block_size, hkv, dim, generator=gen)
-    tables = torch.stack([torch.randperm(12, generator=gen)[:6] for _ in range(2)])
-    tables = tables.to(torch.int32)
-    q = torch.randn(total, h, dim, generator=gen)
-    other = torch.randn(20, h, dim, generator=gen)  # the second sequence: 20 new of 50
-    whole, _, _ = run_kernel(torch.cat([q, other]), k_cache, v_cache, tables, [total, 20],
-                             [total, 50], dim ** -0.5, window)
-    done = 0
-    for chunk in (37, 40, 13):  # a prefix, a chunk in the middle, the tail
-        got, _, _ = run_kernel(torch.cat([q[done:done + chunk], other]), k_cache, v_cache,
-                               tables, [chunk, 20], [done + chunk, 50], dim ** -0.5, window)
-        torch.testing.assert_close(got[:chunk], whole[done:done + chunk], atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(got[chunk:], whole[total:], atol=2e-5, rtol=2e-5)
-        done += chunk
+    """A prefix, a chunk in the middle and the tail."""
+    check_chunks_equal_a_whole_prefill(run_kernel, window, (37, 40, 13))
 
 
 def test_reads_nothing_past_the_context():
-    """NaN in the slots past each context and in the block the tables are padded with leave
-    the rows finite; a block size that is no power of two, a head dim neither, GQA 3."""
-    gen = torch.Generator().manual_seed(1)
-    block_size, hkv, h, dim = 12, 1, 3, 80
-    k_cache = torch.randn(7, block_size, hkv, dim, generator=gen)
-    v_cache = torch.randn(7, block_size, hkv, dim, generator=gen)
-    tables = torch.tensor([[3, 1, 0, 0], [4, 2, 5, 6]], dtype=torch.int32)
-    lens, new = [20, 40], [20, 9]
-    for cache in (k_cache, v_cache):
-        cache[0] = float("nan")  # the padding block
-        cache[1, 20 - 12:] = float("nan")  # sequence 0's last block past its 20 tokens
-        cache[6, 40 - 36:] = float("nan")
-    q = torch.randn(sum(new), h, dim, generator=gen)
-    got, starts, lens_t = run_kernel(q, k_cache, v_cache, tables, new, lens, 0.1)
-    assert got.isfinite().all()
-    want = gathered_prefill(q, k_cache, v_cache, tables, starts, lens_t, 0.1)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    check_reads_nothing_past_the_context(run_kernel)
 
 
 def test_refuses_heads_that_do_not_share_kv_heads():

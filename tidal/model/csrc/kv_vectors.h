@@ -15,25 +15,6 @@
 
 namespace tidal_cpu {
 
-// e^x for softmax, in plain arithmetic so loops over it vectorise (std::exp does not):
-// Cephes' polynomial on x - n ln2, scaled by 2^n: a few ulp from expf over its range.
-inline float exp_approx(float x) {
-  x = std::min(88.0f, std::max(-87.0f, x));
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // A vector register of floats in GCC's vector extension: AVX-512's 16 lanes (of 32
 // registers) or AVX2's 8 (of 16). Arithmetic is the compiler's; only bf16's widening load
 // takes intrinsics (GCC assembles a generic one from 64-bit pieces through GPRs on AVX2).
@@ -48,6 +29,33 @@ typedef uint32_t vu32 __attribute__((vector_size(4 * kLanes)));
 typedef int8_t vi8 __attribute__((vector_size(kLanes)));
 typedef int32_t vi32 __attribute__((vector_size(4 * kLanes)));
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
+
+// e^x for softmax, on a float or on every lane of a vf, in plain arithmetic so loops over it
+// vectorise (std::exp does not): Cephes' polynomial on x - n ln2 (n rounded to nearest even
+// by adding and taking away 1.5 x 2^23), scaled by 2^n: a few ulp from expf over its range.
+template <typename V>
+inline V exp_approx(V x) {
+  x = x > -87.0f ? x : V{} - 87.0f;  // NaN too
+  x = x < 88.0f ? x : V{} + 88.0f;
+  const V n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  if constexpr (std::is_same_v<V, float>) {
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+  } else {
+    const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
+    return p * reinterpret_cast<vf>(bits);
+  }
+}
 
 inline vf loadv(const float* p) {
   vf v;

@@ -1,9 +1,10 @@
 // Paged prefill attention: each sequence's new query rows attend causally (and within a
 // sliding window) over their whole context, K and V read from the paged cache in place (no
-// gathered copy, no mask tensor), in float32, with an online softmax (flash attention).
+// gathered copy, no mask tensor), with an online softmax (flash attention): float32
+// products, or bf16 pairs (AVX512-BF16) over bf16 and quantized rows.
 //
-// A task is a panel of kTileRows query rows of one (sequence, KV head): the rows of its new
-// tokens times the query heads that share the KV head, token-major. Everything a panel
+// A task is a panel of up to kTileRows query rows of one (sequence, KV head): the rows of
+// its new tokens times the query heads that share the KV head, token-major. Everything a panel
 // computes keeps the query rows along a vector's lanes: the queries transposed ([d][rows]),
 // the scores ([keys][rows]), the output ([d][rows]). A score tile is then four keys' values
 // broadcast against the rows' vectors (FMAs, no horizontal sums), the softmax's max and sum
@@ -21,24 +22,6 @@ constexpr int kTileRows = kRowVecs * kLanes;        // 96 query rows (AVX-512), 
 constexpr int64_t kKeys = 64;                       // keys a step of the online softmax
 constexpr float kNone = -1e30f;  // a masked score: finite, so a row that sees nothing yet
                                  // rescales by e^0 instead of NaN
-
-// exp_approx on every lane (the same steps: round to nearest even, Cephes' polynomial).
-inline vf exp_vec(vf x) {
-  x = x < 88.0f ? x : vf{} + 88.0f;
-  x = x > -87.0f ? x : vf{} - 87.0f;
-  const vf big = vf{} + 12582912.f;  // 1.5 x 2^23: adding it rounds to an integer
-  const vf n = (x * 1.44269504088896341f + big) - big;
-  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
-  return p * reinterpret_cast<vf>(bits);
-}
 
 // One row of the cache (codes scaled) as d floats.
 template <typename C>
@@ -223,11 +206,11 @@ inline void attend_keys(Panel& p, int64_t k0, int64_t n, int64_t d, int64_t lo, 
       }
       mx = x > mx ? x : mx;
     }
-    const vf alpha = exp_vec(p.m[v] - mx);
+    const vf alpha = exp_approx(p.m[v] - mx);
     vf sum{};
     for (int64_t t = 0; t < n; ++t) {
       const vf x = loadv(s + t * kTileRows + v * kLanes);
-      vf e = exp_vec(x - mx);
+      vf e = exp_approx(x - mx);
       e = x > kNone ? e : vf{};  // a masked key weighs exactly 0
       sum += e;
       std::memcpy(s + t * kTileRows + v * kLanes, &e, sizeof e);
