@@ -88,7 +88,7 @@ def prefill_rate(folder: Path, args) -> None:
         arch.num_heads * arch.head_dim  # causal QK^T and PV: half of 4 n^2 H D each layer
     cells = []
     for name in ("kernel", "sdpa"):
-        r.model.backend.kernel_for_fresh_prefills = name == "kernel"
+        r.model.backend.fresh_kernel_scores = 0 if name == "kernel" else None
         if name == "sdpa" or r.model.backend.prefill_kernel is None:
             r.model.backend.prefill_kernel, name = None, "sdpa"
         (_, t), = measure(r, [[(n, 0)]], repeats=args.repeats)

@@ -34,7 +34,7 @@ BLOCK = 16
 def blocks_for(model: str, kv: str, mib: float) -> tuple[int, int]:
     """(blocks, bytes a token) of `mib` MiB of KV in format `kv` for the model's default
     dtype on this CPU, `auto` as the server resolves it (bf16 rows for a float32 model of
-    its own formats on AMX)."""
+    its own formats on AMX and AVX512-BF16 CPUs)."""
     from tidal.engine.config import ModelConfig
     from tidal.engine.device import pick_kv_cache_dtype
     from tidal.engine.model_loading import pick_model_dtype

@@ -4,7 +4,7 @@ prefills, reading K/V from the paged cache in place) against the PyTorch path it
 layer of the embedded model's shape (9 query heads, 3 KV heads of 64), in each KV format.
 Prints milliseconds a call (the best of `--repeats`, after one warm-up) and the ratio.
 
-    python benchmarks/prefill_attention.py [--formats auto bfloat16 int8]
+    python benchmarks/prefill_attention.py [--formats float32 bfloat16 int8]
         [--repeats 5] [--threads N]
 
 The shapes: a 512-token chunk after 2,000 cached tokens and a 256-token one after 3,500 (a
@@ -69,7 +69,7 @@ def one_shape(ext, fmt, cached: list[int], new: list[int], repeats: int) -> tupl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--formats", nargs="+", default=["auto", "bfloat16", "int8"],
+    ap.add_argument("--formats", nargs="+", default=["float32", "bfloat16", "int8"],
                     help="--kv-cache-dtype values (under a float32 model)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")

@@ -136,11 +136,12 @@ def test_the_runner_computes_chunks_after_a_prefix_through_it(tmp_path, kv):
 
 
 def test_it_runs_where_it_beats_the_pytorch_path(tmp_path):
-    """Over quantized rows always, over bf16 rows with bf16 products (fresh prompts too),
-    over float32 rows never (it ties SDPA there); on AMX CPUs never (their bf16 SDPA)."""
+    """Over quantized rows always, over bf16 rows with bf16 products (fresh prompts too, from
+    256 x 256 scores), over float32 rows never (it ties SDPA there); on AMX CPUs never (their
+    bf16 SDPA)."""
     from model_fixtures import tiny_folder
     from tidal import LLM
-    from tidal.model.attention import BF16_OVER_CODES
+    from tidal.model.attention import BF16_ATTENTION_SCORES, BF16_OVER_CODES
 
     folder = tiny_folder(tmp_path, "llama")
     for kv, runs in (("auto", False), ("bfloat16", ext.prefill_bf16_dots), ("int8", True),
@@ -149,5 +150,29 @@ def test_it_runs_where_it_beats_the_pytorch_path(tmp_path):
         backend = llm.engine.runner.model.backend
         llm.close()
         assert (backend.prefill_kernel is not None) == (runs and not BF16_OVER_CODES), kv
-        assert backend.kernel_for_fresh_prefills == (
-            backend.prefill_kernel is not None and kv == "bfloat16"), kv
+        assert backend.fresh_kernel_scores == (
+            BF16_ATTENTION_SCORES if backend.prefill_kernel is not None and kv == "bfloat16"
+            else None), kv
+
+
+@pytest.mark.skipif(ext is None or not ext.prefill_bf16_dots, reason="no bf16 products here")
+def test_fresh_prompts_over_bf16_rows_take_it_from_256_by_256_scores(tmp_path):
+    """A fresh 300-token prompt attends through the kernel; a fresh 100-token one through
+    SDPA over its own float32 k and v (a README-sized first answer keeps its logprobs)."""
+    from model_fixtures import tiny_folder
+    from tidal import LLM, SamplingParams
+    from tidal.model.attention import BF16_OVER_CODES
+
+    if BF16_OVER_CODES:
+        pytest.skip("AMX CPUs keep PyTorch's path")
+    llm = LLM(str(tiny_folder(tmp_path, "llama")), dtype="float32", num_kv_blocks=64,
+              kv_cache_dtype="bfloat16")
+    backend, calls = llm.engine.runner.model.backend, []
+    kernel = backend.prefill_kernel
+    backend.prefill_kernel = lambda *a: calls.append(a[0].shape[0]) or kernel(*a)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    for first, n in ((5, 100), (1000, 300)):  # no shared prefix
+        llm.generate([{"prompt_token_ids": list(range(first, first + n))}], one,
+                     use_tqdm=False)
+    llm.close()
+    assert calls and set(calls) == {300}  # every layer of the 300-token step, none of the 100

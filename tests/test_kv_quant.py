@@ -121,16 +121,17 @@ def test_logprobs_drift_within_bounds_on_each_family(tmp_path, name):
         assert 0 < mean <= drift and same >= agreement, (kv, mean, same)
 
 
-def test_auto_is_bf16_rows_for_own_formats_on_amx(monkeypatch):
+def test_auto_is_bf16_rows_for_own_formats_on_bf16_cpus(monkeypatch):
     """`auto` resolves to bf16 rows for weights in their own formats (float32 activations)
-    on a CPU with AMX, and to the model's dtype otherwise; an explicit format stays."""
+    on a CPU with AMX or AVX512-BF16, and to the model's dtype otherwise; an explicit format
+    stays."""
     from tidal.engine import device
 
     f32 = torch.float32
     for flags, quantization, dtype, want in [
             ({"amx_bf16"}, "gguf", f32, "bfloat16"), ({"amx_bf16"}, "awq", f32, "bfloat16"),
-            ({"avx512_bf16"}, "gguf", f32, "auto"), ({"amx_bf16"}, "none", f32, "auto"),
-            ({"amx_bf16"}, "gguf", torch.bfloat16, "auto")]:
+            ({"avx512_bf16"}, "gguf", f32, "bfloat16"), ({"avx2"}, "gguf", f32, "auto"),
+            ({"amx_bf16"}, "none", f32, "auto"), ({"amx_bf16"}, "gguf", torch.bfloat16, "auto")]:
         monkeypatch.setattr(device, "cpu_flags", lambda: flags)
         assert device.pick_kv_cache_dtype("auto", "cpu", quantization, dtype) == want
     assert device.pick_kv_cache_dtype("auto", "cuda", "gguf", f32) == "auto"

@@ -403,7 +403,7 @@ def test_a_restarted_server_answers_a_known_prompt_from_the_disk_tier(tmp_path):
             computed = metric(server.url, "tidal:prompt_tokens_total")
             held = metric(server.url, "tidal:kv_disk_blocks")
             # bytes: the embedded model's K and V of 16 tokens a block, in the default's
-            # format (float32, or bf16 rows on a CPU with AMX)
+            # format (float32, or bf16 rows on a CPU with AMX or AVX512-BF16)
             kv = KVFormat(pick_kv_cache_dtype("auto", "cpu", "gguf", torch.float32))
             block = 16 * kv.bytes_per_token(
                 ModelArch.from_folder(resolve_model("smollm2-135m")[0]), torch.float32)

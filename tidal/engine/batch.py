@@ -82,8 +82,10 @@ class BatchBuilder:
         bs, dev = self.block_size, self.device
         ids, slots = batch.ids, batch.slots
         backend = self.backend
+        fresh = backend.fresh_kernel_scores
         kernel = backend.prefill_kernel is not None and (
-            backend.kernel_for_fresh_prefills or any(s.num_computed_tokens for s in entries))
+            any(s.num_computed_tokens for s in entries)
+            or (fresh is not None and any(s.num_new_tokens ** 2 >= fresh for s in entries)))
         for s in entries:
             c, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_ids
             start = len(ids)

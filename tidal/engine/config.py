@@ -87,8 +87,9 @@ class ModelConfig:
                                     "*ForSequenceClassification checkpoint's head, if any.")
     kv_cache_dtype: str = knob("auto", "The KV cache's elements: 'auto' the model's dtype, "
                                "but bfloat16 for weights in their own formats (float32 "
-                               "activations) on a CPU with AMX, where reading K and V is a "
-                               "third of a many-row decode step; 'float32' a float32 "
+                               "activations) on a CPU with AMX or AVX512-BF16, where reading "
+                               "K and V is a third of a many-row decode step and prompt "
+                               "attention over bf16 rows runs in bf16; 'float32' a float32 "
                                "model's own (its 'auto' elsewhere); "
                                "'bfloat16' half of float32's bytes under a float32 model "
                                "(values rounded to nearest even); "

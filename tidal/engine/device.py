@@ -51,11 +51,14 @@ def pick_dtype(name: str, device: str, quantization: str = "none") -> torch.dtyp
 
 def pick_kv_cache_dtype(name: str, device: str, quantization: str, dtype: torch.dtype) -> str:
     """`auto`: the model's dtype, except bf16 rows under a float32 model of weights in their
-    own formats on a CPU with AMX, where a decode step of many rows spends about a third of
-    its time reading K and V (the embedded model served to 64 clients: 1.14x the tokens/s
-    of float32 rows; a prompt's own attention reads its float32 k and v either way)."""
+    own formats on a CPU with AMX or AVX512-BF16: there a decode step of many rows spends
+    about a third of its time reading K and V (AMX: the embedded model served to 64 clients
+    ran 1.14x the tokens/s of float32 rows), and prompt attention over bf16 rows runs in bf16
+    (AMX's SDPA; elsewhere tidal's C++ kernel with bf16 products: 1,000-token prompts served
+    16 at a time 1.07x on a Zen 4). A short prompt's own attention reads its float32 k and v
+    either way."""
     if (name == "auto" and quantization in OWN_FORMATS and device == "cpu"
-            and dtype == torch.float32 and "amx_bf16" in cpu_flags()):
+            and dtype == torch.float32 and {"amx_bf16", "avx512_bf16"} & cpu_flags()):
         return "bfloat16"
     return name
 

@@ -32,7 +32,8 @@ from tidal.engine.model_runner import ModelRunner
 from tidal.engine.parallel_config import busy_ranks
 from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
-from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention
+from tidal.model.attention import (BF16_ATTENTION_SCORES, AttentionMetadata, PrefillSeq,
+                                  TorchAttention)
 from tidal.model.config import ModelArch, stage_layers
 from tidal.model.kernels import (FusedKernels, cpu_fused_kernels, fused_kernels, lora_kernel,
                                  paged_decode_kernel, paged_prefill_kernel)
@@ -135,11 +136,11 @@ class Worker:
         prefill = (paged_prefill_kernel() if on_gpu
                    else cpu_decode.prefill_kernel(cpp, cache))
         backend = TorchAttention.for_arch(arch, paged, prefill, kv_format)
-        # over bf16 rows with bf16 products the C++ kernel beats SDPA on fresh prompts too
-        # (2-2.8x), which attend in bf16 either way; a fresh prompt over quantized rows
-        # attends over its own K/V before they are rounded (docs/design/kv-quantization.md)
-        backend.kernel_for_fresh_prefills = (not on_gpu and prefill is not None
-                                             and cache == torch.bfloat16)
+        # over bf16 rows with bf16 products the C++ kernel beats SDPA on fresh prompts too,
+        # which attend in bf16 over them from as many scores; a fresh prompt over quantized
+        # rows attends over its own K/V before they are rounded (kv-quantization.md)
+        if not on_gpu and prefill is not None and cache == torch.bfloat16:
+            backend.fresh_kernel_scores = BF16_ATTENTION_SCORES
         self.model, decoder = load_for_runner(folder, whole, config, device, self.dtype,
                                               quantization, backend, ext, tp, shard)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(

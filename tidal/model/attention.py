@@ -133,11 +133,13 @@ class TorchAttention(AttentionBackend):
         # max_query_len, window)` (Triton on CUDA, C++ on CPU): every prefill of a step in
         # one call.
         self.prefill_kernel = None if softcap else prefill_kernel
-        # A step whose prefills all start fresh (no cached prefix) runs SDPA instead: its
-        # flash attention beat the kernel 1.25x on an H100 and 1.1-1.2x on a 2-core Zen 4 for
-        # a fresh 2,048-token prompt (docs/performance.md). True sends them through the
-        # kernel too (benchmarks compare the two).
-        self.kernel_for_fresh_prefills = False
+        # A step whose prefills all start fresh (no cached prefix) runs SDPA instead, unless
+        # one of its runs takes at least this many scores (its tokens squared): SDPA's flash
+        # attention beat the Triton kernel 1.25x on an H100 (docs/performance.md); on CPU the
+        # C++ kernel's bf16 products over bf16 rows beat SDPA 2-2.8x, from the size at which
+        # PyTorch's path attends in bf16 too (BF16_ATTENTION_SCORES). None: always SDPA;
+        # 0: always the kernel (benchmarks compare the two).
+        self.fresh_kernel_scores: int | None = None
 
     @classmethod
     def for_arch(cls, arch, paged_kernel=None, prefill_kernel=None,

@@ -1,6 +1,7 @@
 """The KV cache's element format: the model's dtype, bfloat16 under a float32 model
 (`--kv-cache-dtype bfloat16`: half the bytes, each value rounded to nearest even as torch
-rounds it; `auto` for own formats on AMX, tidal.engine.device.pick_kv_cache_dtype), float32
+rounds it; `auto` for own formats on AMX and AVX512-BF16 CPUs,
+tidal.engine.device.pick_kv_cache_dtype), float32
 (a float32 model's own, where `auto` is bf16), or 8-bit codes with a scale per token and KV
 head (`--kv-cache-dtype int8|fp8_e4m3`).
 
