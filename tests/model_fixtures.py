@@ -85,6 +85,19 @@ def small_folder(tmp: Path, name: str, family: str, seed: int = 0, **config) -> 
     return folder
 
 
+def prefix_hit_tokens(llm, params) -> list[list[list[int]]]:
+    """Greedy tokens of two calls on `llm`: one prompt, then that prompt extended beside two
+    others, so the second call's first prompt hits the prefix cache (asserted)."""
+    shared = llm.engine.tokenize(PROMPTS[0] + PROMPTS[1])
+    calls = [[shared], [shared + llm.engine.tokenize(PROMPTS[2])] +
+             [llm.engine.tokenize(p) for p in PROMPTS[3:5]]]
+    out = [[o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        for prompts in calls]
+    assert llm.engine.scheduler.stats().prefix_hit_rate > 0  # the second call hit
+    return out
+
+
 def hf_greedy(model, prompt_ids: list[int], max_tokens: int, eos: int | None) -> list[int]:
     """Greedy tokens from an HF model, recomputing the whole sequence each step."""
     ids = list(prompt_ids)

@@ -104,7 +104,7 @@ def test_the_runner_computes_chunks_after_a_prefix_through_it(tmp_path, kv):
     """Chunked prompts and a prefix-cache hit on the CPU runner: every layer of every step
     with a chunk after cached tokens calls the kernel, and the greedy tokens equal those of
     the PyTorch path (gathered context, SDPA)."""
-    from model_fixtures import PROMPTS, tiny_folder
+    from model_fixtures import prefix_hit_tokens, tiny_folder
     from tidal import LLM, SamplingParams
 
     folder = tiny_folder(tmp_path, "llama")
@@ -120,13 +120,7 @@ def test_the_runner_computes_chunks_after_a_prefix_through_it(tmp_path, kv):
                 lambda *a: calls.append(a[0].shape[0]) or ext.paged_prefill_attention(*a)
         else:
             backend.prefill_kernel = None
-        shared = llm.engine.tokenize(PROMPTS[0] + PROMPTS[1])
-        batches = [[shared], [shared + llm.engine.tokenize(PROMPTS[2])] +
-                   [llm.engine.tokenize(p) for p in PROMPTS[3:5]]]
-        out = [[o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-            for prompts in batches]
-        assert llm.engine.scheduler.stats().prefix_hit_rate > 0  # the second batch hit
+        out = prefix_hit_tokens(llm, params)
         llm.close()
         return out
 

@@ -123,7 +123,7 @@ def test_the_whole_gpu_path_gives_the_pytorch_paths_tokens(tmp_path):
     (EagerReplay: same static inputs, padding and null block), the paged decode and prefill
     kernels, the fused norm and RoPE kernels, chunked prefill and a prefix-cache hit. The
     tokens equal the PyTorch path's, call for call."""
-    from model_fixtures import PROMPTS, tiny_folder
+    from model_fixtures import prefix_hit_tokens, tiny_folder
     from tidal import LLM, SamplingParams
     from tidal.engine.decode_graphs import EagerReplay
     from tidal.model.kernels import FusedKernels, fused_kernels
@@ -145,13 +145,7 @@ def test_the_whole_gpu_path_gives_the_pytorch_paths_tokens(tmp_path):
             runner.model.kernels = FusedKernels(
                 k.rms_norm, k.add_rms_norm, lambda *a: rope_calls.append(1) or k.rope_and_cache(*a))
             runner.use_decode_graphs(EagerReplay(), max_num_seqs=4, max_model_len=128)
-        shared = llm.engine.tokenize(PROMPTS[0] + PROMPTS[1])
-        calls = [[shared], [shared + llm.engine.tokenize(PROMPTS[2])] +
-                 [llm.engine.tokenize(p) for p in PROMPTS[3:5]]]
-        out = [[o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-            for prompts in calls]
-        assert llm.engine.scheduler.stats().prefix_hit_rate > 0  # the second call hit
+        out = prefix_hit_tokens(llm, params)
         if gpu_path:
             assert runner.graphs.replays >= 2 * 9
         return out

@@ -92,68 +92,40 @@ inline void pair_values(Panel& p, int64_t n, int64_t d) {
     }
 }
 
-// score_tile's products as bf16 pairs: half the instructions.
-template <int RV>
-inline void score_tile_bf16(const Panel& p, int64_t n4, int64_t d, float* scores) {
-  const int64_t half = d / 2;
-  for (int64_t t = 0; t < n4; t += 4) {
-    __m512 acc[4][RV];
-    for (int i = 0; i < 4; ++i)
-      for (int v = 0; v < RV; ++v) acc[i][v] = _mm512_setzero_ps();
-    const uint32_t* k = p.kp.data() + t * half;
-    for (int64_t c = 0; c < half; ++c) {
-      __m512bh q[RV];
-      for (int v = 0; v < RV; ++v)
-        q[v] = (__m512bh)_mm512_loadu_si512(p.qp.data() + c * kTileRows + v * kLanes);
-      for (int i = 0; i < 4; ++i) {
-        const __m512bh kc = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[i * half + c]));
-        for (int v = 0; v < RV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], q[v], kc);
-      }
-    }
-    for (int i = 0; i < 4; ++i)
-      for (int v = 0; v < RV; ++v)
-        _mm512_storeu_ps(scores + (t + i) * kTileRows + v * kLanes, acc[i][v]);
-  }
-}
-
-// value_tile's products as bf16 pairs of keys (probabilities in pp, values in vp).
-template <int NC, int RV>
-inline void value_tile_bf16(Panel& p, int64_t n, int64_t d, int64_t c0) {
-  __m512 acc[NC][RV];
-  for (int i = 0; i < NC; ++i)
-    for (int v = 0; v < RV; ++v)
-      acc[i][v] = _mm512_loadu_ps(p.ot.data() + (c0 + i) * kTileRows + v * kLanes);
-  for (int64_t t = 0; t < (n + 1) / 2; ++t) {
-    __m512bh w[RV];
-    for (int v = 0; v < RV; ++v)
-      w[v] = (__m512bh)_mm512_loadu_si512(p.pp.data() + t * kTileRows + v * kLanes);
-    const uint32_t* val = p.vp.data() + t * d + c0;
-    for (int i = 0; i < NC; ++i) {
-      const __m512bh vc = (__m512bh)_mm512_set1_epi32(static_cast<int>(val[i]));
-      for (int v = 0; v < RV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], w[v], vc);
-    }
-  }
-  for (int i = 0; i < NC; ++i)
-    for (int v = 0; v < RV; ++v)
-      _mm512_storeu_ps(p.ot.data() + (c0 + i) * kTileRows + v * kLanes, acc[i][v]);
-}
 #else
 constexpr bool kBf16Dots = false;
 #endif
 
 // scores[t][rows] = keys[t] . q[rows] for t < n (n rounded up to 4: keys is zero-padded), the
-// first RV vectors of rows.
-template <int RV>
+// first RV vectors of rows. Dots: the products as bf16 pairs along d (qp, kp), half the
+// instructions.
+template <int RV, bool Dots>
 inline void score_tile(const Panel& p, int64_t n, int64_t d, float* scores) {
   for (int64_t t = 0; t < n; t += 4) {
     vf acc[4][RV] = {};
-    const float* k = p.keys.data() + t * d;
-    for (int64_t c = 0; c < d; ++c) {
-      vf q[RV];
-      for (int v = 0; v < RV; ++v) q[v] = loadv(p.qt.data() + c * kTileRows + v * kLanes);
-      for (int i = 0; i < 4; ++i) {
-        const float kc = k[i * d + c];
-        for (int v = 0; v < RV; ++v) acc[i][v] += kc * q[v];
+    if constexpr (Dots) {
+#ifdef __AVX512BF16__
+      const int64_t half = d / 2;
+      const uint32_t* k = p.kp.data() + t * half;
+      for (int64_t c = 0; c < half; ++c) {
+        __m512bh q[RV];
+        for (int v = 0; v < RV; ++v)
+          q[v] = (__m512bh)_mm512_loadu_si512(p.qp.data() + c * kTileRows + v * kLanes);
+        for (int i = 0; i < 4; ++i) {
+          const __m512bh kc = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[i * half + c]));
+          for (int v = 0; v < RV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], q[v], kc);
+        }
+      }
+#endif
+    } else {
+      const float* k = p.keys.data() + t * d;
+      for (int64_t c = 0; c < d; ++c) {
+        vf q[RV];
+        for (int v = 0; v < RV; ++v) q[v] = loadv(p.qt.data() + c * kTileRows + v * kLanes);
+        for (int i = 0; i < 4; ++i) {
+          const float kc = k[i * d + c];
+          for (int v = 0; v < RV; ++v) acc[i][v] += kc * q[v];
+        }
       }
     }
     for (int i = 0; i < 4; ++i)
@@ -162,18 +134,34 @@ inline void score_tile(const Panel& p, int64_t n, int64_t d, float* scores) {
 }
 
 // ot[c][rows] += sum over t < n of values[t][c] * probs[t][rows], NC columns at a time.
-template <int NC, int RV>
+// Dots: the products as bf16 pairs of keys (probabilities in pp, values in vp).
+template <int NC, int RV, bool Dots>
 inline void value_tile(Panel& p, int64_t n, int64_t d, int64_t c0) {
   vf acc[NC][RV];
   for (int i = 0; i < NC; ++i)
     for (int v = 0; v < RV; ++v)
       acc[i][v] = loadv(p.ot.data() + (c0 + i) * kTileRows + v * kLanes);
-  for (int64_t t = 0; t < n; ++t) {
-    vf w[RV];
-    for (int v = 0; v < RV; ++v) w[v] = loadv(p.scores.data() + t * kTileRows + v * kLanes);
-    const float* val = p.values.data() + t * d + c0;
-    for (int i = 0; i < NC; ++i)
-      for (int v = 0; v < RV; ++v) acc[i][v] += val[i] * w[v];
+  if constexpr (Dots) {
+#ifdef __AVX512BF16__
+    for (int64_t t = 0; t < (n + 1) / 2; ++t) {
+      __m512bh w[RV];
+      for (int v = 0; v < RV; ++v)
+        w[v] = (__m512bh)_mm512_loadu_si512(p.pp.data() + t * kTileRows + v * kLanes);
+      const uint32_t* val = p.vp.data() + t * d + c0;
+      for (int i = 0; i < NC; ++i) {
+        const __m512bh vc = (__m512bh)_mm512_set1_epi32(static_cast<int>(val[i]));
+        for (int v = 0; v < RV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], w[v], vc);
+      }
+    }
+#endif
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      vf w[RV];
+      for (int v = 0; v < RV; ++v) w[v] = loadv(p.scores.data() + t * kTileRows + v * kLanes);
+      const float* val = p.values.data() + t * d + c0;
+      for (int i = 0; i < NC; ++i)
+        for (int v = 0; v < RV; ++v) acc[i][v] += val[i] * w[v];
+    }
   }
   for (int i = 0; i < NC; ++i)
     std::memcpy(p.ot.data() + (c0 + i) * kTileRows, acc[i], sizeof acc[i]);
@@ -186,11 +174,7 @@ template <int RV, bool Dots>
 inline void attend_keys(Panel& p, int64_t k0, int64_t n, int64_t d, int64_t lo, int64_t hi,
                         int64_t window) {
   float* s = p.scores.data();
-#ifdef __AVX512BF16__
-  if constexpr (Dots) score_tile_bf16<RV>(p, (n + 3) / 4 * 4, d, s);
-  else
-#endif
-    score_tile<RV>(p, (n + 3) / 4 * 4, d, s);
+  score_tile<RV, Dots>(p, (n + 3) / 4 * 4, d, s);
   const bool masked = k0 + n - 1 > lo || (window > 0 && k0 <= hi - window);
   const float span = static_cast<float>(window);
   for (int v = 0; v < RV; ++v) {
@@ -223,9 +207,8 @@ inline void attend_keys(Panel& p, int64_t k0, int64_t n, int64_t d, int64_t lo, 
       std::memcpy(o, &r, sizeof r);
     }
   }
-  int64_t c = 0;
 #ifdef __AVX512BF16__
-  if constexpr (Dots) {
+  if constexpr (Dots)
     for (int64_t t = 0; t < n; t += 2)
       for (int v = 0; v < RV; ++v) {
         const float* e = s + t * kTileRows + v * kLanes;
@@ -233,13 +216,10 @@ inline void attend_keys(Panel& p, int64_t k0, int64_t n, int64_t d, int64_t lo, 
                             pair_bf16(_mm512_loadu_ps(e), t + 1 < n
                                       ? _mm512_loadu_ps(e + kTileRows) : _mm512_setzero_ps()));
       }
-    for (; c + 4 <= d; c += 4) value_tile_bf16<4, RV>(p, n, d, c);
-    for (; c < d; ++c) value_tile_bf16<1, RV>(p, n, d, c);
-    return;
-  }
 #endif
-  for (; c + 4 <= d; c += 4) value_tile<4, RV>(p, n, d, c);
-  for (; c < d; ++c) value_tile<1, RV>(p, n, d, c);
+  int64_t c = 0;
+  for (; c + 4 <= d; c += 4) value_tile<4, RV, Dots>(p, n, d, c);
+  for (; c < d; ++c) value_tile<1, RV, Dots>(p, n, d, c);
 }
 
 struct Task {
