@@ -130,9 +130,9 @@ def test_the_runner_computes_chunks_after_a_prefix_through_it(tmp_path, kv):
 
 
 def test_it_runs_where_it_beats_the_pytorch_path(tmp_path):
-    """Over quantized rows always, over bf16 rows with bf16 products (fresh prompts too, from
-    256 x 256 scores), over float32 rows never (it ties SDPA there); on AMX CPUs never (their
-    bf16 SDPA)."""
+    """Over quantized rows always, over bf16 rows with bf16 products (fresh prompts too: a
+    float32 model's from 256 x 256 scores, a bf16 model's always), over float32 rows never (it
+    ties SDPA there); on AMX CPUs never (their bf16 SDPA)."""
     from model_fixtures import tiny_folder
     from tidal import LLM
     from tidal.model.attention import BF16_ATTENTION_SCORES, BF16_OVER_CODES
@@ -147,6 +147,10 @@ def test_it_runs_where_it_beats_the_pytorch_path(tmp_path):
         assert backend.fresh_kernel_scores == (
             BF16_ATTENTION_SCORES if backend.prefill_kernel is not None and kv == "bfloat16"
             else None), kv
+    if ext.prefill_bf16_dots and not BF16_OVER_CODES:  # a bf16 model: fresh prompts at any size
+        llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=16)
+        assert llm.engine.runner.model.backend.fresh_kernel_scores == 0
+        llm.close()
 
 
 @pytest.mark.skipif(ext is None or not ext.prefill_bf16_dots, reason="no bf16 products here")

@@ -77,8 +77,9 @@ class BatchBuilder:
     def _prefills(self, batch: StepBatch, entries: list[ScheduledRequest], seqs: dict) -> None:
         """Each chunk's tokens and slots; a chunk after cached tokens (an earlier chunk, a
         prefix-cache hit) attends to them through its block table. With a paged prefill
-        kernel (Triton on CUDA, C++ on CPU) and a chunk that reads cached tokens, every chunk of the step reads its
-        context through the step's padded tables."""
+        kernel (Triton on CUDA, C++ on CPU) and a chunk that reads cached tokens, or a fresh
+        run of at least the backend's `fresh_kernel_scores`, every chunk of the step reads
+        its context through the step's padded tables."""
         bs, dev = self.block_size, self.device
         ids, slots = batch.ids, batch.slots
         backend = self.backend

@@ -136,11 +136,14 @@ class Worker:
         prefill = (paged_prefill_kernel() if on_gpu
                    else cpu_decode.prefill_kernel(cpp, cache))
         backend = TorchAttention.for_arch(arch, paged, prefill, kv_format)
-        # over bf16 rows with bf16 products the C++ kernel beats SDPA on fresh prompts too,
-        # which attend in bf16 over them from as many scores; a fresh prompt over quantized
-        # rows attends over its own K/V before they are rounded (kv-quantization.md)
+        # over bf16 rows with bf16 products the C++ kernel beats SDPA on fresh prompts too:
+        # a bf16 model's at any size (a prefix hit then computes as the fresh prompt did), a
+        # float32 model's from the scores at which PyTorch's path attends in bf16 too; a
+        # fresh prompt over quantized rows attends over its own K/V before they are rounded
+        # (kv-quantization.md)
         if not on_gpu and prefill is not None and cache == torch.bfloat16:
-            backend.fresh_kernel_scores = BF16_ATTENTION_SCORES
+            backend.fresh_kernel_scores = (0 if self.dtype == torch.bfloat16
+                                           else BF16_ATTENTION_SCORES)
         self.model, decoder = load_for_runner(folder, whole, config, device, self.dtype,
                                               quantization, backend, ext, tp, shard)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(

@@ -107,7 +107,8 @@ class TorchAttention(AttentionBackend):
     """Prefill: one causal SDPA per sequence (over cache + new tokens when a prefix is
     cached), or, in a step where some prefill reads a cached prefix, every prefill of the
     step in one call of a paged prefill kernel reading the cache in place (Triton on CUDA,
-    tidal's C++ on CPU). Decode on CPU with tidal's C++ kernel: it reads each sequence's blocks in place.
+    tidal's C++ on CPU). Decode on CPU with tidal's C++ kernel: it reads each sequence's
+    blocks in place.
     Otherwise a single sequence takes SDPA over its exact context; a batch takes one
     bmm of each sequence's query heads against all its gathered K rows (every KV head), with
     a bias that masks the padding and the KV heads a query head does not use. That computes

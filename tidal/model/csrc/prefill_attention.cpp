@@ -298,13 +298,10 @@ void paged_prefill(const T* q, const C* k_cache, const C* v_cache, const int64_t
       const int64_t* table = tables + s * table_width;
       for (int64_t k0 = hi + 1 - task.keys; k0 <= hi; k0 += kKeys) {
         const int64_t n = std::min(kKeys, hi + 1 - k0);
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t key = k0 + t;
-          const int64_t off = table[key / block_size] * block_size * token_stride +
-                              key % block_size * token_stride + g * w;
+        Paged{table, block_size, token_stride, g * w, k0}.each(n, [&](int64_t t, int64_t off) {
           decode_row(k_cache + off, d, p.keys.data() + t * d);
           decode_row(v_cache + off, d, p.values.data() + t * d);
-        }
+        });
         std::fill(p.keys.begin() + n * d, p.keys.begin() + (n + 3) / 4 * 4 * d, 0.f);
 #ifdef __AVX512BF16__
         if (dots) {
