@@ -32,8 +32,7 @@ from tidal.engine.model_runner import ModelRunner
 from tidal.engine.parallel_config import busy_ranks
 from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
-from tidal.model.attention import (BF16_ATTENTION_SCORES, AttentionMetadata, PrefillSeq,
-                                  TorchAttention)
+from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention
 from tidal.model.config import ModelArch, stage_layers
 from tidal.model.kernels import (FusedKernels, cpu_fused_kernels, fused_kernels, lora_kernel,
                                  paged_decode_kernel, paged_prefill_kernel)
@@ -132,18 +131,10 @@ class Worker:
                              "float32")
         paged = cpp.paged_decode_attention if cpp else (
             paged_decode_kernel() if on_gpu else None)
-        cache = kv_format.storage(self.dtype)
-        prefill = (paged_prefill_kernel() if on_gpu
-                   else cpu_decode.prefill_kernel(cpp, cache))
+        prefill, fresh = ((paged_prefill_kernel(), None) if on_gpu else cpu_decode.prefill_kernel(
+            cpp, kv_format.storage(self.dtype), self.dtype))
         backend = TorchAttention.for_arch(arch, paged, prefill, kv_format)
-        # over bf16 rows with bf16 products the C++ kernel beats SDPA on fresh prompts too:
-        # a bf16 model's at any size (a prefix hit then computes as the fresh prompt did), a
-        # float32 model's from the scores at which PyTorch's path attends in bf16 too; a
-        # fresh prompt over quantized rows attends over its own K/V before they are rounded
-        # (kv-quantization.md)
-        if not on_gpu and prefill is not None and cache == torch.bfloat16:
-            backend.fresh_kernel_scores = (0 if self.dtype == torch.bfloat16
-                                           else BF16_ATTENTION_SCORES)
+        backend.fresh_kernel_scores = fresh
         self.model, decoder = load_for_runner(folder, whole, config, device, self.dtype,
                                               quantization, backend, ext, tp, shard)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(

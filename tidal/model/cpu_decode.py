@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from tidal.model.attention import BF16_OVER_CODES
+from tidal.model.attention import BF16_ATTENTION_SCORES, BF16_OVER_CODES
 from tidal.model.cpu_extension import extension
 from tidal.model.gguf_quants import GGUFEmbedding, GGUFLinear
 from tidal.model.linear import Int4Linear, PackedLinear
@@ -42,19 +42,26 @@ def _linear(ext: ModuleType, module: nn.Module):
     return None
 
 
-def prefill_kernel(ext: ModuleType | None, cache: torch.dtype):
-    """The C++ paged prefill attention for a cache of element dtype `cache`, or None where
-    PyTorch's path (gathered context, SDPA) is as fast: over quantized rows it reads the
-    codes in place (1.1-1.3x on a 2-core Zen 4 in float32 products, about 2x with AVX512-BF16
-    products), over bf16 rows only with bf16 products (1.7-2.8x; float32 ones tie SDPA), over
-    float32 rows never (it ties SDPA), and never on CPUs with AMX, whose bf16 SDPA runs on
-    AMX tiles (BF16_OVER_CODES). docs/design/cpu-runner.md has the figures."""
+def prefill_kernel(ext: ModuleType | None, cache: torch.dtype, dtype: torch.dtype):
+    """(kernel, fresh_kernel_scores) for a model computing in `dtype` over a cache of element
+    dtype `cache`: the C++ paged prefill attention, or None where PyTorch's path (gathered
+    context, SDPA) is as fast. Over quantized rows it reads the codes in place (1.1-1.3x on a
+    2-core Zen 4 in float32 products, about 2x with AVX512-BF16 products), over bf16 rows only
+    with bf16 products (1.7-2.8x; float32 ones tie SDPA), over float32 rows never (it ties
+    SDPA), and never on CPUs with AMX, whose bf16 SDPA runs on AMX tiles (BF16_OVER_CODES).
+    Fresh prompts take it over bf16 rows only (TorchAttention.fresh_kernel_scores): a bf16
+    model's at any size (a prefix hit then computes as the fresh prompt did), a float32
+    model's from the scores at which PyTorch's path attends in bf16 too; over quantized rows
+    a fresh prompt attends over its own K/V before they are rounded (kv-quantization.md).
+    docs/design/cpu-runner.md has the figures."""
     if ext is None or BF16_OVER_CODES:
-        return None
-    coded = cache in (torch.int8, torch.float8_e4m3fn)
-    if coded or (cache == torch.bfloat16 and ext.prefill_bf16_dots):
-        return ext.paged_prefill_attention
-    return None
+        return None, None
+    if cache in (torch.int8, torch.float8_e4m3fn):
+        return ext.paged_prefill_attention, None
+    if cache == torch.bfloat16 and ext.prefill_bf16_dots:
+        return ext.paged_prefill_attention, (0 if dtype == torch.bfloat16
+                                             else BF16_ATTENTION_SCORES)
+    return None, None
 
 
 def supports(arch) -> bool:

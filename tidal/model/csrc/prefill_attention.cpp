@@ -45,10 +45,11 @@ struct Panel {
   std::vector<uint32_t> qp, kp, vp, pp;  // [d/2][rows], [kKeys][d/2], [kKeys/2][d],
                                          // [kKeys/2][rows]
   vf m[kRowVecs], l[kRowVecs], pos[kRowVecs];  // running max, sum; each row's position
-  explicit Panel(int64_t d)
+  Panel(int64_t d, bool dots)  // the pairs' buffers only where the products are bf16
       : qt(d * kTileRows), ot(d * kTileRows), keys(kKeys * d), values(kKeys * d),
-        scores(kKeys * kTileRows), qp(d / 2 * kTileRows), kp(kKeys * d / 2),
-        vp(kKeys / 2 * d), pp(kKeys / 2 * kTileRows) {}
+        scores(kKeys * kTileRows), qp(dots ? d / 2 * kTileRows : 0),
+        kp(dots ? kKeys * d / 2 : 0), vp(dots ? kKeys / 2 * d : 0),
+        pp(dots ? kKeys / 2 * kTileRows : 0) {}
 };
 
 #ifdef __AVX512BF16__
@@ -271,7 +272,7 @@ void paged_prefill(const T* q, const C* k_cache, const C* v_cache, const int64_t
   std::atomic<int64_t> next{0};  // tasks taken in order as threads come free (causal rows
                                  // differ in cost: a fixed split of them would not balance)
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Panel p(d);
+    Panel p(d, dots);
     for (int64_t i = next++; i < count; i = next++) {
       const Task& task = tasks[i];
       const int64_t s = task.seq, g = task.head, r0 = task.first_row;
