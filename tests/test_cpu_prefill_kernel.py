@@ -130,9 +130,9 @@ def test_the_runner_computes_chunks_after_a_prefix_through_it(tmp_path, kv):
 
 
 def test_it_runs_where_it_beats_the_pytorch_path(tmp_path):
-    """Over quantized rows always, over bf16 rows with bf16 products (fresh prompts too: a
-    float32 model's from 256 x 256 scores, a bf16 model's always), over float32 rows never (it
-    ties SDPA there); on AMX CPUs never (their bf16 SDPA)."""
+    """Over quantized rows always, over bf16 rows with bf16 products; fresh prompts where the
+    products are bf16 (from 256 x 256 scores; over bf16 rows a bf16 model's always); over
+    float32 rows never (it ties SDPA there); on AMX CPUs never (their bf16 SDPA)."""
     from model_fixtures import tiny_folder
     from tidal import LLM
     from tidal.model.attention import BF16_ATTENTION_SCORES, BF16_OVER_CODES
@@ -145,8 +145,8 @@ def test_it_runs_where_it_beats_the_pytorch_path(tmp_path):
         llm.close()
         assert (backend.prefill_kernel is not None) == (runs and not BF16_OVER_CODES), kv
         assert backend.fresh_kernel_scores == (
-            BF16_ATTENTION_SCORES if backend.prefill_kernel is not None and kv == "bfloat16"
-            else None), kv
+            BF16_ATTENTION_SCORES if backend.prefill_kernel is not None and (
+                kv != "auto" and ext.prefill_bf16_dots) else None), kv
     if ext.prefill_bf16_dots and not BF16_OVER_CODES:  # a bf16 model: fresh prompts at any size
         llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=16)
         assert llm.engine.runner.model.backend.fresh_kernel_scores == 0
@@ -154,7 +154,8 @@ def test_it_runs_where_it_beats_the_pytorch_path(tmp_path):
 
 
 @pytest.mark.skipif(ext is None or not ext.prefill_bf16_dots, reason="no bf16 products here")
-def test_fresh_prompts_over_bf16_rows_take_it_from_256_by_256_scores(tmp_path):
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+def test_fresh_prompts_take_it_from_256_by_256_scores(tmp_path, kv):
     """A fresh 300-token prompt attends through the kernel; a fresh 100-token one through
     SDPA over its own float32 k and v (a README-sized first answer keeps its logprobs)."""
     from model_fixtures import tiny_folder
@@ -164,7 +165,7 @@ def test_fresh_prompts_over_bf16_rows_take_it_from_256_by_256_scores(tmp_path):
     if BF16_OVER_CODES:
         pytest.skip("AMX CPUs keep PyTorch's path")
     llm = LLM(str(tiny_folder(tmp_path, "llama")), dtype="float32", num_kv_blocks=64,
-              kv_cache_dtype="bfloat16")
+              kv_cache_dtype=kv)
     backend, calls = llm.engine.runner.model.backend, []
     kernel = backend.prefill_kernel
     backend.prefill_kernel = lambda *a: calls.append(a[0].shape[0]) or kernel(*a)

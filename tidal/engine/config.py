@@ -128,11 +128,12 @@ class ModelConfig:
                                       "waiting stage gives its cores to the computing one.")
     fp32_gemm_rows: int | None = knob(None, "On CPU in bf16: steps of at least this many "
                                       "tokens multiply float32 copies of the projection "
-                                      "weights (the same bf16 values). For CPUs without AMX, "
-                                      "whose bf16 matrix multiply is slower than their "
-                                      "float32 one once a step has more than a few rows; the "
-                                      "copies take twice the bf16 weights' memory. Unset: 16 "
-                                      "on CPUs without AMX, off on those with it; 0: off.")
+                                      "weights (the same bf16 values). For CPUs whose bf16 "
+                                      "matrix multiply is slower than their float32 one once "
+                                      "a step has more than a few rows (no AMX; Intel's "
+                                      "AVX512-BF16); the copies take twice the bf16 weights' "
+                                      "memory. Unset: 16 there, off where bf16 wins (AMX, or "
+                                      "AVX512-BF16 on AMD: Zen 4 on); 0: off.")
     max_forward_tokens: int | None = knob(None, "Most tokens one forward pass computes: a "
                                           "step with more runs in several passes (whole "
                                           "sequences, prefills first). On CPU, passes of "

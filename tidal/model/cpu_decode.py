@@ -49,15 +49,17 @@ def prefill_kernel(ext: ModuleType | None, cache: torch.dtype, dtype: torch.dtyp
     2-core Zen 4 in float32 products, about 2x with AVX512-BF16 products), over bf16 rows only
     with bf16 products (1.7-2.8x; float32 ones tie SDPA), over float32 rows never (it ties
     SDPA), and never on CPUs with AMX, whose bf16 SDPA runs on AMX tiles (BF16_OVER_CODES).
-    Fresh prompts take it over bf16 rows only (TorchAttention.fresh_kernel_scores): a bf16
-    model's at any size (a prefix hit then computes as the fresh prompt did), a float32
-    model's from the scores at which PyTorch's path attends in bf16 too; over quantized rows
-    a fresh prompt attends over its own K/V before they are rounded (kv-quantization.md).
+    Fresh prompts take it where its products are bf16 (TorchAttention.fresh_kernel_scores):
+    over bf16 rows a bf16 model's at any size (a prefix hit then computes as the fresh prompt
+    did), a float32 model's, and any model's over quantized rows, from the scores at which
+    PyTorch's path attends in bf16 too (AMX CPUs' over decoded codes alike); below that a
+    fresh prompt attends over its own K/V before they are rounded (kv-quantization.md).
     docs/design/cpu-runner.md has the figures."""
     if ext is None or BF16_OVER_CODES:
         return None, None
     if cache in (torch.int8, torch.float8_e4m3fn):
-        return ext.paged_prefill_attention, None
+        return ext.paged_prefill_attention, (BF16_ATTENTION_SCORES if ext.prefill_bf16_dots
+                                             else None)
     if cache == torch.bfloat16 and ext.prefill_bf16_dots:
         return ext.paged_prefill_attention, (0 if dtype == torch.bfloat16
                                              else BF16_ATTENTION_SCORES)

@@ -22,7 +22,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
 from tidal.model.cpu_extension import extension
-from tidal.model.linear import cpu_flags
+from tidal.model.linear import bf16_gemms_win, cpu_flags
 from tidal.model.weight_arena import WeightArena
 
 FLOAT_TYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
@@ -84,9 +84,10 @@ K_QUANTS = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
 AMX_ROWS = 17
 AMX_MAX_ROWS = 48
 K_AMX_MAX_ROWS = 32
-# Dequantized tiles in bf16 (the default of GGUFLinear's `tile_bf16`): on CPUs with AMX, whose
-# bf16 GEMMs run several times faster than float32 ones.
-TILE_BF16 = "amx_bf16" in cpu_flags()
+# Dequantized tiles in bf16 (the default of GGUFLinear's `tile_bf16`) where bf16 GEMMs win
+# (AMX; AVX512-BF16 on AMD: a 2-core Zen 4's Q4_1 tiles of 576x1536 1.3x faster at 128 rows,
+# 2.0x at 2,048, of 2048x2048 2.6-3.2x from 49 rows).
+TILE_BF16 = bf16_gemms_win()
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)
 TILE_BYTES = 16 << 20
@@ -298,9 +299,9 @@ class GGUFLinear(nn.Module):
     tiles of each panel's, or oneDNN over tiles of `tile_rows` rows)
     by the activations rounded as the integer kernels round them: float32 tiles, the same
     sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
-    (of float32 inputs too) on CPUs with AMX, whose bf16 GEMMs run several times faster (serving
-    the embedded model to 64 clients: 1.7x the float32 tiles' tokens/s), ~0.3% apart
-    (`tile_bf16`; None: TILE_BF16, where the CPU has AMX).
+    (of float32 inputs too) where bf16 GEMMs run faster (AMX: serving the embedded model to
+    64 clients at 1.7x the float32 tiles' tokens/s; Zen 4), ~0.3% apart (`tile_bf16`;
+    None: TILE_BF16, linear.bf16_gemms_win).
     Without the extension every step multiplies tiles dequantized by the gguf package.
     The rows of prompt tokens `prompt_rows` names are rounded twice (see PromptRows)."""
 

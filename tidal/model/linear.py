@@ -2,8 +2,9 @@
 
 `PackedLinear` keeps a bf16 or float32 weight in oneDNN's blocked layout (what torch.compile's
 freezing does), which reads memory about twice as fast as `F.linear` at small batch and gives
-the same numbers. On CPUs without AMX a bf16 layer can also keep a float32 copy for steps of
-many rows: there oneDNN's bf16 GEMM computes at about half its float32 rate, so from ~16 rows
+the same numbers. On CPUs whose bf16 GEMMs are the slower ones (no AMX; Intel's AVX512-BF16)
+a bf16 layer can also keep a float32 copy for steps of many rows: there oneDNN's bf16 GEMM
+computes at about half its float32 rate, so from ~16 rows
 multiplying the bf16 values in float32 is faster although it reads twice the bytes (see
 `fp32_rows`). Where oneDNN has no bf16 kernels at all (plain AVX2) the copy serves every step.
 Every oneDNN call sees one of a few row counts (`row_bucket`, chunks of `ROW_CHUNK`): oneDNN
@@ -142,21 +143,36 @@ class Int4Linear(nn.Module):
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (empty where /proc/cpuinfo cannot be read); read once, as
-    every linear layer built asks."""
+def cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ('' where it cannot be read); read once,
+    as every linear layer built asks."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+        return ""
+    line = next((ln for ln in text.splitlines() if ln.split(":")[0].strip() == field), "")
+    return line.partition(":")[2].strip()
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
+    return frozenset(cpuinfo("flags").split())
+
+
+def bf16_gemms_win() -> bool:
+    """Whether oneDNN's bf16 GEMMs outrun its float32 ones on this CPU: with AMX tiles, or
+    AVX512-BF16 on AMD (Zen 4 on, whose vdpbf16ps does twice an FMA's work a cycle: a 2-core
+    Zen 4 multiplies 2048x2048 by 2,048 rows in 75 ms in bf16, 150 in float32). Not Intel's
+    AVX512-BF16 without AMX (a 2-core Xeon: bf16 85 against float32 160 GFLOP/s a core)."""
+    flags = cpu_flags()
+    return "amx_bf16" in flags or ("avx512_bf16" in flags
+                                   and cpuinfo("vendor_id") == "AuthenticAMD")
 
 
 def default_fp32_rows() -> int:
-    """16 rows where oneDNN's bf16 GEMM has no AMX tiles (measured crossover 8-16 rows on a
-    Xeon without AMX: bf16 85 vs float32 160 GFLOP/s a core); 0 (never) with them."""
-    return 0 if "amx_bf16" in cpu_flags() else 16
+    """16 rows where oneDNN's bf16 GEMM is the slower one (measured crossover 8-16 rows on a
+    Xeon without AMX); 0 (never) where it wins (bf16_gemms_win)."""
+    return 0 if bf16_gemms_win() else 16
 
 
 def can_pack(dtype: torch.dtype, device: str) -> bool:
