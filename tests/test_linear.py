@@ -117,6 +117,31 @@ def test_packed_linear_multiplies_in_float32_from_fp32_rows(monkeypatch):
     assert PackedLinear(lin.weight, lin.bias).weight32 is None  # no copy unless asked
 
 
+@pytest.mark.parametrize("vendor,flags,wins", [
+    ("GenuineIntel", "avx512f avx512_bf16 amx_bf16 amx_tile", True),  # Sapphire Rapids on
+    ("GenuineIntel", "avx512f avx512_bf16", False),  # Cooper Lake: bf16 at half float32's rate
+    ("AuthenticAMD", "avx2 avx512f avx512_bf16", True),  # Zen 4 on: twice float32's rate
+    ("AuthenticAMD", "avx2 fma f16c", False),  # Zen 3: no bf16 dot products
+    ("", "", False),  # no /proc/cpuinfo
+])
+def test_bf16_gemms_win_by_cpu_and_decide_the_float32_copies(monkeypatch, vendor, flags,
+                                                                wins):
+    import tidal.model.linear as linear
+
+    monkeypatch.setattr(linear, "cpuinfo", {"vendor_id": vendor, "flags": flags}.get)
+    assert linear.bf16_gemms_win() is wins
+    assert linear.default_fp32_rows() == (0 if wins else 16)
+
+
+def test_cpuinfo_reads_this_machines_fields():
+    from tidal.model.linear import cpu_flags, cpuinfo
+
+    assert cpu_flags() == frozenset(cpuinfo("flags").split())
+    assert cpuinfo("no such field") == ""
+    if cpu_flags():  # a Linux /proc/cpuinfo: x86's vendor_id, or another arch's fields
+        assert cpuinfo("processor") == "0"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_linear_is_close_to_the_dense_one(dtype):
     lin = _linear(dtype=dtype)
