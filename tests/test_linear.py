@@ -129,6 +129,7 @@ def test_bf16_gemms_win_by_cpu_and_decide_the_float32_copies(monkeypatch, vendor
     import tidal.model.linear as linear
 
     monkeypatch.setattr(linear, "cpuinfo", {"vendor_id": vendor, "flags": flags}.get)
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset(flags.split()))
     assert linear.bf16_gemms_win() is wins
     assert linear.default_fp32_rows() == (0 if wins else 16)
 

@@ -154,6 +154,7 @@ def cpuinfo(field: str) -> str:
     return line.partition(":")[2].strip()
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
     return frozenset(cpuinfo("flags").split())

@@ -315,9 +315,9 @@ Tensor residual(const Tensor& x) { return x - rounded(x); }
 // rounded to the int8 grid the integer kernels use, the rows `twice` with their
 // residual's rounding added. In float32 both paths compute the same sums up to float32
 // rounding, so a sequence's tokens do not depend on whether its prompt ran in one step, in
-// chunks or partly from the prefix cache; with tile_bf16 (CPUs with AMX or AVX512-BF16,
-// where bf16 GEMMs run 2-3x faster) x and the tile are rounded to bf16 too, ~0.3% apart,
-// whatever x's dtype. bf16 keeps 8 bits of a value, fewer than the twice-rounded rows' ~15, so those
+// chunks or partly from the prefix cache; with tile_bf16 (CPUs whose bf16 GEMMs run 2-3x
+// faster: AMX, Zen 4) x and the tile are rounded to bf16 too, ~0.3% apart, whatever x's
+// dtype. bf16 keeps 8 bits of a value, fewer than the twice-rounded rows' ~15, so those
 // rows are x itself there (and a step of prompt rows alone is x, rounded once to bf16).
 Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice, bool bf16_out) {
   const bool amx = bf16_tiles_take(x, g);  // x's rows then padded to whole tiles of 16
