@@ -24,8 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.model import cpu_decode
-from tidal.model.gguf_quants import (BLOCK_FIELDS, K_QUANTS, NIBBLES, PLANAR, GGUFLinear,
-                                     PromptRows, QuantizedWeight, _from_planes, _to_planes)
+from tidal.model.gguf_quants import (BLOCK_FIELDS, K_QUANTS, NIBBLES, PLANAR, TILE_BF16,
+                                     GGUFLinear, PromptRows, QuantizedWeight, _from_planes,
+                                     _to_planes)
 
 EXT = cpu_decode.extension()
 needs_ext = pytest.mark.skipif(EXT is None, reason="needs tidal's C++ extension")
@@ -186,13 +187,13 @@ def test_prompt_rows_are_rounded_twice(qtype):
     np.testing.assert_allclose(got[0], got[1], rtol=1e-5, atol=1e-5 * np.abs(got[0]).max())
 
 
-@pytest.mark.skipif(EXT is None or not EXT.gguf_amx, reason="needs AMX int8 tiles")
+@pytest.mark.skipif(EXT is None or not TILE_BF16, reason="needs bf16 tiles by default")
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
 def test_short_prompts_keep_their_twice_rounding_past_the_tiles_crossover(qtype):
-    """At the default crossover on AMX, a step of up to 48 prompt tokens (96 rows with their
-    residuals) stays on the integer kernels, rounded twice, where steps without prompt rows
-    of that size take bf16 tiles: a prompt row comes out as the integer kernels give it at
-    a row count they take anyway, not as bf16 x would."""
+    """At the default crossover where tiles are bf16 (AMX, Zen 4), a step of up to 48 prompt
+    tokens (96 rows with their residuals) stays on the integer kernels (AMX's int8 tiles or
+    the VNNI kernels), rounded twice, where steps without prompt rows of that size take bf16
+    tiles: a prompt row comes out as the integer kernels give it, not as bf16 x would."""
     rng = np.random.default_rng(int(qtype) + 31)
     n, k = 32, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
     weight = QuantizedWeight("w", weight_bytes(qtype, n, k, rng), qtype, (n, k))

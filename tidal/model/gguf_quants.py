@@ -58,10 +58,10 @@ DOT8 = {"avx2", "fma", "f16c"} <= cpu_flags() and not VNNI
 MAX_ROWS = 48 if VNNI else 32 if DOT8 else 16
 NIBBLE_MAX_ROWS = 256 if DOT8 else MAX_ROWS
 # The most rows, x's and their residuals together, for which a step with prompt rows to round
-# twice takes the integer kernels (at most max_rows, except on AMX at the default crossover,
-# whose int8 tiles take any count: prompts of up to 48 tokens keep their ~15 bits a value
-# there, as they did before bf16 tiles took steps past 48 rows); the tiles take a residual
-# for free. The
+# twice takes the integer kernels (at most max_rows, except at the default crossover where
+# the tiles are bf16 (AMX's int8 tiles, or the VNNI kernels past max_rows): prompts of up to
+# 48 tokens keep their ~15 bits a value, as they did on float32 tiles, and the README's
+# first answer its tokens); float32 tiles take a residual for free. The
 # embedded model's prefill on a 2-core Zen 3 (min of 4): 32 tokens 141 ms on the kernels
 # against 175 on tiles, 48 tokens 198 against 199, 64 tokens 244 against 226.
 TWICE_MAX_ROWS = 96
@@ -332,15 +332,17 @@ class GGUFLinear(nn.Module):
             max_rows = (amx_max if self.amx_rows else NIBBLE_MAX_ROWS if nibbles
                         else MAX_ROWS)
         self.max_rows = max_rows if ext is not None else 0
-        # the int8 tiles take any count: a default crossover keeps short prompts there
-        self.twice_max_rows = (TWICE_MAX_ROWS if self.amx_rows and default_max and self.max_rows
-                               else min(self.max_rows, TWICE_MAX_ROWS))
+        tile_bf16 = TILE_BF16 if tile_bf16 is None else tile_bf16
+        # past the crossover the tiles would round a short prompt to bf16: a default one
+        # keeps it on the integer kernels (any count) or the int8 tiles, rounded twice
+        self.twice_max_rows = (TWICE_MAX_ROWS if (self.amx_rows or tile_bf16) and default_max
+                               and self.max_rows else min(self.max_rows, TWICE_MAX_ROWS))
         self.prompt_rows: PromptRows | None = None  # shared by the model's layers (attach)
         self.is_head = False
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar, w.rounds) for w in self.parts],
-            self.bias, self.max_rows, self.twice_max_rows, self.tile_rows,
-            TILE_BF16 if tile_bf16 is None else tile_bf16, self.amx_rows)
+            self.bias, self.max_rows, self.twice_max_rows, self.tile_rows, tile_bf16,
+            self.amx_rows)
 
     @property
     def nbytes(self) -> int:
