@@ -100,9 +100,9 @@ def main() -> None:
     for shape in args.crossover_shapes.split(","):
         n, k = (int(d) for d in shape.split("x"))
         print(f"--- {n}x{k}: integer kernel (AMX int8 tiles from their rows, where the CPU "
-              f"has them) / VNNI or AVX2 kernel / tiles (AMX bf16 tiles of each panel where "
-              f"the CPU has them) / oneDNN over dequantized tiles, ms, by rows {crossover}, "
-              f"{dtype} activations")
+              f"has them) / VNNI or AVX2 kernel / tiles (each panel in bf16 where the CPU has "
+              f"AVX512-BF16: AMX tiles or VDPBF16PS) / oneDNN over dequantized tiles, ms, by "
+              f"rows {crossover}, {dtype} activations")
         for qtype in formats:
             if k % GGML_QUANT_SIZES[qtype][0]:
                 print(f"{qtype.name:>6} - (in_features {k}: not whole blocks of this format)")
@@ -111,7 +111,7 @@ def main() -> None:
             layers = [GGUFLinear(weight, max_rows=10**9),
                       GGUFLinear(weight, max_rows=10**9, amx_rows=0),
                       GGUFLinear(weight, max_rows=0),
-                      GGUFLinear(weight, max_rows=0, amx_rows=0)]
+                      GGUFLinear(weight, max_rows=0, bf16_panels=False)]
             cells = []
             for r in crossover:
                 x = torch.randn(r, k).to(getattr(torch, dtype))

@@ -206,26 +206,30 @@ def test_short_prompts_keep_their_twice_rounding_past_the_tiles_crossover(qtype)
     assert np.array_equal(run(default, x, torch.float32), run(integer, x, torch.float32))
 
 
-@pytest.mark.skipif(EXT is None or not EXT.gguf_amx_bf16, reason="needs AMX bf16 tiles")
+@pytest.mark.skipif(EXT is None or not EXT.gguf_bf16_panels, reason="needs AVX512-BF16")
+@pytest.mark.parametrize("amx_rows", [None, 0], ids=["amx-where-granted", "vdpbf16ps"])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-def test_amx_bf16_tiles_give_the_dequantized_tiles_products(qtype):
-    """Steps past the int8 tiles, in whole panels of 16 weight rows, take the AMX bf16 tiles:
-    each output is bf16(x) @ bf16(W)^T summed in float32 and rounded to bf16 (in float32 and
-    bf16 outputs alike), at row counts that fill the tiles or leave a last one partly empty,
-    two parts side by side (a fused q/k/v's) each into its own columns, an odd count of
-    panels (taken two by two: the last alone) and more than a thread's group of them (20
-    of 768 values), and steps taken in passes of rows (1,100 rows of 768: a pass holds
-    1,024)."""
+def test_bf16_panels_give_the_dequantized_tiles_products(qtype, amx_rows):
+    """Steps past the integer kernels, in whole panels of 16 weight rows, multiply each panel
+    in bf16 (AMX tiles where granted, else VDPBF16PS): each output is bf16(x) @ bf16(W)^T
+    summed in float32 and rounded to bf16 (in float32 and bf16 outputs alike), at row counts
+    that fill 16-row tiles and 6-row blocks or leave 1-5 rows of a last one, two parts side
+    by side (a fused q/k/v's) each into its own columns, an odd count of panels (43: taken two
+    by two on AMX, the last alone; four by four by VDPBF16PS, a thread's last 1-3 alone) and
+    more than a thread's group of them (20 of 768 values), and steps taken in passes of rows
+    (1,100 rows of 768: a pass holds 1,024)."""
     rng = np.random.default_rng(int(qtype) + 29)
     n, other, k = 688, 32, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
     raw, raw2 = weight_bytes(qtype, n, k, rng), weight_bytes(QT.Q8_0, other, k, rng)
     layer = GGUFLinear([QuantizedWeight("w", raw, qtype, (n, k)),
-                        QuantizedWeight("v", raw2, QT.Q8_0, (other, k))], max_rows=0)
+                        QuantizedWeight("v", raw2, QT.Q8_0, (other, k))], max_rows=0,
+                       tile_bf16=True, amx_rows=amx_rows)
+    assert layer.projection.bf16_panels
 
     def bf16(a):
         return torch.from_numpy(np.asarray(a, np.float32)).to(torch.bfloat16).double().numpy()
     w = bf16(np.concatenate([dequantized(raw, qtype), dequantized(raw2, QT.Q8_0)]))
-    for rows in (17, 64, 100, 300, 1100):
+    for rows in (3, 8, 17, 64, 100, 301, 1100):
         x = exact_x(rows, k, rng)  # as the int8 grid and bf16 hold it
         got = layer(torch.from_numpy(x)).double().numpy()
         assert np.array_equal(got, bf16(got))  # products rounded to bf16

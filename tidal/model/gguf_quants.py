@@ -71,7 +71,7 @@ NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # of AMX_ROWS rows or more in AMX int8 tiles (csrc/gguf_amx.h: the VNNI kernels' integer sums,
 # for PLANAR their float operations too where in_features is a multiple of 512) up to
 # AMX_MAX_ROWS rows (K_AMX_MAX_ROWS with a K-quant part), past which bf16 tiles take over:
-# AMX bf16 tiles of each panel's weights (csrc/gguf_amx_bf16.h), whose sums need no float
+# AMX bf16 tiles of each panel's weights (csrc/gguf_bf16_panels.h), whose sums need no float
 # work a block (2048x2048 at 64 rows: Q4_1 0.61 ms against the int8 tiles' 0.82, Q6_K 0.58
 # against 0.94; at 32 rows K-quants 0.43-0.45 against 0.46-0.54, Q4_1 ties), oneDNN's GEMMs
 # over dequantized tiles for steps of more than ~1.5 MB of x. Up to 16 rows (one request
@@ -295,8 +295,10 @@ class GGUFLinear(nn.Module):
     (None: the parts' kernels' crossover: MAX_ROWS, NIBBLE_MAX_ROWS, (K_)AMX_MAX_ROWS) run the
     integer kernels, from `amx_rows` rows (None: AMX_ROWS where the CPU grants AMX and every
     part is a planar 32-weight format or a K-quant; 0: never, nor AMX bf16 tiles) in AMX int8
-    tiles with the same integer sums, and larger ones multiply dequantized weights (AMX bf16
-    tiles of each panel's, or oneDNN over tiles of `tile_rows` rows)
+    tiles with the same integer sums, and larger ones multiply dequantized weights (with
+    `bf16_panels` and bf16 tiles, each panel of 16 weight rows in bf16 where the CPU has
+    AVX512-BF16: in AMX tiles, else by VDPBF16PS, no dequantized weight in memory; else
+    oneDNN over tiles of `tile_rows` rows)
     by the activations rounded as the integer kernels round them: float32 tiles, the same
     sums up to float32 rounding, so a token does not depend on its step's size; bf16 tiles
     (of float32 inputs too) where bf16 GEMMs run faster (AMX: serving the embedded model to
@@ -308,7 +310,7 @@ class GGUFLinear(nn.Module):
     def __init__(self, weights: QuantizedWeight | list[QuantizedWeight],
                  bias: torch.Tensor | None = None, max_rows: int | None = None,
                  tile_rows: int | None = None, tile_bf16: bool | None = None,
-                 amx_rows: int | None = None) -> None:
+                 amx_rows: int | None = None, bf16_panels: bool = True) -> None:
         super().__init__()
         self.parts = [weights] if isinstance(weights, QuantizedWeight) else list(weights)
         if any(w.qtype not in BLOCK_FIELDS for w in self.parts):
@@ -342,7 +344,7 @@ class GGUFLinear(nn.Module):
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar, w.rounds) for w in self.parts],
             self.bias, self.max_rows, self.twice_max_rows, self.tile_rows, tile_bf16,
-            self.amx_rows)
+            self.amx_rows, bf16_panels)
 
     @property
     def nbytes(self) -> int:

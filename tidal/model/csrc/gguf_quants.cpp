@@ -2,13 +2,14 @@
 // (gguf_formats.h), as ggml multiplies them: x rounded to int8 with a float scale per 32
 // values (gguf_activations.h), integer products, float multiply-adds per block and row (the
 // K-quants: gguf_kdot.h). Steps of many rows multiply bf16 weights by x in bf16 (`tiled`):
-// on AMX through tiles of each panel's weights (gguf_amx_bf16.h), else (and for steps of
-// very many rows) through oneDNN over tiles of dequantized rows.
+// where the CPU has AVX512-BF16, a panel of 16 weight rows at a time (gguf_bf16_panels.h:
+// AMX tiles, or VDPBF16PS), else (and for steps of very many rows) through oneDNN over
+// tiles of dequantized rows.
 
 #include "tidal_cpu.h"
 #include "gguf_formats.h"
 #include "gguf_amx.h"
-#include "gguf_amx_bf16.h"
+#include "gguf_bf16_panels.h"
 #include "gguf_dot32.h"
 #include "gguf_dot8.h"
 #include "gguf_kdot.h"
@@ -43,8 +44,8 @@ constexpr bool reads_runs(bool planar) {
 #endif
 }
 
-// Whether AMX tiles take a part of format F (gguf_amx.h): the 32-weight formats planar, the
-// K-quants in either layout.
+// Whether panels take a part of format F (gguf_panel.h: AMX tiles, bf16 panels): the
+// 32-weight formats planar, the K-quants in either layout.
 template <typename F>
 constexpr bool amx_takes(bool planar) {
   return planar || F::kBlock != kGroup;
@@ -311,7 +312,7 @@ Tensor residual(const Tensor& x) { return x - rounded(x); }
 
 // Steps of many rows: tiles of dequantized weight rows that oneDNN multiplies (the extra
 // memory stays one tile however large the weight; the rows bucketed as every CPU GEMM's),
-// or on AMX the bf16 tiles of each panel's weights (bf16_tiles: the same products), by x
+// or each panel's weights in bf16 (bf16_panels: the same products), by x
 // rounded to the int8 grid the integer kernels use, the rows `twice` with their
 // residual's rounding added. In float32 both paths compute the same sums up to float32
 // rounding, so a sequence's tokens do not depend on whether its prompt ran in one step, in
@@ -320,8 +321,8 @@ Tensor residual(const Tensor& x) { return x - rounded(x); }
 // dtype. bf16 keeps 8 bits of a value, fewer than the twice-rounded rows' ~15, so those
 // rows are x itself there (and a step of prompt rows alone is x, rounded once to bf16).
 Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice, bool bf16_out) {
-  const bool amx = bf16_tiles_take(x, g);  // x's rows then padded to whole tiles of 16
-  const int64_t padded = amx ? (x.size(0) + 15) / 16 * 16 : x.size(0);
+  const bool panels = bf16_panels_take(x, g);  // x's rows then padded to whole tiles of 16
+  const int64_t padded = panels ? (x.size(0) + 15) / 16 * 16 : x.size(0);
   Tensor xs;
   if (g.tile_bf16 && twice.defined()) {  // the rows twice (a pass's prompt rows, unique): x
     // always a copy: the decode rows below are rounded in it, never in the caller's x
@@ -345,9 +346,9 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice, bool
   const bool bf16 = bf16_out && g.tile_bf16 && !g.bias.defined();
   Tensor y = at::empty({x.size(0), g.out_features},
                        x.options().dtype(bf16 ? at::kBFloat16 : x.scalar_type()));
-#ifdef TIDAL_GGUF_AMX_BF16
-  if (amx) {
-    bf16_tiles(xs, g, y);
+#ifdef TIDAL_GGUF_BF16_PANELS
+  if (panels) {
+    bf16_panels(xs, g, y);
     if (g.bias.defined()) y.add_(g.bias.to(y.scalar_type()));
     return y;
   }
@@ -373,11 +374,12 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice, bool
 
 GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64_t max_rows_,
                                int64_t twice_max_rows_, int64_t tile_rows_, bool tile_bf16_,
-                               int64_t amx_rows_)
+                               int64_t amx_rows_, bool bf16_panels_)
     : parts(std::move(parts_)), bias(bias_), max_rows(max_rows_),
       twice_max_rows(twice_max_rows_), tile_rows(tile_rows_),
-      amx_rows(gguf_amx() ? amx_rows_ : 0), tile_bf16(tile_bf16_) {
-  bool amx = true;  // whether the tiles take every part
+      amx_rows(gguf_amx() ? amx_rows_ : 0), tile_bf16(tile_bf16_),
+      bf16_panels(bf16_panels_ && gguf_bf16_panels()) {
+  bool takes = true;  // whether panels (the AMX tiles, the bf16 panels) take every part
   TORCH_CHECK(!parts.empty() && tile_rows > 0, "a GGUF projection needs parts and tile_rows > 0");
   for (const GGUFPart& p : parts) {
     with_format(p.type, [&](auto format) {
@@ -388,13 +390,14 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
       TORCH_CHECK(k == in_features, "GGUF parts of one projection must share in_features");
       k_quants = k_quants || F::kBlock != kGroup;
       runs = runs || reads_runs<F>(p.planar);
-      amx = amx && amx_takes<F>(p.planar);
+      takes = takes && amx_takes<F>(p.planar);
     });
     panels = panels && p.data.size(0) % 16 == 0;
     out_features += p.data.size(0);
   }
   TORCH_CHECK(!bias.defined() || bias.numel() == out_features, "bias must be [out_features]");
-  if (!amx) amx_rows = 0;
+  if (!takes) amx_rows = 0;
+  bf16_panels = bf16_panels && takes && panels;
 }
 
 // rows x [rows, in_features] through the integer kernels, plus the bias when `bias`.
@@ -464,6 +467,14 @@ bool gguf_nibble_rounds() { return kNibbleRounds; }
 bool gguf_amx_bf16() {
 #ifdef TIDAL_GGUF_AMX_BF16
   return amx_allowed();
+#else
+  return false;
+#endif
+}
+
+bool gguf_bf16_panels() {
+#ifdef TIDAL_GGUF_BF16_PANELS
+  return true;
 #else
   return false;
 #endif

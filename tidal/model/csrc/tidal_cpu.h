@@ -155,6 +155,7 @@ struct GGUFProjection {
   int64_t max_rows = 0, twice_max_rows = 0, tile_rows = 0, in_features = 0, out_features = 0;
   int64_t amx_rows = 0;  // steps of at least this many rows take AMX int8 tiles (0: never)
   bool tile_bf16 = false;
+  bool bf16_panels = false;  // whether tile_bf16 steps multiply panels in bf16 (else oneDNN)
   bool k_quants = false;  // whether some part is a K-quant
   bool runs = false;      // whether some part's kernel reads x interleaved (Activations::qi)
   bool panels = true;     // whether every part's rows are whole panels of 16 (AMX takes all)
@@ -162,7 +163,7 @@ struct GGUFProjection {
   GGUFProjection() = default;
   GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows,
                  int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16,
-                 int64_t amx_rows = 0);
+                 int64_t amx_rows = 0, bool bf16_panels = false);
   // y = x W^T (+ bias). Rows `twice` (indices into x's rows, or undefined) are rounded
   // twice: x's int8 rounding plus its residual's, ~15 bits a value instead of ~8. With
   // `bf16_out`, y is bf16 where bf16 tiles computed it (the same values, unconverted).
@@ -182,6 +183,7 @@ void gguf_get_rows(const GGUFPart& w, const Tensor& ids, Tensor out);
 bool gguf_nibble_rounds();
 bool gguf_amx();  // whether GGUF projections may take AMX int8 tiles here
 bool gguf_amx_bf16();  // ... and AMX bf16 tiles for steps of many rows
+bool gguf_bf16_panels();  // whether this build multiplies GGUF panels in bf16 (AVX512-BF16)
 
 // ---------------------------------------------------------------- paged attention
 // (paged_attention.cpp; T float or BFloat16, each over caches of C = T, int8_t or F8: the
