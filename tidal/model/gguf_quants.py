@@ -88,6 +88,11 @@ K_AMX_MAX_ROWS = 32
 # (AMX; AVX512-BF16 on AMD: a 2-core Zen 4's Q4_1 tiles of 576x1536 1.3x faster at 128 rows,
 # 2.0x at 2,048, of 2048x2048 2.6-3.2x from 49 rows).
 TILE_BF16 = bf16_gemms_win()
+# Where bf16 panels (csrc/gguf_bf16_panels.h) run without AMX (VDPBF16PS on Zen 4), the
+# VNNI kernels' crossover with them: a 2-core Zen 4, bf16 activations, Q4_1 at 16 rows:
+# 960x576 0.103 ms against 0.111, 3072x576 0.264 against 0.348, 576x1536 0.133 against
+# 0.125; at 24 rows 1.25-1.5x faster for every shape of SmolLM2.
+PANELS_MAX_ROWS = 16
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)
 TILE_BYTES = 16 << 20
@@ -323,18 +328,22 @@ class GGUFLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self.tile_rows = tile_rows or min(2048, max(256, TILE_BYTES // (4 * k) // 16 * 16))
         ext = self.parts[0].ext
-        amx = ext is not None and ext.gguf_amx and all(
+        tile_bf16 = TILE_BF16 if tile_bf16 is None else tile_bf16
+        # whether AMX tiles and bf16 panels take every part (csrc/gguf_panel.h)
+        paneled = ext is not None and all(
             w.qtype in K_QUANTS or (w.qtype in PLANAR and w.planar) for w in self.parts)
-        self.amx_rows = (AMX_ROWS if amx_rows is None else amx_rows) if amx else 0
+        self.amx_rows = (AMX_ROWS if amx_rows is None else amx_rows) if (
+            paneled and ext.gguf_amx) else 0
+        panels = (paneled and bf16_panels and tile_bf16 and ext.gguf_bf16_panels
+                  and all(w.shape[0] % 16 == 0 for w in self.parts))
         default_max = max_rows is None
         if max_rows is None:  # the crossover of the parts' kernels
             nibbles = all(w.qtype in NIBBLES and w.planar for w in self.parts)
             amx_max = (K_AMX_MAX_ROWS if any(w.qtype in K_QUANTS for w in self.parts)
                        else AMX_MAX_ROWS)
-            max_rows = (amx_max if self.amx_rows else NIBBLE_MAX_ROWS if nibbles
-                        else MAX_ROWS)
+            max_rows = (amx_max if self.amx_rows else PANELS_MAX_ROWS if panels
+                        else NIBBLE_MAX_ROWS if nibbles else MAX_ROWS)
         self.max_rows = max_rows if ext is not None else 0
-        tile_bf16 = TILE_BF16 if tile_bf16 is None else tile_bf16
         # past the crossover the tiles would round a short prompt to bf16: a default one
         # keeps it on the integer kernels (any count) or the int8 tiles, rounded twice
         self.twice_max_rows = (TWICE_MAX_ROWS if (self.amx_rows or tile_bf16) and default_max
