@@ -24,9 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.model import cpu_decode
-from tidal.model.gguf_quants import (BLOCK_FIELDS, K_QUANTS, NIBBLES, PLANAR, TILE_BF16,
-                                     GGUFLinear, PromptRows, QuantizedWeight, _from_planes,
-                                     _to_planes)
+from tidal.model.gguf_quants import (BLOCK_FIELDS, K_QUANTS, MAX_ROWS, NIBBLES,
+                                     PANELS_MAX_ROWS, PLANAR, TILE_BF16, GGUFLinear, PromptRows,
+                                     QuantizedWeight, _from_planes, _to_planes)
 
 EXT = cpu_decode.extension()
 needs_ext = pytest.mark.skipif(EXT is None, reason="needs tidal's C++ extension")
@@ -236,6 +236,35 @@ def test_bf16_panels_give_the_dequantized_tiles_products(qtype, amx_rows):
         assert np.array_equal(layer(torch.from_numpy(x), bf16_out=True).double().numpy(), got)
         ref = x.astype(np.float64) @ w.T
         np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.skipif(EXT is None or not EXT.gguf_bf16_panels or EXT.gguf_amx,
+                    reason="needs bf16 panels without AMX")
+def test_steps_past_16_rows_take_the_panels_where_they_run_without_amx():
+    """Without AMX the bf16 panels pass the VNNI kernels from ~16 rows, so a projection they
+    take (planar 32-weight formats, K-quants; whole panels of 16 rows) leaves the integer
+    kernels past PANELS_MAX_ROWS; one they cannot take (a file-layout Q4_1, 40 rows), or
+    without bf16 tiles, keeps MAX_ROWS. A step of 17 rows then gives the panels' products:
+    rounded to bf16, apart from the integer kernels' by bf16 rounding (within 2^-6 of the
+    largest output)."""
+    rng = np.random.default_rng(5)
+    k = 256
+    w = QuantizedWeight("w", weight_bytes(QT.Q4_1, 32, k, rng), QT.Q4_1, (32, k))
+    kq = QuantizedWeight("k", weight_bytes(QT.Q4_K, 32, k, rng), QT.Q4_K, (32, k))
+    file = QuantizedWeight("f", weight_bytes(QT.Q4_1, 32, k, rng), QT.Q4_1, (32, k),
+                           planar=False)
+    odd = QuantizedWeight("o", weight_bytes(QT.Q4_1, 40, k, rng), QT.Q4_1, (40, k))
+    assert GGUFLinear(w, tile_bf16=True).max_rows == PANELS_MAX_ROWS < MAX_ROWS
+    assert GGUFLinear([w, kq], tile_bf16=True).max_rows == PANELS_MAX_ROWS
+    for layer in (GGUFLinear(file, tile_bf16=True), GGUFLinear(odd, tile_bf16=True),
+                  GGUFLinear(w, tile_bf16=False), GGUFLinear(w, bf16_panels=False)):
+        assert layer.max_rows == MAX_ROWS and not layer.projection.bf16_panels
+    default, integer = GGUFLinear(w, tile_bf16=True), GGUFLinear(w, max_rows=10**9)
+    x = torch.from_numpy(exact_x(17, k, rng))
+    got, exact = default(x), integer(x)
+    assert not torch.equal(got, exact)
+    assert torch.equal(got, got.to(torch.bfloat16).float())  # bf16 products
+    assert (got - exact).abs().max() <= 2 ** -6 * exact.abs().max()
 
 
 @needs_ext

@@ -297,9 +297,10 @@ class GGUFLinear(nn.Module):
     in_features: the parts' outputs side by side, so a fused q/k/v or gate/up keeps each
     part in the file's format (a Q4_K_M file has Q6_K v beside Q4_K q and k). With the C++
     extension (`projection`, which the C++ decoder shares) steps of at most `max_rows` rows
-    (None: the parts' kernels' crossover: MAX_ROWS, NIBBLE_MAX_ROWS, (K_)AMX_MAX_ROWS) run the
-    integer kernels, from `amx_rows` rows (None: AMX_ROWS where the CPU grants AMX and every
-    part is a planar 32-weight format or a K-quant; 0: never, nor AMX bf16 tiles) in AMX int8
+    (None: the parts' kernels' crossover: MAX_ROWS, NIBBLE_MAX_ROWS, (K_)AMX_MAX_ROWS,
+    PANELS_MAX_ROWS) run the integer kernels, from `amx_rows` rows (None: AMX_ROWS where the
+    CPU grants AMX and every part is a planar 32-weight format or a K-quant; 0: never, and
+    bf16 panels by VDPBF16PS instead of AMX bf16 tiles) in AMX int8
     tiles with the same integer sums, and larger ones multiply dequantized weights (with
     `bf16_panels` and bf16 tiles, each panel of 16 weight rows in bf16 where the CPU has
     AVX512-BF16: in AMX tiles, else by VDPBF16PS, no dequantized weight in memory; else

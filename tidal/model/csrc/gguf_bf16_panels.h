@@ -250,7 +250,7 @@ constexpr int64_t kBf16TileBytes = 3 << 19;
 // 1,024 rows of 8,192 in_features (passes of 96) oneDNN's GEMMs over dequantized tiles ran
 // ~10% faster, of 16,384 1.6x; of 2,048-5,632 the tiles ran 1.1-1.35x faster.
 inline bool bf16_panels_take(const at::Tensor& x, const GGUFProjection& g) {
-  return g.tile_bf16 && g.bf16_panels &&
+  return g.bf16_panels &&
          (2 * x.numel() <= kBf16TileBytes || 2 * 128 * g.in_features <= kBf16TileBytes);
 }
 

@@ -397,7 +397,7 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
   }
   TORCH_CHECK(!bias.defined() || bias.numel() == out_features, "bias must be [out_features]");
   if (!takes) amx_rows = 0;
-  bf16_panels = bf16_panels && takes && panels;
+  bf16_panels = bf16_panels && tile_bf16 && takes && panels;
 }
 
 // rows x [rows, in_features] through the integer kernels, plus the bias when `bias`.

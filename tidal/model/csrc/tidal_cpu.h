@@ -146,7 +146,8 @@ struct GGUFPart {
 // gate/up whose parts differ in format): [rows, in_features] -> [rows, out_features] in x's
 // dtype (float32 or bf16). Steps of at most max_rows rows: x rounded to int8 per 32 and
 // integer products; larger ones multiply tiles of tile_rows dequantized rows by x rounded
-// the same way, in float32 (or, with tile_bf16 and a bf16 x, in bf16). A step with rows to
+// the same way, in float32 (or, with tile_bf16, in bf16: with bf16_panels each panel of 16
+// weight rows, gguf_bf16_panels.h). A step with rows to
 // round twice takes the integer kernels while its rows and their residuals number at most
 // twice_max_rows.
 struct GGUFProjection {
@@ -155,7 +156,7 @@ struct GGUFProjection {
   int64_t max_rows = 0, twice_max_rows = 0, tile_rows = 0, in_features = 0, out_features = 0;
   int64_t amx_rows = 0;  // steps of at least this many rows take AMX int8 tiles (0: never)
   bool tile_bf16 = false;
-  bool bf16_panels = false;  // whether tile_bf16 steps multiply panels in bf16 (else oneDNN)
+  bool bf16_panels = false;  // whether the bf16 tiles' steps take bf16 panels (else oneDNN)
   bool k_quants = false;  // whether some part is a K-quant
   bool runs = false;      // whether some part's kernel reads x interleaved (Activations::qi)
   bool panels = true;     // whether every part's rows are whole panels of 16 (AMX takes all)
