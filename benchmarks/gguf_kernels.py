@@ -6,10 +6,9 @@ GGUFLinear's max_rows should sit).
 usage: .venv/bin/python benchmarks/gguf_kernels.py [--threads 2] [--rows 1,4,8,16]
        [--formats Q4_K,Q6_K] [--layout default|planar|file|both] [--crossover 8,16,24,32]
        [--crossover-dtype bfloat16|float32] [--crossover-shapes 1536x576,2048x2048]
-The crossover's activations default to bfloat16, the dtype `--dtype auto` serves a GGUF
-file in: its dequantized tiles are then bf16 GEMMs on CPUs with AMX (float32 ones
-elsewhere, as for float32 activations), which cross the integer kernel at other row
-counts than float32 tiles.
+The crossover's activations default to bfloat16: the tiles are then bf16 where bf16 GEMMs
+win (AMX, Zen 4: `TILE_BF16`, as for the float32 activations `--dtype auto` serves there;
+float32 elsewhere), which cross the integer kernel at other row counts than float32 tiles.
 The weights are random valid blocks (the kernels' speed does not depend on the values).
 """
 
