@@ -126,6 +126,28 @@ struct Paged {
       for (int64_t i = i0; i < i0 + m; ++i, ++t) f(t, base + i * token_stride);
     }
   }
+  // each, over the rows of `cache` (`bytes` a row), fetching into L2 meanwhile the same row
+  // of the block kAhead blocks on: a block's rows are too short a run for the hardware
+  // prefetchers, and a thread that waits on every row reads memory at half its speed.
+  template <typename T, typename F>
+  void each_prefetched(int64_t n, const T* cache, int64_t bytes, F&& f) const {
+    constexpr int64_t kAhead = 2;
+    const int64_t last = (first + n - 1) / block_size, pitch = token_stride * sizeof(T);
+    for (int64_t t = 0, blk = first / block_size, i0 = first % block_size; t < n; ++blk, i0 = 0) {
+      const char* ahead = blk + kAhead <= last ? reinterpret_cast<const char*>(
+          cache + (table[blk + kAhead] * block_size * token_stride + head_offset)) : nullptr;
+      const int64_t base = table[blk] * block_size * token_stride + head_offset;
+      const int64_t m = std::min(block_size - i0, n - t);
+      for (int64_t i = i0; i < i0 + m; ++i, ++t) {
+        if (ahead) {  // each cache line the row touches
+          const uintptr_t row = reinterpret_cast<uintptr_t>(ahead + i * pitch);
+          for (uintptr_t line = row & ~uintptr_t{63}; line < row + bytes; line += 64)
+            __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+        }
+        f(t, base + i * token_stride);
+      }
+    }
+  }
 };
 
 }  // namespace tidal_cpu

@@ -139,7 +139,8 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
     t0 += m;
     m = 0;
   };
-  ctx.each(n, [&](int64_t, int64_t off) {
+  const int64_t bytes = row_width<T>(d) * sizeof(T);
+  ctx.each_prefetched(n, k_cache, bytes, [&](int64_t, int64_t off) {
     const T* k = k_cache + off;
     for (int64_t c = 0; c < nv; ++c) row[c] = loadv(k + kLanes * c);
     if constexpr (kCoded<T>) {
@@ -161,7 +162,7 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
       constexpr int kAcc = G * kCols;
       vf o[kAcc] = {};
       const int cols = std::min(kCols, NV - c0);
-      ctx.each(n, [&](int64_t t, int64_t off) {
+      ctx.each_prefetched(n, v_cache, bytes, [&](int64_t t, int64_t off) {
         const T* v = v_cache + off + kLanes * c0;
         for (int c = 0; c < kCols; ++c) {
           if (c >= cols) break;
@@ -183,7 +184,7 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
   } else {
     vf out[kMaxGroupWidth / kLanes];
     std::fill(out, out + groups * nv, vf{});
-    ctx.each(n, [&](int64_t t, int64_t off) {
+    ctx.each_prefetched(n, v_cache, bytes, [&](int64_t t, int64_t off) {
       const T* v = v_cache + off;
       for (int64_t c = 0; c < nv; ++c) row[c] = loadv(v + kLanes * c);
       const float s = row_scale(v, d);
