@@ -83,14 +83,40 @@ inline void transpose16(const __m512i* P, __m512i* C) {
 // The same walk summing instead of keeping: from S[t] (blocks 2t and 2t + 1, eight int32
 // partial sums each) to one register whose lane l is block l's whole sum, the integer that
 // the transposed path's lane l holds, so one row and many sum a block alike.
+inline __m512i fold(__m512i x, int round, __m512i y) {
+  return _mm512_add_epi32(gather(x, round, 0, y), gather(x, round, 1, y));
+}
 inline __m512i reduce16(const __m512i* S) {
-  const auto both = [](__m512i x, int round, __m512i y) {
-    return _mm512_add_epi32(gather(x, round, 0, y), gather(x, round, 1, y));
-  };
-  __m512i four[4], eight[2];  // 4 blocks x 4 partials; 8 blocks x 2
-  for (int s = 0; s < 4; ++s) four[s] = both(S[2 * s], 0, S[2 * s + 1]);
-  for (int h = 0; h < 2; ++h) eight[h] = both(four[2 * h], 1, four[2 * h + 1]);
-  return both(eight[0], 2, eight[1]);
+  __m512i four[4];  // 4 blocks x 4 partials
+  for (int s = 0; s < 4; ++s) four[s] = fold(S[2 * s], 0, S[2 * s + 1]);
+  return fold(fold(four[0], 1, four[1]), 2, fold(four[2], 1, four[3]));
+}
+
+// The 4-bit formats (Q4_0, Q4_1): a block's 16 bytes hold weight i (low nibble) and i + 16
+// (high).
+template <typename F>
+constexpr bool four_bit_nibbles() {
+  if constexpr (F::kNibbles) return !F::kFiveBits;
+  else return false;
+}
+
+// One row's sums of 16 blocks of a 4-bit format, as reduce16 leaves them: four adjacent
+// blocks' 64 bytes, masked and shifted, hold weights 0-15 and 16-31 of the four at the same
+// lanes, and x's halves paired alike make two VNNI products that leave each block's sum in
+// 4 dwords, reduce16's first round, without unpacking the pairs or that round's permutes.
+inline __m512i nibble_sums16(const uint8_t* qs, const int8_t* x) {
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512i four[4];
+  for (int s = 0; s < 4; ++s) {
+    const __m512i raw = _mm512_loadu_si512(qs + 64 * s);
+    const __m512i x0 = _mm512_loadu_si512(x + 128 * s), x1 = _mm512_loadu_si512(x + 128 * s + 64);
+    const __m512i first = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));  // 0-15
+    const __m512i last = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));   // 16-31
+    four[s] = _mm512_dpbusd_epi32(
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(raw, low), first),
+        _mm512_and_si512(_mm512_srli_epi16(raw, 4), low), last);
+  }
+  return fold(fold(four[0], 1, four[1]), 2, fold(four[2], 1, four[3]));
 }
 
 // One planar row's blocks against NR activation rows; adds each dot product to out[r].
@@ -99,7 +125,8 @@ inline __m512i reduce16(const __m512i* S) {
 // 512 weights in int32 and one conversion and multiply-add scale them. One row (x not
 // interleaved) takes two blocks a dot product and sums each block's lanes (reduce16), so a
 // block's integer, and every float operation after it, are the same at any number of rows:
-// a token does not depend on how many rows its step verifies. The last blocks (nb % 16) go
+// a token does not depend on how many rows its step verifies (the 4-bit formats' one row
+// takes nibble_sums16, the same integers). The last blocks (nb % 16) go
 // eight a round: two blocks a dot product, converted and scaled at once.
 template <typename F, int NR>
 inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
@@ -117,17 +144,19 @@ inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefet
     // each block's offset m - c d, which multiplies the sum of its x
     const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(U::kCentre), d,
                                         F::kMin ? halves(1) : _mm512_setzero_ps());
+    for (int i = 0; i < 16; ++i) pf.block(b0 + i);
+    constexpr bool kAsTheyLie = NR == 1 && four_bit_nibbles<F>();  // no pairs to unpack
     __m512i pairs[8], u[8];
-    for (int t = 0; t < 8; ++t) {
-      pf.block(b0 + 2 * t);
-      pf.block(b0 + 2 * t + 1);
-      pairs[t] = U::pair(f, b0 + 2 * t, true);
+    if constexpr (!kAsTheyLie) {
+      for (int t = 0; t < 8; ++t) pairs[t] = U::pair(f, b0 + 2 * t, true);
+      if constexpr (NR > 1) transpose16(pairs, u);
     }
-    if constexpr (NR > 1) transpose16(pairs, u);
     for (int r = 0; r < NR; ++r) {
       const int64_t g = (r0 + r) * nb + b0;  // x's groups g .. g + 15
       __m512i sum = zero;
-      if constexpr (NR > 1) {
+      if constexpr (kAsTheyLie) {
+        sum = nibble_sums16(f[F::kFields - 1].at(b0), &a.q[g * kGroup]);
+      } else if constexpr (NR > 1) {
         for (int i = 0; i < 8; ++i)
           sum = _mm512_dpbusd_epi32(sum, u[i], _mm512_loadu_si512(&a.qi[g * kGroup + 64 * i]));
       } else {  // x as it lies (one row is not interleaved): two blocks a product, then summed
