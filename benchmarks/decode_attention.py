@@ -17,22 +17,13 @@ as a pool's are after some traffic (`--contiguous`: in order).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from prefill_attention import (BLOCK, HEAD_DIM, HEADS, KV_HEADS,  # the same shape
+                               best_ms, extension)
 
 SHAPES = [(1, 4000), (8, 1000), (32, 500), (64, 300)]  # (sequences, context tokens)
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+LAYERS = 30
 
 
 def stream_gbs(repeats: int) -> float:
@@ -73,7 +64,6 @@ def one_shape(ext, fmt, batch: int, ctx: int, contiguous: bool,
 
 
 def main() -> None:
-    from tidal.model import cpu_decode
     from tidal.model.kv_quant import KVFormat
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -83,11 +73,7 @@ def main() -> None:
     ap.add_argument("--contiguous", action="store_true",
                     help="each sequence's blocks in order (default: scattered)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    ext = cpu_decode.extension()
-    if ext is None:
-        raise SystemExit("the C++ extension could not be built here")
+    ext = extension(args.threads)
     stream = stream_gbs(args.repeats)
     print(f"{torch.get_num_threads()} threads; streaming read {stream:.1f} GB/s\n")
     print("| KV rows | sequences x context | ms a step (30 layers) | GB/s read | "

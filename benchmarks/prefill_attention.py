@@ -35,6 +35,18 @@ def best_ms(fn, repeats: int) -> float:
     return min(times) * 1e3
 
 
+def extension(threads: int | None):
+    """tidal's C++ extension, torch running `threads` threads (None: all)."""
+    from tidal.model import cpu_decode
+
+    if threads:
+        torch.set_num_threads(threads)
+    ext = cpu_decode.extension()
+    if ext is None:
+        raise SystemExit("tidal's C++ extension could not be built here")
+    return ext
+
+
 def one_shape(ext, fmt, cached: list[int], new: list[int], repeats: int) -> tuple[float, float]:
     """(PyTorch path ms, C++ kernel ms) for one step of these prefills."""
     from tidal.model.attention import (AttentionMetadata, PrefillSeq, TorchAttention,
@@ -74,14 +86,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = ap.parse_args()
-    from tidal.model import cpu_decode
     from tidal.model.kv_quant import KVFormat
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    ext = cpu_decode.extension()
-    if ext is None:
-        raise SystemExit("tidal's C++ extension could not be built here")
+    ext = extension(args.threads)
     print(f"{torch.get_num_threads()} threads; one layer, {HEADS} query heads, {KV_HEADS} KV "
           f"heads of {HEAD_DIM}\n")
     print("| KV | step's prefills | PyTorch path | C++ kernel | PyTorch / C++ |")
