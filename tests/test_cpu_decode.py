@@ -188,19 +188,23 @@ def test_models_the_decoder_does_not_run_keep_the_pytorch_path(tmp_path):
     assert off.engine.runner.decoder is None and off.engine.runner.model.backend.paged_kernel is None
 
 
-def test_the_build_folder_is_keyed_by_the_sources(tmp_path):
-    """Checkouts of two versions on one machine build into folders of their own: a change
-    to any source or header changes the key."""
+def test_the_build_folder_is_keyed_by_the_sources_and_their_place(tmp_path):
+    """Two checkouts on one machine build into folders of their own, even of one version
+    (torch's build.ninja names sources by path: sharing a folder, each would rebuild it
+    after the other); a change to any source or header changes the key."""
     import shutil
 
     from tidal.model.cpu_extension import _CSRC, source_key
 
     copy = tmp_path / "csrc"
     shutil.copytree(_CSRC, copy)
-    assert source_key(copy) == source_key(_CSRC)
+    assert source_key(_CSRC) == source_key(_CSRC)
+    before = source_key(copy)
+    assert before != source_key(_CSRC)
+    assert source_key(tmp_path / "." / "csrc") == before  # the place, however it is written
     header = copy / "tidal_cpu.h"
     header.write_text(header.read_text() + "\n// changed\n")
-    assert source_key(copy) != source_key(_CSRC)
+    assert source_key(copy) != before
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_stall_the_next(tmp_path, monkeypatch):

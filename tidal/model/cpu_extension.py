@@ -49,8 +49,8 @@ def _build_folder() -> Iterator[Path]:
     """The extension's build folder, held under an flock while torch builds or loads it.
     torch's own lock is a plain file that a process killed mid-build leaves behind, and
     every later build then waits on it forever; the flock dies with its process, so whoever
-    holds it may remove a leftover lock file. The folder is named by the hash of the sources
-    and flags, so checkouts of different versions on one machine never rebuild over each
+    holds it may remove a leftover lock file. The folder is named by the hash of the sources,
+    their folder and the flags, so two checkouts on one machine never rebuild over each
     other."""
     import fcntl
 
@@ -67,8 +67,11 @@ def _build_folder() -> Iterator[Path]:
 
 
 def source_key(csrc: Path) -> str:
-    """A short hash of every source and header under `csrc` and of the compiler flags."""
+    """A short hash of every source and header under `csrc`, of where `csrc` is, and of the
+    compiler flags. The place counts: torch's build.ninja names each source by its path, so
+    two checkouts of one version sharing a folder would each rebuild it after the other."""
     digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+    digest.update(str(csrc.resolve()).encode() + b"\0")
     for path in sorted(csrc.iterdir()):
         if path.is_file():
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
