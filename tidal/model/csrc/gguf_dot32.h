@@ -86,10 +86,14 @@ inline void transpose16(const __m512i* P, __m512i* C) {
 inline __m512i fold(__m512i x, int round, __m512i y) {
   return _mm512_add_epi32(gather(x, round, 0, y), gather(x, round, 1, y));
 }
+// Its last two rounds: from four registers of 4 blocks x 4 partial sums.
+inline __m512i reduce_fours(const __m512i* four) {
+  return fold(fold(four[0], 1, four[1]), 2, fold(four[2], 1, four[3]));
+}
 inline __m512i reduce16(const __m512i* S) {
   __m512i four[4];  // 4 blocks x 4 partials
   for (int s = 0; s < 4; ++s) four[s] = fold(S[2 * s], 0, S[2 * s + 1]);
-  return fold(fold(four[0], 1, four[1]), 2, fold(four[2], 1, four[3]));
+  return reduce_fours(four);
 }
 
 // The 4-bit formats (Q4_0, Q4_1): a block's 16 bytes hold weight i (low nibble) and i + 16
@@ -116,7 +120,7 @@ inline __m512i nibble_sums16(const uint8_t* qs, const int8_t* x) {
         _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(raw, low), first),
         _mm512_and_si512(_mm512_srli_epi16(raw, 4), low), last);
   }
-  return fold(fold(four[0], 1, four[1]), 2, fold(four[2], 1, four[3]));
+  return reduce_fours(four);
 }
 
 // One planar row's blocks against NR activation rows; adds each dot product to out[r].
