@@ -29,9 +29,10 @@ pytestmark = pytest.mark.skipif(ext is None and shutil.which("c++") is None,
        scale=st.sampled_from([0.01, 1.0, 30.0]), residual=st.booleans(),
        bf16_x=st.booleans())
 def test_norms_equal_llamas_rms_norm(seed, tokens, hidden, dtype, scale, residual, bf16_x):
-    """The sum is the eager add's, bit for bit; the norm of it within a bf16 step (the sum
-    of squares runs in another order), and the inputs are left as they were. x may be bf16
-    (a projection's products) under a float32 residual: added as its float32 copy."""
+    """The sum is the eager add's, bit for bit; the norm of it within two bf16 steps (the sum
+    of squares runs in another order, which may move the normalised value one step before
+    the weight, up to about 2 here, scales it), and the inputs are left as they were. x may
+    be bf16 (a projection's products) under a float32 residual: added as its float32 copy."""
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(tokens, hidden, generator=gen) * scale).to(
         torch.bfloat16 if bf16_x and residual else dtype)
@@ -42,9 +43,9 @@ def test_norms_equal_llamas_rms_norm(seed, tokens, hidden, dtype, scale, residua
     if residual:
         got, got_sum = ext.fused_add_rms_norm(x, res, norm.weight.data, 1e-5)
         assert torch.equal(got_sum, x.to(dtype) + res)
-        assert_close_ulps(got, norm(x.to(dtype) + res), tol=1e-5)
+        assert_close_ulps(got, norm(x.to(dtype) + res), ulps=2, tol=1e-5)
     else:
-        assert_close_ulps(ext.rms_norm(x, norm.weight.data, 1e-5), norm(x), tol=1e-5)
+        assert_close_ulps(ext.rms_norm(x, norm.weight.data, 1e-5), norm(x), ulps=2, tol=1e-5)
     assert torch.equal(x, x0) and torch.equal(res, res0)
 
 
