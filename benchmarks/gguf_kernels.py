@@ -1,7 +1,8 @@
 """GGUF block kernels at decode sizes: GGUFLinear on each block format against a float32
 PackedLinear and F.linear of the same shape, in ms a call and GB/s of weight bytes read;
-then, per format, the integer kernel against the dequantized-tile path at more rows (where
-GGUFLinear's max_rows should sit).
+then, per format, the integer kernels (the int8 panels from PANEL_ROWS rows, and the VNNI
+or AVX2 kernel alone) against the dequantized-tile paths at more rows (where GGUFLinear's
+max_rows should sit).
 
 usage: .venv/bin/python benchmarks/gguf_kernels.py [--threads 2] [--rows 1,4,8,16]
        [--formats Q4_K,Q6_K] [--layout default|planar|file|both] [--crossover 8,16,24,32]
@@ -98,8 +99,8 @@ def main() -> None:
     dtype = args.crossover_dtype
     for shape in args.crossover_shapes.split(","):
         n, k = (int(d) for d in shape.split("x"))
-        print(f"--- {n}x{k}: integer kernel (AMX int8 tiles from their rows, where the CPU "
-              f"has them) / VNNI or AVX2 kernel / tiles (each panel in bf16 where the CPU has "
+        print(f"--- {n}x{k}: integer kernel (int8 panels from their rows, in AMX's tiles "
+              f"where the CPU has them) / VNNI or AVX2 kernel / tiles (each panel in bf16 where the CPU has "
               f"AVX512-BF16: AMX tiles or VDPBF16PS) / oneDNN over dequantized tiles, ms, by "
               f"rows {crossover}, {dtype} activations")
         for qtype in formats:
@@ -108,7 +109,7 @@ def main() -> None:
                 continue
             weight = QuantizedWeight("w", random_blocks(qtype, n, k, rng), qtype, (n, k))
             layers = [GGUFLinear(weight, max_rows=10**9),
-                      GGUFLinear(weight, max_rows=10**9, amx_rows=0),
+                      GGUFLinear(weight, max_rows=10**9, panel_rows=0),
                       GGUFLinear(weight, max_rows=0),
                       GGUFLinear(weight, max_rows=0, bf16_panels=False)]
             cells = []

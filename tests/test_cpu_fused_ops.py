@@ -180,7 +180,7 @@ def test_a_gguf_files_bf16_products_give_the_eager_ops_logprobs(tmp_path, monkey
     from tidal import LLM, SamplingParams
 
     for name in ("MAX_ROWS", "NIBBLE_MAX_ROWS", "AMX_MAX_ROWS", "K_AMX_MAX_ROWS",
-                 "PANELS_MAX_ROWS"):
+                 "VNNI_PANELS_MAX_ROWS", "PANELS_MAX_ROWS"):
         monkeypatch.setattr(f"tidal.model.gguf_quants.{name}", 0)
     monkeypatch.setattr("tidal.model.gguf_quants.TILE_BF16", True)
     monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))

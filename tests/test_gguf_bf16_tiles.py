@@ -1,6 +1,7 @@
 """GGUF projections on bf16 tiles (the default where bf16 GEMMs win: AMX, Zen 4): each
 panel of 16 weight rows multiplied in bf16 (AMX tiles, or VDPBF16PS) gives the dequantized
-tiles' products; where the panels run without AMX they take steps past 16 rows; prompt rows
+tiles' products; without AMX the int8 panels take steps past 16 rows without prompt rows,
+at any count, and the bf16 panels those they cannot take; prompt rows
 on bf16 tiles are x itself, and short prompts keep their rounding twice on the integer
 kernels; bf16 outputs are the tiles' products unconverted. Tolerances as in
 test_gguf_quants.py: bf16 rounds a product to 2^-8."""
@@ -15,22 +16,23 @@ from gguf.constants import GGML_QUANT_SIZES
 from test_gguf_quants import (EXT, FORMATS, dequantized, exact_x, k_for, needs_ext,
                               relative_errors, run, weight_bytes)
 
-from tidal.model.gguf_quants import (MAX_ROWS, PANELS_MAX_ROWS, TILE_BF16, GGUFLinear,
-                                     PromptRows, QuantizedWeight)
+from tidal.model.gguf_quants import (MAX_ROWS, PANELS_MAX_ROWS, TILE_BF16,
+                                     VNNI_PANELS_MAX_ROWS, GGUFLinear, PromptRows,
+                                     QuantizedWeight)
 
 
 @pytest.mark.skipif(EXT is None or not TILE_BF16, reason="needs bf16 tiles by default")
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
 def test_short_prompts_keep_their_twice_rounding_past_the_tiles_crossover(qtype):
     """At the default crossover where tiles are bf16 (AMX, Zen 4), a step of up to 48 prompt
-    tokens (96 rows with their residuals) stays on the integer kernels (AMX's int8 tiles or
-    the VNNI kernels), rounded twice, where steps without prompt rows of that size take bf16
-    tiles: a prompt row comes out as the integer kernels give it, not as bf16 x would."""
+    tokens (96 rows with their residuals) stays on the integer kernels (the int8 panels or
+    the VNNI kernels), rounded twice, where on AMX steps without prompt rows of that size take
+    bf16 tiles: a prompt row comes out as the integer kernels give it, not as bf16 x would."""
     rng = np.random.default_rng(int(qtype) + 31)
     n, k = 32, k_for(qtype, 3 if GGML_QUANT_SIZES[qtype][0] == 256 else 24)
     weight = QuantizedWeight("w", weight_bytes(qtype, n, k, rng), qtype, (n, k))
     default, integer = GGUFLinear(weight), GGUFLinear(weight, max_rows=10**9)
-    assert default.max_rows < 2 * 40 <= default.twice_max_rows  # past tiles, yet integer
+    assert 2 * 40 <= default.twice_max_rows  # past AMX's int8 tiles, yet integer
     x = rng.standard_normal((40, k)).astype(np.float32)
     for layer in (default, integer):
         layer.prompt_rows = PromptRows()
@@ -39,9 +41,9 @@ def test_short_prompts_keep_their_twice_rounding_past_the_tiles_crossover(qtype)
 
 
 @pytest.mark.skipif(EXT is None or not EXT.gguf_bf16_panels, reason="needs AVX512-BF16")
-@pytest.mark.parametrize("amx_rows", [None, 0], ids=["amx-where-granted", "vdpbf16ps"])
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-where-granted", "vdpbf16ps"])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-def test_bf16_panels_give_the_dequantized_tiles_products(qtype, amx_rows):
+def test_bf16_panels_give_the_dequantized_tiles_products(qtype, amx):
     """Steps past the integer kernels, in whole panels of 16 weight rows, multiply each panel
     in bf16 (AMX tiles where granted, else VDPBF16PS): each output is bf16(x) @ bf16(W)^T
     summed in float32 and rounded to bf16 (in float32 and bf16 outputs alike), at row counts
@@ -55,7 +57,7 @@ def test_bf16_panels_give_the_dequantized_tiles_products(qtype, amx_rows):
     raw, raw2 = weight_bytes(qtype, n, k, rng), weight_bytes(QT.Q8_0, other, k, rng)
     layer = GGUFLinear([QuantizedWeight("w", raw, qtype, (n, k)),
                         QuantizedWeight("v", raw2, QT.Q8_0, (other, k))], max_rows=0,
-                       tile_bf16=True, amx_rows=amx_rows)
+                       tile_bf16=True, amx=amx)
     assert layer.projection.bf16_panels
 
     def bf16(a):
@@ -70,33 +72,39 @@ def test_bf16_panels_give_the_dequantized_tiles_products(qtype, amx_rows):
         np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-5 * np.abs(ref).max())
 
 
-@pytest.mark.skipif(EXT is None or not EXT.gguf_bf16_panels or EXT.gguf_amx,
-                    reason="needs bf16 panels without AMX")
-def test_steps_past_16_rows_take_the_panels_where_they_run_without_amx():
-    """Without AMX the bf16 panels pass the VNNI kernels from ~16 rows, so a projection they
-    take (planar 32-weight formats, K-quants; whole panels of 16 rows) leaves the integer
-    kernels past PANELS_MAX_ROWS; one they cannot take (a file-layout Q4_1, 40 rows), or
-    without bf16 tiles, keeps MAX_ROWS. A step of 17 rows then gives the panels' products:
-    rounded to bf16, apart from the integer kernels' by bf16 rounding (within 2^-6 of the
-    largest output)."""
+@pytest.mark.skipif(EXT is None or not EXT.gguf_int8_panels or EXT.gguf_amx,
+                    reason="needs the int8 panels without AMX")
+def test_steps_past_16_rows_take_the_int8_panels_where_they_run_without_amx():
+    """Without AMX the int8 panels (VNNI) take every step of more than 16 rows of a projection
+    they take (planar 32-weight formats, K-quants), at any count (VNNI_PANELS_MAX_ROWS): a
+    step of 17 or 300 rows gives the VNNI kernels' products bit for bit (rows of whole rounds
+    of 16 blocks), not bf16 ones. One they cannot take (a file-layout Q4_1) keeps MAX_ROWS,
+    as one without them does (panel_rows=0) unless the bf16 panels take it past
+    PANELS_MAX_ROWS; a step of more prompt rows than the integer kernels round twice takes
+    the bf16 tiles (products rounded to bf16)."""
     rng = np.random.default_rng(5)
-    k = 256
+    k = 512
     w = QuantizedWeight("w", weight_bytes(QT.Q4_1, 32, k, rng), QT.Q4_1, (32, k))
     kq = QuantizedWeight("k", weight_bytes(QT.Q4_K, 32, k, rng), QT.Q4_K, (32, k))
     file = QuantizedWeight("f", weight_bytes(QT.Q4_1, 32, k, rng), QT.Q4_1, (32, k),
                            planar=False)
-    odd = QuantizedWeight("o", weight_bytes(QT.Q4_1, 40, k, rng), QT.Q4_1, (40, k))
-    assert GGUFLinear(w, tile_bf16=True).max_rows == PANELS_MAX_ROWS < MAX_ROWS
-    assert GGUFLinear([w, kq], tile_bf16=True).max_rows == PANELS_MAX_ROWS
-    for layer in (GGUFLinear(file, tile_bf16=True), GGUFLinear(odd, tile_bf16=True),
-                  GGUFLinear(w, tile_bf16=False), GGUFLinear(w, bf16_panels=False)):
-        assert layer.max_rows == MAX_ROWS and not layer.projection.bf16_panels
-    default, integer = GGUFLinear(w, tile_bf16=True), GGUFLinear(w, max_rows=10**9)
-    x = torch.from_numpy(exact_x(17, k, rng))
-    got, exact = default(x), integer(x)
-    assert not torch.equal(got, exact)
+    default = GGUFLinear(w, tile_bf16=True)
+    assert default.max_rows == VNNI_PANELS_MAX_ROWS == GGUFLinear([w, kq]).max_rows
+    assert GGUFLinear(file, tile_bf16=True).max_rows == MAX_ROWS
+    assert GGUFLinear(w, panel_rows=0, tile_bf16=False).max_rows == MAX_ROWS
+    if EXT.gguf_bf16_panels:
+        assert GGUFLinear(w, panel_rows=0, tile_bf16=True).max_rows == PANELS_MAX_ROWS
+    vnni = GGUFLinear(w, max_rows=10**9, panel_rows=0)
+    for rows in (17, 300):
+        x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+        assert torch.equal(default(x), vnni(x)), rows
+    rows = default.twice_max_rows // 2 + 1
+    default.prompt_rows = PromptRows()
+    default.prompt_rows.set(torch.arange(rows), rows, None, 0)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    got = default(x)
     assert torch.equal(got, got.to(torch.bfloat16).float())  # bf16 products
-    assert (got - exact).abs().max() <= 2 ** -6 * exact.abs().max()
+    assert not torch.equal(got, vnni(x))
 
 
 @needs_ext

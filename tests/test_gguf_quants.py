@@ -125,15 +125,19 @@ def test_a_row_is_computed_alike_at_any_number_of_rows(qtype, planar):
         assert torch.equal(together, alone), (rows, (together - alone).abs().max().item())
 
 
-@pytest.mark.skipif(EXT is None or not EXT.gguf_amx, reason="needs AMX int8 tiles")
+@pytest.mark.skipif(EXT is None or not EXT.gguf_int8_panels, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("amx", [False, True], ids=["vnni", "amx"])
 @pytest.mark.parametrize("qtype", sorted(PLANAR | K_QUANTS), ids=lambda t: t.name)
-def test_amx_tiles_give_the_vnni_kernels_sums(qtype):
-    """The AMX tiles against the VNNI kernels at the same rows. The 32-weight formats: bit for
-    bit where a row is whole rounds of 16 blocks; with a row's last nb % 16 blocks (which the
-    VNNI kernel sums in partial sums) within float32 rounding. The K-quants (either layout),
-    which the VNNI kernel sums in integers to a block's end: within float32 rounding. 45
-    weight rows: two panels of 16 and 13 rows the VNNI kernel takes; 48: three panels, the
-    tiles alone."""
+def test_int8_panels_give_the_vnni_kernels_sums(qtype, amx):
+    """The int8 panels (VNNI; AMX's tiles where granted) against the VNNI kernels at the same
+    rows. The 32-weight formats: bit for bit where a row is whole rounds of 16 blocks; with a
+    row's last nb % 16 blocks (which the VNNI kernel sums in partial sums) within float32
+    rounding. The K-quants (either layout), which the VNNI kernel sums in integers to a
+    block's end: within float32 rounding. 45 weight rows: two panels of 16 and 13 rows the
+    VNNI kernel takes; 48: three panels, the panels alone. AMX and VNNI give the same
+    outputs bit for bit (the same integers, the same float operations)."""
+    if amx and not EXT.gguf_amx:
+        pytest.skip("needs AMX int8 tiles")
     rng = np.random.default_rng(int(qtype) + 3)
     block = GGML_QUANT_SIZES[qtype][0]
     odd = 37 if block == 32 else 40  # groups of 32: not whole rounds of 16 blocks
@@ -141,16 +145,19 @@ def test_amx_tiles_give_the_vnni_kernels_sums(qtype):
         k = 32 * groups
         raw = weight_bytes(qtype, n, k, rng, random=True)
         w = QuantizedWeight("w", raw, qtype, (n, k), planar=planar if block == 256 else None)
-        amx, vnni = (GGUFLinear(w, max_rows=300, amx_rows=m) for m in (1, 0))
+        panels, vnni = (GGUFLinear(w, max_rows=300, panel_rows=m, amx=amx) for m in (1, 0))
+        other = GGUFLinear(w, max_rows=300, panel_rows=1, amx=False) if amx else None
         bound = 2.0 ** -22 * (k // 32) * np.abs(dequantized(raw, qtype)).T  # ~4 ulp a group
         for rows in (1, 2, 7, 16, 17, 35, 40, 300):  # last tiles: 1, 2, 7, 16, 1, 3, 8, 12
             x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
-            got, want = amx(x), vnni(x)
+            got, want = panels(x), vnni(x)
             if block == 32 and k % 512 == 0:
                 assert torch.equal(got, want), (rows, (got - want).abs().max().item())
-                assert torch.equal(amx(x.bfloat16()), vnni(x.bfloat16())), rows  # bf16 outputs
+                assert torch.equal(panels(x.bfloat16()), vnni(x.bfloat16())), rows  # bf16 out
             else:
                 assert np.all(np.abs((got - want).numpy()) <= np.abs(x.numpy()) @ bound), rows
+            if other is not None:
+                assert torch.equal(got, other(x)), rows
 
 
 @needs_ext

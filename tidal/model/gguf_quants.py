@@ -67,31 +67,40 @@ NIBBLE_MAX_ROWS = 256 if DOT8 else MAX_ROWS
 TWICE_MAX_ROWS = 96
 NIBBLE_ROUNDS = DOT8
 NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
-# CPUs with AMX: planar 32-weight formats (PLANAR) and the K-quants (K_QUANTS) multiply steps
-# of AMX_ROWS rows or more in AMX int8 tiles (csrc/gguf_amx.h: the VNNI kernels' integer sums,
-# for PLANAR their float operations too where in_features is a multiple of 512) up to
-# AMX_MAX_ROWS rows (K_AMX_MAX_ROWS with a K-quant part), past which bf16 tiles take over:
-# AMX bf16 tiles of each panel's weights (csrc/gguf_bf16_panels.h), whose sums need no float
-# work a block (2048x2048 at 64 rows: Q4_1 0.61 ms against the int8 tiles' 0.82, Q6_K 0.58
-# against 0.94; at 32 rows K-quants 0.43-0.45 against 0.46-0.54, Q4_1 ties), oneDNN's GEMMs
-# over dequantized tiles for steps of more than ~1.5 MB of x. Up to 16 rows (one request
-# verifying 15 guesses) stay on the VNNI kernels, so a row's result does not depend on the
-# rows beside it there. Nor do the tiles run those steps faster in a model, whose weights
-# stream from memory (a kernel timed alone keeps them cached): SmolLM2's decode step at 8
-# rows took 16.3-17.8 ms with its 576-wide projections on the tiles against 12.7-14.1 on
-# VNNI, at 16 rows 21.2-22.2 against 21.4-23.2.
+# Steps of PANEL_ROWS rows or more multiply planar 32-weight formats (PLANAR) and the
+# K-quants (K_QUANTS) a panel of 16 weight rows at a time in int8 (csrc/gguf_int8_panels.h:
+# the VNNI kernels' integer sums, for PLANAR their float operations too where in_features is
+# a multiple of 512, else within float32 rounding): in AMX's int8 tiles where the CPU grants
+# AMX, else by AVX-512 VNNI. Up to 16 rows (one request verifying 15 guesses) stay on the
+# VNNI kernels, so a row's result does not depend on the rows beside it there.
+# With AMX the int8 tiles take steps up to AMX_MAX_ROWS rows (K_AMX_MAX_ROWS with a K-quant
+# part), past which bf16 tiles take over: AMX bf16 tiles of each panel's weights
+# (csrc/gguf_bf16_panels.h), whose sums need no float work a block (2048x2048 at 64 rows:
+# Q4_1 0.61 ms against the int8 tiles' 0.82, Q6_K 0.58 against 0.94; at 32 rows K-quants
+# 0.43-0.45 against 0.46-0.54, Q4_1 ties), oneDNN's GEMMs over dequantized tiles for steps
+# of more than ~1.5 MB of x. Nor do the tiles run steps of 16 rows or fewer faster in a
+# model, whose weights stream from memory (a kernel timed alone keeps them cached):
+# SmolLM2's decode step at 8 rows took 16.3-17.8 ms with its 576-wide projections on the
+# tiles against 12.7-14.1 on VNNI, at 16 rows 21.2-22.2 against 21.4-23.2.
+# Without AMX the VNNI panels take every step past 16 rows that has no prompt rows to round
+# twice (VNNI_PANELS_MAX_ROWS: no crossover): a 2-core Zen 4, bf16 activations, SmolLM2's
+# Q4_1 and Q8_0 shapes, 1.07-1.19x the bf16 panels' speed from 32 to 128 rows and 0.9-1.2x
+# to 2,048 (benchmarks/gguf_kernels.py --crossover), with the integer kernels' products
+# where the bf16 panels are ~0.3% apart.
 K_QUANTS = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
-AMX_ROWS = 17
+PANEL_ROWS = 17
 AMX_MAX_ROWS = 48
 K_AMX_MAX_ROWS = 32
+VNNI_PANELS_MAX_ROWS = 1 << 30
 # Dequantized tiles in bf16 (the default of GGUFLinear's `tile_bf16`) where bf16 GEMMs win
 # (AMX; AVX512-BF16 on AMD: a 2-core Zen 4's Q4_1 tiles of 576x1536 1.3x faster at 128 rows,
 # 2.0x at 2,048, of 2048x2048 2.6-3.2x from 49 rows).
 TILE_BF16 = bf16_gemms_win()
-# Where bf16 panels (csrc/gguf_bf16_panels.h) run without AMX (VDPBF16PS on Zen 4), the
-# VNNI kernels' crossover with them: a 2-core Zen 4, bf16 activations, Q4_1 at 16 rows:
-# 960x576 0.103 ms against 0.111, 3072x576 0.264 against 0.348, 576x1536 0.133 against
-# 0.125; at 24 rows 1.25-1.5x faster for every shape of SmolLM2.
+# Where bf16 panels (csrc/gguf_bf16_panels.h) run without AMX (VDPBF16PS on Zen 4) and the
+# int8 panels do not take a projection, the VNNI kernels' crossover with them: a 2-core
+# Zen 4, bf16 activations, Q4_1 at 16 rows: 960x576 0.103 ms against 0.111, 3072x576 0.264
+# against 0.348, 576x1536 0.133 against 0.125; at 24 rows 1.25-1.5x faster for every shape
+# of SmolLM2.
 PANELS_MAX_ROWS = 16
 # float32 bytes of a dequantized tile: 512-2048 rows, whose bf16 GEMMs run ~30% faster on
 # AMX than 256-512 rows' (a 1024-token prefill of 8192x2048 Q4_K: 24 vs 35 ms, measured)
@@ -298,10 +307,11 @@ class GGUFLinear(nn.Module):
     part in the file's format (a Q4_K_M file has Q6_K v beside Q4_K q and k). With the C++
     extension (`projection`, which the C++ decoder shares) steps of at most `max_rows` rows
     (None: the parts' kernels' crossover: MAX_ROWS, NIBBLE_MAX_ROWS, (K_)AMX_MAX_ROWS,
-    PANELS_MAX_ROWS) run the integer kernels, from `amx_rows` rows (None: AMX_ROWS where the
-    CPU grants AMX and every part is a planar 32-weight format or a K-quant; 0: never, and
-    bf16 panels by VDPBF16PS instead of AMX bf16 tiles) in AMX int8
-    tiles with the same integer sums, and larger ones multiply dequantized weights (with
+    VNNI_PANELS_MAX_ROWS, PANELS_MAX_ROWS) run the integer kernels, from `panel_rows` rows
+    (None: PANEL_ROWS where every part is a planar 32-weight format or a K-quant and the
+    build has AVX-512 VNNI; 0: never) in int8 panels with the same integer sums (in AMX's
+    tiles where the CPU grants them and `amx`; False: VNNI, and bf16 panels by VDPBF16PS
+    instead of AMX bf16 tiles), and larger ones multiply dequantized weights (with
     `bf16_panels` and bf16 tiles, each panel of 16 weight rows in bf16 where the CPU has
     AVX512-BF16: in AMX tiles, else by VDPBF16PS, no dequantized weight in memory; else
     oneDNN over tiles of `tile_rows` rows)
@@ -316,7 +326,8 @@ class GGUFLinear(nn.Module):
     def __init__(self, weights: QuantizedWeight | list[QuantizedWeight],
                  bias: torch.Tensor | None = None, max_rows: int | None = None,
                  tile_rows: int | None = None, tile_bf16: bool | None = None,
-                 amx_rows: int | None = None, bf16_panels: bool = True) -> None:
+                 panel_rows: int | None = None, bf16_panels: bool = True,
+                 amx: bool = True) -> None:
         super().__init__()
         self.parts = [weights] if isinstance(weights, QuantizedWeight) else list(weights)
         if any(w.qtype not in BLOCK_FIELDS for w in self.parts):
@@ -330,11 +341,12 @@ class GGUFLinear(nn.Module):
         self.tile_rows = tile_rows or min(2048, max(256, TILE_BYTES // (4 * k) // 16 * 16))
         ext = self.parts[0].ext
         tile_bf16 = TILE_BF16 if tile_bf16 is None else tile_bf16
-        # whether AMX tiles and bf16 panels take every part (csrc/gguf_panel.h)
+        # whether the int8 and bf16 panels take every part (csrc/gguf_panel.h)
         paneled = ext is not None and all(
             w.qtype in K_QUANTS or (w.qtype in PLANAR and w.planar) for w in self.parts)
-        self.amx_rows = (AMX_ROWS if amx_rows is None else amx_rows) if (
-            paneled and ext.gguf_amx) else 0
+        self.panel_rows = (PANEL_ROWS if panel_rows is None else panel_rows) if (
+            paneled and ext.gguf_int8_panels) else 0
+        self.amx = bool(amx and ext is not None and ext.gguf_amx)
         panels = (paneled and bf16_panels and tile_bf16 and ext.gguf_bf16_panels
                   and all(w.shape[0] % 16 == 0 for w in self.parts))
         default_max = max_rows is None
@@ -342,19 +354,20 @@ class GGUFLinear(nn.Module):
             nibbles = all(w.qtype in NIBBLES and w.planar for w in self.parts)
             amx_max = (K_AMX_MAX_ROWS if any(w.qtype in K_QUANTS for w in self.parts)
                        else AMX_MAX_ROWS)
-            max_rows = (amx_max if self.amx_rows else PANELS_MAX_ROWS if panels
+            int8_max = amx_max if self.amx else VNNI_PANELS_MAX_ROWS
+            max_rows = (int8_max if self.panel_rows else PANELS_MAX_ROWS if panels
                         else NIBBLE_MAX_ROWS if nibbles else MAX_ROWS)
         self.max_rows = max_rows if ext is not None else 0
         # past the crossover the tiles would round a short prompt to bf16: a default one
         # keeps it on the integer kernels (any count) or the int8 tiles, rounded twice
-        self.twice_max_rows = (TWICE_MAX_ROWS if (self.amx_rows or tile_bf16) and default_max
+        self.twice_max_rows = (TWICE_MAX_ROWS if (self.panel_rows or tile_bf16) and default_max
                                and self.max_rows else min(self.max_rows, TWICE_MAX_ROWS))
         self.prompt_rows: PromptRows | None = None  # shared by the model's layers (attach)
         self.is_head = False
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar, w.rounds) for w in self.parts],
             self.bias, self.max_rows, self.twice_max_rows, self.tile_rows, tile_bf16,
-            self.amx_rows, bf16_panels)
+            self.panel_rows, bf16_panels, self.amx)
 
     @property
     def nbytes(self) -> int:
@@ -390,7 +403,7 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         kinds = "+".join(w.qtype.name for w in self.parts)
         return (f"{kinds}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"max_rows={self.max_rows}, amx_rows={self.amx_rows}")
+                f"max_rows={self.max_rows}, panel_rows={self.panel_rows}")
 
 
 class GGUFEmbedding(nn.Module):

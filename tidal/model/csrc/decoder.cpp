@@ -260,13 +260,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                           py::module_local())
       .def(py::init([](std::vector<GGUFPart> parts, c10::optional<Tensor> bias, int64_t max_rows,
                        int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16,
-                       int64_t amx_rows, bool bf16_panels) {
+                       int64_t panel_rows, bool bf16_panels, bool amx) {
              return std::make_shared<GGUFProjection>(std::move(parts), bias.value_or(Tensor()),
                                                      max_rows, twice_max_rows, tile_rows,
-                                                     tile_bf16, amx_rows, bf16_panels);
+                                                     tile_bf16, panel_rows, bf16_panels, amx);
            }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"),
            py::arg("twice_max_rows"), py::arg("tile_rows"), py::arg("tile_bf16") = false,
-           py::arg("amx_rows") = 0, py::arg("bf16_panels") = false)
+           py::arg("panel_rows") = 0, py::arg("bf16_panels") = false, py::arg("amx") = false)
       .def_readonly("bf16_panels", &GGUFProjection::bf16_panels)
       .def("__call__", [](const GGUFProjection& g, const Tensor& x, c10::optional<Tensor> twice,
                           bool bf16_out) {
@@ -364,6 +364,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.attr("gguf_nibble_rounds") = gguf_nibble_rounds();
   m.attr("gguf_amx") = gguf_amx();
+  m.attr("gguf_int8_panels") = gguf_int8_panels();
   m.attr("gguf_amx_bf16") = gguf_amx_bf16();
   m.attr("gguf_bf16_panels") = gguf_bf16_panels();
   m.attr("prefill_bf16_dots") = prefill_bf16_dots();

@@ -262,7 +262,7 @@ inline void bf16_panels(const at::Tensor& xs, const GGUFProjection& g, at::Tenso
   const int64_t pass = std::max<int64_t>(16, kBf16TileBytes / (2 * k) / 16 * 16);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
 #ifdef TIDAL_GGUF_AMX_BF16
-  const bool amx = g.amx_rows > 0;  // AMX granted, and not turned off for this projection
+  const bool amx = g.amx;  // AMX granted, and not turned off for this projection
 #else
   const bool amx = false;
 #endif

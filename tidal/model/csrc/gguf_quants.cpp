@@ -1,15 +1,17 @@
 // GGUF-quantized weights at decode sizes: y = x @ W^T with W in its GGUF block format
 // (gguf_formats.h), as ggml multiplies them: x rounded to int8 with a float scale per 32
 // values (gguf_activations.h), integer products, float multiply-adds per block and row (the
-// K-quants: gguf_kdot.h). Steps of many rows multiply bf16 weights by x in bf16 (`tiled`):
+// K-quants: gguf_kdot.h), from some rows on a panel of 16 weight rows at a time
+// (gguf_int8_panels.h: AMX's int8 tiles, or VNNI). Steps of more rows than the integer
+// kernels take multiply bf16 weights by x in bf16 (`tiled`):
 // where the CPU has AVX512-BF16, a panel of 16 weight rows at a time (gguf_bf16_panels.h:
 // AMX tiles, or VDPBF16PS), else (and for steps of very many rows) through oneDNN over
 // tiles of dequantized rows.
 
 #include "tidal_cpu.h"
 #include "gguf_formats.h"
-#include "gguf_amx.h"
 #include "gguf_bf16_panels.h"
+#include "gguf_int8_panels.h"
 #include "gguf_dot32.h"
 #include "gguf_dot8.h"
 #include "gguf_kdot.h"
@@ -171,17 +173,18 @@ auto row_kernel(int64_t nr, std::integer_sequence<int, N...>) {
 }
 
 // y[:, :w.size(0)] of a [rows, ld] output for one weight, over activations already quantized.
-// amx: whole panels of 16 weight rows through AMX tiles (amx_takes).
+// panels: whole panels of 16 weight rows through the int8 panels (amx_takes), in AMX's
+// tiles with `amx`.
 template <typename F, typename T>
 void linear(const Activations& a, int64_t rows, int64_t k, const Tensor& w, bool planar,
-            bool amx, const T* b, T* yp, int64_t ld) {
+            bool panels, bool amx, const T* b, T* yp, int64_t ld) {
   const int64_t n = w.size(0), row_bytes = w.size(1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   int64_t first = 0;  // the first weight row the VNNI kernels take
-#ifdef TIDAL_GGUF_AMX
-  if (amx && amx_takes<F>(planar)) {
+#ifdef TIDAL_GGUF_DOT32
+  if (panels && amx_takes<F>(planar)) {
     first = n / 16 * 16;
-    amx_linear<F, T>(a, rows, wp, row_bytes, planar, b, 0, first, yp, ld);
+    int8_panels_linear<F, T>(a, rows, wp, row_bytes, planar, amx, b, 0, first, yp, ld);
   }
 #endif
   const int64_t tile = std::max<int64_t>(8, kTileBytes / row_bytes);
@@ -374,12 +377,13 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice, bool
 
 GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64_t max_rows_,
                                int64_t twice_max_rows_, int64_t tile_rows_, bool tile_bf16_,
-                               int64_t amx_rows_, bool bf16_panels_)
+                               int64_t panel_rows_, bool bf16_panels_, bool amx_)
     : parts(std::move(parts_)), bias(bias_), max_rows(max_rows_),
       twice_max_rows(twice_max_rows_), tile_rows(tile_rows_),
-      amx_rows(gguf_amx() ? amx_rows_ : 0), tile_bf16(tile_bf16_),
+      panel_rows(gguf_int8_panels() ? panel_rows_ : 0), amx(amx_ && gguf_amx()),
+      tile_bf16(tile_bf16_),
       bf16_panels(bf16_panels_ && gguf_bf16_panels()) {
-  bool takes = true;  // whether panels (the AMX tiles, the bf16 panels) take every part
+  bool takes = true;  // whether panels (int8, bf16) take every part
   TORCH_CHECK(!parts.empty() && tile_rows > 0, "a GGUF projection needs parts and tile_rows > 0");
   for (const GGUFPart& p : parts) {
     with_format(p.type, [&](auto format) {
@@ -396,7 +400,7 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
     out_features += p.data.size(0);
   }
   TORCH_CHECK(!bias.defined() || bias.numel() == out_features, "bias must be [out_features]");
-  if (!takes) amx_rows = 0;
+  if (!takes) panel_rows = 0, amx = false;
   bf16_panels = bf16_panels && tile_bf16 && takes && panels;
 }
 
@@ -405,9 +409,9 @@ Tensor GGUFProjection::integer(const Tensor& x, bool with_bias) const {
   const int64_t rows = x.size(0);
   Tensor y = at::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
-  const bool amx = amx_rows > 0 && rows >= amx_rows;
-  // x interleaved only for the VNNI kernel's rows: none when the tiles take every panel
-  const bool interleave = runs && rows >= kRunRows && !(amx && panels);
+  const bool int8_panels = panel_rows > 0 && rows >= panel_rows;
+  // x interleaved only for the VNNI kernel's rows: none when the panels take every one
+  const bool interleave = runs && rows >= kRunRows && !(int8_panels && panels);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
     const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features,
                                              k_quants, interleave ? kRun : 0);
@@ -415,7 +419,8 @@ Tensor GGUFProjection::integer(const Tensor& x, bool with_bias) const {
     int64_t col = 0;
     for (const GGUFPart& p : parts) {
       with_format(p.type, [&](auto format) {
-        linear<decltype(format), scalar_t>(a, rows, in_features, p.data, p.planar, amx,
+        linear<decltype(format), scalar_t>(a, rows, in_features, p.data, p.planar,
+                                           int8_panels, amx,
                                            b.defined() ? b.data_ptr<scalar_t>() + col : nullptr,
                                            y.data_ptr<scalar_t>() + col, out_features);
       });
@@ -474,6 +479,14 @@ bool gguf_amx_bf16() {
 
 bool gguf_bf16_panels() {
 #ifdef TIDAL_GGUF_BF16_PANELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool gguf_int8_panels() {
+#ifdef TIDAL_GGUF_DOT32
   return true;
 #else
   return false;

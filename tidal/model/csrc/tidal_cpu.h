@@ -145,16 +145,18 @@ struct GGUFPart {
 // y = x @ [W_0; W_1; ...]^T (+ bias), the parts' outputs side by side (fused q/k/v or
 // gate/up whose parts differ in format): [rows, in_features] -> [rows, out_features] in x's
 // dtype (float32 or bf16). Steps of at most max_rows rows: x rounded to int8 per 32 and
-// integer products; larger ones multiply tiles of tile_rows dequantized rows by x rounded
-// the same way, in float32 (or, with tile_bf16, in bf16: with bf16_panels each panel of 16
-// weight rows, gguf_bf16_panels.h). A step with rows to
+// integer products (from panel_rows rows by the int8 panels, gguf_int8_panels.h); larger
+// ones multiply tiles of tile_rows dequantized rows by x rounded the same way, in float32
+// (or, with tile_bf16, in bf16: with bf16_panels each panel of 16 weight rows,
+// gguf_bf16_panels.h). A step with rows to
 // round twice takes the integer kernels while its rows and their residuals number at most
 // twice_max_rows.
 struct GGUFProjection {
   std::vector<GGUFPart> parts;
   Tensor bias;
   int64_t max_rows = 0, twice_max_rows = 0, tile_rows = 0, in_features = 0, out_features = 0;
-  int64_t amx_rows = 0;  // steps of at least this many rows take AMX int8 tiles (0: never)
+  int64_t panel_rows = 0;  // steps of at least this many rows take the int8 panels (0: never)
+  bool amx = false;        // whether the int8 and bf16 panels multiply in AMX's tiles
   bool tile_bf16 = false;
   bool bf16_panels = false;  // whether the bf16 tiles' steps take bf16 panels (else oneDNN)
   bool k_quants = false;  // whether some part is a K-quant
@@ -164,7 +166,7 @@ struct GGUFProjection {
   GGUFProjection() = default;
   GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows,
                  int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16,
-                 int64_t amx_rows = 0, bool bf16_panels = false);
+                 int64_t panel_rows = 0, bool bf16_panels = false, bool amx = false);
   // y = x W^T (+ bias). Rows `twice` (indices into x's rows, or undefined) are rounded
   // twice: x's int8 rounding plus its residual's, ~15 bits a value instead of ~8. With
   // `bf16_out`, y is bf16 where bf16 tiles computed it (the same values, unconverted).
@@ -182,6 +184,7 @@ void gguf_get_rows(const GGUFPart& w, const Tensor& ids, Tensor out);
 
 // Whether this build reads planar nibble quants in rounds (GGUFPart::rounds).
 bool gguf_nibble_rounds();
+bool gguf_int8_panels();  // whether this build has the int8 panels (AVX-512 VNNI)
 bool gguf_amx();  // whether GGUF projections may take AMX int8 tiles here
 bool gguf_amx_bf16();  // ... and AMX bf16 tiles for steps of many rows
 bool gguf_bf16_panels();  // whether this build multiplies GGUF panels in bf16 (AVX512-BF16)
