@@ -82,11 +82,12 @@ NIBBLES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1})
 # model, whose weights stream from memory (a kernel timed alone keeps them cached):
 # SmolLM2's decode step at 8 rows took 16.3-17.8 ms with its 576-wide projections on the
 # tiles against 12.7-14.1 on VNNI, at 16 rows 21.2-22.2 against 21.4-23.2.
-# Without AMX the VNNI panels take every step past 16 rows that has no prompt rows to round
-# twice (VNNI_PANELS_MAX_ROWS: no crossover): a 2-core Zen 4, bf16 activations, SmolLM2's
-# Q4_1 and Q8_0 shapes, 1.07-1.19x the bf16 panels' speed from 32 to 128 rows and 0.9-1.2x
-# to 2,048 (benchmarks/gguf_kernels.py --crossover), with the integer kernels' products
-# where the bf16 panels are ~0.3% apart.
+# Without AMX the VNNI panels take every step past 16 rows (VNNI_PANELS_MAX_ROWS: no
+# crossover) but those with more prompt rows than TWICE_MAX_ROWS rounds twice: on a 2-core
+# Zen 4 (bf16 activations, SmolLM2's Q4_1 and Q8_0 shapes, benchmarks/gguf_kernels.py
+# --crossover) at about the bf16 panels' speed (a median 1.1x, 0.8-1.3x by shape and run,
+# from 24 to 2,048 rows), with the integer kernels' products where the bf16 panels' are
+# ~0.3% apart.
 K_QUANTS = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
 PANEL_ROWS = 17
 AMX_MAX_ROWS = 48
