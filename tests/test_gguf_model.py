@@ -4,8 +4,9 @@ Q8_0, as Q4_K_M files mix Q4_K and Q6_K) generate the greedy tokens of the same 
 dense in float32 (its weights dequantized), up to near-ties, with logprobs within the int8
 rounding of the activations (the prompt's, rounded twice, within float rounding); the
 projections, embedding and head hold the file's bytes, not floats; the C++ decoder runs them;
-a file of ~50 MB loads within the RSS bound; and 'auto' picks the file's own formats unless
-the run asks for a float copy."""
+a file of ~50 MB loads within the RSS bound; 'auto' picks the file's own formats unless
+the run asks for a float copy; and a request's tokens and logprobs do not depend on the
+requests beside it (where the int8 panels run, bit for bit)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from model_fixtures import first_near_tie
+from model_fixtures import first_near_tie, small_folder
 from test_gguf import CASES, hf_folder, write_gguf
+from test_gguf_quants import EXT
 from tidal import LLM, SamplingParams
 from tidal.engine.config import ModelConfig
 from tidal.engine.model_loading import effective_quantization
@@ -157,3 +159,28 @@ def test_a_mid_size_file_loads_within_the_rss_bound(tmp_path):
     grown = rss["peak"] - rss["base"]
     assert size > 30e6 and grown <= 1.15 * size, (grown / 2**20, size / 2**20)
     assert np.isfinite(grown)
+
+
+@pytest.mark.skipif(EXT is None or not EXT.gguf_int8_panels,
+                    reason="needs the int8 panels (AVX-512 VNNI)")
+def test_a_row_does_not_depend_on_its_batch(tmp_path):
+    """24 requests together (steps of 24 rows: the int8 panels, AMX's or VNNI's; a prompt
+    step of 48 rows rounded twice) give each request's greedy tokens and logprobs as it
+    gives them alone (steps of 1-4 rows: the VNNI kernels), bit for bit: the same integer
+    sums and float operations where in_features is a multiple of 512 (a file of 512-wide
+    layers and a 1,024-wide MLP), where bf16 products (~0.3%) moved them apart. float32 KV:
+    bf16 rows would round apart values that float32 rounding leaves apart where
+    in_features is not such a multiple."""
+    folder = small_folder(tmp_path, "wide", "llama", hidden_size=512, intermediate_size=1024,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                          tie_word_embeddings=True)
+    path = write_gguf(folder, "llama", tmp_path / "wide.gguf", qtype=mixed)
+    llm = LLM(str(path), quantization="gguf", dtype="float32", num_kv_blocks=256,
+              block_size=4, kv_cache_dtype="float32")
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3 + 7 * i % 250, 11 + 13 * i % 240]} for i in range(24)]
+    together = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for prompt, batched in zip(prompts, together):
+        alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert batched.token_ids == alone.token_ids
+        assert [e.logprob for e in batched.logprobs] == [e.logprob for e in alone.logprobs]
