@@ -100,9 +100,9 @@ def main() -> None:
     for shape in args.crossover_shapes.split(","):
         n, k = (int(d) for d in shape.split("x"))
         print(f"--- {n}x{k}: integer kernel (int8 panels from their rows, in AMX's tiles "
-              f"where the CPU has them) / VNNI or AVX2 kernel / tiles (each panel in bf16 where the CPU has "
-              f"AVX512-BF16: AMX tiles or VDPBF16PS) / oneDNN over dequantized tiles, ms, by "
-              f"rows {crossover}, {dtype} activations")
+              f"where the CPU has them) / VNNI or AVX2 kernel / tiles (each panel in bf16 "
+              f"where the CPU has AVX512-BF16: AMX tiles or VDPBF16PS) / oneDNN over "
+              f"dequantized tiles, ms, by rows {crossover}, {dtype} activations")
         for qtype in formats:
             if k % GGML_QUANT_SIZES[qtype][0]:
                 print(f"{qtype.name:>6} - (in_features {k}: not whole blocks of this format)")

@@ -469,36 +469,28 @@ void gguf_get_rows(const GGUFPart& w, const Tensor& ids, Tensor out) {
 
 bool gguf_nibble_rounds() { return kNibbleRounds; }
 
-bool gguf_amx_bf16() {
 #ifdef TIDAL_GGUF_AMX_BF16
-  return amx_allowed();
+bool gguf_amx_bf16() { return amx_allowed(); }
 #else
-  return false;
+bool gguf_amx_bf16() { return false; }
 #endif
-}
 
-bool gguf_bf16_panels() {
 #ifdef TIDAL_GGUF_BF16_PANELS
-  return true;
+bool gguf_bf16_panels() { return true; }
 #else
-  return false;
+bool gguf_bf16_panels() { return false; }
 #endif
-}
 
-bool gguf_int8_panels() {
 #ifdef TIDAL_GGUF_DOT32
-  return true;
+bool gguf_int8_panels() { return true; }
 #else
-  return false;
+bool gguf_int8_panels() { return false; }
 #endif
-}
 
-bool gguf_amx() {
 #ifdef TIDAL_GGUF_AMX
-  return amx_allowed();
+bool gguf_amx() { return amx_allowed(); }
 #else
-  return false;
+bool gguf_amx() { return false; }
 #endif
-}
 
 }  // namespace tidal_cpu
