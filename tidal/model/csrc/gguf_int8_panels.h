@@ -21,6 +21,7 @@
 #ifdef TIDAL_GGUF_DOT32
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -60,6 +61,23 @@ struct RowScales {
         }
       }
   }
+};
+
+// A step's RowScales, built once for each unit width its parts take (32: the 32-weight
+// formats, Q4_K and Q5_K; 16: Q6_K), not once a part (a fused q/k/v has three).
+class StepScales {
+ public:
+  StepScales(const Activations& a, int64_t rows) : a_(a), rows_(rows) {}
+  const RowScales& of(int width) {
+    std::optional<RowScales>& s = by_[width == kGroup ? 0 : 1];
+    if (!s) s.emplace(a_, rows_, width);
+    return *s;
+  }
+
+ private:
+  const Activations& a_;
+  int64_t rows_;
+  std::optional<RowScales> by_[2];
 };
 
 // A unit's integer dot products by VNNI: its tile rows (4 weights of each of the 16 weight
@@ -184,15 +202,15 @@ inline void prefetch_panel(const uint8_t* w, int64_t row_bytes) {
 }
 
 // y[:, o0 .. o1) of rows activation rows (o1 - o0 a multiple of 16) for one weight of format
-// F (the 32-weight formats planar; the K-quants in either layout); `amx`: AMX's tiles make
-// the products (the process may use them), else VNNI.
+// F (the 32-weight formats planar; the K-quants in either layout), the activations' scales
+// from `step`; `amx`: AMX's tiles make the products (the process may use them), else VNNI.
 template <typename F, typename T>
-void int8_panels_linear(const Activations& a, int64_t rows, const uint8_t* w,
-                        int64_t row_bytes, bool planar, bool amx, const T* bias, int64_t o0,
-                        int64_t o1, T* y, int64_t ld) {
+void int8_panels_linear(const Activations& a, int64_t rows, StepScales& step,
+                        const uint8_t* w, int64_t row_bytes, bool planar, bool amx,
+                        const T* bias, int64_t o0, int64_t o1, T* y, int64_t ld) {
   using U = Units<F>;
   const int64_t nb = a.k / F::kBlock, nu = a.k / U::kWidth;
-  const RowScales scales(a, rows, U::kWidth);
+  const RowScales& scales = step.of(U::kWidth);
   at::parallel_for(o0 / 16, o1 / 16, 1, [&](int64_t p0, int64_t p1) {
     [[maybe_unused]] int configured = 0;  // the activation rows AMX's tiles are shaped for
     Panel panel(nu, U::kWidth);
@@ -229,6 +247,15 @@ void int8_panels_linear(const Activations& a, int64_t rows, const uint8_t* w,
   });
 }
 
+}  // namespace gguf
+}  // namespace tidal_cpu
+#else
+namespace tidal_cpu {
+namespace gguf {
+class StepScales {  // no int8 panels in this build: nothing to keep
+ public:
+  StepScales(const Activations&, int64_t) {}
+};
 }  // namespace gguf
 }  // namespace tidal_cpu
 #endif

@@ -173,18 +173,19 @@ auto row_kernel(int64_t nr, std::integer_sequence<int, N...>) {
 }
 
 // y[:, :w.size(0)] of a [rows, ld] output for one weight, over activations already quantized.
-// panels: whole panels of 16 weight rows through the int8 panels (amx_takes), in AMX's
-// tiles with `amx`.
+// panels (the step's scales, or null): whole panels of 16 weight rows through the int8
+// panels (amx_takes), in AMX's tiles with `amx`.
 template <typename F, typename T>
 void linear(const Activations& a, int64_t rows, int64_t k, const Tensor& w, bool planar,
-            bool panels, bool amx, const T* b, T* yp, int64_t ld) {
+            StepScales* panels, bool amx, const T* b, T* yp, int64_t ld) {
   const int64_t n = w.size(0), row_bytes = w.size(1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   int64_t first = 0;  // the first weight row the VNNI kernels take
 #ifdef TIDAL_GGUF_DOT32
-  if (panels && amx_takes<F>(planar)) {
+  if (panels != nullptr && amx_takes<F>(planar)) {
     first = n / 16 * 16;
-    int8_panels_linear<F, T>(a, rows, wp, row_bytes, planar, amx, b, 0, first, yp, ld);
+    int8_panels_linear<F, T>(a, rows, *panels, wp, row_bytes, planar, amx, b, 0, first, yp,
+                             ld);
   }
 #endif
   const int64_t tile = std::max<int64_t>(8, kTileBytes / row_bytes);
@@ -416,11 +417,12 @@ Tensor GGUFProjection::integer(const Tensor& x, bool with_bias) const {
     const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features,
                                              k_quants, interleave ? kRun : 0);
     const Tensor b = with_bias && bias.defined() ? bias.to(x.scalar_type()) : Tensor();
+    StepScales scales(a, rows);
     int64_t col = 0;
     for (const GGUFPart& p : parts) {
       with_format(p.type, [&](auto format) {
         linear<decltype(format), scalar_t>(a, rows, in_features, p.data, p.planar,
-                                           int8_panels, amx,
+                                           int8_panels ? &scales : nullptr, amx,
                                            b.defined() ? b.data_ptr<scalar_t>() + col : nullptr,
                                            y.data_ptr<scalar_t>() + col, out_features);
       });
