@@ -1,8 +1,8 @@
 // A panel of 16 GGUF weight rows unpacked once for many activation rows: each unit of a
 // row's weights (a 32-weight block; a K-quant's sub-block of 32, or Q6_K's of 16) as bytes
-// transposed 16 rows at a time, with its scale d and offset per row. AMX's int8 tiles
-// (gguf_amx.h) multiply those bytes as they lie; the bf16 panels (gguf_bf16_panels.h) turn
-// them into d q + offset in bf16 first.
+// transposed 16 rows at a time, with its scale d and offset per row. The int8 panels
+// (gguf_int8_panels.h: AMX's tiles or VNNI) multiply those bytes as they lie; the bf16
+// panels (gguf_bf16_panels.h) turn them into d q + offset in bf16 first.
 
 #pragma once
 
