@@ -29,7 +29,8 @@ namespace tidal_cpu {
 namespace gguf {
 
 // Lane l's units (l, l + 16, l + 32, ...) one after another: dot32 sums block b in lane b % 16,
-// so taking a lane's units together keeps its accumulators in registers, in dot32's order.
+// so taking a lane's units together keeps its accumulators in registers, in dot32's order
+// (panel_rows walks them so; AMX issues its tile products ahead from this list).
 inline std::vector<int32_t> lane_order(int64_t nu) {
   std::vector<int32_t> order;
   for (int l = 0; l < 16; ++l)
@@ -120,18 +121,18 @@ struct VnniProducts {
 
 // NR rows (NR >= nr; those past nr have zero scales and are not stored) against a panel of
 // nu units: out[r] (16 floats, the panel's rows), each unit's products from `products`
-// (unit(i, u): the i-th unit of `order` is u; rows<NR>(sums): its sums for each row). Row
+// (unit(i, u): the i-th unit in lane order is u; rows<NR>(sums): its sums for each row). Row
 // r's scales: unit u's at dx[16 u + r] and sx[16 u + r] (RowScales' rows of a tile).
 template <int NR, bool kSigned, typename Products>
 inline void panel_rows(const float* dx, const float* sx, int nr, const Panel& p, int64_t nu,
-                       const int32_t* order, Products& products, float* out) {
+                       Products& products, float* out) {
   alignas(64) float acc[16][NR][16];  // [lane][row][weight row], dot32's accumulators
   int64_t i = 0;
   for (int l = 0; l < 16; ++l) {
     __m512 s[NR];
     for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
     for (int64_t u = l; u < nu; u += 16, ++i) {
-      products.unit(i, order[i]);
+      products.unit(i, u);
       const __m512 d = _mm512_loadu_ps(&p.d[u * 16]), off = _mm512_loadu_ps(&p.off[u * 16]);
       __m512i sums[NR];
       products.template rows<NR>(sums);
@@ -158,7 +159,7 @@ inline void panel_rows(const float* dx, const float* sx, int nr, const Panel& p,
 // stay in registers.
 template <int kWidth, bool kSigned>
 inline void vnni_tile_rows(const Activations& a, const RowScales& rs, int64_t r0, int nr,
-                           const Panel& p, int64_t nu, const int32_t* order, float* out) {
+                           const Panel& p, int64_t nu, float* out) {
   for (int h = 0; h < nr; h += 8) {  // rows r0 + h ..: the tile's scales from lane h on
     const int n = std::min(8, nr - h);
     const int64_t at = r0 * nu + h;
@@ -166,8 +167,8 @@ inline void vnni_tile_rows(const Activations& a, const RowScales& rs, int64_t r0
                                            kSigned ? &rs.xsum[at] : nullptr};
     const float* dx = &rs.d[at];
     const float* sx = kSigned ? nullptr : &rs.sum32[at];
-    if (n <= 4) panel_rows<4, kSigned>(dx, sx, n, p, nu, order, products, out + 16 * h);
-    else panel_rows<8, kSigned>(dx, sx, n, p, nu, order, products, out + 16 * h);
+    if (n <= 4) panel_rows<4, kSigned>(dx, sx, n, p, nu, products, out + 16 * h);
+    else panel_rows<8, kSigned>(dx, sx, n, p, nu, products, out + 16 * h);
   }
 }
 
@@ -182,7 +183,7 @@ inline void amx_tile_rows(const Activations& a, const RowScales& rs, int64_t r0,
   const float* dx = &rs.d[r0 * nu];
   const float* sx = kSigned ? nullptr : &rs.sum32[r0 * nu];
   const auto run = [&](auto rows) {
-    panel_rows<decltype(rows)::value, kSigned>(dx, sx, nr, p, nu, order, products, out);
+    panel_rows<decltype(rows)::value, kSigned>(dx, sx, nr, p, nu, products, out);
   };
   if (nr <= 1) return run(std::integral_constant<int, 1>());
   if (nr <= 2) return run(std::integral_constant<int, 2>());
@@ -214,7 +215,7 @@ void int8_panels_linear(const Activations& a, int64_t rows, StepScales& step,
   at::parallel_for(o0 / 16, o1 / 16, 1, [&](int64_t p0, int64_t p1) {
     [[maybe_unused]] int configured = 0;  // the activation rows AMX's tiles are shaped for
     Panel panel(nu, U::kWidth);
-    const std::vector<int32_t> order = lane_order(nu);
+    const std::vector<int32_t> order = amx ? lane_order(nu) : std::vector<int32_t>();
     Field f[16][F::kFields];
     std::vector<float> out(16 * 16);
     for (int64_t p = p0; p < p1; ++p) {
@@ -232,8 +233,7 @@ void int8_panels_linear(const Activations& a, int64_t rows, StepScales& step,
           amx_tile_rows<U::kSigned>(a, scales, r0, nr, panel, nu, order.data(), out.data());
         else
 #endif
-          vnni_tile_rows<U::kWidth, U::kSigned>(a, scales, r0, nr, panel, nu, order.data(),
-                                                out.data());
+          vnni_tile_rows<U::kWidth, U::kSigned>(a, scales, r0, nr, panel, nu, out.data());
         const __m512 b = bias != nullptr ? load16(bias + 16 * p) : _mm512_setzero_ps();
         for (int r = 0; r < nr; ++r) {  // as dot_rows: 0 + the sum, then the bias
           const __m512 sum = _mm512_add_ps(_mm512_setzero_ps(), _mm512_loadu_ps(&out[16 * r]));
