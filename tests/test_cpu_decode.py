@@ -71,6 +71,45 @@ def test_paged_attention_equals_attention_over_the_gathered_context(data, batch,
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 4), heads=st.sampled_from([(9, 3), (4, 2), (8, 1)]),
+       head_dim=st.sampled_from([24, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       window=st.sampled_from([0, 0, 700]), kv=st.sampled_from(["auto", "auto", "int8"]))
+def test_long_contexts_attend_in_spans_whose_sums_depend_on_the_row_alone(data, batch, heads,
+                                                                          head_dim, dtype,
+                                                                          window, kv):
+    """Contexts past a span (512 positions) run as several tasks, one a span, merged by their
+    softmax maxima and sums: the result is attention over the gathered context, and each row
+    gets the same bits alone as in its batch, on one thread as on two (so a token does not
+    depend on its batch or the thread count)."""
+    h, hkv = heads
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    fmt = KVFormat(kv)
+    lens = [data.draw(st.integers(1, 1900)) for _ in range(batch)]
+    width = max(-(-n // 16) for n in lens)
+    blocks = batch * width
+    k, v = (torch.randn(blocks, 16, hkv, head_dim, generator=gen).to(dtype) for _ in range(2))
+    k_cache, v_cache = (fmt.encode(x).view(fmt.storage(dtype)) if fmt.quantized else x
+                        for x in (k, v))
+    tables = torch.randperm(blocks, generator=gen).view(batch, width)
+    q = torch.randn(batch, h, head_dim, generator=gen).to(dtype)
+    lens_t, scale = torch.tensor(lens), head_dim ** -0.5
+    got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, scale, window)
+    want = gathered_attention(q, fmt.decode(k_cache, torch.float32),
+                              fmt.decode(v_cache, torch.float32), tables, lens_t, scale, window)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for b in range(batch):
+            alone = ext.paged_decode_attention(q[b:b + 1], k_cache, v_cache, tables[b:b + 1],
+                                               lens_t[b:b + 1], scale, window)
+            assert torch.equal(alone[0], got[b])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_paged_attention_refuses_what_would_read_outside_the_cache():
     cache = torch.zeros(4, 4, 1, 8)
     q, table, one = torch.zeros(1, 2, 8), torch.zeros(1, 1, dtype=torch.long), torch.ones(1)

@@ -87,10 +87,11 @@ def tree_attention(q, k_cache, v_cache, tables, lens, tree, scale):
     return torch.stack(out)
 
 
-def random_tree_rows(data, batch, block_size, hkv, head_dim, dtype, gen):
+def random_tree_rows(data, batch, block_size, hkv, head_dim, dtype, gen,
+                     starts=st.integers(0, 40)):
     lens, tree = [], []
     for _ in range(batch):
-        start = data.draw(st.integers(0, 40))
+        start = data.draw(starts)
         nodes = data.draw(st.integers(0, 63))
         bits = data.draw(st.integers(1, 2**(nodes + 1) - 1)) | 1  # the root always seen
         lens.append(start + nodes + 1)
@@ -254,32 +255,54 @@ def test_branches_are_refused_for_a_draft_model():
             speculative_branches=2)
 
 
-@settings(max_examples=20, deadline=None)
-@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       head_dim=st.sampled_from([16, 64]))
-def test_a_tree_row_equals_its_one_path_twin_bit_for_bit(data, dtype, head_dim):
-    """The C++ kernel's tree row against a plain row over the positions it sees, packed:
-    the same bits, so a token never depends on whether its guesses came as a tree."""
+def tree_and_twin(k_cache, v_cache, tables, lens, tree, q):
+    """The C++ kernel's output for one tree row, and for a plain row over the positions it
+    sees packed into fresh blocks of the same size (its one-path twin)."""
     from tidal.model.cpu_decode import extension
 
     ext = extension()
     if ext is None:
         pytest.skip("no C++ compiler")
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    k_cache, v_cache, tables, lens, tree = random_tree_rows(data, 1, 4, 2, head_dim, dtype,
-                                                            gen)
     start, bits = tree[0].tolist()
     keep = [t for t in range(int(lens[0])) if t < start or (bits >> (t - start)) & 1]
-    # the seen positions packed into fresh blocks of the same size
-    width = -(-len(keep) // 4)
-    flat_k = k_cache[tables[0]].flatten(0, 1)[keep]
-    flat_v = v_cache[tables[0]].flatten(0, 1)[keep]
-    pad = torch.zeros(width * 4 - len(keep), 2, head_dim, dtype=dtype)
-    packed_k = torch.cat([flat_k, pad]).view(width, 4, 2, head_dim)
-    packed_v = torch.cat([flat_v, pad]).view(width, 4, 2, head_dim)
-    q = torch.randn(1, 4, head_dim, generator=gen).to(dtype)
+    size, hkv, head_dim = k_cache.shape[1:]
+    width = -(-len(keep) // size)
+    pad = torch.zeros(width * size - len(keep), hkv, head_dim, dtype=k_cache.dtype)
+    packed_k, packed_v = (torch.cat([c[tables[0]].flatten(0, 1)[keep], pad])
+                          .view(width, size, hkv, head_dim).contiguous()
+                          for c in (k_cache, v_cache))
     got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 0, tree)
-    twin = ext.paged_decode_attention(q, packed_k.contiguous(), packed_v.contiguous(),
-                                      torch.arange(width)[None], torch.tensor([len(keep)]),
-                                      0.25)
+    twin = ext.paged_decode_attention(q, packed_k, packed_v, torch.arange(width)[None],
+                                      torch.tensor([len(keep)]), 0.25)
+    return got, twin
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       head_dim=st.sampled_from([16, 64]))
+def test_a_tree_row_equals_its_one_path_twin_bit_for_bit(data, dtype, head_dim):
+    """The C++ kernel's tree row against its one-path twin: the same bits, so a token never
+    depends on whether its guesses came as a tree."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    rows = random_tree_rows(data, 1, 4, 2, head_dim, dtype, gen,
+                            st.integers(0, 40) | st.integers(400, 1100))
+    q = torch.randn(1, 4, head_dim, generator=gen).to(dtype)
+    got, twin = tree_and_twin(*rows, q)
+    assert torch.equal(got, twin)
+
+
+@pytest.mark.parametrize("start", [490, 500, 1000, 1010])
+def test_a_tree_across_a_span_end_splits_as_its_twin(start):
+    """Past 512 positions the C++ kernel attends in spans ending at multiples of 512: a tree
+    whose guesses straddle one (every other one hidden) splits where its twin does, not
+    inside the guesses, so their bits still agree."""
+    gen = torch.Generator().manual_seed(start)
+    nodes = 60
+    lens = torch.tensor([start + nodes + 1])
+    width = -(-int(lens[0]) // 4)
+    k_cache, v_cache = (torch.randn(width, 4, 2, 64, generator=gen) for _ in range(2))
+    bits = int("01" * 30 + "1", 2)  # the root and every other guess seen
+    tree = torch.tensor([[start, bits]])
+    q = torch.randn(1, 4, 64, generator=gen)
+    got, twin = tree_and_twin(k_cache, v_cache, torch.arange(width)[None], lens, tree, q)
     assert torch.equal(got, twin)

@@ -123,24 +123,32 @@ struct Paged {
     each_prefetched(n, static_cast<const char*>(nullptr), 0, f);
   }
   // each, and with `cache` (rows of `bytes`) fetching into L2 meanwhile the same row of the
-  // block kAhead blocks on: a block's rows are too short a run for the hardware
-  // prefetchers, and a thread that waits on every row reads at a third to half the speed
-  // of a stream.
+  // block kAhead blocks on (the first kAhead blocks' rows before the walk): a block's rows
+  // are too short a run for the hardware prefetchers, and a thread that waits on every row
+  // reads at a third to half the speed of a stream.
   template <typename T, typename F>
   void each_prefetched(int64_t n, const T* cache, int64_t bytes, F&& f) const {
     constexpr int64_t kAhead = 2;
-    const int64_t last = (first + n - 1) / block_size, pitch = token_stride * sizeof(T);
-    for (int64_t t = 0, blk = first / block_size, i0 = first % block_size; t < n; ++blk, i0 = 0) {
-      const char* ahead = cache && blk + kAhead <= last ? reinterpret_cast<const char*>(
-          cache + (table[blk + kAhead] * block_size * token_stride + head_offset)) : nullptr;
+    const int64_t start = first / block_size, last = (first + n - 1) / block_size;
+    const int64_t pitch = token_stride * sizeof(T);
+    const auto rows = [&](int64_t blk) {  // block blk's rows in the cache, as bytes
+      return reinterpret_cast<uintptr_t>(cache + (table[blk] * block_size * token_stride +
+                                                  head_offset));
+    };
+    const auto fetch = [&](uintptr_t row) {  // each cache line the row touches
+      for (uintptr_t line = row & ~uintptr_t{63}; line < row + bytes; line += 64)
+        __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+    };
+    if (cache)
+      for (int64_t blk = start; blk < start + kAhead && blk <= last; ++blk)
+        for (int64_t i = blk == start ? first % block_size : 0; i < block_size; ++i)
+          fetch(rows(blk) + i * pitch);
+    for (int64_t t = 0, blk = start, i0 = first % block_size; t < n; ++blk, i0 = 0) {
+      const uintptr_t ahead = cache && blk + kAhead <= last ? rows(blk + kAhead) : 0;
       const int64_t base = table[blk] * block_size * token_stride + head_offset;
       const int64_t m = std::min(block_size - i0, n - t);
       for (int64_t i = i0; i < i0 + m; ++i, ++t) {
-        if (ahead) {  // each cache line the row touches
-          const uintptr_t row = reinterpret_cast<uintptr_t>(ahead + i * pitch);
-          for (uintptr_t line = row & ~uintptr_t{63}; line < row + bytes; line += 64)
-            __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
-        }
+        if (ahead) fetch(ahead + i * pitch);
         f(t, base + i * token_stride);
       }
     }

@@ -3,12 +3,17 @@
 
 #include "kv_vectors.h"
 
+#include <array>
+#include <cmath>
+#include <vector>
+
 namespace tidal_cpu {
 namespace {
 
-// softmax in place over each of `groups` rows of n scores. The max and the sum run a vector
-// wide: a serial chain of n adds would cost more than the exponentials.
-inline void softmax_rows(float* scores, int64_t groups, int64_t n) {
+// softmax in place over each of `groups` rows of n scores; stats[2 j], stats[2 j + 1]: row j's
+// max and sum of exponentials (what merges a context's spans). The max and the sum run a
+// vector wide: a serial chain of n adds would cost more than the exponentials.
+inline void softmax_rows(float* scores, int64_t groups, int64_t n, float* stats) {
   for (int64_t j = 0; j < groups; ++j) {
     float* s = scores + j * n;
     const int64_t whole = n / kLanes * kLanes;
@@ -28,6 +33,8 @@ inline void softmax_rows(float* scores, int64_t groups, int64_t n) {
     for (int64_t t = whole; t < n; ++t) total += s[t];
     const float inv = 1.f / total;
     for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+    stats[2 * j] = mx;
+    stats[2 * j + 1] = total;
   }
 }
 
@@ -42,9 +49,15 @@ struct TreeMask {
   bool seen(int64_t t) const {
     return t < from || (t - from < 64 && (bits >> (t - from)) & 1);
   }
-  void softmax(float* scores, int64_t groups, int64_t n) const {
+  // How many of n positions are seen: a one-path twin's context length.
+  int64_t seen_count(int64_t n) const {
+    if (from >= n) return n;
+    const uint64_t valid = n - from >= 64 ? ~uint64_t{0} : (uint64_t{1} << (n - from)) - 1;
+    return from + __builtin_popcountll(bits & valid);
+  }
+  void softmax(float* scores, int64_t groups, int64_t n, float* stats) const {
     if (from >= n) {
-      softmax_rows(scores, groups, n);
+      softmax_rows(scores, groups, n, stats);
       return;
     }
     std::vector<int64_t> keep;
@@ -54,7 +67,7 @@ struct TreeMask {
     std::vector<float> packed(groups * m);
     for (int64_t j = 0; j < groups; ++j)
       for (int64_t i = 0; i < m; ++i) packed[j * m + i] = scores[j * n + keep[i]];
-    softmax_rows(packed.data(), groups, m);
+    softmax_rows(packed.data(), groups, m, stats);
     std::fill(scores, scores + groups * n, 0.f);
     for (int64_t j = 0; j < groups; ++j)
       for (int64_t i = 0; i < m; ++i) scores[j * n + keep[i]] = packed[j * m + i];
@@ -114,8 +127,8 @@ constexpr int kMaxHeadDim = 256, kMaxGroupWidth = 4096;  // d, and groups * d, o
 // computed it.
 template <typename T, int NV, int G>
 void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
-                int64_t groups_, int64_t d, const TreeMask& mask, float* scores, float* acc,
-                vf* part) {
+                int64_t groups_, int64_t d, const TreeMask& mask, float* scores, float* stats,
+                float* acc, vf* part) {
   const int64_t nv = NV > 0 ? NV : d / kLanes, groups = G > 0 ? G : groups_;
   constexpr bool kFixed = NV > 0 && G > 0;
   constexpr int kQ = kFixed ? G * NV : 1;
@@ -155,7 +168,7 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
     if (++m == kLanes) flush();
   });
   if (m > 0) flush();
-  mask.softmax(scores, groups, n);
+  mask.softmax(scores, groups, n, stats);
   if constexpr (kFixed) {
     constexpr int kCols = std::max(1, std::min(NV, kRegisters * 3 / 4 / G));
     for (int c0 = 0; c0 < NV; c0 += kCols) {
@@ -201,12 +214,13 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
 // vectors (AVX-512 keeps them in registers; AVX2 in L1), otherwise G read at run time.
 template <typename T, int NV>
 void attend_nv(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx, int64_t n,
-               int64_t groups, int64_t d, const TreeMask& mask, float* scores, float* acc,
-               vf* part) {
+               int64_t groups, int64_t d, const TreeMask& mask, float* scores, float* stats,
+               float* acc, vf* part) {
   const auto fixed = [&]<int G>() {
     if constexpr (G * NV <= 24) {
       if (groups == G) {
-        attend_vec<T, NV, G>(qf, k_cache, v_cache, ctx, n, groups, d, mask, scores, acc, part);
+        attend_vec<T, NV, G>(qf, k_cache, v_cache, ctx, n, groups, d, mask, scores, stats, acc,
+                             part);
         return true;
       }
     }
@@ -215,20 +229,21 @@ void attend_nv(const float* qf, const T* k_cache, const T* v_cache, const Paged&
   if (!(fixed.template operator()<1>() || fixed.template operator()<2>() ||
         fixed.template operator()<3>() || fixed.template operator()<4>() ||
         fixed.template operator()<5>() || fixed.template operator()<6>()))
-    attend_vec<T, NV, 0>(qf, k_cache, v_cache, ctx, n, groups, d, mask, scores, acc, part);
+    attend_vec<T, NV, 0>(qf, k_cache, v_cache, ctx, n, groups, d, mask, scores, stats, acc,
+                         part);
 }
 
 // Any head_dim, one element at a time.
 template <typename T>
 void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx,
                    int64_t n, int64_t groups, int64_t d, const TreeMask& mask, float* scores,
-                   float* acc) {
+                   float* stats, float* acc) {
   ctx.each(n, [&](int64_t t, int64_t off) {
     const float s = row_scale(k_cache + off, d);
     for (int64_t j = 0; j < groups; ++j)
       scores[j * n + t] = dot(qf + j * d, k_cache + off, d) * s;
   });
-  mask.softmax(scores, groups, n);
+  mask.softmax(scores, groups, n, stats);
   std::fill(acc, acc + groups * d, 0.f);
   ctx.each(n, [&](int64_t t, int64_t off) {
     const T* v = v_cache + off;
@@ -242,9 +257,52 @@ void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Pa
 
 }  // namespace
 
+// A row's context in spans, each a task, so that one long sequence spreads over every thread
+// (its KV heads alone are few tasks: SmolLM2 has 3 for 2 or 64 threads). Spans end at the
+// multiples of kSpan up to kTreeSpan positions before the end of what the row sees: a
+// function of the row alone, so its output does not depend on its batch or on the thread
+// count, and a speculation tree's row (whose hidden positions all lie in its last 64) splits
+// as its one-path twin does. A row of one span is computed as it always was; the spans of a
+// longer one are merged in order by their softmax maxima and sums.
+constexpr int64_t kSpan = 512, kTreeSpan = 64;
+
+struct Span {
+  int64_t b, p0, p1;  // row b's positions p0 .. p1 - 1 (from its window's start)
+  int64_t part;       // its partial results' index; -1: the row's only span (writes out)
+};
+
+struct RowSpans {
+  std::vector<Span> spans;
+  std::vector<std::array<int64_t, 3>> merges;  // row, its first part, its spans
+
+  RowSpans(const int64_t* lens, const int64_t* tree, int64_t batch, int64_t window) {
+    int64_t parts = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t first = window_start(lens[b], window), n = lens[b] - first;
+      const int64_t seen = row_mask(tree, b, first, n).seen_count(n);
+      const int64_t cuts = seen > kTreeSpan ? (seen - kTreeSpan) / kSpan : 0;
+      if (cuts == 0) {
+        spans.push_back({b, 0, n, -1});
+        continue;
+      }
+      merges.push_back({b, parts, cuts + 1});
+      for (int64_t c = 0; c <= cuts; ++c)
+        spans.push_back({b, c * kSpan, c == cuts ? n : (c + 1) * kSpan, parts++});
+    }
+  }
+  static int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+  }
+  static TreeMask row_mask(const int64_t* tree, int64_t b, int64_t first, int64_t n) {
+    return tree ? TreeMask{tree[2 * b] - first, static_cast<uint64_t>(tree[2 * b + 1])}
+                : TreeMask{n, 0};
+  }
+};
+
 // q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, row width]
-// of C (kv_rows.h); tables [B, W] int64; lens [B]. One task per (sequence, KV head) reads
-// that head's context straight from its blocks and serves every query head of its group.
+// of C (kv_rows.h); tables [B, W] int64; lens [B]. One task per span of a sequence's
+// context (RowSpans) and KV head reads that head's positions straight from their blocks and
+// serves every query head of its group.
 // window > 0: only the last `window` positions of each context (a sliding-window layer).
 // tree: see tidal_cpu.h.
 template <typename T, typename C>
@@ -257,43 +315,82 @@ void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_
                                 kCoded<C>;
   const bool vec = vectorisable && d % kLanes == 0 && d <= kMaxHeadDim &&
                    groups * d <= kMaxGroupWidth;
-  at::parallel_for(0, batch * hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf, scores, acc;
-    std::vector<vf> parts(groups * kLanes);
+  const RowSpans plan(lens, tree, batch, window);
+  // a span's partial results: [part][KV head] of each query head's output, then its stats
+  const int64_t part_width = groups * (d + 2);
+  static thread_local std::vector<float> kept;  // the calling thread's: a step's layers reuse it
+  const size_t part_floats = plan.merges.empty() ? 0 : plan.spans.size() * hkv * part_width;
+  if (kept.size() < part_floats) kept.resize(part_floats);
+  float* parts = kept.data();
+  const int64_t tasks = static_cast<int64_t>(plan.spans.size()) * hkv;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(groups * d), scores, acc(groups * d), stats(2 * groups);
+    std::vector<vf> lanes(groups * kLanes);
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t b = task / hkv, g = task % hkv;
-      const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
-      const int64_t n = lens[b] - first;
-      const Paged ctx{tables + b * table_width, block_size, hkv * w, g * w, first};
-      const TreeMask mask = tree ? TreeMask{tree[2 * b] - first,
-                                            static_cast<uint64_t>(tree[2 * b + 1])}
-                                 : TreeMask{n, 0};
-      qf.resize(groups * d);
+      const Span& sp = plan.spans[task / hkv];
+      const int64_t b = sp.b, g = task % hkv, n = sp.p1 - sp.p0;
+      const int64_t first = RowSpans::window_start(lens[b], window);
+      const Paged ctx{tables + b * table_width, block_size, hkv * w, g * w, first + sp.p0};
+      TreeMask mask = RowSpans::row_mask(tree, b, first, lens[b] - first);
+      mask.from -= sp.p0;  // a span before the last sees all its positions
       scores.resize(groups * n);
-      acc.resize(groups * d);
       for (int64_t j = 0; j < groups; ++j)
         for (int64_t i = 0; i < d; ++i)
           qf[j * d + i] = f32(q[b * q_stride + (g * groups + j) * d + i]) * scale;
-      float *qp = qf.data(), *sp = scores.data(), *ap = acc.data();
+      float *qp = qf.data(), *sc = scores.data(), *st = stats.data(), *ap = acc.data();
       if constexpr (vectorisable) {
         if (vec && d == 64) {
-          attend_nv<C, 64 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
-                                    parts.data());
+          attend_nv<C, 64 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sc, st, ap,
+                                    lanes.data());
         } else if (vec && d == 128) {
-          attend_nv<C, 128 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
-                                    parts.data());
+          attend_nv<C, 128 / kLanes>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sc, st, ap,
+                                     lanes.data());
         } else if (vec) {
-          attend_vec<C, 0, 0>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap,
-                              parts.data());
+          attend_vec<C, 0, 0>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sc, st, ap,
+                              lanes.data());
         } else {
-          attend_scalar<C>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap);
+          attend_scalar<C>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sc, st, ap);
         }
       } else {
-        attend_scalar<C>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sp, ap);
+        attend_scalar<C>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sc, st, ap);
       }
-      for (int64_t j = 0; j < groups; ++j)
-        for (int64_t i = 0; i < d; ++i)
-          out[(b * heads + g * groups + j) * d + i] = round_to<T>(acc[j * d + i]);
+      if (sp.part < 0) {
+        for (int64_t j = 0; j < groups; ++j)
+          for (int64_t i = 0; i < d; ++i)
+            out[(b * heads + g * groups + j) * d + i] = round_to<T>(acc[j * d + i]);
+      } else {
+        float* part = &parts[(sp.part * hkv + g) * part_width];
+        std::copy(acc.begin(), acc.end(), part);
+        std::copy(stats.begin(), stats.end(), part + groups * d);
+      }
+    }
+  });
+  if (plan.merges.empty()) return;
+  // each span's output (normalised over the span) weighs its share of the row's sum
+  at::parallel_for(0, static_cast<int64_t>(plan.merges.size()) * hkv, 1, [&](int64_t t0,
+                                                                             int64_t t1) {
+    std::vector<float> weight, o(d);
+    for (int64_t task = t0; task < t1; ++task) {
+      const auto [b, part0, count] = plan.merges[task / hkv];
+      const int64_t g = task % hkv;
+      const auto part = [&](int64_t s) { return &parts[((part0 + s) * hkv + g) * part_width]; };
+      weight.resize(count);
+      for (int64_t j = 0; j < groups; ++j) {
+        float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+        for (int64_t s = 0; s < count; ++s) top = std::max(top, part(s)[groups * d + 2 * j]);
+        for (int64_t s = 0; s < count; ++s) {
+          const float* st = part(s) + groups * d + 2 * j;
+          weight[s] = std::exp(st[0] - top) * st[1];
+          total += weight[s];
+        }
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t s = 0; s < count; ++s) {  // spans in order, a head's d values at once
+          const float c = weight[s] / total, *acc = part(s) + j * d;
+          for (int64_t i = 0; i < d; ++i) o[i] += c * acc[i];
+        }
+        T* row = out + (b * heads + g * groups + j) * d;
+        for (int64_t i = 0; i < d; ++i) row[i] = round_to<T>(o[i]);
+      }
     }
   });
 }
