@@ -322,6 +322,10 @@ void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_
   const size_t part_floats = plan.merges.empty() ? 0 : plan.spans.size() * hkv * part_width;
   if (kept.size() < part_floats) kept.resize(part_floats);
   float* parts = kept.data();
+  const auto write = [&](int64_t b, int64_t g, const float* values) {  // a KV head's group
+    T* row = out + (b * heads + g * groups) * d;
+    for (int64_t i = 0; i < groups * d; ++i) row[i] = round_to<T>(values[i]);
+  };
   const int64_t tasks = static_cast<int64_t>(plan.spans.size()) * hkv;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf(groups * d), scores, acc(groups * d), stats(2 * groups);
@@ -355,9 +359,7 @@ void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_
         attend_scalar<C>(qp, k_cache, v_cache, ctx, n, groups, d, mask, sc, st, ap);
       }
       if (sp.part < 0) {
-        for (int64_t j = 0; j < groups; ++j)
-          for (int64_t i = 0; i < d; ++i)
-            out[(b * heads + g * groups + j) * d + i] = round_to<T>(acc[j * d + i]);
+        write(b, g, ap);
       } else {
         float* part = &parts[(sp.part * hkv + g) * part_width];
         std::copy(acc.begin(), acc.end(), part);
@@ -369,7 +371,7 @@ void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_
   // each span's output (normalised over the span) weighs its share of the row's sum
   at::parallel_for(0, static_cast<int64_t>(plan.merges.size()) * hkv, 1, [&](int64_t t0,
                                                                              int64_t t1) {
-    std::vector<float> weight, o(d);
+    std::vector<float> weight, o(groups * d);
     for (int64_t task = t0; task < t1; ++task) {
       const auto [b, part0, count] = plan.merges[task / hkv];
       const int64_t g = task % hkv;
@@ -383,14 +385,14 @@ void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_
           weight[s] = std::exp(st[0] - top) * st[1];
           total += weight[s];
         }
-        std::fill(o.begin(), o.end(), 0.f);
+        float* oj = &o[j * d];
+        std::fill(oj, oj + d, 0.f);
         for (int64_t s = 0; s < count; ++s) {  // spans in order, a head's d values at once
           const float c = weight[s] / total, *acc = part(s) + j * d;
-          for (int64_t i = 0; i < d; ++i) o[i] += c * acc[i];
+          for (int64_t i = 0; i < d; ++i) oj[i] += c * acc[i];
         }
-        T* row = out + (b * heads + g * groups + j) * d;
-        for (int64_t i = 0; i < d; ++i) row[i] = round_to<T>(o[i]);
       }
+      write(b, g, o.data());
     }
   });
 }
