@@ -255,8 +255,6 @@ void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Pa
   });
 }
 
-}  // namespace
-
 // A row's context in spans, each a task, so that one long sequence spreads over every thread
 // (its KV heads alone are few tasks: SmolLM2 has 3 for 2 or 64 threads). Spans end at the
 // multiples of kSpan up to kTreeSpan positions before the end of what the row sees: a
@@ -267,8 +265,10 @@ void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Pa
 constexpr int64_t kSpan = 512, kTreeSpan = 64;
 
 struct Span {
-  int64_t b, p0, p1;  // row b's positions p0 .. p1 - 1 (from its window's start)
-  int64_t part;       // its partial results' index; -1: the row's only span (writes out)
+  int64_t b, first;  // row b, its window's start
+  int64_t p0, p1;    // the span: positions first + p0 .. first + p1 - 1
+  TreeMask mask;     // what the span sees (from p0 on)
+  int64_t part;      // its partial results' index; -1: the row's only span (writes out)
 };
 
 struct RowSpans {
@@ -278,26 +278,26 @@ struct RowSpans {
   RowSpans(const int64_t* lens, const int64_t* tree, int64_t batch, int64_t window) {
     int64_t parts = 0;
     for (int64_t b = 0; b < batch; ++b) {
-      const int64_t first = window_start(lens[b], window), n = lens[b] - first;
-      const int64_t seen = row_mask(tree, b, first, n).seen_count(n);
+      const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
+      const int64_t n = lens[b] - first;
+      const TreeMask mask = tree ? TreeMask{tree[2 * b] - first,
+                                            static_cast<uint64_t>(tree[2 * b + 1])}
+                                 : TreeMask{n, 0};
+      const int64_t seen = mask.seen_count(n);
       const int64_t cuts = seen > kTreeSpan ? (seen - kTreeSpan) / kSpan : 0;
       if (cuts == 0) {
-        spans.push_back({b, 0, n, -1});
+        spans.push_back({b, first, 0, n, mask, -1});
         continue;
       }
       merges.push_back({b, parts, cuts + 1});
-      for (int64_t c = 0; c <= cuts; ++c)
-        spans.push_back({b, c * kSpan, c == cuts ? n : (c + 1) * kSpan, parts++});
+      for (int64_t c = 0; c <= cuts; ++c)  // a span before the last sees all its positions
+        spans.push_back({b, first, c * kSpan, c == cuts ? n : (c + 1) * kSpan,
+                         TreeMask{mask.from - c * kSpan, mask.bits}, parts++});
     }
   }
-  static int64_t window_start(int64_t len, int64_t window) {
-    return window > 0 && len > window ? len - window : 0;
-  }
-  static TreeMask row_mask(const int64_t* tree, int64_t b, int64_t first, int64_t n) {
-    return tree ? TreeMask{tree[2 * b] - first, static_cast<uint64_t>(tree[2 * b + 1])}
-                : TreeMask{n, 0};
-  }
 };
+
+}  // namespace
 
 // q: rows of [heads, d] at `q_stride` apart; caches [blocks, block_size, hkv, row width]
 // of C (kv_rows.h); tables [B, W] int64; lens [B]. One task per span of a sequence's
@@ -333,10 +333,8 @@ void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_
     for (int64_t task = t0; task < t1; ++task) {
       const Span& sp = plan.spans[task / hkv];
       const int64_t b = sp.b, g = task % hkv, n = sp.p1 - sp.p0;
-      const int64_t first = RowSpans::window_start(lens[b], window);
-      const Paged ctx{tables + b * table_width, block_size, hkv * w, g * w, first + sp.p0};
-      TreeMask mask = RowSpans::row_mask(tree, b, first, lens[b] - first);
-      mask.from -= sp.p0;  // a span before the last sees all its positions
+      const Paged ctx{tables + b * table_width, block_size, hkv * w, g * w, sp.first + sp.p0};
+      const TreeMask& mask = sp.mask;
       scores.resize(groups * n);
       for (int64_t j = 0; j < groups; ++j)
         for (int64_t i = 0; i < d; ++i)
