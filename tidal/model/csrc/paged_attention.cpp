@@ -274,9 +274,9 @@ struct Span {
 struct RowSpans {
   std::vector<Span> spans;
   std::vector<std::array<int64_t, 3>> merges;  // row, its first part, its spans
+  int64_t parts = 0;                           // the spans of rows of more than one
 
   RowSpans(const int64_t* lens, const int64_t* tree, int64_t batch, int64_t window) {
-    int64_t parts = 0;
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
       const int64_t n = lens[b] - first;
@@ -319,7 +319,7 @@ void paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_
   // a span's partial results: [part][KV head] of each query head's output, then its stats
   const int64_t part_width = groups * (d + 2);
   static thread_local std::vector<float> kept;  // the calling thread's: a step's layers reuse it
-  const size_t part_floats = plan.merges.empty() ? 0 : plan.spans.size() * hkv * part_width;
+  const size_t part_floats = plan.parts * hkv * part_width;
   if (kept.size() < part_floats) kept.resize(part_floats);
   float* parts = kept.data();
   const auto write = [&](int64_t b, int64_t g, const float* values) {  // a KV head's group
