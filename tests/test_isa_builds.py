@@ -1,9 +1,11 @@
-"""The GGUF kernels as compiled for other CPUs. The extension builds with -march=native, so
-this machine runs only its own instruction set's paths; here the GGUF kernels are built for
-AVX2 without AVX-512 (haswell) and for no SIMD at all (x86-64), and each build's integer
-kernel must give what the native one gives (the same activation rounding, so equal up to
-float32 summation order) and what gguf.quants.dequantize(W) @ x gives, for every block
-format in both row layouts and 1-9 rows (each row count its own kernel instance)."""
+"""The kernels as compiled for other CPUs. The extension builds with -march=native, so this
+machine runs only its own instruction set's paths; here the GGUF kernels and the paged
+decode attention are built for AVX2 without AVX-512 (haswell) and for no SIMD at all
+(x86-64). Each build's integer kernel must give what the native one gives (the same
+activation rounding, so equal up to float32 summation order) and what
+gguf.quants.dequantize(W) @ x gives, for every block format in both row layouts and 1-9 rows
+(each row count its own kernel instance); each build's attention must give attention over
+the gathered context, over caches of every row format, in one span and in several."""
 
 from __future__ import annotations
 
@@ -16,19 +18,22 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
+from test_cpu_decode import gathered_attention, scored_query
 from test_gguf_quants import (MAX_TOL, RMS_TOL, dequantized, exact_x, k_for, relative_errors,
                               weight_bytes)
 
 from tidal.model import cpu_decode
 from tidal.model.cpu_extension import _CSRC
 from tidal.model.gguf_quants import BLOCK_FIELDS, QuantizedWeight
+from tidal.model.kv_quant import KVFormat
 from tidal.model.linear import cpu_flags
 
 NATIVE = cpu_decode.extension()
 MARCHES = {"haswell": {"avx2", "fma", "f16c"}, "x86-64": set()}
-# the GGUF kernels' source and a binding of gguf_linear alone: the rest of the extension
-# would double the build for nothing compared here
-SOURCES = [str(_CSRC / "gguf_quants.cpp"), str(Path(__file__).parent / "gguf_isa_binding.cpp")]
+# the GGUF kernels' and the decode attention's sources and a binding of them alone: the rest
+# of the extension would double the build for nothing compared here
+SOURCES = [str(_CSRC / "gguf_quants.cpp"), str(_CSRC / "paged_attention.cpp"),
+           str(Path(__file__).parent / "isa_binding.cpp")]
 
 
 @pytest.fixture(scope="module", params=list(MARCHES))
@@ -40,7 +45,7 @@ def variant(request, tmp_path_factory):
         pytest.skip(f"this CPU cannot run code built for {march}")
     from torch.utils.cpp_extension import load
 
-    return load(name=f"tidal_gguf_{march.replace('-', '_')}", sources=SOURCES,
+    return load(name=f"tidal_isa_{march.replace('-', '_')}", sources=SOURCES,
                 extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"],
                 extra_include_paths=[str(_CSRC)],
                 build_directory=str(tmp_path_factory.mktemp(march)), verbose=False)
@@ -78,6 +83,34 @@ def test_each_build_equals_the_native_one_and_gguf(variant, qtype, planar):
         assert np.all(np.abs(got - native) <= 1e-5 * bound + 1e-30), rows
         rms, worst = relative_errors(got, gauss.astype(np.float64) @ ref.T)
         assert rms <= RMS_TOL and worst <= MAX_TOL, (rows, rms, worst)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8", "fp8_e4m3"])
+def test_each_build_attends_over_the_gathered_context(variant, kv):
+    """Head sizes of the vector paths (64, 128) and the scalar one (24), groups of query
+    heads each path fixes or reads at run time, float32 and bf16, contexts in one span and
+    in several: each build within float32's error of attention over the gathered context
+    and of the native build (int8 rows score with the query rounded alike everywhere)."""
+    gen = torch.Generator().manual_seed(7)
+    fmt = KVFormat(kv)
+    for d, (h, hkv), dtype in [(64, (9, 3), torch.float32), (128, (8, 2), torch.float32),
+                               (64, (8, 1), torch.bfloat16), (24, (4, 2), torch.float32),
+                               (128, (4, 1), torch.float32)]:
+        lens = torch.tensor([1, 37, 700, 1300])
+        width = -(-int(lens.max()) // 16)
+        k, v = (torch.randn(4 * width, 16, hkv, d, generator=gen).to(dtype) for _ in range(2))
+        k_cache, v_cache = (fmt.encode(x).view(fmt.storage(dtype)) if fmt.quantized else x
+                            for x in (k, v))
+        tables = torch.randperm(4 * width, generator=gen).view(4, width)
+        q = torch.randn(4, h, d, generator=gen).to(dtype)
+        got, native = (e.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, 0)
+                       for e in (variant, NATIVE))
+        q_s, scale_s = scored_query(q, d ** -0.5, kv)
+        want = gathered_attention(q_s, fmt.decode(k_cache, torch.float32),
+                                  fmt.decode(v_cache, torch.float32), tables, lens, scale_s)
+        tol = 2e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+        torch.testing.assert_close(got.float(), native.float(), atol=tol, rtol=tol)
 
 
 def test_each_build_keeps_to_its_instruction_set(variant):
