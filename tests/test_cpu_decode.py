@@ -36,18 +36,6 @@ def gathered_attention(q, k_cache, v_cache, tables, lens, scale, window=0):
     return torch.stack(out)
 
 
-def scored_query(q, scale, kv):
-    """The query and scale as the kernel scores a key with: over int8 rows each head times
-    `scale` is rounded to int16 at 2^-15 of its largest magnitude (the sums then run in
-    integers), so the reference takes that query and a scale of 1."""
-    if kv != "int8":
-        return q, scale
-    x = q.float() * scale
-    step = x.abs().amax(-1, keepdim=True) / 32767
-    step = torch.where(step > 0, step, torch.ones_like(step))
-    return torch.round(x / step) * step, 1.0
-
-
 @settings(max_examples=60)
 @given(data=st.data(), batch=st.integers(1, 5), heads=st.sampled_from([(1, 1), (4, 2), (9, 3),
                                                                        (8, 1)]),
@@ -77,9 +65,8 @@ def test_paged_attention_equals_attention_over_the_gathered_context(data, batch,
     lens_t = torch.tensor(lens)
     scale = head_dim ** -0.5
     got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, scale, window)
-    q_s, scale_s = scored_query(q, scale, kv)
-    want = gathered_attention(q_s, fmt.decode(k_cache, torch.float32),
-                              fmt.decode(v_cache, torch.float32), tables, lens_t, scale_s, window)
+    want = gathered_attention(q, fmt.decode(k_cache, torch.float32),
+                              fmt.decode(v_cache, torch.float32), tables, lens_t, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
@@ -108,9 +95,8 @@ def test_long_contexts_attend_in_spans_whose_sums_depend_on_the_row_alone(data, 
     q = torch.randn(batch, h, head_dim, generator=gen).to(dtype)
     lens_t, scale = torch.tensor(lens), head_dim ** -0.5
     got = ext.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, scale, window)
-    q_s, scale_s = scored_query(q, scale, kv)
-    want = gathered_attention(q_s, fmt.decode(k_cache, torch.float32),
-                              fmt.decode(v_cache, torch.float32), tables, lens_t, scale_s, window)
+    want = gathered_attention(q, fmt.decode(k_cache, torch.float32),
+                              fmt.decode(v_cache, torch.float32), tables, lens_t, scale, window)
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     threads = torch.get_num_threads()

@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
-from test_cpu_decode import gathered_attention, scored_query
+from test_cpu_decode import gathered_attention
 from test_gguf_quants import (MAX_TOL, RMS_TOL, dequantized, exact_x, k_for, relative_errors,
                               weight_bytes)
 
@@ -90,7 +90,7 @@ def test_each_build_attends_over_the_gathered_context(variant, kv):
     """Head sizes of the vector paths (64, 128) and the scalar one (24), groups of query
     heads each path fixes or reads at run time, float32 and bf16, contexts in one span and
     in several: each build within float32's error of attention over the gathered context
-    and of the native build (int8 rows score with the query rounded alike everywhere)."""
+    and of the native build."""
     gen = torch.Generator().manual_seed(7)
     fmt = KVFormat(kv)
     for d, (h, hkv), dtype in [(64, (9, 3), torch.float32), (128, (8, 2), torch.float32),
@@ -105,9 +105,8 @@ def test_each_build_attends_over_the_gathered_context(variant, kv):
         q = torch.randn(4, h, d, generator=gen).to(dtype)
         got, native = (e.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, 0)
                        for e in (variant, NATIVE))
-        q_s, scale_s = scored_query(q, d ** -0.5, kv)
-        want = gathered_attention(q_s, fmt.decode(k_cache, torch.float32),
-                                  fmt.decode(v_cache, torch.float32), tables, lens, scale_s)
+        want = gathered_attention(q, fmt.decode(k_cache, torch.float32),
+                                  fmt.decode(v_cache, torch.float32), tables, lens, d ** -0.5)
         tol = 2e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
         torch.testing.assert_close(got.float(), native.float(), atol=tol, rtol=tol)

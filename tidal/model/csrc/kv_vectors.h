@@ -30,8 +30,6 @@ typedef int8_t vi8 __attribute__((vector_size(kLanes)));
 typedef int32_t vi32 __attribute__((vector_size(4 * kLanes)));
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
 
-constexpr int kMaxHeadDim = 256, kMaxGroupWidth = 4096;  // d, and groups * d, of a vector path
-
 // e^x for softmax, on a float or on every lane of a vf, in plain arithmetic so loops over it
 // vectorise (std::exp does not): Cephes' polynomial on x - n ln2 (n rounded to nearest even
 // by adding and taking away 1.5 x 2^23), scaled by 2^n: a few ulp from expf over its range.
@@ -113,46 +111,6 @@ inline vf loadv(const F8* p) {
   const vu32 bits = (u & 0x78u) == 0 ? reinterpret_cast<vu32>(subnormal) : normal;
   return reinterpret_cast<vf>(bits | ((u & 0x80u) << 24));
 }
-
-// kLanes vectors to one whose lane i is the sum of p[i]'s lanes, in rounds that each add two
-// vectors' halves side by side (kLanes - 1 adds; kLanes horizontal sums take several times
-// as many). A token's sum takes the same pairs at any lane, so a score does not depend on
-// where its run of kLanes tokens starts.
-#define TIDAL_HALVES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-template <typename V>  // vf or vi32
-inline V transpose_sum(const V* p) {
-#ifdef __AVX512F__
-  V a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = TIDAL_HALVES(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
-                        22, 23) +
-           TIDAL_HALVES(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
-                        29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    b[i] = TIDAL_HALVES(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
-                        26, 27) +
-           TIDAL_HALVES(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
-                        29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    c[i] = TIDAL_HALVES(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25,
-                        28, 29) +
-           TIDAL_HALVES(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26,
-                        27, 30, 31);
-  return TIDAL_HALVES(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         TIDAL_HALVES(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-#else
-  V a[4], b[2];
-  for (int i = 0; i < 4; ++i)
-    a[i] = TIDAL_HALVES(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           TIDAL_HALVES(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-  for (int i = 0; i < 2; ++i)
-    b[i] = TIDAL_HALVES(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-           TIDAL_HALVES(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-  return TIDAL_HALVES(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-         TIDAL_HALVES(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
-#endif
-}
-#undef TIDAL_HALVES
 
 // A sequence's context in a [blocks, block_size, hkv, width] cache, for one KV head: `each`
 // walks its n tokens from position `first` on (a sliding window's start; 0 otherwise) block

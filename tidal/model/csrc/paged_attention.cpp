@@ -1,7 +1,6 @@
 // Paged decode attention: reads K and V from the paged cache in place (no gather), of the
 // model's dtype or quantized rows (kv_rows.h).
 
-#include "kv_int8_scores.h"
 #include "kv_vectors.h"
 
 #include <array>
@@ -75,6 +74,47 @@ struct TreeMask {
   }
 };
 
+// kLanes vectors to one whose lane i is the sum of p[i]'s lanes, in rounds that each add two
+// vectors' halves side by side (kLanes - 1 adds; kLanes horizontal sums take several times
+// as many). A token's sum takes the same pairs at any lane, so a score does not depend on
+// where its run of kLanes tokens starts.
+#define TIDAL_HALVES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+inline vf transpose_sum(const vf* p) {
+#ifdef __AVX512F__
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = TIDAL_HALVES(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                        22, 23) +
+           TIDAL_HALVES(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                        29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = TIDAL_HALVES(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                        26, 27) +
+           TIDAL_HALVES(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                        29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = TIDAL_HALVES(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25,
+                        28, 29) +
+           TIDAL_HALVES(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26,
+                        27, 30, 31);
+  return TIDAL_HALVES(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         TIDAL_HALVES(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vf a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = TIDAL_HALVES(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           TIDAL_HALVES(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    b[i] = TIDAL_HALVES(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           TIDAL_HALVES(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return TIDAL_HALVES(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         TIDAL_HALVES(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+#undef TIDAL_HALVES
+
+constexpr int kMaxHeadDim = 256, kMaxGroupWidth = 4096;  // d, and groups * d, of attend_vec
+
 // One (sequence, KV head) task for head_dim a multiple of kLanes (up to 256): each K and V
 // row is loaded once as d / kLanes vectors and serves every query head of the group.
 // NV = d / kLanes and G = groups when known at compile time (0: read them from d and
@@ -100,48 +140,34 @@ void attend_vec(const float* qf, const T* k_cache, const T* v_cache, const Paged
     else return loadv(qf + j * d + kLanes * c);
   };
   vf row[NV > 0 ? NV : kMaxHeadDim / kLanes];  // part: [query head][token of the kLanes]
-  const int64_t bytes = row_width<T>(d) * sizeof(T);
   int64_t t0 = 0;  // the first of the kLanes tokens
   int m = 0;       // tokens of the kLanes gathered
-  const auto walk = [&](auto&& add, auto&& flush) {  // the keys, scored kLanes at a time
-    ctx.each_prefetched(n, k_cache, bytes, [&](int64_t, int64_t off) {
-      add(k_cache + off);
-      if (++m < kLanes) return;
-      flush();
-      t0 += m, m = 0;
-    });
-    if (m > 0) flush();
-  };
-  if constexpr (std::is_same_v<T, int8_t>) {
-    if (nv % 2 == 0) {
-      if constexpr (NV % 2 == 0) {
-        Int8Scores<NV / 2, G> in(qf, groups, d);
-        walk([&](const T* k) { in.add(k, m); }, [&] { in.scores(m, scores + t0, n); });
-      }
-    } else {
-      int8_scores_each(qf, k_cache, ctx, n, groups, d, scores);
+  const auto flush = [&] {
+    for (int64_t j = 0; j < groups; ++j) {
+      vf* pj = part + j * kLanes;
+      std::fill(pj + m, pj + kLanes, vf{});
+      const vf s = transpose_sum(pj);
+      std::memcpy(scores + j * n + t0, &s, sizeof(float) * m);
     }
-  } else {
-    walk([&](const T* k) {
-      for (int64_t c = 0; c < nv; ++c) row[c] = loadv(k + kLanes * c);
-      if constexpr (kCoded<T>) {
-        const float s = row_scale(k, d);
-        for (int64_t c = 0; c < nv; ++c) row[c] *= s;
-      }
-      for (int64_t j = 0; j < groups; ++j) {
-        vf sum = qvec(j, 0) * row[0];
-        for (int64_t c = 1; c < nv; ++c) sum += qvec(j, c) * row[c];
-        part[j * kLanes + m] = sum;
-      }
-    }, [&] {
-      for (int64_t j = 0; j < groups; ++j) {
-        vf* pj = part + j * kLanes;
-        std::fill(pj + m, pj + kLanes, vf{});
-        const vf s = transpose_sum(pj);
-        std::memcpy(scores + j * n + t0, &s, sizeof(float) * m);
-      }
-    });
-  }
+    t0 += m;
+    m = 0;
+  };
+  const int64_t bytes = row_width<T>(d) * sizeof(T);
+  ctx.each_prefetched(n, k_cache, bytes, [&](int64_t, int64_t off) {
+    const T* k = k_cache + off;
+    for (int64_t c = 0; c < nv; ++c) row[c] = loadv(k + kLanes * c);
+    if constexpr (kCoded<T>) {
+      const float s = row_scale(k, d);
+      for (int64_t c = 0; c < nv; ++c) row[c] *= s;
+    }
+    for (int64_t j = 0; j < groups; ++j) {
+      vf sum = qvec(j, 0) * row[0];
+      for (int64_t c = 1; c < nv; ++c) sum += qvec(j, c) * row[c];
+      part[j * kLanes + m] = sum;
+    }
+    if (++m == kLanes) flush();
+  });
+  if (m > 0) flush();
   mask.softmax(scores, groups, n, stats);
   if constexpr (kFixed) {
     constexpr int kCols = std::max(1, std::min(NV, kRegisters * 3 / 4 / G));
@@ -212,15 +238,11 @@ template <typename T>
 void attend_scalar(const float* qf, const T* k_cache, const T* v_cache, const Paged& ctx,
                    int64_t n, int64_t groups, int64_t d, const TreeMask& mask, float* scores,
                    float* stats, float* acc) {
-  if constexpr (std::is_same_v<T, int8_t>) {  // in integers, as every path scores int8 rows
-    int8_scores_each(qf, k_cache, ctx, n, groups, d, scores);
-  } else {
-    ctx.each(n, [&](int64_t t, int64_t off) {
-      const float s = row_scale(k_cache + off, d);
-      for (int64_t j = 0; j < groups; ++j)
-        scores[j * n + t] = dot(qf + j * d, k_cache + off, d) * s;
-    });
-  }
+  ctx.each(n, [&](int64_t t, int64_t off) {
+    const float s = row_scale(k_cache + off, d);
+    for (int64_t j = 0; j < groups; ++j)
+      scores[j * n + t] = dot(qf + j * d, k_cache + off, d) * s;
+  });
   mask.softmax(scores, groups, n, stats);
   std::fill(acc, acc + groups * d, 0.f);
   ctx.each(n, [&](int64_t t, int64_t off) {
