@@ -3,8 +3,9 @@ for two nodes. Node 0 (`tidal serve --nnodes 2 --master-addr ...`) serves the AP
 rank 0; node 1 (`tidal serve --headless --node-rank 1`) holds rank 1 in the other namespace.
 The served model answers as one process does; a rank killed on node 1 fails its step, node
 0's engine core restarts and node 1's rank starts again, and the model answers again; node
-1 stopped takes its rank with it; a
-node started with other flags is refused by name; flags that cannot span nodes are refused
+1 stopped takes its rank with it; with `--distributed-executor-backend ray`, a Ray cluster of
+a head here and a worker node there places rank 1 on node 1, with the same tokens; a node
+started with other flags is refused by name; flags that cannot span nodes are refused
 before anything loads."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -174,6 +176,76 @@ def test_a_node_started_with_other_flags_is_refused_by_name(netns, folder):
         os.killpg(os.getpgid(server.pid), signal.SIGKILL)
         server.wait()
         node1.stop()
+
+
+def _ray_node(*argv: str) -> subprocess.Popen:
+    """`ray start --block` (argv: where it runs, "--", then its flags), its processes one
+    group; the Ray CLI beside this Python's."""
+    ray = str(Path(sys.executable).with_name("ray"))
+    cut = argv.index("--")
+    return subprocess.Popen([*argv[:cut], ray, "start", "--block", "--disable-usage-stats",
+                             *argv[cut + 1:]], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _ray_active_nodes(address: str) -> int:
+    out = subprocess.run([str(Path(sys.executable).with_name("ray")), "status", "--address",
+                          address], capture_output=True, text=True).stdout
+    return out.partition("Active:")[2].partition("Pending:")[0].count("node_")
+
+
+def _ray_workers() -> list[str]:
+    """The processes of rank actors (Ray names them after the class)."""
+    return subprocess.run(["pgrep", "-f", "ray::_RankActor"], capture_output=True,
+                          text=True).stdout.split()
+
+
+def test_ray_places_a_rank_on_the_other_node_and_it_gives_one_processs_tokens(
+        netns, folder, monkeypatch):
+    """`tidal serve --distributed-executor-backend ray` across the two "machines": a Ray head
+    here that offers no CPU and a worker node in the other namespace, so Ray places rank 1's
+    actor there; it meets rank 0 at this node's address, and the answer is one process's."""
+    pytest.importorskip("ray")
+    ns, addr, there = netns
+    address = f"{addr}:{_free_port_pair()}"
+    # the cluster's files apart from any other Ray's (its address file too); the server, the
+    # nodes and their CLI all without Ray's token authentication
+    files = tempfile.mkdtemp(prefix="tidal-ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, num_threads=1)
+    want = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    llm.close()
+    nodes = [_ray_node("--", "--head", "--node-ip-address", addr, "--port",
+                       address.split(":")[1], "--num-cpus", "0", "--include-dashboard",
+                       "false", "--temp-dir", files),
+             _ray_node("ip", "netns", "exec", ns, "--", "--address", address,
+                       "--node-ip-address", there, "--num-cpus", "1", "--temp-dir", files)]
+    server = None
+    try:
+        deadline = time.monotonic() + 120
+        while _ray_active_nodes(address) < 2:
+            assert time.monotonic() < deadline, "the Ray nodes did not come up"
+            time.sleep(1)
+        server = Server("--model", str(folder), "--dtype", "float32",
+                        "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray")
+        out = openai_client(server).completions.create(
+            model=folder.name, prompt=PROMPT, max_tokens=10, temperature=0,
+            extra_body={"ignore_eos": True})
+        assert out.choices[0].text == want.outputs[0].text
+        here = os.readlink("/proc/self/ns/net")
+        assert [p for p in _ray_workers() if os.readlink(f"/proc/{p}/ns/net") != here]
+    finally:
+        if server is not None:
+            server.stop()
+        for node in nodes:
+            os.killpg(os.getpgid(node.pid), signal.SIGKILL)
+            node.wait()
+        deadline = time.monotonic() + 30  # Ray's workers leave once their raylet is gone
+        while _ray_workers() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        shutil.rmtree(files, ignore_errors=True)
 
 
 def _peek(node: Node) -> str:
