@@ -10,6 +10,7 @@ before anything loads."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -194,10 +195,66 @@ def _ray_active_nodes(address: str) -> int:
     return out.partition("Active:")[2].partition("Pending:")[0].count("node_")
 
 
-def _ray_workers() -> list[str]:
-    """The processes of rank actors (Ray names them after the class)."""
-    return subprocess.run(["pgrep", "-f", "ray::_RankActor"], capture_output=True,
+def _ray_actors() -> list[str]:
+    """The processes of tidal's Ray actors (Ray names them after the class)."""
+    return subprocess.run(["pgrep", "-f", r"ray::_(Rank|Core)Actor"], capture_output=True,
                           text=True).stdout.split()
+
+
+@contextlib.contextmanager
+def ray_cluster(monkeypatch, head: tuple[str, int], worker: tuple[str, str, int] | None):
+    """A Ray head at head's (address, CPUs) and, given (namespace, address, CPUs), a worker
+    node there; RAY_ADDRESS names the cluster for the servers started meanwhile. Its files
+    lie apart from any other Ray's (its address file too); the nodes, their CLI and the
+    servers all run without Ray's token authentication."""
+    address = f"{head[0]}:{_free_port_pair()}"
+    files = tempfile.mkdtemp(prefix="tidal-ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    nodes = [_ray_node("--", "--head", "--node-ip-address", head[0], "--port",
+                       address.split(":")[1], "--num-cpus", str(head[1]),
+                       "--include-dashboard", "false", "--temp-dir", files)]
+    if worker is not None:
+        nodes.append(_ray_node("ip", "netns", "exec", worker[0], "--", "--address", address,
+                               "--node-ip-address", worker[1], "--num-cpus", str(worker[2]),
+                               "--temp-dir", files))
+    try:
+        deadline = time.monotonic() + 120
+        while _ray_active_nodes(address) < len(nodes):
+            assert time.monotonic() < deadline, "the Ray nodes did not come up"
+            time.sleep(1)
+        yield address
+    finally:
+        for node in nodes:
+            os.killpg(os.getpgid(node.pid), signal.SIGKILL)
+            node.wait()
+        deadline = time.monotonic() + 30  # Ray's workers leave once their raylet is gone
+        while _ray_actors() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        shutil.rmtree(files, ignore_errors=True)
+
+
+def _one_process_text(folder) -> str:
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, num_threads=1)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    try:
+        return llm.generate([{"prompt_token_ids": PROMPT}], params,
+                            use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.close()
+
+
+def _served_texts(server: Server, folder, n: int) -> list[str]:
+    client = openai_client(server)
+    return [client.completions.create(model=folder.name, prompt=PROMPT, max_tokens=10,
+                                      temperature=0, extra_body={"ignore_eos": True}
+                                      ).choices[0].text for _ in range(n)]
+
+
+def _elsewhere(pids: list[str]) -> list[str]:
+    """Those of pids in another network namespace than this process ("on node 1")."""
+    here = os.readlink("/proc/self/ns/net")
+    return [p for p in pids if os.readlink(f"/proc/{p}/ns/net") != here]
 
 
 def test_ray_places_a_rank_on_the_other_node_and_it_gives_one_processs_tokens(
@@ -207,45 +264,48 @@ def test_ray_places_a_rank_on_the_other_node_and_it_gives_one_processs_tokens(
     actor there; it meets rank 0 at this node's address, and the answer is one process's."""
     pytest.importorskip("ray")
     ns, addr, there = netns
-    address = f"{addr}:{_free_port_pair()}"
-    # the cluster's files apart from any other Ray's (its address file too); the server, the
-    # nodes and their CLI all without Ray's token authentication
-    files = tempfile.mkdtemp(prefix="tidal-ray")
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.setenv("RAY_ADDRESS", address)
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, num_threads=1)
-    want = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
-    llm.close()
-    nodes = [_ray_node("--", "--head", "--node-ip-address", addr, "--port",
-                       address.split(":")[1], "--num-cpus", "0", "--include-dashboard",
-                       "false", "--temp-dir", files),
-             _ray_node("ip", "netns", "exec", ns, "--", "--address", address,
-                       "--node-ip-address", there, "--num-cpus", "1", "--temp-dir", files)]
-    server = None
-    try:
-        deadline = time.monotonic() + 120
-        while _ray_active_nodes(address) < 2:
-            assert time.monotonic() < deadline, "the Ray nodes did not come up"
-            time.sleep(1)
+    want = _one_process_text(folder)
+    with ray_cluster(monkeypatch, (addr, 0), (ns, there, 1)):
         server = Server("--model", str(folder), "--dtype", "float32",
                         "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray")
-        out = openai_client(server).completions.create(
-            model=folder.name, prompt=PROMPT, max_tokens=10, temperature=0,
-            extra_body={"ignore_eos": True})
-        assert out.choices[0].text == want.outputs[0].text
-        here = os.readlink("/proc/self/ns/net")
-        assert [p for p in _ray_workers() if os.readlink(f"/proc/{p}/ns/net") != here]
-    finally:
-        if server is not None:
+        try:
+            assert _served_texts(server, folder, 1) == [want]
+            assert _elsewhere(_ray_actors())
+        finally:
             server.stop()
-        for node in nodes:
-            os.killpg(os.getpgid(node.pid), signal.SIGKILL)
-            node.wait()
-        deadline = time.monotonic() + 30  # Ray's workers leave once their raylet is gone
-        while _ray_workers() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        shutil.rmtree(files, ignore_errors=True)
+
+
+def test_data_parallel_cores_of_two_ranks_each_placed_by_ray_on_both_nodes(
+        netns, folder, monkeypatch):
+    """DP x TP on Ray: two engine cores as actors, each with a rank actor of its own, on a
+    cluster of two CPUs here and two in the other namespace, so two of the four actors run
+    on node 1; every answer is one process's."""
+    pytest.importorskip("ray")
+    ns, addr, there = netns
+    want = _one_process_text(folder)
+    with ray_cluster(monkeypatch, (addr, 2), (ns, there, 2)):
+        server = Server("--model", str(folder), "--dtype", "float32",
+                        "--data-parallel-size", "2", "--dp-backend", "ray",
+                        "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray")
+        try:
+            assert _served_texts(server, folder, 4) == [want] * 4
+            assert len(_ray_actors()) == 4 and len(_elsewhere(_ray_actors())) == 2
+        finally:
+            server.stop()
+
+
+def test_a_rank_ray_cannot_place_fails_the_start_naming_why(folder, monkeypatch):
+    """A Ray cluster with no free CPU for rank 1's actor: the server does not wait forever
+    but fails to start within --distributed-timeout, saying so."""
+    pytest.importorskip("ray")
+    with ray_cluster(monkeypatch, ("127.0.0.1", 0), None):
+        out = subprocess.run(
+            [sys.executable, "-m", "tidal.cli", "serve", "--model", str(folder), "--port",
+             str(_free_port_pair()), "--num-threads", "1", "--tensor-parallel-size", "2",
+             "--distributed-executor-backend", "ray", "--distributed-timeout", "5"],
+            capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "Ray started no actor for a tensor-parallel rank within 5 s" in out.stderr
 
 
 def _peek(node: Node) -> str:

@@ -45,7 +45,8 @@ class ParallelConfig:
     distributed_timeout: float = knob(60.0, "Seconds a tensor-parallel rank waits in a "
                                       "collective for the others before it fails the step "
                                       "(a rank that died or hangs), so the core restarts "
-                                      "instead of hanging.")
+                                      "instead of hanging; also the most a group's start "
+                                      "waits for Ray to start a rank's actor.")
     distributed_executor_backend: str = knob(
         "mp", "How an engine core's tensor-parallel ranks start: 'mp' (processes on this "
         "machine, and with --nnodes those `tidal serve --headless` starts on the others) or "

@@ -84,7 +84,7 @@ class TensorParallelExecutor:
                 # Plain child processes (an engine core is a daemonic process, which
                 # multiprocessing forbids children of its own), or Ray actors.
                 for _ in range(1, world if ray else parallel.local_ranks):
-                    self.procs.append(_RayRank(listener.address, authkey) if ray
+                    self.procs.append(_RayRank(listener.address, authkey, timeout) if ray
                                       else _start_rank(listener.address, authkey,
                                                        spin=config.model.omp_spin_count))
                 self.conns = _accept(listener, self.procs, world - 1)
@@ -266,18 +266,32 @@ def node_key(parallel) -> bytes:
 
 
 class _RayRank:
-    """A rank as a Ray actor, behind the part of Popen's interface the executor uses."""
+    """A rank as a Ray actor, behind the part of Popen's interface the executor uses. An
+    actor Ray has not started within `timeout` seconds (a cluster without a free CPU for it
+    waits forever) fails the group, naming why."""
 
-    def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
+    def __init__(self, address: tuple[str, int], authkey: bytes, timeout: float) -> None:
         import ray
 
-        self._ray = ray
+        self._ray, self._timeout = ray, timeout
         self._actor = ray.remote(num_cpus=1)(_RankActor).remote()
+        self._started = self._actor.pid.remote()
+        self._deadline = time.monotonic() + timeout
         self._run = self._actor.run.remote(*address, authkey)
 
     def poll(self) -> int | None:
         done, _ = self._ray.wait([self._run], timeout=0)
-        return 0 if done else None
+        if done:
+            return 0
+        if self._started is not None:
+            if self._ray.wait([self._started], timeout=0)[0]:
+                self._started = None
+            elif time.monotonic() > self._deadline:
+                raise RankFailed(f"Ray started no actor for a tensor-parallel rank within "
+                                 f"{self._timeout:.0f} s (--distributed-timeout): each takes "
+                                 f"one CPU of the cluster, and `ray status` shows how many "
+                                 f"are free")
+        return None
 
     def wait(self, timeout: float | None = None) -> None:
         done, _ = self._ray.wait([self._run], timeout=timeout)
@@ -289,7 +303,10 @@ class _RayRank:
 
 
 class _RankActor:
-    """The Ray actor: `run` is a rank's process main."""
+    """The Ray actor: `run` is a rank's process main; `pid` answers once it started."""
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def run(self, host: str, port: int, authkey: bytes) -> None:
         rank_main(host, port, authkey)
