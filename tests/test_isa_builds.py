@@ -113,7 +113,7 @@ def test_each_build_attends_over_the_gathered_context(variant, kv):
 
 
 def test_each_build_keeps_to_its_instruction_set(variant):
-    """What the test above compares is the other instruction sets' code: the haswell build
+    """What the tests above compare is the other instruction sets' code: the haswell build
     has no AVX-512 register in it, the x86-64 one no AVX register at all."""
     objdump = shutil.which("objdump")
     if objdump is None:
