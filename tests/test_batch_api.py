@@ -238,6 +238,6 @@ def test_an_embeddings_batch_answers_as_the_live_api(client):
     out = _jsonl(client, done.output_file_id)
     live = client.embeddings.create(model="smollm2-135m", input=texts[1])
     vector = out[1]["response"]["body"]["data"][0]["embedding"]
-    # the batch's two prompts share a step, the live one runs alone: float32 sums of the
+    # the batch's prompts and the live one are computed in other steps: float32 sums of the
     # projections in another grouping (observed up to 1.5e-5)
     assert vector == pytest.approx(live.data[0].embedding, abs=1e-4)
