@@ -179,6 +179,12 @@ def test_a_node_started_with_other_flags_is_refused_by_name(netns, folder):
         node1.stop()
 
 
+# Two ranks as Ray actors; a rank's first start may build tidal's C++ extension for its
+# checkout (a minute or two) while rank 0 waits in the first collective.
+RAY_RANKS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
+             "--distributed-timeout", "300")
+
+
 def _ray_node(*argv: str) -> subprocess.Popen:
     """`ray start --block` (argv: where it runs, "--", then its flags), its processes one
     group; the Ray CLI beside this Python's."""
@@ -266,8 +272,7 @@ def test_ray_places_a_rank_on_the_other_node_and_it_gives_one_processs_tokens(
     ns, addr, there = netns
     want = _one_process_text(folder)
     with ray_cluster(monkeypatch, (addr, 0), (ns, there, 1)):
-        server = Server("--model", str(folder), "--dtype", "float32",
-                        "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray")
+        server = Server("--model", str(folder), "--dtype", "float32", *RAY_RANKS)
         try:
             assert _served_texts(server, folder, 1) == [want]
             assert _elsewhere(_ray_actors())
@@ -285,8 +290,7 @@ def test_data_parallel_cores_of_two_ranks_each_placed_by_ray_on_both_nodes(
     want = _one_process_text(folder)
     with ray_cluster(monkeypatch, (addr, 2), (ns, there, 2)):
         server = Server("--model", str(folder), "--dtype", "float32",
-                        "--data-parallel-size", "2", "--dp-backend", "ray",
-                        "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray")
+                        "--data-parallel-size", "2", "--dp-backend", "ray", *RAY_RANKS)
         try:
             assert _served_texts(server, folder, 4) == [want] * 4
             assert len(_ray_actors()) == 4 and len(_elsewhere(_ray_actors())) == 2
