@@ -121,16 +121,10 @@ def test_two_nodes_serve_one_processs_tokens_and_survive_a_lost_rank(netns, fold
     server = None
     try:
         server = Server(*flags)
-        client = openai_client(server)
-        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-        llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, num_threads=1)
-        want = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
-        want = want.outputs[0].text
+        want = _one_process_text(folder)
 
         def answer() -> str:
-            out = client.completions.create(model=folder.name, prompt=PROMPT, max_tokens=10,
-                                            temperature=0, extra_body={"ignore_eos": True})
-            return out.choices[0].text
+            return _served_texts(server, folder, 1)[0]
         assert answer() == want
         # the ranks sum over gloo, in the C++ decoder too (its sums call torch.distributed)
         assert "decode steps through the C++ decoder" in server.output()
