@@ -134,7 +134,8 @@ def test_every_stage_ends_a_step_with_the_last_stages_logits(tmp_path, local):
 
 def test_two_stages_keep_two_steps_in_flight_of_half_the_decodes_each(folders):
     """Four requests decoding over two stages with two steps in flight: each step takes
-    two of them (the other two are in the other step), through each stage's C++ decoder."""
+    two of them (the other two are in the other step), through each stage's C++ decoder.
+    Once every step has completed, stage 0 holds none of the states it sent on."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     llm = LLM(str(folders["llama"]), num_kv_blocks=64, num_threads=1, dtype="float32",
               pipeline_parallel_size=2, batches_in_flight=2)
@@ -144,6 +145,7 @@ def test_two_stages_keep_two_steps_in_flight_of_half_the_decodes_each(folders):
                    if not s.prefill_tokens]
         assert max(decodes) == 2 and decodes.count(2) >= 10
         assert llm.engine.executor.info.decoder
+        assert llm.engine.executor.worker.runner.model.stage.held == 0
     finally:
         llm.close()
 

@@ -15,6 +15,8 @@ step A (the scheduler keeps their requests apart)."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 
@@ -35,12 +37,21 @@ class StageLinks:
         self.next = rank + width if self.stage < stages - 1 else None
         self.last_rank = (stages - 1) * width + place
         self.pipelined = False  # several steps in flight: earlier stages defer their end
-        self._sends: list = []  # operations under way (their work and tensor kept alive)
+        self._sends: list = []  # broadcasts under way (their work and tensor kept alive)
+        # states sent on (number, work, tensor) until known taken: gloo reports a send done
+        # only once waited on, so holding them until `is_completed` would hold every one
+        self._sent: deque = deque()
+        self._numbered = 0
 
     @property
     def defers(self) -> bool:
         """Whether a step's end here waits for its completion (`Pending`)."""
         return self.pipelined and not self.last
+
+    @property
+    def held(self) -> int:
+        """Operations under way whose tensors this stage still holds."""
+        return len(self._sends) + len(self._sent)
 
     @property
     def first(self) -> bool:
@@ -56,11 +67,19 @@ class StageLinks:
         dist.recv(h, src=self.prev)
         return h.to(dtype)
 
-    def send(self, h: torch.Tensor) -> None:
+    def send(self, h: torch.Tensor) -> int:
         """This stage's hidden states to the next stage, without waiting for it to take
-        them: the next stage may still be finishing an earlier step."""
+        them (the next stage may still be finishing an earlier step): the send's number."""
         wire = h.float().contiguous()
-        self._keep(dist.isend(wire, dst=self.next), wire)
+        self._numbered += 1
+        self._sent.append((self._numbered, dist.isend(wire, dst=self.next), wire))
+        return self._numbered
+
+    def _taken(self, upto: int) -> None:
+        """Let go of the sends numbered up to `upto`: the last stage has ended the pass of
+        the last of them, so the next stage took them all (in order)."""
+        while self._sent and self._sent[0][0] <= upto:
+            self._sent.popleft()[1].wait()
 
     def from_last(self, x: torch.Tensor) -> torch.Tensor:
         """The last stage's `x` on every stage (this stage's `x` gives the shape). The last
@@ -84,13 +103,13 @@ class StageLinks:
         """A step's end here: `states` (the residual stream) on to the next stage, then
         `head(final states, hidden)` of the last stage's `final` (and `hidden`) states,
         those of this stage giving the shapes; `Pending` where this stage defers."""
-        if not self.last:
-            self.send(states)
-        if self.local:
-            end = lambda: self._logits_from_last(final, head, hidden)  # noqa: E731
-        else:
-            end = lambda: head(self.from_last(final),  # noqa: E731
-                               None if hidden is None else self.from_last(hidden))
+        sent = 0 if self.last else self.send(states)
+
+        def end():
+            out = self._logits_from_last(final, head, hidden) if self.local else head(
+                self.from_last(final), None if hidden is None else self.from_last(hidden))
+            self._taken(sent)
+            return out
         return Pending(end) if self.defers else end()
 
     def _logits_from_last(self, final: torch.Tensor, head, hidden: torch.Tensor | None):
