@@ -5,7 +5,7 @@ greedy, ignore_eos. Prints output tok/s
 one request at a time and C at once, and the ratio N ranks / one process.
 
     python benchmarks/parallel.py [--tp 2] [--pp 1] [--concurrency 1 8] [--max-tokens 32]
-        [--hidden 1024] [--layers 16] [--dtype float32] [--q4km] [--memory]
+        [--hidden 1024] [--layers 16] [--dtype float32] [--q4km] [--memory] [--kv-blocks 512]
 
 `--q4km`: the same shape as a GGUF file in Q4_K_M's formats (q/k/o/gate/up Q4_K, v/down
 and the tied embedding Q6_K; random valid blocks), run in its own formats; `--hidden 2048
@@ -18,8 +18,9 @@ under 10%); two pipeline stages >= 0.9x at 8 concurrent.
 
 `--memory`: each process's PSS (/proc/PID/smaps_rollup: pages shared between processes,
 such as torch's libraries, counted in shares) after the timed runs' short requests, and
-again after prompts that write the whole KV pool, against one process's; the target: each
-rank <= 0.6x of one process. Each layout runs in a fresh process.
+again after prompts that write the whole KV pool (`--kv-blocks` blocks of 16 tokens, each
+rank its share of every block), against one process's; the target: each rank <= 0.6x of
+one process. Each layout runs in a fresh process.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def fresh(fn, *args):
 
 
 def throughput(model: Path, tp: int, pp: int, threads: int | None, concurrency: list[int],
-               max_tokens: int, dtype: str, memory: bool = False) -> tuple[dict, dict]:
+               max_tokens: int, dtype: str, memory: bool = False,
+               kv_blocks: int = 512) -> tuple[dict, dict]:
     """Output tok/s at each concurrency; with `memory`, also each process's PSS after
     those runs ("short") and after prompts that fill the pool ("full")."""
     from tidal import LLM, SamplingParams
@@ -138,7 +140,7 @@ def throughput(model: Path, tp: int, pp: int, threads: int | None, concurrency: 
     options = ({} if model.suffix == ".gguf"  # its own formats, in float32 (--dtype auto)
                else dict(dtype=dtype, load_format="dummy"))
     llm = LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              num_threads=threads, num_kv_blocks=512, max_model_len=1024, **options)
+              num_threads=threads, num_kv_blocks=kv_blocks, max_model_len=1024, **options)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     try:
@@ -153,9 +155,9 @@ def throughput(model: Path, tp: int, pp: int, threads: int | None, concurrency: 
             out[c] = c * max_tokens / (time.perf_counter() - t0)
         if memory:
             mem["short"] = pss_mib()
-            # 8 x 1,000 tokens: every block of the 512 x 16 written, as a busy server's are
+            # prompts of 1,000 tokens: every block written, as a busy server's are
             fill = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(1000)]}
-                    for _ in range(8)]
+                    for _ in range(max(1, kv_blocks * 16 // 1000))]
             llm.generate(fill, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
             mem["full"] = pss_mib()
         return out, mem
@@ -175,6 +177,7 @@ def main() -> None:
     ap.add_argument("--q4km", action="store_true", help="a GGUF in Q4_K_M's formats")
     ap.add_argument("--memory", action="store_true", help="each process's PSS, after short "
                     "requests and with the KV pool filled")
+    ap.add_argument("--kv-blocks", type=int, default=512, help="the KV pool's blocks")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,9 +186,10 @@ def main() -> None:
                  else model_folder(Path(tmp), args.hidden, args.layers))
         ranks = args.tp * args.pp
         one, mem_one = fresh(throughput, model, 1, 1, cores, args.concurrency,
-                             args.max_tokens, args.dtype, args.memory)
+                             args.max_tokens, args.dtype, args.memory, args.kv_blocks)
         split, mem_split = fresh(throughput, model, args.tp, args.pp, None,  # the defaults
-                                 args.concurrency, args.max_tokens, args.dtype, args.memory)
+                                 args.concurrency, args.max_tokens, args.dtype, args.memory,
+                                 args.kv_blocks)
     kind = "Q4_K_M formats" if args.q4km else args.dtype
     print(f"\nLlama shape hidden {args.hidden} x {args.layers} layers, {kind}, "
           f"{cores} cores; output tok/s ({args.max_tokens} tokens a request)")
@@ -196,8 +200,8 @@ def main() -> None:
     for c in args.concurrency:
         print(f"| {c} | {one[c]:.1f} | {split[c]:.1f} | {split[c] / one[c]:.2f}x |")
     if args.memory:
-        print("\nPSS, MiB (rank 0 runs the engine)\n| KV pool | 1 process | "
-              + " | ".join(f"rank {r}" for r in range(ranks))
+        print(f"\nPSS, MiB (rank 0 runs the engine; {args.kv_blocks} KV blocks)\n"
+              "| KV pool | 1 process | " + " | ".join(f"rank {r}" for r in range(ranks))
               + " | largest rank / 1 |\n|---|---|" + "---|" * ranks + "---|")
         for when, label in (("short", "after short requests"), ("full", "filled")):
             one_mib, mibs = mem_one[when][0], mem_split[when]
