@@ -14,6 +14,7 @@ turns, each rank with all the cores of its stage."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -148,6 +149,31 @@ def test_two_stages_keep_two_steps_in_flight_of_half_the_decodes_each(folders):
         assert llm.engine.executor.worker.runner.model.stage.held == 0
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("spin", [None, "10000"])
+def test_stages_taking_turns_give_the_other_rank_a_short_spin_and_ask_for_this_ones(
+        folders, monkeypatch, caplog, spin):
+    """Two stages taking turns on this machine: rank 1 starts with a short OpenMP spin, so
+    its idle threads leave the cores to the computing stage. Rank 0 runs in this process,
+    whose libgomp read its environment when torch loaded: without GOMP_SPINCOUNT set there,
+    the engine says how to start Python."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    if spin is None:
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    else:
+        monkeypatch.setenv("GOMP_SPINCOUNT", spin)
+    with caplog.at_level(logging.WARNING, logger="tidal.engine"):
+        llm = LLM(str(folders["llama"]), num_kv_blocks=64, num_threads=1, dtype="float32",
+                  pipeline_parallel_size=2)
+    try:
+        rank1 = llm.engine.executor.procs[0].pid
+        with open(f"/proc/{rank1}/environ", "rb") as f:
+            assert b"GOMP_SPINCOUNT=10000" in f.read().split(b"\0")
+    finally:
+        llm.close()
+    asked = [r for r in caplog.records if "GOMP_SPINCOUNT=10000" in r.getMessage()]
+    assert len(asked) == (1 if spin is None else 0)
 
 
 def test_stages_hit_the_prefix_cache_sample_n_and_speculate_as_one_process(folders):

@@ -125,7 +125,9 @@ class ModelConfig:
                                       "some speed on small batches. Unset: libgomp's "
                                       "default, except pipeline stages taking turns (one "
                                       "step in flight) and their ranks: 10000, so that a "
-                                      "waiting stage gives its cores to the computing one.")
+                                      "waiting stage gives its cores to the computing one "
+                                      "(an offline LLM's rank 0 runs in the caller's "
+                                      "process: start Python with GOMP_SPINCOUNT set).")
     fp32_gemm_rows: int | None = knob(None, "On CPU in bf16: steps of at least this many "
                                       "tokens multiply float32 copies of the projection "
                                       "weights (the same bf16 values). For CPUs whose bf16 "

@@ -60,6 +60,7 @@ class TensorParallelExecutor:
         stage_layers(arch.num_layers, stages, 0)  # refuses more stages than layers
         self.shards = KVShards(size, stages, arch.num_layers, arch.num_kv_heads)
         self.timeout = timeout = parallel.distributed_timeout
+        _check_own_spin(config.model.omp_spin_count)
         self._store = None  # the file store's folder, where the ranks share this machine
         ray = parallel.distributed_executor_backend == "ray"
         if parallel.nnodes > 1:  # rank 0's TCP store, and its socket on node 0's address
@@ -334,6 +335,17 @@ def _all_loaded(results: list) -> ModelOutput:
                                                for other in results[1:])])
                             for rid, whole in result.kv_loaded.items()}
     return result
+
+
+def _check_own_spin(spin: int | None) -> None:
+    """Rank 0 computes in this process, whose OpenMP threads spin as libgomp read the
+    environment when torch loaded: `spin` (a GOMP_SPINCOUNT) reaches only the ranks started
+    from here, and the engine cores `tidal serve` starts."""
+    if spin is not None and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ):
+        log.warning("rank 0 computes in this process, whose idle OpenMP threads spin for "
+                    "libgomp's default and so hold the cores the other ranks compute on: "
+                    "start Python with GOMP_SPINCOUNT=%d (tidal serve sets it for its "
+                    "engine cores)", spin)
 
 
 def _start_rank(address: tuple[str, int], authkey: bytes, folder: str | None = None,
