@@ -18,6 +18,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -174,6 +176,21 @@ def test_stages_taking_turns_give_the_other_rank_a_short_spin_and_ask_for_this_o
         llm.close()
     asked = [r for r in caplog.records if "GOMP_SPINCOUNT=10000" in r.getMessage()]
     assert len(asked) == (1 if spin is None else 0)
+
+
+def test_tidal_generate_gives_its_own_rank_0_the_short_spin(folders):
+    """`tidal generate` computes rank 0 in its own process: it sets the spin before torch
+    loads, so the engine has nothing to ask for."""
+    code = ("import os; from tidal.cli import run; run(['generate', '--model', "
+            f"{str(folders['llama'])!r}, '--pipeline-parallel-size', '2', '--raw', "
+            "'--max-tokens', '3', '--temperature', '0', '--num-kv-blocks', '64', '--dtype', "
+            "'float32', '1 2 3']); print('SPIN', os.environ.get('GOMP_SPINCOUNT'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[3 tokens, length]" in proc.stdout and "SPIN 10000" in proc.stdout
+    assert "GOMP_SPINCOUNT=" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_stages_hit_the_prefix_cache_sample_n_and_speculate_as_one_process(folders):

@@ -15,6 +15,14 @@ from typing import Any, Callable
 CoreMain = Callable[..., None]
 
 
+def give_omp_spin(model) -> None:
+    """This process's libgomp reads GOMP_SPINCOUNT once, as torch loads: set the model
+    config's `omp_spin_count` there before that (a value the environment already holds
+    stays). Processes spawned after inherit it."""
+    if model.omp_spin_count is not None:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(model.omp_spin_count))
+
+
 class LocalCore:
     """An engine core in a child process (spawned: no forked torch or asyncio state)."""
 
@@ -24,10 +32,7 @@ class LocalCore:
 
     def start(self, main: CoreMain, args: tuple) -> None:
         """Run `main(*args)` in a spawned child; args[0] is the core's EngineConfig."""
-        model = args[0].model
-        # read by libgomp when the child loads torch: set before main runs
-        if model.omp_spin_count is not None:
-            os.environ.setdefault("GOMP_SPINCOUNT", str(model.omp_spin_count))
+        give_omp_spin(args[0].model)  # the child inherits it, before it loads torch
         spawn = multiprocessing.get_context("spawn")
         self._proc = spawn.Process(target=main, args=args, daemon=True,
                                    name=f"tidal-engine-core-{self.index}")
