@@ -12,9 +12,8 @@ and the tied embedding Q6_K; random valid blocks), run in its own formats; `--hi
 --layers 16 --q4km` is a Llama-3.2-1B shape (with the embedded model's 49k vocabulary).
 
 The split runs with the engine's default threads: a rank's share of the cores its stage
-computes with (pipeline stages on one machine take turns, rank 0 here with the short
-OpenMP spin `tidal serve` gives such an engine core: GOMP_SPINCOUNT, read as torch
-loads). The targets: N = 2 ranks of one thread each >= 0.9x one process of two threads
+computes with (pipeline stages on one machine take turns, each rank with a short OpenMP
+spin). The targets: N = 2 ranks of one thread each >= 0.9x one process of two threads
 (the all-reduces, two a layer, must cost under 10%); two pipeline stages >= 0.9x at 8
 concurrent.
 
@@ -123,20 +122,14 @@ def pss_mib() -> list[float]:
     return [p.memory_full_info().pss / 2**20 for p in [me, *ranks]]
 
 
-def fresh(fn, *args, env: dict[str, str] | None = None):
-    """fn(*args) in a new process (with `env` added to its environment): rank 0's memory
-    then holds one layout's alone."""
+def fresh(fn, *args):
+    """fn(*args) in a new process: rank 0's memory then holds one layout's alone (and its
+    LLM sets its OpenMP spin before torch loads)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    before = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(fn, *args).result()
-    finally:
-        os.environ.clear()
-        os.environ.update(before)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def throughput(model: Path, tp: int, pp: int, threads: int | None, concurrency: list[int],
@@ -175,8 +168,6 @@ def throughput(model: Path, tp: int, pp: int, threads: int | None, concurrency: 
 
 
 def main() -> None:
-    from tidal.engine.config import STAGE_SPIN_COUNT
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (of --tp ranks each)")
@@ -198,12 +189,9 @@ def main() -> None:
         ranks = args.tp * args.pp
         one, mem_one = fresh(throughput, model, 1, 1, cores, args.concurrency,
                              args.max_tokens, args.dtype, args.memory, args.kv_blocks)
-        # stages taking turns: rank 0 (this process) with the short OpenMP spin the engine
-        # gives the other ranks, as `tidal serve` gives its engine core
-        env = {"GOMP_SPINCOUNT": str(STAGE_SPIN_COUNT)} if args.pp > 1 else None
         split, mem_split = fresh(throughput, model, args.tp, args.pp, None,  # the defaults
                                  args.concurrency, args.max_tokens, args.dtype, args.memory,
-                                 args.kv_blocks, env=env)
+                                 args.kv_blocks)
     kind = "Q4_K_M formats" if args.q4km else args.dtype
     print(f"\nLlama shape hidden {args.hidden} x {args.layers} layers, {kind}, "
           f"{cores} cores; output tok/s ({args.max_tokens} tokens a request)")

@@ -179,8 +179,8 @@ def test_stages_taking_turns_give_the_other_rank_a_short_spin_and_ask_for_this_o
 
 
 def test_tidal_generate_gives_its_own_rank_0_the_short_spin(folders):
-    """`tidal generate` computes rank 0 in its own process: it sets the spin before torch
-    loads, so the engine has nothing to ask for."""
+    """`tidal generate` computes rank 0 in its own process: its LLM sets the spin before
+    torch loads, so the engine has nothing to ask for."""
     code = ("import os; from tidal.cli import run; run(['generate', '--model', "
             f"{str(folders['llama'])!r}, '--pipeline-parallel-size', '2', '--raw', "
             "'--max-tokens', '3', '--temperature', '0', '--num-kv-blocks', '64', '--dtype', "

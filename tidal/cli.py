@@ -19,17 +19,10 @@ from tidal.server.config import HttpConfig, ServerConfig
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from tidal.cluster.launch import give_omp_spin
-    from tidal.engine.config import EngineConfig
+    from tidal import LLM, SamplingParams
 
     with flag_errors("generate"):
-        kwargs = engine_kwargs(args)
-        if "torch" not in sys.modules:  # libgomp reads it as torch loads: pipeline
-            # stages' rank 0 computes in this process
-            give_omp_spin(EngineConfig.from_kwargs(**kwargs).model)
-        from tidal import LLM, SamplingParams
-
-        llm = LLM(**kwargs)
+        llm = LLM(**engine_kwargs(args))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed_per_request,
                                 lora=args.lora)

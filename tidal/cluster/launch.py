@@ -10,17 +10,11 @@ import os
 import re
 from typing import Any, Callable
 
+from tidal.engine.config import give_omp_spin
+
 # The core's main, e.g. tidal.runtime.core_process.run_core: passed in, so that this layer
 # imports nothing from the runtime above it. Module-level, so spawn and Ray can pickle it.
 CoreMain = Callable[..., None]
-
-
-def give_omp_spin(model) -> None:
-    """This process's libgomp reads GOMP_SPINCOUNT once, as torch loads: set the model
-    config's `omp_spin_count` there before that (a value the environment already holds
-    stays). Processes spawned after inherit it."""
-    if model.omp_spin_count is not None:
-        os.environ.setdefault("GOMP_SPINCOUNT", str(model.omp_spin_count))
 
 
 class LocalCore:

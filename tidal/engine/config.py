@@ -9,6 +9,7 @@ with `dataclasses.replace`.
 from __future__ import annotations
 
 import json
+import os
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -127,7 +128,7 @@ class ModelConfig:
                                       "step in flight) and their ranks: 10000, so that a "
                                       "waiting stage gives its cores to the computing one "
                                       "(an offline LLM's rank 0 runs in the caller's "
-                                      "process: start Python with GOMP_SPINCOUNT set).")
+                                      "process: set there if torch is not loaded yet).")
     fp32_gemm_rows: int | None = knob(None, "On CPU in bf16: steps of at least this many "
                                       "tokens multiply float32 copies of the projection "
                                       "weights (the same bf16 values). For CPUs whose bf16 "
@@ -431,3 +432,10 @@ def option_type(name: str) -> type:
             return kinds[0] if kinds else hints[name]
     raise KeyError(name)
 
+
+def give_omp_spin(model: ModelConfig) -> None:
+    """This process's libgomp reads GOMP_SPINCOUNT once, as torch loads: set the model
+    config's `omp_spin_count` there before that (a value the environment already holds
+    stays). Processes spawned after inherit it."""
+    if model.omp_spin_count is not None:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(model.omp_spin_count))

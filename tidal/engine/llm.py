@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from tqdm import tqdm
 
 from tidal.core import SamplingParams
-from tidal.engine.config import EngineConfig
-from tidal.engine.engine import Engine
+from tidal.engine.config import EngineConfig, give_omp_spin
 from tidal.engine.outputs import CompletionOutput, GenerationOutput
 
 Prompt = str | dict  # a string, or {"prompt_token_ids": [...]}
@@ -40,7 +40,12 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
         if kwargs.get("max_step_ms") is None:  # unset (the CLI's flags come as None)
             kwargs["max_step_ms"] = 0.0
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if "torch" not in sys.modules:  # libgomp reads its spin as torch loads, and rank 0
+            give_omp_spin(config.model)  # of pipeline stages computes in this process
+        from tidal.engine.engine import Engine  # (loads torch)
+
+        self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:

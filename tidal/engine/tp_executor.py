@@ -339,13 +339,13 @@ def _all_loaded(results: list) -> ModelOutput:
 
 def _check_own_spin(spin: int | None) -> None:
     """Rank 0 computes in this process, whose OpenMP threads spin as libgomp read the
-    environment when torch loaded: `spin` (a GOMP_SPINCOUNT) reaches only the ranks started
-    from here, and the engine cores `tidal serve` starts."""
+    environment when torch loaded: `spin` (a GOMP_SPINCOUNT) reaches it only where `LLM`
+    or `tidal serve` set it before torch loaded (config.give_omp_spin)."""
     if spin is not None and not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ):
-        log.warning("rank 0 computes in this process, whose idle OpenMP threads spin for "
-                    "libgomp's default and so hold the cores the other ranks compute on: "
-                    "start Python with GOMP_SPINCOUNT=%d (tidal serve sets it for its "
-                    "engine cores)", spin)
+        log.warning("rank 0 computes in this process, which loaded torch before the engine "
+                    "could set its OpenMP spin: its idle threads spin for libgomp's default "
+                    "and so hold the cores the other ranks compute on. Start Python with "
+                    "GOMP_SPINCOUNT=%d, or create the LLM before importing torch", spin)
 
 
 def _start_rank(address: tuple[str, int], authkey: bytes, folder: str | None = None,
