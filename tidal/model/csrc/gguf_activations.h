@@ -29,6 +29,8 @@ struct Activations {
   std::vector<float> sum16;     // with k_quants: the sum of each 16 of q, times d
   std::vector<int8_t> qi;       // with runs of n groups: q, each n groups of a row as 8 x n x 4
                                 // (dword i of group l at 4 n i + 4 l; gguf_dot32.h, _dot8.h)
+  std::vector<int8_t> kx;       // with k_lanes: q, each 256 values' dword 4 i + t at 16 t + i
+  std::vector<float> kd;        // with k_lanes: each group's d twice (gguf_kdot_vnni.h)
 
   int64_t bases_per_row() const { return (k / kGroup + 7) / 8; }
 };
@@ -97,9 +99,11 @@ inline void round_group(const T* v, float inv, int8_t* q, int32_t* sums) {
 }
 
 // rows x k values (k a multiple of 32) rounded to int8 as above (and one group past the end
-// readable); k_quants: with sum16; run > 0: with qi, interleaved in runs of `run` groups.
+// readable); k_quants: with sum16; run > 0: with qi, interleaved in runs of `run` groups;
+// k_lanes (k a multiple of 256): with kx and kd.
 template <typename T>
-Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants, int run) {
+Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants, int run,
+                     bool k_lanes = false) {
   const int64_t per_row = k / kGroup, groups = rows * per_row;
   Activations a;
   a.k = k;
@@ -144,6 +148,19 @@ Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants, int run
         for (int64_t i = 0; i < 8; ++i)
           for (int64_t l = 0; l < run; ++l)
             std::memcpy(&a.qi[at + 4 * run * i + 4 * l], &a.q[at + kGroup * l + 4 * i], 4);
+      }
+    });
+  }
+  if (k_lanes) {
+    a.kx.resize(a.q.size());
+    a.kd.resize(groups * 2);
+    at::parallel_for(0, groups / 8, 64, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const int8_t* q = &a.q[s * 256];
+        for (int t = 0; t < 4; ++t)
+          for (int i = 0; i < 16; ++i)
+            std::memcpy(&a.kx[s * 256 + 64 * t + 4 * i], q + 16 * i + 4 * t, 4);
+        for (int64_t g = 8 * s; g < 8 * s + 8; ++g) a.kd[2 * g] = a.kd[2 * g + 1] = a.d[g];
       }
     });
   }

@@ -7,7 +7,8 @@
 //
 // A step takes 64 weights (two sub-blocks of 32, or four of 16 for Q6_K): with AVX-512 one
 // register, with AVX2 two; u8 x s8 products in pairs (maddubs), times the int16 scales
-// (madd). The weights' bits are unpacked once per step for every activation row.
+// (madd). The weights' bits are unpacked once per step for every activation row. Builds
+// with AVX-512 VNNI take gguf_kdot_vnni.h's kernel instead (this file's helpers beside it).
 
 #pragma once
 

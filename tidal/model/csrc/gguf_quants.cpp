@@ -1,7 +1,7 @@
 // GGUF-quantized weights at decode sizes: y = x @ W^T with W in its GGUF block format
 // (gguf_formats.h), as ggml multiplies them: x rounded to int8 with a float scale per 32
 // values (gguf_activations.h), integer products, float multiply-adds per block and row (the
-// K-quants: gguf_kdot.h), from some rows on a panel of 16 weight rows at a time
+// K-quants: gguf_kdot_vnni.h, gguf_kdot.h), from some rows on a panel of 16 weight rows at a time
 // (gguf_int8_panels.h: AMX's int8 tiles, or VNNI). Steps of more rows than the integer
 // kernels take multiply bf16 weights by x in bf16 (`tiled`):
 // where the CPU has AVX512-BF16, a panel of 16 weight rows at a time (gguf_bf16_panels.h:
@@ -14,7 +14,9 @@
 #include "gguf_int8_panels.h"
 #include "gguf_dot32.h"
 #include "gguf_dot8.h"
+#include "gguf_dot_block.h"
 #include "gguf_kdot.h"
+#include "gguf_kdot_vnni.h"
 
 #include <type_traits>
 #include <utility>
@@ -28,11 +30,21 @@ constexpr int kMaxRows = 16;          // activation rows sharing each decoded we
 // x interleaved in runs of kRun groups, for steps of at least kRunRows rows
 #if defined(TIDAL_GGUF_DOT32)
 constexpr int kRun = 16, kRunRows = 2;
+constexpr bool kLanes = true;  // the K-quants through kdot_lanes, over x as Activations::kx
 #elif defined(TIDAL_GGUF_DOT8)
 constexpr int kRun = 8, kRunRows = 1;
 #else
 constexpr int kRun = 0, kRunRows = 1;
 #endif
+#if !defined(TIDAL_GGUF_DOT32)
+constexpr bool kLanes = false;
+#endif
+
+// The most activation rows format F's kernel takes at once.
+template <typename F>
+constexpr int64_t rows_a_pass() {
+  return F::kBlock == 256 && kLanes ? 8 : kMaxRows;
+}
 
 // Whether format F's kernel reads x in runs, for a part in the given layout.
 template <typename F>
@@ -63,69 +75,6 @@ void check_layout(const GGUFPart& p) {
 }
 constexpr int64_t kTileBytes = 1 << 18;  // weight bytes a task keeps in L2 across row groups
 
-#ifdef TIDAL_GGUF_AVX2
-// Sums of 4 adjacent u8 x s8 products as int32 lanes (lane i: weights 4i..4i+3).
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  // pairs to int16 cannot saturate: |q| <= 128 and |a| <= 127
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-#endif
-
-// The 32-weight formats, one block a step: (q - c) . x in integers, then one float
-// multiply-add for the scale and one for the min, m + c * s (see kCenter), times x's sum.
-#ifdef TIDAL_GGUF_AVX2
-template <typename F, int NR>
-inline void dot_avx2(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                     int64_t nb, float* out) {
-  static_assert(F::kBlock == kGroup);
-  float s[1][2], m[1];
-  __m256 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    pf.block(b);
-    F::scales(f, b, s, m);
-    __m256i q = F::vec(f, b, 0);
-    if (F::kCenter) q = _mm256_sub_epi8(q, _mm256_set1_epi8(F::kCenter));
-    const __m256i u = _mm256_abs_epi8(q);  // u8 x s8 products: the sign moves onto x
-    const __m256 sv = _mm256_set1_ps(s[0][0]);
-    for (int r = 0; r < NR; ++r) {
-      const int64_t rg = (r0 + r) * nb + b;
-      const __m256i x8 = _mm256_sign_epi8(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[rg * kGroup])), q);
-      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(u, x8));
-      acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(a.d[rg])), acc[r]);
-      if (F::kMin) out[r] += (m[0] + F::kCenter * s[0][0]) * a.sum32[rg];
-    }
-  }
-  for (int r = 0; r < NR; ++r) out[r] += hsum(acc[r]);
-}
-#else
-template <typename F, int NR>
-inline void dot_scalar(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                       int64_t nb, float* out) {
-  static_assert(F::kBlock == kGroup);
-  float s[1][2], m[1];
-  int8_t q[kGroup];
-  for (int64_t b = 0; b < nb; ++b) {
-    pf.block(b);
-    F::scales(f, b, s, m);
-    F::scalar(f, b, 0, q);
-    for (int r = 0; r < NR; ++r) {
-      const int64_t rg = (r0 + r) * nb + b;
-      const int8_t* x8 = &a.q[rg * kGroup];
-      int32_t dot = 0;
-      for (int i = 0; i < kGroup; ++i) dot += (q[i] - F::kCenter) * x8[i];
-      out[r] += a.d[rg] * s[0][0] * dot + (m[0] + F::kCenter * s[0][0]) * a.sum32[rg];
-    }
-  }
-}
-#endif
 
 // y[r0 .. r0+NR, o0 .. o1): NR is a compile-time constant so the accumulators stay in registers.
 template <typename F, typename T, int NR>
@@ -138,7 +87,11 @@ void dot_rows(const Activations& a, int64_t r0, const uint8_t* w, int64_t row_by
     fields<F>(w + o * row_bytes, nb, planar, f);
     float out[NR] = {};  // each activation row's dot product with this weight row
     if constexpr (F::kBlock == 256) {
+#if defined(TIDAL_GGUF_DOT32)
+      kdot_lanes<F, NR>(a, r0, f, pf, nb, out);
+#else
       kdot<F, NR>(a, r0, f, pf, nb, out);
+#endif
     } else {
 #if defined(TIDAL_GGUF_DOT32)
       if (planar) {
@@ -189,11 +142,14 @@ void linear(const Activations& a, int64_t rows, int64_t k, const Tensor& w, bool
   }
 #endif
   const int64_t tile = std::max<int64_t>(8, kTileBytes / row_bytes);
+  // rows a pass over a tile: kdot_lanes keeps 8 rows' sums in registers, the others 16
+  const int64_t passes = (rows + rows_a_pass<F>() - 1) / rows_a_pass<F>();
+  const int64_t per_pass = (rows + passes - 1) / passes;
   at::parallel_for(first, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o0 = begin; o0 < end; o0 += tile) {  // a tile's weights stay cached
       const int64_t o1 = std::min(end, o0 + tile);
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        const int64_t nr = std::min<int64_t>(kMaxRows, rows - r0);
+      for (int64_t r0 = 0; r0 < rows; r0 += per_pass) {
+        const int64_t nr = std::min<int64_t>(per_pass, rows - r0);
         const auto run = row_kernel<F, T>(nr, std::make_integer_sequence<int, kMaxRows>());
         run(a, r0, wp, row_bytes, k, planar, b, o0, o1, yp, ld);
       }
@@ -413,9 +369,10 @@ Tensor GGUFProjection::integer(const Tensor& x, bool with_bias) const {
   const bool int8_panels = panel_rows > 0 && rows >= panel_rows;
   // x interleaved only for the VNNI kernel's rows: none when the panels take every one
   const bool interleave = runs && rows >= kRunRows && !(int8_panels && panels);
+  const bool k_lanes = kLanes && k_quants && !(int8_panels && panels);  // kdot_lanes' x
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
     const Activations a = quantize<scalar_t>(x.data_ptr<scalar_t>(), rows, in_features,
-                                             k_quants, interleave ? kRun : 0);
+                                             k_quants, interleave ? kRun : 0, k_lanes);
     const Tensor b = with_bias && bias.defined() ? bias.to(x.scalar_type()) : Tensor();
     StepScales scales(a, rows);
     int64_t col = 0;
