@@ -28,15 +28,15 @@ using namespace gguf;
 
 constexpr int kMaxRows = 16;          // activation rows sharing each decoded weight group
 // x interleaved in runs of kRun groups, for steps of at least kRunRows rows
+// kLanes: the K-quants through kdot_lanes, over x as Activations::kx
 #if defined(TIDAL_GGUF_DOT32)
 constexpr int kRun = 16, kRunRows = 2;
-constexpr bool kLanes = true;  // the K-quants through kdot_lanes, over x as Activations::kx
+constexpr bool kLanes = true;
 #elif defined(TIDAL_GGUF_DOT8)
 constexpr int kRun = 8, kRunRows = 1;
+constexpr bool kLanes = false;
 #else
 constexpr int kRun = 0, kRunRows = 1;
-#endif
-#if !defined(TIDAL_GGUF_DOT32)
 constexpr bool kLanes = false;
 #endif
 
