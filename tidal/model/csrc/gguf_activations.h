@@ -30,7 +30,6 @@ struct Activations {
   std::vector<int8_t> qi;       // with runs of n groups: q, each n groups of a row as 8 x n x 4
                                 // (dword i of group l at 4 n i + 4 l; gguf_dot32.h, _dot8.h)
   std::vector<int8_t> kx;       // with k_lanes: q, each 256 values' dword 4 i + t at 16 t + i
-  std::vector<float> kd;        // with k_lanes: each group's d twice (gguf_kdot_vnni.h)
 
   int64_t bases_per_row() const { return (k / kGroup + 7) / 8; }
 };
@@ -100,7 +99,7 @@ inline void round_group(const T* v, float inv, int8_t* q, int32_t* sums) {
 
 // rows x k values (k a multiple of 32) rounded to int8 as above (and one group past the end
 // readable); k_quants: with sum16; run > 0: with qi, interleaved in runs of `run` groups;
-// k_lanes (k a multiple of 256): with kx and kd.
+// k_lanes (k a multiple of 256): with kx (gguf_kdot_vnni.h).
 template <typename T>
 Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants, int run,
                      bool k_lanes = false) {
@@ -153,14 +152,12 @@ Activations quantize(const T* x, int64_t rows, int64_t k, bool k_quants, int run
   }
   if (k_lanes) {
     a.kx.resize(a.q.size());
-    a.kd.resize(groups * 2);
     at::parallel_for(0, groups / 8, 64, [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s) {
         const int8_t* q = &a.q[s * 256];
         for (int t = 0; t < 4; ++t)
           for (int i = 0; i < 16; ++i)
             std::memcpy(&a.kx[s * 256 + 64 * t + 4 * i], q + 16 * i + 4 * t, 4);
-        for (int64_t g = 8 * s; g < 8 * s + 8; ++g) a.kd[2 * g] = a.kd[2 * g + 1] = a.d[g];
       }
     });
   }

@@ -4,7 +4,7 @@
 // four steps all belong to one sub-block (Q6_K: lane i is sub-block i of 16; the others:
 // lanes 2j and 2j + 1 are sub-block j of 32). Four VNNI dot products a row then sum a
 // block's lanes in int32, and one float multiply-add scales them (the sub-block's scale
-// times d, per block, times x's group scale, Activations::kd), where unpacking products in
+// times d, per block, times x's group scale), where unpacking products in
 // pairs needs an integer scale per pair and step. The weights' lanes are gathered once per
 // block for every activation row; a row's result is the same at any number of rows.
 
@@ -56,6 +56,11 @@ inline __m512i gather_lanes(__m512i lo, __m512i hi, const LaneTable& table, int 
 inline __m512i load64(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline __m256i load32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+// Each of x's 8 group scales at d, for two lanes (lane i: d[i / 2])
+inline __m512 twice(const float* d) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                               _mm512_castps256_ps512(_mm256_loadu_ps(d)));
 }
 // 16 integer scales times a block's float16 d
 inline __m512 times_d(__m512i scales, const uint8_t* d) {
@@ -137,7 +142,7 @@ inline void kdot_lanes(const Activations& a, int64_t r0, const Field* f, const P
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t)
         dot = _mm512_dpbusd_epi32(dot, q[t], _mm512_loadu_si512(x + 64 * t));
-      const __m512 scale = _mm512_mul_ps(block.scales, _mm512_loadu_ps(&a.kd[g * 2]));
+      const __m512 scale = _mm512_mul_ps(block.scales, twice(&a.d[g]));
       acc[r] = offsets.fnma(&a.sum16[g * 2],
                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]));
     }
