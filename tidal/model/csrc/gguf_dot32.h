@@ -25,7 +25,7 @@ struct Unsigned32 {
     else return F::kOffset;
   }
   static constexpr int kCentre = centre();
-  static __m512i pair(const Field* f, int64_t b, bool both) {
+  TIDAL_INLINE static __m512i pair(const Field* f, int64_t b, bool both) {
     if constexpr (std::is_same_v<F, Q8_0>) {
       const __m512i q = both ? _mm512_loadu_si512(f[1].at(b))
                              : _mm512_zextsi256_si512(_mm256_loadu_si256(
@@ -63,13 +63,13 @@ alignas(64) inline constexpr int32_t kGather[3][2][16] = {
     {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},    // 16 blocks, 1 dword
      {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}}};
 
-inline __m512i gather(__m512i x, int round, int half, __m512i y) {
+TIDAL_INLINE __m512i gather(__m512i x, int round, int half, __m512i y) {
   return _mm512_permutex2var_epi32(x, _mm512_load_si512(kGather[round][half]), y);
 }
 
 // 16 blocks' unpacked quants transposed: from P[t] (blocks 2t and 2t + 1, eight dwords of
 // four weights each) to C[i], whose lane l is dword i of block l (weights 4i .. 4i + 3).
-inline void transpose16(const __m512i* P, __m512i* C) {
+TIDAL_INLINE void transpose16(const __m512i* P, __m512i* C) {
   __m512i four[2][4], eight[2][4];  // [dword half][blocks 4s ..]; [block half][dword pair]
   for (int s = 0; s < 4; ++s)
     for (int h = 0; h < 2; ++h) four[h][s] = gather(P[2 * s], 0, h, P[2 * s + 1]);
@@ -83,14 +83,14 @@ inline void transpose16(const __m512i* P, __m512i* C) {
 // The same walk summing instead of keeping: from S[t] (blocks 2t and 2t + 1, eight int32
 // partial sums each) to one register whose lane l is block l's whole sum, the integer that
 // the transposed path's lane l holds, so one row and many sum a block alike.
-inline __m512i fold(__m512i x, int round, __m512i y) {
+TIDAL_INLINE __m512i fold(__m512i x, int round, __m512i y) {
   return _mm512_add_epi32(gather(x, round, 0, y), gather(x, round, 1, y));
 }
 // Its last two rounds: from four registers of 4 blocks x 4 partial sums.
-inline __m512i reduce_fours(const __m512i* four) {
+TIDAL_INLINE __m512i reduce_fours(const __m512i* four) {
   return fold(fold(four[0], 1, four[1]), 2, fold(four[2], 1, four[3]));
 }
-inline __m512i reduce16(const __m512i* S) {
+TIDAL_INLINE __m512i reduce16(const __m512i* S) {
   __m512i four[4];  // 4 blocks x 4 partials
   for (int s = 0; s < 4; ++s) four[s] = fold(S[2 * s], 0, S[2 * s + 1]);
   return reduce_fours(four);
@@ -108,7 +108,7 @@ constexpr bool four_bit_nibbles() {
 // blocks' 64 bytes, masked and shifted, hold weights 0-15 and 16-31 of the four at the same
 // lanes, and x's halves paired alike make two VNNI products that leave each block's sum in
 // 4 dwords, reduce16's first round, without unpacking the pairs or that round's permutes.
-inline __m512i nibble_sums16(const uint8_t* qs, const int8_t* x) {
+TIDAL_INLINE __m512i nibble_sums16(const uint8_t* qs, const int8_t* x) {
   const __m512i low = _mm512_set1_epi8(15);
   __m512i four[4];
   for (int s = 0; s < 4; ++s) {
@@ -133,8 +133,8 @@ inline __m512i nibble_sums16(const uint8_t* qs, const int8_t* x) {
 // takes nibble_sums16, the same integers). The last blocks (nb % 16) go
 // eight a round: two blocks a dot product, converted and scaled at once.
 template <typename F, int NR>
-inline void dot32(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                  int64_t nb, float* out) {
+TIDAL_INLINE void dot32(const Activations& a, int64_t r0, const Field* f,
+                        const Prefetch& pf, int64_t nb, float* out) {
   using U = Unsigned32<F>;
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();

@@ -26,7 +26,7 @@ struct Nibbles8 {
   static constexpr int kCentre = F::kOffset;
   static constexpr int kSum16 = F::kFiveBits ? 4 : 8;  // steps an int16 lane sums safely
   // Block b's 32 quants as unsigned bytes (one of the last nb % 8, which lie as they are).
-  __attribute__((always_inline)) static __m256i block(const Field* f, int64_t b) {
+  TIDAL_INLINE static __m256i block(const Field* f, int64_t b) {
     const uint8_t* qs = f[F::kFields - 1].at(b);
     const __m256i q = nibbles16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     if constexpr (F::kFiveBits) return _mm256_or_si256(q, high_bits(u32(f[F::kFields - 2].at(b))));
@@ -35,7 +35,7 @@ struct Nibbles8 {
   // A whole round's quants from block b0: C[i], lane l dword i (weights 4i .. 4i + 3) of
   // block b0 + l. Low nibbles hold weights 0-15, high ones 16-31, so C[i + 4] is C[i]'s
   // bytes' high nibbles; Q5's fifth bits of those weights are bits 4i .. 4i + 3 of qh.
-  __attribute__((always_inline)) static void round(const Field* f, int64_t b0, __m256i* C) {
+  TIDAL_INLINE static void round(const Field* f, int64_t b0, __m256i* C) {
     const uint8_t* qs = f[F::kFields - 1].dword(b0, 0);
     for (int i = 0; i < 4; ++i) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
@@ -58,7 +58,7 @@ struct Nibbles8 {
 };
 
 // Lane l: the sum of v[l]'s eight lanes, the integer a round's lane l holds.
-__attribute__((always_inline)) inline __m256i reduce8(const __m256i* v) {
+TIDAL_INLINE __m256i reduce8(const __m256i* v) {
   // a: the sums of v[0..3]'s low halves | of their high halves; b: the same for v[4..7]
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
   const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
@@ -74,7 +74,7 @@ __attribute__((always_inline)) inline __m256i reduce8(const __m256i* v) {
 // SmolLM2's decode step from 12.9 to 17.6 ms on a 2-core AMD EPYC (Zen 3). Inlined into
 // dot_rows (GCC kept it a call through the PLT: 10-25% slower at 1-3 rows).
 template <typename F, int NR>
-__attribute__((always_inline)) inline void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, float* out) {
+TIDAL_INLINE void dot8(const Activations& a, int64_t r0, const Field* f, int64_t nb, float* out) {
   using U = Nibbles8<F>;
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();

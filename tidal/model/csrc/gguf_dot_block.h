@@ -13,7 +13,7 @@ namespace gguf {
 
 #ifdef TIDAL_GGUF_AVX2
 // Sums of 4 adjacent u8 x s8 products as int32 lanes (lane i: weights 4i..4i+3).
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
+TIDAL_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -27,8 +27,8 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 
 #ifdef TIDAL_GGUF_AVX2
 template <typename F, int NR>
-inline void dot_avx2(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                     int64_t nb, float* out) {
+TIDAL_INLINE void dot_avx2(const Activations& a, int64_t r0, const Field* f,
+                           const Prefetch& pf, int64_t nb, float* out) {
   static_assert(F::kBlock == kGroup);
   float s[1][2], m[1];
   __m256 acc[NR];
@@ -53,8 +53,8 @@ inline void dot_avx2(const Activations& a, int64_t r0, const Field* f, const Pre
 }
 #else
 template <typename F, int NR>
-inline void dot_scalar(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                       int64_t nb, float* out) {
+TIDAL_INLINE void dot_scalar(const Activations& a, int64_t r0, const Field* f,
+                             const Prefetch& pf, int64_t nb, float* out) {
   static_assert(F::kBlock == kGroup);
   float s[1][2], m[1];
   int8_t q[kGroup];

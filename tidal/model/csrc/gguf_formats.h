@@ -31,6 +31,11 @@
 #define TIDAL_GGUF_DOT8 1
 #endif
 
+// The kernels' helpers are always inlined: a call from a kernel's loop spills every vector
+// register the loop holds (and goes through the PLT), and with this many template
+// instances the compiler's own inlining gives up on some.
+#define TIDAL_INLINE __attribute__((always_inline)) inline
+
 namespace tidal_cpu {
 namespace gguf {
 
@@ -65,7 +70,7 @@ struct Field {
   int64_t rounds_end = 0;
   const uint8_t* at(int64_t b) const { return p + b * stride; }
   // dword i (bytes 4i .. 4i + 3) of block b's 16 bytes of nibbles
-  __attribute__((always_inline)) const uint8_t* dword(int64_t b, int i) const {
+  TIDAL_INLINE const uint8_t* dword(int64_t b, int i) const {
     return b < rounds_end ? p + 16 * (b & ~int64_t{7}) + 32 * i + 4 * (b & 7) : at(b) + 4 * i;
   }
 };
@@ -87,7 +92,7 @@ struct Prefetch {
 
 // The fields of the row at `row` (nb blocks of format F) in either layout.
 template <typename F>
-__attribute__((always_inline)) inline void fields(const uint8_t* row, int64_t nb, bool planar,
+TIDAL_INLINE void fields(const uint8_t* row, int64_t nb, bool planar,
                                                   Field* out) {
   int64_t off = 0;
   for (int f = 0; f < F::kFields; ++f) {
@@ -118,33 +123,32 @@ inline float hsum(__m256 v) {
 }
 
 // 16 bytes of nibbles -> 32 values: the low nibbles, then the high ones (Q4_0's group
-// order). Always inlined, as the kernels' other helpers: a call through the PLT spills
-// every vector register the loop holds.
-__attribute__((always_inline)) inline __m256i nibbles16(__m128i raw) {
+// order).
+TIDAL_INLINE __m256i nibbles16(__m128i raw) {
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask8(0x0f));
 }
 
 // Block b's 16 bytes of nibbles, in either order of the plane.
-inline __m128i quants16(const Field& qs, int64_t b) {
+TIDAL_INLINE __m128i quants16(const Field& qs, int64_t b) {
   if (b >= qs.rounds_end) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs.at(b)));
   const auto at = [&](int i) { return static_cast<int>(u32(qs.dword(b, i))); };
   return _mm_setr_epi32(at(0), at(1), at(2), at(3));
 }
 
 // 32 bytes -> the 4-bit (or, with mask 3, 2-bit) field at bit `shift` of each byte.
-inline __m256i bits_at(const uint8_t* p, int shift, int mask) {
+TIDAL_INLINE __m256i bits_at(const uint8_t* p, int shift, int mask) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(shift)), mask8(mask));
 }
 
 // 16 in each byte whose bit `bit` (one set bit a byte) is set in `spread`, else 0: a Q5
 // fifth bit as the value it adds.
-__attribute__((always_inline)) inline __m256i fifth_bits(__m256i spread, __m256i bit) {
+TIDAL_INLINE __m256i fifth_bits(__m256i spread, __m256i bit) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), mask8(16));
 }
 
 // Q5_0/Q5_1's high bits: bit i of h -> 16 in byte i, else 0.
-__attribute__((always_inline)) inline __m256i high_bits(uint32_t h) {
+TIDAL_INLINE __m256i high_bits(uint32_t h) {
   const __m256i spread = _mm256_shuffle_epi8(  // byte i gets byte i / 8 of h
       _mm256_set1_epi32(static_cast<int>(h)),
       _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
@@ -164,13 +168,15 @@ struct Q8_0 {  // d, qs[32]
   static constexpr int kGroups = 1, kFields = 2, kCenter = 0;
   static constexpr int64_t kSize[kFields] = {2, 32};
   static constexpr bool kMin = false, kNibbles = false;
-  static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
+  TIDAL_INLINE static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
     s[0][0] = s[0][1] = fp16(f[0].at(b));
     m[0] = 0.f;
   }
-  static void scalar(const Field* f, int64_t b, int, int8_t* q) { std::memcpy(q, f[1].at(b), 32); }
+  TIDAL_INLINE static void scalar(const Field* f, int64_t b, int, int8_t* q) {
+    std::memcpy(q, f[1].at(b), 32);
+  }
 #ifdef TIDAL_GGUF_AVX2
-  static __m256i vec(const Field* f, int64_t b, int) {
+  TIDAL_INLINE static __m256i vec(const Field* f, int64_t b, int) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f[1].at(b)));
   }
 #endif
@@ -187,11 +193,11 @@ struct Q32 {
   static constexpr bool kMin = kHasMin, kFiveBits = kFive, kNibbles = true;
   static constexpr int kCenter = kHasMin ? (kFive ? 16 : 8) : 0;
   static constexpr int kOffset = kHasMin ? 0 : (kFive ? 16 : 8);
-  static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
+  TIDAL_INLINE static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
     s[0][0] = s[0][1] = fp16(f[0].at(b));
     m[0] = kHasMin ? fp16(f[1].at(b)) : 0.f;
   }
-  static void scalar(const Field* f, int64_t b, int, int8_t* q) {
+  TIDAL_INLINE static void scalar(const Field* f, int64_t b, int, int8_t* q) {
     const uint32_t h = kFive ? u32(f[kFields - 2].at(b)) : 0;
     for (int i = 0; i < 16; ++i) {
       const uint8_t qs = f[kFields - 1].dword(b, i / 4)[i % 4];
@@ -200,7 +206,7 @@ struct Q32 {
     }
   }
 #ifdef TIDAL_GGUF_AVX2
-  static __m256i vec(const Field* f, int64_t b, int) {
+  TIDAL_INLINE static __m256i vec(const Field* f, int64_t b, int) {
     __m256i q = nibbles16(quants16(f[kFields - 1], b));
     if (kFive) q = _mm256_or_si256(q, high_bits(u32(f[kFields - 2].at(b))));
     return kOffset ? _mm256_sub_epi8(q, mask8(kOffset)) : q;
@@ -222,7 +228,7 @@ struct QK {
   static constexpr int64_t kSize[5] = {2, 2, 12, kFive ? 32 : 128, 128};
   static constexpr bool kMin = true, kNibbles = false;
   static constexpr int kCenter = kFive ? 16 : 8;
-  static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
+  TIDAL_INLINE static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
     const float d = fp16(f[0].at(b)), dmin = fp16(f[1].at(b));
     const uint8_t* packed = f[2].at(b);
     for (int j = 0; j < kGroups; ++j) {
@@ -232,7 +238,7 @@ struct QK {
       m[j] = -dmin * static_cast<float>(mn);
     }
   }
-  static void scalar(const Field* f, int64_t b, int j, int8_t* q) {
+  TIDAL_INLINE static void scalar(const Field* f, int64_t b, int j, int8_t* q) {
     const uint8_t* qs = f[kFields - 1].at(b) + (j / 2) * 32;
     const uint8_t* qh = kFive ? f[3].at(b) : nullptr;
     for (int i = 0; i < 32; ++i)
@@ -240,7 +246,7 @@ struct QK {
                                  (kFive ? ((qh[i] >> j) & 1) << 4 : 0));
   }
 #ifdef TIDAL_GGUF_AVX2
-  static __m256i vec(const Field* f, int64_t b, int j) {
+  TIDAL_INLINE static __m256i vec(const Field* f, int64_t b, int j) {
     __m256i q = bits_at(f[kFields - 1].at(b) + (j / 2) * 32, 4 * (j & 1), 15);
     if (kFive) q = _mm256_or_si256(q, _mm256_slli_epi16(bits_at(f[3].at(b), j, 1), 4));
     return q;
@@ -258,7 +264,7 @@ struct Q6_K {
   static constexpr int kGroups = 8, kFields = 4, kCenter = 0;  // ql, qh, scales[16], d
   static constexpr int64_t kSize[kFields] = {128, 64, 16, 2};
   static constexpr bool kMin = false, kNibbles = false;
-  static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
+  TIDAL_INLINE static void scales(const Field* f, int64_t b, float (*s)[2], float* m) {
     const float d = fp16(f[3].at(b));
     const int8_t* sc = reinterpret_cast<const int8_t*>(f[2].at(b));
     for (int j = 0; j < kGroups; ++j) {
@@ -267,7 +273,7 @@ struct Q6_K {
       m[j] = 0.f;
     }
   }
-  static void scalar(const Field* f, int64_t b, int j, int8_t* q) {
+  TIDAL_INLINE static void scalar(const Field* f, int64_t b, int j, int8_t* q) {
     const int h = j / 4, t = j % 4;
     const uint8_t* ql = f[0].at(b) + 64 * h + 32 * (t & 1);
     const uint8_t* qh = f[1].at(b) + 32 * h;
@@ -276,7 +282,7 @@ struct Q6_K {
                                   (((qh[i] >> (2 * t)) & 3) << 4)) - 32);
   }
 #ifdef TIDAL_GGUF_AVX2
-  static __m256i vec(const Field* f, int64_t b, int j) {
+  TIDAL_INLINE static __m256i vec(const Field* f, int64_t b, int j) {
     const int h = j / 4, t = j % 4;
     const __m256i lo = bits_at(f[0].at(b) + 64 * h + 32 * (t & 1), 4 * (t >> 1), 15);
     const __m256i hi = _mm256_slli_epi16(bits_at(f[1].at(b) + 32 * h, 2 * t, 3), 4);

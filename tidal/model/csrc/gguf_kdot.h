@@ -23,7 +23,7 @@ namespace gguf {
 // Block b's 6-bit scales and mins (Q4_K, Q5_K) as 8 bytes each, from its 12 packed bytes:
 // scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7; 4-7 take their low 4
 // bits from bytes 8-11 and their top 2 from the top bits of bytes 0-3 (scales) or 4-7 (mins).
-inline void k_scales_mins(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
+TIDAL_INLINE void k_scales_mins(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
   uint32_t u[3];
   std::memcpy(u, p, sizeof u);
   sc = (u[0] & 0x3f3f3f3fu) |
@@ -177,7 +177,7 @@ struct KSteps<Q6_K> {
 // Activation row r's scale ratios for block b's sub-blocks (gguf_activations.h): 8 int16,
 // or each twice (16) for Q6_K's sub-blocks of 16.
 template <bool kTwice>
-inline __m256i ratios(const Activations& a, int64_t g) {
+TIDAL_INLINE __m256i ratios(const Activations& a, int64_t g) {
   const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&a.r[g]));
   if (kTwice) return _mm256_setr_m128i(_mm_unpacklo_epi16(r, r), _mm_unpackhi_epi16(r, r));
   return _mm256_zextsi128_si256(r);
@@ -188,8 +188,8 @@ inline __m256i ratios(const Activations& a, int64_t g) {
 // or 128 * 128), so every sum stays int32 (a lane: 4 steps of 4 products, 16 * 63 * 127 *
 // 16384 < 2^31).
 template <typename F, int NR>
-inline void kdot(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                 int64_t nb, float* out) {
+TIDAL_INLINE void kdot(const Activations& a, int64_t r0, const Field* f,
+                       const Prefetch& pf, int64_t nb, float* out) {
   constexpr bool kQ6 = std::is_same_v<F, Q6_K>;
   const int64_t groups = a.k / kGroup, bases = a.bases_per_row();
   F32 acc[NR];
@@ -233,8 +233,8 @@ inline void kdot(const Activations& a, int64_t r0, const Field* f, const Prefetc
 #else
 // The same without AVX2, a sub-block of 32 at a time in float.
 template <typename F, int NR>
-inline void kdot(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                 int64_t nb, float* out) {
+TIDAL_INLINE void kdot(const Activations& a, int64_t r0, const Field* f,
+                       const Prefetch& pf, int64_t nb, float* out) {
   float s[8][2], m[8];
   int8_t q[32];
   for (int64_t b = 0; b < nb; ++b) {

@@ -47,7 +47,7 @@ inline constexpr LaneTable kQhLanes6 = lane_table(
     [](int i) { return 8 * (i / 8) + 4 * (i % 2); }, [](int i) { return 2 * (i % 8 / 2); });
 
 // Step t's bytes of a field in two registers (lo: dwords 0-15, hi: 16-31), masked.
-inline __m512i gather_lanes(__m512i lo, __m512i hi, const LaneTable& table, int t, int mask) {
+TIDAL_INLINE __m512i gather_lanes(__m512i lo, __m512i hi, const LaneTable& table, int t, int mask) {
   const __m512i v = _mm512_permutex2var_epi32(lo, _mm512_load_si512(table.idx[t]), hi);
   return _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_load_si512(table.shift)),
                           _mm512_set1_epi8(static_cast<char>(mask)));
@@ -58,12 +58,12 @@ inline __m256i load32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 // Each of x's 8 group scales at d, for two lanes (lane i: d[i / 2])
-inline __m512 twice(const float* d) {
+TIDAL_INLINE __m512 twice(const float* d) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
                                _mm512_castps256_ps512(_mm256_loadu_ps(d)));
 }
 // 16 integer scales times a block's float16 d
-inline __m512 times_d(__m512i scales, const uint8_t* d) {
+TIDAL_INLINE __m512 times_d(__m512i scales, const uint8_t* d) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(scales), _mm512_set1_ps(fp16(d)));
 }
 
@@ -122,8 +122,8 @@ struct KLanes<Q6_K> {
 // One weight row's K-quant blocks against NR activation rows; adds each dot product to
 // out[r]. A lane's int32 sums 16 products (<= 63 * 127 each): exact as a float too.
 template <typename F, int NR>
-inline void kdot_lanes(const Activations& a, int64_t r0, const Field* f, const Prefetch& pf,
-                       int64_t nb, float* out) {
+TIDAL_INLINE void kdot_lanes(const Activations& a, int64_t r0, const Field* f,
+                             const Prefetch& pf, int64_t nb, float* out) {
   const int64_t groups = a.k / kGroup;
   const __m512i zero = _mm512_setzero_si512();
   __m512 acc[NR];

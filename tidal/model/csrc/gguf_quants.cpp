@@ -40,11 +40,9 @@ constexpr int kRun = 0, kRunRows = 1;
 constexpr bool kLanes = false;
 #endif
 
-// The most activation rows format F's kernel takes at once.
-template <typename F>
-constexpr int64_t rows_a_pass() {
-  return F::kBlock == 256 && kLanes ? 8 : kMaxRows;
-}
+// The most activation rows a kernel takes at once: the VNNI kernels keep 8 rows' sums in
+// registers beside a block's weights (16 spill them: a step of 16 runs 8 + 8 over a tile).
+constexpr int64_t kRowsAPass = kLanes ? 8 : kMaxRows;
 
 // Whether format F's kernel reads x in runs, for a part in the given layout.
 template <typename F>
@@ -142,8 +140,7 @@ void linear(const Activations& a, int64_t rows, int64_t k, const Tensor& w, bool
   }
 #endif
   const int64_t tile = std::max<int64_t>(8, kTileBytes / row_bytes);
-  // rows a pass over a tile: kdot_lanes keeps 8 rows' sums in registers, the others 16
-  const int64_t passes = (rows + rows_a_pass<F>() - 1) / rows_a_pass<F>();
+  const int64_t passes = (rows + kRowsAPass - 1) / kRowsAPass;  // balanced passes over a tile
   const int64_t per_pass = (rows + passes - 1) / passes;
   at::parallel_for(first, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o0 = begin; o0 < end; o0 += tile) {  // a tile's weights stay cached
