@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, ready_s: float = 180) -> None:
         self.flags = flags
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -34,7 +34,7 @@ class Server:
              "--num-kv-blocks", "256", "--num-threads", "1",
              "--batch-store", f"{self.files.name}/batches.sqlite", *flags],
             stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + ready_s
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.output()}")
@@ -42,8 +42,8 @@ class Server:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError("server did not become healthy")
+                raise TimeoutError(f"server did not become healthy in {ready_s:.0f} s: "
+                                   f"{self.stop()[-3000:]}")
             time.sleep(0.3)
 
     def core_pid(self) -> int:

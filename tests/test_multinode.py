@@ -177,6 +177,7 @@ def test_a_node_started_with_other_flags_is_refused_by_name(netns, folder):
 # checkout (a minute or two) while rank 0 waits in the first collective.
 RAY_RANKS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
              "--distributed-timeout", "300")
+RAY_READY_S = 330  # the server may take its --distributed-timeout to gather its ranks
 
 
 def _ray_node(*argv: str) -> subprocess.Popen:
@@ -266,7 +267,8 @@ def test_ray_places_a_rank_on_the_other_node_and_it_gives_one_processs_tokens(
     ns, addr, there = netns
     want = _one_process_text(folder)
     with ray_cluster(monkeypatch, (addr, 0), (ns, there, 1)):
-        server = Server("--model", str(folder), "--dtype", "float32", *RAY_RANKS)
+        server = Server("--model", str(folder), "--dtype", "float32", *RAY_RANKS,
+                        ready_s=RAY_READY_S)
         try:
             assert _served_texts(server, folder, 1) == [want]
             assert _elsewhere(_ray_actors())
@@ -284,7 +286,8 @@ def test_data_parallel_cores_of_two_ranks_each_placed_by_ray_on_both_nodes(
     want = _one_process_text(folder)
     with ray_cluster(monkeypatch, (addr, 2), (ns, there, 2)):
         server = Server("--model", str(folder), "--dtype", "float32",
-                        "--data-parallel-size", "2", "--dp-backend", "ray", *RAY_RANKS)
+                        "--data-parallel-size", "2", "--dp-backend", "ray", *RAY_RANKS,
+                        ready_s=RAY_READY_S)
         try:
             assert _served_texts(server, folder, 4) == [want] * 4
             assert len(_ray_actors()) == 4 and len(_elsewhere(_ray_actors())) == 2

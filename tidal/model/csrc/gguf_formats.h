@@ -92,8 +92,7 @@ struct Prefetch {
 
 // The fields of the row at `row` (nb blocks of format F) in either layout.
 template <typename F>
-TIDAL_INLINE void fields(const uint8_t* row, int64_t nb, bool planar,
-                                                  Field* out) {
+TIDAL_INLINE void fields(const uint8_t* row, int64_t nb, bool planar, Field* out) {
   int64_t off = 0;
   for (int f = 0; f < F::kFields; ++f) {
     out[f] = planar ? Field{row + nb * off, F::kSize[f]} : Field{row + off, F::kBytes};
