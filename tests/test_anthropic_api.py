@@ -16,6 +16,7 @@ from anthropic.types import message_create_params as create_types
 from pydantic import ValidationError
 
 from server_fixtures import Server, module_server
+from tidal.core.config import CacheConfig
 from tidal.engine.outputs import StepUpdate
 from tidal.server.anthropic.output import MessagesBody
 from tidal.server.anthropic.request import MessagesRequest
@@ -168,7 +169,13 @@ def test_create_and_stream_give_chats_answer(client, openai_client):
     whole = client.messages.create(**kw)
     assert text_of(whole) == chat.choices[0].message.content
     assert whole.id.startswith("msg_") and whole.type == "message" and whole.role == "assistant"
-    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    # the same prompt as the chat's: its blocks read from the prefix cache, which Anthropic
+    # counts apart from input_tokens
+    read = whole.usage.cache_read_input_tokens
+    block = CacheConfig().block_size
+    assert read == (chat.usage.prompt_tokens - 1) // block * block > 0
+    assert whole.usage.input_tokens + read == chat.usage.prompt_tokens
+    assert whole.usage.cache_creation_input_tokens == 0
     assert whole.usage.output_tokens == chat.usage.completion_tokens
     assert whole.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[
         chat.choices[0].finish_reason]
@@ -178,8 +185,10 @@ def test_create_and_stream_give_chats_answer(client, openai_client):
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert text_of(final) == text_of(whole) and final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.cache_read_input_tokens == read
+    assert final.usage.input_tokens == whole.usage.input_tokens
     counted = client.messages.count_tokens(model=MODEL, messages=kw["messages"])
-    assert counted.input_tokens == whole.usage.input_tokens
+    assert counted.input_tokens == whole.usage.input_tokens + read
 
 
 def test_a_stop_sequence_ends_the_text_before_it(client):
@@ -225,7 +234,7 @@ def test_a_tool_use_and_its_result_continue_the_conversation(server, client):
                                              "parameters": WEATHER["input_schema"]}}
     counted = httpx.post(server.url + "/tokenize", json={
         "model": MODEL, "messages": messages, "tools": [tool]}).json()["count"]
-    assert second.usage.input_tokens == counted
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == counted
 
 
 def test_an_output_format_is_followed(client):

@@ -124,6 +124,20 @@ def test_stop_string_finishes_the_request(llm):
     assert not llm.engine.scheduler.requests
 
 
+def test_an_output_counts_its_prompts_tokens_read_from_the_prefix_cache(llm):
+    """GenerationOutput.num_cached_tokens (vLLM's): none on a fresh prompt; its whole blocks
+    (4 tokens) but the one holding the last token on the same prompt again, also when a
+    stop string ends it."""
+    prompt = {"prompt_token_ids": [5 + i % 50 for i in range(23)]}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 20)
+    stop = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                          stop=[first.outputs[0].text[1:3]])
+    cut = llm.generate([prompt], stop, use_tqdm=False)[0]
+    assert cut.outputs[0].finish_reason == "stop" and cut.num_cached_tokens == 20
+
+
 def test_bad_input_is_refused_and_nothing_leaks(llm):
     with pytest.raises(ValueError):
         llm.generate([{"prompt_token_ids": [10 ** 7]}], use_tqdm=False)

@@ -62,7 +62,7 @@ def answers(url: str) -> list[str]:
     with claude.messages.stream(**ask) as stream:
         out.append("".join(stream.text_stream))
     assert claude.messages.count_tokens(model="smollm2-135m", messages=CHAT).input_tokens \
-        == reply.usage.input_tokens
+        == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
     return out
 
 

@@ -163,6 +163,8 @@ def test_create_and_stream_give_chats_answer(client):
     assert whole.output_text == chat.choices[0].message.content
     assert whole.id.startswith("resp_") and whole.object == "response"
     assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.input_tokens_details.cached_tokens == \
+        chat.usage.prompt_tokens_details.cached_tokens > 0
     assert whole.usage.output_tokens == chat.usage.completion_tokens
     assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length"
                             else "completed")

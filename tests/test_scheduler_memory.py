@@ -112,6 +112,28 @@ def test_retracted_request_rejoins_the_tail_and_recomputes_with_its_output():
     assert sum(x.num_new_tokens for x in out.scheduled if x.request_id == "b") == 7 - b.num_cached_tokens
 
 
+def test_outputs_report_the_prompt_hit_of_the_first_admission_alone():
+    """cached_tokens (usage's) counts the prompt's tokens the prefix cache held when the
+    request was first admitted; a readmission after retraction finds blocks it wrote itself,
+    which it reports not. bs 2, 10 blocks: a and b (8 tokens each) outgrow the pool at
+    their 11th token, b is retracted, a finishes and b comes back to its cached blocks."""
+    s = make_scheduler(num_blocks=10, block_size=2, clip_max_new_tokens=1)
+    add(s, "a", 8, max_tokens=4, ignore_eos=True)
+    b = add(s, "b", 8, max_tokens=8, ignore_eos=True)
+    outputs, retracted = [], False
+    while b.request_id in s.requests:
+        out, got = step(s)
+        outputs += got
+        retracted = retracted or "b" in out.preempted_ids
+    assert retracted and b.num_cached_tokens == 8 and b.prompt_cached_tokens == 0
+    assert {o.cached_tokens for o in outputs if o.request_id == "b"} == {0}
+    e = add(s, "e", b.prompt_token_ids + [5, 6, 7], max_tokens=1)  # b's prompt, and more
+    while e.request_id in s.requests:
+        outputs = step(s)[1]
+    assert e.prompt_cached_tokens == 8  # b's 4 prompt blocks of 2
+    assert [o.cached_tokens for o in outputs if o.request_id == "e"] == [8]
+
+
 def test_cached_free_blocks_are_evicted_before_anyone_is_retracted():
     """Blocks of a finished request stay cached while free; a decode that needs them evicts
     their hashes instead of retracting a running request."""

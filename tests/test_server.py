@@ -91,6 +91,32 @@ def test_completions_stream_and_not(client):
     assert "".join(p.choices[0].text for p in parts) == full.choices[0].text
 
 
+def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(client):
+    """prompt_tokens_details.cached_tokens: none on a fresh prompt's first request; on the
+    same prompt again, its whole blocks but the one holding its last token (computed, to
+    sample from), whichever endpoint, streamed or not."""
+    from tidal.core.config import CacheConfig
+
+    block = CacheConfig().block_size
+    ask = [{"role": "user", "content": f"Spell {os.urandom(6).hex()} backwards, then "
+                                       "forwards, one letter a line."}]
+    kw = dict(model="smollm2-135m", messages=ask, max_tokens=4, temperature=0)
+    first = client.chat.completions.create(**kw)  # the chat template's opening may hit
+    held = (first.usage.prompt_tokens - 1) // block * block
+    assert first.usage.prompt_tokens_details.cached_tokens < held
+    again = client.chat.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == held
+    streamed = list(client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == held
+    text = f"Count the letters of {os.urandom(8).hex()} one by one and then add them up:"
+    cold = client.completions.create(model="smollm2-135m", prompt=text, max_tokens=2, n=2)
+    warm = client.completions.create(model="smollm2-135m", prompt=text, max_tokens=2, n=2)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0  # once per prompt, whatever n
+    assert warm.usage.prompt_tokens_details.cached_tokens == \
+        (warm.usage.prompt_tokens - 1) // block * block
+
+
 def test_n_and_seed(client):
     out = client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2,
                                     max_tokens=12, temperature=1.0, seed=7,

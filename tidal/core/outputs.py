@@ -152,3 +152,6 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     # SamplingParams.trace: the scheduler's events since its last output, each (name, unix
     # seconds, attributes)
     events: list[tuple[str, float, dict[str, int]]] | None = None
+    # the prompt's tokens found in the prefix cache (or a tier below it) at its first
+    # admission, not computed for it (an n>1 request's: its index 0's)
+    cached_tokens: int = 0

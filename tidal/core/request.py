@@ -184,7 +184,7 @@ class Request:
         "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "block_tokens",
         "parent_id", "index", "enqueue_step", "remote_prefill", "fork_pending", "stop_ids",
         "out_limit", "max_tokens", "admitted", "num_guesses", "num_proposed", "spec_counts",
-        "tier_keys", "tier_loading",
+        "tier_keys", "tier_loading", "prompt_cached_tokens",
     )
 
     def __init__(
@@ -212,6 +212,9 @@ class Request:
         self.prefill_target = 0  # tokens to prefill before decoding; set at each admission
         self.num_in_flight = 0
         self.num_cached_tokens = 0  # prefix-cache hit at the last admission
+        # of its prompt, those found cached at its first admission (usage's cached_tokens; a
+        # readmission after preemption finds its own blocks)
+        self.prompt_cached_tokens = 0
         self.finish_message: str | None = None
         self.block_hashes: list[int] = []  # chain hashes of full blocks, grown lazily
         self.block_tokens: list[tuple[int, ...]] = []  # those blocks' token ids, hashed once

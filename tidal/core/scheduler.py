@@ -376,6 +376,8 @@ class Scheduler:
     def _start(self, r: Request, num_cached: int) -> None:
         r.num_computed_tokens = num_cached
         r.num_cached_tokens = num_cached
+        if not r.admitted:
+            r.prompt_cached_tokens = min(num_cached, r.num_prompt_tokens)
         r.admitted = True
         r.prefill_target = r.num_tokens
         self.prefix_hit_tokens += num_cached
@@ -454,14 +456,16 @@ class Scheduler:
         elif self.role.hands_off and r.status is RequestStatus.RUNNING:
             self._leave_for_transfer(r)
             return RequestOutput(r.request_id, [token], False, None, None, r.parent_id,
-                                 r.index, True)
+                                 r.index, True, cached_tokens=r.prompt_cached_tokens)
         else:
-            return RequestOutput(r.request_id, [token], False, None, None, r.parent_id, r.index)
+            return RequestOutput(r.request_id, [token], False, None, None, r.parent_id, r.index,
+                                 cached_tokens=r.prompt_cached_tokens)
         return self._output(r, [token])
 
     def _output(self, r: Request, tokens: list[int]) -> RequestOutput:
         return RequestOutput(r.request_id, tokens, r.is_finished, r.finish_reason,
-                             r.finish_message, r.parent_id, r.index)
+                             r.finish_message, r.parent_id, r.index,
+                             cached_tokens=r.prompt_cached_tokens)
 
     def _leave_for_transfer(self, r: Request) -> None:
         self.running.remove(r)

@@ -140,6 +140,8 @@ class LLM:
                         result.prompt_logprobs = (result.prompt_logprobs or []) + u.prompt_logprobs
                     if u.embedding is not None:
                         result.embedding = u.embedding
+                    if u.index == 0:
+                        result.num_cached_tokens = u.cached_tokens
                     if u.finished:
                         seq.finish_reason = u.finish_reason
                         if result.finished:

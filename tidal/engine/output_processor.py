@@ -75,5 +75,6 @@ class OutputProcessor:
             updates.append(StepUpdate(o.request_id, root, index, o.new_token_ids, text,
                                       finished, reason, message, o.logprobs,
                                       o.prompt_logprobs, o.embedding,
-                                      detok.stop_string if finished else None, o.events))
+                                      detok.stop_string if finished else None, o.events,
+                                      o.cached_tokens))
         return updates, stopped

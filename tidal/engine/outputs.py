@@ -26,6 +26,7 @@ class StepUpdate:
     embedding: list[float] | None = None  # SamplingParams.embed: with the first token
     stop_string: str | None = None  # with finish_reason "stop": the stop string met, if one
     events: list | None = None  # SamplingParams.trace: the scheduler's events (request_events)
+    cached_tokens: int = 0  # its prompt's tokens the prefix cache held (RequestOutput's)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class GenerationOutput:
     (nothing before it predicts it)."""
     embedding: list[float] | None = None
     """With SamplingParams.embed: the prompt's pooled embedding."""
+    num_cached_tokens: int = 0
+    """The prompt's tokens found in the prefix cache (or a tier below it) when it was first
+    admitted: not computed for it."""
 
     @property
     def finished(self) -> bool:

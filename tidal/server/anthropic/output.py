@@ -134,7 +134,7 @@ class MessagesBody(ChatResponse):
             reason, sequence = self._stop(ch, reader)
             yield event({"type": "message_delta",
                          "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                         "usage": {"output_tokens": len(ch.tokens)}})
+                         "usage": {**self._input_usage(), "output_tokens": len(ch.tokens)}})
             yield event({"type": "message_stop"})
         except APIError as exc:
             yield event(error_body(exc))
@@ -158,6 +158,11 @@ class MessagesBody(ChatResponse):
         return {"id": self.id, "type": "message", "role": "assistant",
                 "model": self.model_name, "content": content, "stop_reason": reason,
                 "stop_sequence": sequence,
-                "usage": {"input_tokens": sum(map(len, self.prompts)),
-                          "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
-                          "cache_read_input_tokens": 0}}
+                "usage": {**self._input_usage(), "output_tokens": output_tokens}}
+
+    def _input_usage(self) -> dict:
+        """The prompt's tokens as Anthropic counts them: those read from the prefix cache
+        apart from the rest (message_start's, sent before the first admission, reads none)."""
+        cached = sum(self.cached)
+        return {"input_tokens": sum(map(len, self.prompts)) - cached,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}

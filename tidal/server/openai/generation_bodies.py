@@ -65,6 +65,7 @@ class GenerationResponse:
         self.want_prompt_logprobs = prompt_logprobs  # vLLM's field, in the response
         # each prompt's logprobs, as the engine sent them
         self.prompt_entries: list[list[PromptLogprob | None] | None] = [None] * len(prompts)
+        self.cached = [0] * len(prompts)  # each prompt's tokens the prefix cache held
 
     # ------------------------------------------------------------------ per endpoint
     def logprobs(self, entries: list[Entry], offset: int):
@@ -114,6 +115,8 @@ class GenerationResponse:
             p = i // self.n
             if u.prompt_logprobs is not None:
                 self.prompt_entries[p] = u.prompt_logprobs
+            if i % self.n == 0:  # its index 0 (siblings share that prompt's blocks)
+                self.cached[p] = u.cached_tokens
             if self.needs_prompt_entries() and self.prompt_entries[p] is None:
                 held.setdefault(p, []).append((i, u))
                 continue
@@ -134,7 +137,7 @@ class GenerationResponse:
     def usage(self) -> s.Usage:
         p = sum(len(ids) for ids in self.prompts)  # once per prompt, whatever n is
         c = sum(len(ch.tokens) for ch in self.choices)
-        return s.Usage(p, c, p + c)
+        return s.Usage(p, c, p + c, s.PromptTokensDetails(sum(self.cached)))
 
     def chunk(self, choices: list, **extra) -> str:
         return s.sse(s.Chunk(self.id, self.chunk_object, self.created, self.model_name,

@@ -27,10 +27,15 @@ def sse(obj) -> str:
     return f"data: {_encoder.encode(obj).decode()}\n\n"
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens read from the prefix cache, not computed
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 # ------------------------------------------------------------------ tool calls

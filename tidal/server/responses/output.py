@@ -186,7 +186,8 @@ class ResponseBody(ChatResponse):
 
     def _usage(self) -> dict:
         u = self.usage()
-        return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        return {"input_tokens": u.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
                 "output_tokens": u.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": u.total_tokens}
