@@ -288,6 +288,15 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
+    def admit(self, num_cached: int) -> None:
+        """Given blocks here, its first `num_cached` tokens found in the prefix cache: it
+        prefills the rest. Its first admission's hit is what it reports of its prompt."""
+        if not self.admitted:
+            self.prompt_cached_tokens = min(num_cached, self.num_prompt_tokens)
+        self.num_computed_tokens = self.num_cached_tokens = num_cached
+        self.admitted = True
+        self.prefill_target = self.num_tokens
+
     def fork(self, index: int) -> "Request":
         """A sibling for n>1 sampling: same prompt and limits, n=1, no output yet."""
         seed = self.sampling_params.seed

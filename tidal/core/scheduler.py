@@ -374,12 +374,7 @@ class Scheduler:
         r.num_in_flight += samples
 
     def _start(self, r: Request, num_cached: int) -> None:
-        r.num_computed_tokens = num_cached
-        r.num_cached_tokens = num_cached
-        if not r.admitted:
-            r.prompt_cached_tokens = min(num_cached, r.num_prompt_tokens)
-        r.admitted = True
-        r.prefill_target = r.num_tokens
+        r.admit(num_cached)
         self.prefix_hit_tokens += num_cached
         self.prefix_query_tokens += r.num_tokens
         if r.remote_prefill:  # decode role: holds blocks while its KV arrives
@@ -453,13 +448,12 @@ class Scheduler:
             self._finish(r, RequestStatus.FINISHED_STOPPED)
         elif len(generated) >= r.out_limit:  # max_tokens or max_model_len
             self._finish(r, RequestStatus.FINISHED_LENGTH)
-        elif self.role.hands_off and r.status is RequestStatus.RUNNING:
-            self._leave_for_transfer(r)
+        else:  # it goes on, here or (a role that hands off) at its decode instance
+            leaves = self.role.hands_off and r.status is RequestStatus.RUNNING
+            if leaves:
+                self._leave_for_transfer(r)
             return RequestOutput(r.request_id, [token], False, None, None, r.parent_id,
-                                 r.index, True, cached_tokens=r.prompt_cached_tokens)
-        else:
-            return RequestOutput(r.request_id, [token], False, None, None, r.parent_id, r.index,
-                                 cached_tokens=r.prompt_cached_tokens)
+                                 r.index, leaves, cached_tokens=r.prompt_cached_tokens)
         return self._output(r, [token])
 
     def _output(self, r: Request, tokens: list[int]) -> RequestOutput:
