@@ -2,8 +2,10 @@
 (4-bit, symmetric or with zero points, groups of 32, 64 and 128), load into the GGUF
 kernels' Q4_0 / Q5_0 blocks and run as the same model with the dequantized weights run dense in float32: the same greedy
 tokens, and logprobs within the int8 rounding of the activations.
-The unpacking is exact (Hypothesis, against the packers); an act-order g_idx, other bit
-widths and other methods are refused by name."""
+Act-order GPTQ (a g_idx scattering each group over the row) runs the same way, its inputs
+gathered into group order. The unpacking is exact (Hypothesis, against the packers); a g_idx
+of unequal groups, act-order under tensor parallelism, other bit widths and other methods
+are refused by name."""
 
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ from tidal.model.int4_checkpoint import unpack_awq, unpack_gptq
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[3, 17, 99, 4, 5], [200, 100, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 250, 251, 252]]
+# the projections that share an input (GPTQ's act-order follows the input: one order for
+# all of them) under the fused module that takes it
+INPUTS = {"q_proj": "self_attn.qkv_proj", "k_proj": "self_attn.qkv_proj",
+          "v_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
+          "gate_proj": "mlp.gate_up_proj", "up_proj": "mlp.gate_up_proj",
+          "down_proj": "mlp.down_proj"}
 
 
 def words(nibbles: np.ndarray, axis: int) -> np.ndarray:
@@ -78,41 +86,55 @@ def quantize(w: np.ndarray, group: int, sym: bool, rng, v2: bool = False,
     return q.reshape(n, k).astype(np.uint8), scale, zero.astype(np.uint8)
 
 
-def checkpoint(tmp: Path, method: str, group: int, sym: bool,
+def checkpoint(tmp: Path, method: str, group: int, sym: bool, act_order: bool = False,
                **shape) -> tuple[Path, Path]:
     """(the quantized folder, the same model with its dequantized weights as a dense one);
-    `shape`: config fields over the small Llama's."""
+    `act_order`: GPTQ with each input's channels assigned to groups at random (g_idx, one
+    for the projections sharing the input), `checkpoint.perms` then holding, per fused
+    module, the channels in group order; `shape`: config fields over the small Llama's."""
     shape = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32, **shape}
     base = small_folder(tmp, f"base-{method}-{group}-{sym}", "llama",
                         tie_word_embeddings=False, **shape)
     tensors = load_file(str(base / "model.safetensors"))
     rng = np.random.default_rng(group + sym)
-    quantized, dense = {}, {}
-    for name, t in tensors.items():
+    quantized, dense, g_idx = {}, {}, {}
+    checkpoint.perms = {}
+    for name, t in sorted(tensors.items()):
         module = name.removesuffix(".weight")
         if not module.endswith(PROJECTIONS):
             quantized[name] = t.astype(np.float16)
             dense[name] = t.astype(np.float16).astype(np.float32)
             continue
         v2 = method == "gptq_v2"
-        q, scale, zero = quantize(t, group, sym, rng, v2)
+        groups = np.arange(t.shape[1]) // group
+        if act_order:  # the input's groups in a random order (GPTQ's: by importance)
+            layer, proj = module.removeprefix("model.").rsplit(".", 2)[::2]
+            key = f"{layer}.{INPUTS[proj]}"
+            if key not in g_idx:
+                g_idx[key] = rng.permutation(groups)
+                checkpoint.perms[key] = np.argsort(g_idx[key], kind="stable")
+            groups = g_idx[key]
+        order = np.argsort(groups, kind="stable")
+        q_ordered, scale, zero = quantize(t[:, order], group, sym, rng, v2)
+        q = np.empty_like(q_ordered)
+        q[:, order] = q_ordered  # back in the channels' own order, as checkpoints store q
         qweight, qzeros = (pack_awq(q, zero) if method == "awq" else pack_gptq(q, zero, v2))
         quantized[module + ".qweight"], quantized[module + ".qzeros"] = qweight, qzeros
         quantized[module + ".scales"] = np.ascontiguousarray(scale.T).astype(np.float16)
         if method != "awq":
-            quantized[module + ".g_idx"] = (np.arange(t.shape[1]) // group).astype(np.int32)
-        per_weight = np.repeat(scale, group, 1) * (q.astype(np.float32) - np.repeat(zero, group, 1))
-        dense[name] = per_weight.astype(np.float32)
+            quantized[module + ".g_idx"] = groups.astype(np.int32)
+        per_weight = scale[:, groups] * (q.astype(np.float32) - zero[:, groups])
+        dense[name] = np.ascontiguousarray(per_weight, np.float32)  # save_file reads bytes
     folders = []
     for kind, weights in (("q", quantized), ("dense", dense)):
-        folder = tmp / f"{method}-{group}-{sym}-{kind}"
+        folder = tmp / f"{method}-{group}-{sym}-{act_order}-{kind}"
         shutil.copytree(base, folder)
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
         if kind == "q":
             cfg = json.loads((folder / "config.json").read_text())
             cfg["quantization_config"] = (
-                dict(quant_method="gptq", bits=4, group_size=group, sym=sym, desc_act=False,
-                     checkpoint_format="gptq_v2" if v2 else "gptq")
+                dict(quant_method="gptq", bits=4, group_size=group, sym=sym,
+                     desc_act=act_order, checkpoint_format="gptq_v2" if v2 else "gptq")
                 if method != "awq" else
                 dict(quant_method="awq", bits=4, group_size=group, zero_point=not sym,
                      version="gemm"))
@@ -143,25 +165,30 @@ def int8_rounded(module, args):
     return ((q * d[..., None]).reshape(x.shape).to(x.dtype),)
 
 
-def twice_rounded(prompt_rows: PromptRows):
+def twice_rounded(prompt_rows: PromptRows, perm: np.ndarray | None = None):
     """A pre-hook rounding a projection's input as GGUFLinear rounds it: the rows of prompt
-    tokens twice (int8, then the residual to int8 once more), the others once."""
+    tokens twice (int8, then the residual to int8 once more), the others once; with `perm`
+    (act-order), in groups of 32 of the channels in that order."""
     def hook(module, args):
         x = args[0]
-        once = int8_rounded(module, args)[0]
+        if perm is not None:
+            x = x[..., perm]
+        once = int8_rounded(module, (x,))[0]
         twice = prompt_rows.of(False, x.shape[0])
-        if twice is None or not len(twice):
-            return (once,)
-        out = once.clone()
-        out[twice] += int8_rounded(module, (x[twice] - once[twice],))[0]
+        out = once
+        if twice is not None and len(twice):
+            out = once.clone()
+            out[twice] += int8_rounded(module, (x[twice] - once[twice],))[0]
+        if perm is not None:
+            out = torch.empty_like(out).index_copy_(-1, torch.from_numpy(perm), out)
         return (out,)
     return hook
 
 
-def generate(folder: Path, rounded: bool = False):
+def generate(folder: Path, rounded: bool = False, perms: dict | None = None):
     """(the LLM, each prompt's first 8 greedy outputs, LONG's prompt logprobs). `rounded`:
     every projection but the head sees its inputs rounded as the kernels round them
-    (PyTorch ops, no C++ decoder)."""
+    (PyTorch ops, no C++ decoder), in the order of `perms` (module name: channels)."""
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, block_size=4,
               cpu_decoder=not rounded, kv_cache_dtype="float32")  # both: the reference's KV
     if rounded:
@@ -169,7 +196,8 @@ def generate(folder: Path, rounded: bool = False):
         model.prompt_rows = PromptRows()  # each pass's prompt rows, as the GGUF model's
         for name, module in model.named_modules():
             if name.endswith("_proj"):
-                module.register_forward_pre_hook(twice_rounded(model.prompt_rows))
+                module.register_forward_pre_hook(twice_rounded(
+                    model.prompt_rows, (perms or {}).get(name)))
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     scored = llm.generate([{"prompt_token_ids": LONG}], SamplingParams(
@@ -177,21 +205,24 @@ def generate(folder: Path, rounded: bool = False):
     return llm, [o.outputs[0] for o in outs], scored.prompt_logprobs[1:]
 
 
-@pytest.mark.parametrize("method,group,sym", [("gptq", 128, True), ("gptq", 32, False),
-                                              ("gptq_v2", 64, False), ("awq", 64, False),
-                                              ("awq", 128, True)])
-def test_checkpoint_runs_as_its_dequantized_model(tmp_path, monkeypatch, method, group, sym):
+@pytest.mark.parametrize("method,group,sym,act_order", [
+    ("gptq", 128, True, False), ("gptq", 32, False, False), ("gptq_v2", 64, False, False),
+    ("awq", 64, False, False), ("awq", 128, True, False), ("gptq", 32, False, True),
+    ("gptq", 64, True, True)])
+def test_checkpoint_runs_as_its_dequantized_model(tmp_path, monkeypatch, method, group, sym,
+                                                  act_order):
     """The checkpoint computes what its dequantized weights compute densely from the inputs
-    the kernels see (int8-rounded per 32, a prompt's rows twice): the same greedy tokens up
-    to a near-tie (C++ decoder, integer kernels) and the same logprobs over a prompt longer
-    than MAX_ROWS (float32 tiles; also for its Q4_0 / Q5_0, whose integer kernels may
-    otherwise take more rows).
-    Wrong unpacking misses by whole units."""
+    the kernels see (int8-rounded per 32, a prompt's rows twice; act-order: of the inputs in
+    group order): the same greedy tokens up to a near-tie (C++ decoder, integer kernels;
+    act-order: the layers in Python) and the same logprobs over a prompt longer than
+    MAX_ROWS (float32 tiles; also for its Q4_0 / Q5_0, whose integer kernels may otherwise
+    take more rows).
+    Wrong unpacking, or act-order inputs not gathered, misses by whole units."""
     monkeypatch.setattr(gguf_quants, "NIBBLE_MAX_ROWS", MAX_ROWS)
     monkeypatch.setattr(gguf_quants, "TILE_BF16", False)  # float32 tiles on AMX CPUs too
-    folder, dense = checkpoint(tmp_path, method, group, sym)
+    folder, dense = checkpoint(tmp_path, method, group, sym, act_order)
     llm, got_outs, got = generate(folder)
-    _, want_outs, want = generate(dense, rounded=True)
+    _, want_outs, want = generate(dense, rounded=True, perms=checkpoint.perms)
     # up to a near-tie: an activation on an int8 rounding boundary that the reference's
     # float32 sums put one step apart moves a logprob by up to ~0.1 (0.09 on an AMX Xeon)
     for a, b in zip(got_outs, want_outs):
@@ -207,7 +238,7 @@ def test_checkpoint_runs_as_its_dequantized_model(tmp_path, monkeypatch, method,
     qkv = runner.model.layers[0].self_attn.qkv_proj
     size = 18 if sym else 22  # Q4_0 blocks where every zero is 8, else Q5_0: both exact
     assert isinstance(qkv, GGUFLinear) and qkv.nbytes == 128 * 256 // 32 * size
-    assert runner.decoder is not None
+    assert (runner.decoder is None) == act_order  # the C++ decoder does not gather
     with pytest.raises(ValueError, match=f"is a {method.split('_')[0]} checkpoint"):
         LLM(str(folder), quantization="int4", num_kv_blocks=8)
 
@@ -220,8 +251,9 @@ def test_unpacking_inverts_each_formats_packing(n, k, seed):
     q = rng.integers(0, 16, (n, k), dtype=np.uint8)
     zeros = rng.integers(1, 16, (n, k // 32), dtype=np.uint8)
     qweight, qzeros = pack_gptq(q, zeros)
-    got_q, got_z = unpack_gptq(torch.from_numpy(qweight), torch.from_numpy(qzeros), None, 32)
-    assert np.array_equal(got_q, q) and np.array_equal(got_z, zeros)
+    got_q, got_z, perm = unpack_gptq(torch.from_numpy(qweight), torch.from_numpy(qzeros), None,
+                                     32)
+    assert np.array_equal(got_q, q) and np.array_equal(got_z, zeros) and perm is None
     qweight, qzeros = pack_awq(q, zeros)
     got_q, got_z = unpack_awq(torch.from_numpy(qweight), torch.from_numpy(qzeros))
     assert np.array_equal(got_q, q) and np.array_equal(got_z, zeros)
@@ -248,13 +280,32 @@ def test_a_quantized_config_over_dense_tensors_is_refused_naming_the_tensor(tmp_
         LLM(str(folder), num_kv_blocks=8)
 
 
-def test_act_order_is_refused_by_name(tmp_path):
-    folder, _ = checkpoint(tmp_path, "gptq", 32, True)
-    tensors = load_file(str(folder / "model.safetensors"))
+def test_act_order_that_does_not_map_onto_blocks_or_ranks_is_refused_by_name(tmp_path):
+    """A g_idx of unequal groups, a fused q/k/v whose parts' orders differ, and act-order
+    split across tensor-parallel ranks."""
+    from tidal.model.int4_checkpoint import read_checkpoint
+    from tidal.model.tensor_parallel import Shard
+
+    folder, _ = checkpoint(tmp_path, "gptq", 32, True, act_order=True)
+    path = folder / "model.safetensors"
+    good = load_file(str(path))
+    config = json.loads((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2"):
+        read_checkpoint(folder, config["quantization_config"],
+                        Shard(0, 2, ModelArch.from_dict(config)))
+    unequal = dict(good)
     name = "model.layers.1.mlp.down_proj.g_idx"
-    tensors[name] = np.random.default_rng(0).permutation(tensors[name])
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj: act-order"):
+    unequal[name] = np.sort(unequal[name])
+    unequal[name][:2] = unequal[name][-1]  # the last group 2 channels more, the first less
+    save_file(unequal, str(path), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj: g_idx gives its "
+                                         "groups other than 32"):
+        LLM(str(folder), num_kv_blocks=8)
+    apart = dict(good)
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    apart[name] = np.random.default_rng(1).permutation(apart[name])
+    save_file(apart, str(path), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="k_proj.*act-order .desc_act. g_idx differ"):
         LLM(str(folder), num_kv_blocks=8)
 
 

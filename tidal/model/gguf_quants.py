@@ -118,7 +118,9 @@ class QuantizedWeight:
     lies in a plane of its own: contiguous quants and aligned scales for the kernels, in
     exactly the file's bytes (`nbytes`), never floats; `rounds` (None: NIBBLE_ROUNDS, what
     this CPU's kernels read) lays a planar nibble format's quants in rounds of 8 blocks. A
-    type outside SUPPORTED raises ValueError naming the tensor and its type.
+    type outside SUPPORTED raises ValueError naming the tensor and its type. `in_perm`: the
+    input features its columns hold, in order (column j multiplies feature in_perm[j]: a
+    GPTQ act-order checkpoint's, its groups made contiguous); None: their own order.
     """
 
     def __init__(self, name: str, data: Any, qtype: int | QT, shape: tuple[int, int],
@@ -141,6 +143,7 @@ class QuantizedWeight:
             raise ValueError(f"GGUF tensor {name!r} ({qtype.name}, {n}x{k}) needs "
                              f"{n * (k // block) * size} bytes, got {raw.numel()}")
         self.name, self.qtype, self.shape = name, qtype, (n, k)
+        self.in_perm: torch.Tensor | None = None
         self.ext = extension() if use_extension else None
         self.planar = qtype in BLOCK_FIELDS and (qtype in PLANAR if planar is None else planar)
         self.rounds = self.planar and qtype in NIBBLES and (
@@ -338,6 +341,11 @@ class GGUFLinear(nn.Module):
         if any(w.shape[1] != k for w in self.parts):
             raise ValueError(f"GGUF parts of one projection differ in in_features: {self.parts}")
         self.in_features, self.out_features = k, sum(w.shape[0] for w in self.parts)
+        # the parts' input order (act-order GPTQ), which x is gathered into: one for all
+        self.in_perm = self.parts[0].in_perm
+        if any(not _same_perm(w.in_perm, self.in_perm) for w in self.parts):
+            raise ValueError(f"{[w.name for w in self.parts]}: fused projections whose "
+                             "act-order (desc_act) g_idx differ are not supported")
         self.bias = None if bias is None else bias.detach()
         self.tile_rows = tile_rows or min(2048, max(256, TILE_BYTES // (4 * k) // 16 * 16))
         ext = self.parts[0].ext
@@ -381,6 +389,8 @@ class GGUFLinear(nn.Module):
         computed it and no bias is added (their products, unconverted)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if self.in_perm is not None:
+            x2 = x2.index_select(1, self.in_perm)
         if self.projection is not None and x.dtype in (torch.float32, torch.bfloat16):
             twice = (None if self.prompt_rows is None
                      else self.prompt_rows.of(self.is_head, x2.shape[0]))
@@ -405,6 +415,10 @@ class GGUFLinear(nn.Module):
         kinds = "+".join(w.qtype.name for w in self.parts)
         return (f"{kinds}, in_features={self.in_features}, out_features={self.out_features}, "
                 f"max_rows={self.max_rows}, panel_rows={self.panel_rows}")
+
+
+def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 class GGUFEmbedding(nn.Module):

@@ -10,7 +10,13 @@ They run GGUFLinear's integer kernels and tiles, in the C++ decoder too.
 Packing (what the checkpoints hold, int32 words of 8 nibbles, lowest nibble first):
 - GPTQ: qweight [in / 8, out] (8 input channels a word), qzeros [groups, out / 8] storing
   z - 1 (`checkpoint_format` "gptq", the default) or z ("gptq_v2"), scales [groups, out],
-  g_idx [in]; an act-order g_idx that is not i // group_size is refused by name.
+  g_idx [in]: input channel i's group, i // group_size, or with act-order (desc_act) any
+  assignment of group_size channels to each group. Then the channels are reordered by group
+  (a stable sort of g_idx) so each block of 32 lies in one group, and the projection
+  gathers its input into that order (QuantizedWeight.in_perm); a fused q/k/v or gate/up
+  shares one input, so its parts must share one order (GPTQ derives it from that input).
+  The C++ decoder leaves such a model to the layers in Python, and a row-parallel split
+  (o, down) would take scattered channels of every group: tensor parallelism is refused.
 - AWQ (GEMM): qweight [in, out / 8] and qzeros [groups, out / 8] with nibble i of a word
   holding output channel 8c + AWQ_ORDER[i], scales [groups, out].
 """
@@ -62,18 +68,26 @@ def read_checkpoint(folder: Path, quantization_config: dict,
             continue
         if parts[".qzeros"] is None or parts[".scales"] is None:
             raise ValueError(f"{folder}: {module} has a qweight without qzeros and scales")
+        perm = None
         if method == "gptq":
-            q4, zeros = unpack_gptq(parts[".qweight"], parts[".qzeros"], parts[".g_idx"], group,
-                                    v2=q.get("checkpoint_format") == "gptq_v2", name=module)
+            q4, zeros, perm = unpack_gptq(parts[".qweight"], parts[".qzeros"], parts[".g_idx"],
+                                          group, v2=q.get("checkpoint_format") == "gptq_v2",
+                                          name=module)
         else:
             q4, zeros = unpack_awq(parts[".qweight"], parts[".qzeros"])
+        if perm is not None and shard is not None and shard.size > 1:
+            raise ValueError(f"{folder}: {module}: an act-order (desc_act) GPTQ checkpoint "
+                             f"does not split across ranks (--tensor-parallel-size "
+                             f"{shard.size}): a row-parallel part would hold scattered "
+                             "channels of every group; serve it with one rank a stage")
         scales = parts[".scales"].float().numpy().T  # [out, groups]
         blocks, qtype = gguf_blocks(q4, scales, zeros, group)
         shape = q4.shape
         if shard is not None:
             blocks, shape = shard.take_matrix(module + ".weight", blocks, shape,
                                               GGML_QUANT_SIZES[qtype][1])
-        weights[module + ".weight"] = QuantizedWeight(module, blocks, qtype, shape)
+        weights[module + ".weight"] = w = QuantizedWeight(module, blocks, qtype, shape)
+        w.in_perm = None if perm is None else torch.from_numpy(perm)
     if shard is not None:
         raw = {own: shard.take(n, t) for n, t in raw.items()  # not other ranks' layers or experts
                if (own := shard.local_name(n)) is not None}
@@ -91,15 +105,23 @@ def _nibbles(words: torch.Tensor, axis: int) -> np.ndarray:
 
 
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, g_idx: torch.Tensor | None,
-                group: int, v2: bool = False, name: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """(q [out, in] uint8, zeros [out, groups] uint8) of a GPTQ projection."""
+                group: int, v2: bool = False, name: str = "",
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(q [out, in] uint8, zeros [out, groups] uint8, perm) of a GPTQ projection: with an
+    act-order g_idx, q's columns are the input channels in group order, perm (int64 [in])
+    the channel each column holds; else perm is None."""
     q = _nibbles(qweight, 0).T  # [in, out] -> [out, in]
     k = q.shape[1]
-    if g_idx is not None and not np.array_equal(g_idx.numpy(), np.arange(k) // group):
-        raise ValueError(f"GPTQ {name}: act-order (desc_act) g_idx is not supported; tidal "
-                         "loads checkpoints whose groups are consecutive input channels")
     zeros = _nibbles(qzeros, 1).T  # [groups, out] -> [out, groups]
-    return np.ascontiguousarray(q), (zeros if v2 else zeros + 1).astype(np.uint8)
+    zeros = (zeros if v2 else zeros + 1).astype(np.uint8)
+    consecutive = np.arange(k) // group
+    if g_idx is None or np.array_equal(g_idx.numpy(), consecutive):
+        return np.ascontiguousarray(q), zeros, None
+    perm = np.argsort(g_idx.numpy(), kind="stable")
+    if not np.array_equal(g_idx.numpy()[perm], consecutive):
+        raise ValueError(f"GPTQ {name}: g_idx gives its groups other than {group} input "
+                         "channels each (group_size)")
+    return np.ascontiguousarray(q[:, perm]), zeros, perm.astype(np.int64)
 
 
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

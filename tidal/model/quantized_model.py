@@ -108,9 +108,12 @@ def projection(parts: list[Weight], bias: torch.Tensor | None,
 
 
 def _values(w: Weight, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(w, QuantizedWeight):
-        return w.dequantize_rows(0, w.shape[0], dtype)
-    return w.to(dtype)
+    if not isinstance(w, QuantizedWeight):
+        return w.to(dtype)
+    values = w.dequantize_rows(0, w.shape[0], dtype)
+    if w.in_perm is None:
+        return values
+    return torch.empty_like(values).index_copy_(1, w.in_perm, values)  # the features' order
 
 
 def _parts(grouped: dict[str, list[tuple[int, Weight]]], name: str) -> list[Weight]:
