@@ -27,9 +27,8 @@ __all__ = ["build_decoder", "extension", "prefill_kernel", "supports"]
 
 def _linear(ext: ModuleType, module: nn.Module):
     """The C++ view of one projection, or None for a kind it does not run."""
-    if isinstance(module, GGUFLinear):  # (an act-order input gather is Python's alone)
-        return (None if module.projection is None or module.in_perm is not None
-                else ext.Linear.from_gguf(module.projection))
+    if isinstance(module, GGUFLinear):
+        return None if module.projection is None else ext.Linear.from_gguf(module.projection)
     if isinstance(module, Int4Linear):
         d = module.dense
         return ext.Linear(2, d.weight, module.bias, module.packed, module.scales_zeros,

@@ -376,7 +376,7 @@ class GGUFLinear(nn.Module):
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar, w.rounds) for w in self.parts],
             self.bias, self.max_rows, self.twice_max_rows, self.tile_rows, tile_bf16,
-            self.panel_rows, bf16_panels, self.amx)
+            self.panel_rows, bf16_panels, self.amx, self.in_perm)
 
     @property
     def nbytes(self) -> int:
@@ -389,14 +389,12 @@ class GGUFLinear(nn.Module):
         computed it and no bias is added (their products, unconverted)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.in_perm is not None:
-            x2 = x2.index_select(1, self.in_perm)
         if self.projection is not None and x.dtype in (torch.float32, torch.bfloat16):
             twice = (None if self.prompt_rows is None
                      else self.prompt_rows.of(self.is_head, x2.shape[0]))
-            y = self.projection(x2, twice, bf16_out)
+            y = self.projection(x2, twice, bf16_out)  # (it gathers x into in_perm's order)
         else:
-            y = self._tiled(x2)
+            y = self._tiled(x2 if self.in_perm is None else x2.index_select(1, self.in_perm))
         return y.view(*lead, self.out_features)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ Packing (what the checkpoints hold, int32 words of 8 nibbles, lowest nibble firs
   (a stable sort of g_idx) so each block of 32 lies in one group, and the projection
   gathers its input into that order (QuantizedWeight.in_perm); a fused q/k/v or gate/up
   shares one input, so its parts must share one order (GPTQ derives it from that input).
-  The C++ decoder leaves such a model to the layers in Python, and a row-parallel split
-  (o, down) would take scattered channels of every group: tensor parallelism is refused.
+  A row-parallel split (o, down) would take scattered channels of every group: tensor
+  parallelism is refused.
 - AWQ (GEMM): qweight [in, out / 8] and qzeros [groups, out / 8] with nibble i of a word
   holding output channel 8c + AWQ_ORDER[i], scales [groups, out].
 """

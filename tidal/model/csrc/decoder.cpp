@@ -260,13 +260,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                           py::module_local())
       .def(py::init([](std::vector<GGUFPart> parts, c10::optional<Tensor> bias, int64_t max_rows,
                        int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16,
-                       int64_t panel_rows, bool bf16_panels, bool amx) {
+                       int64_t panel_rows, bool bf16_panels, bool amx,
+                       c10::optional<Tensor> in_perm) {
              return std::make_shared<GGUFProjection>(std::move(parts), bias.value_or(Tensor()),
                                                      max_rows, twice_max_rows, tile_rows,
-                                                     tile_bf16, panel_rows, bf16_panels, amx);
+                                                     tile_bf16, panel_rows, bf16_panels, amx,
+                                                     in_perm.value_or(Tensor()));
            }), py::arg("parts"), py::arg("bias"), py::arg("max_rows"),
            py::arg("twice_max_rows"), py::arg("tile_rows"), py::arg("tile_bf16") = false,
-           py::arg("panel_rows") = 0, py::arg("bf16_panels") = false, py::arg("amx") = false)
+           py::arg("panel_rows") = 0, py::arg("bf16_panels") = false, py::arg("amx") = false,
+           py::arg("in_perm") = py::none())
       .def_readonly("bf16_panels", &GGUFProjection::bf16_panels)
       .def("__call__", [](const GGUFProjection& g, const Tensor& x, c10::optional<Tensor> twice,
                           bool bf16_out) {

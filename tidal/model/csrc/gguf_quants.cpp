@@ -331,12 +331,13 @@ Tensor tiled(const Tensor& x, const GGUFProjection& g, const Tensor& twice, bool
 
 GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64_t max_rows_,
                                int64_t twice_max_rows_, int64_t tile_rows_, bool tile_bf16_,
-                               int64_t panel_rows_, bool bf16_panels_, bool amx_)
+                               int64_t panel_rows_, bool bf16_panels_, bool amx_,
+                               Tensor in_perm_)
     : parts(std::move(parts_)), bias(bias_), max_rows(max_rows_),
       twice_max_rows(twice_max_rows_), tile_rows(tile_rows_),
       panel_rows(gguf_int8_panels() ? panel_rows_ : 0), amx(amx_ && gguf_amx()),
       tile_bf16(tile_bf16_),
-      bf16_panels(bf16_panels_ && gguf_bf16_panels()) {
+      bf16_panels(bf16_panels_ && gguf_bf16_panels()), in_perm(in_perm_) {
   bool takes = true;  // whether panels (int8, bf16) take every part
   TORCH_CHECK(!parts.empty() && tile_rows > 0, "a GGUF projection needs parts and tile_rows > 0");
   for (const GGUFPart& p : parts) {
@@ -354,6 +355,9 @@ GGUFProjection::GGUFProjection(std::vector<GGUFPart> parts_, Tensor bias_, int64
     out_features += p.data.size(0);
   }
   TORCH_CHECK(!bias.defined() || bias.numel() == out_features, "bias must be [out_features]");
+  TORCH_CHECK(!in_perm.defined() || (in_perm.scalar_type() == at::kLong &&
+                                     in_perm.dim() == 1 && in_perm.numel() == in_features),
+              "in_perm must be int64 [in_features]");
   if (!takes) panel_rows = 0, amx = false;
   bf16_panels = bf16_panels && tile_bf16 && takes && panels;
 }
@@ -392,7 +396,7 @@ Tensor GGUFProjection::operator()(const Tensor& x_in, const Tensor& twice_in,
               in_features, "] inputs");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
               "GGUF projections take float32 or bfloat16 inputs");
-  const Tensor x = x_in.contiguous();
+  const Tensor x = in_perm.defined() ? x_in.index_select(1, in_perm) : x_in.contiguous();
   const int64_t rows = x.size(0);
   Tensor twice;  // index_select and index_add check its values against x's rows
   if (twice_in.defined() && twice_in.numel() > 0) {

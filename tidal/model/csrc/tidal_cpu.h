@@ -162,11 +162,15 @@ struct GGUFProjection {
   bool k_quants = false;  // whether some part is a K-quant
   bool runs = false;      // whether some part's kernel reads x interleaved (Activations::qi)
   bool panels = true;     // whether every part's rows are whole panels of 16 (AMX takes all)
+  // act-order GPTQ: the input features the parts' columns hold, in order (x is gathered into
+  // it first; int64 [in_features]); undefined: their own order
+  Tensor in_perm;
 
   GGUFProjection() = default;
   GGUFProjection(std::vector<GGUFPart> parts, Tensor bias, int64_t max_rows,
                  int64_t twice_max_rows, int64_t tile_rows, bool tile_bf16,
-                 int64_t panel_rows = 0, bool bf16_panels = false, bool amx = false);
+                 int64_t panel_rows = 0, bool bf16_panels = false, bool amx = false,
+                 Tensor in_perm = Tensor());
   // y = x W^T (+ bias). Rows `twice` (indices into x's rows, or undefined) are rounded
   // twice: x's int8 rounding plus its residual's, ~15 bits a value instead of ~8. With
   // `bf16_out`, y is bf16 where bf16 tiles computed it (the same values, unconverted).
