@@ -3,6 +3,8 @@ penalties do what they say, logprobs match the distribution, stop strings cut th
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -57,6 +59,26 @@ def test_top_k_and_min_p_and_top_p_restrict_the_support():
         for s, t in zip(seen, toks):
             s.add(t[0])
     assert seen == [{0, 1}, {0, 1}, {0, 1}]
+
+
+def test_allowed_token_ids_are_all_that_is_sampled():
+    """Greedy takes the likeliest allowed token, sampling never leaves the allowed ones, and
+    their logprobs are of the masked distribution (the allowed ones' mass is 1)."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2))
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(200):
+        (greedy, drawn), lps = sample(logits, [
+            row(temperature=0, allowed_token_ids=[3, 2], logprobs=1),
+            row(temperature=1, allowed_token_ids=[1, 3])], gen)
+        assert greedy == [2]
+        seen.add(drawn[0])
+    assert seen == {1, 3}
+    assert math.isclose(math.exp(lps[0][0].logprob), 0.15 / 0.2, rel_tol=1e-5)
+    with pytest.raises(ValueError, match="allowed_token_ids must name"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="cache_salt must be"):
+        SamplingParams(cache_salt="")
 
 
 def test_penalties_and_logprobs():

@@ -205,6 +205,22 @@ def test_allocate_with_hit_references_and_revives_blocks():
     assert refs(kv)[:5] == [2, 2, 0, 1, 1] and kv.num_free == 4
 
 
+def test_a_salted_prefix_is_a_hit_only_under_its_salt():
+    """cache_salt (vLLM's): a tenant's blocks are found by requests of its salt alone, and
+    its salt keys every block, not the first only (a later block's hash chains the salt)."""
+    kv = mgr(16, 4)
+
+    def salted(rid: str, salt: str | None) -> Request:
+        return Request(rid, list(range(1, 10)), SamplingParams(max_tokens=4, cache_salt=salt))
+    prefill(kv, salted("a", "tenant-1"))
+    assert len(kv.match_prefix(salted("b", "tenant-1"))) == 2
+    assert kv.match_prefix(salted("c", "tenant-2")) == []
+    assert kv.match_prefix(salted("d", None)) == []
+    prefill(kv, salted("e", None))
+    assert len(kv.match_prefix(salted("f", None))) == 2
+    assert kv.match_prefix(salted("g", "tenant-2")) == []
+
+
 # ------------------------------------------------------------------ match_prefix cap
 def test_match_prefix_leaves_at_least_one_token():
     """match_prefix covers at most len(tokens) - 1 tokens, in whole blocks."""

@@ -117,6 +117,37 @@ def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(client):
         (warm.usage.prompt_tokens - 1) // block * block
 
 
+def test_cache_salt_keeps_a_prefix_to_requests_of_its_salt(client):
+    """vLLM's cache_salt: the second request of a salt reads the first's blocks; another
+    salt, or none, reads nothing of them."""
+    text = f"List the digits of {os.urandom(8).hex()} in order and then in reverse:"
+
+    def cached(salt: str | None) -> int:
+        out = client.completions.create(model="smollm2-135m", prompt=text, max_tokens=1,
+                                        extra_body=None if salt is None else {"cache_salt": salt})
+        return out.usage.prompt_tokens_details.cached_tokens
+    first = cached("tenant-a")
+    assert first == 0 and cached("tenant-a") > 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached("")
+
+
+def test_allowed_token_ids_are_all_the_output_holds(server, client):
+    tok = httpx.post(server.url + "/tokenize", headers={"authorization": f"Bearer {KEY}"},
+                     json={"model": "smollm2-135m", "prompt": " yes no"}).json()["tokens"]
+    out = client.completions.create(model="smollm2-135m", prompt="Is the sky blue?",
+                                    max_tokens=12, temperature=1.0, seed=3,
+                                    extra_body={"allowed_token_ids": tok, "ignore_eos": True})
+    assert out.usage.completion_tokens == 12
+    assert set(out.choices[0].text.split()) <= {"yes", "no"}
+    for bad in ([], [10**9]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2,
+                                      extra_body={"allowed_token_ids": bad})
+        assert err.value.body["param"] == "allowed_token_ids"
+
+
 def test_n_and_seed(client):
     out = client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2,
                                     max_tokens=12, temperature=1.0, seed=7,

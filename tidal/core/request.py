@@ -100,6 +100,14 @@ class SamplingParams:
     logit_bias): -100 all but bans the token, 100 all but forces it. The ids must be in the
     model's vocabulary, which the engine checks when the request is added."""
 
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled (vLLM's allowed_token_ids): every other logit is
+    masked out; None: any. The ids must be in the model's vocabulary, as logit_bias's."""
+    cache_salt: str | None = None
+    """Salts the request's prefix-cache blocks, and their keys in the tiers below the pool
+    (vLLM's cache_salt): only requests of the same salt share them, so a tenant cannot learn
+    from another's hit times what its prompts held. None: unsalted."""
+
     structured: tuple[str, str] | None = None
     """Constrain the output: (kind, spec) with kind `json` (a JSON schema, as JSON text),
     `regex`, `choice` (a JSON list of strings) or `grammar` (Lark / EBNF)."""
@@ -135,6 +143,11 @@ class SamplingParams:
             (self.lora is None or (isinstance(self.lora, str) and self.lora != ""),
              "lora must be an adapter's name"),
             (self.tpot_slo_ms is None or self.tpot_slo_ms > 0, "tpot_slo_ms must be > 0"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "allowed_token_ids must name at least one token (or be left out)"),
+            (self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                         and self.cache_salt != ""),
+             "cache_salt must be a non-empty string"),
             (self.structured is None or (len(self.structured) == 2 and self.structured[0]
                                          in ("json", "regex", "choice", "grammar")),
              "structured must be (kind, spec) with kind json, regex, choice or grammar"),
@@ -156,6 +169,11 @@ class SamplingParams:
                                  f"for token {token}")
             bias[token] = float(value)
         self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                   for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be token ids (ints >= 0)")
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
         if self.structured is not None:
             self.structured = (str(self.structured[0]), str(self.structured[1]))
 
@@ -203,9 +221,10 @@ class Request:
         self.sampling_params = sampling_params or SamplingParams()
         self.arrival_time = arrival_time
         self.eos_token_id = eos_token_id
-        # salts prefix-cache hashes (tenant, images; the adapter, whose KV differs)
-        lora = self.sampling_params.lora
-        self.extra_key = extra_key if lora is None else (extra_key, "lora", lora)
+        # salts prefix-cache hashes (the request's cache_salt; the adapter, whose KV differs)
+        lora, salt = self.sampling_params.lora, self.sampling_params.cache_salt
+        key = extra_key if salt is None else (extra_key, "salt", salt)
+        self.extra_key = key if lora is None else (key, "lora", lora)
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -127,7 +127,8 @@ class EngineCore:
         """Queue a request; raises ValueError for one that can never run."""
         for what, ids in (("token ids", prompt_token_ids),
                           ("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias token ids", params.logit_bias)):
+                          ("logit_bias token ids", params.logit_bias),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"request {request_id!r}: {what} must be in "
                                  f"[0, {self.vocab_size})")

@@ -165,6 +165,8 @@ class GenerationRequest(StrictModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    allowed_token_ids: list[TokenId] | None = None  # vLLM: only these may be sampled
+    cache_salt: str | None = None  # vLLM: the prefix cache shared only under this salt
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top k
     n: int = Field(1, ge=1)
     stream: bool = False
@@ -253,6 +255,10 @@ class GenerationRequest(StrictModel):
             raise APIError(f"n ({self.n}) x {self.limit_field()} ({max_tokens}) is over this "
                            f"server's limit of {cap} output tokens per prompt", param=field)
         check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
+        check_token_ids(self.allowed_token_ids or [], vocab_size, "allowed_token_ids")
+        if self.cache_salt is not None and not is_unicode(self.cache_salt):
+            raise APIError("cache_salt: the text is not valid Unicode (a lone surrogate)",
+                           param="cache_salt")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > limits.max_stop_strings:
             raise APIError(f"stop takes at most {limits.max_stop_strings} strings, got "
@@ -273,6 +279,7 @@ class GenerationRequest(StrictModel):
                 repetition_penalty=self.repetition_penalty, logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprob_count(),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size),
+                allowed_token_ids=self.allowed_token_ids, cache_salt=self.cache_salt,
                 structured=self._constraint and self._constraint[1],
                 ttft_slo_ms=self.ttft_slo_ms,
                 tpot_slo_ms=self.tpot_slo_ms)
