@@ -135,6 +135,12 @@ def test_stop_string_cuts_text_and_holds_back_a_possible_start():
     assert e.flush() == "EN" and not e.stopped
 
 
+def test_a_stop_string_is_kept_when_asked_for():
+    d = IncrementalDetokenizer(_CharTokenizer(), ["END"], include_stop=True)
+    assert d.add([ord(c) for c in "abENDx"]) == "abEND" and d.stopped
+    assert d.stop_string == "END" and d.flush() == ""
+
+
 def test_stop_string_finishes_the_request(llm):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     full = llm.generate(ids(llm, PROMPTS[:1]), params, use_tqdm=False)[0].outputs[0]
@@ -158,6 +164,26 @@ def test_an_output_counts_its_prompts_tokens_read_from_the_prefix_cache(llm):
                           stop=[first.outputs[0].text[1:3]])
     cut = llm.generate([prompt], stop, use_tqdm=False)[0]
     assert cut.outputs[0].finish_reason == "stop" and cut.num_cached_tokens == 20
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm):
+    """vLLM's: the token that ends a request by stop_token_ids counts as an output token,
+    but its text is left out, as a stop string's is (include_stop_str_in_output keeps
+    it)."""
+    params = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    full = llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(**params),
+                        use_tqdm=False)[0].outputs[0]
+    tokens = full.token_ids
+    stop = next(t for t in tokens[2:] if llm.engine.tokenizer.decode([t]).strip())
+    at = tokens.index(stop)
+    text_before = llm.engine.tokenizer.decode(tokens[:at])
+    for include in (False, True):
+        out = llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(
+            **params, stop_token_ids=[stop], include_stop_str_in_output=include),
+            use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.token_ids == tokens[:at + 1]
+        want = llm.engine.tokenizer.decode(tokens[:at + 1]) if include else text_before
+        assert out.text == want
 
 
 def test_bad_input_is_refused_and_nothing_leaks(llm):

@@ -148,6 +148,26 @@ def test_allowed_token_ids_are_all_the_output_holds(server, client):
         assert err.value.body["param"] == "allowed_token_ids"
 
 
+def test_special_tokens_and_the_stop_token_in_the_text_when_asked_for(client):
+    """skip_special_tokens=false with include_stop_str_in_output: the reply ends with the
+    chat's end-of-turn token; without the latter its text stays out (a stop token's, as
+    vLLM leaves it out); by default neither shows."""
+    kw = dict(model="smollm2-135m", messages=QUESTION, max_tokens=40, temperature=0)
+    plain = client.chat.completions.create(**kw)
+    assert plain.choices[0].finish_reason == "stop"
+    answer = plain.choices[0].message.content
+    raw = client.chat.completions.create(**kw, extra_body={
+        "skip_special_tokens": False, "include_stop_str_in_output": True})
+    assert raw.choices[0].message.content == answer + "<|im_end|>"
+    unskipped = client.chat.completions.create(**kw, extra_body={"skip_special_tokens": False})
+    assert unskipped.choices[0].message.content == answer
+    words = answer.split()
+    cut = client.chat.completions.create(**kw, stop=[words[1]],
+                                         extra_body={"include_stop_str_in_output": True})
+    head = answer[:answer.index(words[1]) + len(words[1])]
+    assert cut.choices[0].message.content == head
+
+
 def test_n_and_seed(client):
     out = client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2,
                                     max_tokens=12, temperature=1.0, seed=7,

@@ -64,7 +64,11 @@ class SamplingParams:
     """Keep generating past the EOS token."""
     stop: list[str] = field(default_factory=list)
     """Strings that end the output (finish reason `stop`); the detokenizer finds them and
-    they are not included in the text."""
+    they are not included in the text, nor is a stop token's (EOS, stop_token_ids)."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string, or the stop token's text, that ended the output (vLLM's)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens' text (e.g. `<|im_end|>`) out of the output text."""
     priority: int = 0
     """Lower runs first under the `priority` policy."""
     background: bool = False

@@ -11,10 +11,13 @@ from __future__ import annotations
 class IncrementalDetokenizer:
     """Text of one request's output, grown a token at a time, cut at the first stop string."""
 
-    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
+        """`include_stop`: the text keeps the stop string it was cut at."""
         self.tokenizer = tokenizer
         self.stop = stop
         self.skip = skip_special_tokens
+        self.include_stop = include_stop
         self.ids: list[int] = []
         self.text = ""
         self.prefix = 0  # window start in ids
@@ -48,7 +51,7 @@ class IncrementalDetokenizer:
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if hits:
             at, self.stop_string = min(hits, key=lambda h: h[0])
-            self.text = self.text[:at]
+            self.text = self.text[:at + (len(self.stop_string) if self.include_stop else 0)]
             self.stopped = True
 
     def flush(self) -> str:

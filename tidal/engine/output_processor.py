@@ -37,8 +37,9 @@ class OutputProcessor:
     def _add(self, seq_id: str, root: str, index: int) -> None:
         req = self._roots[root]
         req.started.add(seq_id)
-        self._seqs[seq_id] = (root, index, IncrementalDetokenizer(self.tokenizer,
-                                                                  req.params.stop))
+        p = req.params
+        self._seqs[seq_id] = (root, index, IncrementalDetokenizer(
+            self.tokenizer, p.stop, p.skip_special_tokens, p.include_stop_str_in_output))
 
     def forget(self, request_id: str) -> None:
         """Drop a request and its siblings (aborted); later outputs for them are ignored."""
@@ -64,8 +65,12 @@ class OutputProcessor:
                     continue  # a late token of a forgotten or already ended sequence
                 self._add(o.request_id, o.parent_id, o.index)
             root, index, detok = self._seqs[o.request_id]
-            text = detok.add(o.new_token_ids)
             finished, reason, message = o.finished, o.finish_reason, o.finish_message
+            # the core ends a request with `stop` at a stop token (EOS, stop_token_ids),
+            # whose text is left out as a stop string's is
+            ids = (o.new_token_ids[:-1] if finished and reason == "stop"
+                   and not detok.include_stop else o.new_token_ids)
+            text = detok.add(ids)
             if detok.stopped and not finished:
                 stopped.append(o.request_id)
                 finished, reason = True, "stop"

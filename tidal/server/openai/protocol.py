@@ -167,6 +167,8 @@ class GenerationRequest(StrictModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     allowed_token_ids: list[TokenId] | None = None  # vLLM: only these may be sampled
     cache_salt: str | None = None  # vLLM: the prefix cache shared only under this salt
+    include_stop_str_in_output: bool = False  # vLLM: keep the stop string or token's text
+    skip_special_tokens: bool = True  # vLLM: leave special tokens' text out
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top k
     n: int = Field(1, ge=1)
     stream: bool = False
@@ -280,6 +282,8 @@ class GenerationRequest(StrictModel):
                 prompt_logprobs=self.prompt_logprob_count(),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size),
                 allowed_token_ids=self.allowed_token_ids, cache_salt=self.cache_salt,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
                 structured=self._constraint and self._constraint[1],
                 ttft_slo_ms=self.ttft_slo_ms,
                 tpot_slo_ms=self.tpot_slo_ms)

@@ -12,8 +12,6 @@ NOT_YET = "tidal does not implement it yet"
 VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
     "use_beam_search": ((False,), "tidal does not implement beam search"),
     "length_penalty": ((1, 1.0), "tidal does not implement beam search"),
-    "include_stop_str_in_output": ((False,), "tidal never includes stop strings in the text"),
-    "skip_special_tokens": ((True,), "tidal always skips special tokens in the text"),
     "spaces_between_special_tokens": ((True,), NOT_YET),
     "truncate_prompt_tokens": ((), "tidal does not truncate prompts"),
     "bad_words": (([],), NOT_YET),
