@@ -132,6 +132,13 @@ def test_embeddings_endpoint_equals_the_reference(served):
     one = client.embeddings.create(model=name, input=tokens[1])
     assert torch.allclose(torch.tensor(one.data[0].embedding),
                           torch.tensor(got.data[1].embedding), atol=1e-6)
+    # vLLM's truncate_prompt_tokens: an input's last k tokens, as if sent alone
+    tail = client.embeddings.create(model=name, input=TEXTS[2],
+                                    extra_body={"truncate_prompt_tokens": 3})
+    alone = client.embeddings.create(model=name, input=tokens[2][-3:])
+    assert tail.usage.prompt_tokens == 3
+    assert torch.allclose(torch.tensor(tail.data[0].embedding),
+                          torch.tensor(alone.data[0].embedding), atol=1e-6)
 
 
 def test_embeddings_and_chat_share_the_engine(served):

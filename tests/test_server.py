@@ -168,6 +168,26 @@ def test_special_tokens_and_the_stop_token_in_the_text_when_asked_for(client):
     assert cut.choices[0].message.content == head
 
 
+def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens(server, client):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run (and count, and echo);
+    -1 keeps a prompt within the context as it is; 0, below -1 or over the context: 400."""
+    text = "one two three four five six seven eight nine ten eleven twelve"
+    ids = post(server, "/tokenize", {"model": "smollm2-135m", "prompt": text}).json()["tokens"]
+    kw = dict(model="smollm2-135m", prompt=text, max_tokens=3, temperature=0)
+    cut = client.completions.create(**kw, echo=True, extra_body={"truncate_prompt_tokens": 4})
+    tail = client.completions.create(**{**kw, "prompt": ids[-4:]}, echo=True)
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == tail.choices[0].text
+    whole = client.completions.create(**kw, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 6})
+    assert chat.usage.prompt_tokens == 6
+    for bad in (0, -2, 10**6):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**kw, extra_body={"truncate_prompt_tokens": bad})
+        assert err.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_n_and_seed(client):
     out = client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2,
                                     max_tokens=12, temperature=1.0, seed=7,

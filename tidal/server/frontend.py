@@ -26,7 +26,7 @@ from tidal.server.openai.chat import ChatRequest
 from tidal.server.openai.chat_output import ChatOutputOptions
 from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.generation_bodies import GenerationResponse, Updates
-from tidal.server.openai.protocol import APIError, GenerationRequest, check_token_ids
+from tidal.server.openai.protocol import APIError, GenerationRequest, check_token_ids, truncated
 from tidal.server.openai.reasoning import prompt_opens_thinking
 from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
                                               parser_for_template)
@@ -93,6 +93,10 @@ class Frontend:
                        **options):
         """Submit the prompts, then answer with the whole body or an SSE stream; `options`
         go to the response (a chat's ChatOutputOptions)."""
+        cut = truncated(prompts, body.truncate_prompt_tokens, self.client.ready.max_model_len)
+        if cut != prompts and options.get("sent"):  # an echo shows the prompt computed
+            options["sent"] = None
+        prompts = cut
         sub = await self._submit(prompts, body, request.headers)
         stream = None  # once made, its background task ends the submission
         try:
@@ -123,6 +127,8 @@ class Frontend:
     async def embed(self, body: EmbeddingRequest, prompts: list[list[int]],
                     request: Request) -> Response | dict:
         """Submit each input for its embedding; the body once all are back."""
+        prompts = truncated(prompts, body.truncate_prompt_tokens,
+                            self.client.ready.max_model_len)
         sub = await self._submit(prompts, body, request.headers)
         vectors: list = [None] * len(prompts)
 

@@ -53,6 +53,7 @@ class _Scoring(StrictModel):
     ttft_slo_ms: ClassVar[None] = None
     tpot_slo_ms: ClassVar[None] = None
     kv_transfer_params: ClassVar[None] = None
+    truncate_prompt_tokens: ClassVar[None] = None  # a pair's query would be cut first
 
     model: str | None = None
     instruction: str | None = None  # tidal's: an LLM reranker's <Instruct> line

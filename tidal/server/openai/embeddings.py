@@ -22,7 +22,6 @@ class EmbeddingRequest(StrictModel):
     would (n, sampling parameters, no constraint, no logprobs, no latency targets)."""
 
     _refused: ClassVar = {
-        "truncate_prompt_tokens": ((), "tidal does not truncate prompts"),
         "normalize": ((), "the model's pooling configuration says whether it normalises"),
     }
     prompt_field: ClassVar[str] = "input"  # what a 400 about an input names
@@ -38,6 +37,7 @@ class EmbeddingRequest(StrictModel):
     dimensions: int | None = Field(None, ge=1)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS / EOS as it adds them
     user: str | None = None  # harmless: an end-user id for abuse monitoring
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the last k tokens
 
     def check_dimensions(self, size: int, matryoshka: bool) -> None:
         """A 400 for `dimensions` the model cannot give: over its size, or any other than

@@ -52,6 +52,20 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+def truncated(prompts: list[list[int]], keep: int | None,
+              max_model_len: int) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: the model's
+    context's worth; None: the prompts as they are)."""
+    if keep is None:
+        return prompts
+    if keep == 0 or keep > max_model_len:
+        raise APIError(f"truncate_prompt_tokens must be -1 (the context) or in [1, "
+                       f"{max_model_len}], this model's context; got {keep}",
+                       param="truncate_prompt_tokens")
+    keep = max_model_len if keep == -1 else keep
+    return [p[-keep:] for p in prompts]
+
+
 def check_token_ids(ids, vocab_size: int, param: str) -> None:
     """A 400 naming `param` unless every id is a token of the vocabulary."""
     if any(not 0 <= t < vocab_size for t in ids):
@@ -169,6 +183,7 @@ class GenerationRequest(StrictModel):
     cache_salt: str | None = None  # vLLM: the prefix cache shared only under this salt
     include_stop_str_in_output: bool = False  # vLLM: keep the stop string or token's text
     skip_special_tokens: bool = True  # vLLM: leave special tokens' text out
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the last k tokens
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top k
     n: int = Field(1, ge=1)
     stream: bool = False
