@@ -188,6 +188,38 @@ def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens(server, client):
         assert err.value.body["param"] == "truncate_prompt_tokens"
 
 
+def test_return_token_ids_gives_the_prompts_and_outputs_ids(server, client):
+    """vLLM's return_token_ids: the prompt's ids (chat: at the top, in the first chunk of a
+    stream; completions: on each choice, in its first chunk) and each choice's output ids,
+    a stream's spread over its chunks, every id once."""
+    ids = post(server, "/tokenize", {"model": "smollm2-135m",
+                                     "messages": QUESTION}).json()["tokens"]
+    kw = dict(model="smollm2-135m", messages=QUESTION, max_tokens=8, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    chat = client.chat.completions.create(**kw)
+    out = chat.choices[0].token_ids
+    assert chat.prompt_token_ids == ids and len(out) == chat.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].prompt_token_ids == ids
+    assert [t for c in chunks for ch in c.choices
+            for t in getattr(ch, "token_ids", None) or []] == out
+    plain = client.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True}})
+    assert plain.choices[0].message.content == chat.choices[0].message.content
+    assert getattr(plain, "prompt_token_ids", None) is None  # not unless asked for
+    prompt = "The capital of France is"
+    want = post(server, "/tokenize", {"model": "smollm2-135m", "prompt": prompt}).json()
+    comp = dict(model="smollm2-135m", prompt=prompt, max_tokens=5, n=2, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**comp)
+    assert [c.prompt_token_ids for c in whole.choices] == [want["tokens"]] * 2
+    streamed = {0: [], 1: []}
+    for c in client.completions.create(**comp, stream=True):
+        for ch in c.choices:
+            streamed[ch.index] += getattr(ch, "token_ids", None) or []
+    assert [len(c.token_ids) for c in whole.choices] == [5, 5]
+    assert [streamed[i] for i in (0, 1)] == [c.token_ids for c in whole.choices]
+
+
 def test_n_and_seed(client):
     out = client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2,
                                     max_tokens=12, temperature=1.0, seed=7,

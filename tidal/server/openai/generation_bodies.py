@@ -54,7 +54,7 @@ class GenerationResponse:
 
     def __init__(self, tokenizer, model_name: str, request_id: str, prompts: list[list[int]],
                  num_choices: int, logprobs: bool, token_bytes=None,
-                 prompt_logprobs: bool = False) -> None:
+                 prompt_logprobs: bool = False, token_ids: bool = False) -> None:
         self.tokenizer, self.model_name, self.prompts = tokenizer, model_name, prompts
         self.id, self.created = f"{self.id_prefix}-{request_id}", int(time.time())
         self.choices = [Choice() for _ in range(num_choices)]
@@ -66,6 +66,8 @@ class GenerationResponse:
         # each prompt's logprobs, as the engine sent them
         self.prompt_entries: list[list[PromptLogprob | None] | None] = [None] * len(prompts)
         self.cached = [0] * len(prompts)  # each prompt's tokens the prefix cache held
+        self.want_token_ids = token_ids  # vLLM's return_token_ids
+        self.unsent = [[] for _ in self.choices]  # a stream's tokens not yet in a chunk
 
     # ------------------------------------------------------------------ per endpoint
     def logprobs(self, entries: list[Entry], offset: int):
@@ -164,7 +166,8 @@ class GenerationResponse:
         try:
             opening = self.opening()
             if opening:
-                yield self.chunk(opening, **extra)
+                first = {"prompt_token_ids": self.prompts[0]} if self.want_token_ids else {}
+                yield self.chunk(opening, **extra, **first)
             async for i, u in self._prompt_entries_first(updates):
                 ch = self.choices[i]
                 lp = self.logprobs(token_entries(u), len(ch.text)) if self.want_logprobs else None
@@ -176,7 +179,10 @@ class GenerationResponse:
                     continue
                 part = self.chunk_choice(i, u.new_text, lp,
                                          u.finish_reason if u.finished else None)
+                self.unsent[i] += u.new_token_ids
                 if part is not None:
+                    if self.want_token_ids:  # the tokens since the last chunk that went
+                        part.token_ids, self.unsent[i] = self.unsent[i], []
                     yield self.chunk([part], **extra)
             if include_usage:
                 yield self.chunk([], usage=self.usage())
@@ -217,9 +223,13 @@ class ChatResponse(GenerationResponse):
                                          reader.reasoning or None)
             lp = self.logprobs(ch.logprobs, 0) if self.want_logprobs else None
             out.append(s.ChatChoice(i, message, lp, reader.finish_reason(ch.finish_reason)))
+            if self.want_token_ids:
+                out[-1].token_ids = ch.tokens
         body = s.ChatCompletion(self.id, self.created, self.model_name, out, self.usage())
         if self.want_prompt_logprobs:
             body.prompt_logprobs = self.vllm_prompt_logprobs(0)
+        if self.want_token_ids:
+            body.prompt_token_ids = self.prompts[0]
         return body
 
     def chunk_choice(self, i: int, new_text: str, lp, finish_reason: str | None):
@@ -295,6 +305,8 @@ class CompletionResponse(GenerationResponse):
                 lp = self.logprobs(echoed + ch.logprobs, 0)
             out.append(self._with_prompt(s.CompletionChoice(i, ch.text, lp, ch.finish_reason),
                                          i))
+            if self.want_token_ids:
+                out[-1].token_ids = ch.tokens
         return s.Completion(self.id, self.created, self.model_name, out, self.usage())
 
     def chunk_choice(self, i: int, new_text: str, lp, finish_reason: str | None):
@@ -313,6 +325,8 @@ class CompletionResponse(GenerationResponse):
     def _with_prompt(self, choice: s.CompletionChoice, i: int) -> s.CompletionChoice:
         if self.want_prompt_logprobs:
             choice.prompt_logprobs = self.vllm_prompt_logprobs(i // self.n)
+        if self.want_token_ids:
+            choice.prompt_token_ids = self.prompts[i // self.n]
         return choice
 
 

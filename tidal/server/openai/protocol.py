@@ -184,6 +184,7 @@ class GenerationRequest(StrictModel):
     include_stop_str_in_output: bool = False  # vLLM: keep the stop string or token's text
     skip_special_tokens: bool = True  # vLLM: leave special tokens' text out
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the last k tokens
+    return_token_ids: bool = False  # vLLM: the prompt's and the output's token ids too
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top k
     n: int = Field(1, ge=1)
     stream: bool = False

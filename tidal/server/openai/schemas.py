@@ -99,6 +99,7 @@ class ChatChoice(Struct):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids
 
 
 class RankedLogprob(Struct):
@@ -124,6 +125,7 @@ class ChatCompletion(Struct):
     object: str = "chat.completion"
     system_fingerprint: str = FINGERPRINT
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # sent only when asked for
+    prompt_token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids
 
 
 class Delta(Struct, omit_defaults=True):
@@ -138,6 +140,7 @@ class ChatChunkChoice(Struct):
     delta: Delta
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids: the chunk's tokens
 
 
 # ------------------------------------------------------------------ completions
@@ -155,6 +158,10 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # sent only when asked for
+    # vLLM's return_token_ids: the prompt's (streamed: in a choice's first chunk) and the
+    # output's (streamed: the chunk's)
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 # ------------------------------------------------------------------ envelopes
@@ -180,3 +187,4 @@ class Chunk(Struct, omit_defaults=True):
     system_fingerprint: str  # no default: omit_defaults would drop it
     choices: list  # ChatChunkChoice or CompletionChoice
     usage: Usage | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # a chat's first, with return_token_ids
