@@ -191,7 +191,8 @@ def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens(server, client):
 def test_return_token_ids_gives_the_prompts_and_outputs_ids(server, client):
     """vLLM's return_token_ids: the prompt's ids (chat: at the top, in the first chunk of a
     stream; completions: on each choice, in its first chunk) and each choice's output ids,
-    a stream's spread over its chunks, every id once."""
+    a stream's spread over its chunks, every id once; return_tokens_as_token_ids names the
+    logprobs' tokens by id."""
     ids = post(server, "/tokenize", {"model": "smollm2-135m",
                                      "messages": QUESTION}).json()["tokens"]
     kw = dict(model="smollm2-135m", messages=QUESTION, max_tokens=8, temperature=0,
@@ -218,6 +219,17 @@ def test_return_token_ids_gives_the_prompts_and_outputs_ids(server, client):
             streamed[ch.index] += getattr(ch, "token_ids", None) or []
     assert [len(c.token_ids) for c in whole.choices] == [5, 5]
     assert [streamed[i] for i in (0, 1)] == [c.token_ids for c in whole.choices]
+    # return_tokens_as_token_ids: logprobs name each token, and each alternative, by its id
+    named = client.chat.completions.create(**{**kw, "extra_body": {
+        "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}},
+        logprobs=True, top_logprobs=2)
+    entries = named.choices[0].logprobs.content
+    assert [e.token for e in entries] == [f"token_id:{t}" for t in out]
+    assert all(a.token.startswith("token_id:") for e in entries for a in e.top_logprobs)
+    texts = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=3,
+                                      temperature=0, logprobs=1,
+                                      extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.startswith("token_id:") for t in texts.choices[0].logprobs.tokens)
 
 
 def test_n_and_seed(client):

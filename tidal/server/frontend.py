@@ -105,7 +105,8 @@ class Frontend:
                                     body.num_logprobs() is not None,
                                     self.grammars.token_bytes if self.grammars else None,
                                     prompt_logprobs=body.prompt_logprobs is not None,
-                                    token_ids=body.return_token_ids, **options)
+                                    token_ids=body.return_token_ids,
+                                    tokens_as_ids=body.return_tokens_as_token_ids, **options)
             updates = self._updates(sub)
             if not body.stream:
                 return await _unless_client_leaves(request, response.body(updates))

@@ -54,7 +54,8 @@ class GenerationResponse:
 
     def __init__(self, tokenizer, model_name: str, request_id: str, prompts: list[list[int]],
                  num_choices: int, logprobs: bool, token_bytes=None,
-                 prompt_logprobs: bool = False, token_ids: bool = False) -> None:
+                 prompt_logprobs: bool = False, token_ids: bool = False,
+                 tokens_as_ids: bool = False) -> None:
         self.tokenizer, self.model_name, self.prompts = tokenizer, model_name, prompts
         self.id, self.created = f"{self.id_prefix}-{request_id}", int(time.time())
         self.choices = [Choice() for _ in range(num_choices)]
@@ -67,6 +68,7 @@ class GenerationResponse:
         self.prompt_entries: list[list[PromptLogprob | None] | None] = [None] * len(prompts)
         self.cached = [0] * len(prompts)  # each prompt's tokens the prefix cache held
         self.want_token_ids = token_ids  # vLLM's return_token_ids
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
         self.unsent = [[] for _ in self.choices]  # a stream's tokens not yet in a chunk
 
     # ------------------------------------------------------------------ per endpoint
@@ -97,7 +99,7 @@ class GenerationResponse:
     # ------------------------------------------------------------------ shared
     def vllm_prompt_logprobs(self, p: int) -> s.PromptLogprobs:
         """Prompt p's logprobs in vLLM's shape: per token, the token and its alternatives."""
-        text, out = self.token_text, []
+        text, out = self.logprob_token, []
         for t, entry in zip(self.prompts[p], self.prompt_entries[p] or []):
             if entry is None:
                 out.append(None)
@@ -131,6 +133,11 @@ class GenerationResponse:
 
     def token_text(self, t: int) -> str:
         return self.tokenizer.decode([t], skip_special_tokens=False)
+
+    def logprob_token(self, t: int) -> str:
+        """A token as logprobs name it: its text, or `token_id:<id>` (vLLM's
+        return_tokens_as_token_ids: no two tokens alike, none lost to decoding)."""
+        return f"token_id:{t}" if self.tokens_as_ids else self.token_text(t)
 
     def token_bytes(self, t: int) -> list[int]:
         raw = self._token_bytes(t) if self._token_bytes else self.token_text(t).encode()
@@ -206,7 +213,7 @@ class ChatResponse(GenerationResponse):
         self.outputs = [ChoiceOutput(self.options) for _ in self.choices]
 
     def logprobs(self, entries: list[Entry], offset: int) -> s.ChatLogprobs:
-        text, raw = self.token_text, self.token_bytes
+        text, raw = self.logprob_token, self.token_bytes
         return s.ChatLogprobs([
             s.ChatTokenLogprob(text(t), e.logprob, raw(t), [s.TopLogprob(text(a), alp, raw(a))
                                                         for a, alp in e.top])
@@ -282,12 +289,11 @@ class CompletionResponse(GenerationResponse):
     def logprobs(self, entries: list[Entry], offset: int) -> s.CompletionLogprobs:
         tokens, lps, tops, offsets = [], [], [], []
         for t, entry in entries:
-            text = self.token_text(t)
-            tokens.append(text)
+            tokens.append(self.logprob_token(t))
             lps.append(entry.logprob if entry else None)
-            tops.append({self.token_text(a): alp for a, alp in entry.top} if entry else None)
+            tops.append({self.logprob_token(a): alp for a, alp in entry.top} if entry else None)
             offsets.append(offset)
-            offset += len(text)
+            offset += len(self.token_text(t))  # where it lies in the text
         return s.CompletionLogprobs(tokens, lps, tops, offsets)
 
     def _echoed(self, i: int) -> list[Entry]:

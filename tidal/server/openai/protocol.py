@@ -185,6 +185,7 @@ class GenerationRequest(StrictModel):
     skip_special_tokens: bool = True  # vLLM: leave special tokens' text out
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the last k tokens
     return_token_ids: bool = False  # vLLM: the prompt's and the output's token ids too
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top k
     n: int = Field(1, ge=1)
     stream: bool = False

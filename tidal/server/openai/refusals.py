@@ -18,7 +18,6 @@ VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
     "guided_decoding_backend": ((), STRUCTURED),
     "guided_whitespace_pattern": ((), STRUCTURED),
     "structural_tag": ((), STRUCTURED),
-    "return_tokens_as_token_ids": ((False,), NOT_YET),
     "request_id": ((), "tidal names requests itself"),
     "prompt_embeds": ((), "tidal takes text and token ids only"),
     "mm_processor_kwargs": ((), "tidal serves text-only models"),
