@@ -81,6 +81,20 @@ def test_allowed_token_ids_are_all_that_is_sampled():
         SamplingParams(cache_salt="")
 
 
+def test_a_bad_words_last_token_is_banned_after_the_tokens_before_it():
+    from tidal.model.sampler import bad_word_ends
+
+    words = [[3], [1, 2], [0, 1, 2]]
+    assert bad_word_ends(words, []) == [3]
+    assert bad_word_ends(words, [5, 1]) == [3, 2]
+    assert bad_word_ends(words, [0, 1]) == [3, 2, 2]
+    assert bad_word_ends(words, [1, 0]) == [3]
+    logits = torch.log(torch.tensor([[0.1, 0.1, 0.5, 0.3]]))
+    banned = SampleRow(SamplingParams(temperature=0, bad_words_token_ids=words), 1, [], [4, 1],
+                       None)
+    assert sample(logits, [banned], torch.Generator())[0] == [[0]]  # 2 and 3 out
+
+
 def test_penalties_and_logprobs():
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     gen = torch.Generator().manual_seed(0)
@@ -184,6 +198,25 @@ def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm):
         assert out.finish_reason == "stop" and out.token_ids == tokens[:at + 1]
         want = llm.engine.tokenizer.decode(tokens[:at + 1]) if include else text_before
         assert out.text == want
+
+
+def test_bad_words_keep_their_sequences_out_of_the_output(llm):
+    """A one-token bad word never comes; a two-token one never completes (its first token
+    may). Offline, bad_words as text are tokenized by the engine (Tokenizer.bad_word_ids)."""
+    params = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    free = llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(**params),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    first, pair = free[0], free[3:5]
+    out = llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(
+        **params, bad_words_token_ids=[[first], pair]), use_tqdm=False)[0].outputs[0].token_ids
+    assert first not in out
+    assert all(out[i:i + 2] != pair for i in range(len(out) - 1))
+    word = llm.engine.tokenizer.decode([free[2]]).strip()
+    if word:  # a word of the text: each of its spellings is out
+        banned = llm.engine.tokenizer.bad_word_ids([word])
+        text = llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(**params, bad_words=[word]),
+                            use_tqdm=False)[0].outputs[0].token_ids
+        assert not any(text[i:i + len(w)] == w for w in banned for i in range(len(text)))
 
 
 def test_bad_input_is_refused_and_nothing_leaks(llm):

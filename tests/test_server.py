@@ -232,6 +232,17 @@ def test_return_token_ids_gives_the_prompts_and_outputs_ids(server, client):
     assert all(t.startswith("token_id:") for t in texts.choices[0].logprobs.tokens)
 
 
+def test_bad_words_keep_a_word_out_of_the_answer(client):
+    kw = dict(model="smollm2-135m", messages=QUESTION, max_tokens=16, temperature=0)
+    assert "Paris" in client.chat.completions.create(**kw).choices[0].message.content
+    out = client.chat.completions.create(**kw, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in out.choices[0].message.content
+    for bad in ([" "], ["x"] * 100):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**kw, extra_body={"bad_words": bad})
+        assert err.value.body["param"] == "bad_words"
+
+
 def test_n_and_seed(client):
     out = client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2,
                                     max_tokens=12, temperature=1.0, seed=7,

@@ -107,6 +107,12 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """Only these token ids may be sampled (vLLM's allowed_token_ids): every other logit is
     masked out; None: any. The ids must be in the model's vocabulary, as logit_bias's."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words the output must not hold (vLLM's bad_words): a word's last token is masked out
+    where the output ends with the tokens before it (a one-token word: always)."""
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    """bad_words as token sequences (Tokenizer.bad_word_ids), set by the tokenizer's owner:
+    the offline engine or the server's frontend."""
     cache_salt: str | None = None
     """Salts the request's prefix-cache blocks, and their keys in the tiers below the pool
     (vLLM's cache_salt): only requests of the same salt share them, so a tenant cannot learn
@@ -173,6 +179,12 @@ class SamplingParams:
                                  f"for token {token}")
             bias[token] = float(value)
         self.logit_bias = bias
+        self.bad_words = list(self.bad_words)
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-blank strings")
+        self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
+        if any(not ids for ids in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty token sequences")
         if self.allowed_token_ids is not None:
             if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
                    for t in self.allowed_token_ids):

@@ -128,7 +128,9 @@ class EngineCore:
         for what, ids in (("token ids", prompt_token_ids),
                           ("stop_token_ids", params.stop_token_ids),
                           ("logit_bias token ids", params.logit_bias),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words_token_ids",
+                           [t for ids in params.bad_words_token_ids for t in ids])):
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"request {request_id!r}: {what} must be in "
                                  f"[0, {self.vocab_size})")

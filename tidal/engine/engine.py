@@ -49,6 +49,8 @@ class Engine:
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = self.tokenizer.bad_word_ids(params.bad_words)
         self.core.add(request_id, prompt_token_ids, params)
         self.outputs.track(request_id, params)
         return request_id

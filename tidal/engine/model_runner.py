@@ -372,9 +372,10 @@ class ModelRunner:
             if j and rid not in depths:  # a verification's first guess row
                 depths[rid] = guesses[rid].depths()
             depth = depths[rid][j - 1] if j else 0
-            # only penalties read the output's tokens: copy it with the guesses for them
+            # only penalties and bad words read the output's tokens: copy it with the
+            # guesses for them
             output = (q.output + guesses[rid].path_tokens(j - 1)
-                      if depth and needs_penalty(p) else q.output)
+                      if depth and (needs_penalty(p) or p.bad_words_token_ids) else q.output)
             produced = len(q.output) + depth
             gen = self._generator(rid, j, p.seed, produced) if p.seed is not None else None
             banned = q.stop_ids if produced < p.min_tokens else None

@@ -77,6 +77,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
+def bad_word_ends(words: list[list[int]], output: list[int]) -> list[int]:
+    """The last token of each bad word whose tokens before it end the output."""
+    return [w[-1] for w in words
+            if len(w) == 1 or (len(w) <= len(output) + 1 and output[len(output) - len(w) + 1:]
+                               == w[:-1])]
+
+
 def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """In place: each row's logit_bias added to its tokens' logits (before temperature, so
     greedy rows see it too)."""
@@ -128,13 +135,15 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     logits = logits.float()
     dev = logits.device
     if any(needs_penalty(r.params) or r.banned or r.params.logit_bias
-           or r.params.allowed_token_ids for r in rows):
+           or r.params.allowed_token_ids or r.params.bad_words_token_ids for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
         apply_logit_bias(logits, rows)
         for i, row in enumerate(rows):
-            if row.banned:
-                logits[i, on_device(row.banned, torch.long, dev)] = float("-inf")
+            banned = (row.banned or []) + bad_word_ends(row.params.bad_words_token_ids,
+                                                        row.output_ids)
+            if banned:
+                logits[i, on_device(banned, torch.long, dev)] = float("-inf")
             if row.params.allowed_token_ids:  # every other token out
                 ids = on_device(row.params.allowed_token_ids, torch.long, dev)
                 kept = logits[i, ids]

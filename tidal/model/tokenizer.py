@@ -50,6 +50,17 @@ class Tokenizer:
         post-processor's special tokens between and around them)."""
         return self._tk.encode(first, second, add_special_tokens=True).ids
 
+    def bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token sequences, as vLLM's bad_words ban them: the word as written
+        and with one leading space (how it reads after another word), each once."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 

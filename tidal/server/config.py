@@ -108,9 +108,10 @@ class ServerConfig(HttpConfig):
     max_constraint_bytes: int = knob(128 * 1024, "Largest output constraint (a JSON schema, "
                                      "regex, choice list or grammar) a request may send; its "
                                      "compilation grows with it.")
-    max_stop_strings: int = knob(16, "Most stop strings a request may send.")
+    max_stop_strings: int = knob(16, "Most stop strings a request may send (and most "
+                                 "bad_words).")
     max_stop_length: int = knob(256, "Most characters of one stop string (a stream holds "
-                                "that much text back).")
+                                "that much text back), or of one bad word.")
     tool_call_parser: str = knob("auto", "How tool_choice 'auto' reads the model's calls: "
                                  "'hermes' (<tool_call> JSON: Qwen, Hermes, and models "
                                  "without a tool template), 'llama3_json', or 'auto' (from "

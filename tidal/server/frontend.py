@@ -197,6 +197,9 @@ class Frontend:
             params.append(body.to_sampling_params(config, len(ids), client.ready.max_model_len,
                                                   client.ready.vocab_size))
             params[-1].lora = adapter
+            if params[-1].bad_words:  # as token sequences: the engine core has no tokenizer
+                params[-1].bad_words_token_ids = self.tokenizer.bad_word_ids(
+                    params[-1].bad_words)
             params[-1].trace = self.tracing is not None  # its scheduler events, for the span
             params[-1].background = background  # a Batch API line yields to the rest
         for name in ("ttft_slo_ms", "tpot_slo_ms"):

@@ -186,6 +186,7 @@ class GenerationRequest(StrictModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the last k tokens
     return_token_ids: bool = False  # vLLM: the prompt's and the output's token ids too
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:<id>"
+    bad_words: list[str] = []  # vLLM: words the output must not hold
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top k
     n: int = Field(1, ge=1)
     stream: bool = False
@@ -288,6 +289,12 @@ class GenerationRequest(StrictModel):
         if not all(map(is_unicode, stop)):  # it travels to the engine core as UTF-8
             raise APIError("stop: the text is not valid Unicode (a lone surrogate)",
                            param="stop")
+        # bad words cost a check a step each, as stop strings do: the same limits
+        if len(self.bad_words) > limits.max_stop_strings or any(
+                len(w) > limits.max_stop_length or not is_unicode(w) for w in self.bad_words):
+            raise APIError(f"bad_words takes at most {limits.max_stop_strings} words of valid "
+                           f"Unicode, each at most {limits.max_stop_length} characters",
+                           param="bad_words")
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -299,6 +306,7 @@ class GenerationRequest(StrictModel):
                 prompt_logprobs=self.prompt_logprob_count(),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size),
                 allowed_token_ids=self.allowed_token_ids, cache_salt=self.cache_salt,
+                bad_words=self.bad_words,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 structured=self._constraint and self._constraint[1],

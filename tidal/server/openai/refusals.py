@@ -13,7 +13,6 @@ VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
     "use_beam_search": ((False,), "tidal does not implement beam search"),
     "length_penalty": ((1, 1.0), "tidal does not implement beam search"),
     "spaces_between_special_tokens": ((True,), NOT_YET),
-    "bad_words": (([],), NOT_YET),
     "logits_processors": (([],), "tidal takes no per-request logits processors"),
     "guided_decoding_backend": ((), STRUCTURED),
     "guided_whitespace_pattern": ((), STRUCTURED),
