@@ -79,9 +79,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 
 def bad_word_ends(words: list[list[int]], output: list[int]) -> list[int]:
     """The last token of each bad word whose tokens before it end the output."""
-    return [w[-1] for w in words
-            if len(w) == 1 or (len(w) <= len(output) + 1 and output[len(output) - len(w) + 1:]
-                               == w[:-1])]
+    n = len(output)
+    return [w[-1] for w in words if len(w) <= n + 1 and output[n + 1 - len(w):] == w[:-1]]
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -128,8 +127,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     """Tokens per row (num_samples each) and, for rows asking for logprobs, one entry per
     token: its logprob and the top alternatives as (token, logprob). Every tensor it makes is
     on the logits' device; the generators must be too. Logprobs are those of
-    the distribution after penalties, logit bias, min_tokens bans and allowed_token_ids,
-    before temperature."""
+    the distribution after penalties, logit bias, bans (min_tokens, bad words) and
+    allowed_token_ids, before temperature."""
     if not rows:  # a step of prefill chunks that sample nothing
         return [], []
     logits = logits.float()

@@ -186,10 +186,11 @@ class GenerationResponse:
                     continue
                 part = self.chunk_choice(i, u.new_text, lp,
                                          u.finish_reason if u.finished else None)
-                self.unsent[i] += u.new_token_ids
-                if part is not None:
-                    if self.want_token_ids:  # the tokens since the last chunk that went
+                if self.want_token_ids:
+                    self.unsent[i] += u.new_token_ids
+                    if part is not None:  # the tokens since the last chunk that went
                         part.token_ids, self.unsent[i] = self.unsent[i], []
+                if part is not None:
                     yield self.chunk([part], **extra)
             if include_usage:
                 yield self.chunk([], usage=self.usage())
