@@ -1,0 +1,148 @@
+"""vLLM's request extensions of chat and completions, end to end on a real `tidal serve`
+with the official `openai` client: cache_salt, allowed_token_ids, bad_words,
+skip_special_tokens and include_stop_str_in_output, truncate_prompt_tokens, return_token_ids
+and return_tokens_as_token_ids."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import openai
+import pytest
+
+from server_fixtures import module_server
+
+server, client = module_server()
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_cache_salt_keeps_a_prefix_to_requests_of_its_salt(client):
+    """vLLM's cache_salt: the second request of a salt reads the first's blocks; another
+    salt, or none, reads nothing of them."""
+    text = f"List the digits of {os.urandom(8).hex()} in order and then in reverse:"
+
+    def cached(salt: str | None) -> int:
+        out = client.completions.create(model="smollm2-135m", prompt=text, max_tokens=1,
+                                        extra_body=None if salt is None else {"cache_salt": salt})
+        return out.usage.prompt_tokens_details.cached_tokens
+    first = cached("tenant-a")
+    assert first == 0 and cached("tenant-a") > 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached("")
+
+
+def test_allowed_token_ids_are_all_the_output_holds(server, client):
+    tok = post(server, "/tokenize", {"model": "smollm2-135m", "prompt": " yes no"}).json()[
+        "tokens"]
+    out = client.completions.create(model="smollm2-135m", prompt="Is the sky blue?",
+                                    max_tokens=12, temperature=1.0, seed=3,
+                                    extra_body={"allowed_token_ids": tok, "ignore_eos": True})
+    assert out.usage.completion_tokens == 12
+    assert set(out.choices[0].text.split()) <= {"yes", "no"}
+    for bad in ([], [10**9]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2,
+                                      extra_body={"allowed_token_ids": bad})
+        assert err.value.body["param"] == "allowed_token_ids"
+
+
+def test_special_tokens_and_the_stop_token_in_the_text_when_asked_for(client):
+    """skip_special_tokens=false with include_stop_str_in_output: the reply ends with the
+    chat's end-of-turn token; without the latter its text stays out (a stop token's, as
+    vLLM leaves it out); by default neither shows."""
+    kw = dict(model="smollm2-135m", messages=QUESTION, max_tokens=40, temperature=0)
+    plain = client.chat.completions.create(**kw)
+    assert plain.choices[0].finish_reason == "stop"
+    answer = plain.choices[0].message.content
+    raw = client.chat.completions.create(**kw, extra_body={
+        "skip_special_tokens": False, "include_stop_str_in_output": True})
+    assert raw.choices[0].message.content == answer + "<|im_end|>"
+    unskipped = client.chat.completions.create(**kw, extra_body={"skip_special_tokens": False})
+    assert unskipped.choices[0].message.content == answer
+    words = answer.split()
+    cut = client.chat.completions.create(**kw, stop=[words[1]],
+                                         extra_body={"include_stop_str_in_output": True})
+    head = answer[:answer.index(words[1]) + len(words[1])]
+    assert cut.choices[0].message.content == head
+
+
+def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens(server, client):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run (and count, and echo);
+    -1 keeps a prompt within the context as it is; 0, below -1 or over the context: 400."""
+    text = "one two three four five six seven eight nine ten eleven twelve"
+    ids = post(server, "/tokenize", {"model": "smollm2-135m", "prompt": text}).json()["tokens"]
+    kw = dict(model="smollm2-135m", prompt=text, max_tokens=3, temperature=0)
+    cut = client.completions.create(**kw, echo=True, extra_body={"truncate_prompt_tokens": 4})
+    tail = client.completions.create(**{**kw, "prompt": ids[-4:]}, echo=True)
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == tail.choices[0].text
+    whole = client.completions.create(**kw, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(model="smollm2-135m", messages=QUESTION,
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 6})
+    assert chat.usage.prompt_tokens == 6
+    for bad in (0, -2, 10**6):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**kw, extra_body={"truncate_prompt_tokens": bad})
+        assert err.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_return_token_ids_gives_the_prompts_and_outputs_ids(server, client):
+    """vLLM's return_token_ids: the prompt's ids (chat: at the top, in the first chunk of a
+    stream; completions: on each choice, in its first chunk) and each choice's output ids,
+    a stream's spread over its chunks, every id once; return_tokens_as_token_ids names the
+    logprobs' tokens by id."""
+    ids = post(server, "/tokenize", {"model": "smollm2-135m",
+                                     "messages": QUESTION}).json()["tokens"]
+    kw = dict(model="smollm2-135m", messages=QUESTION, max_tokens=8, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    chat = client.chat.completions.create(**kw)
+    out = chat.choices[0].token_ids
+    assert chat.prompt_token_ids == ids and len(out) == chat.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].prompt_token_ids == ids
+    assert [t for c in chunks for ch in c.choices
+            for t in getattr(ch, "token_ids", None) or []] == out
+    plain = client.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True}})
+    assert plain.choices[0].message.content == chat.choices[0].message.content
+    assert getattr(plain, "prompt_token_ids", None) is None  # not unless asked for
+    prompt = "The capital of France is"
+    want = post(server, "/tokenize", {"model": "smollm2-135m", "prompt": prompt}).json()
+    comp = dict(model="smollm2-135m", prompt=prompt, max_tokens=5, n=2, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**comp)
+    assert [c.prompt_token_ids for c in whole.choices] == [want["tokens"]] * 2
+    streamed = {0: [], 1: []}
+    for c in client.completions.create(**comp, stream=True):
+        for ch in c.choices:
+            streamed[ch.index] += getattr(ch, "token_ids", None) or []
+    assert [len(c.token_ids) for c in whole.choices] == [5, 5]
+    assert [streamed[i] for i in (0, 1)] == [c.token_ids for c in whole.choices]
+    # return_tokens_as_token_ids: logprobs name each token, and each alternative, by its id
+    named = client.chat.completions.create(**{**kw, "extra_body": {
+        "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}},
+        logprobs=True, top_logprobs=2)
+    entries = named.choices[0].logprobs.content
+    assert [e.token for e in entries] == [f"token_id:{t}" for t in out]
+    assert all(a.token.startswith("token_id:") for e in entries for a in e.top_logprobs)
+    texts = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=3,
+                                      temperature=0, logprobs=1,
+                                      extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.startswith("token_id:") for t in texts.choices[0].logprobs.tokens)
+
+
+def test_bad_words_keep_a_word_out_of_the_answer(client):
+    kw = dict(model="smollm2-135m", messages=QUESTION, max_tokens=16, temperature=0)
+    assert "Paris" in client.chat.completions.create(**kw).choices[0].message.content
+    out = client.chat.completions.create(**kw, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in out.choices[0].message.content
+    for bad in ([" "], ["x"] * 100):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**kw, extra_body={"bad_words": bad})
+        assert err.value.body["param"] == "bad_words"
