@@ -180,9 +180,11 @@ def test_create_and_stream_give_chats_answer(client, openai_client):
     assert whole.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[
         chat.choices[0].finish_reason]
     with client.messages.stream(**kw) as stream:
-        kinds = [e.type for e in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert events[0].message.usage.cache_read_input_tokens == read  # known at the start
     assert text_of(final) == text_of(whole) and final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert final.usage.cache_read_input_tokens == read

@@ -115,11 +115,14 @@ class MessagesBody(ChatResponse):
             return f"event: {body['type']}\ndata: {s.encode(body).decode()}\n\n"
 
         ch, reader = self.choices[0], self.outputs[0]
+        ordered = self._prompt_entries_first(updates)
         try:
+            # message_start waits for the first token: by then the prompt's cache hit is known
+            first = await anext(ordered, None)
             yield event({"type": "message_start",
                          "message": self._message([], None, None, 0)})
             yield event({"type": "ping"})
-            async for _, u in self._prompt_entries_first(updates):
+            async for _, u in _after(first, ordered):
                 if u.finish_reason == "error":
                     raise APIError(u.finish_message or "generation failed", 500,
                                    "internal_error")
@@ -162,7 +165,15 @@ class MessagesBody(ChatResponse):
 
     def _input_usage(self) -> dict:
         """The prompt's tokens as Anthropic counts them: those read from the prefix cache
-        apart from the rest (message_start's, sent before the first admission, reads none)."""
+        apart from the rest."""
         cached = sum(self.cached)
         return {"input_tokens": sum(map(len, self.prompts)) - cached,
                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+async def _after(first, rest):
+    """`first` (unless None), then what `rest` yields."""
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
