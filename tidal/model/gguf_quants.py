@@ -125,7 +125,8 @@ class QuantizedWeight:
 
     def __init__(self, name: str, data: Any, qtype: int | QT, shape: tuple[int, int],
                  planar: bool | None = None, use_extension: bool = True,
-                 arena: WeightArena | None = None, rounds: bool | None = None) -> None:
+                 arena: WeightArena | None = None, rounds: bool | None = None,
+                 in_perm: torch.Tensor | None = None) -> None:
         try:
             qtype = QT(qtype)
         except ValueError:
@@ -143,7 +144,7 @@ class QuantizedWeight:
             raise ValueError(f"GGUF tensor {name!r} ({qtype.name}, {n}x{k}) needs "
                              f"{n * (k // block) * size} bytes, got {raw.numel()}")
         self.name, self.qtype, self.shape = name, qtype, (n, k)
-        self.in_perm: torch.Tensor | None = None
+        self.in_perm = in_perm
         self.ext = extension() if use_extension else None
         self.planar = qtype in BLOCK_FIELDS and (qtype in PLANAR if planar is None else planar)
         self.rounds = self.planar and qtype in NIBBLES and (

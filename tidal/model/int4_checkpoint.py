@@ -86,8 +86,8 @@ def read_checkpoint(folder: Path, quantization_config: dict,
         if shard is not None:
             blocks, shape = shard.take_matrix(module + ".weight", blocks, shape,
                                               GGML_QUANT_SIZES[qtype][1])
-        weights[module + ".weight"] = w = QuantizedWeight(module, blocks, qtype, shape)
-        w.in_perm = None if perm is None else torch.from_numpy(perm)
+        weights[module + ".weight"] = QuantizedWeight(
+            module, blocks, qtype, shape, in_perm=None if perm is None else torch.from_numpy(perm))
     if shard is not None:
         raw = {own: shard.take(n, t) for n, t in raw.items()  # not other ranks' layers or experts
                if (own := shard.local_name(n)) is not None}
