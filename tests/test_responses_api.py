@@ -360,8 +360,12 @@ def test_think_blocks_become_a_reasoning_item_whole_or_streamed(stream):
             last = i == len(pieces) - 1
             yield 0, StepUpdate("r", "r", 0, [i], text, last, "stop" if last else None)
 
+    class Pieces:  # token i is pieces[i]
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(pieces[i] for i in ids)
+
     kept = []
-    body = ResponseBody(None, MODEL, "r", [[1, 2, 3]], 1, False,
+    body = ResponseBody(Pieces(), MODEL, "r", [[1, 2, 3]], 1, False,
                         options=ChatOutputOptions(reasoning=True),
                         source=ResponsesRequest(input="weather?"), on_done=kept.append)
 
@@ -381,4 +385,22 @@ def test_think_blocks_become_a_reasoning_item_whole_or_streamed(stream):
     assert final["output"][0]["content"][0]["text"] == "\nIt is sunny."
     assert final["output"][1]["content"][0]["text"] == "Sunny."
     assert final["status"] == "completed" and final["usage"]["input_tokens"] == 3
+    # the tokens whose text holds reasoning: "ink>\nIt is" and " sunny.</think>"
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
     assert kept == [final]
+
+
+@pytest.mark.parametrize("pieces, opens, count", [
+    (["<think>", "a", "b", "</think>", "c"], False, 2),  # markers are not reasoning
+    (["  <think>", "a", "b"], False, 2),  # cut off before </think>: all reasoning
+    (["a", "b", "</think>", "c"], True, 2),  # the prompt opened the block
+    (["a", "<think>", "b"], False, 0),  # a reply that does not open with a block
+    (["<think></think>", "c"], False, 0),
+])
+def test_reasoning_tokens_count_the_tokens_inside_the_block(pieces, opens, count):
+    from tidal.server.openai.reasoning import reasoning_tokens
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
+    assert reasoning_tokens(list(range(len(pieces))), decode, opens) == count

@@ -57,6 +57,38 @@ class ThinkSplitter:
         return text
 
 
+def reasoning_tokens(tokens: list[int], decode, prompt_opens: bool) -> int:
+    """How many of a reply's tokens carry its reasoning: those whose text overlaps the
+    block between `<think>` and `</think>` (or the reply's end), markers left out, as the
+    Responses API's `output_tokens_details.reasoning_tokens` counts them. `decode` turns a
+    list of ids into text, special tokens kept."""
+    text = decode(tokens)
+    if prompt_opens:
+        start = 0
+    elif text.lstrip().startswith(OPEN):
+        start = text.index(OPEN) + len(OPEN)
+    else:
+        return 0
+    end = text.find(CLOSE, start)
+    end = len(text) if end < 0 else end
+    if end <= start:
+        return 0
+
+    def first(reach: int) -> int:
+        """The fewest leading tokens whose text reaches past `reach` characters."""
+        lo, hi = 0, len(tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(decode(tokens[:mid])) > reach:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    # token i overlaps [start, end) when its prefix ends past start and begins before end
+    return first(end - 1) - first(start) + 1
+
+
 def prompt_opens_thinking(prompt_text: str) -> bool:
     """Whether the chat template ended the prompt inside an open `<think>` block."""
     return prompt_text.rstrip().endswith(OPEN)
