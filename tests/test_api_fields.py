@@ -150,7 +150,6 @@ def test_each_refused_field_is_a_400_naming_it(server, path, base, model):
     ("/v1/chat/completions", {**CHAT, "guided_whitespace_pattern": " "},
      "guided_whitespace_pattern", "not supported"),
     ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 21}, "prompt_logprobs", "less than"),
-    ("/v1/chat/completions", {**CHAT, "echo": True}, "echo", "not supported"),
     ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "text"),
     ("/v1/chat/completions", {**CHAT, "service_tier": "flex"}, "service_tier", "tier"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens", "at least 1"),

@@ -1,7 +1,7 @@
 """vLLM's request extensions of chat and completions, end to end on a real `tidal serve`
 with the official `openai` client: cache_salt, allowed_token_ids, bad_words,
 skip_special_tokens and include_stop_str_in_output, truncate_prompt_tokens, return_token_ids
-and return_tokens_as_token_ids."""
+and return_tokens_as_token_ids, chat echo."""
 
 from __future__ import annotations
 
@@ -64,6 +64,11 @@ def test_special_tokens_and_the_stop_token_in_the_text_when_asked_for(client):
     raw = client.chat.completions.create(**kw, extra_body={
         "skip_special_tokens": False, "include_stop_str_in_output": True})
     assert raw.choices[0].message.content == answer + "<|im_end|>"
+    for spaces in (True, False):  # a fast tokenizer puts no space between special tokens
+        same = client.chat.completions.create(**kw, extra_body={
+            "skip_special_tokens": False, "include_stop_str_in_output": True,
+            "spaces_between_special_tokens": spaces})
+        assert same.choices[0].message.content == raw.choices[0].message.content
     unskipped = client.chat.completions.create(**kw, extra_body={"skip_special_tokens": False})
     assert unskipped.choices[0].message.content == answer
     words = answer.split()
@@ -146,3 +151,26 @@ def test_bad_words_keep_a_word_out_of_the_answer(client):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(**kw, extra_body={"bad_words": bad})
         assert err.value.body["param"] == "bad_words"
+
+
+def test_chat_echo_starts_each_answer_with_the_message_it_continues(client):
+    """vLLM's chat echo: an answer that continues the assistant's last message starts with
+    it, whole or streamed; after a user's message (a generation prompt follows) nothing."""
+    start = "The capital of France is"
+    msgs = QUESTION + [{"role": "assistant", "content": start}]
+    kw = dict(model="smollm2-135m", messages=msgs, max_tokens=6, temperature=0, n=2)
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = client.chat.completions.create(**kw, extra_body=cont)
+    echoed = client.chat.completions.create(**kw, extra_body={**cont, "echo": True})
+    for p, e in zip(plain.choices, echoed.choices):
+        assert e.message.content == start + p.message.content
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens  # counted as before
+    texts = {0: "", 1: ""}
+    for c in client.chat.completions.create(**kw, stream=True, extra_body={**cont, "echo": True}):
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert [texts[0], texts[1]] == [c.message.content for c in echoed.choices]
+    asked = dict(model="smollm2-135m", messages=QUESTION, max_tokens=6, temperature=0)
+    assert (client.chat.completions.create(**asked, extra_body={"echo": True})
+            .choices[0].message.content
+            == client.chat.completions.create(**asked).choices[0].message.content)

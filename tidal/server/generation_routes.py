@@ -35,7 +35,7 @@ async def chat(body: ChatRequest, f: FrontendDep, request: Request):
     f.check_task("generate")
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)  # as in completions
     return await f.generate(ChatResponse, body, prompts, request,
-                            options=f.chat_options(body))
+                            options=f.chat_options(body), echo=body.echoed())
 
 
 @routes.post("/v1/embeddings")

@@ -158,6 +158,7 @@ class ChatRequest(GenerationRequest):
     documents: list[dict[str, Any]] | None = None  # vLLM: for templates that cite documents
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: e.g. {"enable_thinking": false}
     include_reasoning: bool = True  # vLLM: with --reasoning-parser, reasoning_content or none
+    echo: bool = False  # vLLM: each answer starts with the last message it continues
     # Harmless (docs/serving.md): they concern OpenAI's storage and caching, not the output.
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -205,6 +206,14 @@ class ChatRequest(GenerationRequest):
             self.messages, tokenizer, self.add_generation_prompt, tool_dicts(self.tools),
             self.documents, self.continue_final_message, self.chat_template_kwargs)
         return [encode(tokenizer, self._prompt_text, self.add_special_tokens, "messages")]
+
+    def echoed(self) -> str:
+        """With `echo`, the text each answer starts with: the last message's, when the
+        answer continues it (it is the assistant's, or no generation prompt follows it)."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.content or ""
 
     def prompt_text(self) -> str:
         """The prompt as the template wrote it (after prompt_ids)."""

@@ -208,10 +208,12 @@ class ChatResponse(GenerationResponse):
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args, options: ChatOutputOptions | None = None, **kwargs) -> None:
+    def __init__(self, *args, options: ChatOutputOptions | None = None, echo: str = "",
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.options = options or ChatOutputOptions()
         self.outputs = [ChoiceOutput(self.options) for _ in self.choices]
+        self.echo = echo  # vLLM's chat echo: the last message's text, before each answer
 
     def logprobs(self, entries: list[Entry], offset: int) -> s.ChatLogprobs:
         text, raw = self.logprob_token, self.token_bytes
@@ -227,6 +229,8 @@ class ChatResponse(GenerationResponse):
             content: str | None = reader.content
             if self.options.tool_parser is not None:
                 content = content.strip() or None  # the text around calls
+            if self.echo:
+                content = self.echo + (content or "")
             message = s.AssistantMessage("assistant", content, None, reader.calls,
                                          reader.reasoning or None)
             lp = self.logprobs(ch.logprobs, 0) if self.want_logprobs else None
@@ -252,7 +256,7 @@ class ChatResponse(GenerationResponse):
         return s.ChatChunkChoice(i, delta, lp, finish_reason)
 
     def opening(self) -> list:
-        return [s.ChatChunkChoice(i, s.Delta(role="assistant", content=""), None, None)
+        return [s.ChatChunkChoice(i, s.Delta(role="assistant", content=self.echo), None, None)
                 for i in range(len(self.choices))]
 
 

@@ -183,6 +183,8 @@ class GenerationRequest(StrictModel):
     cache_salt: str | None = None  # vLLM: the prefix cache shared only under this salt
     include_stop_str_in_output: bool = False  # vLLM: keep the stop string or token's text
     skip_special_tokens: bool = True  # vLLM: leave special tokens' text out
+    # vLLM's; no effect: fast tokenizers (tidal's) join special tokens with no space between
+    spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the last k tokens
     return_token_ids: bool = False  # vLLM: the prompt's and the output's token ids too
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:<id>"

@@ -12,7 +12,6 @@ NOT_YET = "tidal does not implement it yet"
 VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
     "use_beam_search": ((False,), "tidal does not implement beam search"),
     "length_penalty": ((1, 1.0), "tidal does not implement beam search"),
-    "spaces_between_special_tokens": ((True,), NOT_YET),
     "logits_processors": (([],), "tidal takes no per-request logits processors"),
     "guided_decoding_backend": ((), STRUCTURED),
     "guided_whitespace_pattern": ((), STRUCTURED),
@@ -36,7 +35,6 @@ CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
     "reasoning_effort": (("none",), "this server has no reasoning controls"),
     "verbosity": ((), "this server has no verbosity control"),
     "service_tier": (("auto", "default"), "this server has one service tier, 'default'"),
-    "echo": ((False,), NOT_YET),
     "best_of": ((1,), "tidal does not rank candidates"),
     "chat_template": ((), "the model's own chat template is always used"),
 }
