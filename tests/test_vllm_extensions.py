@@ -174,3 +174,52 @@ def test_chat_echo_starts_each_answer_with_the_message_it_continues(client):
     assert (client.chat.completions.create(**asked, extra_body={"echo": True})
             .choices[0].message.content
             == client.chat.completions.create(**asked).choices[0].message.content)
+
+
+def test_beam_search_gives_the_reference_searchs_beams(server, client):
+    """use_beam_search: the n beams of the reference search (test_beam_search.py's), run
+    here on the server's own one-token logprobs, best first; the same whole and streamed."""
+    from test_beam_search import reference
+
+    ids = post(server, "/tokenize", {"model": "smollm2-135m",
+                                     "prompt": "The capital of France is"}).json()["tokens"]
+    eos = post(server, "/tokenize", {"model": "smollm2-135m",
+                                     "prompt": "<|im_end|>"}).json()["tokens"][-1]
+    width, most = 3, 4
+
+    def model(prefix):
+        out = client.completions.create(
+            model="smollm2-135m", prompt=ids + list(prefix), max_tokens=1, temperature=0,
+            logprobs=2 * width + 1,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+        top = out.choices[0].logprobs.top_logprobs[0]
+        return sorted(((int(k.split(":")[1]), v) for k, v in top.items()), key=lambda e: -e[1])
+
+    want = reference(model, width, most, 1.0, stop=eos)
+    kw = dict(model="smollm2-135m", prompt=ids, max_tokens=most, n=width,
+              extra_body={"use_beam_search": True, "return_token_ids": True})
+    got = client.completions.create(**kw)
+    assert [c.token_ids for c in got.choices] == [b.token_ids for b in want]
+    assert got.usage.completion_tokens == sum(len(b.token_ids) for b in want)
+    streamed = {}
+    for c in client.completions.create(**kw, stream=True):
+        for ch in c.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+    assert [streamed[i] for i in range(width)] == [c.text for c in got.choices]
+    chat = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, n=2,
+                                          max_tokens=6, extra_body={"use_beam_search": True})
+    texts = [c.message.content for c in chat.choices]
+    assert len(set(texts)) == 2 and all(texts)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"use_beam_search": True, "stop": ["."]}, "stop"),
+    ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
+    ({"use_beam_search": True, "logprobs": True}, "logprobs"),
+    ({"use_beam_search": True, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"length_penalty": 2.0}, "length_penalty"),
+])
+def test_beam_search_refuses_what_it_cannot_honour(server, extra, param):
+    r = post(server, "/v1/chat/completions", {"model": "smollm2-135m", "messages": QUESTION,
+                                              "max_tokens": 4, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param

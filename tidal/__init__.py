@@ -1,8 +1,10 @@
 """tidal: an LLM serving engine whose heart is its scheduler."""
 
 from tidal.core import PromptLogprob, SamplingParams, TokenLogprob
+from tidal.engine.beam_search import BeamSearchParams
 
-__all__ = ["LLM", "LoRARequest", "PromptLogprob", "SamplingParams", "TokenLogprob"]
+__all__ = ["BeamSearchParams", "LLM", "LoRARequest", "PromptLogprob", "SamplingParams",
+           "TokenLogprob"]
 __version__ = "0.1.0"
 
 

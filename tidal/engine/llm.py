@@ -1,5 +1,5 @@
-"""The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(conversations)` and
-`LLM.embed(prompts)`."""
+"""The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(conversations)`,
+`LLM.embed(prompts)` and `LLM.beam_search(prompts, params)`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from tidal.core import SamplingParams
+from tidal.engine.beam_search import BeamSearch, BeamSearchParams, step_params, stop_token_ids
 from tidal.engine.config import EngineConfig, give_omp_spin
-from tidal.engine.outputs import CompletionOutput, GenerationOutput
+from tidal.engine.outputs import (BeamSearchOutput, BeamSequence, CompletionOutput,
+                                  GenerationOutput)
 
 Prompt = str | dict  # a string, or {"prompt_token_ids": [...]}
 
@@ -61,6 +63,9 @@ class LLM:
         prompt), with LoRA enabled (`enable_lora=True` or `lora_modules`)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        return self._run(self._encode(prompts), params, use_tqdm, lora_request)
+
+    def _encode(self, prompts: Sequence[Prompt]) -> list[tuple[str | None, list[int]]]:
         encoded = []
         for p in prompts:
             if isinstance(p, str):
@@ -69,7 +74,35 @@ class LLM:
                 encoded.append((p.get("prompt"), list(p["prompt_token_ids"])))
             else:
                 raise TypeError("a prompt is a string or {'prompt_token_ids': [...]}")
-        return self._run(encoded, params, use_tqdm, lora_request)
+        return encoded
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Each prompt's `beam_width` best answers by beam search (tidal/engine/
+        beam_search.py), best first: each step runs every live beam as a one-token request
+        of the batch."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = self._encode(prompts)
+        stops = stop_token_ids(params.stop_token_ids, self.tokenizer.eos_token_id,
+                               params.ignore_eos)
+        searches = [BeamSearch(params.beam_width, params.max_tokens, stops,
+                               params.length_penalty) for _ in encoded]
+        step = step_params(SamplingParams(), searches[0])
+        while any(s.live for s in searches):
+            asks = [(s, {"prompt_token_ids": ids + b.token_ids})
+                    for (_, ids), s in zip(encoded, searches) for b in s.live]
+            outs = self.generate([a for _, a in asks], step, use_tqdm=False)
+            for s in searches:
+                tops = [o.outputs[0].logprobs[0].top for (t, _), o in zip(asks, outs)
+                        if t is s]
+                if tops:
+                    s.extend(tops)
+        keep = params.include_stop_str_in_output
+        return [BeamSearchOutput(text, ids, [
+            BeamSequence(self.tokenizer.decode(b.text_ids(keep)), b.token_ids, b.cum_logprob,
+                         b.finish_reason) for b in s.best()])
+            for (text, ids), s in zip(encoded, searches)]
 
     def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int = 0,
               use_tqdm: bool = False) -> list[list[float]]:

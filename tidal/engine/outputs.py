@@ -60,3 +60,23 @@ class GenerationOutput:
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass
+class BeamSequence:
+    """One answer of a beam search: its text, its tokens (a final stop token included),
+    the sum of their logprobs, and why it ended (`stop` or `length`)."""
+
+    text: str
+    token_ids: list[int]
+    cum_logprob: float
+    finish_reason: str | None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt and its beam search's answers, best first (`LLM.beam_search`)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]

@@ -14,10 +14,12 @@ from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from tidal.core import SamplingParams
 from tidal.engine.outputs import StepUpdate
 from tidal.engine.structured import Grammars
 from tidal.runtime.client import CoreClient, EngineDeadError, Failure
 from tidal.server.batches.runner import BACKGROUND_HEADER, BatchRunner
+from tidal.server.beam_search import beam_search_updates
 from tidal.server.config import ServerConfig
 from tidal.server.dashboard import DashboardHub
 from tidal.server.lora_routes import Adapters
@@ -44,7 +46,7 @@ class Frontend:
         self.metrics = ServerMetrics(client, config.served_model_name)
         self.dashboard = DashboardHub(client, self.metrics, config.served_model_name)
         self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
-        self.reserved = 0  # sequences of requests being checked and sent (see _submit)
+        self.reserved = 0  # sequences of requests being checked and sent (see submit)
         self.background = 0  # sequences of Batch API lines among them and those in flight
         self.batches: BatchRunner | None = None  # the online Batch API's worker
         self.responses = ResponseStore(config.response_store_bytes, config.response_ttl)
@@ -97,17 +99,21 @@ class Frontend:
         if cut != prompts and options.get("sent"):  # an echo shows the prompt computed
             options["sent"] = None
         prompts = cut
-        sub = await self._submit(prompts, body, request.headers)
+        if body.use_beam_search:  # its steps' requests are its own (beam_search.py)
+            sub, updates = None, beam_search_updates(self, prompts, body, request.headers)
+        else:
+            sub = await self.submit(prompts, body, request.headers)
+            updates = self.updates(sub)
         stream = None  # once made, its background task ends the submission
         try:
-            response = response_cls(self.tokenizer, self.config.served_model_name, sub.rids[0],
-                                    prompts, len(prompts) * sub.n,
+            rid = sub.rids[0] if sub is not None else uuid.uuid4().hex[:16]
+            response = response_cls(self.tokenizer, self.config.served_model_name, rid,
+                                    prompts, len(prompts) * body.n,
                                     body.num_logprobs() is not None,
                                     self.grammars.token_bytes if self.grammars else None,
                                     prompt_logprobs=body.prompt_logprobs is not None,
                                     token_ids=body.return_token_ids,
                                     tokens_as_ids=body.return_tokens_as_token_ids, **options)
-            updates = self._updates(sub)
             if not body.stream:
                 return await _unless_client_leaves(request, response.body(updates))
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -123,19 +129,21 @@ class Frontend:
                                        background=BackgroundTask(_closed, events, sub))
             return stream
         finally:  # the answer is whole, the client left or an error came
-            if stream is None:
+            if stream is None and sub is not None:
                 await sub.end()
+            elif stream is None:
+                await updates.aclose()
 
     async def embed(self, body: EmbeddingRequest, prompts: list[list[int]],
                     request: Request) -> Response | dict:
         """Submit each input for its embedding; the body once all are back."""
         prompts = truncated(prompts, body.truncate_prompt_tokens,
                             self.client.ready.max_model_len)
-        sub = await self._submit(prompts, body, request.headers)
+        sub = await self.submit(prompts, body, request.headers)
         vectors: list = [None] * len(prompts)
 
         async def collect() -> None:
-            async for i, u in self._updates(sub):
+            async for i, u in self.updates(sub):
                 if u.embedding is not None:
                     vectors[i] = u.embedding
 
@@ -149,15 +157,17 @@ class Frontend:
             raise APIError("an input's embedding did not come back", 500, "internal_error")
         return body.body(vectors, prompts, self.config.served_model_name)
 
-    async def _submit(self, prompts: list[list[int]], body: GenerationRequest,
-                      headers: Mapping[str, str]) -> Submission:
-        """Check every prompt and its sampling parameters, then send them all to the cores
-        on one queue. Its sequences (prompts times n) count against --max-pending from the
-        first check on."""
+    async def submit(self, prompts: list[list[int]], body: GenerationRequest,
+                     headers: Mapping[str, str],
+                     params: list[SamplingParams] | None = None) -> Submission:
+        """Check every prompt and its sampling parameters (`params`: made already, by
+        `sampling_params`), then send them all to the cores on one queue. Its sequences
+        (prompts times n) count against --max-pending from the first check on."""
         client, config = self.client, self.config
         if not client.alive:
             raise unavailable(client.unavailable())
-        n, most = body.n, min(config.max_sequences_per_request, config.max_pending)
+        n = body.n if params is None else params[0].n
+        most = min(config.max_sequences_per_request, config.max_pending)
         sequences = len(prompts) * n
         if sequences > most:  # a 429 would say retry, which cannot help
             raise APIError(f"the request asks for {sequences} sequences ({len(prompts)} "
@@ -172,7 +182,7 @@ class Frontend:
         self.reserved += sequences
         self.background += counted
         try:
-            sub = await self._checked_submit(prompts, body, headers, background)
+            sub = await self._checked_submit(prompts, body, headers, background, params)
         except BaseException:
             self.background -= counted
             raise
@@ -185,23 +195,36 @@ class Frontend:
     def _background_ended(self, sequences: int) -> None:
         self.background -= sequences
 
-    async def _checked_submit(self, prompts: list[list[int]], body: GenerationRequest,
-                              headers: Mapping[str, str], background: bool) -> Submission:
-        client, config = self.client, self.config
+    def sampling_params(self, prompts: list[list[int]],
+                        body: GenerationRequest) -> list[SamplingParams]:
+        """Each prompt's sampling parameters, checked against the model and the server's
+        limits (an APIError names the field at fault), with the request's adapter."""
+        client = self.client
         adapter = self.adapters.resolve(body.model)
         params = []
         for ids in prompts:
             if not ids:
                 raise APIError("the prompt is empty", param=body.prompt_field)
             check_token_ids(ids, client.ready.vocab_size, body.prompt_field)
-            params.append(body.to_sampling_params(config, len(ids), client.ready.max_model_len,
+            params.append(body.to_sampling_params(self.config, len(ids),
+                                                  client.ready.max_model_len,
                                                   client.ready.vocab_size))
             params[-1].lora = adapter
             if params[-1].bad_words:  # as token sequences: the engine core has no tokenizer
                 params[-1].bad_words_token_ids = self.tokenizer.bad_word_ids(
                     params[-1].bad_words)
-            params[-1].trace = self.tracing is not None  # its scheduler events, for the span
-            params[-1].background = background  # a Batch API line yields to the rest
+        return params
+
+    async def _checked_submit(self, prompts: list[list[int]], body: GenerationRequest,
+                              headers: Mapping[str, str], background: bool,
+                              params: list[SamplingParams] | None) -> Submission:
+        client, config = self.client, self.config
+        if params is None:
+            params = self.sampling_params(prompts, body)
+        adapter = params[0].lora
+        for p in params:
+            p.trace = self.tracing is not None  # its scheduler events, for the span
+            p.background = background  # a Batch API line yields to the rest
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             if getattr(body, name) is not None and \
                     not client.config.scheduler.policy_class.takes_latency_targets:
@@ -266,7 +289,7 @@ class Frontend:
         except ValueError as exc:
             raise APIError(str(exc), param=field) from exc
 
-    async def _updates(self, sub: Submission) -> Updates:
+    async def updates(self, sub: Submission) -> Updates:
         """(choice index, update) until every choice finished, observing the latency
         metrics. Whoever answers ends the submission (`Submission.end`), so that it ends even
         when this generator is never opened or never closed."""

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from tidal.core import SamplingParams
-from tidal.server.openai.refusals import COMPLETION_REFUSED, VLLM_REFUSED
+from tidal.server.openai.refusals import BEAM_SEARCH_REFUSED, COMPLETION_REFUSED, VLLM_REFUSED
 from tidal.server.openai.structured import ConstraintError, structured_spec
 
 if TYPE_CHECKING:
@@ -190,7 +190,9 @@ class GenerationRequest(StrictModel):
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:<id>"
     bad_words: list[str] = []  # vLLM: words the output must not hold
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top k
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1)  # with use_beam_search, the beam width
+    use_beam_search: bool = False  # vLLM: the n best answers by beam search
+    length_penalty: float = Field(1.0, allow_inf_nan=False)  # vLLM: beam score's divisor
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -220,6 +222,25 @@ class GenerationRequest(StrictModel):
     def output_constraint(self) -> tuple[str, tuple[str, str]] | None:
         """(the field that asked for it, (kind, spec)) of the output constraint, or None."""
         return self._constraint
+
+    @model_validator(mode="after")
+    def _beam_search_fields(self) -> "GenerationRequest":
+        """What a beam search cannot honour is a 400 (refusals.BEAM_SEARCH_REFUSED), and so
+        is length_penalty without one."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1:
+                raise refuse("length_penalty", "length_penalty needs use_beam_search=true")
+            return self
+        for name, (allowed, why) in BEAM_SEARCH_REFUSED.items():
+            value = getattr(self, name, None)
+            if value is not None and not _passes(value, allowed):
+                raise refuse(name, f"{name} does not go with use_beam_search: {why}")
+        if self._constraint is not None:
+            raise refuse(self._constraint[0], f"{self._constraint[0]} does not go with "
+                                              "use_beam_search: outputs are not constrained")
+        if self.max_tokens == 0:
+            raise refuse("max_tokens", "use_beam_search needs max_tokens of at least 1")
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "GenerationRequest":

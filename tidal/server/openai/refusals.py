@@ -10,8 +10,6 @@ NOT_YET = "tidal does not implement it yet"
 
 # vLLM's request extensions tidal does not implement (both endpoints).
 VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
-    "use_beam_search": ((False,), "tidal does not implement beam search"),
-    "length_penalty": ((1, 1.0), "tidal does not implement beam search"),
     "logits_processors": (([],), "tidal takes no per-request logits processors"),
     "guided_decoding_backend": ((), STRUCTURED),
     "guided_whitespace_pattern": ((), STRUCTURED),
@@ -58,4 +56,27 @@ RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
     "max_tool_calls": ((), NOT_YET),
     "truncation": (("disabled",), "tidal does not truncate a conversation"),
     "service_tier": (("auto", "default"), "this server has one service tier, 'default'"),
+}
+
+# What a beam search (use_beam_search) cannot honour, unless null or the value that asks for
+# nothing: it ranks every token by the model's logprobs, ends a beam at a stop token, and
+# each step's request holds the beam in its prompt (penalties count a request's output).
+NOT_SAMPLED = "beam search ranks every token; it samples none"
+PENALTY = "a beam step holds the beam in its prompt, not in an output to penalise"
+BEAM_SEARCH_REFUSED: dict[str, tuple[tuple, str]] = {
+    "stop": (("", []), "a beam ends at a stop token (stop_token_ids, EOS), not a string"),
+    "top_p": ((1, 1.0), NOT_SAMPLED),
+    "top_k": ((0, -1), NOT_SAMPLED),
+    "min_p": ((0, 0.0), NOT_SAMPLED),
+    "presence_penalty": ((0, 0.0), PENALTY),
+    "frequency_penalty": ((0, 0.0), PENALTY),
+    "repetition_penalty": ((1, 1.0), PENALTY),
+    "bad_words": (([],), PENALTY),
+    "min_tokens": ((0,), "a beam may end at any step"),
+    "logprobs": ((False,), "a beam's score is its cumulative logprob; tokens carry none"),
+    "prompt_logprobs": ((), "a beam search reports no prompt logprobs"),
+    "tools": (([],), "calls are not searched"),
+    "kv_transfer_params": ((), "a beam search runs on one instance"),
+    "ttft_slo_ms": ((), "its steps are requests of their own"),
+    "tpot_slo_ms": ((), "its steps are requests of their own"),
 }
