@@ -91,7 +91,7 @@ def test_a_beam_as_wide_as_every_answer_finds_the_best_answers(seed, vocab, max_
 
 def test_masked_candidates_are_left_out_and_a_stop_token_keeps_its_place():
     search = BeamSearch(2, 3, {STOP}, 1.0)
-    search.extend([[(5, -0.1), (STOP, -0.2), (7, -math.inf), (6, -3.0)]])
+    search.extend([[(5, -0.1), (STOP, -0.2), (7, -9999.0), (6, -3.0)]])
     assert [b.token_ids for b in search.live] == [[5], [6]]
     assert search.finished[0].token_ids == [STOP] and search.finished[0].text_ids(False) == []
     assert search.finished[0].text_ids(True) == [STOP]

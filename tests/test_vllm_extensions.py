@@ -218,6 +218,8 @@ def test_beam_search_gives_the_reference_searchs_beams(server, client):
     ({"use_beam_search": True, "logprobs": True}, "logprobs"),
     ({"use_beam_search": True, "response_format": {"type": "json_object"}}, "response_format"),
     ({"length_penalty": 2.0}, "length_penalty"),
+    ({"use_beam_search": True, "n": 3, "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ({"use_beam_search": True, "vllm_xargs": {"k": 1}}, "vllm_xargs"),
 ])
 def test_beam_search_refuses_what_it_cannot_honour(server, extra, param):
     r = post(server, "/v1/chat/completions", {"model": "smollm2-135m", "messages": QUESTION,

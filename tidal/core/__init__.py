@@ -6,8 +6,8 @@ from tidal.core.budget import Admission, StepBudget, StepPlan
 from tidal.core.config import CacheConfig, SchedulerConfig
 from tidal.core.invariants import InvariantError, SchedulerStats
 from tidal.core.kv_cache_manager import KVCacheManager
-from tidal.core.outputs import (ModelOutput, NewRequest, PromptLogprob, RequestOutput,
-                                ScheduledRequest, SchedulerOutput, TokenLogprob)
+from tidal.core.outputs import (MASKED_LOGPROB, ModelOutput, NewRequest, PromptLogprob,
+                                RequestOutput, ScheduledRequest, SchedulerOutput, TokenLogprob)
 from tidal.core.policies import POLICIES, Policy
 from tidal.core.ratio import NewTokenRatio
 from tidal.core.request import Request, RequestStatus, SamplingParams
@@ -20,7 +20,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 
 __all__ = [
     "Admission", "Block", "BlockPool", "CacheConfig", "FINISH_REASONS", "InvariantError",
-    "KVCacheManager", "ModelOutput", "NewRequest", "NewTokenRatio", "POLICIES", "Policy",
+    "KVCacheManager", "MASKED_LOGPROB", "ModelOutput", "NewRequest", "NewTokenRatio", "POLICIES", "Policy",
     "PromptLogprob", "ROLES", "Request", "RequestOutput", "RequestStatus", "Role",
     "SamplingParams", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput",
     "SchedulerStats", "StepBudget", "StepPlan", "LearnedStepTime", "LinearStepTime",

@@ -82,6 +82,11 @@ class SchedulerOutput(msgspec.Struct):
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+# The logprob a masked token reports (a constraint, a ban, allowed_token_ids): vLLM's floor,
+# as JSON has no -inf.
+MASKED_LOGPROB = -9999.0
+
+
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     """A sampled token's log-probability and the top alternatives, as (token, logprob)
     sorted likeliest first."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Hashable
+from typing import Any, Hashable
 
 
 class RequestStatus(enum.Enum):
@@ -117,6 +117,9 @@ class SamplingParams:
     """Salts the request's prefix-cache blocks, and their keys in the tiers below the pool
     (vLLM's cache_salt): only requests of the same salt share them, so a tenant cannot learn
     from another's hit times what its prompts held. None: unsalted."""
+    extra_args: dict[str, Any] | None = None
+    """Arguments for the engine's custom logits processors (vLLM's extra_args; the API's
+    vllm_xargs): each processor reads the keys it knows. None: none."""
 
     structured: tuple[str, str] | None = None
     """Constrain the output: (kind, spec) with kind `json` (a JSON schema, as JSON text),
@@ -192,6 +195,9 @@ class SamplingParams:
             self.allowed_token_ids = sorted(set(self.allowed_token_ids))
         if self.structured is not None:
             self.structured = (str(self.structured[0]), str(self.structured[1]))
+        if self.extra_args is not None and (not isinstance(self.extra_args, dict) or any(
+                not isinstance(k, str) for k in self.extra_args)):
+            raise ValueError("extra_args must be a dict with string keys")
 
 
 def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from tidal.core import SamplingParams
+from tidal.core import MASKED_LOGPROB, SamplingParams
 
 Candidates = list[tuple[int, float]]  # a beam's likeliest next tokens and their logprobs
 
@@ -82,14 +82,14 @@ class BeamSearch:
         return beam.cum_logprob / len(beam.token_ids) ** self.length_penalty
 
     def extend(self, candidates: list[Candidates]) -> None:
-        """One step: every live beam grown by each of its candidates (masked tokens, at
-        -inf, left out); the `width` likeliest go on."""
+        """One step: every live beam grown by each of its candidates (masked tokens, at the
+        sampler's floor, left out); the `width` likeliest go on."""
         if len(candidates) != len(self.live):
             raise ValueError(f"{len(candidates)} candidate lists for {len(self.live)} beams")
         grown, ended = [], []
         for beam, top in zip(self.live, candidates):
             for token, logprob in top:
-                if logprob == -math.inf:
+                if logprob <= MASKED_LOGPROB:
                     continue
                 child = Beam(beam.token_ids + [token], beam.cum_logprob + logprob)
                 if token in self.stop_token_ids:

@@ -60,6 +60,10 @@ class ModelConfig:
                             "ones (only config.json is needed): for timing, as `tidal "
                             "calibrate` does for models whose weights are not here.")
     seed: int = knob(0, "Seed of the shared generator for requests without their own seed.")
+    logits_processors: tuple[str, ...] = knob((), "Custom logits processors, each "
+                                              "'package.module:Class', importable by every "
+                                              "engine core; requests reach them through "
+                                              "extra_args (vllm_xargs). See docs/serving.md.")
     num_kv_blocks: int | None = knob(None, "KV blocks in each engine core's pool. Unset: as "
                                      "many as fit in the memory the KV cache gets "
                                      "(kv_cache_memory or kv_cache_fraction; in `tidal "

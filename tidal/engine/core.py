@@ -28,6 +28,7 @@ from tidal.engine.executor import Executor, ExecutorDead, LocalExecutor
 from tidal.engine.request_events import RequestEvents
 from tidal.engine.step_profile import StepProfile
 from tidal.engine.worker import Worker
+from tidal.model.logits_processors import check_extra_args, load_processors
 from tidal.model.lora import LoRAError
 
 log = logging.getLogger("tidal.engine")
@@ -87,6 +88,7 @@ class EngineCore:
                              else (arch.eos_token_ids or (None,))[0])
         self.vocab_size = arch.vocab_size
         self.max_model_len = sched_cfg.max_model_len
+        self.processor_classes = load_processors(config.model.logits_processors)  # checks
         self.new_transfers: list[str] = []  # decode role: got blocks; their KV is to fetch
         self.prompt_tokens = 0  # prompt (and recompute) tokens run since start
         self.generation_tokens = 0  # tokens sampled since start
@@ -134,6 +136,7 @@ class EngineCore:
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"request {request_id!r}: {what} must be in "
                                  f"[0, {self.vocab_size})")
+        check_extra_args(self.processor_classes, params.extra_args)
         if params.lora is not None:
             adapters = self.executor.adapters()
             if adapters is None or params.lora not in adapters:

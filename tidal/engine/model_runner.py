@@ -25,6 +25,7 @@ from tidal.engine.structured import Grammars, Matchers
 from tidal.model.attention import AttentionBackend
 from tidal.model.config import ModelArch
 from tidal.model.llama import StepCut
+from tidal.model.logits_processors import load_processors
 from tidal.model.pipeline_parallel import Pending
 from tidal.model.pooling import Pooling
 from tidal.model.sampler import SampleRow, needs_penalty, sample
@@ -85,7 +86,7 @@ class ModelRunner:
     def __init__(self, model, decoder, kv: KVCache, backend: AttentionBackend, folder: Path,
                  arch: ModelArch, seed: int, max_forward_tokens: int,
                  guesser: Guesser | None = None, lora: LoRAManager | None = None,
-                 pooling: Pooling | None = None) -> None:
+                 pooling: Pooling | None = None, logits_processors: tuple = ()) -> None:
         self.model, self.decoder, self.kv, self.arch = model, decoder, kv, arch
         self.device, self.block_size = kv.device, kv.block_size
         self.folder = folder
@@ -96,6 +97,9 @@ class ModelRunner:
         self.trees = not any(getattr(layer.self_attn, "window", 0)
                              for layer in getattr(model, "layers", ()))
         self.prompt_outputs = PromptOutputs(model, pooling or Pooling())
+        # custom logits processors (logits_processors.py), made here by name
+        self.processors = [cls(arch.vocab_size, torch.device(self.device))
+                           for cls in load_processors(logits_processors)]
         self.matchers: Matchers | None = None  # structured outputs, made on first use
         self._matchers_lock = threading.Lock()
         # Sampling draws its noise on the logits' device, so the generators live there.
@@ -241,7 +245,8 @@ class ModelRunner:
         if masks is not None:
             self.matchers.apply(masks, logits, sample_ids,
                                 [self.seqs[rid].stop_ids for rid in sample_ids])
-        tokens, logprobs = sample(logits, self._rows(sample_ids, guesses), self.generator)
+        tokens, logprobs = sample(logits, self._rows(sample_ids, guesses), self.generator,
+                                  self.processors)
         result = ModelOutput(preempted_ack=list(out.preempted_ids), failed=failed)
         moves: tuple[list[int], list[int]] = ([], [])  # KV slots of accepted branches
         entries = {s.request_id: s for s in out.scheduled} if guesses else {}
@@ -372,10 +377,10 @@ class ModelRunner:
             if j and rid not in depths:  # a verification's first guess row
                 depths[rid] = guesses[rid].depths()
             depth = depths[rid][j - 1] if j else 0
-            # only penalties and bad words read the output's tokens: copy it with the
-            # guesses for them
-            output = (q.output + guesses[rid].path_tokens(j - 1)
-                      if depth and (needs_penalty(p) or p.bad_words_token_ids) else q.output)
+            # only penalties, bad words and custom processors read the output's tokens:
+            # copy it with the guesses for them
+            reads = needs_penalty(p) or p.bad_words_token_ids or self.processors
+            output = q.output + guesses[rid].path_tokens(j - 1) if depth and reads else q.output
             produced = len(q.output) + depth
             gen = self._generator(rid, j, p.seed, produced) if p.seed is not None else None
             banned = q.stop_ids if produced < p.min_tokens else None

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tidal.core import PromptLogprob, SamplingParams, TokenLogprob
+from tidal.core import MASKED_LOGPROB, PromptLogprob, SamplingParams, TokenLogprob
+from tidal.model.logits_processors import LogitsRow
 
 
 @dataclass
@@ -123,18 +124,21 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator,
+           processors: list | None = None,
            ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
     """Tokens per row (num_samples each) and, for rows asking for logprobs, one entry per
     token: its logprob and the top alternatives as (token, logprob). Every tensor it makes is
     on the logits' device; the generators must be too. Logprobs are those of
-    the distribution after penalties, logit bias, bans (min_tokens, bad words) and
-    allowed_token_ids, before temperature."""
+    the distribution after penalties, logit bias, bans (min_tokens, bad words),
+    allowed_token_ids and the custom `processors` (logits_processors.py), before
+    temperature."""
     if not rows:  # a step of prefill chunks that sample nothing
         return [], []
     logits = logits.float()
     dev = logits.device
-    if any(needs_penalty(r.params) or r.banned or r.params.logit_bias
-           or r.params.allowed_token_ids or r.params.bad_words_token_ids for r in rows):
+    if processors or any(needs_penalty(r.params) or r.banned or r.params.logit_bias
+                         or r.params.allowed_token_ids or r.params.bad_words_token_ids
+                         for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
         apply_logit_bias(logits, rows)
@@ -148,6 +152,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
                 kept = logits[i, ids]
                 logits[i] = float("-inf")
                 logits[i, ids] = kept
+    if processors:
+        seen = [LogitsRow(r.params.extra_args or {}, r.prompt_ids, r.output_ids) for r in rows]
+        for processor in processors:
+            processor.apply(logits, seen)
     width = max(r.num_samples for r in rows)
     # max(-1).indices: the same first maximal index as argmax, 2-3x faster on CPU.
     tokens = logits.max(-1).indices[:, None].expand(-1, width)  # greedy rows: [R, width]
@@ -169,10 +177,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     top_k = max((rows[i].params.logprobs for i in wanted), default=0)
     if wanted:
-        # A token a constraint or a ban rules out reports -9999 (vLLM's floor): JSON has
-        # no -inf.
-        widx = on_device(wanted, torch.long, dev)
-        lp = logits[widx].log_softmax(-1).clamp(min=-9999.0)
+        widx = on_device(wanted, torch.long, dev)  # a masked token reports the floor
+        lp = logits[widx].log_softmax(-1).clamp(min=MASKED_LOGPROB)
         parts.append(lp.gather(1, tokens[widx]).flatten().double())
         if top_k:
             top = lp.topk(min(top_k, lp.shape[1]), dim=-1)

@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 from tidal.core import SamplingParams
 from tidal.engine.outputs import StepUpdate
 from tidal.engine.structured import Grammars
+from tidal.model.logits_processors import check_extra_args, load_processors
 from tidal.runtime.client import CoreClient, EngineDeadError, Failure
 from tidal.server.batches.runner import BACKGROUND_HEADER, BatchRunner
 from tidal.server.beam_search import beam_search_updates
@@ -59,6 +60,8 @@ class Frontend:
             template = getattr(self.tokenizer, "chat_template", None)
             parser = parser_for_template(getattr(template, "source", None))
         self.tool_parser = AUTO_PARSERS[parser]
+        # custom logits processors, for their check of a request's vllm_xargs
+        self.processor_classes = load_processors(client.config.model.logits_processors)
 
     def live_sequences(self) -> int:
         """Sequences in flight or being sent that are not Batch API lines."""
@@ -201,6 +204,10 @@ class Frontend:
         limits (an APIError names the field at fault), with the request's adapter."""
         client = self.client
         adapter = self.adapters.resolve(body.model)
+        try:  # the server's processors check their arguments (the cores do again)
+            check_extra_args(self.processor_classes, getattr(body, "vllm_xargs", None))
+        except ValueError as exc:
+            raise APIError(str(exc), param="vllm_xargs") from exc
         params = []
         for ids in prompts:
             if not ids:

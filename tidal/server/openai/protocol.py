@@ -181,6 +181,8 @@ class GenerationRequest(StrictModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     allowed_token_ids: list[TokenId] | None = None  # vLLM: only these may be sampled
     cache_salt: str | None = None  # vLLM: the prefix cache shared only under this salt
+    # vLLM: arguments for the server's --logits-processors (SamplingParams.extra_args)
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     include_stop_str_in_output: bool = False  # vLLM: keep the stop string or token's text
     skip_special_tokens: bool = True  # vLLM: leave special tokens' text out
     # vLLM's; no effect: fast tokenizers (tidal's) join special tokens with no space between
@@ -240,6 +242,9 @@ class GenerationRequest(StrictModel):
                                               "use_beam_search: outputs are not constrained")
         if self.max_tokens == 0:
             raise refuse("max_tokens", "use_beam_search needs max_tokens of at least 1")
+        if self.allowed_token_ids is not None and len(set(self.allowed_token_ids)) < self.n:
+            raise refuse("allowed_token_ids", f"{self.n} beams need at least {self.n} "
+                                              "allowed_token_ids to choose from")
         return self
 
     @model_validator(mode="after")
@@ -329,6 +334,7 @@ class GenerationRequest(StrictModel):
                 prompt_logprobs=self.prompt_logprob_count(),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size),
                 allowed_token_ids=self.allowed_token_ids, cache_salt=self.cache_salt,
+                extra_args=self.vllm_xargs,
                 bad_words=self.bad_words,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,

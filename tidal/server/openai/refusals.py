@@ -10,7 +10,9 @@ NOT_YET = "tidal does not implement it yet"
 
 # vLLM's request extensions tidal does not implement (both endpoints).
 VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
-    "logits_processors": (([],), "tidal takes no per-request logits processors"),
+    "logits_processors": (([],), "tidal takes no per-request logits processors (as vLLM's "
+                                 "V1): start the server with --logits-processors and pass "
+                                 "vllm_xargs"),
     "guided_decoding_backend": ((), STRUCTURED),
     "guided_whitespace_pattern": ((), STRUCTURED),
     "structural_tag": ((), STRUCTURED),
@@ -18,7 +20,6 @@ VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
     "prompt_embeds": ((), "tidal takes text and token ids only"),
     "mm_processor_kwargs": ((), "tidal serves text-only models"),
     "media_io_kwargs": ((), "tidal serves text-only models"),
-    "vllm_xargs": ((), NOT_YET),
 }
 
 # OpenAI chat fields tidal does not implement, and vLLM's chat-only extensions.
@@ -62,7 +63,7 @@ RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
 # nothing: it ranks every token by the model's logprobs, ends a beam at a stop token, and
 # each step's request holds the beam in its prompt (penalties count a request's output).
 NOT_SAMPLED = "beam search ranks every token; it samples none"
-PENALTY = "a beam step holds the beam in its prompt, not in an output to penalise"
+PENALTY = "a beam step holds the beam in its prompt, not in an output to read"
 BEAM_SEARCH_REFUSED: dict[str, tuple[tuple, str]] = {
     "stop": (("", []), "a beam ends at a stop token (stop_token_ids, EOS), not a string"),
     "top_p": ((1, 1.0), NOT_SAMPLED),
@@ -72,6 +73,7 @@ BEAM_SEARCH_REFUSED: dict[str, tuple[tuple, str]] = {
     "frequency_penalty": ((0, 0.0), PENALTY),
     "repetition_penalty": ((1, 1.0), PENALTY),
     "bad_words": (([],), PENALTY),
+    "vllm_xargs": ((), PENALTY),
     "min_tokens": ((0,), "a beam may end at any step"),
     "logprobs": ((False,), "a beam's score is its cumulative logprob; tokens carry none"),
     "prompt_logprobs": ((), "a beam search reports no prompt logprobs"),
