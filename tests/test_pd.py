@@ -94,6 +94,9 @@ def test_greedy_through_1p1d_equals_a_mixed_engine():
         assert direct.status_code == 400 and "tidal router" in direct.json()["error"]["message"]
         n2 = httpx.post(pd.url + "/v1/completions", json={"prompt": "Hi", "n": 2})
         assert n2.status_code == 400 and n2.json()["error"]["param"] == "n"
+        beams = httpx.post(pd.url + "/v1/completions",
+                           json={"prompt": "Hi", "n": 2, "use_beam_search": True})
+        assert beams.status_code == 400 and beams.json()["error"]["param"] == "use_beam_search"
     finally:
         pd.stop()
     mixed = Server("--dtype", "float32")

@@ -370,6 +370,9 @@ class GenerationRequest(StrictModel):
     def check_disaggregated(self) -> None:
         """Refuse what prefill/decode disaggregation cannot serve (the server and the P/D
         router say it in the same words)."""
+        if self.use_beam_search:  # its steps are prefills of their own
+            raise APIError("use_beam_search is not supported with prefill/decode "
+                           "disaggregation", param="use_beam_search")
         if self.n > 1:
             raise APIError("n > 1 is not supported with prefill/decode disaggregation",
                            param="n")
