@@ -111,6 +111,17 @@ def test_greedy_through_1p1d_equals_a_mixed_engine():
         assert answers(spec.url) == got and copy_answer(spec.url) == copied
         _, decode = instances(spec.url)
         assert metric(decode, "tidal:spec_decode_num_accepted_tokens_total") > 0
+        # a predicted output (OpenAI's) reaches the speculating decode: its guesses land
+        chat = openai.OpenAI(base_url=spec.url + "/v1", api_key="x", max_retries=0).chat
+        ask = dict(model="smollm2-135m", max_tokens=24, temperature=0,
+                   messages=[{"role": "user", "content": "Name three colours."}])
+        answer = chat.completions.create(**ask).choices[0].message.content
+        before = metric(decode, "tidal:spec_decode_num_accepted_tokens_total")
+        again = chat.completions.create(**ask, prediction={"type": "content",
+                                                           "content": answer})
+        assert again.choices[0].message.content == answer
+        wait_until(lambda: metric(decode, "tidal:spec_decode_num_accepted_tokens_total")
+                   - before >= 0.5 * again.usage.completion_tokens)
     finally:
         spec.stop()
 

@@ -254,3 +254,32 @@ def test_suffix_guesses_by_frequency_and_learns_from_finished_outputs():
     suffix.forget("d", [20, 21], True)
     suffix.forget("e", [30, 31], True)
     assert suffix.propose("f", [3], [], 2).tokens == []
+
+
+def test_a_prediction_is_guessed_first_and_changes_no_token(reference):
+    """OpenAI's predicted outputs: with the answer itself as the prediction nearly every
+    guess is accepted; with a wrong one the answer is the same."""
+    prompts, ref = reference
+    i = len(COPY)  # a question: ngram lookup alone guesses little of its answer
+    want = ref[i][0]
+    llm = engine(speculative_method="ngram", num_speculative_tokens=5)
+    assert greedy(llm, [prompts[i]]) == [[want]]
+    plain = accepted(llm)
+    assert greedy(llm, [prompts[i]], prediction=want) == [[want]]
+    assert accepted(llm) - plain >= 0.8 * len(want) > plain
+    wrong = list(reversed(want)) + [5] * 10
+    assert greedy(llm, [prompts[i]], prediction=wrong) == [[want]]
+
+
+def test_prediction_lookup_walks_the_prediction_forward():
+    from tidal.spec.prediction import PredictionLookup
+
+    look = PredictionLookup()
+    pred = [1, 2, 3, 4, 2, 3, 9, 10]
+    assert look.propose("a", pred, [], 3).tokens == [1, 2, 3]
+    assert look.propose("a", pred, [7, 2, 3], 2).tokens == [4, 2]  # the first match
+    assert look.propose("a", pred, [7, 2, 3, 4, 2, 3], 3).tokens == [9, 10]  # then onward
+    assert look.propose("a", pred, [7, 2, 3, 4, 2, 3, 9, 10], 3).tokens == []  # its end
+    assert look.propose("a", pred, [7, 2, 3, 4, 2, 3, 9, 10, 1], 3).tokens == []  # not back
+    look.forget("a")
+    assert look.propose("a", pred, [8, 1], 3).tokens == [2, 3, 4]

@@ -117,6 +117,10 @@ class SamplingParams:
     """Salts the request's prefix-cache blocks, and their keys in the tiers below the pool
     (vLLM's cache_salt): only requests of the same salt share them, so a tenant cannot learn
     from another's hit times what its prompts held. None: unsalted."""
+    prediction: list[int] | None = None
+    """Tokens the output is expected to repeat (OpenAI's predicted outputs): where the
+    engine speculates (ngram or suffix), its guesses come from them first. The output is
+    what it would be without them."""
     extra_args: dict[str, Any] | None = None
     """Arguments for the engine's custom logits processors (vLLM's extra_args; the API's
     vllm_xargs): each processor reads the keys it knows. None: none."""
@@ -195,6 +199,11 @@ class SamplingParams:
             self.allowed_token_ids = sorted(set(self.allowed_token_ids))
         if self.structured is not None:
             self.structured = (str(self.structured[0]), str(self.structured[1]))
+        if self.prediction is not None:
+            self.prediction = list(self.prediction)
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                   for t in self.prediction):
+                raise ValueError("prediction must be token ids (ints >= 0)")
         if self.extra_args is not None and (not isinstance(self.extra_args, dict) or any(
                 not isinstance(k, str) for k in self.extra_args)):
             raise ValueError("extra_args must be a dict with string keys")

@@ -131,6 +131,7 @@ class EngineCore:
                           ("stop_token_ids", params.stop_token_ids),
                           ("logit_bias token ids", params.logit_bias),
                           ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("prediction token ids", params.prediction or ()),
                           ("bad_words_token_ids",
                            [t for ids in params.bad_words_token_ids for t in ids])):
             if any(not 0 <= t < self.vocab_size for t in ids):

@@ -278,7 +278,8 @@ class ModelRunner:
                 result.logprobs[rid] = lp
             self.prompt_outputs.hand_over(rid, q, result)  # the prompt is done
             if out.propose and guesser is not None:  # the scheduler may guess next step
-                result.proposed[rid] = guesser.propose(rid, q.prompt, q.output)
+                result.proposed[rid] = guesser.propose(rid, q.prompt, q.output,
+                                                       q.params.prediction)
         if moves[0]:
             self.kv.move_slots(*moves)
         return result

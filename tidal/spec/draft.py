@@ -91,8 +91,9 @@ class DraftModel:
             k[dst] = k[src]
             v[dst] = v[src]
 
-    def propose(self, seq_id: str, prompt: list[int], output: list[int]) -> int:
-        return self.max_guesses  # computed at the step that verifies them
+    def propose(self, seq_id: str, prompt: list[int], output: list[int],
+                prediction: list[int] | None = None) -> int:
+        return self.max_guesses  # computed at the step that verifies them (by the draft)
 
     def forget(self, seq_id: str, output: list[int], finished: bool) -> None:
         pass  # its KV lives in the target's blocks, freed with them

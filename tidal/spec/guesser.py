@@ -42,8 +42,10 @@ class Guesser(Protocol):
         runs a model)."""
         ...
 
-    def propose(self, seq_id: str, prompt: list[int], output: list[int]) -> int:
-        """Guess ahead of `output` for the sequence's next step; returns how many."""
+    def propose(self, seq_id: str, prompt: list[int], output: list[int],
+                prediction: list[int] | None = None) -> int:
+        """Guess ahead of `output` for the sequence's next step (from its predicted output
+        first, where it has one and the guesser reads them); returns how many."""
         ...
 
     def forget(self, seq_id: str, output: list[int], finished: bool) -> None:

@@ -139,6 +139,22 @@ def chat_prompt_text(messages: list[ChatMessage], tokenizer, add_generation_prom
                        param="messages") from exc
 
 
+class Prediction(StrictModel):
+    """OpenAI's predicted output: text the answer is expected to repeat (a string or text
+    parts, joined)."""
+
+    type: Literal["content"]
+    content: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parts(cls, data: Any) -> Any:
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            data = {**data, "content": "".join(_part_text(i, p) for i, p in enumerate(content))}
+        return data
+
+
 class ChatRequest(GenerationRequest):
     """A /v1/chat/completions body."""
 
@@ -158,6 +174,7 @@ class ChatRequest(GenerationRequest):
     documents: list[dict[str, Any]] | None = None  # vLLM: for templates that cite documents
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: e.g. {"enable_thinking": false}
     include_reasoning: bool = True  # vLLM: with --reasoning-parser, reasoning_content or none
+    prediction: Prediction | None = None  # OpenAI's: guesses for a speculating server
     echo: bool = False  # vLLM: each answer starts with the last message it continues
     # Harmless (docs/serving.md): they concern OpenAI's storage and caching, not the output.
     metadata: dict[str, str] | None = None
@@ -167,6 +184,7 @@ class ChatRequest(GenerationRequest):
     prompt_cache_options: dict | None = None
     safety_identifier: str | None = None
     _prompt_text: str = PrivateAttr("")
+    _prediction: list[int] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _chat_checks(self) -> "ChatRequest":
@@ -205,7 +223,14 @@ class ChatRequest(GenerationRequest):
         self._prompt_text = chat_prompt_text(
             self.messages, tokenizer, self.add_generation_prompt, tool_dicts(self.tools),
             self.documents, self.continue_final_message, self.chat_template_kwargs)
+        if self.prediction is not None and self.prediction.content:
+            self._prediction = encode(tokenizer, self.prediction.content, False,
+                                      "prediction.content")
         return [encode(tokenizer, self._prompt_text, self.add_special_tokens, "messages")]
+
+    def prediction_ids(self) -> list[int] | None:
+        """The predicted output's tokens (after prompt_ids), if one was sent."""
+        return self._prediction
 
     def echoed(self) -> str:
         """With `echo`, the text each answer starts with: the last message's, when the

@@ -275,6 +275,10 @@ class GenerationRequest(StrictModel):
         no logprobs."""
         return None
 
+    def prediction_ids(self) -> list[int] | None:
+        """The tokens of a predicted output (chat's `prediction`), None without one."""
+        return None
+
     def to_sampling_params(self, limits: ServerConfig, prompt_len: int, max_model_len: int,
                            vocab_size: int) -> SamplingParams:
         """The engine's parameters for one prompt of this request, checked against the
@@ -334,7 +338,7 @@ class GenerationRequest(StrictModel):
                 prompt_logprobs=self.prompt_logprob_count(),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size),
                 allowed_token_ids=self.allowed_token_ids, cache_salt=self.cache_salt,
-                extra_args=self.vllm_xargs,
+                extra_args=self.vllm_xargs, prediction=self.prediction_ids(),
                 bad_words=self.bad_words,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,

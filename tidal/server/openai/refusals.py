@@ -28,7 +28,6 @@ CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
     "function_call": (("none",), OLD_FUNCTIONS),
     "audio": ((), "tidal serves text-only models"),
     "modalities": ((["text"],), "tidal serves text-only models"),
-    "prediction": ((), "tidal does not implement predicted outputs"),
     "web_search_options": ((), "tidal has no web search"),
     "moderation": ((), "tidal runs no moderation"),
     "reasoning_effort": (("none",), "this server has no reasoning controls"),
