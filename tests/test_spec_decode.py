@@ -282,4 +282,5 @@ def test_prediction_lookup_walks_the_prediction_forward():
     assert look.propose("a", pred, [7, 2, 3, 4, 2, 3, 9, 10], 3).tokens == []  # its end
     assert look.propose("a", pred, [7, 2, 3, 4, 2, 3, 9, 10, 1], 3).tokens == []  # not back
     look.forget("a")
-    assert look.propose("a", pred, [8, 1], 3).tokens == [2, 3, 4]
+    assert look.propose("a", pred, [8, 2], 3).tokens == []  # one token matches too much
+    assert look.propose("a", pred, [8, 1, 2], 3).tokens == [3, 4, 2]

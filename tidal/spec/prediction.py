@@ -1,7 +1,7 @@
 """OpenAI's predicted outputs: a request's `prediction` holds tokens its output is expected
 to repeat (most of a file that comes back edited). Where the engine speculates, its guesses
 come from the prediction first: the prediction's start before any output, then what
-follows the place the output's last tokens match it. Verification keeps the output exactly
+follows the place the output's last 2-4 tokens match it. Verification keeps the output exactly
 what it would be without a prediction; a good one only makes it come sooner."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from tidal.spec.tree import GuessTree
 
 MAX_N = 4  # the longest output tail looked up in the prediction (tried first)
+MIN_N = 2  # the shortest: one token matches too many places to guess from
 
 
 class _Indexed:
@@ -40,7 +41,7 @@ class PredictionLookup:
             seq = self._seqs[seq_id] = _Indexed(list(prediction))
         if not output:
             return GuessTree.chain(seq.tokens[:k])
-        for n in range(min(MAX_N, len(output)), 0, -1):
+        for n in range(min(MAX_N, len(output)), MIN_N - 1, -1):
             ends = seq.ends.get(tuple(output[-n:]), ())
             end = next((e for e in ends if e >= seq.last), None)  # forward, never back
             if end is not None and end < len(seq.tokens):
