@@ -221,7 +221,8 @@ def test_parse_follows_the_schema(client):
 def test_a_function_call_and_its_output_continue_the_conversation(server, client):
     first = client.responses.create(model=MODEL, input="What's the weather in Paris?",
                                     tools=[WEATHER], tool_choice="required",
-                                    max_output_tokens=60, temperature=0)
+                                    max_output_tokens=60, temperature=0, max_tool_calls=1)
+    assert first.max_tool_calls == 1  # it caps built-in tools' calls: none here
     calls = [o for o in first.output if o.type == "function_call"]
     assert calls and calls[0].name == "get_weather"
     assert isinstance(json.loads(calls[0].arguments)["city"], str)
@@ -289,6 +290,7 @@ def test_stored_responses_are_retrieved_and_deleted(client):
      "text.format"),
     ({"tools": [{**WEATHER, "name": "a b"}]}, "tools.0.name"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"max_tool_calls": 0}, "max_tool_calls"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, extra, param):
     r = httpx.post(server.url + "/v1/responses",

@@ -128,6 +128,7 @@ class ResponsesRequest(StrictModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict | None = None
+    max_tool_calls: int | None = Field(None, ge=1)  # caps built-in tools' calls: tidal has none
     stream_options: dict[str, bool] | None = None
     kv_transfer_params: dict | None = None  # P/D: {"prefill_address": ...}, set by the router
 
