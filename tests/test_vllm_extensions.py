@@ -225,3 +225,27 @@ def test_beam_search_refuses_what_it_cannot_honour(server, extra, param):
     r = post(server, "/v1/chat/completions", {"model": "smollm2-135m", "messages": QUESTION,
                                               "max_tokens": 4, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_a_beam_search_ends_its_steps(server, stream):
+    """The search's steps stop with the client: nothing runs or holds blocks after, and no
+    step starts later (each step's requests are aborted with it)."""
+    import time
+
+    from server_fixtures import metric
+
+    body = {"model": "smollm2-135m", "prompt": "Tell me a long story.", "max_tokens": 400,
+            "n": 4, "use_beam_search": True, "ignore_eos": True, "stream": stream}
+    with pytest.raises(httpx.TimeoutException):
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          timeout=2) as r:
+            for _ in r.iter_lines():  # a stream sends its beams only at the end
+                pass
+    deadline = time.monotonic() + 10
+    while (metric(server.url, "tidal:kv_cache_used_blocks") > 0
+           or metric(server.url, "tidal:num_requests_running") > 0):
+        assert time.monotonic() < deadline, "a beam step still runs after the client left"
+        time.sleep(0.1)
+    time.sleep(1.5)  # the core reports twice a second: a later step would show
+    assert metric(server.url, "tidal:num_requests_running") == 0

@@ -361,12 +361,14 @@ class Submission:
                 self.client.release(rid)
 
 
-async def _closed(events: AsyncGenerator[str, None], sub: Submission) -> None:
+async def _closed(events: AsyncGenerator[str, None], sub: Submission | None) -> None:
     """After a stream: a hang-up cancels it wherever it waits, perhaps on sending a chunk
     with `events` paused at a yield (left to the garbage collector, its requests would
-    decode on) or before its first step (`events` never opened): close both now."""
+    decode on) or before its first step (`events` never opened): close both now (a beam
+    search's steps end with its updates, which `events` closes)."""
     await events.aclose()
-    await sub.end()
+    if sub is not None:
+        await sub.end()
 
 
 async def _after_first(updates: Updates) -> Updates:
