@@ -84,6 +84,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         encoded = self._encode(prompts)
+        if not encoded:
+            return []
         stops = stop_token_ids(params.stop_token_ids, self.tokenizer.eos_token_id,
                                params.ignore_eos)
         searches = [BeamSearch(params.beam_width, params.max_tokens, stops,
