@@ -414,10 +414,18 @@ def test_a_tool_round_trip(server, client):
 def test_think_blocks_become_reasoning_content(client):
     common = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=40,
                   extra_body={"guided_regex": "<think>\\nIt is sunny\\.</think>\\n\\nSunny\\."})
-    message = client.chat.completions.create(**common).choices[0].message
+    whole = client.chat.completions.create(**common)
+    message = whole.choices[0].message
     assert (message.reasoning_content, message.content) == ("\nIt is sunny.", "Sunny.")
+    # OpenAI's count of them: the tokens inside the block, its markers and the answer out
+    reasoning = whole.usage.completion_tokens_details.reasoning_tokens
+    assert 3 <= reasoning <= whole.usage.completion_tokens - 3
     parts = {"reasoning_content": "", "content": ""}
-    for chunk in client.chat.completions.create(**common, stream=True):
+    for chunk in client.chat.completions.create(**common, stream=True,
+                                                stream_options={"include_usage": True}):
+        if not chunk.choices:  # the usage chunk
+            assert chunk.usage.completion_tokens_details.reasoning_tokens == reasoning
+            continue
         delta = chunk.choices[0].delta.model_dump()
         for key in parts:
             parts[key] += delta.get(key) or ""

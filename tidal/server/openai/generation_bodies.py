@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import AsyncGenerator, AsyncIterator
 
 from fastapi.responses import Response
@@ -16,6 +17,7 @@ from tidal.engine.outputs import StepUpdate
 from tidal.server.openai import schemas as s
 from tidal.server.openai.chat_output import ChatOutputOptions, ChoiceOutput
 from tidal.server.openai.protocol import APIError
+from tidal.server.openai.reasoning import reasoning_tokens
 
 # (choice index, update) until every choice finished; raises APIError when the request fails
 Updates = AsyncGenerator[tuple[int, StepUpdate], None]
@@ -214,6 +216,17 @@ class ChatResponse(GenerationResponse):
         self.options = options or ChatOutputOptions()
         self.outputs = [ChoiceOutput(self.options) for _ in self.choices]
         self.echo = echo  # vLLM's chat echo: the last message's text, before each answer
+
+    def usage(self) -> s.Usage:
+        """With a reasoning parser, the output tokens that carry reasoning are counted too
+        (`completion_tokens_details.reasoning_tokens`, as OpenAI's)."""
+        u = super().usage()
+        if self.options.reasoning:
+            decode = partial(self.tokenizer.decode, skip_special_tokens=False)
+            u.completion_tokens_details = s.CompletionTokensDetails(sum(
+                reasoning_tokens(ch.tokens, decode, self.options.prompt_opens_thinking)
+                for ch in self.choices))
+        return u
 
     def logprobs(self, entries: list[Entry], offset: int) -> s.ChatLogprobs:
         text, raw = self.logprob_token, self.token_bytes

@@ -31,11 +31,16 @@ class PromptTokensDetails(Struct):
     cached_tokens: int  # prompt tokens read from the prefix cache, not computed
 
 
+class CompletionTokensDetails(Struct):
+    reasoning_tokens: int  # output tokens inside a <think> block (--reasoning-parser)
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET  # chat, reasoning
 
 
 # ------------------------------------------------------------------ tool calls

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from functools import partial
 from typing import AsyncIterator, Callable
+
+import msgspec
 
 from tidal.server.openai import schemas as s
 from tidal.server.openai.chat_output import ChoiceOutput, PieceEvents
 from tidal.server.openai.protocol import APIError
-from tidal.server.openai.reasoning import reasoning_tokens
 from tidal.server.openai.generation_bodies import ChatResponse, Choice, Updates, token_entries
 from tidal.server.responses.request import ResponsesRequest
 
@@ -188,18 +188,13 @@ class ResponseBody(ChatResponse):
 
     def _usage(self) -> dict:
         u = self.usage()
+        details = u.completion_tokens_details
+        reasoning = 0 if details is msgspec.UNSET else details.reasoning_tokens
         return {"input_tokens": u.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
                 "output_tokens": u.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
+                "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": u.total_tokens}
-
-    def _reasoning_tokens(self) -> int:
-        options = self.outputs[0].options
-        if not options.reasoning:
-            return 0
-        decode = partial(self.tokenizer.decode, skip_special_tokens=False)
-        return reasoning_tokens(self.choices[0].tokens, decode, options.prompt_opens_thinking)
 
     def snapshot(self, status: str, output: list | None = None) -> dict:
         """The Response object: what was asked for, echoed, and the output so far."""
