@@ -200,7 +200,9 @@ def test_harmless_and_do_nothing_values_change_nothing(server):
                       response_format={"type": "text"}, modalities=["text"], n=None,
                       service_tier="auto", reasoning_effort="none", echo=False,
                       skip_special_tokens=True, include_stop_str_in_output=False, seed=None,
-                      temperature=0, top_p=None, stop=None, logit_bias=None)
+                      temperature=0, top_p=None, stop=None, logit_bias=None,
+                      spaces_between_special_tokens=False,  # fast tokenizers add none
+                      prediction={"type": "content", "content": "Paris."})  # no speculation
     for extra in (harmless, do_nothing):
         assert greedy_chat(server, **extra)["choices"][0]["message"]["content"] == want
     r = post(server, "/v1/completions", {**COMPLETION, "n": 2, "best_of": 2, "echo": False,
