@@ -38,8 +38,8 @@ def run(search: BeamSearch, model) -> list[Beam]:
 
 def reference(model, width: int, max_tokens: int, penalty: float,
               stop: int = STOP) -> list[Beam]:
-    """vLLM's beam search, to max_tokens with no early end: every stop-token candidate of
-    every beam finishes, the `width` likeliest others go on."""
+    """vLLM's beam search (scored by output length), to max_tokens with no early end:
+    every stop-token candidate of every beam finishes, the `width` likeliest others go on."""
     live, done = [Beam()], []
     for _ in range(max_tokens):
         grown = []

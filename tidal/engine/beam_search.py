@@ -3,8 +3,9 @@ prompt's beams, apart from who runs the model. Each step extends every live beam
 likeliest next tokens (a one-token request per beam, asking for their logprobs: the prefix
 cache holds the blocks the beams share), keeps the `width` best that go on, and sets aside
 those that chose a stop token. A beam's score is its summed logprob divided by its length
-(output tokens, a final stop token included) to the power `length_penalty`, as vLLM and
-transformers rank them; the `width` best finished beams are the answer.
+(output tokens, a final stop token included) to the power `length_penalty`, as
+transformers ranks them (vLLM counts the prompt's tokens in the length too, which makes a
+long prompt's penalty all but vanish); the `width` best finished beams are the answer.
 
 The search ends once no live beam can still reach the worst of the `width` best finished
 ones (a logprob is never positive, so a beam's sum only falls): the answer is the one a
