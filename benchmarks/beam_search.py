@@ -12,8 +12,6 @@ vLLM installs into $PEERS_DIR/vllm-venv on first use (the peer script).
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +22,7 @@ from statistics import median
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quantized import start  # noqa: E402  (the same start-and-wait-for-ready)
+from quantized import start, stop  # noqa: E402  (the same start-and-wait-for-ready)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary colours are"]
@@ -69,8 +67,7 @@ def main() -> None:
                     print(f"{engine:6s} length_penalty {penalty:g}  {prompt[:30]:30s} "
                           f"{median(times):6.3f} s  best: {out.choices[0].text[:60]!r}")
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
+            stop(proc)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ usage: .venv/bin/python benchmarks/predicted_outputs.py [--repeats 3] [--max-tok
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 import tempfile
 import time
@@ -23,7 +21,7 @@ from statistics import median
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quantized import start  # noqa: E402  (the same start-and-wait-for-ready)
+from quantized import start, stop  # noqa: E402  (the same start-and-wait-for-ready)
 
 QUESTIONS = ["Explain in one paragraph how a hash map works.",
              "Write a short story about a robot learning to paint.",
@@ -71,8 +69,7 @@ def main() -> None:
                   f"{t['none'] / t['own']:5.2f}x {t['neighbour']:11.3f} "
                   f"{t['none'] / t['neighbour']:5.2f}x")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        stop(proc)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -101,6 +102,12 @@ def start(cmd: list[str], port: int, log: Path, env: dict | None = None,
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{cmd[0]} not ready after 900 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a server `start` began, with every process of its group."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait()
 
 
 def bench(port: int, backend: str, concurrency: int, prompts: int, out: Path, seed: int,
@@ -180,8 +187,7 @@ def main() -> None:
     for name, (cmd, port) in engines.items():
         env = {"TIDAL_CACHE": str(cache)}
         proc, first = start(cmd, port, args.work / f"{name}-first.log", env)
-        os.killpg(proc.pid, 15)
-        proc.wait()
+        stop(proc)
         proc, ready = start(cmd, port, args.work / f"{name}.log", env)
         try:
             row = {"first_ready_s": first, "ready_s": ready}
@@ -200,8 +206,7 @@ def main() -> None:
                           llama_perplexity(args.llama_cpp, gguf, TEXT, args.ppl_ctx, 1))
             rows[name] = row
         finally:
-            os.killpg(proc.pid, 15)
-            proc.wait()
+            stop(proc)
     labels = [("first_ready_s", "first start: ready after (s)"),
               ("ready_s", "second start: ready after (s)"), ("rss_mib", "RSS serving (MiB)")]
     for c in args.concurrency:
