@@ -121,6 +121,30 @@ class BeamSearch:
         return list(self.finished)
 
 
+class BeamSearches:
+    """One request's searches, a prompt each, stepped together: `asks()` are the step's
+    one-token prompts (every live beam of every search, each after its prompt), `extend`
+    takes their candidates in that order."""
+
+    def __init__(self, prompts: list[list[int]], searches: list[BeamSearch]) -> None:
+        self.prompts, self.searches = prompts, searches
+        self.owners: list[int] = []  # the search of each ask of the step
+
+    @property
+    def live(self) -> bool:
+        return any(s.live for s in self.searches)
+
+    def asks(self) -> list[list[int]]:
+        self.owners = [k for k, s in enumerate(self.searches) for _ in s.live]
+        return [self.prompts[k] + b.token_ids for k, s in enumerate(self.searches)
+                for b in s.live]
+
+    def extend(self, candidates: list[Candidates]) -> None:
+        for k, s in enumerate(self.searches):
+            if s.live:
+                s.extend([c for c, o in zip(candidates, self.owners) if o == k])
+
+
 def step_params(base: SamplingParams, search: BeamSearch) -> SamplingParams:
     """A beam's one-token request: `base`'s distribution (logit_bias, allowed_token_ids,
     its adapter and salt), greedy, with the candidates' logprobs; nothing ends it early."""

@@ -10,7 +10,8 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from tidal.core import SamplingParams
-from tidal.engine.beam_search import BeamSearch, BeamSearchParams, step_params, stop_token_ids
+from tidal.engine.beam_search import (BeamSearch, BeamSearches, BeamSearchParams, step_params,
+                                      stop_token_ids)
 from tidal.engine.config import EngineConfig, give_omp_spin
 from tidal.engine.outputs import (BeamSearchOutput, BeamSequence, CompletionOutput,
                                   GenerationOutput)
@@ -88,19 +89,15 @@ class LLM:
             return []
         stops = stop_token_ids(params.stop_token_ids, self.tokenizer.eos_token_id,
                                params.ignore_eos)
-        searches = [BeamSearch(params.beam_width, params.max_tokens, stops,
-                               params.length_penalty) for _ in encoded]
-        step = step_params(SamplingParams(), searches[0])
-        while any(s.live for s in searches):
-            asks = [(s, {"prompt_token_ids": ids + b.token_ids})
-                    for (_, ids), s in zip(encoded, searches) for b in s.live]
-            outs = self.generate([a for _, a in asks], step, use_tqdm=False)
-            for s in searches:
-                tops = [o.outputs[0].logprobs[0].top for (t, _), o in zip(asks, outs)
-                        if t is s]
-                if tops:
-                    s.extend(tops)
-        keep = params.include_stop_str_in_output
+        group = BeamSearches([ids for _, ids in encoded], [
+            BeamSearch(params.beam_width, params.max_tokens, stops, params.length_penalty)
+            for _ in encoded])
+        step = step_params(SamplingParams(), group.searches[0])
+        while group.live:
+            outs = self.generate([{"prompt_token_ids": ids} for ids in group.asks()], step,
+                                 use_tqdm=False)
+            group.extend([o.outputs[0].logprobs[0].top for o in outs])
+        keep, searches = params.include_stop_str_in_output, group.searches
         return [BeamSearchOutput(text, ids, [
             BeamSequence(self.tokenizer.decode(b.text_ids(keep)), b.token_ids, b.cum_logprob,
                          b.finish_reason) for b in s.best()])

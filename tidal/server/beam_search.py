@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Mapping
 
-from tidal.engine.beam_search import BeamSearch, step_params, stop_token_ids
+from tidal.engine.beam_search import BeamSearch, BeamSearches, step_params, stop_token_ids
 from tidal.engine.outputs import StepUpdate
 from tidal.server.openai.generation_bodies import Updates
 from tidal.server.openai.protocol import APIError, GenerationRequest
@@ -25,22 +25,21 @@ def beam_search_updates(f: Frontend, prompts: list[list[int]], body: GenerationR
     here, before any step (a 400 comes as a plain error, not inside a stream)."""
     base = f.sampling_params(prompts, body)
     eos = f.tokenizer.eos_token_id
-    searches = [BeamSearch(p.n, p.max_tokens, stop_token_ids(p.stop_token_ids, eos,
-                                                              p.ignore_eos),
-                           body.length_penalty) for p in base]
-    return _search(f, prompts, body, headers, base, searches)
+    group = BeamSearches(prompts, [
+        BeamSearch(p.n, p.max_tokens, stop_token_ids(p.stop_token_ids, eos, p.ignore_eos),
+                   body.length_penalty) for p in base])
+    return _search(f, body, headers, base, group)
 
 
-async def _search(f: Frontend, prompts: list[list[int]], body: GenerationRequest,
-                  headers: Mapping[str, str], base: list, searches: list[BeamSearch]) -> Updates:
-    cached = [0] * len(prompts)  # each prompt's hit at its first step, its first admission
+async def _search(f: Frontend, body: GenerationRequest, headers: Mapping[str, str],
+                  base: list, group: BeamSearches) -> Updates:
+    cached = [0] * len(group.prompts)  # each prompt's hit at its first step: its admission
     first = True
-    while any(s.live for s in searches):
-        owner = [k for k, s in enumerate(searches) for _ in s.live]
-        asks = [prompts[k] + b.token_ids for k, s in enumerate(searches) for b in s.live]
-        params = [step_params(base[k], searches[k]) for k in owner]
+    while group.live:
+        asks = group.asks()
+        params = [step_params(base[k], group.searches[k]) for k in group.owners]
         sub = await f.submit(asks, body, headers, params)
-        tops: list = [None] * len(asks)
+        tops: list = [[] for _ in asks]
         try:
             async for i, u in f.updates(sub):
                 if u.finish_reason == "error":
@@ -49,16 +48,14 @@ async def _search(f: Frontend, prompts: list[list[int]], body: GenerationRequest
                 if u.logprobs:
                     tops[i] = u.logprobs[0].top
                 if first:
-                    cached[owner[i]] = u.cached_tokens
+                    cached[group.owners[i]] = u.cached_tokens
         finally:
             await sub.end()
         first = False
-        for k, s in enumerate(searches):
-            if s.live:
-                s.extend([t or [] for t, o in zip(tops, owner) if o == k])
+        group.extend(tops)
     rid = uuid.uuid4().hex[:16]
     keep, skip = body.include_stop_str_in_output, body.skip_special_tokens
-    for k, s in enumerate(searches):
+    for k, s in enumerate(group.searches):
         for j, beam in enumerate(s.best()):
             text = f.tokenizer.decode(beam.text_ids(keep), skip_special_tokens=skip)
             yield k * body.n + j, StepUpdate(
