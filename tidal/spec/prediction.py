@@ -21,7 +21,7 @@ class _Indexed:
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
         self.ends: dict[tuple[int, ...], list[int]] = {}
-        for n in range(1, MAX_N + 1):
+        for n in range(MIN_N, MAX_N + 1):
             for end in range(n, len(tokens) + 1):
                 self.ends.setdefault(tuple(tokens[end - n:end]), []).append(end)
         self.last = 0
