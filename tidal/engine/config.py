@@ -161,6 +161,15 @@ class ModelConfig:
                              "writes and SiLU x up as its fused loops. The extension is "
                              "compiled once, on first use (that start takes longer); without "
                              "a compiler, PyTorch ops run instead. false: always PyTorch ops.")
+    deterministic: bool = knob(False, "Batch-invariant inference on CPU: a request's tokens "
+                               "and logprobs (greedy, or sampled with a seed) do not depend "
+                               "on the other requests of its steps, on prefix-cache hits, on "
+                               "how its prompt is chunked, on preemption or on speculation. "
+                               "Every projection runs in calls of 8 rows and every attention "
+                               "row through one C++ kernel; no C++ decoder (slower: "
+                               "docs/deterministic.md). Needs the C++ extension; not with "
+                               "routed experts, tensor or pipeline parallelism, or trees of "
+                               "guesses.")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -339,6 +348,12 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras={cpu_loras} is under max_loras="
                              f"{self.scheduler.max_loras}: a step's adapters must all be loaded")
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
+        if self.model.deterministic and tp * pp > 1:
+            raise ValueError(f"--deterministic runs one process a model: not with "
+                             f"--tensor-parallel-size {tp} --pipeline-parallel-size {pp}")
+        if self.model.deterministic and self.speculative.speculative_branches > 1:
+            raise ValueError("--deterministic verifies one path of guesses: "
+                             "speculative_branches must be 1")
         if tp * pp > 1 and self.model.device not in ("auto", "cpu"):
             raise ValueError(f"--tensor-parallel-size {tp} --pipeline-parallel-size {pp}: "
                              f"ranks run on CPU for now (--device cpu)")

@@ -91,7 +91,8 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
         reduce = tp.shm.use_extension(ext) if tp.shm is not None else tp.sum_in_place
         return model, cpu_decode.build_decoder(model, reduce)
     # Decode-only steps run as one C++ call where the model allows (CPU).
-    return model, cpu_decode.build_decoder(model) if ext else None
+    # (not under --deterministic: a decode step then computes as any other step)
+    return model, cpu_decode.build_decoder(model) if ext and not config.deterministic else None
 
 
 def convert_layers(model: torch.nn.Module, config: ModelConfig, quantization: str,

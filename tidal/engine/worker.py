@@ -33,6 +33,7 @@ from tidal.engine.parallel_config import busy_ranks
 from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention
+from tidal.model.batch_invariant import check_supported, fix_rows
 from tidal.model.config import ModelArch, stage_layers
 from tidal.model.kernels import (FusedKernels, cpu_fused_kernels, fused_kernels, lora_kernel,
                                  paged_decode_kernel, paged_prefill_kernel)
@@ -118,7 +119,10 @@ class Worker:
             if config.reuse_host_memory:
                 keep_freed_memory()
         max_model_len = min(sched.max_model_len, arch.context_length)
-        ext = cpu_decode.extension() if config.cpu_decoder and device == "cpu" else None
+        if config.deterministic:
+            check_supported(arch, device, self.dtype)
+        ext = (cpu_decode.extension() if (config.cpu_decoder or config.deterministic)
+               and device == "cpu" else None)
         phases.done("C++ extension")
         # the C++ paged attention and lora_add run float32 and bfloat16; float16 rows on CPU
         # take PyTorch's attention and matmuls
@@ -133,13 +137,21 @@ class Worker:
             paged_decode_kernel() if on_gpu else None)
         prefill, fresh = ((paged_prefill_kernel(), None) if on_gpu else cpu_decode.prefill_kernel(
             cpp, kv_format.storage(self.dtype), self.dtype))
+        if config.deterministic:  # every prompt and decode row through one kernel
+            if cpp is None:
+                raise ValueError("--deterministic needs tidal's C++ extension (a C++ "
+                                 "compiler; tidal.model.cpu_extension)")
+            prefill, fresh = cpp.paged_prefill_attention, 0
         backend = TorchAttention.for_arch(arch, paged, prefill, kv_format)
         backend.fresh_kernel_scores = fresh
+        backend.batch_invariant = config.deterministic
         self.model, decoder = load_for_runner(folder, whole, config, device, self.dtype,
                                               quantization, backend, ext, tp, shard)
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
             lora, sched.max_loras, arch, self.model, self.dtype, device,
             lora_kernel() if on_gpu else cpp.lora_add if cpp else None, decoder, shard)
+        if config.deterministic:  # every projection (LoRA's base ones too) in fixed rows
+            fix_rows(self.model)
         method = speculative.speculative_method if speculative is not None else None
         guesses = sched.num_speculative_tokens if method else 0
         guesser = make_guesser(speculative, guesses, Path(folder), config, device,

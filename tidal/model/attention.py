@@ -141,6 +141,10 @@ class TorchAttention(AttentionBackend):
         # PyTorch's path attends in bf16 too (BF16_ATTENTION_SCORES). None: always SDPA;
         # 0: always the kernel (benchmarks compare the two).
         self.fresh_kernel_scores: int | None = None
+        # Batch-invariant inference (tidal.model.batch_invariant): every query row, a
+        # decode's too, through the prefill kernel, whose row attends over its own context
+        # in the same steps whatever else the call holds.
+        self.batch_invariant = False
 
     @classmethod
     def for_arch(cls, arch, paged_kernel=None, prefill_kernel=None,
@@ -275,6 +279,12 @@ class TorchAttention(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta, window=0) -> torch.Tensor:
         tables = meta.decode_block_tables
+        if self.batch_invariant:  # each decode row a one-token run of the prefill kernel
+            if meta.decode_tree is not None:
+                raise ValueError("batch-invariant attention verifies paths, not trees")
+            starts = torch.arange(tables.shape[0] + 1, device=q.device)
+            return self.prefill_kernel(q, k_cache, v_cache, tables, starts, meta.decode_lens,
+                                       self.scale, 1, window)
         if self.paged_kernel is not None:
             o = self._kernel("paged_kernel", q, k_cache, v_cache, tables, meta.decode_lens,
                              self.scale, window, meta.decode_tree)

@@ -11,6 +11,7 @@ so the extra memory stays one tile however large the weight.
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from typing import Any
 
 import gguf
@@ -280,16 +281,26 @@ class PromptRows:
         rows, count = (self.head, self.num_head) if is_head else (self.rows, self.num_rows)
         return rows if count == n else None
 
+    @contextmanager
+    def only(self, is_head: bool, rows: torch.Tensor, n: int):
+        """Within: a projection over n rows (the pass's, or the head's) rounds `rows` twice
+        (a part of the pass's rows, run on its own: batch_invariant.FixedRows)."""
+        saved = self.rows, self.num_rows, self.head, self.num_head
+        if is_head:
+            self.head, self.num_head = rows, n
+        else:
+            self.rows, self.num_rows = rows, n
+        try:
+            yield
+        finally:
+            self.rows, self.num_rows, self.head, self.num_head = saved
+
     def every_row(self, logits_of):
         """`logits_of` (the model's head) over rows that all hold prompt tokens: a prompt's
         logprobs are read from the rows its prefill computed."""
         def run(h: torch.Tensor) -> torch.Tensor:
-            saved = self.head, self.num_head
-            self.head, self.num_head = torch.arange(h.shape[0], device=h.device), h.shape[0]
-            try:
+            with self.only(True, torch.arange(h.shape[0], device=h.device), h.shape[0]):
                 return logits_of(h)
-            finally:
-                self.head, self.num_head = saved
         return run
 
     @classmethod

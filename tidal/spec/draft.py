@@ -60,7 +60,8 @@ class DraftModel:
                  max_guesses: int) -> None:
         self.max_guesses = max_guesses
         self.arch = ModelArch.from_folder(folder)
-        config = replace(config, model=str(folder))
+        # (its guesses need not be batch-invariant: verification keeps the target's tokens)
+        config = replace(config, model=str(folder), deterministic=False)
         quantization, self.dtype = pick_model_dtype(folder, self.arch, config, device)
         paged = ext.paged_decode_attention if ext else None
         backend = TorchAttention.for_arch(self.arch, paged, None)

@@ -261,7 +261,10 @@ void paged_prefill(const T* q, const C* k_cache, const C* v_cache, const int64_t
     for (int64_t r0 = 0; r0 < rows; r0 += size) {
       const int64_t n_rows = std::min(size, rows - r0);
       const int64_t lo = cached + r0 / groups, hi = cached + (r0 + n_rows - 1) / groups;
-      const int64_t from = window > 0 ? std::max<int64_t>(0, lo - window + 1) : 0;
+      // steps of keys start at multiples of kKeys whatever the panel: a row's online softmax
+      // then sums the same keys in the same steps in any panel (batch-invariant)
+      const int64_t from = window > 0 ? std::max<int64_t>(0, lo - window + 1) / kKeys * kKeys
+                                      : 0;
       for (int64_t g = 0; g < hkv; ++g) tasks.push_back({s, g, r0, n_rows, hi + 1 - from});
     }
   }

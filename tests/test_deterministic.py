@@ -1,0 +1,201 @@
+"""--deterministic (batch-invariant inference): a request's tokens and logprobs are the same
+bits alone, beside other requests, chunked, after a prefix-cache hit, preempted and
+recomputed, speculated and under LoRA; served too. Without it they are not (the test of the
+embedded model shows the default's difference, so the property is not vacuous)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lora_fixtures import make_adapter
+from model_fixtures import small_folder
+from server_fixtures import module_server
+from tidal import LLM, SamplingParams
+from tidal.engine.config import EngineConfig
+from tidal.model import cpu_decode
+from tidal.model.batch_invariant import FixedRows, check_supported
+from tidal.model.gguf_quants import GGUFLinear, PromptRows, QuantizedWeight
+from tidal.model.linear import PackedLinear
+
+pytestmark = pytest.mark.skipif(cpu_decode.extension() is None,
+                                reason="needs tidal's C++ extension")
+
+TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("det")
+    base = small_folder(tmp, "base", "llama", tie_word_embeddings=False)
+    return base, make_adapter(base, tmp / "ad", 8, 16, ["q_proj", "v_proj", "down_proj"],
+                              False, seed=1)
+
+
+def engine(folder, adapter, dtype, **kw):
+    return LLM(str(folder), dtype=dtype, num_kv_blocks=192, block_size=8, deterministic=True,
+               max_loras=1, lora_modules=[f"ad={adapter}"], **kw)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engines(request, folders):
+    """A reference (no prefix cache, whole prompts, one at a time), and engines whose steps
+    differ: small chunks; a pool so small that requests are retracted and recomputed; ngram
+    speculation."""
+    base, adapter = folders
+    dtype = request.param
+    return dict(
+        ref=engine(base, adapter, dtype, enable_prefix_caching=False),
+        chunked=engine(base, adapter, dtype, chunked_prefill_size=8,
+                       max_input_tokens_per_step=20),
+        tight=LLM(str(base), dtype=dtype, num_kv_blocks=14, block_size=8, deterministic=True,
+                  init_new_token_ratio=0.01, max_loras=1, lora_modules=[f"ad={adapter}"]),
+        spec=engine(base, adapter, dtype, speculative_method="ngram",
+                    num_speculative_tokens=3, prompt_lookup_min=1))
+
+
+def params(seed, lora):
+    """Greedy, or sampled with a seed; the chosen token's logprob and the top 3 each."""
+    kw = dict(temperature=0) if seed is None else dict(temperature=0.9, seed=seed)
+    return SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=3,
+                          lora="ad" if lora else None, **kw)
+
+
+def answers(llm, prompts, p):
+    outs = llm.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_request_computes_the_same_bits_in_any_step(engines, data):
+    draw = data.draw
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    words = lambda n: [rng.randrange(3, 256) for _ in range(n)]  # noqa: E731
+    # a repeating prompt gives the ngram proposer guesses to verify
+    target = words(draw(st.integers(1, 40))) * draw(st.integers(1, 2))
+    seed = draw(st.one_of(st.none(), st.integers(0, 1000)))
+    p = params(seed, draw(st.booleans()))
+    want = answers(engines["ref"], [target], p)[0]
+    name = draw(st.sampled_from(["chunked", "tight", "spec"]))
+    llm = engines[name]
+    if draw(st.booleans()):  # a prefix of it cached first
+        answers(llm, [target[:draw(st.integers(1, len(target)))]], p)
+    others = [words(draw(st.integers(1, 50))) for _ in range(draw(st.integers(0, 4)))]
+    at = draw(st.integers(0, len(others)))
+    got = answers(llm, others[:at] + [target] + others[at:], p)[at]
+    assert got == want, name
+
+
+def test_those_steps_did_differ(engines):
+    """(after the property) each engine did what it was made to: prefix hits, preemptions,
+    accepted guesses"""
+    p = params(None, False)
+    answers(engines["tight"], [[5 + i] * 30 for i in range(6)], p)  # more than fits
+    answers(engines["spec"], [[7, 8, 9] * 10], p)
+    twice = [answers(engines["chunked"], [list(range(10, 50))], p) for _ in range(2)]
+    assert twice[0] == twice[1]
+    assert engines["chunked"].engine.scheduler.prefix_hit_tokens > 0
+    assert engines["tight"].engine.scheduler.num_preemptions > 0
+    assert engines["spec"].engine.scheduler.stats().spec_accepted_tokens > 0
+
+
+def test_the_embedded_model_answers_the_same_cold_cached_and_batched():
+    """The GGUF model in its own bits, prompts rounded twice: the default's first answer and
+    its answer from the prefix cache differ in logprobs (the reason for the option)."""
+    q = [{"role": "user", "content": "Explain in one paragraph how a hash map works."}]
+    others = [[{"role": "user", "content": t}] for t in
+              ("Write a haiku about the sea.", "List five prime numbers and say why.")]
+    p = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+
+    def three(llm):
+        cold, cached = (llm.chat(q, p, use_tqdm=False)[0] for _ in range(2))
+        batched = llm.chat([others[0], q, others[1]], p, use_tqdm=False)[1]
+        return [[t.logprob for t in o.outputs[0].logprobs] for o in (cold, cached, batched)]
+
+    kw = dict(num_kv_blocks=256, chunked_prefill_size=16, max_input_tokens_per_step=40)
+    cold, cached, batched = three(LLM("smollm2-135m", deterministic=True, **kw))
+    assert cold == cached == batched
+    default = three(LLM("smollm2-135m", **kw))
+    assert default[0] != default[1] or default[0] != default[2]
+
+
+def test_fixed_rows_compute_a_row_alike_wherever_it_sits():
+    torch.manual_seed(0)
+    layer = FixedRows(PackedLinear(torch.randn(96, 1536)))
+    x = torch.randn(40, 1536)
+    whole = layer(x)
+    for i in range(0, 40, 7):
+        assert torch.equal(layer(x[i:i + 1])[0], whole[i])
+        assert torch.equal(layer(x[i:])[0], whole[i])
+    assert layer(x[:0]).shape == (0, 96)
+
+
+def test_fixed_rows_hand_each_call_its_rows_to_round_twice():
+    """A GGUF projection's prompt rows (rounded twice) keep their rounding in any call."""
+    rng = np.random.default_rng(0)
+    n, k = 32, 32 * 18
+    raw = rng.integers(0, 256, size=n * k // 32 * 34, dtype=np.uint8)  # Q8_0 blocks
+    raw.reshape(-1, 34)[:, 1] = 0x20  # finite fp16 scales
+    inner = GGUFLinear(QuantizedWeight("w", raw, 8, (n, k)))
+    shared = PromptRows()
+    inner.prompt_rows, inner.is_head = shared, False
+    layer = FixedRows(inner)
+    x = torch.randn(21, k)
+    twice = torch.tensor([0, 3, 4, 9, 17, 20])
+    shared.set(twice, 21, None, 0)
+    whole = layer(x)
+    for i in range(21):
+        shared.set(torch.tensor([0]) if i in twice.tolist() else None, 1, None, 0)
+        assert torch.equal(layer(x[i:i + 1])[0], whole[i]), i
+    shared.set(None, 21, None, 0)
+    assert not torch.equal(layer(x), whole)  # rounding twice changes those rows
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tensor_parallel_size=2), "tensor-parallel"),
+    (dict(speculative_method="ngram", num_speculative_tokens=3, speculative_branches=2),
+     "speculative_branches"),
+])
+def test_what_it_does_not_cover_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_kwargs(deterministic=True, **kwargs)
+
+
+@pytest.mark.parametrize("arch, device, dtype, match", [
+    (SimpleNamespace(moe=False), "cuda", torch.float32, "CPU"),
+    (SimpleNamespace(moe=False), "cpu", torch.float16, "float16"),
+    (SimpleNamespace(moe=True), "cpu", torch.float32, "experts"),
+])
+def test_refusals_name_the_reason(arch, device, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        check_supported(arch, device, dtype)
+
+
+server, client = module_server("--deterministic", "--max-input-tokens-per-step", "48",
+                               "--chunked-prefill-size", "24")
+
+
+def test_served_answers_alone_and_among_concurrent_ones_are_the_same(server, client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(text):
+        out = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": text}], max_tokens=16,
+            temperature=0, logprobs=True)
+        return [(t.token, t.logprob) for t in out.choices[0].logprobs.content]
+
+    q = "Name three uses of a hash map."
+    alone = ask(q)
+    texts = [q, "Tell me a long story about a lighthouse keeper.", "Count from one to ten.",
+             "What is a B-tree?"]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(ask, texts))
+    assert together[0] == alone
