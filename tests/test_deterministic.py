@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from gguf import GGMLQuantizationType as QT
 from hypothesis import strategies as st
 
 from lora_fixtures import make_adapter
 from model_fixtures import small_folder
 from server_fixtures import module_server
+from test_gguf_quants import weight_bytes
 from tidal import LLM, SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.model import cpu_decode
@@ -69,7 +71,7 @@ def params(seed, lora):
 
 def answers(llm, prompts, p):
     outs = llm.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].logprobs])
+    return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].logprobs or []])
             for o in outs]
 
 
@@ -99,7 +101,8 @@ def test_those_steps_did_differ(engines):
     accepted guesses"""
     p = params(None, False)
     answers(engines["tight"], [[5 + i] * 30 for i in range(6)], p)  # more than fits
-    answers(engines["spec"], [[7, 8, 9] * 10], p)
+    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    answers(engines["spec"], [[7 + i, 8, 9] * 10 for i in range(4)], long)  # repeats itself
     twice = [answers(engines["chunked"], [list(range(10, 50))], p) for _ in range(2)]
     assert twice[0] == twice[1]
     assert engines["chunked"].engine.scheduler.prefix_hit_tokens > 0
@@ -138,25 +141,25 @@ def test_fixed_rows_compute_a_row_alike_wherever_it_sits():
     assert layer(x[:0]).shape == (0, 96)
 
 
-def test_fixed_rows_hand_each_call_its_rows_to_round_twice():
-    """A GGUF projection's prompt rows (rounded twice) keep their rounding in any call."""
-    rng = np.random.default_rng(0)
-    n, k = 32, 32 * 18
-    raw = rng.integers(0, 256, size=n * k // 32 * 34, dtype=np.uint8)  # Q8_0 blocks
-    raw.reshape(-1, 34)[:, 1] = 0x20  # finite fp16 scales
-    inner = GGUFLinear(QuantizedWeight("w", raw, 8, (n, k)))
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.Q6_K], ids=lambda t: t.name)
+def test_one_kernel_computes_a_gguf_row_alike_at_any_row_count(qtype):
+    """Prompt rows rounded twice too; the default crosses over to other kernels with the
+    step's size, whose sums differ."""
+    rng = np.random.default_rng(int(qtype))
+    n, k = 48, 576 if qtype != QT.Q6_K else 512
+    layer = GGUFLinear(QuantizedWeight("w", weight_bytes(qtype, n, k, rng), qtype, (n, k)))
     shared = PromptRows()
-    inner.prompt_rows, inner.is_head = shared, False
-    layer = FixedRows(inner)
-    x = torch.randn(21, k)
-    twice = torch.tensor([0, 3, 4, 9, 17, 20])
-    shared.set(twice, 21, None, 0)
+    layer.prompt_rows, layer.is_head = shared, False
+    x = torch.randn(200, k)
+    twice = torch.arange(0, 200, 3)
+    shared.set(twice, 200, None, 0)
+    default = layer(x)
+    layer.one_kernel()
     whole = layer(x)
-    for i in range(21):
-        shared.set(torch.tensor([0]) if i in twice.tolist() else None, 1, None, 0)
+    for i in range(0, 200, 9):
+        shared.set(torch.tensor([0]) if i % 3 == 0 else None, 1, None, 0)
         assert torch.equal(layer(x[i:i + 1])[0], whole[i]), i
-    shared.set(None, 21, None, 0)
-    assert not torch.equal(layer(x), whole)  # rounding twice changes those rows
+    assert not torch.equal(default, whole)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -165,11 +165,11 @@ class ModelConfig:
                                "and logprobs (greedy, or sampled with a seed) do not depend "
                                "on the other requests of its steps, on prefix-cache hits, on "
                                "how its prompt is chunked, on preemption or on speculation. "
-                               "Every projection runs in calls of 8 rows and every attention "
-                               "row through one C++ kernel; no C++ decoder (slower: "
-                               "docs/deterministic.md). Needs the C++ extension; not with "
-                               "routed experts, tensor or pipeline parallelism, or trees of "
-                               "guesses.")
+                               "Dense projections run in calls of 16 rows, GGUF ones on their "
+                               "integer kernels at any size, every attention row through one "
+                               "C++ kernel, and no C++ decoder: slower (docs/design/"
+                               "deterministic.md). Needs the C++ extension; not with routed "
+                               "experts, tensor or pipeline parallelism, or trees of guesses.")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

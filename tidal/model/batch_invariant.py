@@ -5,13 +5,13 @@ preemption's recompute or on speculation.
 What makes a row's numbers depend on its step is a kernel chosen, or a reduction ordered,
 by the step's row count: oneDNN and MKL pick their blocking by the rows of a GEMM (a
 float32 row computed alone differs from the same row among 16 others), the GGUF kernels
-cross over to panels and tiles, bf16 and float32 weights trade places, SDPA and the C++
-attention kernels sum in their own orders. So every projection runs in calls of exactly
-`ROWS` rows (`FixedRows`; a GEMM of one shape computes each row alike wherever it sits),
-and every query row, a decode's too, attends through the C++ paged prefill kernel
-(TorchAttention.batch_invariant), whose row sums the same keys in the same steps in any
-call. The rest (norms, RoPE, activations, sampling) is row by row already. Costs and what
-it covers: docs/deterministic.md.
+cross over to panels and tiles, SDPA and the C++ attention kernels sum in their own orders.
+So a dense projection runs in calls of exactly `ROWS` rows (`FixedRows`: a GEMM of one
+shape computes each row alike wherever it sits), a GGUF one on its integer kernels at any
+row count (their sums are each row's own: GGUFLinear.one_kernel), and every query row, a
+decode's too, attends through the C++ paged prefill kernel (TorchAttention.batch_invariant),
+whose row sums the same keys in the same steps in any call. The rest (norms, RoPE,
+activations, sampling) is row by row already. Costs and coverage: docs/design/deterministic.md.
 """
 
 from __future__ import annotations
@@ -23,65 +23,56 @@ from torch import nn
 from tidal.model.gguf_quants import GGUFLinear
 from tidal.model.linear import Int4Linear, Int8Linear, PackedLinear
 
-__all__ = ["ROWS", "FixedRows", "check_supported", "fix_rows"]
+__all__ = ["ROWS", "FixedRows", "check_supported", "make_batch_invariant"]
 
-# Rows of every projection call: 8 rows and their residuals (a prompt row rounded twice
-# brings one) stay on the GGUF VNNI kernels, which run up to 16 rows; 16 rows cost 1.2-1.5x
-# a whole 512-row float32 prefill GEMM on a 2-core Zen 4, 8 rows 1.3-1.8x.
-ROWS = 8
+# Rows of every dense projection call: a 512-row float32 prefill GEMM of SmolLM2's shapes
+# took 1.2-1.3x its time in calls of 16 rows, 1.3-1.8x in calls of 8 (2-core Zen 4).
+ROWS = 16
 
-LEAVES = (nn.Linear, PackedLinear, Int8Linear, Int4Linear, GGUFLinear)
+DENSE = (nn.Linear, PackedLinear, Int8Linear, Int4Linear)
 
 
 class FixedRows(nn.Module):
-    """`inner` (a projection) over x in calls of exactly `rows` rows, the last padded with
-    zero rows. A GGUF projection's rows to round twice (PromptRows) are handed to each call
-    as that call's own."""
+    """`inner` (a dense projection) over x in calls of exactly `rows` rows, the last padded
+    with zero rows."""
 
     def __init__(self, inner: nn.Module, rows: int = ROWS) -> None:
         super().__init__()
         self.inner, self.rows = inner, rows
-        self.takes_bf16_out = getattr(inner, "takes_bf16_out", False)
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, n = x.shape[:-1], x[..., 0].numel()
         if n == 0:
-            return self.inner(x, **kwargs)
+            return self.inner(x)
         x2 = x.reshape(n, x.shape[-1])
-        pad = -n % self.rows
-        if pad:
-            x2 = F.pad(x2, (0, 0, 0, pad))
-        shared = getattr(self.inner, "prompt_rows", None)
-        twice = None if shared is None else shared.of(self.inner.is_head, n)
-        outs = []
-        for start in range(0, n + pad, self.rows):
-            if twice is None:
-                outs.append(self.inner(x2[start:start + self.rows], **kwargs))
-                continue
-            own = twice[(twice >= start) & (twice < start + self.rows)] - start
-            with shared.only(self.inner.is_head, own, self.rows):
-                outs.append(self.inner(x2[start:start + self.rows], **kwargs))
-        y = torch.cat(outs)[:n]
+        if n % self.rows:
+            x2 = F.pad(x2, (0, 0, 0, -n % self.rows))
+        y = torch.cat([self.inner(part) for part in x2.split(self.rows)])[:n]
         return y.view(*lead, y.shape[-1])
 
     def extra_repr(self) -> str:
         return f"rows={self.rows}"
 
 
-def fix_rows(model: nn.Module, rows: int = ROWS) -> nn.Module:
-    """Wrap every projection of `model` (inside LoRA, tensor-parallel and other wrappers:
-    the weights' own layer) in FixedRows; the model's forward is unchanged."""
-    for module in list(model.modules()):
-        if isinstance(module, FixedRows):
-            continue
-        for name, child in list(module.named_children()):
-            if isinstance(child, LEAVES):
+def make_batch_invariant(model: nn.Module, rows: int = ROWS) -> nn.Module:
+    """Every projection of `model` (inside LoRA, tensor-parallel and other wrappers: the
+    weights' own layer) made batch-invariant: GGUF ones on one kernel, dense ones wrapped
+    in FixedRows; the model's forward is unchanged."""
+    def walk(module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, GGUFLinear):
+                child.one_kernel()
+            elif isinstance(child, DENSE):
                 setattr(module, name, FixedRows(child, rows))
-    embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", False) is None and isinstance(embed, nn.Embedding):
+            elif not isinstance(child, FixedRows):
+                walk(child)
+
+    walk(model)
+    embed = getattr(model, "lm_head", False) is None and getattr(model, "embed_tokens", None)
+    if isinstance(embed, nn.Embedding):  # a tied head the runner multiplies by F.linear
         tied = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False,
                          device="meta")
-        tied.weight = embed.weight  # the embedding's own tensor, as the model's head
+        tied.weight = embed.weight  # the embedding's own tensor
         model.lm_head = FixedRows(tied, rows)
     return model
 

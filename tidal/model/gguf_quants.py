@@ -11,7 +11,6 @@ so the extra memory stays one tile however large the weight.
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 from typing import Any
 
 import gguf
@@ -281,26 +280,16 @@ class PromptRows:
         rows, count = (self.head, self.num_head) if is_head else (self.rows, self.num_rows)
         return rows if count == n else None
 
-    @contextmanager
-    def only(self, is_head: bool, rows: torch.Tensor, n: int):
-        """Within: a projection over n rows (the pass's, or the head's) rounds `rows` twice
-        (a part of the pass's rows, run on its own: batch_invariant.FixedRows)."""
-        saved = self.rows, self.num_rows, self.head, self.num_head
-        if is_head:
-            self.head, self.num_head = rows, n
-        else:
-            self.rows, self.num_rows = rows, n
-        try:
-            yield
-        finally:
-            self.rows, self.num_rows, self.head, self.num_head = saved
-
     def every_row(self, logits_of):
         """`logits_of` (the model's head) over rows that all hold prompt tokens: a prompt's
         logprobs are read from the rows its prefill computed."""
         def run(h: torch.Tensor) -> torch.Tensor:
-            with self.only(True, torch.arange(h.shape[0], device=h.device), h.shape[0]):
+            saved = self.head, self.num_head
+            self.head, self.num_head = torch.arange(h.shape[0], device=h.device), h.shape[0]
+            try:
                 return logits_of(h)
+            finally:
+                self.head, self.num_head = saved
         return run
 
     @classmethod
@@ -385,10 +374,25 @@ class GGUFLinear(nn.Module):
                                and self.max_rows else min(self.max_rows, TWICE_MAX_ROWS))
         self.prompt_rows: PromptRows | None = None  # shared by the model's layers (attach)
         self.is_head = False
+        self.tile_bf16, self.bf16_panels = tile_bf16, bf16_panels
+        self.projection = None
+        self._build()
+
+    def _build(self) -> None:
+        ext = self.parts[0].ext
         self.projection = None if ext is None else ext.GGUFProjection(
             [ext.GGUFPart(w.data, int(w.qtype), w.planar, w.rounds) for w in self.parts],
-            self.bias, self.max_rows, self.twice_max_rows, self.tile_rows, tile_bf16,
-            self.panel_rows, bf16_panels, self.amx, self.in_perm)
+            self.bias, self.max_rows, self.twice_max_rows, self.tile_rows, self.tile_bf16,
+            self.panel_rows, self.bf16_panels, self.amx, self.in_perm)
+
+    def one_kernel(self) -> None:
+        """Every step through the integer kernels, prompt rows rounded twice included: each
+        row's sums are its own at any row count (batch-invariant inference), where the
+        crossovers to panels and tiles would change them with the step's size."""
+        if self.projection is not None:
+            self.max_rows = self.twice_max_rows = 1 << 30
+            self.panel_rows, self.amx = 0, False
+            self._build()
 
     @property
     def nbytes(self) -> int:
