@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from hypothesis import strategies as st
 
 from lora_fixtures import make_adapter
-from model_fixtures import small_folder
+from model_fixtures import small_folder, tiny_folder
 from server_fixtures import module_server
 from test_gguf_quants import weight_bytes
 from tidal import LLM, SamplingParams
@@ -48,8 +48,8 @@ def engine(folder, adapter, dtype, **kw):
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def engines(request, folders):
     """A reference (no prefix cache, whole prompts, one at a time), and engines whose steps
-    differ: small chunks; a pool so small that requests are retracted and recomputed; ngram
-    speculation."""
+    differ: small chunks; a pool so small that requests are retracted and recomputed, with a
+    step planned while the last runs; ngram speculation."""
     base, adapter = folders
     dtype = request.param
     return dict(
@@ -57,9 +57,11 @@ def engines(request, folders):
         chunked=engine(base, adapter, dtype, chunked_prefill_size=8,
                        max_input_tokens_per_step=20),
         tight=LLM(str(base), dtype=dtype, num_kv_blocks=14, block_size=8, deterministic=True,
-                  init_new_token_ratio=0.01, max_loras=1, lora_modules=[f"ad={adapter}"]),
+                  init_new_token_ratio=0.01, max_loras=1, lora_modules=[f"ad={adapter}"],
+                  async_scheduling=True),
         spec=engine(base, adapter, dtype, speculative_method="ngram",
-                    num_speculative_tokens=3, prompt_lookup_min=1))
+                    num_speculative_tokens=3, prompt_lookup_min=1,
+                    speculative_adaptive=False))  # guesses every step, paying or not
 
 
 def params(seed, lora):
@@ -106,8 +108,29 @@ def test_those_steps_did_differ(engines):
     twice = [answers(engines["chunked"], [list(range(10, 50))], p) for _ in range(2)]
     assert twice[0] == twice[1]
     assert engines["chunked"].engine.scheduler.prefix_hit_tokens > 0
+    # decode-only steps ran in the C++ decoder, the others in PyTorch's ops
+    assert all(llm.engine.runner.decoder is not None for llm in engines.values())
     assert engines["tight"].engine.scheduler.num_preemptions > 0
     assert engines["spec"].engine.scheduler.stats().spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("family, quantization", [
+    ("mistral", "none"), ("phi3", "none"), ("qwen3", "none"), ("llama", "int8"),
+    ("llama", "int4")])
+def test_windows_qk_norms_and_quantized_projections_alike(tmp_path, family, quantization):
+    """Sliding windows of 6 (Mistral; Phi-3's partial rotary too), Qwen3's q/k norms,
+    int8 and int4 projections: a prompt alone equals it chunked, batched and cached."""
+    folder = tiny_folder(tmp_path, family)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (37, 9, 60, 21)]
+    p = params(None, False)
+    kw = dict(dtype="float32", quantization=quantization, num_kv_blocks=128, block_size=8,
+              deterministic=True)
+    alone = answers(LLM(str(folder), enable_prefix_caching=False, **kw), prompts[:1], p)[0]
+    llm = LLM(str(folder), chunked_prefill_size=8, max_input_tokens_per_step=20, **kw)
+    assert answers(llm, prompts, p)[0] == alone
+    assert answers(llm, prompts[::-1], p)[-1] == alone  # its blocks cached now
+    assert llm.engine.scheduler.prefix_hit_tokens > 0
 
 
 def test_the_embedded_model_answers_the_same_cold_cached_and_batched():
@@ -173,9 +196,10 @@ def test_what_it_does_not_cover_is_refused(kwargs, match):
 
 
 @pytest.mark.parametrize("arch, device, dtype, match", [
-    (SimpleNamespace(moe=False), "cuda", torch.float32, "CPU"),
-    (SimpleNamespace(moe=False), "cpu", torch.float16, "float16"),
-    (SimpleNamespace(moe=True), "cpu", torch.float32, "experts"),
+    (SimpleNamespace(moe=False, attn_softcap=0.0), "cuda", torch.float32, "CPU"),
+    (SimpleNamespace(moe=False, attn_softcap=0.0), "cpu", torch.float16, "float16"),
+    (SimpleNamespace(moe=True, attn_softcap=0.0), "cpu", torch.float32, "experts"),
+    (SimpleNamespace(moe=False, attn_softcap=50.0), "cpu", torch.float32, "Gemma 2"),
 ])
 def test_refusals_name_the_reason(arch, device, dtype, match):
     with pytest.raises(ValueError, match=match):

@@ -12,6 +12,7 @@ from tidal.engine.config import ModelConfig
 from tidal.engine.device import pick_dtype
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionBackend
+from tidal.model.batch_invariant import make_batch_invariant
 from tidal.model.config import TP_FLAG, ModelArch
 from tidal.model.gguf_quants import PromptRows
 from tidal.model.linear import (Int4Linear, Int8Linear, PackedLinear, can_pack,
@@ -90,9 +91,10 @@ def load_for_runner(folder: str | Path, arch: ModelArch, config: ModelConfig, de
             return model, None
         reduce = tp.shm.use_extension(ext) if tp.shm is not None else tp.sum_in_place
         return model, cpu_decode.build_decoder(model, reduce)
+    if config.deterministic:  # before the decoder, which takes the layers as they are
+        make_batch_invariant(model)
     # Decode-only steps run as one C++ call where the model allows (CPU).
-    # (not under --deterministic: a decode step then computes as any other step)
-    return model, cpu_decode.build_decoder(model) if ext and not config.deterministic else None
+    return model, cpu_decode.build_decoder(model) if ext and config.cpu_decoder else None
 
 
 def convert_layers(model: torch.nn.Module, config: ModelConfig, quantization: str,

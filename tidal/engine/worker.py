@@ -33,7 +33,7 @@ from tidal.engine.parallel_config import busy_ranks
 from tidal.engine.phases import Phases
 from tidal.model import cpu_decode
 from tidal.model.attention import AttentionMetadata, PrefillSeq, TorchAttention
-from tidal.model.batch_invariant import check_supported, make_batch_invariant
+from tidal.model.batch_invariant import check_supported
 from tidal.model.config import ModelArch, stage_layers
 from tidal.model.kernels import (FusedKernels, cpu_fused_kernels, fused_kernels, lora_kernel,
                                  paged_decode_kernel, paged_prefill_kernel)
@@ -150,8 +150,6 @@ class Worker:
         self.lora = None if lora is None or not lora.enable_lora else LoRAManager(
             lora, sched.max_loras, arch, self.model, self.dtype, device,
             lora_kernel() if on_gpu else cpp.lora_add if cpp else None, decoder, shard)
-        if config.deterministic:  # every projection, LoRA's base ones too
-            make_batch_invariant(self.model)
         method = speculative.speculative_method if speculative is not None else None
         guesses = sched.num_speculative_tokens if method else 0
         guesser = make_guesser(speculative, guesses, Path(folder), config, device,

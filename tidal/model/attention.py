@@ -88,6 +88,8 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
 class AttentionBackend:
     """The interface a model layer calls: write this step's K/V, attend, return [T, H, D]."""
 
+    batch_invariant = False  # (TorchAttention's, for batch-invariant inference)
+
     def decode_bias(self, context_lens: list[int], width: int, device: str,
                     tree: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
         """Whatever mask the decode path needs, built once a step by the runner (`tree`:

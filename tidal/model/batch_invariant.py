@@ -42,11 +42,10 @@ class FixedRows(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, n = x.shape[:-1], x[..., 0].numel()
-        if n == 0:
-            return self.inner(x)
         x2 = x.reshape(n, x.shape[-1])
-        if n % self.rows:
-            x2 = F.pad(x2, (0, 0, 0, -n % self.rows))
+        total = max(1, -(-n // self.rows)) * self.rows  # an empty x takes one call too
+        if total > n:
+            x2 = F.pad(x2, (0, 0, 0, total - n))
         y = torch.cat([self.inner(part) for part in x2.split(self.rows)])[:n]
         return y.view(*lead, y.shape[-1])
 
@@ -80,7 +79,8 @@ def make_batch_invariant(model: nn.Module, rows: int = ROWS) -> nn.Module:
 def check_supported(arch, device: str, dtype: torch.dtype) -> None:
     """Refuse by name what batch-invariant inference does not cover: a GPU (its kernels are
     not made batch-invariant), float16 (the C++ attention runs bf16 and float32), routed
-    experts (grouped GEMMs whose rows per expert change every step)."""
+    experts (grouped GEMMs whose rows per expert change every step), soft-capped attention
+    scores (Gemma 2: eager attention, never the C++ kernel)."""
     if device != "cpu":
         raise ValueError(f"--deterministic runs on CPU (--device cpu); this model is on "
                          f"{device}")
@@ -89,3 +89,6 @@ def check_supported(arch, device: str, dtype: torch.dtype) -> None:
     if arch.moe:
         raise ValueError("--deterministic does not run routed experts (their grouped "
                          "matmuls take each step's rows per expert)")
+    if arch.attn_softcap:
+        raise ValueError("--deterministic does not run soft-capped attention scores "
+                         "(Gemma 2): they take eager attention, not the C++ kernel")

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tidal.model.attention import BF16_ATTENTION_SCORES, BF16_OVER_CODES
+from tidal.model.batch_invariant import FixedRows
 from tidal.model.cpu_extension import extension
 from tidal.model.gguf_quants import GGUFEmbedding, GGUFLinear
 from tidal.model.linear import Int4Linear, PackedLinear
@@ -27,6 +28,11 @@ __all__ = ["build_decoder", "extension", "prefill_kernel", "supports"]
 
 def _linear(ext: ModuleType, module: nn.Module):
     """The C++ view of one projection, or None for a kind it does not run."""
+    if isinstance(module, FixedRows):  # batch-invariant: in the same calls of fixed rows
+        inner = _linear(ext, module.inner)
+        if inner is not None:
+            inner.fixed_rows = module.rows
+        return inner
     if isinstance(module, GGUFLinear):
         return None if module.projection is None else ext.Linear.from_gguf(module.projection)
     if isinstance(module, Int4Linear):
@@ -151,6 +157,8 @@ def build_decoder(model: nn.Module, all_reduce=None):
     for i, layer in enumerate(model.layers):
         decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                           *projections[1 + 4 * i:5 + 4 * i], layer.self_attn.window)
+    if model.backend.batch_invariant:  # attention as the PyTorch path's (batch_invariant.py)
+        decoder.set_batch_invariant(True)
     if split:
         decoder.set_all_reduce(all_reduce, model.embed_tokens.start)
     stage = getattr(model, "stage", None)

@@ -199,7 +199,7 @@ class LlamaModel(nn.Module):
             if self.arch.gemma:  # Gemma scales its embeddings by sqrt(hidden), in their dtype
                 h = h * torch.tensor(self.arch.hidden_size ** 0.5, dtype=h.dtype)
         ropes = self.rotary.tables(positions, h.dtype)
-        between = self.between_layers
+        between, final = self.between_layers, None
         if self.kernels is None:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 if between is not None and between():
@@ -212,8 +212,12 @@ class LlamaModel(nn.Module):
                     raise StepCut
                 h, residual = layer.fused_forward(h, residual, ropes, k_cache, v_cache, meta,
                                                   self.kernels)
+            if self.backend.batch_invariant:  # the final norm fused, as the C++ decoder's
+                final = self.kernels.add_rms_norm(h[logits_indices], residual[logits_indices],
+                                                  self.norm.weight, self.norm.eps)[0]
             h = h + residual
-        final = self.norm(h[logits_indices])
+        if final is None:
+            final = self.norm(h[logits_indices])
         hidden = None if hidden_indices is None else self.norm(h[hidden_indices])
         if stage is None:
             return self._head(final, hidden)

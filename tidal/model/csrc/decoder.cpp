@@ -71,6 +71,10 @@ class Decoder {
   // previous stage's hidden states [rows, hidden] in the model's dtype; a step returns the
   // residual stream after its last layer, or with `ends` the final normed states of the
   // logits rows (every stage's LM head is Python's).
+  // Batch-invariant inference: each row attends through the paged prefill kernel, as a
+  // run of one token (the PyTorch path's every row does the same; no trees).
+  void set_batch_invariant(bool on) { batch_invariant_ = on; }
+
   void set_stage(bool embeds, bool ends) {
     stage_ = true;
     embeds_ = embeds;
@@ -130,6 +134,9 @@ class Decoder {
     const int64_t rows = ids.size(0), hid = final_norm_.size(0);
     check_tables(tables, lens, rows, k_caches[0].size(0), block_size);
     const int64_t* tree_data = tree_rows(tree, rows);
+    TORCH_CHECK(!batch_invariant_ || tree_data == nullptr,
+                "batch-invariant attention verifies paths, not trees");
+    const Tensor starts = batch_invariant_ ? at::arange(rows + 1, lens.options()) : Tensor();
     check_slots(slots, rows, k_caches[0].size(0) * block_size, 0);
     const int64_t qkv_width = (heads_ + 2 * hkv_) * d_;
     Tensor outside;  // a tensor-parallel rank's: the tokens whose rows others hold
@@ -175,10 +182,17 @@ class Decoder {
                      k_caches[l].data_ptr<C>());
       write_kv<T, C>(qp, qkv_width, (heads_ + hkv_) * d_, slots.data_ptr<int64_t>(), rows, hkv_,
                      d_, v_caches[l].data_ptr<C>());
-      paged_attention<T, C>(qp, qkv_width, k_caches[l].data_ptr<C>(), v_caches[l].data_ptr<C>(),
-                            tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(),
-                            tree_data, rows, heads_, hkv_, d_, block_size,
-                            static_cast<float>(scale), L.window, attn.data_ptr<T>());
+      if (batch_invariant_)
+        attn.copy_(paged_prefill_attention(
+                       qkv.narrow(1, 0, heads_ * d_).view({rows, heads_, d_}), k_caches[l],
+                       v_caches[l], tables, starts, lens, scale, 1, L.window)
+                       .view({rows, heads_ * d_}));
+      else
+        paged_attention<T, C>(qp, qkv_width, k_caches[l].data_ptr<C>(),
+                              v_caches[l].data_ptr<C>(), tables.data_ptr<int64_t>(),
+                              tables.size(1), lens.data_ptr<int64_t>(), tree_data, rows, heads_,
+                              hkv_, d_, block_size, static_cast<float>(scale), L.window,
+                              attn.data_ptr<T>());
       y = L.o(attn).contiguous();
       if (lora) lora_add(attn, y, L.lora[3], L.lora[4], lora_rows, lora_ends, L.lora[5]);
       if (reduce_) reduce_(y);
@@ -213,6 +227,7 @@ class Decoder {
   int64_t heads_, hkv_, d_, inter_;
   float eps_;
   std::vector<Layer> layers_;
+  bool batch_invariant_ = false;
   std::function<void(Tensor&)> reduce_;  // set: a tensor-parallel rank's
   int64_t vocab_start_ = 0;
   bool stage_ = false, embeds_ = true, ends_ = true;  // a pipeline stage's (set_stage)
@@ -251,6 +266,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              l.gguf = std::move(g);
              return l;
            })
+      .def_readwrite("fixed_rows", &Linear::fixed_rows)
       .def("__call__", &Linear::operator());
   py::class_<GGUFPart>(m, "GGUFPart", py::module_local())
       .def(py::init([](Tensor data, int64_t type, bool planar, bool rounds) {
@@ -285,6 +301,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }))
       .def("add_layer", &Decoder::add_layer)
       .def("set_lora", &Decoder::set_lora)
+      .def("set_batch_invariant", &Decoder::set_batch_invariant)
       .def("set_all_reduce", [](Decoder& d, ShmReduce reduce, int64_t vocab_start) {
              d.set_all_reduce([reduce](Tensor& y) { reduce(y); }, vocab_start);
            })

@@ -159,6 +159,16 @@ Tensor int4_linear(const Tensor& x_in, const Tensor& q4, const Tensor& scale_min
 }
 
 Tensor Linear::operator()(const Tensor& x) const {
+  if (fixed_rows <= 0 || x.size(0) == 0) return product(x);
+  // batch_invariant.FixedRows: the last call padded with zero rows
+  const int64_t rows = x.size(0), pad = (fixed_rows - rows % fixed_rows) % fixed_rows;
+  const Tensor padded = pad ? at::constant_pad_nd(x, {0, 0, 0, pad}) : x;
+  std::vector<Tensor> parts;
+  for (const Tensor& part : padded.split(fixed_rows)) parts.push_back(product(part));
+  return at::cat(parts).narrow(0, 0, rows);
+}
+
+Tensor Linear::product(const Tensor& x) const {
   if (kind == 3) return (*gguf)(x);
   if (kind == 2 && x.size(0) <= max_rows) {
     if (q4) return int4_linear(x, packed, scales_zeros, bias);

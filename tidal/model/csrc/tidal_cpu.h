@@ -123,9 +123,13 @@ struct Linear {
   std::shared_ptr<const GGUFProjection> gguf;
   Tensor w, bias, packed, scales_zeros, w32, bias32;
   int64_t max_rows = 0, fp32_rows = 0;
+  int64_t fixed_rows = 0;  // > 0: x in calls of exactly this many rows (batch-invariant)
   bool q4 = false;
 
   Tensor operator()(const Tensor& x) const;
+
+ private:
+  Tensor product(const Tensor& x) const;
 };
 
 // ---------------------------------------------------------------- GGUF blocks (gguf_quants.cpp)
