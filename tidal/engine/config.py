@@ -167,9 +167,9 @@ class ModelConfig:
                                "how its prompt is chunked, on preemption or on speculation. "
                                "Dense projections run in calls of 16 rows, GGUF ones on their "
                                "integer kernels at any size, every attention row through one "
-                               "C++ kernel, and no C++ decoder: slower (docs/design/"
-                               "deterministic.md). Needs the C++ extension; not with routed "
-                               "experts, tensor or pipeline parallelism, or trees of guesses.")
+                               "C++ kernel: slower (docs/design/deterministic.md). Needs the "
+                               "C++ extension; not with routed experts, soft-capped attention, "
+                               "tensor or pipeline parallelism, or trees of guesses.")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
