@@ -249,3 +249,14 @@ def test_a_client_leaving_a_beam_search_ends_its_steps(server, stream):
         time.sleep(0.1)
     time.sleep(1.5)  # the core reports twice a second: a later step would show
     assert metric(server.url, "tidal:num_requests_running") == 0
+
+
+def test_a_requests_chat_template_needs_the_servers_trust(client, server):
+    """(--trust-request-chat-template: tests/test_custom_chat_templates.py)"""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=2,
+                                       extra_body={"chat_template": "{{ messages }}"})
+    assert err.value.body["param"] == "chat_template"
+    assert "--trust-request-chat-template" in err.value.body["message"]
+    r = post(server, "/tokenize", {"messages": QUESTION, "chat_template": "{{ messages }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"

@@ -107,8 +107,10 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
         return None
     # The cores import the engine and load while this process converts a new GGUF, reads
     # its tokenizer and builds the HTTP app (a GGUF's cores wait for the files if need be).
-    client = CoreClient(config, str(files.folder), None if files.gguf else Tokenizer(
-        files.folder), server.restart_policy(), files_pending=pending(files))
+    with flag_errors(command):  # a --chat-template that is no template fails here
+        tokenizer = None if files.gguf else Tokenizer(files.folder, server.chat_template)
+    client = CoreClient(config, str(files.folder), tokenizer, server.restart_policy(),
+                        files_pending=pending(files))
     client.launch()
     with flag_errors(command):
         folder = write_model_files(files)
@@ -117,7 +119,8 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
     if server.served_model_name is None:
         server = replace(server, served_model_name=files.name)
     if client.tokenizer is None:
-        client.attach_tokenizer(Tokenizer(folder))
+        with flag_errors(command):
+            client.attach_tokenizer(Tokenizer(folder, server.chat_template))
     return client, server
 
 

@@ -8,6 +8,7 @@ from tidal.engine.config import EngineConfig
 from tidal.engine.core import EngineCore
 from tidal.engine.output_processor import OutputProcessor
 from tidal.engine.outputs import StepUpdate
+from tidal.model.chat_template import template_source
 from tidal.model.registry import resolve_model
 from tidal.model.tokenizer import Tokenizer
 
@@ -39,8 +40,14 @@ class Engine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def apply_chat_template(self, messages: list[dict],
+                            chat_template: str | None = None) -> list[int]:
+        """A conversation's prompt ids, through the model's template or `chat_template`
+        (a file's path or the template itself)."""
+        if chat_template is not None:
+            chat_template = template_source(chat_template)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  chat_template=chat_template)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,

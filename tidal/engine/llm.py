@@ -114,11 +114,14 @@ class LLM:
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True,
-             lora_request: Adapter | Sequence[Adapter] = None) -> list[GenerationOutput]:
-        """One or more message lists, each rendered with the model's chat template."""
+             lora_request: Adapter | Sequence[Adapter] = None,
+             chat_template: str | None = None) -> list[GenerationOutput]:
+        """One or more message lists, each rendered with the model's chat template (or
+        `chat_template`: a file's path or the template itself, as vLLM's LLM.chat takes)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        encoded = [(None, self.engine.apply_chat_template(list(c))) for c in conversations]
+        encoded = [(None, self.engine.apply_chat_template(list(c), chat_template))
+                   for c in conversations]
         return self._run(encoded, params, use_tqdm, lora_request)
 
     def _adapter(self, request: Adapter) -> str | None:

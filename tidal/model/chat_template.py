@@ -6,8 +6,10 @@ tag, a `tojson` that neither escapes HTML nor sorts keys, `raise_exception`,
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
+from pathlib import Path
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
@@ -85,3 +87,21 @@ class ChatTemplate:
             kept = text[end:end + len(_CONTINUE_TAG)] == _CONTINUE_TAG
             text = text[:end] if kept else text[:end].rstrip()
         return text
+
+
+def template_source(value: str) -> str:
+    """vLLM's `--chat-template`: the template in a file at that path, or the text itself
+    (it holds a brace or a newline, which no path of a template file does)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"chat template {value!r} is neither a file nor a template")
+    return value
+
+
+@functools.lru_cache(maxsize=32)
+def compiled(source: str, special_tokens: tuple[tuple[str, str], ...]) -> ChatTemplate:
+    """One compiled template per source and tokenizer (requests that send their own
+    template reuse it); a syntax error raises jinja2.TemplateError."""
+    return ChatTemplate(source, dict(special_tokens))

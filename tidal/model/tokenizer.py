@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tidal.model.chat_template import ChatTemplate
+from jinja2 import TemplateError
+
+from tidal.model.chat_template import ChatTemplate, compiled, template_source
 
 
 def _token_text(value) -> str | None:
@@ -17,7 +19,9 @@ class Tokenizer:
     """encode / decode / apply_chat_template over `tokenizer.json`, `tokenizer_config.json`
     and the chat template (`chat_template.jinja` or the config's `chat_template`)."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, chat_template: str | None = None) -> None:
+        """`chat_template` (a file's path or the template; template_source) replaces the
+        model's own."""
         from tokenizers import Tokenizer as HFTokenizer
 
         folder = Path(folder)
@@ -34,9 +38,18 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
+        if chat_template is not None:
+            template = template_source(chat_template)
         special = {name: _token_text(cfg[name]) or "" for name in
                    ("bos_token", "eos_token", "unk_token", "pad_token") if cfg.get(name)}
-        self.chat_template = ChatTemplate(template, special) if template is not None else None
+        self._special = tuple(sorted(special.items()))
+        try:
+            self.chat_template = (compiled(template, self._special) if template is not None
+                                  else None)
+        except TemplateError as exc:
+            if chat_template is None:
+                raise
+            raise ValueError(f"the chat template does not compile: {exc}") from None
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what llguidance reads)."""
@@ -64,9 +77,19 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def template(self, chat_template: str | None = None) -> ChatTemplate | None:
+        """The model's chat template, or the one whose text is `chat_template` (compiled
+        once; jinja2.TemplateError if it does not compile)."""
+        if chat_template is None:
+            return self.chat_template
+        return compiled(chat_template, self._special)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs) -> str:
-        """The conversation as prompt text (ChatTemplate.render's arguments)."""
-        if self.chat_template is None:
-            raise ValueError("this model has no chat template: send a plain prompt instead")
-        return self.chat_template.render(messages, add_generation_prompt, **kwargs)
+                            chat_template: str | None = None, **kwargs) -> str:
+        """The conversation as prompt text (ChatTemplate.render's arguments), through the
+        model's template or `chat_template` (its text)."""
+        template = self.template(chat_template)
+        if template is None:
+            raise ValueError("this model has no chat template: send a plain prompt instead, "
+                             "or start the server with --chat-template")
+        return template.render(messages, add_generation_prompt, **kwargs)

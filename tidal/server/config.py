@@ -118,6 +118,13 @@ class ServerConfig(HttpConfig):
                                  "the chat template).")
     reasoning_parser: str | None = knob(None, "'think' (also 'qwen3', 'deepseek_r1'): <think> "
                                         "blocks of replies go to reasoning_content.")
+    chat_template: str | None = knob(None, "A chat template (jinja) in place of the model's "
+                                     "own, for every chat, Responses and Messages request and "
+                                     "/tokenize: a file's path, or the template itself.")
+    trust_request_chat_template: bool = knob(False, "Render a chat request's own "
+                                             "`chat_template` (vLLM's field; a sandboxed "
+                                             "jinja2 runs it). Without it such a request is "
+                                             "refused.")
     headless: bool = knob(False, "Run only this node's tensor-parallel ranks, for the engine "
                           "core of node 0 (--nnodes, --node-rank > 0): no API, no engine "
                           "core; the ranks are started again whenever node 0 forms a new "

@@ -79,6 +79,13 @@ class Frontend:
             raise APIError(f"this server serves {serves} only (--task {self.config.task})",
                            code="unsupported_task")
 
+    def check_chat_template(self, template: str | None) -> None:
+        """A 400 for a request's own chat template on a server that does not run them."""
+        if template is not None and not self.config.trust_request_chat_template:
+            raise APIError("this server renders its own chat template only: a request's "
+                           "chat_template needs --trust-request-chat-template",
+                           param="chat_template")
+
     def chat_options(self, body: ChatRequest) -> ChatOutputOptions:
         """How a chat request's replies are read: its tool choice and the reasoning split."""
         mode = body.tool_mode()

@@ -33,6 +33,7 @@ async def completions(body: CompletionRequest, f: FrontendDep, request: Request)
 async def chat(body: ChatRequest, f: FrontendDep, request: Request):
     f.check_model(body.model)
     f.check_task("generate")
+    f.check_chat_template(body.chat_template)
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)  # as in completions
     return await f.generate(ChatResponse, body, prompts, request,
                             options=f.chat_options(body), echo=body.echoed())
@@ -53,6 +54,7 @@ async def embeddings(body: EmbeddingRequest, f: FrontendDep, request: Request):
 async def tokenize(body: TokenizeRequest, f: FrontendDep):
     """vLLM's: a prompt, or messages through the chat template, as token ids."""
     f.check_model(body.model)
+    f.check_chat_template(body.chat_template)
     ids = await asyncio.to_thread(body.token_ids, f.tokenizer)  # as in completions
     return {"tokens": ids, "count": len(ids), "max_model_len": f.client.ready.max_model_len}
 

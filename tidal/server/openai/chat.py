@@ -115,18 +115,28 @@ class ChatMessage(StrictModel):
 def chat_prompt_text(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool,
                      tools: list[dict] | None = None, documents: list[dict] | None = None,
                      continue_final_message: bool = False,
-                     template_args: dict | None = None) -> str:
-    """A conversation through the model's chat template. A template that does not read
-    `tools` gets them (and the calls and results) as text (tools.py)."""
+                     template_args: dict | None = None, chat_template: str | None = None,
+                     ) -> str:
+    """A conversation through the model's chat template (or the request's own,
+    `chat_template`). A template that does not read `tools` gets them (and the calls and
+    results) as text (tools.py)."""
     if not messages:
         raise APIError("messages must not be empty", param="messages")
     dicts = [m.template_dict() for m in messages]
     if all(not m["content"] and not m.get("tool_calls") for m in dicts):
         raise APIError("the messages hold no text", param="messages")
-    template = getattr(tokenizer, "chat_template", None)
+    extra: dict[str, Any] = dict(template_args or {})
+    if chat_template is None:
+        template = getattr(tokenizer, "chat_template", None)
+    else:
+        try:
+            template = tokenizer.template(chat_template)
+        except TemplateError as exc:
+            raise APIError(f"chat_template does not compile: {exc}",
+                           param="chat_template") from exc
+        extra["chat_template"] = chat_template
     native = not hasattr(template, "mentions") or template.mentions("tools")
     dicts, tools = template_conversation(dicts, tools, native)
-    extra: dict[str, Any] = dict(template_args or {})
     for name, value in (("tools", tools), ("documents", documents),
                         ("continue_final_message", continue_final_message or None)):
         if value is not None:
@@ -173,6 +183,8 @@ class ChatRequest(GenerationRequest):
     add_special_tokens: bool = False  # vLLM: the chat template writes them already
     documents: list[dict[str, Any]] | None = None  # vLLM: for templates that cite documents
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: e.g. {"enable_thinking": false}
+    # vLLM: this request's own template (a server started with --trust-request-chat-template)
+    chat_template: str | None = Field(None, min_length=1)
     include_reasoning: bool = True  # vLLM: with --reasoning-parser, reasoning_content or none
     prediction: Prediction | None = None  # OpenAI's: guesses for a speculating server
     echo: bool = False  # vLLM: each answer starts with the last message it continues
@@ -222,7 +234,8 @@ class ChatRequest(GenerationRequest):
         # tool_choice none still shows the tools (vLLM's default); their calls go unparsed
         self._prompt_text = chat_prompt_text(
             self.messages, tokenizer, self.add_generation_prompt, tool_dicts(self.tools),
-            self.documents, self.continue_final_message, self.chat_template_kwargs)
+            self.documents, self.continue_final_message, self.chat_template_kwargs,
+            self.chat_template)
         if self.prediction is not None and self.prediction.content:
             self._prediction = encode(tokenizer, self.prediction.content, False,
                                       "prediction.content")
@@ -268,6 +281,7 @@ class TokenizeRequest(StrictModel):
     tools: list[Tool] | None = None  # messages only
     add_generation_prompt: bool = True  # messages only
     add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages
+    chat_template: str | None = Field(None, min_length=1)  # messages only, as ChatRequest's
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -280,5 +294,5 @@ class TokenizeRequest(StrictModel):
         if self.prompt is not None:
             return encode(tokenizer, self.prompt, special is not False, "prompt")
         text = chat_prompt_text(self.messages, tokenizer, self.add_generation_prompt,
-                                tool_dicts(self.tools))
+                                tool_dicts(self.tools), chat_template=self.chat_template)
         return encode(tokenizer, text, bool(special), "messages")

@@ -34,7 +34,6 @@ CHAT_REFUSED: dict[str, tuple[tuple, str]] = {
     "verbosity": ((), "this server has no verbosity control"),
     "service_tier": (("auto", "default"), "this server has one service tier, 'default'"),
     "best_of": ((1,), "tidal does not rank candidates"),
-    "chat_template": ((), "the model's own chat template is always used"),
 }
 
 # OpenAI completion fields tidal does not implement (best_of is checked against n).
