@@ -274,6 +274,45 @@ def test_stored_responses_are_retrieved_and_deleted(client):
         client.responses.retrieve(unstored.id)
 
 
+def test_truncation_auto_leaves_out_the_oldest_messages_that_do_not_fit(server, client):
+    """On a server of 1,024 tokens of context: a continuation over it is a 400 unless
+    truncation is auto, which drops the first turn and keeps the new input whole; the
+    stored conversation stays whole."""
+    long = "Here is a list of words to remember: " + " ".join(["harbour"] * 500)
+    first = client.responses.create(model=MODEL, input=long, max_output_tokens=4)
+    assert first.truncation == "disabled"
+    follow = dict(model=MODEL, input=long + " Which word was it?", max_output_tokens=8,
+                  previous_response_id=first.id)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**follow)
+    cut = client.responses.create(**follow, truncation="auto")
+    assert cut.truncation == "auto"
+    assert 500 < cut.usage.input_tokens <= 1024 - 8  # the new input, not the first turn
+    again = client.responses.create(model=MODEL, input="Thanks.", max_output_tokens=4,
+                                    previous_response_id=cut.id, truncation="auto")
+    assert again.truncation == "auto" and again.usage.input_tokens <= 1024 - 4
+
+
+def test_truncation_keeps_a_tool_result_with_its_call():
+    from model_fixtures import embedded_folder
+    from tidal.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(embedded_folder())
+    long = " ".join(["harbour"] * 300)
+    body = ResponsesRequest.model_validate({"model": MODEL, "truncation": "auto", "input": [
+        {"role": "user", "content": long},
+        {"type": "function_call", "call_id": "c1", "name": "f",
+         "arguments": json.dumps({"text": long})},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {"role": "user", "content": "And now?"}], "instructions": "Be brief."})
+    whole, conversation, ids = body.fitted([], tok, 10_000)
+    assert len(whole.messages) == 5 and len(conversation) == 4
+    # the result and the last message would fit 200 tokens, but not without its call
+    chat, conversation, ids = body.fitted([], tok, 200)
+    assert [m.role for m in chat.messages] == ["system", "user"]
+    assert len(conversation) == 4 and len(ids[0]) <= 199
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),

@@ -52,7 +52,6 @@ RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
     "conversation": ((), "tidal keeps no conversations: chain responses with "
                           "previous_response_id"),
     "prompt": ((), "tidal has no stored prompt templates"),
-    "truncation": (("disabled",), "tidal does not truncate a conversation"),
     "service_tier": (("auto", "default"), "this server has one service tier, 'default'"),
 }
 

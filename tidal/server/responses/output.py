@@ -211,5 +211,5 @@ class ResponseBody(ChatResponse):
             "temperature": req.temperature, "text": {"format": req.text_format()},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p,
-            "truncation": "disabled", "usage": None, "user": req.user,
+            "truncation": req.truncation or "disabled", "usage": None, "user": req.user,
             "metadata": req.metadata or {}}

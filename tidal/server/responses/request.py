@@ -6,7 +6,7 @@ name the Responses field."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -129,6 +129,8 @@ class ResponsesRequest(StrictModel):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict | None = None
     max_tool_calls: int | None = Field(None, ge=1)  # caps built-in tools' calls: tidal has none
+    # auto: a conversation over the context drops its oldest items until it fits
+    truncation: Literal["auto", "disabled"] | None = None
     stream_options: dict[str, bool] | None = None
     kv_transfer_params: dict | None = None  # P/D: {"prefill_address": ...}, set by the router
 
@@ -162,13 +164,15 @@ class ResponsesRequest(StrictModel):
     def text_format(self) -> dict:
         return (self.text or {}).get("format") or {"type": "text"}
 
-    def chat_request(self, history: list[dict]) -> tuple[ResponsesChatRequest, list[dict]]:
+    def chat_request(self, history: list[dict], drop: int = 0,
+                     ) -> tuple[ResponsesChatRequest, list[dict]]:
         """(the chat request, the conversation it continues: `history` and the input, the
-        instructions left out, as a stored response keeps it for its successors)."""
+        instructions left out, as a stored response keeps it for its successors). The
+        request leaves out the conversation's first `drop` messages (truncation)."""
         conversation = history + input_messages(self.input)
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         chat: dict[str, Any] = {
-            "model": self.model, "messages": system + conversation,
+            "model": self.model, "messages": system + conversation[drop:],
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "stream": self.stream,
             "parallel_tool_calls": self.parallel_tool_calls,
@@ -186,6 +190,30 @@ class ResponsesRequest(StrictModel):
             return ResponsesChatRequest.model_validate(chat), conversation
         except ValidationError as exc:
             raise _renamed(exc) from None
+
+    def fitted(self, history: list[dict], tokenizer, max_model_len: int,
+               ) -> tuple[ResponsesChatRequest, list[dict], list[list[int]]]:
+        """chat_request's pair and the prompt; with truncation auto, the request leaves out
+        the fewest oldest messages that fit the context with room for max_output_tokens (a
+        token without it), never the last message nor a tool result without its call.
+        Where even that does not fit, the whole (the 400 follows)."""
+        chat, conversation = self.chat_request(history)
+        prompts = chat.prompt_ids(tokenizer)
+        room = max_model_len - (self.max_output_tokens or 1)
+        if self.truncation != "auto" or len(prompts[0]) <= room:
+            return chat, conversation, prompts
+        starts = [d for d in range(1, len(conversation)) if conversation[d]["role"] != "tool"]
+        best = None
+        lo, hi = 0, len(starts) - 1
+        while lo <= hi:  # fewer messages, fewer tokens: the first start that fits
+            mid = (lo + hi) // 2
+            cut, _ = self.chat_request(history, starts[mid])
+            ids = cut.prompt_ids(tokenizer)
+            if len(ids[0]) <= room:
+                best, hi = (cut, conversation, ids), mid - 1
+            else:
+                lo = mid + 1
+        return best or (chat, conversation, prompts)
 
     def _response_format(self) -> dict | None:
         fmt = self.text_format()

@@ -39,8 +39,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     history = []
     if body.previous_response_id is not None:
         history = _stored(request, body.previous_response_id, "previous_response_id").messages
-    chat, conversation = body.chat_request(history)
-    prompts = await asyncio.to_thread(chat.prompt_ids, f.tokenizer)  # as in chat
+    # (the conversation is kept whole for its successors, truncated or not)
+    chat, conversation, prompts = await asyncio.to_thread(  # in a thread, as in chat
+        body.fitted, history, f.tokenizer, f.client.ready.max_model_len)
 
     def keep(response: dict) -> None:
         """The finished response and its conversation, for its successors."""
