@@ -114,18 +114,19 @@ def test_those_steps_did_differ(engines):
     assert engines["spec"].engine.scheduler.stats().spec_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("family, quantization", [
-    ("mistral", "none"), ("phi3", "none"), ("qwen3", "none"), ("llama", "int8"),
-    ("llama", "int4")])
-def test_windows_qk_norms_and_quantized_projections_alike(tmp_path, family, quantization):
+@pytest.mark.parametrize("family, quantization, kv", [
+    ("mistral", "none", "auto"), ("phi3", "none", "auto"), ("qwen3", "none", "auto"),
+    ("llama", "int8", "auto"), ("llama", "int4", "auto"), ("llama", "none", "int8")])
+def test_windows_qk_norms_and_quantized_layers_alike(tmp_path, family, quantization, kv):
     """Sliding windows of 6 (Mistral; Phi-3's partial rotary too), Qwen3's q/k norms,
-    int8 and int4 projections: a prompt alone equals it chunked, batched and cached."""
+    int8 and int4 projections, int8 KV: a prompt alone equals it chunked, batched and
+    cached."""
     folder = tiny_folder(tmp_path, family)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (37, 9, 60, 21)]
     p = params(None, False)
     kw = dict(dtype="float32", quantization=quantization, num_kv_blocks=128, block_size=8,
-              deterministic=True)
+              kv_cache_dtype=kv, deterministic=True)
     alone = answers(LLM(str(folder), enable_prefix_caching=False, **kw), prompts[:1], p)[0]
     llm = LLM(str(folder), chunked_prefill_size=8, max_input_tokens_per_step=20, **kw)
     assert answers(llm, prompts, p)[0] == alone
