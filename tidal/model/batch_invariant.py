@@ -54,9 +54,9 @@ class FixedRows(nn.Module):
 
 
 def make_batch_invariant(model: nn.Module, rows: int = ROWS) -> nn.Module:
-    """Every projection of `model` (inside LoRA, tensor-parallel and other wrappers: the
-    weights' own layer) made batch-invariant: GGUF ones on one kernel, dense ones wrapped
-    in FixedRows; the model's forward is unchanged."""
+    """Every projection of `model` (the weights' own layer, inside any wrapper) made
+    batch-invariant: GGUF ones on one kernel, dense ones wrapped in FixedRows; the model's
+    forward is unchanged. Before the C++ decoder is built, which takes them as they are."""
     def walk(module: nn.Module) -> None:
         for name, child in module.named_children():
             if isinstance(child, GGUFLinear):

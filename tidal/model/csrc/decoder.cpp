@@ -71,15 +71,15 @@ class Decoder {
   // previous stage's hidden states [rows, hidden] in the model's dtype; a step returns the
   // residual stream after its last layer, or with `ends` the final normed states of the
   // logits rows (every stage's LM head is Python's).
-  // Batch-invariant inference: each row attends through the paged prefill kernel, as a
-  // run of one token (the PyTorch path's every row does the same; no trees).
-  void set_batch_invariant(bool on) { batch_invariant_ = on; }
-
   void set_stage(bool embeds, bool ends) {
     stage_ = true;
     embeds_ = embeds;
     ends_ = ends;
   }
+
+  // Batch-invariant inference: each row attends through the paged prefill kernel, as a
+  // run of one token (the PyTorch path's every row does the same; no trees).
+  void set_batch_invariant(bool on) { batch_invariant_ = on; }
 
   // Layer `layer`'s LoRA slot weights (shared with Python, which writes adapters into them).
   void set_lora(int64_t layer, std::vector<Tensor> weights) {
