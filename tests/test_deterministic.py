@@ -23,7 +23,7 @@ from tidal import LLM, SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.model import cpu_decode
 from tidal.model.batch_invariant import FixedRows, check_supported
-from tidal.model.gguf_quants import GGUFLinear, PromptRows, QuantizedWeight
+from tidal.model.gguf_quants import PANEL_ROWS, GGUFLinear, PromptRows, QuantizedWeight
 from tidal.model.linear import PackedLinear
 
 pytestmark = pytest.mark.skipif(cpu_decode.extension() is None,
@@ -165,12 +165,15 @@ def test_fixed_rows_compute_a_row_alike_wherever_it_sits():
     assert layer(x[:0]).shape == (0, 96)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.Q6_K], ids=lambda t: t.name)
-def test_one_kernel_computes_a_gguf_row_alike_at_any_row_count(qtype):
-    """Prompt rows rounded twice too; the default crosses over to other kernels with the
-    step's size, whose sums differ."""
+@pytest.mark.parametrize("qtype, k", [(QT.Q8_0, 576), (QT.Q4_1, 576), (QT.Q6_K, 512),
+                                      (QT.Q4_0, 1024), (QT.Q8_0, 1536)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_one_kernel_computes_a_gguf_row_alike_at_any_row_count(qtype, k):
+    """Prompt rows rounded twice too (in_features a multiple of 512: on the int8 panels
+    from 17 rows); the default crosses over to other kernels with the step's size, whose
+    sums differ."""
     rng = np.random.default_rng(int(qtype))
-    n, k = 48, 576 if qtype != QT.Q6_K else 512
+    n = 48
     layer = GGUFLinear(QuantizedWeight("w", weight_bytes(qtype, n, k, rng), qtype, (n, k)))
     shared = PromptRows()
     layer.prompt_rows, layer.is_head = shared, False
@@ -179,6 +182,8 @@ def test_one_kernel_computes_a_gguf_row_alike_at_any_row_count(qtype):
     shared.set(twice, 200, None, 0)
     default = layer(x)
     layer.one_kernel()
+    assert layer.panel_rows == (PANEL_ROWS if k % 512 == 0 and qtype != QT.Q6_K and
+                                cpu_decode.extension().gguf_int8_panels else 0)
     whole = layer(x)
     for i in range(0, 200, 9):
         shared.set(torch.tensor([0]) if i % 3 == 0 else None, 1, None, 0)

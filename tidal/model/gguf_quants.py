@@ -388,10 +388,13 @@ class GGUFLinear(nn.Module):
     def one_kernel(self) -> None:
         """Every step through the integer kernels, prompt rows rounded twice included: each
         row's sums are its own at any row count (batch-invariant inference), where the
-        crossovers to panels and tiles would change them with the step's size."""
+        crossovers to tiles would change them with the step's size. The int8 panels keep
+        their steps only where their sums are the kernels' bit for bit: 32-weight formats
+        over whole rounds of 16 blocks (in_features a multiple of 512)."""
         if self.projection is not None:
             self.max_rows = self.twice_max_rows = 1 << 30
-            self.panel_rows, self.amx = 0, False
+            if not (all(w.qtype in PLANAR for w in self.parts) and self.in_features % 512 == 0):
+                self.panel_rows, self.amx = 0, False
             self._build()
 
     @property
