@@ -71,6 +71,9 @@ class AttentionMetadata:
     query_starts: torch.Tensor | None = None
     prefill_lens: torch.Tensor | None = None
     max_query_len: int = 0
+    # Batch-invariant decodes through the prefill kernel: each row a run of its own, the
+    # run starts [B + 1] (made by the backend once a step).
+    decode_starts: torch.Tensor | None = None
 
 
 def prefix_causal_mask(cached: int, length: int, device) -> torch.Tensor:
@@ -284,9 +287,10 @@ class TorchAttention(AttentionBackend):
         if self.batch_invariant:  # each decode row a one-token run of the prefill kernel
             if meta.decode_tree is not None:
                 raise ValueError("batch-invariant attention verifies paths, not trees")
-            starts = torch.arange(tables.shape[0] + 1, device=q.device)
-            return self.prefill_kernel(q, k_cache, v_cache, tables, starts, meta.decode_lens,
-                                       self.scale, 1, window)
+            if meta.decode_starts is None:  # the step's layers share them
+                meta.decode_starts = torch.arange(tables.shape[0] + 1, device=q.device)
+            return self.prefill_kernel(q, k_cache, v_cache, tables, meta.decode_starts,
+                                       meta.decode_lens, self.scale, 1, window)
         if self.paged_kernel is not None:
             o = self._kernel("paged_kernel", q, k_cache, v_cache, tables, meta.decode_lens,
                              self.scale, window, meta.decode_tree)

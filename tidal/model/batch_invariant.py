@@ -46,8 +46,9 @@ class FixedRows(nn.Module):
         total = max(1, -(-n // self.rows)) * self.rows  # an empty x takes one call too
         if total > n:
             x2 = F.pad(x2, (0, 0, 0, total - n))
-        y = torch.cat([self.inner(part) for part in x2.split(self.rows)])[:n]
-        return y.view(*lead, y.shape[-1])
+        parts = [self.inner(part) for part in x2.split(self.rows)]
+        y = (parts[0] if len(parts) == 1 else torch.cat(parts))[:n]  # a decode's: one call
+        return y.reshape(*lead, y.shape[-1])
 
     def extra_repr(self) -> str:
         return f"rows={self.rows}"
