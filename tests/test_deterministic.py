@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 from gguf import GGMLQuantizationType as QT
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lora_fixtures import make_adapter
@@ -41,8 +41,9 @@ def folders(tmp_path_factory):
 
 
 def engine(folder, adapter, dtype, **kw):
-    return LLM(str(folder), dtype=dtype, num_kv_blocks=192, block_size=8, deterministic=True,
-               max_loras=1, lora_modules=[f"ad={adapter}"], **kw)
+    return LLM(str(folder), **{**dict(dtype=dtype, num_kv_blocks=192, block_size=8,
+                                      deterministic=True, max_loras=1,
+                                      lora_modules=[f"ad={adapter}"]), **kw})
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -56,9 +57,8 @@ def engines(request, folders):
         ref=engine(base, adapter, dtype, enable_prefix_caching=False),
         chunked=engine(base, adapter, dtype, chunked_prefill_size=8,
                        max_input_tokens_per_step=20),
-        tight=LLM(str(base), dtype=dtype, num_kv_blocks=14, block_size=8, deterministic=True,
-                  init_new_token_ratio=0.01, max_loras=1, lora_modules=[f"ad={adapter}"],
-                  async_scheduling=True),
+        tight=engine(base, adapter, dtype, num_kv_blocks=14, init_new_token_ratio=0.01,
+                     async_scheduling=True),
         spec=engine(base, adapter, dtype, speculative_method="ngram",
                     num_speculative_tokens=3, prompt_lookup_min=1,
                     speculative_adaptive=False))  # guesses every step, paying or not

@@ -135,13 +135,13 @@ class Worker:
                              "float32")
         paged = cpp.paged_decode_attention if cpp else (
             paged_decode_kernel() if on_gpu else None)
-        prefill, fresh = ((paged_prefill_kernel(), None) if on_gpu else cpu_decode.prefill_kernel(
-            cpp, kv_format.storage(self.dtype), self.dtype))
-        if config.deterministic:  # every prompt and decode row through one kernel
-            if cpp is None:
-                raise ValueError("--deterministic needs tidal's C++ extension (a C++ "
-                                 "compiler; tidal.model.cpu_extension)")
-            prefill, fresh = cpp.paged_prefill_attention, 0
+        if config.deterministic and cpp is None:
+            raise ValueError("--deterministic needs tidal's C++ extension (a C++ compiler; "
+                             "tidal.model.cpu_extension)")
+        prefill, fresh = (
+            (paged_prefill_kernel(), None) if on_gpu
+            else (cpp.paged_prefill_attention, 0) if config.deterministic  # every row: one kernel
+            else cpu_decode.prefill_kernel(cpp, kv_format.storage(self.dtype), self.dtype))
         backend = TorchAttention.for_arch(arch, paged, prefill, kv_format)
         backend.fresh_kernel_scores = fresh
         backend.batch_invariant = config.deterministic

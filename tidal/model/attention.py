@@ -91,7 +91,10 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
 class AttentionBackend:
     """The interface a model layer calls: write this step's K/V, attend, return [T, H, D]."""
 
-    batch_invariant = False  # (TorchAttention's, for batch-invariant inference)
+    # Batch-invariant inference (tidal.model.batch_invariant): every query row, a decode's
+    # too, through the prefill kernel, whose row attends over its own context in the same
+    # steps whatever else the call holds (TorchAttention; set by the worker).
+    batch_invariant = False
 
     def decode_bias(self, context_lens: list[int], width: int, device: str,
                     tree: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
@@ -146,10 +149,6 @@ class TorchAttention(AttentionBackend):
         # PyTorch's path attends in bf16 too (BF16_ATTENTION_SCORES). None: always SDPA;
         # 0: always the kernel (benchmarks compare the two).
         self.fresh_kernel_scores: int | None = None
-        # Batch-invariant inference (tidal.model.batch_invariant): every query row, a
-        # decode's too, through the prefill kernel, whose row attends over its own context
-        # in the same steps whatever else the call holds.
-        self.batch_invariant = False
 
     @classmethod
     def for_arch(cls, arch, paged_kernel=None, prefill_kernel=None,
