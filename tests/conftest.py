@@ -32,7 +32,7 @@ def add(sched: Scheduler, rid: str, prompt, max_tokens: int = 16, **params) -> R
         base = 1000 * next(_fresh)
         prompt = [base + i for i in range(prompt)]
     req = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **params),
-                  arrival_time=float(len(sched.requests)), eos_token_id=EOS)
+                  arrival_time=float(len(sched.requests)), eos_token_ids=(EOS,))
     sched.add_request(req)
     return req
 

@@ -87,7 +87,7 @@ class SchedulerDriver:
                                 priority=priority, lora=lora, background=background)
         self.added += 1
         self.s.add_request(Request(f"r{self.added}", prompt, params, arrival_time=self.now(),
-                                   eos_token_id=EOS))
+                                   eos_token_ids=(EOS,)))
         self.work += n * (len(prompt) + max_tokens)
 
     def step(self, emit_eos: bool, cut: bool = False) -> None:

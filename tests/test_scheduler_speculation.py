@@ -38,7 +38,7 @@ def sched(guesses: int = 4, adaptive: bool = False, num_blocks: int = 64, block_
 
 def add(s: Scheduler, rid: str, prompt_len: int = 6, max_tokens: int = 32, **params) -> Request:
     r = Request(rid, list(range(10, 10 + prompt_len)),
-                SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS)
+                SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=(EOS,))
     s.add_request(r)
     return r
 
@@ -131,7 +131,7 @@ def test_guesses_take_only_the_budget_that_waiting_prompts_leave():
     s = sched(guesses=8, max_input_tokens_per_step=16, chunked_prefill_size=16)
     prefilled(s, "a", proposed=8)
     s.add_request(Request("b", list(range(500, 512)), SamplingParams(max_tokens=8),
-                          eos_token_id=EOS))  # 12 of the 15 tokens left after a's decode
+                          eos_token_ids=(EOS,)))  # 12 of the 15 tokens left after a's decode
     out = s.schedule()
     s.check_invariants()
     got = {x.request_id: x.num_new_tokens for x in out.scheduled}

@@ -23,9 +23,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     with flag_errors("generate"):
         llm = LLM(**engine_kwargs(args))
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed_per_request,
-                                lora=args.lora)
+        given = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k")
+                 if getattr(args, k) is not None}  # unset: the model's, else greedy, 64
+        params = replace(SamplingParams(**{"max_tokens": 64, "temperature": 0.0,
+                                           **llm.engine.sampling_defaults}),
+                         **given, seed=args.seed_per_request, lora=args.lora)
         t0 = time.perf_counter()  # (an unknown adapter is refused here)
         if args.raw:
             outs = llm.generate(args.prompts, params)
@@ -223,10 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate for prompts offline, batched")
     gen.add_argument("prompts", nargs="+", help="prompts (sent as chat messages unless --raw)")
     gen.add_argument("--raw", action="store_true", help="send prompts as plain text")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    model_default = "(default: the model's generation config, else %s)"
+    gen.add_argument("--max-tokens", type=int, help=model_default % 64)
+    gen.add_argument("--temperature", type=float, help=model_default % "0: greedy")
+    gen.add_argument("--top-p", type=float, help=model_default % 1.0)
+    gen.add_argument("--top-k", type=int, help=model_default % "0: all")
     gen.add_argument("--seed-per-request", type=int, default=None,
                      help="sampling seed of every request")
     gen.add_argument("--lora", default=None, metavar="NAME",

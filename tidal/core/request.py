@@ -61,7 +61,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end the request (finish reason `stop`), even with ignore_eos."""
     ignore_eos: bool = False
-    """Keep generating past the EOS token."""
+    """Keep generating past the model's end tokens (EOS, and the end-of-turn tokens its
+    config lists); stop_token_ids still end it."""
     stop: list[str] = field(default_factory=list)
     """Strings that end the output (finish reason `stop`); the detokenizer finds them and
     they are not included in the text, nor is a stop token's (EOS, stop_token_ids)."""
@@ -228,7 +229,7 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "eos_token_id",
+        "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "eos_token_ids",
         "extra_key", "status", "output_token_ids", "num_computed_tokens", "prefill_target",
         "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "block_tokens",
         "parent_id", "index", "enqueue_step", "remote_prefill", "fork_pending", "stop_ids",
@@ -242,7 +243,7 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         arrival_time: float = 0.0,
-        eos_token_id: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
         extra_key: Hashable = None,
     ) -> None:
         if not prompt_token_ids:
@@ -251,7 +252,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params or SamplingParams()
         self.arrival_time = arrival_time
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids  # the model's end tokens (EOS, end of turn)
         # salts prefix-cache hashes (the request's cache_salt; the adapter, whose KV differs)
         lora, salt = self.sampling_params.lora, self.sampling_params.cache_salt
         key = extra_key if salt is None else (extra_key, "salt", salt)
@@ -292,8 +293,8 @@ class Request:
         this request, and how many output tokens it may have."""
         sp = self.sampling_params
         stops = set(sp.stop_token_ids)
-        if self.eos_token_id is not None and not sp.ignore_eos:
-            stops.add(self.eos_token_id)
+        if not sp.ignore_eos:
+            stops.update(self.eos_token_ids)
         self.stop_ids = frozenset(stops)
         self.out_limit = min(sp.max_tokens, max_model_len - len(self.prompt_token_ids))
 
@@ -352,7 +353,7 @@ class Request:
         seed = self.sampling_params.seed
         params = replace(self.sampling_params, n=1, seed=None if seed is None else seed + index)
         child = Request(f"{self.request_id}-{index}", self.prompt_token_ids, params,
-                        self.arrival_time, self.eos_token_id)
+                        self.arrival_time, self.eos_token_ids)
         child.extra_key = self.extra_key  # salted already
         child.parent_id, child.index = self.request_id, index
         child.stop_ids, child.out_limit = self.stop_ids, self.out_limit

@@ -154,7 +154,8 @@ def step_params(base: SamplingParams, search: BeamSearch) -> SamplingParams:
                    include_stop_str_in_output=False)
 
 
-def stop_token_ids(stop_ids: list[int], eos_token_id: int | None, ignore_eos: bool) -> set[int]:
-    """The tokens that end a beam: stop_token_ids, and EOS unless ignored."""
-    return set(stop_ids) | ({eos_token_id} if eos_token_id is not None and not ignore_eos
-                            else set())
+def stop_token_ids(stop_ids: list[int], end_tokens: tuple[int, ...], ignore_eos: bool,
+                   ) -> set[int]:
+    """The tokens that end a beam: stop_token_ids, and the model's end tokens (EOS, end of
+    turn) unless ignored."""
+    return set(stop_ids) | (set() if ignore_eos else set(end_tokens))

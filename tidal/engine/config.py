@@ -17,6 +17,7 @@ from typing import Any
 from tidal.core.config import CacheConfig, SchedulerConfig, knob
 from tidal.core.policies import POLICIES, option_fields
 from tidal.engine.parallel_config import ParallelConfig
+from tidal.model.generation_config import sampling_defaults
 from tidal.spec import METHODS
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")  # kv_quant's formats
@@ -170,8 +171,20 @@ class ModelConfig:
                                "C++ kernel: slower (docs/design/deterministic.md). Needs the "
                                "C++ extension; not with routed experts, soft-capped attention, "
                                "tensor or pipeline parallelism, or trees of guesses.")
+    generation_config: str = knob("auto", "Sampling defaults for the fields a request leaves "
+                                  "unset (temperature, top_p, top_k, min_p, "
+                                  "repetition_penalty; max_new_tokens: the output limit): "
+                                  "'auto' from the model's generation_config.json (a GGUF's "
+                                  "general.sampling.*), a folder's path from its "
+                                  "generation_config.json, 'vllm' (or 'tidal') none. The "
+                                  "model's end-of-turn tokens end generations either way.")
+    override_generation_config: str | None = knob(None, "A JSON object over the generation "
+                                                  "config's sampling defaults, e.g. "
+                                                  "'{\"temperature\": 0.5}' (vLLM's).")
 
     def __post_init__(self) -> None:
+        # its fields and ranges (a ValueError names the one at fault); no file read here
+        sampling_defaults(".", "vllm", self.override_generation_config)
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError("dtype must be auto, bfloat16, float16 or float32; "
                              f"got {self.dtype!r}")

@@ -28,6 +28,7 @@ from tidal.engine.executor import Executor, ExecutorDead, LocalExecutor
 from tidal.engine.request_events import RequestEvents
 from tidal.engine.step_profile import StepProfile
 from tidal.engine.worker import Worker
+from tidal.model.generation_config import end_token_ids
 from tidal.model.logits_processors import check_extra_args, load_processors
 from tidal.model.lora import LoRAError
 
@@ -84,8 +85,9 @@ class EngineCore:
         self.scheduler = Scheduler(sched_cfg, KVCacheManager(cache_cfg, tiers), self.step_time,
                                    guess_time=self.guess_time, step_target=(
                                        StepTarget(model=self.step_time) if follow else None))
-        self.eos_token_id = (eos_token_id if eos_token_id is not None
-                             else (arch.eos_token_ids or (None,))[0])
+        # the tokenizer's EOS (else config.json's first), then every end token the config lists
+        self.eos_token_ids = end_token_ids(folder, eos_token_id if eos_token_id is not None
+                                           else (arch.eos_token_ids or (None,))[0])
         self.vocab_size = arch.vocab_size
         self.max_model_len = sched_cfg.max_model_len
         self.processor_classes = load_processors(config.model.logits_processors)  # checks
@@ -147,7 +149,7 @@ class EngineCore:
             self.executor.load_adapter(params.lora)  # from its folder now: not in a step
         arrival = time.time() if arrival_time is None else arrival_time
         self.scheduler.add_request(Request(request_id, prompt_token_ids, params,
-                                           arrival_time=arrival, eos_token_id=self.eos_token_id))
+                                           arrival_time=arrival, eos_token_ids=self.eos_token_ids))
         if params.trace:
             self.events.add(request_id, arrival)
 

@@ -9,6 +9,7 @@ from tidal.engine.core import EngineCore
 from tidal.engine.output_processor import OutputProcessor
 from tidal.engine.outputs import StepUpdate
 from tidal.model.chat_template import template_source
+from tidal.model.generation_config import sampling_defaults
 from tidal.model.registry import resolve_model
 from tidal.model.tokenizer import Tokenizer
 
@@ -22,6 +23,9 @@ class Engine:
         folder, self.model_name = resolve_model(config.model.model)
         self.runner_folder = folder
         self.tokenizer = Tokenizer(folder)
+        model = config.model  # checked before the model loads
+        self.sampling_defaults = sampling_defaults(folder, model.generation_config,
+                                                   model.override_generation_config)
         self.core = EngineCore(config, folder, self.tokenizer.eos_token_id)
         self.scheduler, self.executor = self.core.scheduler, self.core.executor
         self.outputs = OutputProcessor(self.tokenizer)

@@ -56,6 +56,11 @@ class LLM:
         also end with this process."""
         self.engine.close()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use when given no parameters (vLLM's): SamplingParams'
+        defaults with the model's generation config over them (generation_config)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
@@ -87,7 +92,7 @@ class LLM:
         encoded = self._encode(prompts)
         if not encoded:
             return []
-        stops = stop_token_ids(params.stop_token_ids, self.tokenizer.eos_token_id,
+        stops = stop_token_ids(params.stop_token_ids, self.engine.core.eos_token_ids,
                                params.ignore_eos)
         group = BeamSearches([ids for _, ids in encoded], [
             BeamSearch(params.beam_width, params.max_tokens, stops, params.length_penalty)
@@ -139,7 +144,7 @@ class LLM:
              use_tqdm: bool, lora_request: Adapter | Sequence[Adapter] = None,
              ) -> list[GenerationOutput]:
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(encoded)
+            params = [params or self.get_default_sampling_params()] * len(encoded)
         if len(params) != len(encoded):
             raise ValueError(f"{len(params)} SamplingParams for {len(encoded)} prompts")
         if lora_request is not None:

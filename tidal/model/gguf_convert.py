@@ -1,8 +1,9 @@
 """Convert a GGUF file into a Hugging Face style folder, once.
 
 The folder holds float32 `model.safetensors` (Q4_1/Q8_0 dequantize exactly to float32, not to
-bfloat16: a float32 run must match the HF reference token for token), `config.json`, and the
-tokenizer with its chat template, all built from the GGUF file.
+bfloat16: a float32 run must match the HF reference token for token), `config.json`,
+`generation_config.json` (the tokens llama.cpp ends a generation at, the file's sampling
+defaults), and the tokenizer with its chat template, all built from the GGUF file.
 
 Tensor names are llama.cpp's renaming read backwards: gguf's `TensorNameMap` gives the GGUF
 name of each Hugging Face checkpoint name for the file's architecture. Stacked expert tensors
@@ -192,6 +193,30 @@ def hf_config(reader) -> dict:
             **fields, "dtype": "float32"}
 
 
+# general.sampling.* fields (what convert_hf_to_gguf.py keeps of generation_config.json)
+_SAMPLING = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+             "penalty_repeat": "repetition_penalty"}
+
+
+def generation_config(reader) -> dict:
+    """generation_config.json for the GGUF: every token llama.cpp ends a generation at (the
+    file's EOS, EOT and EOM ids, and the tokens named as turn ends) as `eos_token_id`, EOS
+    first, and the sampling defaults the file carries (general.sampling.*)."""
+    from tidal.model.generation_config import END_TOKEN_NAMES
+
+    ends = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:  # each entry's text, without decoding the ~100k of them all
+        ends += [i for i, part in enumerate(tokens.data)
+                 if bytes(tokens.parts[part]).decode("utf-8", "replace") in END_TOKEN_NAMES]
+    config: dict[str, Any] = {"eos_token_id": list(dict.fromkeys(
+        int(i) for i in ends if i is not None))}
+    for key, name in _SAMPLING.items():
+        if (value := _field(reader, f"general.sampling.{key}")) is not None:
+            config[name] = value
+    return config
+
+
 def _hf_names(arch: str, num_layers: int) -> dict[str, str]:
     """GGUF tensor name (without .weight/.bias) -> Hugging Face name, for `arch`."""
     import gguf
@@ -278,7 +303,7 @@ def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
                  weights: bool = True) -> Path:
-    """Write `gguf_path`'s config.json and tokenizer into `out_dir`, and with `weights` its
+    """Write `gguf_path`'s config.json, generation_config.json and tokenizer into `out_dir`, and with `weights` its
     float32 safetensors too (written atomically: a half-written cache is never left behind).
     Returns `out_dir`. ValueError for a GGUF that does not convert (or is truncated)."""
     from tidal.model.gguf_file import open_gguf
@@ -293,6 +318,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
         if weights:
             write_weights(reader, config, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "generation_config.json").write_text(
+            json.dumps(generation_config(reader), indent=2))
         save_tokenizer(reader, gguf_path, tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)

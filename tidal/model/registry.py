@@ -95,6 +95,9 @@ def files_written(folder: str | os.PathLike) -> bool:
     return (Path(folder) / "config.json").is_file() and gguf_source(folder) is not None
 
 
+# What a GGUF's folder holds, by version: a folder converted by an older tidal (no
+# generation_config.json) is converted anew rather than read short.
+CONVERSION = 2
 SOURCE = "model.gguf"  # in a GGUF's cache folder: a link to the file
 
 
@@ -139,7 +142,8 @@ def gguf_fingerprint(path: Path) -> str:
     GGUF replaced by another of the same name (and size, and even mtime) converts anew."""
     stat = path.stat()
     size = stat.st_size
-    digest = hashlib.blake2b(f"{size}:{stat.st_mtime_ns}".encode(), digest_size=10)
+    digest = hashlib.blake2b(f"{size}:{stat.st_mtime_ns}:{CONVERSION}".encode(),
+                             digest_size=10)
     spans = [(0, _HEAD), (max(0, size - _TAIL), _TAIL)] + [
         (size * i // (_SLICES + 1), _SLICE) for i in range(1, _SLICES + 1)]
     with open(path, "rb") as f:

@@ -24,9 +24,9 @@ def beam_search_updates(f: Frontend, prompts: list[list[int]], body: GenerationR
     """The searches' answers as (choice index, update); the request's fields are checked
     here, before any step (a 400 comes as a plain error, not inside a stream)."""
     base = f.sampling_params(prompts, body)
-    eos = f.tokenizer.eos_token_id
     group = BeamSearches(prompts, [
-        BeamSearch(p.n, p.max_tokens, stop_token_ids(p.stop_token_ids, eos, p.ignore_eos),
+        BeamSearch(p.n, p.max_tokens, stop_token_ids(p.stop_token_ids, f.end_tokens,
+                                                     p.ignore_eos),
                    body.length_penalty) for p in base])
     return _search(f, body, headers, base, group)
 

@@ -5,6 +5,7 @@ The routes reach it as `FrontendDep` (at `app.state.frontend`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from functools import partial
@@ -17,6 +18,7 @@ from starlette.background import BackgroundTask
 from tidal.core import SamplingParams
 from tidal.engine.outputs import StepUpdate
 from tidal.engine.structured import Grammars
+from tidal.model.generation_config import end_token_ids, sampling_defaults
 from tidal.model.logits_processors import check_extra_args, load_processors
 from tidal.runtime.client import CoreClient, EngineDeadError, Failure
 from tidal.server.batches.runner import BACKGROUND_HEADER, BatchRunner
@@ -35,6 +37,8 @@ from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, Req
                                               parser_for_template)
 from tidal.server.responses.store import ResponseStore
 from tidal.server.tracing import RequestSpan, Tracing, operation_of
+
+log = logging.getLogger("tidal.server")
 
 
 class Frontend:
@@ -62,6 +66,15 @@ class Frontend:
         self.tool_parser = AUTO_PARSERS[parser]
         # custom logits processors, for their check of a request's vllm_xargs
         self.processor_classes = load_processors(client.config.model.logits_processors)
+        model = client.config.model
+        # the model's end tokens (beam search's); the cores read the same
+        self.end_tokens = end_token_ids(client.folder, self.tokenizer.eos_token_id)
+        # what a generation request leaves unset takes the model's recommendation
+        self.sampling_defaults = sampling_defaults(client.folder, model.generation_config,
+                                                   model.override_generation_config)
+        if self.sampling_defaults:
+            log.info("sampling defaults from the model's generation config (a request's own "
+                     "values win; --generation-config vllm: none): %s", self.sampling_defaults)
 
     def live_sequences(self) -> int:
         """Sequences in flight or being sent that are not Batch API lines."""
@@ -215,6 +228,8 @@ class Frontend:
             check_extra_args(self.processor_classes, getattr(body, "vllm_xargs", None))
         except ValueError as exc:
             raise APIError(str(exc), param="vllm_xargs") from exc
+        if isinstance(body, GenerationRequest):
+            body.with_defaults(self.sampling_defaults)
         params = []
         for ids in prompts:
             if not ids:

@@ -16,6 +16,7 @@ A null value means the field is absent, as in OpenAI's API."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -110,6 +111,13 @@ class StrictModel(BaseModel):
             else:
                 out[key] = value
         return out
+
+    def sampling_given(self) -> dict[str, Any]:
+        """The sampling fields (temperature, top_p, top_k) this body sets: a chat request
+        made from it leaves the others to the model's defaults (GenerationRequest.
+        with_defaults)."""
+        return {k: getattr(self, k) for k in ("temperature", "top_p", "top_k")
+                if k in self.model_fields_set}
 
 
 class StreamOptions(StrictModel):
@@ -212,6 +220,17 @@ class GenerationRequest(StrictModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     _constraint: tuple[str, tuple[str, str]] | None = PrivateAttr(None)
+    _model_max_tokens: int | None = PrivateAttr(None)  # generation_config's max_new_tokens
+
+    def with_defaults(self, defaults: Mapping[str, float | int]) -> None:
+        """Take the model's sampling defaults (generation_config.json, ModelConfig.
+        generation_config) in the fields this request leaves unset; `max_tokens` among them
+        is the output limit when the request gives none."""
+        for name, value in defaults.items():
+            if name == "max_tokens":
+                self._model_max_tokens = int(value)
+            elif name not in self.model_fields_set:
+                setattr(self, name, value)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "GenerationRequest":
@@ -293,8 +312,8 @@ class GenerationRequest(StrictModel):
                            f"{max_model_len} tokens", param=self.prompt_field)
         field, cap = self.limit_field(), limits.max_total_tokens
         if max_tokens is None:
-            default_max = self.default_max_tokens
-            max_tokens = room if default_max is None else min(default_max, room)
+            given = (self.default_max_tokens, self._model_max_tokens)
+            max_tokens = min([room, *(d for d in given if d is not None)])
             if cap is not None:  # a default fits the cap rather than being refused
                 max_tokens, field = max(1, min(max_tokens, cap // self.n)), "n"
         if max_tokens < 1:

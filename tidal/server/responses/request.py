@@ -173,8 +173,8 @@ class ResponsesRequest(StrictModel):
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         chat: dict[str, Any] = {
             "model": self.model, "messages": system + conversation[drop:],
-            "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "stream": self.stream,
+            "max_completion_tokens": self.max_output_tokens, **self.sampling_given(),
+            "stream": self.stream,
             "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": self._response_format()}
         if self.kv_transfer_params is not None:
