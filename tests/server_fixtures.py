@@ -23,10 +23,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *flags: str, ready_s: float = 180) -> None:
+    def __init__(self, *flags: str, ready_s: float = 180, scheme: str = "http",
+                 **client: object) -> None:
+        """`scheme` and `client` (httpx.Client's arguments: TLS `verify`, a Unix socket's
+        `transport`): how to reach it."""
         self.flags = flags
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")  # a pipe could fill up and stall the server
         self.files = tempfile.TemporaryDirectory()  # its Batch API store, unless flags name one
         self.proc = subprocess.Popen(
@@ -34,12 +37,16 @@ class Server:
              "--num-kv-blocks", "256", "--num-threads", "1",
              "--batch-store", f"{self.files.name}/batches.sqlite", *flags],
             stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        with httpx.Client(**client) as http:
+            self._wait_healthy(http, ready_s)
+
+    def _wait_healthy(self, http: httpx.Client, ready_s: float) -> None:
         deadline = time.monotonic() + ready_s
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.output()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if http.get(self.url + "/health", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server did not become healthy in {ready_s:.0f} s: "

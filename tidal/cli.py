@@ -55,11 +55,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from tidal.server.api import build_app
-    from tidal.server.limits import uvicorn_limits
+    from tidal.server.limits import uvicorn_options
 
-    uvicorn.run(build_app(client, server), host=server.host, port=server.port,
-                log_level="info", timeout_graceful_shutdown=int(server.drain_timeout),
-                **uvicorn_limits(server))
+    uvicorn.run(build_app(client, server), timeout_graceful_shutdown=int(server.drain_timeout),
+                **uvicorn_options(server))
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
@@ -135,11 +134,11 @@ def _serve_pd(args: argparse.Namespace, server) -> None:
 
     from tidal.model.hosts import free_port
     from tidal.model.registry import resolve_model
-    from tidal.server.limits import uvicorn_limits
+    from tidal.server.limits import uvicorn_options
     from tidal.server.pd_router import PDRouter, build_router_app
 
     resolve_model(engine_kwargs(args).get("model", "smollm2-135m"))  # convert once, up front
-    passed = _strip_flags(args.argv, ("--pd", "--port", "--host", "--role"))
+    passed = _strip_flags(args.argv, ("--pd", "--port", "--host", "--role", *FRONT_FLAGS))
     children, urls = [], {"prefill": [], "decode": []}
     for role, count in zip(("prefill", "decode"), server.pd_counts):
         for _ in range(count):
@@ -158,21 +157,27 @@ def _serve_pd(args: argparse.Namespace, server) -> None:
                 child.kill()
     router = PDRouter(urls["prefill"], urls["decode"])
     try:
-        uvicorn.run(build_router_app(router, server, stop_children), host=server.host,
-                    port=server.port, log_level="info", **uvicorn_limits(server))
+        uvicorn.run(build_router_app(router, server, stop_children),
+                    **uvicorn_options(server))
     finally:
         stop_children()
 
 
+# The router's alone under --pd: its instances listen on loopback, plain HTTP, for it.
+FRONT_FLAGS = ("--uds", "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs",
+               "--root-path", "--allowed-origins", "--allowed-methods", "--allowed-headers",
+               "--allow-credentials")
+
+
 def _strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """argv without these flags and their values (both --flag value and --flag=value)."""
+    """argv without these flags and their values (--flag value..., --flag=value; `tidal
+    serve` takes no positional argument a value could be mistaken for)."""
     out, skip = [], False
     for arg in argv:
-        if skip:
-            skip = False
-        elif arg in flags:
-            skip = True
-        elif not arg.startswith(tuple(f + "=" for f in flags)):
+        if skip and not arg.startswith("--"):
+            continue
+        skip = arg in flags
+        if not skip and not arg.startswith(tuple(f + "=" for f in flags)):
             out.append(arg)
     return out
 
@@ -180,13 +185,13 @@ def _strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 def cmd_router(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from tidal.server.limits import uvicorn_limits
+    from tidal.server.limits import uvicorn_options
     from tidal.server.pd_router import PDRouter, build_router_app
 
     with flag_errors("router"):
         http = config_from_args(HttpConfig, args)
     app = build_router_app(PDRouter(args.prefill, args.decode), http)
-    uvicorn.run(app, host=http.host, port=http.port, log_level="info", **uvicorn_limits(http))
+    uvicorn.run(app, **uvicorn_options(http))
 
 
 def cmd_simulate(args: argparse.Namespace) -> dict:

@@ -45,6 +45,33 @@ class HttpConfig:
     max_connections: int | None = knob(None, "Open connections past which new ones are closed "
                                        "at once (unset: the open-file limit less 256, kept for "
                                        "the server's own files and sockets).")
+    uds: str | None = knob(None, "Listen on this Unix domain socket's path instead of "
+                           "host:port (a proxy on the same machine, no TCP port).")
+    ssl_keyfile: str | None = knob(None, "TLS: the server's private key (PEM), with "
+                                   "--ssl-certfile: the API is served over https.")
+    ssl_certfile: str | None = knob(None, "TLS: the server's certificate chain (PEM).")
+    ssl_ca_certs: str | None = knob(None, "TLS: the certificates (PEM) a client's own "
+                                    "certificate must be signed by (with --ssl-cert-reqs).")
+    ssl_cert_reqs: int = knob(0, "TLS: whether a client must show a certificate signed by "
+                              "--ssl-ca-certs: 0 no, 1 if it has one, 2 always (mutual TLS; "
+                              "Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED).")
+    root_path: str | None = knob(None, "The path prefix a path-routing proxy serves the API "
+                                 "under, e.g. /llm (ASGI's root_path): the API docs' links "
+                                 "carry it; the proxy strips it from requests.")
+    allowed_origins: tuple[str, ...] = knob((), "Web origins whose pages may call the API "
+                                            "from a browser (CORS), e.g. "
+                                            "https://chat.example.com, or * for any. None "
+                                            "given: no CORS headers (vLLM allows every "
+                                            "origin by default).")
+    allowed_methods: tuple[str, ...] = knob(("*",), "With --allowed-origins: the HTTP "
+                                            "methods those pages may use.")
+    allowed_headers: tuple[str, ...] = knob(("*",), "With --allowed-origins: the request "
+                                            "headers those pages may send.")
+    allow_credentials: bool = knob(False, "With --allowed-origins: let those pages send "
+                                   "cookies and HTTP authentication (never with origin *).")
+    uvicorn_log_level: str = knob("info", "uvicorn's log level: critical, error, warning, "
+                                  "info, debug or trace.")
+    disable_uvicorn_access_log: bool = knob(False, "No access-log line per request.")
 
     def __post_init__(self) -> None:
         # self.key, the API key in force: not a field, so replace() resolves it anew
@@ -59,6 +86,35 @@ class HttpConfig:
                              f"{self.request_read_timeout}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        self._check_front()
+
+    def _check_front(self) -> None:
+        """The TLS files, socket path, prefix and CORS settings: a ValueError names the
+        option at fault before anything binds."""
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} {path!r} is not a file")
+        if self.ssl_ca_certs is not None and self.ssl_keyfile is None:
+            raise ValueError("ssl_ca_certs needs TLS: --ssl-keyfile and --ssl-certfile")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2; got {self.ssl_cert_reqs}")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("ssl_cert_reqs needs --ssl-ca-certs: what a client's "
+                             "certificate is checked against")
+        if self.uds is not None and not os.path.isdir(os.path.dirname(
+                os.path.abspath(self.uds))):
+            raise ValueError(f"uds {self.uds!r}: its folder does not exist")
+        if self.root_path is not None and not re.fullmatch(r"(/[^/\s?#]+)+", self.root_path):
+            raise ValueError(f"root_path must look like /prefix (no trailing slash), got "
+                             f"{self.root_path!r}")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("allow_credentials does not go with allowed_origins *: name "
+                             "the origins")
+        check_choice("uvicorn_log_level", self.uvicorn_log_level,
+                     ("critical", "error", "warning", "info", "debug", "trace"))
 
     def connection_cap(self) -> int:
         """max_connections, or the process's open-file limit less 256."""

@@ -13,13 +13,14 @@ from urllib.parse import urlencode
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from tidal.server.anthropic.protocol import body_for
 from tidal.server.config import HttpConfig
-from tidal.server.limits import RequestLimits
+from tidal.server.limits import RequestLimits, route_path
 from tidal.server.openai.protocol import APIError
 
 
@@ -27,7 +28,7 @@ def error_response(exc: APIError, request: Request | None = None) -> JSONRespons
     """An OpenAI-style error body (Anthropic's on its Messages routes) with the error's
     status (and Retry-After on a 429)."""
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
-    body = body_for(exc, request.url.path) if request is not None else exc.body()
+    body = body_for(exc, route_path(request.scope)) if request is not None else exc.body()
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
@@ -83,7 +84,8 @@ def install_error_handlers(app: FastAPI, http: HttpConfig,
     the `UNVERSIONED` routes, /dashboard and the docs requests that do not carry it (401;
     pages may carry it as `?api_key=`, which the access log redacts); refuse headers over
     `max_header_bytes` (431) and bodies over `max_body_bytes` (413), or over their own
-    limit on the `uploads` paths."""
+    limit on the `uploads` paths; serve under the proxy's `root_path`; answer browsers of
+    `allowed_origins` (CORS)."""
     app.add_middleware(RequestLimits, max_body_bytes=http.max_body_bytes,
                        max_header_bytes=http.max_header_bytes, uploads=uploads or {})
     app.add_middleware(RequestIds)
@@ -97,13 +99,20 @@ def install_error_handlers(app: FastAPI, http: HttpConfig,
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        path = request.url.path
+        path = route_path(request.scope)  # a path the proxy did not strip is checked alike
         page = path.startswith("/dashboard") or path in DOC_PAGES
         if api_key and (path.startswith(("/v1", "/v2")) or path in UNVERSIONED or page):
             if not authorized(request, expected, page):
                 return error_response(APIError("invalid or missing API key", 401,
                                                "authentication_error"), request)
         return await call_next(request)
+
+    app.root_path = http.root_path or ""  # routes match with or without the prefix
+    if http.allowed_origins:  # outermost: a preflight is answered before the key is asked
+        app.add_middleware(CORSMiddleware, allow_origins=list(http.allowed_origins),
+                           allow_methods=list(http.allowed_methods),
+                           allow_headers=list(http.allowed_headers),
+                           allow_credentials=http.allow_credentials)
 
 
 class RequestIds:
@@ -164,7 +173,8 @@ def install_docs(app: FastAPI) -> None:
 
     def schema_url(request: Request) -> str:
         key = request.query_params.get("api_key")
-        return app.openapi_url + (f"?{urlencode({'api_key': key})}" if key else "")
+        prefix = request.scope.get("root_path", "").rstrip("/")  # behind a path proxy
+        return prefix + app.openapi_url + (f"?{urlencode({'api_key': key})}" if key else "")
 
     @app.get("/docs", include_in_schema=False)
     async def swagger(request: Request) -> HTMLResponse:

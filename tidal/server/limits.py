@@ -1,7 +1,8 @@
 """What a public endpoint refuses before a request reaches a route: headers and bodies over a
 size (431, 413: an ASGI middleware every tidal HTTP app installs, beside uvicorn's h11 limit
 on headers still arriving), and connections idle too long, too slow to send a request or
-past the connection cap (`uvicorn_limits`)."""
+past the connection cap (`uvicorn_limits`); and where it listens, how (TLS) and what it logs
+(`uvicorn_options`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from tidal.server.config import HttpConfig
 from tidal.server.anthropic.protocol import body_for
 from tidal.server.openai.protocol import APIError
+
+
+def route_path(scope) -> str:
+    """The request's path as the routes see it: without the proxy's prefix (HttpConfig.
+    root_path) where the path still carries it, so checks by path match either way."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
 
 
 class _TooLarge(HTTPException):
@@ -43,20 +53,20 @@ class RequestLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = route_path(scope)
         query = scope.get("query_string") or b""
         target = len(scope.get("raw_path") or b"") + (len(query) + 1 if query else 0)
         head = len(scope["method"]) + target + 12  # "GET /path HTTP/1.1\r\n"
         head += sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + 2  # "k: v\r\n", "\r\n"
         if head > self.max_header:
             await _refusal(f"the request line and headers are over this server's limit of "
-                           f"{self.max_header} bytes", 431, scope["path"])(scope, receive,
-                                                                          send)
+                           f"{self.max_header} bytes", 431, path)(scope, receive, send)
             return
-        most = self.uploads.get(scope["path"], self.max_body)
+        most = self.uploads.get(path, self.max_body)
         message = f"the request body is over this server's limit of {most} bytes"
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > most:
-            await _refusal(message, 413, scope["path"])(scope, receive, send)
+            await _refusal(message, 413, path)(scope, receive, send)
             return
         seen, started = 0, False
 
@@ -79,7 +89,7 @@ class RequestLimits:
         except _TooLarge:  # read outside a route (a middleware): answer here
             if started:
                 raise
-            await _refusal(message, 413, scope["path"])(scope, receive, send)
+            await _refusal(message, 413, path)(scope, receive, send)
 
 
 class IdleH11Protocol(H11Protocol):
@@ -169,3 +179,17 @@ def uvicorn_limits(http: HttpConfig) -> dict:
                      "max_connections": http.connection_cap()})
     return {"http": protocol, "h11_max_incomplete_event_size": http.max_header_bytes,
             "timeout_keep_alive": http.idle_timeout}
+
+
+def uvicorn_options(http: HttpConfig) -> dict:
+    """All of uvicorn.run's arguments but the app: host:port or the Unix socket, TLS, the
+    log level and access log, and the limits (the proxy's prefix is the app's own:
+    uvicorn's would prefix every path once more)."""
+    where = {"uds": http.uds} if http.uds is not None else {"host": http.host,
+                                                             "port": http.port}
+    tls = {k: getattr(http, k) for k in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")
+           if getattr(http, k) is not None}
+    if tls:
+        tls["ssl_cert_reqs"] = http.ssl_cert_reqs
+    return {**where, **tls, "log_level": http.uvicorn_log_level,
+            "access_log": not http.disable_uvicorn_access_log, **uvicorn_limits(http)}
