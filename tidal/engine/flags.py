@@ -37,7 +37,7 @@ def _add_flags(group, rows: list[tuple[str, Any, str]], type_of) -> None:
         flag = "--" + name.replace("_", "-")
         if isinstance(default, tuple):  # a list: each value a word (name=path, ...)
             group.add_argument(flag, dest=name, nargs="+", default=argparse.SUPPRESS,
-                               help=f"{help_text} (default: none)")
+                               help=f"{help_text} (default: {' '.join(default) or 'none'})")
             continue
         if isinstance(default, bool):  # `--flag` alone means true, as vLLM's switches
             group.add_argument(flag, dest=name, type=_parse_bool, nargs="?", const=True,
