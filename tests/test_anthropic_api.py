@@ -260,7 +260,7 @@ def test_an_output_format_is_followed(client):
     ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, 400,
      "invalid_request_error", "messages.0.role: a message's role must be user or assistant"),
     ({"max_tokens": 4, "model": "claude-x", "messages": [{"role": "user", "content": "x"}]},
-     400, "invalid_request_error", "'claude-x' does not exist"),
+     404, "not_found_error", "'claude-x' does not exist"),
 ])
 def test_bad_requests_get_anthropics_error_shape(server, body, status, kind, words):
     r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, **body})  # body's wins

@@ -187,7 +187,7 @@ def test_bad_embedding_requests_are_400s_naming_the_field(served, body, param):
 
 def test_an_unknown_model_is_refused_as_in_chat(served):
     server, _ = served
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.NotFoundError) as err:
         openai_client(server).embeddings.create(model="nope", input="a")
     assert err.value.body["code"] == "model_not_found"
 

@@ -215,7 +215,7 @@ def test_served_adapters_over_http_with_the_openai_client(setup, tmp_path):
         for name in ("base", "qv4", "all8"):
             ref = refs[None if name == "base" else name]
             assert [complete(name, i) for i in range(3)] == [text(t) for t in ref[:3]]
-        with pytest.raises(openai.BadRequestError, match="'nope' does not exist"):
+        with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):
             complete("nope", 0)
 
         def post(path, **body):
@@ -232,7 +232,7 @@ def test_served_adapters_over_http_with_the_openai_client(setup, tmp_path):
         assert r.status_code == 400 and "'bad'" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "lora_path"
         assert post("/v1/unload_lora_adapter", lora_name="mlp16").status_code == 200
-        with pytest.raises(openai.BadRequestError, match="'mlp16' does not exist"):
+        with pytest.raises(openai.NotFoundError, match="'mlp16' does not exist"):
             complete("mlp16", 1)
         r = post("/v1/unload_lora_adapter", lora_name="mlp16")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

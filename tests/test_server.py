@@ -224,7 +224,8 @@ def test_malformed_bodies_and_unknown_model(server):
         r = httpx.post(server.url + "/v1/completions", content=raw, headers=headers)
         assert r.status_code == 400 and "error" in r.json()
     r = post(server, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["code"] == "model_not_found"
 
 
 def test_disconnect_mid_stream_frees_the_blocks(server):

@@ -33,14 +33,15 @@ class Adapters:
 
     def resolve(self, name: str | None) -> str | None:
         """The adapter a request's `model` names (None: the base model); a 400 with code
-        model_not_found for anything else."""
+        model_not_found for anything else (404, as OpenAI's and vLLM's)."""
         if name is None or name == self.base:
             return None
         if name in self.paths:
             return name
         served = [self.base, *self.paths]
         raise APIError(f"the model {name!r} does not exist; this server serves "
-                       f"{', '.join(map(repr, served))}", param="model", code="model_not_found")
+                       f"{', '.join(map(repr, served))}", 404, param="model",
+                       code="model_not_found")
 
     def cards(self, created: int, max_model_len: int) -> list[dict]:
         return [{"id": name, "object": "model", "created": created, "owned_by": "tidal",

@@ -46,6 +46,8 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
 }
 _GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 _QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank")  # may answer 429, 503
+# bodies whose `model` is looked up: 404 for one not served
+_MODEL_ROUTES = _QUEUED + ("/tokenize", "/detokenize", "/v1/messages/count_tokens")
 _LOOKED_UP = ("/v1/models/", "/v1/responses", "/v1/files", "/v1/batches")  # may answer 404
 _KEYED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/dashboard")
 
@@ -79,7 +81,7 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
             errors = (["400", "413"] if has_body else []) + (
                 ["401"] if keyed and path.startswith(_KEYED) else []) + (
                 ["429", "503"] if path in _QUEUED else []) + (
-                ["404"] if path.startswith(_LOOKED_UP) else []) + (
+                ["404"] if path.startswith(_LOOKED_UP) or path in _MODEL_ROUTES else []) + (
                 ["409"] if path.endswith("/cancel") else [])
             shape = _ANTHROPIC_ERROR if path.startswith(ANTHROPIC_PREFIX) else _ERROR
             for status in errors:
