@@ -370,7 +370,8 @@ def test_tokenize_and_detokenize_refuse_bad_input_and_need_the_key(server):
         assert post(server, path, body, key=None).status_code == 401
         assert post(server, path, body, key="nope").status_code == 401
         assert post(server, path, body).status_code == 200
-        assert refused(post(server, path, {**body, "model": "gpt-9"}), "model")
+        unknown = post(server, path, {**body, "model": "gpt-9"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
         assert "Unrecognized" in refused(post(server, path, {**body, "x": 1}), "x")
     assert refused(post(server, "/detokenize", {"tokens": [49152]}), "tokens")
     assert refused(post(server, "/tokenize", {"prompt": "a", "messages": QUESTION}), "prompt")
