@@ -16,7 +16,7 @@ from tidal.core.knobs import check_at_least_one, check_choice, knob
 from tidal.runtime.core_watch import RestartPolicy
 from tidal.server.openai.reasoning import PARSERS as REASONING_PARSERS
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,9 @@ class ServerConfig(HttpConfig):
                                 "that much text back), or of one bad word.")
     tool_call_parser: str = knob("auto", "How tool_choice 'auto' reads the model's calls: "
                                  "'hermes' (<tool_call> JSON: Qwen, Hermes, and models "
-                                 "without a tool template), 'llama3_json', or 'auto' (from "
-                                 "the chat template).")
+                                 "without a tool template), 'llama3_json', 'mistral' "
+                                 "([TOOL_CALLS]; 9-character call ids, as its templates "
+                                 "require), or 'auto' (from the chat template).")
     reasoning_parser: str | None = knob(None, "'think' (also 'qwen3', 'deepseek_r1'): <think> "
                                         "blocks of replies go to reasoning_content.")
     chat_template: str | None = knob(None, "A chat template (jinja) in place of the model's "

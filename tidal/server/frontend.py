@@ -28,7 +28,8 @@ from tidal.server.dashboard import DashboardHub
 from tidal.server.lora_routes import Adapters
 from tidal.server.metrics import ServerMetrics
 from tidal.server.openai.chat import ChatRequest
-from tidal.server.openai.chat_output import ChatOutputOptions
+from tidal.server.openai.chat_output import (ChatOutputOptions, mistral_call_id,
+                                             openai_call_id)
 from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.generation_bodies import GenerationResponse, Updates
 from tidal.server.openai.protocol import APIError, GenerationRequest, check_token_ids, truncated
@@ -64,6 +65,7 @@ class Frontend:
             template = getattr(self.tokenizer, "chat_template", None)
             parser = parser_for_template(getattr(template, "source", None))
         self.tool_parser = AUTO_PARSERS[parser]
+        self.call_id = mistral_call_id if parser == "mistral" else openai_call_id
         # custom logits processors, for their check of a request's vllm_xargs
         self.processor_classes = load_processors(client.config.model.logits_processors)
         model = client.config.model
@@ -109,6 +111,7 @@ class Frontend:
             parser = partial(NamedCallParser, mode)
         return ChatOutputOptions(
             tool_parser=parser, named=mode not in ("none", "auto", "required"),
+            call_id=self.call_id,
             parallel=body.parallel_tool_calls, reasoning=self.config.reasoning_parser is not None,
             prompt_opens_thinking=prompt_opens_thinking(body.prompt_text()),
             include_reasoning=body.include_reasoning)
@@ -239,6 +242,9 @@ class Frontend:
                                                   client.ready.max_model_len,
                                                   client.ready.vocab_size))
             params[-1].lora = adapter
+            if (self.tool_parser.KEEPS_SPECIAL_TOKENS and isinstance(body, ChatRequest)
+                    and body.tool_mode() == "auto"):  # the parser reads its marker's text
+                params[-1].skip_special_tokens = False
             if params[-1].bad_words:  # as token sequences: the engine core has no tokenizer
                 params[-1].bad_words_token_ids = self.tokenizer.bad_word_ids(
                     params[-1].bad_words)

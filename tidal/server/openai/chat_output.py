@@ -4,6 +4,8 @@ pieces whether streamed or collected into one message."""
 
 from __future__ import annotations
 
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
@@ -13,11 +15,20 @@ from tidal.server.openai.schemas import FunctionCall, FunctionDelta, ToolCall, T
 from tidal.server.openai.tool_parsers import Event, ToolParser
 
 
+def openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id() -> str:
+    """Mistral's chat templates refuse any other tool call id than 9 letters and digits."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
 @dataclass(frozen=True)
 class ChatOutputOptions:
     """How a request's choices are read: which tool parser (None: the text is content),
     whether a named function was forced (its finish reason stays "stop", as OpenAI's),
-    one call at most unless `parallel`, and the reasoning split."""
+    one call at most unless `parallel`, the reasoning split, and how calls are named."""
 
     tool_parser: Callable[[], ToolParser] | None = None
     named: bool = False
@@ -25,6 +36,7 @@ class ChatOutputOptions:
     reasoning: bool = False  # split <think> blocks into reasoning_content
     prompt_opens_thinking: bool = False
     include_reasoning: bool = True
+    call_id: Callable[[], str] = openai_call_id  # a new call's id, as the template takes it
 
 
 @dataclass
@@ -90,7 +102,7 @@ class ChoiceOutput:
             if self._dropped:
                 return
             _, name, arguments = event
-            call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", FunctionCall(name, arguments))
+            call = ToolCall(self.options.call_id(), FunctionCall(name, arguments))
             piece.calls.append(ToolCallDelta(len(self.calls), call.id, "function",
                                              FunctionDelta(name, arguments)))
             self.calls.append(call)

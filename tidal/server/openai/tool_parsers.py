@@ -5,7 +5,8 @@ and answers with events: ("content", text), ("call", name, arguments) for a new 
 ("args", text) for more of the last call's arguments. A whole response is the same events
 collected. Parsers for `tool_choice: auto` read what the model wrote (`hermes`:
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, as Qwen and Hermes models write;
-`llama3_json`: `{"name": ..., "parameters": ...}` objects separated by `;`); parsers for
+`llama3_json`: `{"name": ..., "parameters": ...}` objects separated by `;`; `mistral`:
+`[TOOL_CALLS]` and a JSON list, or `name[ARGS]{...}` per call); parsers for
 forced choices read the output that structured outputs constrained."""
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _call(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
 class ToolParser:
     """Base: content goes out as it comes, except whitespace, held until more text
     follows (so the blank lines around calls do not become content)."""
+
+    KEEPS_SPECIAL_TOKENS = False  # its markers are special tokens: their text must stay
 
     def __init__(self) -> None:
         self._blank = ""
@@ -151,6 +154,68 @@ class Llama3JsonParser(ToolParser):
         return calls
 
 
+class MistralParser(ToolParser):
+    """Mistral's calls after its `[TOOL_CALLS]` token: a JSON list of {name, arguments}
+    (its v3 tokenizer's models, e.g. Mistral-7B-Instruct-v0.3), or `name[ARGS]{...}` per
+    call, each after its own `[TOOL_CALLS]` (v11 on: Mistral Small 3.2, Magistral, Devstral).
+    The text before the first marker is content; a reply whose calls do not parse stays
+    text. The marker is a special token: requests read with it keep special tokens' text
+    (KEEPS_SPECIAL_TOKENS), as vLLM's parser does."""
+
+    BOT, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    KEEPS_SPECIAL_TOKENS = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""
+        self._calls: str | None = None  # the text after the first marker, once it came
+
+    def feed(self, text: str) -> list[Event]:
+        if self._calls is not None:
+            self._calls += text
+            return []
+        self._pending += text
+        start = self._pending.find(self.BOT)
+        if start >= 0:
+            content, self._calls = self._pending[:start], self._pending[start:]
+            self._pending = ""
+            return self._content(content)
+        cut = len(self._pending) - partial_suffix(self._pending, self.BOT)
+        content, self._pending = self._pending[:cut], self._pending[cut:]
+        return self._content(content)
+
+    def finish(self) -> list[Event]:
+        text, self._calls = self._calls, None
+        if text is None:
+            rest, self._pending = self._pending, ""
+            return self._content(rest)
+        calls = self._parse(text)
+        return self._content(text) if calls is None else [("call", *c) for c in calls]
+
+    def _parse(self, text: str) -> list[tuple[str, str]] | None:
+        parts = [p.strip() for p in text.split(self.BOT)[1:]]
+        try:
+            if parts and parts[0].startswith(("[", "{")):  # one JSON list (or object)
+                if len(parts) != 1:
+                    return None
+                objs = json.loads(parts[0])
+                calls = [_call(o, ("arguments", "parameters"))
+                         for o in (objs if isinstance(objs, list) else [objs])]
+            else:
+                calls = [self._named(p) for p in parts]
+        except ValueError:
+            return None
+        return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+    def _named(self, part: str) -> tuple[str, str] | None:
+        """`name[ARGS]{...}` (or `name[CALL_ID]id[ARGS]{...}`) as (name, arguments)."""
+        head, sep, args = part.partition(self.ARGS)
+        name = head.partition(self.CALL_ID)[0].strip()
+        if not sep or not name:
+            return None
+        return _call({"name": name, "arguments": json.loads(args)}, ("arguments",))
+
+
 class NamedCallParser(ToolParser):
     """A forced function: the whole output is its arguments, streamed as they come."""
 
@@ -238,14 +303,18 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-AUTO_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+AUTO_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
+                "mistral": MistralParser}
 
 
 def parser_for_template(template_source: str | None) -> str:
-    """The auto parser that matches a chat template: Llama 3's JSON calls where it speaks
-    of `<|python_tag|>` or ipython, else Hermes (also what tidal's own tool prompt asks
-    for, for templates without tools)."""
+    """The auto parser that matches a chat template: Mistral's where it writes
+    `[TOOL_CALLS]`, Llama 3's JSON calls where it speaks of `<|python_tag|>` or ipython,
+    else Hermes (also what tidal's own tool prompt asks for, for templates without
+    tools)."""
     source = template_source or ""
+    if "[TOOL_CALLS]" in source:
+        return "mistral"
     if "<tool_call>" not in source and ("<|python_tag|>" in source or "ipython" in source):
         return "llama3_json"
     return "hermes"
