@@ -7,6 +7,7 @@ them), offline and served through the official client."""
 from __future__ import annotations
 
 import json
+import logging
 
 import gguf
 import httpx
@@ -50,7 +51,8 @@ def test_end_tokens_come_from_the_tokenizer_config_and_generation_config(tmp_pat
         end_token_ids(tmp_path, 2)
 
 
-def test_sampling_defaults_read_the_file_then_the_overrides_each_checked(folder, tmp_path):
+def test_sampling_defaults_read_the_file_then_the_overrides_each_checked(folder, tmp_path,
+                                                                          caplog):
     want = {"temperature": 0.0, "top_k": 20, "max_tokens": 5}  # do_sample, max_length: not
     assert sampling_defaults(folder) == want
     assert sampling_defaults(tmp_path, str(folder)) == want  # another folder's file
@@ -60,14 +62,19 @@ def test_sampling_defaults_read_the_file_then_the_overrides_each_checked(folder,
     assert sampling_defaults(tmp_path) == {}  # no file: none
     with pytest.raises(ValueError, match="no generation_config.json there"):
         sampling_defaults(folder, str(tmp_path))
-    for bad, field in (({"temperature": 3}, "temperature"), ({"top_k": 1.5}, "top_k"),
-                       ({"top_p": "0.9"}, "top_p"), ({"top_p": 0}, "top_p"),
-                       ({"max_new_tokens": 0}, "max_new_tokens")):
-        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
-        with pytest.raises(ValueError, match=field):
-            sampling_defaults(tmp_path)
-    for bad, why in (("{", "not JSON"), ("[1]", "a JSON object"), ('{"temp": 1}', "'temp'"),
-                     ('{"temperature": -1}', "temperature")):
+    # A model's value out of a request's range is left out (with a warning naming it); the
+    # others stay. The same value as an override is refused, naming it.
+    for bad in ({"temperature": 3}, {"top_k": 1.5}, {"top_p": "0.9"}, {"top_p": 0},
+                {"max_new_tokens": 0}, {"repetition_penalty": 0}):
+        (tmp_path / "generation_config.json").write_text(json.dumps({**bad, "min_p": 0.2}))
+        with caplog.at_level(logging.WARNING, logger="tidal.model"):
+            assert sampling_defaults(tmp_path) == {"min_p": 0.2}
+        key = next(iter(bad))
+        assert f"{key} must be" in caplog.text and "left out" in caplog.text
+        caplog.clear()
+        with pytest.raises(ValueError, match=f"override_generation_config: {key} must be"):
+            EngineConfig.from_kwargs(override_generation_config=json.dumps(bad))
+    for bad, why in (("{", "not JSON"), ("[1]", "a JSON object"), ('{"temp": 1}', "'temp'")):
         with pytest.raises(ValueError, match=why):
             EngineConfig.from_kwargs(override_generation_config=bad)
 
@@ -155,12 +162,10 @@ def test_served_requests_take_the_models_defaults_and_stop_at_its_turn_end(serve
     assert "sampling defaults from the model's generation config" in server.output()
 
 
-def test_a_model_whose_generation_config_is_out_of_range_is_refused_at_start(tmp_path):
-    folder = with_generation_config(tiny_folder(tmp_path, "llama"), temperature=7)
-    with pytest.raises(RuntimeError, match="temperature must be a number in"):
-        Server("--model", str(folder), "--dtype", "float32", ready_s=120)
-    with pytest.raises(ValueError, match="temperature must be a number in"):
-        LLM(str(folder), dtype="float32", num_kv_blocks=16)
+def test_a_models_value_out_of_range_is_left_out_and_vllm_takes_none(tmp_path):
+    folder = with_generation_config(tiny_folder(tmp_path, "llama"), temperature=7, top_k=3)
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=16)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_k) == (SamplingParams().temperature, 3)
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=16, generation_config="vllm")
     assert llm.get_default_sampling_params() == SamplingParams()
-

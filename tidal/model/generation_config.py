@@ -12,9 +12,12 @@ reader serves both.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("tidal.model")
 
 # Token texts llama.cpp ends a generation at in a GGUF file (llama-vocab.cpp's EOG list, the
 # entries of the families tidal runs).
@@ -84,12 +87,27 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
     return overrides
 
 
+def _checked(key: str, value: Any) -> float | int:
+    """A sampling field's value as a request would give it; a ValueError says its range."""
+    _, low, high = SAMPLING_FIELDS[key]
+    integer = isinstance(low, int)
+    positive = key in ("top_p", "repetition_penalty")  # 0 is no distribution, no penalty
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            integer and not float(value).is_integer()) or not math.isfinite(value) or (
+            not low <= value <= high) or (positive and value == 0):
+        kind = "an integer" if integer else "a number"
+        bound = f"({low}, {high}]" if positive else f"[{low}, {high}]"
+        raise ValueError(f"{key} must be {kind} in {bound}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
 def sampling_defaults(folder: str | Path, source: str = "auto",
                       overrides: str | None = None) -> dict[str, float | int]:
     """The request fields a generation request leaves unset take these values: the
     generation_config.json of `folder` (source 'auto'), of another folder (source: its
-    path) or none ('tidal', 'vllm'), with `overrides` (a JSON object) over it. Each value
-    is checked against the range a request may give: a ValueError names the field."""
+    path) or none ('tidal', 'vllm'), with `overrides` (a JSON object) over it. A file's
+    value out of a request's range is left out, with a warning; an override's is a
+    ValueError naming it."""
     cfg: dict[str, Any] = {}
     if source not in ENGINE_DEFAULTS:
         where = Path(folder) if source == "auto" else Path(source).expanduser()
@@ -98,22 +116,16 @@ def sampling_defaults(folder: str | Path, source: str = "auto",
                              "(give a folder holding one, 'auto' or 'vllm')")
         if (where / GENERATION_CONFIG).is_file():
             cfg = _read(where / GENERATION_CONFIG)
-    cfg = {k: v for k, v in cfg.items() if k in SAMPLING_FIELDS and v is not None}
-    cfg.update(parse_overrides(overrides))
     defaults: dict[str, float | int] = {}
     for key, value in cfg.items():
-        field, low, high = SAMPLING_FIELDS[key]
-        integer = isinstance(low, int)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                integer and not float(value).is_integer()) or not math.isfinite(value) or (
-                not low <= value <= high):
-            kind = "an integer" if integer else "a number"
-            raise ValueError(f"generation config: {key} must be {kind} in [{low}, {high}], "
-                             f"got {value!r} (--generation-config vllm: the engine's own "
-                             "defaults)")
-        defaults[field] = int(value) if integer else float(value)
-    if defaults.get("top_p", 1.0) == 0.0:
-        raise ValueError("generation config: top_p must be above 0")
-    if defaults.get("repetition_penalty", 1.0) == 0.0:
-        raise ValueError("generation config: repetition_penalty must be above 0")
+        if key in SAMPLING_FIELDS and value is not None:
+            try:
+                defaults[SAMPLING_FIELDS[key][0]] = _checked(key, value)
+            except ValueError as exc:
+                log.warning("%s: %s; left out", where / GENERATION_CONFIG, exc)
+    for key, value in parse_overrides(overrides).items():
+        try:
+            defaults[SAMPLING_FIELDS[key][0]] = _checked(key, value)
+        except ValueError as exc:
+            raise ValueError(f"override_generation_config: {exc}") from None
     return defaults
