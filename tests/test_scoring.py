@@ -1,7 +1,7 @@
 """Scores and reranking: the bodies' pairs and answers; a sequence-classification
 checkpoint's head and an LLM reranker's answer tokens scoring as transformers computes
 them; and served, /v1/score and /v1/rerank (and their aliases) on a classifier, batched
-with generation, `--task score`, and refusals."""
+with generation, `--task score`, and refusals; offline, `LLM.score`."""
 
 from __future__ import annotations
 
@@ -167,3 +167,23 @@ def test_a_classifier_of_several_labels_is_refused_naming_it(tmp_path, classifie
     shutil.copy(classifier[0] / "tokenizer.json", tmp_path / "three" / "tokenizer.json")
     with pytest.raises(ValueError, match="a score head of 3 labels"):
         LLM(str(tmp_path / "three"), num_kv_blocks=16, num_threads=1)
+
+
+def test_offline_score_matches_the_classifier_and_pairs_as_the_server(classifier):
+    from tidal import LLM
+
+    folder, model, tok = classifier
+    llm = LLM(str(folder), num_kv_blocks=32, num_threads=1, dtype="float32")
+    try:
+        assert llm.score(QUERY, DOCS) == pytest.approx(
+            hf_scores(model, tok, [(QUERY, d) for d in DOCS]), abs=1e-5)
+        assert llm.score(DOCS[:2], DOCS[2:]) == pytest.approx(
+            hf_scores(model, tok, list(zip(DOCS[:2], DOCS[2:]))), abs=1e-5)
+        with pytest.raises(ValueError, match="3 first texts for 2 second ones"):
+            llm.score(DOCS[:3], DOCS[:2])
+    finally:
+        llm.close()
+    plain = LLM(str(small_folder(folder.parent, "plain", "llama")), num_kv_blocks=16,
+                num_threads=1)
+    with pytest.raises(ValueError, match="no score head"):
+        plain.score("q", "d")

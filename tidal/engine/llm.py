@@ -1,5 +1,5 @@
 """The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(conversations)`,
-`LLM.embed(prompts)` and `LLM.beam_search(prompts, params)`."""
+`LLM.embed(prompts)`, `LLM.score(texts_1, texts_2)` and `LLM.beam_search(prompts, params)`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tidal.engine.beam_search import (BeamSearch, BeamSearches, BeamSearchParams
 from tidal.engine.config import EngineConfig, give_omp_spin
 from tidal.engine.outputs import (BeamSearchOutput, BeamSequence, CompletionOutput,
                                   GenerationOutput)
+from tidal.model.score_prompts import pair_ids, score_pairs, score_params
 
 Prompt = str | dict  # a string, or {"prompt_token_ids": [...]}
 
@@ -115,6 +116,20 @@ class LLM:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                                 embed=dimensions)
         return [r.embedding for r in self.generate(prompts, params, use_tqdm)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              instruction: str | None = None, use_tqdm: bool = False) -> list[float]:
+        """Each (text_1, text_2) pair's relevance in (0, 1), as /v1/score answers (vLLM's
+        LLM.score): one text_1 against each text_2, or pair by pair. The model needs a score
+        head: a *ForSequenceClassification checkpoint, or an LLM reranker's answer tokens
+        (`score_tokens="no,yes"`; `instruction`: its <Instruct> line)."""
+        scorer = self.engine.core.executor.info.scorer
+        if not scorer:
+            raise ValueError("this model has no score head: a *ForSequenceClassification "
+                             "checkpoint, or an LLM reranker with score_tokens (e.g. no,yes)")
+        prompts = [{"prompt_token_ids": pair_ids(self.tokenizer, scorer, q, d, instruction)}
+                   for q, d in score_pairs(text_1, text_2)]
+        return [r.embedding[0] for r in self.generate(prompts, score_params(), use_tqdm)]
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -2,12 +2,7 @@
 serve) bodies: each (query, document) pair is one prompt, run as a request that stops after
 its prompt with SamplingParams.score set, so scores batch with generation on the same
 engine core. The model's score head (tidal.model.score_head) reads the prompt's last
-token; how a pair becomes a prompt depends on the head:
-
-- a classifier (a `*ForSequenceClassification` checkpoint): the tokenizer's pair encoding;
-- answer tokens (an LLM reranker, `--score-tokens no,yes`): a judging prompt through the
-  model's chat template, Qwen3-Reranker's recipe (a system line, then `<Instruct>`,
-  `<Query>` and `<Document>`), thinking off."""
+token; how a pair becomes a prompt depends on the head (tidal/model/score_prompts.py)."""
 
 from __future__ import annotations
 
@@ -18,30 +13,13 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 from pydantic import Field, model_validator
 
 from tidal.core import SamplingParams
+from tidal.model.score_prompts import pair_ids, score_pairs, score_params
 from tidal.server.openai.protocol import APIError, StrictModel, refuse
 
 if TYPE_CHECKING:
     from tidal.server.config import ServerConfig
 
-JUDGE = ('Judge whether the Document meets the requirements based on the Query and the '
-         'Instruct provided. Note that the answer can only be "yes" or "no".')
-INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 Texts = Annotated[list[str], Field(min_length=1)]
-
-
-def pair_ids(tokenizer, scorer: str, query: str, document: str, instruction: str | None
-             ) -> list[int]:
-    """The prompt that scores `document` against `query` for a head of kind `scorer`."""
-    if scorer == "answer_tokens":
-        user = (f"<Instruct>: {instruction or INSTRUCTION}\n<Query>: {query}\n"
-                f"<Document>: {document}")
-        if tokenizer.chat_template is None:  # no template to wrap it: the lines alone
-            return tokenizer.encode(f"{JUDGE}\n{user}\n")
-        text = tokenizer.apply_chat_template(
-            [{"role": "system", "content": JUDGE}, {"role": "user", "content": user}],
-            add_generation_prompt=True, enable_thinking=False)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode_pair(query, document)
 
 
 class _Scoring(StrictModel):
@@ -69,8 +47,7 @@ class _Scoring(StrictModel):
         if prompt_len >= max_model_len:
             raise APIError(f"a pair has {prompt_len} tokens; this model takes at most "
                            f"{max_model_len - 1}", param=self.prompt_field)
-        return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, embed=0,
-                              score=True)
+        return score_params()
 
     def output_constraint(self) -> None:
         return None
@@ -102,9 +79,7 @@ class ScoreRequest(_Scoring):
         return self
 
     def pairs(self) -> list[tuple[str, str]]:
-        firsts = [self.text_1] if isinstance(self.text_1, str) else self.text_1
-        seconds = [self.text_2] if isinstance(self.text_2, str) else self.text_2
-        return list(zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds))
+        return score_pairs(self.text_1, self.text_2)
 
     def body(self, vectors: list[list[float]], prompts: list[list[int]], model: str) -> dict:
         """vLLM's answer: a score per pair, in the pairs' order."""
