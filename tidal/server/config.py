@@ -16,7 +16,7 @@ from tidal.core.knobs import check_at_least_one, check_choice, knob
 from tidal.runtime.core_watch import RestartPolicy
 from tidal.server.openai.reasoning import PARSERS as REASONING_PARSERS
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,8 @@ class ServerConfig(HttpConfig):
                                  "'hermes' (<tool_call> JSON: Qwen, Hermes, and models "
                                  "without a tool template), 'llama3_json', 'mistral' "
                                  "([TOOL_CALLS]; 9-character call ids, as its templates "
-                                 "require), or 'auto' (from the chat template).")
+                                 "require), 'pythonic' ([f(a=1), g()]: Llama 3.2 and 4's "
+                                 "pythonic templates), or 'auto' (from the chat template).")
     reasoning_parser: str | None = knob(None, "'think' (also 'qwen3', 'deepseek_r1'): <think> "
                                         "blocks of replies go to reasoning_content.")
     chat_template: str | None = knob(None, "A chat template (jinja) in place of the model's "

@@ -6,11 +6,13 @@ and answers with events: ("content", text), ("call", name, arguments) for a new 
 collected. Parsers for `tool_choice: auto` read what the model wrote (`hermes`:
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, as Qwen and Hermes models write;
 `llama3_json`: `{"name": ..., "parameters": ...}` objects separated by `;`; `mistral`:
-`[TOOL_CALLS]` and a JSON list, or `name[ARGS]{...}` per call); parsers for
+`[TOOL_CALLS]` and a JSON list, or `name[ARGS]{...}` per call; `pythonic`: a Python list
+of calls with keyword arguments); parsers for
 forced choices read the output that structured outputs constrained."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from typing import Any, Sequence
@@ -216,6 +218,56 @@ class MistralParser(ToolParser):
         return _call({"name": name, "arguments": json.loads(args)}, ("arguments",))
 
 
+class PythonicParser(ToolParser):
+    """A reply that is a Python list of calls, `[get_weather(city="Paris"), f()]` (Llama
+    3.2 and 4 with their pythonic templates; Llama 4 wraps it in `<|python_start|>` and
+    `<|python_end|>`): keyword arguments of literal values, read as Python's own parser
+    reads them (never evaluated). Any other reply is content."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text = ""
+        self._mode: str | None = None  # "calls" or "content" once the reply's start shows it
+
+    def feed(self, text: str) -> list[Event]:
+        if self._mode == "content":
+            return self._content(text)
+        self._text += text
+        if self._mode is None:
+            head = self._text.lstrip().removeprefix(self.START).lstrip()
+            if head and not self.START.startswith(head):  # the reply's start is here
+                self._mode = "calls" if head.startswith("[") else "content"
+                if self._mode == "content":
+                    text, self._text = self._text, ""
+                    return self._content(text)
+        return []
+
+    def finish(self) -> list[Event]:
+        text, self._text = self._text, ""
+        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        calls = self._parse(body) if self._mode == "calls" else None
+        return self._content(text) if calls is None else [("call", *c) for c in calls]
+
+    @staticmethod
+    def _parse(body: str) -> list[tuple[str, str]] | None:
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return None
+            calls = []
+            for node in tree.elts:
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and not node.args and all(k.arg for k in node.keywords)):
+                    return None
+                args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                calls.append((node.func.id, json.dumps(args, ensure_ascii=False)))
+            return calls
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return None  # not literal Python calls (or nested past the parser's depth)
+
+
 class NamedCallParser(ToolParser):
     """A forced function: the whole output is its arguments, streamed as they come."""
 
@@ -304,17 +356,20 @@ def partial_suffix(text: str, tag: str) -> int:
 
 
 AUTO_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                "mistral": MistralParser}
+                "mistral": MistralParser, "pythonic": PythonicParser}
 
 
 def parser_for_template(template_source: str | None) -> str:
     """The auto parser that matches a chat template: Mistral's where it writes
-    `[TOOL_CALLS]`, Llama 3's JSON calls where it speaks of `<|python_tag|>` or ipython,
-    else Hermes (also what tidal's own tool prompt asks for, for templates without
-    tools)."""
+    `[TOOL_CALLS]`, pythonic where it asks for `[func_name1(...)]` lists (Llama 3.2's and
+    4's pythonic templates) or writes `<|python_start|>`, Llama 3's JSON calls where it
+    speaks of `<|python_tag|>` or ipython, else Hermes (also what tidal's own tool prompt
+    asks for, for templates without tools)."""
     source = template_source or ""
     if "[TOOL_CALLS]" in source:
         return "mistral"
+    if "[func_name1(" in source or "<|python_start|>" in source:
+        return "pythonic"
     if "<tool_call>" not in source and ("<|python_tag|>" in source or "ipython" in source):
         return "llama3_json"
     return "hermes"

@@ -1,8 +1,13 @@
-"""Mistral's tool calls (`--tool-call-parser mistral`, or `auto` over a template that writes
-`[TOOL_CALLS]`): both of its formats read the same in any pieces, calls get the 9-character
-ids its templates take, and the marker's text reaches the parser where it is a special
-token. End to end through the official client: a scripted reply (structured outputs)
-becomes tool_calls, streamed or not, and goes back through the template."""
+"""The tool-call formats beside Hermes and Llama 3's JSON (test_tools.py has those):
+
+- Mistral's (`--tool-call-parser mistral`, or `auto` over a template that writes
+  `[TOOL_CALLS]`): both of its formats read the same in any pieces, calls get the
+  9-character ids its templates take, and the marker's text reaches the parser where it is
+  a special token. End to end through the official client: a scripted reply (structured
+  outputs) becomes tool_calls, streamed or not, and goes back through the template.
+- pythonic (Llama 3.2 / 4's `[f(a=1), g()]`): lists of calls read the same in any pieces,
+  their arguments as Python's literals; anything else (code, calls of attributes,
+  positional arguments, deep nesting) stays text, never evaluated."""
 
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from model_fixtures import embedded_folder
 from server_fixtures import Server, openai_client
 from test_tools import args, collect, run, splits
 from tidal.server.openai.chat_output import mistral_call_id
-from tidal.server.openai.tool_parsers import MistralParser, parser_for_template
+from tidal.server.openai.tool_parsers import (MistralParser, PythonicParser,
+                                              parser_for_template)
 
 # Mistral's v3 template, cut down: tools before the last user turn, calls as a JSON list.
 TEMPLATE = """\
@@ -65,6 +71,34 @@ def test_what_does_not_parse_stays_text():
         ("", [("f", "{}")])
     assert parser_for_template(TEMPLATE) == "mistral"
     assert all(re.fullmatch(r"[A-Za-z0-9]{9}", mistral_call_id()) for _ in range(50))
+
+
+values = st.integers(-5, 5) | st.text("ab'\"\n", max_size=4) | st.none() | st.booleans() \
+    | st.lists(st.integers(0, 3), max_size=2)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["f", "get_weather"]),
+                          st.dictionaries(st.sampled_from(["city", "n"]), values, max_size=2)),
+                min_size=1, max_size=3), st.lists(st.integers(0, 300), max_size=8),
+       st.booleans())
+def test_pythonic_calls_read_the_same_in_any_pieces(calls, cuts, wrapped):
+    text = "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
+                           for n, a in calls) + "]"
+    if wrapped:  # Llama 4's markers around the list
+        text = f"<|python_start|>{text}<|python_end|>"
+    got = collect(run(PythonicParser(), splits(text, cuts)))
+    assert got == ("", [(n, json.dumps(a)) for n, a in calls])
+
+
+def test_pythonic_keeps_anything_but_literal_calls_as_text():
+    for text in ("The answer is [1, 2].", "[link](https://x)", "[os.system('ls')]",
+                 "[f(1)]", "[f(a=open('x'))]", "[f(**k)]", "[]", "[f(a=1)", "[" * 5000 + "]"):
+        assert collect(run(PythonicParser(), list(text) if len(text) < 100 else [text])) == \
+            (text.strip(), [])
+    assert parser_for_template("... [func_name1(params_name1=params_value1)] ...") == \
+        "pythonic"
+    assert parser_for_template("{{ '<|python_start|>' }}") == "pythonic"
 
 
 @pytest.fixture(scope="module")
