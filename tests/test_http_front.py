@@ -67,6 +67,8 @@ def test_tls_with_client_certificates_behind_a_path_prefix(tls_server, certs):
         for prefix in ("", "/llm"):  # the key is asked for on either path
             r = http.get(f"{tls_server.url}{prefix}/v1/models")
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            r = http.post(f"{tls_server.url}{prefix}/classify", json={"input": "x"})
+            assert r.status_code == 401
         page = http.get(f"{tls_server.url}/docs", params={"api_key": KEY}).text
         assert "/llm/openapi.json?api_key=" in page  # the proxy's prefix in the page's links
     with pytest.raises(httpx.HTTPError):  # no client certificate: no TLS session

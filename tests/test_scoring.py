@@ -1,7 +1,8 @@
 """Scores and reranking: the bodies' pairs and answers; a sequence-classification
 checkpoint's head and an LLM reranker's answer tokens scoring as transformers computes
 them; and served, /v1/score and /v1/rerank (and their aliases) on a classifier, batched
-with generation, `--task score`, and refusals; offline, `LLM.score`."""
+with generation, `--task score`, and refusals; offline, `LLM.score`; a classifier of several
+labels through `LLM.classify` and `/classify`."""
 
 from __future__ import annotations
 
@@ -157,16 +158,77 @@ def test_task_score_serves_scores_only_and_a_model_without_a_head_refuses(classi
         plain.stop()
 
 
-def test_a_classifier_of_several_labels_is_refused_naming_it(tmp_path, classifier):
+@pytest.fixture(scope="module")
+def three_labels(tmp_path_factory, classifier):
+    """A tiny random classifier of three named labels."""
     from transformers import AutoConfig, LlamaForSequenceClassification
 
+    folder = tmp_path_factory.mktemp("three") / "cls3"
+    cfg = AutoConfig.for_model("llama", **{**SMALL, "num_labels": 3}, id2label={
+        0: "negative", 1: "neutral", 2: "positive"})
+    torch.manual_seed(5)
+    model = LlamaForSequenceClassification(cfg).float().eval()
+    model.save_pretrained(str(folder))
+    shutil.copy(classifier[0] / "tokenizer.json", folder / "tokenizer.json")
+    return folder, model, classifier[2]
+
+
+def hf_probs(model, tok, texts) -> list[list[float]]:
+    with torch.no_grad():
+        return [torch.softmax(model(torch.tensor([tok.encode(t).ids])).logits[0], 0).tolist()
+                for t in texts]
+
+
+def test_a_classifier_of_several_labels_classifies_offline_and_served(three_labels):
     from tidal import LLM
 
-    cfg = AutoConfig.for_model("llama", **{**SMALL, "num_labels": 3})
-    LlamaForSequenceClassification(cfg).save_pretrained(str(tmp_path / "three"))
-    shutil.copy(classifier[0] / "tokenizer.json", tmp_path / "three" / "tokenizer.json")
-    with pytest.raises(ValueError, match="a score head of 3 labels"):
-        LLM(str(tmp_path / "three"), num_kv_blocks=16, num_threads=1)
+    folder, model, tok = three_labels
+    want = hf_probs(model, tok, DOCS)
+    llm = LLM(str(folder), num_kv_blocks=32, num_threads=1, dtype="float32")
+    try:
+        assert llm.classifier_labels == ("negative", "neutral", "positive")
+        got = llm.classify(DOCS)
+        for g, w in zip(got, want):
+            assert g == pytest.approx(w, abs=1e-5)
+        with pytest.raises(ValueError, match="classifies into 3 labels.*LLM.classify"):
+            llm.score(QUERY, DOCS)
+    finally:
+        llm.close()
+    server = Server("--model", str(folder), "--dtype", "float32")
+    try:
+        for path in ("/classify", "/v1/classify"):
+            r = httpx.post(server.url + path, json={"input": DOCS}).json()
+            assert [d["index"] for d in r["data"]] == [0, 1, 2, 3]
+            for d, w in zip(r["data"], want):
+                assert d["probs"] == pytest.approx(w, abs=1e-5) and d["num_classes"] == 3
+                assert d["label"] == ("negative", "neutral", "positive")[w.index(max(w))]
+            assert r["usage"]["prompt_tokens"] == sum(len(tok.encode(t).ids) for t in DOCS)
+        ids = tok.encode(DOCS[1]).ids
+        one = httpx.post(server.url + "/classify", json={"input": ids}).json()["data"]
+        assert one[0]["probs"] == pytest.approx(want[1], abs=1e-5)
+        cut = httpx.post(server.url + "/classify", json={"input": DOCS[1],
+                                                         "truncate_prompt_tokens": 2}).json()
+        assert cut["usage"]["prompt_tokens"] == 2
+        pairs = httpx.post(server.url + "/v1/score", json={"text_1": QUERY, "text_2": DOCS})
+        assert pairs.status_code == 400 and "POST /classify" in pairs.text
+        empty = httpx.post(server.url + "/classify", json={"input": []})
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+    finally:
+        server.stop()
+
+
+def test_classify_needs_a_classifier_head(classifier):
+    from tidal import LLM
+
+    reranker = LLM(str(small_folder(classifier[0].parent, "lm2", "llama")), num_kv_blocks=16,
+                   num_threads=1, score_tokens="w4,w6")
+    with pytest.raises(ValueError, match="classify reads a .*ForSequenceClassification"):
+        reranker.classify("w5 w9")
+    folder, model, tok = classifier  # one label: its sigmoid, as /v1/score reads it
+    one = LLM(str(folder), num_kv_blocks=16, num_threads=1, dtype="float32")
+    with torch.no_grad():
+        want = float(torch.sigmoid(model(torch.tensor([tok.encode(QUERY).ids])).logits[0, 0]))
+    assert one.classify([QUERY])[0] == pytest.approx([want], abs=1e-5)
 
 
 def test_offline_score_matches_the_classifier_and_pairs_as_the_server(classifier):

@@ -166,3 +166,45 @@ def test_the_marker_as_a_special_token_reaches_the_parser(tmp_path):
         assert plain["choices"][0]["message"]["content"] == ""  # skipped, as vLLM skips it
     finally:
         s.stop()
+
+
+PYTHONIC_TEMPLATE = """\
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{%- if tools and loop.first %} If you call functions, answer only with a list in the \
+format [func_name1(params_name1=params_value1), func_name2(params)]: {{ tools | tojson }}\
+{%- endif %}
+{% if message.tool_calls %}[{% for call in message.tool_calls %}{{ call.function.name }}(\
+{%- for k, v in call.function.arguments | items %}{{ k }}={{ v | tojson }}\
+{%- if not loop.last %}, {% endif %}{% endfor %}){% if not loop.last %}, {% endif %}\
+{%- endfor %}]{% else %}{{ message.content }}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_scripted_pythonic_reply_becomes_calls_and_goes_back(tmp_path):
+    path = tmp_path / "pythonic.jinja"
+    path.write_text(PYTHONIC_TEMPLATE)
+    s = Server("--chat-template", str(path))
+    try:
+        client = openai_client(s)
+        common = dict(model="smollm2-135m", messages=ASK, tools=TOOLS, temperature=0,
+                      max_tokens=40,
+                      extra_body={"guided_regex": r'\[get_weather\(city="Paris"\)\]'})
+        r = client.chat.completions.create(**common)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments))
+                for c in message.tool_calls] == [("get_weather", {"city": "Paris"})]
+        assert message.tool_calls[0].id.startswith("call_")
+        streamed = [(c.function.name, c.function.arguments)
+                    for chunk in client.chat.completions.create(**common, stream=True)
+                    for c in chunk.choices[0].delta.tool_calls or []]
+        assert streamed == [("get_weather", '{"city": "Paris"}')]
+        messages = [*ASK, message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "21"}]
+        prompt = httpx.post(s.url + "/tokenize", timeout=30, json={
+            "messages": messages, "tools": TOOLS}).json()["tokens"]
+        text = httpx.post(s.url + "/detokenize", json={"tokens": prompt}).json()["prompt"]
+        assert '[get_weather(city="Paris")]' in text
+    finally:
+        s.stop()

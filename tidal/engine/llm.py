@@ -1,5 +1,6 @@
 """The offline API: `LLM(model).generate(prompts, params)`, `LLM.chat(conversations)`,
-`LLM.embed(prompts)`, `LLM.score(texts_1, texts_2)` and `LLM.beam_search(prompts, params)`."""
+`LLM.embed(prompts)`, `LLM.score(texts_1, texts_2)`, `LLM.classify(prompts)` and
+`LLM.beam_search(prompts, params)`."""
 
 from __future__ import annotations
 
@@ -123,13 +124,32 @@ class LLM:
         LLM.score): one text_1 against each text_2, or pair by pair. The model needs a score
         head: a *ForSequenceClassification checkpoint, or an LLM reranker's answer tokens
         (`score_tokens="no,yes"`; `instruction`: its <Instruct> line)."""
-        scorer = self.engine.core.executor.info.scorer
-        if not scorer:
+        info = self.engine.core.executor.info
+        if not info.scorer:
             raise ValueError("this model has no score head: a *ForSequenceClassification "
                              "checkpoint, or an LLM reranker with score_tokens (e.g. no,yes)")
-        prompts = [{"prompt_token_ids": pair_ids(self.tokenizer, scorer, q, d, instruction)}
+        if len(info.labels) > 1:
+            raise ValueError(f"this model classifies into {len(info.labels)} labels and "
+                             "scores no pairs: LLM.classify")
+        prompts = [{"prompt_token_ids": pair_ids(self.tokenizer, info.scorer, q, d,
+                                                  instruction)}
                    for q, d in score_pairs(text_1, text_2)]
         return [r.embedding[0] for r in self.generate(prompts, score_params(), use_tqdm)]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False
+                 ) -> list[list[float]]:
+        """Each prompt's probability per label of the model's classifier head (vLLM's
+        LLM.classify; a *ForSequenceClassification checkpoint; `classifier_labels` names
+        them, config.json's id2label): the softmax of its logits, one label's sigmoid."""
+        if self.engine.core.executor.info.scorer != "classifier":
+            raise ValueError("LLM.classify reads a *ForSequenceClassification checkpoint's "
+                             "classifier head; this model has none")
+        return [r.embedding for r in self.generate(prompts, score_params(), use_tqdm)]
+
+    @property
+    def classifier_labels(self) -> tuple[str, ...]:
+        """The classifier head's labels, in the order LLM.classify's probabilities come."""
+        return self.engine.core.executor.info.labels
 
     def chat(self, conversations: list[dict] | Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,

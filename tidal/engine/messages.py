@@ -63,6 +63,7 @@ class Ready(msgspec.Struct, tag=True):
     matryoshka: bool = False  # an embedding's leading dimensions are one too
     block_bytes: int = 0  # one KV block's bytes, every layer's K and V (rank 0's share)
     scorer: str = ""  # its score head (score_head.py): "classifier", "answer_tokens" or none
+    labels: list[str] = []  # a classifier head's labels (more than one: /classify's)
 
 
 class Outputs(msgspec.Struct, tag=True, gc=False):

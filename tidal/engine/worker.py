@@ -70,6 +70,7 @@ class WorkerInfo:
     tier_keys: tuple[bytes, ...] = ()  # the blocks they hold at start, oldest first
     kv_cache_dtype: str = "auto"  # the KV rows' format (tidal.model.kv_quant)
     scorer: str = ""  # the model's score head, by kind (tidal.model.score_head); "": none
+    labels: tuple[str, ...] = ()  # a classifier head's labels (one: a reranker's score)
 
     @property
     def on_gpu(self) -> bool:
@@ -213,7 +214,8 @@ class Worker:
                                pooling.matryoshka, phases,
                                self.tier.capacity if self.tier else 0,
                                tuple(self.tier.keys()) if self.tier else (), kv_format.name,
-                               head.kind if head is not None else "")
+                               head.kind if head is not None else "",
+                               head.labels if head is not None else ())
 
     @classmethod
     def from_config(cls, config: EngineConfig, folder: str | Path,

@@ -69,9 +69,9 @@ class Pooling:
         return state
 
     def score(self, state: tuple[torch.Tensor, int]) -> list[float]:
-        """The relevance score of the pooled state (`head`: tidal.model.score_head), as a
-        one-value vector."""
-        return [self.head.score(state[0] / state[1])]
+        """The score head's reading of the pooled state (tidal.model.score_head): a
+        relevance score as a one-value vector, or a classifier's probabilities."""
+        return self.head.reading(state[0] / state[1])
 
     def finish(self, state: tuple[torch.Tensor, int], dimensions: int = 0) -> list[float]:
         """The embedding: its first `dimensions` (0: all), then scaled to unit length."""

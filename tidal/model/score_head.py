@@ -57,13 +57,15 @@ def _read_head(folder: Path) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 class ScoreHead:
     """`logit(hidden)`: one relevance logit from a pooled final hidden state; `score`: its
-    sigmoid."""
+    sigmoid. A classifier of several labels (`labels`, config.json's id2label) reads
+    `probabilities` instead: the softmax of its logits (/classify)."""
 
     def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                  token_ids: tuple[int, int] | None = None, logits=None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, labels: tuple[str, ...] = ()) -> None:
         self.weight, self.bias, self.token_ids = weight, bias, token_ids
         self._logits, self._dtype = logits, dtype  # the model's LM head, and what it reads
+        self.labels = labels  # a classifier's, one per row of `weight`
 
     @classmethod
     def of(cls, folder: str | Path, model, dtype: torch.dtype, tokenize,
@@ -84,10 +86,9 @@ class ScoreHead:
         if head is None:
             return None
         weight, bias = head
-        if weight.shape[0] != 1:
-            raise ValueError(f"{folder}: a score head of {weight.shape[0]} labels; /v1/score "
-                             f"and /v1/rerank read one-label heads (rerankers)")
-        return cls(weight, bias)
+        names = _config(folder).get("id2label") or {}
+        labels = tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(weight.shape[0]))
+        return cls(weight, bias, labels=labels)
 
     @property
     def kind(self) -> str:
@@ -104,3 +105,11 @@ class ScoreHead:
 
     def score(self, hidden: torch.Tensor) -> float:
         return float(torch.sigmoid(torch.tensor(self.logit(hidden))))
+
+    def reading(self, hidden: torch.Tensor) -> list[float]:
+        """What a scoring request gets: [score] of a one-label head (a reranker's, or an
+        LLM's answer tokens), a classifier's probability per label (softmax) otherwise."""
+        if len(self.labels) <= 1:
+            return [self.score(hidden)]
+        out = self.weight @ hidden.float() + (self.bias if self.bias is not None else 0.0)
+        return torch.softmax(out, 0).tolist()

@@ -114,7 +114,8 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
                                          core.executor.info.matryoshka,
                                          core.executor.info.kv_cache_bytes
                                          // (core.executor.info.num_blocks + 1),
-                                         core.executor.info.scorer)))
+                                         core.executor.info.scorer,
+                                         list(core.executor.info.labels))))
     stop = threading.Event()
     threading.Thread(target=_heartbeat, args=(ctx, out_addr, index, incarnation, stop),
                      name="tidal-heartbeat", daemon=True).start()

@@ -193,7 +193,8 @@ class ServerConfig(HttpConfig):
     task: str = knob("auto", "What the server answers: 'auto' generation, embeddings and "
                      "(with a score head) scores, 'generate' generation only, 'embed' "
                      "embeddings only (an embedding model, whose generated text means "
-                     "nothing), 'score' /v1/score and /v1/rerank only (a reranker); the "
+                     "nothing), 'score' /v1/score, /v1/rerank and /classify only (a "
+                     "reranker or classifier); the "
                      "other endpoints answer 400.")
     otlp_traces_endpoint: str | None = knob(
         None, "An OTLP/HTTP traces URL (e.g. http://localhost:4318/v1/traces): one span per "

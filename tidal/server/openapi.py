@@ -45,11 +45,13 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
                                     {"type": "string", "format": "binary"}),
 }
 _GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
-_QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank")  # may answer 429, 503
+# may answer 429, 503
+_QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank", "/classify")
 # bodies whose `model` is looked up: 404 for one not served
 _MODEL_ROUTES = _QUEUED + ("/tokenize", "/detokenize", "/v1/messages/count_tokens")
 _LOOKED_UP = ("/v1/models/", "/v1/responses", "/v1/files", "/v1/batches")  # may answer 404
-_KEYED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/dashboard")
+_KEYED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/classify",
+          "/dashboard")
 
 
 def install_schema(app: FastAPI, served_model: list[str] | str | None, keyed: bool) -> None:

@@ -43,7 +43,7 @@ from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.protocol import APIError, CompletionRequest, DetokenizeRequest
 from tidal.server.responses.request import ResponsesRequest
 from tidal.server.responses.routes import not_stored
-from tidal.server.scoring import RerankRequest, ScoreRequest
+from tidal.server.scoring import ClassifyRequest, RerankRequest, ScoreRequest
 
 log = logging.getLogger("tidal.router")
 
@@ -333,6 +333,12 @@ async def score(body: ScoreRequest, request: Request, router: RouterDep):
 @routes.post("/v2/rerank", include_in_schema=False)
 async def rerank(body: RerankRequest, request: Request, router: RouterDep):
     return await router.to_prefill("/v1/rerank", request)
+
+
+@routes.post("/classify")
+@routes.post("/v1/classify", include_in_schema=False)
+async def classify(body: ClassifyRequest, request: Request, router: RouterDep):
+    return await router.to_prefill("/classify", request)
 
 
 @routes.api_route("/v1/files{rest:path}", methods=["GET", "POST", "DELETE"],

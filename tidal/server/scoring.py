@@ -10,11 +10,11 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from tidal.core import SamplingParams
 from tidal.model.score_prompts import pair_ids, score_pairs, score_params
-from tidal.server.openai.protocol import APIError, StrictModel, refuse
+from tidal.server.openai.protocol import APIError, StrictModel, TokenIds, refuse
 
 if TYPE_CHECKING:
     from tidal.server.config import ServerConfig
@@ -22,30 +22,22 @@ if TYPE_CHECKING:
 Texts = Annotated[list[str], Field(min_length=1)]
 
 
-class _Scoring(StrictModel):
-    """What both bodies share: they answer the frontend's submission as an embedding
-    request does (one prompt-only request per pair, no constraint, no logprobs)."""
+class _HeadRead(StrictModel):
+    """What the bodies the score head answers share: the frontend submits them as it does
+    embeddings (one prompt-only request each, no constraint, no logprobs)."""
 
     prompt_field: ClassVar[str] = "documents"
     n: ClassVar[int] = 1
     ttft_slo_ms: ClassVar[None] = None
     tpot_slo_ms: ClassVar[None] = None
     kv_transfer_params: ClassVar[None] = None
-    truncate_prompt_tokens: ClassVar[None] = None  # a pair's query would be cut first
 
     model: str | None = None
-    instruction: str | None = None  # tidal's: an LLM reranker's <Instruct> line
-
-    def pairs(self) -> list[tuple[str, str]]:
-        raise NotImplementedError
-
-    def prompt_ids(self, tokenizer, scorer: str) -> list[list[int]]:
-        return [pair_ids(tokenizer, scorer, q, d, self.instruction) for q, d in self.pairs()]
 
     def to_sampling_params(self, limits: ServerConfig, prompt_len: int, max_model_len: int,
                            vocab_size: int) -> SamplingParams:
         if prompt_len >= max_model_len:
-            raise APIError(f"a pair has {prompt_len} tokens; this model takes at most "
+            raise APIError(f"a prompt of {prompt_len} tokens; this model takes at most "
                            f"{max_model_len - 1}", param=self.prompt_field)
         return score_params()
 
@@ -54,6 +46,20 @@ class _Scoring(StrictModel):
 
     def num_logprobs(self) -> None:
         return None
+
+
+class _Scoring(_HeadRead):
+    """/v1/score's and /v1/rerank's: each (query, document) pair one prompt."""
+
+    truncate_prompt_tokens: ClassVar[None] = None  # a pair's query would be cut first
+
+    instruction: str | None = None  # tidal's: an LLM reranker's <Instruct> line
+
+    def pairs(self) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+    def prompt_ids(self, tokenizer, scorer: str) -> list[list[int]]:
+        return [pair_ids(tokenizer, scorer, q, d, self.instruction) for q, d in self.pairs()]
 
 
 class ScoreRequest(_Scoring):
@@ -126,4 +132,35 @@ class RerankRequest(_Scoring):
                    for i in order]
         tokens = sum(map(len, prompts))
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+class ClassifyRequest(_HeadRead):
+    """vLLM's /classify: each input through a classifier head, its probability per label
+    (softmax over the head's logits; one label: its sigmoid)."""
+
+    prompt_field: ClassVar[str] = "input"
+
+    input: str | Texts | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the last k tokens
+    user: str | None = None  # harmless
+    priority: int = 0  # harmless: classifications are one step each
+    _labels: tuple[str, ...] = PrivateAttr(())
+
+    def prompt_ids(self, tokenizer, scorer: str) -> list[list[int]]:
+        texts = [self.input] if isinstance(self.input, str) or (
+            self.input and isinstance(self.input[0], int)) else self.input
+        return [tokenizer.encode(t) if isinstance(t, str) else list(t) for t in texts]
+
+    def with_labels(self, labels: list[str]) -> "ClassifyRequest":
+        self._labels = tuple(labels)
+        return self
+
+    def body(self, vectors: list[list[float]], prompts: list[list[int]], model: str) -> dict:
+        """vLLM's answer: each input's most probable label and every label's probability."""
+        data = [{"index": i, "label": self._labels[max(range(len(p)), key=p.__getitem__)],
+                 "probs": p, "num_classes": len(p)} for i, p in enumerate(vectors)]
+        tokens = sum(map(len, prompts))
+        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list",
+                "created": int(time.time()), "model": model, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
