@@ -110,11 +110,12 @@ class HermesParser(ToolParser):
         return [("call", *call)]
 
 
-class Llama3JsonParser(ToolParser):
-    """A reply that is JSON call objects (after an optional `<|python_tag|>`), separated by
-    `;`; any other reply is content."""
+class WholeReplyParser(ToolParser):
+    """A reply that is all calls or all content, told by how it starts (after an optional
+    `TAG`): calls open with `OPENER`, and are read whole at the end (`_calls`: None when
+    they do not parse, and the reply is content after all); content streams."""
 
-    TAG = "<|python_tag|>"
+    TAG, END, OPENER = "", "", ""
 
     def __init__(self) -> None:
         super().__init__()
@@ -128,7 +129,7 @@ class Llama3JsonParser(ToolParser):
         if self._mode is None:
             head = self._text.lstrip().removeprefix(self.TAG).lstrip()
             if head and not self.TAG.startswith(head):  # the reply's start is here
-                self._mode = "calls" if head.startswith("{") else "content"
+                self._mode = "calls" if head.startswith(self.OPENER) else "content"
                 if self._mode == "content":
                     text, self._text = self._text, ""
                     return self._content(text)
@@ -136,9 +137,21 @@ class Llama3JsonParser(ToolParser):
 
     def finish(self) -> list[Event]:
         text, self._text = self._text, ""
-        if self._mode != "calls":
-            return self._content(text)
-        body = text.strip().removeprefix(self.TAG)
+        body = text.strip().removeprefix(self.TAG).removesuffix(self.END).strip()
+        calls = self._calls(body) if self._mode == "calls" else None
+        return self._content(text) if calls is None else [("call", *c) for c in calls]
+
+    def _calls(self, body: str) -> list[tuple[str, str]] | None:
+        raise NotImplementedError
+
+
+class Llama3JsonParser(WholeReplyParser):
+    """A reply that is JSON call objects (after an optional `<|python_tag|>`), separated by
+    `;`; any other reply is content."""
+
+    TAG, OPENER = "<|python_tag|>", "{"
+
+    def _calls(self, body: str) -> list[tuple[str, str]] | None:
         decoder, calls, i = json.JSONDecoder(), [], 0
         try:
             while i < len(body):
@@ -149,10 +162,10 @@ class Llama3JsonParser(ToolParser):
                 obj, i = decoder.raw_decode(body, i)
                 call = _call(obj, ("parameters", "arguments"))
                 if call is None:
-                    raise ValueError("not a call")
-                calls.append(("call", *call))
+                    return None
+                calls.append(call)
         except ValueError:
-            return self._content(text)
+            return None
         return calls
 
 
@@ -218,40 +231,15 @@ class MistralParser(ToolParser):
         return _call({"name": name, "arguments": json.loads(args)}, ("arguments",))
 
 
-class PythonicParser(ToolParser):
+class PythonicParser(WholeReplyParser):
     """A reply that is a Python list of calls, `[get_weather(city="Paris"), f()]` (Llama
     3.2 and 4 with their pythonic templates; Llama 4 wraps it in `<|python_start|>` and
     `<|python_end|>`): keyword arguments of literal values, read as Python's own parser
     reads them (never evaluated). Any other reply is content."""
 
-    START, END = "<|python_start|>", "<|python_end|>"
+    TAG, END, OPENER = "<|python_start|>", "<|python_end|>", "["
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._text = ""
-        self._mode: str | None = None  # "calls" or "content" once the reply's start shows it
-
-    def feed(self, text: str) -> list[Event]:
-        if self._mode == "content":
-            return self._content(text)
-        self._text += text
-        if self._mode is None:
-            head = self._text.lstrip().removeprefix(self.START).lstrip()
-            if head and not self.START.startswith(head):  # the reply's start is here
-                self._mode = "calls" if head.startswith("[") else "content"
-                if self._mode == "content":
-                    text, self._text = self._text, ""
-                    return self._content(text)
-        return []
-
-    def finish(self) -> list[Event]:
-        text, self._text = self._text, ""
-        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
-        calls = self._parse(body) if self._mode == "calls" else None
-        return self._content(text) if calls is None else [("call", *c) for c in calls]
-
-    @staticmethod
-    def _parse(body: str) -> list[tuple[str, str]] | None:
+    def _calls(self, body: str) -> list[tuple[str, str]] | None:
         try:
             tree = ast.parse(body, mode="eval").body
             if not isinstance(tree, ast.List) or not tree.elts:
