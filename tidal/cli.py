@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="`tidal serve --role decode` instances")
     add_config_flags(rtr, HttpConfig, "HTTP options")
     rtr.set_defaults(func=cmd_router)
+    from tidal.client_cli import add_client_parsers
+
+    add_client_parsers(sub)
     from tidal.bench.serve import add_bench_serve_parser
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
