@@ -303,9 +303,9 @@ def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
                  weights: bool = True) -> Path:
-    """Write `gguf_path`'s config.json, generation_config.json and tokenizer into `out_dir`, and with `weights` its
-    float32 safetensors too (written atomically: a half-written cache is never left behind).
-    Returns `out_dir`. ValueError for a GGUF that does not convert (or is truncated)."""
+    """Write `gguf_path`'s config.json, generation_config.json and tokenizer into `out_dir`,
+    and with `weights` its float32 safetensors too (written atomically: a half-written cache
+    is never left behind). Returns `out_dir`. ValueError for a GGUF that does not convert (or is truncated)."""
     from tidal.model.gguf_file import open_gguf
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)

@@ -1,7 +1,7 @@
 """The scoring routes: vLLM's `/v1/score` (also `/score`) and `/classify`, and the rerank
-endpoint Cohere, Jina, vLLM and llama.cpp serve (`/v1/rerank`, `/rerank`, `/v2/rerank`). What a body holds
-and how a pair becomes a prompt is in `scoring.py`; the `Frontend` submits the pairs as it
-does embeddings, so scores batch with generation."""
+endpoint Cohere, Jina, vLLM and llama.cpp serve (`/v1/rerank`, `/rerank`, `/v2/rerank`).
+What a body holds and how a pair becomes a prompt is in `scoring.py`; the `Frontend`
+submits the pairs as it does embeddings, so scores batch with generation."""
 
 from __future__ import annotations
 

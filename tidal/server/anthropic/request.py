@@ -183,7 +183,8 @@ class MessagesRequest(StrictModel):
                 messages.append(_assistant(m.get("content"), where))
         chat: dict[str, Any] = {
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_tokens,
-            **self.sampling_given(), "stop": self.stop_sequences, "stream": self.stream if stream is None else stream}
+            **self.sampling_given(), "stop": self.stop_sequences,
+            "stream": self.stream if stream is None else stream}
         if self.kv_transfer_params is not None:
             chat["kv_transfer_params"] = self.kv_transfer_params
         if self.messages[-1]["role"] == "assistant":  # Anthropic's prefill: go on from it
