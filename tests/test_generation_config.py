@@ -149,6 +149,7 @@ def test_served_requests_take_the_models_defaults_and_stop_at_its_turn_end(serve
     answer = client.responses.create(model=model, input=MESSAGES[0]["content"])
     assert answer.output_text == greedy.choices[0].message.content
     assert answer.usage.output_tokens == 4
+    assert answer.temperature == 0.0  # the object echoes what it ran with
     reply = httpx.post(server.url + "/v1/messages", json={
         "model": model, "messages": MESSAGES, "max_tokens": 4}).json()
     assert reply["content"][0]["text"] == greedy.choices[0].message.content

@@ -116,10 +116,12 @@ class ResponseBody(ChatResponse):
     """POST /v1/responses: one choice read as a chat reply, answered as a Response object
     (or its events); `on_done` gets the finished object (the store keeps it)."""
 
-    def __init__(self, *args, source: ResponsesRequest,
+    def __init__(self, *args, source: ResponsesRequest, sampled=None,
                  on_done: Callable[[dict], None] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.source, self.on_done = source, on_done
+        # `sampled`: the chat request it ran as, whose temperature and top_p (the body's, or
+        # the model's defaults) the object echoes
+        self.source, self.sampled, self.on_done = source, sampled or source, on_done
         self.id, self.created = _id("resp"), time.time()
         self.output = OutputItems()
 
@@ -208,8 +210,8 @@ class ResponseBody(ChatResponse):
             "output": list(output or []), "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": None, "summary": None}, "store": req.store,
-            "temperature": req.temperature, "text": {"format": req.text_format()},
+            "temperature": self.sampled.temperature, "text": {"format": req.text_format()},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
-            "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p,
+            "top_logprobs": req.top_logprobs or 0, "top_p": self.sampled.top_p,
             "truncation": req.truncation or "disabled", "usage": None, "user": req.user,
             "metadata": req.metadata or {}}

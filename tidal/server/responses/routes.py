@@ -58,7 +58,7 @@ async def create_response(body: ResponsesRequest, request: Request):
                         conversation + [message])
 
     return await f.generate(ResponseBody, chat, prompts, request, options=f.chat_options(chat),
-                            source=body, on_done=keep if body.store else None)
+                            source=body, sampled=chat, on_done=keep if body.store else None)
 
 
 @routes.get("/v1/responses/{response_id}")
