@@ -425,6 +425,17 @@ class KVMachine(RuleBasedStateMachine):
         child.num_computed_tokens = k
         self.running.append(child)
 
+    @rule()
+    def reset_prefix_cache(self):
+        """Nothing cached is found after it; what requests hold stays theirs."""
+        kv, before = self.kv, snapshot(self.kv)
+        cached = kv.pool.num_cached
+        assert kv.reset_prefix_cache() == cached and kv.pool.num_cached == 0
+        assert all(b.block_hash is None for b in kv.pool.blocks)
+        assert snapshot(kv)[:3] == before[:3]  # tables, the free queue, references
+        for r in self.running:
+            assert kv.match_prefix(r) == []  # a prompt seen before finds nothing
+
     @invariant()
     def blocks_are_accounted_for(self):
         kv, pool = self.kv, self.kv.pool

@@ -1,5 +1,5 @@
-"""Hypothesis state machine: random arrivals, steps, aborts, forks and KV hand-offs on tiny
-pools, in every role, batch mode, policy and executor mode, with requests of several LoRA
+"""Hypothesis state machine: random arrivals, steps, aborts, forks, KV hand-offs and prefix
+cache resets on tiny pools, in every role, batch mode, policy and executor mode, with requests of several LoRA
 adapters and steps of background work cut short now and then. After every rule the
 invariants hold; at the end every request finishes within a bounded number of steps. The
 executor sees only the plans' plain data, as the model runner does: it must always know the
@@ -58,6 +58,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data):
         self.d.abort(data.draw(st.sampled_from(sorted(self.d.s.requests))))
+
+    @rule()
+    def reset_prefix_cache(self):  # in the middle of anything: the invariants still hold
+        self.d.s.kv.reset_prefix_cache()
+        self.d.s.check_invariants()
 
     @precondition(lambda self: bool(self.d.transfers()))
     @rule(data=st.data())

@@ -167,6 +167,11 @@ class Dispatcher:
             self.prefixes[core] = PrefixIndex(self.block_size, num_blocks)
             self._cond.notify_all()
 
+    def forget_prefixes(self) -> None:
+        """The cores' prefix caches were reset: route as if none held a prefix."""
+        with self._cond:
+            self.prefixes = [PrefixIndex(self.block_size, v.num_blocks) for v in self.views]
+
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         while True:

@@ -130,6 +130,16 @@ class BlockPool:
             block.queued = 1
         self._queue = deque(live)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's reset_prefix_cache): no later prompt finds
+        one. Blocks in use keep their KV for the requests holding them. Returns how many
+        blocks were forgotten."""
+        for block in self._cached.values():
+            block.block_hash = block.token_ids = block.context = None
+        forgotten = len(self._cached)
+        self._cached.clear()
+        return forgotten
+
     def lookup(self, block_hash: int, token_ids: tuple[int, ...],
                context: Hashable = None) -> Block | None:
         """The cached block for this hash, if its tokens and context (parent hash, extra key)

@@ -183,6 +183,12 @@ class KVCacheManager:
             parent = hashes[i]
         self._num_cached[rid] = full
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every prefix the pool has cached (the tiers below keep theirs): a later
+        prompt is computed anew; running requests go on publishing their new blocks.
+        Returns how many blocks were forgotten."""
+        return self.pool.reset_prefix_cache()
+
     def fork(self, parent: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give `child` the parent's KV for its first `num_tokens` tokens: full blocks are
         shared, a partial last block is copied into a fresh one.

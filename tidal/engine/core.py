@@ -153,6 +153,13 @@ class EngineCore:
         if params.trace:
             self.events.add(request_id, arrival)
 
+    def reset_prefix_cache(self) -> int:
+        """vLLM's: forget every cached prefix of the pool (KVCacheManager.reset_prefix_cache);
+        how many blocks were forgotten."""
+        forgotten = self.scheduler.kv.reset_prefix_cache()
+        log.info("prefix cache reset: %d cached blocks forgotten", forgotten)
+        return forgotten
+
     def set_adapters(self, adapters: dict[str, str]) -> None:
         """Serve exactly these LoRA adapters (name -> folder): load the new ones, forget
         those gone; one that fails to load is logged and left out."""

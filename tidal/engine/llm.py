@@ -58,6 +58,12 @@ class LLM:
         also end with this process."""
         self.engine.close()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every prefix the KV pool has cached, so a prompt seen before is
+        computed anew (a cold measurement); True once done."""
+        self.engine.core.reset_prefix_cache()
+        return True
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate and chat use when given no parameters (vLLM's): SamplingParams'
         defaults with the model's generation config over them (generation_config)."""

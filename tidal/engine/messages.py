@@ -40,6 +40,10 @@ class Adapters(msgspec.Struct, tag=True):
     adapters: dict[str, str]
 
 
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Forget every cached prefix (vLLM's /reset_prefix_cache)."""
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Finish running requests for up to `drain_timeout` seconds, then exit."""
 
@@ -115,7 +119,9 @@ class Failed(msgspec.Struct, tag=True):
     incarnation: int = 0
 
 
-ToCore = Add | Abort | Finish | Shutdown | Watch | Adapters
+ToCore = Add | Abort | Finish | Shutdown | Watch | Adapters | ResetPrefixCache
+
+
 class Heartbeat(msgspec.Struct, tag=True):
     """Twice a second from a thread of the core's process, even mid-step: it is not hung."""
 

@@ -248,6 +248,14 @@ class CoreClient:
         for core in range(self.num_cores):
             self.sockets.send(core, m.Adapters(adapters))
 
+    def reset_prefix_cache(self) -> None:
+        """Tell every core to forget its cached prefixes (and the dispatcher what it knew
+        of them)."""
+        if self.dispatcher is not None:
+            self.dispatcher.forget_prefixes()
+        for core in range(self.num_cores):
+            self.sockets.send(core, m.ResetPrefixCache())
+
     def _send_routed(self, core: int, msg: m.Add | m.Abort) -> bool:
         """The dispatcher thread's send; False where the core is gone (the dispatcher
         routes the request to another)."""

@@ -282,6 +282,8 @@ class _CoreLoop:
                 self.viewers = msg.viewers
             elif isinstance(msg, m.Adapters):
                 core.set_adapters(msg.adapters)
+            elif isinstance(msg, m.ResetPrefixCache):
+                core.reset_prefix_cache()
 
     def _add(self, msg: m.Add) -> None:
         if msg.params.structured is not None:  # admitted once compiled (_admit_compiled)

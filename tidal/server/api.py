@@ -72,6 +72,15 @@ async def prometheus(f: FrontendDep):
     return Response(generate_latest(f.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+@routes.post("/reset_prefix_cache")
+@routes.post("/flush_cache", include_in_schema=False)
+async def reset_prefix_cache(f: FrontendDep):
+    """vLLM's (SGLang's /flush_cache): every core forgets its cached prefixes, so a prompt
+    seen before is computed anew (a cold measurement; the KV tiers below keep theirs)."""
+    f.client.reset_prefix_cache()
+    return Response(status_code=200)
+
+
 @routes.get("/v1/models")
 async def models(f: FrontendDep):
     """The served model, then its LoRA adapters (each with the model as `parent`)."""

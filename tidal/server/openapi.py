@@ -44,6 +44,7 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
     "/v1/files/{file_id}/content": ("application/octet-stream",
                                     {"type": "string", "format": "binary"}),
 }
+_EMPTY = ("/reset_prefix_cache",)  # routes whose 200 has no body (vLLM's)
 _GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 # may answer 429, 503
 _QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank", "/classify")
@@ -51,7 +52,7 @@ _QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank", "/classify
 _MODEL_ROUTES = _QUEUED + ("/tokenize", "/detokenize", "/v1/messages/count_tokens")
 _LOOKED_UP = ("/v1/models/", "/v1/responses", "/v1/files", "/v1/batches")  # may answer 404
 _KEYED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/classify",
-          "/dashboard")
+          "/reset_prefix_cache", "/flush_cache", "/dashboard")
 
 
 def install_schema(app: FastAPI, served_model: list[str] | str | None, keyed: bool) -> None:
@@ -93,6 +94,8 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
             if path in _TEXT:
                 media, body = _TEXT[path]
                 ok["content"] = {media: {"schema": body}}
+            elif path in _EMPTY:
+                ok.pop("content", None)
             elif path in _GENERATION:  # stream: true answers with server-sent events
                 ok.setdefault("content", {})["text/event-stream"] = {"schema": _ANY}
     for model in schemas.values():
