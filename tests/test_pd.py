@@ -256,8 +256,11 @@ def test_the_router_refuses_a_bad_request_with_the_servers_own_error():
             assert via_router.status_code == direct.status_code == status, name
             assert via_router.json()["error" if status == 404 else "id"] == \
                 direct.json()["error" if status == 404 else "id"]
+        assert httpx.post(pd.url + "/reset_prefix_cache").status_code == 401
+        assert httpx.post(pd.url + "/reset_prefix_cache", headers=auth).status_code == 200
     finally:
-        pd.stop()
+        log = pd.stop()
+    assert log.count("prefix cache reset") == 2  # the prefill and the decode instance
 
 
 def check_router_dashboard(url: str, key: str) -> None:

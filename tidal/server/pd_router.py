@@ -197,6 +197,12 @@ class PDRouter:
                            "service_unavailable") from exc
         return Response(r.content, r.status_code, media_type="application/json")
 
+    async def to_all(self, path: str, request: Request) -> Response:
+        """Every instance's answer to the same request (/reset_prefix_cache): the first
+        failure's, else the last one's."""
+        answers = [await self.relay(path, request, inst) for inst in self.prefill + self.decode]
+        return next((a for a in answers if a.status_code != 200), answers[-1])
+
     async def to_prefill(self, path: str, request: Request) -> Response:
         """A prefill instance's answer (round robin) to a request that ends at its prompt:
         embeddings and scores are computed where prompts are, beside no decode."""
@@ -333,6 +339,12 @@ async def score(body: ScoreRequest, request: Request, router: RouterDep):
 @routes.post("/v2/rerank", include_in_schema=False)
 async def rerank(body: RerankRequest, request: Request, router: RouterDep):
     return await router.to_prefill("/v1/rerank", request)
+
+
+@routes.post("/reset_prefix_cache")
+@routes.post("/flush_cache", include_in_schema=False)
+async def reset_prefix_cache(request: Request, router: RouterDep):
+    return await router.to_all("/reset_prefix_cache", request)
 
 
 @routes.post("/classify")
