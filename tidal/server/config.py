@@ -57,7 +57,7 @@ class HttpConfig:
                               "Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED).")
     root_path: str | None = knob(None, "The path prefix a path-routing proxy serves the API "
                                  "under, e.g. /llm (ASGI's root_path): the API docs' links "
-                                 "carry it; the proxy strips it from requests.")
+                                 "carry it; requests are answered with it or without.")
     allowed_origins: tuple[str, ...] = knob((), "Web origins whose pages may call the API "
                                             "from a browser (CORS), e.g. "
                                             "https://chat.example.com, or * for any. None "
