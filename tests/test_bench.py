@@ -219,9 +219,10 @@ def test_bench_serve_against_a_real_server(tmp_path):
               "--random-output-len", "8", "--ignore-eos", "--max-concurrency", "3",
               "--request-rate", "20", "--goodput", "e2el:600000", "--disable-tqdm",
               "--save-result", "--result-file", str(result_file),
-              "--plot", str(tmp_path / "plots")])
+              "--plot", str(tmp_path / "plots"), "--flush-cache"])
     finally:
-        server.stop()
+        log = server.stop()
+    assert log.count("prefix cache reset") == 1  # --flush-cache, before the run
     result = json.loads(result_file.read_text())
     assert set(VLLM_KEYS) <= set(result)
     assert result["completed"] == 6 and result["output_lens"] == [8] * 6

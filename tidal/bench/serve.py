@@ -33,6 +33,9 @@ def add_bench_serve_parser(sub) -> None:
                    help="generate exactly the requested output lengths")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--flush-cache", "--reset-prefix-cache", dest="flush_cache",
+                   action="store_true", help="have the server forget its cached prefixes "
+                   "before the run (SGLang's flag: /reset_prefix_cache, else /flush_cache)")
     add_workload_flags(p)
     p.set_defaults(func=cmd_bench_serve)
 
@@ -81,6 +84,24 @@ def spec_counters(base_url: str) -> dict[str, float] | None:
         n in found for n in names.values()) else None
 
 
+def flush_cache(target: Target) -> str:
+    """Ask the server to forget its cached prefixes: vLLM's and tidal's
+    /reset_prefix_cache, else SGLang's /flush_cache; the path that answered. SystemExit
+    where neither does (llama-server; vLLM outside its dev mode)."""
+    import httpx
+
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        try:
+            r = httpx.post(target.base_url.rstrip("/") + path, headers=target.headers(),
+                           timeout=60)
+        except httpx.HTTPError as exc:
+            raise SystemExit(f"bench serve: --flush-cache: {exc}") from None
+        if r.status_code == 200:
+            return path
+    raise SystemExit(f"bench serve: --flush-cache: {target.base_url} has neither "
+                     f"/reset_prefix_cache nor /flush_cache (last answer: {r.status_code})")
+
+
 def spec_summary(before: dict | None, after: dict | None) -> dict | None:
     """The run's verifications, guesses, accepted guesses, acceptance rate and mean
     accepted length (tokens per verification, the model's own included)."""
@@ -104,6 +125,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> dict:
     target = Target(base_url=args.base_url or f"http://{args.host}:{args.port}",
                     endpoint=args.endpoint, model=args.model, api_key=args.api_key,
                     ignore_eos=args.ignore_eos, temperature=args.temperature)
+    if args.flush_cache:
+        print(f"prefix cache flushed: {flush_cache(target)}")
     before = spec_counters(target.base_url)
     summary, results = bench_serve(target, tokenizer, requests, times, args.max_concurrency,
                                    slos, not args.disable_tqdm)
