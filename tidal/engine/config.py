@@ -17,7 +17,7 @@ from typing import Any
 from tidal.core.config import CacheConfig, SchedulerConfig, knob
 from tidal.core.policies import POLICIES, option_fields
 from tidal.engine.parallel_config import ParallelConfig
-from tidal.model.generation_config import sampling_defaults
+from tidal.model.generation_config import parse_overrides
 from tidal.spec import METHODS
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")  # kv_quant's formats
@@ -183,8 +183,7 @@ class ModelConfig:
                                                   "'{\"temperature\": 0.5}' (vLLM's).")
 
     def __post_init__(self) -> None:
-        # its fields and ranges (a ValueError names the one at fault); no file read here
-        sampling_defaults(".", "vllm", self.override_generation_config)
+        parse_overrides(self.override_generation_config)  # a ValueError names the field
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError("dtype must be auto, bfloat16, float16 or float32; "
                              f"got {self.dtype!r}")

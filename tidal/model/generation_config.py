@@ -68,25 +68,6 @@ def end_token_ids(folder: str | Path, first: int | None = None) -> tuple[int, ..
     return tuple(dict.fromkeys(ids))
 
 
-def parse_overrides(text: str | None) -> dict[str, Any]:
-    """--override-generation-config's JSON object, its keys checked (a ValueError names the
-    first one tidal does not know)."""
-    if text is None:
-        return {}
-    try:
-        overrides = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"override_generation_config is not JSON: {exc}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError("override_generation_config must be a JSON object, e.g. "
-                         "'{\"temperature\": 0.5}'")
-    for key in overrides:
-        if key not in SAMPLING_FIELDS:
-            raise ValueError(f"override_generation_config: unknown field {key!r}; known: "
-                             f"{', '.join(SAMPLING_FIELDS)}")
-    return overrides
-
-
 def _checked(key: str, value: Any) -> float | int:
     """A sampling field's value as a request would give it; a ValueError says its range."""
     _, low, high = SAMPLING_FIELDS[key]
@@ -99,6 +80,31 @@ def _checked(key: str, value: Any) -> float | int:
         bound = f"({low}, {high}]" if positive else f"[{low}, {high}]"
         raise ValueError(f"{key} must be {kind} in {bound}, got {value!r}")
     return int(value) if integer else float(value)
+
+
+def parse_overrides(text: str | None) -> dict[str, float | int]:
+    """--override-generation-config's JSON object as the request fields it sets, each
+    checked (a ValueError names the first field tidal does not know or the value out of
+    its range)."""
+    if text is None:
+        return {}
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"override_generation_config is not JSON: {exc}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError("override_generation_config must be a JSON object, e.g. "
+                         "'{\"temperature\": 0.5}'")
+    fields = {}
+    for key, value in overrides.items():
+        if key not in SAMPLING_FIELDS:
+            raise ValueError(f"override_generation_config: unknown field {key!r}; known: "
+                             f"{', '.join(SAMPLING_FIELDS)}")
+        try:
+            fields[SAMPLING_FIELDS[key][0]] = _checked(key, value)
+        except ValueError as exc:
+            raise ValueError(f"override_generation_config: {exc}") from None
+    return fields
 
 
 def sampling_defaults(folder: str | Path, source: str = "auto",
@@ -123,9 +129,4 @@ def sampling_defaults(folder: str | Path, source: str = "auto",
                 defaults[SAMPLING_FIELDS[key][0]] = _checked(key, value)
             except ValueError as exc:
                 log.warning("%s: %s; left out", where / GENERATION_CONFIG, exc)
-    for key, value in parse_overrides(overrides).items():
-        try:
-            defaults[SAMPLING_FIELDS[key][0]] = _checked(key, value)
-        except ValueError as exc:
-            raise ValueError(f"override_generation_config: {exc}") from None
-    return defaults
+    return {**defaults, **parse_overrides(overrides)}

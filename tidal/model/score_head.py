@@ -57,8 +57,8 @@ def _read_head(folder: Path) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 class ScoreHead:
     """`logit(hidden)`: one relevance logit from a pooled final hidden state; `score`: its
-    sigmoid. A classifier of several labels (`labels`, config.json's id2label) reads
-    `probabilities` instead: the softmax of its logits (/classify)."""
+    sigmoid. `reading` is what a request gets: that score, or for a classifier of several
+    labels (`labels`, config.json's id2label) the softmax of its logits (/classify)."""
 
     def __init__(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                  token_ids: tuple[int, int] | None = None, logits=None,
@@ -100,8 +100,12 @@ class ScoreHead:
         if self.token_ids is not None:
             row = self._logits(hidden.reshape(1, -1).to(self._dtype))[0]
             return float(row[self.token_ids[1]] - row[self.token_ids[0]])
+        return float(self._head(hidden)[0])
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The classifier head's logits, one per label."""
         out = self.weight @ hidden.float()
-        return float(out[0] + (self.bias[0] if self.bias is not None else 0.0))
+        return out if self.bias is None else out + self.bias
 
     def score(self, hidden: torch.Tensor) -> float:
         return float(torch.sigmoid(torch.tensor(self.logit(hidden))))
@@ -111,5 +115,4 @@ class ScoreHead:
         LLM's answer tokens), a classifier's probability per label (softmax) otherwise."""
         if len(self.labels) <= 1:
             return [self.score(hidden)]
-        out = self.weight @ hidden.float() + (self.bias if self.bias is not None else 0.0)
-        return torch.softmax(out, 0).tolist()
+        return torch.softmax(self._head(hidden), 0).tolist()

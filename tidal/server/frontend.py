@@ -233,6 +233,9 @@ class Frontend:
             raise APIError(str(exc), param="vllm_xargs") from exc
         if isinstance(body, GenerationRequest):
             body.with_defaults(self.sampling_defaults)
+        # the tool parser reads its marker's text, a special token's
+        keep_special = (self.tool_parser.KEEPS_SPECIAL_TOKENS and isinstance(body, ChatRequest)
+                        and body.tool_mode() == "auto")
         params = []
         for ids in prompts:
             if not ids:
@@ -242,8 +245,7 @@ class Frontend:
                                                   client.ready.max_model_len,
                                                   client.ready.vocab_size))
             params[-1].lora = adapter
-            if (self.tool_parser.KEEPS_SPECIAL_TOKENS and isinstance(body, ChatRequest)
-                    and body.tool_mode() == "auto"):  # the parser reads its marker's text
+            if keep_special:
                 params[-1].skip_special_tokens = False
             if params[-1].bad_words:  # as token sequences: the engine core has no tokenizer
                 params[-1].bad_words_token_ids = self.tokenizer.bad_word_ids(
