@@ -63,6 +63,11 @@ def answers(url: str) -> list[str]:
         out.append("".join(stream.text_stream))
     assert claude.messages.count_tokens(model="smollm2-135m", messages=CHAT).input_tokens \
         == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+    native = {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    out.append(httpx.post(url + "/generate", json=native).json()["text"])  # SGLang's API
+    with httpx.stream("POST", url + "/generate", json={**native, "stream": True}) as r:
+        last = [ln for ln in r.iter_lines() if ln.startswith("data: {")][-1]
+    out.append(json.loads(last[len("data: "):])["text"])
     return out
 
 
@@ -94,6 +99,9 @@ def test_greedy_through_1p1d_equals_a_mixed_engine():
         assert direct.status_code == 400 and "tidal router" in direct.json()["error"]["message"]
         n2 = httpx.post(pd.url + "/v1/completions", json={"prompt": "Hi", "n": 2})
         assert n2.status_code == 400 and n2.json()["error"]["param"] == "n"
+        n2 = httpx.post(pd.url + "/generate", json={"text": "Hi", "sampling_params": {"n": 2}})
+        assert n2.status_code == 400 and n2.json()["error"]["param"] == "sampling_params.n"
+        assert httpx.get(pd.url + "/get_model_info").json()["model_path"] == "smollm2-135m"
         beams = httpx.post(pd.url + "/v1/completions",
                            json={"prompt": "Hi", "n": 2, "use_beam_search": True})
         assert beams.status_code == 400 and beams.json()["error"]["param"] == "use_beam_search"

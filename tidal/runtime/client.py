@@ -72,6 +72,7 @@ class CoreClient:
         self.board = CoreStatsBoard(self.num_cores)
         self.ready: m.Ready | None = None
         self.dead: str | None = None  # why, once every core is gone for good
+        self.last_output = 0.0  # when (time.monotonic) a core last sent tokens
         self.on_stats: Callable[[m.Stats], None] | None = None  # e.g. the dashboard
         self._watching = m.Watch(0)  # what the cores were last told of open dashboards
         self.adapters = dict(config.lora.modules)  # the LoRA adapters the cores serve
@@ -276,6 +277,7 @@ class CoreClient:
             elif isinstance(msg, m.Heartbeat):
                 self.watch.heard(msg.core)
             elif isinstance(msg, m.Outputs):
+                self.last_output = time.monotonic()
                 for seq_id in self.streams.deliver(msg):
                     self.sockets.send(msg.core, m.Finish(seq_id))
             elif isinstance(msg, m.Stats):

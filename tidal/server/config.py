@@ -158,6 +158,9 @@ class ServerConfig(HttpConfig):
                                           "prompts times n (more: HTTP 400).")
     max_n: int = knob(16, "Largest `n` a request may ask for.")
     drain_timeout: float = knob(30.0, "Seconds SIGTERM lets running requests finish.")
+    health_generate_timeout: float = knob(20.0, "Seconds GET /health_generate waits for its "
+                                          "one-token generation; past them it answers 503 "
+                                          "unless other requests got tokens meanwhile.")
     max_total_tokens: int | None = knob(None, "Most output tokens one prompt may ask for, n x "
                                         "max_tokens (unset: no cap beyond max_n and the "
                                         "context).")
@@ -253,6 +256,9 @@ class ServerConfig(HttpConfig):
                              f"{self.response_store_bytes} and {self.response_ttl}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if not self.health_generate_timeout > 0:
+            raise ValueError(f"health_generate_timeout must be > 0, got "
+                             f"{self.health_generate_timeout}")
         self.restart_policy()  # its own checks
         if self.pd is not None:
             parse_pd(self.pd)

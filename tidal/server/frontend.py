@@ -55,6 +55,7 @@ class Frontend:
         self.reserved = 0  # sequences of requests being checked and sent (see submit)
         self.background = 0  # sequences of Batch API lines among them and those in flight
         self.batches: BatchRunner | None = None  # the online Batch API's worker
+        self.health_probe: asyncio.Future | None = None  # /health_generate's, in flight
         self.responses = ResponseStore(config.response_store_bytes, config.response_ttl)
         self.tracing = (Tracing(config.otlp_traces_endpoint)
                         if config.otlp_traces_endpoint else None)

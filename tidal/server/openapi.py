@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from tidal.server.anthropic.protocol import PREFIX as ANTHROPIC_PREFIX
+from tidal.server.errors import UNVERSIONED
 
 _ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
 _ERROR_SCHEMA = {
@@ -44,15 +45,16 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
     "/v1/files/{file_id}/content": ("application/octet-stream",
                                     {"type": "string", "format": "binary"}),
 }
-_EMPTY = ("/reset_prefix_cache",)  # routes whose 200 has no body (vLLM's)
-_GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+_EMPTY = ("/reset_prefix_cache", "/health_generate")  # routes whose 200 has no body
+_PROBES = ("/health_generate",)  # 503 when the engine makes no token, 400 on a P/D instance
+_GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+               "/generate")
 # may answer 429, 503
 _QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank", "/classify")
 # bodies whose `model` is looked up: 404 for one not served
 _MODEL_ROUTES = _QUEUED + ("/tokenize", "/detokenize", "/v1/messages/count_tokens")
 _LOOKED_UP = ("/v1/models/", "/v1/responses", "/v1/files", "/v1/batches")  # may answer 404
-_KEYED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/classify",
-          "/reset_prefix_cache", "/flush_cache", "/dashboard")
+_KEYED = ("/v1/", "/v2/", "/dashboard") + UNVERSIONED
 
 
 def install_schema(app: FastAPI, served_model: list[str] | str | None, keyed: bool) -> None:
@@ -85,7 +87,8 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
                 ["401"] if keyed and path.startswith(_KEYED) else []) + (
                 ["429", "503"] if path in _QUEUED else []) + (
                 ["404"] if path.startswith(_LOOKED_UP) or path in _MODEL_ROUTES else []) + (
-                ["409"] if path.endswith("/cancel") else [])
+                ["409"] if path.endswith("/cancel") else []) + (
+                ["400", "503"] if path in _PROBES else [])
             shape = _ANTHROPIC_ERROR if path.startswith(ANTHROPIC_PREFIX) else _ERROR
             for status in errors:
                 responses[status] = {"description": _ERRORS[status],

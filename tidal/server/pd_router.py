@@ -44,6 +44,7 @@ from tidal.server.openai.protocol import APIError, CompletionRequest, Detokenize
 from tidal.server.responses.request import ResponsesRequest
 from tidal.server.responses.routes import not_stored
 from tidal.server.scoring import ClassifyRequest, RerankRequest, ScoreRequest
+from tidal.server.sglang.request import GenerateRequest, in_sglang_terms
 
 log = logging.getLogger("tidal.router")
 
@@ -285,6 +286,25 @@ routes = APIRouter()
 async def completions(body: CompletionRequest, request: Request, router: RouterDep):
     body.check_disaggregated()
     return await router.forward("/v1/completions", body.stream, request)
+
+
+@routes.post("/generate")
+async def generate(body: GenerateRequest, request: Request, router: RouterDep):
+    try:
+        body.completion_request().check_disaggregated()
+    except APIError as exc:
+        raise in_sglang_terms(exc) from None
+    return await router.forward("/generate", body.stream, request)
+
+
+@routes.get("/get_model_info")
+async def get_model_info(request: Request, router: RouterDep):
+    return await router.relay("/get_model_info", request)
+
+
+@routes.get("/get_server_info")
+async def get_server_info(request: Request, router: RouterDep):
+    return await router.relay("/get_server_info", request)
 
 
 @routes.post("/v1/chat/completions")

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from pydantic import Field, ValidationError, model_validator
 
 from tidal.server.openai.chat import ChatRequest
-from tidal.server.openai.protocol import APIError, StrictModel, refuse
+from tidal.server.openai.protocol import APIError, StrictModel, refuse, renamed_error
 
 # blocks a text-only server cannot read, and what they are
 _UNREADABLE = {"image": "images", "document": "documents", "search_result": "search results",
@@ -206,7 +206,7 @@ class MessagesRequest(StrictModel):
         try:
             return MessagesChatRequest.model_validate(chat)
         except ValidationError as exc:
-            raise _renamed(exc) from None
+            raise renamed_error(exc, _RENAMED) from None
 
     def _tool_choice(self) -> dict:
         choice = self.tool_choice
@@ -230,18 +230,3 @@ class MessagesRequest(StrictModel):
 THINKING = ("enabled", "adaptive", "between_tools", "disabled")  # thinking.type values
 _RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
             "response_format": "output_config.format"}
-
-
-def _renamed(exc: ValidationError) -> APIError:
-    """The chat request's first validation error, naming the Messages field."""
-    first = exc.errors()[0]
-    loc = [str(p) for p in first["loc"] if isinstance(p, int) or p[:1].islower()]
-    if first["type"] == "refused":
-        loc.append(first["ctx"]["param"])
-    if loc:
-        loc[0] = _RENAMED.get(loc[0], loc[0])
-    where = ".".join(loc) or None
-    message = first["msg"] if first["type"] == "refused" else f"{where or 'body'}: {first['msg']}"
-    for old, new in _RENAMED.items():
-        message = message.replace(old, new)
-    return APIError(message, param=where)

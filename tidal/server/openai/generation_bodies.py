@@ -40,6 +40,15 @@ class Choice:
     message: str | None = None
     stop_string: str | None = None  # the stop string that ended it, if one did
 
+    def take(self, u: StepUpdate) -> None:
+        """Add an update's text, tokens and logprobs, and its end."""
+        self.text += u.new_text
+        self.tokens.extend(u.new_token_ids)
+        self.logprobs.extend(token_entries(u))
+        if u.finished:
+            self.finish_reason, self.message = u.finish_reason, u.finish_message
+            self.stop_string = u.stop_string
+
 
 def token_entries(u: StepUpdate) -> list[Entry]:
     """An update's new tokens, each with its logprobs where they were asked for."""
@@ -157,13 +166,7 @@ class GenerationResponse:
     async def body(self, updates: Updates) -> Response:
         """The whole response once every choice finished (stream=false)."""
         async for i, u in self._prompt_entries_first(updates):
-            ch = self.choices[i]
-            ch.text += u.new_text
-            ch.tokens.extend(u.new_token_ids)
-            ch.logprobs.extend(token_entries(u))
-            if u.finished:
-                ch.finish_reason, ch.message = u.finish_reason, u.finish_message
-                ch.stop_string = u.stop_string
+            self.choices[i].take(u)
         for ch in self.choices:
             if ch.finish_reason == "error":
                 raise APIError(ch.message or "generation failed", 500, "internal_error")
