@@ -225,3 +225,22 @@ def test_logprob_bytes_are_each_tokens_own_bytes(client):
             bytes(e.bytes).decode()
     assert all(len(e.top_logprobs) == 2 and all(a.bytes is not None for a in e.top_logprobs)
                for e in entries)
+
+
+@pytest.mark.parametrize("vocab, width", [(100, 100), (100, 128), (64, 70), (49152, 49152)])
+def test_a_bitmask_allows_exactly_its_set_bits(vocab, width):
+    """llguidance's layout (token t: bit t % 32 of word t // 32), read without compiling a
+    kernel; tokens past the mask's words are not allowed."""
+    import numpy as np
+    import torch
+
+    from tidal.engine.structured import allowed
+
+    rng = np.random.default_rng(vocab + width)
+    words = rng.integers(-2**31, 2**31, (3, (vocab + 31) // 32), dtype=np.int64)
+    words = words.astype(np.int32)
+    bits = np.unpackbits(words.astype("<i4").view(np.uint8), axis=1, bitorder="little")
+    want = np.zeros((3, width), bool)
+    n = min(width, bits.shape[1])
+    want[:, :n] = bits[:, :n] == 1
+    assert np.array_equal(allowed(torch.from_numpy(words), width).numpy(), want)

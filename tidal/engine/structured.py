@@ -169,13 +169,24 @@ def error_line(matcher) -> str:
     return (matcher.get_error().strip().splitlines() or ["unknown error"])[0]
 
 
+def allowed(words: torch.Tensor, width: int) -> torch.Tensor:
+    """Bitmask rows as `width` booleans each (tokens past the mask's end: not allowed).
+    Eager torch: llguidance.torch's torch.compile'd kernel costs seconds of compiling on a
+    server's first constrained request."""
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
+    if bits.shape[1] < width:
+        bits = torch.cat([bits, bits.new_zeros(len(bits), width - bits.shape[1])], 1)
+    return bits[:, :width]
+
+
 class Matchers:
     """The constrained sequences of a model runner, by request id."""
 
     def __init__(self, grammars: Grammars) -> None:
-        import llguidance.torch as llt
-
-        self.grammars, self._llt = grammars, llt
+        self.grammars = grammars
         self.by_id: dict[str, object] = {}
         self._pool = ThreadPoolExecutor(1, "tidal-grammar")
 
@@ -214,12 +225,16 @@ class Matchers:
         """The bitmask rows (an entry's first row by id) and whether the grammar accepts at
         each: after row j's j guesses, consumed and then rolled back."""
         size = sum(1 + len(g) for _, g, _ in rows)
-        bitmask = self._llt.allocate_token_bitmask(size, self.grammars.vocab_size)
+        import torch
+
+        # llguidance's layout: token t is bit t % 32 of word t // 32 (1: allowed)
+        bitmask = torch.full((size, (self.grammars.vocab_size + 31) // 32), -1,
+                             dtype=torch.int32)
         first, accepting, i = {}, [], 0
         for rid, guesses, m in rows:
             first[rid] = i
             for j in range(len(guesses) + 1):
-                self._llt.fill_next_token_bitmask(m, bitmask, i)
+                m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), bitmask.shape[1] * 4)
                 accepting.append(m.is_accepting())
                 i += 1
                 if j < len(guesses):
@@ -241,7 +256,8 @@ class Matchers:
                 rows.append(i)
                 masks.append(first[r] + j)
         sub = logits[rows]
-        self._llt.apply_token_bitmask_inplace(sub, bitmask[masks].to(logits.device))
+        sub.masked_fill_(~allowed(bitmask[masks].to(logits.device), sub.shape[1]),
+                         float("-inf"))
         for k, (i, b) in enumerate(zip(rows, masks)):
             if stop_ids[i] and accepting[b]:
                 sub[k, stop_ids[i]] = logits[i, stop_ids[i]]
