@@ -289,6 +289,7 @@ def test_server_options_are_one_mechanism_with_the_engines():
     for bad, match in ((["--tool-call-parser", "xml"], "tool_call_parser must be one of"),
                        (["--pd", "2P0D"], "pd expects xPyD"),
                        (["--restart-core", "-1"], "restart-core"),
-                       (["--max-n", "0"], "max_n must be at least 1")):
+                       (["--max-n", "0"], "max_n must be at least 1"),
+                       (["--served-model-name", "a", "a"], "distinct, non-blank")):
         with pytest.raises(ValueError, match=match):
             config_from_args(ServerConfig, serve.parse_args(bad))

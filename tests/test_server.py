@@ -25,7 +25,8 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--api-key", KEY, "--max-pending", "40", "--omp-spin-count", "10000")
+    s = Server("--api-key", KEY, "--max-pending", "40", "--omp-spin-count", "10000",
+               "--served-model-name", "smollm2-135m", "small")
     yield s
     s.stop()
 
@@ -157,7 +158,7 @@ def test_stop_string_and_min_tokens(client):
 
 
 def test_models_version_metrics(server, client):
-    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m", "small"]
     assert httpx.get(server.url + "/version").json()["version"]
     text = httpx.get(server.url + "/metrics").text
     for name in ("tidal:num_requests_running", "tidal:num_requests_decoding",
@@ -398,6 +399,24 @@ def test_a_model_is_retrieved_by_name_and_an_unknown_one_is_a_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("gpt-9")
     assert err.value.body["param"] == "model" and "gpt-9" in err.value.body["message"]
+
+
+def test_every_served_name_is_the_model_and_answers_carry_the_first(server, client):
+    """vLLM's --served-model-name a b: requests may name either; answers, metrics and the
+    schema's choices know both, the first reported."""
+    assert client.models.retrieve("small").id == "small"
+    reply = client.chat.completions.create(model="small", messages=QUESTION, max_tokens=2)
+    assert reply.model == "smollm2-135m"
+    assert client.completions.create(model="small", prompt="Hi", max_tokens=1).model == \
+        "smollm2-135m"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="large", prompt="Hi", max_tokens=1)
+    assert "'smollm2-135m', 'small'" in err.value.body["message"]
+    assert metric(server.url, 'tidal:num_requests_running{model_name="smollm2-135m"}') >= 0
+    with pytest.raises(KeyError):
+        metric(server.url, 'tidal:num_requests_running{model_name="small"}')
+    schema = httpx.get(server.url + "/openapi.json", headers={"authorization": f"Bearer {KEY}"})
+    assert '"small"' in schema.text
 
 
 def test_answers_carry_a_fingerprint_a_null_refusal_and_the_request_id(server):

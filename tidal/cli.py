@@ -93,6 +93,10 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
     if ROLES[config.scheduler.role].transfers_kv and config.parallel.data_parallel_size > 1:
         raise SystemExit("a prefill or decode instance runs one engine core; run several "
                          "instances behind `tidal router` instead of --data-parallel-size")
+    taken = set(server.served_model_name) & set(config.lora.modules)
+    if taken:
+        raise SystemExit(f"tidal {command}: error: {', '.join(sorted(taken))} names both the "
+                         f"model (--served-model-name) and a LoRA adapter (--lora-modules)")
     if server.headless != (config.parallel.node_rank > 0):
         raise SystemExit("tidal serve: error: --headless is for the nodes of --node-rank 1 "
                          "and up (node 0 serves the API), and they take it")
@@ -117,8 +121,8 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
         folder = write_model_files(files)
     logging.getLogger("tidal.server").info("model files ready in %.2fs: %s",
                                            time.perf_counter() - t0, folder)
-    if server.served_model_name is None:
-        server = replace(server, served_model_name=files.name)
+    if not server.served_model_name:
+        server = replace(server, served_model_name=(files.name,))
     if client.tokenizer is None:
         with flag_errors(command):
             client.attach_tokenizer(Tokenizer(folder, server.chat_template))

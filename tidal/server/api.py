@@ -102,9 +102,9 @@ async def model(model: str, f: FrontendDep):
 
 def _model_cards(f: Frontend) -> list[dict]:
     created, length = int(time.time()), f.client.ready.max_model_len
-    return [{"id": f.config.served_model_name, "object": "model", "created": created,
-             "owned_by": "tidal", "root": str(f.client.folder), "parent": None,
-             "max_model_len": length}] + f.adapters.cards(created, length)
+    return [{"id": name, "object": "model", "created": created, "owned_by": "tidal",
+             "root": str(f.client.folder), "parent": None, "max_model_len": length}
+            for name in f.config.served_model_name] + f.adapters.cards(created, length)
 
 
 @asynccontextmanager
@@ -143,6 +143,6 @@ def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) ->
     app.include_router(dashboard_routes)
     lora = client.config.lora  # the names `model` takes (any, where adapters come and go)
     names = (None if lora.enable_lora and config.enable_lora_runtime_updates
-             else [config.served_model_name, *lora.modules])
+             else [*config.served_model_name, *lora.modules])
     install_schema(app, names, bool(config.key))
     return app

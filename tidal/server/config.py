@@ -150,8 +150,9 @@ class ServerConfig(HttpConfig):
     """What `tidal serve` enforces in front of its engine cores, how it reads replies, and
     how it restarts a core that died."""
 
-    served_model_name: str | None = knob(None, "The model name clients send as `model` "
-                                         "(unset: the model's own).")
+    served_model_name: tuple[str, ...] = knob((), "The names clients may send as `model` "
+                                              "(unset: the model's own): answers, metrics "
+                                              "and the adapters' parent carry the first.")
     max_pending: int = knob(512, "Sequences in flight (each prompt of a request times its "
                             "n) before new requests get HTTP 429.")
     max_sequences_per_request: int = knob(256, "Most sequences one request may ask for, its "
@@ -256,6 +257,10 @@ class ServerConfig(HttpConfig):
                              f"{self.response_store_bytes} and {self.response_ttl}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        names = self.served_model_name
+        if any(not n.strip() for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"served_model_name takes distinct, non-blank names; got "
+                             f"{' '.join(map(repr, names))}")
         if not self.health_generate_timeout > 0:
             raise ValueError(f"health_generate_timeout must be > 0, got "
                              f"{self.health_generate_timeout}")
@@ -263,11 +268,16 @@ class ServerConfig(HttpConfig):
         if self.pd is not None:
             parse_pd(self.pd)
 
+    @property
+    def model_name(self) -> str:
+        """The served name answers carry: the first of served_model_name."""
+        return self.served_model_name[0] if self.served_model_name else "model"
+
     def batch_store_path(self) -> Path:
         """--batch-store, or the served model's store under ~/.cache/tidal/batches."""
         if self.batch_store is not None:
             return Path(self.batch_store).expanduser()
-        name = re.sub(r"[^A-Za-z0-9._-]+", "_", self.served_model_name or "model")
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", self.model_name)
         return Path.home() / ".cache" / "tidal" / "batches" / f"{name}.sqlite"
 
     def restart_policy(self) -> RestartPolicy:

@@ -99,7 +99,7 @@ routes = APIRouter()
 @routes.get("/dashboard", response_class=HTMLResponse)
 async def dashboard(request: Request):
     f = request.app.state.frontend
-    return HTMLResponse(page_html(title=f"tidal: {f.config.served_model_name}"))
+    return HTMLResponse(page_html(title=f"tidal: {f.config.model_name}"))
 
 
 @routes.get("/favicon.ico", include_in_schema=False)

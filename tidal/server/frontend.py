@@ -49,8 +49,8 @@ class Frontend:
     def __init__(self, client: CoreClient, config: ServerConfig) -> None:
         self.client, self.config = client, config
         self.tokenizer = client.tokenizer
-        self.metrics = ServerMetrics(client, config.served_model_name)
-        self.dashboard = DashboardHub(client, self.metrics, config.served_model_name)
+        self.metrics = ServerMetrics(client, config.model_name)
+        self.dashboard = DashboardHub(client, self.metrics, config.model_name)
         self.grammars: Grammars | None = None  # structured outputs' compiler, on first use
         self.reserved = 0  # sequences of requests being checked and sent (see submit)
         self.background = 0  # sequences of Batch API lines among them and those in flight
@@ -134,7 +134,7 @@ class Frontend:
         stream = None  # once made, its background task ends the submission
         try:
             rid = sub.rids[0] if sub is not None else uuid.uuid4().hex[:16]
-            response = response_cls(self.tokenizer, self.config.served_model_name, rid,
+            response = response_cls(self.tokenizer, self.config.model_name, rid,
                                     prompts, len(prompts) * body.n,
                                     body.num_logprobs() is not None,
                                     self.grammars.token_bytes if self.grammars else None,
@@ -182,7 +182,7 @@ class Frontend:
             return gone
         if any(v is None for v in vectors):  # a finished request always carries it
             raise APIError("an input's embedding did not come back", 500, "internal_error")
-        return body.body(vectors, prompts, self.config.served_model_name)
+        return body.body(vectors, prompts, self.config.model_name)
 
     async def submit(self, prompts: list[list[int]], body: GenerationRequest,
                      headers: Mapping[str, str],
@@ -280,7 +280,7 @@ class Frontend:
         if self.tracing is not None:
             p = params[0]
             span = self.tracing.start(
-                headers, operation_of(body), config.served_model_name,
+                headers, operation_of(body), config.model_name,
                 {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
                  "choice.count": p.n}, sum(map(len, prompts)))
         queue: asyncio.Queue = asyncio.Queue()

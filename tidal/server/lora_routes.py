@@ -22,8 +22,9 @@ class Adapters:
     """The adapters this server serves (name -> folder) and how many requests of each are
     in flight (an adapter in use is not unloaded)."""
 
-    def __init__(self, client, served_model_name: str, runtime_updates: bool) -> None:
-        self.client, self.base = client, served_model_name
+    def __init__(self, client, names: tuple[str, ...], runtime_updates: bool) -> None:
+        """`names`: the served model's (the first is the adapters' parent)."""
+        self.client, self.names, self.base = client, names, names[0] if names else "model"
         lora = client.config.lora
         self.enabled, self.max_rank = lora.enable_lora, lora.max_lora_rank
         self.paths: dict[str, str] = dict(lora.modules)
@@ -34,11 +35,11 @@ class Adapters:
     def resolve(self, name: str | None) -> str | None:
         """The adapter a request's `model` names (None: the base model); a 400 with code
         model_not_found for anything else (404, as OpenAI's and vLLM's)."""
-        if name is None or name == self.base:
+        if name is None or name in self.names:
             return None
         if name in self.paths:
             return name
-        served = [self.base, *self.paths]
+        served = [*self.names, *self.paths]
         raise APIError(f"the model {name!r} does not exist; this server serves "
                        f"{', '.join(map(repr, served))}", 404, param="model",
                        code="model_not_found")
@@ -53,7 +54,7 @@ class Adapters:
 
         self._check_updates()
         async with self._lock:
-            if name == self.base or name in self.paths:
+            if name in self.names or name in self.paths:
                 raise APIError(f"the LoRA adapter {name!r} has already been loaded",
                                param="lora_name")
             arch = ModelArch.from_folder(self.client.folder)

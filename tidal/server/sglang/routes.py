@@ -63,7 +63,7 @@ async def get_server_info(f: FrontendDep):
     engine, ready = f.client.config, f.client.ready
     server = {k: v for k, v in asdict(f.config).items() if not k.startswith("api_key")}
     return {"version": __version__, "model_path": engine.model.model,
-            "served_model_name": f.config.served_model_name,
+            "served_model_name": f.config.model_name,
             "context_length": ready.max_model_len, "page_size": ready.block_size,
             "max_total_num_tokens": ready.num_blocks * ready.block_size,
             "max_running_requests": engine.scheduler.max_num_seqs,
