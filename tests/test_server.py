@@ -26,7 +26,8 @@ KEY = "test-key"
 @pytest.fixture(scope="module")
 def server():
     s = Server("--api-key", KEY, "--max-pending", "40", "--omp-spin-count", "10000",
-               "--served-model-name", "smollm2-135m", "small")
+               "--served-model-name", "smollm2-135m", "small", "--enable-log-requests",
+               "--enable-log-outputs", "--max-log-len", "12")
     yield s
     s.stop()
 
@@ -437,3 +438,26 @@ def test_answers_carry_a_fingerprint_a_null_refusal_and_the_request_id(server):
         server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).headers["x-request-id"]
     assert httpx.get(server.url + "/health").headers["x-request-id"]  # every route
     assert httpx.get(server.url + "/favicon.ico").status_code == 204  # not a 404 in a browser
+
+
+def test_requests_and_outputs_are_logged_cut_to_max_log_len(server):
+    """vLLM's --enable-log-requests / --enable-log-outputs / --max-log-len: a line per
+    request with what it set, a line per sequence as it ends; n=2 logs both."""
+    prompt = "Request logging: a prompt longer than twelve characters and tokens, " * 2
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "n": 2,
+                                         "temperature": 0.5, "seed": 7})
+    rid = r.json()["id"].removeprefix("cmpl-")
+    deadline = time.monotonic() + 10
+    while f"Generated response {rid}-1" not in server.output():
+        assert time.monotonic() < deadline, server.output()[-2000:]
+        time.sleep(0.1)
+    lines = [ln for ln in server.output().splitlines() if rid in ln]
+    received = [ln for ln in lines if "Received request" in ln]
+    assert len(received) == 1
+    assert "prompt: 'Request logg'" in received[0]
+    assert "'n': 2" in received[0] and "'seed': 7" in received[0]
+    assert "'temperature': 0.5" in received[0] and "'top_p'" not in received[0]
+    ids = re.search(r"prompt_token_ids: \[([^\]]*)\]", received[0]).group(1).split(", ")
+    assert len(ids) == 12
+    outputs = [ln for ln in lines if "Generated response" in ln]
+    assert len(outputs) == 2 and all("finish_reason: length" in ln for ln in outputs)

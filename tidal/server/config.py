@@ -159,6 +159,13 @@ class ServerConfig(HttpConfig):
                                           "prompts times n (more: HTTP 400).")
     max_n: int = knob(16, "Largest `n` a request may ask for.")
     drain_timeout: float = knob(30.0, "Seconds SIGTERM lets running requests finish.")
+    enable_log_requests: bool = knob(False, "Log each request as the engine takes it (vLLM's): "
+                                     "its id, prompt, token ids, the sampling parameters it "
+                                     "set and its adapter, on the tidal.requests logger.")
+    enable_log_outputs: bool = knob(False, "With --enable-log-requests: log each sequence's "
+                                    "output, token ids and finish reason as it ends.")
+    max_log_len: int | None = knob(None, "Characters of a prompt or output, and token ids, "
+                                   "a request's log line keeps (unset: all).")
     health_generate_timeout: float = knob(20.0, "Seconds GET /health_generate waits for its "
                                           "one-token generation; past them it answers 503 "
                                           "unless other requests got tokens meanwhile.")
@@ -261,6 +268,10 @@ class ServerConfig(HttpConfig):
         if any(not n.strip() for n in names) or len(set(names)) != len(names):
             raise ValueError(f"served_model_name takes distinct, non-blank names; got "
                              f"{' '.join(map(repr, names))}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("enable_log_outputs needs --enable-log-requests")
         if not self.health_generate_timeout > 0:
             raise ValueError(f"health_generate_timeout must be > 0, got "
                              f"{self.health_generate_timeout}")

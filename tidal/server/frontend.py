@@ -36,6 +36,7 @@ from tidal.server.openai.protocol import APIError, GenerationRequest, check_toke
 from tidal.server.openai.reasoning import prompt_opens_thinking
 from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
                                               parser_for_template)
+from tidal.server.request_log import RequestLog
 from tidal.server.responses.store import ResponseStore
 from tidal.server.tracing import RequestSpan, Tracing, operation_of
 
@@ -56,6 +57,9 @@ class Frontend:
         self.background = 0  # sequences of Batch API lines among them and those in flight
         self.batches: BatchRunner | None = None  # the online Batch API's worker
         self.health_probe: asyncio.Future | None = None  # /health_generate's, in flight
+        self.request_log = (RequestLog(self.tokenizer, config.enable_log_outputs,
+                                       config.max_log_len)
+                            if config.enable_log_requests else None)
         self.responses = ResponseStore(config.response_store_bytes, config.response_ttl)
         self.tracing = (Tracing(config.otlp_traces_endpoint)
                         if config.otlp_traces_endpoint else None)
@@ -291,6 +295,8 @@ class Frontend:
             for rid, ids, p in zip(rids, prompts, params):
                 await client.add(rid, ids, p, queue, prefill)
                 sent += 1
+                if self.request_log is not None:
+                    self.request_log.received(rid, ids, p)
         except EngineDeadError as exc:  # those already sent are aborted
             if span is not None:
                 span.end()
@@ -298,6 +304,8 @@ class Frontend:
             raise unavailable(exc) from exc
         sub = Submission(client, self.metrics, rids, params[0].n, queue)
         sub.span = span
+        if self.request_log is not None:  # an aborted sequence's output is not kept
+            sub.on_end.append(lambda: [self.request_log.forget(r) for r in rids])
         if adapter is not None:  # in use until the answer ends
             self.metrics.lora_request(adapter)
             in_flight = self.adapters.in_flight
@@ -341,6 +349,8 @@ class Frontend:
                 raise APIError(item.message, 503 if item.dead else 400,
                                "service_unavailable" if item.dead else "invalid_request_error")
             u: StepUpdate = item
+            if self.request_log is not None:
+                self.request_log.update(u)
             if sub.span is not None:
                 sub.span.update(u.events, len(u.new_token_ids),
                                 u.finish_reason if u.finished else None)
