@@ -21,6 +21,7 @@ from tidal.engine.outputs import StepUpdate
 from tidal.server.anthropic.output import MessagesBody
 from tidal.server.anthropic.request import MessagesRequest
 from tidal.server.openai.chat_output import ChatOutputOptions
+from tidal.server.openai.reasoning import THINK
 from tidal.server.openai.protocol import APIError
 
 MODEL = "smollm2-135m"
@@ -119,7 +120,7 @@ def run_body(pieces: list[str], stream: bool, stop_string: str | None = None,
 @pytest.mark.parametrize("stream", [False, True])
 def test_think_blocks_become_a_thinking_block_before_the_text(stream):
     pieces = ["<th", "ink>\nIt is", " sunny.</think>", "\n\nSun", "ny."]
-    whole, events = run_body(pieces, stream, options=ChatOutputOptions(reasoning=True))
+    whole, events = run_body(pieces, stream, options=ChatOutputOptions(reasoning=THINK))
     if stream:
         kinds = [e["type"] for e in events]
         assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta",

@@ -392,6 +392,7 @@ def test_think_blocks_become_a_reasoning_item_whole_or_streamed(stream):
 
     from tidal.engine.outputs import StepUpdate
     from tidal.server.openai.chat_output import ChatOutputOptions
+    from tidal.server.openai.reasoning import THINK
     from tidal.server.responses.output import ResponseBody
 
     pieces = ["<th", "ink>\nIt is", " sunny.</think>", "\n\nSun", "ny."]
@@ -407,7 +408,7 @@ def test_think_blocks_become_a_reasoning_item_whole_or_streamed(stream):
 
     kept = []
     body = ResponseBody(Pieces(), MODEL, "r", [[1, 2, 3]], 1, False,
-                        options=ChatOutputOptions(reasoning=True),
+                        options=ChatOutputOptions(reasoning=THINK),
                         source=ResponsesRequest(input="weather?"), on_done=kept.append)
 
     async def run():
@@ -439,9 +440,12 @@ def test_think_blocks_become_a_reasoning_item_whole_or_streamed(stream):
     (["<think></think>", "c"], False, 0),
 ])
 def test_reasoning_tokens_count_the_tokens_inside_the_block(pieces, opens, count):
-    from tidal.server.openai.reasoning import reasoning_tokens
+    from tidal.server.openai.reasoning import MARKERS, reasoning_tokens
 
     def decode(ids):
         return "".join(pieces[i] for i in ids)
 
     assert reasoning_tokens(list(range(len(pieces))), decode, opens) == count
+    mistral = [p.replace("<think>", "[THINK]").replace("</think>", "[/THINK]") for p in pieces]
+    assert reasoning_tokens(list(range(len(pieces))), lambda ids: "".join(
+        mistral[i] for i in ids), opens, MARKERS["mistral"]) == count

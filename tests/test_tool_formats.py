@@ -168,6 +168,38 @@ def test_the_marker_as_a_special_token_reaches_the_parser(tmp_path):
         s.stop()
 
 
+def test_reasoning_markers_that_are_special_tokens_reach_the_split(tmp_path):
+    """--reasoning-parser mistral (Magistral's [THINK] ... [/THINK], special tokens): their
+    text is kept for chat requests, so the reply's block becomes reasoning_content."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "magistral"
+    tok = HFTokenizer.from_file(str(embedded_folder() / "tokenizer.json"))
+    tok.add_special_tokens(["[THINK]", "[/THINK]"])
+    think = tok.token_to_id("[THINK]")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=think + 2, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1,
+        eos_token_id=2, max_position_embeddings=256)).save_pretrained(str(folder))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
+    s = Server("--model", str(folder), "--dtype", "float32", "--reasoning-parser", "mistral")
+    try:
+        body = dict(model="magistral", messages=ASK, max_tokens=3,
+                    logit_bias={str(think): 100})
+        reply = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).json()
+        message = reply["choices"][0]["message"]
+        assert message["reasoning_content"] == "[THINK][THINK]" and not message["content"]
+        assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2
+        done = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            **body, "max_tokens": 1, "logit_bias": {str(think + 1): 100}}).json()
+        assert done["choices"][0]["message"]["content"] == "[/THINK]"  # no block opened
+    finally:
+        s.stop()
+
+
 PYTHONIC_TEMPLATE = """\
 {%- for message in messages %}<|im_start|>{{ message.role }}
 {%- if tools and loop.first %} If you call functions, answer only with a list in the \

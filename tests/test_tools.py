@@ -22,7 +22,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from server_fixtures import module_server
 from tidal.model.chat_template import ChatTemplate
 from tidal.server.openai.chat_output import ChatOutputOptions, ChoiceOutput
-from tidal.server.openai.reasoning import ThinkSplitter
+from tidal.server.openai.reasoning import MARKERS, ThinkSplitter
 from tidal.server.openai.tool_parsers import HermesParser, Llama3JsonParser, RequiredCallsParser
 from tidal.server.openai.structured import closed_objects
 from tidal.server.openai.tools import (NamedToolChoice, Tool, template_conversation,
@@ -199,15 +199,23 @@ def test_required_calls_and_their_limit():
                                                else tools), [cut])) == ("", calls), cut
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.text("ab <>/think\n", max_size=20), st.text("ab <>\n", max_size=20),
-       st.booleans(), st.booleans(), st.lists(st.integers(0, 80), max_size=6))
-def test_reasoning_splits_the_same_in_any_pieces(thought, answer, opens, closed, cuts):
-    text = ("" if opens else "<think>") + thought.replace("</think>", "") + \
-        ("</think>\n\n" + answer if closed else "")
+@pytest.mark.parametrize("parser", ["think", "mistral", "seed_oss"])
+@settings(max_examples=100, deadline=None)
+@given(st.data(), st.booleans(), st.booleans(), st.lists(st.integers(0, 80), max_size=6))
+def test_reasoning_splits_the_same_in_any_pieces(parser, data, opens, closed, cuts):
+    """Each parser's markers (--reasoning-parser): what lies between them is reasoning, in
+    whatever pieces the reply streams; text made of the markers' own characters too."""
+    markers = MARKERS[parser]
+    chars = "".join(sorted(set(markers.open + markers.close))) + "ab \n"
+    thought = data.draw(st.text(chars, max_size=20))
+    while markers.close in thought:  # a removal may join the pieces of another
+        thought = thought.replace(markers.close, "")
+    answer = data.draw(st.text("ab <>[]\n", max_size=20))
+    text = ("" if opens else markers.open) + thought + \
+        (markers.close + "\n\n" + answer if closed else "")
 
     def split(pieces, opens=opens):
-        s, r, c = ThinkSplitter(opens), "", ""
+        s, r, c = ThinkSplitter(opens, markers), "", ""
         for p in pieces + [None]:
             a, b = s.finish() if p is None else s.feed(p)
             r, c = r + a, c + b
@@ -215,7 +223,7 @@ def test_reasoning_splits_the_same_in_any_pieces(thought, answer, opens, closed,
 
     reasoning, content = split([text])
     assert split(splits(text, cuts)) == (reasoning, content)
-    assert reasoning == thought.replace("</think>", "")
+    assert reasoning == thought
     assert content == (answer.lstrip("\n") if closed else "")
     assert split(["plain answer"], False) == ("", "plain answer")
 

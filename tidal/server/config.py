@@ -185,8 +185,11 @@ class ServerConfig(HttpConfig):
                                  "([TOOL_CALLS]; 9-character call ids, as its templates "
                                  "require), 'pythonic' ([f(a=1), g()]: Llama 3.2 and 4's "
                                  "pythonic templates), or 'auto' (from the chat template).")
-    reasoning_parser: str | None = knob(None, "'think' (also 'qwen3', 'deepseek_r1'): <think> "
-                                        "blocks of replies go to reasoning_content.")
+    reasoning_parser: str | None = knob(None, "Where replies' reasoning goes to "
+                                        "reasoning_content: 'think' (also 'qwen3', "
+                                        "'deepseek_r1'): <think> blocks; 'mistral': "
+                                        "[THINK] blocks (Magistral); 'seed_oss': "
+                                        "<seed:think> blocks.")
     chat_template: str | None = knob(None, "A chat template (jinja) in place of the model's "
                                      "own, for every chat, Responses and Messages request and "
                                      "/tokenize: a file's path, or the template itself.")

@@ -33,7 +33,7 @@ from tidal.server.openai.chat_output import (ChatOutputOptions, mistral_call_id,
 from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.generation_bodies import GenerationResponse, Updates
 from tidal.server.openai.protocol import APIError, GenerationRequest, check_token_ids, truncated
-from tidal.server.openai.reasoning import prompt_opens_thinking
+from tidal.server.openai.reasoning import MARKERS, prompt_opens_thinking
 from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, RequiredCallsParser,
                                               parser_for_template)
 from tidal.server.request_log import RequestLog
@@ -71,6 +71,7 @@ class Frontend:
             parser = parser_for_template(getattr(template, "source", None))
         self.tool_parser = AUTO_PARSERS[parser]
         self.call_id = mistral_call_id if parser == "mistral" else openai_call_id
+        self.reasoning = MARKERS.get(config.reasoning_parser)  # None: no split
         # custom logits processors, for their check of a request's vllm_xargs
         self.processor_classes = load_processors(client.config.model.logits_processors)
         model = client.config.model
@@ -117,8 +118,9 @@ class Frontend:
         return ChatOutputOptions(
             tool_parser=parser, named=mode not in ("none", "auto", "required"),
             call_id=self.call_id,
-            parallel=body.parallel_tool_calls, reasoning=self.config.reasoning_parser is not None,
-            prompt_opens_thinking=prompt_opens_thinking(body.prompt_text()),
+            parallel=body.parallel_tool_calls, reasoning=self.reasoning,
+            prompt_opens_thinking=self.reasoning is not None and prompt_opens_thinking(
+                body.prompt_text(), self.reasoning),
             include_reasoning=body.include_reasoning)
 
     async def generate(self, response_cls: type[GenerationResponse],
@@ -238,9 +240,10 @@ class Frontend:
             raise APIError(str(exc), param="vllm_xargs") from exc
         if isinstance(body, GenerationRequest):
             body.with_defaults(self.sampling_defaults)
-        # the tool parser reads its marker's text, a special token's
-        keep_special = (self.tool_parser.KEEPS_SPECIAL_TOKENS and isinstance(body, ChatRequest)
-                        and body.tool_mode() == "auto")
+        # the tool parser, or the reasoning split, reads its marker's text, a special token's
+        keep_special = isinstance(body, ChatRequest) and (
+            (self.tool_parser.KEEPS_SPECIAL_TOKENS and body.tool_mode() == "auto")
+            or (self.reasoning is not None and self.reasoning.special))
         params = []
         for ids in prompts:
             if not ids:

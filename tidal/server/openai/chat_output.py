@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tidal.server.openai.reasoning import ThinkSplitter
+from tidal.server.openai.reasoning import Markers, ThinkSplitter
 from tidal.server.openai.schemas import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
 from tidal.server.openai.tool_parsers import Event, ToolParser
 
@@ -33,7 +33,7 @@ class ChatOutputOptions:
     tool_parser: Callable[[], ToolParser] | None = None
     named: bool = False
     parallel: bool = True
-    reasoning: bool = False  # split <think> blocks into reasoning_content
+    reasoning: Markers | None = None  # split blocks so marked into reasoning_content
     prompt_opens_thinking: bool = False
     include_reasoning: bool = True
     call_id: Callable[[], str] = openai_call_id  # a new call's id, as the template takes it
@@ -54,7 +54,7 @@ class ChoiceOutput:
 
     def __init__(self, options: ChatOutputOptions) -> None:
         self.options = options
-        self._think = (ThinkSplitter(options.prompt_opens_thinking)
+        self._think = (ThinkSplitter(options.prompt_opens_thinking, options.reasoning)
                        if options.reasoning else None)
         self._tools = options.tool_parser() if options.tool_parser else None
         self.reasoning = ""

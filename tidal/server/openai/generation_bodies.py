@@ -227,7 +227,8 @@ class ChatResponse(GenerationResponse):
         if self.options.reasoning:
             decode = partial(self.tokenizer.decode, skip_special_tokens=False)
             u.completion_tokens_details = s.CompletionTokensDetails(sum(
-                reasoning_tokens(ch.tokens, decode, self.options.prompt_opens_thinking)
+                reasoning_tokens(ch.tokens, decode, self.options.prompt_opens_thinking,
+                                 self.options.reasoning)
                 for ch in self.choices))
         return u
 

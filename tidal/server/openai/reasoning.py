@@ -1,45 +1,65 @@
 """Reasoning, split from the answer (`--reasoning-parser think`): models such as Qwen3 and
-DeepSeek-R1 think inside `<think>...</think>` before they answer. What is inside goes to
-`reasoning_content`, what follows to `content`.
+DeepSeek-R1 think inside `<think>...</think>` before they answer, Magistral inside
+`[THINK]...[/THINK]`, Seed-OSS inside `<seed:think>...</seed:think>`. What is inside goes
+to `reasoning_content`, what follows to `content`.
 
-A reply thinks when it opens with `<think>`, or when the prompt ended with one (templates
-that open the block for the model); a reply cut off before `</think>` is all reasoning. A
-reply that neither opens nor closes a block is all content."""
+A reply thinks when it opens with the block's marker, or when the prompt ended with one
+(templates that open the block for the model); a reply cut off before the closing marker is
+all reasoning. A reply that neither opens nor closes a block is all content."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from tidal.server.openai.tool_parsers import partial_suffix
 
-OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("think", "qwen3", "deepseek_r1")  # the names vLLM users know map to one parser
+
+class Markers(NamedTuple):
+    """A reasoning block's opening and closing text; `special`: they are special tokens,
+    whose text a reply keeps only with skip_special_tokens off (the server turns it off for
+    chat requests, as for a tool parser's marker)."""
+
+    open: str
+    close: str
+    special: bool = False
+
+
+THINK = Markers("<think>", "</think>")
+# --reasoning-parser's names (vLLM's, for the models that use each block) -> its markers
+MARKERS = {"think": THINK, "qwen3": THINK, "deepseek_r1": THINK,
+           "mistral": Markers("[THINK]", "[/THINK]", special=True),
+           "seed_oss": Markers("<seed:think>", "</seed:think>")}
+PARSERS = tuple(MARKERS)
 
 
 class ThinkSplitter:
     """Splits a streamed reply: `feed` and `finish` return (reasoning, content) pieces."""
 
-    def __init__(self, prompt_opens: bool) -> None:
+    def __init__(self, prompt_opens: bool, markers: Markers = THINK) -> None:
+        self.markers = markers
         self._state = "thinking" if prompt_opens else "start"  # then "answer"
         self._held = ""
         self._strip = False  # the newlines right after </think> are not part of the answer
 
     def feed(self, text: str) -> tuple[str, str]:
         self._held += text
+        opening, closing = self.markers[:2]
         if self._state == "start":
             head = self._held.lstrip()
-            if len(head) < len(OPEN) and OPEN.startswith(head):
+            if len(head) < len(opening) and opening.startswith(head):
                 return "", ""  # it may yet open a block
-            if not head.startswith(OPEN):
+            if not head.startswith(opening):
                 self._state = "answer"
             else:
-                self._state, self._held = "thinking", head[len(OPEN):]
+                self._state, self._held = "thinking", head[len(opening):]
         if self._state == "answer":
             return "", self._answer()
-        end = self._held.find(CLOSE)
+        end = self._held.find(closing)
         if end >= 0:
-            reasoning, self._held = self._held[:end], self._held[end + len(CLOSE):]
+            reasoning, self._held = self._held[:end], self._held[end + len(closing):]
             self._state, self._strip = "answer", True
             return reasoning, self._answer()
-        cut = len(self._held) - partial_suffix(self._held, CLOSE)
+        cut = len(self._held) - partial_suffix(self._held, closing)
         reasoning, self._held = self._held[:cut], self._held[cut:]
         return reasoning, ""
 
@@ -57,19 +77,21 @@ class ThinkSplitter:
         return text
 
 
-def reasoning_tokens(tokens: list[int], decode, prompt_opens: bool) -> int:
+def reasoning_tokens(tokens: list[int], decode, prompt_opens: bool,
+                     markers: Markers = THINK) -> int:
     """How many of a reply's tokens carry its reasoning: those whose text overlaps the
-    block between `<think>` and `</think>` (or the reply's end), markers left out, as the
-    Responses API's `output_tokens_details.reasoning_tokens` counts them. `decode` turns a
-    list of ids into text, special tokens kept."""
+    block between its markers (or the reply's end), markers left out, as the Responses
+    API's `output_tokens_details.reasoning_tokens` counts them. `decode` turns a list of
+    ids into text, special tokens kept."""
+    opening, closing = markers[:2]
     text = decode(tokens)
     if prompt_opens:
         start = 0
-    elif text.lstrip().startswith(OPEN):
-        start = text.index(OPEN) + len(OPEN)
+    elif text.lstrip().startswith(opening):
+        start = text.index(opening) + len(opening)
     else:
         return 0
-    end = text.find(CLOSE, start)
+    end = text.find(closing, start)
     end = len(text) if end < 0 else end
     if end <= start:
         return 0
@@ -89,6 +111,6 @@ def reasoning_tokens(tokens: list[int], decode, prompt_opens: bool) -> int:
     return first(end - 1) - first(start) + 1
 
 
-def prompt_opens_thinking(prompt_text: str) -> bool:
-    """Whether the chat template ended the prompt inside an open `<think>` block."""
-    return prompt_text.rstrip().endswith(OPEN)
+def prompt_opens_thinking(prompt_text: str, markers: Markers = THINK) -> bool:
+    """Whether the chat template ended the prompt inside an open reasoning block."""
+    return prompt_text.rstrip().endswith(markers.open)
