@@ -91,6 +91,15 @@ def test_completions_stream_and_not(client):
                                            temperature=0, stream=True,
                                            extra_body={"ignore_eos": True}))
     assert "".join(p.choices[0].text for p in parts) == full.choices[0].text
+    # vLLM's continuous_usage_stats: every chunk counts the tokens so far
+    running = list(client.completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0,
+        stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in running]
+    assert counts == sorted(counts) and counts[-1] == 8 and len(running) == len(parts) + 1
+    assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in running)
+    assert [c.usage.completion_tokens for c in running if c.choices] == list(range(1, 9))
 
 
 def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(client):

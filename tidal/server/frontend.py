@@ -150,6 +150,8 @@ class Frontend:
             if not body.stream:
                 return await _unless_client_leaves(request, response.body(updates))
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            response.continuous_usage = include_usage and \
+                body.stream_options.continuous_usage_stats
             sched = self.client.config.scheduler
             if sched.policy_class.may_reject(sched.policy_options):
                 # A rejection comes before the first token: hold the headers until then, so

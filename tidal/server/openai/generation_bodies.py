@@ -81,6 +81,8 @@ class GenerationResponse:
         self.want_token_ids = token_ids  # vLLM's return_token_ids
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
         self.unsent = [[] for _ in self.choices]  # a stream's tokens not yet in a chunk
+        # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
+        self.continuous_usage = False
 
     # ------------------------------------------------------------------ per endpoint
     def logprobs(self, entries: list[Entry], offset: int):
@@ -175,10 +177,13 @@ class GenerationResponse:
     async def events(self, updates: Updates, include_usage: bool) -> AsyncIterator[str]:
         """SSE chunks as tokens come, errors as error bodies, then [DONE] (stream=true)."""
         extra = {"usage": None} if include_usage else {}
+        running = include_usage and self.continuous_usage
         try:
             opening = self.opening()
             if opening:
                 first = {"prompt_token_ids": self.prompts[0]} if self.want_token_ids else {}
+                if running:
+                    extra["usage"] = GenerationResponse.usage(self)
                 yield self.chunk(opening, **extra, **first)
             async for i, u in self._prompt_entries_first(updates):
                 ch = self.choices[i]
@@ -196,6 +201,8 @@ class GenerationResponse:
                     if part is not None:  # the tokens since the last chunk that went
                         part.token_ids, self.unsent[i] = self.unsent[i], []
                 if part is not None:
+                    if running:  # the counts so far (the last chunk's usage adds details)
+                        extra["usage"] = GenerationResponse.usage(self)
                     yield self.chunk([part], **extra)
             if include_usage:
                 yield self.chunk([], usage=self.usage())

@@ -149,9 +149,11 @@ class StrictModel(BaseModel):
 
 
 class StreamOptions(StrictModel):
-    """stream_options: a last chunk with the usage when include_usage."""
+    """stream_options: a last chunk with the usage when include_usage (and the usage so
+    far in every chunk with vLLM's continuous_usage_stats)."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, usage in every chunk
     include_obfuscation: bool = True  # harmless: tidal adds no obfuscation padding to chunks
 
 
