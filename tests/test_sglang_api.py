@@ -342,3 +342,19 @@ def test_model_and_server_info(server):
     got = r.json()
     assert got["max_total_num_tokens"] == 256 * got["page_size"]
     assert got["dp_size"] == 1 and got["engine"]["model"]["dtype"] == "float32"
+
+
+def test_encode_answers_the_embeddings_of_v1_embeddings(server):
+    texts = ["the sea", "a mountain"]
+    ref = post(server, "/v1/embeddings", {"input": texts}).json()["data"]
+    one = post(server, "/encode", {"text": texts[0], "rid": "e1"}).json()
+    assert one["meta_info"]["id"] == "e1" and one["meta_info"]["prompt_tokens"] == 2
+    assert one["embedding"] == pytest.approx(ref[0]["embedding"], abs=1e-5)
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": texts[1]}, headers=AUTH).json()
+    batch = post(server, "/encode", {"input_ids": [ids["tokens"]]}).json()
+    assert isinstance(batch, list) and len(batch) == 1
+    assert batch[0]["embedding"] == pytest.approx(ref[1]["embedding"], abs=1e-5)
+    bad = post(server, "/encode", {"input_ids": [10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input_ids"
+    assert post(server, "/encode", {"text": "a", "dimensions": 10**6}).json()["error"][
+        "param"] == "dimensions"

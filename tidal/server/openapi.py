@@ -50,7 +50,8 @@ _PROBES = ("/health_generate",)  # 503 when the engine makes no token, 400 on a 
 _GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                "/generate")
 # may answer 429, 503
-_QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank", "/classify")
+_QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank", "/classify",
+                         "/encode")
 # bodies whose `model` is looked up: 404 for one not served
 _MODEL_ROUTES = _QUEUED + ("/tokenize", "/detokenize", "/v1/messages/count_tokens")
 _LOOKED_UP = ("/v1/models/", "/v1/responses", "/v1/files", "/v1/batches")  # may answer 404

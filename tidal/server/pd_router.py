@@ -44,7 +44,7 @@ from tidal.server.openai.protocol import APIError, CompletionRequest, Detokenize
 from tidal.server.responses.request import ResponsesRequest
 from tidal.server.responses.routes import not_stored
 from tidal.server.scoring import ClassifyRequest, RerankRequest, ScoreRequest
-from tidal.server.sglang.request import GenerateRequest, in_sglang_terms
+from tidal.server.sglang.request import EncodeRequest, GenerateRequest, in_sglang_terms
 
 log = logging.getLogger("tidal.router")
 
@@ -295,6 +295,11 @@ async def generate(body: GenerateRequest, request: Request, router: RouterDep):
     except APIError as exc:
         raise in_sglang_terms(exc) from None
     return await router.forward("/generate", body.stream, request)
+
+
+@routes.post("/encode")
+async def encode(body: EncodeRequest, request: Request, router: RouterDep):
+    return await router.to_prefill("/encode", request)
 
 
 @routes.get("/get_model_info")

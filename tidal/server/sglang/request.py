@@ -1,15 +1,18 @@
-"""SGLang's native request (`POST /generate`): prompts as `text` or `input_ids` (one or a
-batch), one `sampling_params` object, logprobs asked for by `return_logprob`. It runs as
-the completions request it translates into (`completion_request`), so it is checked as one
-is, and a 400 names the field as SGLang's clients send it; what the server cannot honour
-(images, embeddings as input, custom logit processors) is refused by name."""
+"""SGLang's native requests: `POST /generate` (prompts as `text` or `input_ids`, one or a
+batch, one `sampling_params` object, logprobs asked for by `return_logprob`) runs as the
+completions request it translates into (`completion_request`), so it is checked as one is,
+and a 400 names the field as SGLang's clients send it; `POST /encode` runs as an
+embeddings request. What the server cannot honour (images, embeddings as input, custom
+logit processors) is refused by name."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, ClassVar
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
+from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.protocol import (APIError, CompletionRequest, StrictModel, Text,
                                           TokenIds, refuse, renamed, renamed_error)
 
@@ -57,36 +60,24 @@ class NativeIdsCompletion(NativeCompletion):
     prompt_field: ClassVar[str] = "input_ids"
 
 
-class GenerateRequest(StrictModel):
-    """A /generate body: SGLang's GenerateReqInput, text-only. `rid` names each prompt's
-    answer; `lora_path` (the adapter's served name) or `model` picks a LoRA adapter;
-    `kv_transfer_params` is the P/D router's, as on /v1/completions."""
+_MEDIA = {"image_data": ((), _TEXT_ONLY), "audio_data": ((), _TEXT_ONLY),
+          "video_data": ((), _TEXT_ONLY),
+          "input_embeds": ((), "prompts are text or token ids here")}
 
-    _refused: ClassVar = {
-        "image_data": ((), _TEXT_ONLY), "audio_data": ((), _TEXT_ONLY),
-        "video_data": ((), _TEXT_ONLY),
-        "input_embeds": ((), "prompts are text or token ids here"),
-        "custom_logit_processor": ((), _REFUSED_SAMPLING["custom_params"]),
-        "return_hidden_states": ((False,), "hidden states are not returned"),
-        "token_ids_logprob": ((), "logprobs are of the sampled and the top tokens; ask "
-                                  "top_logprobs_num")}
+
+class NativePrompts(StrictModel):
+    """What SGLang's native bodies share: one prompt or a batch as `text` or `input_ids`,
+    `rid` naming each prompt's answer, `model` (or /generate's `lora_path`) an adapter."""
+
+    _refused: ClassVar = _MEDIA
 
     text: Text | Annotated[list[Text], Field(min_length=1)] | None = None
     input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
-    sampling_params: dict[str, Any] | Annotated[list[dict[str, Any]],
-                                                Field(min_length=1)] | None = None
     rid: str | Annotated[list[str], Field(min_length=1)] | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    logprob_start_len: int = Field(-1, ge=-1)  # -1: the output's logprobs only
-    top_logprobs_num: int = Field(0, ge=0)
-    return_text_in_logprobs: bool = False
-    lora_path: str | None = None
     model: str | None = None
-    kv_transfer_params: dict | None = None
 
     @model_validator(mode="after")
-    def _one_prompt_field(self) -> "GenerateRequest":
+    def _one_prompt_field(self) -> "NativePrompts":
         if (self.text is None) == (self.input_ids is None):
             raise refuse("text", "send the prompt as text or as input_ids (one of them)")
         count = self.num_prompts()
@@ -95,15 +86,16 @@ class GenerateRequest(StrictModel):
             raise refuse("rid", f"rid must name each of the {count} prompts once")
         if isinstance(self.rid, str) and count > 1:
             raise refuse("rid", f"a batch of {count} prompts takes a list of rids")
-        params = self.sampling_params
-        if isinstance(params, list) and len(params) != count:
-            raise refuse("sampling_params", f"sampling_params: one object, or one for each "
-                                            f"of the {count} prompts")
-        if isinstance(params, list) and any(p != params[0] for p in params):
-            raise refuse("sampling_params", "a batch's prompts share their sampling_params "
-                                            "here: send prompts that differ as requests of "
-                                            "their own")
         return self
+
+    def prompt(self):
+        return self.text if self.text is not None else self.input_ids
+
+    def prompt_name(self) -> str:
+        return "text" if self.text is not None else "input_ids"
+
+    def adapter(self) -> str | None:
+        return self.model
 
     def num_prompts(self) -> int:
         if self.text is not None:
@@ -120,6 +112,41 @@ class GenerateRequest(StrictModel):
         """Each prompt's id as the client named it (None: the server names them)."""
         return [self.rid] if isinstance(self.rid, str) else self.rid
 
+
+class GenerateRequest(NativePrompts):
+    """A /generate body: SGLang's GenerateReqInput, text-only. `lora_path` (the adapter's
+    served name) or `model` picks a LoRA adapter; `kv_transfer_params` is the P/D
+    router's, as on /v1/completions."""
+
+    _refused: ClassVar = {
+        **_MEDIA,
+        "custom_logit_processor": ((), _REFUSED_SAMPLING["custom_params"]),
+        "return_hidden_states": ((False,), "hidden states are not returned"),
+        "token_ids_logprob": ((), "logprobs are of the sampled and the top tokens; ask "
+                                  "top_logprobs_num")}
+
+    sampling_params: dict[str, Any] | Annotated[list[dict[str, Any]],
+                                                Field(min_length=1)] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)  # -1: the output's logprobs only
+    top_logprobs_num: int = Field(0, ge=0)
+    return_text_in_logprobs: bool = False
+    lora_path: str | None = None
+    kv_transfer_params: dict | None = None
+
+    @model_validator(mode="after")
+    def _one_sampling(self) -> "GenerateRequest":
+        count, params = self.num_prompts(), self.sampling_params
+        if isinstance(params, list) and len(params) != count:
+            raise refuse("sampling_params", f"sampling_params: one object, or one for each "
+                                            f"of the {count} prompts")
+        if isinstance(params, list) and any(p != params[0] for p in params):
+            raise refuse("sampling_params", "a batch's prompts share their sampling_params "
+                                            "here: send prompts that differ as requests of "
+                                            "their own")
+        return self
+
     def adapter(self) -> str | None:
         return self.lora_path or self.model
 
@@ -129,7 +156,7 @@ class GenerateRequest(StrictModel):
         if isinstance(params, list):
             params = params[0]
         body: dict[str, Any] = {"model": self.adapter(), "stream": self.stream,
-                                "prompt": self.text if self.text is not None else self.input_ids}
+                                "prompt": self.prompt()}
         for name, value in params.items():
             if name in _REFUSED_SAMPLING and value is not None:
                 raise APIError(f"sampling_params.{name} is not supported: "
@@ -155,4 +182,38 @@ def in_sglang_terms(exc: APIError) -> APIError:
     """A check's 400 on the translated request, naming SGLang's fields."""
     exc.param = PARAMS.get(exc.param, exc.param)
     exc.message = renamed(exc.message, WORDS)
+    return exc
+
+
+class NativeEmbedding(EmbeddingRequest):
+    """The embeddings request a /encode body runs as, answered in SGLang's shape."""
+
+    _rids: list[str] | None = PrivateAttr(None)
+    _batch: bool = PrivateAttr(False)
+
+    def body(self, vectors: list[list[float]], prompts: list[list[int]], model: str):
+        ids = self._rids or [uuid.uuid4().hex for _ in prompts]
+        outs = [{"embedding": v, "meta_info": {"id": rid, "prompt_tokens": len(p)}}
+                for v, p, rid in zip(vectors, prompts, ids)]
+        return outs if self._batch else outs[0]
+
+
+class EncodeRequest(NativePrompts):
+    """A /encode body: SGLang's EmbeddingReqInput, text-only; `dimensions` as OpenAI's
+    (a Matryoshka model's leading ones)."""
+
+    dimensions: int | None = Field(None, ge=1)
+
+    def embedding_request(self) -> NativeEmbedding:
+        out = NativeEmbedding.model_validate({"model": self.model, "input": self.prompt(),
+                                              "dimensions": self.dimensions})
+        out._rids, out._batch = self.rids(), self.is_batch()
+        return out
+
+
+def prompt_error(exc: APIError, body: NativePrompts) -> APIError:
+    """An embeddings check's 400 about its `input`, naming the /encode body's field."""
+    if exc.param == "input":
+        exc.param = body.prompt_name()
+        exc.message = renamed(exc.message, {"input": body.prompt_name()})
     return exc

@@ -1,7 +1,7 @@
 """SGLang's native API beside OpenAI's, for clients written against an SGLang server:
 `POST /generate` (prompts as text or token ids, `sampling_params`, answered in SGLang's
-shape: `request.py`, `output.py`), `GET /get_model_info`, `GET /get_server_info` and
-`GET /health_generate` (healthy when the engine makes a token). /flush_cache,
+shape: `request.py`, `output.py`), `POST /encode` (embeddings), `GET /get_model_info`,
+`GET /get_server_info` and `GET /health_generate` (healthy when the engine makes a token). /flush_cache,
 /tokenize, /detokenize, /v1/rerank and /classify are the server's own routes."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from tidal.runtime.client import EngineDeadError, Failure
 from tidal.server.frontend import Frontend, FrontendDep, unavailable
 from tidal.server.openai.protocol import APIError
 from tidal.server.sglang.output import GenerateBody
-from tidal.server.sglang.request import GenerateRequest, in_sglang_terms
+from tidal.server.sglang.request import (EncodeRequest, GenerateRequest, in_sglang_terms,
+                                         prompt_error)
 
 routes = APIRouter()
 # tidal's request fields -> SGLang's names, for the model's sampling defaults
@@ -43,6 +44,20 @@ async def generate(body: GenerateRequest, f: FrontendDep, request: Request):
             text_in_logprobs=body.return_text_in_logprobs)
     except APIError as exc:
         raise in_sglang_terms(exc) from None
+
+
+@routes.post("/encode")
+async def encode(body: EncodeRequest, f: FrontendDep, request: Request):
+    """SGLang's: each prompt's embedding, as `embedding` and `meta_info`."""
+    f.check_model(body.adapter())
+    f.check_task("embed")
+    embedding = body.embedding_request()
+    try:
+        embedding.check_dimensions(f.client.ready.embedding_size, f.client.ready.matryoshka)
+        prompts = await asyncio.to_thread(embedding.prompt_ids, f.tokenizer)  # as embeddings
+        return await f.embed(embedding, prompts, request)
+    except APIError as exc:
+        raise prompt_error(exc, body) from None
 
 
 @routes.get("/get_model_info")
