@@ -152,6 +152,8 @@ def other_answers(url: str) -> tuple[list[str], list[list[float]], list[float]]:
     assert gone.value.body["param"] == "previous_response_id"
     vectors = [d.embedding for d in client.embeddings.create(
         model="smollm2-135m", input=["the sea", "a mountain"]).data]
+    encoded = httpx.post(url + "/encode", json={"text": "the sea"}).json()  # SGLang's
+    assert encoded["embedding"] == pytest.approx(vectors[0], abs=1e-5)
     rerank = httpx.post(url + "/v1/rerank", json={
         "query": "Where is Paris?", "documents": ["Paris is in France.", "Cats purr."]}).json()
     scores = [r["relevance_score"] for r in sorted(rerank["results"], key=lambda r: r["index"])]
