@@ -138,24 +138,30 @@ def test_a_scripted_mistral_reply_becomes_calls_and_goes_back(server):
     assert re.fullmatch(r"[A-Za-z0-9]{9}", forced.choices[0].message.tool_calls[0].id)
 
 
-def test_the_marker_as_a_special_token_reaches_the_parser(tmp_path):
-    """A vocabulary where [TOOL_CALLS] is a special token: its text would be skipped by
-    default; with tools and the mistral parser it is kept, so a reply of markers that are
-    not calls stays text instead of vanishing."""
+def special_token_model(folder, tokens: list[str]):
+    """A tiny random model on the embedded tokenizer with `tokens` added as special tokens
+    (the last ids), and the mistral template; the folder and their ids."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path / "mistral"
     tok = HFTokenizer.from_file(str(embedded_folder() / "tokenizer.json"))
-    tok.add_special_tokens(["[TOOL_CALLS]"])
-    marker = tok.token_to_id("[TOOL_CALLS]")
+    tok.add_special_tokens(tokens)
+    ids = [tok.token_to_id(t) for t in tokens]
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(
-        vocab_size=marker + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=max(ids) + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1,
         eos_token_id=2, max_position_embeddings=256)).save_pretrained(str(folder))
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
+    return folder, ids
+
+
+def test_the_marker_as_a_special_token_reaches_the_parser(tmp_path):
+    """A vocabulary where [TOOL_CALLS] is a special token: its text would be skipped by
+    default; with tools and the mistral parser it is kept, so a reply of markers that are
+    not calls stays text instead of vanishing."""
+    folder, (marker,) = special_token_model(tmp_path / "mistral", ["[TOOL_CALLS]"])
     s = Server("--model", str(folder), "--dtype", "float32")
     try:
         body = dict(model="mistral", messages=ASK, max_tokens=2, logit_bias={str(marker): 100})
@@ -171,20 +177,7 @@ def test_the_marker_as_a_special_token_reaches_the_parser(tmp_path):
 def test_reasoning_markers_that_are_special_tokens_reach_the_split(tmp_path):
     """--reasoning-parser mistral (Magistral's [THINK] ... [/THINK], special tokens): their
     text is kept for chat requests, so the reply's block becomes reasoning_content."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path / "magistral"
-    tok = HFTokenizer.from_file(str(embedded_folder() / "tokenizer.json"))
-    tok.add_special_tokens(["[THINK]", "[/THINK]"])
-    think = tok.token_to_id("[THINK]")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=think + 2, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1,
-        eos_token_id=2, max_position_embeddings=256)).save_pretrained(str(folder))
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
+    folder, (think, _) = special_token_model(tmp_path / "magistral", ["[THINK]", "[/THINK]"])
     s = Server("--model", str(folder), "--dtype", "float32", "--reasoning-parser", "mistral")
     try:
         body = dict(model="magistral", messages=ASK, max_tokens=3,
