@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tidal.engine.flags import (add_config_flags, add_engine_flags, config_from_args,
                                 engine_kwargs, flag_errors)
+from tidal.engine.vllm_flags import add_vllm_flags, apply_vllm_flags, expand_config_file
 from tidal.server.config import HttpConfig, ServerConfig
 
 
@@ -221,8 +222,12 @@ def main(argv: list[str] | None = None) -> None:
 def run(argv: list[str] | None = None):
     """Parse `argv` and run the command; returns what the command returns (a benchmark's or
     a simulation's result dict)."""
-    args = build_parser().parse_args(argv)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    given = list(argv) if argv is not None else sys.argv[1:]
+    expanded = expand_config_file(given) if given[:1] in (["serve"], ["run-batch"]) else given
+    args = build_parser().parse_args(expanded)
+    args.argv = expanded  # (a --pd instance gets the config file's flags as flags)
+    with flag_errors(args.command):
+        apply_vllm_flags(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     return args.func(args)
 
@@ -248,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     add_config_flags(srv, ServerConfig, "server options")
     add_engine_flags(srv)
+    add_vllm_flags(srv)
     srv.set_defaults(func=cmd_serve)
     batch = sub.add_parser("run-batch", help="answer an OpenAI Batch API JSONL file offline")
     batch.add_argument("-i", "--input", required=True, help="the requests: one JSON object "
@@ -256,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "the input's order")
     add_config_flags(batch, ServerConfig, "server options")
     add_engine_flags(batch)
+    add_vllm_flags(batch)
     batch.set_defaults(func=cmd_run_batch)
     rtr = sub.add_parser("router", help="route requests over running prefill and decode "
                                         "instances (P/D disaggregation)")

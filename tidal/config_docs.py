@@ -16,6 +16,7 @@ from typing import Any
 
 from tidal.core.config import help_table
 from tidal.core.policies import POLICIES, option_fields
+from tidal.engine import vllm_flags
 from tidal.engine.config import EngineConfig, all_fields
 from tidal.server.config import HttpConfig, ServerConfig
 
@@ -34,7 +35,8 @@ Where the options below are set:
 - `tidal simulate` takes the cache and scheduler options, `--num-kv-blocks` and
   `--data-parallel-size`.
 
-Boolean flags take a value: `--async-scheduling true`, `--enable-prefix-caching false`.
+Boolean flags take a value: `--async-scheduling true`, `--enable-prefix-caching false`,
+or none (`--async-scheduling`: true; `--no-enable-prefix-caching`: false, as vLLM's).
 An option shown as *unset* is derived at start-up, as its text says.
 
 The HTTP server's own options (`--host`, `--port`, `--api-key`, ...) close the page; they
@@ -105,7 +107,26 @@ def render() -> str:
             lines += _policy_sections()
         parts.append("\n".join(lines) + "\n")
     parts.append("\n".join(_server_section()) + "\n")
+    parts.append("\n".join(_vllm_section()) + "\n")
     return "\n".join(parts)
+
+
+def _vllm_section() -> list[str]:
+    """vLLM's `serve` words that `tidal serve` and `tidal run-batch` take too."""
+    lines = ["## vLLM's flags", "", _cell(vllm_flags.__doc__.split("\n\n")[0]), "",
+             "| vLLM's flag | in tidal |", "| --- | --- |"]
+    for flag, (dest, _) in vllm_flags.ALIASES.items():
+        lines.append(f"| `{flag}` | `--{dest.replace('_', '-')}` |")
+    for flag, why in vllm_flags.ACCEPTED.items():
+        lines.append(f"| `{flag}` | accepted, no effect: {_cell(why)} |")
+    keys = ", ".join(f"`{k}`" for k in vllm_flags.SPECULATIVE_KEYS)
+    methods = ", ".join(f"`{k}`" for k in vllm_flags.SPECULATIVE_METHODS)
+    lines += [f"| `--speculative-config JSON` | its keys {keys} as `--speculative-method` "
+              f"(methods {methods}) and its options |",
+              "| `--config FILE` | a YAML file of flags, keys without dashes (`true` a switch "
+              "on, `false` off, a list its words); the command line's flags win |",
+              "| `--no-FLAG` | any switch off |"]
+    return lines
 
 
 def _server_section() -> list[str]:

@@ -43,6 +43,9 @@ def _add_flags(group, rows: list[tuple[str, Any, str]], type_of) -> None:
             group.add_argument(flag, dest=name, type=_parse_bool, nargs="?", const=True,
                                default=argparse.SUPPRESS,
                                help=f"{help_text} (default: {default})")
+            # and `--no-flag` false, as vLLM's (argparse.BooleanOptionalAction)
+            group.add_argument(f"--no-{flag[2:]}", dest=name, action="store_false",
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             continue
         if isinstance(default, (int, float)):
             kind = type(default)
@@ -80,7 +83,9 @@ def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> A
     """`cls` from the flags `add_config_flags` made (defaults for those not given), with
     `overrides` on top."""
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{**{k: v for k, v in vars(args).items() if k in names}, **overrides})
+    given = {k: tuple(v) if isinstance(v, list) else v  # a list's words, as its default
+             for k, v in vars(args).items() if k in names}
+    return cls(**{**given, **overrides})
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,0 +1,101 @@
+"""vLLM's command line starts tidal as it is (tidal/engine/vllm_flags.py): flags of another
+name (--max-num-batched-tokens, --scheduling-policy), switches that ask for what tidal does
+anyway, `--no-` for every switch, --speculative-config as JSON, --config YAML whose flags
+the command line overrides; bad values end the command naming them; and a served check
+that the engine runs with what the vLLM words said."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server_fixtures import Server
+from tidal.cli import build_parser
+from tidal.engine.config import EngineConfig
+from tidal.engine.flags import config_from_args, engine_kwargs
+from tidal.engine.vllm_flags import apply_vllm_flags, expand_config_file
+from tidal.server.config import ServerConfig
+
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5})
+
+
+def configs(*argv: str) -> tuple[EngineConfig, ServerConfig]:
+    args = build_parser().parse_args(expand_config_file(["serve", *argv]))
+    apply_vllm_flags(args)
+    return EngineConfig.from_kwargs(**engine_kwargs(args)), config_from_args(ServerConfig, args)
+
+
+def test_vllm_words_set_tidals_options():
+    engine, server = configs("--max-num-batched-tokens", "4096", "--scheduling-policy",
+                             "priority", "--trust-remote-code", "--enable-auto-tool-choice",
+                             "--enable-chunked-prefill", "--disable-log-requests",
+                             "--enable-prompt-tokens-details", "--no-enable-prefix-caching",
+                             "--speculative-config", SPEC, "--served-model-name", "a", "b")
+    assert engine.scheduler.max_input_tokens_per_step == 4096
+    assert engine.scheduler.policy == "priority"
+    assert engine.cache.enable_prefix_caching is False
+    assert engine.speculative.speculative_method == "ngram"
+    assert engine.scheduler.num_speculative_tokens == 3
+    assert engine.speculative.prompt_lookup_max == 5
+    assert server.served_model_name == ("a", "b")
+    default, _ = configs()
+    assert default.cache.enable_prefix_caching is True
+    assert default.speculative.speculative_method is None
+    draft, _ = configs("--speculative-config", '{"model": "smollm2-135m", '
+                                               '"num_speculative_tokens": 2}')
+    assert (draft.speculative.speculative_method, draft.speculative.speculative_model) == \
+        ("draft", "smollm2-135m")
+
+
+@pytest.mark.parametrize("spec, words", [
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of"),
+    ('{"method": "ngram", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size"),
+    ("ngram", "not JSON"),
+    ("[1]", "JSON object"),
+])
+def test_a_bad_speculative_config_is_refused_by_name(spec, words):
+    with pytest.raises(ValueError, match=words):
+        configs("--speculative-config", spec)
+
+
+def test_a_speculative_option_given_twice_is_refused():
+    with pytest.raises(ValueError, match="give it once"):
+        configs("--speculative-config", SPEC, "--num-speculative-tokens", "2")
+
+
+def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path):
+    path = tmp_path / "vllm.yaml"
+    path.write_text("max_num_batched_tokens: 2048\nenable_prefix_caching: false\n"
+                    "trust_remote_code: true\nenable_auto_tool_choice: false\n"
+                    "served-model-name: [first, second]\nport: 9000\n"
+                    "speculative_config: {method: ngram, num_speculative_tokens: 2}\n")
+    engine, server = configs("--config", str(path), "--port", "9001")
+    assert engine.scheduler.max_input_tokens_per_step == 2048
+    assert engine.cache.enable_prefix_caching is False
+    assert engine.scheduler.num_speculative_tokens == 2
+    assert server.served_model_name == ("first", "second") and server.port == 9001
+    _, server = configs(f"--config={path}")
+    assert server.port == 9000
+    path.write_text("- not a mapping\n")
+    with pytest.raises(SystemExit, match="a mapping of flags"):
+        configs("--config", str(path))
+    with pytest.raises(SystemExit, match="No such file"):
+        configs("--config", str(tmp_path / "missing.yaml"))
+
+
+def test_a_server_started_with_vllms_words_runs_with_them():
+    server = Server("--max-num-batched-tokens", "2048", "--enable-auto-tool-choice",
+                    "--trust-remote-code", "--no-enable-prefix-caching",
+                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+    try:
+        info = httpx.get(server.url + "/get_server_info").json()["engine"]
+        assert info["scheduler"]["max_input_tokens_per_step"] == 2048
+        assert info["cache"]["enable_prefix_caching"] is False
+        assert info["speculative"]["speculative_method"] == "ngram"
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"prompt": "1, 2, 3, 4, 1, 2, 3, 4,", "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        server.stop()

@@ -1,0 +1,132 @@
+"""vLLM's `serve` words that tidal spells otherwise, so that a vLLM command line (or its
+`--config` YAML file) starts tidal as it is: flags of another name for the same option,
+switches that ask for what tidal does anyway, `--speculative-config` as JSON, and
+`--config FILE` whose keys are flags. A vLLM flag with no meaning here stays an error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# vLLM's flag -> tidal's option of the same meaning
+ALIASES = {"--max-num-batched-tokens": ("max_input_tokens_per_step", int),
+           "--scheduling-policy": ("policy", str)}
+# vLLM's switches that ask for what tidal does anyway, and why
+ACCEPTED = {
+    "--trust-remote-code": "tidal runs no code from a model's folder: its architectures "
+                           "are its own",
+    "--enable-auto-tool-choice": "tool_choice 'auto' is always served (--tool-call-parser)",
+    "--enable-chunked-prefill": "prefills are always chunked (--chunked-prefill-size)",
+    "--disable-log-requests": "requests are logged only with --enable-log-requests",
+    "--enable-prompt-tokens-details": "usage always carries "
+                                      "prompt_tokens_details.cached_tokens"}
+# --speculative-config's keys -> tidal's options; its methods -> tidal's
+SPECULATIVE_KEYS = {"method": "speculative_method",
+                    "num_speculative_tokens": "num_speculative_tokens",
+                    "model": "speculative_model", "prompt_lookup_min": "prompt_lookup_min",
+                    "prompt_lookup_max": "prompt_lookup_max"}
+SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft",
+                       "draft": "draft"}
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's spellings on a command that has the engine's flags."""
+    group = parser.add_argument_group("vLLM's flags (docs/configuration.md)")
+    for flag, (dest, kind) in ALIASES.items():
+        group.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS,
+                           help=f"vLLM's name for --{dest.replace('_', '-')}")
+    for flag, why in ACCEPTED.items():
+        group.add_argument(flag, action="store_true", default=argparse.SUPPRESS,
+                           help=f"accepted, no effect: {why}")
+    group.add_argument("--speculative-config", default=argparse.SUPPRESS, metavar="JSON",
+                       help="vLLM's: {\"method\": \"ngram\"|\"suffix\"|\"draft_model\", "
+                            "\"num_speculative_tokens\", \"model\", \"prompt_lookup_min\", "
+                            "\"prompt_lookup_max\"}, as --speculative-method and its options")
+    group.add_argument("--config", default=argparse.SUPPRESS, metavar="YAML",
+                       help="vLLM's: a YAML file of flags (keys without the dashes); flags "
+                            "on the command line win over it")
+
+
+def speculative_options(text: str) -> dict:
+    """--speculative-config's JSON as tidal's options; ValueError naming what is wrong."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"speculative_config is not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ValueError("speculative_config must be a JSON object")
+    unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: {', '.join(unknown)} not supported (tidal "
+                         f"takes {', '.join(SPECULATIVE_KEYS)})")
+    if "model" in spec and "method" not in spec:
+        spec["method"] = "draft_model"  # vLLM's reading of a bare model
+    if spec.get("method") not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config.method must be one of "
+                         f"{', '.join(SPECULATIVE_METHODS)}; got {spec.get('method')!r}")
+    spec["method"] = SPECULATIVE_METHODS[spec["method"]]
+    return {SPECULATIVE_KEYS[k]: v for k, v in spec.items()}
+
+
+def apply_vllm_flags(args: argparse.Namespace) -> None:
+    """Turn the parsed vLLM words into tidal's options (in place); ValueError for a bad
+    --speculative-config."""
+    text = vars(args).pop("speculative_config", None)
+    if text is not None:
+        for name, value in speculative_options(text).items():
+            if name in vars(args):
+                raise ValueError(f"--{name.replace('_', '-')} and --speculative-config both "
+                                 f"set {name}: give it once")
+            setattr(args, name, value)
+    for flag in ACCEPTED:
+        vars(args).pop(flag[2:].replace("-", "_"), None)
+    vars(args).pop("config", None)
+
+
+def expand_config_file(argv: list[str]) -> list[str]:
+    """argv with `--config FILE` replaced by the file's flags, put first so that the
+    command line's own win (argparse keeps a flag's last value)."""
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    out, path, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" and i + 1 < len(argv):
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            out.append(arg)
+        i += 1
+    if path is None:
+        return argv  # argparse says --config needs its value
+    return out[:1] + config_file_flags(path) + out[1:]  # after the subcommand
+
+
+def config_file_flags(path: str) -> list[str]:
+    """A vLLM YAML config's keys as flags: true a switch, false `--no-` (a switch off), a
+    list its words, a mapping JSON."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"tidal: error: --config {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"tidal: error: --config {path}: a mapping of flags to values")
+    flags: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:  # an accepted switch off asks for nothing either
+            flags += [] if flag in ACCEPTED else [f"--no-{flag[2:]}"]
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
