@@ -169,7 +169,34 @@ def test_embeddings_and_chat_share_the_engine(served):
                for r in embeddings)
 
 
+def test_a_conversation_is_embedded_through_the_chat_template(served):
+    """vLLM's chat embeddings: `messages` embed as the template's render of them (no
+    generation prompt, no added special tokens by default) sent as token ids."""
+    server, _ = served
+    chat = [{"role": "system", "content": "Embed this."}, {"role": "user", "content": TEXTS[0]}]
+    rendered = httpx.post(server.url + "/tokenize", json={
+        "messages": chat, "add_generation_prompt": False}).json()["tokens"]
+
+    def vector(body):
+        r = httpx.post(server.url + "/v1/embeddings", json={**body, "encoding_format": "float"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    got = vector({"messages": chat})
+    assert got["usage"]["prompt_tokens"] == len(rendered)
+    want = vector({"input": rendered})["data"][0]["embedding"]
+    assert torch.allclose(torch.tensor(got["data"][0]["embedding"]), torch.tensor(want),
+                          atol=1e-6)
+    prompted = vector({"messages": chat, "add_generation_prompt": True})
+    assert prompted["usage"]["prompt_tokens"] > len(rendered)
+
+
 @pytest.mark.parametrize("body, param", [
+    ({"input": "a", "messages": [{"role": "user", "content": "a"}]}, "input"),
+    ({}, "input"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ 1 }}"},
+     "chat_template"),
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
     ({"input": [[1, 2], [10 ** 9]]}, "input"),

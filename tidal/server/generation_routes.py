@@ -45,6 +45,7 @@ async def embeddings(body: EmbeddingRequest, f: FrontendDep, request: Request):
     pooling, else its last token's), batched with generation on the same cores."""
     f.check_model(body.model)
     f.check_task("embed")
+    f.check_chat_template(body.chat_template)
     body.check_dimensions(f.client.ready.embedding_size, f.client.ready.matryoshka)
     prompts = await asyncio.to_thread(body.prompt_ids, f.tokenizer)  # as in completions
     return await f.embed(body, prompts, request)
