@@ -210,6 +210,21 @@ def test_harmless_and_do_nothing_values_change_nothing(server):
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
+def test_request_id_names_the_answer(server, client):
+    """vLLM's request_id: the answer's id is cmpl-/chatcmpl- and it, whole and streamed;
+    two requests of one id both answer."""
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2,
+                                          extra_body={"request_id": "trace-42"})
+    assert chat.id == "chatcmpl-trace-42"
+    for _ in range(2):
+        r = post(server, "/v1/completions", {**COMPLETION, "request_id": "trace-42",
+                                             "stream": True})
+        ids = {c.split('"id":"')[1].split('"')[0] for c in r.text.split("data: ")[1:-1]}
+        assert ids == {"cmpl-trace-42"}
+    r = post(server, "/v1/completions", {**COMPLETION, "request_id": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+
+
 def test_include_obfuscation_is_accepted_and_streams_as_usual(server, client):
     want = greedy_chat(server)
     chunks = list(client.chat.completions.create(

@@ -139,7 +139,8 @@ class Frontend:
             updates = self.updates(sub)
         stream = None  # once made, its background task ends the submission
         try:
-            rid = sub.rids[0] if sub is not None else uuid.uuid4().hex[:16]
+            # vLLM's request_id names the answer; the engine's ids stay the server's own
+            rid = body.request_id or (sub.rids[0] if sub is not None else uuid.uuid4().hex[:16])
             response = response_cls(self.tokenizer, self.config.model_name, rid,
                                     prompts, len(prompts) * body.n,
                                     body.num_logprobs() is not None,

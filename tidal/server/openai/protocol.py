@@ -205,6 +205,8 @@ class GenerationRequest(StrictModel):
     default_max_tokens: ClassVar[int | None] = None  # None: what the context leaves
 
     model: str | None = None
+    # vLLM's: the answer's id is `cmpl-<request_id>` (chat: `chatcmpl-`)
+    request_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -300,6 +302,13 @@ class GenerationRequest(StrictModel):
     def _stream_options_need_stream(self) -> "GenerationRequest":
         if self.stream_options is not None and not self.stream:
             raise refuse("stream_options", "stream_options is only allowed with stream=true")
+        return self
+
+    @model_validator(mode="after")
+    def _request_id_is_text(self) -> "GenerationRequest":
+        if self.request_id is not None and not is_unicode(self.request_id):
+            raise refuse("request_id", "request_id: the text is not valid Unicode (a lone "
+                                       "surrogate)")
         return self
 
     @model_validator(mode="after")

@@ -16,7 +16,6 @@ VLLM_REFUSED: dict[str, tuple[tuple, str]] = {
     "guided_decoding_backend": ((), STRUCTURED),
     "guided_whitespace_pattern": ((), STRUCTURED),
     "structural_tag": ((), STRUCTURED),
-    "request_id": ((), "tidal names requests itself"),
     "prompt_embeds": ((), "tidal takes text and token ids only"),
     "mm_processor_kwargs": ((), "tidal serves text-only models"),
     "media_io_kwargs": ((), "tidal serves text-only models"),
