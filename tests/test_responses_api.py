@@ -6,6 +6,7 @@ previous_response_id, retrieve and delete, and refusals naming the field."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from openai.types.responses import response_create_params as create_types
 from pydantic import BaseModel, Field
 
-from server_fixtures import module_server
+from server_fixtures import metric, module_server
 from tidal.server.openai.chat_output import Piece
 from tidal.server.openai.protocol import APIError
 from tidal.server.responses.output import OutputItems
@@ -274,6 +275,42 @@ def test_stored_responses_are_retrieved_and_deleted(client):
         client.responses.retrieve(unstored.id)
 
 
+def test_a_background_response_is_polled_to_its_answer_and_can_be_cancelled(server, client):
+    """OpenAI's background mode: created queued, polled in progress to the answer a
+    foreground request gives; cancel stops one (its blocks return), is idempotent, and
+    refuses a foreground response; a cancelled one is not continued."""
+    kw = dict(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
+    want = client.responses.create(**kw)
+    created = client.responses.create(**kw, background=True)
+    assert created.status == "queued" and created.background is True
+    deadline = time.monotonic() + 60
+    while (got := client.responses.retrieve(created.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert got.status == want.status and got.output_text == want.output_text
+    assert got.usage.output_tokens == want.usage.output_tokens
+    again = client.responses.create(model=MODEL, input="And of Italy?", max_output_tokens=4,
+                                    previous_response_id=created.id)
+    assert again.usage.input_tokens > got.usage.input_tokens  # its conversation continues
+    story = "Tell me a very long story about the sea, in many chapters."
+    long = client.responses.create(model=MODEL, input=story, max_output_tokens=900,
+                                   background=True)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.id == long.id
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert client.responses.cancel(long.id).status == "cancelled"
+    deadline = time.monotonic() + 10
+    while metric(server.url, "tidal:kv_cache_used_blocks") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.cancel(want.id)
+    assert "background" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="and?", previous_response_id=long.id)
+    assert err.value.body["param"] == "previous_response_id"
+
+
 def test_truncation_auto_leaves_out_the_oldest_messages_that_do_not_fit(server, client):
     """On a server of 1,024 tokens of context: a continuation over it is a 400 unless
     truncation is auto, which drops the first turn and keeps the new input whole; the
@@ -314,7 +351,8 @@ def test_truncation_keeps_a_tool_result_with_its_call():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
+    ({"background": True, "stream": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": []}, "input"),
     ({"input": ""}, "input"),

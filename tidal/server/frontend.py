@@ -123,21 +123,21 @@ class Frontend:
                 body.prompt_text(), self.reasoning),
             include_reasoning=body.include_reasoning)
 
-    async def generate(self, response_cls: type[GenerationResponse],
-                       body: GenerationRequest, prompts: list[list[int]], request: Request,
-                       **options):
-        """Submit the prompts, then answer with the whole body or an SSE stream; `options`
-        go to the response (a chat's ChatOutputOptions)."""
+    async def start(self, response_cls: type[GenerationResponse], body: GenerationRequest,
+                    prompts: list[list[int]], headers: Mapping[str, str],
+                    **options) -> tuple[GenerationResponse, Updates, Submission | None]:
+        """Submit the prompts and make their response (`options` go to it: a chat's
+        ChatOutputOptions): the response, its updates, and the submission (None for a beam
+        search), which whoever answers ends (`finish`)."""
         cut = truncated(prompts, body.truncate_prompt_tokens, self.client.ready.max_model_len)
         if cut != prompts and options.get("sent"):  # an echo shows the prompt computed
             options["sent"] = None
         prompts = cut
         if body.use_beam_search:  # its steps' requests are its own (beam_search.py)
-            sub, updates = None, beam_search_updates(self, prompts, body, request.headers)
+            sub, updates = None, beam_search_updates(self, prompts, body, headers)
         else:
-            sub = await self.submit(prompts, body, request.headers)
+            sub = await self.submit(prompts, body, headers)
             updates = self.updates(sub)
-        stream = None  # once made, its background task ends the submission
         try:
             # vLLM's request_id names the answer; the engine's ids stay the server's own
             rid = body.request_id or (sub.rids[0] if sub is not None else uuid.uuid4().hex[:16])
@@ -148,6 +148,20 @@ class Frontend:
                                     prompt_logprobs=body.prompt_logprobs is not None,
                                     token_ids=body.return_token_ids,
                                     tokens_as_ids=body.return_tokens_as_token_ids, **options)
+        except BaseException:
+            await finish(sub, updates)
+            raise
+        return response, updates, sub
+
+    async def generate(self, response_cls: type[GenerationResponse],
+                       body: GenerationRequest, prompts: list[list[int]], request: Request,
+                       **options):
+        """Submit the prompts, then answer with the whole body or an SSE stream; `options`
+        go to the response (a chat's ChatOutputOptions)."""
+        response, updates, sub = await self.start(response_cls, body, prompts,
+                                                  request.headers, **options)
+        stream = None  # once made, its background task ends the submission
+        try:
             if not body.stream:
                 return await _unless_client_leaves(request, response.body(updates))
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -165,10 +179,8 @@ class Frontend:
                                        background=BackgroundTask(_closed, events, sub))
             return stream
         finally:  # the answer is whole, the client left or an error came
-            if stream is None and sub is not None:
-                await sub.end()
-            elif stream is None:
-                await updates.aclose()
+            if stream is None:
+                await finish(sub, updates)
 
     async def embed(self, body: EmbeddingRequest, prompts: list[list[int]],
                     request: Request) -> Response | dict:
@@ -406,6 +418,15 @@ class Submission:
                 await self.client.abort(rid)  # free the blocks now
             else:
                 self.client.release(rid)
+
+
+async def finish(sub: Submission | None, updates: Updates) -> None:
+    """End a request's sequences once its answer is whole or abandoned (a beam search's
+    steps end with its updates)."""
+    if sub is not None:
+        await sub.end()
+    else:
+        await updates.aclose()
 
 
 async def _closed(events: AsyncGenerator[str, None], sub: Submission | None) -> None:

@@ -348,6 +348,15 @@ async def stored_response(response_id: str, request: Request, router: RouterDep)
     return await router.relay(f"/v1/responses/{quote(response_id, safe='')}", request, holder)
 
 
+@routes.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request, router: RouterDep):
+    holder = await router.holder(response_id, request)
+    if holder is None:
+        raise not_stored(response_id)
+    return await router.relay(f"/v1/responses/{quote(response_id, safe='')}/cancel", request,
+                              holder)
+
+
 @routes.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request, router: RouterDep):
     return await router.to_prefill("/v1/embeddings", request)

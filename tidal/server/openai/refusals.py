@@ -42,8 +42,7 @@ COMPLETION_REFUSED: dict[str, tuple[tuple, str]] = {
 
 # OpenAI Responses fields tidal does not implement.
 RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
-    "background": ((False,), "tidal answers within the request"),
-    "background_options": ((), "tidal answers within the request"),
+    "background_options": ((), "background responses take no options here"),
     "access_programs": ((), NOT_YET),
     "context_management": ((), "tidal does not compact conversations"),
     "image": ((), "tidal serves text-only models"),

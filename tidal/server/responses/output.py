@@ -203,7 +203,7 @@ class ResponseBody(ChatResponse):
         req = self.source
         return {
             "id": self.id, "object": "response", "created_at": self.created,
-            "status": status, "background": False, "error": None,
+            "status": status, "background": req.background, "error": None,
             "incomplete_details": None, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "max_tool_calls": req.max_tool_calls,
             "model": self.model_name,

@@ -121,6 +121,7 @@ class ResponsesRequest(StrictModel):
     reasoning: dict[str, Any] | None = None
     stream: bool = False
     store: bool = True
+    background: bool = False  # answered now as queued; the store holds it as it goes
     # Harmless (docs/serving.md): they concern OpenAI's accounts and caching, not the output.
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -157,6 +158,12 @@ class ResponsesRequest(StrictModel):
         fmt = text.get("format")
         if fmt is not None and not (isinstance(fmt, dict) and isinstance(fmt.get("type"), str)):
             raise refuse("text.format", "text.format must be an object with a type")
+        if self.background and not self.store:
+            raise refuse("background", "background needs store: true (the response is "
+                                       "polled from the store)")
+        if self.background and self.stream:
+            raise refuse("background", "a background response is not streamed here: poll "
+                                       "GET /v1/responses/{id}")
         if set(self.stream_options or {}) - {"include_obfuscation"}:
             raise refuse("stream_options", "stream_options takes include_obfuscation only")
         return self

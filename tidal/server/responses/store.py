@@ -15,10 +15,11 @@ import msgspec
 @dataclass(frozen=True)
 class StoredResponse:
     """A response as sent (JSON), and its conversation as chat messages: the input it
-    answered (after its predecessors') and its own output."""
+    answered (after its predecessors') and its own output; None for a background response
+    not (or never) finished, which no successor continues."""
 
     body: bytes
-    messages: list[dict]
+    messages: list[dict] | None
     size: int
     expires: float
 
@@ -33,7 +34,7 @@ class ResponseStore:
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self.bytes = 0
 
-    def put(self, response_id: str, body: bytes, messages: list[dict]) -> bool:
+    def put(self, response_id: str, body: bytes, messages: list[dict] | None) -> bool:
         """Keep a response; False when it alone is over the bound (it is not kept)."""
         size = len(body) + len(msgspec.json.encode(messages))
         self.delete(response_id)
