@@ -144,6 +144,10 @@ def other_answers(url: str) -> tuple[list[str], list[list[float]], list[float]]:
     streamed = "".join(e.delta for e in client.responses.create(
         input="Name a colour.", stream=True, **ask) if e.type == "response.output_text.delta")
     assert client.responses.retrieve(first.id).output_text == first.output_text
+    story = client.responses.create(input="Tell me a very long story about the sea.",
+                                    background=True, model="smollm2-135m",
+                                    max_output_tokens=500)
+    assert client.responses.cancel(story.id).status == "cancelled"  # on its holder
     client.responses.delete(then.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(then.id)
