@@ -15,14 +15,14 @@ from server_fixtures import Server
 from tidal.cli import build_parser
 from tidal.engine.config import EngineConfig
 from tidal.engine.flags import config_from_args, engine_kwargs
-from tidal.engine.vllm_flags import apply_vllm_flags, expand_config_file
+from tidal.engine.vllm_flags import apply_vllm_flags, expand_config_file, model_word
 from tidal.server.config import ServerConfig
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5})
 
 
 def configs(*argv: str) -> tuple[EngineConfig, ServerConfig]:
-    args = build_parser().parse_args(expand_config_file(["serve", *argv]))
+    args = build_parser().parse_args(expand_config_file(model_word(["serve", *argv])))
     apply_vllm_flags(args)
     return EngineConfig.from_kwargs(**engine_kwargs(args)), config_from_args(ServerConfig, args)
 
@@ -63,6 +63,13 @@ def test_a_bad_speculative_config_is_refused_by_name(spec, words):
 def test_a_speculative_option_given_twice_is_refused():
     with pytest.raises(ValueError, match="give it once"):
         configs("--speculative-config", SPEC, "--num-speculative-tokens", "2")
+
+
+def test_the_model_may_come_first_as_in_vllm_serve():
+    engine, _ = configs("smollm2-135m", "--max-num-seqs", "8")
+    assert engine.model.model == "smollm2-135m" and engine.scheduler.max_num_seqs == 8
+    with pytest.raises(SystemExit, match="give it once"):
+        configs("smollm2-135m", "--model", "other")
 
 
 def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tidal.engine.flags import (add_config_flags, add_engine_flags, config_from_args,
                                 engine_kwargs, flag_errors)
-from tidal.engine.vllm_flags import add_vllm_flags, apply_vllm_flags, expand_config_file
+from tidal.engine.vllm_flags import (add_vllm_flags, apply_vllm_flags, expand_config_file,
+                                     model_word)
 from tidal.server.config import HttpConfig, ServerConfig
 
 
@@ -223,7 +224,9 @@ def run(argv: list[str] | None = None):
     """Parse `argv` and run the command; returns what the command returns (a benchmark's or
     a simulation's result dict)."""
     given = list(argv) if argv is not None else sys.argv[1:]
-    expanded = expand_config_file(given) if given[:1] in (["serve"], ["run-batch"]) else given
+    expanded = given
+    if given[:1] in (["serve"], ["run-batch"]):  # vLLM's command lines too (vllm_flags.py)
+        expanded = expand_config_file(model_word(given) if given[0] == "serve" else given)
     args = build_parser().parse_args(expanded)
     args.argv = expanded  # (a --pd instance gets the config file's flags as flags)
     with flag_errors(args.command):
@@ -250,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the LoRA adapter (of --lora-modules) that serves every prompt")
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API",
+                         usage="tidal serve [MODEL] [flags] (MODEL first: as --model)")
     add_config_flags(srv, ServerConfig, "server options")
     add_engine_flags(srv)
     add_vllm_flags(srv)

@@ -114,7 +114,8 @@ def render() -> str:
 def _vllm_section() -> list[str]:
     """vLLM's `serve` words that `tidal serve` and `tidal run-batch` take too."""
     lines = ["## vLLM's flags", "", _cell(vllm_flags.__doc__.split("\n\n")[0]), "",
-             "| vLLM's flag | in tidal |", "| --- | --- |"]
+             "| vLLM's flag | in tidal |", "| --- | --- |",
+             "| `serve MODEL` | the model, as `--model` (its first word) |"]
     for flag, (dest, _) in vllm_flags.ALIASES.items():
         lines.append(f"| `{flag}` | `--{dest.replace('_', '-')}` |")
     for flag, why in vllm_flags.ACCEPTED.items():

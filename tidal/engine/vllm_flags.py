@@ -84,6 +84,16 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
     vars(args).pop("config", None)
 
 
+def model_word(argv: list[str]) -> list[str]:
+    """`serve MODEL ...` (vLLM's `vllm serve MODEL`) as `serve --model MODEL ...`."""
+    if len(argv) < 2 or argv[1].startswith("-"):
+        return argv
+    if any(a == "--model" or a.startswith("--model=") for a in argv[2:]):
+        raise SystemExit(f"tidal {argv[0]}: error: the model is given twice ({argv[1]!r} and "
+                         f"--model): give it once")
+    return [argv[0], "--model", *argv[1:]]
+
+
 def expand_config_file(argv: list[str]) -> list[str]:
     """argv with `--config FILE` replaced by the file's flags, put first so that the
     command line's own win (argparse keeps a flag's last value)."""
