@@ -230,17 +230,29 @@ def test_logprob_bytes_are_each_tokens_own_bytes(client):
 @pytest.mark.parametrize("vocab, width", [(100, 100), (100, 128), (64, 70), (49152, 49152)])
 def test_a_bitmask_allows_exactly_its_set_bits(vocab, width):
     """llguidance's layout (token t: bit t % 32 of word t // 32), read without compiling a
-    kernel; tokens past the mask's words are not allowed."""
+    kernel: 0 added where allowed, -inf where not and past the mask's words."""
     import numpy as np
     import torch
 
-    from tidal.engine.structured import allowed
+    from tidal.engine.structured import penalty, shifted_bits, unpacked_bits
+    from tidal.model import cpu_extension
 
     rng = np.random.default_rng(vocab + width)
     words = rng.integers(-2**31, 2**31, (3, (vocab + 31) // 32), dtype=np.int64)
     words = words.astype(np.int32)
     bits = np.unpackbits(words.astype("<i4").view(np.uint8), axis=1, bitorder="little")
-    want = np.zeros((3, width), bool)
+    want = np.full((3, width), -np.inf, np.float32)
     n = min(width, bits.shape[1])
-    want[:, :n] = bits[:, :n] == 1
-    assert np.array_equal(allowed(torch.from_numpy(words), width).numpy(), want)
+    want[:, :n][bits[:, :n] == 1] = 0.0
+    t = torch.from_numpy(words)
+    assert torch.equal(unpacked_bits(t).to(torch.int32), shifted_bits(t))  # GPU's way too
+    got = penalty(t, width)
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want)
+    logits = torch.randn(3, width)
+    kept = logits + got
+    assert torch.equal(kept[got == 0], logits[got == 0])  # exactly: x + 0.0 is x
+    ext = cpu_extension.extension()  # the CPU runner's one pass: the same logits
+    if ext is not None:
+        one_pass = logits.clone()
+        ext.apply_token_bitmask(one_pass, t)
+        assert torch.equal(one_pass, kept)

@@ -22,6 +22,7 @@ from tidal.engine.lora_manager import LoRAManager
 from tidal.engine.prompt_outputs import PromptOutputs
 from tidal.engine.step_inputs import StepInputs
 from tidal.engine.structured import Grammars, Matchers
+from tidal.model import cpu_extension
 from tidal.model.attention import AttentionBackend
 from tidal.model.config import ModelArch
 from tidal.model.llama import StepCut
@@ -341,8 +342,10 @@ class ModelRunner:
         with self._matchers_lock:  # made on first use, by the step loop or the compiler
             if self.matchers is None:
                 eos = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None
+                ext = cpu_extension.loaded()  # (a CPU runner loads it at start)
                 self.matchers = Matchers(Grammars((self.folder / "tokenizer.json").read_text(),
-                                                  self.arch.vocab_size, eos))
+                                                  self.arch.vocab_size, eos),
+                                         ext.apply_token_bitmask if ext is not None else None)
         return self.matchers
 
     def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

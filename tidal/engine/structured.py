@@ -23,7 +23,7 @@ import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -169,24 +169,48 @@ def error_line(matcher) -> str:
     return (matcher.get_error().strip().splitlines() or ["unknown error"])[0]
 
 
-def allowed(words: torch.Tensor, width: int) -> torch.Tensor:
-    """Bitmask rows as `width` booleans each (tokens past the mask's end: not allowed).
-    Eager torch: llguidance.torch's torch.compile'd kernel costs seconds of compiling on a
-    server's first constrained request."""
+def penalty(words: torch.Tensor, width: int) -> torch.Tensor:
+    """Bitmask rows as `width` float32 each: 0 where allowed, -inf where not (tokens past
+    the mask's end too), to add to the logits. Eager and integer-only (llguidance.torch's
+    torch.compile'd kernel costs seconds of compiling on a server's first constrained
+    request; a boolean masked_fill is several times slower than this add on CPU)."""
+    import torch
+
+    bits = (unpacked_bits(words) if words.device.type == "cpu"
+            else shifted_bits(words))[:, :width].to(torch.int32)
+    if bits.shape[1] < width:
+        bits = torch.cat([bits, bits.new_zeros(len(bits), width - bits.shape[1])], 1)
+    # allowed: 1 - 1 = 0 -> +0.0; not: -1 (all ones) & -inf's bits -> -inf
+    return ((bits - 1) & _NEG_INF_BITS).view(torch.float32)
+
+
+_NEG_INF_BITS = -(1 << 23)  # 0xff800000 as an int32: float32 -inf
+
+
+def unpacked_bits(words: torch.Tensor) -> torch.Tensor:
+    """A CPU bitmask's bits, one byte each (numpy unpacks them in C; the words'
+    little-endian bytes hold the bits in token order)."""
+    import torch
+
+    return torch.from_numpy(np.unpackbits(words.numpy().view(np.uint8), axis=1,
+                                          bitorder="little"))
+
+
+def shifted_bits(words: torch.Tensor) -> torch.Tensor:
+    """The same bits on any device, by shifts."""
     import torch
 
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
-    if bits.shape[1] < width:
-        bits = torch.cat([bits, bits.new_zeros(len(bits), width - bits.shape[1])], 1)
-    return bits[:, :width]
+    return ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)
 
 
 class Matchers:
-    """The constrained sequences of a model runner, by request id."""
+    """The constrained sequences of a model runner, by request id. `cpu_bitmask`: the C++
+    extension's one-pass mask for CPU logits (else the eager `penalty`)."""
 
-    def __init__(self, grammars: Grammars) -> None:
-        self.grammars = grammars
+    def __init__(self, grammars: Grammars,
+                 cpu_bitmask: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        self.grammars, self._cpu_bitmask = grammars, cpu_bitmask
         self.by_id: dict[str, object] = {}
         self._pool = ThreadPoolExecutor(1, "tidal-grammar")
 
@@ -255,9 +279,11 @@ class Matchers:
             if r in first:
                 rows.append(i)
                 masks.append(first[r] + j)
-        sub = logits[rows]
-        sub.masked_fill_(~allowed(bitmask[masks].to(logits.device), sub.shape[1]),
-                         float("-inf"))
+        sub, words = logits[rows], bitmask[masks]
+        if self._cpu_bitmask is not None and sub.device.type == "cpu":
+            self._cpu_bitmask(sub, words)
+        else:
+            sub.add_(penalty(words.to(logits.device), sub.shape[1]))
         for k, (i, b) in enumerate(zip(rows, masks)):
             if stop_ids[i] and accepting[b]:
                 sub[k, stop_ids[i]] = logits[i, stop_ids[i]]

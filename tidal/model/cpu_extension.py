@@ -19,7 +19,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name)  # + the headers they include
             for name in ("linear.cpp", "paged_attention.cpp", "prefill_attention.cpp",
                          "experts.cpp", "gguf_quants.cpp",
-                         "lora.cpp", "all_reduce.cpp", "fused_ops.cpp", "decoder.cpp")]
+                         "lora.cpp", "all_reduce.cpp", "fused_ops.cpp", "token_mask.cpp",
+                         "decoder.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _built: list[ModuleType | None] = []  # [] until the first build attempt
 
@@ -42,6 +43,11 @@ def extension() -> ModuleType | None:
                         "PyTorch ops", str(exc).splitlines()[0] if str(exc) else type(exc))
             _built.append(None)
     return _built[0]
+
+
+def loaded() -> ModuleType | None:
+    """The extension if this process built or loaded it already; never starts a build."""
+    return _built[0] if _built else None
 
 
 @contextmanager

@@ -382,6 +382,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_q_heads"), py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, py::arg("gate_up"), py::arg("dtype"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("apply_token_bitmask", &apply_token_bitmask, py::arg("logits"), py::arg("words"),
+        py::call_guard<py::gil_scoped_release>());
   m.attr("gguf_nibble_rounds") = gguf_nibble_rounds();
   m.attr("gguf_amx") = gguf_amx();
   m.attr("gguf_int8_panels") = gguf_int8_panels();

@@ -248,6 +248,12 @@ std::tuple<Tensor, Tensor> rope_and_cache(Tensor qk, Tensor v, Tensor cos, Tenso
 // as the eager ops round (ATen's SiLU on the gate converted to dtype, then the product).
 Tensor silu_mul(const Tensor& gate_up, at::ScalarType dtype);
 
+// ---------------------------------------------------------------- token masks (token_mask.cpp)
+
+// In place: logits[r][t] = -inf where bit t % 32 of words[r][t / 32] is 0 (llguidance's
+// bitmask layout), and for tokens past the words.
+void apply_token_bitmask(Tensor logits, const Tensor& words);
+
 // ---------------------------------------------------------------- all-reduce (all_reduce.cpp)
 
 // The sum over the tensor-parallel ranks of one machine, through the shared segment at
