@@ -20,12 +20,11 @@ from tidal.runtime.client import EngineDeadError, Failure
 from tidal.server.frontend import Frontend, FrontendDep, unavailable
 from tidal.server.openai.protocol import APIError
 from tidal.server.sglang.output import GenerateBody
-from tidal.server.sglang.request import (EncodeRequest, GenerateRequest, in_sglang_terms,
-                                         prompt_error)
+from tidal.server.sglang.request import (SAMPLING, EncodeRequest, GenerateRequest,
+                                         in_sglang_terms, prompt_error)
 
 routes = APIRouter()
-# tidal's request fields -> SGLang's names, for the model's sampling defaults
-_SGLANG_NAMES = {"max_tokens": "max_new_tokens"}
+_SGLANG_NAMES = {field: name for name, field in SAMPLING.items()}  # tidal's -> SGLang's
 
 
 @routes.post("/generate")
