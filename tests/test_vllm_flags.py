@@ -32,7 +32,8 @@ def test_vllm_words_set_tidals_options():
                              "priority", "--trust-remote-code", "--enable-auto-tool-choice",
                              "--enable-chunked-prefill", "--disable-log-requests",
                              "--enable-prompt-tokens-details", "--no-enable-prefix-caching",
-                             "--speculative-config", SPEC, "--served-model-name", "a", "b")
+                             "--speculative-config", SPEC, "--served-model-name", "a", "b",
+                             "--disable-log-stats")
     assert engine.scheduler.max_input_tokens_per_step == 4096
     assert engine.scheduler.policy == "priority"
     assert engine.cache.enable_prefix_caching is False
@@ -40,7 +41,9 @@ def test_vllm_words_set_tidals_options():
     assert engine.scheduler.num_speculative_tokens == 3
     assert engine.speculative.prompt_lookup_max == 5
     assert server.served_model_name == ("a", "b")
+    assert engine.model.log_stats_interval == 0
     default, _ = configs()
+    assert default.model.log_stats_interval == 1.0
     assert default.cache.enable_prefix_caching is True
     assert default.speculative.speculative_method is None
     draft, _ = configs("--speculative-config", '{"model": "smollm2-135m", '
@@ -106,3 +109,25 @@ def test_a_server_started_with_vllms_words_runs_with_them():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     finally:
         server.stop()
+
+
+def test_the_status_line_keeps_its_interval_and_zero_silences_it(caplog):
+    """--log-stats-interval (vLLM's --disable-log-stats: 0): an engine core's status line."""
+    from types import SimpleNamespace
+
+    from tidal.core.invariants import SchedulerStats
+    from tidal.runtime.core_process import StatusLine
+
+    from dataclasses import MISSING, fields
+
+    zeros = SchedulerStats(**{f.name: 0 for f in fields(SchedulerStats)
+                              if f.default is MISSING and f.default_factory is MISSING})
+    core = SimpleNamespace(prompt_tokens=0, generation_tokens=0,
+                           scheduler=SimpleNamespace(stats=lambda: zeros))
+    caplog.set_level("INFO", logger="tidal.core")
+    quiet, chatty = StatusLine(core, 0.0), StatusLine(core, 1e-9)
+    quiet.last = chatty.last = 0.0  # as if long ago
+    quiet.maybe_log()
+    assert not caplog.records
+    chatty.maybe_log()
+    assert len(caplog.records) == 1 and "running-decode" in caplog.records[0].getMessage()

@@ -118,6 +118,8 @@ def _vllm_section() -> list[str]:
              "| `serve MODEL` | the model, as `--model` (its first word) |"]
     for flag, (dest, _) in vllm_flags.ALIASES.items():
         lines.append(f"| `{flag}` | `--{dest.replace('_', '-')}` |")
+    for flag, (dest, value) in vllm_flags.SWITCHES.items():
+        lines.append(f"| `{flag}` | `--{dest.replace('_', '-')} {value:g}` |")
     for flag, why in vllm_flags.ACCEPTED.items():
         lines.append(f"| `{flag}` | accepted, no effect: {_cell(why)} |")
     keys = ", ".join(f"`{k}`" for k in vllm_flags.SPECULATIVE_KEYS)

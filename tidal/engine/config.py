@@ -155,6 +155,9 @@ class ModelConfig:
                                        "then saved. They seed the step-time model that sizes "
                                        "steps (max_step_ms) and the slo policy's plans. 0: "
                                        "none; the model learns from served steps alone.")
+    log_stats_interval: float = knob(1.0, "Seconds between an engine core's status lines "
+                                     "(queues, KV use, prefix hits, tokens/s) while it has "
+                                     "work; 0: none (vLLM's --disable-log-stats).")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 or float32 models "
                              "without q/k norms (Llama, Mistral, Qwen2, Phi-3) as one call "
                              "into tidal's C++ decoder, every decode attention over the "
@@ -208,6 +211,8 @@ class ModelConfig:
             raise ValueError("omp_spin_count must be >= 0")
         if self.step_profile_seconds < 0:
             raise ValueError("step_profile_seconds must be >= 0")
+        if self.log_stats_interval < 0:
+            raise ValueError("log_stats_interval must be >= 0")
         if not 0 < self.kv_cache_fraction < 1:
             raise ValueError("kv_cache_fraction must be in (0, 1)")
         if self.kv_disk_size <= 0:

@@ -12,6 +12,8 @@ from pathlib import Path
 # vLLM's flag -> tidal's option of the same meaning
 ALIASES = {"--max-num-batched-tokens": ("max_input_tokens_per_step", int),
            "--scheduling-policy": ("policy", str)}
+# vLLM's switches that set one of tidal's options to a value
+SWITCHES = {"--disable-log-stats": ("log_stats_interval", 0.0)}
 # vLLM's switches that ask for what tidal does anyway, and why
 ACCEPTED = {
     "--trust-remote-code": "tidal runs no code from a model's folder: its architectures "
@@ -36,6 +38,10 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     for flag, (dest, kind) in ALIASES.items():
         group.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS,
                            help=f"vLLM's name for --{dest.replace('_', '-')}")
+    for flag, (dest, value) in SWITCHES.items():
+        group.add_argument(flag, dest=dest, action="store_const", const=value,
+                           default=argparse.SUPPRESS,
+                           help=f"vLLM's: --{dest.replace('_', '-')} {value:g}")
     for flag, why in ACCEPTED.items():
         group.add_argument(flag, action="store_true", default=argparse.SUPPRESS,
                            help=f"accepted, no effect: {why}")

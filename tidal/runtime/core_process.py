@@ -40,7 +40,7 @@ class StatusLine:
 
     def maybe_log(self) -> None:
         now = time.monotonic()
-        if now - self.last < self.interval:
+        if not self.interval or now - self.last < self.interval:
             return
         c, s = self.core, self.core.scheduler.stats()
         dt = now - self.last
@@ -174,7 +174,8 @@ class _CoreLoop:
         self.outbox.send(m.encoder.encode(msg))
 
     def run(self, parent: int) -> None:
-        core, link, status = self.core, self.link, StatusLine(self.core)
+        core, link = self.core, self.link
+        status = StatusLine(core, core.config.model.log_stats_interval)
         while True:
             outputs: list[RequestOutput] = []
             if self.held:  # taken during the last step: before the wait is chosen
