@@ -378,6 +378,20 @@ def test_tokenize_messages_is_the_chat_prompt(server, client):
     assert bare["count"] < full["count"] and full["tokens"][:bare["count"]] == bare["tokens"]
     text = post(server, "/detokenize", {"tokens": full["tokens"]}).json()["prompt"]
     assert text.endswith("<|im_start|>assistant\n")  # special tokens kept, as vLLM does
+    # vLLM's return_token_strs, continue_final_message, chat_template_kwargs
+    spelled = post(server, "/tokenize", {"prompt": "the cat", "return_token_strs": True}).json()
+    assert spelled["token_strs"] == ["the", "Ġcat"] and spelled["count"] == 2
+    prefill = [*QUESTION, {"role": "assistant", "content": "The capital"}]
+    going = post(server, "/tokenize", {"messages": prefill, "add_generation_prompt": False,
+                                       "continue_final_message": True}).json()
+    closed = post(server, "/tokenize", {"messages": prefill,
+                                        "add_generation_prompt": False}).json()
+    assert going["count"] < closed["count"] and closed["tokens"][:going["count"]] == \
+        going["tokens"]
+    assert refused(post(server, "/tokenize", {"messages": prefill, "continue_final_message": True}),
+                   "continue_final_message")
+    assert refused(post(server, "/tokenize", {"messages": QUESTION, "chat_template_kwargs": {
+        "add_generation_prompt": False}}), "chat_template_kwargs.add_generation_prompt")
 
 
 def test_tokenize_and_detokenize_refuse_bad_input_and_need_the_key(server):

@@ -74,6 +74,10 @@ class Tokenizer:
                     out.append(ids)
         return out
 
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (byte-level pieces such as "Ġthe")."""
+        return [self._tk.id_to_token(i) or "" for i in ids]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 

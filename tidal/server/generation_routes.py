@@ -57,7 +57,10 @@ async def tokenize(body: TokenizeRequest, f: FrontendDep):
     f.check_model(body.model)
     f.check_chat_template(body.chat_template)
     ids = await asyncio.to_thread(body.token_ids, f.tokenizer)  # as in completions
-    return {"tokens": ids, "count": len(ids), "max_model_len": f.client.ready.max_model_len}
+    out = {"tokens": ids, "count": len(ids), "max_model_len": f.client.ready.max_model_len}
+    if body.return_token_strs:
+        out["token_strs"] = f.tokenizer.token_strings(ids)
+    return out
 
 
 @routes.post("/detokenize")

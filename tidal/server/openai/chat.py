@@ -112,6 +112,19 @@ class ChatMessage(StrictModel):
         return out
 
 
+def check_render(add_generation_prompt: bool, continue_final_message: bool,
+                 template_args: dict | None) -> None:
+    """Refuse a render the template cannot give: the last message continued after a
+    generation prompt, or template kwargs that set what has a field of its own."""
+    if continue_final_message and add_generation_prompt:
+        raise refuse("continue_final_message", "continue_final_message needs "
+                                               "add_generation_prompt=false")
+    taken = [k for k in (template_args or {}) if k in RESERVED_TEMPLATE_ARGS]
+    if taken:
+        raise refuse(f"chat_template_kwargs.{taken[0]}",
+                     f"chat_template_kwargs may not set {taken[0]!r}: it has its own field")
+
+
 def chat_prompt_text(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool,
                      tools: list[dict] | None = None, documents: list[dict] | None = None,
                      continue_final_message: bool = False,
@@ -213,13 +226,8 @@ class ChatRequest(GenerationRequest):
         if self.prompt_logprobs is not None and self.stream:
             raise refuse("prompt_logprobs", "prompt_logprobs with stream=true is only "
                                             "supported on /v1/completions")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise refuse("continue_final_message", "continue_final_message needs "
-                                                   "add_generation_prompt=false")
-        taken = [k for k in (self.chat_template_kwargs or {}) if k in RESERVED_TEMPLATE_ARGS]
-        if taken:
-            raise refuse(f"chat_template_kwargs.{taken[0]}",
-                         f"chat_template_kwargs may not set {taken[0]!r}: it has its own field")
+        check_render(self.add_generation_prompt, self.continue_final_message,
+                     self.chat_template_kwargs)
         return self
 
     def tool_mode(self) -> str:
@@ -273,13 +281,17 @@ class ChatRequest(GenerationRequest):
 
 
 class TokenizeRequest(StrictModel):
-    """POST /tokenize, either of vLLM's shapes: {prompt} or {messages} (with tools)."""
+    """POST /tokenize, either of vLLM's shapes: {prompt} or {messages} (with tools);
+    `return_token_strs` adds each token as the vocabulary spells it."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None  # messages only
     add_generation_prompt: bool = True  # messages only
+    continue_final_message: bool = False  # messages only, as ChatRequest's
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
+    return_token_strs: bool = False
     add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for messages
     chat_template: str | None = Field(None, min_length=1)  # messages only, as ChatRequest's
 
@@ -287,6 +299,8 @@ class TokenizeRequest(StrictModel):
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise refuse("prompt", "send either prompt or messages")
+        check_render(self.add_generation_prompt, self.continue_final_message,
+                     self.chat_template_kwargs)
         return self
 
     def token_ids(self, tokenizer) -> list[int]:
@@ -294,5 +308,6 @@ class TokenizeRequest(StrictModel):
         if self.prompt is not None:
             return encode(tokenizer, self.prompt, special is not False, "prompt")
         text = chat_prompt_text(self.messages, tokenizer, self.add_generation_prompt,
-                                tool_dicts(self.tools), chat_template=self.chat_template)
+                                tool_dicts(self.tools), None, self.continue_final_message,
+                                self.chat_template_kwargs, self.chat_template)
         return encode(tokenizer, text, bool(special), "messages")

@@ -12,7 +12,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from tidal.core import SamplingParams
-from tidal.server.openai.chat import ChatMessage, chat_prompt_text
+from tidal.server.openai.chat import ChatMessage, chat_prompt_text, check_render
 from tidal.server.openai.protocol import (APIError, StrictModel, Text, TokenIds, encode,
                                           prompt_lists, refuse)
 
@@ -52,6 +52,7 @@ class EmbeddingRequest(StrictModel):
     def _one_input(self) -> "EmbeddingRequest":
         if (self.input is None) == (self.messages is None):
             raise refuse("input", "send either input or messages")
+        check_render(self.add_generation_prompt, False, self.chat_template_kwargs)
         return self
 
     @property
