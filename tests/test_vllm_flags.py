@@ -131,3 +131,20 @@ def test_the_status_line_keeps_its_interval_and_zero_silences_it(caplog):
     assert not caplog.records
     chatty.maybe_log()
     assert len(caplog.records) == 1 and "running-decode" in caplog.records[0].getMessage()
+
+
+def test_the_command_reads_the_model_word_and_the_config_file(tmp_path, monkeypatch):
+    """`tidal serve MODEL --config FILE ...` as the console script runs it: the words
+    reach the command as flags (and so a --pd instance's command line)."""
+    from tidal import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: seen.update(vars(args)))
+    path = tmp_path / "vllm.yaml"
+    path.write_text("max_num_batched_tokens: 1024\nmax_num_seqs: 8\n")
+    cli.run(["serve", "smollm2-135m", "--config", str(path), "--max-num-seqs", "4"])
+    assert seen["model"] == "smollm2-135m" and seen["max_input_tokens_per_step"] == 1024
+    assert seen["max_num_seqs"] == 4  # the command line over the file
+    argv = seen["argv"]
+    assert argv[argv.index("--model") + 1] == "smollm2-135m"
+    assert "--config" not in argv and "--max-num-batched-tokens" in argv
