@@ -57,10 +57,11 @@ def tls_server(certs):
 def test_tls_with_client_certificates_behind_a_path_prefix(tls_server, certs):
     answers = []
     for prefix in ("", "/llm"):  # a proxy that strips the prefix, and one that does not
-        client = openai.OpenAI(base_url=f"{tls_server.url}{prefix}/v1", api_key=KEY,
-                               max_retries=0, http_client=httpx.Client(verify=context(certs)))
-        out = client.chat.completions.create(model="smollm2-135m", messages=MESSAGES,
-                                             max_tokens=4, temperature=0)
+        with httpx.Client(verify=context(certs)) as http:  # closed: no idle TLS session
+            client = openai.OpenAI(base_url=f"{tls_server.url}{prefix}/v1", api_key=KEY,
+                                   max_retries=0, http_client=http)
+            out = client.chat.completions.create(model="smollm2-135m", messages=MESSAGES,
+                                                 max_tokens=4, temperature=0)
         answers.append(out.choices[0].message.content)
     assert answers[0] == answers[1] and answers[0]
     with httpx.Client(verify=context(certs)) as http:
