@@ -32,8 +32,8 @@ class RequestLog:
 
     def __init__(self, tokenizer, outputs: bool, max_len: int | None) -> None:
         self.tokenizer, self.outputs, self.max_len = tokenizer, outputs, max_len
-        self._texts: dict[str, list[str]] = {}  # a sequence's output so far
-        self._ids: dict[str, list[int]] = {}
+        # a sequence's output so far: its text pieces and token ids
+        self._outputs: dict[str, tuple[list[str], list[int]]] = {}
 
     def _cut(self, value):
         return value if self.max_len is None else value[:self.max_len]
@@ -48,17 +48,17 @@ class RequestLog:
         """Note a sequence's new output; log it whole once it ends."""
         if not self.outputs:
             return
-        self._texts.setdefault(u.request_id, []).append(u.new_text)
-        self._ids.setdefault(u.request_id, []).extend(u.new_token_ids)
+        texts, ids = self._outputs.setdefault(u.request_id, ([], []))
+        texts.append(u.new_text)
+        ids.extend(u.new_token_ids)
         if u.finished:
-            text = "".join(self._texts.pop(u.request_id))
-            ids = self._ids.pop(u.request_id)
+            del self._outputs[u.request_id]
+            text = "".join(texts)
             log.info("Generated response %s: output: %r, output_token_ids: %s, "
                      "finish_reason: %s", u.request_id, self._cut(text), self._cut(ids),
                      u.finish_reason)
 
     def forget(self, rid: str) -> None:
         """A request that ended without finishing (aborted): drop what was kept of it."""
-        for key in [k for k in self._texts if k == rid or k.startswith(f"{rid}-")]:
-            self._texts.pop(key, None)
-            self._ids.pop(key, None)
+        for key in [k for k in self._outputs if k == rid or k.startswith(f"{rid}-")]:
+            del self._outputs[key]

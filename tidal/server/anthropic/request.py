@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 from pydantic import Field, ValidationError, model_validator
 
 from tidal.server.openai.chat import ChatRequest
-from tidal.server.openai.protocol import APIError, StrictModel, refuse, renamed_error
+from tidal.server.openai.protocol import APIError, StrictModel, refuse
+from tidal.server.openai.renaming import renamed_error
 
 # blocks a text-only server cannot read, and what they are
 _UNREADABLE = {"image": "images", "document": "documents", "search_result": "search results",

@@ -16,11 +16,10 @@ A null value means the field is absent, as in OpenAI's API."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from tidal.core import SamplingParams
@@ -78,33 +77,6 @@ def refuse(param: str, message: str) -> PydanticCustomError:
     """A validation error the error handler turns into a 400 naming `param` (appended to
     where the failing model sits in the body, e.g. messages.2)."""
     return PydanticCustomError("refused", message, {"param": param})
-
-
-def renamed(text: str, words: Mapping[str, str]) -> str:
-    """`text` with each field name of `words` (as a whole word) in the client's words."""
-    if not words:
-        return text
-    pattern = r"\b(" + "|".join(map(re.escape, words)) + r")\b"
-    return re.sub(pattern, lambda m: words[m.group(1)], text)
-
-
-def renamed_error(exc: ValidationError, params: Mapping[str, str],
-                  words: Mapping[str, str] | None = None) -> APIError:
-    """The first validation error of a request translated from another API's body (the
-    Messages API's, SGLang's), naming the field as the client sent it: `params` maps a
-    translated field to the client's path, `words` (default: `params`) its name in text."""
-    words = params if words is None else words
-    first = exc.errors()[0]
-    loc = [str(p) for p in first["loc"] if isinstance(p, int) or p[:1].islower()]
-    if first["type"] == "refused":
-        loc.append(first["ctx"]["param"])
-    if loc:
-        loc[0] = params.get(loc[0], loc[0])
-    where = ".".join(loc) or None
-    message = renamed(first["msg"], words)
-    if first["type"] != "refused":
-        message = f"{where or 'body'}: {message}"
-    return APIError(message, param=where)
 
 
 def _passes(value: Any, allowed: tuple) -> bool:

@@ -14,7 +14,8 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from tidal.server.openai.embeddings import EmbeddingRequest
 from tidal.server.openai.protocol import (APIError, CompletionRequest, StrictModel, Text,
-                                          TokenIds, refuse, renamed, renamed_error)
+                                          TokenIds, refuse)
+from tidal.server.openai.renaming import in_terms, renamed_error
 
 # SGLang's sampling parameter -> the completions field it sets
 SAMPLING = {
@@ -180,9 +181,7 @@ class GenerateRequest(NativePrompts):
 
 def in_sglang_terms(exc: APIError) -> APIError:
     """A check's 400 on the translated request, naming SGLang's fields."""
-    exc.param = PARAMS.get(exc.param, exc.param)
-    exc.message = renamed(exc.message, WORDS)
-    return exc
+    return in_terms(exc, PARAMS, WORDS)
 
 
 class NativeEmbedding(EmbeddingRequest):
@@ -213,7 +212,4 @@ class EncodeRequest(NativePrompts):
 
 def prompt_error(exc: APIError, body: NativePrompts) -> APIError:
     """An embeddings check's 400 about its `input`, naming the /encode body's field."""
-    if exc.param == "input":
-        exc.param = body.prompt_name()
-        exc.message = renamed(exc.message, {"input": body.prompt_name()})
-    return exc
+    return in_terms(exc, {"input": body.prompt_name()}) if exc.param == "input" else exc
