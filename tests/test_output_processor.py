@@ -1,5 +1,6 @@
 """The frontend's OutputProcessor: n>1 siblings mapped back to their request, stop strings
-ending a sequence, late tokens of an ended sequence dropped, and each output's logprobs on
+ending a sequence, late tokens of an ended sequence dropped, a request ended early with the
+text it has (`end`), and each output's logprobs on
 its own update."""
 
 from __future__ import annotations
@@ -51,6 +52,26 @@ def test_forget_drops_the_request_and_its_siblings():
     p.forget("r")
     updates, _ = p.process([out("r", "c"), out("r-2", "d", parent="r", index=2)])
     assert updates == [] and p._roots == {} and p._seqs == {}
+
+
+def test_end_answers_each_unfinished_sequence_with_the_text_held_back():
+    """An abort that answers: a live sequence ends with the text a partial stop string held
+    back, one already ended is not ended again, a sibling never forked ends empty; then
+    the request is forgotten and its late tokens start nothing."""
+    p = OutputProcessor(CharTokenizer())
+    p.track("r", SamplingParams(n=3, max_tokens=8, stop=["xyz"]))
+    updates, _ = p.process([out("r", "abx"), out("r-1", "q", parent="r", index=1,
+                                                  finished=True, reason="length")])
+    shown = updates[0].new_text
+    assert "x" not in shown and [u.index for u in updates] == [0, 1]  # "x" is held back
+    ended = p.end("r", "abort", "cut short")
+    assert [(u.index, u.new_token_ids, u.finished, u.finish_reason, u.finish_message,
+             u.root_id) for u in ended] == [(0, [], True, "abort", "cut short", "r"),
+                                             (2, [], True, "abort", "cut short", "r")]
+    assert (shown + ended[0].new_text, ended[1].new_text) == ("abx", "")
+    assert p._roots == {} and p._seqs == {}
+    updates, _ = p.process([out("r", "c"), out("r-2", "d", parent="r", index=2)])
+    assert updates == [] and p.end("r", "abort", None) == []
 
 
 def test_two_outputs_of_one_sequence_in_a_batch_keep_their_own_logprobs():

@@ -148,6 +148,14 @@ def other_answers(url: str) -> tuple[list[str], list[list[float]], list[float]]:
                                     background=True, model="smollm2-135m",
                                     max_output_tokens=500)
     assert client.responses.cancel(story.id).status == "cancelled"  # on its holder
+    with httpx.stream("POST", url + "/generate", json={
+            "text": "Tell me a story.", "rid": "story-1", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}) as r:
+        lines = (ln for ln in r.iter_lines() if ln.startswith("data: {"))
+        next(lines)  # it runs: SGLang's abort reaches the instance that holds it
+        assert httpx.post(url + "/abort_request", json={"rid": "story-1"}).status_code == 200
+        last = json.loads(list(lines)[-1][len("data: "):])
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
     client.responses.delete(then.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(then.id)

@@ -3,18 +3,21 @@ completions request (SGLang's sampling names, logprob fields, refusals naming SG
 fields), the answer's shape (finish_reason objects, ids, logprob triples, lists for batches
 and n), /health_generate's probe (shared, timed out, busy), and end to end on a keyed server:
 /generate agrees token for token with /v1/completions (whole, streamed, batched, with
-logprobs of output and prompt), /get_model_info, /get_server_info without the key."""
+logprobs of output and prompt), /abort_request ends requests answered with what they have,
+/get_model_info, /get_server_info without the key."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from server_fixtures import Server
+from server_fixtures import Server, metric
 from tidal.core import PromptLogprob, TokenLogprob
 from tidal.engine.outputs import StepUpdate
 from tidal.server.openai.protocol import APIError
@@ -358,3 +361,52 @@ def test_encode_answers_the_embeddings_of_v1_embeddings(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input_ids"
     assert post(server, "/encode", {"text": "a", "dimensions": 10**6}).json()["error"][
         "param"] == "dimensions"
+
+
+def test_abort_request_ends_a_request_with_what_it_generated(server):
+    """/abort_request by a /generate rid ends that stream at once with the greedy tokens so
+    far and finish_reason abort; by a completion's request_id (or abort_all) a whole body
+    answers the same way; the blocks come back; a name nothing has is no error."""
+    long = {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/generate", headers=AUTH, timeout=120,
+                      json={"text": PROMPT, "rid": "roll-1", "sampling_params": long,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data:"))
+        assert json.loads(first[5:])["meta_info"]["finish_reason"] is None
+        assert post(server, "/abort_request", {"rid": "roll-1", "abort_message": "enough"}
+                    ).status_code == 200
+        rest = [ln for ln in lines if ln.startswith("data:")]
+    assert rest[-1] == "data: [DONE]"
+    last = json.loads(rest[-2][5:])
+    assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": "enough"}
+    got = last["output_ids"]
+    assert 0 < len(got) < 3000 and last["meta_info"]["completion_tokens"] == len(got)
+    ref = complete(server, prompt=PROMPT, max_tokens=len(got), ignore_eos=True,
+                   return_token_ids=True)["choices"][0]
+    assert (got, last["text"]) == (ref["token_ids"], ref["text"])
+
+    for abort in ({"rid": "mine"}, {"abort_all": True}):
+        made = metric(server.url, "tidal:generation_tokens_total")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, server, "/v1/completions", {
+                "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
+                "request_id": "mine"})
+            deadline = time.monotonic() + 60
+            while metric(server.url, "tidal:generation_tokens_total") < made + 4 and \
+                    time.monotonic() < deadline:  # a few tokens made
+                time.sleep(0.05)
+            assert post(server, "/abort_request", abort).status_code == 200
+            choice = answer.result(timeout=60).json()["choices"][0]
+        assert choice["finish_reason"] == "abort" and 0 < len(choice["text"])
+        assert ref["text"].startswith(choice["text"]) or choice["text"].startswith(ref["text"])
+    deadline = time.monotonic() + 30  # the stats come with the core's next report
+    while metric(server.url, "tidal:kv_cache_used_blocks") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server.url, "tidal:num_requests_running") == 0
+    assert metric(server.url, "tidal:kv_cache_used_blocks") == 0
+    assert post(server, "/abort_request", {"rid": "nobody"}).status_code == 200
+    r = post(server, "/abort_request", {})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
+    assert httpx.post(server.url + "/abort_request", json={"abort_all": True}
+                      ).status_code == 401

@@ -13,10 +13,11 @@ from tidal.engine.outputs import StepUpdate
 
 @dataclass
 class _Request:
-    """A tracked request: its params, every sequence it started, how many have ended."""
+    """A tracked request: its params, every sequence it started (by id: its index), how many
+    have ended."""
 
     params: SamplingParams
-    started: set[str] = field(default_factory=set)
+    started: dict[str, int] = field(default_factory=dict)
     ended: int = 0
 
 
@@ -36,7 +37,7 @@ class OutputProcessor:
 
     def _add(self, seq_id: str, root: str, index: int) -> None:
         req = self._roots[root]
-        req.started.add(seq_id)
+        req.started[seq_id] = index
         p = req.params
         self._seqs[seq_id] = (root, index, IncrementalDetokenizer(
             self.tokenizer, p.stop, p.skip_special_tokens, p.include_stop_str_in_output))
@@ -53,6 +54,25 @@ class OutputProcessor:
         req.ended += 1
         if req.ended >= req.params.n:  # every sibling ended: nothing more can come
             del self._roots[root]
+
+    def end(self, request_id: str, reason: str, message: str | None) -> list[StepUpdate]:
+        """End a request's unfinished sequences here, then forget it: each one's last update
+        carries the text its detokenizer held back, and a sibling not forked yet ends empty
+        (an abort that answers with what was generated)."""
+        req = self._roots.get(request_id)
+        if req is None:
+            return []
+        index_of = {i: seq for seq, i in req.started.items()}
+        updates = []
+        for index in range(req.params.n):
+            seq = index_of.get(index)
+            if seq is not None and seq not in self._seqs:
+                continue  # ended already
+            text = self._seqs[seq][2].flush() if seq is not None else ""
+            updates.append(StepUpdate(seq or f"{request_id}-{index}", request_id, index, [],
+                                      text, True, reason, message))
+        self.forget(request_id)
+        return updates
 
     def process(self, outputs: list[RequestOutput]) -> tuple[list[StepUpdate], list[str]]:
         """Each output's logprobs (and prompt logprobs, on index 0's first token) go on its

@@ -226,6 +226,12 @@ class CoreClient:
         elif self.watch.cores[0].up:
             self.sockets.send(0, m.Abort(request_id))
 
+    async def stop(self, request_id: str, message: str) -> None:
+        """End a request now, answered: its unfinished sequences finish with reason `abort`
+        and the text they have (SGLang's /abort_request); its blocks are freed in the core."""
+        self.streams.end(request_id, "abort", message)
+        await self.abort(request_id)
+
     def release(self, request_id: str) -> None:
         """A finished request's queue is no longer read."""
         self.streams.close(request_id)  # its siblings all ended; this drops what remains

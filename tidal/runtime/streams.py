@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Callable
 
 from tidal.core import SamplingParams
 from tidal.engine import messages as m
 from tidal.engine.output_processor import OutputProcessor
-from tidal.engine.outputs import StepUpdate
 from tidal.model.tokenizer import Tokenizer
 
 
@@ -30,7 +28,6 @@ class RequestStreams:
         self.queues: dict[str, asyncio.Queue] = {}
         self.widths: dict[str, int] = {}  # each open request's n
         self.begun: set[str] = set()  # open requests some output of which arrived
-        self.on_update: Callable[[StepUpdate], None] | None = None  # e.g. metrics
 
     def __len__(self) -> int:
         return len(self.queues)
@@ -66,13 +63,20 @@ class RequestStreams:
         string (the core must be told to finish them)."""
         updates, stopped = self.outputs.process(msg.outputs)
         for u in updates:
-            if self.on_update is not None:
-                self.on_update(u)
             queue = self.queues.get(u.root_id)
             if queue is not None:
                 queue.put_nowait(u)
                 self.begun.add(u.root_id)
         return stopped
+
+    def end(self, request_id: str, reason: str, message: str) -> None:
+        """End an open request here: its unfinished sequences' last updates (`reason`, the
+        text so far) go on its queue, then it is forgotten (the caller frees it in the core)."""
+        queue = self.queues.get(request_id)
+        for u in self.outputs.end(request_id, reason, message):
+            if queue is not None:
+                queue.put_nowait(u)
+        self.close(request_id)
 
     def fail(self, request_id: str, message: str, dead: bool) -> None:
         self.outputs.forget(request_id)

@@ -25,6 +25,7 @@ from tidal.server.batches.runner import BACKGROUND_HEADER, BatchRunner
 from tidal.server.beam_search import beam_search_updates
 from tidal.server.config import ServerConfig
 from tidal.server.dashboard import DashboardHub
+from tidal.server.in_flight import InFlight
 from tidal.server.lora_routes import Adapters
 from tidal.server.metrics import ServerMetrics
 from tidal.server.openai.chat import ChatRequest
@@ -60,6 +61,7 @@ class Frontend:
         self.request_log = (RequestLog(self.tokenizer, config.enable_log_outputs,
                                        config.max_log_len)
                             if config.enable_log_requests else None)
+        self.in_flight = InFlight(client)
         self.responses = ResponseStore(config.response_store_bytes, config.response_ttl)
         self.tracing = (Tracing(config.otlp_traces_endpoint)
                         if config.otlp_traces_endpoint else None)
@@ -151,6 +153,8 @@ class Frontend:
         except BaseException:
             await finish(sub, updates)
             raise
+        if sub is not None:  # abortable by its names (SGLang's /abort_request)
+            self.in_flight.add(sub, [rid, response.id], options.get("rids") or [])
         return response, updates, sub
 
     async def generate(self, response_cls: type[GenerationResponse],

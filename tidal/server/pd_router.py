@@ -44,7 +44,8 @@ from tidal.server.openai.protocol import APIError, CompletionRequest, Detokenize
 from tidal.server.responses.request import ResponsesRequest
 from tidal.server.responses.routes import not_stored
 from tidal.server.scoring import ClassifyRequest, RerankRequest, ScoreRequest
-from tidal.server.sglang.request import EncodeRequest, GenerateRequest, in_sglang_terms
+from tidal.server.sglang.request import (AbortRequest, EncodeRequest, GenerateRequest,
+                                         in_sglang_terms)
 
 log = logging.getLogger("tidal.router")
 
@@ -310,6 +311,11 @@ async def get_model_info(request: Request, router: RouterDep):
 @routes.get("/get_server_info")
 async def get_server_info(request: Request, router: RouterDep):
     return await router.relay("/get_server_info", request)
+
+
+@routes.post("/abort_request")
+async def abort_request(body: AbortRequest, request: Request, router: RouterDep):
+    return await router.to_all("/abort_request", request)  # wherever the request runs
 
 
 @routes.post("/v1/chat/completions")

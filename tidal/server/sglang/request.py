@@ -213,3 +213,13 @@ class EncodeRequest(NativePrompts):
 def prompt_error(exc: APIError, body: NativePrompts) -> APIError:
     """An embeddings check's 400 about its `input`, naming the /encode body's field."""
     return in_terms(exc, {"input": body.prompt_name()}) if exc.param == "input" else exc
+
+
+class AbortRequest(StrictModel):
+    """A /abort_request body: SGLang's AbortReq. `rid` names a request (a /generate
+    prompt's rid, vLLM's request_id or the answer's id), `abort_all` ends every one;
+    `abort_message` goes into their finish_reason."""
+
+    rid: str = ""
+    abort_all: bool = False
+    abort_message: str | None = None

@@ -1,8 +1,8 @@
 """SGLang's native API beside OpenAI's, for clients written against an SGLang server:
 `POST /generate` (prompts as text or token ids, `sampling_params`, answered in SGLang's
 shape: `request.py`, `output.py`), `POST /encode` (embeddings), `GET /get_model_info`,
-`GET /get_server_info` and `GET /health_generate` (healthy when the engine makes a
-token). /flush_cache, /tokenize, /detokenize, /v1/rerank and /classify are the server's
+`GET /get_server_info`, `GET /health_generate` (healthy when the engine makes a
+token) and `POST /abort_request` (ends requests early, answered with what they have). /flush_cache, /tokenize, /detokenize, /v1/rerank and /classify are the server's
 own routes."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from tidal.runtime.client import EngineDeadError, Failure
 from tidal.server.frontend import Frontend, FrontendDep, unavailable
 from tidal.server.openai.protocol import APIError
 from tidal.server.sglang.output import GenerateBody
-from tidal.server.sglang.request import (SAMPLING, EncodeRequest, GenerateRequest,
-                                         in_sglang_terms, prompt_error)
+from tidal.server.sglang.request import (SAMPLING, AbortRequest, EncodeRequest,
+                                         GenerateRequest, in_sglang_terms, prompt_error)
 
 routes = APIRouter()
 _SGLANG_NAMES = {field: name for name, field in SAMPLING.items()}  # tidal's -> SGLang's
@@ -44,6 +44,19 @@ async def generate(body: GenerateRequest, f: FrontendDep, request: Request):
             text_in_logprobs=body.return_text_in_logprobs)
     except APIError as exc:
         raise in_sglang_terms(exc) from None
+
+
+@routes.post("/abort_request")
+async def abort_request(body: AbortRequest, f: FrontendDep):
+    """SGLang's: end the request `rid` names (or every one, `abort_all`) now; each answers
+    what it generated so far with finish_reason {"type": "abort"} ("abort" in OpenAI's
+    bodies), and its blocks are freed. A name nothing in flight has is no error (the
+    request may have just finished): 200 either way, as SGLang answers."""
+    if not body.abort_all and not body.rid:
+        raise APIError("name the request to abort (rid) or set abort_all", param="rid")
+    message = body.abort_message or "aborted by /abort_request"
+    await f.in_flight.stop(None if body.abort_all else body.rid, message)
+    return Response(status_code=200)
 
 
 @routes.post("/encode")

@@ -1,0 +1,39 @@
+"""Generation requests in flight by the names their callers know them by, so that one (or
+every one) can be ended early and still answered with what it generated: SGLang's
+/abort_request, which RL frameworks send to cut rollouts short."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tidal.runtime.client import CoreClient
+
+if TYPE_CHECKING:
+    from tidal.server.frontend import Submission
+
+
+class InFlight:
+    """The submissions being answered, each with its names: the answer's id, vLLM's
+    `request_id` and SGLang's `rid` of each prompt, each naming some of its engine ids."""
+
+    def __init__(self, client: CoreClient) -> None:
+        self.client = client
+        self.names: dict[Submission, dict[str, list[str]]] = {}
+
+    def add(self, sub: Submission, answer_ids: list[str], prompt_names: list[str]) -> None:
+        """Name a submission until it ends: each of `answer_ids` names all its prompts, the
+        i-th of `prompt_names` its i-th prompt."""
+        names = {name: sub.rids for name in answer_ids}
+        names.update({name: [rid] for name, rid in zip(prompt_names, sub.rids)})
+        self.names[sub] = names
+        sub.on_end.append(lambda: self.names.pop(sub, None))
+
+    async def stop(self, name: str | None, message: str) -> int:
+        """End the requests `name` names (None: every one) with finish reason `abort` and
+        the text they have; returns how many engine requests were ended."""
+        ended = 0
+        for sub, names in list(self.names.items()):
+            for rid in sub.rids if name is None else names.get(name, ()):
+                await self.client.stop(rid, message)
+                ended += 1
+        return ended
