@@ -116,8 +116,12 @@ def test_outputs_report_the_prompt_hit_of_the_first_admission_alone():
     """cached_tokens (usage's) counts the prompt's tokens the prefix cache held when the
     request was first admitted; a readmission after retraction finds blocks it wrote itself,
     which it reports not. bs 2, 10 blocks: a and b (8 tokens each) outgrow the pool at
-    their 11th token, b is retracted, a finishes and b comes back to its cached blocks."""
-    s = make_scheduler(num_blocks=10, block_size=2, clip_max_new_tokens=1)
+    their 11th token, b is retracted, a finishes and b comes back to its cached blocks.
+    So does queue_seconds: from arrival to the first admission (a at 0 and b at 1, both
+    admitted at 5; the clock moves on)."""
+    now = [5.0]
+    s = make_scheduler(num_blocks=10, block_size=2, clip_max_new_tokens=1,
+                       clock=lambda: now[0])
     add(s, "a", 8, max_tokens=4, ignore_eos=True)
     b = add(s, "b", 8, max_tokens=8, ignore_eos=True)
     outputs, retracted = [], False
@@ -125,8 +129,10 @@ def test_outputs_report_the_prompt_hit_of_the_first_admission_alone():
         out, got = step(s)
         outputs += got
         retracted = retracted or "b" in out.preempted_ids
+        now[0] += 10.0
     assert retracted and b.num_cached_tokens == 8 and b.prompt_cached_tokens == 0
     assert {o.cached_tokens for o in outputs if o.request_id == "b"} == {0}
+    assert {(o.request_id, o.queue_seconds) for o in outputs} == {("a", 5.0), ("b", 4.0)}
     e = add(s, "e", b.prompt_token_ids + [5, 6, 7], max_tokens=1)  # b's prompt, and more
     while e.request_id in s.requests:
         outputs = step(s)[1]

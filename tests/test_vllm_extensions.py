@@ -1,17 +1,18 @@
 """vLLM's request extensions of chat and completions, end to end on a real `tidal serve`
 with the official `openai` client: cache_salt, allowed_token_ids, bad_words,
 skip_special_tokens and include_stop_str_in_output, truncate_prompt_tokens, return_token_ids
-and return_tokens_as_token_ids, chat echo."""
+and return_tokens_as_token_ids, chat echo; and vLLM's per-request metrics."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import httpx
 import openai
 import pytest
 
-from server_fixtures import module_server
+from server_fixtures import metric, module_server
 
 server, client = module_server()
 
@@ -260,3 +261,43 @@ def test_a_requests_chat_template_needs_the_servers_trust(client, server):
     assert "--trust-request-chat-template" in err.value.body["message"]
     r = post(server, "/tokenize", {"messages": QUESTION, "chat_template": "{{ messages }}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
+def test_request_metrics_are_vllms_per_prompt(server, client):
+    """A completion of two prompts with n=2 counts as two requests, as vLLM counts them:
+    their prompt and generated tokens, n and max_tokens, each sequence's time per output
+    token, each phase's time (queue and prefill within the request's latency), and the
+    prefix cache's lookups and hits (the same prompt again hits its full blocks)."""
+    names = {k: f"tidal:{k}" for k in (
+        "request_prompt_tokens_sum", "request_prompt_tokens_count",
+        "request_generation_tokens_sum", "request_params_n_sum",
+        "request_params_max_tokens_sum", "request_time_per_output_token_seconds_count",
+        "request_queue_time_seconds_count", "request_queue_time_seconds_sum",
+        "request_prefill_time_seconds_sum", "request_decode_time_seconds_count",
+        "request_inference_time_seconds_count", "e2e_request_latency_seconds_sum",
+        "prefix_cache_queries_total", "prefix_cache_hits_total")}
+
+    def read() -> dict[str, float]:
+        return {k: metric(server.url, name) for k, name in names.items()}
+
+    prompt = "Tell me about the sea and the ships that sail on it, far away. " * 3
+    ids = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    before = read()
+    client.completions.create(model="smollm2-135m", prompt=[ids, ids[:5]], max_tokens=5, n=2,
+                              temperature=1, extra_body={"ignore_eos": True})
+    d = {k: v - before[k] for k, v in read().items()}
+    assert (d["request_prompt_tokens_count"], d["request_prompt_tokens_sum"]) == \
+        (2, len(ids) + 5)
+    assert (d["request_generation_tokens_sum"], d["request_params_n_sum"],
+            d["request_params_max_tokens_sum"]) == (20, 4, 10)
+    assert d["request_time_per_output_token_seconds_count"] == 4
+    for phase in ("queue", "decode", "inference"):
+        assert d[f"request_{phase}_time_seconds_count"] == 2
+    assert 0 <= d["request_queue_time_seconds_sum"] + d["request_prefill_time_seconds_sum"] \
+        <= d["e2e_request_latency_seconds_sum"]
+    assert d["prefix_cache_queries_total"] == len(ids) + 5
+    before = read()
+    client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=1)
+    d = {k: v - before[k] for k, v in read().items()}
+    assert d["prefix_cache_queries_total"] == len(ids)
+    assert d["prefix_cache_hits_total"] >= 16 * (len(ids) // 16 - 1)

@@ -160,3 +160,4 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     # the prompt's tokens found in the prefix cache (or a tier below it) at its first
     # admission, not computed for it (an n>1 request's: its index 0's)
     cached_tokens: int = 0
+    queue_seconds: float = 0.0  # from its arrival to its first admission (vLLM's queue time)

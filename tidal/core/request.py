@@ -234,7 +234,7 @@ class Request:
         "num_in_flight", "num_cached_tokens", "finish_message", "block_hashes", "block_tokens",
         "parent_id", "index", "enqueue_step", "remote_prefill", "fork_pending", "stop_ids",
         "out_limit", "max_tokens", "admitted", "num_guesses", "num_proposed", "spec_counts",
-        "tier_keys", "tier_loading", "prompt_cached_tokens",
+        "tier_keys", "tier_loading", "prompt_cached_tokens", "queue_seconds",
     )
 
     def __init__(
@@ -266,6 +266,7 @@ class Request:
         # of its prompt, those found cached at its first admission (usage's cached_tokens; a
         # readmission after preemption finds its own blocks)
         self.prompt_cached_tokens = 0
+        self.queue_seconds = 0.0  # from its arrival to its first admission
         self.finish_message: str | None = None
         self.block_hashes: list[int] = []  # chain hashes of full blocks, grown lazily
         self.block_tokens: list[tuple[int, ...]] = []  # those blocks' token ids, hashed once
@@ -339,11 +340,12 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
-    def admit(self, num_cached: int) -> None:
-        """Given blocks here, its first `num_cached` tokens found in the prefix cache: it
-        prefills the rest. Its first admission's hit is what it reports of its prompt."""
+    def admit(self, num_cached: int, now: float) -> None:
+        """Given blocks here at `now`, its first `num_cached` tokens found in the prefix
+        cache: it prefills the rest. Its first admission's hit and wait are what it reports."""
         if not self.admitted:
             self.prompt_cached_tokens = min(num_cached, self.num_prompt_tokens)
+            self.queue_seconds = max(0.0, now - self.arrival_time)
         self.num_computed_tokens = self.num_cached_tokens = num_cached
         self.admitted = True
         self.prefill_target = self.num_tokens

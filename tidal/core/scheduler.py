@@ -374,7 +374,7 @@ class Scheduler:
         r.num_in_flight += samples
 
     def _start(self, r: Request, num_cached: int) -> None:
-        r.admit(num_cached)
+        r.admit(num_cached, self.clock())
         self.prefix_hit_tokens += num_cached
         self.prefix_query_tokens += r.num_tokens
         if r.remote_prefill:  # decode role: holds blocks while its KV arrives
@@ -452,14 +452,13 @@ class Scheduler:
             leaves = self.role.hands_off and r.status is RequestStatus.RUNNING
             if leaves:
                 self._leave_for_transfer(r)
-            return RequestOutput(r.request_id, [token], False, None, None, r.parent_id,
-                                 r.index, leaves, cached_tokens=r.prompt_cached_tokens)
+            return self._output(r, [token], leaves)
         return self._output(r, [token])
 
-    def _output(self, r: Request, tokens: list[int]) -> RequestOutput:
+    def _output(self, r: Request, tokens: list[int], leaves: bool = False) -> RequestOutput:
         return RequestOutput(r.request_id, tokens, r.is_finished, r.finish_reason,
-                             r.finish_message, r.parent_id, r.index,
-                             cached_tokens=r.prompt_cached_tokens)
+                             r.finish_message, r.parent_id, r.index, leaves,
+                             cached_tokens=r.prompt_cached_tokens, queue_seconds=r.queue_seconds)
 
     def _leave_for_transfer(self, r: Request) -> None:
         self.running.remove(r)

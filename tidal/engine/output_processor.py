@@ -101,5 +101,5 @@ class OutputProcessor:
                                       finished, reason, message, o.logprobs,
                                       o.prompt_logprobs, o.embedding,
                                       detok.stop_string if finished else None, o.events,
-                                      o.cached_tokens))
+                                      o.cached_tokens, o.queue_seconds))
         return updates, stopped

@@ -27,6 +27,7 @@ class StepUpdate:
     stop_string: str | None = None  # with finish_reason "stop": the stop string met, if one
     events: list | None = None  # SamplingParams.trace: the scheduler's events (request_events)
     cached_tokens: int = 0  # its prompt's tokens the prefix cache held (RequestOutput's)
+    queue_seconds: float = 0.0  # from its arrival to its first admission (RequestOutput's)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from tidal.server.config import ServerConfig
 from tidal.server.dashboard import DashboardHub
 from tidal.server.in_flight import InFlight
 from tidal.server.lora_routes import Adapters
-from tidal.server.metrics import ServerMetrics
+from tidal.server.metrics import RequestTally, ServerMetrics
 from tidal.server.openai.chat import ChatRequest
 from tidal.server.openai.chat_output import (ChatOutputOptions, mistral_call_id,
                                              openai_call_id)
@@ -324,7 +324,8 @@ class Frontend:
                 span.end()
             await Submission(client, self.metrics, rids[:sent], params[0].n).end()
             raise unavailable(exc) from exc
-        sub = Submission(client, self.metrics, rids, params[0].n, queue)
+        sub = Submission(client, self.metrics, rids, params[0].n, queue, RequestTally(
+            self.metrics, rids, list(map(len, prompts)), params[0].n, params[0].max_tokens))
         sub.span = span
         if self.request_log is not None:  # an aborted sequence's output is not kept
             sub.on_end.append(lambda: [self.request_log.forget(r) for r in rids])
@@ -361,10 +362,8 @@ class Frontend:
         """(choice index, update) until every choice finished, observing the latency
         metrics. Whoever answers ends the submission (`Submission.end`), so that it ends even
         when this generator is never opened or never closed."""
-        metrics, n = self.metrics, sub.n
+        n, tally = sub.n, sub.tally
         index_of = {rid: i for i, rid in enumerate(sub.rids)}
-        t0 = time.perf_counter()
-        first, last, gaps = None, {}, []
         while sub.left:
             item = await sub.queue.get()
             if isinstance(item, Failure):
@@ -376,26 +375,14 @@ class Frontend:
             if sub.span is not None:
                 sub.span.update(u.events, len(u.new_token_ids),
                                 u.finish_reason if u.finished else None)
-            now = time.perf_counter()
-            if u.new_token_ids:
-                if first is None:
-                    first = now
-                    metrics.ttft.observe(now - t0)
-                elif u.request_id in last:
-                    gaps.append(now - last[u.request_id])
-                    metrics.itl.observe(gaps[-1])
-                last[u.request_id] = now
+            tally.update(u, time.perf_counter())
             if u.finished:
                 sub.left -= 1
-                metrics.finished(u.finish_reason or "unknown").inc()
                 if u.finish_reason == "rejected":  # the slo policy's overload decision
                     raise APIError(u.finish_message or "overloaded", 503,
                                    "service_unavailable", retry_after=1)
             yield index_of[u.root_id] * n + u.index, u
-        metrics.e2e.observe(time.perf_counter() - t0)
-        if first is not None:  # for the dashboard's latency charts
-            metrics.recent.append((time.time(), first - t0,
-                                   sum(gaps) / len(gaps) if gaps else None))
+        tally.close()
 
 
 class Submission:
@@ -404,8 +391,9 @@ class Submission:
     unfinished (the client left, an error), whether or not any update was ever read."""
 
     def __init__(self, client: CoreClient, metrics: ServerMetrics, rids: list[str], n: int,
-                 queue: asyncio.Queue | None = None) -> None:
+                 queue: asyncio.Queue | None = None, tally: RequestTally | None = None) -> None:
         self.client, self.metrics, self.rids, self.n, self.queue = client, metrics, rids, n, queue
+        self.tally = tally  # its metrics, as its updates are read
         self.left = len(rids) * n  # sequences not finished
         self.on_end: list[Callable[[], None]] = []  # each called once, at the end
         self.span: RequestSpan | None = None  # --otlp-traces-endpoint: this request's

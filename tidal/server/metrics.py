@@ -11,8 +11,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tidal.core.step_time import ERROR_QUANTILES, STEP_TIME_TERMS
+from tidal.engine.outputs import StepUpdate
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_REQUEST = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+_N = (1, 2, 5, 10, 20)
+_TOKENS = tuple(step * 10**e for e in range(7) for step in (1, 2, 5))  # vLLM's 1-2-5 steps
 
 
 class _CoreCollector:
@@ -166,20 +170,45 @@ class _CoreCollector:
 
 
 class ServerMetrics:
-    """One registry per server (tests run several in one process)."""
+    """One registry per server (tests run several in one process). Per-request figures are
+    vLLM's: observed as each prompt's sequences end (`RequestTally`)."""
 
     def __init__(self, client, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_CoreCollector(client, model_name))
         self.model = model_name
 
-        def histogram(name: str, doc: str):
-            return Histogram(name, doc, ["model_name"], buckets=_LATENCY,
+        def histogram(name: str, doc: str, buckets=_LATENCY):
+            return Histogram(name, doc, ["model_name"], buckets=buckets,
                              registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, ["model_name"], registry=self.registry).labels(model_name)
 
         self.ttft = histogram("tidal:time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("tidal:inter_token_latency_seconds", "Time between tokens.")
-        self.e2e = histogram("tidal:e2e_request_latency_seconds", "Request latency.")
+        self.e2e = histogram("tidal:e2e_request_latency_seconds", "Request latency.", _REQUEST)
+        self.queue = histogram("tidal:request_queue_time_seconds", "From a request's arrival "
+                               "to its first admission.", _REQUEST)
+        self.prefill = histogram("tidal:request_prefill_time_seconds", "From a request's "
+                                 "admission to its first token.", _REQUEST)
+        self.decode = histogram("tidal:request_decode_time_seconds", "From a request's first "
+                                "token to its last.", _REQUEST)
+        self.inference = histogram("tidal:request_inference_time_seconds", "From a "
+                                   "request's admission to its last token.", _REQUEST)
+        self.tpot = histogram("tidal:request_time_per_output_token_seconds", "A sequence's "
+                              "decode time over its tokens after the first.")
+        self.prompt_tokens = histogram("tidal:request_prompt_tokens", "A request's prompt "
+                                       "tokens.", _TOKENS)
+        self.generation_tokens = histogram("tidal:request_generation_tokens", "A request's "
+                                           "generated tokens (all its n sequences).", _TOKENS)
+        self.params_n = histogram("tidal:request_params_n", "A request's n.", _N)
+        self.params_max_tokens = histogram("tidal:request_params_max_tokens", "A request's "
+                                           "max_tokens (its limit where it set none).", _TOKENS)
+        self.prefix_queries = counter("tidal:prefix_cache_queries", "Prompt tokens looked up "
+                                      "in the prefix cache (at each request's admission).")
+        self.prefix_hits = counter("tidal:prefix_cache_hits", "Prompt tokens the prefix cache "
+                                   "held (at each request's admission).")
         self._finished = Counter("tidal:request_success", "Finished requests by reason.",
                                  ["model_name", "finished_reason"], registry=self.registry)
         self._lora = Counter("tidal:lora_requests", "Requests by LoRA adapter.",
@@ -194,3 +223,69 @@ class ServerMetrics:
     def lora_request(self, adapter: str) -> None:
         """Count one request of a LoRA adapter."""
         self._lora.labels(self.model, adapter).inc()
+
+
+class RequestTally:
+    """One submission's latencies and sizes, per prompt (a request to vLLM, whose metrics
+    these are): fed each update (`update`), each prompt observed once its n sequences end;
+    `close` adds the submission to the dashboard's recent latencies."""
+
+    def __init__(self, metrics: ServerMetrics, rids: list[str], prompt_lens: list[int],
+                 n: int, max_tokens: int) -> None:
+        self.metrics, self.n, self.max_tokens = metrics, n, max_tokens
+        self.t0 = time.perf_counter()
+        self.prompt_len = dict(zip(rids, prompt_lens))
+        self.left = dict.fromkeys(rids, n)  # each prompt's sequences not finished
+        self.first: dict[str, float] = {}  # a prompt's, and a sequence's, first token
+        self.last: dict[str, float] = {}  # a sequence's latest token
+        self.tokens: dict[str, int] = {}  # tokens of each prompt and each sequence
+        self.queue: dict[str, float] = {}  # a prompt's queue time (its index 0's)
+        self.gaps: list[float] = []
+
+    def update(self, u: StepUpdate, now: float) -> None:
+        m, root, seq = self.metrics, u.root_id, u.request_id
+        if u.new_token_ids:
+            if root not in self.first:
+                self.first[root] = now
+                m.ttft.observe(now - self.t0)
+            if seq in self.last:
+                self.gaps.append(now - self.last[seq])
+                m.itl.observe(self.gaps[-1])
+            self.first.setdefault(seq, now)
+            self.last[seq] = now
+            for key in {root, seq}:
+                self.tokens[key] = self.tokens.get(key, 0) + len(u.new_token_ids)
+        if u.index == 0:
+            self.queue.setdefault(root, u.queue_seconds)
+        if not u.finished:
+            return
+        m.finished(u.finish_reason or "unknown").inc()
+        made = self.tokens.get(seq, 0)
+        if made > 1:
+            m.tpot.observe((self.last[seq] - self.first[seq]) / (made - 1))
+        self.left[root] -= 1
+        if not self.left[root]:
+            self._request_done(root, u.cached_tokens, now)
+
+    def _request_done(self, root: str, cached: int, now: float) -> None:
+        m, prompt = self.metrics, self.prompt_len[root]
+        m.e2e.observe(now - self.t0)
+        m.prompt_tokens.observe(prompt)
+        m.generation_tokens.observe(self.tokens.get(root, 0))
+        m.params_n.observe(self.n)
+        m.params_max_tokens.observe(self.max_tokens)
+        m.prefix_queries.inc(prompt)
+        m.prefix_hits.inc(cached)
+        if root in self.first:  # it made a token (else it ended before: nothing to time)
+            ttft = self.first[root] - self.t0
+            queue = min(self.queue.get(root, 0.0), ttft)
+            m.queue.observe(queue)
+            m.prefill.observe(ttft - queue)
+            m.decode.observe(now - self.first[root])
+            m.inference.observe(now - self.t0 - queue)
+
+    def close(self) -> None:
+        firsts = [t for key, t in self.first.items() if key in self.left]
+        if firsts:  # for the dashboard's latency charts
+            self.metrics.recent.append((time.time(), min(firsts) - self.t0,
+                                        sum(self.gaps) / len(self.gaps) if self.gaps else None))
