@@ -311,7 +311,7 @@ def test_every_tensor_the_sampler_makes_lands_on_the_logits_device():
     logits = torch.randn(6, 50)
 
     def rows():
-        seeded = torch.Generator().manual_seed(7)
+        seeded = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
         return [
             SampleRow(SamplingParams(temperature=0.8, top_k=5, seed=7), 2, [1, 2], [3], seeded),
             SampleRow(SamplingParams(temperature=1.0, top_p=0.7), 1, [], [], None),
@@ -341,7 +341,7 @@ def test_a_step_comes_back_to_the_host_in_one_copy(monkeypatch):
     torch.manual_seed(0)
     logits = torch.randn(5, 40)
     rows = [SampleRow(SamplingParams(temperature=0.8, top_k=5, seed=7, logprobs=2), 3, [1], [3],
-                      torch.Generator().manual_seed(7)),
+                      [torch.Generator().manual_seed(7 + i) for i in range(3)]),
             SampleRow(SamplingParams(temperature=1.0, top_p=0.7, min_p=0.1), 1, [], [], None),
             SampleRow(SamplingParams(temperature=0, logprobs=4, repetition_penalty=1.2,
                                      presence_penalty=0.3), 2, [2, 3], [4], None, [5]),
@@ -358,6 +358,19 @@ def test_a_step_comes_back_to_the_host_in_one_copy(monkeypatch):
     # Each entry's alternatives are the row's likeliest tokens, best first.
     ids, vals = zip(*logprobs[2][0].top)
     assert list(vals) == sorted(vals, reverse=True) and ids[0] == tokens[2][0]
+
+
+def test_a_seeded_n_is_n_requests_seeded_one_apart(llm):
+    """Sibling i of an n>1 request seeded s is the request seeded s + i, its first token
+    too (sampled in the fork's row): what a P/D decode instance, which sends each sequence
+    alone, and vLLM, which seeds its child requests so, give."""
+    base = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
+    out = llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(n=3, seed=40, **base),
+                       use_tqdm=False)[0].outputs
+    alone = [llm.generate(ids(llm, PROMPTS[:1]), SamplingParams(seed=40 + i, **base),
+                          use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]
+    assert [o.token_ids for o in out] == alone
+    assert len({t[0] for t in alone}) > 1  # the first tokens differ: each its own draw
 
 
 def test_every_sibling_of_n_gets_its_first_tokens_logprobs(llm):

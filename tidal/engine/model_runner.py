@@ -386,7 +386,9 @@ class ModelRunner:
             reads = needs_penalty(p) or p.bad_words_token_ids or self.processors
             output = q.output + guesses[rid].path_tokens(j - 1) if depth and reads else q.output
             produced = len(q.output) + depth
-            gen = self._generator(rid, j, p.seed, produced) if p.seed is not None else None
+            # a fork's sample i is sibling i's first token: seeded as the sibling (seed + i)
+            gen = None if p.seed is None else [self._generator(rid, j + i, p.seed + i, produced)
+                                               for i in range(q.num_samples)]
             banned = q.stop_ids if produced < p.min_tokens else None
             rows.append(SampleRow(p, q.num_samples, q.prompt, output, gen, banned))
         return rows

@@ -24,7 +24,9 @@ class SampleRow:
     num_samples: int  # n on the step an n>1 request finishes its prompt, else 1
     prompt_ids: list[int]
     output_ids: list[int]
-    generator: torch.Generator | None  # per-request seed; None uses the shared one
+    # seeded: one per sample (sample i of an n>1 fork is its sibling i's, seeded seed + i);
+    # None draws from the shared one
+    generators: list[torch.Generator] | None
     banned: list[int] | None = None  # stop tokens masked out before min_tokens is reached
 
 
@@ -169,7 +171,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and a request's
             # own generator makes its draws independent of the rest of the batch.
             noise = torch.empty((row.num_samples, probs.shape[1]), device=dev)
-            noise.exponential_(generator=row.generator or generator)
+            if row.generators is None:
+                noise.exponential_(generator=generator)
+            for sample_noise, gen in zip(noise, row.generators or ()):
+                sample_noise.exponential_(generator=gen)
             drawn.append(F.pad((probs[j][None, :] / noise).argmax(-1),
                                (0, width - row.num_samples)))
         tokens = tokens.clone().index_copy_(0, idx, torch.stack(drawn))

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 from functools import partial
 from typing import Annotated, Any, AsyncGenerator, Awaitable, Callable, Mapping
 
@@ -309,6 +310,8 @@ class Frontend:
                 headers, operation_of(body), config.model_name,
                 {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
                  "choice.count": p.n}, sum(map(len, prompts)))
+        if prefill is not None and params[0].n > 1:  # a decode instance forks nothing
+            prompts, params = _one_per_sequence(prompts, params)
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex[:16]
         rids = [f"{base}-{i}" for i in range(len(prompts))]
@@ -383,6 +386,16 @@ class Frontend:
                                    "service_unavailable", retry_after=1)
             yield index_of[u.root_id] * n + u.index, u
         tally.close()
+
+
+def _one_per_sequence(prompts: list[list[int]], params: list[SamplingParams]):
+    """Each prompt n times with n=1, seeded as a fork seeds its n sequences (seed + index),
+    the prompt's logprobs asked of the first alone: the n sequences of a decode instance,
+    whose prompts another instance computes (each after the first a prefix-cache hit)."""
+    copies = [(ids, replace(p, n=1, seed=None if p.seed is None else p.seed + i,
+                            prompt_logprobs=p.prompt_logprobs if i == 0 else None))
+              for ids, p in zip(prompts, params) for i in range(p.n)]
+    return [ids for ids, _ in copies], [p for _, p in copies]
 
 
 class Submission:

@@ -22,9 +22,11 @@ class InFlight:
 
     def add(self, sub: Submission, answer_ids: list[str], prompt_names: list[str]) -> None:
         """Name a submission until it ends: each of `answer_ids` names all its prompts, the
-        i-th of `prompt_names` its i-th prompt."""
+        i-th of `prompt_names` its i-th prompt (its n engine requests on a decode instance)."""
         names = {name: sub.rids for name in answer_ids}
-        names.update({name: [rid] for name, rid in zip(prompt_names, sub.rids)})
+        each = len(sub.rids) // max(1, len(prompt_names))  # a prompt's engine requests
+        names.update({name: sub.rids[i * each:(i + 1) * each]
+                      for i, name in enumerate(prompt_names)})
         self.names[sub] = names
         sub.on_end.append(lambda: self.names.pop(sub, None))
 

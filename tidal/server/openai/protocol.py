@@ -407,9 +407,6 @@ class GenerationRequest(StrictModel):
         if self.use_beam_search:  # its steps are prefills of their own
             raise APIError("use_beam_search is not supported with prefill/decode "
                            "disaggregation", param="use_beam_search")
-        if self.n > 1:
-            raise APIError("n > 1 is not supported with prefill/decode disaggregation",
-                           param="n")
 
 
 class CompletionRequest(GenerationRequest):
