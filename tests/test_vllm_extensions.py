@@ -301,3 +301,44 @@ def test_request_metrics_are_vllms_per_prompt(server, client):
     d = {k: v - before[k] for k, v in read().items()}
     assert d["prefix_cache_queries_total"] == len(ids)
     assert d["prefix_cache_hits_total"] >= 16 * (len(ids) // 16 - 1)
+
+
+def test_a_tally_times_each_sequence_and_each_prompt_on_its_own():
+    """Two sequences of one prompt (n=2) at known times: each sequence's time per output
+    token is its own (its tokens, not its sibling's), the prompt's phases are its first and
+    last tokens' (the queue time the core reported within its TTFT)."""
+    from types import SimpleNamespace
+
+    from tidal.engine.outputs import StepUpdate
+    from tidal.server.metrics import RequestTally, ServerMetrics
+
+    metrics = ServerMetrics(SimpleNamespace(stats=None), "m")
+    tally = RequestTally(metrics, ["r"], [7], n=2, max_tokens=5)
+    tally.t0 = 0.0
+
+    def token(seq, index, now, finished=False):
+        tally.update(StepUpdate(seq, "r", index, [1], "x", finished, "length" if finished
+                                else None, queue_seconds=0.5), now)
+    token("r", 0, 1.0)
+    token("r-1", 1, 1.0)
+    token("r", 0, 2.0)
+    token("r", 0, 3.0, finished=True)  # 3 tokens over 2 s: 1 s each
+    token("r-1", 1, 5.0, finished=True)  # 2 tokens over 4 s
+    tally.close()
+    value = metrics.registry.get_sample_value
+    labels = {"model_name": "m"}
+    sample = {name: value(f"tidal:{name}", labels) for name in (
+        "request_time_per_output_token_seconds_sum", "request_generation_tokens_sum",
+        "request_queue_time_seconds_sum", "request_prefill_time_seconds_sum",
+        "request_decode_time_seconds_sum", "request_inference_time_seconds_sum",
+        "e2e_request_latency_seconds_sum", "time_to_first_token_seconds_count",
+        "request_params_n_sum", "request_prompt_tokens_sum")}
+    assert sample == {
+        "request_time_per_output_token_seconds_sum": 1.0 + 4.0,
+        "request_generation_tokens_sum": 5, "request_queue_time_seconds_sum": 0.5,
+        "request_prefill_time_seconds_sum": 0.5, "request_decode_time_seconds_sum": 4.0,
+        "request_inference_time_seconds_sum": 4.5, "e2e_request_latency_seconds_sum": 5.0,
+        "time_to_first_token_seconds_count": 1, "request_params_n_sum": 2,
+        "request_prompt_tokens_sum": 7}
+    assert value("tidal:request_success_total", {**labels, "finished_reason": "length"}) == 2
+    assert metrics.recent[0][1] == 1.0  # the dashboard's TTFT

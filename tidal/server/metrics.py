@@ -236,10 +236,13 @@ class RequestTally:
         self.t0 = time.perf_counter()
         self.prompt_len = dict(zip(rids, prompt_lens))
         self.left = dict.fromkeys(rids, n)  # each prompt's sequences not finished
-        self.first: dict[str, float] = {}  # a prompt's, and a sequence's, first token
-        self.last: dict[str, float] = {}  # a sequence's latest token
-        self.tokens: dict[str, int] = {}  # tokens of each prompt and each sequence
-        self.queue: dict[str, float] = {}  # a prompt's queue time (its index 0's)
+        self.first: dict[str, float] = {}  # each prompt's first token
+        self.made: dict[str, int] = {}  # each prompt's tokens
+        self.queue: dict[str, float] = {}  # each prompt's queue time (its index 0's)
+        # each sequence's first and latest token, and its tokens
+        self.seq_first: dict[str, float] = {}
+        self.seq_last: dict[str, float] = {}
+        self.seq_made: dict[str, int] = {}
         self.gaps: list[float] = []
 
     def update(self, u: StepUpdate, now: float) -> None:
@@ -248,21 +251,21 @@ class RequestTally:
             if root not in self.first:
                 self.first[root] = now
                 m.ttft.observe(now - self.t0)
-            if seq in self.last:
-                self.gaps.append(now - self.last[seq])
+            if seq in self.seq_last:
+                self.gaps.append(now - self.seq_last[seq])
                 m.itl.observe(self.gaps[-1])
-            self.first.setdefault(seq, now)
-            self.last[seq] = now
-            for key in {root, seq}:
-                self.tokens[key] = self.tokens.get(key, 0) + len(u.new_token_ids)
+            self.seq_first.setdefault(seq, now)
+            self.seq_last[seq] = now
+            self.seq_made[seq] = self.seq_made.get(seq, 0) + len(u.new_token_ids)
+            self.made[root] = self.made.get(root, 0) + len(u.new_token_ids)
         if u.index == 0:
             self.queue.setdefault(root, u.queue_seconds)
         if not u.finished:
             return
         m.finished(u.finish_reason or "unknown").inc()
-        made = self.tokens.get(seq, 0)
+        made = self.seq_made.get(seq, 0)
         if made > 1:
-            m.tpot.observe((self.last[seq] - self.first[seq]) / (made - 1))
+            m.tpot.observe((self.seq_last[seq] - self.seq_first[seq]) / (made - 1))
         self.left[root] -= 1
         if not self.left[root]:
             self._request_done(root, u.cached_tokens, now)
@@ -271,7 +274,7 @@ class RequestTally:
         m, prompt = self.metrics, self.prompt_len[root]
         m.e2e.observe(now - self.t0)
         m.prompt_tokens.observe(prompt)
-        m.generation_tokens.observe(self.tokens.get(root, 0))
+        m.generation_tokens.observe(self.made.get(root, 0))
         m.params_n.observe(self.n)
         m.params_max_tokens.observe(self.max_tokens)
         m.prefix_queries.inc(prompt)
@@ -285,7 +288,6 @@ class RequestTally:
             m.inference.observe(now - self.t0 - queue)
 
     def close(self) -> None:
-        firsts = [t for key, t in self.first.items() if key in self.left]
-        if firsts:  # for the dashboard's latency charts
-            self.metrics.recent.append((time.time(), min(firsts) - self.t0,
+        if self.first:  # for the dashboard's latency charts
+            self.metrics.recent.append((time.time(), min(self.first.values()) - self.t0,
                                         sum(self.gaps) / len(self.gaps) if self.gaps else None))
