@@ -209,6 +209,11 @@ class SamplingParams:
                 not isinstance(k, str) for k in self.extra_args)):
             raise ValueError("extra_args must be a dict with string keys")
 
+    def sibling(self, index: int) -> "SamplingParams":
+        """Sequence `index` of an n > 1 request as a request of its own: n = 1, seeded
+        seed + index (so an n-request seeded s is n requests seeded s ... s + n - 1)."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+
 
 def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
     """(prompt + output)[start:end] without concatenating the whole sequence."""
@@ -352,9 +357,8 @@ class Request:
 
     def fork(self, index: int) -> "Request":
         """A sibling for n>1 sampling: same prompt and limits, n=1, no output yet."""
-        seed = self.sampling_params.seed
-        params = replace(self.sampling_params, n=1, seed=None if seed is None else seed + index)
-        child = Request(f"{self.request_id}-{index}", self.prompt_token_ids, params,
+        child = Request(f"{self.request_id}-{index}", self.prompt_token_ids,
+                        self.sampling_params.sibling(index),
                         self.arrival_time, self.eos_token_ids)
         child.extra_key = self.extra_key  # salted already
         child.parent_id, child.index = self.request_id, index

@@ -389,11 +389,11 @@ class Frontend:
 
 
 def _one_per_sequence(prompts: list[list[int]], params: list[SamplingParams]):
-    """Each prompt n times with n=1, seeded as a fork seeds its n sequences (seed + index),
-    the prompt's logprobs asked of the first alone: the n sequences of a decode instance,
-    whose prompts another instance computes (each after the first a prefix-cache hit)."""
-    copies = [(ids, replace(p, n=1, seed=None if p.seed is None else p.seed + i,
-                            prompt_logprobs=p.prompt_logprobs if i == 0 else None))
+    """Each prompt n times, each its sequence as a fork makes it (`sibling`), the prompt's
+    logprobs asked of the first alone: the n sequences of a decode instance, whose prompts
+    another instance computes (each after the first a prefix-cache hit)."""
+    copies = [(ids, replace(p.sibling(i), prompt_logprobs=p.prompt_logprobs if i == 0
+                            else None))
               for ids, p in zip(prompts, params) for i in range(p.n)]
     return [ids for ids, _ in copies], [p for _, p in copies]
 
