@@ -30,12 +30,9 @@ class InFlight:
         self.names[sub] = names
         sub.on_end.append(lambda: self.names.pop(sub, None))
 
-    async def stop(self, name: str | None, message: str) -> int:
+    async def stop(self, name: str | None, message: str) -> None:
         """End the requests `name` names (None: every one) with finish reason `abort` and
-        the text they have; returns how many engine requests were ended."""
-        ended = 0
+        the text they have."""
         for sub, names in list(self.names.items()):
             for rid in sub.rids if name is None else names.get(name, ()):
                 await self.client.stop(rid, message)
-                ended += 1
-        return ended

@@ -1,9 +1,10 @@
 """SGLang's native API beside OpenAI's, for clients written against an SGLang server:
 `POST /generate` (prompts as text or token ids, `sampling_params`, answered in SGLang's
 shape: `request.py`, `output.py`), `POST /encode` (embeddings), `GET /get_model_info`,
-`GET /get_server_info`, `GET /health_generate` (healthy when the engine makes a
-token) and `POST /abort_request` (ends requests early, answered with what they have). /flush_cache, /tokenize, /detokenize, /v1/rerank and /classify are the server's
-own routes."""
+`GET /get_server_info`, `GET /health_generate` (healthy when the engine makes a token)
+and `POST /abort_request` (ends requests early, answered with what they have).
+/flush_cache, /tokenize, /detokenize, /v1/rerank and /classify are the server's own
+routes."""
 
 from __future__ import annotations
 
