@@ -278,6 +278,7 @@ def test_request_metrics_are_vllms_per_prompt(server, client):
         "prefix_cache_queries_total", "prefix_cache_hits_total")}
 
     def read() -> dict[str, float]:
+        time.sleep(0.7)  # the prefix cache's counts come with the core's report (0.5 s)
         return {k: metric(server.url, name) for k, name in names.items()}
 
     prompt = "Tell me about the sea and the ships that sail on it, far away. " * 3

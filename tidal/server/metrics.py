@@ -80,6 +80,10 @@ class _CoreCollector:
             ("tidal:num_preemptions", "Retractions since start.", s.num_preemptions),
             ("tidal:num_steps_cut", "Steps of background work cut short for a live request "
              "since start.", s.num_steps_cut),
+            ("tidal:prefix_cache_queries", "Tokens looked up in the prefix cache, at each "
+             "admission.", s.prefix_query_tokens),
+            ("tidal:prefix_cache_hits", "Of those, the tokens the prefix cache (or a tier "
+             "below it) held.", s.prefix_hit_tokens),
             ("tidal:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
              stats.prompt_tokens),
             ("tidal:generation_tokens", "Tokens generated.", stats.generation_tokens),
@@ -182,9 +186,6 @@ class ServerMetrics:
             return Histogram(name, doc, ["model_name"], buckets=buckets,
                              registry=self.registry).labels(model_name)
 
-        def counter(name: str, doc: str):
-            return Counter(name, doc, ["model_name"], registry=self.registry).labels(model_name)
-
         self.ttft = histogram("tidal:time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("tidal:inter_token_latency_seconds", "Time between tokens.")
         self.e2e = histogram("tidal:e2e_request_latency_seconds", "Request latency.", _REQUEST)
@@ -205,10 +206,6 @@ class ServerMetrics:
         self.params_n = histogram("tidal:request_params_n", "A request's n.", _N)
         self.params_max_tokens = histogram("tidal:request_params_max_tokens", "A request's "
                                            "max_tokens (its limit where it set none).", _TOKENS)
-        self.prefix_queries = counter("tidal:prefix_cache_queries", "Prompt tokens looked up "
-                                      "in the prefix cache (at each request's admission).")
-        self.prefix_hits = counter("tidal:prefix_cache_hits", "Prompt tokens the prefix cache "
-                                   "held (at each request's admission).")
         self._finished = Counter("tidal:request_success", "Finished requests by reason.",
                                  ["model_name", "finished_reason"], registry=self.registry)
         self._lora = Counter("tidal:lora_requests", "Requests by LoRA adapter.",
@@ -268,17 +265,15 @@ class RequestTally:
             m.tpot.observe((self.seq_last[seq] - self.seq_first[seq]) / (made - 1))
         self.left[root] -= 1
         if not self.left[root]:
-            self._request_done(root, u.cached_tokens, now)
+            self._request_done(root, now)
 
-    def _request_done(self, root: str, cached: int, now: float) -> None:
+    def _request_done(self, root: str, now: float) -> None:
         m, prompt = self.metrics, self.prompt_len[root]
         m.e2e.observe(now - self.t0)
         m.prompt_tokens.observe(prompt)
         m.generation_tokens.observe(self.made.get(root, 0))
         m.params_n.observe(self.n)
         m.params_max_tokens.observe(self.max_tokens)
-        m.prefix_queries.inc(prompt)
-        m.prefix_hits.inc(cached)
         if root in self.first:  # it made a token (else it ended before: nothing to time)
             ttft = self.first[root] - self.t0
             queue = min(self.queue.get(root, 0.0), ttft)
