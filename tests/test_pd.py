@@ -203,6 +203,17 @@ def test_responses_embeddings_and_scores_through_the_router_equal_a_mixed_engine
             client.responses.create(input="Go on.", previous_response_id=r.id, **ask)
         with pytest.raises(openai.NotFoundError, match="does not serve the Batch API"):
             client.batches.list()
+        # a pause reaches every instance; a request sent meanwhile waits for the resume
+        assert httpx.post(pd.url + "/pause", params={"mode": "keep"}).status_code == 200
+        for inst in (prefill, *decodes):
+            assert httpx.get(inst + "/is_paused").json() == {"is_paused": True}
+        with ThreadPoolExecutor(1) as pool:
+            late = pool.submit(client.responses.create, input="Hi!", **ask)
+            time.sleep(1.0)
+            assert not late.done()
+            assert httpx.post(pd.url + "/continue_generation").status_code == 200
+            assert late.result(timeout=60).output_text == pair[0].output_text
+        assert httpx.get(pd.url + "/is_paused").json() == {"is_paused": False}
     finally:
         pd.stop()
     mixed = Server(*flags)

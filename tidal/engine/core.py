@@ -103,6 +103,7 @@ class EngineCore:
                       if sched_cfg.async_scheduling and self._depth == 1 else None)
         self._pending: tuple[SchedulerOutput, Future] | None = None
         self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # launched steps
+        self.paused = False  # plans no step (pause mode keep): requests keep their blocks
         phases.done("scheduler")
         log.info("model loaded in %.2fs (%s; %s, %s, decode steps %s); KV cache: %d blocks "
                  "x %d tokens = %.1f MiB%s; step target %s", phases.total, phases, info.device,
@@ -176,6 +177,20 @@ class EngineCore:
                 except LoRAError as e:
                     log.error("%s", e)
 
+    def pause(self) -> None:
+        """Plan no more steps (vLLM's pause mode `keep`, SGLang's `in_place`): the steps in
+        flight complete; every request keeps its blocks, tokens and place until `resume`,
+        and new requests wait in the queue."""
+        if not self.paused:
+            self.paused = True
+            log.info("paused: %d requests held", len(self.scheduler.requests))
+
+    def resume(self) -> None:
+        """Plan steps again: the held requests go on as if never paused."""
+        if self.paused:
+            self.paused = False
+            log.info("resumed")
+
     def abort(self, request_id: str) -> None:
         """End a request and its n>1 siblings, from any state; their blocks return now."""
         self.scheduler.abort(request_id)
@@ -194,11 +209,16 @@ class EngineCore:
         return [RequestOutput(request_id, [], True, "error", message)]
 
     def has_work(self) -> bool:
-        return self._to_plan() or self._pending is not None or bool(self._in_flight)
+        """Whether requests, stores or steps are in the engine (paused or not)."""
+        return self._plannable() or self._pending is not None or bool(self._in_flight)
+
+    def _plannable(self) -> bool:
+        """Whether a step would have anything to plan: requests, or blocks to store."""
+        return self.scheduler.has_unfinished_requests() or self._stores_pending()
 
     def _to_plan(self) -> bool:
-        """Whether the next step has anything to plan: requests, or blocks to store."""
-        return self.scheduler.has_unfinished_requests() or self._stores_pending()
+        """Whether the next step is to be planned: something to plan, and not paused."""
+        return not self.paused and self._plannable()
 
     def _stores_pending(self) -> bool:
         tiers = self.scheduler.kv.tiers
@@ -233,10 +253,10 @@ class EngineCore:
 
     def can_step(self) -> bool:
         """Whether a step would do anything: requests that only await their KV from a
-        prefill instance (decode role) need none."""
+        prefill instance (decode role) need none; while paused only steps in flight do."""
         s = self.scheduler
-        return (bool(s.running or s.waiting or s.preempted) or self._pending is not None
-                or bool(self._in_flight) or self._stores_pending())
+        ready = bool(s.running or s.waiting or s.preempted) or self._stores_pending()
+        return (ready and not self.paused) or self._pending is not None or bool(self._in_flight)
 
     def step(self) -> list[RequestOutput]:
         """One step: the requests' new tokens (and finishes), each with its tokens' logprobs
@@ -246,6 +266,8 @@ class EngineCore:
             return self._step_pipelined()
         if self._pool is not None:
             return self._step_overlapped()
+        if self.paused:
+            return []
         out = self._schedule()
         return self._complete(out, self._execute(out))
 

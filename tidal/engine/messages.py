@@ -44,6 +44,14 @@ class ResetPrefixCache(msgspec.Struct, tag=True):
     """Forget every cached prefix (vLLM's /reset_prefix_cache)."""
 
 
+class Pause(msgspec.Struct, tag=True):
+    """Plan no steps until Resume; requests keep their state (vLLM's pause mode keep)."""
+
+
+class Resume(msgspec.Struct, tag=True):
+    """Plan steps again after a Pause."""
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Finish running requests for up to `drain_timeout` seconds, then exit."""
 
@@ -119,7 +127,8 @@ class Failed(msgspec.Struct, tag=True):
     incarnation: int = 0
 
 
-ToCore = Add | Abort | Finish | Shutdown | Watch | Adapters | ResetPrefixCache
+ToCore = (Add | Abort | Finish | Shutdown | Watch | Adapters | ResetPrefixCache | Pause
+          | Resume)
 
 
 class Heartbeat(msgspec.Struct, tag=True):

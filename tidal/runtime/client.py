@@ -86,6 +86,9 @@ class CoreClient:
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._launched: float | None = None  # when the cores were launched
+        self.resumed = asyncio.Event()  # clear while paused: new requests wait for it
+        self.resumed.set()
+        self.cores_paused = False  # paused in the cores too (mode keep): they plan no step
 
     # ------------------------------------------------------------------ lifecycle
     def attach_tokenizer(self, tokenizer: Tokenizer) -> None:
@@ -203,7 +206,9 @@ class CoreClient:
                   prefill_address: str | None = None) -> asyncio.Queue:
         """Send a request to a core; its updates (or a Failure) arrive on `queue`, which
         several requests may share (updates carry their root id). A decode instance gets
-        the prefill core that computes the prompt (`prefill_address`, from the router)."""
+        the prefill core that computes the prompt (`prefill_address`, from the router).
+        While paused the request waits here, not yet sent, until `resume`."""
+        await self.resumed.wait()
         if not self.alive:
             raise self.unavailable()
         queue = self.streams.open(request_id, params, queue)
@@ -263,6 +268,33 @@ class CoreClient:
         for core in range(self.num_cores):
             self.sockets.send(core, m.ResetPrefixCache())
 
+    # ------------------------------------------------------------------ pausing
+    @property
+    def paused(self) -> bool:
+        return not self.resumed.is_set()
+
+    def pause(self, cores: bool) -> None:
+        """Hold new requests until `resume` (those in flight go on); with `cores`, the cores
+        also stop planning steps, and the requests in them wait where they are."""
+        self.resumed.clear()
+        if cores and not self.cores_paused:
+            self.cores_paused = True
+            for core in range(self.num_cores):
+                self.sockets.send(core, m.Pause())
+
+    def resume(self) -> None:
+        """Let the cores step again and the held requests through (in the order they came)."""
+        if self.cores_paused:
+            self.cores_paused = False
+            for core in range(self.num_cores):
+                self.sockets.send(core, m.Resume())
+        self.resumed.set()
+
+    async def drained(self) -> None:
+        """Return once no request is in flight."""
+        while self.streams:
+            await asyncio.sleep(0.02)
+
     def _send_routed(self, core: int, msg: m.Add | m.Abort) -> bool:
         """The dispatcher thread's send; False where the core is gone (the dispatcher
         routes the request to another)."""
@@ -312,6 +344,8 @@ class CoreClient:
             self.sockets.send(core, self._watching)
         if self.adapters != dict(self.config.lora.modules):  # it started with those
             self.sockets.send(core, m.Adapters(self.adapters))
+        if self.cores_paused:
+            self.sockets.send(core, m.Pause())
         if self.dispatcher is not None:
             self.dispatcher.core_rejoined(core)
 

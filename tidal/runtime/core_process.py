@@ -279,12 +279,17 @@ class _CoreLoop:
                 core.finish(msg.seq_id)
             elif isinstance(msg, m.Shutdown):
                 self.deadline = time.monotonic() + msg.drain_timeout
+                core.resume()  # draining finishes the requests a pause held
             elif isinstance(msg, m.Watch):
                 self.viewers = msg.viewers
             elif isinstance(msg, m.Adapters):
                 core.set_adapters(msg.adapters)
             elif isinstance(msg, m.ResetPrefixCache):
                 core.reset_prefix_cache()
+            elif isinstance(msg, m.Pause):
+                core.pause()
+            elif isinstance(msg, m.Resume):
+                core.resume()
 
     def _add(self, msg: m.Add) -> None:
         if msg.params.structured is not None:  # admitted once compiled (_admit_compiled)

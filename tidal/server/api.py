@@ -1,10 +1,9 @@
 """The FastAPI app in front of the engine-core process: health, version, metrics and models
 here; the generation routes (completions, chat, embeddings, tokenize) in
 `generation_routes.py`, the Responses API in `responses/`, LoRA adapters in
-`lora_routes.py`, the Batch API in `batches/`, SGLang's native API in `sglang/`, the live
-dashboard in `dashboard.py`. Every
-route works through the one `Frontend` (`frontend.py`); the server's options are in
-`config.py`."""
+`lora_routes.py`, the Batch API in `batches/`, SGLang's native API in `sglang/`, pausing
+in `pausing.py`, the live dashboard in `dashboard.py`. Every route works through the one
+`Frontend` (`frontend.py`); the server's options are in `config.py`."""
 
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from tidal.server.generation_routes import routes as generation_routes
 from tidal.server.lora_routes import routes as lora_routes
 from tidal.server.openai.protocol import APIError
 from tidal.server.openapi import install_schema
+from tidal.server.pausing import routes as pausing_routes
 from tidal.server.responses.routes import routes as responses_routes
 from tidal.server.score_routes import routes as score_routes
 from tidal.server.sglang.routes import routes as sglang_routes
@@ -138,6 +138,7 @@ def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) ->
     app.include_router(anthropic_routes)
     app.include_router(score_routes)
     app.include_router(sglang_routes)
+    app.include_router(pausing_routes)
     app.include_router(batch_routes)
     app.include_router(lora_routes)
     app.include_router(dashboard_routes)

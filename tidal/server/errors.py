@@ -139,7 +139,8 @@ class RequestIds:
 # API routes outside /v1 (vLLM's, llama.cpp's): behind the key as /v1 is
 UNVERSIONED = ("/tokenize", "/detokenize", "/score", "/rerank", "/classify",
                "/reset_prefix_cache", "/flush_cache", "/generate", "/encode",
-               "/get_model_info", "/get_server_info", "/abort_request")
+               "/get_model_info", "/get_server_info", "/abort_request", "/pause", "/resume",
+               "/is_paused", "/pause_generation", "/continue_generation")
 # The API's schema and its two documentation pages: behind the key when there is one (they
 # list every route and field), and, as pages, with the key also as ?api_key=.
 DOC_PAGES = ("/openapi.json", "/docs", "/redoc")

@@ -193,6 +193,8 @@ class PDRouter:
         headers = {**_auth_header(request), "content-type": "application/json"}
         try:
             r = await self.http.request(request.method, inst.url + path, headers=headers,
+                                        params=[(k, v) for k, v in request.query_params
+                                                .multi_items() if k != "api_key"],
                                         content=await request.body())
         except httpx.HTTPError as exc:
             raise APIError(f"{inst.role} instance unreachable: {exc}", 503,
@@ -201,8 +203,10 @@ class PDRouter:
 
     async def to_all(self, path: str, request: Request) -> Response:
         """Every instance's answer to the same request (/reset_prefix_cache): the first
-        failure's, else the last one's."""
-        answers = [await self.relay(path, request, inst) for inst in self.prefill + self.decode]
+        failure's, else the last one's. A pause reaches the decode instances first (where
+        requests enter), a resume the prefill ones (which compute what they wait for)."""
+        order = self.decode + self.prefill if "pause" in path else self.prefill + self.decode
+        answers = [await self.relay(path, request, inst) for inst in order]
         return next((a for a in answers if a.status_code != 200), answers[-1])
 
     async def to_prefill(self, path: str, request: Request) -> Response:
@@ -316,6 +320,15 @@ async def get_server_info(request: Request, router: RouterDep):
 @routes.post("/abort_request")
 async def abort_request(body: AbortRequest, request: Request, router: RouterDep):
     return await router.to_all("/abort_request", request)  # wherever the request runs
+
+
+@routes.post("/pause")
+@routes.post("/resume")
+@routes.get("/is_paused")
+@routes.post("/pause_generation")
+@routes.post("/continue_generation")
+async def pausing(request: Request, router: RouterDep):
+    return await router.to_all(request.url.path, request)  # tidal/server/pausing.py
 
 
 @routes.post("/v1/chat/completions")

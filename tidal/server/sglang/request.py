@@ -8,7 +8,7 @@ logit processors) is refused by name."""
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
@@ -223,3 +223,18 @@ class AbortRequest(StrictModel):
     rid: str = ""
     abort_all: bool = False
     abort_message: str | None = None
+
+
+class PauseGeneration(StrictModel):
+    """A /pause_generation body: SGLang's PauseGenerationReqInput. `abort` ends the requests
+    in flight answered with what they have; `in_place` holds them where they are until
+    /continue_generation."""
+
+    mode: Literal["abort", "in_place", "retract"] = "abort"
+
+    @model_validator(mode="after")
+    def _runs(self) -> "PauseGeneration":
+        if self.mode == "retract":  # what it would free is only of use to a weight update
+            raise refuse("mode", "mode 'retract' is not supported; pause with 'in_place' (requests "
+                   "keep their KV) or 'abort'")
+        return self

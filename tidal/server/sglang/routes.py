@@ -1,8 +1,9 @@
 """SGLang's native API beside OpenAI's, for clients written against an SGLang server:
 `POST /generate` (prompts as text or token ids, `sampling_params`, answered in SGLang's
 shape: `request.py`, `output.py`), `POST /encode` (embeddings), `GET /get_model_info`,
-`GET /get_server_info`, `GET /health_generate` (healthy when the engine makes a token)
-and `POST /abort_request` (ends requests early, answered with what they have).
+`GET /get_server_info`, `GET /health_generate` (healthy when the engine makes a token),
+`POST /abort_request` (ends requests early, answered with what they have) and
+`POST /pause_generation` / `POST /continue_generation` (`pausing.py`).
 /flush_cache, /tokenize, /detokenize, /v1/rerank and /classify are the server's own
 routes."""
 
@@ -22,8 +23,10 @@ from tidal.runtime.client import EngineDeadError, Failure
 from tidal.server.frontend import Frontend, FrontendDep, unavailable
 from tidal.server.openai.protocol import APIError
 from tidal.server.sglang.output import GenerateBody
+from tidal.server.pausing import pause
 from tidal.server.sglang.request import (SAMPLING, AbortRequest, EncodeRequest,
-                                         GenerateRequest, in_sglang_terms, prompt_error)
+                                         GenerateRequest, PauseGeneration, in_sglang_terms,
+                                         prompt_error)
 
 routes = APIRouter()
 _SGLANG_NAMES = {field: name for name, field in SAMPLING.items()}  # tidal's -> SGLang's
@@ -58,6 +61,22 @@ async def abort_request(body: AbortRequest, f: FrontendDep):
     message = body.abort_message or "aborted by /abort_request"
     await f.in_flight.stop(None if body.abort_all else body.rid, message)
     return Response(status_code=200)
+
+
+@routes.post("/pause_generation")
+async def pause_generation(f: FrontendDep, body: PauseGeneration | None = None):
+    """SGLang's: hold new requests until /continue_generation; those in flight are
+    aborted (`mode` abort, answered with what they have) or held in place (`in_place`)."""
+    await pause(f, "keep" if body is not None and body.mode == "in_place" else "abort",
+                clear_cache=False)
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@routes.post("/continue_generation")
+async def continue_generation(f: FrontendDep):
+    """SGLang's: generate again; held requests go on in the order they came."""
+    f.client.resume()
+    return {"message": "Generation continued successfully.", "status": "ok"}
 
 
 @routes.post("/encode")
@@ -106,8 +125,10 @@ async def get_server_info(f: FrontendDep):
 async def health_generate(f: FrontendDep):
     """SGLang's: 200 once the engine made one token for a one-token prompt (callers at
     the same time share one probe), or when other requests got tokens while it waited;
-    else 503. Open like /health: a probe adds one sequence, whatever the callers. A P/D
-    instance cannot generate alone: a 400 says so."""
+    else 503; 200 while paused. Open like /health: a probe adds one sequence, whatever the
+    callers. A P/D instance cannot generate alone: a 400 says so."""
+    if f.client.paused:  # deliberately idle, not stuck: a probe would wait for the resume
+        return Response(status_code=200)
     role = f.client.config.scheduler.role
     if role != "mixed":
         raise APIError(f"this is a {role} instance: its requests need the other side (through "
