@@ -68,7 +68,7 @@ def locate_model(model: str) -> ModelFiles:
         folder = Path(model).expanduser()
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(
-                f"--model {model!r} is neither an embedded model ({', '.join(EMBEDDED)}), a "
+                f"model {model!r} is neither an embedded model ({', '.join(EMBEDDED)}), a "
                 f"GGUF file, nor a folder with config.json and safetensors")
         return ModelFiles(folder, folder.name, None)
     return ModelFiles(cache_root() / f"{served}-{gguf_fingerprint(gguf)}", served, gguf)

@@ -89,6 +89,8 @@ class CoreClient:
         self.resumed = asyncio.Event()  # clear while paused: new requests wait for it
         self.resumed.set()
         self.cores_paused = False  # paused in the cores too (mode keep): they plan no step
+        self.weights_lock = asyncio.Lock()  # one weight update at a time
+        self.weight_version = "default"  # what the last weight update named it
 
     # ------------------------------------------------------------------ lifecycle
     def attach_tokenizer(self, tokenizer: Tokenizer) -> None:
@@ -289,6 +291,38 @@ class CoreClient:
             for core in range(self.num_cores):
                 self.sockets.send(core, m.Resume())
         self.resumed.set()
+
+    async def swap_weights(self, folder: str, model: str) -> str | None:
+        """Serve `model`'s weights from `folder` (the served model's shape: the caller
+        checked): every core is stopped and started on them, one at a time, while nothing
+        is in flight (the caller drained the requests and holds new ones). None, or why
+        not: then the old weights serve again."""
+        old, serving = (self.config, self.folder), [s for s in self.watch.cores if s.up]
+        self.config = replace(self.config, model=replace(self.config.model, model=model))
+        self.folder = folder
+        why = await self._replace_cores(serving)
+        if why is not None:
+            log.error("weight update failed (%s); loading the old weights again", why)
+            self.config, self.folder = old
+            await self._replace_cores(serving, on_failure=self.watch.died)
+        else:
+            log.info("serving the weights of %s", folder)
+        if self.dispatcher is not None:
+            self.dispatcher.forget_prefixes()  # the new cores hold none
+        return why
+
+    async def _replace_cores(self, cores: list, on_failure: Callable | None = None
+                             ) -> str | None:
+        """Start each of `cores` again on this client's folder; why the first that did not
+        start failed (`on_failure` then gets each such core's state)."""
+        why = None
+        for state in cores:
+            if not await self.watch.replace(state):
+                why = why or f"engine core {state.index}: {state.reason}"
+                if on_failure is None:
+                    return why
+                on_failure(state)
+        return why
 
     async def drained(self) -> None:
         """Return once no request is in flight."""

@@ -177,7 +177,7 @@ class CoreWatch:
                 if not state.up or self.closing:
                     continue
                 if not state.handle.alive():
-                    self._died(state)
+                    self.died(state)
                 elif hang and time.monotonic() - state.last_heard > hang and not state.hung:
                     # stopped or stuck in a step: a process that answers nothing is killed,
                     # and the next poll finds it dead
@@ -186,13 +186,37 @@ class CoreWatch:
                     log.error("engine core %d: %s", state.index, state.hung)
                     state.handle.kill()
 
+    async def replace(self, state: CoreState) -> bool:
+        """Stop a serving core and start a new incarnation in its place (a weight update:
+        the launch reads the frontend's folder then), not counted as a death; whether it
+        serves. One that does not is left down for the caller."""
+        state.up = False  # the watch leaves it alone; its late messages are stale
+        state.handle.kill()
+        if not await self._relaunch(state):
+            state.handle.kill()
+            return False
+        self._on_up(state.index, state.ready)
+        return True
+
+    async def _relaunch(self, state: CoreState) -> bool:
+        """Launch a new incarnation of the core and wait for it: whether it serves."""
+        self._next_incarnation(state)
+        try:  # on a thread: placing a Ray actor blocks until it runs
+            state.handle = await asyncio.to_thread(self._launch, state.index,
+                                                   state.incarnation, state.handle)
+        except Exception as exc:  # e.g. Ray could not place the actor
+            state.reason, state.starting = f"{type(exc).__name__}: {exc}", False
+            return False
+        return await self.wait_ready(state, self.start_timeout)
+
     def close(self) -> None:
         """Start nothing more; stop restarts under way."""
         self.closing = True
         for task in list(self._tasks):
             task.cancel()
 
-    def _died(self, state: CoreState) -> None:
+    def died(self, state: CoreState) -> None:
+        """The core is down: restart it under the policy, or give it up."""
         state.up, state.reason = False, state.hung or state.handle.exit_reason()
         if time.monotonic() - state.up_since >= self.policy.stable_after:
             state.attempts = 0
@@ -219,14 +243,7 @@ class CoreWatch:
             state.restarts += 1
             log.warning("engine core %d: restart %d of %d", state.index, state.attempts,
                         self.policy.max_restarts)
-            self._next_incarnation(state)
-            try:  # on a thread: placing a Ray actor blocks until it runs
-                state.handle = await asyncio.to_thread(self._launch, state.index,
-                                                       state.incarnation, state.handle)
-            except Exception as exc:  # e.g. Ray could not place the actor: counts as a try
-                state.reason, state.starting = f"{type(exc).__name__}: {exc}", False
-                continue
-            if await self.wait_ready(state, self.start_timeout):
+            if await self._relaunch(state):  # a launch that raised counts as a try
                 state.restarting = False
                 log.warning("engine core %d is back (pid %s)", state.index, state.handle.pid)
                 self._on_up(state.index, state.ready)

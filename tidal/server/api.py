@@ -2,8 +2,9 @@
 here; the generation routes (completions, chat, embeddings, tokenize) in
 `generation_routes.py`, the Responses API in `responses/`, LoRA adapters in
 `lora_routes.py`, the Batch API in `batches/`, SGLang's native API in `sglang/`, pausing
-in `pausing.py`, the live dashboard in `dashboard.py`. Every route works through the one
-`Frontend` (`frontend.py`); the server's options are in `config.py`."""
+in `pausing.py` and weight updates in `weight_updates.py`, the live dashboard in
+`dashboard.py`. Every route works through the one `Frontend` (`frontend.py`); the server's
+options are in `config.py`."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tidal.server.lora_routes import routes as lora_routes
 from tidal.server.openai.protocol import APIError
 from tidal.server.openapi import install_schema
 from tidal.server.pausing import routes as pausing_routes
+from tidal.server.weight_updates import routes as weight_routes
 from tidal.server.responses.routes import routes as responses_routes
 from tidal.server.score_routes import routes as score_routes
 from tidal.server.sglang.routes import routes as sglang_routes
@@ -139,6 +141,7 @@ def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) ->
     app.include_router(score_routes)
     app.include_router(sglang_routes)
     app.include_router(pausing_routes)
+    app.include_router(weight_routes)
     app.include_router(batch_routes)
     app.include_router(lora_routes)
     app.include_router(dashboard_routes)

@@ -203,9 +203,11 @@ class PDRouter:
 
     async def to_all(self, path: str, request: Request) -> Response:
         """Every instance's answer to the same request (/reset_prefix_cache): the first
-        failure's, else the last one's. A pause reaches the decode instances first (where
-        requests enter), a resume the prefill ones (which compute what they wait for)."""
-        order = self.decode + self.prefill if "pause" in path else self.prefill + self.decode
+        failure's, else the last one's. A pause or a weight update reaches the decode
+        instances first (where requests enter), a resume the prefill ones (which compute
+        what they wait for)."""
+        first = path in _DECODE_FIRST
+        order = self.decode + self.prefill if first else self.prefill + self.decode
         answers = [await self.relay(path, request, inst) for inst in order]
         return next((a for a in answers if a.status_code != 200), answers[-1])
 
@@ -282,6 +284,8 @@ def get_router(request: Request) -> PDRouter:
 
 
 RouterDep = Annotated[PDRouter, Depends(get_router)]
+# to_all: the routes that reach the decode instances before the prefill ones
+_DECODE_FIRST = ("/pause", "/pause_generation", "/is_paused", "/update_weights_from_disk")
 routes = APIRouter()
 
 
@@ -327,8 +331,11 @@ async def abort_request(body: AbortRequest, request: Request, router: RouterDep)
 @routes.get("/is_paused")
 @routes.post("/pause_generation")
 @routes.post("/continue_generation")
-async def pausing(request: Request, router: RouterDep):
-    return await router.to_all(request.url.path, request)  # tidal/server/pausing.py
+@routes.post("/update_weights_from_disk")
+@routes.get("/get_weight_version")
+async def to_every_instance(request: Request, router: RouterDep):
+    """Pausing (tidal/server/pausing.py) and weight updates (weight_updates.py)."""
+    return await router.to_all(request.url.path, request)
 
 
 @routes.post("/v1/chat/completions")

@@ -3,7 +3,8 @@
 shape: `request.py`, `output.py`), `POST /encode` (embeddings), `GET /get_model_info`,
 `GET /get_server_info`, `GET /health_generate` (healthy when the engine makes a token),
 `POST /abort_request` (ends requests early, answered with what they have) and
-`POST /pause_generation` / `POST /continue_generation` (`pausing.py`).
+`POST /pause_generation` / `POST /continue_generation` (`pausing.py`);
+`POST /update_weights_from_disk` is in `weight_updates.py`.
 /flush_cache, /tokenize, /detokenize, /v1/rerank and /classify are the server's own
 routes."""
 
@@ -100,7 +101,8 @@ async def get_model_info(f: FrontendDep):
     preferred = {_SGLANG_NAMES.get(k, k): v for k, v in f.sampling_defaults.items()}
     return {"model_path": path, "tokenizer_path": path,
             "is_generation": f.config.task in ("auto", "generate"),
-            "preferred_sampling_params": preferred or None, "weight_version": "default",
+            "preferred_sampling_params": preferred or None,
+            "weight_version": f.client.weight_version,
             "has_image_understanding": False, "has_audio_understanding": False}
 
 

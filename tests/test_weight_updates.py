@@ -1,0 +1,132 @@
+"""Weight updates in place (tidal/server/weight_updates.py), end to end on a keyed server of
+a tiny model: SGLang's /update_weights_from_disk serves a checkpoint's weights (greedy tokens
+as an engine of those weights gives them) and the old ones again; a stream in flight
+finishes on the weights it began with, or ends answered with `abort_all_requests`; another
+architecture, a missing path, a load format and weights that do not load are refused, the
+old weights serving on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+
+from server_fixtures import Server
+from tidal.core import SamplingParams
+from tidal.engine.config import EngineConfig
+from tidal.engine.core import EngineCore
+
+from model_fixtures import small_folder
+
+KEY = "weights-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two checkpoints of one shape (seeds 0 and 1), one deeper, and one whose weights file
+    is cut short."""
+    tmp = tmp_path_factory.mktemp("weights")
+    a, b = (small_folder(tmp, name, "llama", seed=seed) for name, seed in (("a", 0), ("b", 1)))
+    deep = small_folder(tmp, "deep", "llama", num_hidden_layers=3)
+    broken = shutil.copytree(b, tmp / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return a, b, deep, broken
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    s = Server("--model", str(models[0]), "--api-key", KEY, "--dtype", "float32")
+    yield s
+    s.stop()
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, headers=AUTH, timeout=120, **kw)
+
+
+def greedy(server, n: int = 8) -> list[int]:
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": n, "temperature": 0,
+                                         "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def engine_greedy(folder, n: int = 8) -> list[int]:
+    """The same request on an engine core of `folder`'s weights in this process."""
+    core = EngineCore(EngineConfig.from_kwargs(model=str(folder), dtype="float32",
+                                               num_kv_blocks=64, num_threads=1), folder)
+    core.add("r", PROMPT, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    tokens = []
+    while core.has_work():
+        tokens += [t for o in core.step() for t in o.new_token_ids]
+    core.close()
+    return tokens
+
+
+def update(server, path, **body):
+    return post(server, "/update_weights_from_disk", {"model_path": str(path), **body})
+
+
+def test_new_weights_serve_and_the_old_come_back(server, models):
+    a, b = models[:2]
+    old = greedy(server)
+    assert old == engine_greedy(a)
+    r = update(server, b, weight_version="step-1")
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    new = greedy(server)
+    assert new == engine_greedy(b) and new != old
+    assert httpx.get(server.url + "/get_weight_version", headers=AUTH).json() == {
+        "weight_version": "step-1"}
+    info = httpx.get(server.url + "/get_model_info", headers=AUTH).json()
+    assert info["model_path"] == str(b) and info["weight_version"] == "step-1"
+    assert update(server, a).json()["success"] is True
+    assert greedy(server) == old
+    assert httpx.get(server.url + "/get_weight_version", headers=AUTH).json()[
+        "weight_version"] == "step-1"  # none named: the last one stays
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_a_stream_in_flight_finishes_first_or_is_answered_aborted(server, models, abort):
+    a, b = models[:2]
+    want = engine_greedy(a, 200)
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=120) as r:
+        lines = (ln for ln in r.iter_lines() if ln.startswith("data: {"))
+        chunks = [json.loads(next(lines)[6:])["choices"][0]]
+        assert update(server, b, abort_all_requests=abort).json()["success"] is True
+        chunks += [json.loads(ln[6:])["choices"][0] for ln in lines]
+    tokens = [t for c in chunks for t in c["token_ids"]]
+    if abort:
+        assert chunks[-1]["finish_reason"] == "abort" and tokens == want[:len(tokens)]
+    else:  # finished whole on the weights it began with
+        assert chunks[-1]["finish_reason"] == "length" and tokens == want
+    assert greedy(server) == engine_greedy(b)
+    assert update(server, a).json()["success"] is True
+
+
+def test_what_cannot_serve_is_refused_and_the_old_weights_serve_on(server, models, tmp_path):
+    a, _, deep, broken = models
+    before = greedy(server)
+    for path, body, words in [
+            (deep, {}, "num_hidden_layers 3 (served: 2)"),
+            (tmp_path / "nowhere", {}, "neither an embedded model"),
+            (broken, {}, "did not load"),
+            (a, {"load_format": "dummy"}, "load_format 'dummy'")]:
+        r = update(server, path, **body)
+        assert r.status_code == 400 and r.json()["success"] is False, r.text
+        error = r.json()["error"]
+        assert words in error["message"] and r.json()["message"] == error["message"]
+        assert error["param"] == ("load_format" if "load_format" in body else "model_path")
+        assert greedy(server) == before
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = post(server, "/update_weights_from_disk", {})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
+    assert httpx.post(server.url + "/update_weights_from_disk",
+                      json={"model_path": str(a)}).status_code == 401
