@@ -3,12 +3,13 @@ a tiny model: SGLang's /update_weights_from_disk serves a checkpoint's weights (
 as an engine of those weights gives them) and the old ones again; a stream in flight
 finishes on the weights it began with, or ends answered with `abort_all_requests`; another
 architecture, a missing path, a load format and weights that do not load are refused, the
-old weights serving on."""
+old weights serving on; and what keys a model's weights sees a checkpoint written again."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from server_fixtures import Server
 from tidal.core import SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.engine.core import EngineCore
+from tidal.model.registry import model_files
 
 from model_fixtures import small_folder
 
@@ -130,3 +132,17 @@ def test_what_cannot_serve_is_refused_and_the_old_weights_serve_on(server, model
     assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
     assert httpx.post(server.url + "/update_weights_from_disk",
                       json={"model_path": str(a)}).status_code == 401
+
+
+def test_weights_written_again_in_place_are_other_weights(tmp_path):
+    """What keys the disk KV tier and the step-time profile to a model's weights: every
+    safetensors shard, so that a checkpoint written again in place is not the old one."""
+    (tmp_path / "config.json").write_text("{}")
+    shards = [tmp_path / f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    for shard in shards:
+        shard.write_bytes(b"x" * 10)
+    before = model_files(tmp_path)
+    assert set(before) == {"config.json", *(s.name for s in shards)}
+    time.sleep(0.05)
+    shards[1].write_bytes(b"y" * 10)  # the same size
+    assert model_files(tmp_path) != before

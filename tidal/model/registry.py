@@ -163,11 +163,13 @@ def _checked(folder: Path, check: bool) -> Path:
 
 def model_files(folder: str | os.PathLike) -> dict[str, list]:
     """What identifies a model folder's weights on this machine: each of its config and
-    weight files' resolved path, size and modification time."""
-    files = {}
-    for name in ("config.json", "model.gguf", "model.safetensors"):
-        path = Path(folder) / name
+    weight files' (every safetensors shard's) resolved path, size and modification time,
+    so that weights written again in place are new weights."""
+    folder, files = Path(folder), {}
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    for name in ("config.json", "model.gguf", *shards):
+        path = folder / name
         if path.exists():
             st = path.stat()
-            files[name] = [str(path.resolve()), st.st_size, int(st.st_mtime)]
+            files[name] = [str(path.resolve()), st.st_size, st.st_mtime_ns]
     return files
