@@ -1,14 +1,16 @@
 """Weight updates in place (tidal/server/weight_updates.py), end to end on a keyed server of
 a tiny model: SGLang's /update_weights_from_disk serves a checkpoint's weights (greedy tokens
-as an engine of those weights gives them) and the old ones again; a stream in flight
-finishes on the weights it began with, or ends answered with `abort_all_requests`; another
-architecture, a missing path, a load format and weights that do not load are refused, the
-old weights serving on; and what keys a model's weights sees a checkpoint written again."""
+as an engine of those weights gives them, /health 200 throughout) and the old ones again; a
+stream in flight finishes on the weights it began with, or ends answered with
+`abort_all_requests`; another architecture, a missing path, a load format and weights that
+do not load are refused, the old weights serving on; and what keys a model's weights sees a
+checkpoint written again."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 
 import httpx
@@ -78,8 +80,20 @@ def test_new_weights_serve_and_the_old_come_back(server, models):
     a, b = models[:2]
     old = greedy(server)
     assert old == engine_greedy(a)
+    health, done = [], threading.Event()
+
+    def watch() -> None:  # the server stays up while its cores start on the new weights
+        while not done.is_set():
+            health.append(httpx.get(server.url + "/health").status_code)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     r = update(server, b, weight_version="step-1")
+    done.set()
+    watcher.join()
     assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert len(health) > 10 and set(health) == {200}
     new = greedy(server)
     assert new == engine_greedy(b) and new != old
     assert httpx.get(server.url + "/get_weight_version", headers=AUTH).json() == {

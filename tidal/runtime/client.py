@@ -91,6 +91,7 @@ class CoreClient:
         self.cores_paused = False  # paused in the cores too (mode keep): they plan no step
         self.weights_lock = asyncio.Lock()  # one weight update at a time
         self.weight_version = "default"  # what the last weight update named it
+        self.swapping = False  # cores start on new weights: requests wait, none fail
 
     # ------------------------------------------------------------------ lifecycle
     def attach_tokenizer(self, tokenizer: Tokenizer) -> None:
@@ -172,8 +173,9 @@ class CoreClient:
 
     @property
     def alive(self) -> bool:
-        """Whether a core serves now (requests are taken)."""
-        return self.dead is None and self.watch.alive
+        """Whether a core serves now (requests are taken), or will once a weight update's
+        cores have started."""
+        return self.dead is None and (self.watch.alive or self.swapping)
 
     def unavailable(self) -> EngineDeadError:
         """Why requests are refused while no core serves: restarting (with when to retry)
@@ -299,14 +301,17 @@ class CoreClient:
         not: then the old weights serve again."""
         old, serving = (self.config, self.folder), [s for s in self.watch.cores if s.up]
         self.config = replace(self.config, model=replace(self.config.model, model=model))
-        self.folder = folder
-        why = await self._replace_cores(serving)
-        if why is not None:
-            log.error("weight update failed (%s); loading the old weights again", why)
-            self.config, self.folder = old
-            await self._replace_cores(serving, on_failure=self.watch.died)
-        else:
-            log.info("serving the weights of %s", folder)
+        self.folder, self.swapping = folder, True
+        try:
+            why = await self._replace_cores(serving)
+            if why is not None:
+                log.error("weight update failed (%s); loading the old weights again", why)
+                self.config, self.folder = old
+                await self._replace_cores(serving, on_failure=self.watch.died)
+            else:
+                log.info("serving the weights of %s", folder)
+        finally:
+            self.swapping = False
         if self.dispatcher is not None:
             self.dispatcher.forget_prefixes()  # the new cores hold none
         return why
