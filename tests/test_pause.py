@@ -135,6 +135,8 @@ def test_keep_freezes_requests_until_resume(server):
         time.sleep(1.0)
         assert made(server) == frozen and not late.done()
         assert httpx.get(server.url + "/health_generate", timeout=5).status_code == 200
+        never = post(server, "/pause", params={"mode": "wait"})  # what it holds cannot finish
+        assert never.status_code == 400 and never.json()["error"]["param"] == "mode"
         assert post(server, "/resume").json() == {"status": "resumed"}
         chunks += [ln for ln in lines if ln != "data: [DONE]"]
         assert late.result(timeout=60)["choices"][0]["finish_reason"] == "length"

@@ -2,9 +2,9 @@
 a tiny model: SGLang's /update_weights_from_disk serves a checkpoint's weights (greedy tokens
 as an engine of those weights gives them, /health 200 throughout) and the old ones again; a
 stream in flight finishes on the weights it began with, or ends answered with
-`abort_all_requests`; another architecture, a missing path, a load format and weights that
-do not load are refused, the old weights serving on; and what keys a model's weights sees a
-checkpoint written again."""
+`abort_all_requests`, and a pause in place holds through it; another architecture, a
+missing path, a load format and weights that do not load are refused, the old weights
+serving on; and what keys a model's weights sees a checkpoint written again."""
 
 from __future__ import annotations
 
@@ -34,8 +34,10 @@ def models(tmp_path_factory):
     """Two checkpoints of one shape (seeds 0 and 1), one deeper, and one whose weights file
     is cut short."""
     tmp = tmp_path_factory.mktemp("weights")
-    a, b = (small_folder(tmp, name, "llama", seed=seed) for name, seed in (("a", 0), ("b", 1)))
-    deep = small_folder(tmp, "deep", "llama", num_hidden_layers=3)
+    long = {"max_position_embeddings": 4096}  # a stream long enough to be caught in flight
+    a, b = (small_folder(tmp, name, "llama", seed=seed, **long)
+            for name, seed in (("a", 0), ("b", 1)))
+    deep = small_folder(tmp, "deep", "llama", num_hidden_layers=3, **long)
     broken = shutil.copytree(b, tmp / "broken")
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
@@ -109,8 +111,8 @@ def test_new_weights_serve_and_the_old_come_back(server, models):
 @pytest.mark.parametrize("abort", [False, True])
 def test_a_stream_in_flight_finishes_first_or_is_answered_aborted(server, models, abort):
     a, b = models[:2]
-    want = engine_greedy(a, 200)
-    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+    n = 3000 if abort else 200  # aborted: a stream of seconds, caught in flight
+    body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
                       timeout=120) as r:
@@ -119,10 +121,32 @@ def test_a_stream_in_flight_finishes_first_or_is_answered_aborted(server, models
         assert update(server, b, abort_all_requests=abort).json()["success"] is True
         chunks += [json.loads(ln[6:])["choices"][0] for ln in lines]
     tokens = [t for c in chunks for t in c["token_ids"]]
-    if abort:
-        assert chunks[-1]["finish_reason"] == "abort" and tokens == want[:len(tokens)]
-    else:  # finished whole on the weights it began with
-        assert chunks[-1]["finish_reason"] == "length" and tokens == want
+    assert tokens == engine_greedy(a, len(tokens))  # all on the weights it began with
+    assert (chunks[-1]["finish_reason"], len(tokens) < n) == (
+        ("abort", True) if abort else ("length", False))
+    assert greedy(server) == engine_greedy(b)
+    assert update(server, a).json()["success"] is True
+
+
+def test_a_pause_in_place_holds_through_an_update(server, models):
+    """Requests held by a pause in place never finish: an update refuses to wait for them,
+    or ends them answered (`abort_all_requests`); the server stays paused until resumed."""
+    a, b = models[:2]
+    body = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=120) as r:
+        lines = (ln for ln in r.iter_lines() if ln.startswith("data: {"))
+        next(lines)
+        assert post(server, "/pause", None, params={"mode": "keep"}).status_code == 200
+        refused = update(server, b)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "abort_all_requests"
+        assert update(server, b, abort_all_requests=True).json()["success"] is True
+        last = json.loads(list(lines)[-1][6:])["choices"][0]
+    assert last["finish_reason"] == "abort"
+    assert httpx.get(server.url + "/is_paused", headers=AUTH).json() == {"is_paused": True}
+    assert post(server, "/resume", None).status_code == 200
     assert greedy(server) == engine_greedy(b)
     assert update(server, a).json()["success"] is True
 

@@ -277,6 +277,11 @@ class CoreClient:
     def paused(self) -> bool:
         return not self.resumed.is_set()
 
+    @property
+    def held_in_place(self) -> bool:
+        """Whether cores paused in place hold requests (which cannot finish until resumed)."""
+        return self.cores_paused and len(self.streams) > 0
+
     def pause(self, cores: bool) -> None:
         """Hold new requests until `resume` (those in flight go on); with `cores`, the cores
         also stop planning steps, and the requests in them wait where they are."""

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 
 from tidal.server.frontend import Frontend, FrontendDep
+from tidal.server.openai.protocol import APIError
 
 routes = APIRouter()
 
@@ -24,6 +25,9 @@ Mode = Literal["abort", "wait", "keep"]
 async def pause(f: Frontend, mode: Mode, clear_cache: bool) -> None:
     """Pause the server in `mode` (see the module); with `clear_cache`, every core then
     forgets its cached prefixes (KV a new model's weights would not have made)."""
+    if mode == "wait" and f.client.held_in_place:
+        raise APIError("requests are held by a pause in place (mode keep) and cannot finish "
+                       "until /resume; pause with mode abort to end them", param="mode")
     f.client.pause(cores=mode == "keep")
     if mode == "abort":
         await f.in_flight.stop(None, "generation paused")

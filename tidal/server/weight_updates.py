@@ -70,7 +70,7 @@ async def update_weights(f: Frontend, body: UpdateWeightsFromDisk) -> None:
         try:
             if body.abort_all_requests:
                 await f.in_flight.stop(None, "aborted for a weight update")
-            if client.cores_paused and len(client.streams):  # they would never drain
+            if client.held_in_place:  # they would never drain
                 raise APIError("requests are held by a pause in place (mode keep): resume "
                                "first, or set abort_all_requests", param="abort_all_requests")
             await client.drained()
