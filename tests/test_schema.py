@@ -3,7 +3,8 @@ over every operation of a real keyed `tidal serve` from the server's own /openap
 none may fail. Left out: positive_data_acceptance, as a schema-valid body may still be a
 400 naming its field for what JSON Schema cannot state (the vocabulary's size, a prompt's
 length in tokens, n x max_tokens, which role a message needs, 4.0 for an integer); and the
-two routes that pause the server (test_pause.py runs them).
+routes that pause the server or put it to sleep (test_pause.py and test_weight_updates.py
+run them).
 
 TIDAL_SCHEMA_EXAMPLES sets the examples per operation (default 8)."""
 
@@ -70,8 +71,9 @@ def test_schemathesis_finds_no_failure_with_every_check(server, tmp_path):
     run = subprocess.run(
         [cli, "run", server.url + "/openapi.json", "-H", f"Authorization: Bearer {KEY}",
          "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-         # a pause holds every later request until a resume the run need not send
-         "--exclude-path", "/pause", "--exclude-path", "/pause_generation",
+         # a pause or a sleep holds every later request until a resume the run need not send
+         *[arg for path in ("/pause", "/pause_generation", "/sleep",
+                            "/release_memory_occupation") for arg in ("--exclude-path", path)],
          "--max-examples", str(EXAMPLES), "--seed", "1", "--request-timeout", "60",
          "--max-failures", "50", "--no-color", "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache goes there

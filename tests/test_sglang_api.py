@@ -174,7 +174,7 @@ class FakeClient:
 
     def __init__(self, answer: str) -> None:
         self.answer, self.added, self.aborted, self.released = answer, [], [], []
-        self.last_output, self.paused = 0.0, False
+        self.last_output, self.holds = 0.0, set()
         self.config = SimpleNamespace(scheduler=SimpleNamespace(role="mixed"))
 
     async def add(self, rid, ids, params, queue, prefill=None):

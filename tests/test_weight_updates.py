@@ -8,6 +8,7 @@ serving on; and what keys a model's weights sees a checkpoint written again."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import threading
@@ -16,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from server_fixtures import Server
+from server_fixtures import Server, pid_alive
 from tidal.core import SamplingParams
 from tidal.engine.config import EngineConfig
 from tidal.engine.core import EngineCore
@@ -149,6 +150,52 @@ def test_a_pause_in_place_holds_through_an_update(server, models):
     assert post(server, "/resume", None).status_code == 200
     assert greedy(server) == engine_greedy(b)
     assert update(server, a).json()["success"] is True
+
+
+def test_asleep_the_cores_are_gone_and_requests_wait_for_the_wake(server, models):
+    """vLLM's /sleep ends a stream in flight answered and stops the engine core (its process
+    gone, /health 200); a request sent meanwhile waits and is answered after /wake_up, by
+    a new core with the same weights; SGLang's release and resume do the same, finishing
+    what runs first; a weight update waits for the wake."""
+    a = models[0]
+    want, pid = greedy(server), server.core_pid()
+    body = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH,
+                          timeout=120) as r:
+            lines = (ln for ln in r.iter_lines() if ln.startswith("data: {"))
+            next(lines)
+            assert post(server, "/sleep", None, params={"level": 2}).status_code == 200
+            last = json.loads(list(lines)[-1][6:])["choices"][0]
+        assert last["finish_reason"] == "abort"
+        asleep = httpx.get(server.url + "/is_sleeping", headers=AUTH).json()
+        assert asleep == {"is_sleeping": True} and not pid_alive(pid)
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert post(server, "/sleep", None).status_code == 200  # asleep already: no change
+        late = pool.submit(greedy, server)
+        time.sleep(0.5)
+        assert not late.done()
+        refused = update(server, a)
+        assert refused.status_code == 400 and "wake" in refused.json()["message"]
+        assert post(server, "/wake_up", None, params={"tags": "weights"}).status_code == 200
+        assert late.result(timeout=60) == want and server.core_pid() != pid
+    assert httpx.get(server.url + "/is_sleeping", headers=AUTH).json() == {
+        "is_sleeping": False}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(greedy, server, 200)
+        time.sleep(0.05)
+        assert post(server, "/release_memory_occupation", {"tags": ["kv_cache"]}
+                    ).status_code == 200
+        done = busy.result(timeout=60)
+        assert len(done) == 200 and done[:8] == want  # finished, whole
+        assert post(server, "/resume_memory_occupation", {}).status_code == 200
+    assert greedy(server) == want
+    r = post(server, "/sleep", None, params={"level": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "level"
+    r = post(server, "/wake_up", None, params={"tags": "gpu"})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("tags")
+    assert httpx.post(server.url + "/sleep").status_code == 401
 
 
 def test_what_cannot_serve_is_refused_and_the_old_weights_serve_on(server, models, tmp_path):

@@ -86,12 +86,13 @@ class CoreClient:
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._launched: float | None = None  # when the cores were launched
-        self.resumed = asyncio.Event()  # clear while paused: new requests wait for it
-        self.resumed.set()
+        self.holds: set[str] = set()  # why new requests wait unsent (see `hold`)
+        self.gate = asyncio.Event()  # set while no hold is on
+        self.gate.set()
         self.cores_paused = False  # paused in the cores too (mode keep): they plan no step
-        self.weights_lock = asyncio.Lock()  # one weight update at a time
+        self.asleep: list = []  # the cores `sleep` stopped, to start at `wake`
+        self.weights_lock = asyncio.Lock()  # one weight update, sleep or wake at a time
         self.weight_version = "default"  # what the last weight update named it
-        self.swapping = False  # cores start on new weights: requests wait, none fail
 
     # ------------------------------------------------------------------ lifecycle
     def attach_tokenizer(self, tokenizer: Tokenizer) -> None:
@@ -173,9 +174,10 @@ class CoreClient:
 
     @property
     def alive(self) -> bool:
-        """Whether a core serves now (requests are taken), or will once a weight update's
-        cores have started."""
-        return self.dead is None and (self.watch.alive or self.swapping)
+        """Whether a core serves now (requests are taken), or will once a weight update or
+        a wake has started the cores (requests wait meanwhile, none fail)."""
+        stopped = bool(self.holds & {"sleep", "update"})  # on purpose, to start again
+        return self.dead is None and (self.watch.alive or stopped)
 
     def unavailable(self) -> EngineDeadError:
         """Why requests are refused while no core serves: restarting (with when to retry)
@@ -211,8 +213,8 @@ class CoreClient:
         """Send a request to a core; its updates (or a Failure) arrive on `queue`, which
         several requests may share (updates carry their root id). A decode instance gets
         the prefill core that computes the prompt (`prefill_address`, from the router).
-        While paused the request waits here, not yet sent, until `resume`."""
-        await self.resumed.wait()
+        While a hold is on (paused, asleep, weights updating) it waits here, unsent."""
+        await self.gate.wait()
         if not self.alive:
             raise self.unavailable()
         queue = self.streams.open(request_id, params, queue)
@@ -272,10 +274,22 @@ class CoreClient:
         for core in range(self.num_cores):
             self.sockets.send(core, m.ResetPrefixCache())
 
-    # ------------------------------------------------------------------ pausing
+    # ------------------------------------------------------------------ holding requests
+    def hold(self, why: str) -> None:
+        """Hold new requests unsent (`add` waits) until every hold is lifted: "pause",
+        "sleep" or "update" (a weight update)."""
+        self.holds.add(why)
+        self.gate.clear()
+
+    def lift(self, why: str) -> None:
+        """Lift one hold; with none left, the waiting requests go on in the order they came."""
+        self.holds.discard(why)
+        if not self.holds:
+            self.gate.set()
+
     @property
     def paused(self) -> bool:
-        return not self.resumed.is_set()
+        return "pause" in self.holds
 
     @property
     def held_in_place(self) -> bool:
@@ -285,49 +299,70 @@ class CoreClient:
     def pause(self, cores: bool) -> None:
         """Hold new requests until `resume` (those in flight go on); with `cores`, the cores
         also stop planning steps, and the requests in them wait where they are."""
-        self.resumed.clear()
+        self.hold("pause")
         if cores and not self.cores_paused:
             self.cores_paused = True
             for core in range(self.num_cores):
                 self.sockets.send(core, m.Pause())
 
     def resume(self) -> None:
-        """Let the cores step again and the held requests through (in the order they came)."""
+        """Let the cores step again and the held requests through."""
         if self.cores_paused:
             self.cores_paused = False
             for core in range(self.num_cores):
                 self.sockets.send(core, m.Resume())
-        self.resumed.set()
+        self.lift("pause")
+
+    def sleep(self) -> None:
+        """Stop every serving core (nothing in flight: the caller drained them and holds
+        "sleep"): their memory returns to the machine until `wake`."""
+        self.asleep = [s for s in self.watch.cores if s.up]
+        for state in self.asleep:
+            self.watch.stop(state)
+        log.info("asleep: %d engine cores stopped", len(self.asleep))
+
+    async def wake(self) -> str | None:
+        """Start the cores `sleep` stopped, then lift its hold; None, or why one did not
+        start (it is restarted under the restart policy)."""
+        cores, self.asleep = self.asleep, []
+        why = await self._start_cores(cores, on_failure=self.watch.died)
+        if self.dispatcher is not None:
+            self.dispatcher.forget_prefixes()  # the new cores hold none
+        self.lift("sleep")
+        return why
 
     async def swap_weights(self, folder: str, model: str) -> str | None:
         """Serve `model`'s weights from `folder` (the served model's shape: the caller
-        checked): every core is stopped and started on them, one at a time, while nothing
-        is in flight (the caller drained the requests and holds new ones). None, or why
-        not: then the old weights serve again."""
+        checked): every core is stopped and started on them while nothing is in flight
+        (the caller drained the requests and holds "update"). None, or why not: then the
+        old weights serve again."""
         old, serving = (self.config, self.folder), [s for s in self.watch.cores if s.up]
         self.config = replace(self.config, model=replace(self.config.model, model=model))
-        self.folder, self.swapping = folder, True
-        try:
-            why = await self._replace_cores(serving)
-            if why is not None:
-                log.error("weight update failed (%s); loading the old weights again", why)
-                self.config, self.folder = old
-                await self._replace_cores(serving, on_failure=self.watch.died)
-            else:
-                log.info("serving the weights of %s", folder)
-        finally:
-            self.swapping = False
+        self.folder = folder
+        for state in serving:
+            self.watch.stop(state)
+        why = await self._start_cores(serving)
+        if why is not None:
+            log.error("weight update failed (%s); loading the old weights again", why)
+            self.config, self.folder = old
+            for state in serving:
+                if state.up:
+                    self.watch.stop(state)
+            await self._start_cores(serving, on_failure=self.watch.died)
+        else:
+            log.info("serving the weights of %s", folder)
         if self.dispatcher is not None:
             self.dispatcher.forget_prefixes()  # the new cores hold none
         return why
 
-    async def _replace_cores(self, cores: list, on_failure: Callable | None = None
-                             ) -> str | None:
-        """Start each of `cores` again on this client's folder; why the first that did not
-        start failed (`on_failure` then gets each such core's state)."""
+    async def _start_cores(self, cores: list, on_failure: Callable | None = None
+                           ) -> str | None:
+        """Start each of `cores` (stopped) on this client's folder; why the first that did
+        not start failed (`on_failure` then gets each such core's state; without it the
+        rest are left stopped)."""
         why = None
         for state in cores:
-            if not await self.watch.replace(state):
+            if not await self.watch.start(state):
                 why = why or f"engine core {state.index}: {state.reason}"
                 if on_failure is None:
                     return why

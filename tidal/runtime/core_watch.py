@@ -186,12 +186,15 @@ class CoreWatch:
                     log.error("engine core %d: %s", state.index, state.hung)
                     state.handle.kill()
 
-    async def replace(self, state: CoreState) -> bool:
-        """Stop a serving core and start a new incarnation in its place (a weight update:
-        the launch reads the frontend's folder then), not counted as a death; whether it
-        serves. One that does not is left down for the caller."""
+    def stop(self, state: CoreState) -> None:
+        """Stop a serving core on purpose (sleep, a weight update): not a death, so it is
+        not restarted; its memory returns to the machine."""
         state.up = False  # the watch leaves it alone; its late messages are stale
         state.handle.kill()
+
+    async def start(self, state: CoreState) -> bool:
+        """Start a core `stop` stopped (the launch reads the frontend's folder now): whether
+        it serves. One that does not is left down for the caller."""
         if not await self._relaunch(state):
             state.handle.kill()
             return False

@@ -141,7 +141,8 @@ UNVERSIONED = ("/tokenize", "/detokenize", "/score", "/rerank", "/classify",
                "/reset_prefix_cache", "/flush_cache", "/generate", "/encode",
                "/get_model_info", "/get_server_info", "/abort_request", "/pause", "/resume",
                "/is_paused", "/pause_generation", "/continue_generation",
-               "/update_weights_from_disk", "/get_weight_version")
+               "/update_weights_from_disk", "/get_weight_version", "/sleep", "/wake_up",
+               "/is_sleeping", "/release_memory_occupation", "/resume_memory_occupation")
 # The API's schema and its two documentation pages: behind the key when there is one (they
 # list every route and field), and, as pages, with the key also as ?api_key=.
 DOC_PAGES = ("/openapi.json", "/docs", "/redoc")

@@ -285,7 +285,8 @@ def get_router(request: Request) -> PDRouter:
 
 RouterDep = Annotated[PDRouter, Depends(get_router)]
 # to_all: the routes that reach the decode instances before the prefill ones
-_DECODE_FIRST = ("/pause", "/pause_generation", "/is_paused", "/update_weights_from_disk")
+_DECODE_FIRST = ("/pause", "/pause_generation", "/is_paused", "/update_weights_from_disk",
+                 "/sleep", "/release_memory_occupation")
 routes = APIRouter()
 
 
@@ -326,16 +327,16 @@ async def abort_request(body: AbortRequest, request: Request, router: RouterDep)
     return await router.to_all("/abort_request", request)  # wherever the request runs
 
 
-@routes.post("/pause")
-@routes.post("/resume")
-@routes.get("/is_paused")
-@routes.post("/pause_generation")
-@routes.post("/continue_generation")
-@routes.post("/update_weights_from_disk")
-@routes.get("/get_weight_version")
 async def to_every_instance(request: Request, router: RouterDep):
-    """Pausing (tidal/server/pausing.py) and weight updates (weight_updates.py)."""
+    """Pausing and sleeping (tidal/server/pausing.py), weight updates (weight_updates.py)."""
     return await router.to_all(request.url.path, request)
+
+
+for _path in ("/pause", "/resume", "/pause_generation", "/continue_generation", "/sleep",
+              "/wake_up", "/update_weights_from_disk", "/release_memory_occupation",
+              "/resume_memory_occupation", "/is_paused", "/is_sleeping", "/get_weight_version"):
+    routes.add_api_route(_path, to_every_instance,
+                         methods=["GET" if _path.startswith(("/is_", "/get_")) else "POST"])
 
 
 @routes.post("/v1/chat/completions")

@@ -3,8 +3,8 @@ SGLang's `POST /update_weights_from_disk` (a checkpoint folder or GGUF file of t
 model's architecture) and `GET /get_weight_version`.
 
 New requests wait meanwhile, unsent; those in flight finish first (or, with
-`abort_all_requests`, end at once answered with what they have); then each engine core is
-started again on the new weights, one at a time. Weights that do not load leave the old ones
+`abort_all_requests`, end at once answered with what they have); then the engine cores are
+started again on the new weights. Weights that do not load leave the old ones
 serving, and the answer says why."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tidal.model.config import UnsupportedModelError
 from tidal.model.registry import resolve_model
 from tidal.server.frontend import Frontend, FrontendDep
 from tidal.server.openai.protocol import APIError, StrictModel
+from tidal.server.pausing import check_drainable, settle
 
 routes = APIRouter()
 
@@ -65,19 +66,15 @@ async def update_weights(f: Frontend, body: UpdateWeightsFromDisk) -> None:
         raise APIError(f"{body.model_path} is not the served model's architecture: {diff}; "
                        f"serve another model with a server of its own", param="model_path")
     async with client.weights_lock:
-        was_paused = client.paused
-        client.pause(cores=False)  # new requests wait from here
+        if "sleep" in client.holds:
+            raise APIError("the engine sleeps: wake it (/wake_up) before updating its weights")
+        check_drainable(f, body.abort_all_requests, "abort_all_requests")
+        client.hold("update")
         try:
-            if body.abort_all_requests:
-                await f.in_flight.stop(None, "aborted for a weight update")
-            if client.held_in_place:  # they would never drain
-                raise APIError("requests are held by a pause in place (mode keep): resume "
-                               "first, or set abort_all_requests", param="abort_all_requests")
-            await client.drained()
+            await settle(f, body.abort_all_requests, "aborted for a weight update")
             why = await client.swap_weights(str(folder), body.model_path)
         finally:
-            if not was_paused:
-                client.resume()
+            client.lift("update")
         if why is not None:
             raise APIError(f"the weights at {body.model_path} did not load: {why}; the old "
                            f"weights serve on", param="model_path")

@@ -238,3 +238,10 @@ class PauseGeneration(StrictModel):
             raise refuse("mode", "mode 'retract' is not supported; pause with 'in_place' (requests "
                    "keep their KV) or 'abort'")
         return self
+
+
+class MemoryTags(StrictModel):
+    """A /release_memory_occupation or /resume_memory_occupation body: the parts SGLang
+    frees or loads one by one ("weights", "kv_cache"); here every part goes together."""
+
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None

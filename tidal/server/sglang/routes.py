@@ -3,7 +3,8 @@
 shape: `request.py`, `output.py`), `POST /encode` (embeddings), `GET /get_model_info`,
 `GET /get_server_info`, `GET /health_generate` (healthy when the engine makes a token),
 `POST /abort_request` (ends requests early, answered with what they have) and
-`POST /pause_generation` / `POST /continue_generation` (`pausing.py`);
+`POST /pause_generation` / `POST /continue_generation` and `/release_memory_occupation` /
+`/resume_memory_occupation` (`pausing.py`);
 `POST /update_weights_from_disk` is in `weight_updates.py`.
 /flush_cache, /tokenize, /detokenize, /v1/rerank and /classify are the server's own
 routes."""
@@ -24,10 +25,10 @@ from tidal.runtime.client import EngineDeadError, Failure
 from tidal.server.frontend import Frontend, FrontendDep, unavailable
 from tidal.server.openai.protocol import APIError
 from tidal.server.sglang.output import GenerateBody
-from tidal.server.pausing import pause
+from tidal.server.pausing import pause, sleep, wake
 from tidal.server.sglang.request import (SAMPLING, AbortRequest, EncodeRequest,
-                                         GenerateRequest, PauseGeneration, in_sglang_terms,
-                                         prompt_error)
+                                         GenerateRequest, MemoryTags, PauseGeneration,
+                                         in_sglang_terms, prompt_error)
 
 routes = APIRouter()
 _SGLANG_NAMES = {field: name for name, field in SAMPLING.items()}  # tidal's -> SGLang's
@@ -80,6 +81,22 @@ async def continue_generation(f: FrontendDep):
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 
+@routes.post("/release_memory_occupation")
+async def release_memory_occupation(f: FrontendDep, body: MemoryTags | None = None):
+    """SGLang's: once the requests in flight finished, stop the engine cores, their weights
+    and KV cache freed (every part, whatever `tags` names), until
+    /resume_memory_occupation; new requests wait."""
+    await sleep(f, "wait")
+    return Response(status_code=200)
+
+
+@routes.post("/resume_memory_occupation")
+async def resume_memory_occupation(f: FrontendDep, body: MemoryTags | None = None):
+    """SGLang's: start the engine cores again (every part at once)."""
+    await wake(f)
+    return Response(status_code=200)
+
+
 @routes.post("/encode")
 async def encode(body: EncodeRequest, f: FrontendDep, request: Request):
     """SGLang's: each prompt's embedding, as `embedding` and `meta_info`."""
@@ -127,9 +144,9 @@ async def get_server_info(f: FrontendDep):
 async def health_generate(f: FrontendDep):
     """SGLang's: 200 once the engine made one token for a one-token prompt (callers at
     the same time share one probe), or when other requests got tokens while it waited;
-    else 503; 200 while paused. Open like /health: a probe adds one sequence, whatever the
+    else 503; 200 while paused or asleep. Open like /health: a probe adds one sequence, whatever the
     callers. A P/D instance cannot generate alone: a 400 says so."""
-    if f.client.paused:  # deliberately idle, not stuck: a probe would wait for the resume
+    if f.client.holds:  # paused or asleep: idle on purpose; a probe would wait for the end
         return Response(status_code=200)
     role = f.client.config.scheduler.role
     if role != "mixed":
