@@ -4,7 +4,9 @@
   it, the frontend and its connections kept) against restarting `tidal serve` to a healthy
   /health, the way to new weights without it: the ratio restart / update;
 - `/pause?mode=keep` and `/pause?mode=abort` answered while `--streams` greedy streams run
-  (what a trainer waits before it may swap weights).
+  (what a trainer waits before it may swap weights);
+- `/sleep` and `/wake_up`: how long each takes and the memory the sleep returns (the engine
+  core's resident set, which the machine's available memory regains).
 
 Each run warms the server with a request first; every prompt is fresh.
 
@@ -21,6 +23,7 @@ import threading
 import time
 
 import httpx
+import psutil
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from server_fixtures import Server  # noqa: E402
@@ -78,7 +81,7 @@ def main() -> None:
     try:
         url = server.url
         complete(url, "Warm the server up, please.")
-        updates, keeps, aborts = [], [], []
+        updates, keeps, aborts, sleeps, wakes, freed = [], [], [], [], [], []
         for i in range(args.runs):
             updates.append(timed(lambda: httpx.post(
                 url + "/update_weights_from_disk", json={"model_path": args.model},
@@ -86,6 +89,13 @@ def main() -> None:
             complete(url, f"A fresh prompt, number {i}, after the update.")
             keeps.append(pause_under_load(url, "keep", args.streams, i))
             aborts.append(pause_under_load(url, "abort", args.streams, i))
+            core = psutil.Process(server.core_pid()).memory_info().rss
+            before = psutil.virtual_memory().available
+            sleeps.append(timed(lambda: httpx.post(url + "/sleep", timeout=600)))
+            time.sleep(0.5)
+            freed.append((core, psutil.virtual_memory().available - before))
+            wakes.append(timed(lambda: httpx.post(url + "/wake_up", timeout=600)))
+            complete(url, f"Another fresh prompt, number {i}, after the wake.")
     finally:
         server.stop()
     update, restart = statistics.median(updates), statistics.median(restarts)
@@ -96,6 +106,11 @@ def main() -> None:
     for name, xs in (("keep", keeps), ("abort", aborts)):
         print(f"  /pause?mode={name} with {args.streams} streams: "
               f"{1000 * statistics.median(xs):.1f} ms  {[round(1000 * x, 1) for x in xs]}")
+    print(f"  /sleep: {statistics.median(sleeps):.2f} s, /wake_up: "
+          f"{statistics.median(wakes):.2f} s  {[round(x, 2) for x in wakes]}")
+    for core, gained in freed:
+        print(f"  asleep: the core's RSS was {core / 2**20:.0f} MiB; available memory "
+              f"+{gained / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":
