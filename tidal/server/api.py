@@ -2,7 +2,7 @@
 here; the generation routes (completions, chat, embeddings, tokenize) in
 `generation_routes.py`, the Responses API in `responses/`, LoRA adapters in
 `lora_routes.py`, the Batch API in `batches/`, SGLang's native API in `sglang/`, pausing
-in `pausing.py` and weight updates in `weight_updates.py`, the live dashboard in
+and sleep in `pausing.py`, weight updates in `weight_updates.py`, the live dashboard in
 `dashboard.py`. Every route works through the one `Frontend` (`frontend.py`); the server's
 options are in `config.py`."""
 

@@ -234,9 +234,9 @@ class PauseGeneration(StrictModel):
 
     @model_validator(mode="after")
     def _runs(self) -> "PauseGeneration":
-        if self.mode == "retract":  # what it would free is only of use to a weight update
-            raise refuse("mode", "mode 'retract' is not supported; pause with 'in_place' (requests "
-                   "keep their KV) or 'abort'")
+        if self.mode == "retract":  # KV freed, to compute again at the resume: not here
+            raise refuse("mode", "mode 'retract' is not supported; pause with 'in_place' "
+                                 "(requests keep their KV) or 'abort'")
         return self
 
 
