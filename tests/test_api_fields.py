@@ -6,6 +6,8 @@ field, httpx for raw bodies)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -410,16 +412,17 @@ def test_tokenize_and_detokenize_refuse_bad_input_and_need_the_key(server):
 
 # ---------------------------------------------------------------------- Retry-After
 
-def mocked_router(answer):
+def mocked_router(answer, **health):
     """A P/D router over one prefill (port 1) and one decode (port 2) instance, mocked: /health
-    answers in their roles, every other request gets `answer(request)`."""
+    answers in their roles (with `health`'s fields), every other request gets
+    `answer(request)`."""
     from tidal.server.pd_router import PDRouter
 
     def instance(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":
             role = "prefill" if request.url.port == 1 else "decode"
             return httpx.Response(200, json={"status": "ok", "role": role,
-                                             "kv_address": "tcp://127.0.0.1:9"})
+                                             "kv_address": "tcp://127.0.0.1:9", **health})
         return answer(request)
 
     router = PDRouter(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
@@ -432,7 +435,7 @@ def test_the_router_relays_a_decode_instances_retry_after():
     Retry-After header (the instances are mocked: no engine needed)."""
     from fastapi.testclient import TestClient
 
-    from tidal.server.pd_router import build_router_app
+    from tidal.server.pd_routes import build_router_app
 
     router = mocked_router(lambda _: httpx.Response(
         429, json=APIError("busy", 429, "rate_limit_error").body(), headers={"Retry-After": "3"}))
@@ -448,7 +451,7 @@ def test_the_router_refuses_bodies_and_headers_over_its_limits():
     from fastapi.testclient import TestClient
 
     from tidal.server.config import HttpConfig
-    from tidal.server.pd_router import build_router_app
+    from tidal.server.pd_routes import build_router_app
 
     forwarded = []
     router = mocked_router(lambda r: forwarded.append(r.url.path) or httpx.Response(200, json={}))
@@ -460,3 +463,36 @@ def test_the_router_refuses_bodies_and_headers_over_its_limits():
     assert big.status_code == 413 and big.json()["error"]["message"]
     assert headers.status_code == 431 and headers.json()["error"]["message"]
     assert forwarded == []
+
+
+def test_the_routers_health_generate_is_one_token_through_the_pair():
+    """The router's /health_generate: a one-token greedy completion sent to the decode
+    instance naming the prefill core, with the router's own key; 503 saying why when it
+    fails; 200 without one while the decode instance is paused (the instances are mocked)."""
+    from fastapi.testclient import TestClient
+
+    from tidal.server.config import HttpConfig
+    from tidal.server.pd_routes import build_router_app
+
+    sent = []
+
+    def answer(status):
+        return lambda r: sent.append((r.url.port, r.url.path, json.loads(r.content),
+                                      r.headers.get("authorization"))) or httpx.Response(
+            status, json={"error": {"message": "engine core died"}})
+
+    for status, health, want in ((200, {}, 200), (503, {}, 503), (503, {"paused": True}, 200)):
+        sent.clear()
+        app = build_router_app(mocked_router(answer(status), **health), HttpConfig(api_key="k"))
+        with TestClient(app) as http:
+            r = http.get("/health_generate")
+        assert r.status_code == want, r.text
+        if health:
+            assert sent == []
+            continue
+        port, path, body, auth = sent[0]
+        assert (port, path, auth) == (2, "/v1/completions", "Bearer k")
+        assert body["prompt"] == [0] and body["max_tokens"] == 1
+        assert body["kv_transfer_params"] == {"prefill_address": "tcp://127.0.0.1:9"}
+        if want == 503:
+            assert "engine core died" in r.json()["error"]["message"]

@@ -204,9 +204,11 @@ def test_responses_embeddings_and_scores_through_the_router_equal_a_mixed_engine
         with pytest.raises(openai.NotFoundError, match="does not serve the Batch API"):
             client.batches.list()
         # a pause reaches every instance; a request sent meanwhile waits for the resume
+        assert httpx.get(pd.url + "/health_generate", timeout=60).status_code == 200
         assert httpx.post(pd.url + "/pause", params={"mode": "keep"}).status_code == 200
         for inst in (prefill, *decodes):
             assert httpx.get(inst + "/is_paused").json() == {"is_paused": True}
+        assert httpx.get(pd.url + "/health_generate", timeout=5).status_code == 200
         with ThreadPoolExecutor(1) as pool:
             late = pool.submit(client.responses.create, input="Hi!", **ask)
             time.sleep(1.0)

@@ -141,7 +141,8 @@ def _serve_pd(args: argparse.Namespace, server) -> None:
     from tidal.model.hosts import free_port
     from tidal.model.registry import resolve_model
     from tidal.server.limits import uvicorn_options
-    from tidal.server.pd_router import PDRouter, build_router_app
+    from tidal.server.pd_router import PDRouter
+    from tidal.server.pd_routes import build_router_app
 
     resolve_model(engine_kwargs(args).get("model", "smollm2-135m"))  # convert once, up front
     passed = _strip_flags(args.argv, ("--pd", "--port", "--host", "--role", *FRONT_FLAGS))
@@ -192,7 +193,8 @@ def cmd_router(args: argparse.Namespace) -> None:
     import uvicorn
 
     from tidal.server.limits import uvicorn_options
-    from tidal.server.pd_router import PDRouter, build_router_app
+    from tidal.server.pd_router import PDRouter
+    from tidal.server.pd_routes import build_router_app
 
     with flag_errors("router"):
         http = config_from_args(HttpConfig, args)

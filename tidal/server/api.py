@@ -52,7 +52,7 @@ async def health(f: FrontendDep, request: Request):
         retry = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
         return JSONResponse({**exc.body(), **restarts}, exc.status, headers=retry)
     body = {"status": "ok", "engine_core_pid": client.pid, "role": client.config.scheduler.role,
-            **restarts}
+            "paused": client.paused, "sleeping": "sleep" in client.holds, **restarts}
     if client.ready.kv_address:  # P/D: where the router points the other side
         body["kv_address"] = client.ready.kv_address
     if client.num_cores > 1:  # data parallel: serving on while any core lives

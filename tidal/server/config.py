@@ -42,6 +42,9 @@ class HttpConfig:
     request_read_timeout: float = knob(30.0, "Seconds a client may take to send one request, "
                                        "headers and body, from its first byte; a slower one "
                                        "is closed (a trickling client holds no connection).")
+    health_generate_timeout: float = knob(20.0, "Seconds GET /health_generate waits for its "
+                                          "one-token generation; past them it answers 503 "
+                                          "unless other requests got tokens meanwhile.")
     max_connections: int | None = knob(None, "Open connections past which new ones are closed "
                                        "at once (unset: the open-file limit less 256, kept for "
                                        "the server's own files and sockets).")
@@ -86,6 +89,9 @@ class HttpConfig:
                              f"{self.request_read_timeout}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        if not self.health_generate_timeout > 0:
+            raise ValueError(f"health_generate_timeout must be > 0, got "
+                             f"{self.health_generate_timeout}")
         self._check_front()
 
     def _check_front(self) -> None:
@@ -166,9 +172,6 @@ class ServerConfig(HttpConfig):
                                     "output, token ids and finish reason as it ends.")
     max_log_len: int | None = knob(None, "Characters of a prompt or output, and token ids, "
                                    "a request's log line keeps (unset: all).")
-    health_generate_timeout: float = knob(20.0, "Seconds GET /health_generate waits for its "
-                                          "one-token generation; past them it answers 503 "
-                                          "unless other requests got tokens meanwhile.")
     max_total_tokens: int | None = knob(None, "Most output tokens one prompt may ask for, n x "
                                         "max_tokens (unset: no cap beyond max_n and the "
                                         "context).")
@@ -275,9 +278,6 @@ class ServerConfig(HttpConfig):
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.enable_log_outputs and not self.enable_log_requests:
             raise ValueError("enable_log_outputs needs --enable-log-requests")
-        if not self.health_generate_timeout > 0:
-            raise ValueError(f"health_generate_timeout must be > 0, got "
-                             f"{self.health_generate_timeout}")
         self.restart_policy()  # its own checks
         if self.pd is not None:
             parse_pd(self.pd)

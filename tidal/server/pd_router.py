@@ -14,7 +14,8 @@ The router re-reads every instance's /health each `health_interval` seconds, and
 after a failed forward: an instance that fails it leaves the rotation until it passes again,
 and a prefill instance whose core was restarted is sent to at its new KV address.
 
-Its /dashboard shows every instance's cores: its stream merges the instances' streams.
+Its /dashboard shows every instance's cores: its stream merges the instances' streams. Its
+routes and app are in `pd_routes.py`.
 """
 
 from __future__ import annotations
@@ -23,31 +24,21 @@ import asyncio
 import contextlib
 import json
 import logging
-from contextlib import asynccontextmanager
-from typing import Annotated, AsyncIterator
+from typing import AsyncIterator
 from urllib.parse import quote
 
 import httpx
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import HTMLResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 
 from tidal.cluster.routing import CoreLoad, Router
-from tidal.server.config import HttpConfig
-from tidal.server.dashboard import favicon, page_html
-from tidal.server.errors import install_docs, install_error_handlers
-from tidal.server.openapi import install_schema
-from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.anthropic.protocol import body_for
-from tidal.server.anthropic.request import MessagesRequest
-from tidal.server.openai.embeddings import EmbeddingRequest
-from tidal.server.openai.protocol import APIError, CompletionRequest, DetokenizeRequest
-from tidal.server.responses.request import ResponsesRequest
-from tidal.server.responses.routes import not_stored
-from tidal.server.scoring import ClassifyRequest, RerankRequest, ScoreRequest
-from tidal.server.sglang.request import (AbortRequest, EncodeRequest, GenerateRequest,
-                                         in_sglang_terms)
+from tidal.server.openai.protocol import APIError
 
 log = logging.getLogger("tidal.router")
+# to_all: the routes that reach the decode instances before the prefill ones
+_DECODE_FIRST = ("/pause", "/pause_generation", "/is_paused", "/update_weights_from_disk",
+                 "/sleep", "/release_memory_occupation")
 
 
 class Instance:
@@ -139,7 +130,7 @@ class PDRouter:
         p = self.pick("prefill")
         d = decode or self.pick("decode")
         raw["kv_transfer_params"] = {"prefill_address": p.kv_address}
-        headers = _auth_header(request)  # httpx writes the JSON content type
+        headers = auth_header(request)  # httpx writes the JSON content type
         d.in_flight += 1
         try:
             upstream = await self.http.send(
@@ -190,7 +181,7 @@ class PDRouter:
         KV moved (/v1/models, /tokenize, /detokenize: every instance serves the same model
         and tokenizer)."""
         inst = inst or next((d for d in self.decode if d.healthy), self.decode[0])
-        headers = {**_auth_header(request), "content-type": "application/json"}
+        headers = {**auth_header(request), "content-type": "application/json"}
         try:
             r = await self.http.request(request.method, inst.url + path, headers=headers,
                                         params=[(k, v) for k, v in request.query_params
@@ -221,7 +212,7 @@ class PDRouter:
         for inst in (d for d in self.decode if d.healthy):
             with contextlib.suppress(httpx.HTTPError):
                 r = await self.http.get(f"{inst.url}/v1/responses/{quote(response_id, safe='')}",
-                                        headers=_auth_header(request))
+                                        headers=auth_header(request))
                 if r.status_code == 200:
                     return inst
         return None
@@ -257,6 +248,27 @@ class PDRouter:
             for t in tasks:
                 t.cancel()
 
+    async def probe(self, key: str | None, timeout: float) -> None:
+        """SGLang's /health_generate through the pair: one greedy token of a one-token
+        prompt, computed by a prefill instance and sampled by a decode one; else an
+        APIError (503) saying why. A decode instance paused or asleep is idle on purpose."""
+        p, d = self.pick("prefill"), self.pick("decode")
+        auth = {"authorization": f"Bearer {key}"} if key else {}
+        health = (await self.http.get(d.url + "/health", timeout=5.0)).json()
+        if health.get("paused") or health.get("sleeping"):
+            return
+        body = {"prompt": [0], "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"prefill_address": p.kv_address}}
+        try:
+            r = await self.http.post(d.url + "/v1/completions", json=body, headers=auth,
+                                     timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise APIError(f"no token through {p.url} and {d.url}: {exc!r}", 503,
+                           "service_unavailable") from exc
+        if r.status_code != 200:
+            raise APIError(f"no token through {p.url} and {d.url}: {r.status_code} "
+                           f"{r.text[:300]}", 503, "service_unavailable")
+
     async def health(self) -> dict:
         """ok when every instance answers its /health with 200 (checked now, which also
         updates the rotation)."""
@@ -268,7 +280,7 @@ class PDRouter:
                 "decode": [i.url for i in self.decode]}
 
 
-def _auth_header(request: Request) -> dict[str, str]:
+def auth_header(request: Request) -> dict[str, str]:
     """The client's Authorization header (or Anthropic's x-api-key, or a dashboard's
     ?api_key=), for the instance a request is passed to."""
     key = request.headers.get("authorization")
@@ -277,216 +289,3 @@ def _auth_header(request: Request) -> dict[str, str]:
     if key is None and "api_key" in request.query_params:
         key = f"Bearer {request.query_params['api_key']}"
     return {"authorization": key} if key is not None else {}
-
-
-def get_router(request: Request) -> PDRouter:
-    return request.app.state.router
-
-
-RouterDep = Annotated[PDRouter, Depends(get_router)]
-# to_all: the routes that reach the decode instances before the prefill ones
-_DECODE_FIRST = ("/pause", "/pause_generation", "/is_paused", "/update_weights_from_disk",
-                 "/sleep", "/release_memory_occupation")
-routes = APIRouter()
-
-
-# The bodies are parsed with the server's own models: a request the server refuses is
-# refused here with the same 400, before it costs a prefill.
-@routes.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, router: RouterDep):
-    body.check_disaggregated()
-    return await router.forward("/v1/completions", body.stream, request)
-
-
-@routes.post("/generate")
-async def generate(body: GenerateRequest, request: Request, router: RouterDep):
-    try:
-        body.completion_request().check_disaggregated()
-    except APIError as exc:
-        raise in_sglang_terms(exc) from None
-    return await router.forward("/generate", body.stream, request)
-
-
-@routes.post("/encode")
-async def encode(body: EncodeRequest, request: Request, router: RouterDep):
-    return await router.to_prefill("/encode", request)
-
-
-@routes.get("/get_model_info")
-async def get_model_info(request: Request, router: RouterDep):
-    return await router.relay("/get_model_info", request)
-
-
-@routes.get("/get_server_info")
-async def get_server_info(request: Request, router: RouterDep):
-    return await router.relay("/get_server_info", request)
-
-
-@routes.post("/abort_request")
-async def abort_request(body: AbortRequest, request: Request, router: RouterDep):
-    return await router.to_all("/abort_request", request)  # wherever the request runs
-
-
-async def to_every_instance(request: Request, router: RouterDep):
-    """Pausing and sleeping (tidal/server/pausing.py), weight updates (weight_updates.py)."""
-    return await router.to_all(request.url.path, request)
-
-
-for _path in ("/pause", "/resume", "/pause_generation", "/continue_generation", "/sleep",
-              "/wake_up", "/update_weights_from_disk", "/release_memory_occupation",
-              "/resume_memory_occupation", "/is_paused", "/is_sleeping", "/get_weight_version"):
-    routes.add_api_route(_path, to_every_instance,
-                         methods=["GET" if _path.startswith(("/is_", "/get_")) else "POST"])
-
-
-@routes.post("/v1/chat/completions")
-async def chat(body: ChatRequest, request: Request, router: RouterDep):
-    body.check_disaggregated()
-    return await router.forward("/v1/chat/completions", body.stream, request)
-
-
-@routes.post("/v1/messages")
-async def messages(body: MessagesRequest, request: Request, router: RouterDep):
-    return await router.forward("/v1/messages", body.stream, request)
-
-
-@routes.post("/v1/messages/count_tokens")
-async def count_tokens(body: MessagesRequest, request: Request, router: RouterDep):
-    return await router.relay("/v1/messages/count_tokens", request)
-
-
-@routes.post("/v1/responses")
-async def responses(body: ResponsesRequest, request: Request, router: RouterDep):
-    """A continuation goes to the decode instance that stored its predecessor."""
-    holder = None
-    if body.previous_response_id is not None:
-        holder = await router.holder(body.previous_response_id, request)
-        if holder is None:
-            raise not_stored(body.previous_response_id, "previous_response_id")
-    return await router.forward("/v1/responses", body.stream, request, holder)
-
-
-@routes.get("/v1/responses/{response_id}")
-@routes.delete("/v1/responses/{response_id}")
-async def stored_response(response_id: str, request: Request, router: RouterDep):
-    holder = await router.holder(response_id, request)
-    if holder is None:
-        raise not_stored(response_id)
-    return await router.relay(f"/v1/responses/{quote(response_id, safe='')}", request, holder)
-
-
-@routes.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(response_id: str, request: Request, router: RouterDep):
-    holder = await router.holder(response_id, request)
-    if holder is None:
-        raise not_stored(response_id)
-    return await router.relay(f"/v1/responses/{quote(response_id, safe='')}/cancel", request,
-                              holder)
-
-
-@routes.post("/v1/embeddings")
-async def embeddings(body: EmbeddingRequest, request: Request, router: RouterDep):
-    return await router.to_prefill("/v1/embeddings", request)
-
-
-@routes.post("/v1/score")
-@routes.post("/score", include_in_schema=False)
-async def score(body: ScoreRequest, request: Request, router: RouterDep):
-    return await router.to_prefill("/v1/score", request)
-
-
-@routes.post("/v1/rerank")
-@routes.post("/rerank", include_in_schema=False)
-@routes.post("/v2/rerank", include_in_schema=False)
-async def rerank(body: RerankRequest, request: Request, router: RouterDep):
-    return await router.to_prefill("/v1/rerank", request)
-
-
-@routes.post("/reset_prefix_cache")
-@routes.post("/flush_cache", include_in_schema=False)
-async def reset_prefix_cache(request: Request, router: RouterDep):
-    return await router.to_all("/reset_prefix_cache", request)
-
-
-@routes.post("/classify")
-@routes.post("/v1/classify", include_in_schema=False)
-async def classify(body: ClassifyRequest, request: Request, router: RouterDep):
-    return await router.to_prefill("/classify", request)
-
-
-@routes.api_route("/v1/files{rest:path}", methods=["GET", "POST", "DELETE"],
-                  include_in_schema=False)
-@routes.api_route("/v1/batches{rest:path}", methods=["GET", "POST"], include_in_schema=False)
-async def batch_api(rest: str):
-    """A batch's lines would need the router's own runner and store: not here."""
-    raise APIError("the P/D router does not serve the Batch API (/v1/files, /v1/batches): "
-                   "run batches on a `tidal serve` without --role, or offline with "
-                   "`tidal run-batch`", 404, code="unsupported_endpoint")
-
-
-@routes.get("/v1/models")
-async def models(request: Request, router: RouterDep):
-    return await router.relay("/v1/models", request)
-
-
-@routes.get("/v1/models/{model:path}")
-async def model(model: str, request: Request, router: RouterDep):
-    return await router.relay(f"/v1/models/{quote(model, safe='')}", request)
-
-
-@routes.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request, router: RouterDep):
-    return await router.relay("/tokenize", request)
-
-
-@routes.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request, router: RouterDep):
-    return await router.relay("/detokenize", request)
-
-
-@routes.get("/health")
-async def health(router: RouterDep):
-    return await router.health()
-
-
-@routes.get("/dashboard", response_class=HTMLResponse)
-async def dashboard():
-    return HTMLResponse(page_html(title="tidal router: prefill and decode instances"))
-
-
-routes.add_api_route("/favicon.ico", favicon, include_in_schema=False)
-
-
-@routes.get("/dashboard/stream")
-async def dashboard_stream(request: Request, router: RouterDep):
-    return StreamingResponse(router.dashboard_events(_auth_header(request)),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
-def build_router_app(router: PDRouter, http: HttpConfig | None = None,
-                     on_shutdown=None) -> FastAPI:
-    """The router's app; `on_shutdown` runs after it stops (`--pd` stops its instances).
-    With an API key it checks keys itself, so a refusal comes in the server's order; bodies
-    and headers over the limits are refused as the server refuses them."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await router.wait_ready()
-        log.info("router ready: prefill %s, decode %s", [i.url for i in router.prefill],
-                 [i.url for i in router.decode])
-        watch = asyncio.create_task(router.watch_health())
-        yield
-        watch.cancel()
-        await router.http.aclose()
-        if on_shutdown is not None:
-            on_shutdown()
-
-    app = FastAPI(title="tidal router", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.router = router
-    http = http or HttpConfig()
-    install_error_handlers(app, http)
-    install_docs(app)
-    app.include_router(routes)
-    install_schema(app, None, bool(http.key))
-    return app
