@@ -9,8 +9,6 @@ refused naming the flag."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
@@ -91,14 +89,14 @@ def test_two_ranks_split_the_experts_by_rows_or_whole_and_give_one_process_token
             two.close()
 
 
-def test_a_moe_ggufs_experts_split_whole_in_their_own_bits(tmp_path):
+def test_a_moe_ggufs_experts_split_whole_in_their_own_bits(tmp_path, monkeypatch):
     """Qwen3-MoE in a GGUF, experts in Q8_0: with expert parallelism rank 0 holds experts
     0-1 as the file stores them (the file's bytes, never floats) and never reads 2-3."""
     from test_gguf import hf_folder, write_gguf
 
     from tidal.model.gguf_quants import GGUFLinear
 
-    os.environ.setdefault("TIDAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
     path = write_gguf(hf_folder(tmp_path, "qwen3_moe"), "qwen3moe", tmp_path / "moe.gguf",
                       qtype=lambda name: QT.Q8_0 if "exps" in name else QT.F32)
     one = LLM(str(path), num_kv_blocks=64, num_threads=1)

@@ -41,9 +41,10 @@ def mixed(name: str) -> QT:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gguf-model")
-    os.environ.setdefault("TIDAL_CACHE", str(tmp / "cache"))
-    return {name: write_gguf(hf_folder(tmp, name), CASES[name][0], tmp / f"{name}.gguf",
-                             qtype=mixed) for name in ("llama3", "qwen2")}
+    with pytest.MonkeyPatch.context() as env:  # the module's converted files, then unset
+        env.setenv("TIDAL_CACHE", str(tmp / "cache"))
+        yield {name: write_gguf(hf_folder(tmp, name), CASES[name][0], tmp / f"{name}.gguf",
+                                qtype=mixed) for name in ("llama3", "qwen2")}
 
 
 def run(path: Path, quantization: str, dtype: str, **options):

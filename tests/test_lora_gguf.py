@@ -9,8 +9,6 @@ far past that bound, so it is really applied."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from test_gguf import CASES, hf_folder, write_gguf
@@ -25,10 +23,11 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora-gguf")
-    os.environ.setdefault("TIDAL_CACHE", str(tmp / "cache"))
-    hf = hf_folder(tmp, "llama3")
-    gguf = write_gguf(hf, CASES["llama3"][0], tmp / "llama3.gguf", qtype=mixed)
-    return gguf, make_adapter(hf, tmp / "adapter", 8, 16, TARGETS, False, seed=3)
+    with pytest.MonkeyPatch.context() as env:  # the module's converted files, then unset
+        env.setenv("TIDAL_CACHE", str(tmp / "cache"))
+        hf = hf_folder(tmp, "llama3")
+        gguf = write_gguf(hf, CASES["llama3"][0], tmp / "llama3.gguf", qtype=mixed)
+        yield gguf, make_adapter(hf, tmp / "adapter", 8, 16, TARGETS, False, seed=3)
 
 
 BOUND = 0.05  # int8 activations: ~0.5% of each projection

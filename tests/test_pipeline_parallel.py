@@ -217,14 +217,14 @@ def test_stages_hit_the_prefix_cache_sample_n_and_speculate_as_one_process(folde
     assert_same(*outs, LOGPROB_BOUND)
 
 
-def test_a_ggufs_stages_read_only_their_layers(tmp_path, folders):
+def test_a_ggufs_stages_read_only_their_layers(tmp_path, folders, monkeypatch):
     """Two stages over a GGUF in its own bits (Q8_0) give one process's tokens; stage 0
     holds layers 0-1 as the file stores them and never reads layer 2."""
     from test_gguf import write_gguf
 
     from tidal.model.gguf_quants import GGUFLinear
 
-    os.environ.setdefault("TIDAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
     path = str(write_gguf(folders["llama"], "llama", tmp_path / "llama.gguf", qtype=QT.Q8_0))
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
     one = LLM(path, num_kv_blocks=64, num_threads=1)

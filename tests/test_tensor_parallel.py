@@ -140,7 +140,6 @@ def gguf_files(tmp_path_factory):
     from test_gguf_weights import random_blocks
 
     tmp = tmp_path_factory.mktemp("tp-gguf")
-    os.environ.setdefault("TIDAL_CACHE", str(tmp / "cache"))
     folder = small_folder(tmp, "wide", "llama", hidden_size=512, intermediate_size=1024,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=128)
     quantize, files = gguf.quants.quantize, {}
@@ -153,7 +152,9 @@ def gguf_files(tmp_path_factory):
                                     qtype=_formats(mix == "k"))
     finally:
         gguf.quants.quantize = quantize
-    return files
+    with pytest.MonkeyPatch.context() as env:  # the module's converted files, then unset
+        env.setenv("TIDAL_CACHE", str(tmp / "cache"))
+        yield files
 
 
 @pytest.mark.parametrize("mix", ["k", "32"])
