@@ -335,6 +335,8 @@ def test_refusals_over_http_and_the_key(server):
     for path in ("/get_model_info", "/get_server_info"):
         assert httpx.get(server.url + path).status_code == 401
     assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
+    off = post(server, "/start_profile", {})  # no --profiler-dir
+    assert off.status_code == 400 and "--profiler-dir" in off.json()["error"]["message"]
 
 
 def test_model_and_server_info(server):

@@ -1,11 +1,15 @@
 """vLLM's request extensions of chat and completions, end to end on a real `tidal serve`
 with the official `openai` client: cache_salt, allowed_token_ids, bad_words,
 skip_special_tokens and include_stop_str_in_output, truncate_prompt_tokens, return_token_ids
-and return_tokens_as_token_ids, chat echo; and vLLM's per-request metrics."""
+and return_tokens_as_token_ids, chat echo; vLLM's per-request metrics; and /start_profile
+and /stop_profile writing torch.profiler traces."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 import time
 
 import httpx
@@ -14,7 +18,12 @@ import pytest
 
 from server_fixtures import metric, module_server
 
-server, client = module_server()
+PROFILES = tempfile.mkdtemp(prefix="tidal-profiles-")  # --profiler-dir's traces
+server, client = module_server("--profiler-dir", PROFILES)
+
+
+def teardown_module() -> None:
+    shutil.rmtree(PROFILES, ignore_errors=True)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -343,3 +352,34 @@ def test_a_tally_times_each_sequence_and_each_prompt_on_its_own():
         "request_prompt_tokens_sum": 7}
     assert value("tidal:request_success_total", {**labels, "finished_reason": "length"}) == 2
     assert metrics.recent[0][1] == 1.0  # the dashboard's TTFT
+
+
+def new_trace(seen: set[str], timeout: float = 60) -> dict:
+    """The next trace file the core writes into --profiler-dir, read."""
+    deadline = time.monotonic() + timeout
+    while not (new := {n for n in os.listdir(PROFILES) if n.endswith(".json")} - seen) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(new) == 1, new
+    name = new.pop()
+    seen.add(name)
+    with open(os.path.join(PROFILES, name)) as f:
+        return json.load(f)
+
+
+def test_a_profile_traces_the_steps_between_start_and_stop(server, client):
+    """/start_profile then /stop_profile: a Chrome trace of the steps run meanwhile (their
+    torch operators); with `num_steps` the trace ends by itself; refusals name the field."""
+    seen = set(os.listdir(PROFILES))
+    assert httpx.post(server.url + "/start_profile").status_code == 200
+    client.completions.create(model="smollm2-135m", prompt="Profile me", max_tokens=4)
+    assert httpx.post(server.url + "/stop_profile").status_code == 200
+    names = {e.get("name", "") for e in new_trace(seen)["traceEvents"]}
+    assert any(n.startswith("aten::") for n in names)
+    assert post(server, "/start_profile", {"num_steps": 2}).status_code == 200
+    client.completions.create(model="smollm2-135m", prompt="Again, please", max_tokens=8)
+    assert new_trace(seen)["traceEvents"]  # written after two steps, no /stop_profile
+    for body, param in (({"num_steps": 0}, "num_steps"), ({"output_dir": "/tmp"}, "output_dir"),
+                        ({"activities": ["TPU"]}, "activities.0")):
+        r = post(server, "/start_profile", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

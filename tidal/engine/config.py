@@ -155,6 +155,10 @@ class ModelConfig:
                                        "then saved. They seed the step-time model that sizes "
                                        "steps (max_step_ms) and the slo policy's plans. 0: "
                                        "none; the model learns from served steps alone.")
+    profiler_dir: str | None = knob(None, "Folder that POST /start_profile's torch.profiler "
+                                    "traces go to, one Chrome trace per engine core and run "
+                                    "(vLLM's VLLM_TORCH_PROFILER_DIR); unset: /start_profile "
+                                    "is refused.")
     log_stats_interval: float = knob(1.0, "Seconds between an engine core's status lines "
                                      "(queues, KV use, prefix hits, tokens/s) while it has "
                                      "work; 0: none (vLLM's --disable-log-stats).")

@@ -52,6 +52,17 @@ class Resume(msgspec.Struct, tag=True):
     """Plan steps again after a Pause."""
 
 
+class StartProfile(msgspec.Struct, tag=True):
+    """Record a torch.profiler trace of the core's work until StopProfile (or `num_steps`
+    steps; 0: no limit) into the profiler folder."""
+
+    num_steps: int = 0
+
+
+class StopProfile(msgspec.Struct, tag=True):
+    """End the trace StartProfile began and write it."""
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Finish running requests for up to `drain_timeout` seconds, then exit."""
 
@@ -128,7 +139,7 @@ class Failed(msgspec.Struct, tag=True):
 
 
 ToCore = (Add | Abort | Finish | Shutdown | Watch | Adapters | ResetPrefixCache | Pause
-          | Resume)
+          | Resume | StartProfile | StopProfile)
 
 
 class Heartbeat(msgspec.Struct, tag=True):

@@ -257,22 +257,29 @@ class CoreClient:
     def broadcast(self, msg: m.Watch) -> None:
         """Tell every core (and cores started later) how many dashboards watch."""
         self._watching = msg
+        self.tell_cores(msg)
+
+    def tell_cores(self, msg) -> None:
+        """Send a control message to every core (one that is down misses it)."""
         for core in range(self.num_cores):
             self.sockets.send(core, msg)
+
+    def profile(self, num_steps: int | None) -> None:
+        """Start every core's torch.profiler trace (of `num_steps` steps; 0: until the
+        next call), or with None stop and write them (`--profiler-dir`)."""
+        self.tell_cores(m.StopProfile() if num_steps is None else m.StartProfile(num_steps))
 
     def set_adapters(self, adapters: dict[str, str]) -> None:
         """Tell every core (and cores restarted later) which LoRA adapters to serve."""
         self.adapters = adapters
-        for core in range(self.num_cores):
-            self.sockets.send(core, m.Adapters(adapters))
+        self.tell_cores(m.Adapters(adapters))
 
     def reset_prefix_cache(self) -> None:
         """Tell every core to forget its cached prefixes (and the dispatcher what it knew
         of them)."""
         if self.dispatcher is not None:
             self.dispatcher.forget_prefixes()
-        for core in range(self.num_cores):
-            self.sockets.send(core, m.ResetPrefixCache())
+        self.tell_cores(m.ResetPrefixCache())
 
     # ------------------------------------------------------------------ holding requests
     def hold(self, why: str) -> None:
@@ -302,15 +309,13 @@ class CoreClient:
         self.hold("pause")
         if cores and not self.cores_paused:
             self.cores_paused = True
-            for core in range(self.num_cores):
-                self.sockets.send(core, m.Pause())
+            self.tell_cores(m.Pause())
 
     def resume(self) -> None:
         """Let the cores step again and the held requests through."""
         if self.cores_paused:
             self.cores_paused = False
-            for core in range(self.num_cores):
-                self.sockets.send(core, m.Resume())
+            self.tell_cores(m.Resume())
         self.lift("pause")
 
     def sleep(self) -> None:

@@ -169,6 +169,12 @@ class _CoreLoop:
         # messages taken during a step (`_live_waiting`), handled before the inbox's next
         self.held: list = []
         core.cut_steps_when(self._live_waiting)
+        self.profiler = None  # /start_profile's traces, with a folder for them
+        if core.config.model.profiler_dir:
+            from tidal.engine.trace_profiler import TraceProfiler  # torch: this process only
+
+            self.profiler = TraceProfiler(core.config.model.profiler_dir, f"tidal-core{index}",
+                                          core.executor.info.on_gpu)
 
     def send(self, msg) -> None:
         self.outbox.send(m.encoder.encode(msg))
@@ -216,6 +222,8 @@ class _CoreLoop:
             if started is not None:
                 outputs += core.step()
                 status.maybe_log()
+                if self.profiler:
+                    self.profiler.stepped()
             timing = timing and started is None and not self.compiling and self.deadline is None
             if link is not None:
                 outputs = link.after_step(outputs)
@@ -290,6 +298,10 @@ class _CoreLoop:
                 core.pause()
             elif isinstance(msg, m.Resume):
                 core.resume()
+            elif isinstance(msg, m.StartProfile) and self.profiler:
+                self.profiler.start(msg.num_steps)
+            elif isinstance(msg, m.StopProfile) and self.profiler:
+                self.profiler.stop()
 
     def _add(self, msg: m.Add) -> None:
         if msg.params.structured is not None:  # admitted once compiled (_admit_compiled)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Literal
 
 from fastapi import APIRouter, FastAPI, Request
+from pydantic import Field
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -27,7 +30,7 @@ from tidal.server.errors import authorized, install_docs, install_error_handlers
 from tidal.server.frontend import Frontend, FrontendDep, unavailable
 from tidal.server.generation_routes import routes as generation_routes
 from tidal.server.lora_routes import routes as lora_routes
-from tidal.server.openai.protocol import APIError
+from tidal.server.openai.protocol import APIError, StrictModel
 from tidal.server.openapi import install_schema
 from tidal.server.pausing import routes as pausing_routes
 from tidal.server.weight_updates import routes as weight_routes
@@ -82,6 +85,39 @@ async def reset_prefix_cache(f: FrontendDep):
     """vLLM's (SGLang's /flush_cache): every core forgets its cached prefixes, so a prompt
     seen before is computed anew (a cold measurement; the KV tiers below keep theirs)."""
     f.client.reset_prefix_cache()
+    return Response(status_code=200)
+
+
+class ProfileRequest(StrictModel):
+    """SGLang's /start_profile body (vLLM's takes none): `num_steps` ends the trace after
+    that many steps; the traces go to --profiler-dir, the only `output_dir` taken."""
+
+    output_dir: str | None = None
+    num_steps: int | None = Field(None, ge=1)
+    activities: list[Literal["CPU", "GPU"]] | None = None  # CPU, and CUDA on a GPU
+
+
+@routes.post("/start_profile")
+async def start_profile(f: FrontendDep, body: ProfileRequest | None = None):
+    """vLLM's and SGLang's: every engine core records a torch.profiler trace of its work
+    until /stop_profile (or `num_steps` steps), written to --profiler-dir."""
+    folder = f.client.config.model.profiler_dir
+    if folder is None:
+        raise APIError("profiling is off: start the server with --profiler-dir DIR")
+    body = body or ProfileRequest()
+    if body.output_dir is not None and Path(body.output_dir).resolve() != Path(folder).resolve():
+        raise APIError(f"traces go to --profiler-dir ({folder}) only", param="output_dir")
+    f.client.profile(body.num_steps or 0)
+    return Response(status_code=200)
+
+
+@routes.post("/stop_profile")
+async def stop_profile(f: FrontendDep):
+    """vLLM's and SGLang's: end the traces and write them (a file per core in
+    --profiler-dir, named in the cores' log)."""
+    if f.client.config.model.profiler_dir is None:
+        raise APIError("profiling is off: start the server with --profiler-dir DIR")
+    f.client.profile(None)
     return Response(status_code=200)
 
 

@@ -47,7 +47,8 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
 }
 # a 200 of no body
 _EMPTY = ("/reset_prefix_cache", "/health_generate", "/abort_request", "/sleep", "/wake_up",
-          "/release_memory_occupation", "/resume_memory_occupation")
+          "/release_memory_occupation", "/resume_memory_occupation", "/start_profile",
+          "/stop_profile")
 _PROBES = ("/health_generate",)  # 503 when the engine makes no token, 400 on a P/D instance
 _GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                "/generate")
