@@ -79,13 +79,15 @@ async def abort_request(body: AbortRequest, request: Request, router: RouterDep)
 
 
 async def to_every_instance(request: Request, router: RouterDep):
-    """Pausing and sleeping (tidal/server/pausing.py), weight updates (weight_updates.py)."""
+    """Pausing and sleeping (tidal/server/pausing.py), weight updates (weight_updates.py),
+    profiling (api.py)."""
     return await router.to_all(request.url.path, request)
 
 
 for _path in ("/pause", "/resume", "/pause_generation", "/continue_generation", "/sleep",
               "/wake_up", "/update_weights_from_disk", "/release_memory_occupation",
-              "/resume_memory_occupation", "/is_paused", "/is_sleeping", "/get_weight_version"):
+              "/resume_memory_occupation", "/start_profile", "/stop_profile", "/is_paused",
+              "/is_sleeping", "/get_weight_version"):
     routes.add_api_route(_path, to_every_instance,
                          methods=["GET" if _path.startswith(("/is_", "/get_")) else "POST"])
 
