@@ -3,12 +3,14 @@ step, completes the one in flight, and after the resume answers with the tokens 
 never paused; end to end on a keyed server, vLLM's /pause in each mode (`keep` freezes a
 stream and a new request until /resume, `abort` answers what was made, `wait` answers once
 the requests in flight finished, `clear_cache`), /is_paused, SGLang's /pause_generation and
-/continue_generation, /health_generate while paused, and the refusals."""
+/continue_generation, /health_generate while paused, the refusals, and a request a pause
+holds refused when the server stops."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 import time
 
 import httpx
@@ -196,3 +198,17 @@ def test_refusals_and_the_key(server):
         assert httpx.post(server.url + path).status_code == 401
     assert httpx.get(server.url + "/is_paused").status_code == 401
     assert not is_paused(server)
+
+
+def test_a_request_held_by_a_pause_is_answered_at_shutdown(server):
+    """SIGTERM ends the wait of a request a pause held: a 503 saying the server shuts down
+    (last: it stops the module's server)."""
+    assert post(server, "/pause").status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        late = pool.submit(post, server, "/v1/completions",
+                           {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+        time.sleep(0.5)
+        assert not late.done()
+        server.proc.send_signal(signal.SIGTERM)
+        r = late.result(timeout=10)  # at once, not after the drain
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]

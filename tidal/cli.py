@@ -54,13 +54,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if started is None:
         return
     client, server = started
-    import uvicorn
-
     from tidal.server.api import build_app
-    from tidal.server.limits import uvicorn_options
+    from tidal.server.limits import run_server
 
-    uvicorn.run(build_app(client, server), timeout_graceful_shutdown=int(server.drain_timeout),
-                **uvicorn_options(server))
+    run_server(build_app(client, server), server, client.stop_holding,
+               timeout_graceful_shutdown=int(server.drain_timeout))
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:

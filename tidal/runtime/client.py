@@ -87,6 +87,7 @@ class CoreClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._launched: float | None = None  # when the cores were launched
         self.holds: set[str] = set()  # why new requests wait unsent (see `hold`)
+        self.stopping = False  # the server stops: requests held are refused
         self.gate = asyncio.Event()  # set while no hold is on
         self.gate.set()
         self.cores_paused = False  # paused in the cores too (mode keep): they plan no step
@@ -155,6 +156,7 @@ class CoreClient:
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Let running requests finish for up to `drain_timeout` s, then stop the cores."""
         self.watch.close()
+        self._end_holds()
         if self.dispatcher is not None:
             for item in self.dispatcher.close():  # never sent: nothing to drain
                 self.streams.fail(item.request_id, "the server is shutting down", dead=True)
@@ -214,7 +216,10 @@ class CoreClient:
         several requests may share (updates carry their root id). A decode instance gets
         the prefill core that computes the prompt (`prefill_address`, from the router).
         While a hold is on (paused, asleep, weights updating) it waits here, unsent."""
-        await self.gate.wait()
+        if not self.gate.is_set():
+            await self.gate.wait()
+            if self.stopping:
+                raise EngineDeadError("the server is shutting down")
         if not self.alive:
             raise self.unavailable()
         queue = self.streams.open(request_id, params, queue)
@@ -293,6 +298,16 @@ class CoreClient:
         self.holds.discard(why)
         if not self.holds:
             self.gate.set()
+
+    def stop_holding(self) -> None:
+        """The server is stopping (a signal, before its drain): refuse the requests a hold
+        keeps now rather than when the drain ends. Safe from a signal handler."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._end_holds)
+
+    def _end_holds(self) -> None:
+        self.stopping = True
+        self.gate.set()
 
     @property
     def paused(self) -> bool:

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import time
+from typing import Callable
 
 import h11
+import uvicorn
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -193,3 +197,31 @@ def uvicorn_options(http: HttpConfig) -> dict:
         tls["ssl_cert_reqs"] = http.ssl_cert_reqs
     return {**where, **tls, "log_level": http.uvicorn_log_level,
             "access_log": not http.disable_uvicorn_access_log, **uvicorn_limits(http)}
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, calling `on_exit` as a stop signal arrives, before its drain."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self.on_exit()
+        super().handle_exit(sig, frame)
+
+
+def run_server(app, http: HttpConfig, on_exit: Callable[[], None], **options) -> None:
+    """uvicorn.run in one process over `http`'s options (and `options`), with `on_exit`
+    told of SIGTERM or SIGINT before the connections drain."""
+    config = uvicorn.Config(app, **uvicorn_options(http), **options)
+    server = _Server(config, on_exit)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if config.uds and os.path.exists(config.uds):
+            os.remove(config.uds)
+    if not server.started:
+        sys.exit(3)  # uvicorn's exit status for a server that never started
