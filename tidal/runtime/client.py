@@ -346,8 +346,6 @@ class CoreClient:
         start (it is restarted under the restart policy)."""
         cores, self.asleep = self.asleep, []
         why = await self._start_cores(cores, on_failure=self.watch.died)
-        if self.dispatcher is not None:
-            self.dispatcher.forget_prefixes()  # the new cores hold none
         self.lift("sleep")
         return why
 
@@ -371,8 +369,6 @@ class CoreClient:
             await self._start_cores(serving, on_failure=self.watch.died)
         else:
             log.info("serving the weights of %s", folder)
-        if self.dispatcher is not None:
-            self.dispatcher.forget_prefixes()  # the new cores hold none
         return why
 
     async def _start_cores(self, cores: list, on_failure: Callable | None = None
@@ -381,6 +377,8 @@ class CoreClient:
         not start failed (`on_failure` then gets each such core's state; without it the
         rest are left stopped)."""
         why = None
+        if self.dispatcher is not None:
+            self.dispatcher.forget_prefixes()  # new cores hold none
         for state in cores:
             if not await self.watch.start(state):
                 why = why or f"engine core {state.index}: {state.reason}"

@@ -28,10 +28,10 @@ routes = APIRouter()
 Mode = Literal["abort", "wait", "keep"]
 
 
-def check_drainable(f: Frontend, abort: bool, param: str) -> None:
+def check_drainable(f: Frontend, waits: bool, param: str) -> None:
     """Refuse to wait for requests a pause in place holds: they cannot finish until it
     ends (`param` names the field that would end them instead)."""
-    if not abort and f.client.held_in_place:
+    if waits and f.client.held_in_place:
         raise APIError("requests are held by a pause in place (mode keep) and cannot finish "
                        "until /resume; resume first, or abort them", param=param)
 
@@ -52,7 +52,7 @@ async def settle(f: Frontend, abort: bool, why: str) -> None:
 async def pause(f: Frontend, mode: Mode, clear_cache: bool) -> None:
     """Pause the server in `mode` (see the module); with `clear_cache`, every core then
     forgets its cached prefixes (KV a new model's weights would not have made)."""
-    check_drainable(f, mode != "wait", "mode")
+    check_drainable(f, mode == "wait", "mode")
     f.client.pause(cores=mode == "keep")
     if mode != "keep":
         await settle(f, mode == "abort", "generation paused")
@@ -92,7 +92,7 @@ async def sleep(f: Frontend, mode: Mode) -> None:
     async with client.weights_lock:
         if "sleep" in client.holds:
             return
-        check_drainable(f, mode == "abort", "mode")
+        check_drainable(f, mode == "wait", "mode")
         client.hold("sleep")
         await settle(f, mode == "abort", "the engine went to sleep")
         client.sleep()

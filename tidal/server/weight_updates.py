@@ -68,7 +68,7 @@ async def update_weights(f: Frontend, body: UpdateWeightsFromDisk) -> None:
     async with client.weights_lock:
         if "sleep" in client.holds:
             raise APIError("the engine sleeps: wake it (/wake_up) before updating its weights")
-        check_drainable(f, body.abort_all_requests, "abort_all_requests")
+        check_drainable(f, not body.abort_all_requests, "abort_all_requests")
         client.hold("update")
         try:
             await settle(f, body.abort_all_requests, "aborted for a weight update")
