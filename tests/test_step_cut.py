@@ -6,6 +6,7 @@ The Hypothesis state machine (test_scheduler_stateful.py) cuts steps at random t
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -147,6 +148,7 @@ class _Core:
         self.aborted: list[str] = []
         self.scheduler = type("S", (), {"role": type("R", (), {
             "refusal": staticmethod(lambda address, prompt_only: None)})()})()
+        self.config = SimpleNamespace(model=SimpleNamespace(profiler_dir=None))
 
     def cut_steps_when(self, check) -> bool:
         self.check = check

@@ -29,7 +29,8 @@ _ANTHROPIC_ERROR_SCHEMA = {  # the Messages routes' (tidal/server/anthropic/prot
         "type": "object", "required": ["type", "message"],
         "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
 _ERRORS = {  # status -> when, for the routes each applies to
-    "400": "the body is invalid: the message names the field (`param`)",
+    "400": "the body is invalid (the message names the field, `param`), or the server cannot "
+           "do what the route asks (the message says why)",
     "401": "the API key is missing or wrong (a server started with --api-key)",
     "404": "no such model (this server serves one), stored response, file or batch",
     "409": "the batch has ended: it can no longer be cancelled",
@@ -49,7 +50,11 @@ _TEXT = {  # routes whose 200 is not JSON: its media type and schema
 _EMPTY = ("/reset_prefix_cache", "/health_generate", "/abort_request", "/sleep", "/wake_up",
           "/release_memory_occupation", "/resume_memory_occupation", "/start_profile",
           "/stop_profile")
-_PROBES = ("/health_generate",)  # 503 when the engine makes no token, 400 on a P/D instance
+# what else a route without parameters may answer: /health_generate 503 when the engine makes
+# no token, 400 on a P/D instance; /stop_profile 400 without --profiler-dir; a wake 503
+# when a core does not start
+_ALSO = {"/health_generate": ["400", "503"], "/stop_profile": ["400"], "/wake_up": ["503"],
+         "/resume_memory_occupation": ["503"]}
 _GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                "/generate")
 # may answer 429, 503
@@ -92,7 +97,7 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
                 ["429", "503"] if path in _QUEUED else []) + (
                 ["404"] if path.startswith(_LOOKED_UP) or path in _MODEL_ROUTES else []) + (
                 ["409"] if path.endswith("/cancel") else []) + (
-                ["400", "503"] if path in _PROBES else [])
+                _ALSO.get(path, []))
             shape = _ANTHROPIC_ERROR if path.startswith(ANTHROPIC_PREFIX) else _ERROR
             for status in errors:
                 responses[status] = {"description": _ERRORS[status],
