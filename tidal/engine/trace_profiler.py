@@ -23,10 +23,6 @@ class TraceProfiler:
         self._steps_left = 0  # 0: until `stop`
         self.runs = 0  # traces written: each file's name has its number
 
-    @property
-    def active(self) -> bool:
-        return self._profile is not None
-
     def start(self, num_steps: int = 0) -> None:
         """Begin a run (one already running goes on)."""
         if self._profile is not None:
@@ -46,10 +42,10 @@ class TraceProfiler:
             if not self._steps_left:
                 self.stop()
 
-    def stop(self) -> Path | None:
-        """End the run and write its trace; where (None: no run)."""
+    def stop(self) -> None:
+        """End the run (if one runs) and write its trace."""
         if self._profile is None:
-            return None
+            return
         profile, self._profile = self._profile, None
         profile.stop()
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -59,4 +55,3 @@ class TraceProfiler:
         profile.export_chrome_trace(str(part))
         part.replace(path)
         log.info("profile written: %s", path)
-        return path

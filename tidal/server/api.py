@@ -97,13 +97,19 @@ class ProfileRequest(StrictModel):
     activities: list[Literal["CPU", "GPU"]] | None = None  # CPU, and CUDA on a GPU
 
 
+def _profiler_dir(f: Frontend) -> str:
+    """Where the cores' traces go; a 400 where profiling is off."""
+    folder = f.client.config.model.profiler_dir
+    if folder is None:
+        raise APIError("profiling is off: start the server with --profiler-dir DIR")
+    return folder
+
+
 @routes.post("/start_profile")
 async def start_profile(f: FrontendDep, body: ProfileRequest | None = None):
     """vLLM's and SGLang's: every engine core records a torch.profiler trace of its work
     until /stop_profile (or `num_steps` steps), written to --profiler-dir."""
-    folder = f.client.config.model.profiler_dir
-    if folder is None:
-        raise APIError("profiling is off: start the server with --profiler-dir DIR")
+    folder = _profiler_dir(f)
     body = body or ProfileRequest()
     if body.output_dir is not None and Path(body.output_dir).resolve() != Path(folder).resolve():
         raise APIError(f"traces go to --profiler-dir ({folder}) only", param="output_dir")
@@ -115,8 +121,7 @@ async def start_profile(f: FrontendDep, body: ProfileRequest | None = None):
 async def stop_profile(f: FrontendDep):
     """vLLM's and SGLang's: end the traces and write them (a file per core in
     --profiler-dir, named in the cores' log)."""
-    if f.client.config.model.profiler_dir is None:
-        raise APIError("profiling is off: start the server with --profiler-dir DIR")
+    _profiler_dir(f)
     f.client.profile(None)
     return Response(status_code=200)
 
