@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import gguf
@@ -332,6 +333,25 @@ def test_an_unchanged_gguf_converts_once(tmp_path, conversions):
     dense_weights(second)
     assert conversions == [path] and second == first
     assert (second / "model.safetensors").stat().st_mtime_ns == written
+
+
+def test_a_conversion_finished_first_elsewhere_is_kept(tmp_path, monkeypatch):
+    """Two servers starting at once on a new GGUF both convert it: the one finishing second
+    keeps the folder the first wrote (a server may be reading it), not its own copy."""
+    import tidal.model.gguf_convert as gguf_convert
+
+    path = write_gguf(hf_folder(tmp_path, "qwen2"), "qwen2", tmp_path / "m.gguf")
+    out = tmp_path / "cache" / "m"
+    save = gguf_convert.save_tokenizer
+
+    def beaten(reader, gguf_path, folder):  # the other process renames its folder in now
+        save(reader, gguf_path, folder)
+        shutil.copytree(folder, out)
+        (out / "theirs").touch()
+    monkeypatch.setattr(gguf_convert, "save_tokenizer", beaten)
+    assert convert_gguf(path, out, weights=False) == out
+    assert (out / "theirs").is_file() and (out / "config.json").is_file()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m"]  # no copy of ours left
 
 
 def test_gguf_fingerprint_sees_its_head_tail_and_slices(tmp_path):

@@ -321,7 +321,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
         (tmp / "generation_config.json").write_text(
             json.dumps(generation_config(reader), indent=2))
         save_tokenizer(reader, gguf_path, tmp)
-        if out_dir.exists():
+        if (out_dir / "config.json").is_file():  # another process converted it meanwhile:
+            shutil.rmtree(tmp)  # keep theirs, which a server may be reading already
+            return out_dir
+        if out_dir.exists():  # a folder left half-written
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     except BaseException:
