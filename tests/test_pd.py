@@ -138,8 +138,9 @@ def test_greedy_through_1p1d_equals_a_mixed_engine():
 
 
 def other_answers(url: str) -> tuple[list[str], list[list[float]], list[float]]:
-    """Responses (one, its continuation, a stream; retrieved and deleted), embeddings, and
-    rerank scores, through the official client where it has the call."""
+    """Responses (one, its continuation, a stream; retrieved and deleted), a chat through
+    /invocations, embeddings, and rerank scores, through the official client where it has
+    the call."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     ask = dict(model="smollm2-135m", max_output_tokens=12, temperature=0)
     first = client.responses.create(input="What is the capital of France?", **ask)
@@ -172,7 +173,15 @@ def other_answers(url: str) -> tuple[list[str], list[list[float]], list[float]]:
     rerank = httpx.post(url + "/v1/rerank", json={
         "query": "Where is Paris?", "documents": ["Paris is in France.", "Cats purr."]}).json()
     scores = [r["relevance_score"] for r in sorted(rerank["results"], key=lambda r: r["index"])]
-    return [first.output_text, then.output_text, streamed], vectors, scores
+    # SageMaker's /invocations: each body where its own endpoint's goes
+    ranked = httpx.post(url + "/invocations", json={
+        "query": "Where is Paris?", "documents": ["Paris is in France.", "Cats purr."]}).json()
+    assert ranked["results"] == rerank["results"]
+    said = httpx.post(url + "/invocations", timeout=60, json={
+        "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 12,
+        "temperature": 0}).json()["choices"][0]["message"]["content"]
+    assert httpx.get(url + "/ping").status_code == 200
+    return [first.output_text, then.output_text, streamed, said], vectors, scores
 
 
 def test_responses_embeddings_and_scores_through_the_router_equal_a_mixed_engine():

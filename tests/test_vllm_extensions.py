@@ -2,7 +2,7 @@
 with the official `openai` client: cache_salt, allowed_token_ids, bad_words,
 skip_special_tokens and include_stop_str_in_output, truncate_prompt_tokens, return_token_ids
 and return_tokens_as_token_ids, chat echo; vLLM's per-request metrics; and /start_profile
-and /stop_profile writing torch.profiler traces."""
+and /stop_profile writing torch.profiler traces; SageMaker's /invocations and /ping."""
 
 from __future__ import annotations
 
@@ -383,3 +383,65 @@ def test_a_profile_traces_the_steps_between_start_and_stop(server, client):
                         ({"activities": ["TPU"]}, "activities.0")):
         r = post(server, "/start_profile", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_invocations_answers_each_body_as_its_endpoint(server):
+    """SageMaker's /invocations (as vLLM serves it): a chat, a completion (streamed too) and
+    an embeddings body each get their endpoint's answer; /ping is /health."""
+    chat = {"messages": QUESTION, "max_tokens": 8, "temperature": 0}
+    prompt = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    embed = {"input": "The capital of France"}
+    for body, path in ((chat, "/v1/chat/completions"), (prompt, "/v1/completions")):
+        want, got = post(server, path, body).json(), post(server, "/invocations", body).json()
+        assert got["object"] == want["object"] and got["choices"] == want["choices"], got
+    want = post(server, "/v1/embeddings", embed).json()["data"][0]["embedding"]
+    got = post(server, "/invocations", embed).json()["data"][0]["embedding"]
+    assert got == pytest.approx(want, abs=1e-5)
+    with httpx.stream("POST", server.url + "/invocations", json={**prompt, "stream": True},
+                      timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    text = "".join(json.loads(line)["choices"][0]["text"] for line in lines[:-1])
+    assert text == post(server, "/v1/completions", prompt).json()["choices"][0]["text"]
+    for method in ("GET", "POST"):
+        ping = httpx.request(method, server.url + "/ping")
+        assert ping.status_code == 200 and ping.json()["status"] == "ok"
+
+
+def test_invocations_refuses_a_body_naming_what_is_wrong(server):
+    """A body no endpoint takes: the fault of the kind its fields name (param), else the
+    kinds there are; a score body reaches /v1/score, which says this model has no head."""
+    for body, param in (({"messages": [], "max_tokens": 4}, "messages"),
+                        ({"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
+                        ({"input": "Hi", "dimensions": "many"}, "dimensions")):
+        r = post(server, "/invocations", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(server, "/invocations", {"question": "Hi"})
+    assert r.status_code == 400 and "`messages`" in r.json()["error"]["message"], r.text
+    r = post(server, "/invocations", {"text_1": "a", "text_2": "b"})
+    assert r.status_code == 400 and "no score head" in r.json()["error"]["message"], r.text
+    for content in (b"{not json", b"[1, 2]"):
+        r = httpx.post(server.url + "/invocations", content=content,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"], r.text
+
+
+@pytest.mark.parametrize("task,scorer,path", [
+    ("auto", None, "/v1/embeddings"), ("auto", "classifier", "/v1/embeddings"),
+    ("score", "classifier", "/classify"), ("embed", "classifier", "/v1/embeddings")])
+def test_a_body_two_endpoints_take_goes_to_the_one_the_server_serves(task, scorer, path):
+    """{"input": ...} is both an embeddings and a classify body: a --task score server with
+    a classifier head classifies it, any other embeds it (vLLM's order)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tidal.server.sagemaker import _served_first, read_invocation
+
+    class Body:
+        async def json(self):
+            return {"input": "Is this spam?"}
+    f = SimpleNamespace(config=SimpleNamespace(task=task),
+                        client=SimpleNamespace(ready=SimpleNamespace(scorer=scorer)))
+    kind, _ = asyncio.run(read_invocation(Body(), _served_first(f)))
+    assert kind.path == path

@@ -3,8 +3,8 @@ here; the generation routes (completions, chat, embeddings, tokenize) in
 `generation_routes.py`, the Responses API in `responses/`, LoRA adapters in
 `lora_routes.py`, the Batch API in `batches/`, SGLang's native API in `sglang/`, pausing
 and sleep in `pausing.py`, weight updates in `weight_updates.py`, the live dashboard in
-`dashboard.py`. Every route works through the one `Frontend` (`frontend.py`); the server's
-options are in `config.py`."""
+`dashboard.py`, SageMaker's /invocations in `sagemaker.py`. Every route works through the
+one `Frontend` (`frontend.py`); the server's options are in `config.py`."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from tidal.server.lora_routes import routes as lora_routes
 from tidal.server.openai.protocol import APIError, StrictModel
 from tidal.server.openapi import install_schema
 from tidal.server.pausing import routes as pausing_routes
+from tidal.server.sagemaker import routes as sagemaker_routes
 from tidal.server.weight_updates import routes as weight_routes
 from tidal.server.responses.routes import routes as responses_routes
 from tidal.server.score_routes import routes as score_routes
@@ -42,6 +43,7 @@ routes = APIRouter()
 
 
 @routes.get("/health")
+@routes.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)  # SageMaker's
 async def health(f: FrontendDep, request: Request):
     """Whether the server serves, and how its cores fare; their process ids only to a
     caller with the API key where there is one (an open endpoint tells no internals)."""
@@ -180,6 +182,7 @@ def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) ->
     app.include_router(responses_routes)
     app.include_router(anthropic_routes)
     app.include_router(score_routes)
+    app.include_router(sagemaker_routes)
     app.include_router(sglang_routes)
     app.include_router(pausing_routes)
     app.include_router(weight_routes)

@@ -56,7 +56,10 @@ _EMPTY = ("/reset_prefix_cache", "/health_generate", "/abort_request", "/sleep",
 _ALSO = {"/health_generate": ["400", "503"], "/stop_profile": ["400"], "/wake_up": ["503"],
          "/resume_memory_occupation": ["503"]}
 _GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-               "/generate")
+               "/generate", "/invocations")
+# a route that parses its own body, any of these routes' (SageMaker's /invocations): its
+# openapi_extra names them, and the schema says that its body is one of theirs
+BODIES_OF = "x-bodies-of"
 # may answer 429, 503
 _QUEUED = _GENERATION + ("/v1/embeddings", "/v1/score", "/v1/rerank", "/classify",
                          "/encode")
@@ -88,10 +91,17 @@ def corrected(raw: dict[str, Any], served_model: str | None, keyed: bool) -> dic
         schemas.pop(name, None)
     schemas["ErrorResponse"] = _ERROR_SCHEMA
     schemas["AnthropicErrorResponse"] = _ANTHROPIC_ERROR_SCHEMA
-    for path, operations in raw.get("paths", {}).items():
+    paths = raw.get("paths", {})
+    for path, operations in paths.items():
         for op in operations.values():
             responses = op.setdefault("responses", {})
             has_body = responses.pop("422", None) is not None
+            if BODIES_OF in op:
+                has_body = True
+                op["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"anyOf": [
+                        paths[p]["post"]["requestBody"]["content"]["application/json"]["schema"]
+                        for p in op.pop(BODIES_OF)]}}}}
             errors = (["400", "413"] if has_body else []) + (
                 ["401"] if keyed and path.startswith(_KEYED) else []) + (
                 ["429", "503"] if path in _QUEUED else []) + (

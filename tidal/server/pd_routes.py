@@ -2,7 +2,8 @@
 parses its body with the server's own models (a request the server refuses is refused here
 with the same 400, before it costs a prefill) and forwards it through a decode instance;
 the routes that end at a prompt go to a prefill instance; control routes (pausing, sleep,
-weight updates, prefix-cache resets, aborts) go to every instance."""
+weight updates, prefix-cache resets, aborts) go to every instance. SageMaker's
+/invocations goes where its body's endpoint goes."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tidal.server.openai.protocol import APIError, CompletionRequest, Detokenize
 from tidal.server.pd_router import PDRouter, auth_header
 from tidal.server.responses.request import ResponsesRequest
 from tidal.server.responses.routes import not_stored
+from tidal.server.sagemaker import SCHEMA, read_invocation
 from tidal.server.scoring import ClassifyRequest, RerankRequest, ScoreRequest
 from tidal.server.sglang.request import (AbortRequest, EncodeRequest, GenerateRequest,
                                          in_sglang_terms)
@@ -207,8 +209,16 @@ async def health_generate(request: Request, router: RouterDep):
 
 
 @routes.get("/health")
+@routes.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)  # SageMaker's
 async def health(router: RouterDep):
     return await router.health()
+
+
+@routes.post("/invocations", **SCHEMA)
+async def invocations(request: Request, router: RouterDep):
+    """SageMaker's: relayed as its body's endpoint is (sagemaker.py)."""
+    kind, body = await read_invocation(request)
+    return await _ENDPOINTS[kind.path](body, request, router)
 
 
 @routes.get("/dashboard", response_class=HTMLResponse)
@@ -224,6 +234,11 @@ async def dashboard_stream(request: Request, router: RouterDep):
     return StreamingResponse(router.dashboard_events(auth_header(request)),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+_ENDPOINTS = {"/v1/chat/completions": chat, "/v1/completions": completions,
+              "/v1/embeddings": embeddings, "/classify": classify, "/v1/score": score,
+              "/v1/rerank": rerank}
 
 
 def build_router_app(router: PDRouter, http: HttpConfig | None = None,
