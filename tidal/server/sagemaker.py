@@ -5,6 +5,7 @@ endpoint would, streamed where it streams. The P/D router serves both too (pd_ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
@@ -42,7 +43,8 @@ KINDS = (Kind("/v1/chat/completions", ChatRequest, "messages", "generate"),
          Kind("/v1/rerank", RerankRequest, "query", "score"))
 
 
-async def read_invocation(request: Request, kinds=KINDS) -> tuple[Kind, StrictModel]:
+async def read_invocation(request: Request,
+                          kinds: Sequence[Kind] = KINDS) -> tuple[Kind, StrictModel]:
     """The first of `kinds` whose model takes the body, and the body as that model. None
     taking it: the validation errors of the first kind whose field the body has (a 400
     naming the field at fault), else a 400 naming the kinds."""
