@@ -3,8 +3,9 @@ step, completes the one in flight, and after the resume answers with the tokens 
 never paused; end to end on a keyed server, vLLM's /pause in each mode (`keep` freezes a
 stream and a new request until /resume, `abort` answers what was made, `wait` answers once
 the requests in flight finished, `clear_cache`), /is_paused, SGLang's /pause_generation and
-/continue_generation, /health_generate while paused, the refusals, and a request a pause
-holds refused when the server stops."""
+/continue_generation, /health_generate while paused, the refusals, a held request aborted
+by name or left by its client (never computed), and a request a pause holds refused when
+the server stops."""
 
 from __future__ import annotations
 
@@ -198,6 +199,34 @@ def test_refusals_and_the_key(server):
         assert httpx.post(server.url + path).status_code == 401
     assert httpx.get(server.url + "/is_paused").status_code == 401
     assert not is_paused(server)
+
+
+def test_a_held_request_can_be_aborted_by_name_or_left(server):
+    """While paused, a held request is ended by /abort_request naming it (answered at
+    once: finish reason abort, no text), another's client leaves, and a third stays held
+    through a second pause that aborts the requests in flight; after /resume only that
+    third reaches the engine (one prompt looked up in the prefix cache)."""
+    queried = "tidal:prefix_cache_queries_total"
+    assert post(server, "/pause").status_code == 200
+    time.sleep(1.0)  # the core's last report is in
+    before = metric(server.url, queried)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        named = pool.submit(complete, server, max_tokens=3, request_id="held-1")
+        kept = pool.submit(complete, server, max_tokens=3)
+        with pytest.raises(httpx.ReadTimeout):  # the client leaves while held
+            httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=0.5,
+                       json={"prompt": PROMPT, "max_tokens": 3})
+        assert post(server, "/abort_request", {"rid": "held-1"}).status_code == 200
+        choice = named.result(timeout=10)["choices"][0]
+        assert (choice["finish_reason"], choice["text"]) == ("abort", "")
+        assert post(server, "/pause").status_code == 200
+        time.sleep(0.3)
+        assert not kept.done()
+        assert post(server, "/resume").status_code == 200
+        answer = kept.result(timeout=60)
+    assert answer["choices"][0]["finish_reason"] == "length"
+    time.sleep(1.0)  # the core's next report
+    assert metric(server.url, queried) - before == answer["usage"]["prompt_tokens"]
 
 
 def test_a_request_held_by_a_pause_is_answered_at_shutdown(server):

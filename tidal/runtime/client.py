@@ -88,8 +88,6 @@ class CoreClient:
         self._launched: float | None = None  # when the cores were launched
         self.holds: set[str] = set()  # why new requests wait unsent (see `hold`)
         self.stopping = False  # the server stops: requests held are refused
-        self.gate = asyncio.Event()  # set while no hold is on
-        self.gate.set()
         self.cores_paused = False  # paused in the cores too (mode keep): they plan no step
         self.asleep: list = []  # the cores `sleep` stopped, to start at `wake`
         self.weights_lock = asyncio.Lock()  # one weight update, sleep or wake at a time
@@ -215,28 +213,48 @@ class CoreClient:
         """Send a request to a core; its updates (or a Failure) arrive on `queue`, which
         several requests may share (updates carry their root id). A decode instance gets
         the prefill core that computes the prompt (`prefill_address`, from the router).
-        While a hold is on (paused, asleep, weights updating) it waits here, unsent."""
-        if not self.gate.is_set():
-            await self.gate.wait()
-            if self.stopping:
-                raise EngineDeadError("the server is shutting down")
+        While a hold is on (paused, asleep, weights updating) it is opened but held unsent
+        until the hold lifts: it can be aborted, or stopped by name, meanwhile."""
+        if self.stopping:
+            raise EngineDeadError("the server is shutting down")
         if not self.alive:
             raise self.unavailable()
         queue = self.streams.open(request_id, params, queue)
         msg = m.Add(request_id, prompt_token_ids, params, time.time(), prefill_address)
+        if self.holds:
+            self.streams.hold(msg)
+            return queue
         try:
-            if self.dispatcher is not None:
-                self.dispatcher.submit(msg)
-            elif not self.sockets.send(0, msg):
-                raise self.unavailable()
+            self._send(msg)
         except Exception:  # nothing was sent: forget the request, or it counts forever
             self.streams.close(request_id)
             raise
         return queue
 
+    def _send(self, msg: m.Add) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.submit(msg)
+        elif not self.sockets.send(0, msg):
+            raise self.unavailable()
+
+    def _send_held(self) -> None:
+        """The requests held while a hold was on go on, in the order they came (their
+        arrival is now: the cores saw none of their wait)."""
+        for msg in self.streams.take_held():
+            msg.arrival_time = time.time()
+            try:
+                if not self.alive:
+                    raise self.unavailable()
+                self._send(msg)
+            except EngineDeadError as exc:
+                self.streams.fail(msg.request_id, str(exc), dead=True)
+
     async def abort(self, request_id: str) -> None:
         """The client is gone: forget the request here and free its blocks in the core."""
+        sent = request_id not in self.streams.held
         self.streams.close(request_id)
+        if not sent:
+            return
         if self.dispatcher is not None:
             self.dispatcher.abort(request_id)
         elif self.watch.cores[0].up:
@@ -245,8 +263,10 @@ class CoreClient:
     async def stop(self, request_id: str, message: str) -> None:
         """End a request now, answered: its unfinished sequences finish with reason `abort`
         and the text they have (SGLang's /abort_request); its blocks are freed in the core."""
+        sent = request_id not in self.streams.held
         self.streams.end(request_id, "abort", message)
-        await self.abort(request_id)
+        if sent:
+            await self.abort(request_id)
 
     def release(self, request_id: str) -> None:
         """A finished request's queue is no longer read."""
@@ -288,16 +308,15 @@ class CoreClient:
 
     # ------------------------------------------------------------------ holding requests
     def hold(self, why: str) -> None:
-        """Hold new requests unsent (`add` waits) until every hold is lifted: "pause",
+        """Hold new requests unsent (see `add`) until every hold is lifted: "pause",
         "sleep" or "update" (a weight update)."""
         self.holds.add(why)
-        self.gate.clear()
 
     def lift(self, why: str) -> None:
-        """Lift one hold; with none left, the waiting requests go on in the order they came."""
+        """Lift one hold; with none left, the held requests go on in the order they came."""
         self.holds.discard(why)
-        if not self.holds:
-            self.gate.set()
+        if not self.holds and not self.stopping:
+            self._send_held()
 
     def stop_holding(self) -> None:
         """The server is stopping (a signal, before its drain): refuse the requests a hold
@@ -307,7 +326,8 @@ class CoreClient:
 
     def _end_holds(self) -> None:
         self.stopping = True
-        self.gate.set()
+        for msg in self.streams.take_held():
+            self.streams.fail(msg.request_id, "the server is shutting down", dead=True)
 
     @property
     def paused(self) -> bool:
@@ -316,7 +336,7 @@ class CoreClient:
     @property
     def held_in_place(self) -> bool:
         """Whether cores paused in place hold requests (which cannot finish until resumed)."""
-        return self.cores_paused and len(self.streams) > 0
+        return self.cores_paused and self.streams.num_sent > 0
 
     def pause(self, cores: bool) -> None:
         """Hold new requests until `resume` (those in flight go on); with `cores`, the cores
@@ -388,8 +408,8 @@ class CoreClient:
         return why
 
     async def drained(self) -> None:
-        """Return once no request is in flight."""
-        while self.streams:
+        """Return once no request sent to the cores is in flight (held ones wait on)."""
+        while self.streams.num_sent:
             await asyncio.sleep(0.02)
 
     def _send_routed(self, core: int, msg: m.Add | m.Abort) -> bool:
@@ -429,7 +449,7 @@ class CoreClient:
         data parallelism those with no output yet go to a live core instead."""
         self.board.clear(core)
         lost = self.dispatcher.core_died(core, self.streams.begun.__contains__) \
-            if self.dispatcher is not None else self.streams.ids()
+            if self.dispatcher is not None else self.streams.sent_ids()
         log.error("%s; failing its %d requests", message, len(lost))
         for rid in lost:
             self.streams.fail(rid, message, dead=True)

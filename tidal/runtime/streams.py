@@ -28,6 +28,7 @@ class RequestStreams:
         self.queues: dict[str, asyncio.Queue] = {}
         self.widths: dict[str, int] = {}  # each open request's n
         self.begun: set[str] = set()  # open requests some output of which arrived
+        self.held: dict[str, m.Add] = {}  # open requests a hold keeps unsent, as they came
 
     def __len__(self) -> int:
         return len(self.queues)
@@ -39,6 +40,23 @@ class RequestStreams:
         self.outputs.track(request_id, params)
         self.widths[request_id] = params.n
         return queue
+
+    def hold(self, msg: m.Add) -> None:
+        """An opened request waits unsent until `take_held`."""
+        self.held[msg.request_id] = msg
+
+    def take_held(self) -> list[m.Add]:
+        """The held requests still open, in the order they came; none is held after."""
+        held, self.held = list(self.held.values()), {}
+        return held
+
+    @property
+    def num_sent(self) -> int:
+        """Open requests sent to the cores (not held)."""
+        return len(self.queues) - len(self.held)
+
+    def sent_ids(self) -> list[str]:
+        return [rid for rid in self.queues if rid not in self.held]
 
     def close(self, request_id: str) -> None:
         """Forget a request: finished, aborted, or never sent."""
@@ -54,6 +72,7 @@ class RequestStreams:
     def _untrack(self, request_id: str) -> None:
         self.widths.pop(request_id, None)
         self.begun.discard(request_id)
+        self.held.pop(request_id, None)
 
     def ids(self) -> list[str]:
         return list(self.queues)

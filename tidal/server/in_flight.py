@@ -30,9 +30,10 @@ class InFlight:
         self.names[sub] = names
         sub.on_end.append(lambda: self.names.pop(sub, None))
 
-    async def stop(self, name: str | None, message: str) -> None:
+    async def stop(self, name: str | None, message: str, held: bool = True) -> None:
         """End the requests `name` names (None: every one) with finish reason `abort` and
-        the text they have."""
+        the text they have; with `held` False, not those a hold keeps unsent."""
         for sub, names in list(self.names.items()):
             for rid in sub.rids if name is None else names.get(name, ()):
-                await self.client.stop(rid, message)
+                if held or rid not in self.client.streams.held:
+                    await self.client.stop(rid, message)

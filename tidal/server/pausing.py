@@ -6,7 +6,7 @@ and sleeping, to lend the machine's memory to a trainer between rollouts: vLLM's
 `/release_memory_occupation` and `/resume_memory_occupation` there.
 
 While paused every new request waits, unsent, and goes on at the resume in the order it
-came. What happens to the requests in flight is the mode's: `abort` ends them now, each
+came; meanwhile its client may leave, or /abort_request end it, as any other's. What happens to the requests in flight is the mode's: `abort` ends them now, each
 answered with what it generated (finish reason `abort`); `wait` lets them finish before
 the pause answers; `keep` stops the engine cores planning steps, so each waits where it is,
 blocks and tokens kept, and goes on at the resume with the tokens it would have had.
@@ -38,12 +38,12 @@ def check_drainable(f: Frontend, waits: bool, param: str) -> None:
 
 async def settle(f: Frontend, abort: bool, why: str) -> None:
     """With new requests held: end those in flight now, each answered with what it made
-    (`abort`), or let them finish; return once none is left."""
+    (`abort`), or let them finish; return once none is left (the held ones wait on)."""
     client = f.client
     if abort:
-        await f.in_flight.stop(None, why)
+        await f.in_flight.stop(None, why, held=False)
         if client.cores_paused:  # held in place, not generations (embeddings): fail them
-            for rid in client.streams.ids():
+            for rid in client.streams.sent_ids():
                 client.streams.fail(rid, why, dead=True)
                 await client.abort(rid)
     await client.drained()
