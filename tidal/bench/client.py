@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from tqdm import tqdm
@@ -26,27 +26,41 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = False
     temperature: float = 0.0
+    sampling: dict = field(default_factory=dict)  # top_p, top_k, min_p, use_beam_search
+    logprobs: int | None = None  # each token's top logprobs, asked as the endpoint asks
+    extra_body: dict = field(default_factory=dict)  # merged into every body, last
+    extra_headers: dict = field(default_factory=dict)
+    request_id_prefix: str | None = None  # each request's x-request-id: prefix + its index
     timeout: float = 6 * 3600
 
     @property
     def chat(self) -> bool:
         return self.endpoint.rstrip("/").endswith("chat/completions")
 
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def headers(self, index: int | None = None) -> dict[str, str]:
+        """The key's, --header's and, for request `index`, its x-request-id."""
+        headers = dict(self.extra_headers)
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        if index is not None and self.request_id_prefix is not None:
+            headers["x-request-id"] = f"{self.request_id_prefix}{index}"
+        return headers
 
 
 def payload(target: Target, prompt: str, output_len: int, model: str | None = None) -> dict:
     body = {"model": model or target.model, "max_tokens": output_len,
-            "temperature": target.temperature,
+            "temperature": target.temperature, **target.sampling,
             "stream": True, "stream_options": {"include_usage": True}}
     if target.chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    if target.logprobs is not None:
+        body.update({"logprobs": True, "top_logprobs": target.logprobs} if target.chat
+                    else {"logprobs": target.logprobs})
     if target.ignore_eos:
         body["ignore_eos"] = True  # vLLM, SGLang, llama-server and tidal all read it
-    return body
+    return {**body, **target.extra_body}
 
 
 def _chunk_text(chunk: dict, chat: bool) -> str:
@@ -59,15 +73,15 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
 
 
 async def send_one(http: httpx.AsyncClient, target: Target, prompt: str, req: BenchRequest,
-                   result: RequestResult, t_start: float) -> None:
-    """Stream one request, filling `result` (timings relative to `t_start`)."""
+                   result: RequestResult, t_start: float, index: int) -> None:
+    """Stream request `index`, filling `result` (timings relative to `t_start`)."""
     sent = time.perf_counter()
     result.start = sent - t_start
     last, chunks, text = sent, 0, []
     try:
         async with http.stream("POST", target.base_url + target.endpoint,
                                json=payload(target, prompt, req.output_len, req.model),
-                               headers=target.headers()) as resp:
+                               headers=target.headers(index)) as resp:
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:500]}"
                 return
@@ -103,11 +117,29 @@ async def send_one(http: httpx.AsyncClient, target: Target, prompt: str, req: Be
         result.error = f"{type(exc).__name__}: {exc}"
 
 
-async def first_model(target: Target) -> str:
-    async with httpx.AsyncClient(timeout=30) as http:
-        resp = await http.get(target.base_url + "/v1/models", headers=target.headers())
-        resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
+def wait_ready(target: Target, timeout: float) -> str:
+    """Wait up to `timeout` s for the server to list its models (it may still be
+    starting); the first one's name. SystemExit saying why when it does not."""
+    deadline, told, why = time.monotonic() + timeout, False, ""
+    url = target.base_url.rstrip("/") + "/v1/models"
+    while True:
+        try:
+            resp = httpx.get(url, headers=target.headers(), timeout=30)
+            if resp.status_code in (401, 403):
+                raise SystemExit(f"bench serve: {url} refused the key ({resp.status_code}): "
+                                 f"pass --api-key")
+            if resp.status_code == 200:
+                return resp.json()["data"][0]["id"]
+            why = f"HTTP {resp.status_code}"
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"bench serve: {url} did not answer within {timeout:g} s "
+                             f"(--ready-check-timeout-sec); last: {why}")
+        if not told:
+            print(f"waiting for {target.base_url} (up to {timeout:g} s): {why}")
+            told = True
+        time.sleep(1.0)
 
 
 async def run_workload(target: Target, requests: list[BenchRequest], prompts: list[str],
@@ -115,7 +147,7 @@ async def run_workload(target: Target, requests: list[BenchRequest], prompts: li
                        progress: bool = True) -> tuple[list[RequestResult], float]:
     """Send every request at its time; returns the results and the wall duration."""
     if target.model is None:
-        target.model = await first_model(target)
+        target.model = await asyncio.to_thread(wait_ready, target, 30.0)
     results = [RequestResult(prompt_len=r.prompt_len) for r in requests]
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=not progress, unit="req")
@@ -126,10 +158,11 @@ async def run_workload(target: Target, requests: list[BenchRequest], prompts: li
         async def one(i: int) -> None:
             await asyncio.sleep(max(0.0, t_start + send_times[i] - time.perf_counter()))
             if gate is None:
-                await send_one(http, target, prompts[i], requests[i], results[i], t_start)
+                await send_one(http, target, prompts[i], requests[i], results[i], t_start, i)
             else:
                 async with gate:
-                    await send_one(http, target, prompts[i], requests[i], results[i], t_start)
+                    await send_one(http, target, prompts[i], requests[i], results[i], t_start,
+                                   i)
             bar.update(1)
 
         await asyncio.gather(*(one(i) for i in range(len(requests))))

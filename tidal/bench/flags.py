@@ -9,9 +9,10 @@ import math
 from datetime import datetime
 from pathlib import Path
 
-from tidal.bench.arrivals import arrival_times
+from tidal.bench.arrivals import RAMPS, arrival_times
 from tidal.bench.dataset import (DATASETS, BenchRequest, DatasetSpec, assign_adapters,
                                  load_dataset)
+from tidal.bench.metrics import METRICS, PERCENTILES
 
 
 DEFAULT_MAX_MODEL_LEN = 2048  # `tidal bench serve --max-model-len`: the workload's clip
@@ -30,11 +31,18 @@ def add_workload_flags(p: argparse.ArgumentParser,
     g.add_argument("--random-input-len", type=int, default=1024)
     g.add_argument("--random-output-len", type=int, default=128)
     g.add_argument("--random-range-ratio", type=float, default=0.0)
+    g.add_argument("--random-prefix-len", type=int, default=0,
+                   help="random: tokens of one prefix every prompt starts with")
     g.add_argument("--shared-prefix-len", type=int, default=512,
                    help="shared-prefix: tokens of each group's system prompt")
     g.add_argument("--shared-prefix-groups", type=int, default=8)
     g.add_argument("--sharegpt-output-len", type=int, default=0,
                    help="sharegpt: fixed output length (0: the recorded reply's length)")
+    g.add_argument("--custom-output-len", type=int, default=256,
+                   help="custom: output tokens of a line without its own output_tokens")
+    g.add_argument("--custom-skip-chat-template", action="store_true",
+                   help="custom, to a completions endpoint: send each prompt as it is, not "
+                        "laid out by the tokenizer's chat template as a user turn")
     if max_model_len is not None:  # else the engine flag of the same name serves
         g.add_argument("--max-model-len", type=int, default=max_model_len,
                        help="prompt + output are clipped to this (the model's context)")
@@ -55,6 +63,11 @@ def add_workload_flags(p: argparse.ArgumentParser,
                         "inf for datasets without them)")
     a.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the intervals: 1 is Poisson, < 1 burstier")
+    a.add_argument("--ramp-up-strategy", choices=RAMPS, default=None,
+                   help="instead of --request-rate: a rate ramping from --ramp-up-start-rps "
+                        "at the first request to --ramp-up-end-rps at the last")
+    a.add_argument("--ramp-up-start-rps", type=float, default=None)
+    a.add_argument("--ramp-up-end-rps", type=float, default=None)
     a.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight at once")
     a.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
@@ -63,7 +76,22 @@ def add_workload_flags(p: argparse.ArgumentParser,
     o.add_argument("--save-result", nargs="?", const=True, default=False, metavar="PATH",
                    help="write the JSON result (to PATH, or --result-file, or a name from the "
                         "dataset, rate and date)")
-    o.add_argument("--result-file", default=None, help="where --save-result writes")
+    o.add_argument("--result-file", "--result-filename", dest="result_file", default=None,
+                   help="where --save-result writes")
+    o.add_argument("--result-dir", default=None, help="the folder of the result's file")
+    o.add_argument("--append-result", action="store_true",
+                   help="add the result to its file as one more JSON line (saves it)")
+    o.add_argument("--label", default=None,
+                   help="the result's label, and its file name's first word")
+    o.add_argument("--metadata", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="pairs stored in the result as they are")
+    o.add_argument("--save-detailed", action="store_true",
+                   help="accepted: a result always holds each request's lengths, timings, "
+                        "text and error")
+    o.add_argument("--percentile-metrics", default=",".join(METRICS),
+                   help=f"the metrics whose percentiles are reported, of {', '.join(METRICS)}")
+    o.add_argument("--metric-percentiles", default=",".join(map(str, PERCENTILES)),
+                   help="the percentiles reported, in (0, 100]")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
 
 
@@ -76,9 +104,12 @@ def dataset_spec(args: argparse.Namespace, vocab_size: int,
         seed=args.seed, vocab_size=vocab_size,
         max_model_len=args.max_model_len if max_model_len is None else max_model_len,
         input_len=args.random_input_len,
-        output_len=(args.sharegpt_output_len if args.dataset == "sharegpt"
-                    else args.random_output_len),
+        output_len={"sharegpt": args.sharegpt_output_len,
+                    "custom": args.custom_output_len}.get(args.dataset, args.random_output_len),
         range_ratio=args.random_range_ratio, prefix_len=args.shared_prefix_len,
+        random_prefix_len=args.random_prefix_len,
+        chat_template=args.dataset == "custom" and not args.custom_skip_chat_template
+        and not getattr(args, "endpoint", "").rstrip("/").endswith("chat/completions"),
         num_groups=args.shared_prefix_groups, length_scale=args.length_scale,
         time_scale=args.time_scale)
 
@@ -89,7 +120,8 @@ def load_workload(args: argparse.Namespace, vocab_size: int, tokenizer=None,
     """The requests, their send times, and the spec (with the length scale it used)."""
     spec = dataset_spec(args, vocab_size, max_model_len)
     requests = load_dataset(spec, tokenizer)
-    times = arrival_times(requests, args.request_rate, args.burstiness, args.seed)
+    times = arrival_times(requests, args.request_rate, args.burstiness, args.seed,
+                          ramp_up(args))
     if getattr(args, "lora_modules", None):
         assign_adapters(requests, args.lora_modules, args.lora_distribution, args.seed)
     if spec.name in ("azure-conv", "mooncake") and spec.length_scale != 1.0:
@@ -98,21 +130,73 @@ def load_workload(args: argparse.Namespace, vocab_size: int, tokenizer=None,
     return requests, times, spec
 
 
+def ramp_up(args: argparse.Namespace) -> tuple[str, float, float] | None:
+    """--ramp-up-strategy's (strategy, start, end), checked; None without one."""
+    if args.ramp_up_strategy is None:
+        if args.ramp_up_start_rps is not None or args.ramp_up_end_rps is not None:
+            raise ValueError("--ramp-up-start-rps and --ramp-up-end-rps need "
+                             "--ramp-up-strategy")
+        return None
+    if args.ramp_up_start_rps is None or args.ramp_up_end_rps is None:
+        raise ValueError("--ramp-up-strategy needs --ramp-up-start-rps and --ramp-up-end-rps")
+    if args.request_rate is not None:
+        raise ValueError("--ramp-up-strategy sets the request rate: drop --request-rate")
+    return args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps
+
+
+def report_options(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """--percentile-metrics and --metric-percentiles, checked: the metrics and percentiles
+    a report shows and a result stores."""
+    metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown or not metrics:
+        raise ValueError(f"--percentile-metrics takes some of {', '.join(METRICS)}, comma "
+                         f"separated; got {args.percentile_metrics!r}")
+    try:
+        percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+    except ValueError:
+        percentiles = ()
+    if not percentiles or not all(0 < p <= 100 for p in percentiles):
+        raise ValueError(f"--metric-percentiles takes numbers in (0, 100], comma separated; "
+                         f"got {args.metric_percentiles!r}")
+    return metrics, percentiles
+
+
 def result_header(args: argparse.Namespace, backend: str, model_id: str) -> dict:
-    """The run's description, under vLLM's key names."""
+    """The run's description, under vLLM's key names, with --label and --metadata."""
     rate = args.request_rate
-    return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": backend,
-            "model_id": model_id, "dataset_name": args.dataset,
-            "num_prompts": args.num_prompts,
-            "request_rate": "trace" if rate is None else ("inf" if math.isinf(rate) else rate),
-            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency}
+    ramp = ramp_up(args)
+    header = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": backend,
+              "model_id": model_id, "dataset_name": args.dataset,
+              "num_prompts": args.num_prompts,
+              "request_rate": "ramp-up" if ramp else "trace" if rate is None else (
+                  "inf" if math.isinf(rate) else rate),
+              "burstiness": args.burstiness, "max_concurrency": args.max_concurrency}
+    if ramp:
+        header.update(zip(("ramp_up_strategy", "ramp_up_start_rps", "ramp_up_end_rps"), ramp))
+    if args.label:
+        header["label"] = args.label
+    for item in args.metadata or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--metadata takes KEY=VALUE pairs; got {item!r}")
+        header[key.strip()] = value.strip()
+    return header
 
 
 def save_result(args: argparse.Namespace, result: dict, kind: str) -> Path | None:
-    if not args.save_result:
+    """Write the result (--save-result or --append-result): to its path, --result-file or a
+    name of the label (else `kind`), dataset, rate and date, in --result-dir; appended as
+    one more JSON line with --append-result."""
+    if not args.save_result and not args.append_result:
         return None
     named = args.save_result if isinstance(args.save_result, str) else args.result_file
-    path = Path(named or f"{kind}-{args.dataset}-{result['request_rate']}qps-{result['date']}.json")
+    path = Path(args.result_dir or ".") / (named or f"{args.label or kind}-{args.dataset}-"
+                                           f"{result['request_rate']}qps-{result['date']}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    if args.append_result:
+        with path.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+    else:
+        path.write_text(json.dumps(result, indent=1))
     return path

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
-PERCENTILES = (50, 90, 99)
+METRICS = ("ttft", "tpot", "itl", "e2el")  # what --percentile-metrics may name
+PERCENTILES = (50, 90, 99)  # the default --metric-percentiles
 
 
 @dataclass
@@ -57,13 +58,19 @@ def _meets(r: RequestResult, slos: dict[str, float]) -> bool:
     return all(values[k] * 1000 <= v for k, v in slos.items())
 
 
-def _stats(prefix: str, values_s: list[float], out: dict) -> None:
+def percentile_name(p: float) -> str:
+    """99 -> "99", 99.9 -> "99.9": the name in a key (p99.9_ttft_ms) and the report."""
+    return f"{p:g}"
+
+
+def _stats(prefix: str, values_s: list[float], out: dict,
+           percentiles: tuple[float, ...]) -> None:
     ms = np.asarray(values_s, dtype=float) * 1000 if values_s else np.zeros(1)
     out[f"mean_{prefix}_ms"] = float(ms.mean())
     out[f"median_{prefix}_ms"] = float(np.median(ms))
     out[f"std_{prefix}_ms"] = float(ms.std())
-    for p in PERCENTILES:
-        out[f"p{p}_{prefix}_ms"] = float(np.percentile(ms, p))
+    for p in percentiles:
+        out[f"p{percentile_name(p)}_{prefix}_ms"] = float(np.percentile(ms, p))
 
 
 def token_times(results: list[RequestResult]) -> np.ndarray:
@@ -76,8 +83,10 @@ def token_times(results: list[RequestResult]) -> np.ndarray:
 
 
 def summarize(results: list[RequestResult], duration: float,
-              slos: dict[str, float] | None = None) -> dict:
-    """The vLLM keys: counts, throughputs, per-metric mean/median/std/p50/p90/p99 in ms."""
+              slos: dict[str, float] | None = None,
+              percentiles: tuple[float, ...] = PERCENTILES) -> dict:
+    """The vLLM keys: counts, throughputs, each metric's mean, median, std and
+    `percentiles` in ms."""
     ok = [r for r in results if r.success]
     duration = max(duration, 1e-9)
     total_in = sum(r.prompt_len for r in ok)
@@ -93,10 +102,10 @@ def summarize(results: list[RequestResult], duration: float,
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
     }
-    _stats("ttft", [r.ttft for r in ok], out)
-    _stats("tpot", [r.tpot for r in ok if r.tpot is not None], out)
-    _stats("itl", [x for r in ok for x in r.itl], out)
-    _stats("e2el", [r.latency for r in ok], out)
+    _stats("ttft", [r.ttft for r in ok], out, percentiles)
+    _stats("tpot", [r.tpot for r in ok if r.tpot is not None], out, percentiles)
+    _stats("itl", [x for r in ok for x in r.itl], out, percentiles)
+    _stats("e2el", [r.latency for r in ok], out, percentiles)
     times = token_times(ok)
     if len(times):  # vLLM's peak: the most output tokens in any one-second bin
         out["max_output_tokens_per_s"] = float(np.bincount(times.astype(int)).max())
@@ -114,8 +123,11 @@ _LABELS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 
 
-def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
-    """The summary as `vllm bench serve` prints it."""
+def format_report(result: dict, title: str = "Serving Benchmark Result",
+                  metrics: tuple[str, ...] = METRICS,
+                  percentiles: tuple[float, ...] = PERCENTILES) -> str:
+    """The summary as `vllm bench serve` prints it: of each of `metrics`, its mean, median
+    and `percentiles` (the median's row stands for the 50th)."""
     lines = [f"{' ' + title + ' ':=^60}"]
 
     def row(label: str, value) -> None:
@@ -139,12 +151,12 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
         row("Verifications:", int(spec["drafts"]))
         row("Acceptance rate (%):", 100 * spec["acceptance_rate"])
         row("Mean accepted length (tokens):", spec["mean_accepted_length"])
-    for m, label in _LABELS.items():
-        lines.append(f"{label:-^60}")
+    for m in metrics:
+        lines.append(f"{_LABELS[m]:-^60}")
         name = m.upper()
         row(f"Mean {name} (ms):", result[f"mean_{m}_ms"])
         row(f"Median {name} (ms):", result[f"median_{m}_ms"])
-        for p in PERCENTILES[1:]:
+        for p in (percentile_name(p) for p in percentiles if p != 50):
             row(f"P{p} {name} (ms):", result[f"p{p}_{m}_ms"])
     lines.append("=" * 60)
     return "\n".join(lines)

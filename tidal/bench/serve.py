@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+from dataclasses import replace
 
-from tidal.bench.client import Target, run_workload
-from tidal.bench.dataset import BenchRequest
-from tidal.bench.flags import add_workload_flags, load_workload, result_header, save_result
-from tidal.bench.metrics import RequestResult, format_report, parse_goodput, summarize
+from tidal.bench.client import Target, run_workload, wait_ready
+from tidal.bench.dataset import BenchRequest, warmup_requests
+from tidal.bench.flags import (add_workload_flags, load_workload, report_options,
+                               result_header, save_result)
+from tidal.bench.metrics import (PERCENTILES, RequestResult, format_report, parse_goodput,
+                                 summarize)
 from tidal.engine.flags import flag_errors
 
 DEFAULT_TOKENIZER = "smollm2-135m"  # whose tokenizer makes the prompts, unless told
@@ -36,8 +40,69 @@ def add_bench_serve_parser(sub) -> None:
     p.add_argument("--flush-cache", "--reset-prefix-cache", dest="flush_cache",
                    action="store_true", help="have the server forget its cached prefixes "
                    "before the run (SGLang's flag: /reset_prefix_cache, else /flush_cache)")
+    add_request_flags(p)
     add_workload_flags(p)
     p.set_defaults(func=cmd_bench_serve)
+
+
+def add_request_flags(p: argparse.ArgumentParser) -> None:
+    """What each request carries beyond the workload, and what comes before and after the
+    timed run (`vllm bench serve`'s flags)."""
+    r = p.add_argument_group("requests (vLLM's flags)")
+    r.add_argument("--served-model-name", default=None,
+                   help="the model name the requests carry (over --model)")
+    r.add_argument("--top-p", type=float, default=None, help="sent (default: the server's)")
+    r.add_argument("--top-k", type=int, default=None, help="sent (default: the server's)")
+    r.add_argument("--min-p", type=float, default=None, help="sent (default: the server's)")
+    r.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="ask each token's N most likely tokens' logprobs")
+    r.add_argument("--use-beam-search", action="store_true", help="ask for beam search")
+    r.add_argument("--extra-body", "--extra-request-body", dest="extra_body", default=None,
+                   metavar="JSON", help="a JSON object merged into every request body last")
+    r.add_argument("--header", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="HTTP headers every request carries")
+    r.add_argument("--request-id-prefix", default=None,
+                   help="each request's x-request-id header: this prefix and its index")
+    r.add_argument("--num-warmups", type=int, default=0,
+                   help="requests sent before the timed run, of the workload's shape with "
+                        "prompts of their own (none of the run's is cached by them)")
+    r.add_argument("--ready-check-timeout-sec", type=float, default=600.0,
+                   help="seconds to wait for the server to answer /v1/models first")
+    r.add_argument("--profile", action="store_true",
+                   help="the server's torch.profiler traces the run (/start_profile before "
+                        "it, /stop_profile after; tidal serve --profiler-dir)")
+    why = "accepted, no effect: prompts are made by --tokenizer's fast tokenizer, no code run"
+    r.add_argument("--trust-remote-code", action="store_true", default=argparse.SUPPRESS,
+                   help=why)
+    r.add_argument("--tokenizer-mode", default=argparse.SUPPRESS, help=why)
+
+
+def request_target(args: argparse.Namespace) -> Target:
+    """The server, endpoint and what every request carries, from the flags."""
+    extra = {}
+    if args.extra_body is not None:
+        try:
+            extra = json.loads(args.extra_body)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--extra-body is not JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("--extra-body must be a JSON object")
+    headers = {}
+    for item in args.header or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--header takes KEY=VALUE; got {item!r}")
+        headers[key.strip()] = value.strip()
+    sampling = {k: v for k, v in (("top_p", args.top_p), ("top_k", args.top_k),
+                                  ("min_p", args.min_p)) if v is not None}
+    if args.use_beam_search:
+        sampling["use_beam_search"] = True
+    return Target(base_url=args.base_url or f"http://{args.host}:{args.port}",
+                  endpoint=args.endpoint, model=args.served_model_name or args.model,
+                  api_key=args.api_key, ignore_eos=args.ignore_eos,
+                  temperature=args.temperature, sampling=sampling, logprobs=args.logprobs,
+                  extra_body=extra, extra_headers=headers,
+                  request_id_prefix=args.request_id_prefix)
 
 
 def prompt_text(tokenizer, ids: list[int]) -> str:
@@ -51,16 +116,17 @@ def prompt_text(tokenizer, ids: list[int]) -> str:
 
 def bench_serve(target: Target, tokenizer, requests: list[BenchRequest], times: list[float],
                 max_concurrency: int | None = None, slos: dict[str, float] | None = None,
-                progress: bool = False) -> tuple[dict, list[RequestResult]]:
+                progress: bool = False, percentiles: tuple[float, ...] = PERCENTILES
+                ) -> tuple[dict, list[RequestResult]]:
     """Send `requests` to `target` at `times` (seconds from the start), at most
     `max_concurrency` at once, with prompts made by `tokenizer`; returns the summary (the
-    vLLM keys, goodput under `slos`) and each request's result. `target.model` is filled in
-    from the server when unset."""
+    vLLM keys, goodput under `slos`, the `percentiles` of each metric) and each request's
+    result. `target.model` is filled in from the server when unset."""
     prompts = [r.text if r.text is not None else prompt_text(tokenizer, r.prompt_ids)
                for r in requests]
     results, duration = asyncio.run(run_workload(
         target, requests, prompts, times, max_concurrency, progress))
-    return summarize(results, duration, slos), results
+    return summarize(results, duration, slos, percentiles), results
 
 
 _SPEC = ("drafts", "draft_tokens", "accepted_tokens")
@@ -113,6 +179,20 @@ def spec_summary(before: dict | None, after: dict | None) -> dict | None:
     return d
 
 
+def profile(target: Target, path: str) -> None:
+    """--profile's /start_profile or /stop_profile; SystemExit saying why where refused."""
+    import httpx
+
+    try:
+        r = httpx.post(target.base_url.rstrip("/") + path, headers=target.headers(),
+                       timeout=300)
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"bench serve: --profile: {exc}") from None
+    if r.status_code != 200:
+        raise SystemExit(f"bench serve: --profile: {path} answered {r.status_code}: "
+                         f"{r.text[:300]}")
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> dict:
     from tidal.model.registry import resolve_model
     from tidal.model.tokenizer import Tokenizer
@@ -120,22 +200,36 @@ def cmd_bench_serve(args: argparse.Namespace) -> dict:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     with flag_errors("bench serve"):
         slos = parse_goodput(args.goodput)
+        metrics, percentiles = report_options(args)
+        target = request_target(args)
+        header = result_header(args, args.backend, "")
+        if args.num_warmups < 0:
+            raise ValueError("--num-warmups must be >= 0")
         tokenizer = Tokenizer(resolve_model(args.tokenizer, check=False)[0])
         requests, times, _ = load_workload(args, tokenizer.vocab_size, tokenizer)
-    target = Target(base_url=args.base_url or f"http://{args.host}:{args.port}",
-                    endpoint=args.endpoint, model=args.model, api_key=args.api_key,
-                    ignore_eos=args.ignore_eos, temperature=args.temperature)
+    served = wait_ready(target, args.ready_check_timeout_sec)
+    target.model = target.model or served
+    if args.num_warmups:
+        warmups = warmup_requests(requests, args.num_warmups, tokenizer.vocab_size, args.seed)
+        prefix = target.request_id_prefix  # their ids apart from the run's
+        warm = replace(target, request_id_prefix=None if prefix is None else prefix + "warmup-")
+        _, done = bench_serve(warm, tokenizer, warmups, [0.0] * len(warmups),
+                              args.max_concurrency)
+        failed = sum(not r.success for r in done)
+        print(f"warm-up: {len(done)} requests" + (f", {failed} failed" if failed else ""))
     if args.flush_cache:
         print(f"prefix cache flushed: {flush_cache(target)}")
+    if args.profile:
+        profile(target, "/start_profile")
     before = spec_counters(target.base_url)
     summary, results = bench_serve(target, tokenizer, requests, times, args.max_concurrency,
-                                   slos, not args.disable_tqdm)
-    result = result_header(args, args.backend, target.model)
-    result["tokenizer_id"] = args.tokenizer
-    result.update(summary)
+                                   slos, not args.disable_tqdm, percentiles)
+    if args.profile:
+        profile(target, "/stop_profile")
+    result = {**header, "model_id": target.model, "tokenizer_id": args.tokenizer, **summary}
     result["spec_decode"] = spec_summary(before, spec_counters(target.base_url))
     result["generated_texts"] = [r.text for r in results]
-    print(format_report(result))
+    print(format_report(result, metrics=metrics, percentiles=percentiles))
     errors = [r.error for r in results if r.error]
     if errors:
         print(f"{len(errors)} requests failed; the first: {errors[0]}")

@@ -8,7 +8,8 @@ import json
 import time
 from dataclasses import asdict
 
-from tidal.bench.flags import add_workload_flags, load_workload, result_header, save_result
+from tidal.bench.flags import (add_workload_flags, load_workload, report_options,
+                               result_header, save_result)
 from tidal.bench.metrics import format_report, parse_goodput, summarize
 from tidal.engine.flags import add_engine_flags, engine_kwargs, flag_errors
 from tidal.sim.build import BASELINES, build_simulator
@@ -73,6 +74,7 @@ def compare(real: dict, simulated: dict) -> dict[str, dict[str, float]]:
 def cmd_simulate(args: argparse.Namespace) -> dict:
     with flag_errors("simulate"):
         slos = parse_goodput(args.goodput)
+        metrics, percentiles = report_options(args)
         sim, arch, hw, config = build_simulator(
             args.model_config, args.hardware, engine_kwargs(args), baseline=args.baseline,
             pd=args.pd, routing=args.routing, link_bandwidth=args.link_bandwidth,
@@ -90,7 +92,7 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     run = sim.run(requests, times, args.max_concurrency)
     wall = time.perf_counter() - t0
     result = result_header(args, f"tidal-sim ({args.baseline})", args.model_config)
-    result.update(summarize(run.results, run.duration, slos))
+    result.update(summarize(run.results, run.duration, slos, percentiles))
     result["simulation"] = {
         "hardware": asdict(hw), "pd": args.pd, "prefill_path": args.prefill_path,
         "data_parallel_size": config.parallel.data_parallel_size,
@@ -104,7 +106,7 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
         "simulated_requests_per_second": len(requests) / wall, "timeline": run.timeline}
     if recorder is not None:
         result["dashboard_frames"] = recorder.frames  # tidal/cli.py writes the page
-    print(format_report(result, "Simulated Serving Result"))
+    print(format_report(result, "Simulated Serving Result", metrics, percentiles))
     print(f"{'Preemptions:':<42}{run.preemptions:>18}")
     print(f"{'Steps:':<42}{run.steps:>18}")
     if args.compare:
