@@ -220,6 +220,9 @@ def test_bench_serve_against_a_real_server(tmp_path):
               "--request-rate", "20", "--goodput", "e2el:600000", "--disable-tqdm",
               "--save-result", "--result-file", str(result_file),
               "--plot", str(tmp_path / "plots"), "--flush-cache"])
+        embedded = main(["bench", "serve", "--base-url", server.url, "--endpoint",
+                         "/v1/embeddings", "--num-prompts", "4", "--random-input-len", "24",
+                         "--disable-tqdm"])
     finally:
         log = server.stop()
     assert log.count("prefix cache reset") == 1  # --flush-cache, before the run
@@ -231,6 +234,8 @@ def test_bench_serve_against_a_real_server(tmp_path):
     assert 0 < result["mean_ttft_ms"] < result["mean_e2el_ms"]
     assert result["model_id"] == "smollm2-135m"
     assert all(text for text in result["generated_texts"])
+    assert embedded["completed"] == 4 and embedded["total_output_tokens"] == 0
+    assert 4 * 22 <= embedded["total_input_tokens"] <= 4 * 26  # the server's count
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "bench_throughput.png", "bench_tpot_cdf.png", "bench_ttft_cdf.png"]
 

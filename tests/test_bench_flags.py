@@ -188,6 +188,9 @@ class Recorder(BaseHTTPRequestHandler):
         self.calls.append((self.path, dict(self.headers), body))
         if self.path in ("/start_profile", "/stop_profile"):
             return self._answer(200, b"{}")
+        if self.path == "/v1/embeddings":
+            return self._answer(200, json.dumps({"data": [{"embedding": [0.6, 0.8]}],
+                                                 "usage": {"prompt_tokens": 7}}).encode())
         chunks = [{"choices": [{"text": "ab"[i % 2], "delta": {"content": "ab"[i % 2]}}]}
                   for i in range(3)]
         chunks.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
@@ -239,6 +242,22 @@ def test_a_vllm_command_line_sends_what_it_names(recorder, tmp_path):
     assert "p95_ttft_ms" in saved and "p99_ttft_ms" not in saved
     assert (saved["host"], saved["ramp_up_strategy"], saved["request_rate"]) == (
         "ci", "linear", "ramp-up")
+
+
+def test_an_embeddings_endpoint_is_timed_by_its_whole_answers(recorder, capsys):
+    """Each input in its own body (with --extra-body), no sampling fields; TTFT is the
+    latency, the prompt's tokens the server's count, and the report is of latency alone."""
+    result = main(["bench", "serve", "--base-url", recorder, "--endpoint", "/v1/embeddings",
+                   "--num-prompts", "4", "--random-input-len", "10", "--disable-tqdm",
+                   "--extra-body", '{"dimensions": 2}', "--temperature", "0.5"])
+    bodies = [body for _, _, body in Recorder.calls]
+    assert len(bodies) == 4 and all(set(b) == {"model", "input", "dimensions"} for b in bodies)
+    assert (result["completed"], result["total_input_tokens"]) == (4, 28)
+    assert result["total_output_tokens"] == 0
+    assert result["mean_ttft_ms"] == result["mean_e2el_ms"] > 0
+    report = capsys.readouterr().out
+    assert "End-to-end Latency" in report and "Request throughput" in report
+    assert "Time to First Token" not in report and "Output token" not in report
 
 
 def test_the_ready_check_gives_up_saying_why(recorder):

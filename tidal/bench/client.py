@@ -1,6 +1,6 @@
 """The serving benchmark's client: sends a workload to any OpenAI-compatible server at its
 arrival times (at most `max_concurrency` in flight), streams every response and times each
-token chunk."""
+token chunk; an embeddings endpoint's whole answers are timed as they come."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class Target:
     """Where and how to send: the server, endpoint and the request's fixed fields."""
 
     base_url: str = "http://127.0.0.1:8000"
-    endpoint: str = "/v1/completions"  # or /v1/chat/completions
+    endpoint: str = "/v1/completions"  # or /v1/chat/completions, /v1/embeddings
     model: str | None = None  # None: the first model /v1/models lists
     api_key: str | None = None
     ignore_eos: bool = False
@@ -37,6 +37,10 @@ class Target:
     def chat(self) -> bool:
         return self.endpoint.rstrip("/").endswith("chat/completions")
 
+    @property
+    def embeddings(self) -> bool:
+        return self.endpoint.rstrip("/").endswith("embeddings")
+
     def headers(self, index: int | None = None) -> dict[str, str]:
         """The key's, --header's and, for request `index`, its x-request-id."""
         headers = dict(self.extra_headers)
@@ -48,6 +52,8 @@ class Target:
 
 
 def payload(target: Target, prompt: str, output_len: int, model: str | None = None) -> dict:
+    if target.embeddings:
+        return {"model": model or target.model, "input": prompt, **target.extra_body}
     body = {"model": model or target.model, "max_tokens": output_len,
             "temperature": target.temperature, **target.sampling,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -72,9 +78,35 @@ def _chunk_text(chunk: dict, chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+async def embed_one(http: httpx.AsyncClient, target: Target, prompt: str,
+                    req: BenchRequest, result: RequestResult, t_start: float,
+                    index: int) -> None:
+    """Send embeddings request `index`: its whole answer is its first and last (TTFT is
+    its latency), its prompt's tokens as the server counted them."""
+    sent = time.perf_counter()
+    result.start = sent - t_start
+    try:
+        resp = await http.post(target.base_url + target.endpoint,
+                               json=payload(target, prompt, 0, req.model),
+                               headers=target.headers(index))
+        result.latency = result.ttft = time.perf_counter() - sent
+        if resp.status_code != 200:
+            result.error = f"HTTP {resp.status_code}: {resp.text[:500]}"
+            return
+        body = resp.json()
+        result.prompt_len = (body.get("usage") or {}).get("prompt_tokens") or result.prompt_len
+        result.success = bool(body.get("data"))
+        if not result.success:
+            result.error = "the answer holds no embedding"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+
+
 async def send_one(http: httpx.AsyncClient, target: Target, prompt: str, req: BenchRequest,
                    result: RequestResult, t_start: float, index: int) -> None:
     """Stream request `index`, filling `result` (timings relative to `t_start`)."""
+    if target.embeddings:
+        return await embed_one(http, target, prompt, req, result, t_start, index)
     sent = time.perf_counter()
     result.start = sent - t_start
     last, chunks, text = sent, 0, []

@@ -88,8 +88,9 @@ def add_workload_flags(p: argparse.ArgumentParser,
     o.add_argument("--save-detailed", action="store_true",
                    help="accepted: a result always holds each request's lengths, timings, "
                         "text and error")
-    o.add_argument("--percentile-metrics", default=",".join(METRICS),
-                   help=f"the metrics whose percentiles are reported, of {', '.join(METRICS)}")
+    o.add_argument("--percentile-metrics", default=None,
+                   help=f"the metrics whose percentiles are reported, of {', '.join(METRICS)} "
+                        f"(default: all; e2el for an embeddings endpoint)")
     o.add_argument("--metric-percentiles", default=",".join(map(str, PERCENTILES)),
                    help="the percentiles reported, in (0, 100]")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
@@ -147,11 +148,15 @@ def ramp_up(args: argparse.Namespace) -> tuple[str, float, float] | None:
 def report_options(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
     """--percentile-metrics and --metric-percentiles, checked: the metrics and percentiles
     a report shows and a result stores."""
-    metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+    named = args.percentile_metrics
+    if named is None:  # an embedding's whole answer comes at once: its latency says it all
+        named = "e2el" if getattr(args, "endpoint", "").endswith("embeddings") else \
+            ",".join(METRICS)
+    metrics = tuple(m.strip() for m in named.split(",") if m.strip())
     unknown = [m for m in metrics if m not in METRICS]
     if unknown or not metrics:
         raise ValueError(f"--percentile-metrics takes some of {', '.join(METRICS)}, comma "
-                         f"separated; got {args.percentile_metrics!r}")
+                         f"separated; got {named!r}")
     try:
         percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
     except ValueError:

@@ -134,16 +134,19 @@ def format_report(result: dict, title: str = "Serving Benchmark Result",
         text = f"{value:.2f}" if isinstance(value, float) else str(value)
         lines.append(f"{label:<42}{text:>18}")
 
+    generates = result["total_output_tokens"] or set(metrics) - {"e2el"}  # not embeddings
     row("Successful requests:", result["completed"])
     if result.get("failed"):
         row("Failed requests:", result["failed"])
     row("Benchmark duration (s):", result["duration"])
     row("Total input tokens:", result["total_input_tokens"])
-    row("Total generated tokens:", result["total_output_tokens"])
+    if generates:
+        row("Total generated tokens:", result["total_output_tokens"])
     row("Request throughput (req/s):", result["request_throughput"])
     if result.get("request_goodput") is not None:
         row("Request goodput (req/s):", result["request_goodput"])
-    row("Output token throughput (tok/s):", result["output_throughput"])
+    if generates:
+        row("Output token throughput (tok/s):", result["output_throughput"])
     row("Total token throughput (tok/s):", result["total_token_throughput"])
     spec = result.get("spec_decode")
     if spec:
