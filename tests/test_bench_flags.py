@@ -114,9 +114,10 @@ def test_custom_prompts_come_as_written_or_in_the_chat_template(tmp_path):
     templated = load_dataset(spec, tok)[0].text
     assert templated == tok.apply_chat_template([{"role": "user",
                                                   "content": "Name three rivers."}])
-    path.write_text('{"text": "no prompt here"}\n')
-    with pytest.raises(ValueError, match="line 1"):
-        load_dataset(spec, tok)
+    for bad in ('{"text": "no prompt here"}', '["a list"]', '{"prompt": "a", '):
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match="line 1"):
+            load_dataset(spec, tok)
     with pytest.raises(ValueError, match="--dataset-path"):
         load_dataset(DatasetSpec(name="custom"), tok)
 

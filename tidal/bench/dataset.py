@@ -271,7 +271,7 @@ def load_custom(spec: DatasetSpec, tokenizer) -> list[BenchRequest]:
             try:
                 row = json.loads(line)
                 prompt, n_out = row["prompt"], int(row.get("output_tokens", spec.output_len))
-            except (ValueError, TypeError, KeyError) as exc:
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
                 raise ValueError(f"{spec.path}, line {number}: not a JSON object with a "
                                  f"\"prompt\" ({type(exc).__name__}: {exc})") from None
             if spec.chat_template:

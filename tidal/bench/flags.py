@@ -181,12 +181,19 @@ def result_header(args: argparse.Namespace, backend: str, model_id: str) -> dict
         header.update(zip(("ramp_up_strategy", "ramp_up_start_rps", "ramp_up_end_rps"), ramp))
     if args.label:
         header["label"] = args.label
-    for item in args.metadata or ():
+    header.update(key_values(args.metadata, "--metadata"))
+    return header
+
+
+def key_values(items: list[str] | None, flag: str) -> dict[str, str]:
+    """`["a=1", "b = x"]` -> {"a": "1", "b": "x"}; ValueError naming `flag` otherwise."""
+    pairs = {}
+    for item in items or ():
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--metadata takes KEY=VALUE pairs; got {item!r}")
-        header[key.strip()] = value.strip()
-    return header
+            raise ValueError(f"{flag} takes KEY=VALUE pairs; got {item!r}")
+        pairs[key.strip()] = value.strip()
+    return pairs
 
 
 def save_result(args: argparse.Namespace, result: dict, kind: str) -> Path | None:

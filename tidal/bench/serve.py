@@ -11,8 +11,8 @@ from dataclasses import replace
 
 from tidal.bench.client import Target, run_workload, wait_ready
 from tidal.bench.dataset import BenchRequest, warmup_requests
-from tidal.bench.flags import (add_workload_flags, load_workload, report_options,
-                               result_header, save_result)
+from tidal.bench.flags import (add_workload_flags, key_values, load_workload,
+                               report_options, result_header, save_result)
 from tidal.bench.metrics import (PERCENTILES, RequestResult, format_report, parse_goodput,
                                  summarize)
 from tidal.engine.flags import flag_errors
@@ -87,12 +87,6 @@ def request_target(args: argparse.Namespace) -> Target:
             raise ValueError(f"--extra-body is not JSON: {exc}") from None
         if not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object")
-    headers = {}
-    for item in args.header or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--header takes KEY=VALUE; got {item!r}")
-        headers[key.strip()] = value.strip()
     sampling = {k: v for k, v in (("top_p", args.top_p), ("top_k", args.top_k),
                                   ("min_p", args.min_p)) if v is not None}
     if args.use_beam_search:
@@ -101,7 +95,7 @@ def request_target(args: argparse.Namespace) -> Target:
                   endpoint=args.endpoint, model=args.served_model_name or args.model,
                   api_key=args.api_key, ignore_eos=args.ignore_eos,
                   temperature=args.temperature, sampling=sampling, logprobs=args.logprobs,
-                  extra_body=extra, extra_headers=headers,
+                  extra_body=extra, extra_headers=key_values(args.header, "--header"),
                   request_id_prefix=args.request_id_prefix)
 
 
