@@ -74,9 +74,6 @@ class RequestStreams:
         self.begun.discard(request_id)
         self.held.pop(request_id, None)
 
-    def ids(self) -> list[str]:
-        return list(self.queues)
-
     def deliver(self, msg: m.Outputs) -> list[str]:
         """One step's outputs onto their queues; returns the sequences whose text met a stop
         string (the core must be told to finish them)."""
