@@ -144,22 +144,29 @@ def spec_counters(base_url: str) -> dict[str, float] | None:
         n in found for n in names.values()) else None
 
 
+def post_control(target: Target, paths: tuple[str, ...], flag: str) -> str:
+    """POST to the first of `paths` the server takes (200); the path. SystemExit naming
+    `flag` and the last answer where it takes none."""
+    import httpx
+
+    for path in paths:
+        try:
+            r = httpx.post(target.base_url.rstrip("/") + path, headers=target.headers(),
+                           timeout=300)
+        except httpx.HTTPError as exc:
+            raise SystemExit(f"bench serve: {flag}: {exc}") from None
+        if r.status_code == 200:
+            return path
+    raise SystemExit(f"bench serve: {flag}: {target.base_url} took none of "
+                     f"{', '.join(paths)} (last answer: {r.status_code} "
+                     f"{' '.join(r.text.split())[:200]})")
+
+
 def flush_cache(target: Target) -> str:
     """Ask the server to forget its cached prefixes: vLLM's and tidal's
     /reset_prefix_cache, else SGLang's /flush_cache; the path that answered. SystemExit
     where neither does (llama-server; vLLM outside its dev mode)."""
-    import httpx
-
-    for path in ("/reset_prefix_cache", "/flush_cache"):
-        try:
-            r = httpx.post(target.base_url.rstrip("/") + path, headers=target.headers(),
-                           timeout=60)
-        except httpx.HTTPError as exc:
-            raise SystemExit(f"bench serve: --flush-cache: {exc}") from None
-        if r.status_code == 200:
-            return path
-    raise SystemExit(f"bench serve: --flush-cache: {target.base_url} has neither "
-                     f"/reset_prefix_cache nor /flush_cache (last answer: {r.status_code})")
+    return post_control(target, ("/reset_prefix_cache", "/flush_cache"), "--flush-cache")
 
 
 def spec_summary(before: dict | None, after: dict | None) -> dict | None:
@@ -171,20 +178,6 @@ def spec_summary(before: dict | None, after: dict | None) -> dict | None:
     d["acceptance_rate"] = d["accepted_tokens"] / max(1.0, d["draft_tokens"])
     d["mean_accepted_length"] = 1 + d["accepted_tokens"] / d["drafts"]
     return d
-
-
-def profile(target: Target, path: str) -> None:
-    """--profile's /start_profile or /stop_profile; SystemExit saying why where refused."""
-    import httpx
-
-    try:
-        r = httpx.post(target.base_url.rstrip("/") + path, headers=target.headers(),
-                       timeout=300)
-    except httpx.HTTPError as exc:
-        raise SystemExit(f"bench serve: --profile: {exc}") from None
-    if r.status_code != 200:
-        raise SystemExit(f"bench serve: --profile: {path} answered {r.status_code}: "
-                         f"{r.text[:300]}")
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> dict:
@@ -214,12 +207,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> dict:
     if args.flush_cache:
         print(f"prefix cache flushed: {flush_cache(target)}")
     if args.profile:
-        profile(target, "/start_profile")
+        post_control(target, ("/start_profile",), "--profile")
     before = spec_counters(target.base_url)
     summary, results = bench_serve(target, tokenizer, requests, times, args.max_concurrency,
                                    slos, not args.disable_tqdm, percentiles)
     if args.profile:
-        profile(target, "/stop_profile")
+        post_control(target, ("/stop_profile",), "--profile")
     result = {**header, "model_id": target.model, "tokenizer_id": args.tokenizer, **summary}
     result["spec_decode"] = spec_summary(before, spec_counters(target.base_url))
     result["generated_texts"] = [r.text for r in results]
