@@ -55,6 +55,13 @@ def test_two_cores_share_the_requests_and_answer_as_one_engine_does(dp):
     assert metric(dp.url, "tidal:generation_tokens_total") == generated
     health = httpx.get(dp.url + "/health").json()
     assert len(health["engine_core_pids"]) == 2 and health["dead_cores"] == {}
+    loads = httpx.get(dp.url + "/v1/loads").json()  # SGLang's: a report per core
+    assert [d["dp_rank"] for d in loads["loads"]] == [0, 1] and loads["dp_rank_count"] == 2
+    assert loads["aggregate"]["total_tokens"] == sum(d["num_total_tokens"]
+                                                     for d in loads["loads"])
+    assert [d["dp_rank"] for d in httpx.get(dp.url + "/v1/loads?dp_rank=1").json()["loads"]
+            ] == [1]
+    assert [d["dp_rank"] for d in httpx.get(dp.url + "/get_load").json()] == [0, 1]
 
 
 def two_cores_never_restarted() -> tuple[Server, openai.OpenAI, list[int]]:

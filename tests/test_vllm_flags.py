@@ -32,6 +32,7 @@ def test_vllm_words_set_tidals_options():
                              "priority", "--trust-remote-code", "--enable-auto-tool-choice",
                              "--enable-chunked-prefill", "--disable-log-requests",
                              "--enable-prompt-tokens-details", "--no-enable-prefix-caching",
+                             "--enable-server-load-tracking",
                              "--speculative-config", SPEC, "--served-model-name", "a", "b",
                              "--disable-log-stats")
     assert engine.scheduler.max_input_tokens_per_step == 4096

@@ -22,7 +22,8 @@ ACCEPTED = {
     "--enable-chunked-prefill": "prefills are always chunked (--chunked-prefill-size)",
     "--disable-log-requests": "requests are logged only with --enable-log-requests",
     "--enable-prompt-tokens-details": "usage always carries "
-                                      "prompt_tokens_details.cached_tokens"}
+                                      "prompt_tokens_details.cached_tokens",
+    "--enable-server-load-tracking": "GET /load always counts the requests being answered"}
 # --speculative-config's keys -> tidal's options; its methods -> tidal's
 SPECULATIVE_KEYS = {"method": "speculative_method",
                     "num_speculative_tokens": "num_speculative_tokens",

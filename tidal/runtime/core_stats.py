@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields
 
 from tidal.core.invariants import SchedulerStats
@@ -14,9 +15,22 @@ class CoreStatsBoard:
 
     def __init__(self, num_cores: int) -> None:
         self.latest: list[m.Stats | None] = [None] * num_cores
+        self.arrived = [0.0] * num_cores  # when (time.time) each latest report came
+        # tokens sampled per second over the last second or more of each core's reports,
+        # from the anchor (time, tokens, incarnation) the interval starts at
+        self.gen_rate = [0.0] * num_cores
+        self._anchor: list[tuple[float, int, int] | None] = [None] * num_cores
 
     def record(self, stats: m.Stats) -> None:
-        self.latest[stats.core] = stats
+        core, now = stats.core, time.time()
+        self.latest[core], self.arrived[core] = stats, now
+        anchor = self._anchor[core]
+        if anchor is None or anchor[2] != stats.incarnation:  # a (re)started core
+            self.gen_rate[core], self._anchor[core] = 0.0, (now, stats.generation_tokens,
+                                                            stats.incarnation)
+        elif now - anchor[0] >= 1.0:
+            self.gen_rate[core] = (stats.generation_tokens - anchor[1]) / (now - anchor[0])
+            self._anchor[core] = (now, stats.generation_tokens, stats.incarnation)
 
     def clear(self, core: int) -> None:
         self.latest[core] = None

@@ -3,8 +3,9 @@ here; the generation routes (completions, chat, embeddings, tokenize) in
 `generation_routes.py`, the Responses API in `responses/`, LoRA adapters in
 `lora_routes.py`, the Batch API in `batches/`, SGLang's native API in `sglang/`, pausing
 and sleep in `pausing.py`, weight updates in `weight_updates.py`, the live dashboard in
-`dashboard.py`, SageMaker's /invocations in `sagemaker.py`. Every route works through the
-one `Frontend` (`frontend.py`); the server's options are in `config.py`."""
+`dashboard.py`, SageMaker's /invocations in `sagemaker.py`, vLLM's and SGLang's load reports
+in `load.py`. Every route works through the one `Frontend` (`frontend.py`); the server's
+options are in `config.py`."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tidal.server.dashboard import routes as dashboard_routes
 from tidal.server.errors import authorized, install_docs, install_error_handlers
 from tidal.server.frontend import Frontend, FrontendDep, unavailable
 from tidal.server.generation_routes import routes as generation_routes
+from tidal.server.load import install_load, routes as load_routes
 from tidal.server.lora_routes import routes as lora_routes
 from tidal.server.openai.protocol import APIError, StrictModel
 from tidal.server.openapi import install_schema
@@ -175,6 +177,7 @@ def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) ->
     if batches:
         frontend.batches = BatchRunner(frontend, app, config.batch_store_path(),
                                        config.batch_concurrency, config.batch_file_days)
+    install_load(app)  # inside the checks below: a refused request never counts
     install_error_handlers(app, config, {"/v1/files": config.max_file_bytes})
     install_docs(app)
     app.include_router(routes)
@@ -189,6 +192,7 @@ def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) ->
     app.include_router(batch_routes)
     app.include_router(lora_routes)
     app.include_router(dashboard_routes)
+    app.include_router(load_routes)
     lora = client.config.lora  # the names `model` takes (any, where adapters come and go)
     names = (None if lora.enable_lora and config.enable_lora_runtime_updates
              else [*config.served_model_name, *lora.modules])

@@ -143,7 +143,7 @@ UNVERSIONED = ("/tokenize", "/detokenize", "/score", "/rerank", "/classify",
                "/is_paused", "/pause_generation", "/continue_generation",
                "/update_weights_from_disk", "/get_weight_version", "/sleep", "/wake_up",
                "/is_sleeping", "/release_memory_occupation", "/resume_memory_occupation",
-               "/start_profile", "/stop_profile", "/invocations")
+               "/start_profile", "/stop_profile", "/invocations", "/load", "/get_load")
 # The API's schema and its two documentation pages: behind the key when there is one (they
 # list every route and field), and, as pages, with the key also as ?api_key=.
 DOC_PAGES = ("/openapi.json", "/docs", "/redoc")
