@@ -122,6 +122,94 @@ def test_custom_prompts_come_as_written_or_in_the_chat_template(tmp_path):
         load_dataset(DatasetSpec(name="custom"), tok)
 
 
+def test_prefix_repetition_is_shared_prefix_by_vllms_flags_in_a_shuffled_order():
+    from tidal.bench.flags import dataset_spec
+
+    args = workload_args("--dataset-name", "prefix_repetition", "--num-prompts", "12",
+                         "--prefix-repetition-prefix-len", "40",
+                         "--prefix-repetition-suffix-len", "24",
+                         "--prefix-repetition-num-prefixes", "3",
+                         "--prefix-repetition-output-len", "9")
+    spec = dataset_spec(args, 49152)
+    reqs = load_dataset(spec)
+    assert all(r.prompt_len == 64 and r.output_len == 9 for r in reqs)
+    prefixes = [tuple(r.prompt_ids[:40]) for r in reqs]
+    assert sorted(map(prefixes.count, set(prefixes))) == [4, 4, 4]  # 3 prefixes, 4 each
+    assert len({tuple(r.prompt_ids[40:]) for r in reqs}) == 12  # each suffix its own
+    spec.name = "shared-prefix"
+    cycled = [tuple(r.prompt_ids[:40]) for r in load_dataset(spec)]
+    assert cycled[:3] == cycled[3:6] and prefixes != cycled  # the same groups, shuffled
+    assert sorted(prefixes) == sorted(cycled)
+
+
+def test_burstgpt_replays_the_gpt4_rows_that_got_a_response(tmp_path):
+    path = tmp_path / "BurstGPT.csv"
+    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                    "5,ChatGPT,100,20,120,Conversation log\n"
+                    "7,GPT-4,300,40,340,Conversation log\n"
+                    "8,GPT-4,50,0,50,Conversation log\n"  # failed: no response
+                    "9.5,GPT-4,30,15,45,API log\n"
+                    "12,GPT-4,80,8,88,Conversation log\n")
+    spec = DatasetSpec(name="burstgpt", path=str(path), num_prompts=2, max_model_len=4096)
+    reqs = load_dataset(spec)
+    assert [(r.prompt_len, r.output_len, r.arrival) for r in reqs] == [(300, 40, 7.0),
+                                                                      (30, 15, 9.5)]
+    assert arrival_times(reqs, None) == [0.0, 2.5]  # the trace's own gaps
+    spec.num_prompts, spec.max_model_len = 10, 2048
+    assert len(load_dataset(spec)) == 3 and spec.length_scale == 1.0
+    path.write_text("Timestamp,Model,Request tokens\n1,GPT-4,10\n")
+    with pytest.raises(ValueError, match="line 2"):
+        load_dataset(spec)
+    path.write_text("Timestamp,Model,Request tokens,Response tokens\n1,ChatGPT,10,5\n")
+    with pytest.raises(ValueError, match="no GPT-4 row"):
+        load_dataset(spec)
+    with pytest.raises(ValueError, match="--dataset-path"):
+        load_dataset(DatasetSpec(name="burstgpt"))
+
+
+def leading_lines_in_common(bodies: list[str], lines: list[str]) -> int:
+    """How many of the poem's first lines every body starts with."""
+    split = [b.splitlines() for b in bodies]
+    return next(k for k in range(len(lines) + 1)
+                if any(b[:k + 1] != lines[:k + 1] for b in split))
+
+
+def test_sonnet_prompts_pick_poem_lines_after_a_shared_first_few(tmp_path):
+    from tidal.bench.dataset import SONNET_PROMPT
+    from tidal.bench.flags import dataset_spec
+    from tidal.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(embedded_folder())
+    lines = [f"Line {i} of a poem where the {w} sings softly" for i, w in
+             enumerate(["lark", "sea", "wind", "rose", "moon", "fire", "stone", "rain"] * 5)]
+    path = tmp_path / "sonnet.txt"
+    path.write_text("\n".join(lines) + "\n")
+    args = workload_args("--dataset-name", "sonnet", "--dataset-path", str(path),
+                         "--num-prompts", "6", "--sonnet-input-len", "160",
+                         "--sonnet-prefix-len", "70", "--sonnet-output-len", "12")
+    args.endpoint = "/v1/completions"
+    spec = dataset_spec(args, tok.vocab_size)
+    reqs = load_dataset(spec, tok)
+    assert len(reqs) == 6 and all(r.output_len == 12 for r in reqs)
+    assert all(80 < r.prompt_len <= 160 for r in reqs)
+    assert all(r.prompt_ids == tok.encode(r.text, add_special_tokens=False) for r in reqs)
+    bodies = [r.text.split(SONNET_PROMPT)[1] for r in reqs]
+    assert reqs[0].text.startswith(tok.apply_chat_template(
+        [{"role": "user", "content": SONNET_PROMPT + "x"}]).split(SONNET_PROMPT)[0])
+    assert len(set(bodies)) == 6
+    shared = leading_lines_in_common(bodies, lines)  # the first lines, in every prompt
+    args.sonnet_prefix_len = 130  # 60 tokens more: about 5 lines of 12 tokens more
+    longer = [r.text.split(SONNET_PROMPT)[1]
+              for r in load_dataset(dataset_spec(args, tok.vocab_size), tok)]
+    assert shared >= 1 and leading_lines_in_common(longer, lines) >= shared + 4
+    args.endpoint = "/v1/chat/completions"  # the server lays out the chat itself
+    assert load_dataset(dataset_spec(args, tok.vocab_size), tok)[0].text.startswith(
+        SONNET_PROMPT + lines[0])
+    args.sonnet_input_len = 5
+    with pytest.raises(ValueError, match="input length"):
+        load_dataset(dataset_spec(args, tok.vocab_size), tok)
+
+
 # ---------------------------------------------------------------------- what is sent
 
 def test_each_request_carries_the_sampling_fields_logprobs_and_extra_body():

