@@ -53,6 +53,28 @@ def test_vllm_words_set_tidals_options():
         ("draft", "smollm2-135m")
 
 
+def test_vllms_short_flags_and_value_words_mean_tidals():
+    engine, server = configs("-tp", "1", "-dp", "2", "-pp", "1",
+                             "--num-gpu-blocks-override", "99",
+                             "--kv-cache-memory-bytes", "123456789", "--dtype", "half",
+                             "--kv-cache-dtype", "fp8", "--enable-sleep-mode",
+                             "--enable-request-id-headers")
+    assert (engine.parallel.tensor_parallel_size, engine.parallel.data_parallel_size,
+            engine.parallel.pipeline_parallel_size) == (1, 2, 1)
+    assert (engine.model.num_kv_blocks, engine.model.kv_cache_memory) == (99, 123456789)
+    assert (engine.model.dtype, engine.model.kv_cache_dtype) == ("float16", "fp8_e4m3")
+    assert configs("--dtype", "float")[0].model.dtype == "float32"
+    with pytest.raises(ValueError, match="dtype"):  # a word neither spells is still refused
+        configs("--dtype", "double")
+
+
+@pytest.mark.parametrize("kwargs, words", [("{not json", "not JSON"), ("[1]", "JSON object"),
+                                           ('{"tools": []}', "'tools'")])
+def test_bad_default_chat_template_kwargs_are_refused(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        configs("--default-chat-template-kwargs", kwargs)
+
+
 @pytest.mark.parametrize("spec, words", [
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of"),
     ('{"method": "ngram", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size"),
@@ -96,18 +118,44 @@ def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path):
         configs("--config", str(tmp_path / "missing.yaml"))
 
 
-def test_a_server_started_with_vllms_words_runs_with_them():
+def test_a_server_started_with_vllms_words_runs_with_them(tmp_path):
+    template = tmp_path / "greeting.jinja"  # a template that reads a variable of its own
+    template.write_text("{% for m in messages %}{{ greeting | default('none') }}: "
+                        "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>"
+                        "{% endif %}")
     server = Server("--max-num-batched-tokens", "2048", "--enable-auto-tool-choice",
                     "--trust-remote-code", "--no-enable-prefix-caching",
-                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                    "--chat-template", str(template),
+                    "--default-chat-template-kwargs", '{"greeting": "hello"}',
+                    "--return-tokens-as-token-ids", "--enable-force-include-usage",
+                    "--disable-fastapi-docs")
     try:
         info = httpx.get(server.url + "/get_server_info").json()["engine"]
         assert info["scheduler"]["max_input_tokens_per_step"] == 2048
         assert info["cache"]["enable_prefix_caching"] is False
         assert info["speculative"]["speculative_method"] == "ngram"
         r = httpx.post(server.url + "/v1/completions", timeout=60,
-                       json={"prompt": "1, 2, 3, 4, 1, 2, 3, 4,", "max_tokens": 8})
+                       json={"prompt": "1, 2, 3, 4, 1, 2, 3, 4,", "max_tokens": 8,
+                             "logprobs": 1})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+        assert len(tokens) == 8 and all(t.startswith("token_id:") for t in tokens)
+
+        def rendered(**kwargs) -> str:
+            ids = httpx.post(server.url + "/tokenize", json={
+                "messages": [{"role": "user", "content": "hi"}], **kwargs}).json()["tokens"]
+            return httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert rendered() == "hello: hi\n>"
+        assert rendered(chat_template_kwargs={"greeting": "yo"}) == "yo: hi\n>"
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "stream": True}) as stream:
+            chunks = [line[6:] for line in stream.iter_lines() if line.startswith("data: {")]
+        assert json.loads(chunks[-1])["usage"]["completion_tokens"] == 3  # never asked for
+        assert all(json.loads(c)["usage"] is None for c in chunks[:-1])
+        for page in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(server.url + page).status_code == 404
     finally:
         server.stop()
 

@@ -113,7 +113,8 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
     # The cores import the engine and load while this process converts a new GGUF, reads
     # its tokenizer and builds the HTTP app (a GGUF's cores wait for the files if need be).
     with flag_errors(command):  # a --chat-template that is no template fails here
-        tokenizer = None if files.gguf else Tokenizer(files.folder, server.chat_template)
+        tokenizer = None if files.gguf else Tokenizer(files.folder, server.chat_template,
+                                                      server.chat_template_defaults())
     client = CoreClient(config, str(files.folder), tokenizer, server.restart_policy(),
                         files_pending=pending(files))
     client.launch()
@@ -125,7 +126,8 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
         server = replace(server, served_model_name=(files.name,))
     if client.tokenizer is None:
         with flag_errors(command):
-            client.attach_tokenizer(Tokenizer(folder, server.chat_template))
+            client.attach_tokenizer(Tokenizer(folder, server.chat_template,
+                                              server.chat_template_defaults()))
     return client, server
 
 

@@ -122,6 +122,9 @@ def _vllm_section() -> list[str]:
         lines.append(f"| `{flag}` | `--{dest.replace('_', '-')} {value:g}` |")
     for flag, why in vllm_flags.ACCEPTED.items():
         lines.append(f"| `{flag}` | accepted, no effect: {_cell(why)} |")
+    for name, words in vllm_flags.VALUES.items():
+        flag = f"--{name.replace('_', '-')}"
+        lines += [f"| `{flag} {word}` | `{flag} {value}` |" for word, value in words.items()]
     keys = ", ".join(f"`{k}`" for k in vllm_flags.SPECULATIVE_KEYS)
     methods = ", ".join(f"`{k}`" for k in vllm_flags.SPECULATIVE_METHODS)
     lines += [f"| `--speculative-config JSON` | its keys {keys} as `--speculative-method` "

@@ -11,7 +11,13 @@ from pathlib import Path
 
 # vLLM's flag -> tidal's option of the same meaning
 ALIASES = {"--max-num-batched-tokens": ("max_input_tokens_per_step", int),
-           "--scheduling-policy": ("policy", str)}
+           "--scheduling-policy": ("policy", str),
+           "-tp": ("tensor_parallel_size", int), "-pp": ("pipeline_parallel_size", int),
+           "-dp": ("data_parallel_size", int), "--num-gpu-blocks-override": ("num_kv_blocks", int),
+           "--kv-cache-memory-bytes": ("kv_cache_memory", int)}
+# vLLM's words for values of tidal's options: option -> {vLLM's value: tidal's}
+VALUES = {"dtype": {"half": "float16", "float": "float32"},
+          "kv_cache_dtype": {"fp8": "fp8_e4m3"}}  # vLLM's fp8 is E4M3
 # vLLM's switches that set one of tidal's options to a value
 SWITCHES = {"--disable-log-stats": ("log_stats_interval", 0.0)}
 # vLLM's switches that ask for what tidal does anyway, and why
@@ -23,7 +29,9 @@ ACCEPTED = {
     "--disable-log-requests": "requests are logged only with --enable-log-requests",
     "--enable-prompt-tokens-details": "usage always carries "
                                       "prompt_tokens_details.cached_tokens",
-    "--enable-server-load-tracking": "GET /load always counts the requests being answered"}
+    "--enable-server-load-tracking": "GET /load always counts the requests being answered",
+    "--enable-sleep-mode": "POST /sleep and /wake_up are always served",
+    "--enable-request-id-headers": "every answer carries X-Request-Id"}
 # --speculative-config's keys -> tidal's options; its methods -> tidal's
 SPECULATIVE_KEYS = {"method": "speculative_method",
                     "num_speculative_tokens": "num_speculative_tokens",
@@ -89,6 +97,10 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
     for flag in ACCEPTED:
         vars(args).pop(flag[2:].replace("-", "_"), None)
     vars(args).pop("config", None)
+    for name, words in VALUES.items():
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value in words:
+            setattr(args, name, words[value])
 
 
 def model_word(argv: list[str]) -> list[str]:

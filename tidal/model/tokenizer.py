@@ -19,9 +19,11 @@ class Tokenizer:
     """encode / decode / apply_chat_template over `tokenizer.json`, `tokenizer_config.json`
     and the chat template (`chat_template.jinja` or the config's `chat_template`)."""
 
-    def __init__(self, folder: str | Path, chat_template: str | None = None) -> None:
+    def __init__(self, folder: str | Path, chat_template: str | None = None,
+                 template_kwargs: dict | None = None) -> None:
         """`chat_template` (a file's path or the template; template_source) replaces the
-        model's own."""
+        model's own; `template_kwargs` are variables every render takes unless it sets its
+        own."""
         from tokenizers import Tokenizer as HFTokenizer
 
         folder = Path(folder)
@@ -35,6 +37,7 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self._tk.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tk.get_vocab_size()
+        self.template_kwargs = dict(template_kwargs or {})
         template = cfg.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
@@ -96,4 +99,5 @@ class Tokenizer:
         if template is None:
             raise ValueError("this model has no chat template: send a plain prompt instead, "
                              "or start the server with --chat-template")
-        return template.render(messages, add_generation_prompt, **kwargs)
+        return template.render(messages, add_generation_prompt,
+                               **{**self.template_kwargs, **kwargs})

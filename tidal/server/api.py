@@ -171,15 +171,17 @@ async def _lifespan(app: FastAPI):
 def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) -> FastAPI:
     """The server's app over `client`'s engine cores (started and stopped with the app);
     with `batches`, the Batch API's files and batches, worked through while it runs."""
+    docs = not config.disable_fastapi_docs
     app = FastAPI(title="tidal", version=__version__, lifespan=_lifespan, docs_url=None,
-                  redoc_url=None)
+                  redoc_url=None, openapi_url="/openapi.json" if docs else None)
     frontend = app.state.frontend = Frontend(client, config)
     if batches:
         frontend.batches = BatchRunner(frontend, app, config.batch_store_path(),
                                        config.batch_concurrency, config.batch_file_days)
     install_load(app)  # inside the checks below: a refused request never counts
     install_error_handlers(app, config, {"/v1/files": config.max_file_bytes})
-    install_docs(app)
+    if docs:
+        install_docs(app)
     app.include_router(routes)
     app.include_router(generation_routes)
     app.include_router(responses_routes)
@@ -196,5 +198,6 @@ def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) ->
     lora = client.config.lora  # the names `model` takes (any, where adapters come and go)
     names = (None if lora.enable_lora and config.enable_lora_runtime_updates
              else [*config.served_model_name, *lora.modules])
-    install_schema(app, names, bool(config.key))
+    if docs:
+        install_schema(app, names, bool(config.key))
     return app

@@ -5,6 +5,7 @@ docs/configuration.md come from the same words."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -200,6 +201,16 @@ class ServerConfig(HttpConfig):
                                              "`chat_template` (vLLM's field; a sandboxed "
                                              "jinja2 runs it). Without it such a request is "
                                              "refused.")
+    default_chat_template_kwargs: str | None = knob(
+        None, "A JSON object of chat-template variables every chat renders with, under a "
+        "request's own chat_template_kwargs (vLLM's; e.g. '{\"enable_thinking\": false}').")
+    return_tokens_as_token_ids: bool = knob(False, "Every answer's logprobs name their tokens "
+                                            "`token_id:<id>` (vLLM's; a request may ask by "
+                                            "its field of the same name).")
+    enable_force_include_usage: bool = knob(False, "Every stream ends with its usage, as if "
+                                            "stream_options.include_usage were set (vLLM's).")
+    disable_fastapi_docs: bool = knob(False, "Serve no /docs, /redoc or /openapi.json "
+                                      "(vLLM's).")
     headless: bool = knob(False, "Run only this node's tensor-parallel ranks, for the engine "
                           "core of node 0 (--nnodes, --node-rank > 0): no API, no engine "
                           "core; the ranks are started again whenever node 0 forms a new "
@@ -279,8 +290,29 @@ class ServerConfig(HttpConfig):
         if self.enable_log_outputs and not self.enable_log_requests:
             raise ValueError("enable_log_outputs needs --enable-log-requests")
         self.restart_policy()  # its own checks
+        self.chat_template_defaults()  # its own checks
         if self.pd is not None:
             parse_pd(self.pd)
+
+    def chat_template_defaults(self) -> dict:
+        """--default-chat-template-kwargs as a dict; ValueError unless a JSON object of
+        variables a request could set."""
+        from tidal.server.openai.chat import RESERVED_TEMPLATE_ARGS
+
+        if self.default_chat_template_kwargs is None:
+            return {}
+        try:
+            kwargs = json.loads(self.default_chat_template_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"default_chat_template_kwargs is not JSON: {exc}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("default_chat_template_kwargs must be a JSON object, e.g. "
+                             "'{\"enable_thinking\": false}'")
+        taken = [k for k in kwargs if k in RESERVED_TEMPLATE_ARGS]
+        if taken:
+            raise ValueError(f"default_chat_template_kwargs may not set {taken[0]!r}: the "
+                             f"server sets it")
+        return kwargs
 
     @property
     def model_name(self) -> str:

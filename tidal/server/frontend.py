@@ -150,7 +150,8 @@ class Frontend:
                                     self.grammars.token_bytes if self.grammars else None,
                                     prompt_logprobs=body.prompt_logprobs is not None,
                                     token_ids=body.return_token_ids,
-                                    tokens_as_ids=body.return_tokens_as_token_ids, **options)
+                                    tokens_as_ids=body.return_tokens_as_token_ids
+                                    or self.config.return_tokens_as_token_ids, **options)
         except BaseException:
             await finish(sub, updates)
             raise
@@ -169,9 +170,11 @@ class Frontend:
         try:
             if not body.stream:
                 return await _unless_client_leaves(request, response.body(updates))
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            response.continuous_usage = include_usage and \
-                body.stream_options.continuous_usage_stats
+            asked = body.stream_options  # --enable-force-include-usage: as if it asked
+            include_usage = self.config.enable_force_include_usage or bool(
+                asked and asked.include_usage)
+            response.continuous_usage = include_usage and bool(
+                asked and asked.continuous_usage_stats)
             sched = self.client.config.scheduler
             if sched.policy_class.may_reject(sched.policy_options):
                 # A rejection comes before the first token: hold the headers until then, so
