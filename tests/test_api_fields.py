@@ -151,7 +151,7 @@ def test_each_refused_field_is_a_400_naming_it(server, path, base, model):
      "does not compile"),
     ("/v1/chat/completions", {**CHAT, "guided_whitespace_pattern": " "},
      "guided_whitespace_pattern", "not supported"),
-    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 21}, "prompt_logprobs", "less than"),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 21}, "prompt_logprobs", "at most 20"),
     ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "text"),
     ("/v1/chat/completions", {**CHAT, "vllm_xargs": {"k": 1}}, "vllm_xargs", "none is loaded"),
     ("/v1/chat/completions", {**CHAT, "prediction": {"type": "text", "content": "x"}},

@@ -71,7 +71,6 @@ def test_logprob_fields_become_output_and_prompt_logprobs():
      "sampling_params.ebnf"),
     ({"text": "a", "sampling_params": {"custom_params": {"x": 1}}},
      "sampling_params.custom_params"),
-    ({"text": "a", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
     ({"text": "a", "image_data": "cat.png"}, "image_data"),
     ({"text": "a", "return_hidden_states": True}, "return_hidden_states"),
     ({"text": ["a", "b"], "rid": "one"}, "rid"),
@@ -98,6 +97,11 @@ def test_names_in_a_renamed_message_are_whole_words():
     with pytest.raises(APIError) as exc:  # guided_json's check, named as SGLang's field
         completion(text="a", sampling_params={"json_schema": "[]"})
     assert exc.value.message.startswith("json_schema") and "guided" not in exc.value.message
+    from tidal.server.sglang.request import in_sglang_terms
+
+    said = in_sglang_terms(APIError("logprobs must be at most 20 (--max-logprobs)",
+                                    param="logprobs"))
+    assert said.message == "top_logprobs_num must be at most 20 (--max-logprobs)"
 
 
 # ---------------------------------------------------------------------- the answer's shape
@@ -329,6 +333,9 @@ def test_refusals_over_http_and_the_key(server):
     err = r.json()["error"]
     assert err["param"] == "sampling_params.max_new_tokens" and "max_new_tokens" in \
         err["message"]
+    r = post(server, "/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 50})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs_num"
+    assert "top_logprobs_num must be at most 20" in r.json()["error"]["message"]
     r = post(server, "/generate", {"text": "a", "lora_path": "nope"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert httpx.post(server.url + "/generate", json={"text": "a"}).status_code == 401

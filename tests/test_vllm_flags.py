@@ -58,12 +58,15 @@ def test_vllms_short_flags_and_value_words_mean_tidals():
                              "--num-gpu-blocks-override", "99",
                              "--kv-cache-memory-bytes", "123456789", "--dtype", "half",
                              "--kv-cache-dtype", "fp8", "--enable-sleep-mode",
-                             "--enable-request-id-headers")
+                             "--enable-request-id-headers", "--max-logprobs", "-1")
     assert (engine.parallel.tensor_parallel_size, engine.parallel.data_parallel_size,
             engine.parallel.pipeline_parallel_size) == (1, 2, 1)
     assert (engine.model.num_kv_blocks, engine.model.kv_cache_memory) == (99, 123456789)
     assert (engine.model.dtype, engine.model.kv_cache_dtype) == ("float16", "fp8_e4m3")
     assert configs("--dtype", "float")[0].model.dtype == "float32"
+    assert server.max_logprobs == -1
+    with pytest.raises(ValueError, match="max_logprobs"):
+        configs("--max-logprobs", "-2")
     with pytest.raises(ValueError, match="dtype"):  # a word neither spells is still refused
         configs("--dtype", "double")
 
@@ -129,7 +132,7 @@ def test_a_server_started_with_vllms_words_runs_with_them(tmp_path):
                     "--chat-template", str(template),
                     "--default-chat-template-kwargs", '{"greeting": "hello"}',
                     "--return-tokens-as-token-ids", "--enable-force-include-usage",
-                    "--disable-fastapi-docs")
+                    "--disable-fastapi-docs", "--max-logprobs", "25")
     try:
         info = httpx.get(server.url + "/get_server_info").json()["engine"]
         assert info["scheduler"]["max_input_tokens_per_step"] == 2048
@@ -141,6 +144,18 @@ def test_a_server_started_with_vllms_words_runs_with_them(tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         tokens = r.json()["choices"][0]["logprobs"]["tokens"]
         assert len(tokens) == 8 and all(t.startswith("token_id:") for t in tokens)
+        many = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "logprobs": True, "top_logprobs": 25}).json()  # past 20: --max-logprobs 25
+        assert len(many["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+        for path, body, param in (
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                          "logprobs": True, "top_logprobs": 26}, "top_logprobs"),
+                ("/v1/completions", {"prompt": "hi", "logprobs": 26}, "logprobs"),
+                ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 26}, "prompt_logprobs")):
+            r = httpx.post(server.url + path, json={**body, "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param
+            assert "at most 25" in r.json()["error"]["message"]
 
         def rendered(**kwargs) -> str:
             ids = httpx.post(server.url + "/tokenize", json={

@@ -176,6 +176,8 @@ class ServerConfig(HttpConfig):
     max_total_tokens: int | None = knob(None, "Most output tokens one prompt may ask for, n x "
                                         "max_tokens (unset: no cap beyond max_n and the "
                                         "context).")
+    max_logprobs: int = knob(20, "Most alternatives a request may ask for per token, of its "
+                             "output or its prompt (vLLM's; -1: up to the vocabulary).")
     max_constraint_bytes: int = knob(128 * 1024, "Largest output constraint (a JSON schema, "
                                      "regex, choice list or grammar) a request may send; its "
                                      "compilation grows with it.")
@@ -285,6 +287,8 @@ class ServerConfig(HttpConfig):
         if any(not n.strip() for n in names) or len(set(names)) != len(names):
             raise ValueError(f"served_model_name takes distinct, non-blank names; got "
                              f"{' '.join(map(repr, names))}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.enable_log_outputs and not self.enable_log_requests:

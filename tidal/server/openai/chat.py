@@ -182,12 +182,13 @@ class ChatRequest(GenerationRequest):
     """A /v1/chat/completions body."""
 
     _refused: ClassVar = {**VLLM_REFUSED, **CHAT_REFUSED}
+    logprobs_field: ClassVar[str] = "top_logprobs"
     prompt_field: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # "auto" when tools are given, as OpenAI's
     parallel_tool_calls: bool = True

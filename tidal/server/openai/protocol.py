@@ -175,6 +175,7 @@ class GenerationRequest(StrictModel):
     _refused: ClassVar = VLLM_REFUSED
     prompt_field: ClassVar[str] = "prompt"  # what a 400 for a prompt over the context names
     default_max_tokens: ClassVar[int | None] = None  # None: what the context leaves
+    logprobs_field: ClassVar[str] = "logprobs"  # what asks for alternatives per output token
 
     model: str | None = None
     # vLLM's: the answer's id is `cmpl-<request_id>` (chat: `chatcmpl-`)
@@ -203,7 +204,7 @@ class GenerationRequest(StrictModel):
     return_token_ids: bool = False  # vLLM: the prompt's and the output's token ids too
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:<id>"
     bad_words: list[str] = []  # vLLM: words the output must not hold
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM: per prompt token, top k
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM: per prompt token, top k
     n: int = Field(1, ge=1)  # with use_beam_search, the beam width
     use_beam_search: bool = False  # vLLM: the n best answers by beam search
     length_penalty: float = Field(1.0, allow_inf_nan=False)  # vLLM: beam score's divisor
@@ -336,6 +337,12 @@ class GenerationRequest(StrictModel):
         if cap is not None and self.n * max_tokens > cap:
             raise APIError(f"n ({self.n}) x {self.limit_field()} ({max_tokens}) is over this "
                            f"server's limit of {cap} output tokens per prompt", param=field)
+        most = limits.max_logprobs if limits.max_logprobs >= 0 else vocab_size
+        for name, asked in ((self.logprobs_field, logprobs),
+                            ("prompt_logprobs", self.prompt_logprob_count())):
+            if asked is not None and asked > most:
+                raise APIError(f"{name} must be at most {most} (the server's --max-logprobs), "
+                               f"got {asked}", param=name)
         check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
         check_token_ids(self.allowed_token_ids or [], vocab_size, "allowed_token_ids")
         if self.cache_salt is not None and not is_unicode(self.cache_salt):
@@ -417,7 +424,7 @@ class CompletionRequest(GenerationRequest):
 
     prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | \
         Annotated[list[TokenIds], Field(min_length=1)]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)
     best_of: int | None = Field(None, ge=1)  # only equal to n: the best n of n are all n
     echo: bool = False  # the prompt before the output (and its logprobs with logprobs)
     add_special_tokens: bool = True  # vLLM: the tokenizer's BOS and the like for strings

@@ -13,10 +13,11 @@ from tidal.server.openai.protocol import APIError
 
 
 def renamed(text: str, words: Mapping[str, str]) -> str:
-    """`text` with each field name of `words` (as a whole word) in the client's words."""
+    """`text` with each field name of `words` (as a whole word: not part of a flag's
+    dashed name either) in the client's words."""
     if not words:
         return text
-    pattern = r"\b(" + "|".join(map(re.escape, words)) + r")\b"
+    pattern = r"(?<![\w-])(" + "|".join(map(re.escape, words)) + r")(?![\w-])"
     return re.sub(pattern, lambda m: words[m.group(1)], text)
 
 
