@@ -7,6 +7,7 @@ that the engine runs with what the vLLM words said."""
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -71,6 +72,31 @@ def test_vllms_short_flags_and_value_words_mean_tidals():
         configs("--dtype", "double")
 
 
+@pytest.mark.parametrize("words", [["--structured-outputs-config", '{"backend": "guidance"}'],
+                                   ["--guided-decoding-backend", "auto"],
+                                   ["--structured-outputs-config", "{}"]])
+def test_the_structured_outputs_backend_tidal_runs_is_accepted(words):
+    configs(*words)
+
+
+@pytest.mark.parametrize("words, why", [
+    (["--guided-decoding-backend", "xgrammar"], "llguidance"),
+    (["--structured-outputs-config", '{"backend": "outlines"}'], "llguidance"),
+    (["--structured-outputs-config", '{"disable_any_whitespace": true}'],
+     "disable_any_whitespace"),
+    (["--structured-outputs-config", "{oops"], "not JSON")])
+def test_another_structured_outputs_backend_is_refused_by_name(words, why):
+    with pytest.raises(ValueError, match=why):
+        configs(*words)
+
+
+def test_middleware_that_does_not_import_is_named():
+    with pytest.raises(ValueError, match="nowhere.at_all"):
+        configs("--middleware", "nowhere.at_all")[1].middleware_objects()
+    with pytest.raises(ValueError, match="blank"):
+        configs("--response-role", " ")
+
+
 @pytest.mark.parametrize("kwargs, words", [("{not json", "not JSON"), ("[1]", "JSON object"),
                                            ('{"tools": []}', "'tools'")])
 def test_bad_default_chat_template_kwargs_are_refused(kwargs, words):
@@ -121,7 +147,31 @@ def test_a_config_file_gives_flags_the_command_line_overrides(tmp_path):
         configs("--config", str(tmp_path / "missing.yaml"))
 
 
-def test_a_server_started_with_vllms_words_runs_with_them(tmp_path):
+MIDDLEWARE = """
+from starlette.responses import PlainTextResponse
+
+
+async def stamp(request, call_next):
+    response = await call_next(request)
+    response.headers["x-stamped"] = "yes"
+    return response
+
+
+class Teapot:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/teapot":
+            return await PlainTextResponse("short and stout", 418)(scope, receive, send)
+        await self.app(scope, receive, send)
+"""
+
+
+def test_a_server_started_with_vllms_words_runs_with_them(tmp_path, monkeypatch):
+    (tmp_path / "my_middleware.py").write_text(MIDDLEWARE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        str(tmp_path), os.environ.get("PYTHONPATH")])))
     template = tmp_path / "greeting.jinja"  # a template that reads a variable of its own
     template.write_text("{% for m in messages %}{{ greeting | default('none') }}: "
                         "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>"
@@ -132,7 +182,8 @@ def test_a_server_started_with_vllms_words_runs_with_them(tmp_path):
                     "--chat-template", str(template),
                     "--default-chat-template-kwargs", '{"greeting": "hello"}',
                     "--return-tokens-as-token-ids", "--enable-force-include-usage",
-                    "--disable-fastapi-docs", "--max-logprobs", "25")
+                    "--disable-fastapi-docs", "--max-logprobs", "25", "--response-role", "bot",
+                    "--middleware", "my_middleware.stamp", "my_middleware.Teapot")
     try:
         info = httpx.get(server.url + "/get_server_info").json()["engine"]
         assert info["scheduler"]["max_input_tokens_per_step"] == 2048
@@ -171,6 +222,18 @@ def test_a_server_started_with_vllms_words_runs_with_them(tmp_path):
         assert all(json.loads(c)["usage"] is None for c in chunks[:-1])
         for page in ("/docs", "/redoc", "/openapi.json"):
             assert httpx.get(server.url + page).status_code == 404
+        assert httpx.get(server.url + "/health").headers["x-stamped"] == "yes"
+        teapot = httpx.get(server.url + "/teapot")
+        assert teapot.status_code == 418 and teapot.text == "short and stout"
+        assert [json.loads(c)["choices"][0]["delta"].get("role") for c in chunks[:1]] == ["bot"]
+        chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
+        assert chat["choices"][0]["message"]["role"] == "bot"
+        continued = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "Hello"}], "max_tokens": 2,
+            "add_generation_prompt": False, "continue_final_message": True}).json()
+        assert continued["choices"][0]["message"]["role"] == "assistant"  # the message's own
     finally:
         server.stop()
 

@@ -48,6 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     with flag_errors("serve"):
         server = config_from_args(ServerConfig, args)
+        server.middleware_objects()  # a path that does not import ends the command now
     if server.pd is not None:
         return _serve_pd(args, server)
     started = _start_cores(args, server, "serve")
@@ -66,6 +67,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     `serve` answers with, in process; their answers to another JSONL file."""
     with flag_errors("run-batch"):
         server = config_from_args(ServerConfig, args)
+        server.middleware_objects()
     if server.headless or server.pd is not None:
         raise SystemExit("tidal run-batch: error: it answers in one process: --headless and "
                          "--pd are for tidal serve")

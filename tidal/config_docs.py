@@ -129,6 +129,9 @@ def _vllm_section() -> list[str]:
     methods = ", ".join(f"`{k}`" for k in vllm_flags.SPECULATIVE_METHODS)
     lines += [f"| `--speculative-config JSON` | its keys {keys} as `--speculative-method` "
               f"(methods {methods}) and its options |",
+              "| `--structured-outputs-config JSON`, `--guided-decoding-backend NAME` | "
+              "accepted for the backend structured outputs run on here, llguidance: "
+              + ", ".join(f"`{b}`" for b in vllm_flags.STRUCTURED_BACKENDS) + " |",
               "| `--config FILE` | a YAML file of flags, keys without dashes (`true` a switch "
               "on, `false` off, a list its words); the command line's flags win |",
               "| `--no-FLAG` | any switch off |"]

@@ -37,6 +37,7 @@ SPECULATIVE_KEYS = {"method": "speculative_method",
                     "num_speculative_tokens": "num_speculative_tokens",
                     "model": "speculative_model", "prompt_lookup_min": "prompt_lookup_min",
                     "prompt_lookup_max": "prompt_lookup_max"}
+STRUCTURED_BACKENDS = ("auto", "guidance")  # vLLM's names that mean llguidance here
 SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft",
                        "draft": "draft"}
 
@@ -58,6 +59,11 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                        help="vLLM's: {\"method\": \"ngram\"|\"suffix\"|\"draft_model\", "
                             "\"num_speculative_tokens\", \"model\", \"prompt_lookup_min\", "
                             "\"prompt_lookup_max\"}, as --speculative-method and its options")
+    group.add_argument("--structured-outputs-config", "--guided-decoding-backend",
+                       dest="structured_outputs", default=argparse.SUPPRESS,
+                       metavar="JSON|BACKEND",
+                       help="vLLM's: the backend of structured outputs, which here is "
+                            "llguidance: 'auto' or 'guidance' ({\"backend\": ...})")
     group.add_argument("--config", default=argparse.SUPPRESS, metavar="YAML",
                        help="vLLM's: a YAML file of flags (keys without the dashes); flags "
                             "on the command line win over it")
@@ -84,9 +90,28 @@ def speculative_options(text: str) -> dict:
     return {SPECULATIVE_KEYS[k]: v for k, v in spec.items()}
 
 
+def check_structured_backend(text: str) -> None:
+    """--structured-outputs-config (JSON) or --guided-decoding-backend (a name): ValueError
+    unless it asks for the backend tidal runs (llguidance, vLLM's 'guidance') or 'auto'."""
+    try:
+        config = json.loads(text) if text.lstrip().startswith("{") else {"backend": text}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"structured_outputs_config is not JSON: {exc}") from None
+    unknown = sorted(set(config) - {"backend"})
+    if unknown:
+        raise ValueError(f"structured_outputs_config: {', '.join(unknown)} not supported "
+                         f"(tidal takes backend)")
+    if config.get("backend", "auto") not in STRUCTURED_BACKENDS:
+        raise ValueError(f"structured outputs run on llguidance here: the backend must be "
+                         f"one of {', '.join(STRUCTURED_BACKENDS)}; got {config['backend']!r}")
+
+
 def apply_vllm_flags(args: argparse.Namespace) -> None:
     """Turn the parsed vLLM words into tidal's options (in place); ValueError for a bad
-    --speculative-config."""
+    --speculative-config or a structured-outputs backend tidal does not run."""
+    structured = vars(args).pop("structured_outputs", None)
+    if structured is not None:
+        check_structured_backend(structured)
     text = vars(args).pop("speculative_config", None)
     if text is not None:
         for name, value in speculative_options(text).items():

@@ -180,6 +180,11 @@ def build_app(client: CoreClient, config: ServerConfig, batches: bool = True) ->
                                        config.batch_concurrency, config.batch_file_days)
     install_load(app)  # inside the checks below: a refused request never counts
     install_error_handlers(app, config, {"/v1/files": config.max_file_bytes})
+    for middleware in config.middleware_objects():  # outermost: they see every request
+        if isinstance(middleware, type):
+            app.add_middleware(middleware)
+        else:
+            app.middleware("http")(middleware)
     if docs:
         install_docs(app)
     app.include_router(routes)

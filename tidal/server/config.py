@@ -206,6 +206,13 @@ class ServerConfig(HttpConfig):
     default_chat_template_kwargs: str | None = knob(
         None, "A JSON object of chat-template variables every chat renders with, under a "
         "request's own chat_template_kwargs (vLLM's; e.g. '{\"enable_thinking\": false}').")
+    response_role: str = knob("assistant", "The role of a chat answer's message where the "
+                              "request adds a generation prompt (vLLM's); else the last "
+                              "message's own.")
+    middleware: tuple[str, ...] = knob((), "ASGI middleware around the app (vLLM's): import "
+                                       "paths `module.name` of a class (added as "
+                                       "app.add_middleware does) or of an `async def f("
+                                       "request, call_next)` HTTP middleware.")
     return_tokens_as_token_ids: bool = knob(False, "Every answer's logprobs name their tokens "
                                             "`token_id:<id>` (vLLM's; a request may ask by "
                                             "its field of the same name).")
@@ -295,6 +302,8 @@ class ServerConfig(HttpConfig):
             raise ValueError("enable_log_outputs needs --enable-log-requests")
         self.restart_policy()  # its own checks
         self.chat_template_defaults()  # its own checks
+        if not self.response_role.strip():
+            raise ValueError("response_role must not be blank")
         if self.pd is not None:
             parse_pd(self.pd)
 
@@ -317,6 +326,20 @@ class ServerConfig(HttpConfig):
             raise ValueError(f"default_chat_template_kwargs may not set {taken[0]!r}: the "
                              f"server sets it")
         return kwargs
+
+    def middleware_objects(self) -> list:
+        """--middleware's classes and functions, imported; ValueError naming one that is
+        not there."""
+        import importlib
+
+        found = []
+        for path in self.middleware:
+            module, _, name = path.rpartition(".")
+            try:
+                found.append(getattr(importlib.import_module(module), name))
+            except (ImportError, AttributeError, ValueError) as exc:
+                raise ValueError(f"middleware {path!r} does not import: {exc}") from None
+        return found
 
     @property
     def model_name(self) -> str:

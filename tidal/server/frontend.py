@@ -10,7 +10,7 @@ import time
 import uuid
 from dataclasses import replace
 from functools import partial
-from typing import Annotated, Any, AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Annotated, AsyncGenerator, Callable, Mapping
 
 from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
@@ -26,6 +26,7 @@ from tidal.server.batches.runner import BACKGROUND_HEADER, BatchRunner
 from tidal.server.beam_search import beam_search_updates
 from tidal.server.config import ServerConfig
 from tidal.server.dashboard import DashboardHub
+from tidal.server.disconnects import after_first, unless_client_leaves
 from tidal.server.in_flight import InFlight
 from tidal.server.lora_routes import Adapters
 from tidal.server.metrics import RequestTally, ServerMetrics
@@ -124,7 +125,9 @@ class Frontend:
             parallel=body.parallel_tool_calls, reasoning=self.reasoning,
             prompt_opens_thinking=self.reasoning is not None and prompt_opens_thinking(
                 body.prompt_text(), self.reasoning),
-            include_reasoning=body.include_reasoning)
+            include_reasoning=body.include_reasoning,
+            role=self.config.response_role if body.add_generation_prompt
+            else body.messages[-1].role)  # vLLM's: a message continued keeps its role
 
     async def start(self, response_cls: type[GenerationResponse], body: GenerationRequest,
                     prompts: list[list[int]], headers: Mapping[str, str],
@@ -169,7 +172,7 @@ class Frontend:
         stream = None  # once made, its background task ends the submission
         try:
             if not body.stream:
-                return await _unless_client_leaves(request, response.body(updates))
+                return await unless_client_leaves(request, response.body(updates))
             asked = body.stream_options  # --enable-force-include-usage: as if it asked
             include_usage = self.config.enable_force_include_usage or bool(
                 asked and asked.include_usage)
@@ -179,7 +182,7 @@ class Frontend:
             if sched.policy_class.may_reject(sched.policy_options):
                 # A rejection comes before the first token: hold the headers until then, so
                 # that it is a plain 503 rather than an error event inside a 200 stream.
-                updates = await _unless_client_leaves(request, _after_first(updates))
+                updates = await unless_client_leaves(request, after_first(updates))
                 if isinstance(updates, Response):
                     return updates  # the client left
             events = response.events(updates, include_usage)
@@ -204,7 +207,7 @@ class Frontend:
                     vectors[i] = u.embedding
 
         try:
-            gone = await _unless_client_leaves(request, collect())
+            gone = await unless_client_leaves(request, collect())
         finally:
             await sub.end()
         if isinstance(gone, Response):
@@ -445,46 +448,6 @@ async def _closed(events: AsyncGenerator[str, None], sub: Submission | None) -> 
     await events.aclose()
     if sub is not None:
         await sub.end()
-
-
-async def _after_first(updates: Updates) -> Updates:
-    """`updates` once its first item is here (an APIError before then propagates)."""
-    first = await anext(updates)
-
-    async def chained() -> Updates:
-        try:
-            yield first
-            async for item in updates:
-                yield item
-        finally:
-            await updates.aclose()
-
-    return chained()
-
-
-async def _unless_client_leaves(request: Request, work: Awaitable) -> Any:
-    """A whole-body answer stops when its client disconnects first, as a stream does: the
-    cancelled update stream aborts the requests and their blocks return at once."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if not gone.done() or gone.cancelled():
-            raise  # the server itself is cancelling this request
-        return Response(status_code=499)  # nobody is left to read it
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client hangs up (the body was read: receive() waits for that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def unavailable(exc: EngineDeadError) -> APIError:

@@ -37,6 +37,7 @@ class ChatOutputOptions:
     prompt_opens_thinking: bool = False
     include_reasoning: bool = True
     call_id: Callable[[], str] = openai_call_id  # a new call's id, as the template takes it
+    role: str = "assistant"  # the answer's (--response-role), or the continued message's
 
 
 @dataclass

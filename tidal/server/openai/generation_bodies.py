@@ -255,7 +255,7 @@ class ChatResponse(GenerationResponse):
                 content = content.strip() or None  # the text around calls
             if self.echo:
                 content = self.echo + (content or "")
-            message = s.AssistantMessage("assistant", content, None, reader.calls,
+            message = s.AssistantMessage(self.options.role, content, None, reader.calls,
                                          reader.reasoning or None)
             lp = self.logprobs(ch.logprobs, 0) if self.want_logprobs else None
             out.append(s.ChatChoice(i, message, lp, reader.finish_reason(ch.finish_reason)))
@@ -280,7 +280,8 @@ class ChatResponse(GenerationResponse):
         return s.ChatChunkChoice(i, delta, lp, finish_reason)
 
     def opening(self) -> list:
-        return [s.ChatChunkChoice(i, s.Delta(role="assistant", content=self.echo), None, None)
+        role = self.options.role
+        return [s.ChatChunkChoice(i, s.Delta(role=role, content=self.echo), None, None)
                 for i in range(len(self.choices))]
 
 
