@@ -4,7 +4,8 @@ fields), the answer's shape (finish_reason objects, ids, logprob triples, lists 
 and n), /health_generate's probe (shared, timed out, busy), and end to end on a keyed server:
 /generate agrees token for token with /v1/completions (whole, streamed, batched, with
 logprobs of output and prompt), /abort_request ends requests answered with what they have,
-/get_model_info, /get_server_info without the key."""
+/get_model_info, /get_server_info without the key; the server started by SGLang's
+launch_server words."""
 
 from __future__ import annotations
 
@@ -237,7 +238,9 @@ def test_health_generate_is_503_when_no_token_comes_and_200_when_the_engine_is_b
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--api-key", KEY, "--dtype", "float32")
+    s = Server("--api-key", KEY, "--dtype", "float32", "--model-path", "smollm2-135m",
+               "--context-length", "4096", "--max-running-requests", "32",
+               "--schedule-policy", "lpm", "--enable-metrics")  # SGLang's own words
     yield s
     s.stop()
 
@@ -354,6 +357,8 @@ def test_model_and_server_info(server):
     got = r.json()
     assert got["max_total_num_tokens"] == 256 * got["page_size"]
     assert got["dp_size"] == 1 and got["engine"]["model"]["dtype"] == "float32"
+    assert (got["context_length"], got["max_running_requests"]) == (4096, 32)  # as launched
+    assert got["engine"]["scheduler"]["policy"] == "longest_prefix_match"
 
 
 def test_encode_answers_the_embeddings_of_v1_embeddings(server):

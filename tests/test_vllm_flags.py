@@ -72,6 +72,35 @@ def test_vllms_short_flags_and_value_words_mean_tidals():
         configs("--dtype", "double")
 
 
+def test_sglangs_launch_server_words_mean_tidals(tmp_path):
+    engine, server = configs(
+        "--model-path", "some/model", "--tp", "1", "--dp-size", "2", "--pp-size", "1",
+        "--context-length", "1024", "--max-running-requests", "8",
+        "--max-prefill-tokens", "512", "--page-size", "32", "--random-seed", "3",
+        "--mem-fraction-static", "0.8", "--schedule-policy", "lpm",
+        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "3",
+        "--disable-radix-cache", "--disable-cuda-graph", "--log-requests",
+        "--max-loras-per-batch", "2", "--enable-metrics", "--enable-cache-report",
+        "--skip-server-warmup", "--is-embedding")
+    assert engine.model.model == "some/model"
+    assert (engine.parallel.tensor_parallel_size, engine.parallel.data_parallel_size) == (1, 2)
+    s = engine.scheduler
+    assert (s.max_model_len, s.max_num_seqs, s.max_input_tokens_per_step, s.policy) == (
+        1024, 8, 512, "longest_prefix_match")
+    assert (engine.cache.block_size, engine.cache.enable_prefix_caching) == (32, False)
+    assert (engine.model.seed, engine.model.gpu_memory_utilization,
+            engine.model.enforce_eager) == (3, 0.8, True)
+    assert (engine.speculative.speculative_method,
+            engine.scheduler.num_speculative_tokens) == ("ngram", 3)
+    assert engine.scheduler.max_loras == 2
+    assert server.enable_log_requests and server.task == "embed"
+    config = tmp_path / "sglang.yaml"  # SGLang's --config: its keys, a switch off is nothing
+    config.write_text("context-length: 2048\ndisable-radix-cache: false\n"
+                      "enable-metrics: false\ntp-size: 1\n")
+    engine, _ = configs("--config", str(config))
+    assert engine.scheduler.max_model_len == 2048 and engine.cache.enable_prefix_caching
+
+
 @pytest.mark.parametrize("words", [["--structured-outputs-config", '{"backend": "guidance"}'],
                                    ["--guided-decoding-backend", "auto"],
                                    ["--structured-outputs-config", "{}"]])

@@ -16,7 +16,7 @@ from typing import Any
 
 from tidal.core.config import help_table
 from tidal.core.policies import POLICIES, option_fields
-from tidal.engine import vllm_flags
+from tidal.engine import sglang_flags, vllm_flags
 from tidal.engine.config import EngineConfig, all_fields
 from tidal.server.config import HttpConfig, ServerConfig
 
@@ -112,19 +112,12 @@ def render() -> str:
 
 
 def _vllm_section() -> list[str]:
-    """vLLM's `serve` words that `tidal serve` and `tidal run-batch` take too."""
+    """vLLM's and SGLang's words that `tidal serve` (and `tidal run-batch`) take too."""
     lines = ["## vLLM's flags", "", _cell(vllm_flags.__doc__.split("\n\n")[0]), "",
              "| vLLM's flag | in tidal |", "| --- | --- |",
              "| `serve MODEL` | the model, as `--model` (its first word) |"]
-    for flag, (dest, _) in vllm_flags.ALIASES.items():
-        lines.append(f"| `{flag}` | `--{dest.replace('_', '-')}` |")
-    for flag, (dest, value) in vllm_flags.SWITCHES.items():
-        lines.append(f"| `{flag}` | `--{dest.replace('_', '-')} {value:g}` |")
-    for flag, why in vllm_flags.ACCEPTED.items():
-        lines.append(f"| `{flag}` | accepted, no effect: {_cell(why)} |")
-    for name, words in vllm_flags.VALUES.items():
-        flag = f"--{name.replace('_', '-')}"
-        lines += [f"| `{flag} {word}` | `{flag} {value}` |" for word, value in words.items()]
+    lines += _words({f: d for f, (d, _) in vllm_flags.ALIASES.items()}, vllm_flags.SWITCHES,
+                    vllm_flags.ACCEPTED, vllm_flags.VALUES)
     keys = ", ".join(f"`{k}`" for k in vllm_flags.SPECULATIVE_KEYS)
     methods = ", ".join(f"`{k}`" for k in vllm_flags.SPECULATIVE_METHODS)
     lines += [f"| `--speculative-config JSON` | its keys {keys} as `--speculative-method` "
@@ -134,8 +127,23 @@ def _vllm_section() -> list[str]:
               + ", ".join(f"`{b}`" for b in vllm_flags.STRUCTURED_BACKENDS) + " |",
               "| `--config FILE` | a YAML file of flags, keys without dashes (`true` a switch "
               "on, `false` off, a list its words); the command line's flags win |",
-              "| `--no-FLAG` | any switch off |"]
-    return lines
+              "| `--no-FLAG` | any switch off |", "", "## SGLang's flags", "",
+              _cell(sglang_flags.__doc__), "", "| SGLang's flag | in tidal |", "| --- | --- |"]
+    return lines + _words({f: d for f, (d, _, _) in sglang_flags.ALIASES.items()},
+                          sglang_flags.SWITCHES, sglang_flags.ACCEPTED, sglang_flags.VALUES)
+
+
+def _words(aliases: dict, switches: dict, accepted: dict, values: dict) -> list[str]:
+    """Table rows of another engine's flags: aliases, switches, accepted ones, values."""
+    rows = [f"| `{flag}` | `--{dest.replace('_', '-')}` |" for flag, dest in aliases.items()]
+    rows += [f"| `{flag}` | `{vllm_flags.switch_meaning(dest, value)}` |"
+             for flag, (dest, value) in switches.items()]
+    rows += [f"| `{flag}` | accepted, no effect: {_cell(why)} |" for flag, why in
+             accepted.items()]
+    for name, words in values.items():
+        flag = f"--{name.replace('_', '-')}"
+        rows += [f"| `{flag} {word}` | `{flag} {value}` |" for word, value in words.items()]
+    return rows
 
 
 def _server_section() -> list[str]:

@@ -9,6 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tidal.engine import sglang_flags
+
 # vLLM's flag -> tidal's option of the same meaning
 ALIASES = {"--max-num-batched-tokens": ("max_input_tokens_per_step", int),
            "--scheduling-policy": ("policy", str),
@@ -32,6 +34,8 @@ ACCEPTED = {
     "--enable-server-load-tracking": "GET /load always counts the requests being answered",
     "--enable-sleep-mode": "POST /sleep and /wake_up are always served",
     "--enable-request-id-headers": "every answer carries X-Request-Id"}
+# switches whose `false` in a --config file asks for nothing (they have no --no- form)
+NOTHING_WHEN_OFF = {*ACCEPTED, *SWITCHES, *sglang_flags.ACCEPTED, *sglang_flags.SWITCHES}
 # --speculative-config's keys -> tidal's options; its methods -> tidal's
 SPECULATIVE_KEYS = {"method": "speculative_method",
                     "num_speculative_tokens": "num_speculative_tokens",
@@ -43,18 +47,12 @@ SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "dra
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
-    """vLLM's spellings on a command that has the engine's flags."""
+    """vLLM's and SGLang's spellings on a command that has the engine's flags."""
     group = parser.add_argument_group("vLLM's flags (docs/configuration.md)")
-    for flag, (dest, kind) in ALIASES.items():
-        group.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS,
-                           help=f"vLLM's name for --{dest.replace('_', '-')}")
-    for flag, (dest, value) in SWITCHES.items():
-        group.add_argument(flag, dest=dest, action="store_const", const=value,
-                           default=argparse.SUPPRESS,
-                           help=f"vLLM's: --{dest.replace('_', '-')} {value:g}")
-    for flag, why in ACCEPTED.items():
-        group.add_argument(flag, action="store_true", default=argparse.SUPPRESS,
-                           help=f"accepted, no effect: {why}")
+    _add_words(group, "vLLM", {f: (dest, kind, None) for f, (dest, kind) in ALIASES.items()},
+               SWITCHES, ACCEPTED)
+    _add_words(parser.add_argument_group("SGLang's flags (docs/configuration.md)"), "SGLang",
+               sglang_flags.ALIASES, sglang_flags.SWITCHES, sglang_flags.ACCEPTED)
     group.add_argument("--speculative-config", default=argparse.SUPPRESS, metavar="JSON",
                        help="vLLM's: {\"method\": \"ngram\"|\"suffix\"|\"draft_model\", "
                             "\"num_speculative_tokens\", \"model\", \"prompt_lookup_min\", "
@@ -67,6 +65,29 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", default=argparse.SUPPRESS, metavar="YAML",
                        help="vLLM's: a YAML file of flags (keys without the dashes); flags "
                             "on the command line win over it")
+
+
+def _add_words(group, engine: str, aliases: dict, switches: dict, accepted: dict) -> None:
+    """Another engine's flags of tidal's options (aliases: flag -> (option, type, nargs)),
+    switches that set one (flag -> (option, value)) and switches accepted without effect."""
+    for flag, (dest, kind, nargs) in aliases.items():
+        group.add_argument(flag, dest=dest, type=kind, nargs=nargs, default=argparse.SUPPRESS,
+                           help=f"{engine}'s name for --{dest.replace('_', '-')}")
+    for flag, (dest, value) in switches.items():
+        group.add_argument(flag, dest=dest, action="store_const", const=value,
+                           default=argparse.SUPPRESS,
+                           help=f"{engine}'s: {switch_meaning(dest, value)}")
+    for flag, why in accepted.items():
+        group.add_argument(flag, action="store_true", default=argparse.SUPPRESS,
+                           help=f"accepted, no effect: {why}")
+
+
+def switch_meaning(dest: str, value) -> str:
+    """What a switch of another engine sets, in tidal's flags."""
+    flag = f"--{dest.replace('_', '-')}"
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
 
 def speculative_options(text: str) -> dict:
@@ -119,10 +140,10 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
                 raise ValueError(f"--{name.replace('_', '-')} and --speculative-config both "
                                  f"set {name}: give it once")
             setattr(args, name, value)
-    for flag in ACCEPTED:
+    for flag in [*ACCEPTED, *sglang_flags.ACCEPTED]:
         vars(args).pop(flag[2:].replace("-", "_"), None)
     vars(args).pop("config", None)
-    for name, words in VALUES.items():
+    for name, words in [*VALUES.items(), *sglang_flags.VALUES.items()]:
         value = getattr(args, name, None)
         if isinstance(value, str) and value in words:
             setattr(args, name, words[value])
@@ -175,8 +196,8 @@ def config_file_flags(path: str) -> list[str]:
         flag = "--" + str(key).replace("_", "-")
         if value is True:
             flags.append(flag)
-        elif value is False:  # an accepted switch off asks for nothing either
-            flags += [] if flag in ACCEPTED else [f"--no-{flag[2:]}"]
+        elif value is False:  # a switch of another engine's off asks for nothing
+            flags += [] if flag in NOTHING_WHEN_OFF else [f"--no-{flag[2:]}"]
         elif isinstance(value, list):
             flags += [flag, *map(str, value)]
         elif isinstance(value, dict):

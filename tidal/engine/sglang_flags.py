@@ -1,0 +1,39 @@
+"""SGLang's `launch_server` words for tidal's options, so that an SGLang command line (or its
+`--config` YAML file) starts `tidal serve` too: flags of another name for the same option,
+switches that set one, and switches that ask for what tidal does anyway (read beside vLLM's,
+vllm_flags.py). An SGLang flag with no meaning here stays an error."""
+
+from __future__ import annotations
+
+# SGLang's flag -> (tidal's option of the same meaning, its type, nargs)
+ALIASES = {
+    "--model-path": ("model", str, None),
+    "--tp": ("tensor_parallel_size", int, None), "--tp-size": ("tensor_parallel_size", int, None),
+    "--dp": ("data_parallel_size", int, None), "--dp-size": ("data_parallel_size", int, None),
+    "--pp-size": ("pipeline_parallel_size", int, None),
+    "--context-length": ("max_model_len", int, None),
+    "--max-running-requests": ("max_num_seqs", int, None),
+    "--max-prefill-tokens": ("max_input_tokens_per_step", int, None),
+    "--page-size": ("block_size", int, None),
+    "--random-seed": ("seed", int, None),
+    "--mem-fraction-static": ("gpu_memory_utilization", float, None),
+    "--schedule-policy": ("policy", str, None),
+    "--speculative-algorithm": ("speculative_method", str, None),
+    "--speculative-num-draft-tokens": ("num_speculative_tokens", int, None),
+    "--speculative-draft-model-path": ("speculative_model", str, None),
+    "--lora-paths": ("lora_modules", str, "+"),
+    "--max-loras-per-batch": ("max_loras", int, None),
+}
+# SGLang's words for values of tidal's options: option -> {SGLang's value: tidal's}
+VALUES = {"policy": {"lpm": "longest_prefix_match"},
+          "speculative_method": {"NGRAM": "ngram", "STANDALONE": "draft"}}
+# SGLang's switches that set one of tidal's options to a value
+SWITCHES = {"--disable-radix-cache": ("enable_prefix_caching", False),
+            "--disable-cuda-graph": ("enforce_eager", True),
+            "--is-embedding": ("task", "embed"),
+            "--log-requests": ("enable_log_requests", True)}
+# SGLang's switches that ask for what tidal does anyway, and why
+ACCEPTED = {
+    "--enable-metrics": "/metrics is always served",
+    "--enable-cache-report": "usage always carries prompt_tokens_details.cached_tokens",
+    "--skip-server-warmup": "the server sends itself no warm-up request"}
