@@ -272,7 +272,8 @@ def test_server_options_are_one_mechanism_with_the_engines():
     from tidal.server.config import HttpConfig, ServerConfig
 
     serve, router = _subparser("serve"), _subparser("router")
-    helps = {a.dest: a.help for a in serve._actions if a.help != "==SUPPRESS=="}  # not --no-
+    helps = {a.dest: a.help for a in serve._actions  # tidal's own flag (not --no-, vLLM's)
+             if f"--{a.dest.replace('_', '-')}" in a.option_strings}
     server_fields = dataclasses.fields(ServerConfig)
     for f in server_fields:  # a list's default as its flag takes it, words
         shown = (" ".join(f.default) or "none") if isinstance(f.default, tuple) else f.default
