@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from tidal.bench.arrivals import arrival_times, ramp_rates
+from tidal.bench.arrivals import arrival_times, ramp_rates, rps_change_events
 from tidal.bench.client import Target, payload, wait_ready
 from tidal.bench.dataset import BenchRequest, DatasetSpec, load_dataset
 from tidal.bench.flags import add_workload_flags, ramp_up, report_options, save_result
@@ -49,6 +49,16 @@ def test_ramped_arrivals_come_at_each_requests_rate():
     gaps = np.diff(arrival_times(reqs, None, 1.0, 1, ("linear", 1, 100)))
     first, last = gaps[1:2000].mean(), gaps[-2000:].mean()  # rates ~1-11 and ~90-100
     assert 1 / last == pytest.approx(95, rel=0.06) and first > 10 * last
+
+
+def test_rps_change_events_stamp_each_whole_rate_at_its_first_send():
+    from datetime import datetime
+
+    events = rps_change_events([1.0, 1.5, 2.2, 4.9, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0], 1000.0)
+    at = lambda t: datetime.fromtimestamp(1000.0 + t).isoformat()  # noqa: E731
+    assert events == [{"rps": 1, "timestamp": at(0)}, {"rps": 2, "timestamp": at(2)},
+                      {"rps": 3, "timestamp": at(3)}, {"rps": 4, "timestamp": at(3)},
+                      {"rps": 5, "timestamp": at(4)}]
 
 
 def test_a_ramp_needs_both_rates_and_no_request_rate():
@@ -331,6 +341,7 @@ def test_a_vllm_command_line_sends_what_it_names(recorder, tmp_path):
     assert "p95_ttft_ms" in saved and "p99_ttft_ms" not in saved
     assert (saved["host"], saved["ramp_up_strategy"], saved["request_rate"]) == (
         "ci", "linear", "ramp-up")
+    assert [e["rps"] for e in saved["rps_change_events"]] == list(range(20, 51))
 
 
 def test_an_embeddings_endpoint_is_timed_by_its_whole_answers(recorder, capsys):

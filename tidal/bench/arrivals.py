@@ -5,6 +5,7 @@ another over the run (vLLM's --ramp-up-strategy)."""
 from __future__ import annotations
 
 import math
+from datetime import datetime
 
 import numpy as np
 
@@ -58,3 +59,16 @@ def arrival_times(requests: list[BenchRequest], request_rate: float | None,
     gaps = np.random.default_rng(seed).gamma(burstiness, 1 / (request_rate * burstiness), n)
     gaps[0] = 0.0  # the first request goes at once
     return np.cumsum(gaps).tolist()
+
+
+def rps_change_events(rates, sent: list[float], wall_start: float) -> list[dict]:
+    """vLLM's rps_change_events of a ramped run: the starting rate at the run's start, then
+    each whole rate the ramp reaches, stamped (ISO time) with the send of its first
+    request; `sent`: each request's send in seconds from `wall_start` (a time.time())."""
+    stamp = lambda t: datetime.fromtimestamp(wall_start + t).isoformat()  # noqa: E731
+    last = int(rates[0]) if len(rates) else 0
+    events = [{"rps": last, "timestamp": stamp(0.0)}]
+    for rate, t in zip(rates, sent):
+        events += [{"rps": rps, "timestamp": stamp(t)} for rps in range(last + 1, int(rate) + 1)]
+        last = max(last, int(rate))
+    return events

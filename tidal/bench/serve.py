@@ -7,11 +7,13 @@ import argparse
 import asyncio
 import json
 import logging
+import time
 from dataclasses import replace
 
+from tidal.bench.arrivals import ramp_rates, rps_change_events
 from tidal.bench.client import Target, run_workload, wait_ready
 from tidal.bench.dataset import BenchRequest, warmup_requests
-from tidal.bench.flags import (add_workload_flags, key_values, load_workload,
+from tidal.bench.flags import (add_workload_flags, key_values, load_workload, ramp_up,
                                report_options, result_header, save_result)
 from tidal.bench.metrics import (PERCENTILES, RequestResult, format_report, parse_goodput,
                                  summarize)
@@ -208,13 +210,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> dict:
         print(f"prefix cache flushed: {flush_cache(target)}")
     if args.profile:
         post_control(target, ("/start_profile",), "--profile")
-    before = spec_counters(target.base_url)
+    before, wall_start = spec_counters(target.base_url), time.time()
     summary, results = bench_serve(target, tokenizer, requests, times, args.max_concurrency,
                                    slos, not args.disable_tqdm, percentiles)
     if args.profile:
         post_control(target, ("/stop_profile",), "--profile")
     result = {**header, "model_id": target.model, "tokenizer_id": args.tokenizer, **summary}
     result["spec_decode"] = spec_summary(before, spec_counters(target.base_url))
+    ramp = ramp_up(args)
+    if ramp:
+        result["rps_change_events"] = rps_change_events(
+            ramp_rates(*ramp, len(requests)), [r.start for r in results], wall_start)
     result["generated_texts"] = [r.text for r in results]
     print(format_report(result, metrics=metrics, percentiles=percentiles))
     errors = [r.error for r in results if r.error]
