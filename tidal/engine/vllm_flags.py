@@ -41,9 +41,9 @@ SPECULATIVE_KEYS = {"method": "speculative_method",
                     "num_speculative_tokens": "num_speculative_tokens",
                     "model": "speculative_model", "prompt_lookup_min": "prompt_lookup_min",
                     "prompt_lookup_max": "prompt_lookup_max"}
-STRUCTURED_BACKENDS = ("auto", "guidance")  # vLLM's names that mean llguidance here
 SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft",
                        "draft": "draft"}
+STRUCTURED_BACKENDS = ("auto", "guidance")  # vLLM's names that mean llguidance here
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,8 @@ SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 class RequestCount:
     """The requests on `LOAD_PATHS` being answered now."""
 
-    value = 0
+    def __init__(self) -> None:
+        self.value = 0
 
 
 class ServerLoad:
