@@ -157,6 +157,7 @@ def other_answers(url: str) -> tuple[list[str], list[list[float]], list[float]]:
             "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}) as r:
         lines = (ln for ln in r.iter_lines() if ln.startswith("data: {"))
         next(lines)  # it runs: SGLang's abort reaches the instance that holds it
+        assert httpx.get(url + "/load").json() == {"server_load": 1}  # vLLM's: this one
         assert httpx.post(url + "/abort_request", json={"rid": "story-1"}).status_code == 200
         last = json.loads(list(lines)[-1][len("data: "):])
     assert last["meta_info"]["finish_reason"]["type"] == "abort"

@@ -19,6 +19,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from tidal.server.config import HttpConfig
 from tidal.server.dashboard import favicon, page_html
 from tidal.server.errors import install_docs, install_error_handlers
+from tidal.server.load import install_load, load
 from tidal.server.openapi import install_schema
 from tidal.server.openai.chat import ChatRequest, TokenizeRequest
 from tidal.server.anthropic.request import MessagesRequest
@@ -262,8 +263,10 @@ def build_router_app(router: PDRouter, http: HttpConfig | None = None,
     app = FastAPI(title="tidal router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
     http = app.state.http = http or HttpConfig()
+    install_load(app)  # vLLM's /load: the requests the router is answering
     install_error_handlers(app, http)
     install_docs(app)
     app.include_router(routes)
+    app.add_api_route("/load", load, methods=["GET"])
     install_schema(app, None, bool(http.key))
     return app
