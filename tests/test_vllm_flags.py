@@ -81,7 +81,8 @@ def test_sglangs_launch_server_words_mean_tidals(tmp_path):
         "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "3",
         "--disable-radix-cache", "--disable-cuda-graph", "--log-requests",
         "--max-loras-per-batch", "2", "--enable-metrics", "--enable-cache-report",
-        "--skip-server-warmup", "--is-embedding")
+        "--skip-server-warmup", "--is-embedding", "--enable-mixed-chunk",
+        "--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1")
     assert engine.model.model == "some/model"
     assert (engine.parallel.tensor_parallel_size, engine.parallel.data_parallel_size) == (1, 2)
     s = engine.scheduler
@@ -94,6 +95,7 @@ def test_sglangs_launch_server_words_mean_tidals(tmp_path):
             engine.scheduler.num_speculative_tokens) == ("ngram", 3)
     assert engine.scheduler.max_loras == 2
     assert server.enable_log_requests and server.task == "embed"
+    assert (server.tool_call_parser, server.reasoning_parser) == ("hermes", "deepseek_r1")
     config = tmp_path / "sglang.yaml"  # SGLang's --config: its keys, a switch off is nothing
     config.write_text("context-length: 2048\ndisable-radix-cache: false\n"
                       "enable-metrics: false\ntp-size: 1\n")
@@ -103,6 +105,7 @@ def test_sglangs_launch_server_words_mean_tidals(tmp_path):
 
 @pytest.mark.parametrize("words", [["--structured-outputs-config", '{"backend": "guidance"}'],
                                    ["--guided-decoding-backend", "auto"],
+                                   ["--grammar-backend", "llguidance"],
                                    ["--structured-outputs-config", "{}"]])
 def test_the_structured_outputs_backend_tidal_runs_is_accepted(words):
     configs(*words)
@@ -110,6 +113,7 @@ def test_the_structured_outputs_backend_tidal_runs_is_accepted(words):
 
 @pytest.mark.parametrize("words, why", [
     (["--guided-decoding-backend", "xgrammar"], "llguidance"),
+    (["--grammar-backend", "outlines"], "llguidance"),
     (["--structured-outputs-config", '{"backend": "outlines"}'], "llguidance"),
     (["--structured-outputs-config", '{"disable_any_whitespace": true}'],
      "disable_any_whitespace"),

@@ -26,7 +26,9 @@ ALIASES = {
 }
 # SGLang's words for values of tidal's options: option -> {SGLang's value: tidal's}
 VALUES = {"policy": {"lpm": "longest_prefix_match"},
-          "speculative_method": {"NGRAM": "ngram", "STANDALONE": "draft"}}
+          "speculative_method": {"NGRAM": "ngram", "STANDALONE": "draft"},
+          "tool_call_parser": {"qwen25": "hermes", "qwen": "hermes", "llama3": "llama3_json"},
+          "reasoning_parser": {"deepseek-r1": "deepseek_r1", "qwen3-thinking": "qwen3"}}
 # SGLang's switches that set one of tidal's options to a value
 SWITCHES = {"--disable-radix-cache": ("enable_prefix_caching", False),
             "--disable-cuda-graph": ("enforce_eager", True),
@@ -36,4 +38,7 @@ SWITCHES = {"--disable-radix-cache": ("enable_prefix_caching", False),
 ACCEPTED = {
     "--enable-metrics": "/metrics is always served",
     "--enable-cache-report": "usage always carries prompt_tokens_details.cached_tokens",
-    "--skip-server-warmup": "the server sends itself no warm-up request"}
+    "--skip-server-warmup": "the server sends itself no warm-up request",
+    "--enable-mixed-chunk": "prefill chunks always share steps with decodes"}
+# --grammar-backend's names of the backend structured outputs run on here
+GRAMMAR_BACKENDS = ("llguidance",)

@@ -43,7 +43,8 @@ SPECULATIVE_KEYS = {"method": "speculative_method",
                     "prompt_lookup_max": "prompt_lookup_max"}
 SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft",
                        "draft": "draft"}
-STRUCTURED_BACKENDS = ("auto", "guidance")  # vLLM's names that mean llguidance here
+# vLLM's and SGLang's names of the backend structured outputs run on here, llguidance
+STRUCTURED_BACKENDS = ("auto", "guidance", *sglang_flags.GRAMMAR_BACKENDS)
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +52,13 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM's flags (docs/configuration.md)")
     _add_words(group, "vLLM", {f: (dest, kind, None) for f, (dest, kind) in ALIASES.items()},
                SWITCHES, ACCEPTED)
-    _add_words(parser.add_argument_group("SGLang's flags (docs/configuration.md)"), "SGLang",
-               sglang_flags.ALIASES, sglang_flags.SWITCHES, sglang_flags.ACCEPTED)
+    sglang = parser.add_argument_group("SGLang's flags (docs/configuration.md)")
+    _add_words(sglang, "SGLang", sglang_flags.ALIASES, sglang_flags.SWITCHES,
+               sglang_flags.ACCEPTED)
+    sglang.add_argument("--grammar-backend", dest="structured_outputs",
+                        default=argparse.SUPPRESS, metavar="BACKEND",
+                        help="SGLang's: the backend of structured outputs, which here is "
+                             "llguidance")
     group.add_argument("--speculative-config", default=argparse.SUPPRESS, metavar="JSON",
                        help="vLLM's: {\"method\": \"ngram\"|\"suffix\"|\"draft_model\", "
                             "\"num_speculative_tokens\", \"model\", \"prompt_lookup_min\", "
@@ -112,8 +118,9 @@ def speculative_options(text: str) -> dict:
 
 
 def check_structured_backend(text: str) -> None:
-    """--structured-outputs-config (JSON) or --guided-decoding-backend (a name): ValueError
-    unless it asks for the backend tidal runs (llguidance, vLLM's 'guidance') or 'auto'."""
+    """--structured-outputs-config (JSON), --guided-decoding-backend or SGLang's
+    --grammar-backend (a name): ValueError unless it asks for the backend tidal runs
+    (llguidance: vLLM's 'guidance', SGLang's 'llguidance') or 'auto'."""
     try:
         config = json.loads(text) if text.lstrip().startswith("{") else {"backend": text}
     except json.JSONDecodeError as exc:
