@@ -129,7 +129,7 @@ def _vllm_section() -> list[str]:
               "on, `false` off, a list its words); the command line's flags win |",
               "| `--no-FLAG` | any switch off |", "", "## SGLang's flags", "",
               _cell(sglang_flags.__doc__), "", "| SGLang's flag | in tidal |", "| --- | --- |"]
-    return lines + _words({f: d for f, (d, _, _) in sglang_flags.ALIASES.items()},
+    return lines + _words({f: d for f, (d, _) in sglang_flags.ALIASES.items()},
                           sglang_flags.SWITCHES, sglang_flags.ACCEPTED, sglang_flags.VALUES) + [
         "| `--grammar-backend NAME` | accepted for the backend structured outputs run on "
         "here: " + ", ".join(f"`{b}`" for b in sglang_flags.GRAMMAR_BACKENDS) + " |"]

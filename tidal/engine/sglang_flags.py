@@ -5,24 +5,24 @@ vllm_flags.py). An SGLang flag with no meaning here stays an error."""
 
 from __future__ import annotations
 
-# SGLang's flag -> (tidal's option of the same meaning, its type, nargs)
+# SGLang's flag -> (tidal's option of the same meaning, its type)
 ALIASES = {
-    "--model-path": ("model", str, None),
-    "--tp": ("tensor_parallel_size", int, None), "--tp-size": ("tensor_parallel_size", int, None),
-    "--dp": ("data_parallel_size", int, None), "--dp-size": ("data_parallel_size", int, None),
-    "--pp-size": ("pipeline_parallel_size", int, None),
-    "--context-length": ("max_model_len", int, None),
-    "--max-running-requests": ("max_num_seqs", int, None),
-    "--max-prefill-tokens": ("max_input_tokens_per_step", int, None),
-    "--page-size": ("block_size", int, None),
-    "--random-seed": ("seed", int, None),
-    "--mem-fraction-static": ("gpu_memory_utilization", float, None),
-    "--schedule-policy": ("policy", str, None),
-    "--speculative-algorithm": ("speculative_method", str, None),
-    "--speculative-num-draft-tokens": ("num_speculative_tokens", int, None),
-    "--speculative-draft-model-path": ("speculative_model", str, None),
-    "--lora-paths": ("lora_modules", str, "+"),
-    "--max-loras-per-batch": ("max_loras", int, None),
+    "--model-path": ("model", str),
+    "--tp": ("tensor_parallel_size", int), "--tp-size": ("tensor_parallel_size", int),
+    "--dp": ("data_parallel_size", int), "--dp-size": ("data_parallel_size", int),
+    "--pp-size": ("pipeline_parallel_size", int),
+    "--context-length": ("max_model_len", int),
+    "--max-running-requests": ("max_num_seqs", int),
+    "--max-prefill-tokens": ("max_input_tokens_per_step", int),
+    "--page-size": ("block_size", int),
+    "--random-seed": ("seed", int),
+    "--mem-fraction-static": ("gpu_memory_utilization", float),
+    "--schedule-policy": ("policy", str),
+    "--speculative-algorithm": ("speculative_method", str),
+    "--speculative-num-draft-tokens": ("num_speculative_tokens", int),
+    "--speculative-draft-model-path": ("speculative_model", str),
+    "--lora-paths": ("lora_modules", str),
+    "--max-loras-per-batch": ("max_loras", int),
 }
 # SGLang's words for values of tidal's options: option -> {SGLang's value: tidal's}
 VALUES = {"policy": {"lpm": "longest_prefix_match"},

@@ -49,11 +49,13 @@ STRUCTURED_BACKENDS = ("auto", "guidance", *sglang_flags.GRAMMAR_BACKENDS)
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's and SGLang's spellings on a command that has the engine's flags."""
+    # tidal's own flag of each option: an alias takes as many values as it does
+    own = {a.dest: a for a in parser._actions
+           if f"--{a.dest.replace('_', '-')}" in a.option_strings}
     group = parser.add_argument_group("vLLM's flags (docs/configuration.md)")
-    _add_words(group, "vLLM", {f: (dest, kind, None) for f, (dest, kind) in ALIASES.items()},
-               SWITCHES, ACCEPTED)
+    _add_words(group, own, "vLLM", ALIASES, SWITCHES, ACCEPTED)
     sglang = parser.add_argument_group("SGLang's flags (docs/configuration.md)")
-    _add_words(sglang, "SGLang", sglang_flags.ALIASES, sglang_flags.SWITCHES,
+    _add_words(sglang, own, "SGLang", sglang_flags.ALIASES, sglang_flags.SWITCHES,
                sglang_flags.ACCEPTED)
     sglang.add_argument("--grammar-backend", dest="structured_outputs",
                         default=argparse.SUPPRESS, metavar="BACKEND",
@@ -73,11 +75,14 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                             "on the command line win over it")
 
 
-def _add_words(group, engine: str, aliases: dict, switches: dict, accepted: dict) -> None:
-    """Another engine's flags of tidal's options (aliases: flag -> (option, type, nargs)),
-    switches that set one (flag -> (option, value)) and switches accepted without effect."""
-    for flag, (dest, kind, nargs) in aliases.items():
-        group.add_argument(flag, dest=dest, type=kind, nargs=nargs, default=argparse.SUPPRESS,
+def _add_words(group, own: dict, engine: str, aliases: dict, switches: dict,
+               accepted: dict) -> None:
+    """Another engine's flags of tidal's options (aliases: flag -> (option, type), each as
+    many values as `own[option]`, tidal's flag, takes), switches that set one (flag ->
+    (option, value)) and switches accepted without effect."""
+    for flag, (dest, kind) in aliases.items():
+        group.add_argument(flag, dest=dest, type=kind, nargs=own[dest].nargs,
+                           default=argparse.SUPPRESS,
                            help=f"{engine}'s name for --{dest.replace('_', '-')}")
     for flag, (dest, value) in switches.items():
         group.add_argument(flag, dest=dest, action="store_const", const=value,
