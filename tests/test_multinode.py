@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from model_fixtures import small_folder
 from server_fixtures import Server, openai_client
 
 from tidal import LLM, SamplingParams
+from tidal.model.hosts import free_port
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,
@@ -99,18 +101,21 @@ def group_flags(addr: str, port: int, size: int = 2) -> list[str]:
 
 
 def _free_port_pair() -> int:
-    import socket
+    return free_port("", span=2)
 
-    while True:
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("", 0))
-                port = a.getsockname()[1]
-                b.bind(("", port + 1))
-                if port + 1 < 65535:
-                    return port
-            except OSError:
-                continue
+
+def test_free_ports_are_drawn_outside_the_kernels_ephemeral_range():
+    """Where the kernel puts outgoing connections and port-0 listeners (gloo's, zmq's), a
+    picked port could be taken before the server binds it: picks land below that range."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    picks = [free_port("127.0.0.1", span=2) for _ in range(20)]
+    assert all(20000 <= p and p + 1 < low for p in picks) and len(set(picks)) > 1
+    with socket.socket() as held:  # a port in use is never picked
+        held.bind(("127.0.0.1", picks[0]))
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", picks[0] + 1))
+            assert not any(p in (picks[0], picks[0] + 1) or p + 1 == picks[0]
+                           for p in (free_port(span=2) for _ in range(200)))
 
 
 def test_two_nodes_serve_one_processs_tokens_and_survive_a_lost_rank(netns, folder):

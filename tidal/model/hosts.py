@@ -4,16 +4,48 @@ tensor-parallel group share memory only on one)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import socket
 from pathlib import Path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (another process may take it before it is bound)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+_LOWEST_PICK = 20000  # below it live well-known services' ports (databases, caches, ...)
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A TCP port free on `host` now, and the `span - 1` ports after it. Drawn below the
+    kernel's ephemeral range, where it never puts the ports of outgoing connections and of
+    port-0 listeners (gloo's, zmq's), so the port stays free until it is bound in all but a
+    race with another explicit pick; outside Linux, the kernel's pick."""
+    draw = random.SystemRandom()  # not the process's seeded generator: two servers differ
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 0
+    for _ in range(200 if ephemeral - span > _LOWEST_PICK else 0):
+        port = draw.randrange(_LOWEST_PICK, ephemeral - span + 1)
+        if _bindable(host, range(port, port + span)):
+            return port
+    while True:  # the kernel's pick
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port + span <= 65536 and _bindable(host, range(port, port + span)):
+            return port
+
+
+def _bindable(host: str, ports: range) -> bool:
+    with contextlib.ExitStack() as held:
+        try:
+            for port in ports:
+                s = held.enter_context(socket.socket())
+                s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def machine_id() -> str:
