@@ -112,15 +112,17 @@ def test_llm_beam_search_equals_the_reference_run_through_generate(tmp_path):
     from model_fixtures import tiny_folder
     from tidal import LLM, SamplingParams
 
+    # beams rank by log-probabilities whatever the engine's logprobs report
     llm = LLM(str(tiny_folder(tmp_path, "llama")), dtype="float32", num_kv_blocks=256,
-              block_size=4)
+              block_size=4, logprobs_mode="raw_logits")
     prompt = [5, 9, 13, 2, 7]
     width, max_tokens = 3, 5
 
     def model(prefix):
         out = llm.generate({"prompt_token_ids": prompt + list(prefix)},
                            SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
-                                          logprobs=2 * width + 1), use_tqdm=False)
+                                          logprobs=2 * width + 1,
+                                          logprobs_mode="adjusted_logprobs"), use_tqdm=False)
         return out[0].outputs[0].logprobs[0].top
 
     want = reference(model, width, max_tokens, 1.0, stop=llm.tokenizer.eos_token_id)

@@ -271,6 +271,42 @@ def test_logit_bias_shifts_the_logits_before_sampling():
     assert seen == {2}
 
 
+def test_logprobs_modes_report_each_stage_of_the_distribution():
+    """raw: the model's; adjusted (the default): after the bias; processed: after the
+    temperature and top-k too, filtered tokens at the floor; *_logits: the values alone. A
+    request's own mode beats the engine's, rows of several modes share a step, and a greedy
+    row's processed distribution is its adjusted one."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    asked = dict(logit_bias={3: 3.0}, temperature=2.0, top_k=2, logprobs=4)
+    adjusted = logits + torch.tensor([0.0, 0.0, 0.0, 3.0])
+    processed = (adjusted / 2).masked_fill(torch.tensor([False, True, True, False]),
+                                           float("-inf"))
+    want = {"raw_logits": logits, "raw_logprobs": logits.log_softmax(-1),
+            "adjusted_logits": adjusted, "adjusted_logprobs": adjusted.log_softmax(-1),
+            "processed_logits": processed, "processed_logprobs": processed.log_softmax(-1)}
+
+    def reported(entry) -> list[float]:
+        return [v for _, v in sorted(entry.top)]
+
+    gen = torch.Generator().manual_seed(0)
+    for mode, values in want.items():
+        expected = values.clamp(min=-9999.0)[0].tolist()
+        tokens, lp = sample(logits, [row(**asked)], gen, logprobs_mode=mode)
+        assert reported(lp[0][0]) == pytest.approx(expected, abs=1e-6)
+        assert lp[0][0].logprob == pytest.approx(expected[tokens[0][0]], abs=1e-6)
+        assert tokens[0][0] in (0, 3)  # the mode changes the report, not the draw
+        _, own = sample(logits, [row(**asked, logprobs_mode=mode)], gen)
+        assert reported(own[0][0]) == pytest.approx(expected, abs=1e-6)
+    greedy = row(temperature=0, logit_bias={3: 3.0}, logprobs=4)
+    mixed = [row(**asked, logprobs_mode=m) for m in want] + [greedy]
+    _, lps = sample(logits.expand(len(mixed), -1), mixed, gen, logprobs_mode="processed_logits")
+    for entry, values in zip(lps, [*want.values(), adjusted]):  # greedy: adjusted = processed
+        assert reported(entry[0]) == pytest.approx(values.clamp(min=-9999.0)[0].tolist(),
+                                                   abs=1e-6)
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        SamplingParams(logprobs_mode="logits")
+
+
 def test_logit_bias_through_the_engine(llm):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     plain = llm.generate(ids(llm, PROMPTS[:2]), params, use_tqdm=False)

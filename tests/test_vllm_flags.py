@@ -35,8 +35,9 @@ def test_vllm_words_set_tidals_options():
                              "--enable-prompt-tokens-details", "--no-enable-prefix-caching",
                              "--enable-server-load-tracking",
                              "--speculative-config", SPEC, "--served-model-name", "a", "b",
-                             "--disable-log-stats")
+                             "--disable-log-stats", "--logprobs-mode", "processed_logprobs")
     assert engine.scheduler.max_input_tokens_per_step == 4096
+    assert engine.model.logprobs_mode == "processed_logprobs"
     assert engine.scheduler.policy == "priority"
     assert engine.cache.enable_prefix_caching is False
     assert engine.speculative.speculative_method == "ngram"
@@ -48,6 +49,9 @@ def test_vllm_words_set_tidals_options():
     assert default.model.log_stats_interval == 1.0
     assert default.cache.enable_prefix_caching is True
     assert default.speculative.speculative_method is None
+    assert default.model.logprobs_mode == "adjusted_logprobs"
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        configs("--logprobs-mode", "logits")
     draft, _ = configs("--speculative-config", '{"model": "smollm2-135m", '
                                                '"num_speculative_tokens": 2}')
     assert (draft.speculative.speculative_method, draft.speculative.speculative_model) == \

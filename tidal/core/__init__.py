@@ -10,7 +10,7 @@ from tidal.core.outputs import (MASKED_LOGPROB, ModelOutput, NewRequest, PromptL
                                 RequestOutput, ScheduledRequest, SchedulerOutput, TokenLogprob)
 from tidal.core.policies import POLICIES, Policy
 from tidal.core.ratio import NewTokenRatio
-from tidal.core.request import Request, RequestStatus, SamplingParams
+from tidal.core.request import LOGPROBS_MODES, Request, RequestStatus, SamplingParams
 from tidal.core.roles import ROLES, Role
 from tidal.core.scheduler import Scheduler
 from tidal.core.step_time import (ERROR_QUANTILES, STEP_TIME_TERMS, LearnedStepTime, LinearStepTime,
@@ -20,7 +20,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 
 __all__ = [
     "Admission", "Block", "BlockPool", "CacheConfig", "FINISH_REASONS", "InvariantError",
-    "KVCacheManager", "MASKED_LOGPROB", "ModelOutput", "NewRequest", "NewTokenRatio",
+    "KVCacheManager", "LOGPROBS_MODES", "MASKED_LOGPROB", "ModelOutput", "NewRequest", "NewTokenRatio",
     "POLICIES", "Policy",
     "PromptLogprob", "ROLES", "Request", "RequestOutput", "RequestStatus", "Role",
     "SamplingParams", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput",

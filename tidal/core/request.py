@@ -39,6 +39,14 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_REJECTED: "rejected",
 }
 
+# What a token's logprobs report: "<stage>_<kind>". Stages: `raw`, the model's output (and a
+# structured output's mask); `adjusted`, after penalties, logit_bias, bans, allowed_token_ids
+# and custom processors: what a greedy request picks from; `processed`, after temperature and
+# the top-k/top-p/min-p filters too: what a token is drawn from. Kinds: log-probabilities or
+# the logits themselves. vLLM's four are the raw and processed ones.
+LOGPROBS_MODES = tuple(f"{stage}_{kind}" for stage in ("adjusted", "raw", "processed")
+                       for kind in ("logprobs", "logits"))
+
 
 @dataclass
 class SamplingParams:
@@ -122,6 +130,8 @@ class SamplingParams:
     """Tokens the output is expected to repeat (OpenAI's predicted outputs): where the
     engine speculates (ngram or suffix), its guesses come from them first. The output is
     what it would be without them."""
+    logprobs_mode: str | None = None
+    """What `logprobs` report (LOGPROBS_MODES); None: the engine's `logprobs_mode`."""
     extra_args: dict[str, Any] | None = None
     """Arguments for the engine's custom logits processors (vLLM's extra_args; the API's
     vllm_xargs): each processor reads the keys it knows. None: none."""
@@ -166,6 +176,8 @@ class SamplingParams:
             (self.cache_salt is None or (isinstance(self.cache_salt, str)
                                          and self.cache_salt != ""),
              "cache_salt must be a non-empty string"),
+            (self.logprobs_mode is None or self.logprobs_mode in LOGPROBS_MODES,
+             f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}"),
             (self.structured is None or (len(self.structured) == 2 and self.structured[0]
                                          in ("json", "regex", "choice", "grammar")),
              "structured must be (kind, spec) with kind json, regex, choice or grammar"),

@@ -147,11 +147,12 @@ class BeamSearches:
 
 def step_params(base: SamplingParams, search: BeamSearch) -> SamplingParams:
     """A beam's one-token request: `base`'s distribution (logit_bias, allowed_token_ids,
-    its adapter and salt), greedy, with the candidates' logprobs; nothing ends it early."""
+    its adapter and salt), greedy, with the candidates' logprobs of that distribution
+    whatever the engine's logprobs_mode; nothing ends it early."""
     return replace(base, n=1, max_tokens=1, min_tokens=0, temperature=0.0, top_p=1.0,
                    top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[],
                    ignore_eos=True, logprobs=search.num_candidates, prompt_logprobs=None,
-                   include_stop_str_in_output=False)
+                   include_stop_str_in_output=False, logprobs_mode="adjusted_logprobs")
 
 
 def stop_token_ids(stop_ids: list[int], end_tokens: tuple[int, ...], ignore_eos: bool,

@@ -14,7 +14,9 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from tidal.core import LOGPROBS_MODES
 from tidal.core.config import CacheConfig, SchedulerConfig, knob
+from tidal.core.knobs import check_choice
 from tidal.core.policies import POLICIES, option_fields
 from tidal.engine.parallel_config import ParallelConfig
 from tidal.model.generation_config import parse_overrides
@@ -61,6 +63,13 @@ class ModelConfig:
                             "ones (only config.json is needed): for timing, as `tidal "
                             "calibrate` does for models whose weights are not here.")
     seed: int = knob(0, "Seed of the shared generator for requests without their own seed.")
+    logprobs_mode: str = knob("adjusted_logprobs", "What a token's logprobs report "
+                              "(vLLM's modes and tidal's default): adjusted_logprobs, after "
+                              "penalties, logit_bias, bans and logits processors, before "
+                              "temperature; raw_logprobs, the model's own; processed_logprobs, "
+                              "after temperature and top-k/top-p/min-p too (a greedy "
+                              "request's: the adjusted ones); *_logits for the logits. A "
+                              "request's prompt_logprobs stay raw log-probabilities.")
     logits_processors: tuple[str, ...] = knob((), "Custom logits processors, each "
                                               "'package.module:Class', importable by every "
                                               "engine core; requests reach them through "
@@ -203,6 +212,7 @@ class ModelConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                              f"got {self.kv_cache_dtype!r}")
+        check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         if self.prompt_rounding not in ("twice", "once"):
             raise ValueError(f"prompt_rounding must be twice or once; got {self.prompt_rounding!r}")
         if self.load_format not in ("auto", "dummy"):

@@ -87,7 +87,8 @@ class ModelRunner:
     def __init__(self, model, decoder, kv: KVCache, backend: AttentionBackend, folder: Path,
                  arch: ModelArch, seed: int, max_forward_tokens: int,
                  guesser: Guesser | None = None, lora: LoRAManager | None = None,
-                 pooling: Pooling | None = None, logits_processors: tuple = ()) -> None:
+                 pooling: Pooling | None = None, logits_processors: tuple = (),
+                 logprobs_mode: str = "adjusted_logprobs") -> None:
         self.model, self.decoder, self.kv, self.arch = model, decoder, kv, arch
         self.device, self.block_size = kv.device, kv.block_size
         self.folder = folder
@@ -101,6 +102,7 @@ class ModelRunner:
         # custom logits processors (logits_processors.py), made here by name
         self.processors = [cls(arch.vocab_size, torch.device(self.device))
                            for cls in load_processors(logits_processors)]
+        self.logprobs_mode = logprobs_mode  # requests without their own
         self.matchers: Matchers | None = None  # structured outputs, made on first use
         self._matchers_lock = threading.Lock()
         # Sampling draws its noise on the logits' device, so the generators live there.
@@ -247,7 +249,7 @@ class ModelRunner:
             self.matchers.apply(masks, logits, sample_ids,
                                 [self.seqs[rid].stop_ids for rid in sample_ids])
         tokens, logprobs = sample(logits, self._rows(sample_ids, guesses), self.generator,
-                                  self.processors)
+                                  self.processors, self.logprobs_mode)
         result = ModelOutput(preempted_ack=list(out.preempted_ids), failed=failed)
         moves: tuple[list[int], list[int]] = ([], [])  # KV slots of accepted branches
         entries = {s.request_id: s for s in out.scheduled} if guesses else {}

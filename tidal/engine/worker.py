@@ -202,7 +202,7 @@ class Worker:
         self.guesser = guesser
         self.runner = ModelRunner(self.model, decoder, self.kv, backend, Path(folder), arch,
                                   config.seed, max_forward, guesser, self.lora, pooling,
-                                  config.logits_processors)
+                                  config.logits_processors, config.logprobs_mode)
         if on_gpu and not config.enforce_eager and backend.paged_kernel is not None:
             self.runner.use_decode_graphs(CudaGraphCapture(), sched.max_num_seqs,
                                           max_model_len)

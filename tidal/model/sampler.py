@@ -126,17 +126,17 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator,
-           processors: list | None = None,
+           processors: list | None = None, logprobs_mode: str = "adjusted_logprobs",
            ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
     """Tokens per row (num_samples each) and, for rows asking for logprobs, one entry per
     token: its logprob and the top alternatives as (token, logprob). Every tensor it makes is
-    on the logits' device; the generators must be too. Logprobs are those of
-    the distribution after penalties, logit bias, bans (min_tokens, bad words),
-    allowed_token_ids and the custom `processors` (logits_processors.py), before
-    temperature."""
+    on the logits' device; the generators must be too. What logprobs report is the row's
+    `logprobs_mode`, else `logprobs_mode` (LOGPROBS_MODES): by default the distribution
+    after penalties, logit bias, bans (min_tokens, bad words), allowed_token_ids and the
+    custom `processors` (logits_processors.py), before temperature."""
     if not rows:  # a step of prefill chunks that sample nothing
         return [], []
-    logits = logits.float()
+    raw = logits = logits.float()  # every change below is made on a copy
     dev = logits.device
     if processors or any(needs_penalty(r.params) or r.banned or r.params.logit_bias
                          or r.params.allowed_token_ids or r.params.bad_words_token_ids
@@ -161,11 +161,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     width = max(r.num_samples for r in rows)
     # max(-1).indices: the same first maximal index as argmax, 2-3x faster on CPU.
     tokens = logits.max(-1).indices[:, None].expand(-1, width)  # greedy rows: [R, width]
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    modes = [rows[i].params.logprobs_mode or logprobs_mode for i in wanted]
+    stages = {"raw": raw, "adjusted": logits, "processed": logits}  # greedy rows' processed
     random_rows = [i for i, r in enumerate(rows) if r.params.temperature != 0]
     if random_rows:
         sub = [rows[i] for i in random_rows]
         idx = on_device(random_rows, torch.long, dev)
-        probs = _filter(logits[idx], sub).softmax(-1)
+        filtered = _filter(logits[idx], sub)
+        probs = filtered.softmax(-1)
+        if any(m.startswith("processed") for m in modes):
+            stages["processed"] = logits.index_copy(0, idx, filtered)
         drawn = []
         for j, row in enumerate(sub):
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and a request's
@@ -179,11 +185,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
                                (0, width - row.num_samples)))
         tokens = tokens.clone().index_copy_(0, idx, torch.stack(drawn))
     parts = [tokens.flatten().double()]
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     top_k = max((rows[i].params.logprobs for i in wanted), default=0)
     if wanted:
         widx = on_device(wanted, torch.long, dev)  # a masked token reports the floor
-        lp = logits[widx].log_softmax(-1).clamp(min=MASKED_LOGPROB)
+        lp = _reported(stages, wanted, modes, widx).clamp(min=MASKED_LOGPROB)
         parts.append(lp.gather(1, tokens[widx]).flatten().double())
         if top_k:
             top = lp.topk(min(top_k, lp.shape[1]), dim=-1)
@@ -206,6 +211,21 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         logprobs[i] = [TokenLogprob(chosen[j * width + s], alts)
                        for s in range(rows[i].num_samples)]
     return out, logprobs
+
+
+def _reported(stages: dict[str, torch.Tensor], wanted: list[int], modes: list[str],
+              widx: torch.Tensor) -> torch.Tensor:
+    """The rows `wanted`, each as its mode reports them: [len(wanted), vocab]."""
+    if len(set(modes)) == 1:  # the usual step: one mode, one gather
+        stage, kind = modes[0].split("_")
+        chosen = stages[stage][widx]
+        return chosen.log_softmax(-1) if kind == "logprobs" else chosen
+    picked = []
+    for i, mode in zip(wanted, modes):
+        stage, kind = mode.split("_")
+        picked.append(stages[stage][i].log_softmax(-1) if kind == "logprobs"
+                      else stages[stage][i])
+    return torch.stack(picked)
 
 
 def target_logprobs(logits_of, hidden: torch.Tensor, targets: list[int], k: int,
