@@ -63,7 +63,7 @@ def test_prompt_rounding_once_rounds_a_prompt_as_ggml_does(files):
     _, want = run(files["llama3"], "none", "float32")
     first = [abs(g.logprobs[0].logprob - w.logprobs[0].logprob) for g, w in zip(got, want)]
     assert 1e-3 < max(first) < 0.05, first
-    with pytest.raises(ValueError, match="prompt_rounding must be twice or once"):
+    with pytest.raises(ValueError, match="prompt_rounding must be one of twice, once"):
         LLM(str(files["llama3"]), prompt_rounding="thrice")
 
 

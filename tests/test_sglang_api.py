@@ -240,9 +240,19 @@ def test_health_generate_is_503_when_no_token_comes_and_200_when_the_engine_is_b
 def server():
     s = Server("--api-key", KEY, "--dtype", "float32", "--model-path", "smollm2-135m",
                "--context-length", "4096", "--max-running-requests", "32",
-               "--schedule-policy", "lpm", "--enable-metrics")  # SGLang's own words
+               "--schedule-policy", "lpm", "--enable-metrics",  # SGLang's own words
+               "--log-level", "warning", "--log-level-http", "warning")
     yield s
     s.stop()
+
+
+def test_log_levels_quiet_the_server_its_engine_core_and_uvicorn(server):
+    """--log-level: tidal's own lines, the engine core's too; --log-level-http: uvicorn's."""
+    assert post(server, "/generate", {"text": "Hi", "sampling_params": {
+        "max_new_tokens": 2}}).status_code == 200
+    out = server.output()
+    assert "engine core ready" not in out and "model loaded" not in out  # frontend, core
+    assert "Uvicorn running" not in out and "HTTP/1.1" not in out  # uvicorn's, access lines
 
 
 def post(server, path, body, **kw):

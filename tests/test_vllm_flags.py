@@ -86,8 +86,10 @@ def test_sglangs_launch_server_words_mean_tidals(tmp_path):
         "--disable-radix-cache", "--disable-cuda-graph", "--log-requests",
         "--max-loras-per-batch", "2", "--enable-metrics", "--enable-cache-report",
         "--skip-server-warmup", "--is-embedding", "--enable-mixed-chunk",
-        "--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1")
+        "--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1",
+        "--log-level", "error", "--log-level-http", "warning")
     assert engine.model.model == "some/model"
+    assert (engine.model.log_level, server.uvicorn_log_level) == ("error", "warning")
     assert (engine.parallel.tensor_parallel_size, engine.parallel.data_parallel_size) == (1, 2)
     s = engine.scheduler
     assert (s.max_model_len, s.max_num_seqs, s.max_input_tokens_per_step, s.policy) == (

@@ -235,7 +235,8 @@ def run(argv: list[str] | None = None):
     args.argv = expanded  # (a --pd instance gets the config file's flags as flags)
     with flag_errors(args.command):
         apply_vllm_flags(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(name)s: %(message)s")
     return args.func(args)
 
 

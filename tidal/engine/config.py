@@ -22,6 +22,7 @@ from tidal.engine.parallel_config import ParallelConfig
 from tidal.model.generation_config import parse_overrides
 from tidal.spec import METHODS
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")  # kv_quant's formats
 QUANTIZATIONS = ("auto", "gguf", "gptq", "awq", "none", "int8", "int4")
 STAGE_SPIN_COUNT = 10000  # omp_spin_count of pipeline stages that take turns
@@ -171,6 +172,9 @@ class ModelConfig:
     log_stats_interval: float = knob(1.0, "Seconds between an engine core's status lines "
                                      "(queues, KV use, prefix hits, tokens/s) while it has "
                                      "work; 0: none (vLLM's --disable-log-stats).")
+    log_level: str = knob("info", "Level of tidal's own log lines in the server and its "
+                          "engine cores: debug, info, warning, error or critical (SGLang's "
+                          "--log-level; uvicorn's follow --uvicorn-log-level).")
     cpu_decoder: bool = knob(True, "On CPU, run decode-only steps of bf16 or float32 models "
                              "without q/k norms (Llama, Mistral, Qwen2, Phi-3) as one call "
                              "into tidal's C++ decoder, every decode attention over the "
@@ -200,23 +204,16 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         parse_overrides(self.override_generation_config)  # a ValueError names the field
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError("dtype must be auto, bfloat16, float16 or float32; "
-                             f"got {self.dtype!r}")
+        check_choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         if self.device not in ("auto", "cpu", "cuda") and not (
                 self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; "
-                             f"got {self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
-                             f"got {self.kv_cache_dtype!r}")
-        check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
-        if self.prompt_rounding not in ("twice", "once"):
-            raise ValueError(f"prompt_rounding must be twice or once; got {self.prompt_rounding!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be auto or dummy; got {self.load_format!r}")
+        for name, allowed in (("quantization", QUANTIZATIONS),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("logprobs_mode", LOGPROBS_MODES), ("log_level", LOG_LEVELS),
+                              ("prompt_rounding", ("twice", "once")),
+                              ("load_format", ("auto", "dummy"))):
+            check_choice(name, getattr(self, name), allowed)
         if self.fp32_gemm_rows is not None and self.fp32_gemm_rows < 0:
             raise ValueError("fp32_gemm_rows must be >= 0")
         if self.max_forward_tokens is not None and self.max_forward_tokens < 0:

@@ -23,6 +23,7 @@ ALIASES = {
     "--speculative-draft-model-path": ("speculative_model", str),
     "--lora-paths": ("lora_modules", str),
     "--max-loras-per-batch": ("max_loras", int),
+    "--log-level-http": ("uvicorn_log_level", str),  # its --log-level is tidal's too
 }
 # SGLang's words for values of tidal's options: option -> {SGLang's value: tidal's}
 VALUES = {"policy": {"lpm": "longest_prefix_match"},

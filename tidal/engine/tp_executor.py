@@ -415,7 +415,8 @@ def rank_main(host: str, port: int, authkey: bytes, folder: str | None = None,
             time.sleep(0.5)
     try:
         rank, size, init, config, rank0_folder = conn.recv()
-        logging.basicConfig(level=logging.WARNING,
+        logging.basicConfig(level=max(logging.WARNING,  # the ranks' lines repeat rank 0's
+                                      logging.getLevelName(config.model.log_level.upper())),
                             format=f"%(asctime)s tp-rank-{rank} %(name)s: %(message)s")
         group = TPGroup.join(rank, size, init, config.parallel.distributed_timeout,
                              config.parallel.pipeline_parallel_size)

@@ -72,7 +72,8 @@ def run_core(config: EngineConfig, folder: str, eos_token_id: int | None, in_add
     from tidal.engine.core import EngineCore
     from tidal.engine.device import core_device
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.model.log_level.upper(),
+                        format="%(asctime)s %(name)s: %(message)s")
     parent = os.getppid()
     if files_pending:
         from tidal.model.registry import files_written
