@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -17,6 +19,7 @@ from tidal.cli import build_parser
 from tidal.engine.config import EngineConfig
 from tidal.engine.flags import config_from_args, engine_kwargs
 from tidal.engine.vllm_flags import apply_vllm_flags, expand_config_file, model_word
+from tidal.model.registry import resolve_model
 from tidal.server.config import ServerConfig
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5})
@@ -136,6 +139,16 @@ def test_middleware_that_does_not_import_is_named():
         configs("--response-role", " ")
 
 
+def test_a_tokenizer_that_is_no_local_folder_ends_the_command_by_name():
+    """vLLM's --tokenizer takes a hub's name too; tidal downloads nothing."""
+    done = subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--tokenizer",
+                           "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--port", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert ("tidal serve: error: tokenizer 'TinyLlama/TinyLlama-1.1B-Chat-v1.0' is not a "
+            "folder with a tokenizer.json") in done.stderr
+
+
 @pytest.mark.parametrize("kwargs, words", [("{not json", "not JSON"), ("[1]", "JSON object"),
                                            ('{"tools": []}', "'tools'")])
 def test_bad_default_chat_template_kwargs_are_refused(kwargs, words):
@@ -211,14 +224,20 @@ def test_a_server_started_with_vllms_words_runs_with_them(tmp_path, monkeypatch)
     (tmp_path / "my_middleware.py").write_text(MIDDLEWARE)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
         str(tmp_path), os.environ.get("PYTHONPATH")])))
-    template = tmp_path / "greeting.jinja"  # a template that reads a variable of its own
-    template.write_text("{% for m in messages %}{{ greeting | default('none') }}: "
-                        "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>"
-                        "{% endif %}")
+    # --tokenizer: another folder's tokenizer, whose template reads a variable of its own
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    own = resolve_model("smollm2-135m")[0]
+    (tokenizer / "tokenizer.json").write_bytes((own / "tokenizer.json").read_bytes())
+    settings = json.loads((own / "tokenizer_config.json").read_text())
+    settings["chat_template"] = ("{% for m in messages %}{{ greeting | default('none') }}: "
+                                 "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>"
+                                 "{% endif %}")
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(settings))
     server = Server("--max-num-batched-tokens", "2048", "--enable-auto-tool-choice",
                     "--trust-remote-code", "--no-enable-prefix-caching",
                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
-                    "--chat-template", str(template),
+                    "--tokenizer", str(tokenizer),
                     "--default-chat-template-kwargs", '{"greeting": "hello"}',
                     "--return-tokens-as-token-ids", "--enable-force-include-usage",
                     "--disable-fastapi-docs", "--max-logprobs", "25", "--response-role", "bot",

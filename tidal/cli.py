@@ -87,7 +87,7 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
     from tidal.core.roles import ROLES
     from tidal.engine.config import EngineConfig
     from tidal.model.registry import locate_model, pending, write_model_files
-    from tidal.model.tokenizer import Tokenizer
+    from tidal.model.tokenizer import Tokenizer, tokenizer_folder
     from tidal.runtime.client import CoreClient
 
     with flag_errors(command):
@@ -114,9 +114,11 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
         return None
     # The cores import the engine and load while this process converts a new GGUF, reads
     # its tokenizer and builds the HTTP app (a GGUF's cores wait for the files if need be).
+    own = config.model.tokenizer is None  # a GGUF's own is read once it is converted
     with flag_errors(command):  # a --chat-template that is no template fails here
-        tokenizer = None if files.gguf else Tokenizer(files.folder, server.chat_template,
-                                                      server.chat_template_defaults())
+        tokenizer = None if files.gguf and own else Tokenizer(
+            tokenizer_folder(config.model.tokenizer, files.folder), server.chat_template,
+            server.chat_template_defaults())
     client = CoreClient(config, str(files.folder), tokenizer, server.restart_policy(),
                         files_pending=pending(files))
     client.launch()

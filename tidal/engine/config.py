@@ -34,6 +34,10 @@ class ModelConfig:
 
     model: str = knob("smollm2-135m", "An embedded model name, a Hugging Face folder "
                       "(config.json + safetensors) or a GGUF file.")
+    tokenizer: str | None = knob(None, "A folder whose tokenizer (tokenizer.json; its "
+                                 "tokenizer_config.json's chat template and special tokens) "
+                                 "serves instead of the model's (vLLM's): e.g. a GGUF's "
+                                 "original model. Unset: the model's own.")
     dtype: str = knob("auto", "'auto': float32 for weights in their own formats on CPU "
                       "(gguf, gptq, awq: their integer kernels round activations to int8, "
                       "a prompt's twice (prompt_rounding), and the rest of the model "

@@ -11,7 +11,7 @@ from tidal.engine.outputs import StepUpdate
 from tidal.model.chat_template import template_source
 from tidal.model.generation_config import sampling_defaults
 from tidal.model.registry import resolve_model
-from tidal.model.tokenizer import Tokenizer
+from tidal.model.tokenizer import Tokenizer, tokenizer_folder
 
 
 class Engine:
@@ -22,7 +22,7 @@ class Engine:
         self.config = config
         folder, self.model_name = resolve_model(config.model.model)
         self.runner_folder = folder
-        self.tokenizer = Tokenizer(folder)
+        self.tokenizer = Tokenizer(tokenizer_folder(config.model.tokenizer, folder))
         model = config.model  # checked before the model loads
         self.sampling_defaults = sampling_defaults(folder, model.generation_config,
                                                    model.override_generation_config)

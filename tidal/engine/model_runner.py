@@ -84,14 +84,15 @@ class ModelRunner:
     of the plan: a request's prompt and parameters come with its first scheduled step, and
     the runner keeps the tokens it samples (and each request's generators)."""
 
-    def __init__(self, model, decoder, kv: KVCache, backend: AttentionBackend, folder: Path,
+    def __init__(self, model, decoder, kv: KVCache, backend: AttentionBackend,
+                 tokenizer_folder: Path,
                  arch: ModelArch, seed: int, max_forward_tokens: int,
                  guesser: Guesser | None = None, lora: LoRAManager | None = None,
                  pooling: Pooling | None = None, logits_processors: tuple = (),
                  logprobs_mode: str = "adjusted_logprobs") -> None:
         self.model, self.decoder, self.kv, self.arch = model, decoder, kv, arch
         self.device, self.block_size = kv.device, kv.block_size
-        self.folder = folder
+        self.tokenizer_folder = tokenizer_folder  # structured outputs read its tokenizer.json
         self.guesser, self.lora = guesser, lora
         self.max_guesses = guesser.max_guesses if guesser is not None else 0
         # a tree's rows sit at slots past their positions, which a sliding window (counted
@@ -345,7 +346,7 @@ class ModelRunner:
             if self.matchers is None:
                 eos = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None
                 ext = cpu_extension.loaded()  # (a CPU runner loads it at start)
-                self.matchers = Matchers(Grammars((self.folder / "tokenizer.json").read_text(),
+                self.matchers = Matchers(Grammars((self.tokenizer_folder / "tokenizer.json").read_text(),
                                                   self.arch.vocab_size, eos),
                                          ext.apply_token_bitmask if ext is not None else None)
         return self.matchers

@@ -43,7 +43,7 @@ from tidal.model.score_head import ScoreHead
 from tidal.model.registry import model_files
 from tidal.model.sampler import on_device
 from tidal.model.tensor_parallel import Shard, TPGroup
-from tidal.model.tokenizer import Tokenizer
+from tidal.model.tokenizer import Tokenizer, tokenizer_folder
 from tidal.spec.factory import make_guesser
 
 log = logging.getLogger("tidal.engine")
@@ -157,7 +157,8 @@ class Worker:
                                ext) if guesses else None
         pooling = Pooling.from_folder(folder)
         head = ScoreHead.of(folder, self.model, self.dtype,
-                            lambda text: Tokenizer(folder).encode(text, False),
+                            lambda text: Tokenizer(tokenizer_folder(config.tokenizer, folder)).encode(
+                                text, False),
                             config.score_tokens)
         if head is not None:
             pooling = replace(pooling, head=head)
@@ -200,7 +201,8 @@ class Worker:
         if guesser is not None:
             guesser.allocate(num_blocks + 1, block_size)
         self.guesser = guesser
-        self.runner = ModelRunner(self.model, decoder, self.kv, backend, Path(folder), arch,
+        self.runner = ModelRunner(self.model, decoder, self.kv, backend,
+                                  tokenizer_folder(config.tokenizer, folder), arch,
                                   config.seed, max_forward, guesser, self.lora, pooling,
                                   config.logits_processors, config.logprobs_mode)
         if on_gpu and not config.enforce_eager and backend.paged_kernel is not None:

@@ -15,6 +15,17 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def tokenizer_folder(tokenizer: str | None, model_folder: str | Path) -> Path:
+    """The folder whose tokenizer serves: `tokenizer` (the engine's `--tokenizer`), else
+    the model's."""
+    if tokenizer is None:
+        return Path(model_folder)
+    if not (Path(tokenizer) / "tokenizer.json").is_file():  # e.g. a hub's name
+        raise FileNotFoundError(f"tokenizer {tokenizer!r} is not a folder with a "
+                                "tokenizer.json (tidal downloads nothing)")
+    return Path(tokenizer)
+
+
 class Tokenizer:
     """encode / decode / apply_chat_template over `tokenizer.json`, `tokenizer_config.json`
     and the chat template (`chat_template.jinja` or the config's `chat_template`)."""
