@@ -90,8 +90,8 @@ def test_sglangs_launch_server_words_mean_tidals(tmp_path):
         "--max-loras-per-batch", "2", "--enable-metrics", "--enable-cache-report",
         "--skip-server-warmup", "--is-embedding", "--enable-mixed-chunk",
         "--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1",
-        "--log-level", "error", "--log-level-http", "warning")
-    assert engine.model.model == "some/model"
+        "--log-level", "error", "--log-level-http", "warning", "--tokenizer-path", "tok")
+    assert (engine.model.model, engine.model.tokenizer) == ("some/model", "tok")
     assert (engine.model.log_level, server.uvicorn_log_level) == ("error", "warning")
     assert (engine.parallel.tensor_parallel_size, engine.parallel.data_parallel_size) == (1, 2)
     s = engine.scheduler

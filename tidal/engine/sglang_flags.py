@@ -7,7 +7,7 @@ from __future__ import annotations
 
 # SGLang's flag -> (tidal's option of the same meaning, its type)
 ALIASES = {
-    "--model-path": ("model", str),
+    "--model-path": ("model", str), "--tokenizer-path": ("tokenizer", str),
     "--tp": ("tensor_parallel_size", int), "--tp-size": ("tensor_parallel_size", int),
     "--dp": ("data_parallel_size", int), "--dp-size": ("data_parallel_size", int),
     "--pp-size": ("pipeline_parallel_size", int),
