@@ -38,7 +38,8 @@ def test_vllm_words_set_tidals_options():
                              "--enable-prompt-tokens-details", "--no-enable-prefix-caching",
                              "--enable-server-load-tracking",
                              "--speculative-config", SPEC, "--served-model-name", "a", "b",
-                             "--disable-log-stats", "--logprobs-mode", "processed_logprobs")
+                             "--disable-log-stats", "--logprobs-mode", "processed_logprobs",
+                             "--swap-space", "16")
     assert engine.scheduler.max_input_tokens_per_step == 4096
     assert engine.model.logprobs_mode == "processed_logprobs"
     assert engine.scheduler.policy == "priority"

@@ -118,6 +118,8 @@ def _vllm_section() -> list[str]:
              "| `serve MODEL` | the model, as `--model` (its first word) |"]
     lines += _words({f: d for f, (d, _) in vllm_flags.ALIASES.items()}, vllm_flags.SWITCHES,
                     vllm_flags.ACCEPTED, vllm_flags.VALUES)
+    lines += [f"| `{flag} N` | accepted, no effect: {_cell(why)} |"
+              for flag, (_, why) in vllm_flags.IGNORED.items()]
     keys = ", ".join(f"`{k}`" for k in vllm_flags.SPECULATIVE_KEYS)
     methods = ", ".join(f"`{k}`" for k in vllm_flags.SPECULATIVE_METHODS)
     lines += [f"| `--speculative-config JSON` | its keys {keys} as `--speculative-method` "

@@ -34,6 +34,10 @@ ACCEPTED = {
     "--enable-server-load-tracking": "GET /load always counts the requests being answered",
     "--enable-sleep-mode": "POST /sleep and /wake_up are always served",
     "--enable-request-id-headers": "every answer carries X-Request-Id"}
+# vLLM's options with a value that have no meaning here, and why: accepted, ignored
+IGNORED = {"--swap-space": (float, "a preempted request is recomputed, never swapped (vLLM "
+                                   "V1 ignores it too); its full blocks stay in the prefix "
+                                   "cache and its tiers (--kv-cache-dir)")}
 # switches whose `false` in a --config file asks for nothing (they have no --no- form)
 NOTHING_WHEN_OFF = {*ACCEPTED, *SWITCHES, *sglang_flags.ACCEPTED, *sglang_flags.SWITCHES}
 # --speculative-config's keys -> tidal's options; its methods -> tidal's
@@ -54,6 +58,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
            if f"--{a.dest.replace('_', '-')}" in a.option_strings}
     group = parser.add_argument_group("vLLM's flags (docs/configuration.md)")
     _add_words(group, own, "vLLM", ALIASES, SWITCHES, ACCEPTED)
+    for flag, (kind, why) in IGNORED.items():
+        group.add_argument(flag, type=kind, default=argparse.SUPPRESS,
+                           help=f"accepted, no effect: {why}")
     sglang = parser.add_argument_group("SGLang's flags (docs/configuration.md)")
     _add_words(sglang, own, "SGLang", sglang_flags.ALIASES, sglang_flags.SWITCHES,
                sglang_flags.ACCEPTED)
@@ -152,7 +159,7 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
                 raise ValueError(f"--{name.replace('_', '-')} and --speculative-config both "
                                  f"set {name}: give it once")
             setattr(args, name, value)
-    for flag in [*ACCEPTED, *sglang_flags.ACCEPTED]:
+    for flag in [*ACCEPTED, *IGNORED, *sglang_flags.ACCEPTED]:
         vars(args).pop(flag[2:].replace("-", "_"), None)
     vars(args).pop("config", None)
     for name, words in [*VALUES.items(), *sglang_flags.VALUES.items()]:
