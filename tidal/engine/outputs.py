@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tidal.core import PromptLogprob, TokenLogprob
 
@@ -28,6 +28,20 @@ class StepUpdate:
     events: list | None = None  # SamplingParams.trace: the scheduler's events (request_events)
     cached_tokens: int = 0  # its prompt's tokens the prefix cache held (RequestOutput's)
     queue_seconds: float = 0.0  # from its arrival to its first admission (RequestOutput's)
+
+    def then(self, later: "StepUpdate") -> "StepUpdate":
+        """This update and the same sequence's next one as one: their tokens, text, logprobs
+        and events in order, the later one's ending."""
+        return replace(
+            later, new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            logprobs=None if self.logprobs is None and later.logprobs is None
+            else (self.logprobs or []) + (later.logprobs or []),
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            embedding=self.embedding or later.embedding,
+            events=None if self.events is None and later.events is None
+            else (self.events or []) + (later.events or []),
+            cached_tokens=self.cached_tokens, queue_seconds=self.queue_seconds)
 
 
 @dataclass

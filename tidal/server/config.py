@@ -166,6 +166,11 @@ class ServerConfig(HttpConfig):
                                           "prompts times n (more: HTTP 400).")
     max_n: int = knob(16, "Largest `n` a request may ask for.")
     drain_timeout: float = knob(30.0, "Seconds SIGTERM lets running requests finish.")
+    stream_interval: int = knob(1, "Tokens per chunk of a streamed answer (vLLM's and "
+                                "SGLang's): a sequence's first token goes at once, then a "
+                                "chunk each time this many more have come, and the rest when "
+                                "it ends. Larger: fewer, larger chunks, less work per token "
+                                "for the server and the client.")
     enable_log_requests: bool = knob(False, "Log each request as the engine takes it (vLLM's): "
                                      "its id, prompt, token ids, the sampling parameters it "
                                      "set and its adapter, on the tidal.requests logger.")
@@ -288,6 +293,8 @@ class ServerConfig(HttpConfig):
         if self.response_store_bytes < 0 or self.response_ttl <= 0:
             raise ValueError("response_store_bytes must be >= 0 and response_ttl > 0, got "
                              f"{self.response_store_bytes} and {self.response_ttl}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         names = self.served_model_name

@@ -41,6 +41,7 @@ from tidal.server.openai.tool_parsers import (AUTO_PARSERS, NamedCallParser, Req
                                               parser_for_template)
 from tidal.server.request_log import RequestLog
 from tidal.server.responses.store import ResponseStore
+from tidal.server.stream_interval import every_n_tokens
 from tidal.server.tracing import RequestSpan, Tracing, operation_of
 
 log = logging.getLogger("tidal.server")
@@ -185,7 +186,9 @@ class Frontend:
                 updates = await unless_client_leaves(request, after_first(updates))
                 if isinstance(updates, Response):
                     return updates  # the client left
-            events = response.events(updates, include_usage)
+            interval = self.config.stream_interval
+            events = response.events(every_n_tokens(updates, interval) if interval > 1
+                                     else updates, include_usage)
             stream = StreamingResponse(events, media_type="text/event-stream",
                                        background=BackgroundTask(_closed, events, sub))
             return stream
