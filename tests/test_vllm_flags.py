@@ -67,9 +67,16 @@ def test_vllms_short_flags_and_value_words_mean_tidals():
                              "--num-gpu-blocks-override", "99",
                              "--kv-cache-memory-bytes", "123456789", "--dtype", "half",
                              "--kv-cache-dtype", "fp8", "--enable-sleep-mode",
-                             "--enable-request-id-headers", "--max-logprobs", "-1")
+                             "--enable-request-id-headers", "--max-logprobs", "-1",
+                             "--distributed-timeout-seconds", "7", "-dpb", "mp",
+                             "--long-prefill-token-threshold", "256",
+                             "--kv-offloading-size", "1.5", "--shutdown-timeout", "0")
     assert (engine.parallel.tensor_parallel_size, engine.parallel.data_parallel_size,
             engine.parallel.pipeline_parallel_size) == (1, 2, 1)
+    assert (engine.parallel.distributed_timeout, engine.parallel.dp_backend) == (7, "local")
+    assert engine.scheduler.chunked_prefill_size == 256
+    assert (engine.model.kv_host_memory, server.drain_timeout) == (1.5, 0)
+    assert configs("--data-parallel-backend", "ray")[0].parallel.dp_backend == "ray"
     assert (engine.model.num_kv_blocks, engine.model.kv_cache_memory) == (99, 123456789)
     assert (engine.model.dtype, engine.model.kv_cache_dtype) == ("float16", "fp8_e4m3")
     assert configs("--dtype", "float")[0].model.dtype == "float32"

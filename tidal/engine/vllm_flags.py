@@ -16,9 +16,14 @@ ALIASES = {"--max-num-batched-tokens": ("max_input_tokens_per_step", int),
            "--scheduling-policy": ("policy", str),
            "-tp": ("tensor_parallel_size", int), "-pp": ("pipeline_parallel_size", int),
            "-dp": ("data_parallel_size", int), "--num-gpu-blocks-override": ("num_kv_blocks", int),
-           "--kv-cache-memory-bytes": ("kv_cache_memory", int)}
+           "--kv-cache-memory-bytes": ("kv_cache_memory", int),
+           "--distributed-timeout-seconds": ("distributed_timeout", float),
+           "--data-parallel-backend": ("dp_backend", str), "-dpb": ("dp_backend", str),
+           "--long-prefill-token-threshold": ("chunked_prefill_size", int),
+           "--kv-offloading-size": ("kv_host_memory", float),
+           "--shutdown-timeout": ("drain_timeout", float)}
 # vLLM's words for values of tidal's options: option -> {vLLM's value: tidal's}
-VALUES = {"dtype": {"half": "float16", "float": "float32"},
+VALUES = {"dtype": {"half": "float16", "float": "float32"}, "dp_backend": {"mp": "local"},
           "kv_cache_dtype": {"fp8": "fp8_e4m3"}}  # vLLM's fp8 is E4M3
 # vLLM's switches that set one of tidal's options to a value
 SWITCHES = {"--disable-log-stats": ("log_stats_interval", 0.0)}
