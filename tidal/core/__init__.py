@@ -20,8 +20,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 
 __all__ = [
     "Admission", "Block", "BlockPool", "CacheConfig", "FINISH_REASONS", "InvariantError",
-    "KVCacheManager", "LOGPROBS_MODES", "MASKED_LOGPROB", "ModelOutput", "NewRequest", "NewTokenRatio",
-    "POLICIES", "Policy",
+    "KVCacheManager", "LOGPROBS_MODES", "MASKED_LOGPROB", "ModelOutput", "NewRequest",
+    "NewTokenRatio", "POLICIES", "Policy",
     "PromptLogprob", "ROLES", "Request", "RequestOutput", "RequestStatus", "Role",
     "SamplingParams", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput",
     "SchedulerStats", "StepBudget", "StepPlan", "LearnedStepTime", "LinearStepTime",

@@ -85,8 +85,7 @@ class ModelRunner:
     the runner keeps the tokens it samples (and each request's generators)."""
 
     def __init__(self, model, decoder, kv: KVCache, backend: AttentionBackend,
-                 tokenizer_folder: Path,
-                 arch: ModelArch, seed: int, max_forward_tokens: int,
+                 tokenizer_folder: Path, arch: ModelArch, seed: int, max_forward_tokens: int,
                  guesser: Guesser | None = None, lora: LoRAManager | None = None,
                  pooling: Pooling | None = None, logits_processors: tuple = (),
                  logprobs_mode: str = "adjusted_logprobs") -> None:
@@ -346,8 +345,8 @@ class ModelRunner:
             if self.matchers is None:
                 eos = self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None
                 ext = cpu_extension.loaded()  # (a CPU runner loads it at start)
-                self.matchers = Matchers(Grammars((self.tokenizer_folder / "tokenizer.json").read_text(),
-                                                  self.arch.vocab_size, eos),
+                vocab = (self.tokenizer_folder / "tokenizer.json").read_text()
+                self.matchers = Matchers(Grammars(vocab, self.arch.vocab_size, eos),
                                          ext.apply_token_bitmask if ext is not None else None)
         return self.matchers
 

@@ -156,9 +156,9 @@ class Worker:
         guesser = make_guesser(speculative, guesses, Path(folder), config, device,
                                ext) if guesses else None
         pooling = Pooling.from_folder(folder)
+        tokenizer_at = tokenizer_folder(config.tokenizer, folder)  # --tokenizer's, or the model's
         head = ScoreHead.of(folder, self.model, self.dtype,
-                            lambda text: Tokenizer(tokenizer_folder(config.tokenizer, folder)).encode(
-                                text, False),
+                            lambda text: Tokenizer(tokenizer_at).encode(text, False),
                             config.score_tokens)
         if head is not None:
             pooling = replace(pooling, head=head)
@@ -201,8 +201,7 @@ class Worker:
         if guesser is not None:
             guesser.allocate(num_blocks + 1, block_size)
         self.guesser = guesser
-        self.runner = ModelRunner(self.model, decoder, self.kv, backend,
-                                  tokenizer_folder(config.tokenizer, folder), arch,
+        self.runner = ModelRunner(self.model, decoder, self.kv, backend, tokenizer_at, arch,
                                   config.seed, max_forward, guesser, self.lora, pooling,
                                   config.logits_processors, config.logprobs_mode)
         if on_gpu and not config.enforce_eager and backend.paged_kernel is not None:
