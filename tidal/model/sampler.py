@@ -216,16 +216,14 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
 def _reported(stages: dict[str, torch.Tensor], wanted: list[int], modes: list[str],
               widx: torch.Tensor) -> torch.Tensor:
     """The rows `wanted`, each as its mode reports them: [len(wanted), vocab]."""
-    if len(set(modes)) == 1:  # the usual step: one mode, one gather
-        stage, kind = modes[0].split("_")
-        chosen = stages[stage][widx]
-        return chosen.log_softmax(-1) if kind == "logprobs" else chosen
-    picked = []
-    for i, mode in zip(wanted, modes):
+    def report(mode: str, rows) -> torch.Tensor:
         stage, kind = mode.split("_")
-        picked.append(stages[stage][i].log_softmax(-1) if kind == "logprobs"
-                      else stages[stage][i])
-    return torch.stack(picked)
+        chosen = stages[stage][rows]
+        return chosen.log_softmax(-1) if kind == "logprobs" else chosen
+
+    if len(set(modes)) == 1:  # the usual step: one mode, one gather
+        return report(modes[0], widx)
+    return torch.stack([report(mode, i) for i, mode in zip(wanted, modes)])
 
 
 def target_logprobs(logits_of, hidden: torch.Tensor, targets: list[int], k: int,
