@@ -239,6 +239,22 @@ def test_a_bare_body_checkpoint_loads_for_embeddings(tmp_path):
     assert torch.allclose(got, want, atol=1e-4)
 
 
+def test_a_granite_model_embeds_the_states_before_its_folded_multipliers(tmp_path):
+    """Granite's final norm holds 1 / (logits_scaling * embedding_multiplier) once loaded
+    (tied head): the hidden states pooled for embeddings are transformers' GraniteModel's
+    all the same (mean-pooled and unnormalised here, so a scale would show)."""
+    from model_fixtures import small_folder
+    from test_models import GRANITE
+
+    folder = small_folder(tmp_path, "granite", "granite", tie_word_embeddings=True, **GRANITE)
+    sentence_transformers_files(folder, "mean", False)
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
+    text = "w5 w17 w3 w99 w42 w8"
+    got = torch.tensor(llm.embed(text)[0])
+    want = reference(folder, llm.engine.tokenize(text), "mean", False)
+    assert torch.allclose(got, want, atol=1e-4)
+
+
 def test_an_embed_server_refuses_generation_and_a_generate_one_embeddings(tmp_path):
     folder = tiny_folder(tmp_path, "qwen3")
     for task, refused, served in (("embed", "/v1/chat/completions", "/v1/embeddings"),

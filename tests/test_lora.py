@@ -310,6 +310,18 @@ def test_a_phi3_adapter_of_the_fused_projections(tmp_path):
     assert [part for part, _, _ in adapter.weights[(0, "qkv")]] == [0, 1, 2]
 
 
+def test_a_granite_adapter_under_its_folded_multipliers(tmp_path):
+    """Granite's residual multiplier is folded into o_proj and down_proj at load: an
+    adapter's deltas on them are scaled alike, or its answers would leave the merged
+    model's (they do with the adapter's scale alone)."""
+    from test_models import GRANITE
+
+    base = small_folder(tmp_path, "granite", "granite", tie_word_embeddings=True, **GRANITE)
+    folder = make_adapter(base, tmp_path / "ad", 8, 16, ["q_proj", "o_proj", "down_proj"],
+                          False, seed=9)
+    equals_merged(base, folder)
+
+
 def test_lora_modules_take_name_path_pairs_and_vllms_json_form():
     from tidal.engine.config import LoRAConfig
 

@@ -31,6 +31,8 @@ LONGROPE = dict(rope_type="longrope", rope_theta=10000.0,
                 long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0])
 GEMMA3_ROPE = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                "full_attention": dict(rope_type="linear", rope_theta=1e6, factor=2.0)}
+GRANITE = dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.05,
+               logits_scaling=4.0)
 # name -> (model_type, config fields over SMALL's). Windows of 8 and 12 are shorter than
 # most prompts; dynamic's 32 positions are fewer than most prompts plus their output.
 CASES = {
@@ -58,6 +60,10 @@ CASES = {
     "gemma3": ("gemma3_text", dict(sliding_window=8, rope_parameters=GEMMA3_ROPE,
                                    layer_types=["sliding_attention", "full_attention"],
                                    tie_word_embeddings=False)),
+    # Granite's four scalars (folded into the weights at load), tied as its checkpoints are
+    "granite": ("granite", dict(GRANITE, attention_bias=True, mlp_bias=True,
+                                tie_word_embeddings=True)),
+    "granite-untied": ("granite", dict(GRANITE, tie_word_embeddings=False)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     # One MoE layer, one dense (mlp_only_layers); renormalised top-k.
     "qwen3-moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
@@ -297,6 +303,9 @@ def llama_config(**fields) -> dict:
     ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
                               "checkpoint_format": "marlin"}}, ["checkpoint_format 'marlin'"]),
     ({"layer_types": ["full_attention", "chunked_attention"]}, ["chunked_attention"]),
+    ({"model_type": "granite", "architectures": ["GraniteForCausalLM"],
+      "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}},
+     ["quantized GraniteForCausalLM checkpoints are not supported"]),
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, ["per-layer RoPE"]),
 ])
 def test_unsupported_configs_name_the_architecture_and_what_is_missing(cfg, expected):

@@ -26,6 +26,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from model_fixtures import small_folder
+from test_models import GRANITE
 
 from tidal import LLM, SamplingParams
 
@@ -41,7 +42,10 @@ def folders(tmp_path_factory):
             "gemma2": small_folder(tmp, "gemma2", "gemma2", seed=1, num_hidden_layers=4,
                                    sliding_window=4, final_logit_softcapping=30.0),
             "mixtral": small_folder(tmp, "mixtral", "mixtral", seed=2, num_local_experts=4,
-                                    num_experts_per_tok=2)}
+                                    num_experts_per_tok=2),
+            # tied: the last stage's head is the embeddings, folded with the first stage's
+            "granite": small_folder(tmp, "granite", "granite", seed=3, num_hidden_layers=3,
+                                    tie_word_embeddings=True, **GRANITE)}
 
 
 def run(model: str, params: SamplingParams, prompts=PROMPTS, **options) -> list:
@@ -62,7 +66,7 @@ def assert_same(one: list, other: list, bound: float) -> None:
 
 @pytest.mark.parametrize("family, layout", [  # (TP, PP, steps in flight: the stages')
     ("llama", (1, 2, 2)), ("llama", (1, 3, 3)), ("llama", (2, 2, 2)), ("llama", (1, 2, 1)),
-    ("gemma2", (1, 2, 2)), ("mixtral", (2, 2, 2))])
+    ("gemma2", (1, 2, 2)), ("mixtral", (2, 2, 2)), ("granite", (1, 2, 2))])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_stages_give_one_process_tokens_and_logprobs(folders, family, layout, sampled):
     tp, pp, batches = layout

@@ -17,6 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from model_fixtures import first_near_tie, small_folder
+from test_models import GRANITE
 from server_fixtures import Server, openai_client, wait_for_new_core
 
 from tidal import LLM, SamplingParams
@@ -41,7 +42,10 @@ def folders(tmp_path_factory):
             # one key/value head for four query heads: each rank holds it whole; a tied
             # head over a vocabulary that two ranks split unevenly (126 + 125 rows)
             "mqa": small_folder(tmp, "mqa", "llama", seed=2, num_key_value_heads=1,
-                                vocab_size=251, tie_word_embeddings=True)}
+                                vocab_size=251, tie_word_embeddings=True),
+            # its multipliers folded into each rank's share of the weights
+            "granite": small_folder(tmp, "granite", "granite", seed=3, attention_bias=True,
+                                    tie_word_embeddings=True, **GRANITE)}
 
 
 def run(folder: Path, tp: int, params: SamplingParams, **options):
@@ -54,7 +58,7 @@ def run(folder: Path, tp: int, params: SamplingParams, **options):
         llm.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mqa"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mqa", "granite"])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_two_ranks_give_one_process_tokens_and_logprobs(folders, family, sampled):
     params = SamplingParams(max_tokens=12, temperature=0.8 if sampled else 0.0,

@@ -36,6 +36,7 @@ class Family:
     shared_expert: bool = False  # a sigmoid-gated shared expert beside the routed ones
     gemma: bool = False  # Gemma's (1 + w) norms, scaled embedding, norms around each block
     window_pattern: int = 0  # Gemma: every Nth layer global when a config lacks layer_types
+    multipliers: bool = False  # Granite's scalars on embeddings, residuals, scores, logits
 
 
 FAMILIES = {
@@ -55,6 +56,7 @@ FAMILIES = {
                      window_pattern=2),
     "gemma3_text": Family("Gemma3ForCausalLM", None, qk_norm=True, windows="typed",
                           gemma=True, window_pattern=6),
+    "granite": Family("GraniteForCausalLM", None, mlp_bias=True, multipliers=True),
 }
 # Config fields of mixture-of-experts models (Mixtral, Qwen2/3-MoE, DeepSeek, GLM-4.5).
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
@@ -109,6 +111,8 @@ def _problems(cfg: dict, model_type: str) -> list[str]:
                    f"(tidal runs {family.architecture})")
     if cfg.get("quantization_config"):
         out += _quantization_problems(cfg["quantization_config"])
+        if family.multipliers:  # they fold into dense weights only (loader.fold_multipliers)
+            out.append(f"quantized {family.architecture} checkpoints are not supported")
     act = _activation(cfg, family)
     if act not in ACTIVATIONS:
         out.append(f"hidden_act {act!r} is not supported (tidal's gated MLP runs "
@@ -228,7 +232,7 @@ def _quantization_problems(quantization_config: dict) -> list[str]:
 @dataclass(frozen=True)
 class ModelArch:
     """Shapes and constants of a decoder-only transformer of the Llama family and its
-    relatives (Mistral, Qwen, Phi-3, Gemma 2/3, Mixtral and Qwen-MoE)."""
+    relatives (Mistral, Qwen, Phi-3, Gemma 2/3, Granite, Mixtral and Qwen-MoE)."""
 
     model_type: str
     hidden_size: int
@@ -256,6 +260,11 @@ class ModelArch:
     attn_scale: float = 0.0  # query scale; 0: head_dim ** -0.5
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the mask; 0: none
     final_softcap: float = 0.0  # the same on the logits
+    # Granite's: the embeddings times this, each residual branch's output times this, the
+    # logits over this; the loader folds them into the weights (loader.fold_multipliers)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     quant_method: str = ""  # a quantized checkpoint's format ('gptq', 'awq'); '': dense
 
     def __post_init__(self) -> None:
@@ -291,6 +300,11 @@ class ModelArch:
                     else attention_bias if family.qkv_bias is None else family.qkv_bias)
         gemma2 = model_type == "gemma2"  # transformers' defaults where a config omits them
         scalar = cfg.get("query_pre_attn_scalar", 256) if family.gemma else 0
+        granite = family.multipliers
+
+        def multiplier(key: str) -> float:  # Granite's config defaults them to 1
+            return float(cfg.get(key, 1.0)) if granite else 1.0
+
         return cls(
             model_type=model_type,
             hidden_size=cfg["hidden_size"],
@@ -315,13 +329,17 @@ class ModelArch:
             moe=_moe(cfg, family, layers),
             local_rope=local_rope,
             gemma=family.gemma,
-            attn_scale=scalar ** -0.5 if scalar else 0.0,
+            attn_scale=(scalar ** -0.5 if scalar else
+                        multiplier("attention_multiplier") if granite else 0.0),
             attn_softcap=float(cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None)
                                or 0.0),
             final_softcap=float(cfg.get("final_logit_softcapping", 30.0 if gemma2 else None)
                                 or 0.0),
             quant_method=str((cfg.get("quantization_config") or {}).get("quant_method", ""))
             .lower(),
+            embedding_multiplier=multiplier("embedding_multiplier"),
+            residual_multiplier=multiplier("residual_multiplier"),
+            logits_scaling=multiplier("logits_scaling"),
         )
 
     @classmethod
@@ -334,6 +352,14 @@ class ModelArch:
         """The longest sequence this model serves: max_position_embeddings, stretched by
         the RoPE scaling where its config states the original length."""
         return self.rope.context_length
+
+    @property
+    def head_fold(self) -> float:
+        """What the loader folds into the final norm (loader.fold_multipliers): 1 /
+        logits_scaling, and 1 / embedding_multiplier where the head is the tied
+        embeddings; 1 but for Granite."""
+        tied = self.embedding_multiplier if self.tie_word_embeddings else 1.0
+        return 1.0 / (self.logits_scaling * tied)
 
     @property
     def windows(self) -> tuple[int, ...]:

@@ -1,7 +1,8 @@
 """A Llama-family decoder over flattened variable-length batches: Llama (2, 3.x), Mistral,
-Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3, Mixtral and Qwen2/3-MoE differ only in shapes and flags
-of `ModelArch` (biases, q/k norms, sliding windows, RoPE schedules, partial rotary, Gemma's
-norms and soft-capping, routed experts), so they share these layers.
+Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3, Granite, Mixtral and Qwen2/3-MoE differ only in shapes
+and flags of `ModelArch` (biases, q/k norms, sliding windows, RoPE schedules, partial rotary,
+Gemma's norms and soft-capping, routed experts; Granite's multipliers are folded into its
+weights at load), so they share these layers.
 
 No padding: a step's tokens from every sequence are one [T] row of ids with their positions.
 Q/K/V and gate/up are fused into one matmul each; K/V go to the paged cache through the
@@ -219,6 +220,8 @@ class LlamaModel(nn.Module):
         if final is None:
             final = self.norm(h[logits_indices])
         hidden = None if hidden_indices is None else self.norm(h[hidden_indices])
+        if hidden is not None and self.arch.head_fold != 1.0:  # the states before the fold
+            hidden = hidden / self.arch.head_fold
         if stage is None:
             return self._head(final, hidden)
         return stage.finish(h, final, self._head, hidden)

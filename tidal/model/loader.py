@@ -83,8 +83,30 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
     with torch.device("meta"):
         model = LlamaModel(arch, backend)
     params = _read_safetensors(folder, arch, model, dtype, shard)
+    fold_multipliers(arch, params)
     model.load_state_dict(params, assign=True, strict=False)
     return model.to(device).eval().requires_grad_(False)
+
+
+# the projections whose products join the residual stream (a bias with its weight)
+_RESIDUAL_BRANCHES = tuple(f"{p}.{kind}" for p in ("self_attn.o_proj", "mlp.down_proj")
+                           for kind in ("weight", "bias"))
+
+
+def fold_multipliers(arch: ModelArch, params: dict[str, torch.Tensor]) -> None:
+    """Granite's scalars folded into its weights, in place, so that every path (the PyTorch
+    layers, fused kernels, the C++ decoder, tensor and pipeline ranks) runs it as Llama:
+    residual_multiplier into each branch's last projection, embedding_multiplier into the
+    embeddings, and `arch.head_fold` into the final norm (the model divides the final
+    hidden states it returns for pooling by it again)."""
+    if arch.residual_multiplier != 1.0:
+        for name, tensor in params.items():
+            if name.endswith(_RESIDUAL_BRANCHES):
+                tensor.mul_(arch.residual_multiplier)
+    for name, scale in (("embed_tokens.weight", arch.embedding_multiplier),
+                        ("norm.weight", arch.head_fold)):
+        if name in params and scale != 1.0:
+            params[name].mul_(scale)
 
 
 def _read_safetensors(folder: Path, arch: ModelArch, model: LlamaModel, dtype: torch.dtype,

@@ -176,6 +176,8 @@ def load_adapter(name: str, path: str | Path, arch: ModelArch, max_rank: int) ->
         # r is this module's rank (rank_pattern's, if it names the module)
         alpha = _pattern(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", r))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        if proj in ("o", "down"):  # Granite's multiplier, folded as into the base weights
+            scale *= arch.residual_multiplier
         b = b * scale
         # a fused checkpoint's piece (Phi-3's qkv_proj) is one piece per part sharing its A
         split = (list(enumerate(b.split(outs))) if part is None else [(part, b)])
