@@ -238,15 +238,20 @@ def test_a_server_started_with_vllms_words_runs_with_them(tmp_path, monkeypatch)
     own = resolve_model("smollm2-135m")[0]
     (tokenizer / "tokenizer.json").write_bytes((own / "tokenizer.json").read_bytes())
     settings = json.loads((own / "tokenizer_config.json").read_text())
+    # it reads text parts too, so 'auto' would hand it lists: --chat-template-content-format
+    # string keeps text
     settings["chat_template"] = ("{% for m in messages %}{{ greeting | default('none') }}: "
-                                 "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>"
-                                 "{% endif %}")
+                                 "{% if m.content is string %}{{ m.content }}{% else %}"
+                                 "{% for p in m.content %}<{{ p.text }}>{% endfor %}{% endif %}"
+                                 "{{ '\\n' }}{% endfor %}"
+                                 "{% if add_generation_prompt %}>{% endif %}")
     (tokenizer / "tokenizer_config.json").write_text(json.dumps(settings))
     server = Server("--max-num-batched-tokens", "2048", "--enable-auto-tool-choice",
                     "--trust-remote-code", "--no-enable-prefix-caching",
                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
                     "--tokenizer", str(tokenizer),
                     "--default-chat-template-kwargs", '{"greeting": "hello"}',
+                    "--chat-template-content-format", "string",
                     "--return-tokens-as-token-ids", "--enable-force-include-usage",
                     "--disable-fastapi-docs", "--max-logprobs", "25", "--response-role", "bot",
                     "--middleware", "my_middleware.stamp", "my_middleware.Teapot")
@@ -274,12 +279,14 @@ def test_a_server_started_with_vllms_words_runs_with_them(tmp_path, monkeypatch)
             assert r.status_code == 400 and r.json()["error"]["param"] == param
             assert "at most 25" in r.json()["error"]["message"]
 
-        def rendered(**kwargs) -> str:
+        def rendered(content="hi", **kwargs) -> str:
             ids = httpx.post(server.url + "/tokenize", json={
-                "messages": [{"role": "user", "content": "hi"}], **kwargs}).json()["tokens"]
+                "messages": [{"role": "user", "content": content}], **kwargs}).json()["tokens"]
             return httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
         assert rendered() == "hello: hi\n>"
         assert rendered(chat_template_kwargs={"greeting": "yo"}) == "yo: hi\n>"
+        parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+        assert rendered(parts) == "hello: a\nb\n>"  # as text, not as <a><b>
         with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                 "stream": True}) as stream:

@@ -115,10 +115,13 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
     # The cores import the engine and load while this process converts a new GGUF, reads
     # its tokenizer and builds the HTTP app (a GGUF's cores wait for the files if need be).
     own = config.model.tokenizer is None  # a GGUF's own is read once it is converted
+    def tokenizer_of(folder) -> Tokenizer:  # with the server's template settings
+        return Tokenizer(folder, server.chat_template, server.chat_template_defaults(),
+                         server.chat_template_content_format)
+
     with flag_errors(command):  # a --chat-template that is no template fails here
-        tokenizer = None if files.gguf and own else Tokenizer(
-            tokenizer_folder(config.model.tokenizer, files.folder), server.chat_template,
-            server.chat_template_defaults())
+        tokenizer = None if files.gguf and own else tokenizer_of(
+            tokenizer_folder(config.model.tokenizer, files.folder))
     client = CoreClient(config, str(files.folder), tokenizer, server.restart_policy(),
                         files_pending=pending(files))
     client.launch()
@@ -130,8 +133,7 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
         server = replace(server, served_model_name=(files.name,))
     if client.tokenizer is None:
         with flag_errors(command):
-            client.attach_tokenizer(Tokenizer(folder, server.chat_template,
-                                              server.chat_template_defaults()))
+            client.attach_tokenizer(tokenizer_of(folder))
     return client, server
 
 

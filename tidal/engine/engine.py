@@ -44,14 +44,15 @@ class Engine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict],
-                            chat_template: str | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
+                            content_format: str = "auto") -> list[int]:
         """A conversation's prompt ids, through the model's template or `chat_template`
-        (a file's path or the template itself)."""
+        (a file's path or the template itself); `content_format` as ChatTemplate.render's."""
         if chat_template is not None:
             chat_template = template_source(chat_template)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  chat_template=chat_template)
+                                                  chat_template=chat_template,
+                                                  content_format=content_format)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,

@@ -161,12 +161,17 @@ class LLM:
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True,
              lora_request: Adapter | Sequence[Adapter] = None,
-             chat_template: str | None = None) -> list[GenerationOutput]:
+             chat_template: str | None = None,
+             chat_template_content_format: str = "auto") -> list[GenerationOutput]:
         """One or more message lists, each rendered with the model's chat template (or
-        `chat_template`: a file's path or the template itself, as vLLM's LLM.chat takes)."""
+        `chat_template`: a file's path or the template itself, as vLLM's LLM.chat takes).
+        A message's content is text or OpenAI's text parts; `chat_template_content_format`
+        (vLLM's) says which the template reads: 'string', 'openai' or 'auto' (lists of parts
+        where the template loops over a message's content)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        encoded = [(None, self.engine.apply_chat_template(list(c), chat_template))
+        encoded = [(None, self.engine.apply_chat_template(list(c), chat_template,
+                                                          chat_template_content_format))
                    for c in conversations]
         return self._run(encoded, params, use_tqdm, lora_request)
 

@@ -17,6 +17,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Marks where a continued final message ends, to cut the rendering there.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# How a message's content reaches a template (vLLM's --chat-template-content-format):
+# 'string' text, 'openai' a list of text parts, 'auto' what the template reads
+CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 class _Generation(Extension):
@@ -44,6 +47,41 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
+def _part_text(part) -> str:
+    if not (isinstance(part, dict) and part.get("type") == "text"
+            and isinstance(part.get("text"), str)):
+        raise ValueError(f"content parts must be text parts ({{'type': 'text', 'text': ...}}; "
+                         f"tidal serves text-only models), not {part!r:.80}")
+    return part["text"]
+
+
+def shaped_content(content, content_format: str):
+    """A message's content as a template of `content_format` reads it: text (text parts
+    joined with newlines, as the server joins them) or a list of text parts."""
+    if content_format == "string":
+        return "\n".join(map(_part_text, content)) if isinstance(content, list) else content
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "text", "text": _part_text(p)} for p in content]
+
+
+def _loops_over_content(ast: jinja2.nodes.Template) -> bool:
+    """Whether a template iterates over a message's content (`for part in
+    message['content']`, or over a variable set from it): it reads lists of parts."""
+    def content(node) -> bool:
+        return (isinstance(node, jinja2.nodes.Getattr) and node.attr == "content") or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == "content")
+
+    names = {a.target.name for a in ast.find_all(jinja2.nodes.Assign)
+             if isinstance(a.target, jinja2.nodes.Name) and content(a.node)}
+    return any(content(f.iter) or (isinstance(f.iter, jinja2.nodes.Name)
+                                   and f.iter.name in names)
+               for f in ast.find_all(jinja2.nodes.For))
+
+
 class ChatTemplate:
     """One compiled chat template; `render` turns a conversation into the prompt text."""
 
@@ -56,6 +94,8 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = special_tokens
         self._template = env.from_string(source)
+        # what 'auto' gives this template: lists of parts where it loops over content
+        self.content_format = "openai" if _loops_over_content(env.parse(source)) else "string"
 
     def mentions(self, name: str) -> bool:
         """Whether the template reads a variable or field of that name (e.g. 'tools')."""
@@ -63,17 +103,25 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, documents: list[dict] | None = None,
-               continue_final_message: bool = False, **kwargs) -> str:
+               continue_final_message: bool = False, content_format: str = "auto",
+               **kwargs) -> str:
         """The prompt text. `continue_final_message` ends it inside the last message (for
-        the model to go on writing it), so no end-of-turn follows that message's text."""
+        the model to go on writing it), so no end-of-turn follows that message's text.
+        Messages' content reaches the template as `content_format` says (CONTENT_FORMATS)."""
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError("each message needs a 'role' (and 'content')")
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"content_format must be one of {', '.join(CONTENT_FORMATS)}; "
+                             f"got {content_format!r}")
         if continue_final_message:
-            if not messages or not isinstance(messages[-1].get("content"), str):
+            final = shaped_content(messages[-1].get("content"), "string") if messages else None
+            if not isinstance(final, str):
                 raise ValueError("continue_final_message needs a final message with text")
-            final = messages[-1]["content"]
             messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
+        form = self.content_format if content_format == "auto" else content_format
+        messages = [{**m, "content": shaped_content(m["content"], form)} if "content" in m
+                    else m for m in messages]
         text = self._template.render(
             messages=messages, tools=tools, documents=documents,
             add_generation_prompt=add_generation_prompt,

@@ -31,10 +31,10 @@ class Tokenizer:
     and the chat template (`chat_template.jinja` or the config's `chat_template`)."""
 
     def __init__(self, folder: str | Path, chat_template: str | None = None,
-                 template_kwargs: dict | None = None) -> None:
+                 template_kwargs: dict | None = None, content_format: str = "auto") -> None:
         """`chat_template` (a file's path or the template; template_source) replaces the
         model's own; `template_kwargs` are variables every render takes unless it sets its
-        own."""
+        own; `content_format` how messages' content reaches it (ChatTemplate.render's)."""
         from tokenizers import Tokenizer as HFTokenizer
 
         folder = Path(folder)
@@ -49,6 +49,7 @@ class Tokenizer:
         self.eos_token_id = self._tk.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tk.get_vocab_size()
         self.template_kwargs = dict(template_kwargs or {})
+        self.content_format = content_format
         template = cfg.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
@@ -111,4 +112,5 @@ class Tokenizer:
             raise ValueError("this model has no chat template: send a plain prompt instead, "
                              "or start the server with --chat-template")
         return template.render(messages, add_generation_prompt,
-                               **{**self.template_kwargs, **kwargs})
+                               **{**self.template_kwargs, "content_format": self.content_format,
+                                  **kwargs})

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tidal.cluster.launch import parse_pd
 from tidal.core.knobs import check_at_least_one, check_choice, knob
+from tidal.model.chat_template import CONTENT_FORMATS
 from tidal.runtime.core_watch import RestartPolicy
 from tidal.server.openai.reasoning import PARSERS as REASONING_PARSERS
 
@@ -208,6 +209,10 @@ class ServerConfig(HttpConfig):
                                              "`chat_template` (vLLM's field; a sandboxed "
                                              "jinja2 runs it). Without it such a request is "
                                              "refused.")
+    chat_template_content_format: str = knob(
+        "auto", "How a message's content reaches the chat template (vLLM's): 'string' (text, "
+        "text parts joined with newlines), 'openai' (a list of {'type': 'text', 'text': ...} "
+        "parts), or 'auto': 'openai' where the template loops over a message's content.")
     default_chat_template_kwargs: str | None = knob(
         None, "A JSON object of chat-template variables every chat renders with, under a "
         "request's own chat_template_kwargs (vLLM's; e.g. '{\"enable_thinking\": false}').")
@@ -282,6 +287,8 @@ class ServerConfig(HttpConfig):
                            "batch_concurrency", "max_file_bytes")
         if self.batch_file_days < 0:
             raise ValueError(f"batch_file_days must be >= 0, got {self.batch_file_days}")
+        check_choice("chat_template_content_format", self.chat_template_content_format,
+                     CONTENT_FORMATS)
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be at least 1, got {self.max_total_tokens}")
         check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)

@@ -62,8 +62,9 @@ class AssistantToolCall(StrictModel):
 
 class ChatMessage(StrictModel):
     """One message of a conversation; content is text or a list of text parts, joined with
-    newlines (as vLLM does). `name` goes to the chat template; assistant messages may hold
-    `tool_calls`, and `tool` messages answer one by its `tool_call_id`."""
+    newlines (as vLLM does) but kept for a template that reads parts (the content format).
+    `name` goes to the chat template; assistant messages may hold `tool_calls`, and `tool`
+    messages answer one by its `tool_call_id`."""
 
     _refused: ClassVar = {
         "function_call": ((), "use tool_calls"),
@@ -77,18 +78,22 @@ class ChatMessage(StrictModel):
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
 
-    @model_validator(mode="before")
+    _parts: list[str] | None = PrivateAttr(None)  # the text parts, as the request sent them
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _content(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        if data.get("role") == "function":
-            raise refuse("role", "'function' messages are not supported: they are OpenAI's "
-                                 "older form of 'tool' messages")
-        content = data.get("content")
-        if isinstance(content, list):
-            data = {**data, "content": "\n".join(_part_text(i, p) for i, p in enumerate(content))}
-        return data
+    def _content(cls, data: Any, handler) -> "ChatMessage":
+        parts = None
+        if isinstance(data, dict):
+            if data.get("role") == "function":
+                raise refuse("role", "'function' messages are not supported: they are "
+                                     "OpenAI's older form of 'tool' messages")
+            if isinstance(data.get("content"), list):
+                parts = [_part_text(i, p) for i, p in enumerate(data["content"])]
+                data = {**data, "content": "\n".join(parts)}
+        message = handler(data)
+        message._parts = parts
+        return message
 
     @model_validator(mode="after")
     def _tool_fields(self) -> "ChatMessage":
@@ -101,8 +106,10 @@ class ChatMessage(StrictModel):
 
     def template_dict(self) -> dict:
         """The message as the chat template sees it (developer messages as system ones)."""
+        content = ([{"type": "text", "text": t} for t in self._parts] if self._parts is not None
+                   else self.content or "")  # parts: a template may read them one by one
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                               "content": self.content or ""}
+                               "content": content}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
@@ -135,9 +142,9 @@ def chat_prompt_text(messages: list[ChatMessage], tokenizer, add_generation_prom
     results) as text (tools.py)."""
     if not messages:
         raise APIError("messages must not be empty", param="messages")
-    dicts = [m.template_dict() for m in messages]
-    if all(not m["content"] and not m.get("tool_calls") for m in dicts):
+    if all(not m.content and not m.tool_calls for m in messages):
         raise APIError("the messages hold no text", param="messages")
+    dicts = [m.template_dict() for m in messages]
     extra: dict[str, Any] = dict(template_args or {})
     if chat_template is None:
         template = getattr(tokenizer, "chat_template", None)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from tidal.model.chat_template import shaped_content
 from tidal.server.openai.protocol import StrictModel, refuse
 from tidal.server.openai.structured import closed_objects
 
@@ -90,6 +91,11 @@ def _tools_system_text(tools: list[dict]) -> str:
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+def _text(message: dict) -> str:
+    """A template message's content as text (its text parts joined)."""
+    return shaped_content(message.get("content"), "string") or ""
+
+
 def template_conversation(messages: list[dict], tools: list[dict] | None,
                           native: bool) -> tuple[list[dict], list[dict] | None]:
     """(messages, tools) for the chat template. `native`: the template reads tools and
@@ -109,17 +115,17 @@ def template_conversation(messages: list[dict], tools: list[dict] | None,
     for m in messages:
         if m["role"] == "tool":
             m = {"role": "user",
-                 "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+                 "content": f"<tool_response>\n{_text(m)}\n</tool_response>"}
         elif m.get("tool_calls"):
             calls = "\n".join(call_text(c["function"]["name"], c["function"]["arguments"])
                               for c in m["tool_calls"])
-            text = m["content"]
+            text = _text(m)
             m = {"role": m["role"], "content": f"{text}\n{calls}" if text else calls}
         out.append(m)
     if tools:
         text = _tools_system_text(tools)
         if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
+            out[0] = {**out[0], "content": f"{_text(out[0])}\n\n{text}"}
         else:
             out.insert(0, {"role": "system", "content": text})
     return out, None
