@@ -64,6 +64,10 @@ CASES = {
     "granite": ("granite", dict(GRANITE, attention_bias=True, mlp_bias=True,
                                 tie_word_embeddings=True)),
     "granite-untied": ("granite", dict(GRANITE, tie_word_embeddings=False)),
+    # SmolLM3: its second layer without RoPE, and windowed where use_sliding_window is set
+    "smollm3": ("smollm3", dict(no_rope_layer_interval=2, tie_word_embeddings=False)),
+    "smollm3-window": ("smollm3", dict(no_rope_layers=[0, 1], use_sliding_window=True,
+                                       sliding_window=8, tie_word_embeddings=False)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     # One MoE layer, one dense (mlp_only_layers); renormalised top-k.
     "qwen3-moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
@@ -72,7 +76,8 @@ CASES = {
                                            moe_intermediate_size=32,
                                            shared_expert_intermediate_size=48)),
 }
-WINDOWED = ["mistral-window", "qwen2-layer-windows", "phi3-partial-window", "gemma2", "gemma3"]
+WINDOWED = ["mistral-window", "qwen2-layer-windows", "phi3-partial-window", "gemma2", "gemma3",
+            "smollm3-window"]
 INCREMENTAL = ("llama-dynamic", "phi3-longrope")  # schedules that depend on the length
 
 
@@ -303,6 +308,8 @@ def llama_config(**fields) -> dict:
     ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
                               "checkpoint_format": "marlin"}}, ["checkpoint_format 'marlin'"]),
     ({"layer_types": ["full_attention", "chunked_attention"]}, ["chunked_attention"]),
+    ({"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1]},
+     ["1 no_rope_layers for 2 layers"]),
     ({"model_type": "granite", "architectures": ["GraniteForCausalLM"],
       "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}},
      ["quantized GraniteForCausalLM checkpoints are not supported"]),
@@ -315,6 +322,19 @@ def test_unsupported_configs_name_the_architecture_and_what_is_missing(cfg, expe
     assert message.startswith("tidal cannot run m (")
     for part in expected:
         assert part in message
+
+
+def test_smollm3_defaults_its_layers_without_rope_and_their_windows():
+    """A SmolLM3 config.json without no_rope_layers or layer_types: every fourth layer
+    rotates nothing (transformers' no_rope_layer_interval), and with use_sliding_window
+    those layers alone are windowed."""
+    cfg = dict(SMALL, model_type="smollm3", num_hidden_layers=8)
+    arch = ModelArch.from_dict(cfg)
+    assert arch.rope_layers == (True, True, True, False) * 2 and max(arch.windows) == 0
+    windowed = ModelArch.from_dict(dict(cfg, use_sliding_window=True, sliding_window=8,
+                                        no_rope_layer_interval=2))
+    assert windowed.rope_layers == (True, False) * 4
+    assert windowed.windows == (0, 8) * 4
 
 
 def test_a_config_missing_a_shape_is_refused():

@@ -45,7 +45,10 @@ def folders(tmp_path_factory):
                                     num_experts_per_tok=2),
             # tied: the last stage's head is the embeddings, folded with the first stage's
             "granite": small_folder(tmp, "granite", "granite", seed=3, num_hidden_layers=3,
-                                    tie_word_embeddings=True, **GRANITE)}
+                                    tie_word_embeddings=True, **GRANITE),
+            # the first layer without RoPE: the second stage's one layer rotates
+            "smollm3": small_folder(tmp, "smollm3", "smollm3", seed=4, num_hidden_layers=3,
+                                    no_rope_layers=[0, 1, 1], tie_word_embeddings=False)}
 
 
 def run(model: str, params: SamplingParams, prompts=PROMPTS, **options) -> list:
@@ -66,7 +69,8 @@ def assert_same(one: list, other: list, bound: float) -> None:
 
 @pytest.mark.parametrize("family, layout", [  # (TP, PP, steps in flight: the stages')
     ("llama", (1, 2, 2)), ("llama", (1, 3, 3)), ("llama", (2, 2, 2)), ("llama", (1, 2, 1)),
-    ("gemma2", (1, 2, 2)), ("mixtral", (2, 2, 2)), ("granite", (1, 2, 2))])
+    ("gemma2", (1, 2, 2)), ("mixtral", (2, 2, 2)), ("granite", (1, 2, 2)),
+    ("smollm3", (1, 2, 2))])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_stages_give_one_process_tokens_and_logprobs(folders, family, layout, sampled):
     tp, pp, batches = layout

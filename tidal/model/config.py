@@ -37,6 +37,7 @@ class Family:
     gemma: bool = False  # Gemma's (1 + w) norms, scaled embedding, norms around each block
     window_pattern: int = 0  # Gemma: every Nth layer global when a config lacks layer_types
     multipliers: bool = False  # Granite's scalars on embeddings, residuals, scores, logits
+    nope: bool = False  # SmolLM3: layers without RoPE (no_rope_layers), windowed if any
 
 
 FAMILIES = {
@@ -57,6 +58,8 @@ FAMILIES = {
     "gemma3_text": Family("Gemma3ForCausalLM", None, qk_norm=True, windows="typed",
                           gemma=True, window_pattern=6),
     "granite": Family("GraniteForCausalLM", None, mlp_bias=True, multipliers=True),
+    "smollm3": Family("SmolLM3ForCausalLM", None, mlp_bias=True, windows="layer_types",
+                      nope=True),
 }
 # Config fields of mixture-of-experts models (Mixtral, Qwen2/3-MoE, DeepSeek, GLM-4.5).
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
@@ -131,6 +134,7 @@ def _problems(cfg: dict, model_type: str) -> list[str]:
                    "rotates whole heads and ignores it; tidal refuses rather than guess")
     try:
         _ropes(cfg, model_type, _head_dim(cfg))
+        _rope_layers(cfg, family, cfg.get("num_hidden_layers", 0))
     except RopeConfigError as exc:
         out.append(str(exc))
     return out
@@ -165,9 +169,25 @@ def _ropes(cfg: dict, model_type: str, head_dim: int) -> tuple[RopeSpec, RopeSpe
             RopeSpec.from_config(per_type["sliding_attention"], head_dim, model_type))
 
 
+def _rope_layers(cfg: dict, family: Family, num_layers: int) -> tuple[bool, ...]:
+    """Per layer, whether it rotates q and k (SmolLM3: no_rope_layers' 1s; by default
+    every `no_rope_layer_interval`th layer does not); () where every layer does."""
+    if not family.nope:
+        return ()
+    interval = cfg.get("no_rope_layer_interval", 4)
+    flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0)
+                                          for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise RopeConfigError(f"{len(flags)} no_rope_layers for {num_layers} layers")
+    return tuple(bool(f) for f in flags)
+
+
 def _layer_types(cfg: dict, family: Family, num_layers: int) -> list[str]:
     if cfg.get("layer_types"):
         return cfg["layer_types"]
+    if family.nope:  # SmolLM3's sliding layers are its layers without RoPE
+        return ["full_attention" if rope else "sliding_attention"
+                for rope in _rope_layers(cfg, family, num_layers)]
     if family.window_pattern:
         pattern = (cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
                    or family.window_pattern)
@@ -232,7 +252,7 @@ def _quantization_problems(quantization_config: dict) -> list[str]:
 @dataclass(frozen=True)
 class ModelArch:
     """Shapes and constants of a decoder-only transformer of the Llama family and its
-    relatives (Mistral, Qwen, Phi-3, Gemma 2/3, Granite, Mixtral and Qwen-MoE)."""
+    relatives (Mistral, Qwen, Phi-3, Gemma 2/3, Granite, SmolLM3, Mixtral and Qwen-MoE)."""
 
     model_type: str
     hidden_size: int
@@ -256,6 +276,7 @@ class ModelArch:
     hidden_act: str = "silu"  # the gated MLP's activation (an ACTIVATIONS name)
     moe: MoESpec | None = None  # routed experts in place of the MLP on some layers
     local_rope: RopeSpec | None = None  # sliding layers' RoPE where it differs (Gemma 3)
+    rope_layers: tuple[bool, ...] = ()  # per layer: rotates q and k (SmolLM3); (): all do
     gemma: bool = False  # (1 + w) norms in float32, embedding * sqrt(hidden), sandwich norms
     attn_scale: float = 0.0  # query scale; 0: head_dim ** -0.5
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the mask; 0: none
@@ -328,6 +349,7 @@ class ModelArch:
             hidden_act=_activation(cfg, family),
             moe=_moe(cfg, family, layers),
             local_rope=local_rope,
+            rope_layers=_rope_layers(cfg, family, layers),
             gemma=family.gemma,
             attn_scale=(scalar ** -0.5 if scalar else
                         multiplier("attention_multiplier") if granite else 0.0),
@@ -446,4 +468,5 @@ def stage_arch(arch: ModelArch, layers: range) -> ModelArch:
     """The shapes of a pipeline stage that holds `layers` of the model, numbered from 0."""
     moe = arch.moe and replace(arch.moe, layers=arch.moe.layers[layers.start:layers.stop])
     return replace(arch, num_layers=len(layers), moe=moe,
-                   layer_windows=arch.windows[layers.start:layers.stop])
+                   layer_windows=arch.windows[layers.start:layers.stop],
+                   rope_layers=arch.rope_layers[layers.start:layers.stop])

@@ -74,8 +74,10 @@ def prefill_kernel(ext: ModuleType | None, cache: torch.dtype, dtype: torch.dtyp
 
 def supports(arch) -> bool:
     """Whether the C++ decoder runs this architecture: Llama's layers (biases, windows and
-    partial rotary included), no q/k norms, experts or Gemma's norms and soft-caps."""
-    return not (arch.qk_norm or arch.moe or arch.gemma or arch.hidden_act != "silu")
+    partial rotary included), no q/k norms, experts, Gemma's norms and soft-caps, or layers
+    without RoPE (its layers share one RoPE table)."""
+    return not (arch.qk_norm or arch.moe or arch.gemma or arch.hidden_act != "silu"
+                or not all(arch.rope_layers))
 
 
 class RankDecoder:

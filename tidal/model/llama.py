@@ -1,8 +1,8 @@
 """A Llama-family decoder over flattened variable-length batches: Llama (2, 3.x), Mistral,
-Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3, Granite, Mixtral and Qwen2/3-MoE differ only in shapes
-and flags of `ModelArch` (biases, q/k norms, sliding windows, RoPE schedules, partial rotary,
-Gemma's norms and soft-capping, routed experts; Granite's multipliers are folded into its
-weights at load), so they share these layers.
+Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3, Granite, SmolLM3, Mixtral and Qwen2/3-MoE differ only in
+shapes and flags of `ModelArch` (biases, q/k norms, sliding windows, RoPE schedules, partial
+rotary, layers without RoPE, Gemma's norms and soft-capping, routed experts; Granite's
+multipliers are folded into its weights at load), so they share these layers.
 
 No padding: a step's tokens from every sequence are one [T] row of ids with their positions.
 Q/K/V and gate/up are fused into one matmul each; K/V go to the paged cache through the
@@ -59,14 +59,19 @@ class Rotary(nn.Module):
                 cos, sin = rope_tables(arch.local_rope, arch.context_length)
                 self.register_buffer("local_cos", cos, persistent=False)
                 self.register_buffer("local_sin", sin, persistent=False)
+        self.nope = not all(arch.rope_layers)  # some layers rotate nothing (SmolLM3)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list:
         """Each schedule's cos and signed sin of each token, [T, 1, R], shared by the
-        step's layers: [global] or [global, local]."""
+        step's layers: [global], [global, local], and last the identity (cos 1, sin 0)
+        where some layers rotate nothing."""
         pairs = [(self.cos, self.sin)] + ([(self.local_cos, self.local_sin)] if self.local
                                           else [])
-        return [(cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype))
-                for cos, sin in pairs]
+        out = [(cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype))
+               for cos, sin in pairs]
+        if self.nope:
+            out.append((torch.ones_like(out[0][0]), torch.zeros_like(out[0][1])))
+        return out
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -118,7 +123,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, index: int) -> None:
         super().__init__()
         window = arch.windows[index]
-        self.rope_index = int(arch.local_rope is not None and window > 0)
+        self.rope_index = (int(arch.local_rope is not None and window > 0)
+                           if not arch.rope_layers or arch.rope_layers[index] else -1)
         norm = lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma)  # noqa: E731
         self.input_layernorm = norm()
         self.self_attn = Attention(arch, backend, window)
