@@ -73,11 +73,10 @@ def prefill_kernel(ext: ModuleType | None, cache: torch.dtype, dtype: torch.dtyp
 
 
 def supports(arch) -> bool:
-    """Whether the C++ decoder runs this architecture: Llama's layers (biases, windows and
-    partial rotary included), no q/k norms, experts, Gemma's norms and soft-caps, or layers
-    without RoPE (its layers share one RoPE table)."""
-    return not (arch.qk_norm or arch.moe or arch.gemma or arch.hidden_act != "silu"
-                or not all(arch.rope_layers))
+    """Whether the C++ decoder runs this architecture: Llama's layers (biases, windows,
+    partial rotary and layers without RoPE included), no q/k norms, experts or Gemma's
+    norms and soft-caps."""
+    return not (arch.qk_norm or arch.moe or arch.gemma or arch.hidden_act != "silu")
 
 
 class RankDecoder:
@@ -158,7 +157,8 @@ def build_decoder(model: nn.Module, all_reduce=None):
                           arch.rms_norm_eps)
     for i, layer in enumerate(model.layers):
         decoder.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                          *projections[1 + 4 * i:5 + 4 * i], layer.self_attn.window)
+                          *projections[1 + 4 * i:5 + 4 * i], layer.self_attn.window,
+                          layer.rotates)
     if model.backend.batch_invariant:  # attention as the PyTorch path's (batch_invariant.py)
         decoder.set_batch_invariant(True)
     if split:

@@ -123,8 +123,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, index: int) -> None:
         super().__init__()
         window = arch.windows[index]
-        self.rope_index = (int(arch.local_rope is not None and window > 0)
-                           if not arch.rope_layers or arch.rope_layers[index] else -1)
+        self.rotates = not arch.rope_layers or arch.rope_layers[index]
+        # its tables in Rotary.tables' list: the last is the identity
+        self.rope_index = int(arch.local_rope is not None and window > 0) if self.rotates else -1
         norm = lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma)  # noqa: E731
         self.input_layernorm = norm()
         self.self_attn = Attention(arch, backend, window)

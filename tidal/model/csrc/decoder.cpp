@@ -26,6 +26,7 @@ struct Layer {
   Tensor norm1, norm2;
   Linear qkv, o, gate_up, down;
   int64_t window;  // sliding window (0: full attention)
+  bool rope;  // rotates q and k (SmolLM3's layers without RoPE do not)
   std::vector<Tensor> lora;  // LoRA slots: A, B^T and part bounds of qkv, o, gate_up, down
 };
 
@@ -52,8 +53,8 @@ class Decoder {
   }
 
   void add_layer(Tensor norm1, Tensor norm2, Linear qkv, Linear o, Linear gate_up, Linear down,
-                 int64_t window) {
-    layers_.push_back({norm1, norm2, qkv, o, gate_up, down, window, {}});
+                 int64_t window, bool rope) {
+    layers_.push_back({norm1, norm2, qkv, o, gate_up, down, window, rope, {}});
   }
 
   // One rank of a tensor-parallel group: each layer's o and down projections hold its
@@ -176,8 +177,9 @@ class Decoder {
       Tensor qkv = L.qkv(x).contiguous();
       if (lora) lora_add(x, qkv, L.lora[0], L.lora[1], lora_rows, lora_ends, L.lora[2]);
       T* qp = qkv.data_ptr<T>();
-      rope<T>(qp, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, heads_ + hkv_,
-              d_, cos_.size(1));
+      if (L.rope)
+        rope<T>(qp, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, heads_ + hkv_,
+                d_, cos_.size(1));
       write_kv<T, C>(qp, qkv_width, heads_ * d_, slots.data_ptr<int64_t>(), rows, hkv_, d_,
                      k_caches[l].data_ptr<C>());
       write_kv<T, C>(qp, qkv_width, (heads_ + hkv_) * d_, slots.data_ptr<int64_t>(), rows, hkv_,
@@ -299,7 +301,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return Decoder(embed.value_or(Tensor()), embed_gguf.value_or(GGUFPart{}), final_norm,
                             lm_head, cos, sin, heads, kv_heads, head_dim, intermediate, eps);
            }))
-      .def("add_layer", &Decoder::add_layer)
+      .def("add_layer", &Decoder::add_layer, py::arg("norm1"), py::arg("norm2"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("window"),
+           py::arg("rope") = true)
       .def("set_lora", &Decoder::set_lora)
       .def("set_batch_invariant", &Decoder::set_batch_invariant)
       .def("set_all_reduce", [](Decoder& d, ShmReduce reduce, int64_t vocab_start) {
