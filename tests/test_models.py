@@ -310,6 +310,8 @@ def llama_config(**fields) -> dict:
     ({"layer_types": ["full_attention", "chunked_attention"]}, ["chunked_attention"]),
     ({"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1]},
      ["1 no_rope_layers for 2 layers"]),
+    ({"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"],
+      "no_rope_layer_interval": 0}, ["no_rope_layer_interval must be a positive integer"]),
     ({"model_type": "granite", "architectures": ["GraniteForCausalLM"],
       "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}},
      ["quantized GraniteForCausalLM checkpoints are not supported"]),

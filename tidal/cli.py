@@ -115,6 +115,7 @@ def _start_cores(args: argparse.Namespace, server: ServerConfig, command: str):
     # The cores import the engine and load while this process converts a new GGUF, reads
     # its tokenizer and builds the HTTP app (a GGUF's cores wait for the files if need be).
     own = config.model.tokenizer is None  # a GGUF's own is read once it is converted
+
     def tokenizer_of(folder) -> Tokenizer:  # with the server's template settings
         return Tokenizer(folder, server.chat_template, server.chat_template_defaults(),
                          server.chat_template_content_format)

@@ -175,6 +175,9 @@ def _rope_layers(cfg: dict, family: Family, num_layers: int) -> tuple[bool, ...]
     if not family.nope:
         return ()
     interval = cfg.get("no_rope_layer_interval", 4)
+    if not isinstance(interval, int) or interval < 1:
+        raise RopeConfigError(f"no_rope_layer_interval must be a positive integer, got "
+                              f"{interval!r}")
     flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0)
                                           for i in range(num_layers)]
     if len(flags) != num_layers:
