@@ -324,11 +324,7 @@ class ModelArch:
                     else attention_bias if family.qkv_bias is None else family.qkv_bias)
         gemma2 = model_type == "gemma2"  # transformers' defaults where a config omits them
         scalar = cfg.get("query_pre_attn_scalar", 256) if family.gemma else 0
-        granite = family.multipliers
-
-        def multiplier(key: str) -> float:  # Granite's config defaults them to 1
-            return float(cfg.get(key, 1.0)) if granite else 1.0
-
+        scalars = cfg if family.multipliers else {}  # Granite's; its config defaults them to 1
         return cls(
             model_type=model_type,
             hidden_size=cfg["hidden_size"],
@@ -355,16 +351,16 @@ class ModelArch:
             rope_layers=_rope_layers(cfg, family, layers),
             gemma=family.gemma,
             attn_scale=(scalar ** -0.5 if scalar else
-                        multiplier("attention_multiplier") if granite else 0.0),
+                        float(scalars.get("attention_multiplier", 1.0)) if scalars else 0.0),
             attn_softcap=float(cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None)
                                or 0.0),
             final_softcap=float(cfg.get("final_logit_softcapping", 30.0 if gemma2 else None)
                                 or 0.0),
             quant_method=str((cfg.get("quantization_config") or {}).get("quant_method", ""))
             .lower(),
-            embedding_multiplier=multiplier("embedding_multiplier"),
-            residual_multiplier=multiplier("residual_multiplier"),
-            logits_scaling=multiplier("logits_scaling"),
+            embedding_multiplier=float(scalars.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(scalars.get("residual_multiplier", 1.0)),
+            logits_scaling=float(scalars.get("logits_scaling", 1.0)),
         )
 
     @classmethod
