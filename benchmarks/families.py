@@ -4,6 +4,8 @@ decoder against the PyTorch path in one run, and against Llama's layers of the s
 
     python benchmarks/families.py [--family smollm3 granite] [--batches 1 8]
         [--max-tokens 32] [--dtype bfloat16] [--threads 2] [--runs 3]
+    python benchmarks/families.py --write DIR   # the folders alone, to serve:
+    tidal serve --model DIR/smollm3 --load-format dummy --dtype bfloat16  (and DIR/smollm3-llama)
 
 Shapes: SmolLM3-3B (36 layers, every fourth without RoPE) and Granite 3.x 2B (40 layers,
 its four multipliers). Prints output tokens/s per batch size (the median of --runs runs
@@ -72,7 +74,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3, help="timed runs a cell (median)")
+    ap.add_argument("--write", type=Path, help="write each family's folder and its llama "
+                    "twin here (config.json, a word-level tokenizer) and stop")
     args = ap.parse_args()
+    if args.write:
+        args.write.mkdir(parents=True, exist_ok=True)
+        for name in args.family:
+            folder_of(SHAPES[name], args.write, name)
+            folder_of({**SHAPES[name], "model_type": "llama"}, args.write, name + "-llama")
+        return
     print("| family | batch | C++ decoder tok/s | PyTorch ops tok/s | as llama tok/s |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
